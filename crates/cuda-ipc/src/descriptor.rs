@@ -1,0 +1,646 @@
+//! The descriptor: a versioned, language-neutral JSON record of one export.
+//!
+//! A descriptor says how the memory is shared (the mechanism and its handle
+//! or file descriptor), which bytes of the allocation are meant (offset and
+//! length), what they hold (element type, optional shape and strides), where
+//! they live (device UUID) and who exported them (process id). Scripts in
+//! any language can read and write it; `cuda-ipc export` prints one and
+//! `cuda-ipc open` takes one.
+//!
+//! ```json
+//! {"cuda_ipc":1,"mechanism":"legacy","handle":"<128 hex digits>",
+//!  "alloc_size":2097152,"offset":0,"len":4096,"dtype":"u32","elem_size":4,
+//!  "device_uuid":"GPU-...","pid":4242}
+//! ```
+//!
+//! Decoding is strict: unknown fields, wrong types, negative or fractional
+//! numbers, inconsistent sizes and fields that do not belong to the
+//! mechanism are all errors that name the field.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde_json::{Map, Value};
+
+use crate::device::DeviceUuid;
+use crate::error::{Error, Result};
+use crate::handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
+
+/// The descriptor format this build writes and reads.
+pub const FORMAT_VERSION: u64 = 1;
+
+/// The key that carries the format version.
+pub const VERSION_KEY: &str = "cuda_ipc";
+
+/// How memory is shared between processes.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Mechanism {
+    /// A legacy IPC handle (`cuIpcGetMemHandle`): a 64-byte bearer token.
+    Legacy,
+    /// A VMM allocation (`cuMemCreate`) shared as a POSIX file descriptor.
+    Vmm,
+    /// An allocation from a shareable stream-ordered memory pool: the pool's
+    /// file descriptor and the pointer's 64-byte export data.
+    Pool,
+    /// A VMM allocation shared as a fabric handle (NVLink domain, IMEX).
+    Fabric,
+}
+
+impl Mechanism {
+    /// Every mechanism, in the order `auto` prefers them.
+    pub const ALL: [Mechanism; 4] = [
+        Mechanism::Vmm,
+        Mechanism::Pool,
+        Mechanism::Legacy,
+        Mechanism::Fabric,
+    ];
+
+    /// The name used in descriptors and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mechanism::Legacy => "legacy",
+            Mechanism::Vmm => "vmm",
+            Mechanism::Pool => "pool",
+            Mechanism::Fabric => "fabric",
+        }
+    }
+
+    /// Whether the mechanism shares file descriptors (capabilities, which
+    /// travel only to a process we hand them to) rather than bearer tokens.
+    pub fn uses_fd(self) -> bool {
+        matches!(self, Mechanism::Vmm | Mechanism::Pool)
+    }
+}
+
+impl fmt::Display for Mechanism {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Mechanism {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Mechanism::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                Error::arg(
+                    "mechanism",
+                    format!("{s:?} is not one of legacy, vmm, pool, fabric"),
+                )
+            })
+    }
+}
+
+/// The element type of shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(missing_docs)] // the names say it
+pub enum Dtype {
+    Bool,
+    U8,
+    I8,
+    U16,
+    I16,
+    U32,
+    I32,
+    U64,
+    I64,
+    F16,
+    Bf16,
+    F32,
+    F64,
+}
+
+impl Dtype {
+    /// Every element type.
+    pub const ALL: [Dtype; 13] = [
+        Dtype::Bool,
+        Dtype::U8,
+        Dtype::I8,
+        Dtype::U16,
+        Dtype::I16,
+        Dtype::U32,
+        Dtype::I32,
+        Dtype::U64,
+        Dtype::I64,
+        Dtype::F16,
+        Dtype::Bf16,
+        Dtype::F32,
+        Dtype::F64,
+    ];
+
+    /// The name in descriptors.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bool => "bool",
+            Dtype::U8 => "u8",
+            Dtype::I8 => "i8",
+            Dtype::U16 => "u16",
+            Dtype::I16 => "i16",
+            Dtype::U32 => "u32",
+            Dtype::I32 => "i32",
+            Dtype::U64 => "u64",
+            Dtype::I64 => "i64",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+            Dtype::F32 => "f32",
+            Dtype::F64 => "f64",
+        }
+    }
+
+    /// Size of one element in bytes.
+    pub fn size(self) -> u64 {
+        match self {
+            Dtype::Bool | Dtype::U8 | Dtype::I8 => 1,
+            Dtype::U16 | Dtype::I16 | Dtype::F16 | Dtype::Bf16 => 2,
+            Dtype::U32 | Dtype::I32 | Dtype::F32 => 4,
+            Dtype::U64 | Dtype::I64 | Dtype::F64 => 8,
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Dtype {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Dtype::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Dtype::ALL.iter().map(|d| d.name()).collect();
+                Error::arg("dtype", format!("{s:?} is not one of {}", names.join(", ")))
+            })
+    }
+}
+
+/// How the allocation is named, per mechanism.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A legacy IPC handle.
+    Legacy {
+        /// The allocation's handle.
+        handle: IpcMemHandle,
+    },
+    /// A VMM allocation's file descriptor.
+    Vmm {
+        /// The descriptor's number in the exporting process (for
+        /// `pidfd_getfd`); over the channel the descriptor travels itself.
+        fd: i32,
+    },
+    /// A pool allocation.
+    Pool {
+        /// The pool's file descriptor's number in the exporting process.
+        fd: i32,
+        /// The pointer's export data.
+        ptr: PoolPtrHandle,
+    },
+    /// A fabric handle.
+    Fabric {
+        /// The allocation's fabric handle.
+        handle: FabricHandle,
+    },
+}
+
+impl Source {
+    /// The mechanism.
+    pub fn mechanism(&self) -> Mechanism {
+        match self {
+            Source::Legacy { .. } => Mechanism::Legacy,
+            Source::Vmm { .. } => Mechanism::Vmm,
+            Source::Pool { .. } => Mechanism::Pool,
+            Source::Fabric { .. } => Mechanism::Fabric,
+        }
+    }
+}
+
+/// One export, as another process (in any language) needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Descriptor {
+    /// How the allocation is shared.
+    pub source: Source,
+    /// Size of the whole allocation, in bytes.
+    pub alloc_size: u64,
+    /// Where the exported bytes start in the allocation.
+    pub offset: u64,
+    /// How many bytes are exported.
+    pub len: u64,
+    /// What the bytes hold.
+    pub dtype: Dtype,
+    /// Dimensions in elements, if the exporter gave them.
+    pub shape: Option<Vec<u64>>,
+    /// Strides in elements, one per dimension (only with `shape`); absent
+    /// means contiguous row-major.
+    pub strides: Option<Vec<u64>>,
+    /// The device, by UUID (ordinals differ between processes).
+    pub device_uuid: DeviceUuid,
+    /// The exporting process.
+    pub pid: u32,
+    /// An interprocess event recorded after the exporter's writes, if any.
+    pub event: Option<IpcEventHandle>,
+    /// A number that changes whenever the exporter reuses an address for a
+    /// new allocation, for caches of mappings.
+    pub generation: Option<u64>,
+}
+
+const FIELDS: &[&str] = &[
+    VERSION_KEY,
+    "mechanism",
+    "handle",
+    "fd",
+    "alloc_size",
+    "offset",
+    "len",
+    "dtype",
+    "elem_size",
+    "shape",
+    "strides",
+    "device_uuid",
+    "pid",
+    "event",
+    "generation",
+];
+
+fn field_err(field: &str, reason: impl Into<String>) -> Error {
+    Error::Descriptor {
+        field: field.to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl<'a> Fields<'a> {
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    fn required(&self, key: &str) -> Result<&'a Value> {
+        self.get(key).ok_or_else(|| field_err(key, "missing"))
+    }
+
+    fn u64_value(key: &str, v: &Value) -> Result<u64> {
+        v.as_u64().ok_or_else(|| match v {
+            Value::Number(n) if n.is_f64() => field_err(key, format!("{n} is not a whole number")),
+            Value::Number(n) => field_err(key, format!("{n} is negative")),
+            other => field_err(
+                key,
+                format!(
+                    "expected a non-negative whole number, found {}",
+                    kind_of(other)
+                ),
+            ),
+        })
+    }
+
+    fn u64(&self, key: &str) -> Result<u64> {
+        Self::u64_value(key, self.required(key)?)
+    }
+
+    fn str(&self, key: &str) -> Result<&'a str> {
+        let v = self.required(key)?;
+        v.as_str()
+            .ok_or_else(|| field_err(key, format!("expected a string, found {}", kind_of(v))))
+    }
+
+    fn parsed<T: FromStr<Err = Error>>(&self, key: &str) -> Result<T> {
+        self.str(key)?
+            .parse()
+            .map_err(|e: Error| field_err(key, e.to_string()))
+    }
+
+    fn u64_list(&self, key: &str) -> Result<Option<Vec<u64>>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let items = v.as_array().ok_or_else(|| {
+            field_err(
+                key,
+                format!("expected an array of whole numbers, found {}", kind_of(v)),
+            )
+        })?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| Self::u64_value(&format!("{key}[{i}]"), item))
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    fn fd(&self) -> Result<i32> {
+        let n = self.u64("fd")?;
+        i32::try_from(n)
+            .map_err(|_| field_err("fd", format!("{n} is not a file descriptor number")))
+    }
+
+    fn forbid(&self, key: &str, mechanism: Mechanism) -> Result<()> {
+        if self.get(key).is_some() {
+            return Err(field_err(
+                key,
+                format!("does not belong to a {mechanism} descriptor"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Descriptor {
+    /// Parses and validates a descriptor from JSON text.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| field_err("(document)", format!("not valid JSON: {e}")))?;
+        Self::from_value(&value)
+    }
+
+    /// Validates a descriptor already parsed as JSON.
+    pub fn from_value(value: &Value) -> Result<Self> {
+        let map = value.as_object().ok_or_else(|| {
+            field_err(
+                "(document)",
+                format!("expected a JSON object, found {}", kind_of(value)),
+            )
+        })?;
+        if let Some(unknown) = map.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+            return Err(field_err(
+                unknown,
+                format!("unknown field (this reader knows format {FORMAT_VERSION})"),
+            ));
+        }
+        let f = Fields(map);
+        let version = f.u64(VERSION_KEY)?;
+        if version != FORMAT_VERSION {
+            return Err(field_err(
+                VERSION_KEY,
+                format!(
+                    "format {version} is not supported; this build reads format {FORMAT_VERSION}"
+                ),
+            ));
+        }
+        let mechanism: Mechanism = f.parsed("mechanism")?;
+        let source = match mechanism {
+            Mechanism::Legacy => {
+                f.forbid("fd", mechanism)?;
+                Source::Legacy {
+                    handle: f.parsed("handle")?,
+                }
+            }
+            Mechanism::Fabric => {
+                f.forbid("fd", mechanism)?;
+                Source::Fabric {
+                    handle: f.parsed("handle")?,
+                }
+            }
+            Mechanism::Vmm => {
+                f.forbid("handle", mechanism)?;
+                Source::Vmm { fd: f.fd()? }
+            }
+            Mechanism::Pool => Source::Pool {
+                fd: f.fd()?,
+                ptr: f.parsed("handle")?,
+            },
+        };
+        let dtype: Dtype = f.parsed("dtype")?;
+        if let Some(v) = f.get("elem_size") {
+            let n = Fields::u64_value("elem_size", v)?;
+            if n != dtype.size() {
+                return Err(field_err(
+                    "elem_size",
+                    format!("{n} does not match dtype {dtype} ({} bytes)", dtype.size()),
+                ));
+            }
+        }
+        let pid = f.u64("pid")?;
+        let pid = u32::try_from(pid)
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| field_err("pid", format!("{pid} is not a process id")))?;
+        let event = match f.get("event") {
+            Some(_) => Some(f.parsed("event")?),
+            None => None,
+        };
+        let generation = match f.get("generation") {
+            Some(v) => Some(Fields::u64_value("generation", v)?),
+            None => None,
+        };
+        let d = Descriptor {
+            source,
+            alloc_size: f.u64("alloc_size")?,
+            offset: f.u64("offset")?,
+            len: f.u64("len")?,
+            dtype,
+            shape: f.u64_list("shape")?,
+            strides: f.u64_list("strides")?,
+            device_uuid: f.parsed("device_uuid")?,
+            pid,
+            event,
+            generation,
+        };
+        d.validate()?;
+        Ok(d)
+    }
+
+    /// Checks that sizes, offsets, shape and strides agree; the decoder
+    /// calls it, and so should code that builds a descriptor by hand.
+    pub fn validate(&self) -> Result<()> {
+        let elem = self.dtype.size();
+        if self.alloc_size == 0 {
+            return Err(field_err("alloc_size", "must be greater than zero"));
+        }
+        if self.len == 0 {
+            return Err(field_err("len", "must be greater than zero"));
+        }
+        if self.len % elem != 0 {
+            return Err(field_err(
+                "len",
+                format!(
+                    "{} is not a whole number of {elem}-byte {} elements",
+                    self.len, self.dtype
+                ),
+            ));
+        }
+        if self.offset % elem != 0 {
+            return Err(field_err(
+                "offset",
+                format!(
+                    "{} is not aligned to the {elem}-byte {} elements",
+                    self.offset, self.dtype
+                ),
+            ));
+        }
+        if self
+            .offset
+            .checked_add(self.len)
+            .is_none_or(|end| end > self.alloc_size)
+        {
+            return Err(field_err(
+                "len",
+                format!(
+                    "offset {} + len {} passes the end of the {}-byte allocation",
+                    self.offset, self.len, self.alloc_size
+                ),
+            ));
+        }
+        if let Source::Vmm { fd } | Source::Pool { fd, .. } = self.source {
+            if fd < 0 {
+                return Err(field_err(
+                    "fd",
+                    format!("{fd} is not a file descriptor number"),
+                ));
+            }
+        }
+        match (&self.shape, &self.strides) {
+            (None, Some(_)) => return Err(field_err("strides", "given without shape")),
+            (Some(shape), strides) => self.validate_shape(shape, strides.as_deref())?,
+            (None, None) => {}
+        }
+        Ok(())
+    }
+
+    fn validate_shape(&self, shape: &[u64], strides: Option<&[u64]>) -> Result<()> {
+        let elem = self.dtype.size();
+        let count = self.len / elem;
+        match strides {
+            None => {
+                let product = shape
+                    .iter()
+                    .try_fold(1u64, |acc, d| acc.checked_mul(*d))
+                    .ok_or_else(|| field_err("shape", "the product of the dimensions overflows"))?;
+                if product != count {
+                    return Err(field_err(
+                        "shape",
+                        format!("{shape:?} holds {product} elements but len holds {count}"),
+                    ));
+                }
+            }
+            Some(strides) => {
+                if strides.len() != shape.len() {
+                    return Err(field_err(
+                        "strides",
+                        format!("{} strides for {} dimensions", strides.len(), shape.len()),
+                    ));
+                }
+                // The last element reached must lie inside the exported bytes.
+                if !shape.contains(&0) {
+                    let last = shape
+                        .iter()
+                        .zip(strides)
+                        .try_fold(0u64, |acc, (d, s)| {
+                            (d - 1).checked_mul(*s).and_then(|x| acc.checked_add(x))
+                        })
+                        .ok_or_else(|| field_err("strides", "the extent overflows"))?;
+                    if last >= count {
+                        return Err(field_err(
+                            "strides",
+                            format!(
+                                "shape {shape:?} with strides {strides:?} reaches element {last}, past the {count} exported"
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The mechanism.
+    pub fn mechanism(&self) -> Mechanism {
+        self.source.mechanism()
+    }
+
+    /// Number of elements in the exported bytes.
+    pub fn elements(&self) -> u64 {
+        self.len / self.dtype.size()
+    }
+
+    /// The descriptor as a JSON value (keys sorted).
+    pub fn to_value(&self) -> Value {
+        let mut m = Map::new();
+        m.insert(VERSION_KEY.into(), FORMAT_VERSION.into());
+        m.insert("mechanism".into(), self.mechanism().name().into());
+        match self.source {
+            Source::Legacy { handle } => {
+                m.insert("handle".into(), handle.to_hex().into());
+            }
+            Source::Fabric { handle } => {
+                m.insert("handle".into(), handle.to_hex().into());
+            }
+            Source::Vmm { fd } => {
+                m.insert("fd".into(), fd.into());
+            }
+            Source::Pool { fd, ptr } => {
+                m.insert("fd".into(), fd.into());
+                m.insert("handle".into(), ptr.to_hex().into());
+            }
+        }
+        m.insert("alloc_size".into(), self.alloc_size.into());
+        m.insert("offset".into(), self.offset.into());
+        m.insert("len".into(), self.len.into());
+        m.insert("dtype".into(), self.dtype.name().into());
+        m.insert("elem_size".into(), self.dtype.size().into());
+        if let Some(shape) = &self.shape {
+            m.insert("shape".into(), shape.clone().into());
+        }
+        if let Some(strides) = &self.strides {
+            m.insert("strides".into(), strides.clone().into());
+        }
+        m.insert("device_uuid".into(), self.device_uuid.to_string().into());
+        m.insert("pid".into(), self.pid.into());
+        if let Some(e) = self.event {
+            m.insert("event".into(), e.to_hex().into());
+        }
+        if let Some(g) = self.generation {
+            m.insert("generation".into(), g.into());
+        }
+        Value::Object(m)
+    }
+
+    /// The descriptor as one line of JSON.
+    pub fn to_json(&self) -> String {
+        self.to_value().to_string()
+    }
+}
+
+impl FromStr for Descriptor {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Descriptor::from_json(s)
+    }
+}
+
+impl fmt::Display for Descriptor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_json())
+    }
+}
+
+impl serde::Serialize for Descriptor {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.to_value().serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Descriptor {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let v = Value::deserialize(d)?;
+        Descriptor::from_value(&v).map_err(serde::de::Error::custom)
+    }
+}

@@ -1,0 +1,375 @@
+//! Devices, their identities and what each can share.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaStream, sys};
+
+use crate::error::{DriverVersion, Error, Result, from_cudarc};
+use crate::result::device::{self as dev, Attr};
+
+/// A CUDA device made ready for sharing: the driver loaded, the device's
+/// primary context retained, and a non-blocking stream for our work.
+///
+/// Cheap to clone (a reference count). The context is cudarc's, so a
+/// `Device` works with everything cudarc offers: [`Device::context`] and
+/// [`Device::stream`] are the cudarc objects.
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    uuid: DeviceUuid,
+    kernels: Mutex<Option<Arc<crate::kernels::Kernels>>>,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device")
+            .field("ordinal", &self.ordinal())
+            .field("uuid", &self.inner.uuid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Device {
+    /// Opens device `ordinal`: loads and initialises the driver, retains the
+    /// device's primary context (shared with the CUDA runtime, PyTorch and
+    /// CuPy in this process) and creates a non-blocking stream.
+    #[doc(alias = "cuDevicePrimaryCtxRetain")]
+    pub fn open(ordinal: usize) -> Result<Self> {
+        crate::driver::init()?;
+        let count = dev::count()?;
+        if ordinal >= count {
+            return Err(Error::NoDevice { ordinal, count });
+        }
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| from_cudarc("cuDevicePrimaryCtxRetain", &e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| from_cudarc("cuStreamCreate", &e))?;
+        let uuid = DeviceUuid(dev::uuid(ctx.cu_device())?);
+        Ok(Device {
+            inner: Arc::new(Inner {
+                ctx,
+                stream,
+                uuid,
+                kernels: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// The cudarc context (the device's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.inner.ctx
+    }
+
+    /// This device's stream for our copies, fills and event records.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    /// The device ordinal in this process (after CUDA_VISIBLE_DEVICES).
+    pub fn ordinal(&self) -> usize {
+        self.inner.ctx.ordinal()
+    }
+
+    /// The device's UUID: the same in every process, whatever the ordinals.
+    pub fn uuid(&self) -> DeviceUuid {
+        self.inner.uuid
+    }
+
+    /// The driver's device handle.
+    pub(crate) fn cu_device(&self) -> sys::CUdevice {
+        self.inner.ctx.cu_device()
+    }
+
+    /// Makes this device's context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| from_cudarc("cuCtxSetCurrent", &e))
+    }
+
+    /// Waits until all work on this device's stream is done.
+    #[doc(alias = "cuStreamSynchronize")]
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.inner
+            .stream
+            .synchronize()
+            .map_err(|e| from_cudarc("cuStreamSynchronize", &e))
+    }
+
+    /// Free and total device memory, in bytes.
+    #[doc(alias = "cuMemGetInfo")]
+    pub fn memory_info(&self) -> Result<(u64, u64)> {
+        self.bind()?;
+        crate::result::mem::info()
+    }
+
+    /// What this device can share.
+    pub fn capabilities(&self) -> Result<Capabilities> {
+        Capabilities::query(self.ordinal())
+    }
+
+    /// The PTX helper kernels, loaded on first use.
+    pub(crate) fn kernels(&self) -> Result<Arc<crate::kernels::Kernels>> {
+        let mut slot = self
+            .inner
+            .kernels
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(k) = slot.as_ref() {
+            return Ok(k.clone());
+        }
+        self.bind()?;
+        let k = Arc::new(crate::kernels::Kernels::load(self)?);
+        *slot = Some(k.clone());
+        Ok(k)
+    }
+}
+
+/// A device UUID, printed as `nvidia-smi` does (`GPU-xxxxxxxx-xxxx-...`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DeviceUuid(pub [u8; 16]);
+
+impl fmt::Display for DeviceUuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = &self.0;
+        write!(f, "GPU-")?;
+        for (i, byte) in b.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                write!(f, "-")?;
+            }
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for DeviceUuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl FromStr for DeviceUuid {
+    type Err = Error;
+    /// Parses `GPU-` followed by 32 hex digits in the 8-4-4-4-12 grouping.
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |reason: &str| Error::InvalidArgument {
+            what: "device UUID",
+            reason: format!("{s:?}: {reason}; expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"),
+        };
+        let rest = s
+            .strip_prefix("GPU-")
+            .ok_or_else(|| bad("missing the GPU- prefix"))?;
+        let groups: Vec<&str> = rest.split('-').collect();
+        if groups.iter().map(|g| g.len()).collect::<Vec<_>>() != [8, 4, 4, 4, 12] {
+            return Err(bad("wrong grouping"));
+        }
+        let mut out = [0u8; 16];
+        hex::decode_to_slice(groups.concat(), &mut out).map_err(|_| bad("not hex"))?;
+        Ok(DeviceUuid(out))
+    }
+}
+
+impl serde::Serialize for DeviceUuid {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for DeviceUuid {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str> as serde::Deserialize>::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A device's compute mode, which decides whether other processes may use it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ComputeMode {
+    /// Any number of processes may use the device.
+    Default,
+    /// No process may create a context: nothing can run.
+    Prohibited,
+    /// One process at a time: a consumer cannot open the producer's memory.
+    ExclusiveProcess,
+    /// A value this crate does not know.
+    Other(i32),
+}
+
+impl ComputeMode {
+    fn from_raw(v: i32) -> Self {
+        match v {
+            0 => ComputeMode::Default,
+            2 => ComputeMode::Prohibited,
+            3 => ComputeMode::ExclusiveProcess,
+            v => ComputeMode::Other(v),
+        }
+    }
+}
+
+/// What one device offers for sharing memory, read from its attributes.
+///
+/// These are the driver's claims; `cuda-ipc info --probe` also tries each
+/// mechanism, since an attribute can say yes where the system says no
+/// (fabric handles without an IMEX channel, for instance).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Capabilities {
+    /// Ordinal in this process.
+    pub ordinal: usize,
+    /// Marketing name, for example "NVIDIA H200".
+    pub name: String,
+    /// UUID, the same in every process.
+    pub uuid: DeviceUuid,
+    /// PCI bus id, for example "0000:19:00.0".
+    pub pci_bus_id: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Compute mode.
+    pub compute_mode: ComputeMode,
+    /// Total memory in bytes.
+    pub total_memory: u64,
+    /// Unified virtual addressing (needed by legacy IPC).
+    pub unified_addressing: bool,
+    /// Interprocess events.
+    pub ipc_events: bool,
+    /// Legacy IPC handles (`cuIpcGetMemHandle`): unified addressing and IPC events,
+    /// on a platform with CUDA IPC (not Windows or WSL).
+    pub legacy_ipc: bool,
+    /// VMM allocations (`cuMemCreate`).
+    pub vmm: bool,
+    /// VMM allocations exportable as POSIX file descriptors.
+    pub posix_fd: bool,
+    /// VMM allocations exportable as fabric handles.
+    pub fabric: bool,
+    /// Stream-ordered memory pools.
+    pub memory_pools: bool,
+    /// Handle types memory pools can be shared with (bit 1: POSIX fd, bit 8: fabric).
+    pub mempool_handle_types: i32,
+}
+
+impl Capabilities {
+    /// Reads device `ordinal`'s attributes (no context is created).
+    pub fn query(ordinal: usize) -> Result<Self> {
+        crate::driver::init()?;
+        let count = dev::count()?;
+        if ordinal >= count {
+            return Err(Error::NoDevice { ordinal, count });
+        }
+        let d = dev::get(ordinal)?;
+        let attr = |a: Attr| dev::attribute(d, a);
+        let flag = |a: Attr| attr(a).map(|v| v != 0);
+        let unified_addressing = flag(Attr::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)?;
+        let ipc_events = flag(Attr::CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED)?;
+        Ok(Capabilities {
+            ordinal,
+            name: dev::name(d)?,
+            uuid: DeviceUuid(dev::uuid(d)?),
+            pci_bus_id: dev::pci_bus_id(d)?,
+            compute_capability: (
+                attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+            compute_mode: ComputeMode::from_raw(attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE)?),
+            total_memory: dev::total_mem(d)?,
+            unified_addressing,
+            ipc_events,
+            legacy_ipc: unified_addressing && ipc_events && cfg!(target_os = "linux"),
+            vmm: flag(Attr::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED)?,
+            posix_fd: flag(Attr::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)?,
+            fabric: flag(Attr::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)?,
+            memory_pools: flag(Attr::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)?,
+            mempool_handle_types: attr(Attr::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES)?,
+        })
+    }
+}
+
+/// The driver and every device it sees.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SystemInfo {
+    /// The driver's CUDA version, for example "13.0".
+    #[serde(serialize_with = "serialize_version")]
+    pub driver_version: DriverVersion,
+    /// One entry per device.
+    pub devices: Vec<Capabilities>,
+}
+
+fn serialize_version<S: serde::Serializer>(
+    v: &DriverVersion,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+impl SystemInfo {
+    /// Loads the driver and reads every device's capabilities.
+    pub fn query() -> Result<Self> {
+        let driver_version = crate::driver::init()?;
+        let count = dev::count()?;
+        let devices = (0..count).map(Capabilities::query).collect::<Result<_>>()?;
+        Ok(SystemInfo {
+            driver_version,
+            devices,
+        })
+    }
+}
+
+/// How two devices reach each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct PeerLink {
+    /// Whether `from` can map `to`'s memory.
+    pub access_supported: bool,
+    /// Whether atomics work natively over the link.
+    pub native_atomics: bool,
+    /// The driver's relative performance rank of the link (lower is faster).
+    pub performance_rank: i32,
+}
+
+/// Peer attributes between two device ordinals.
+#[doc(alias = "cuDeviceGetP2PAttribute")]
+pub fn peer_link(from: usize, to: usize) -> Result<PeerLink> {
+    crate::driver::init()?;
+    let (a, b) = (dev::get(from)?, dev::get(to)?);
+    let attr = |x| dev::p2p_attribute(x, a, b);
+    Ok(PeerLink {
+        access_supported: dev::can_access_peer(a, b)?,
+        native_atomics: attr(
+            sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+        )? != 0,
+        performance_rank: attr(
+            sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK,
+        )?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuid_round_trip() {
+        let u = DeviceUuid([
+            0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc, 0xde, 0xf0, 1, 2, 3, 4, 5, 6, 7, 8,
+        ]);
+        let s = u.to_string();
+        assert_eq!(s, "GPU-12345678-9abc-def0-0102-030405060708");
+        assert_eq!(s.parse::<DeviceUuid>().unwrap(), u);
+        for bad in [
+            "12345678-9abc-def0-0102-030405060708",
+            "GPU-1234",
+            "GPU-12345678-9abc-def0-0102-03040506070g",
+        ] {
+            assert!(bad.parse::<DeviceUuid>().is_err(), "{bad}");
+        }
+    }
+}

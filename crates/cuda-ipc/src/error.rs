@@ -1,0 +1,365 @@
+//! The one error type of the crate.
+//!
+//! Every fallible function returns [`Error`]. A failed driver call names the
+//! C function and keeps the raw `CUresult` code; user-facing messages say what
+//! to do next. [`Error::kind`] sorts errors into the few classes a caller (or
+//! the command-line tool's exit code) acts on.
+
+use std::fmt;
+
+/// A `Result` whose error is this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A CUDA driver version as `cuDriverGetVersion` reports it (`1000 * major + 10 * minor`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DriverVersion(pub i32);
+
+impl DriverVersion {
+    /// The major version (13 for CUDA 13.0).
+    pub fn major(self) -> i32 {
+        self.0 / 1000
+    }
+    /// The minor version (0 for CUDA 13.0).
+    pub fn minor(self) -> i32 {
+        (self.0 % 1000) / 10
+    }
+}
+
+impl fmt::Display for DriverVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major(), self.minor())
+    }
+}
+
+/// What went wrong, in the classes a caller acts on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// No usable driver or device, or the device or platform lacks a feature.
+    Unavailable,
+    /// The caller's input was malformed or inconsistent (a handle, a
+    /// descriptor, a size, a range, a frame).
+    InvalidInput,
+    /// The other process is gone, or refused us.
+    Peer,
+    /// A wait ran out of time.
+    Timeout,
+    /// A driver call or a system call failed at run time.
+    Failed,
+}
+
+/// The error type of every fallible function in this crate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// `libcuda.so.1` could not be loaded.
+    #[error(
+        "the CUDA driver library (libcuda.so.1) could not be loaded: {reason}. \
+         Install the NVIDIA driver and check that `nvidia-smi` works; if it does, \
+         make libcuda.so.1 findable (`ldconfig -p | grep libcuda`, or LD_LIBRARY_PATH)"
+    )]
+    DriverNotFound {
+        /// Why loading failed.
+        reason: String,
+    },
+
+    /// The driver is older than the CUDA version this crate was built for.
+    #[error(
+        "the NVIDIA driver supports CUDA {found}, older than CUDA {required} which cuda-ipc \
+         needs; update the driver (R580 or newer)"
+    )]
+    DriverTooOld {
+        /// The version the driver reports.
+        found: DriverVersion,
+        /// The oldest version we accept.
+        required: DriverVersion,
+    },
+
+    /// The driver loaded but shows no device, or not the one asked for.
+    #[error(
+        "CUDA device {ordinal} is not available: the driver sees {count} device(s). \
+         Check `nvidia-smi`, CUDA_VISIBLE_DEVICES, and (in a container) that the GPU is passed in"
+    )]
+    NoDevice {
+        /// The ordinal that was asked for.
+        ordinal: usize,
+        /// How many devices the driver reports.
+        count: usize,
+    },
+
+    /// A driver call returned an error.
+    #[error("{call} failed with {name} ({code}){}", hint_suffix(.hint))]
+    Driver {
+        /// The C function that failed, for example `cuIpcOpenMemHandle`.
+        call: &'static str,
+        /// The raw `CUresult`.
+        code: i32,
+        /// The `CUresult` name, for example `CUDA_ERROR_INVALID_CONTEXT`.
+        name: String,
+        /// What this failure usually means and what to do, where known.
+        hint: Option<&'static str>,
+    },
+
+    /// The device, driver or platform does not offer what was asked for.
+    #[error("{what} is not available here: {why}")]
+    Unsupported {
+        /// The feature, for example "fabric handles".
+        what: &'static str,
+        /// Why, and what would make it work.
+        why: String,
+    },
+
+    /// Memory from a stream-ordered allocator cannot be shared with a legacy IPC handle.
+    #[error(
+        "the memory at {ptr:#x} was allocated stream-ordered (cuMemAllocAsync, the default \
+         allocator of cudarc's `CudaStream::alloc`), and legacy IPC handles cannot share it. \
+         Allocate it with `IpcBuffer::alloc` or cudarc's `result::malloc_sync`, or from a \
+         shareable memory pool (`pool::SharedPool`)"
+    )]
+    StreamOrdered {
+        /// The pointer that was to be exported.
+        ptr: u64,
+    },
+
+    /// A legacy handle was opened by the process that exported it.
+    #[error(
+        "this IPC handle was exported by this same process, and CUDA cannot open a process's \
+         own IPC handles (cuIpcOpenMemHandle fails with CUDA_ERROR_INVALID_CONTEXT). \
+         Use the exported buffer directly, or open the handle in another process"
+    )]
+    SameProcess,
+
+    /// Bytes or text that should have been a handle were not one.
+    #[error("invalid {what}: {reason}")]
+    InvalidHandle {
+        /// Which kind of handle, for example "IPC memory handle".
+        what: &'static str,
+        /// What was wrong with it.
+        reason: String,
+    },
+
+    /// A descriptor field was missing or malformed.
+    #[error("descriptor field `{field}`: {reason}")]
+    Descriptor {
+        /// The field, as named in the JSON.
+        field: String,
+        /// What was wrong with it.
+        reason: String,
+    },
+
+    /// An argument was out of its domain.
+    #[error("invalid {what}: {reason}")]
+    InvalidArgument {
+        /// The argument, for example "size".
+        what: &'static str,
+        /// What was wrong with it and what is accepted.
+        reason: String,
+    },
+
+    /// A range did not fit inside the memory it was to view.
+    #[error(
+        "range of {len} bytes at offset {offset} does not fit in {size} bytes of shared memory"
+    )]
+    OutOfBounds {
+        /// The offset asked for.
+        offset: u64,
+        /// The length asked for.
+        len: u64,
+        /// The size of the memory.
+        size: u64,
+    },
+
+    /// A PyTorch sharing record was malformed or of an unsupported kind.
+    #[error("PyTorch share record: {0}")]
+    Torch(String),
+
+    /// The exchange channel failed.
+    #[error(transparent)]
+    Channel(#[from] crate::channel::ChannelError),
+
+    /// A system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What we were doing.
+        context: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn hint_suffix(hint: &Option<&'static str>) -> String {
+    match hint {
+        Some(h) => format!(": {h}"),
+        None => String::new(),
+    }
+}
+
+impl Error {
+    /// The class of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::DriverNotFound { .. }
+            | Error::DriverTooOld { .. }
+            | Error::NoDevice { .. }
+            | Error::Unsupported { .. } => ErrorKind::Unavailable,
+            Error::StreamOrdered { .. }
+            | Error::SameProcess
+            | Error::InvalidHandle { .. }
+            | Error::Descriptor { .. }
+            | Error::InvalidArgument { .. }
+            | Error::OutOfBounds { .. }
+            | Error::Torch(_) => ErrorKind::InvalidInput,
+            Error::Driver { code, .. } => driver_kind(*code),
+            Error::Channel(e) => e.kind(),
+            Error::Io { .. } => ErrorKind::Failed,
+        }
+    }
+
+    /// The raw `CUresult` if this is a driver error.
+    pub fn driver_code(&self) -> Option<i32> {
+        match self {
+            Error::Driver { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// An I/O error with a sentence of context.
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// An invalid argument.
+    pub(crate) fn arg(what: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            what,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Codes that mean "this machine cannot do it", as opposed to a failure.
+fn driver_kind(code: i32) -> ErrorKind {
+    match code {
+        // NO_DEVICE, INVALID_DEVICE, DEVICE_UNAVAILABLE, NOT_PERMITTED,
+        // NOT_SUPPORTED, PEER_ACCESS_UNSUPPORTED, SYSTEM_NOT_READY, INSUFFICIENT_DRIVER
+        100 | 101 | 46 | 800 | 801 | 217 | 802 | 35 => ErrorKind::Unavailable,
+        // INVALID_VALUE, INVALID_HANDLE, INVALID_CONTEXT (opening one's own handle),
+        // ALREADY_MAPPED, PEER_ACCESS_NOT_ENABLED on a handle from another device.
+        1 | 400 | 201 | 208 => ErrorKind::InvalidInput,
+        _ => ErrorKind::Failed,
+    }
+}
+
+/// What a driver error usually means for the call that returned it.
+pub(crate) fn driver_hint(call: &'static str, code: i32) -> Option<&'static str> {
+    Some(match (call, code) {
+        ("cuIpcOpenMemHandle", 201) => {
+            "a process cannot open an IPC handle it exported itself; open it in another process"
+        }
+        ("cuIpcOpenMemHandle", 1 | 400) => {
+            "the handle does not name live memory: it is malformed, or the exporter freed the \
+             memory or exited"
+        }
+        ("cuIpcOpenMemHandle", 217 | 704) => {
+            "the memory lives on another GPU without peer access to this one; open it with \
+             OpenFlags::LAZY_ENABLE_PEER_ACCESS on a device with peer access"
+        }
+        ("cuIpcOpenEventHandle", 1 | 400) => {
+            "the event handle is malformed, or its exporter destroyed the event or exited"
+        }
+        ("cuIpcGetMemHandle", 1) => {
+            "the pointer is not from cuMemAlloc: stream-ordered (cuMemAllocAsync) and VMM \
+             memory need the pool or VMM mechanism instead"
+        }
+        ("cuIpcGetEventHandle", 1) => {
+            "the event was not created with CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING"
+        }
+        (_, 2) => "the device is out of memory; free memory or ask for less",
+        (_, 3 | 4) => "the driver is not initialised or is shutting down",
+        (_, 46) => {
+            "the device is in exclusive-process or prohibited compute mode, or busy; check \
+             `nvidia-smi -q -d COMPUTE`"
+        }
+        (_, 100) => "no CUDA device is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES",
+        (_, 800) => {
+            "the operation is not permitted here; fabric handles need an IMEX channel \
+             (/dev/nvidia-caps-imex-channels) and a running IMEX service"
+        }
+        (_, 801) => {
+            "not supported on this device or platform (CUDA IPC is not available on Windows \
+             or WSL, or on devices without unified addressing)"
+        }
+        (_, 999) => "the driver reported an unknown error; check dmesg and nvidia-smi",
+        _ => return None,
+    })
+}
+
+/// Converts a cudarc driver error into ours, naming the call.
+pub(crate) fn from_cudarc(call: &'static str, err: &cudarc::driver::DriverError) -> Error {
+    driver_error(call, err.0)
+}
+
+/// Builds an [`Error::Driver`] from a raw result.
+pub(crate) fn driver_error(call: &'static str, result: cudarc::driver::sys::CUresult) -> Error {
+    let code = result as i32;
+    Error::Driver {
+        call,
+        code,
+        // The bindings' Debug output is the C enumerator's name; no driver call,
+        // so this works when the driver is in a bad state.
+        name: format!("{result:?}"),
+        hint: driver_hint(call, code),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUresult;
+
+    #[test]
+    fn driver_error_names_call_code_and_hint() {
+        let e = driver_error("cuIpcOpenMemHandle", CUresult::CUDA_ERROR_INVALID_CONTEXT);
+        let text = e.to_string();
+        assert!(
+            text.starts_with("cuIpcOpenMemHandle failed with CUDA_ERROR_INVALID_CONTEXT (201)")
+        );
+        assert!(text.contains("exported itself"), "{text}");
+        assert_eq!(e.driver_code(), Some(201));
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn unknown_pairs_have_no_hint() {
+        let e = driver_error("cuMemcpyDtoH", CUresult::CUDA_ERROR_LAUNCH_FAILED);
+        assert_eq!(
+            e.to_string(),
+            "cuMemcpyDtoH failed with CUDA_ERROR_LAUNCH_FAILED (719)"
+        );
+        assert_eq!(e.kind(), ErrorKind::Failed);
+    }
+
+    #[test]
+    fn unavailable_codes() {
+        for r in [
+            CUresult::CUDA_ERROR_NOT_SUPPORTED,
+            CUresult::CUDA_ERROR_NOT_PERMITTED,
+            CUresult::CUDA_ERROR_NO_DEVICE,
+        ] {
+            assert_eq!(
+                driver_error("cuMemCreate", r).kind(),
+                ErrorKind::Unavailable
+            );
+        }
+    }
+
+    #[test]
+    fn versions_display() {
+        assert_eq!(DriverVersion(13000).to_string(), "13.0");
+        assert_eq!(DriverVersion(12090).to_string(), "12.9");
+    }
+}

@@ -1,0 +1,377 @@
+//! Legacy CUDA IPC: `cuIpcGetMemHandle` / `cuIpcOpenMemHandle`.
+//!
+//! The exporter gets a 64-byte [`IpcMemHandle`] for memory from `cuMemAlloc`;
+//! another process opens it and gets its own address for the same memory.
+//! Three facts shape this module:
+//!
+//! - the handle names the whole allocation, never the pointer it was asked
+//!   for, so an export carries the offset and length separately
+//!   ([`LegacyExport`]);
+//! - `cudaMalloc` may place a small buffer inside a larger block, and a
+//!   handle to it shares the whole block: [`IpcBuffer`] rounds every
+//!   allocation up to 2 MiB so that nothing else lives in it;
+//! - stream-ordered memory (`cuMemAllocAsync`) cannot be exported this way
+//!   ([`Error::StreamOrdered`] says what to use instead), and a process
+//!   cannot open its own handles ([`Error::SameProcess`]).
+//!
+//! A legacy handle is a bearer token: whoever learns its 64 bytes and runs
+//! as a user allowed to use the GPU can map the memory.
+#![allow(unsafe_code)]
+
+use std::collections::HashSet;
+use std::ops::BitOr;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaStream, sys};
+
+use crate::buffer::{MappedBuffer, Mapping};
+use crate::descriptor::Mechanism;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::handle::IpcMemHandle;
+use crate::memory::{DeviceMemory, impl_cudarc_traits};
+use crate::result::{ipc, mem};
+use crate::units::{MIB, round_up};
+
+/// Our allocations are rounded up to this, NVIDIA's advice for IPC.
+pub const ALLOCATION_GRANULE: u64 = 2 * MIB;
+
+/// Flags for opening a legacy handle (`CUipcMem_flags`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct OpenFlags(u32);
+
+impl OpenFlags {
+    /// No flags.
+    pub const NONE: OpenFlags = OpenFlags(0);
+    /// Enable peer access from this device to the memory's device on
+    /// demand, when the memory lives on another GPU
+    /// (`CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`).
+    pub const LAZY_ENABLE_PEER_ACCESS: OpenFlags =
+        OpenFlags(sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32);
+
+    /// The raw flag bits.
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// Whether all of `other`'s flags are set.
+    pub const fn contains(self, other: OpenFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl BitOr for OpenFlags {
+    type Output = OpenFlags;
+    fn bitor(self, rhs: OpenFlags) -> OpenFlags {
+        OpenFlags(self.0 | rhs.0)
+    }
+}
+
+/// Handles this process has exported, so that opening one of them here gets
+/// a clear error instead of the driver's bare 201.
+fn exported_here() -> &'static Mutex<HashSet<IpcMemHandle>> {
+    static SET: OnceLock<Mutex<HashSet<IpcMemHandle>>> = OnceLock::new();
+    SET.get_or_init(Default::default)
+}
+
+fn lock_exported() -> std::sync::MutexGuard<'static, HashSet<IpcMemHandle>> {
+    exported_here()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What another process needs to map a legacy export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LegacyExport {
+    /// The handle of the whole allocation.
+    pub handle: IpcMemHandle,
+    /// Where the exported bytes start inside the allocation.
+    pub offset: u64,
+    /// How many bytes are exported.
+    pub len: u64,
+    /// The size of the whole allocation.
+    pub alloc_size: u64,
+}
+
+/// Exports `len` bytes at `ptr`, which may point anywhere inside an
+/// allocation from `cuMemAlloc` (a cudarc slice from `result::malloc_sync`,
+/// a PyTorch or CuPy block): the export finds the allocation's base and
+/// records the offset.
+///
+/// # Errors
+/// [`Error::StreamOrdered`] for memory from `cuMemAllocAsync`;
+/// [`Error::Unsupported`] for VMM or host memory; [`Error::OutOfBounds`]
+/// when the range passes the end of the allocation.
+#[doc(alias = "cuIpcGetMemHandle")]
+#[doc(alias = "cuMemGetAddressRange")]
+pub fn export_pointer(device: &Device, ptr: u64, len: u64) -> Result<LegacyExport> {
+    device.bind()?;
+    let (base, size) = mem::address_range(ptr)?;
+    let offset = ptr - base;
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(Error::OutOfBounds { offset, len, size });
+    }
+    let capable = mem::pointer_attribute_u32(
+        ptr,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+    )?;
+    if capable == 0 {
+        let pool = mem::pointer_attribute_u64(
+            ptr,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+        )
+        .unwrap_or(0);
+        return Err(if pool != 0 {
+            Error::StreamOrdered { ptr }
+        } else {
+            Error::Unsupported {
+                what: "a legacy IPC handle for this memory",
+                why: format!(
+                    "the memory at {ptr:#x} is not from cuMemAlloc (it is VMM or host memory); \
+                     share VMM memory with the vmm mechanism"
+                ),
+            }
+        });
+    }
+    let handle = ipc::get_mem_handle(ptr)?;
+    lock_exported().insert(handle);
+    tracing::debug!(
+        ptr,
+        offset,
+        len,
+        alloc_size = size,
+        "exported legacy handle"
+    );
+    Ok(LegacyExport {
+        handle,
+        offset,
+        len,
+        alloc_size: size,
+    })
+}
+
+/// Device memory from `cuMemAlloc`, sized so that it shares no block with
+/// any other allocation, ready to export with a legacy handle.
+#[derive(Debug)]
+pub struct IpcBuffer {
+    device: Device,
+    stream: Arc<CudaStream>,
+    ptr: u64,
+    len: usize,
+    alloc_size: u64,
+    export: OnceLock<LegacyExport>,
+}
+
+// SAFETY: the buffer owns a device allocation, usable from any thread; the
+// context is bound before every driver call.
+unsafe impl Send for IpcBuffer {}
+// SAFETY: as above; methods taking `&self` only read the address or issue driver calls.
+unsafe impl Sync for IpcBuffer {}
+
+impl IpcBuffer {
+    /// Allocates `len` bytes (rounded up to 2 MiB underneath) on `device`.
+    #[doc(alias = "cuMemAlloc")]
+    pub fn alloc(device: &Device, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::arg(
+                "size",
+                "cannot share an empty buffer; ask for at least one byte",
+            ));
+        }
+        let alloc_size = round_up(len as u64, ALLOCATION_GRANULE)
+            .ok_or_else(|| Error::arg("size", format!("{len} bytes is too large")))?;
+        device.bind()?;
+        let ptr = mem::alloc(alloc_size as usize)?;
+        Ok(IpcBuffer {
+            device: device.clone(),
+            stream: device.stream().clone(),
+            ptr,
+            len,
+            alloc_size,
+            export: OnceLock::new(),
+        })
+    }
+
+    /// Uses `stream` (of the same device) for this buffer's copies and kernels.
+    #[must_use]
+    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
+        self.stream = stream;
+        self
+    }
+
+    /// The requested length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: empty buffers are refused at allocation.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The size of the underlying allocation (a multiple of 2 MiB).
+    pub fn alloc_size(&self) -> u64 {
+        self.alloc_size
+    }
+
+    /// Exports the whole buffer. The handle is obtained once and reused.
+    #[doc(alias = "cuIpcGetMemHandle")]
+    pub fn export(&self) -> Result<LegacyExport> {
+        if let Some(e) = self.export.get() {
+            return Ok(*e);
+        }
+        let e = export_pointer(&self.device, self.ptr, self.len as u64)?;
+        Ok(*self.export.get_or_init(|| e))
+    }
+
+    /// Exports `len` bytes starting `offset` bytes into the buffer.
+    pub fn export_range(&self, offset: u64, len: u64) -> Result<LegacyExport> {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.len as u64)
+        {
+            return Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: self.len as u64,
+            });
+        }
+        let whole = self.export()?;
+        Ok(LegacyExport {
+            offset,
+            len,
+            ..whole
+        })
+    }
+}
+
+impl DeviceMemory for IpcBuffer {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    fn device_address(&self) -> u64 {
+        self.ptr
+    }
+    fn byte_len(&self) -> usize {
+        self.len
+    }
+}
+
+impl_cudarc_traits!(IpcBuffer, u8);
+
+impl Drop for IpcBuffer {
+    fn drop(&mut self) {
+        if let Some(e) = self.export.get() {
+            lock_exported().remove(&e.handle);
+        }
+        // Errors cannot be raised from drop. Queued work on our stream must
+        // finish before the memory goes; a failure to synchronise or free
+        // means the context is broken, and its teardown frees the memory.
+        let _ = self.device.bind();
+        let _ = self.stream.synchronize();
+        // SAFETY: allocated in `alloc`, freed once, after our stream's work.
+        let _ = unsafe { mem::free(self.ptr) };
+    }
+}
+
+/// A legacy handle opened in this process: the whole allocation, mapped.
+/// Closed (`cuIpcCloseMemHandle`) when the last reference drops.
+#[derive(Debug)]
+pub struct IpcMapping {
+    device: Device,
+    base: u64,
+    size: u64,
+    handle: IpcMemHandle,
+}
+
+// SAFETY: a mapping is a process-wide address range; driver calls bind the context first.
+unsafe impl Send for IpcMapping {}
+// SAFETY: as above.
+unsafe impl Sync for IpcMapping {}
+
+impl IpcMapping {
+    /// Opens `handle` on `device`.
+    ///
+    /// Opening a handle this process exported fails with
+    /// [`Error::SameProcess`]. Opening the same handle twice in one process
+    /// returns the same address (the driver counts references).
+    #[doc(alias = "cuIpcOpenMemHandle")]
+    pub fn open(device: &Device, handle: IpcMemHandle, flags: OpenFlags) -> Result<Arc<Self>> {
+        if handle.is_zero() {
+            return Err(Error::InvalidHandle {
+                what: IpcMemHandle::WHAT,
+                reason: "all 64 bytes are zero, which no driver issues".into(),
+            });
+        }
+        if lock_exported().contains(&handle) {
+            return Err(Error::SameProcess);
+        }
+        device.bind()?;
+        let base = match ipc::open_mem_handle(handle, flags.bits()) {
+            Ok(p) => p,
+            Err(e) if e.driver_code() == Some(201) => return Err(Error::SameProcess),
+            Err(e) => return Err(e),
+        };
+        let size = match mem::address_range(base) {
+            Ok((_, size)) => size,
+            Err(e) => {
+                // SAFETY: just opened, not shared yet.
+                let _ = unsafe { ipc::close_mem_handle(base) };
+                return Err(e);
+            }
+        };
+        tracing::debug!(base, size, "opened legacy handle");
+        Ok(Arc::new(IpcMapping {
+            device: device.clone(),
+            base,
+            size,
+            handle,
+        }))
+    }
+
+    /// The handle this mapping was opened from.
+    pub fn handle(&self) -> IpcMemHandle {
+        self.handle
+    }
+}
+
+impl Mapping for IpcMapping {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn base(&self) -> u64 {
+        self.base
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn mechanism(&self) -> Mechanism {
+        Mechanism::Legacy
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        // Errors cannot be raised from drop; work queued on the device's
+        // stream is finished first so that nothing uses the range after it
+        // is closed. A failure leaves the mapping to the context's teardown.
+        let _ = self.device.bind();
+        let _ = self.device.stream().synchronize();
+        // SAFETY: opened in `open`, closed once.
+        let _ = unsafe { ipc::close_mem_handle(self.base) };
+        tracing::debug!(base = self.base, "closed legacy handle");
+    }
+}
+
+/// Opens a legacy export as a typed buffer of `T` over exactly the exported bytes.
+pub fn open<T: bytemuck::Pod>(
+    device: &Device,
+    export: &LegacyExport,
+    flags: OpenFlags,
+) -> Result<MappedBuffer<T>> {
+    let mapping = IpcMapping::open(device, export.handle, flags)?;
+    MappedBuffer::from_bytes(mapping, export.offset, export.len)
+}

@@ -1,0 +1,197 @@
+//! What every piece of device memory in this crate offers, exported or
+//! mapped: its address, its length, its device and stream, and copies to and
+//! from the host.
+//!
+//! Device memory shared between processes is aliased by nature (another
+//! process may write it at any time), so writes take `&self`: ordering is
+//! the job of events, not of Rust's borrows. Every copy here runs on the
+//! memory's stream and waits for it, so it is ordered after work queued
+//! there and after any event that stream was made to wait on.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use bytemuck::Pod;
+use cudarc::driver::CudaStream;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::result::{mem, stream as rstream};
+
+/// Device memory this process can use: owned, exported or mapped.
+///
+/// # Contract
+/// `device_address()..device_address() + byte_len()` is device memory of
+/// `device()`, valid for as long as the value lives.
+pub trait DeviceMemory {
+    /// The device the memory lives on (or, for a mapping, is mapped into).
+    fn device(&self) -> &Device;
+
+    /// The stream our helpers queue work on for this memory.
+    fn stream(&self) -> &Arc<CudaStream>;
+
+    /// The address of the first byte, as a `CUdeviceptr`.
+    fn device_address(&self) -> u64;
+
+    /// The length in bytes.
+    fn byte_len(&self) -> usize;
+
+    /// Copies the whole memory into `dst` (whose length must match) after the
+    /// work queued on [`DeviceMemory::stream`], and waits for the copy.
+    #[doc(alias = "cuMemcpyDtoHAsync")]
+    fn read_into<T: Pod>(&self, dst: &mut [T]) -> Result<()>
+    where
+        Self: Sized,
+    {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(dst);
+        check_len(bytes.len(), self.byte_len())?;
+        self.device().bind()?;
+        let s = self.stream().cu_stream();
+        // SAFETY: the source is this memory (the trait's contract); the
+        // destination is a live host slice of the same length, and we wait
+        // for the copy before it can be touched again.
+        unsafe {
+            mem::copy_dtoh_async(
+                bytes.as_mut_ptr().cast(),
+                self.device_address(),
+                bytes.len(),
+                s,
+            )?;
+            rstream::synchronize(s)
+        }
+    }
+
+    /// Copies the whole memory into a new vector of `T` (the byte length must
+    /// be a multiple of `size_of::<T>()`).
+    fn to_vec<T: Pod>(&self) -> Result<Vec<T>>
+    where
+        Self: Sized,
+    {
+        let size = std::mem::size_of::<T>().max(1);
+        if self.byte_len() % size != 0 {
+            return Err(Error::arg(
+                "element type",
+                format!(
+                    "{} bytes is not a whole number of {size}-byte elements",
+                    self.byte_len()
+                ),
+            ));
+        }
+        let mut v = vec![T::zeroed(); self.byte_len() / size];
+        self.read_into(&mut v)?;
+        Ok(v)
+    }
+
+    /// Copies `src` (whose byte length must match) into the memory, after the
+    /// work queued on [`DeviceMemory::stream`], and waits for the copy.
+    #[doc(alias = "cuMemcpyHtoDAsync")]
+    fn write_from<T: Pod>(&self, src: &[T]) -> Result<()>
+    where
+        Self: Sized,
+    {
+        let bytes: &[u8] = bytemuck::cast_slice(src);
+        check_len(bytes.len(), self.byte_len())?;
+        self.device().bind()?;
+        let s = self.stream().cu_stream();
+        // SAFETY: as in `read_into`, the other way round.
+        unsafe {
+            mem::copy_htod_async(self.device_address(), bytes.as_ptr().cast(), bytes.len(), s)?;
+            rstream::synchronize(s)
+        }
+    }
+
+    /// Queues a device-to-device copy of all of `src` into this memory on
+    /// [`DeviceMemory::stream`] (the lengths must match). Does not wait.
+    #[doc(alias = "cuMemcpyDtoDAsync")]
+    fn copy_from_device(&self, src: &impl DeviceMemory) -> Result<()>
+    where
+        Self: Sized,
+    {
+        check_len(src.byte_len(), self.byte_len())?;
+        self.device().bind()?;
+        // SAFETY: both ranges are live device memory of this length.
+        unsafe {
+            mem::copy_dtod_async(
+                self.device_address(),
+                src.device_address(),
+                self.byte_len(),
+                self.stream().cu_stream(),
+            )
+        }
+    }
+}
+
+fn check_len(host: usize, device: usize) -> Result<()> {
+    if host == device {
+        Ok(())
+    } else {
+        Err(Error::arg(
+            "host buffer",
+            format!(
+                "{host} bytes on the host for {device} bytes on the device; the lengths must match"
+            ),
+        ))
+    }
+}
+
+/// Implements cudarc's `DeviceSlice`, `DevicePtr` and `DevicePtrMut` for a
+/// type that implements [`DeviceMemory`], so it can be a kernel argument and
+/// be used with cudarc's copies.
+///
+/// When cudarc asks for the pointer on another stream than the memory's
+/// own, that stream first waits for the memory's stream (an event), and it
+/// is synchronised when the returned guard drops, so later work on the
+/// memory's stream is ordered after it.
+macro_rules! impl_cudarc_traits {
+    ($ty:ident $(<$t:ident>)?, $elem:ty) => {
+        impl$(<$t: bytemuck::Pod>)? cudarc::driver::DeviceSlice<$elem> for $ty$(<$t>)? {
+            fn len(&self) -> usize {
+                $crate::memory::DeviceMemory::byte_len(self) / std::mem::size_of::<$elem>().max(1)
+            }
+            fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+                $crate::memory::DeviceMemory::stream(self)
+            }
+        }
+
+        impl$(<$t: bytemuck::Pod>)? cudarc::driver::DevicePtr<$elem> for $ty$(<$t>)? {
+            fn device_ptr<'a>(
+                &'a self,
+                stream: &'a cudarc::driver::CudaStream,
+            ) -> (cudarc::driver::sys::CUdeviceptr, cudarc::driver::SyncOnDrop<'a>) {
+                (
+                    $crate::memory::DeviceMemory::device_address(self),
+                    $crate::memory::order_streams(self, stream),
+                )
+            }
+        }
+
+        impl$(<$t: bytemuck::Pod>)? cudarc::driver::DevicePtrMut<$elem> for $ty$(<$t>)? {
+            fn device_ptr_mut<'a>(
+                &'a mut self,
+                stream: &'a cudarc::driver::CudaStream,
+            ) -> (cudarc::driver::sys::CUdeviceptr, cudarc::driver::SyncOnDrop<'a>) {
+                (
+                    $crate::memory::DeviceMemory::device_address(self),
+                    $crate::memory::order_streams(self, stream),
+                )
+            }
+        }
+    };
+}
+pub(crate) use impl_cudarc_traits;
+
+/// Orders `stream` after the memory's own stream and returns the guard that
+/// orders later work after `stream`'s use (see `impl_cudarc_traits`).
+#[doc(hidden)]
+pub fn order_streams<'a>(
+    memory: &impl DeviceMemory,
+    stream: &'a CudaStream,
+) -> cudarc::driver::SyncOnDrop<'a> {
+    let own = memory.stream();
+    if own.cu_stream() == stream.cu_stream() {
+        return cudarc::driver::SyncOnDrop::Record(None);
+    }
+    // Errors are recorded in the context, as cudarc itself does in these traits.
+    stream.context().record_err(stream.join(own));
+    cudarc::driver::SyncOnDrop::Sync(Some(stream))
+}
