@@ -36,6 +36,7 @@ pub mod kernels;
 pub mod legacy;
 pub mod memory;
 mod result;
+pub mod torch;
 pub mod units;
 
 pub use buffer::{MappedBuffer, Mapping};

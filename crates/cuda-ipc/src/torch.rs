@@ -1,0 +1,1 @@
+//! Interoperability with PyTorch's CUDA tensor sharing.
