@@ -65,7 +65,7 @@ impl<T> fmt::Debug for MappedBuffer<T> {
             .field("offset", &self.offset)
             .field("len", &self.len)
             .field("mapping", &self.mapping)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -91,7 +91,7 @@ impl<T: Pod> MappedBuffer<T> {
             });
         }
         let align = std::mem::align_of::<T>() as u64;
-        if (mapping.base() + offset) % align != 0 {
+        if !(mapping.base() + offset).is_multiple_of(align) {
             return Err(Error::arg(
                 "offset",
                 format!(
@@ -114,7 +114,7 @@ impl<T: Pod> MappedBuffer<T> {
     /// byte count must be a whole number of `T`.
     pub fn from_bytes(mapping: Arc<dyn Mapping>, offset: u64, bytes: u64) -> Result<Self> {
         let size = std::mem::size_of::<T>().max(1) as u64;
-        if bytes % size != 0 {
+        if !bytes.is_multiple_of(size) {
             return Err(Error::arg(
                 "length",
                 format!(

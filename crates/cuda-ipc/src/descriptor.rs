@@ -468,7 +468,7 @@ impl Descriptor {
         if self.len == 0 {
             return Err(field_err("len", "must be greater than zero"));
         }
-        if self.len % elem != 0 {
+        if !self.len.is_multiple_of(elem) {
             return Err(field_err(
                 "len",
                 format!(
@@ -477,7 +477,7 @@ impl Descriptor {
                 ),
             ));
         }
-        if self.offset % elem != 0 {
+        if !self.offset.is_multiple_of(elem) {
             return Err(field_err(
                 "offset",
                 format!(
@@ -499,8 +499,10 @@ impl Descriptor {
                 ),
             ));
         }
-        if let Source::Vmm { fd } | Source::Pool { fd, .. } = self.source {
-            if fd < 0 {
+        if let Source::Vmm { fd } | Source::Pool { fd, .. } = self.source
+            && fd < 0
+        {
+            {
                 return Err(field_err(
                     "fd",
                     format!("{fd} is not a file descriptor number"),

@@ -48,10 +48,10 @@ impl Device {
             return Err(Error::NoDevice { ordinal, count });
         }
         let ctx =
-            CudaContext::new(ordinal).map_err(|e| from_cudarc("cuDevicePrimaryCtxRetain", &e))?;
+            CudaContext::new(ordinal).map_err(|e| from_cudarc("cuDevicePrimaryCtxRetain", e))?;
         let stream = ctx
             .new_stream()
-            .map_err(|e| from_cudarc("cuStreamCreate", &e))?;
+            .map_err(|e| from_cudarc("cuStreamCreate", e))?;
         let uuid = DeviceUuid(dev::uuid(ctx.cu_device())?);
         Ok(Device {
             inner: Arc::new(Inner {
@@ -83,17 +83,12 @@ impl Device {
         self.inner.uuid
     }
 
-    /// The driver's device handle.
-    pub(crate) fn cu_device(&self) -> sys::CUdevice {
-        self.inner.ctx.cu_device()
-    }
-
     /// Makes this device's context current on the calling thread.
     pub(crate) fn bind(&self) -> Result<()> {
         self.inner
             .ctx
             .bind_to_thread()
-            .map_err(|e| from_cudarc("cuCtxSetCurrent", &e))
+            .map_err(|e| from_cudarc("cuCtxSetCurrent", e))
     }
 
     /// Waits until all work on this device's stream is done.
@@ -103,7 +98,7 @@ impl Device {
         self.inner
             .stream
             .synchronize()
-            .map_err(|e| from_cudarc("cuStreamSynchronize", &e))
+            .map_err(|e| from_cudarc("cuStreamSynchronize", e))
     }
 
     /// Free and total device memory, in bytes.
@@ -224,6 +219,7 @@ impl ComputeMode {
 /// mechanism, since an attribute can say yes where the system says no
 /// (fabric handles without an IMEX channel, for instance).
 #[derive(Clone, Debug, serde::Serialize)]
+#[allow(clippy::struct_excessive_bools)] // one flag per device attribute, as the driver reports them
 pub struct Capabilities {
     /// Ordinal in this process.
     pub ordinal: usize,
@@ -298,17 +294,9 @@ impl Capabilities {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct SystemInfo {
     /// The driver's CUDA version, for example "13.0".
-    #[serde(serialize_with = "serialize_version")]
     pub driver_version: DriverVersion,
     /// One entry per device.
     pub devices: Vec<Capabilities>,
-}
-
-fn serialize_version<S: serde::Serializer>(
-    v: &DriverVersion,
-    s: S,
-) -> std::result::Result<S::Ok, S::Error> {
-    s.collect_str(v)
 }
 
 impl SystemInfo {

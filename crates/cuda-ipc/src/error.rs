@@ -25,6 +25,12 @@ impl DriverVersion {
     }
 }
 
+impl serde::Serialize for DriverVersion {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl fmt::Display for DriverVersion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}.{}", self.major(), self.minor())
@@ -88,7 +94,7 @@ pub enum Error {
     },
 
     /// A driver call returned an error.
-    #[error("{call} failed with {name} ({code}){}", hint_suffix(.hint))]
+    #[error("{call} failed with {name} ({code}){}", hint_suffix(*.hint))]
     Driver {
         /// The C function that failed, for example `cuIpcOpenMemHandle`.
         call: &'static str,
@@ -188,7 +194,7 @@ pub enum Error {
     },
 }
 
-fn hint_suffix(hint: &Option<&'static str>) -> String {
+fn hint_suffix(hint: Option<&'static str>) -> String {
     match hint {
         Some(h) => format!(": {h}"),
         None => String::new(),
@@ -299,7 +305,7 @@ pub(crate) fn driver_hint(call: &'static str, code: i32) -> Option<&'static str>
 }
 
 /// Converts a cudarc driver error into ours, naming the call.
-pub(crate) fn from_cudarc(call: &'static str, err: &cudarc::driver::DriverError) -> Error {
+pub(crate) fn from_cudarc(call: &'static str, err: cudarc::driver::DriverError) -> Error {
     driver_error(call, err.0)
 }
 

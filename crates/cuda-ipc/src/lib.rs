@@ -35,9 +35,12 @@ pub mod handle;
 pub mod kernels;
 pub mod legacy;
 pub mod memory;
+pub mod pool;
 mod result;
+pub mod share;
 pub mod torch;
 pub mod units;
+pub mod vmm;
 
 pub use buffer::{MappedBuffer, Mapping};
 pub use descriptor::{Descriptor, Dtype, Mechanism};

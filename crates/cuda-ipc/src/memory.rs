@@ -68,7 +68,7 @@ pub trait DeviceMemory {
         Self: Sized,
     {
         let size = std::mem::size_of::<T>().max(1);
-        if self.byte_len() % size != 0 {
+        if !self.byte_len().is_multiple_of(size) {
             return Err(Error::arg(
                 "element type",
                 format!(

@@ -7,6 +7,8 @@
 //! (`driver::load`), which checks that every symbol used here exists, so
 //! that no call can panic on a missing symbol.
 #![allow(unsafe_code)]
+// Each area is a submodule of this one file and uses all of its imports.
+#![allow(clippy::wildcard_imports)]
 
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
@@ -66,10 +68,10 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuEventSynchronize",
     "cuEventQuery",
     "cuEventDestroy_v2",
-    "cuEventElapsedTime_v2",
     "cuMemGetAllocationGranularity",
     "cuMemCreate",
     "cuMemRelease",
+    "cuMemRetainAllocationHandle",
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
     "cuMemAddressReserve",
@@ -84,6 +86,7 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuMemPoolExportPointer",
     "cuMemPoolImportPointer",
     "cuMemPoolSetAccess",
+    "cuMemPoolGetAccess",
     "cuMemPoolTrimTo",
     "cuMemAllocFromPoolAsync",
     "cuMemFreeAsync",
@@ -500,19 +503,6 @@ pub(crate) mod event {
         // SAFETY: the caller's contract.
         check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(event) })
     }
-
-    /// `cuEventElapsedTime_v2`, in milliseconds.
-    ///
-    /// # Safety
-    /// Both events must be live timing events.
-    pub(crate) unsafe fn elapsed_ms(start: sys::CUevent, end: sys::CUevent) -> Result<f32> {
-        let mut ms = 0f32;
-        // SAFETY: valid out-pointer; the caller's contract.
-        check("cuEventElapsedTime", unsafe {
-            sys::cuEventElapsedTime_v2(&raw mut ms, start, end)
-        })?;
-        Ok(ms)
-    }
 }
 
 /// Virtual memory management (cuMem* with physical handles).
@@ -570,6 +560,17 @@ pub(crate) mod vmm {
     pub(crate) unsafe fn release(h: sys::CUmemGenericAllocationHandle) -> Result<()> {
         // SAFETY: the caller's contract.
         check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
+    }
+
+    /// `cuMemRetainAllocationHandle`: the physical allocation mapped at `ptr`
+    /// (released with [`release`]).
+    pub(crate) fn retain_allocation_handle(ptr: u64) -> Result<sys::CUmemGenericAllocationHandle> {
+        let mut h = 0;
+        // SAFETY: valid out-pointer; the driver validates the address.
+        check("cuMemRetainAllocationHandle", unsafe {
+            sys::cuMemRetainAllocationHandle(&raw mut h, ptr as usize as *mut c_void)
+        })?;
+        Ok(h)
     }
 
     /// `cuMemExportToShareableHandle` as a POSIX file descriptor, owned by the caller.
@@ -797,6 +798,23 @@ pub(crate) mod pool {
         check("cuMemPoolSetAccess", unsafe {
             sys::cuMemPoolSetAccess(pool, &raw const desc, 1)
         })
+    }
+
+    /// `cuMemPoolGetAccess`: whether `device` has read-write access to the pool.
+    ///
+    /// # Safety
+    /// The pool must be live.
+    pub(crate) unsafe fn has_access_rw(pool: sys::CUmemoryPool, device: i32) -> Result<bool> {
+        let mut location = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device,
+        };
+        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        // SAFETY: valid pointers for the call; the caller's contract.
+        check("cuMemPoolGetAccess", unsafe {
+            sys::cuMemPoolGetAccess(&raw mut flags, pool, &raw mut location)
+        })?;
+        Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
     }
 
     /// `cuMemAllocFromPoolAsync`.

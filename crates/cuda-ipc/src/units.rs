@@ -82,7 +82,7 @@ impl fmt::Display for ByteSize {
         ];
         let n = self.0;
         for (unit, factor) in SHOWN {
-            if n != 0 && n % factor == 0 {
+            if n != 0 && n.is_multiple_of(*factor) {
                 return write!(f, "{}{unit}", n / factor);
             }
         }

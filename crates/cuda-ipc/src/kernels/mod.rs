@@ -31,6 +31,7 @@ pub struct Pattern {
 
 impl Pattern {
     /// Every element equal to `value`.
+    #[must_use]
     pub const fn constant(value: u32) -> Self {
         Pattern {
             base: value,
@@ -39,6 +40,7 @@ impl Pattern {
     }
 
     /// `base, base + step, base + 2 * step, ...`.
+    #[must_use]
     pub const fn ramp(base: u32, step: u32) -> Self {
         Pattern { base, step }
     }
@@ -48,6 +50,7 @@ impl Pattern {
         self.base.wrapping_add(self.step.wrapping_mul(i as u32))
     }
 
+    #[must_use]
     /// The pattern after `x -> x * mul + add` has been applied to every element.
     pub fn mapped(&self, mul: u32, add: u32) -> Self {
         Pattern {
@@ -56,6 +59,7 @@ impl Pattern {
         }
     }
 
+    #[must_use]
     /// The pattern of the elements from index `first` on.
     pub fn skip(&self, first: u64) -> Self {
         Pattern {
@@ -162,7 +166,7 @@ fn grid_for(count: u64, speed: Speed) -> (u32, u32) {
 
 fn words(memory: &(impl DeviceMemory + ?Sized)) -> Result<u64> {
     let len = memory.byte_len() as u64;
-    if len % 4 != 0 || memory.device_address() % 4 != 0 {
+    if !len.is_multiple_of(4) || !memory.device_address().is_multiple_of(4) {
         return Err(Error::arg(
             "buffer",
             format!(

@@ -1,0 +1,344 @@
+//! Stream-ordered memory pools shared between processes.
+//!
+//! Memory from `cuMemAllocAsync` (cudarc's default allocator) cannot be
+//! shared with legacy handles. A pool created with a shareable handle type
+//! can: the exporter sends the pool's file descriptor once per consumer,
+//! then 64 bytes of export data per allocation ([`PoolPtrHandle`]).
+//!
+//! # Lifetimes and ownership
+//! - [`SharedPool::export_fd`] returns a new descriptor owned by the
+//!   caller; [`ImportedPool::import`] takes one by value and closes it once
+//!   the driver has imported the pool (the driver does not keep it).
+//! - An importer must free its imported pointers before the exporter frees
+//!   the allocation ([`PoolMapping`] frees on drop; the exchange layer's
+//!   leases make the exporter wait for that). If the exporter frees first,
+//!   the importer's view is undefined: the memory may be handed to a new
+//!   allocation. The GPU tests document what the driver does then.
+//! - The importer must not touch the memory before the exporter's
+//!   allocation has completed: [`SharedPool::alloc`] waits for it.
+#![allow(unsafe_code)]
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, sys};
+
+use crate::buffer::Mapping;
+use crate::descriptor::Mechanism;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::handle::PoolPtrHandle;
+use crate::memory::{DeviceMemory, impl_cudarc_traits};
+use crate::result::{mem, pool, stream as rstream};
+
+/// A memory pool on one device whose allocations can be shared through
+/// POSIX file descriptors. Destroyed when the last [`PoolBuffer`] and the
+/// pool itself are dropped.
+#[derive(Debug)]
+pub struct SharedPool {
+    device: Device,
+    pool: sys::CUmemoryPool,
+}
+
+// SAFETY: a pool handle is a process-wide driver object; calls bind the context first.
+unsafe impl Send for SharedPool {}
+// SAFETY: as above; the driver's pool calls are thread-safe.
+unsafe impl Sync for SharedPool {}
+
+impl SharedPool {
+    /// Creates a shareable pool on `device` (no size limit).
+    #[doc(alias = "cuMemPoolCreate")]
+    pub fn new(device: &Device) -> Result<Arc<Self>> {
+        device.bind()?;
+        let pool = pool::create(device.ordinal() as i32, 0)?;
+        Ok(Arc::new(SharedPool {
+            device: device.clone(),
+            pool,
+        }))
+    }
+
+    /// A new file descriptor for the pool, owned by the caller.
+    #[doc(alias = "cuMemPoolExportToShareableHandle")]
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        self.device.bind()?;
+        // SAFETY: the pool is live for as long as `self`.
+        unsafe { pool::export_fd(self.pool) }
+    }
+
+    /// Allocates `len` bytes from the pool on the device's stream and waits
+    /// until the allocation has completed, so it can be exported at once.
+    #[doc(alias = "cuMemAllocFromPoolAsync")]
+    pub fn alloc(self: &Arc<Self>, len: usize) -> Result<PoolBuffer> {
+        if len == 0 {
+            return Err(Error::arg(
+                "size",
+                "cannot share an empty buffer; ask for at least one byte",
+            ));
+        }
+        self.device.bind()?;
+        let stream = self.device.stream().clone();
+        let s = stream.cu_stream();
+        // SAFETY: pool and stream are live.
+        let ptr = unsafe { pool::alloc_async(len as u64, self.pool, s) }?;
+        // SAFETY: the stream is live.
+        if let Err(e) = unsafe { rstream::synchronize(s) } {
+            // SAFETY: allocated above, unused.
+            let _ = unsafe { pool::free_async(ptr, s) };
+            return Err(e);
+        }
+        Ok(PoolBuffer {
+            pool: self.clone(),
+            stream,
+            ptr,
+            len,
+        })
+    }
+
+    /// Releases memory the pool holds beyond `keep` bytes back to the device.
+    #[doc(alias = "cuMemPoolTrimTo")]
+    pub fn trim(&self, keep: u64) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: live pool.
+        unsafe { pool::trim_to(self.pool, keep) }
+    }
+
+    /// The device the pool allocates on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+impl Drop for SharedPool {
+    fn drop(&mut self) {
+        // Every PoolBuffer holds the pool, so none is alive. The driver
+        // releases the pool once frees still in flight complete. Errors
+        // cannot be raised from drop.
+        let _ = self.device.bind();
+        // SAFETY: created in `new`, destroyed once.
+        let _ = unsafe { pool::destroy(self.pool) };
+    }
+}
+
+/// Exports a stream-ordered allocation this process made from any pool:
+/// the pool's descriptor, the pointer's export data, the allocation's base
+/// and size. Fails clearly when the pool is not shareable.
+pub(crate) fn export_existing(
+    device: &Device,
+    ptr: u64,
+) -> Result<(OwnedFd, PoolPtrHandle, u64, u64)> {
+    device.bind()?;
+    let raw = mem::pointer_attribute_u64(
+        ptr,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+    )?;
+    let (base, size) = mem::address_range(ptr)?;
+    // SAFETY: the driver just named this pool as the owner of live memory.
+    let fd = unsafe { pool::export_fd(raw as sys::CUmemoryPool) }.map_err(|e| Error::Unsupported {
+        what: "sharing this stream-ordered memory",
+        why: format!(
+            "its memory pool cannot be exported ({e}); it is probably the device's default pool, which \
+             cudarc's CudaStream::alloc uses. Allocate from a cuda_ipc::pool::SharedPool (or with \
+             cuda_ipc::IpcBuffer::alloc / cudarc's result::malloc_sync for legacy handles)"
+        ),
+    })?;
+    let data = pool::export_pointer(base)?;
+    Ok((fd, data, base, size))
+}
+
+/// One allocation from a [`SharedPool`]. Freed (stream-ordered) on drop.
+#[derive(Debug)]
+pub struct PoolBuffer {
+    pool: Arc<SharedPool>,
+    stream: Arc<CudaStream>,
+    ptr: u64,
+    len: usize,
+}
+
+// SAFETY: owns a device allocation; calls bind the context first.
+unsafe impl Send for PoolBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for PoolBuffer {}
+
+impl PoolBuffer {
+    /// The 64 bytes another process needs, with the pool, to import this allocation.
+    #[doc(alias = "cuMemPoolExportPointer")]
+    pub fn export(&self) -> Result<PoolPtrHandle> {
+        self.pool.device.bind()?;
+        pool::export_pointer(self.ptr)
+    }
+
+    /// The pool it came from.
+    pub fn pool(&self) -> &Arc<SharedPool> {
+        &self.pool
+    }
+
+    /// Uses `stream` (of the same device) for this buffer's copies, kernels and free.
+    #[must_use]
+    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
+        self.stream = stream;
+        self
+    }
+
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: empty buffers are refused at allocation.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl DeviceMemory for PoolBuffer {
+    fn device(&self) -> &Device {
+        &self.pool.device
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    fn device_address(&self) -> u64 {
+        self.ptr
+    }
+    fn byte_len(&self) -> usize {
+        self.len
+    }
+}
+
+impl_cudarc_traits!(PoolBuffer, u8);
+
+impl Drop for PoolBuffer {
+    fn drop(&mut self) {
+        // Errors cannot be raised from drop. The free is ordered after the
+        // work queued on our stream.
+        let _ = self.pool.device.bind();
+        // SAFETY: allocated in `SharedPool::alloc`, freed once.
+        let _ = unsafe { pool::free_async(self.ptr, self.stream.cu_stream()) };
+    }
+}
+
+/// Another process's pool, imported into this one. Import it once per
+/// exporter, then import as many pointers as needed.
+#[derive(Debug)]
+pub struct ImportedPool {
+    device: Device,
+    pool: sys::CUmemoryPool,
+}
+
+// SAFETY: a pool handle is a process-wide driver object; calls bind the context first.
+unsafe impl Send for ImportedPool {}
+// SAFETY: as above.
+unsafe impl Sync for ImportedPool {}
+
+impl ImportedPool {
+    /// Imports the pool behind `fd` and makes sure `device` can read and
+    /// write it. Closes `fd`.
+    #[doc(alias = "cuMemPoolImportFromShareableHandle")]
+    pub fn import(device: &Device, fd: OwnedFd) -> Result<Arc<Self>> {
+        device.bind()?;
+        let raw = pool::import_fd(fd.as_fd())?;
+        // The driver did not take the descriptor.
+        drop(fd);
+        let imported = Arc::new(ImportedPool {
+            device: device.clone(),
+            pool: raw,
+        });
+        let ordinal = device.ordinal() as i32;
+        // SAFETY: the pool is live (owned by `imported`).
+        if !unsafe { pool::has_access_rw(raw, ordinal) }? {
+            // SAFETY: as above.
+            unsafe { pool::set_access_rw(raw, ordinal) }?;
+        }
+        Ok(imported)
+    }
+
+    /// Imports one allocation of the pool, of `size` bytes (the exporter's
+    /// allocation size, used for bounds checks).
+    #[doc(alias = "cuMemPoolImportPointer")]
+    pub fn import_pointer(
+        self: &Arc<Self>,
+        data: PoolPtrHandle,
+        size: u64,
+    ) -> Result<Arc<PoolMapping>> {
+        if data.is_zero() {
+            return Err(Error::InvalidHandle {
+                what: PoolPtrHandle::WHAT,
+                reason: "all 64 bytes are zero, which no driver issues".into(),
+            });
+        }
+        self.device.bind()?;
+        // SAFETY: the pool is live.
+        let ptr = unsafe { pool::import_pointer(self.pool, data) }?;
+        let actual = mem::address_range(ptr).map_or(size, |(_, s)| s);
+        if actual < size {
+            let s = self.device.stream().cu_stream();
+            // SAFETY: imported above, unused.
+            let _ = unsafe { pool::free_async(ptr, s) };
+            return Err(Error::OutOfBounds {
+                offset: 0,
+                len: size,
+                size: actual,
+            });
+        }
+        Ok(Arc::new(PoolMapping {
+            pool: self.clone(),
+            ptr,
+            size,
+        }))
+    }
+}
+
+impl Drop for ImportedPool {
+    fn drop(&mut self) {
+        // Every PoolMapping holds the pool, so all imported pointers are
+        // freed. Errors cannot be raised from drop.
+        let _ = self.device.bind();
+        // SAFETY: imported in `import`, destroyed once.
+        let _ = unsafe { pool::destroy(self.pool) };
+    }
+}
+
+/// One allocation of another process's pool, imported here. Freed on drop,
+/// after the device's stream has finished with it.
+#[derive(Debug)]
+pub struct PoolMapping {
+    pool: Arc<ImportedPool>,
+    ptr: u64,
+    size: u64,
+}
+
+// SAFETY: an imported pointer is a process-wide address; calls bind the context first.
+unsafe impl Send for PoolMapping {}
+// SAFETY: as above.
+unsafe impl Sync for PoolMapping {}
+
+impl Mapping for PoolMapping {
+    fn device(&self) -> &Device {
+        &self.pool.device
+    }
+    fn base(&self) -> u64 {
+        self.ptr
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn mechanism(&self) -> Mechanism {
+        Mechanism::Pool
+    }
+}
+
+impl Drop for PoolMapping {
+    fn drop(&mut self) {
+        // Free before telling anyone we are done: the exporter may free its
+        // allocation as soon as our lease is released, so the free is
+        // completed here. Errors cannot be raised from drop.
+        let device = &self.pool.device;
+        let _ = device.bind();
+        let s = device.stream().cu_stream();
+        // SAFETY: imported in `import_pointer`, freed once, then waited for.
+        unsafe {
+            let _ = pool::free_async(self.ptr, s);
+            let _ = rstream::synchronize(s);
+        }
+    }
+}

@@ -1,0 +1,510 @@
+//! One export and import API over every mechanism.
+//!
+//! The caller says what to share; [`SharedBuffer::alloc`] picks the best
+//! mechanism the device supports (VMM file descriptors, then pool file
+//! descriptors, then legacy handles), or uses the one the caller forces.
+//! An [`Export`] holds the [`Descriptor`] and the file descriptors to hand
+//! over; [`open`] maps a descriptor in another process, whichever mechanism
+//! made it.
+//!
+//! File descriptors reach the importer in one of two ways: over the
+//! [`channel`](crate::channel) (preferred: the socket's peer is checked),
+//! or, for scripts, by `pidfd_getfd` from the exporting process, using the
+//! descriptor's `pid` and `fd` (which needs the right to ptrace the
+//! exporter: same user, and `kernel.yama.ptrace_scope` allowing it or the
+//! exporter calling [`allow_fd_fetching`]).
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytemuck::Pod;
+use cudarc::driver::CudaStream;
+
+use crate::buffer::{MappedBuffer, Mapping};
+use crate::descriptor::{Descriptor, Dtype, Mechanism, Source};
+use crate::device::{Capabilities, Device};
+use crate::error::{Error, Result};
+use crate::event::IpcEvent;
+use crate::legacy::{IpcBuffer, IpcMapping, OpenFlags};
+use crate::memory::{DeviceMemory, impl_cudarc_traits};
+use crate::pool::{ImportedPool, PoolBuffer, SharedPool};
+use crate::vmm::{ShareableTypes, VmmBuffer, VmmMapping};
+
+/// Numbers allocations of this process, so that an address reused for a new
+/// allocation never looks like the old one to a consumer's cache.
+static GENERATION: AtomicU64 = AtomicU64::new(1);
+
+fn next_generation() -> u64 {
+    // Mixed with the pid so that two exporters never share a generation.
+    (u64::from(std::process::id()) << 40) | GENERATION.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The mechanism `auto` picks on a device with these capabilities.
+pub fn best_mechanism(caps: &Capabilities) -> Result<Mechanism> {
+    if caps.vmm && caps.posix_fd {
+        Ok(Mechanism::Vmm)
+    } else if caps.memory_pools && caps.mempool_handle_types & 1 != 0 {
+        Ok(Mechanism::Pool)
+    } else if caps.legacy_ipc {
+        Ok(Mechanism::Legacy)
+    } else {
+        Err(Error::Unsupported {
+            what: "sharing device memory",
+            why: format!(
+                "device {} ({}) supports none of VMM file descriptors, shareable memory pools or legacy IPC \
+                 (CUDA IPC is not available on Windows or WSL)",
+                caps.ordinal, caps.name
+            ),
+        })
+    }
+}
+
+/// Checks that `caps` allows `mechanism`, with the reason if not.
+pub fn check_mechanism(caps: &Capabilities, mechanism: Mechanism) -> Result<()> {
+    let (ok, why) = match mechanism {
+        Mechanism::Legacy => (
+            caps.legacy_ipc,
+            "the device lacks unified addressing or IPC events, or the platform has no CUDA IPC",
+        ),
+        Mechanism::Vmm => (
+            caps.vmm && caps.posix_fd,
+            "the device does not support VMM allocations with POSIX file descriptors",
+        ),
+        Mechanism::Pool => (
+            caps.memory_pools && caps.mempool_handle_types & 1 != 0,
+            "the device's memory pools cannot be shared with POSIX file descriptors",
+        ),
+        Mechanism::Fabric => (caps.fabric, "the device does not support fabric handles"),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Unsupported {
+            what: match mechanism {
+                Mechanism::Legacy => "the legacy mechanism",
+                Mechanism::Vmm => "the vmm mechanism",
+                Mechanism::Pool => "the pool mechanism",
+                Mechanism::Fabric => "the fabric mechanism",
+            },
+            why: format!("device {} ({}): {why}", caps.ordinal, caps.name),
+        })
+    }
+}
+
+/// The allocation behind a [`SharedBuffer`].
+#[derive(Debug)]
+enum Allocation {
+    Legacy(IpcBuffer),
+    Vmm(VmmBuffer),
+    Pool(PoolBuffer),
+}
+
+/// Device memory allocated for sharing by one mechanism.
+#[derive(Debug)]
+pub struct SharedBuffer {
+    allocation: Allocation,
+    mechanism: Mechanism,
+    generation: u64,
+}
+
+impl SharedBuffer {
+    /// Allocates `len` bytes on `device` for sharing with `mechanism`
+    /// (`None`: the best the device supports).
+    pub fn alloc(device: &Device, len: usize, mechanism: Option<Mechanism>) -> Result<Self> {
+        let caps = device.capabilities()?;
+        let mechanism = match mechanism {
+            Some(m) => {
+                check_mechanism(&caps, m)?;
+                m
+            }
+            None => best_mechanism(&caps)?,
+        };
+        Self::alloc_unchecked(device, len, mechanism, None)
+    }
+
+    /// Allocates from an existing shareable pool (the pool mechanism).
+    pub fn alloc_in_pool(pool: &Arc<SharedPool>, len: usize) -> Result<Self> {
+        Self::alloc_unchecked(pool.device(), len, Mechanism::Pool, Some(pool))
+    }
+
+    fn alloc_unchecked(
+        device: &Device,
+        len: usize,
+        mechanism: Mechanism,
+        pool: Option<&Arc<SharedPool>>,
+    ) -> Result<Self> {
+        let allocation = match mechanism {
+            Mechanism::Legacy => Allocation::Legacy(IpcBuffer::alloc(device, len)?),
+            Mechanism::Vmm => Allocation::Vmm(VmmBuffer::alloc(device, len)?),
+            Mechanism::Fabric => Allocation::Vmm(VmmBuffer::alloc_with(
+                device,
+                len,
+                ShareableTypes::FD_AND_FABRIC,
+            )?),
+            Mechanism::Pool => {
+                let pool = match pool {
+                    Some(p) => p.clone(),
+                    None => SharedPool::new(device)?,
+                };
+                Allocation::Pool(pool.alloc(len)?)
+            }
+        };
+        Ok(SharedBuffer {
+            allocation,
+            mechanism,
+            generation: next_generation(),
+        })
+    }
+
+    /// The mechanism this buffer is shared with.
+    pub fn mechanism(&self) -> Mechanism {
+        self.mechanism
+    }
+
+    /// The generation number that descriptors of this buffer carry.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The requested length in bytes.
+    pub fn len(&self) -> usize {
+        self.byte_len()
+    }
+
+    /// Always false: empty buffers are refused at allocation.
+    pub fn is_empty(&self) -> bool {
+        self.byte_len() == 0
+    }
+
+    /// Uses `stream` (of the same device) for this buffer's copies and kernels.
+    #[must_use]
+    pub fn with_stream(self, stream: Arc<CudaStream>) -> Self {
+        let allocation = match self.allocation {
+            Allocation::Legacy(b) => Allocation::Legacy(b.with_stream(stream)),
+            Allocation::Vmm(b) => Allocation::Vmm(b.with_stream(stream)),
+            Allocation::Pool(b) => Allocation::Pool(b.with_stream(stream)),
+        };
+        SharedBuffer { allocation, ..self }
+    }
+
+    fn memory(&self) -> &dyn DeviceMemoryDyn {
+        match &self.allocation {
+            Allocation::Legacy(b) => b,
+            Allocation::Vmm(b) => b,
+            Allocation::Pool(b) => b,
+        }
+    }
+
+    /// Exports the whole buffer as bytes.
+    pub fn export(&self) -> Result<Export> {
+        self.export_region(0, self.byte_len() as u64, Dtype::U8, None)
+    }
+
+    /// Exports `len` bytes at `offset` holding `dtype` elements, with an
+    /// optional shape. Each call creates new file descriptors (for fd
+    /// mechanisms), owned by the returned [`Export`].
+    pub fn export_region(
+        &self,
+        offset: u64,
+        len: u64,
+        dtype: Dtype,
+        shape: Option<Vec<u64>>,
+    ) -> Result<Export> {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.byte_len() as u64)
+        {
+            return Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: self.byte_len() as u64,
+            });
+        }
+        let device = self.device();
+        let (source, alloc_size, base_offset, fds) = match &self.allocation {
+            Allocation::Legacy(b) => {
+                let e = b.export()?;
+                (
+                    Source::Legacy { handle: e.handle },
+                    e.alloc_size,
+                    e.offset,
+                    Vec::new(),
+                )
+            }
+            Allocation::Vmm(b) if self.mechanism == Mechanism::Fabric => (
+                Source::Fabric {
+                    handle: b.export_fabric()?,
+                },
+                b.alloc_size(),
+                0,
+                Vec::new(),
+            ),
+            Allocation::Vmm(b) => {
+                let fd = b.export_fd()?;
+                (
+                    Source::Vmm { fd: fd.as_raw_fd() },
+                    b.alloc_size(),
+                    0,
+                    vec![fd],
+                )
+            }
+            Allocation::Pool(b) => {
+                let ptr = b.export()?;
+                let fd = b.pool().export_fd()?;
+                (
+                    Source::Pool {
+                        fd: fd.as_raw_fd(),
+                        ptr,
+                    },
+                    b.len() as u64,
+                    0,
+                    vec![fd],
+                )
+            }
+        };
+        let descriptor = Descriptor {
+            source,
+            alloc_size,
+            offset: base_offset + offset,
+            len,
+            dtype,
+            shape,
+            strides: None,
+            device_uuid: device.uuid(),
+            pid: std::process::id(),
+            event: None,
+            generation: Some(self.generation),
+        };
+        descriptor.validate()?;
+        Ok(Export { descriptor, fds })
+    }
+}
+
+/// Object-safe view of [`DeviceMemory`] for delegation.
+trait DeviceMemoryDyn {
+    fn device_dyn(&self) -> &Device;
+    fn stream_dyn(&self) -> &Arc<CudaStream>;
+    fn address_dyn(&self) -> u64;
+    fn len_dyn(&self) -> usize;
+}
+
+impl<M: DeviceMemory> DeviceMemoryDyn for M {
+    fn device_dyn(&self) -> &Device {
+        self.device()
+    }
+    fn stream_dyn(&self) -> &Arc<CudaStream> {
+        self.stream()
+    }
+    fn address_dyn(&self) -> u64 {
+        self.device_address()
+    }
+    fn len_dyn(&self) -> usize {
+        self.byte_len()
+    }
+}
+
+impl DeviceMemory for SharedBuffer {
+    fn device(&self) -> &Device {
+        self.memory().device_dyn()
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.memory().stream_dyn()
+    }
+    fn device_address(&self) -> u64 {
+        self.memory().address_dyn()
+    }
+    fn byte_len(&self) -> usize {
+        self.memory().len_dyn()
+    }
+}
+
+impl_cudarc_traits!(SharedBuffer, u8);
+
+/// An export: the descriptor and the file descriptors to hand over with it.
+///
+/// For fd mechanisms the descriptor's `fd` field is the number of the first
+/// descriptor in this process, valid while the `Export` lives (for
+/// `pidfd_getfd`). Over the channel, the descriptors travel themselves.
+#[derive(Debug)]
+pub struct Export {
+    /// The descriptor.
+    pub descriptor: Descriptor,
+    /// The file descriptors (none for legacy and fabric).
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Exports `len` bytes at `ptr`, device memory this process holds from any
+/// allocator: `cuMemAlloc` (legacy handle), a shareable memory pool (pool
+/// mechanism) or `cuMemCreate` with the file descriptor handle type (vmm).
+/// For example a cudarc slice, whichever allocator made it:
+/// `result::malloc_sync` memory works with legacy handles, and stream-ordered
+/// memory works when its pool is shareable; the device's default pool
+/// (cudarc's `CudaStream::alloc`) is not, and gets an error that says which
+/// allocator to use instead.
+#[doc(alias = "cuIpcGetMemHandle")]
+#[doc(alias = "cuMemPoolExportPointer")]
+#[doc(alias = "cuMemRetainAllocationHandle")]
+pub fn export_pointer(device: &Device, ptr: u64, len: u64, dtype: Dtype) -> Result<Export> {
+    let descriptor = |source, alloc_size, offset| Descriptor {
+        source,
+        alloc_size,
+        offset,
+        len,
+        dtype,
+        shape: None,
+        strides: None,
+        device_uuid: device.uuid(),
+        pid: std::process::id(),
+        event: None,
+        generation: Some(next_generation()),
+    };
+    let (d, fds) = match crate::legacy::export_pointer(device, ptr, len) {
+        Ok(e) => (
+            descriptor(Source::Legacy { handle: e.handle }, e.alloc_size, e.offset),
+            Vec::new(),
+        ),
+        Err(Error::StreamOrdered { .. }) => {
+            let (fd, data, base, size) = crate::pool::export_existing(device, ptr)?;
+            (
+                descriptor(
+                    Source::Pool {
+                        fd: fd.as_raw_fd(),
+                        ptr: data,
+                    },
+                    size,
+                    ptr - base,
+                ),
+                vec![fd],
+            )
+        }
+        Err(Error::Unsupported { .. }) => {
+            let (fd, base, size) = crate::vmm::export_existing(device, ptr)?;
+            (
+                descriptor(Source::Vmm { fd: fd.as_raw_fd() }, size, ptr - base),
+                vec![fd],
+            )
+        }
+        Err(e) => return Err(e),
+    };
+    d.validate()?;
+    Ok(Export { descriptor: d, fds })
+}
+
+/// Lets processes of the same user take file descriptors from this one with
+/// `pidfd_getfd` even where `kernel.yama.ptrace_scope` is 1 (Ubuntu's
+/// default), by naming any process as an allowed tracer
+/// (`PR_SET_PTRACER_ANY`). This widens who may ptrace this process to every
+/// process of the same user, so the command-line `export` calls it only for
+/// fd mechanisms; programs should prefer the channel.
+pub fn allow_fd_fetching() -> Result<()> {
+    rustix::process::set_ptracer(rustix::process::PTracer::Any).map_err(|e| {
+        Error::io(
+            "allowing other processes to fetch our file descriptors (prctl PR_SET_PTRACER)",
+            e.into(),
+        )
+    })
+}
+
+/// Takes a duplicate of file descriptor `fd` of process `pid` (`pidfd_getfd`).
+pub fn fetch_fd(pid: u32, fd: i32) -> Result<OwnedFd> {
+    let p = rustix::process::Pid::from_raw(pid as i32)
+        .ok_or_else(|| Error::arg("pid", format!("{pid} is not a process id")))?;
+    let pidfd =
+        rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).map_err(|e| {
+            let why = match e {
+                rustix::io::Errno::SRCH => "the exporting process has exited".to_string(),
+                rustix::io::Errno::NOSYS => {
+                    "this kernel has no pidfd_open (Linux 5.3+ needed); use the channel instead"
+                        .to_string()
+                }
+                e => e.to_string(),
+            };
+            Error::Unsupported {
+                what: "fetching the exporter's file descriptor",
+                why: format!("pidfd_open({pid}) failed: {why}"),
+            }
+        })?;
+    rustix::process::pidfd_getfd(&pidfd, fd, rustix::process::PidfdGetfdFlags::empty()).map_err(|e| {
+        let why = match e {
+            rustix::io::Errno::PERM => format!(
+                "not permitted to take descriptors from process {pid}: pidfd_getfd needs ptrace rights over it \
+                 (the same user, and kernel.yama.ptrace_scope 0, or the exporter allowing it, or CAP_SYS_PTRACE). \
+                 Containers often forbid it. Pass descriptors over the channel instead (cuda-ipc serve / attach)"
+            ),
+            rustix::io::Errno::BADF => format!("process {pid} has no open file descriptor {fd}: it closed the export"),
+            rustix::io::Errno::NOSYS => "this kernel has no pidfd_getfd (Linux 5.6+ needed); use the channel instead".into(),
+            e => e.to_string(),
+        };
+        Error::Unsupported {
+            what: "fetching the exporter's file descriptor",
+            why,
+        }
+    })
+}
+
+/// Maps the whole allocation a descriptor names. `fds` are the descriptors
+/// that travelled with it (over the channel); when empty for an fd
+/// mechanism, they are fetched from the exporter with `pidfd_getfd`.
+pub fn open_mapping(
+    device: &Device,
+    descriptor: &Descriptor,
+    fds: Vec<OwnedFd>,
+) -> Result<Arc<dyn Mapping>> {
+    descriptor.validate()?;
+    let mut fds = fds.into_iter();
+    let mut take_fd = |number: i32| -> Result<OwnedFd> {
+        match fds.next() {
+            Some(fd) => Ok(fd),
+            None => fetch_fd(descriptor.pid, number),
+        }
+    };
+    Ok(match descriptor.source {
+        Source::Legacy { handle } => {
+            let flags = if descriptor.device_uuid == device.uuid() {
+                OpenFlags::NONE
+            } else {
+                OpenFlags::LAZY_ENABLE_PEER_ACCESS
+            };
+            IpcMapping::open(device, handle, flags)?
+        }
+        Source::Vmm { fd } => VmmMapping::import_fd(device, take_fd(fd)?, descriptor.alloc_size)?,
+        Source::Fabric { handle } => {
+            VmmMapping::import_fabric(device, handle, descriptor.alloc_size)?
+        }
+        Source::Pool { fd, ptr } => {
+            let pool = ImportedPool::import(device, take_fd(fd)?)?;
+            pool.import_pointer(ptr, descriptor.alloc_size)?
+        }
+    })
+}
+
+/// Maps the exported bytes of a descriptor as a buffer of `T` and, if the
+/// descriptor carries an event, makes the buffer's stream wait on it.
+///
+/// `T`'s size must match the descriptor's element size, or be 1 (bytes).
+pub fn open<T: Pod>(
+    device: &Device,
+    descriptor: &Descriptor,
+    fds: Vec<OwnedFd>,
+) -> Result<MappedBuffer<T>> {
+    let size = std::mem::size_of::<T>() as u64;
+    if size != 1 && size != descriptor.dtype.size() {
+        return Err(Error::arg(
+            "element type",
+            format!(
+                "{} is {size} bytes but the descriptor holds {} ({} bytes)",
+                std::any::type_name::<T>(),
+                descriptor.dtype,
+                descriptor.dtype.size()
+            ),
+        ));
+    }
+    let mapping = open_mapping(device, descriptor, fds)?;
+    let buffer = MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.len)?;
+    if let Some(handle) = descriptor.event {
+        let event = IpcEvent::open(device, handle)?;
+        event.wait_on(buffer.stream())?;
+    }
+    Ok(buffer)
+}

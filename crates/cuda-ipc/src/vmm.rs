@@ -1,0 +1,475 @@
+//! VMM allocations (`cuMemCreate`) shared as POSIX file descriptors or
+//! fabric handles.
+//!
+//! The exporter creates physical memory whose shareable handle type is a
+//! file descriptor (and, where the system allows, a fabric handle), maps it
+//! into its own address space and exports a descriptor per consumer. A file
+//! descriptor is a capability: only a process we hand it to (over a Unix
+//! socket, with SCM_RIGHTS) can map the memory, unlike a legacy handle.
+//!
+//! # Who owns each file descriptor
+//! - [`VmmBuffer::export_fd`] returns a new descriptor each call, owned by
+//!   the caller (an `OwnedFd`): send it, then drop it. It keeps the physical
+//!   memory alive only while someone holds it or a mapping made from it.
+//! - [`VmmMapping::import_fd`] takes the descriptor by value: the driver does
+//!   not take it over (unlike `cuImportExternalMemory`), so we close it as
+//!   soon as the import is done. The mapping keeps the memory alive.
+//! - Each mapping keeps the physical memory alive until it is unmapped, even
+//!   after the exporter released it: dropping the exporter's [`VmmBuffer`]
+//!   does not pull memory from under a consumer.
+#![allow(unsafe_code)]
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, sys};
+
+use crate::buffer::Mapping;
+use crate::descriptor::Mechanism;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::handle::FabricHandle;
+use crate::memory::{DeviceMemory, impl_cudarc_traits};
+use crate::result::vmm::{self, HandleType};
+use crate::units::round_up;
+
+/// The handle types a VMM allocation can be exported as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ShareableTypes {
+    /// POSIX file descriptors (one host).
+    pub posix_fd: bool,
+    /// Fabric handles (an NVLink domain with IMEX).
+    pub fabric: bool,
+}
+
+impl ShareableTypes {
+    /// File descriptors only.
+    pub const FD: ShareableTypes = ShareableTypes {
+        posix_fd: true,
+        fabric: false,
+    };
+    /// File descriptors and fabric handles.
+    pub const FD_AND_FABRIC: ShareableTypes = ShareableTypes {
+        posix_fd: true,
+        fabric: true,
+    };
+
+    fn to_sys(self) -> HandleType {
+        let mut bits = 0;
+        if self.posix_fd {
+            bits |= HandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0;
+        }
+        if self.fabric {
+            bits |= HandleType::CU_MEM_HANDLE_TYPE_FABRIC.0;
+        }
+        sys::CUmemAllocationHandleType_enum(bits)
+    }
+}
+
+/// Where IMEX channels appear when a fabric-capable system is set up.
+const IMEX_CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
+
+fn fabric_unavailable(e: &Error) -> Option<Error> {
+    (e.driver_code() == Some(800) || e.driver_code() == Some(801)).then(|| {
+        let channels = std::path::Path::new(IMEX_CHANNELS).exists();
+        Error::Unsupported {
+            what: "fabric handles",
+            why: if channels {
+                format!(
+                    "the driver refused the fabric handle type ({e}) although {IMEX_CHANNELS} exists; \
+                     check that the nvidia-imex service runs and that this process may open a channel"
+                )
+            } else {
+                format!(
+                    "the driver refused the fabric handle type ({e}): there is no IMEX channel \
+                     ({IMEX_CHANNELS} is missing). Fabric handles need a multi-node NVLink system \
+                     with the nvidia-imex service; on one machine use the vmm (file descriptor) mechanism"
+                )
+            },
+        }
+    })
+}
+
+/// The allocation granularity for `device` with these handle types.
+#[doc(alias = "cuMemGetAllocationGranularity")]
+pub fn granularity(device: &Device, types: ShareableTypes) -> Result<u64> {
+    device.bind()?;
+    vmm::granularity(&vmm::device_prop(device.ordinal() as i32, types.to_sys()))
+}
+
+/// Physical device memory from `cuMemCreate`, mapped read-write into this
+/// process and exportable as file descriptors (and fabric handles).
+#[derive(Debug)]
+pub struct VmmBuffer {
+    device: Device,
+    stream: Arc<CudaStream>,
+    handle: sys::CUmemGenericAllocationHandle,
+    ptr: u64,
+    alloc_size: u64,
+    len: usize,
+    types: ShareableTypes,
+}
+
+// SAFETY: the buffer owns a physical allocation and its mapping, usable from
+// any thread; every driver call binds the context first.
+unsafe impl Send for VmmBuffer {}
+// SAFETY: as above; `&self` methods only read fields or issue driver calls.
+unsafe impl Sync for VmmBuffer {}
+
+impl VmmBuffer {
+    /// Allocates `len` bytes (rounded up to the granularity, 2 MiB on
+    /// current GPUs) exportable as file descriptors.
+    pub fn alloc(device: &Device, len: usize) -> Result<Self> {
+        Self::alloc_with(device, len, ShareableTypes::FD)
+    }
+
+    /// Allocates with the given shareable handle types. Asking for fabric
+    /// handles where the system has no IMEX channel is
+    /// [`Error::Unsupported`] with the reason.
+    #[doc(alias = "cuMemCreate")]
+    #[doc(alias = "cuMemMap")]
+    pub fn alloc_with(device: &Device, len: usize, types: ShareableTypes) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::arg(
+                "size",
+                "cannot share an empty buffer; ask for at least one byte",
+            ));
+        }
+        device.bind()?;
+        let ordinal = device.ordinal() as i32;
+        let prop = vmm::device_prop(ordinal, types.to_sys());
+        let gran = vmm::granularity(&prop)?;
+        let alloc_size = round_up(len as u64, gran)
+            .ok_or_else(|| Error::arg("size", format!("{len} bytes is too large")))?;
+        let handle = vmm::create(alloc_size, &prop).map_err(|e| {
+            if types.fabric {
+                fabric_unavailable(&e).unwrap_or(e)
+            } else {
+                e
+            }
+        })?;
+        let ptr = match map_rw(handle, alloc_size, gran, ordinal) {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: created above, not mapped, released once.
+                let _ = unsafe { vmm::release(handle) };
+                return Err(e);
+            }
+        };
+        Ok(VmmBuffer {
+            device: device.clone(),
+            stream: device.stream().clone(),
+            handle,
+            ptr,
+            alloc_size,
+            len,
+            types,
+        })
+    }
+
+    /// Uses `stream` (of the same device) for this buffer's copies and kernels.
+    #[must_use]
+    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
+        self.stream = stream;
+        self
+    }
+
+    /// The requested length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: empty buffers are refused at allocation.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The size of the physical allocation (a multiple of the granularity).
+    pub fn alloc_size(&self) -> u64 {
+        self.alloc_size
+    }
+
+    /// A new file descriptor for the allocation, owned by the caller.
+    #[doc(alias = "cuMemExportToShareableHandle")]
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        if !self.types.posix_fd {
+            return Err(Error::arg(
+                "handle type",
+                "this buffer was allocated without the file descriptor handle type",
+            ));
+        }
+        self.device.bind()?;
+        vmm::export_fd(self.handle)
+    }
+
+    /// The allocation's fabric handle.
+    #[doc(alias = "cuMemExportToShareableHandle")]
+    pub fn export_fabric(&self) -> Result<FabricHandle> {
+        if !self.types.fabric {
+            return Err(Error::arg(
+                "handle type",
+                "this buffer was allocated without the fabric handle type; use VmmBuffer::alloc_with(.., ShareableTypes::FD_AND_FABRIC)",
+            ));
+        }
+        self.device.bind()?;
+        vmm::export_fabric(self.handle).map_err(|e| fabric_unavailable(&e).unwrap_or(e))
+    }
+}
+
+/// Exports the VMM allocation mapped at `ptr` (made by anyone in this
+/// process with the file descriptor handle type): a new descriptor, the
+/// mapping's base and the allocation's size.
+pub(crate) fn export_existing(device: &Device, ptr: u64) -> Result<(OwnedFd, u64, u64)> {
+    device.bind()?;
+    let handle = vmm::retain_allocation_handle(ptr).map_err(|e| Error::Unsupported {
+        what: "sharing this memory",
+        why: format!(
+            "the memory at {ptr:#x} is neither from cuMemAlloc, nor from a memory pool, nor a VMM allocation ({e})"
+        ),
+    })?;
+    let range = crate::result::mem::address_range(ptr);
+    let fd = vmm::export_fd(handle);
+    // SAFETY: retained above, released once; the mapping keeps the memory.
+    let _ = unsafe { vmm::release(handle) };
+    let (base, size) = range?;
+    let fd = fd.map_err(|e| Error::Unsupported {
+        what: "sharing this VMM allocation",
+        why: format!("it was not created with the POSIX file descriptor handle type ({e})"),
+    })?;
+    Ok((fd, base, size))
+}
+
+/// Reserves an address range, maps `handle` into it and grants `device`
+/// read-write access; undoes everything on failure.
+fn map_rw(
+    handle: sys::CUmemGenericAllocationHandle,
+    size: u64,
+    align: u64,
+    device: i32,
+) -> Result<u64> {
+    map_segments_rw(&[handle], size, align, device)
+}
+
+/// Maps `handles`, each of `segment` bytes, back to back into one reserved
+/// range, read-write for `device`; undoes everything on failure.
+fn map_segments_rw(
+    handles: &[sys::CUmemGenericAllocationHandle],
+    segment: u64,
+    align: u64,
+    device: i32,
+) -> Result<u64> {
+    let total = segment * handles.len() as u64;
+    let ptr = vmm::address_reserve(total, align)?;
+    let mut mapped = 0;
+    let result = (|| {
+        for (i, h) in handles.iter().enumerate() {
+            // SAFETY: the range was reserved above and segment i is unmapped.
+            unsafe { vmm::map(ptr + i as u64 * segment, segment, *h) }?;
+            mapped += 1;
+        }
+        // SAFETY: the whole range is mapped.
+        unsafe { vmm::set_access_rw(ptr, total, &[device]) }
+    })();
+    if let Err(e) = result {
+        for i in 0..mapped {
+            // SAFETY: segment i was mapped above and nothing used it.
+            let _ = unsafe { vmm::unmap(ptr + i as u64 * segment, segment) };
+        }
+        // SAFETY: reserved above, now unmapped.
+        let _ = unsafe { vmm::address_free(ptr, total) };
+        return Err(e);
+    }
+    Ok(ptr)
+}
+
+impl DeviceMemory for VmmBuffer {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    fn device_address(&self) -> u64 {
+        self.ptr
+    }
+    fn byte_len(&self) -> usize {
+        self.len
+    }
+}
+
+impl_cudarc_traits!(VmmBuffer, u8);
+
+impl Drop for VmmBuffer {
+    fn drop(&mut self) {
+        // Errors cannot be raised from drop: our stream's work is finished
+        // first; if the context is broken its teardown frees everything.
+        let _ = self.device.bind();
+        let _ = self.stream.synchronize();
+        // SAFETY: mapped, reserved and created in `alloc_with`; undone once,
+        // in reverse order. Consumers' mappings keep the memory alive.
+        unsafe {
+            let _ = vmm::unmap(self.ptr, self.alloc_size);
+            let _ = vmm::address_free(self.ptr, self.alloc_size);
+            let _ = vmm::release(self.handle);
+        }
+    }
+}
+
+/// Memory of another process's VMM allocation, imported and mapped here.
+/// Unmapped (and its address range freed) on drop.
+#[derive(Debug)]
+pub struct VmmMapping {
+    device: Device,
+    ptr: u64,
+    size: u64,
+    /// Each imported allocation is mapped as one segment of this size.
+    segment: u64,
+    mechanism: Mechanism,
+}
+
+// SAFETY: a mapping is a process-wide address range; calls bind the context first.
+unsafe impl Send for VmmMapping {}
+// SAFETY: as above.
+unsafe impl Sync for VmmMapping {}
+
+impl VmmMapping {
+    /// Imports the allocation behind `fd` (of `size` bytes, the exporter's
+    /// allocation size) and maps it read-write on `device`. Closes `fd`.
+    #[doc(alias = "cuMemImportFromShareableHandle")]
+    pub fn import_fd(device: &Device, fd: OwnedFd, size: u64) -> Result<Arc<Self>> {
+        Self::import_segments(device, vec![fd], size)
+    }
+
+    /// Imports several allocations of `segment` bytes each and maps them
+    /// back to back (PyTorch's expandable segments share memory this way).
+    /// Closes every descriptor.
+    pub fn import_segments(device: &Device, fds: Vec<OwnedFd>, segment: u64) -> Result<Arc<Self>> {
+        if fds.is_empty() || segment == 0 {
+            return Err(Error::arg(
+                "VMM import",
+                "needs at least one file descriptor and a non-zero size",
+            ));
+        }
+        device.bind()?;
+        let ordinal = device.ordinal() as i32;
+        let gran = vmm::granularity(&vmm::device_prop(ordinal, ShareableTypes::FD.to_sys()))?;
+        if !segment.is_multiple_of(gran) {
+            return Err(Error::arg(
+                "VMM import size",
+                format!(
+                    "{segment} bytes is not a multiple of the {gran}-byte granularity; pass the exporter's allocation size"
+                ),
+            ));
+        }
+        let mut handles = Vec::with_capacity(fds.len());
+        for fd in &fds {
+            match vmm::import_fd(fd.as_fd()) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    release_all(&handles);
+                    return Err(e);
+                }
+            }
+        }
+        // The driver did not take the descriptors: close them now.
+        drop(fds);
+        Self::map_imported(device, &handles, segment, gran, Mechanism::Vmm)
+    }
+
+    /// Imports a fabric handle of `size` bytes and maps it read-write on `device`.
+    #[doc(alias = "cuMemImportFromShareableHandle")]
+    pub fn import_fabric(device: &Device, handle: FabricHandle, size: u64) -> Result<Arc<Self>> {
+        if handle.is_zero() {
+            return Err(Error::InvalidHandle {
+                what: FabricHandle::WHAT,
+                reason: "all 64 bytes are zero, which no driver issues".into(),
+            });
+        }
+        device.bind()?;
+        let ordinal = device.ordinal() as i32;
+        let gran = vmm::granularity(&vmm::device_prop(
+            ordinal,
+            ShareableTypes::FD_AND_FABRIC.to_sys(),
+        ))?;
+        if size == 0 || !size.is_multiple_of(gran) {
+            return Err(Error::arg(
+                "fabric import size",
+                format!("{size} bytes is not a positive multiple of {gran}"),
+            ));
+        }
+        let h = vmm::import_fabric(handle).map_err(|e| fabric_unavailable(&e).unwrap_or(e))?;
+        Self::map_imported(device, &[h], size, gran, Mechanism::Fabric)
+    }
+
+    fn map_imported(
+        device: &Device,
+        handles: &[sys::CUmemGenericAllocationHandle],
+        segment: u64,
+        gran: u64,
+        mechanism: Mechanism,
+    ) -> Result<Arc<Self>> {
+        let mapped = map_segments_rw(handles, segment, gran, device.ordinal() as i32);
+        // The mapping keeps the physical memory alive: release our handles
+        // whether or not mapping worked.
+        release_all(handles);
+        let ptr = mapped?;
+        Ok(Arc::new(VmmMapping {
+            device: device.clone(),
+            ptr,
+            size: segment * handles.len() as u64,
+            segment,
+            mechanism,
+        }))
+    }
+
+    /// Grants `peer` read-write access to this mapping too (another device
+    /// of this process, with peer access to the memory's device).
+    #[doc(alias = "cuMemSetAccess")]
+    pub fn grant_access(&self, peer: &Device) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: the range is mapped for as long as `self` lives.
+        unsafe { vmm::set_access_rw(self.ptr, self.size, &[peer.ordinal() as i32]) }
+    }
+}
+
+fn release_all(handles: &[sys::CUmemGenericAllocationHandle]) {
+    for h in handles {
+        // SAFETY: each was imported once and is released once; errors mean
+        // the handle is already gone.
+        let _ = unsafe { vmm::release(*h) };
+    }
+}
+
+impl Mapping for VmmMapping {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn base(&self) -> u64 {
+        self.ptr
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn mechanism(&self) -> Mechanism {
+        self.mechanism
+    }
+}
+
+impl Drop for VmmMapping {
+    fn drop(&mut self) {
+        // Errors cannot be raised from drop; the device's stream is finished
+        // first so that nothing queued there uses the range after unmapping.
+        let _ = self.device.bind();
+        let _ = self.device.stream().synchronize();
+        // SAFETY: mapped segment by segment and reserved in `map_imported`,
+        // undone once (cuMemUnmap takes whole mappings).
+        unsafe {
+            let mut at = self.ptr;
+            while at < self.ptr + self.size {
+                let _ = vmm::unmap(at, self.segment);
+                at += self.segment;
+            }
+            let _ = vmm::address_free(self.ptr, self.size);
+        }
+    }
+}
