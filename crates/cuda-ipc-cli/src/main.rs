@@ -1,1 +1,102 @@
-fn main() {}
+//! `cuda-ipc`: share CUDA device memory between processes from the command
+//! line. A thin front over the `cuda-ipc` library.
+//!
+//! Exit codes (scripts rely on them):
+//! - 0: success;
+//! - 1: the data did not match what was expected;
+//! - 2: bad input or usage;
+//! - 3: no driver, no device, or the feature is unsupported here;
+//! - 4: another failure at run time (a driver or system call failed).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use cuda_ipc::ErrorKind;
+
+mod cmd;
+mod lines;
+
+/// Share CUDA device memory between processes without copying.
+#[derive(Parser, Debug)]
+#[command(name = "cuda-ipc", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Show the driver, the devices and which sharing mechanisms work here.
+    Info(cmd::info::Args),
+    /// Run a producer and a consumer process that share a buffer, and check
+    /// the data both ways.
+    Demo(cmd::demo::Args),
+    /// Allocate and fill a buffer, print its descriptor, and keep it alive
+    /// until standard input ends.
+    Export(cmd::export::Args),
+    /// Map memory another process exported, check it, and optionally fill it.
+    Open(cmd::open::Args),
+    /// (internal) The consumer side of `demo`.
+    #[command(name = "__demo-consumer", hide = true)]
+    DemoConsumer(cmd::demo::ConsumerArgs),
+    /// (internal) Opens a legacy handle for `info`'s probe.
+    #[command(name = "__probe-open", hide = true)]
+    ProbeOpen(cmd::info::ProbeOpenArgs),
+}
+
+/// The outcome of a command that ran to completion.
+pub enum Outcome {
+    /// Everything checked out.
+    Ok,
+    /// The data did not match.
+    Mismatch,
+}
+
+/// Exit code for a data mismatch.
+pub const EXIT_MISMATCH: u8 = 1;
+/// Exit code for bad input or usage.
+pub const EXIT_USAGE: u8 = 2;
+/// Exit code for a missing driver or device, or an unsupported feature.
+pub const EXIT_UNAVAILABLE: u8 = 3;
+/// Exit code for other run-time failures.
+pub const EXIT_FAILED: u8 = 4;
+
+/// The exit code for a library error.
+pub fn exit_code(e: &cuda_ipc::Error) -> u8 {
+    match e.kind() {
+        ErrorKind::Unavailable => EXIT_UNAVAILABLE,
+        ErrorKind::InvalidInput => EXIT_USAGE,
+        _ => EXIT_FAILED,
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    let result = match cli.command {
+        Command::Info(a) => cmd::info::run(&a),
+        Command::Demo(a) => cmd::demo::run(&a),
+        Command::Export(a) => cmd::export::run(&a),
+        Command::Open(a) => cmd::open::run(&a),
+        Command::DemoConsumer(a) => cmd::demo::consumer(&a),
+        Command::ProbeOpen(a) => cmd::info::probe_open(&a),
+    };
+    match result {
+        Ok(Outcome::Ok) => ExitCode::SUCCESS,
+        Ok(Outcome::Mismatch) => ExitCode::from(EXIT_MISMATCH),
+        Err(e) => {
+            eprintln!("cuda-ipc: error: {e}");
+            ExitCode::from(exit_code(&e))
+        }
+    }
+}
+
+/// Logging is off unless `CUDA_IPC_LOG` is set (for example `CUDA_IPC_LOG=debug`).
+fn init_tracing() {
+    if let Ok(filter) = std::env::var("CUDA_IPC_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+}

@@ -43,6 +43,8 @@ pub mod units;
 pub mod vmm;
 
 pub use buffer::{MappedBuffer, Mapping};
+/// The cudarc version this crate is built on, for matching types.
+pub use cudarc;
 pub use descriptor::{Descriptor, Dtype, Mechanism};
 pub use device::Device;
 pub use error::{Error, ErrorKind, Result};

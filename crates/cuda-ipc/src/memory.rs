@@ -100,6 +100,29 @@ pub trait DeviceMemory {
         }
     }
 
+    /// Waits until the work queued on [`DeviceMemory::stream`] is done.
+    #[doc(alias = "cuStreamSynchronize")]
+    fn synchronize(&self) -> Result<()> {
+        self.device().bind()?;
+        // SAFETY: the stream is live for as long as the memory.
+        unsafe { rstream::synchronize(self.stream().cu_stream()) }
+    }
+
+    /// A view of `len` bytes starting `offset` bytes into this memory.
+    fn region(&self, offset: u64, len: u64) -> Result<Region<'_, Self>>
+    where
+        Self: Sized,
+    {
+        if offset.checked_add(len).is_none_or(|end| end > self.byte_len() as u64) {
+            return Err(Error::OutOfBounds {
+                offset,
+                len,
+                size: self.byte_len() as u64,
+            });
+        }
+        Ok(Region { of: self, offset, len })
+    }
+
     /// Queues a device-to-device copy of all of `src` into this memory on
     /// [`DeviceMemory::stream`] (the lengths must match). Does not wait.
     #[doc(alias = "cuMemcpyDtoDAsync")]
@@ -118,6 +141,30 @@ pub trait DeviceMemory {
                 self.stream().cu_stream(),
             )
         }
+    }
+}
+
+/// A byte range of some [`DeviceMemory`], itself usable as device memory
+/// (made by [`DeviceMemory::region`]).
+#[derive(Debug)]
+pub struct Region<'a, M: DeviceMemory> {
+    of: &'a M,
+    offset: u64,
+    len: u64,
+}
+
+impl<M: DeviceMemory> DeviceMemory for Region<'_, M> {
+    fn device(&self) -> &Device {
+        self.of.device()
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.of.stream()
+    }
+    fn device_address(&self) -> u64 {
+        self.of.device_address() + self.offset
+    }
+    fn byte_len(&self) -> usize {
+        self.len as usize
     }
 }
 

@@ -1,0 +1,263 @@
+//! `cuda-ipc demo`: a producer and a consumer process share a buffer.
+//!
+//! The producer fills the buffer on the GPU with a ramp, records an
+//! interprocess event and exports the buffer. The consumer maps it, waits on
+//! the producer's event, checks every value, transforms every value
+//! (`x -> 2x + 1`) with a kernel and records its own event. The producer
+//! waits on that event and checks every value again. Both directions are
+//! checked element by element; each step is timed.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cuda_ipc::kernels::{self, Pattern, Speed};
+use cuda_ipc::share::{self, SharedBuffer};
+use cuda_ipc::{
+    Descriptor, Device, DeviceMemory, Dtype, Error, IpcEvent, IpcEventHandle, MappedBuffer,
+    Mechanism,
+};
+use serde_json::{Value, json};
+
+use crate::Outcome;
+use crate::lines::{self, LineReader, field};
+
+/// Arguments of `demo`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// How much memory to share (4096, 64MiB, 1GiB, ...).
+    #[arg(long, value_parser = super::parse_size, default_value = "64MiB")]
+    pub size: u64,
+    /// How to share: auto, legacy, vmm, pool or fabric.
+    #[arg(long, value_parser = super::parse_mechanism, default_value = "auto")]
+    pub mechanism: Option<Mechanism>,
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+}
+
+/// Arguments of the hidden consumer.
+#[derive(clap::Args, Debug)]
+pub struct ConsumerArgs {
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+}
+
+const PATTERN: Pattern = Pattern::ramp(0xC0DA_0000, 1);
+const MUL: u32 = 2;
+const ADD: u32 = 1;
+const CHILD_TIMEOUT: Duration = Duration::from_secs(120);
+
+struct Steps(Vec<(&'static str, String, f64)>);
+
+impl Steps {
+    fn add(&mut self, who: &'static str, what: impl Into<String>, ms: f64) {
+        self.0.push((who, what.into(), ms));
+    }
+}
+
+pub fn run(args: &Args) -> Result<Outcome, Error> {
+    if args.size == 0 || !args.size.is_multiple_of(4) {
+        return Err(Error::InvalidArgument {
+            what: "size",
+            reason: format!(
+                "{} is not a positive multiple of 4 bytes (the demo shares 32-bit values)",
+                args.size
+            ),
+        });
+    }
+    let words = args.size / 4;
+    let mut steps = Steps(Vec::new());
+
+    let t = Instant::now();
+    let device = Device::open(args.device)?;
+    let caps = device.capabilities()?;
+    steps.add(
+        "producer",
+        "start CUDA and open the device",
+        super::ms_since(t),
+    );
+
+    let t = Instant::now();
+    let buffer = SharedBuffer::alloc(&device, args.size as usize, args.mechanism)?;
+    let mechanism = buffer.mechanism();
+    steps.add(
+        "producer",
+        format!("allocate {} ({mechanism})", super::human(args.size)),
+        super::ms_since(t),
+    );
+
+    let t = Instant::now();
+    kernels::fill_u32(buffer.stream(), &buffer, PATTERN, Speed::Full)?;
+    let ready = IpcEvent::new(&device)?;
+    ready.record(buffer.stream())?;
+    steps.add(
+        "producer",
+        "queue the fill kernel and record an event",
+        super::ms_since(t),
+    );
+
+    let t = Instant::now();
+    if mechanism.uses_fd() {
+        share::allow_fd_fetching()?;
+    }
+    let mut export = buffer.export_region(0, args.size, Dtype::U32, Some(vec![words]))?;
+    export.descriptor.event = Some(ready.handle()?);
+    steps.add(
+        "producer",
+        "export the buffer and the event",
+        super::ms_since(t),
+    );
+
+    println!(
+        "cuda-ipc demo: sharing {} between two processes on GPU {} ({}) with the {mechanism} mechanism",
+        super::human(args.size),
+        caps.ordinal,
+        caps.name
+    );
+
+    let t = Instant::now();
+    let exe = std::env::current_exe().map_err(|e| Error::Io {
+        context: "finding our own executable".into(),
+        source: e,
+    })?;
+    let mut child = Command::new(exe)
+        .args(["__demo-consumer", "--device", &args.device.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::Io {
+            context: "starting the consumer process".into(),
+            source: e,
+        })?;
+    let mut to_child = child.stdin.take().expect("piped");
+    let from_child = LineReader::new(child.stdout.take().expect("piped"), "consumer process");
+    let outcome = (|| -> Result<Outcome, Error> {
+        lines::send(
+            &mut to_child,
+            &json!({ "descriptor": export.descriptor.to_value() }),
+        )?;
+        let reply = from_child.next(CHILD_TIMEOUT)?;
+        steps.add(
+            "both",
+            "spawn the consumer and exchange descriptors",
+            super::ms_since(t),
+        );
+        if let Some(err) = reply.get("error") {
+            return Err(Error::InvalidArgument {
+                what: "consumer",
+                reason: err.as_str().unwrap_or("failed").to_string(),
+            });
+        }
+        for step in field(&reply, "steps")?.as_array().into_iter().flatten() {
+            let name = step["what"].as_str().unwrap_or("?").to_string();
+            steps.add("consumer", name, step["ms"].as_f64().unwrap_or(f64::NAN));
+        }
+        if reply["mismatch"].is_u64() {
+            println!(
+                "consumer saw word {} differ from what the producer wrote",
+                reply["mismatch"]
+            );
+            return Ok(Outcome::Mismatch);
+        }
+        let handle: IpcEventHandle = field(&reply, "event")?
+            .as_str()
+            .unwrap_or_default()
+            .parse()?;
+
+        let t = Instant::now();
+        let done = IpcEvent::open(&device, handle)?;
+        done.wait_on(buffer.stream())?;
+        let bad = kernels::check_u32(buffer.stream(), &buffer, PATTERN.mapped(MUL, ADD))?;
+        steps.add(
+            "producer",
+            format!("wait on the consumer's event and check {words} values"),
+            super::ms_since(t),
+        );
+        drop(done);
+        lines::send(&mut to_child, &json!({ "bye": true }))?;
+        Ok(match bad {
+            None => Outcome::Ok,
+            Some(i) => {
+                println!("producer saw word {i} differ from what the consumer wrote");
+                Outcome::Mismatch
+            }
+        })
+    })();
+    drop(to_child);
+    let status = child.wait().map_err(|e| Error::Io {
+        context: "waiting for the consumer".into(),
+        source: e,
+    })?;
+    for (who, what, ms) in &steps.0 {
+        println!("  {who:<9} {what:<52} {ms:>10.3} ms");
+    }
+    let outcome = outcome?;
+    if !status.success() {
+        println!("FAILED: the consumer process exited with {status}");
+        return Ok(Outcome::Mismatch);
+    }
+    match outcome {
+        Outcome::Ok => println!(
+            "OK: both processes saw each other's writes ({words} values checked in each direction, no copy)"
+        ),
+        Outcome::Mismatch => println!("FAILED: the data did not match"),
+    }
+    drop(export);
+    drop(buffer);
+    Ok(outcome)
+}
+
+/// What the consumer keeps until the producer has waited on its event.
+type Kept = (IpcEvent, MappedBuffer<u32>);
+
+/// The consumer process of the demo.
+pub fn consumer(args: &ConsumerArgs) -> Result<Outcome, Error> {
+    let mut out = std::io::stdout().lock();
+    let input = LineReader::new(std::io::stdin(), "producer process");
+    let reply = (|| -> Result<(Value, Option<Kept>), Error> {
+        let mut steps = Vec::new();
+        let msg = input.next(CHILD_TIMEOUT)?;
+        let descriptor = Descriptor::from_value(field(&msg, "descriptor")?)?;
+
+        let t = Instant::now();
+        let device = Device::open(args.device)?;
+        steps.push(json!({ "what": "start CUDA and open the device", "ms": super::ms_since(t) }));
+
+        let t = Instant::now();
+        let buffer = share::open::<u32>(&device, &descriptor, Vec::new())?;
+        steps.push(json!({ "what": format!("map the buffer ({}) and wait on the event", descriptor.mechanism()), "ms": super::ms_since(t) }));
+
+        let t = Instant::now();
+        let bad = kernels::check_u32(buffer.stream(), &buffer, PATTERN)?;
+        steps.push(
+            json!({ "what": format!("check {} values", buffer.len()), "ms": super::ms_since(t) }),
+        );
+        if let Some(i) = bad {
+            return Ok((json!({ "steps": steps, "mismatch": i }), None));
+        }
+
+        let t = Instant::now();
+        kernels::map_u32(buffer.stream(), &buffer, MUL, ADD)?;
+        let done = IpcEvent::new(&device)?;
+        done.record(buffer.stream())?;
+        let handle = done.handle()?;
+        steps.push(json!({ "what": "queue x -> 2x+1 on every value, record an event", "ms": super::ms_since(t) }));
+        // The mapping and the event stay until the producer has waited on the event.
+        Ok((
+            json!({ "steps": steps, "event": handle.to_hex() }),
+            Some((done, buffer)),
+        ))
+    })();
+    let (value, keep) = match reply {
+        Ok(r) => r,
+        Err(e) => (json!({ "error": e.to_string() }), None),
+    };
+    lines::send(&mut out, &value)?;
+    if keep.is_some() {
+        // Wait for the producer's goodbye (or its exit) before letting go.
+        let _ = input.next(CHILD_TIMEOUT);
+    }
+    drop(keep);
+    Ok(Outcome::Ok)
+}

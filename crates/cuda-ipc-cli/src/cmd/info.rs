@@ -1,0 +1,370 @@
+//! `cuda-ipc info`: the driver, the devices, which sharing mechanisms the
+//! driver claims and which actually work (tried between two processes), and
+//! what in this environment gets in the way, with the fix.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cuda_ipc::device::{Capabilities, ComputeMode, SystemInfo};
+use cuda_ipc::kernels::{self, Pattern, Speed};
+use cuda_ipc::share::{self, SharedBuffer};
+use cuda_ipc::{Descriptor, Device, DeviceMemory, Dtype, Error, Mechanism};
+use serde_json::{Value, json};
+
+use crate::Outcome;
+use crate::lines::{self, LineReader};
+
+/// Arguments of `info`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Print one JSON document instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Only read attributes; do not try the mechanisms between two processes.
+    #[arg(long)]
+    pub no_probe: bool,
+}
+
+/// Arguments of the hidden probe child.
+#[derive(clap::Args, Debug)]
+pub struct ProbeOpenArgs {
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+}
+
+const PROBE_BYTES: u64 = 2 << 20;
+const PROBE_PATTERN: Pattern = Pattern::ramp(0x1234_5678, 1);
+
+pub fn run(args: &Args) -> Result<Outcome, Error> {
+    let env = environment();
+    let system = match SystemInfo::query() {
+        Ok(s) => s,
+        Err(e) => {
+            if args.json {
+                println!("{}", json!({ "error": e.to_string(), "environment": env }));
+            } else {
+                println!("CUDA driver: not usable");
+                println!("  {e}");
+                print_environment(&env);
+            }
+            return Err(e);
+        }
+    };
+    let mut devices = Vec::new();
+    for caps in &system.devices {
+        let probes = if args.no_probe {
+            Value::Null
+        } else {
+            probe_device(caps)
+        };
+        devices.push((caps, probes));
+    }
+    if args.json {
+        let list: Vec<Value> = devices
+            .iter()
+            .map(|(caps, probes)| {
+                let mut v = serde_json::to_value(caps).unwrap_or(Value::Null);
+                v["probes"] = probes.clone();
+                v["advice"] = json!(device_advice(caps));
+                v
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({ "driver_version": system.driver_version.to_string(), "devices": list, "environment": env })
+        );
+    } else {
+        println!(
+            "CUDA driver: {} (libcuda.so.1 loaded)",
+            system.driver_version
+        );
+        if devices.is_empty() {
+            println!("  no devices");
+        }
+        for (caps, probes) in &devices {
+            print_device(caps, probes);
+        }
+        print_environment(&env);
+    }
+    Ok(Outcome::Ok)
+}
+
+fn yes(b: bool) -> &'static str {
+    if b { "yes" } else { "no" }
+}
+
+fn print_device(caps: &Capabilities, probes: &Value) {
+    println!(
+        "device {}: {}  {}  PCI {}  compute capability {}.{}  {}  compute mode {:?}",
+        caps.ordinal,
+        caps.name,
+        caps.uuid,
+        caps.pci_bus_id,
+        caps.compute_capability.0,
+        caps.compute_capability.1,
+        super::human(caps.total_memory),
+        caps.compute_mode
+    );
+    let rows = [
+        (Mechanism::Legacy, "legacy IPC handles", caps.legacy_ipc),
+        (
+            Mechanism::Vmm,
+            "VMM file descriptors",
+            caps.vmm && caps.posix_fd,
+        ),
+        (
+            Mechanism::Pool,
+            "memory pools (fd)",
+            caps.memory_pools && caps.mempool_handle_types & 1 != 0,
+        ),
+        (Mechanism::Fabric, "fabric handles", caps.fabric),
+    ];
+    println!(
+        "  {:<22} {:<8} tried between two processes",
+        "mechanism", "claimed"
+    );
+    for (m, label, claimed) in rows {
+        let tried = match probes.get(m.name()) {
+            None => "not tried".to_string(),
+            Some(p) if p["works"] == true => format!(
+                "works (export {:.3} ms, open in another process {:.3} ms, data checked)",
+                p["export_ms"].as_f64().unwrap_or(f64::NAN),
+                p["open_ms"].as_f64().unwrap_or(f64::NAN)
+            ),
+            Some(p) => format!("fails: {}", p["error"].as_str().unwrap_or("?")),
+        };
+        println!("  {label:<22} {:<8} {tried}", yes(claimed));
+    }
+    println!(
+        "  unified addressing {}, IPC events {}, VMM {}, memory pools {}",
+        yes(caps.unified_addressing),
+        yes(caps.ipc_events),
+        yes(caps.vmm),
+        yes(caps.memory_pools)
+    );
+    for advice in device_advice(caps) {
+        println!("  note: {advice}");
+    }
+}
+
+fn device_advice(caps: &Capabilities) -> Vec<String> {
+    let mut out = Vec::new();
+    match caps.compute_mode {
+        ComputeMode::Default => {}
+        ComputeMode::ExclusiveProcess => out.push(
+            "exclusive-process compute mode: only one process may use this GPU, so a consumer cannot map the producer's \
+             memory. An administrator can run `nvidia-smi -i N -c DEFAULT`."
+                .into(),
+        ),
+        ComputeMode::Prohibited => out.push(
+            "prohibited compute mode: no process may use this GPU. An administrator can run `nvidia-smi -i N -c DEFAULT`."
+                .into(),
+        ),
+        ComputeMode::Other(v) => out.push(format!("unknown compute mode {v}")),
+    }
+    if !caps.unified_addressing {
+        out.push("no unified addressing: legacy IPC is impossible on this device".into());
+    }
+    out
+}
+
+/// Exports a small buffer with every mechanism and has a child process open
+/// and check each one. Returns `{mechanism: {works, export_ms, open_ms, error}}`.
+fn probe_device(caps: &Capabilities) -> Value {
+    let mut results = serde_json::Map::new();
+    let device = match Device::open(caps.ordinal) {
+        Ok(d) => d,
+        Err(e) => {
+            for m in Mechanism::ALL {
+                results.insert(
+                    m.name().into(),
+                    json!({ "works": false, "error": e.to_string() }),
+                );
+            }
+            return Value::Object(results);
+        }
+    };
+    // The child fetches fd exports from us with pidfd_getfd.
+    let _ = share::allow_fd_fetching();
+    let mut exports = Vec::new();
+    for m in [
+        Mechanism::Legacy,
+        Mechanism::Vmm,
+        Mechanism::Pool,
+        Mechanism::Fabric,
+    ] {
+        let started = Instant::now();
+        match export_probe(&device, m) {
+            Ok((buffer, export)) => {
+                let ms = super::ms_since(started);
+                exports.push((m, ms, buffer, export));
+            }
+            Err(e) => {
+                results.insert(
+                    m.name().into(),
+                    json!({ "works": false, "error": e.to_string() }),
+                );
+            }
+        }
+    }
+    let descriptors: Vec<&Descriptor> = exports.iter().map(|(_, _, _, e)| &e.descriptor).collect();
+    let answers = open_in_child(caps.ordinal, &descriptors);
+    for ((m, export_ms, _, _), answer) in exports.iter().zip(answers) {
+        let entry = match answer {
+            Ok(v) if v["ok"] == true => {
+                json!({ "works": true, "export_ms": export_ms, "open_ms": v["open_ms"] })
+            }
+            Ok(v) => json!({ "works": false, "error": v["error"] }),
+            Err(e) => json!({ "works": false, "error": e.to_string() }),
+        };
+        results.insert(m.name().into(), entry);
+    }
+    Value::Object(results)
+}
+
+fn export_probe(device: &Device, m: Mechanism) -> Result<(SharedBuffer, share::Export), Error> {
+    let buffer = SharedBuffer::alloc(device, PROBE_BYTES as usize, Some(m))?;
+    kernels::fill_u32(buffer.stream(), &buffer, PROBE_PATTERN, Speed::Full)?;
+    buffer.synchronize()?;
+    let export = buffer.export_region(0, PROBE_BYTES, Dtype::U32, None)?;
+    Ok((buffer, export))
+}
+
+/// Starts `cuda-ipc __probe-open`, sends it each descriptor and collects one
+/// answer per descriptor (in order).
+fn open_in_child(device: usize, descriptors: &[&Descriptor]) -> Vec<Result<Value, Error>> {
+    let fail = |e: Error| {
+        let text = e.to_string();
+        descriptors
+            .iter()
+            .map(|_| {
+                Err(Error::InvalidArgument {
+                    what: "probe",
+                    reason: text.clone(),
+                })
+            })
+            .collect()
+    };
+    let exe = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            return fail(Error::Io {
+                context: "finding our own executable".into(),
+                source: e,
+            });
+        }
+    };
+    let mut child = match Command::new(exe)
+        .args(["__probe-open", "--device", &device.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            return fail(Error::Io {
+                context: "starting the probe process".into(),
+                source: e,
+            });
+        }
+    };
+    let mut stdin = child.stdin.take().expect("piped");
+    let reader = LineReader::new(child.stdout.take().expect("piped"), "probe process");
+    let mut answers = Vec::new();
+    for d in descriptors {
+        let r = lines::send(&mut stdin, &d.to_value())
+            .and_then(|()| reader.next(Duration::from_secs(60)));
+        answers.push(r);
+    }
+    drop(stdin);
+    let _ = child.wait();
+    answers
+}
+
+/// The probe child: opens each descriptor from stdin, checks the pattern,
+/// answers one JSON line each.
+pub fn probe_open(args: &ProbeOpenArgs) -> Result<Outcome, Error> {
+    let device = Device::open(args.device)?;
+    let mut out = std::io::stdout().lock();
+    for line in std::io::stdin().lines() {
+        let line = line.map_err(|e| Error::Io {
+            context: "reading a probe descriptor".into(),
+            source: e,
+        })?;
+        let answer = (|| -> Result<Value, Error> {
+            let d = Descriptor::from_json(&line)?;
+            let started = Instant::now();
+            let buffer = share::open::<u32>(&device, &d, Vec::new())?;
+            let open_ms = super::ms_since(started);
+            match kernels::check_u32(buffer.stream(), &buffer, PROBE_PATTERN)? {
+                None => Ok(json!({ "ok": true, "open_ms": open_ms })),
+                Some(i) => Ok(
+                    json!({ "ok": false, "error": format!("opened, but word {i} differs from what the exporter wrote") }),
+                ),
+            }
+        })();
+        let v = answer.unwrap_or_else(|e| json!({ "ok": false, "error": e.to_string() }));
+        writeln!(out, "{v}")
+            .and_then(|()| out.flush())
+            .map_err(|e| Error::Io {
+                context: "answering the probe".into(),
+                source: e,
+            })?;
+    }
+    Ok(Outcome::Ok)
+}
+
+/// What in this environment affects sharing, each with its consequence.
+fn environment() -> Value {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .ok()
+            .map(|s| s.trim().to_string())
+    };
+    let mut notes: Vec<String> = Vec::new();
+    let os_release = read("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let wsl = os_release.to_lowercase().contains("microsoft") || os_release.contains("WSL");
+    if wsl {
+        notes.push("running under WSL: CUDA IPC (legacy handles, VMM and pool file descriptors) is not supported there".into());
+    }
+    let ptrace_scope =
+        read("/proc/sys/kernel/yama/ptrace_scope").and_then(|s| s.parse::<u32>().ok());
+    notes.push(match ptrace_scope {
+        None | Some(0) => "pidfd_getfd (used by `open` for vmm/pool descriptors) works between processes of the same user".into(),
+        Some(1) => "kernel.yama.ptrace_scope=1: pidfd_getfd works from an ancestor, or when the exporter allows it (`cuda-ipc export` does); otherwise pass descriptors over the channel".into(),
+        Some(2) => "kernel.yama.ptrace_scope=2: pidfd_getfd needs CAP_SYS_PTRACE; pass file descriptors over the channel (serve/attach)".into(),
+        Some(n) => format!("kernel.yama.ptrace_scope={n}: pidfd_getfd is disabled; pass file descriptors over the channel (serve/attach)"),
+    });
+    let container = std::path::Path::new("/.dockerenv").exists()
+        || std::path::Path::new("/run/.containerenv").exists()
+        || read("/proc/1/cgroup").is_some_and(|c| {
+            c.contains("docker") || c.contains("kubepods") || c.contains("containerd")
+        });
+    if container {
+        notes.push(
+            "running in a container: processes in other containers live in other PID namespaces, so a descriptor's pid \
+             does not name them and pidfd_getfd fails; share a Unix socket directory and use the channel, and run \
+             both sides with --ipc=host so legacy handles can be opened"
+                .into(),
+        );
+    }
+    json!({
+        "uid": rustix::process::getuid().as_raw(),
+        "pid": std::process::id(),
+        "wsl": wsl,
+        "container": container,
+        "ptrace_scope": ptrace_scope,
+        "notes": notes,
+    })
+}
+
+fn print_environment(env: &Value) {
+    println!("environment:");
+    if let Some(notes) = env["notes"].as_array() {
+        for n in notes {
+            println!("  {}", n.as_str().unwrap_or_default());
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Multi-process scaffolding for the GPU tests.
+//!
+//! A test that needs a second process re-runs this test executable with the
+//! test's exact name and `CUDA_IPC_TEST_ROLE=<role>` in the environment
+//! (never `fork()` after `cuInit`). The test function asks [`role`] first
+//! and, in a child, plays that role. Parent and child talk in JSON lines:
+//! the child writes `@@ <json>` to standard output (the harness writes its
+//! own lines there too, which the parent skips) and reads plain JSON lines
+//! from standard input. Every read has a deadline.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+const ROLE_ENV: &str = "CUDA_IPC_TEST_ROLE";
+const PREFIX: &str = "@@ ";
+
+/// The deadline for one message from the other process (CUDA start-up included).
+pub const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The role this process plays, if it is a child.
+pub fn role() -> Option<String> {
+    std::env::var(ROLE_ENV).ok()
+}
+
+/// A child process running `test` in `role`.
+pub struct Peer {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    rx: mpsc::Receiver<String>,
+}
+
+impl Peer {
+    /// Starts this executable running test `test` as `role`.
+    pub fn spawn(test: &str, role: &str) -> Peer {
+        Self::spawn_with(test, role, |_| {})
+    }
+
+    /// As [`Peer::spawn`], letting the caller adjust the command (user, environment).
+    pub fn spawn_with(test: &str, role: &str, adjust: impl FnOnce(&mut Command)) -> Peer {
+        let exe = std::env::current_exe().expect("own executable");
+        let mut cmd = Command::new(exe);
+        cmd.args([
+            test,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE_ENV, role)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+        adjust(&mut cmd);
+        let mut child = cmd.spawn().expect("spawn child test process");
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(msg) = line.strip_prefix(PREFIX)
+                    && tx.send(msg.to_string()).is_err()
+                {
+                    break;
+                }
+            }
+        });
+        Peer {
+            stdin: child.stdin.take(),
+            child,
+            rx,
+        }
+    }
+
+    /// Sends one message to the child.
+    pub fn send(&mut self, v: &Value) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        writeln!(stdin, "{v}").expect("write to child");
+        stdin.flush().expect("flush to child");
+    }
+
+    /// The child's next message; panics (failing the test) on timeout or exit.
+    pub fn recv(&self) -> Value {
+        self.recv_within(TIMEOUT)
+    }
+
+    /// The child's next message within `timeout`.
+    pub fn recv_within(&self, timeout: Duration) -> Value {
+        let line = self.rx.recv_timeout(timeout).unwrap_or_else(|e| {
+            panic!("no message from the child process within {timeout:?}: {e}")
+        });
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad message {line:?}: {e}"))
+    }
+
+    /// Closes the child's stdin and waits for it; returns whether it succeeded.
+    pub fn finish(mut self) -> bool {
+        drop(self.stdin.take());
+        self.child.wait().expect("wait for child").success()
+    }
+
+    /// Kills the child.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The parent's side of the conversation, seen from the child.
+pub struct Parent {
+    rx: mpsc::Receiver<String>,
+}
+
+impl Parent {
+    /// Starts reading the parent's messages.
+    pub fn new() -> Parent {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Parent { rx }
+    }
+
+    /// Sends one message to the parent.
+    #[allow(clippy::unused_self)] // the parent's side is this process's stdout
+    pub fn send(&self, v: &Value) {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{PREFIX}{v}").expect("write to parent");
+        out.flush().expect("flush to parent");
+    }
+
+    /// The parent's next message (`None` when the parent closed our stdin).
+    pub fn recv(&self) -> Option<Value> {
+        let line = self.rx.recv_timeout(TIMEOUT).ok()?;
+        Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad message {line:?}: {e}")))
+    }
+}
+
+/// Free device memory of device 0, in bytes.
+pub fn free_memory(device: &cuda_ipc::Device) -> u64 {
+    device.memory_info().expect("cuMemGetInfo").0
+}
+
+/// Open file descriptors of this process.
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count)
+}
