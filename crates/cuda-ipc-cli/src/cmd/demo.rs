@@ -14,7 +14,6 @@ use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
 use cuda_ipc::{
     Descriptor, Device, DeviceMemory, Dtype, Error, IpcEvent, IpcEventHandle, MappedBuffer,
-    Mechanism,
 };
 use serde_json::{Value, json};
 
@@ -29,7 +28,7 @@ pub struct Args {
     pub size: u64,
     /// How to share: auto, legacy, vmm, pool or fabric.
     #[arg(long, value_parser = super::parse_mechanism, default_value = "auto")]
-    pub mechanism: Option<Mechanism>,
+    pub mechanism: super::MechanismArg,
     /// Device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
@@ -79,7 +78,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     );
 
     let t = Instant::now();
-    let buffer = SharedBuffer::alloc(&device, args.size as usize, args.mechanism)?;
+    let buffer = SharedBuffer::alloc(&device, args.size as usize, args.mechanism.0)?;
     let mechanism = buffer.mechanism();
     steps.add(
         "producer",
@@ -88,7 +87,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     );
 
     let t = Instant::now();
-    kernels::fill_u32(buffer.stream(), &buffer, PATTERN, Speed::Full)?;
+    kernels::fill_u32(&buffer, PATTERN, Speed::Full)?;
     let ready = IpcEvent::new(&device)?;
     ready.record(buffer.stream())?;
     steps.add(
@@ -132,58 +131,15 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         })?;
     let mut to_child = child.stdin.take().expect("piped");
     let from_child = LineReader::new(child.stdout.take().expect("piped"), "consumer process");
-    let outcome = (|| -> Result<Outcome, Error> {
-        lines::send(
-            &mut to_child,
-            &json!({ "descriptor": export.descriptor.to_value() }),
-        )?;
-        let reply = from_child.next(CHILD_TIMEOUT)?;
-        steps.add(
-            "both",
-            "spawn the consumer and exchange descriptors",
-            super::ms_since(t),
-        );
-        if let Some(err) = reply.get("error") {
-            return Err(Error::InvalidArgument {
-                what: "consumer",
-                reason: err.as_str().unwrap_or("failed").to_string(),
-            });
-        }
-        for step in field(&reply, "steps")?.as_array().into_iter().flatten() {
-            let name = step["what"].as_str().unwrap_or("?").to_string();
-            steps.add("consumer", name, step["ms"].as_f64().unwrap_or(f64::NAN));
-        }
-        if reply["mismatch"].is_u64() {
-            println!(
-                "consumer saw word {} differ from what the producer wrote",
-                reply["mismatch"]
-            );
-            return Ok(Outcome::Mismatch);
-        }
-        let handle: IpcEventHandle = field(&reply, "event")?
-            .as_str()
-            .unwrap_or_default()
-            .parse()?;
-
-        let t = Instant::now();
-        let done = IpcEvent::open(&device, handle)?;
-        done.wait_on(buffer.stream())?;
-        let bad = kernels::check_u32(buffer.stream(), &buffer, PATTERN.mapped(MUL, ADD))?;
-        steps.add(
-            "producer",
-            format!("wait on the consumer's event and check {words} values"),
-            super::ms_since(t),
-        );
-        drop(done);
-        lines::send(&mut to_child, &json!({ "bye": true }))?;
-        Ok(match bad {
-            None => Outcome::Ok,
-            Some(i) => {
-                println!("producer saw word {i} differ from what the consumer wrote");
-                Outcome::Mismatch
-            }
-        })
-    })();
+    let outcome = talk_to_consumer(
+        &device,
+        &buffer,
+        &export.descriptor,
+        &mut to_child,
+        &from_child,
+        &mut steps,
+        t,
+    );
     drop(to_child);
     let status = child.wait().map_err(|e| Error::Io {
         context: "waiting for the consumer".into(),
@@ -208,6 +164,67 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     Ok(outcome)
 }
 
+/// Sends the descriptor, collects the consumer's timings and event, and
+/// checks the consumer's writes.
+fn talk_to_consumer(
+    device: &Device,
+    buffer: &SharedBuffer,
+    descriptor: &Descriptor,
+    to_child: &mut std::process::ChildStdin,
+    from_child: &LineReader,
+    steps: &mut Steps,
+    t: Instant,
+) -> Result<Outcome, Error> {
+    let words = buffer.len() / 4;
+    lines::send(to_child, &json!({ "descriptor": descriptor.to_value() }))?;
+    let reply = from_child.next(CHILD_TIMEOUT)?;
+    steps.add(
+        "both",
+        "spawn the consumer and exchange descriptors",
+        super::ms_since(t),
+    );
+    if let Some(err) = reply.get("error") {
+        return Err(Error::InvalidArgument {
+            what: "consumer",
+            reason: err.as_str().unwrap_or("failed").to_string(),
+        });
+    }
+    for step in field(&reply, "steps")?.as_array().into_iter().flatten() {
+        let name = step["what"].as_str().unwrap_or("?").to_string();
+        steps.add("consumer", name, step["ms"].as_f64().unwrap_or(f64::NAN));
+    }
+    if reply["mismatch"].is_u64() {
+        println!(
+            "consumer saw word {} differ from what the producer wrote",
+            reply["mismatch"]
+        );
+        return Ok(Outcome::Mismatch);
+    }
+    let handle: IpcEventHandle = field(&reply, "event")?
+        .as_str()
+        .unwrap_or_default()
+        .parse()?;
+
+    let t = Instant::now();
+    let done = IpcEvent::open(device, handle)?;
+    done.wait_on(buffer.stream())?;
+    let bad = kernels::check_u32(buffer, PATTERN.mapped(MUL, ADD))?;
+    steps.add(
+        "producer",
+        format!("wait on the consumer's event and check {words} values"),
+        super::ms_since(t),
+    );
+    drop(done);
+    lines::send(to_child, &json!({ "bye": true }))?;
+    Ok(match bad {
+        None => Outcome::Ok,
+        Some(i) => {
+            println!("producer saw word {i} differ from what the consumer wrote");
+            Outcome::Mismatch
+        }
+    })
+}
+
 /// What the consumer keeps until the producer has waited on its event.
 type Kept = (IpcEvent, MappedBuffer<u32>);
 
@@ -229,7 +246,7 @@ pub fn consumer(args: &ConsumerArgs) -> Result<Outcome, Error> {
         steps.push(json!({ "what": format!("map the buffer ({}) and wait on the event", descriptor.mechanism()), "ms": super::ms_since(t) }));
 
         let t = Instant::now();
-        let bad = kernels::check_u32(buffer.stream(), &buffer, PATTERN)?;
+        let bad = kernels::check_u32(&buffer, PATTERN)?;
         steps.push(
             json!({ "what": format!("check {} values", buffer.len()), "ms": super::ms_since(t) }),
         );
@@ -238,7 +255,7 @@ pub fn consumer(args: &ConsumerArgs) -> Result<Outcome, Error> {
         }
 
         let t = Instant::now();
-        kernels::map_u32(buffer.stream(), &buffer, MUL, ADD)?;
+        kernels::map_u32(&buffer, MUL, ADD)?;
         let done = IpcEvent::new(&device)?;
         done.record(buffer.stream())?;
         let handle = done.handle()?;

@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
-use cuda_ipc::{Device, DeviceMemory, Dtype, Error, Mechanism};
+use cuda_ipc::{Device, DeviceMemory, Dtype, Error};
 
 use crate::Outcome;
 
@@ -24,7 +24,7 @@ pub struct Args {
     pub offset: u64,
     /// How to share: auto, legacy, vmm, pool or fabric.
     #[arg(long, value_parser = super::parse_mechanism, default_value = "auto")]
-    pub mechanism: Option<Mechanism>,
+    pub mechanism: super::MechanismArg,
     /// Device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
@@ -48,23 +48,13 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             reason: "offset + size overflows".into(),
         })?;
     let device = Device::open(args.device)?;
-    let buffer = SharedBuffer::alloc(&device, total as usize, args.mechanism)?;
+    let buffer = SharedBuffer::alloc(&device, total as usize, args.mechanism.0)?;
     if args.offset > 0 {
         let head = buffer.region(0, args.offset)?;
-        kernels::fill_u32(
-            buffer.stream(),
-            &head,
-            Pattern::constant(!args.fill_u32),
-            Speed::Full,
-        )?;
+        kernels::fill_u32(&head, Pattern::constant(!args.fill_u32), Speed::Full)?;
     }
     let region = buffer.region(args.offset, args.size)?;
-    kernels::fill_u32(
-        buffer.stream(),
-        &region,
-        Pattern::constant(args.fill_u32),
-        Speed::Full,
-    )?;
+    kernels::fill_u32(&region, Pattern::constant(args.fill_u32), Speed::Full)?;
     device.synchronize()?;
     if buffer.mechanism().uses_fd() {
         // Scripts open fd exports with pidfd_getfd, which needs this under Yama.

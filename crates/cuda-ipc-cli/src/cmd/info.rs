@@ -226,7 +226,7 @@ fn probe_device(caps: &Capabilities) -> Value {
 
 fn export_probe(device: &Device, m: Mechanism) -> Result<(SharedBuffer, share::Export), Error> {
     let buffer = SharedBuffer::alloc(device, PROBE_BYTES as usize, Some(m))?;
-    kernels::fill_u32(buffer.stream(), &buffer, PROBE_PATTERN, Speed::Full)?;
+    kernels::fill_u32(&buffer, PROBE_PATTERN, Speed::Full)?;
     buffer.synchronize()?;
     let export = buffer.export_region(0, PROBE_BYTES, Dtype::U32, None)?;
     Ok((buffer, export))
@@ -298,7 +298,7 @@ pub fn probe_open(args: &ProbeOpenArgs) -> Result<Outcome, Error> {
             let started = Instant::now();
             let buffer = share::open::<u32>(&device, &d, Vec::new())?;
             let open_ms = super::ms_since(started);
-            match kernels::check_u32(buffer.stream(), &buffer, PROBE_PATTERN)? {
+            match kernels::check_u32(&buffer, PROBE_PATTERN)? {
                 None => Ok(json!({ "ok": true, "open_ms": open_ms })),
                 Some(i) => Ok(
                     json!({ "ok": false, "error": format!("opened, but word {i} differs from what the exporter wrote") }),

@@ -24,14 +24,18 @@ pub fn parse_value(s: &str) -> Result<u32, String> {
     cuda_ipc::units::parse_u32(s).map_err(|e| e.to_string())
 }
 
+/// `--mechanism`: `auto` (the best the device supports) or one mechanism.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MechanismArg(pub Option<cuda_ipc::Mechanism>);
+
 /// Parses a mechanism name (or `auto`) for clap.
-pub fn parse_mechanism(s: &str) -> Result<Option<cuda_ipc::Mechanism>, String> {
+pub fn parse_mechanism(s: &str) -> Result<MechanismArg, String> {
     if s == "auto" {
-        Ok(None)
+        Ok(MechanismArg(None))
     } else {
         s.parse()
-            .map(Some)
-            .map_err(|e: cuda_ipc::Error| e.to_string())
+            .map(|m| MechanismArg(Some(m)))
+            .map_err(|e: cuda_ipc::Error| format!("{e} (or auto)"))
     }
 }
 

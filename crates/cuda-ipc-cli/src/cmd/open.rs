@@ -86,7 +86,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         });
     }
     if let Some(want) = args.expect_u32 {
-        if let Some(i) = kernels::check_u32(buffer.stream(), &buffer, Pattern::constant(want))? {
+        if let Some(i) = kernels::check_u32(&buffer, Pattern::constant(want))? {
             let found: Vec<u32> = buffer.slice(i as usize * 4..i as usize * 4 + 4)?.to_vec()?;
             eprintln!(
                 "cuda-ipc: mismatch: word {i} (byte {}) is {:#010x}, expected {want:#010x}",
@@ -98,12 +98,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         let _ = write!(report, "; all {} words equal {want:#010x}", len / 4);
     }
     if let Some(value) = args.fill_u32 {
-        kernels::fill_u32(
-            buffer.stream(),
-            &buffer,
-            Pattern::constant(value),
-            Speed::Full,
-        )?;
+        kernels::fill_u32(&buffer, Pattern::constant(value), Speed::Full)?;
         buffer.synchronize()?;
         let _ = write!(report, "; filled with {value:#010x}");
     }

@@ -11,7 +11,7 @@
 use std::ffi::{CStr, c_void};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaStream, sys};
+use cudarc::driver::{CudaContext, sys};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -177,13 +177,13 @@ fn words(memory: &(impl DeviceMemory + ?Sized)) -> Result<u64> {
     Ok(len / 4)
 }
 
-/// Fills `memory` with `pattern` on `stream` (asynchronously).
+/// Fills `memory` with `pattern` on its stream (asynchronously).
 pub fn fill_u32(
-    stream: &CudaStream,
     memory: &(impl DeviceMemory + ?Sized),
     pattern: Pattern,
     speed: Speed,
 ) -> Result<()> {
+    let stream = memory.stream();
     let k = memory.device().kernels()?;
     let mut ptr = memory.device_address();
     let mut n = words(memory)?;
@@ -201,13 +201,13 @@ pub fn fill_u32(
     unsafe { module::launch(k.fill, grid, block, stream.cu_stream(), &mut params) }
 }
 
-/// Applies `x -> x * mul + add` to every element of `memory` on `stream`.
+/// Applies `x -> x * mul + add` to every element of `memory` on its stream.
 pub fn map_u32(
-    stream: &CudaStream,
     memory: &(impl DeviceMemory + ?Sized),
     mul: u32,
     add: u32,
 ) -> Result<()> {
+    let stream = memory.stream();
     let k = memory.device().kernels()?;
     let mut ptr = memory.device_address();
     let mut n = words(memory)?;
@@ -225,13 +225,13 @@ pub fn map_u32(
 }
 
 /// Checks every element of `memory` against `pattern` after the work
-/// already queued on `stream`, and returns the index of the first mismatch
+/// already queued on its stream, and returns the index of the first mismatch
 /// (`None` when all match). Blocks until the check is done.
 pub fn check_u32(
-    stream: &CudaStream,
     memory: &(impl DeviceMemory + ?Sized),
     pattern: Pattern,
 ) -> Result<Option<u64>> {
+    let stream = memory.stream();
     let k = memory.device().kernels()?;
     let scratch = k
         .scratch

@@ -64,7 +64,7 @@ pub fn serve() {
                     Err(e) => json!({ "error": e.to_string() }),
                     Ok(buf) => {
                         let open_ms = t.elapsed().as_secs_f64() * 1e3;
-                        let bad = kernels::check_u32(buf.stream(), &buf, want).expect("check");
+                        let bad = kernels::check_u32(&buf, want).expect("check");
                         let mut reply = json!({ "bad": bad, "open_ms": open_ms });
                         let mut now = want;
                         if let Some(tr) = req["transform"].as_array() {
@@ -72,7 +72,7 @@ pub fn serve() {
                                 tr[0].as_u64().unwrap() as u32,
                                 tr[1].as_u64().unwrap() as u32,
                             );
-                            kernels::map_u32(buf.stream(), &buf, mul, add).expect("map");
+                            kernels::map_u32(&buf, mul, add).expect("map");
                             let ev = IpcEvent::new(&device).expect("event");
                             ev.record(buf.stream()).expect("record");
                             reply["event"] = json!(ev.handle().expect("handle").to_hex());
@@ -93,7 +93,7 @@ pub fn serve() {
             "recheck" => {
                 let results: Vec<Value> = mappings
                     .iter()
-                    .map(|(b, p)| match kernels::check_u32(b.stream(), b, *p) {
+                    .map(|(b, p)| match kernels::check_u32(b, *p) {
                         Ok(bad) => json!({ "bad": bad }),
                         Err(e) => json!({ "error": e.to_string() }),
                     })
@@ -105,11 +105,11 @@ pub fn serve() {
                 d.event = None;
                 let want = pattern(&req["expect"]);
                 let buf = share::open::<u32>(&device, &d, Vec::new()).expect("open");
-                let unwaited = kernels::check_u32(buf.stream(), &buf, want).expect("check");
+                let unwaited = kernels::check_u32(&buf, want).expect("check");
                 let ev = IpcEvent::open(&device, req["event"].as_str().unwrap().parse().unwrap())
                     .expect("open event");
                 ev.wait_on(buf.stream()).expect("wait");
-                let waited = kernels::check_u32(buf.stream(), &buf, want).expect("check");
+                let waited = kernels::check_u32(&buf, want).expect("check");
                 json!({ "unwaited_bad": unwaited, "waited_bad": waited })
             }
             "export" => {
@@ -120,7 +120,7 @@ pub fn serve() {
                 let buf = SharedBuffer::alloc(&device, (offset + size) as usize, Some(mechanism))
                     .expect("alloc");
                 let region = buf.region(offset, size).unwrap();
-                kernels::fill_u32(buf.stream(), &region, p, Speed::Full).unwrap();
+                kernels::fill_u32(&region, p, Speed::Full).unwrap();
                 let ev = IpcEvent::new(&device).unwrap();
                 ev.record(buf.stream()).unwrap();
                 share::allow_fd_fetching().unwrap();
@@ -139,9 +139,7 @@ pub fn serve() {
                 ev.wait_on(buf.stream()).unwrap();
                 let offset = req["offset"].as_u64().unwrap();
                 let size = req["size"].as_u64().unwrap();
-                let bad = kernels::check_u32(
-                    buf.stream(),
-                    &buf.region(offset, size).unwrap(),
+                let bad = kernels::check_u32(&buf.region(offset, size).unwrap(),
                     pattern(&req["expect"]),
                 )
                 .unwrap();

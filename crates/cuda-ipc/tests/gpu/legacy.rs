@@ -31,7 +31,7 @@ fn round_trip_both_directions() {
         let buf = IpcBuffer::alloc(&device, 64 * MIB).unwrap();
         assert_eq!(buf.alloc_size(), 64 * MIB as u64);
         let p = Pattern::ramp(0xA000_0000, 3);
-        kernels::fill_u32(buf.stream(), &buf, p, Speed::Full).unwrap();
+        kernels::fill_u32(&buf, p, Speed::Full).unwrap();
         let ready = IpcEvent::new(&device).unwrap();
         ready.record(buf.stream()).unwrap();
         let e = buf.export().unwrap();
@@ -60,7 +60,7 @@ fn round_trip_both_directions() {
         let done = IpcEvent::open(&device, r["event"].as_str().unwrap().parse().unwrap()).unwrap();
         done.wait_on(buf.stream()).unwrap();
         assert_eq!(
-            kernels::check_u32(buf.stream(), &buf, p.mapped(5, 7)).unwrap(),
+            kernels::check_u32(&buf, p.mapped(5, 7)).unwrap(),
             None,
             "producer saw consumer's writes wrong"
         );
@@ -78,7 +78,7 @@ fn offsets_inside_an_allocation() {
         let device = Device::open(0).unwrap();
         let buf = SharedBuffer::alloc(&device, 8 * MIB, Some(Mechanism::Legacy)).unwrap();
         let whole = Pattern::ramp(0, 1);
-        kernels::fill_u32(buf.stream(), &buf, whole, Speed::Full).unwrap();
+        kernels::fill_u32(&buf, whole, Speed::Full).unwrap();
         buf.synchronize().unwrap();
         let mut peer = Peer::spawn(&test_name!("offsets_inside_an_allocation"), "consumer");
         let mut handles = Vec::new();
@@ -128,7 +128,7 @@ fn typed_views() {
     child_or(|| {
         let device = Device::open(0).unwrap();
         let buf = SharedBuffer::alloc(&device, 2 * MIB, Some(Mechanism::Legacy)).unwrap();
-        kernels::fill_u32(buf.stream(), &buf, Pattern::ramp(0, 1), Speed::Full).unwrap();
+        kernels::fill_u32(&buf, Pattern::ramp(0, 1), Speed::Full).unwrap();
         buf.synchronize().unwrap();
         let e = buf
             .export_region(0, 2 * MIB as u64, Dtype::U8, None)
@@ -160,11 +160,11 @@ fn events_order_producer_before_consumer() {
         let mut races = 0;
         for round in 0..5u32 {
             let buf = SharedBuffer::alloc(&device, 64 * MIB, Some(Mechanism::Legacy)).unwrap();
-            kernels::fill_u32(buf.stream(), &buf, Pattern::constant(0), Speed::Full).unwrap();
+            kernels::fill_u32(&buf, Pattern::constant(0), Speed::Full).unwrap();
             buf.synchronize().unwrap();
             let p = Pattern::ramp(round << 24, 1);
             // One block of 32 threads writing 16 Mi words: tens of milliseconds.
-            kernels::fill_u32(buf.stream(), &buf, p, Speed::Slow).unwrap();
+            kernels::fill_u32(&buf, p, Speed::Slow).unwrap();
             let ready = IpcEvent::new(&device).unwrap();
             ready.record(buf.stream()).unwrap();
             let e = buf

@@ -31,7 +31,7 @@ fn parent_to_child(device: &Device, peer: &mut Peer, m: Mechanism, size: u64, of
     assert_eq!(buf.mechanism(), m);
     let region = buf.region(offset, size).unwrap();
     let p = Pattern::ramp((size >> 20) as u32, 7);
-    kernels::fill_u32(buf.stream(), &region, p, Speed::Full).unwrap();
+    kernels::fill_u32(&region, p, Speed::Full).unwrap();
     let ready = IpcEvent::new(device).unwrap();
     ready.record(buf.stream()).unwrap();
     let mut e = buf.export_region(offset, size, Dtype::U32, None).unwrap();
@@ -46,7 +46,7 @@ fn parent_to_child(device: &Device, peer: &mut Peer, m: Mechanism, size: u64, of
     let done = IpcEvent::open(device, r["event"].as_str().unwrap().parse().unwrap()).unwrap();
     done.wait_on(buf.stream()).unwrap();
     assert_eq!(
-        kernels::check_u32(buf.stream(), &region, p.mapped(3, 1)).unwrap(),
+        kernels::check_u32(&region, p.mapped(3, 1)).unwrap(),
         None,
         "{m} {size}@{offset}: parent saw wrong data"
     );
@@ -65,11 +65,11 @@ fn child_to_parent(device: &Device, peer: &mut Peer, m: Mechanism, size: u64, of
     let buf = share::open::<u32>(device, &d, Vec::new()).unwrap();
     assert_eq!(buf.len() as u64, size / 4);
     assert_eq!(
-        kernels::check_u32(buf.stream(), &buf, p).unwrap(),
+        kernels::check_u32(&buf, p).unwrap(),
         None,
         "{m} {size}@{offset}: parent saw child's data wrong"
     );
-    kernels::map_u32(buf.stream(), &buf, 5, 5).unwrap();
+    kernels::map_u32(&buf, 5, 5).unwrap();
     let done = IpcEvent::new(device).unwrap();
     done.record(buf.stream()).unwrap();
     peer.send(&json!({ "op": "check_export", "event": done.handle().unwrap().to_hex(), "offset": offset, "size": size, "expect": pattern_json(p.mapped(5, 5)) }));
@@ -156,7 +156,7 @@ fn pool_allocation_freed_while_mapped() {
         let pool = cuda_ipc::pool::SharedPool::new(&device).unwrap();
         let buf = SharedBuffer::alloc_in_pool(&pool, 64 * MIB as usize).unwrap();
         let p = Pattern::ramp(1, 1);
-        kernels::fill_u32(buf.stream(), &buf, p, Speed::Full).unwrap();
+        kernels::fill_u32(&buf, p, Speed::Full).unwrap();
         buf.synchronize().unwrap();
         let e = buf.export_region(0, 64 * MIB, Dtype::U32, None).unwrap();
         peer.send(&json!({ "op": "open", "descriptor": e.descriptor.to_value(), "expect": pattern_json(p) }));
@@ -166,9 +166,7 @@ fn pool_allocation_freed_while_mapped() {
         device.synchronize().unwrap();
         // Reuse the pool's memory for something else.
         let other = SharedBuffer::alloc_in_pool(&pool, 64 * MIB as usize).unwrap();
-        kernels::fill_u32(
-            other.stream(),
-            &other,
+        kernels::fill_u32(&other,
             Pattern::constant(0xDEAD_BEEF),
             Speed::Full,
         )
@@ -227,7 +225,7 @@ fn no_leak_over_a_thousand_cycles() {
 fn cycle(device: &Device, peer: &mut Peer, m: Mechanism) {
     let buf = SharedBuffer::alloc(device, 2 * MIB as usize, Some(m)).unwrap();
     let p = Pattern::constant(0x0C0C_0C0C);
-    kernels::fill_u32(buf.stream(), &buf, p, Speed::Full).unwrap();
+    kernels::fill_u32(&buf, p, Speed::Full).unwrap();
     buf.synchronize().unwrap();
     let e = buf.export_region(0, 2 * MIB, Dtype::U32, None).unwrap();
     peer.send(

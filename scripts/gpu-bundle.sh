@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Builds everything the GPU checks need into one folder that runs on a GPU
+# host with no Rust toolchain:
+#
+#   scripts/gpu-bundle.sh [FOLDER]        (default: gpu-bundle, git-ignored)
+#   ... copy FOLDER to the GPU host ...
+#   FOLDER/run.sh [STEP ...]              (default: every step)
+#
+# The folder holds the release CLI, the release GPU test executables, the
+# examples, the Python module and its GPU script, the benchmark scripts and
+# run.sh, which runs them all and prints a summary. Binaries are built here
+# (glibc 2.36) and run on newer hosts (the H200 machine has glibc 2.39).
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:-$root/gpu-bundle}
+case $out in /*) ;; *) out=$PWD/$out ;; esac
+cd "$root"
+
+echo "building release binaries..." >&2
+cargo build --release --locked --bin cuda-ipc --examples >&2
+# The test executables, found through cargo's own JSON messages.
+mapfile -t tests < <(
+  cargo test --release --locked --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        if m["target"]["name"].startswith("gpu"):
+            print(m["target"]["name"] + " " + m["executable"])
+'
+)
+if [ ${#tests[@]} -eq 0 ]; then
+  echo "no GPU test executables were built" >&2
+  exit 1
+fi
+
+rm -rf "$out"
+mkdir -p "$out/tests" "$out/examples"
+cp target/release/cuda-ipc "$out/"
+for t in "${tests[@]}"; do
+  name=${t%% *}
+  cp "${t#* }" "$out/tests/$name"
+done
+for ex in target/release/examples/*; do
+  case $ex in *.d | *-*) continue ;; esac
+  [ -x "$ex" ] && [ -f "$ex" ] && cp "$ex" "$out/examples/"
+done
+cp -r python "$out/python"
+rm -rf "$out/python/tests/__pycache__" "$out/python/cuda_ipc/__pycache__"
+[ -d bench ] && cp -r bench "$out/bench"
+cp scripts/gpu-run.sh "$out/run.sh"
+chmod +x "$out/run.sh"
+strip --strip-debug "$out/cuda-ipc" "$out"/tests/* "$out"/examples/* 2>/dev/null || true
+du -sh "$out" >&2
+echo "bundle ready: $out (run $out/run.sh on a GPU host)" >&2

@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
+# with no Rust toolchain. Usage:
+#
+#   run.sh [STEP ...]      steps: info tests demo cli samples python bench soak
+#                          (default: info tests demo cli samples python)
+#
+# Each step prints PASS or FAIL with a one-line reason; full logs go to
+# $LOGS (default: $OUT if set, else ./logs). The last line is the summary:
+# "N passed, M failed" over the GPU tests and the other checks.
+set -uo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+cli=$here/cuda-ipc
+logs=${LOGS:-${OUT:-$here/logs}}
+mkdir -p "$logs"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(info tests demo cli samples python)
+passed=0
+failed=0
+failures=()
+
+ok() { passed=$((passed + 1)); echo "PASS  $*"; }
+bad() { failed=$((failed + 1)); failures+=("$*"); echo "FAIL  $*"; }
+
+# check NAME EXPECTED_EXIT COMMAND...: runs COMMAND, logs it, compares the exit code.
+check() {
+  local name=$1 want=$2
+  shift 2
+  local log="$logs/$(echo "$name" | tr -c 'A-Za-z0-9._-' '_').log"
+  "$@" >"$log" 2>&1
+  local got=$?
+  if [ "$got" -eq "$want" ]; then
+    ok "$name"
+  else
+    bad "$name (exit $got, expected $want; see $(basename "$log")): $(tail -n 2 "$log" | tr '\n' ' ' | cut -c1-300)"
+  fi
+}
+
+step_info() {
+  check "info" 0 "$cli" info
+  "$cli" info --json >"$logs/info.json" 2>&1
+  cat "$logs/info.log"
+  check "info without a driver exits 3" 3 env CUDA_IPC_DISABLE_DRIVER=1 "$cli" info
+}
+
+step_tests() {
+  for t in "$here"/tests/*; do
+    local name log
+    name=$(basename "$t")
+    log="$logs/test-$name.log"
+    local started=$SECONDS
+    "$t" --ignored --test-threads=1 >"$log" 2>&1
+    local rc=$?
+    local p f
+    p=$(grep -Eo '[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
+    f=$(grep -Eo '[0-9]+ failed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
+    passed=$((passed + p))
+    failed=$((failed + f))
+    echo "TESTS $name: $p passed, $f failed in $((SECONDS - started)) s (exit $rc)"
+    grep -E '^test .* FAILED$|^---- |panicked at' "$log" | head -n 20
+    if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+      bad "$name exited $rc without a failed test (crash?)"
+      tail -n 5 "$log"
+    fi
+    [ "$f" -gt 0 ] && failures+=("$name: $f tests")
+    grep -E '^(legacy|vmm|pool|fabric|without|consumer|freed)' "$log" | head -n 40
+  done
+}
+
+step_demo() {
+  check "demo (auto)" 0 "$cli" demo
+  cat "$logs/demo__auto_.log"
+  for m in legacy vmm pool; do
+    check "demo --mechanism $m --size 1GiB" 0 "$cli" demo --mechanism "$m" --size 1GiB
+  done
+  check "demo --mechanism fabric exits 3 here (no IMEX)" 3 "$cli" demo --mechanism fabric --size 2MiB
+}
+
+# The export/open contract, per mechanism, at an offset.
+step_cli() {
+  for m in legacy vmm pool; do
+    local fifo="$logs/stdin-$m"
+    rm -f "$fifo"
+    mkfifo "$fifo"
+    "$cli" export --size 3MiB --offset 1MiB --fill-u32 0x12345678 --mechanism "$m" <"$fifo" >"$logs/export-$m.json" 2>"$logs/export-$m.err" &
+    local pid=$!
+    exec 9>"$fifo"
+    for _ in $(seq 100); do [ -s "$logs/export-$m.json" ] && break; sleep 0.1; done
+    local d
+    d=$(head -n 1 "$logs/export-$m.json")
+    check "cli $m: open --expect-u32 at offset 1MiB" 0 "$cli" open --descriptor "$d" --expect-u32 0x12345678 --fill-u32 0x9
+    check "cli $m: the consumer's fill is seen" 0 "$cli" open --descriptor "$d" --expect-u32 9
+    check "cli $m: a wrong value exits 1" 1 "$cli" open --descriptor "$d" --expect-u32 0x12345678
+    exec 9>&-
+    wait "$pid"
+    local rc=$?
+    [ "$rc" -eq 0 ] && ok "cli $m: export exits 0 at end of stdin" || bad "cli $m: export exited $rc: $(cat "$logs/export-$m.err")"
+    rm -f "$fifo"
+  done
+  check "cli: a malformed descriptor exits 2" 2 "$cli" open --descriptor '{"cuda_ipc":1}'
+  check "cli: a random legacy handle exits 2" 2 "$cli" open --handle "$(printf 'ab%.0s' $(seq 64))" --size 4096
+  check "cli: a bad size exits 2" 2 "$cli" export --size 12XB --fill-u32 1
+  check "cli: export without a driver exits 3" 3 env CUDA_IPC_DISABLE_DRIVER=1 "$cli" export --size 4096 --fill-u32 1
+  check "cli: open without a driver exits 3" 3 env CUDA_IPC_DISABLE_DRIVER=1 "$cli" open --handle "$(printf 'ab%.0s' $(seq 64))" --size 4096
+  check "cli: demo without a driver exits 3" 3 env CUDA_IPC_DISABLE_DRIVER=1 "$cli" demo
+}
+
+step_samples() {
+  if [ -x "$here/examples/producer" ] && [ -x "$here/examples/consumer" ]; then
+    check "samples: producer + consumer" 0 "$here/examples/producer" --consumer "$here/examples/consumer"
+  else
+    echo "SKIP  samples: not in this bundle"
+  fi
+}
+
+step_python() {
+  local script=$here/python/tests/gpu_interop.py
+  if [ ! -f "$script" ]; then
+    echo "SKIP  python: no interop script in this bundle"
+    return
+  fi
+  if ! python3 -c 'import torch' 2>/dev/null; then
+    echo "SKIP  python: torch is not importable"
+    return
+  fi
+  local log="$logs/python-interop.log"
+  PYTHONPATH="$here/python" python3 "$script" --cli "$cli" >"$log" 2>&1
+  local rc=$?
+  local p f
+  p=$(grep -Eo '^[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
+  f=$(grep -Eo '[0-9]+ failed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
+  passed=$((passed + p))
+  failed=$((failed + f))
+  echo "PYTHON interop: $p passed, $f failed (exit $rc)"
+  grep -E 'FAIL' "$log" | head -n 20
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then bad "python interop exited $rc: $(tail -n 3 "$log" | tr '\n' ' ')"; fi
+}
+
+step_bench() {
+  check "bench --quick" 0 "$cli" bench --quick --json-out "$logs/bench.json" --plot "$logs/bench.svg"
+  tail -n 40 "$logs/bench___quick.log"
+}
+
+step_soak() {
+  check "soak" 0 "$cli" soak --cycles "${SOAK_CYCLES:-100000}"
+  tail -n 20 "$logs/soak.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU   /'
+for s in "${steps[@]}"; do
+  if declare -F "step_$s" >/dev/null; then
+    echo "== $s"
+    "step_$s"
+  else
+    bad "unknown step $s"
+  fi
+done
+echo "== summary"
+for f in "${failures[@]}"; do echo "  failed: $f"; done
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
