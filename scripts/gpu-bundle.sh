@@ -16,6 +16,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$root/gpu-bundle}
 case $out in /*) ;; *) out=$PWD/$out ;; esac
 cd "$root"
+target=${CARGO_TARGET_DIR:-$root/target}
 
 echo "building release binaries..." >&2
 cargo build --release --locked --bin cuda-ipc --examples >&2
@@ -41,13 +42,13 @@ fi
 
 rm -rf "$out"
 mkdir -p "$out/tests" "$out/examples"
-cp target/release/cuda-ipc "$out/"
+cp "$target/release/cuda-ipc" "$out/"
 for t in "${tests[@]}"; do
   name=${t%% *}
   cp "${t#* }" "$out/tests/$name"
 done
-for ex in target/release/examples/*; do
-  case $ex in *.d | *-*) continue ;; esac
+for ex in "$target"/release/examples/*; do
+  case $(basename "$ex") in *.d | *-*) continue ;; esac
   [ -x "$ex" ] && [ -f "$ex" ] && cp "$ex" "$out/examples/"
 done
 cp -r python "$out/python"
