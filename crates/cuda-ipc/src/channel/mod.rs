@@ -1,23 +1,301 @@
 //! The exchange channel: framed, versioned messages over a Unix socket, with
-//! file descriptors (SCM_RIGHTS), peer credentials, names, leases, updates
+//! file descriptors (`SCM_RIGHTS`), peer credentials, names, leases, updates
 //! and rings. Independent of CUDA, so it is fully testable without a GPU.
+//!
+//! A producer binds a [`Server`] on a socket path and publishes named
+//! entries: a JSON `meta` value plus up to [`MAX_FDS`] file descriptors. A
+//! consumer connects a [`Client`], lists the entries, and attaches to one by
+//! name; it receives the metadata and its own duplicates of the file
+//! descriptors, and holds a *lease* until it releases it or its connection
+//! ends (it exits, crashes or is killed). The producer can wait for every
+//! lease on an entry to be released before it reuses or frees what the file
+//! descriptors refer to, and push per-entry notices ([`Server::update`]).
+//! A *ring* ([`Server::create_ring`]) is a fixed set of slots that the
+//! producer fills in turn, with back-pressure: a slot is reused only when
+//! every subscriber that was sent it has acknowledged it or gone away.
+//!
+//! # Layers
+//! - [`frame`]: the wire format, pure functions (a 16-byte header and a
+//!   UTF-8 JSON payload);
+//! - [`socket`]: sending and receiving frames with file descriptors, with a
+//!   deadline on every wait, and peer credentials;
+//! - [`server`] and [`client`]: the two ends.
+//!
+//! # Security
+//! Both ends check the other's user id with `SO_PEERCRED` (the kernel's
+//! record of who connected, which cannot be forged): the server against
+//! [`ServerConfig::allowed_uids`], the client against
+//! [`ClientConfig::allowed_server_uids`]; both default to the user we run
+//! as. The socket file is created with mode `0600`, and
+//! [`default_socket_dir`] is a directory only its owner can enter. File
+//! descriptors are capabilities: only a process that passed the checks ever
+//! receives one.
+//!
+//! # Errors
+//! Every fallible function returns [`ChannelError`]; it converts into the
+//! crate's [`Error`](crate::Error) with `?`.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::error::ErrorKind;
 
+pub mod client;
+pub mod frame;
+mod paths;
+pub mod server;
+pub mod socket;
+
+pub use client::{Attachment, Client, ClientConfig, Notice, RingAttachment, RingFrame, Update};
+pub use frame::{EntryKind, FrameError, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message};
+pub use paths::{
+    MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,
+    validate_socket_name,
+};
+pub use server::{
+    LeaseInfo, MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, RingProducer, Server,
+    ServerConfig, validate_entry_name,
+};
+pub use socket::Ucred;
+
+/// Which end of a connection refused the other (see [`ChannelError::Refused`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The server refused this client: the client's user id is not in
+    /// [`ServerConfig::allowed_uids`].
+    Server,
+    /// This client refused the server: the server's user id is not in
+    /// [`ClientConfig::allowed_server_uids`].
+    Client,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Server => "server",
+            Side::Client => "client",
+        })
+    }
+}
+
 /// Errors of the exchange channel.
+///
+/// Messages are sentences that say what happened and what to do. After
+/// [`PeerGone`](Self::PeerGone), [`Protocol`](Self::Protocol) and
+/// [`Frame`](Self::Frame) errors the connection is closed; a
+/// [`Timeout`](Self::Timeout) leaves it usable.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ChannelError {
+    /// A system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What we were doing, as a sentence fragment.
+        context: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
     /// The peer closed the connection or died.
-    #[error("the peer closed the connection (it exited or was killed)")]
+    #[error(
+        "the peer closed the connection (it exited, was killed, or dropped its end); \
+         reconnect once it is back"
+    )]
     PeerGone,
+
+    /// A wait ran out of time.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// What we were waiting for.
+        what: String,
+        /// How long we waited.
+        after: Duration,
+    },
+
+    /// The peer runs as a user that is not allowed.
+    #[error("{}", refused_text(*by, *uid, allowed))]
+    Refused {
+        /// Which end refused the connection.
+        by: Side,
+        /// The refused user id: ours when the server refused us, the
+        /// server's when we refused it.
+        uid: u32,
+        /// The user ids the refusing end accepts.
+        allowed: Vec<u32>,
+    },
+
+    /// The peer broke the protocol (an unexpected message, a failed
+    /// handshake, a request the state does not allow).
+    #[error("protocol violation: {reason}")]
+    Protocol {
+        /// What was wrong.
+        reason: String,
+    },
+
+    /// A frame was malformed (see [`FrameError`]).
+    #[error("malformed frame: {0}")]
+    Frame(#[from] FrameError),
+
+    /// The other side answered with an error frame.
+    #[error("the other side reported an error ({code}): {message}")]
+    Remote {
+        /// A machine-readable code, for example `"wrong_kind"`.
+        code: String,
+        /// The other side's explanation.
+        message: String,
+    },
+
+    /// No entry of that name is published.
+    #[error(
+        "no entry named {name:?} is published; list the published entries (Client::list) \
+         and check the name, or start the producer first"
+    )]
+    NotFound {
+        /// The name that was asked for.
+        name: String,
+    },
+
+    /// An entry of that name is already published.
+    #[error(
+        "an entry named {name:?} is already published; unpublish it first or choose another name"
+    )]
+    AlreadyExists {
+        /// The name.
+        name: String,
+    },
+
+    /// A name is not acceptable.
+    #[error("invalid name {name:?}: {reason}")]
+    InvalidName {
+        /// The name as given.
+        name: String,
+        /// What is wrong and what is accepted.
+        reason: String,
+    },
+
+    /// An argument is out of its domain.
+    #[error("invalid {what}: {reason}")]
+    InvalidArgument {
+        /// The argument, for example "slot".
+        what: &'static str,
+        /// What is wrong and what is accepted.
+        reason: String,
+    },
+
+    /// A socket directory is not private to us.
+    #[error("refusing to use the socket directory {}: {reason}", path.display())]
+    InsecureDirectory {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong with it and how to fix it.
+        reason: String,
+    },
+
+    /// Another server is listening on the socket path.
+    #[error(
+        "another publisher is serving {}; stop it first or choose another socket path",
+        path.display()
+    )]
+    Busy {
+        /// The socket path.
+        path: PathBuf,
+    },
+
+    /// The producer unpublished a ring this client subscribes to.
+    #[error(
+        "the producer unpublished {name:?} (lease {lease}); release the lease and attach \
+         again once it is published anew"
+    )]
+    Unpublished {
+        /// The ring's name.
+        name: String,
+        /// The lease that ended.
+        lease: u64,
+    },
+
+    /// The server was shut down.
+    #[error("the channel server has been shut down; bind a new one to publish again")]
+    ShutDown,
+}
+
+fn refused_text(by: Side, uid: u32, allowed: &[u32]) -> String {
+    match by {
+        Side::Server => format!(
+            "the server refused this connection: this process runs as uid {uid}, which is not \
+             among the server's allowed uids {allowed:?}; add it to ServerConfig::allowed_uids \
+             in the producer"
+        ),
+        Side::Client => format!(
+            "refusing to talk to the server: it runs as uid {uid}, which is not among \
+             ClientConfig::allowed_server_uids {allowed:?}; add it if you trust that user \
+             (otherwise another user may have put a socket at this path)"
+        ),
+    }
 }
 
 impl ChannelError {
     /// The class of this error.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            ChannelError::PeerGone => ErrorKind::Peer,
+            ChannelError::PeerGone
+            | ChannelError::Refused { .. }
+            | ChannelError::Remote { .. }
+            | ChannelError::Unpublished { .. } => ErrorKind::Peer,
+            ChannelError::Timeout { .. } => ErrorKind::Timeout,
+            ChannelError::Protocol { .. }
+            | ChannelError::Frame(_)
+            | ChannelError::InvalidName { .. }
+            | ChannelError::InvalidArgument { .. }
+            | ChannelError::NotFound { .. }
+            | ChannelError::AlreadyExists { .. } => ErrorKind::InvalidInput,
+            ChannelError::Io { .. }
+            | ChannelError::InsecureDirectory { .. }
+            | ChannelError::Busy { .. }
+            | ChannelError::ShutDown => ErrorKind::Failed,
         }
     }
+
+    /// An I/O error with a sentence of context.
+    pub(crate) fn io(context: impl Into<String>, source: impl Into<std::io::Error>) -> Self {
+        ChannelError::Io {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
+    /// A protocol violation.
+    pub(crate) fn protocol(reason: impl Into<String>) -> Self {
+        ChannelError::Protocol {
+            reason: reason.into(),
+        }
+    }
+
+    /// An invalid argument.
+    pub(crate) fn arg(what: &'static str, reason: impl Into<String>) -> Self {
+        ChannelError::InvalidArgument {
+            what,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Locks a mutex, ignoring poisoning: every critical section in this module
+/// leaves its state consistent before anything that could panic, so the
+/// data behind a poisoned lock is still valid, and the channel must keep
+/// serving (and `Drop` must not panic) after a panic in another thread.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The effective user id of this process, which is what `SO_PEERCRED`
+/// reports to our peers.
+pub(crate) fn own_uid() -> u32 {
+    rustix::process::geteuid().as_raw()
+}
+
+/// The id of this process.
+pub(crate) fn own_pid() -> u32 {
+    rustix::process::getpid().as_raw_nonzero().get() as u32
 }

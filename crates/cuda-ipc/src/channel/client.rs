@@ -1,0 +1,940 @@
+//! The consumer's end: connect to a [`Server`](super::Server), list its
+//! entries, attach to them (receiving metadata and file descriptors), follow
+//! updates and ring frames.
+//!
+//! # Waiting
+//! Every call that waits has a deadline: [`ClientConfig::timeout`] for
+//! requests, the `timeout` argument for [`Client::next_update`] and
+//! [`Client::next_frame`]. When the server process dies, the kernel closes
+//! its end of the socket, and every call (including one already waiting)
+//! returns [`ChannelError::PeerGone`] at once.
+//!
+//! # Threads
+//! A `Client` is `Send` and `Sync`. Several threads may wait on it at once:
+//! whichever is reading the socket hands each frame to the thread it
+//! concerns, and frames the server pushes on its own (updates, ring frames,
+//! unpublished notices) are queued until asked for, never lost. The queues
+//! grow while nobody asks: call [`Client::next_update`] if you hold leases
+//! on entries the producer updates.
+//!
+//! # File descriptors
+//! The descriptors in an [`Attachment`] or [`RingAttachment`] are this
+//! process's own (received with `MSG_CMSG_CLOEXEC`); they stay open after
+//! the lease is released, until you drop them. Releasing a lease tells the
+//! producer you are done; keep it until you no longer use what the
+//! descriptors refer to.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rustix::io::Errno;
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType, connect, socket_with};
+use serde_json::Value;
+
+use super::frame::{FrameError, ListedEntry, Message, PROTOCOL_VERSION};
+use super::server::{MAX_RING_SLOTS, validate_entry_name};
+use super::socket::{Ucred, peer_closed, peer_credentials, recv_frame, send_frame};
+use super::{ChannelError, Side, lock, own_pid, own_uid};
+
+/// The most listing pages [`Client::list`] follows.
+const MAX_LISTING_PAGES: usize = 4096;
+
+/// How a [`Client`] connects.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// How long a request may take, and how long [`Client::connect`] may
+    /// take; default 5 s.
+    pub timeout: Duration,
+    /// The user ids the server may run as (`SO_PEERCRED`); default: only ours.
+    pub allowed_server_uids: Vec<u32>,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            timeout: Duration::from_secs(5),
+            allowed_server_uids: vec![own_uid()],
+        }
+    }
+}
+
+/// A lease on a plain entry, with the entry's metadata and descriptors.
+#[derive(Debug)]
+pub struct Attachment {
+    /// The lease id; pass it to [`Client::release`].
+    pub lease: u64,
+    /// The entry's name.
+    pub name: String,
+    /// The producer's metadata.
+    pub meta: Value,
+    /// This process's own duplicates of the entry's descriptors.
+    pub fds: Vec<OwnedFd>,
+}
+
+/// A subscription to a ring, with every slot's metadata and descriptors.
+#[derive(Debug)]
+pub struct RingAttachment {
+    /// The lease id; pass it to [`Client::next_frame`], [`Client::ack`]
+    /// and [`Client::release`].
+    pub lease: u64,
+    /// The ring's name.
+    pub name: String,
+    /// The ring's metadata.
+    pub meta: Value,
+    /// Each slot's metadata and descriptors, by slot index.
+    pub slots: Vec<(Value, Vec<OwnedFd>)>,
+}
+
+/// What happened to an entry the client holds a lease on.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Notice {
+    /// The producer called [`Server::update`](super::Server::update).
+    Updated {
+        /// The entry's update counter, from 1, without gaps.
+        generation: u64,
+        /// The producer's notice.
+        data: Value,
+    },
+    /// The producer unpublished the entry. The lease stays valid (the
+    /// producer keeps the entry until it is released); release it when done.
+    Unpublished,
+}
+
+/// A notice about a leased entry (see [`Client::next_update`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Update {
+    /// The lease it concerns.
+    pub lease: u64,
+    /// The entry's name.
+    pub name: String,
+    /// What happened.
+    pub notice: Notice,
+}
+
+/// A frame of a ring: the producer filled `slot` (see [`Client::next_frame`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RingFrame {
+    /// The ring lease.
+    pub lease: u64,
+    /// The slot the producer filled.
+    pub slot: usize,
+    /// The ring's frame counter, from 1.
+    pub seq: u64,
+    /// The producer's notice.
+    pub notice: Value,
+}
+
+/// Why a connection is over; turns back into an error for every later call.
+enum Dead {
+    Gone,
+    Protocol(String),
+    Frame(FrameError),
+    Remote {
+        code: String,
+        message: String,
+    },
+    Io {
+        context: String,
+        kind: std::io::ErrorKind,
+        text: String,
+    },
+}
+
+impl Dead {
+    fn from_error(e: ChannelError) -> Dead {
+        match e {
+            // A frame cut short by end of file means the server went away
+            // while sending (it was killed, or it cut us off as too slow).
+            ChannelError::PeerGone | ChannelError::Frame(FrameError::Truncated { .. }) => {
+                Dead::Gone
+            }
+            ChannelError::Frame(f) => Dead::Frame(f),
+            ChannelError::Protocol { reason } => Dead::Protocol(reason),
+            ChannelError::Remote { code, message } => Dead::Remote { code, message },
+            ChannelError::Io { context, source } => Dead::Io {
+                context,
+                kind: source.kind(),
+                text: source.to_string(),
+            },
+            other => Dead::Protocol(other.to_string()),
+        }
+    }
+
+    fn error(&self) -> ChannelError {
+        match self {
+            Dead::Gone => ChannelError::PeerGone,
+            Dead::Protocol(reason) => ChannelError::Protocol {
+                reason: reason.clone(),
+            },
+            Dead::Frame(f) => ChannelError::Frame(f.clone()),
+            Dead::Remote { code, message } => ChannelError::Remote {
+                code: code.clone(),
+                message: message.clone(),
+            },
+            Dead::Io {
+                context,
+                kind,
+                text,
+            } => ChannelError::Io {
+                context: context.clone(),
+                source: std::io::Error::new(*kind, text.clone()),
+            },
+        }
+    }
+}
+
+struct RingQueue {
+    name: String,
+    slots: usize,
+    frames: VecDeque<RingFrame>,
+    ended: bool,
+}
+
+#[derive(Default)]
+struct State {
+    /// Whether a thread is reading the socket now.
+    reading: bool,
+    last_id: u64,
+    /// Requests whose callers still wait, with the ring name for `attach_ring`.
+    waiting: HashMap<u64, Option<String>>,
+    responses: HashMap<u64, VecDeque<(Message, Vec<OwnedFd>)>>,
+    updates: VecDeque<Update>,
+    rings: HashMap<u64, RingQueue>,
+    /// Leases granted to requests whose callers gave up: to release.
+    orphans: Vec<u64>,
+    dead: Option<Dead>,
+}
+
+impl State {
+    fn next_id(&mut self) -> u64 {
+        self.last_id += 1;
+        self.last_id
+    }
+
+    fn take_response(&mut self, id: u64) -> Option<(Message, Vec<OwnedFd>)> {
+        let queue = self.responses.get_mut(&id)?;
+        let r = queue.pop_front();
+        if queue.is_empty() {
+            self.responses.remove(&id);
+        }
+        r
+    }
+
+    /// Files one frame from the server where it belongs.
+    fn dispatch(&mut self, message: Message, fds: Vec<OwnedFd>) {
+        match message {
+            Message::Update {
+                lease,
+                name,
+                generation,
+                notice,
+            } => self.updates.push_back(Update {
+                lease,
+                name,
+                notice: Notice::Updated {
+                    generation,
+                    data: notice,
+                },
+            }),
+            Message::RingFrame {
+                lease,
+                slot,
+                seq,
+                notice,
+            } => {
+                // Frames for a released ring are dropped.
+                if let Some(q) = self.rings.get_mut(&lease) {
+                    q.frames.push_back(RingFrame {
+                        lease,
+                        slot: slot as usize,
+                        seq,
+                        notice,
+                    });
+                }
+            }
+            Message::Unpublished { lease, name } => match self.rings.get_mut(&lease) {
+                Some(q) => q.ended = true,
+                None => self.updates.push_back(Update {
+                    lease,
+                    name,
+                    notice: Notice::Unpublished,
+                }),
+            },
+            Message::Error {
+                id: None,
+                code,
+                message,
+                ..
+            } => {
+                self.dead = Some(Dead::Remote { code, message });
+            }
+            Message::Listing { id, .. }
+            | Message::Attached { id, .. }
+            | Message::Released { id }
+            | Message::RingAttached { id, .. }
+            | Message::RingSlot { id, .. }
+            | Message::Pong { id }
+            | Message::Error { id: Some(id), .. } => {
+                let Some(ring_name) = self.waiting.get(&id) else {
+                    // Its caller gave up; a lease granted to it goes back.
+                    if let Message::Attached { lease, .. } | Message::RingAttached { lease, .. } =
+                        message
+                    {
+                        self.orphans.push(lease);
+                    }
+                    return;
+                };
+                if let Message::RingAttached { lease, slots, .. } = &message {
+                    self.rings.insert(
+                        *lease,
+                        RingQueue {
+                            name: ring_name.clone().unwrap_or_default(),
+                            slots: *slots as usize,
+                            frames: VecDeque::new(),
+                            ended: false,
+                        },
+                    );
+                }
+                self.responses
+                    .entry(id)
+                    .or_default()
+                    .push_back((message, fds));
+            }
+            other => {
+                self.dead = Some(Dead::Protocol(format!(
+                    "the server sent a {:?} message, which only clients send or which \
+                     belongs to the handshake",
+                    other.type_name()
+                )));
+            }
+        }
+    }
+}
+
+/// A connection to a channel server: the consumer's end.
+///
+/// ```no_run
+/// use cuda_ipc::channel::{Client, ClientConfig};
+/// # fn main() -> Result<(), cuda_ipc::channel::ChannelError> {
+/// let path = cuda_ipc::channel::default_socket_path("demo")?;
+/// let client = Client::connect(&path, ClientConfig::default())?;
+/// let weights = client.attach("weights")?;
+/// // ... map weights.fds, read weights.meta ...
+/// client.release(weights.lease)?;
+/// # Ok(()) }
+/// ```
+pub struct Client {
+    stream: UnixStream,
+    server: Ucred,
+    timeout: Duration,
+    /// Serialises writers, so that frames never interleave.
+    write: Mutex<()>,
+    state: Mutex<State>,
+    /// Signalled when a frame was filed, the reader stepped down, or the
+    /// connection died.
+    filed: Condvar,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("server", &self.server)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Forgets a request when its caller stops waiting, however it stops.
+struct Pending<'a> {
+    client: &'a Client,
+    id: u64,
+    deadline: Instant,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.client.state);
+        st.waiting.remove(&self.id);
+        // Leases granted in answers nobody took go back to the server.
+        if let Some(left) = st.responses.remove(&self.id) {
+            for (m, _fds) in left {
+                if let Message::Attached { lease, .. } | Message::RingAttached { lease, .. } = m {
+                    st.rings.remove(&lease);
+                    st.orphans.push(lease);
+                }
+            }
+        }
+        let orphans = std::mem::take(&mut st.orphans);
+        drop(st);
+        self.client.release_quietly(orphans);
+    }
+}
+
+impl Client {
+    /// Connects to the server at `path`, checks its credentials against
+    /// [`ClientConfig::allowed_server_uids`], and shakes hands.
+    ///
+    /// Errors: [`ChannelError::Refused`] if either side refuses the other,
+    /// [`ChannelError::Io`] if nothing serves the path (the message says
+    /// whether the socket is missing or stale), [`ChannelError::Timeout`]
+    /// if the server does not answer within [`ClientConfig::timeout`].
+    ///
+    /// # References
+    /// [connect(2)](https://man7.org/linux/man-pages/man2/connect.2.html),
+    /// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html) (`SO_PEERCRED`).
+    pub fn connect(path: impl AsRef<Path>, config: ClientConfig) -> Result<Client, ChannelError> {
+        let path = path.as_ref();
+        let started = Instant::now();
+        let deadline = started + config.timeout;
+        let stream = connect_socket(path, deadline)?;
+        let server = peer_credentials(&stream)?;
+        if !config.allowed_server_uids.contains(&server.uid) {
+            return Err(ChannelError::Refused {
+                by: Side::Client,
+                uid: server.uid,
+                allowed: config.allowed_server_uids,
+            });
+        }
+        let hello = send_frame(
+            &stream,
+            &Message::Hello {
+                protocol: PROTOCOL_VERSION,
+                pid: own_pid(),
+            },
+            &[],
+            Some(deadline),
+        );
+        // Even if the hello could not be sent, the server may have said why.
+        match recv_frame(&stream, Some(deadline)) {
+            Ok((Message::Welcome { protocol, .. }, _)) => {
+                hello?;
+                if protocol != PROTOCOL_VERSION {
+                    return Err(ChannelError::protocol(format!(
+                        "the server speaks protocol {protocol}, this client \
+                         {PROTOCOL_VERSION}; use the same cuda-ipc version on both sides"
+                    )));
+                }
+            }
+            Ok((
+                Message::Error {
+                    code,
+                    message,
+                    details,
+                    ..
+                },
+                _,
+            )) => {
+                if code == "refused" {
+                    return Err(ChannelError::Refused {
+                        by: Side::Server,
+                        uid: details
+                            .get("uid")
+                            .and_then(Value::as_u64)
+                            .map_or_else(own_uid, |u| u as u32),
+                        allowed: details
+                            .get("allowed")
+                            .and_then(Value::as_array)
+                            .map(|a| {
+                                a.iter()
+                                    .filter_map(Value::as_u64)
+                                    .map(|u| u as u32)
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                    });
+                }
+                return Err(ChannelError::Remote { code, message });
+            }
+            Ok((other, _)) => {
+                return Err(ChannelError::protocol(format!(
+                    "expected a \"welcome\" message from the server, got {:?}",
+                    other.type_name()
+                )));
+            }
+            Err(ChannelError::Timeout { .. }) => {
+                hello?;
+                return Err(ChannelError::Timeout {
+                    what: format!("the server at {} to answer the handshake", path.display()),
+                    after: started.elapsed(),
+                });
+            }
+            Err(e) => {
+                hello?;
+                return Err(e);
+            }
+        }
+        Ok(Client {
+            stream,
+            server,
+            timeout: config.timeout,
+            write: Mutex::new(()),
+            state: Mutex::new(State::default()),
+            filed: Condvar::new(),
+        })
+    }
+
+    /// The server's process id (`SO_PEERCRED`, in our pid namespace).
+    pub fn server_pid(&self) -> u32 {
+        self.server.pid
+    }
+
+    /// The server's credentials (`SO_PEERCRED`).
+    pub fn server_credentials(&self) -> Ucred {
+        self.server
+    }
+
+    /// Whether the connection is still up, without waiting and without
+    /// consuming anything: false once the server has closed its end (it
+    /// exited or was killed) or the connection failed.
+    pub fn is_alive(&self) -> bool {
+        if lock(&self.state).dead.is_some() {
+            return false;
+        }
+        !peer_closed(self.stream.as_fd())
+    }
+
+    /// Checks the server answers, and returns the round-trip time.
+    pub fn ping(&self) -> Result<Duration, ChannelError> {
+        let started = Instant::now();
+        let p = self.request(|id| Message::Ping { id }, None)?;
+        match self.response(&p, "the answer to a ping")? {
+            (Message::Pong { .. }, _) => Ok(started.elapsed()),
+            (other, _) => Err(unexpected(other, "pong", "")),
+        }
+    }
+
+    /// Every published entry and ring, in name order.
+    pub fn list(&self) -> Result<Vec<ListedEntry>, ChannelError> {
+        let mut all = Vec::new();
+        let mut after: Option<String> = None;
+        for _ in 0..MAX_LISTING_PAGES {
+            let p = self.request(
+                |id| Message::List {
+                    id,
+                    after: after.clone(),
+                },
+                None,
+            )?;
+            match self.response(&p, "the listing")? {
+                (Message::Listing { entries, next, .. }, _) => {
+                    all.extend(entries);
+                    match next {
+                        None => return Ok(all),
+                        Some(n) if after.as_ref().is_some_and(|a| &n <= a) => {
+                            return Err(ChannelError::protocol(format!(
+                                "the listing went backwards (from {after:?} to {n:?})"
+                            )));
+                        }
+                        Some(n) => after = Some(n),
+                    }
+                }
+                (other, _) => return Err(unexpected(other, "listing", "")),
+            }
+        }
+        Err(ChannelError::protocol(format!(
+            "the listing did not end within {MAX_LISTING_PAGES} pages"
+        )))
+    }
+
+    /// Attaches to a plain entry: takes a lease and receives the entry's
+    /// metadata and descriptors.
+    ///
+    /// Errors: [`ChannelError::NotFound`] if no entry of that name is
+    /// published; [`ChannelError::Remote`] with code `"wrong_kind"` for a
+    /// ring (use [`attach_ring`](Self::attach_ring)).
+    pub fn attach(&self, name: &str) -> Result<Attachment, ChannelError> {
+        validate_entry_name(name)?;
+        let p = self.request(
+            |id| Message::Attach {
+                id,
+                name: name.into(),
+            },
+            None,
+        )?;
+        match self.response(&p, &format!("the answer to attaching {name:?}"))? {
+            (Message::Attached { lease, meta, .. }, fds) => Ok(Attachment {
+                lease,
+                name: name.into(),
+                meta,
+                fds,
+            }),
+            (other, _) => Err(unexpected(other, "attached", name)),
+        }
+    }
+
+    /// Subscribes to a ring: takes a lease and receives every slot's
+    /// metadata and descriptors. Frames published from now on arrive with
+    /// [`next_frame`](Self::next_frame).
+    pub fn attach_ring(&self, name: &str) -> Result<RingAttachment, ChannelError> {
+        validate_entry_name(name)?;
+        let p = self.request(
+            |id| Message::AttachRing {
+                id,
+                name: name.into(),
+            },
+            Some(name),
+        )?;
+        let what = format!("the answer to subscribing to ring {name:?}");
+        let (lease, count, meta) = match self.response(&p, &what)? {
+            (
+                Message::RingAttached {
+                    lease, slots, meta, ..
+                },
+                _,
+            ) => (lease, slots as usize, meta),
+            (other, _) => return Err(unexpected(other, "ring_attached", name)),
+        };
+        let slots = (|| {
+            if count == 0 || count > MAX_RING_SLOTS {
+                return Err(ChannelError::protocol(format!(
+                    "the server announced a ring of {count} slots; a ring has 1 to \
+                     {MAX_RING_SLOTS}"
+                )));
+            }
+            let mut slots = Vec::with_capacity(count);
+            for i in 0..count {
+                match self.response(&p, &what)? {
+                    (
+                        Message::RingSlot {
+                            lease: l,
+                            slot,
+                            meta,
+                            ..
+                        },
+                        fds,
+                    ) if l == lease && slot as usize == i => {
+                        slots.push((meta, fds));
+                    }
+                    (other, _) => {
+                        return Err(ChannelError::protocol(format!(
+                            "expected slot {i} of ring {name:?}, got a {:?} message",
+                            other.type_name()
+                        )));
+                    }
+                }
+            }
+            Ok(slots)
+        })();
+        match slots {
+            Ok(slots) => Ok(RingAttachment {
+                lease,
+                name: name.into(),
+                meta,
+                slots,
+            }),
+            Err(e) => {
+                self.release_quietly(vec![lease]);
+                Err(e)
+            }
+        }
+    }
+
+    /// Releases a lease (on an entry or a ring). The producer may reuse
+    /// what the lease covered once every holder has released it.
+    pub fn release(&self, lease: u64) -> Result<(), ChannelError> {
+        let p = self.request(|id| Message::Release { id, lease }, None)?;
+        let answer = self.response(&p, &format!("the answer to releasing lease {lease}"))?;
+        lock(&self.state).rings.remove(&lease);
+        match answer {
+            (Message::Released { .. }, _) => Ok(()),
+            (Message::Error { code, message, .. }, _) if code == "invalid_lease" => {
+                Err(ChannelError::arg("lease", message))
+            }
+            (other, _) => Err(unexpected(other, "released", "")),
+        }
+    }
+
+    /// The next update or unpublished notice for a leased entry, waiting up
+    /// to `timeout` for one. Notices queued before the server went away are
+    /// returned before [`ChannelError::PeerGone`].
+    pub fn next_update(&self, timeout: Duration) -> Result<Update, ChannelError> {
+        self.wait_for(
+            Instant::now() + timeout,
+            "an update from the producer",
+            |st| st.updates.pop_front(),
+        )
+    }
+
+    /// The next frame of the ring subscribed with `lease`, waiting up to
+    /// `timeout` for one. After the producer unpublished the ring and every
+    /// earlier frame was taken: [`ChannelError::Unpublished`].
+    pub fn next_frame(&self, lease: u64, timeout: Duration) -> Result<RingFrame, ChannelError> {
+        let not_ring = || {
+            ChannelError::arg(
+                "lease",
+                format!(
+                    "lease {lease} is not a ring subscription of this client (attach_ring \
+                     returns one)"
+                ),
+            )
+        };
+        if !lock(&self.state).rings.contains_key(&lease) {
+            return Err(not_ring());
+        }
+        self.wait_for(Instant::now() + timeout, "a ring frame", |st| {
+            let Some(q) = st.rings.get_mut(&lease) else {
+                return Some(Err(not_ring()));
+            };
+            if let Some(f) = q.frames.pop_front() {
+                Some(Ok(f))
+            } else if q.ended {
+                Some(Err(ChannelError::Unpublished {
+                    name: q.name.clone(),
+                    lease,
+                }))
+            } else {
+                None
+            }
+        })?
+    }
+
+    /// Acknowledges a ring frame: this subscriber is done with `slot` as of
+    /// frame `seq`, and the producer may reuse it. Does not wait for an
+    /// answer.
+    pub fn ack(&self, lease: u64, slot: usize, seq: u64) -> Result<(), ChannelError> {
+        {
+            let st = lock(&self.state);
+            if let Some(d) = &st.dead {
+                return Err(d.error());
+            }
+            match st.rings.get(&lease) {
+                None => {
+                    return Err(ChannelError::arg(
+                        "lease",
+                        format!("lease {lease} is not a ring subscription of this client"),
+                    ));
+                }
+                Some(q) if slot >= q.slots => {
+                    return Err(ChannelError::arg(
+                        "slot",
+                        format!(
+                            "ring {:?} has {} slots, there is no slot {slot}",
+                            q.name, q.slots
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        self.send(&Message::Ack {
+            lease,
+            slot: slot as u32,
+            seq,
+        })
+    }
+
+    // ---- internals ----
+
+    /// Sends a request and registers its id; the returned guard forgets it.
+    fn request(
+        &self,
+        make: impl FnOnce(u64) -> Message,
+        ring_name: Option<&str>,
+    ) -> Result<Pending<'_>, ChannelError> {
+        let id = {
+            let mut st = lock(&self.state);
+            if let Some(d) = &st.dead {
+                return Err(d.error());
+            }
+            let id = st.next_id();
+            st.waiting.insert(id, ring_name.map(str::to_owned));
+            id
+        };
+        let pending = Pending {
+            client: self,
+            id,
+            deadline: Instant::now() + self.timeout,
+        };
+        self.send(&make(id))?;
+        Ok(pending)
+    }
+
+    /// Waits for the next answer to a request.
+    fn response(
+        &self,
+        p: &Pending<'_>,
+        what: &str,
+    ) -> Result<(Message, Vec<OwnedFd>), ChannelError> {
+        self.wait_for(p.deadline, what, |st| st.take_response(p.id))
+    }
+
+    /// Sends one frame (without descriptors) within the request timeout.
+    fn send(&self, message: &Message) -> Result<(), ChannelError> {
+        let _writing = lock(&self.write);
+        send_frame(
+            &self.stream,
+            message,
+            &[],
+            Some(Instant::now() + self.timeout),
+        )
+        .map_err(|e| {
+            // A frame cut in half leaves the stream unusable. (After
+            // PeerGone, reading still delivers what the server sent last.)
+            if matches!(e, ChannelError::Protocol { .. } | ChannelError::Io { .. }) {
+                let mut st = lock(&self.state);
+                if st.dead.is_none() {
+                    st.dead = Some(Dead::Protocol(e.to_string()));
+                }
+                drop(st);
+                self.filed.notify_all();
+            }
+            e
+        })
+    }
+
+    /// Gives leases back without waiting for the answers.
+    fn release_quietly(&self, leases: Vec<u64>) {
+        for lease in leases {
+            let id = {
+                let mut st = lock(&self.state);
+                st.rings.remove(&lease);
+                if st.dead.is_some() {
+                    return;
+                }
+                st.next_id()
+            };
+            // Nobody waits for id, so the answer is dropped when it comes.
+            let _ = self.send(&Message::Release { id, lease });
+        }
+    }
+
+    /// Waits until `take` finds what it looks for in the state, reading the
+    /// socket (if no other thread is) until `deadline`.
+    fn wait_for<T>(
+        &self,
+        deadline: Instant,
+        what: &str,
+        mut take: impl FnMut(&mut State) -> Option<T>,
+    ) -> Result<T, ChannelError> {
+        let started = Instant::now();
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(v) = take(&mut st) {
+                return Ok(v);
+            }
+            if let Some(d) = &st.dead {
+                return Err(d.error());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ChannelError::Timeout {
+                    what: what.to_owned(),
+                    after: started.elapsed(),
+                });
+            }
+            if st.reading {
+                st = self
+                    .filed
+                    .wait_timeout(st, left)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .0;
+                continue;
+            }
+            st.reading = true;
+            drop(st);
+            let received = recv_frame(&self.stream, Some(deadline));
+            st = self.file(received);
+        }
+    }
+
+    /// Files what the reader received, steps down as reader, and wakes
+    /// the other waiters.
+    fn file(
+        &self,
+        received: Result<(Message, Vec<OwnedFd>), ChannelError>,
+    ) -> MutexGuard<'_, State> {
+        let mut st = lock(&self.state);
+        st.reading = false;
+        match received {
+            Ok((message, fds)) => st.dispatch(message, fds),
+            Err(ChannelError::Timeout { .. }) => {}
+            Err(e) => {
+                if st.dead.is_none() {
+                    st.dead = Some(Dead::from_error(e));
+                }
+            }
+        }
+        self.filed.notify_all();
+        if st.orphans.is_empty() {
+            return st;
+        }
+        let orphans = std::mem::take(&mut st.orphans);
+        drop(st);
+        self.release_quietly(orphans);
+        lock(&self.state)
+    }
+}
+
+/// The error for an answer of the wrong type: the server's error frame, or
+/// a protocol violation.
+fn unexpected(message: Message, expected: &str, name: &str) -> ChannelError {
+    match message {
+        Message::Error { code, .. } if code == "not_found" => {
+            ChannelError::NotFound { name: name.into() }
+        }
+        Message::Error { code, message, .. } => ChannelError::Remote { code, message },
+        other => ChannelError::protocol(format!(
+            "expected a {expected:?} message from the server, got {:?}",
+            other.type_name()
+        )),
+    }
+}
+
+/// Connects a Unix stream socket without blocking past `deadline` (a
+/// listener with a full backlog makes `connect` wait).
+fn connect_socket(path: &Path, deadline: Instant) -> Result<UnixStream, ChannelError> {
+    let addr = SocketAddrUnix::new(path).map_err(|e| {
+        ChannelError::io(format!("{} is not a valid socket path", path.display()), e)
+    })?;
+    let fd = socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )
+    .map_err(|e| ChannelError::io("cannot create a Unix socket", e))?;
+    let started = Instant::now();
+    loop {
+        match connect(&fd, &addr) {
+            Ok(()) => return Ok(UnixStream::from(fd)),
+            Err(Errno::INTR) => {}
+            Err(Errno::AGAIN) => {
+                if Instant::now() >= deadline {
+                    return Err(ChannelError::Timeout {
+                        what: format!(
+                            "the server at {} to accept the connection (its backlog is full)",
+                            path.display()
+                        ),
+                        after: started.elapsed(),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => {
+                let context = match e {
+                    Errno::NOENT => format!(
+                        "no channel server at {}: the socket does not exist; start the \
+                         producer first, or check the path",
+                        path.display()
+                    ),
+                    Errno::CONNREFUSED => format!(
+                        "nothing is listening on {} (a socket left by a producer that \
+                         exited); start the producer",
+                        path.display()
+                    ),
+                    Errno::ACCESS => format!(
+                        "permission denied connecting to {}: the socket or its directory \
+                         belongs to another user",
+                        path.display()
+                    ),
+                    _ => format!("cannot connect to {}", path.display()),
+                };
+                return Err(ChannelError::io(context, e));
+            }
+        }
+    }
+}

@@ -1,0 +1,712 @@
+//! The wire format: a fixed 16-byte header, then a UTF-8 JSON payload.
+//!
+//! ```text
+//! offset size field
+//!      0    4 magic            b"CIPC"
+//!      4    2 protocol version u16 little-endian, PROTOCOL_VERSION (1)
+//!      6    2 frame kind       u16 little-endian, KIND_JSON (1)
+//!      8    4 payload length   u32 little-endian, at most MAX_PAYLOAD
+//!     12    2 fd count         u16 little-endian, at most MAX_FDS
+//!     14    2 reserved         must be 0
+//! ```
+//!
+//! The payload is one [`Message`], a JSON object whose `"type"` field names
+//! the message (`{"type":"attach","id":7,"name":"weights"}`). The file
+//! descriptors announced in the header travel as `SCM_RIGHTS` ancillary
+//! data with the header's bytes (see [`socket`](super::socket)).
+//!
+//! Everything here is a pure function of its input and never panics:
+//! decoding checks every field and reports the first problem precisely
+//! ([`FrameError`]), naming what it found and what it expected. Decoding is
+//! strict: unknown message types and unknown fields are errors, since both
+//! sides speak the same protocol version.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The magic bytes that start every frame.
+pub const MAGIC: [u8; 4] = *b"CIPC";
+
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// The frame kind of a JSON message, the only kind so far.
+pub const KIND_JSON: u16 = 1;
+
+/// The size of a frame header in bytes.
+pub const HEADER_LEN: usize = 16;
+
+/// The largest payload a frame may carry (1 MiB).
+pub const MAX_PAYLOAD: u32 = 1 << 20;
+
+/// The most file descriptors one frame may carry.
+pub const MAX_FDS: usize = 16;
+
+/// What went wrong decoding (or encoding) a frame.
+///
+/// Each variant names what was found and what was expected.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrameError {
+    /// The frame does not start with `b"CIPC"`.
+    #[error(
+        "bad magic {found:02x?}: expected {MAGIC:02x?} (b\"CIPC\"); the peer does not speak \
+         the cuda-ipc channel protocol"
+    )]
+    BadMagic {
+        /// The four bytes found.
+        found: [u8; 4],
+    },
+
+    /// The protocol version is not ours.
+    #[error(
+        "unsupported protocol version {found}: this side speaks version {supported}; use the \
+         same cuda-ipc version on both sides"
+    )]
+    UnsupportedVersion {
+        /// The version in the header.
+        found: u16,
+        /// The version we speak.
+        supported: u16,
+    },
+
+    /// The frame kind is unknown.
+    #[error("unknown frame kind {found}: expected {KIND_JSON} (a JSON message)")]
+    UnknownKind {
+        /// The kind in the header.
+        found: u16,
+    },
+
+    /// The reserved header field is not zero.
+    #[error("the reserved header field is {found:#06x}: expected 0")]
+    ReservedNotZero {
+        /// The value found.
+        found: u16,
+    },
+
+    /// The payload is longer than [`MAX_PAYLOAD`].
+    #[error("a payload of {len} bytes exceeds the limit of {max} bytes")]
+    PayloadTooLarge {
+        /// The payload length.
+        len: u64,
+        /// The limit.
+        max: u32,
+    },
+
+    /// The frame announces or carries more than [`MAX_FDS`] descriptors.
+    #[error("the frame carries {count} file descriptors, more than the limit of {max}")]
+    TooManyFds {
+        /// How many.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+
+    /// The input ended before the frame did.
+    #[error("{what} truncated: expected {expected} bytes, got {got}")]
+    Truncated {
+        /// Which part: "frame header" or "payload".
+        what: &'static str,
+        /// How many bytes were needed.
+        expected: usize,
+        /// How many arrived.
+        got: usize,
+    },
+
+    /// The payload is not UTF-8.
+    #[error("the payload is not valid UTF-8 (the first invalid byte is at offset {valid_up_to})")]
+    InvalidUtf8 {
+        /// The length of the valid prefix.
+        valid_up_to: usize,
+    },
+
+    /// The payload is not JSON.
+    #[error("the payload is not valid JSON: {reason}")]
+    InvalidJson {
+        /// The parser's explanation, with line and column.
+        reason: String,
+    },
+
+    /// The payload is JSON but not an object with a string `"type"` field.
+    #[error(
+        "the payload is not a message: expected a JSON object with a string \"type\" field, found {found}"
+    )]
+    NotAMessage {
+        /// A short description of what was found.
+        found: String,
+    },
+
+    /// The `"type"` field names no message this side knows.
+    #[error("unknown message type {found:?}: expected one of {}", Message::TYPES.join(", "))]
+    UnknownType {
+        /// The type found.
+        found: String,
+    },
+
+    /// A known message type with missing, extra or ill-typed fields.
+    #[error("malformed {kind:?} message: {reason}")]
+    InvalidMessage {
+        /// The message type.
+        kind: String,
+        /// What was wrong, naming the field.
+        reason: String,
+    },
+
+    /// The header announced a different number of descriptors than arrived.
+    #[error(
+        "the header announced {expected} file descriptors but {received} arrived with the frame"
+    )]
+    FdCountMismatch {
+        /// The count in the header.
+        expected: usize,
+        /// The count received.
+        received: usize,
+    },
+
+    /// The peer attached more descriptors than the receive buffer holds, and
+    /// the kernel discarded the rest (`MSG_CTRUNC`).
+    #[error(
+        "the peer attached more file descriptors than the {max} a frame may carry; the kernel \
+         discarded the extra ones"
+    )]
+    FdsTruncated {
+        /// The limit.
+        max: usize,
+    },
+}
+
+/// A decoded frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Header {
+    /// The protocol version.
+    pub version: u16,
+    /// The frame kind ([`KIND_JSON`]).
+    pub kind: u16,
+    /// The payload length in bytes.
+    pub len: u32,
+    /// The number of file descriptors sent with the frame.
+    pub fds: u16,
+}
+
+impl Header {
+    /// A header of the current version for a JSON payload of `len` bytes
+    /// with `fds` descriptors.
+    pub fn json(len: u32, fds: u16) -> Header {
+        Header {
+            version: PROTOCOL_VERSION,
+            kind: KIND_JSON,
+            len,
+            fds,
+        }
+    }
+}
+
+/// Encodes a header. Any field values are written as given (the reserved
+/// field is always 0); [`decode_header`] is where they are checked.
+pub fn encode_header(header: &Header) -> [u8; HEADER_LEN] {
+    let mut out = [0u8; HEADER_LEN];
+    out[0..4].copy_from_slice(&MAGIC);
+    out[4..6].copy_from_slice(&header.version.to_le_bytes());
+    out[6..8].copy_from_slice(&header.kind.to_le_bytes());
+    out[8..12].copy_from_slice(&header.len.to_le_bytes());
+    out[12..14].copy_from_slice(&header.fds.to_le_bytes());
+    out
+}
+
+/// Decodes and checks a header from the first [`HEADER_LEN`] bytes of
+/// `bytes` (the rest is ignored).
+///
+/// Checks, in order: length, magic, version, kind, reserved field, payload
+/// length, descriptor count.
+pub fn decode_header(bytes: &[u8]) -> Result<Header, FrameError> {
+    let Some(b) = bytes.first_chunk::<HEADER_LEN>() else {
+        return Err(FrameError::Truncated {
+            what: "frame header",
+            expected: HEADER_LEN,
+            got: bytes.len(),
+        });
+    };
+    let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+    let found = [b[0], b[1], b[2], b[3]];
+    if found != MAGIC {
+        return Err(FrameError::BadMagic { found });
+    }
+    let version = u16_at(4);
+    if version != PROTOCOL_VERSION {
+        return Err(FrameError::UnsupportedVersion {
+            found: version,
+            supported: PROTOCOL_VERSION,
+        });
+    }
+    let kind = u16_at(6);
+    if kind != KIND_JSON {
+        return Err(FrameError::UnknownKind { found: kind });
+    }
+    let reserved = u16_at(14);
+    if reserved != 0 {
+        return Err(FrameError::ReservedNotZero { found: reserved });
+    }
+    let len = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
+    if len > MAX_PAYLOAD {
+        return Err(FrameError::PayloadTooLarge {
+            len: u64::from(len),
+            max: MAX_PAYLOAD,
+        });
+    }
+    let fds = u16_at(12);
+    if usize::from(fds) > MAX_FDS {
+        return Err(FrameError::TooManyFds {
+            count: usize::from(fds),
+            max: MAX_FDS,
+        });
+    }
+    Ok(Header {
+        version,
+        kind,
+        len,
+        fds,
+    })
+}
+
+/// Encodes a whole frame (header and payload) for `message` with `fds`
+/// descriptors attached.
+pub fn encode_frame(message: &Message, fds: usize) -> Result<Vec<u8>, FrameError> {
+    if fds > MAX_FDS {
+        return Err(FrameError::TooManyFds {
+            count: fds,
+            max: MAX_FDS,
+        });
+    }
+    let payload = message.encode();
+    let len = u32::try_from(payload.len())
+        .ok()
+        .filter(|&l| l <= MAX_PAYLOAD)
+        .ok_or(FrameError::PayloadTooLarge {
+            len: payload.len() as u64,
+            max: MAX_PAYLOAD,
+        })?;
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    out.extend_from_slice(&encode_header(&Header::json(len, fds as u16)));
+    out.extend_from_slice(&payload);
+    Ok(out)
+}
+
+/// Whether a listed entry is a plain entry or a ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryKind {
+    /// A plain entry: metadata and file descriptors (attach with
+    /// [`Client::attach`](super::Client::attach)).
+    Entry,
+    /// A ring of slots (attach with
+    /// [`Client::attach_ring`](super::Client::attach_ring)).
+    Ring,
+}
+
+/// One published entry in a [`Message::Listing`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListedEntry {
+    /// The entry's name.
+    pub name: String,
+    /// Plain entry or ring.
+    pub kind: EntryKind,
+    /// The producer's metadata for the entry.
+    pub meta: Value,
+}
+
+/// A message of the channel protocol.
+///
+/// Requests carry an `id` that the response repeats. Notices the server
+/// pushes on its own ([`Update`](Self::Update),
+/// [`RingFrame`](Self::RingFrame), [`Unpublished`](Self::Unpublished)) carry
+/// the lease they concern instead.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Message {
+    // ---- client to server ----
+    /// The client's first message.
+    Hello {
+        /// The protocol version the client speaks.
+        protocol: u16,
+        /// The client's process id (informational; the server trusts `SO_PEERCRED`).
+        pid: u32,
+    },
+    /// Asks for the published entries, in name order, starting after
+    /// `after` (for the next page of a long listing).
+    List {
+        /// The request id.
+        id: u64,
+        /// The last name of the previous page, if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        after: Option<String>,
+    },
+    /// Asks for a lease on a plain entry.
+    Attach {
+        /// The request id.
+        id: u64,
+        /// The entry's name.
+        name: String,
+    },
+    /// Gives a lease back.
+    Release {
+        /// The request id.
+        id: u64,
+        /// The lease.
+        lease: u64,
+    },
+    /// Asks for a lease on a ring (a subscription).
+    AttachRing {
+        /// The request id.
+        id: u64,
+        /// The ring's name.
+        name: String,
+    },
+    /// Tells the server the subscriber is done with a ring frame, so the
+    /// producer may reuse its slot. Has no response.
+    Ack {
+        /// The ring lease.
+        lease: u64,
+        /// The slot of the frame.
+        slot: u32,
+        /// The sequence number of the frame.
+        seq: u64,
+    },
+    /// Asks for a [`Pong`](Self::Pong).
+    Ping {
+        /// The request id.
+        id: u64,
+    },
+
+    // ---- server to client ----
+    /// The server's answer to [`Hello`](Self::Hello).
+    Welcome {
+        /// The protocol version the server speaks.
+        protocol: u16,
+        /// The server's process id (informational).
+        pid: u32,
+    },
+    /// A page of published entries.
+    Listing {
+        /// The request id.
+        id: u64,
+        /// The entries, in name order.
+        entries: Vec<ListedEntry>,
+        /// If more entries follow: the name to pass as `after` for the next page.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        next: Option<String>,
+    },
+    /// A lease on a plain entry; the entry's descriptors come with this frame.
+    Attached {
+        /// The request id.
+        id: u64,
+        /// The new lease.
+        lease: u64,
+        /// The entry's metadata.
+        meta: Value,
+        /// How many descriptors come with the frame.
+        fds: u16,
+    },
+    /// The lease was released.
+    Released {
+        /// The request id.
+        id: u64,
+    },
+    /// A lease on a ring; one [`RingSlot`](Self::RingSlot) frame per slot follows.
+    RingAttached {
+        /// The request id.
+        id: u64,
+        /// The new lease.
+        lease: u64,
+        /// The number of slots.
+        slots: u32,
+        /// The ring's metadata.
+        meta: Value,
+    },
+    /// One slot of a ring; the slot's descriptors come with this frame.
+    RingSlot {
+        /// The request id of the [`AttachRing`](Self::AttachRing).
+        id: u64,
+        /// The ring lease.
+        lease: u64,
+        /// The slot index.
+        slot: u32,
+        /// The slot's metadata.
+        meta: Value,
+        /// How many descriptors come with the frame.
+        fds: u16,
+    },
+    /// A notice from the producer about an entry the client holds a lease on.
+    Update {
+        /// The lease.
+        lease: u64,
+        /// The entry's name.
+        name: String,
+        /// The entry's update counter, from 1.
+        generation: u64,
+        /// The producer's notice.
+        notice: Value,
+    },
+    /// The producer filled a ring slot.
+    RingFrame {
+        /// The ring lease.
+        lease: u64,
+        /// The slot.
+        slot: u32,
+        /// The ring's frame counter, from 1.
+        seq: u64,
+        /// The producer's notice.
+        notice: Value,
+    },
+    /// The producer unpublished an entry or ring the client holds a lease on.
+    Unpublished {
+        /// The lease.
+        lease: u64,
+        /// The name.
+        name: String,
+    },
+    /// The answer to [`Ping`](Self::Ping).
+    Pong {
+        /// The request id.
+        id: u64,
+    },
+    /// An error: the answer to request `id`, or about the connection as a
+    /// whole when `id` is `None` (the sender closes the connection after it).
+    Error {
+        /// The request id, if the error answers a request.
+        id: Option<u64>,
+        /// A machine-readable code, for example `"not_found"`.
+        code: String,
+        /// A sentence for people.
+        message: String,
+        /// Structured details (for `"refused"`: `{"uid":…,"allowed":[…]}`).
+        #[serde(default, skip_serializing_if = "Value::is_null")]
+        details: Value,
+    },
+}
+
+impl Message {
+    /// The `"type"` names of every message, in declaration order.
+    pub const TYPES: &'static [&'static str] = &[
+        "hello",
+        "list",
+        "attach",
+        "release",
+        "attach_ring",
+        "ack",
+        "ping",
+        "welcome",
+        "listing",
+        "attached",
+        "released",
+        "ring_attached",
+        "ring_slot",
+        "update",
+        "ring_frame",
+        "unpublished",
+        "pong",
+        "error",
+    ];
+
+    /// This message's `"type"` name.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Message::Hello { .. } => "hello",
+            Message::List { .. } => "list",
+            Message::Attach { .. } => "attach",
+            Message::Release { .. } => "release",
+            Message::AttachRing { .. } => "attach_ring",
+            Message::Ack { .. } => "ack",
+            Message::Ping { .. } => "ping",
+            Message::Welcome { .. } => "welcome",
+            Message::Listing { .. } => "listing",
+            Message::Attached { .. } => "attached",
+            Message::Released { .. } => "released",
+            Message::RingAttached { .. } => "ring_attached",
+            Message::RingSlot { .. } => "ring_slot",
+            Message::Update { .. } => "update",
+            Message::RingFrame { .. } => "ring_frame",
+            Message::Unpublished { .. } => "unpublished",
+            Message::Pong { .. } => "pong",
+            Message::Error { .. } => "error",
+        }
+    }
+
+    /// Whether clients send this message (as opposed to servers).
+    pub fn is_client_message(&self) -> bool {
+        matches!(
+            self,
+            Message::Hello { .. }
+                | Message::List { .. }
+                | Message::Attach { .. }
+                | Message::Release { .. }
+                | Message::AttachRing { .. }
+                | Message::Ack { .. }
+                | Message::Ping { .. }
+        )
+    }
+
+    /// The number of file descriptors that must travel with this message.
+    pub fn fd_count(&self) -> usize {
+        match self {
+            Message::Attached { fds, .. } | Message::RingSlot { fds, .. } => usize::from(*fds),
+            _ => 0,
+        }
+    }
+
+    /// Encodes the message as a UTF-8 JSON payload.
+    ///
+    /// # Panics
+    /// Never: serializing these types cannot fail (every map key is a
+    /// string and there is no custom `Serialize`).
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("serializing a channel message cannot fail")
+    }
+
+    /// Decodes a payload, checking size, UTF-8, JSON, the message type and
+    /// its fields, in that order.
+    pub fn decode(payload: &[u8]) -> Result<Message, FrameError> {
+        if payload.len() > MAX_PAYLOAD as usize {
+            return Err(FrameError::PayloadTooLarge {
+                len: payload.len() as u64,
+                max: MAX_PAYLOAD,
+            });
+        }
+        let text = std::str::from_utf8(payload).map_err(|e| FrameError::InvalidUtf8 {
+            valid_up_to: e.valid_up_to(),
+        })?;
+        let value: Value = serde_json::from_str(text).map_err(|e| FrameError::InvalidJson {
+            reason: e.to_string(),
+        })?;
+        let kind = match &value {
+            Value::Object(map) => match map.get("type") {
+                Some(Value::String(t)) => t.clone(),
+                Some(other) => {
+                    return Err(FrameError::NotAMessage {
+                        found: format!("an object whose \"type\" is {}", describe(other)),
+                    });
+                }
+                None => {
+                    return Err(FrameError::NotAMessage {
+                        found: "an object without a \"type\" field".into(),
+                    });
+                }
+            },
+            other => {
+                return Err(FrameError::NotAMessage {
+                    found: describe(other).into(),
+                });
+            }
+        };
+        if !Message::TYPES.contains(&kind.as_str()) {
+            return Err(FrameError::UnknownType { found: kind });
+        }
+        serde_json::from_value(value).map_err(|e| FrameError::InvalidMessage {
+            kind,
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// A short description of a JSON value's type, for error messages.
+fn describe(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn type_names_match_serde_tags() {
+        let samples = [
+            Message::Hello {
+                protocol: 1,
+                pid: 1,
+            },
+            Message::List { id: 1, after: None },
+            Message::Attach {
+                id: 1,
+                name: "a".into(),
+            },
+            Message::Release { id: 1, lease: 2 },
+            Message::AttachRing {
+                id: 1,
+                name: "r".into(),
+            },
+            Message::Ack {
+                lease: 1,
+                slot: 0,
+                seq: 1,
+            },
+            Message::Ping { id: 1 },
+            Message::Welcome {
+                protocol: 1,
+                pid: 1,
+            },
+            Message::Listing {
+                id: 1,
+                entries: vec![],
+                next: None,
+            },
+            Message::Attached {
+                id: 1,
+                lease: 1,
+                meta: json!({}),
+                fds: 0,
+            },
+            Message::Released { id: 1 },
+            Message::RingAttached {
+                id: 1,
+                lease: 1,
+                slots: 1,
+                meta: json!(null),
+            },
+            Message::RingSlot {
+                id: 1,
+                lease: 1,
+                slot: 0,
+                meta: json!(1),
+                fds: 0,
+            },
+            Message::Update {
+                lease: 1,
+                name: "a".into(),
+                generation: 1,
+                notice: json!([]),
+            },
+            Message::RingFrame {
+                lease: 1,
+                slot: 0,
+                seq: 1,
+                notice: json!("x"),
+            },
+            Message::Unpublished {
+                lease: 1,
+                name: "a".into(),
+            },
+            Message::Pong { id: 1 },
+            Message::Error {
+                id: None,
+                code: "c".into(),
+                message: "m".into(),
+                details: Value::Null,
+            },
+        ];
+        assert_eq!(samples.len(), Message::TYPES.len());
+        for (m, t) in samples.iter().zip(Message::TYPES) {
+            assert_eq!(m.type_name(), *t);
+            let v: Value = serde_json::from_slice(&m.encode()).unwrap();
+            assert_eq!(v["type"], json!(t));
+            assert_eq!(&Message::decode(&m.encode()).unwrap(), m);
+        }
+    }
+}

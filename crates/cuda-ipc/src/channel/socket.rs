@@ -1,0 +1,408 @@
+//! Sending and receiving frames with file descriptors over a Unix stream
+//! socket, with a deadline on every wait, and peer credentials.
+//!
+//! # How descriptors travel
+//! [`send_frame`] passes the descriptors as one `SCM_RIGHTS` control
+//! message with the first `sendmsg` that transfers bytes of the frame; the
+//! kernel ties them to those bytes. [`recv_frame`] reads exactly one frame
+//! (the header, then exactly the payload length) with `recvmsg`, so it never
+//! consumes bytes of the next frame and never sees that frame's descriptors
+//! early. Every descriptor that arrives is an [`OwnedFd`] from the moment it
+//! is received (with `MSG_CMSG_CLOEXEC`, so it does not leak into children):
+//! on any error the ones received so far are closed when the function
+//! returns.
+//!
+//! # Waiting
+//! The sockets may be blocking or not: every send and receive uses
+//! `MSG_DONTWAIT` and waits with `poll(2)` up to the deadline. A receive
+//! times out only while it waits for the *first* byte of a frame, and then
+//! returns [`ChannelError::Timeout`] with the stream still in step. Once a
+//! frame has begun, the rest must follow within the later of the deadline
+//! and [`STALL_TIMEOUT`] after its first byte; a peer that stops in the
+//! middle of a frame is a protocol error, and the connection is unusable
+//! after it. Sends use `MSG_NOSIGNAL`: a closed peer is
+//! [`ChannelError::PeerGone`], never `SIGPIPE`.
+//!
+//! # References
+//! [sendmsg(2)](https://man7.org/linux/man-pages/man2/sendmsg.2.html),
+//! [recvmsg(2)](https://man7.org/linux/man-pages/man2/recvmsg.2.html),
+//! [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html) (`SCM_RIGHTS`,
+//! `SO_PEERCRED`), [poll(2)](https://man7.org/linux/man-pages/man2/poll.2.html).
+
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::io::Errno;
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, recvmsg, send, sendmsg,
+};
+
+use super::ChannelError;
+use super::frame::{FrameError, HEADER_LEN, MAX_FDS, Message, decode_header, encode_frame};
+
+/// How long a peer may take to finish a frame it has begun (beyond the
+/// caller's deadline) before the connection is declared broken.
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The credentials of the process at the other end of a Unix socket, as the
+/// kernel recorded them when the connection was made (`SO_PEERCRED`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ucred {
+    /// The peer's process id (in our pid namespace).
+    pub pid: u32,
+    /// The peer's effective user id.
+    pub uid: u32,
+    /// The peer's effective group id.
+    pub gid: u32,
+}
+
+/// The credentials of the peer of a connected Unix socket.
+///
+/// # References
+/// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html), `SO_PEERCRED`.
+#[doc(alias = "SO_PEERCRED")]
+pub fn peer_credentials(stream: impl AsFd) -> Result<Ucred, ChannelError> {
+    let cred = rustix::net::sockopt::socket_peercred(stream)
+        .map_err(|e| ChannelError::io("cannot read the peer's credentials (SO_PEERCRED)", e))?;
+    Ok(Ucred {
+        pid: rustix::process::Pid::as_raw(Some(cred.pid)) as u32,
+        uid: cred.uid.as_raw(),
+        gid: cred.gid.as_raw(),
+    })
+}
+
+/// Sends one message with `fds` attached.
+///
+/// The number of descriptors must match what the message announces
+/// ([`Message::fd_count`]) and be at most [`MAX_FDS`]. The descriptors stay
+/// owned by the caller; the receiver gets its own duplicates.
+///
+/// Returns [`ChannelError::Timeout`] if nothing could be sent before the
+/// deadline (the stream is still usable), [`ChannelError::PeerGone`] if the
+/// peer closed the connection, and a protocol error if the peer stopped
+/// reading in the middle of the frame (the stream is then unusable).
+#[doc(alias = "sendmsg")]
+#[doc(alias = "SCM_RIGHTS")]
+pub fn send_frame(
+    stream: impl AsFd,
+    message: &Message,
+    fds: &[BorrowedFd<'_>],
+    deadline: Option<Instant>,
+) -> Result<(), ChannelError> {
+    if message.fd_count() != fds.len() {
+        return Err(ChannelError::arg(
+            "file descriptors",
+            format!(
+                "a {:?} message announces {} file descriptors but {} were given",
+                message.type_name(),
+                message.fd_count(),
+                fds.len()
+            ),
+        ));
+    }
+    let bytes = encode_frame(message, fds.len())?;
+    send_bytes(stream, &bytes, fds, deadline)
+}
+
+/// Sends raw bytes with `fds` attached to the first of them: the building
+/// block of [`send_frame`], public so that tests and tools can send frames
+/// that [`send_frame`] would refuse to build.
+///
+/// Errors as [`send_frame`].
+pub fn send_bytes(
+    stream: impl AsFd,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+    deadline: Option<Instant>,
+) -> Result<(), ChannelError> {
+    let fd = stream.as_fd();
+    let started = Instant::now();
+    let flags = SendFlags::NOSIGNAL | SendFlags::DONTWAIT;
+    let mut sent = 0usize;
+
+    // The first transfer carries the descriptors.
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    if fds.len() > MAX_FDS {
+        return Err(FrameError::TooManyFds {
+            count: fds.len(),
+            max: MAX_FDS,
+        }
+        .into());
+    }
+    while sent == 0 && !bytes.is_empty() {
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+            // Cannot happen: the buffer is sized for MAX_FDS, checked above.
+            return Err(FrameError::TooManyFds {
+                count: fds.len(),
+                max: MAX_FDS,
+            }
+            .into());
+        }
+        match sendmsg(fd, &[IoSlice::new(bytes)], &mut control, flags) {
+            Ok(n) => sent = n,
+            Err(Errno::AGAIN) => {
+                wait(fd, PollFlags::OUT, deadline).map_err(|()| ChannelError::Timeout {
+                    what: "the peer to accept data (its receive buffer is full)".into(),
+                    after: started.elapsed(),
+                })?;
+            }
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(send_error(e)),
+        }
+    }
+
+    // The rest, without descriptors.
+    let stall = later(deadline, Instant::now() + STALL_TIMEOUT);
+    while sent < bytes.len() {
+        match send(fd, &bytes[sent..], flags) {
+            Ok(n) => sent += n,
+            Err(Errno::AGAIN) => wait(fd, PollFlags::OUT, Some(stall)).map_err(|()| {
+                ChannelError::protocol(format!(
+                    "the peer stopped reading in the middle of a frame ({sent} of {} bytes sent \
+                     in {:?}); the connection can no longer be used",
+                    bytes.len(),
+                    started.elapsed()
+                ))
+            })?,
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(send_error(e)),
+        }
+    }
+    Ok(())
+}
+
+fn send_error(e: Errno) -> ChannelError {
+    match e {
+        Errno::PIPE | Errno::CONNRESET | Errno::NOTCONN => ChannelError::PeerGone,
+        e => ChannelError::io("cannot send on the channel socket", e),
+    }
+}
+
+/// Receives one frame: its message and the descriptors that came with it.
+///
+/// Waits for the frame to begin until `deadline` (`None`: for ever) and
+/// returns [`ChannelError::Timeout`] if it does not; see the
+/// [module documentation](self) for frames that stop half-way. End of file
+/// before a frame begins is [`ChannelError::PeerGone`]; inside a frame it is
+/// [`FrameError::Truncated`]. A descriptor count that differs from the
+/// header's, or more descriptors than [`MAX_FDS`] (`MSG_CTRUNC`), is an
+/// error, and the descriptors that did arrive are closed.
+#[doc(alias = "recvmsg")]
+#[doc(alias = "SCM_RIGHTS")]
+pub fn recv_frame(
+    stream: impl AsFd,
+    deadline: Option<Instant>,
+) -> Result<(Message, Vec<OwnedFd>), ChannelError> {
+    let fd = stream.as_fd();
+    let started = Instant::now();
+    let mut fds = Vec::new();
+
+    let mut header = [0u8; HEADER_LEN];
+    let mut stall = None;
+    read_exact(
+        fd,
+        &mut header,
+        &mut fds,
+        Part::Header,
+        deadline,
+        started,
+        &mut stall,
+    )?;
+    let h = decode_header(&header)?;
+    let mut payload = vec![0u8; h.len as usize];
+    read_exact(
+        fd,
+        &mut payload,
+        &mut fds,
+        Part::Payload,
+        deadline,
+        started,
+        &mut stall,
+    )?;
+    if fds.len() != usize::from(h.fds) {
+        return Err(FrameError::FdCountMismatch {
+            expected: usize::from(h.fds),
+            received: fds.len(),
+        }
+        .into());
+    }
+    let message = Message::decode(&payload)?;
+    if message.fd_count() != fds.len() {
+        return Err(ChannelError::protocol(format!(
+            "a {:?} message announces {} file descriptors but its frame carried {}",
+            message.type_name(),
+            message.fd_count(),
+            fds.len()
+        )));
+    }
+    Ok((message, fds))
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Header,
+    Payload,
+}
+
+/// Fills `buf` from the socket, collecting descriptors into `fds`.
+#[allow(clippy::too_many_arguments)]
+fn read_exact(
+    fd: BorrowedFd<'_>,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+    part: Part,
+    deadline: Option<Instant>,
+    started: Instant,
+    stall: &mut Option<Instant>,
+) -> Result<(), ChannelError> {
+    let mut got = 0usize;
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    while got < buf.len() {
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let result = recvmsg(
+            fd,
+            &mut [IoSliceMut::new(&mut buf[got..])],
+            &mut control,
+            RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC,
+        );
+        // Take ownership of every descriptor that arrived, whatever else
+        // happened, so that none is leaked.
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(received) = message {
+                fds.extend(received);
+            }
+        }
+        match result {
+            Ok(msg) => {
+                if msg.flags.contains(ReturnFlags::CTRUNC) {
+                    return Err(FrameError::FdsTruncated { max: MAX_FDS }.into());
+                }
+                if fds.len() > MAX_FDS {
+                    return Err(FrameError::TooManyFds {
+                        count: fds.len(),
+                        max: MAX_FDS,
+                    }
+                    .into());
+                }
+                if msg.bytes == 0 {
+                    return Err(if part == Part::Header && got == 0 {
+                        ChannelError::PeerGone
+                    } else {
+                        FrameError::Truncated {
+                            what: match part {
+                                Part::Header => "frame header",
+                                Part::Payload => "payload",
+                            },
+                            expected: buf.len(),
+                            got,
+                        }
+                        .into()
+                    });
+                }
+                if stall.is_none() {
+                    *stall = Some(later(deadline, Instant::now() + STALL_TIMEOUT));
+                }
+                got += msg.bytes;
+            }
+            Err(Errno::AGAIN) => {
+                let frame_begun = stall.is_some();
+                let until = if frame_begun { *stall } else { deadline };
+                wait(fd, PollFlags::IN, until).map_err(|()| {
+                    if frame_begun {
+                        ChannelError::protocol(format!(
+                            "the peer stopped in the middle of a frame ({got} of {} {} bytes \
+                             received after {:?}); the connection can no longer be used",
+                            buf.len(),
+                            if part == Part::Header {
+                                "header"
+                            } else {
+                                "payload"
+                            },
+                            started.elapsed()
+                        ))
+                    } else {
+                        ChannelError::Timeout {
+                            what: "a message from the peer".into(),
+                            after: started.elapsed(),
+                        }
+                    }
+                })?;
+            }
+            Err(Errno::INTR) => {}
+            Err(Errno::CONNRESET | Errno::PIPE | Errno::NOTCONN) if got == 0 && stall.is_none() => {
+                return Err(ChannelError::PeerGone);
+            }
+            Err(Errno::CONNRESET | Errno::PIPE | Errno::NOTCONN) => {
+                return Err(FrameError::Truncated {
+                    what: if part == Part::Header {
+                        "frame header"
+                    } else {
+                        "payload"
+                    },
+                    expected: buf.len(),
+                    got,
+                }
+                .into());
+            }
+            Err(e) => return Err(ChannelError::io("cannot receive on the channel socket", e)),
+        }
+    }
+    Ok(())
+}
+
+/// The later of an optional deadline and an instant.
+fn later(deadline: Option<Instant>, other: Instant) -> Instant {
+    deadline.map_or(other, |d| d.max(other))
+}
+
+/// Waits until `fd` is ready for `events` (or has an error or hang-up, which
+/// the next call reports), or the deadline passes (`Err(())`).
+pub(crate) fn wait(
+    fd: BorrowedFd<'_>,
+    events: PollFlags,
+    deadline: Option<Instant>,
+) -> Result<(), ()> {
+    loop {
+        let timeout = match deadline {
+            None => None,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(());
+                }
+                Some(Timespec::try_from(left).unwrap_or(Timespec {
+                    tv_sec: i64::MAX,
+                    tv_nsec: 0,
+                }))
+            }
+        };
+        let mut pfd = [PollFd::new(&fd, events)];
+        match poll(&mut pfd, timeout.as_ref()) {
+            Ok(0) | Err(Errno::INTR) => {}
+            // Readiness, an error or a hang-up: the next call tells which.
+            Ok(_) | Err(_) => return Ok(()),
+        }
+    }
+}
+
+/// Whether the peer of `stream` has closed its end or the socket has an
+/// error, without waiting and without consuming data.
+pub(crate) fn peer_closed(stream: BorrowedFd<'_>) -> bool {
+    let mut pfd = [PollFd::new(&stream, PollFlags::IN | PollFlags::RDHUP)];
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match poll(&mut pfd, Some(&zero)) {
+        Ok(0) | Err(Errno::INTR) => false,
+        Ok(_) => pfd[0]
+            .revents()
+            .intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR | PollFlags::NVAL),
+        Err(_) => true,
+    }
+}
