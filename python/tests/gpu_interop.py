@@ -1,0 +1,970 @@
+#!/usr/bin/env python3
+"""Cross-language GPU interop checks for cuda_ipc, for a GPU host.
+
+    python3 python/tests/gpu_interop.py --cli PATH_TO_cuda-ipc [--only TEXT]
+                                        [--record-dir DIR] [--log-dir DIR] [--list]
+
+Directions covered, each case independent (one failure hides nothing else):
+
+- ``py2cli``: PyTorch (and CuPy) export tensors of every dtype both share,
+  at non-zero offsets, 1-D to 4-D, transposed and strided; ``cuda-ipc open
+  --expect-u32 V --fill-u32 W`` maps each in a separate process, checks
+  every word and writes; the exporter then checks, byte by byte, that
+  exactly the exported range changed, and that its memory is released
+  (``torch.cuda.memory_allocated`` / the CuPy pool) once it closes the
+  export.
+- ``cli2py``: ``cuda-ipc export --mechanism legacy|vmm|pool`` (at an
+  offset); a Python process maps it with ``cuda_ipc.open(...).as_torch()``
+  and ``.as_cupy()``, checks every word, writes; ``cuda-ipc open
+  --expect-u32`` verifies the write.
+- ``py2py``: PyTorch exports, CuPy (and PyTorch) in another process map and
+  compare element by element with values computed independently, write;
+  the exporter checks every element inside and outside the view. And CuPy
+  exports to PyTorch.
+- ``expandable``: PyTorch with ``expandable_segments:True`` (storage handle
+  ``'e'``): one segment gives a vmm descriptor (checked with the CLI), several
+  give a PyTorch share record (mapped by ``cuda_ipc.open``).
+- ``memory``: a 256 MiB tensor and array: device free memory
+  (``cuMemGetInfo``) comes back after the consumer is done and the exporter
+  closes.
+- ``errors``: opening memory whose exporter exited, one's own handle, or a
+  bogus handle raises ``CudaIpcError``, never crashes.
+
+GPU work runs in worker processes (the script re-runs itself with
+``--worker``); a worker that crashes or hangs fails only the case it was
+running and is restarted. The last line is ``N passed, M failed`` (skips
+are listed but not counted as failures); the exit status is 1 if anything
+failed.
+"""
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON_DIR = os.path.dirname(HERE)
+if PYTHON_DIR not in sys.path:
+    sys.path.insert(0, PYTHON_DIR)
+
+MIB = 1 << 20
+
+# dtypes both PyTorch and CuPy share (CuPy has no bfloat16 of its own).
+TORCH_DTYPES = ["float32", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "float64", "bool"]
+CUPY_DTYPES = [d for d in TORCH_DTYPES if d != "bfloat16"]
+
+# Layouts: a base shape and a view of it, written so that the same code runs
+# on torch tensors, numpy arrays and cupy arrays. "cli" layouts keep the
+# exported range 4-byte aligned and a whole number of 32-bit words for every
+# dtype (so cuda-ipc open --expect-u32 applies).
+
+
+def _permute(x, axes):
+    return x.permute(*axes) if hasattr(x, "permute") else x.transpose(*axes)
+
+
+LAYOUTS = {
+    "whole1d": ((4096,), lambda x: x, True),
+    "slice1d": ((4096,), lambda x: x[1024:3072], True),
+    "rows2d": ((64, 48), lambda x: x[8:40], True),
+    "transpose2d": ((48, 64), lambda x: _permute(x, (1, 0)), True),
+    "strided2d": ((16, 32), lambda x: x[1::2], True),
+    "permute3d": ((8, 12, 16), lambda x: _permute(x, (2, 0, 1)), True),
+    "slice4d": ((3, 4, 5, 8), lambda x: x[1:, :, 1:3, :], True),
+    "odd_slice1d": ((4099,), lambda x: x[3:4098], False),
+    "scalar0d": ((64,), lambda x: x[37], False),
+}
+CLI_LAYOUTS = [k for k, v in LAYOUTS.items() if v[2]]
+
+V_DEFAULT, W_DEFAULT = 0x11223344, 0x55667788
+V_BOOL, W_BOOL = 0x01000101, 0x00010100
+
+
+def patterns(dtype):
+    return (V_BOOL, W_BOOL) if dtype == "bool" else (V_DEFAULT, W_DEFAULT)
+
+
+def signed32(v):
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def values_np(np, shape, dtype):
+    """The test values of a base tensor, computed with numpy only. bfloat16
+    comes back as its raw bits (int16)."""
+    n = 1
+    for s in shape:
+        n *= s
+    i = np.arange(n, dtype=np.int64)
+    if dtype == "bool":
+        v = i % 3 == 0
+    elif dtype == "uint8":
+        v = (i % 101).astype(np.uint8)
+    elif dtype in ("float16", "float32", "float64"):
+        v = (((i % 101) - 50) * 0.5).astype(dtype)
+    elif dtype == "bfloat16":
+        f = (((i % 101) - 50) * 0.5).astype(np.float32)
+        v = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+    else:
+        v = ((i % 101) - 50).astype(dtype)
+    return v.reshape(shape)
+
+
+def written_np(np, dtype):
+    """What consumers write into a view, as numpy would store it."""
+    if dtype == "bool":
+        return np.bool_(True)
+    if dtype == "bfloat16":
+        return np.int16(0x40E0)  # 7.0
+    return np.dtype(dtype).type(7)
+
+
+# =============================================================================
+# The worker: runs GPU work on request, one JSON request per stdin line.
+# =============================================================================
+
+
+class Worker:
+    def __init__(self, name):
+        self.name = name
+        self.state = {}
+        import numpy
+        import cuda_ipc
+
+        self.np = numpy
+        self.ci = cuda_ipc
+        try:
+            import torch
+
+            self.torch = torch
+            torch.zeros(1, device="cuda")  # start CUDA once
+        except ImportError:
+            self.torch = None
+        try:
+            import cupy
+
+            self.cupy = cupy
+            cupy.zeros(1)
+        except ImportError:
+            self.cupy = None
+
+    # --- helpers --------------------------------------------------------------
+
+    def _sync(self):
+        if self.torch is not None:
+            self.torch.cuda.synchronize()
+        if self.cupy is not None:
+            self.cupy.cuda.Device().synchronize()
+
+    def _mem_free(self):
+        from cuda_ipc._driver import driver
+
+        d = driver()
+        with d.bound(0):
+            return d.mem_info()[0]
+
+    def _empty_caches(self):
+        import gc
+
+        gc.collect()
+        self._sync()
+        if self.torch is not None:
+            self.torch.cuda.empty_cache()
+        if self.cupy is not None:
+            self.cupy.get_default_memory_pool().free_all_blocks()
+
+    def _torch_dtype(self, name):
+        return getattr(self.torch, name)
+
+    def _allocated(self, framework):
+        if framework == "torch":
+            return self.torch.cuda.memory_allocated()
+        return self.cupy.get_default_memory_pool().used_bytes()
+
+    def _bytes_of(self, x, framework):
+        """The bytes of a contiguous base (a copy on the host)."""
+        if framework == "torch":
+            return x.reshape(-1).view(self.torch.uint8).cpu().numpy()
+        return self.cupy.asnumpy(x.reshape(-1).view(self.cupy.uint8))
+
+    # --- ops ------------------------------------------------------------------
+
+    def op_hello(self):
+        from cuda_ipc._driver import driver
+
+        return {
+            "pid": os.getpid(),
+            "torch": getattr(self.torch, "__version__", None),
+            "cupy": getattr(self.cupy, "__version__", None),
+            "ml_dtypes": _has("ml_dtypes"),
+            "device": driver().device_uuid(0),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        }
+
+    def op_export(self, case, framework, dtype, layout, fill, nbytes=None, elems=None):
+        """Makes a base tensor/array, a view of it per `layout`, exports the
+        view. fill "u32": every word of the base is the dtype's V pattern;
+        fill "values": values_np. `elems` overrides the base shape (1-D)."""
+        np = self.np
+        self._empty_caches()
+        baseline = self._allocated(framework)
+        free0 = self._mem_free() if nbytes else None
+        shape, fn, _ = LAYOUTS[layout]
+        if elems is not None:
+            shape = (elems,)
+        if framework == "torch":
+            torch = self.torch
+            tdt = self._torch_dtype(dtype)
+            if fill == "u32":
+                v, _ = patterns(dtype)
+                base = torch.empty(shape, dtype=tdt, device="cuda")
+                base.reshape(-1).view(torch.uint8).view(torch.int32).fill_(signed32(v))
+            else:
+                host = values_np(np, shape, dtype)
+                base = torch.from_numpy(host).cuda()
+                if dtype == "bfloat16":
+                    base = base.view(torch.bfloat16)
+            view = fn(base)
+            export = self.ci.export_torch(view)
+            base_ptr, view_ptr = base.data_ptr(), view.data_ptr()
+        else:
+            cp = self.cupy
+            if fill == "u32":
+                v, _ = patterns(dtype)
+                base = cp.empty(shape, dtype=dtype)
+                base.reshape(-1).view(cp.uint8).view(cp.int32).fill(signed32(v))
+            else:
+                base = cp.asarray(values_np(np, shape, dtype))
+            view = fn(base)
+            export = self.ci.export_cupy(view)
+            base_ptr, view_ptr = base.data.ptr, view.data.ptr
+        self._sync()
+        self.state[case] = dict(framework=framework, dtype=dtype, layout=layout, base=base, view=view,
+                                export=export, baseline=baseline, free0=free0, base_ptr=base_ptr,
+                                view_ptr=view_ptr, shape=shape)
+        return {"descriptor": export.descriptor, "kind": export.kind,
+                "view_offset": view_ptr - base_ptr, "base_nbytes": int(base.nbytes)}
+
+    def op_verify_u32(self, case):
+        """After a consumer filled the exported range with W: the range's bytes
+        are W's, every other byte of the base still V's."""
+        np = self.np
+        s = self.state[case]
+        self._sync()
+        v, w = patterns(s["dtype"])
+        got = self._bytes_of(s["base"], s["framework"])
+        start = s["view_ptr"] - s["base_ptr"]
+        length = s["export"].descriptor["len"]
+        expected = np.frombuffer(np.array([v], dtype="<u4").tobytes() * (got.size // 4), dtype=np.uint8).copy()
+        expected[start:start + length] = np.frombuffer(np.array([w], dtype="<u4").tobytes() * (length // 4 + 1), dtype=np.uint8)[
+            (start % 4):(start % 4) + length]
+        bad = np.flatnonzero(got != expected)
+        if bad.size:
+            i = int(bad[0])
+            where = "inside" if start <= i < start + length else "outside"
+            raise AssertionError(
+                f"byte {i} of the base ({where} the exported range {start}..{start + length}) is "
+                f"0x{got[i]:02x}, expected 0x{expected[i]:02x} ({bad.size} bytes differ)")
+        return {"checked_bytes": int(got.size)}
+
+    def op_verify_values(self, case):
+        """After a consumer wrote written_np into the view: every element of
+        the base equals the original values with the view overwritten."""
+        np = self.np
+        s = self.state[case]
+        self._sync()
+        fn = LAYOUTS[s["layout"]][1]
+        expected = values_np(np, s["shape"], s["dtype"])
+        target = fn(expected)
+        if isinstance(target, np.ndarray):
+            target[...] = written_np(np, s["dtype"])
+        else:
+            # numpy gives a scalar (a copy) for a 0-d index: write by position.
+            index = (s["view_ptr"] - s["base_ptr"]) // expected.itemsize
+            expected.reshape(-1)[index] = written_np(np, s["dtype"])
+        got = self._host(s["base"], s["framework"], s["dtype"])
+        return _compare(np, got, expected, "base")
+
+    def _host(self, x, framework, dtype):
+        if framework == "torch":
+            if dtype == "bfloat16":
+                x = x.view(self.torch.int16)
+            return x.cpu().numpy()
+        return self.cupy.asnumpy(x)
+
+    def op_release(self, case, check_memory=True):
+        """Closes the export, frees the base, and checks that the memory went
+        back: the allocator's count to its baseline, and (for big cases)
+        device free memory to within 16 MiB of what it was."""
+        import gc
+
+        s = self.state.pop(case)
+        s["export"].close()
+        framework, baseline, free0 = s["framework"], s["baseline"], s["free0"]
+        del s
+        gc.collect()
+        self._sync()
+        result = {}
+        if check_memory:
+            now = self._allocated(framework)
+            result["allocated_delta"] = now - baseline
+            if now != baseline:
+                raise AssertionError(
+                    f"{framework} still holds {now - baseline} bytes more than before the case "
+                    "after the export was closed (memory not released)")
+        if free0 is not None:
+            self._empty_caches()
+            free1 = self._mem_free()
+            result["free_delta_mib"] = (free1 - free0) / MIB
+            if free1 < free0 - 16 * MIB:
+                raise AssertionError(
+                    f"device free memory is {(free0 - free1) / MIB:.1f} MiB lower than before the "
+                    "export, after the consumer finished and the export closed")
+        return result
+
+    def op_drop(self, case):
+        self.state.pop(case, None)
+        self._empty_caches()
+        return {}
+
+    def op_consume_u32(self, descriptor, framework, expect, fill, as_dtype=None):
+        """Maps, checks that every 32-bit word equals `expect`, fills with
+        `fill`, closes; checks the view outlives a dropped mapping and that
+        everything is unmapped after."""
+        import gc
+
+        ci = self.ci
+        m = ci.open(descriptor)
+        nwords = m.nbytes // 4
+        if framework == "torch":
+            torch = self.torch
+            typed = m.as_torch()
+            want_dtype = getattr(torch, ci.dtypes.by_name(m.dtype).torch)
+            if typed.dtype != want_dtype:
+                raise AssertionError(f"as_torch() gave {typed.dtype}, expected {want_dtype}")
+            words = m.as_torch(dtype="int32") if m.dtype in ("u32", "i32", "f32") else typed.reshape(-1).view(torch.int32)
+            del m  # the views must keep the mapping alive
+            gc.collect()
+            bad = (words != signed32(expect)).nonzero()
+            if bad.numel():
+                i = int(bad[0].item())
+                raise AssertionError(f"word {i} is 0x{int(words.reshape(-1)[i].item()) & 0xFFFFFFFF:08x}, expected 0x{expect:08x}")
+            words.fill_(signed32(fill))
+            torch.cuda.synchronize()
+            del typed, words
+        else:
+            cp = self.cupy
+            typed = m.as_cupy()
+            if typed.dtype.name != ci.dtypes.by_name(m.dtype).numpy:
+                raise AssertionError(f"as_cupy() gave {typed.dtype}, expected {m.dtype}")
+            words = typed.reshape(-1).view(cp.uint32)
+            del m
+            gc.collect()
+            bad = cp.flatnonzero(words != cp.uint32(expect))
+            if bad.size:
+                i = int(bad[0])
+                raise AssertionError(f"word {i} is 0x{int(words[i]):08x}, expected 0x{expect:08x}")
+            words.fill(cp.uint32(fill))
+            cp.cuda.Device().synchronize()
+            del typed, words
+        gc.collect()
+        live = ci.live_mappings()
+        self._empty_caches()
+        if live:
+            raise AssertionError(f"{live} mapping(s) still open after the views died")
+        return {"words": nwords}
+
+    def op_consume_values(self, descriptor, framework, dtype, layout):
+        """Maps, compares every element with values_np viewed per `layout`,
+        writes written_np into every element, closes."""
+        import gc
+
+        np, ci = self.np, self.ci
+        shape, fn, _ = LAYOUTS[layout]
+        expected = np.asarray(fn(values_np(np, shape, dtype)))
+        with ci.open(descriptor) as m:
+            if framework == "torch":
+                torch = self.torch
+                t = m.as_torch()
+                if str(t.dtype) != f"torch.{dtype}":
+                    raise AssertionError(f"as_torch() gave {t.dtype}, expected torch.{dtype}")
+                got = (t.view(torch.int16) if dtype == "bfloat16" else t).cpu().numpy()
+                res = _compare(np, got, expected, "mapped tensor")
+                t.fill_(7 if dtype != "bool" else True)
+                torch.cuda.synchronize()
+                del t
+            else:
+                cp = self.cupy
+                a = m.as_cupy(dtype="int16" if dtype == "bfloat16" else None)
+                got = cp.asnumpy(a)
+                res = _compare(np, got, expected, "mapped array")
+                a.fill(written_np(np, dtype))
+                cp.cuda.Device().synchronize()
+                del a
+        gc.collect()
+        live = ci.live_mappings()
+        self._empty_caches()
+        if live:
+            raise AssertionError(f"{live} mapping(s) still open after close")
+        return res
+
+    def op_record(self, case, directory, label):
+        """Writes the torch share record of the case's view (and of a fresh
+        slice) to `directory`, for the Rust fixtures."""
+        import torch
+
+        s = self.state[case]
+        rec = self.ci.torch_share_record(s["view"])
+        storage = self.ci.parse_storage_handle(bytes.fromhex(rec["storage_handle"]))
+        if storage["type"] == "c":
+            expect = "legacy"
+        elif len(storage["handles"]) == 1:
+            expect = "vmm" if storage["kind"] == "fd" else "fabric"
+        else:
+            expect = "segments"
+        name = f"torch-{torch.__version__.split('+')[0]}-{label}.json"
+        with open(os.path.join(directory, name), "w") as f:
+            json.dump({"torch_version": torch.__version__, "label": label, "expect": expect,
+                       "handle_version": storage["version"], "handle_type": storage["type"],
+                       "record": rec}, f, indent=1, sort_keys=True)
+        return {"file": name, "expect": expect}
+
+    def op_open_expect_error(self, descriptor):
+        """Opens `descriptor` and expects a CudaIpcError (never a crash)."""
+        try:
+            m = self.ci.open(descriptor)
+        except self.ci.CudaIpcError as e:
+            return {"error": f"{type(e).__name__}: {e}", "call": e.call, "code": e.code}
+        m.close()
+        raise AssertionError("the open succeeded")
+
+    def op_open_own(self, case):
+        return self.op_open_expect_error(self.state[case]["export"].descriptor)
+
+
+def _has(module):
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        return False
+
+
+def _compare(np, got, expected, what):
+    if got.shape != expected.shape:
+        raise AssertionError(f"{what} has shape {got.shape}, expected {expected.shape}")
+    got, expected = np.atleast_1d(got), np.atleast_1d(expected)
+    if got.dtype.kind == "f":
+        bad = np.argwhere(~((got == expected) | (np.isnan(got) & np.isnan(expected))))
+    else:
+        bad = np.argwhere(got != expected)
+    if bad.size:
+        i = tuple(int(x) for x in bad[0])
+        raise AssertionError(f"{what}{list(i)} is {got[i]!r}, expected {expected[i]!r} ({len(bad)} elements differ)")
+    return {"elements": int(got.size)}
+
+
+def worker_main(name):
+    # The protocol owns the real stdout; everything else printed goes to stderr.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        w = Worker(name)
+        start_error = None
+    except Exception:
+        w, start_error = None, traceback.format_exc()
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "quit":
+            break
+        try:
+            if w is None:
+                raise RuntimeError(f"the worker could not start:\n{start_error}")
+            result = getattr(w, "op_" + req["op"])(**req.get("args", {}))
+            resp = {"ok": True, "result": result}
+        except Exception as e:
+            resp = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        proto.write(json.dumps(resp) + "\n")
+    return 0
+
+
+# =============================================================================
+# The parent: cases, workers, the CLI.
+# =============================================================================
+
+
+class CaseError(Exception):
+    pass
+
+
+class Skip(Exception):
+    pass
+
+
+class WorkerProc:
+    def __init__(self, name, log_dir, env=None):
+        self.name, self.log_dir, self.env = name, log_dir, env or {}
+        self.p = None
+        self.info = None
+        self.starts = 0
+
+    def start(self):
+        env = dict(os.environ)
+        env.update(self.env)
+        env["PYTHONPATH"] = PYTHON_DIR + os.pathsep + env.get("PYTHONPATH", "")
+        self.starts += 1
+        self.log_path = os.path.join(self.log_dir, f"worker-{self.name}-{self.starts}.log")
+        self.log = open(self.log_path, "w")
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", self.name],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                  text=True, env=env)
+        self.q = queue.Queue()
+        p, q = self.p, self.q
+
+        def pump():
+            for line in p.stdout:
+                q.put(line)
+            q.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        self.info = self.call("hello", timeout=300)
+
+    def alive(self):
+        return self.p is not None and self.p.poll() is None
+
+    def _tail(self):
+        try:
+            self.log.flush()
+            with open(self.log_path) as f:
+                return " | ".join(f.read().strip().splitlines()[-6:])[-800:]
+        except OSError:
+            return ""
+
+    def kill(self):
+        if self.p is not None:
+            try:
+                self.p.kill()
+                self.p.wait(10)
+            except Exception:
+                pass
+        self.p = None
+
+    def call(self, op, timeout=120, **args):
+        if not self.alive() and op != "hello":
+            self.start()
+        try:
+            self.p.stdin.write(json.dumps({"op": op, "args": args}) + "\n")
+            self.p.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            self.kill()
+            raise CaseError(f"worker {self.name} is gone ({e}): {self._tail()}")
+        try:
+            line = self.q.get(timeout=timeout)
+        except queue.Empty:
+            self.kill()
+            raise CaseError(f"worker {self.name} did not answer {op} within {timeout} s (killed)")
+        if line is None:
+            rc = self.p.wait()
+            self.p = None
+            raise CaseError(f"worker {self.name} died (exit {rc}) during {op}: {self._tail()}")
+        resp = json.loads(line)
+        if not resp["ok"]:
+            if os.environ.get("GPU_INTEROP_TRACE"):
+                sys.stderr.write(resp.get("trace", ""))
+            raise CaseError(resp["error"])
+        return resp["result"]
+
+    def stop(self):
+        if self.alive():
+            try:
+                self.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.p.stdin.close()
+                self.p.wait(30)
+            except Exception:
+                self.kill()
+
+
+class Cli:
+    def __init__(self, path):
+        self.path = path
+
+    def run(self, *args, expect=0, timeout=120):
+        if not self.path:
+            raise Skip("no --cli given")
+        r = subprocess.run([self.path, *args], capture_output=True, text=True, timeout=timeout)
+        if r.returncode != expect:
+            raise CaseError(f"cuda-ipc {args[0]} exited {r.returncode} (expected {expect}): "
+                            f"{(r.stderr.strip() or r.stdout.strip())[-500:]}")
+        return r
+
+    def export(self, size, fill, offset=0, mechanism="legacy"):
+        return CliExport(self, size, fill, offset, mechanism)
+
+
+class CliExport:
+    """`cuda-ipc export` running in the background; stdin EOF ends it."""
+
+    def __init__(self, cli, size, fill, offset, mechanism):
+        if not cli.path:
+            raise Skip("no --cli given")
+        args = [cli.path, "export", "--size", str(size), "--fill-u32", hex(fill), "--mechanism", mechanism]
+        if offset:
+            args += ["--offset", str(offset)]
+        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        q = queue.Queue()
+        threading.Thread(target=lambda: q.put(self.p.stdout.readline()), daemon=True).start()
+        try:
+            line = q.get(timeout=120)
+        except queue.Empty:
+            self.p.kill()
+            raise CaseError("cuda-ipc export printed no descriptor within 120 s")
+        if not line.strip():
+            rc = self.p.wait(30)
+            err = self.p.stderr.read()
+            if rc == 3:
+                raise Skip(f"cuda-ipc export says {mechanism} is unavailable here: {err.strip()[-300:]}")
+            raise CaseError(f"cuda-ipc export exited {rc}: {err.strip()[-500:]}")
+        self.descriptor = json.loads(line)
+
+    def finish(self):
+        """Closes stdin and expects exit 0."""
+        try:
+            self.p.stdin.close()
+        except OSError:
+            pass
+        try:
+            rc = self.p.wait(60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            raise CaseError("cuda-ipc export did not exit within 60 s of stdin closing")
+        if rc != 0:
+            raise CaseError(f"cuda-ipc export exited {rc}: {self.p.stderr.read().strip()[-500:]}")
+
+    def kill(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait(30)
+
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.cli = Cli(args.cli)
+        self.log_dir = args.log_dir or os.environ.get("OUT") or tempfile.mkdtemp(prefix="gpu-interop-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.workers = {
+            # Producer and consumer are different processes: a process cannot
+            # open its own legacy handles.
+            "a": WorkerProc("a", self.log_dir),
+            "b": WorkerProc("b", self.log_dir),
+            "e": WorkerProc("e", self.log_dir, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+        }
+        self.results = []
+        self.counter = 0
+
+    def w(self, name):
+        return self.workers[name]
+
+    def need(self, worker, module):
+        if not self.w(worker).alive():
+            try:
+                self.w(worker).start()
+            except CaseError as e:
+                raise CaseError(f"worker {worker} could not start: {e}")
+        if not self.w(worker).info.get(module):
+            raise Skip(f"{module} is not importable in worker {worker}")
+
+    def case_id(self):
+        self.counter += 1
+        return f"c{self.counter}"
+
+    # --- py2cli ---------------------------------------------------------------
+
+    def py2cli(self, framework, dtype, layout):
+        self.need("a", framework)
+        v, w = patterns(dtype)
+        case = self.case_id()
+        a = self.w("a")
+        exp = a.call("export", case=case, framework=framework, dtype=dtype, layout=layout, fill="u32")
+        try:
+            d = exp["descriptor"]
+            if exp["kind"] != "descriptor":
+                raise CaseError(f"expected a descriptor, got {exp['kind']}")
+            self.cli.run("open", "--descriptor", json.dumps(d), "--expect-u32", hex(v), "--fill-u32", hex(w))
+            a.call("verify_u32", case=case)
+        except BaseException:
+            self._drop(a, case)
+            raise
+        a.call("release", case=case)
+        return f"{d['mechanism']} offset {d['offset']} len {d['len']}" + (" strided" if "strides" in d else "")
+
+    def _drop(self, worker, case):
+        try:
+            worker.call("drop", case=case, timeout=60)
+        except Exception:
+            pass
+
+    # --- cli2py ---------------------------------------------------------------
+
+    def cli2py(self, framework, mechanism, offset, size):
+        self.need("b", framework)
+        v, w = 0x0BADCAFE, 0x600DF00D
+        exp = self.cli.export(size, v, offset, mechanism)
+        try:
+            d = exp.descriptor
+            if d["mechanism"] != mechanism:
+                raise CaseError(f"asked for {mechanism}, the CLI exported {d['mechanism']}")
+            r = self.w("b").call("consume_u32", descriptor=d, framework=framework, expect=v, fill=w)
+            self.cli.run("open", "--descriptor", json.dumps(d), "--expect-u32", hex(w))
+        except BaseException:
+            exp.kill()
+            raise
+        exp.finish()
+        return f"{r['words']} words at offset {d['offset']}"
+
+    # --- py2py ----------------------------------------------------------------
+
+    def py2py(self, producer, consumer, dtype, layout):
+        pw, cw = ("a", "b")
+        self.need(pw, producer)
+        self.need(cw, consumer)
+        case = self.case_id()
+        p = self.w(pw)
+        exp = p.call("export", case=case, framework=producer, dtype=dtype, layout=layout, fill="values")
+        try:
+            r = self.w(cw).call("consume_values", descriptor=exp["descriptor"], framework=consumer,
+                                dtype=dtype, layout=layout)
+            p.call("verify_values", case=case)
+        except BaseException:
+            self._drop(p, case)
+            raise
+        p.call("release", case=case)
+        return f"{r['elements']} elements, offset {exp['descriptor']['offset']}"
+
+    # --- expandable segments --------------------------------------------------
+
+    def expandable(self, elems, consumer):
+        self.need("e", "torch")
+        e = self.w("e")
+        case = self.case_id()
+        info = e.info or {}
+        if info.get("alloc_conf") != "expandable_segments:True":
+            raise CaseError(f"worker e runs with PYTORCH_CUDA_ALLOC_CONF={info.get('alloc_conf')}")
+        if consumer == "cli":
+            v, w = patterns("float32")
+            exp = e.call("export", case=case, framework="torch", dtype="float32", layout="whole1d",
+                         fill="u32", elems=elems)
+        else:
+            exp = e.call("export", case=case, framework="torch", dtype="float32", layout="whole1d",
+                         fill="values", elems=elems)
+        try:
+            d = exp["descriptor"]
+            if self.args.record_dir:
+                e.call("record", case=case, directory=self.args.record_dir, label=f"e-{elems}")
+            if consumer == "cli":
+                if exp["kind"] != "descriptor":
+                    raise Skip(f"the tensor spans several segments ({exp['kind']}); the CLI cannot map it")
+                self.cli.run("open", "--descriptor", json.dumps(d), "--expect-u32", hex(v), "--fill-u32", hex(w))
+                e.call("verify_u32", case=case)
+            else:
+                self.need("b", "torch")
+                self.w("b").call("consume_values_n", descriptor=d, elems=elems)
+                e.call("verify_values", case=case)
+        except BaseException:
+            self._drop(e, case)
+            raise
+        e.call("release", case=case)
+        kind = exp["kind"] if exp["kind"] != "descriptor" else d["mechanism"]
+        return f"{kind}, {elems * 4 / MIB:.1f} MiB"
+
+    # --- memory ---------------------------------------------------------------
+
+    def memory(self, framework):
+        self.need("a", framework)
+        self.need("b", framework)
+        case = self.case_id()
+        a = self.w("a")
+        elems = 256 * MIB // 4
+        exp = a.call("export", case=case, framework=framework, dtype="int32", layout="whole1d", fill="u32",
+                     nbytes=256 * MIB, elems=elems)
+        try:
+            v, w = patterns("int32")
+            self.w("b").call("consume_u32", descriptor=exp["descriptor"], framework=framework, expect=v, fill=w)
+            a.call("verify_u32", case=case)
+        except BaseException:
+            self._drop(a, case)
+            raise
+        r = a.call("release", case=case)
+        return f"free memory {r.get('free_delta_mib', 0):+.1f} MiB after release"
+
+    # --- errors ---------------------------------------------------------------
+
+    def exporter_gone(self, mechanism):
+        self.need("b", "torch")
+        exp = self.cli.export(4096, 1, 0, mechanism)
+        d = exp.descriptor
+        exp.finish()
+        time.sleep(0.2)
+        r = self.w("b").call("open_expect_error", descriptor=d)
+        return r["error"][:120]
+
+    def own_handle(self):
+        self.need("a", "torch")
+        case = self.case_id()
+        a = self.w("a")
+        a.call("export", case=case, framework="torch", dtype="float32", layout="slice1d", fill="values")
+        try:
+            r = a.call("open_own", case=case)
+        finally:
+            self._drop(a, case)
+        if r["code"] != 201:
+            raise CaseError(f"expected CUDA_ERROR_INVALID_CONTEXT (201), got {r['error']}")
+        return r["error"][:120]
+
+    def bogus_handle(self):
+        self.need("b", "torch")
+        uuid = self.w("b").info["device"]
+        d = {"cuda_ipc": 1, "mechanism": "legacy", "handle": "5a" * 64, "alloc_size": 4096, "offset": 0,
+             "len": 64, "dtype": "u8", "device_uuid": uuid, "pid": 1}
+        return self.w("b").call("open_expect_error", descriptor=d)["error"][:120]
+
+    def record_c(self):
+        if not self.args.record_dir:
+            raise Skip("no --record-dir")
+        self.need("a", "torch")
+        case = self.case_id()
+        a = self.w("a")
+        a.call("export", case=case, framework="torch", dtype="float16", layout="rows2d", fill="values")
+        try:
+            r = a.call("record", case=case, directory=self.args.record_dir, label="c-rows2d-f16")
+        finally:
+            self._drop(a, case)
+        return r["file"]
+
+    # --- the list ---------------------------------------------------------------
+
+    def cases(self):
+        out = []
+        for dtype in TORCH_DTYPES:
+            for layout in CLI_LAYOUTS:
+                out.append((f"py2cli torch {dtype} {layout}", lambda d=dtype, l=layout: self.py2cli("torch", d, l)))
+        for dtype in CUPY_DTYPES:
+            for layout in ("slice1d", "transpose2d", "strided2d", "slice4d"):
+                out.append((f"py2cli cupy {dtype} {layout}", lambda d=dtype, l=layout: self.py2cli("cupy", d, l)))
+        for mech in ("legacy", "vmm", "pool"):
+            for fw in ("torch", "cupy"):
+                out.append((f"cli2py {mech} -> {fw} at offset 1MiB+4KiB",
+                            lambda m=mech, f=fw: self.cli2py(f, m, MIB + 4096, 3 * MIB)))
+            out.append((f"cli2py {mech} -> torch, whole 64 KiB",
+                        lambda m=mech: self.cli2py("torch", m, 0, 64 * 1024)))
+        for dtype in TORCH_DTYPES:
+            for layout in LAYOUTS:
+                out.append((f"py2py torch -> cupy {dtype} {layout}",
+                            lambda d=dtype, l=layout: self.py2py("torch", "cupy", d, l)))
+        for dtype in TORCH_DTYPES:
+            for layout in ("slice1d", "transpose2d", "odd_slice1d", "slice4d"):
+                out.append((f"py2py torch -> torch {dtype} {layout}",
+                            lambda d=dtype, l=layout: self.py2py("torch", "torch", d, l)))
+        for dtype in CUPY_DTYPES:
+            for layout in ("slice1d", "transpose2d", "strided2d", "odd_slice1d", "slice4d"):
+                out.append((f"py2py cupy -> torch {dtype} {layout}",
+                            lambda d=dtype, l=layout: self.py2py("cupy", "torch", d, l)))
+        out.append(("expandable torch 1 MiB (one segment) -> cli", lambda: self.expandable(256 * 1024, "cli")))
+        out.append(("expandable torch 1 MiB (one segment) -> python", lambda: self.expandable(256 * 1024, "python")))
+        out.append(("expandable torch 48 MiB (several segments) -> python",
+                    lambda: self.expandable(12 * MIB, "python")))
+        out.append(("memory torch 256 MiB released", lambda: self.memory("torch")))
+        out.append(("memory cupy 256 MiB released", lambda: self.memory("cupy")))
+        for mech in ("legacy", "vmm", "pool"):
+            out.append((f"errors: {mech} exporter exited", lambda m=mech: self.exporter_gone(m)))
+        out.append(("errors: opening one's own export", self.own_handle))
+        out.append(("errors: a bogus legacy handle", self.bogus_handle))
+        out.append(("record torch 'c' share record", self.record_c))
+        return out
+
+    def run(self):
+        cases = self.cases()
+        if self.args.only:
+            cases = [c for c in cases if all(t in c[0] for t in self.args.only)]
+        if self.args.list:
+            for name, _ in cases:
+                print(name)
+            return 0
+        print(f"logs: {self.log_dir}", flush=True)
+        passed = failed = skipped = 0
+        started = time.time()
+        for name, fn in cases:
+            t0 = time.time()
+            try:
+                detail = fn()
+                passed += 1
+                print(f"PASS  {name} ({time.time() - t0:.2f} s){': ' + detail if detail else ''}", flush=True)
+            except Skip as e:
+                skipped += 1
+                print(f"SKIP  {name}: {e}", flush=True)
+            except Exception as e:
+                failed += 1
+                msg = str(e) if isinstance(e, CaseError) else f"{type(e).__name__}: {e}"
+                print(f"FAIL  {name}: {msg}", flush=True)
+        for w in self.workers.values():
+            w.stop()
+            if w.info:
+                print(f"worker {w.name}: {json.dumps(w.info)} (started {w.starts}x)")
+        print(f"total {time.time() - started:.0f} s; {skipped} skipped")
+        print(f"{passed} passed, {failed} failed")
+        return 1 if failed else 0
+
+
+def _consume_values_n(self, descriptor, elems):
+    """consume_values for a flat float32 tensor of `elems` (whole1d of a
+    custom size)."""
+    import gc
+
+    np, ci = self.np, self.ci
+    expected = values_np(np, (elems,), "float32")
+    with ci.open(descriptor) as m:
+        t = m.as_torch()
+        got = t.cpu().numpy()
+        res = _compare(np, got, expected, "mapped tensor")
+        t.fill_(7)
+        self.torch.cuda.synchronize()
+        del t
+    gc.collect()
+    live = ci.live_mappings()
+    self._empty_caches()
+    if live:
+        raise AssertionError(f"{live} mapping(s) still open after close")
+    res["mechanism"] = m.mechanism
+    return res
+
+
+Worker.op_consume_values_n = _consume_values_n
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cli", help="path to the cuda-ipc command (cases that need it are skipped without it)")
+    ap.add_argument("--only", action="append", default=[], help="run only cases whose name contains this (repeatable: all must match)")
+    ap.add_argument("--record-dir", help="write PyTorch share records of real tensors here (for the Rust fixtures)")
+    ap.add_argument("--log-dir", help="where worker logs go (default: $OUT, else a temporary folder)")
+    ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker_main(args.worker)
+    if args.cli and not os.access(args.cli, os.X_OK):
+        ap.error(f"--cli {args.cli} is not an executable file")
+    if args.record_dir:
+        os.makedirs(args.record_dir, exist_ok=True)
+    return Runner(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
