@@ -51,6 +51,29 @@ class RecordedCases(unittest.TestCase):
                 self.assertEqual(again, r)
 
 
+class RealRecords(unittest.TestCase):
+    """Records a real PyTorch wrote (crates/cuda-ipc/tests/data/torch/recorded)."""
+
+    def test_recorded_records(self):
+        folder = os.path.join(os.path.dirname(_path.CASES), "recorded")
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".json")) if os.path.isdir(folder) else []
+        if not names:
+            self.skipTest("no recorded PyTorch share records yet (see recorded/README.md)")
+        for name in names:
+            with self.subTest(name), open(os.path.join(folder, name)) as f:
+                doc = json.load(f)
+                r = validate_record(doc["record"])
+                h = parse_storage_handle(r["storage_handle"])
+                self.assertEqual(h["version"], doc["handle_version"])
+                self.assertEqual(h["type"], doc["handle_type"])
+                if doc["expect"] == "segments":
+                    with self.assertRaisesRegex(TorchRecordError, "import_segments"):
+                        record_to_descriptor(r)
+                    tensor_layout(r)
+                else:
+                    self.assertEqual(record_to_descriptor(r)["mechanism"], doc["expect"])
+
+
 def seg(version, fds, pid=4242, size=2 << 20):
     b = bytes([version]) + b"e" + struct.pack("<i4xQQ", pid, size, len(fds))
     if version >= 3:

@@ -79,6 +79,51 @@ fn records_round_trip_through_json() {
     }
 }
 
+/// Records written by a real PyTorch on a GPU host (see
+/// `tests/data/torch/recorded/README.md`); none may be present.
+#[test]
+fn recorded_pytorch_records_decode_and_convert() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/torch/recorded");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut seen = 0;
+    for entry in entries {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("json") {
+            continue;
+        }
+        seen += 1;
+        let name = path.display().to_string();
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let record =
+            ShareRecord::from_value(&doc["record"]).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let handle = record
+            .parse_storage_handle()
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(
+            Value::from(handle.version()),
+            doc["handle_version"],
+            "{name}"
+        );
+        assert_eq!(
+            Value::from((handle.type_byte() as char).to_string()),
+            doc["handle_type"],
+            "{name}"
+        );
+        let expect = doc["expect"].as_str().unwrap();
+        match record.to_descriptor() {
+            Ok(d) => assert_eq!(d.mechanism().name(), expect, "{name}"),
+            Err(e) => {
+                assert_eq!(expect, "segments", "{name}: {e}");
+                assert!(e.to_string().contains("import_segments"), "{name}: {e}");
+                record.tensor_layout().unwrap();
+            }
+        }
+    }
+    println!("{seen} recorded PyTorch share record(s) checked");
+}
+
 fn mem_handle() -> IpcMemHandle {
     let mut b = [0u8; 64];
     for (i, x) in b.iter_mut().enumerate() {
