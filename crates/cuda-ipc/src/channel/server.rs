@@ -64,6 +64,12 @@ const REFUSE_SEND_TIMEOUT: Duration = Duration::from_millis(200);
 /// The longest a closing connection may take to send its final error frame.
 const FINAL_SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// A connection's reader takes no new request while this many frames wait
+/// to be sent to it: a client that sends requests without reading the
+/// answers slows down instead of making the server queue (and hold the
+/// duplicated descriptors of) an unbounded number of answers.
+const RESPONSE_WINDOW: usize = 64;
+
 /// The backlog of the listening socket.
 const LISTEN_BACKLOG: i32 = 128;
 
@@ -88,7 +94,8 @@ pub struct ServerConfig {
     /// The most connections served at once; default 256.
     pub max_connections: usize,
     /// The most frames queued for one client before it is disconnected as
-    /// stuck; default 4096.
+    /// stuck; default 4096. Must exceed the slot count of every ring, since
+    /// a new subscriber is sent one frame per slot at once.
     pub max_queued_frames: usize,
 }
 
@@ -440,6 +447,19 @@ impl Conn {
         self.out_ready.notify_all();
     }
 
+    /// Waits until fewer than `limit` frames are queued, or the connection
+    /// stops. (A client that never reads is cut off by the writer's send
+    /// timeout, which ends this wait.)
+    fn wait_for_room(&self, limit: usize) {
+        let mut out = lock(&self.out);
+        while out.state == OutState::Open && out.queue.len() >= limit {
+            out = self
+                .out_ready
+                .wait(out)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
     /// Stops the connection now: the writer stops, and the reader sees end
     /// of file.
     fn abort(&self) {
@@ -458,6 +478,8 @@ impl Conn {
                 let mut out = lock(&self.out);
                 loop {
                     if let Some(o) = out.queue.pop_front() {
+                        // The reader may be waiting for room.
+                        self.out_ready.notify_all();
                         break (o, out.state == OutState::Draining);
                     }
                     if out.state != OutState::Open {
@@ -837,6 +859,17 @@ impl Server {
                 ),
             ));
         }
+        if slots.len() >= self.shared.max_queued {
+            return Err(ChannelError::arg(
+                "slots",
+                format!(
+                    "a subscriber is sent one frame per slot at once, and {} slots do not fit \
+                     in ServerConfig::max_queued_frames ({}); raise it or use fewer slots",
+                    slots.len(),
+                    self.shared.max_queued
+                ),
+            ));
+        }
         for (meta, fds) in &slots {
             json_size(meta, "slot meta")?;
             check_fds(fds.len())?;
@@ -1171,6 +1204,7 @@ fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         Err(e) => return end_of_session(conn, &e),
     }
     loop {
+        conn.wait_for_room(RESPONSE_WINDOW);
         match recv_frame(&conn.stream, None) {
             Ok((message, fds)) => {
                 if !fds.is_empty() {
