@@ -15,6 +15,9 @@ use cuda_ipc::channel::{ChannelError, Client, ClientConfig, Server, ServerConfig
 use rustix::fs::{MemfdFlags, memfd_create};
 use serde_json::json;
 
+/// Requests sent by the flooding client.
+const FLOOD: u64 = 1000;
+
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
@@ -101,6 +104,59 @@ fn refused_frames_close_their_fds() {
     assert_eq!(open_fds(), base, "refused frames leaked descriptors");
 }
 
+/// A client that floods requests without reading the answers is
+/// slowed down: the server never holds more than a small window of
+/// duplicated descriptors for it.
+fn flood_is_throttled(server: &Server, path: &std::path::Path, steady: usize) {
+    let raw = UnixStream::connect(path).unwrap();
+    let hello = Message::Hello {
+        protocol: 1,
+        pid: std::process::id(),
+    };
+    send_frame(&raw, &hello, &[], None).unwrap();
+    assert!(matches!(
+        recv_frame(&raw, None).unwrap().0,
+        Message::Welcome { .. }
+    ));
+    let flooder = {
+        let raw = raw.try_clone().unwrap();
+        std::thread::spawn(move || {
+            for id in 0..FLOOD {
+                let attach = Message::Attach {
+                    id,
+                    name: "e".into(),
+                };
+                let deadline = Instant::now() + Duration::from_secs(10);
+                send_frame(&raw, &attach, &[], Some(deadline)).unwrap();
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let during = open_fds();
+    // Two descriptors per answer; the window is 64 answers.
+    assert!(
+        during <= steady + 1 + 2 * 70,
+        "the server held {} descriptors for a client that does not read",
+        during - steady
+    );
+    for id in 0..FLOOD {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let (m, fds) = recv_frame(&raw, Some(deadline)).unwrap();
+        assert!(
+            matches!(m, Message::Attached { id: got, .. } if got == id),
+            "{m:?}"
+        );
+        assert_eq!(fds.len(), 2);
+    }
+    flooder.join().unwrap();
+    assert_eq!(server.lease_count("e"), FLOOD as usize);
+    drop(raw);
+    server
+        .wait_released("e", Some(Duration::from_secs(5)))
+        .unwrap();
+    assert_eq!(settle_to(steady), steady, "the flood leaked");
+}
+
 #[test]
 fn no_descriptor_leaks() {
     let before = open_fds();
@@ -175,57 +231,7 @@ fn no_descriptor_leaks() {
             .unwrap();
         assert_eq!(settle_to(steady), steady, "connections leaked");
 
-        // A client that floods requests without reading the answers is
-        // slowed down: the server never holds more than a small window of
-        // duplicated descriptors for it.
-        let raw = UnixStream::connect(&path).unwrap();
-        let hello = Message::Hello {
-            protocol: 1,
-            pid: std::process::id(),
-        };
-        send_frame(&raw, &hello, &[], None).unwrap();
-        assert!(matches!(
-            recv_frame(&raw, None).unwrap().0,
-            Message::Welcome { .. }
-        ));
-        const FLOOD: u64 = 1000;
-        let flooder = {
-            let raw = raw.try_clone().unwrap();
-            std::thread::spawn(move || {
-                for id in 0..FLOOD {
-                    let attach = Message::Attach {
-                        id,
-                        name: "e".into(),
-                    };
-                    let deadline = Instant::now() + Duration::from_secs(10);
-                    send_frame(&raw, &attach, &[], Some(deadline)).unwrap();
-                }
-            })
-        };
-        std::thread::sleep(Duration::from_millis(300));
-        let during = open_fds();
-        // Two descriptors per answer; the window is 64 answers.
-        assert!(
-            during <= steady + 1 + 2 * 70,
-            "the server held {} descriptors for a client that does not read",
-            during - steady
-        );
-        for id in 0..FLOOD {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let (m, fds) = recv_frame(&raw, Some(deadline)).unwrap();
-            assert!(
-                matches!(m, Message::Attached { id: got, .. } if got == id),
-                "{m:?}"
-            );
-            assert_eq!(fds.len(), 2);
-        }
-        flooder.join().unwrap();
-        assert_eq!(server.lease_count("e"), FLOOD as usize);
-        drop(raw);
-        server
-            .wait_released("e", Some(Duration::from_secs(5)))
-            .unwrap();
-        assert_eq!(settle_to(steady), steady, "the flood leaked");
+        flood_is_throttled(&server, &path, steady);
 
         // Unpublished entries close their descriptors with the last lease.
         let a = client.attach("e").unwrap();
