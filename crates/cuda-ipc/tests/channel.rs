@@ -2134,3 +2134,105 @@ fn fifty_consumers_at_once() {
         .wait_released("shared", Some(Duration::from_secs(5)))
         .unwrap();
 }
+
+/// A server shared by the cases of the garbage property test.
+fn garbage_server() -> &'static (tempfile::TempDir, Server, Client) {
+    static SERVER: std::sync::OnceLock<(tempfile::TempDir, Server, Client)> =
+        std::sync::OnceLock::new();
+    SERVER.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp_socket(&tmp, "garbage");
+        let server = Server::bind(ServerConfig::new(&path)).unwrap();
+        server
+            .publish("e", json!({"len": 4}), vec![memfd_with(b"abcd")])
+            .unwrap();
+        let steady = quick_client(&path);
+        (tmp, server, steady)
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Whatever bytes a client sends, the server answers or closes the
+    /// connection within the deadline, and keeps serving everyone else.
+    #[test]
+    fn the_server_survives_garbage(
+        handshake in any::<bool>(),
+        bytes in prop::collection::vec(any::<u8>(), 0..200),
+        valid_header in any::<bool>(),
+    ) {
+        let (tmp, server, steady) = garbage_server();
+        let path = tmp_socket(tmp, "garbage");
+        let s = raw_connect(&path, handshake);
+        let sent = if valid_header {
+            json_frame(&bytes, 0)
+        } else {
+            bytes.clone()
+        };
+        send_bytes(&s, &sent, &[], None).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let deadline = Some(Instant::now() + Duration::from_secs(10));
+        // Read until the server closes: every frame must be well formed.
+        loop {
+            match recv_frame(&s, deadline) {
+                Ok(_) => {}
+                Err(ChannelError::PeerGone) => break,
+                Err(e) => prop_assert!(false, "unexpected {e}"),
+            }
+        }
+        prop_assert!(steady.ping().is_ok());
+        prop_assert_eq!(server.lease_count("e"), 0);
+    }
+}
+
+#[test]
+fn shutdown_disconnects_clients_and_wakes_waiters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "shutdown");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    server
+        .publish("e", json!(null), vec![memfd_with(b"data")])
+        .unwrap();
+    let ring = Arc::new(server.create_ring("r", json!(null), ring_slots(1)).unwrap());
+    let client = quick_client(&path);
+    let a = client.attach("e").unwrap();
+    let sub = client.attach_ring("r").unwrap();
+    let slot = ring.acquire(Some(Duration::from_secs(1))).unwrap();
+    ring.publish(slot, json!(1)).unwrap();
+    let blocked = {
+        let ring = Arc::clone(&ring);
+        std::thread::spawn(move || ring.acquire(Some(Duration::from_secs(20))))
+    };
+    std::thread::sleep(Duration::from_millis(50));
+
+    let started = Instant::now();
+    server.shutdown();
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(!path.exists());
+    let r = blocked.join().unwrap();
+    assert!(matches!(r, Err(ChannelError::ShutDown)), "{r:?}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    // The client gets the frame already sent, then learns the server is gone.
+    assert_eq!(
+        client
+            .next_frame(sub.lease, Duration::from_secs(5))
+            .unwrap()
+            .seq,
+        1
+    );
+    assert!(matches!(
+        client.next_frame(sub.lease, Duration::from_secs(5)),
+        Err(ChannelError::PeerGone)
+    ));
+    assert!(!client.is_alive());
+    assert!(matches!(client.ping(), Err(ChannelError::PeerGone)));
+    // Its descriptors remain valid.
+    assert_eq!(read_fd(&a.fds[0], 4), b"data");
+    assert!(matches!(
+        server.publish("f", json!(null), vec![]),
+        Err(ChannelError::ShutDown)
+    ));
+    server.shutdown();
+    drop(server);
+}
