@@ -2,7 +2,8 @@
 """Cross-language GPU interop checks for cuda_ipc, for a GPU host.
 
     python3 python/tests/gpu_interop.py --cli PATH_TO_cuda-ipc [--only TEXT]
-                                        [--record-dir DIR] [--log-dir DIR] [--list]
+                                        [--examples DIR] [--record-dir DIR]
+                                        [--log-dir DIR] [--list]
 
 Directions covered, each case independent (one failure hides nothing else):
 
@@ -27,6 +28,10 @@ Directions covered, each case independent (one failure hides nothing else):
 - ``memory``: a 256 MiB tensor and array: device free memory
   (``cuMemGetInfo``) comes back after the consumer is done and the exporter
   closes.
+- ``example``: the Rust examples ``torch_consumer`` (maps a PyTorch export,
+  transforms it, answers with an event) and ``torch_producer`` (exports to
+  PyTorch, waits on PyTorch's event, checks), when ``--examples`` (default:
+  ``examples/`` next to ``--cli``) has them.
 - ``errors``: opening memory whose exporter exited, one's own handle, or a
   bogus handle raises ``CudaIpcError``, never crashes.
 
@@ -434,6 +439,52 @@ class Worker:
                        "record": rec}, f, indent=1, sort_keys=True)
         return {"file": name, "expect": expect}
 
+    def op_verify_transformed(self, case, event):
+        """After the Rust torch_consumer example applied x -> 2x + 1 to the
+        exported int32 view and recorded `event`: wait on it, check every
+        element of the base (the view transformed, the rest untouched)."""
+        np, torch = self.np, self.torch
+        s = self.state[case]
+        done = torch.cuda.Event.from_ipc_handle(s["base"].device, bytes.fromhex(event))
+        done.wait(torch.cuda.current_stream())
+        expected = values_np(np, s["shape"], "int32")
+        target = LAYOUTS[s["layout"]][1](expected)
+        target[...] = target * 2 + 1
+        return _compare(np, s["base"].cpu().numpy(), expected, "base")
+
+    def op_consume_producer(self, case, descriptor):
+        """The Python side of the torch_producer example: map, check
+        1000 + i, apply 2x + 1, record an interprocess event; the mapping
+        and the event stay alive until drop_consumer."""
+        torch, ci = self.torch, self.ci
+        m = ci.open(descriptor)
+        t = m.as_torch()
+        if t.dtype != torch.int32:
+            raise AssertionError(f"as_torch() gave {t.dtype}, expected torch.int32")
+        expected = torch.arange(t.numel(), device=t.device, dtype=torch.int32).view_as(t) + 1000
+        if not torch.equal(t, expected):
+            bad = (t != expected).flatten().nonzero()
+            raise AssertionError(f"element {int(bad[0])} is not 1000 + its index")
+        t.mul_(2).add_(1)
+        ev = torch.cuda.Event(interprocess=True)
+        ev.record()
+        self.state[case] = dict(m=m, t=t, ev=ev)
+        return {"event": bytes(ev.ipc_handle()).hex(), "shape": list(t.shape)}
+
+    def op_drop_consumer(self, case):
+        s = self.state.pop(case, None)
+        if s is not None:
+            s["m"].close()
+            del s
+        import gc
+
+        gc.collect()
+        live = self.ci.live_mappings()
+        self._empty_caches()
+        if live:
+            raise AssertionError(f"{live} mapping(s) still open")
+        return {}
+
     def op_open_expect_error(self, descriptor):
         """Opens `descriptor` and expects a CudaIpcError (never a crash)."""
         try:
@@ -653,6 +704,35 @@ class CliExport:
             self.p.wait(30)
 
 
+def _readline(p, timeout, what):
+    """One line of a child's stdout, or CaseError after `timeout` seconds."""
+    q = queue.Queue()
+    threading.Thread(target=lambda: q.put(p.stdout.readline()), daemon=True).start()
+    try:
+        line = q.get(timeout=timeout)
+    except queue.Empty:
+        raise CaseError(f"{what} printed nothing within {timeout} s")
+    if not line.strip():
+        rc = p.wait(30)
+        raise CaseError(f"{what} exited {rc}: {p.stderr.read().strip()[-500:]}")
+    return line.strip()
+
+
+def _finish(p, what):
+    """Closes a child's stdin and expects exit 0."""
+    try:
+        p.stdin.close()
+    except OSError:
+        pass
+    try:
+        rc = p.wait(60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise CaseError(f"{what} did not exit within 60 s of stdin closing")
+    if rc != 0:
+        raise CaseError(f"{what} exited {rc}: {p.stderr.read().strip()[-500:]}")
+
+
 class Runner:
     def __init__(self, args):
         self.args = args
@@ -848,6 +928,65 @@ class Runner:
             self._drop(a, case)
         return r["file"]
 
+    # --- the Rust examples ----------------------------------------------------
+
+    def example(self, name):
+        path = os.path.join(self.args.examples or "", name)
+        if not self.args.examples or not os.access(path, os.X_OK):
+            raise Skip(f"no {name} example (give --examples DIR; default: examples/ next to --cli)")
+        return path
+
+    def example_torch_consumer(self):
+        exe = self.example("torch_consumer")
+        self.need("a", "torch")
+        case = self.case_id()
+        a = self.w("a")
+        exp = a.call("export", case=case, framework="torch", dtype="int32", layout="slice1d", fill="values")
+        p = subprocess.Popen([exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            p.stdin.write(json.dumps(exp["descriptor"]) + "\n")
+            p.stdin.flush()
+            event = _readline(p, 120, "torch_consumer")
+            r = a.call("verify_transformed", case=case, event=event)
+        except BaseException:
+            p.kill()
+            p.wait(30)
+            self._drop(a, case)
+            raise
+        _finish(p, "torch_consumer")
+        a.call("release", case=case)
+        return f"{r['elements']} elements checked"
+
+    def example_torch_producer(self, mechanism):
+        exe = self.example("torch_producer")
+        self.need("b", "torch")
+        case = self.case_id()
+        b = self.w("b")
+        p = subprocess.Popen([exe, "--size", "4MiB", "--mechanism", mechanism], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            d = json.loads(_readline(p, 120, "torch_producer"))
+            r = b.call("consume_producer", case=case, descriptor=d)
+            p.stdin.write(r["event"] + "\n")
+            p.stdin.flush()
+            verdict = _readline(p, 120, "torch_producer")
+            b.call("drop_consumer", case=case)
+            if "are 2x + 1" not in verdict:
+                raise CaseError(verdict)
+        except BaseException:
+            p.kill()
+            p.wait(30)
+            self._drop_consumer(b, case)
+            raise
+        _finish(p, "torch_producer")
+        return f"{d['mechanism']} {r['shape']}: {verdict}"
+
+    def _drop_consumer(self, worker, case):
+        try:
+            worker.call("drop_consumer", case=case, timeout=60)
+        except Exception:
+            pass
+
     # --- the list ---------------------------------------------------------------
 
     def cases(self):
@@ -887,6 +1026,10 @@ class Runner:
         out.append(("errors: opening one's own export", self.own_handle))
         out.append(("errors: a bogus legacy handle", self.bogus_handle))
         out.append(("record torch 'c' share record", self.record_c))
+        out.append(("example torch_consumer (Rust maps a PyTorch export)", self.example_torch_consumer))
+        for mech in ("legacy", "vmm", "pool"):
+            out.append((f"example torch_producer {mech} (PyTorch maps a Rust export)",
+                        lambda m=mech: self.example_torch_producer(m)))
         return out
 
     def run(self):
@@ -952,6 +1095,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cli", help="path to the cuda-ipc command (cases that need it are skipped without it)")
     ap.add_argument("--only", action="append", default=[], help="run only cases whose name contains this (repeatable: all must match)")
+    ap.add_argument("--examples", help="folder with the Rust examples torch_consumer and torch_producer (default: examples/ next to --cli)")
     ap.add_argument("--record-dir", help="write PyTorch share records of real tensors here (for the Rust fixtures)")
     ap.add_argument("--log-dir", help="where worker logs go (default: $OUT, else a temporary folder)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -963,6 +1107,9 @@ def main():
         ap.error(f"--cli {args.cli} is not an executable file")
     if args.record_dir:
         os.makedirs(args.record_dir, exist_ok=True)
+    if args.examples is None and args.cli:
+        guess = os.path.join(os.path.dirname(os.path.abspath(args.cli)), "examples")
+        args.examples = guess if os.path.isdir(guess) else None
     return Runner(args).run()
 
 
