@@ -70,6 +70,13 @@ def _require_torch_cuda(tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cuda":
         raise CudaIpcError(f"the tensor is on {tensor.device}; only CUDA tensors can be shared")
+    if tensor.layout != torch.strided or tensor.is_nested:
+        raise CudaIpcError(
+            f"only dense (strided) tensors can be shared; this one is {tensor.layout}"
+            + (" and nested" if tensor.is_nested else "")
+        )
+    if tensor.numel() == 0:
+        raise CudaIpcError(f"the tensor {tuple(tensor.shape)} holds no elements; there is nothing to share")
     return torch
 
 
