@@ -911,6 +911,12 @@ impl ShareRecord {
         self.to_value().to_string()
     }
 
+    /// The event a consumer must wait on before reading, if any (the
+    /// record's `event_handle` when `event_sync_required`).
+    pub fn event(&self) -> Option<IpcEventHandle> {
+        self.event_handle.filter(|_| self.event_sync_required)
+    }
+
     /// Parses [`ShareRecord::storage_handle`].
     pub fn parse_storage_handle(&self) -> Result<StorageHandle> {
         StorageHandle::parse(&self.storage_handle)
@@ -1081,11 +1087,7 @@ impl ShareRecord {
                 (source, segment.segment_size, segment.pid)
             }
         };
-        let event = if self.event_sync_required {
-            self.event_handle
-        } else {
-            None
-        };
+        let event = self.event();
         let d = Descriptor {
             source,
             alloc_size,
