@@ -1322,6 +1322,22 @@ fn updates_reach_every_holder_in_order() {
     }
     let u = clients[0].next_update(Duration::from_secs(5)).unwrap();
     assert_eq!(u.lease, other.lease);
+
+    // A zero timeout polls: it takes what has arrived, and does not wait.
+    for i in 0..3 {
+        server.update("frame", json!(i)).unwrap();
+    }
+    clients[2].ping().unwrap(); // the updates are now in the socket or queue
+    std::thread::sleep(Duration::from_millis(20));
+    for _ in 0..3 {
+        clients[1].next_update(Duration::ZERO).unwrap();
+    }
+    let polled = Instant::now();
+    assert!(matches!(
+        clients[1].next_update(Duration::ZERO),
+        Err(ChannelError::Timeout { .. })
+    ));
+    assert!(polled.elapsed() < Duration::from_millis(100));
     let e = clients[1]
         .next_update(Duration::from_millis(20))
         .unwrap_err();

@@ -649,8 +649,10 @@ impl Client {
     }
 
     /// The next update or unpublished notice for a leased entry, waiting up
-    /// to `timeout` for one. Notices queued before the server went away are
-    /// returned before [`ChannelError::PeerGone`].
+    /// to `timeout` for one (`Duration::ZERO` polls: it returns a notice
+    /// that has arrived, or [`ChannelError::Timeout`] at once). Notices
+    /// queued before the server went away are returned before
+    /// [`ChannelError::PeerGone`].
     pub fn next_update(&self, timeout: Duration) -> Result<Update, ChannelError> {
         self.wait_for(
             Instant::now() + timeout,
@@ -660,7 +662,7 @@ impl Client {
     }
 
     /// The next frame of the ring subscribed with `lease`, waiting up to
-    /// `timeout` for one. After the producer unpublished the ring and every
+    /// `timeout` for one (`Duration::ZERO` polls). After the producer unpublished the ring and every
     /// earlier frame was taken: [`ChannelError::Unpublished`].
     pub fn next_frame(&self, lease: u64, timeout: Duration) -> Result<RingFrame, ChannelError> {
         let not_ring = || {
@@ -803,7 +805,9 @@ impl Client {
     }
 
     /// Waits until `take` finds what it looks for in the state, reading the
-    /// socket (if no other thread is) until `deadline`.
+    /// socket (if no other thread is) until `deadline`. Frames that have
+    /// already arrived are always read before giving up, so a zero timeout
+    /// polls without blocking.
     fn wait_for<T>(
         &self,
         deadline: Instant,
@@ -811,6 +815,8 @@ impl Client {
         mut take: impl FnMut(&mut State) -> Option<T>,
     ) -> Result<T, ChannelError> {
         let started = Instant::now();
+        // Whether a read of ours found nothing more before the deadline.
+        let mut drained = false;
         let mut st = lock(&self.state);
         loop {
             if let Some(v) = take(&mut st) {
@@ -820,13 +826,11 @@ impl Client {
                 return Err(d.error());
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(ChannelError::Timeout {
-                    what: what.to_owned(),
-                    after: started.elapsed(),
-                });
-            }
+            // Another thread is reading: it files what arrives.
             if st.reading {
+                if left.is_zero() {
+                    return Err(timeout(what, started));
+                }
                 st = self
                     .filed
                     .wait_timeout(st, left)
@@ -834,9 +838,14 @@ impl Client {
                     .0;
                 continue;
             }
+            if left.is_zero() && drained {
+                return Err(timeout(what, started));
+            }
             st.reading = true;
             drop(st);
+            // Past the deadline this still takes frames that have arrived.
             let received = recv_frame(&self.stream, Some(deadline));
+            drained = matches!(received, Err(ChannelError::Timeout { .. }));
             st = self.file(received);
         }
     }
@@ -866,6 +875,13 @@ impl Client {
         drop(st);
         self.release_quietly(orphans);
         lock(&self.state)
+    }
+}
+
+fn timeout(what: &str, started: Instant) -> ChannelError {
+    ChannelError::Timeout {
+        what: what.to_owned(),
+        after: started.elapsed(),
     }
 }
 
