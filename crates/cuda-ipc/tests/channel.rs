@@ -252,6 +252,15 @@ fn wait_for_stdin_close() {
 // Wire format
 
 #[test]
+fn handles_can_be_shared_between_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Server>();
+    send_sync::<Client>();
+    send_sync::<cuda_ipc::channel::RingProducer>();
+    send_sync::<ChannelError>();
+}
+
+#[test]
 fn header_round_trips() {
     let h = Header::json(1234, 3);
     let bytes = encode_header(&h);
@@ -2249,6 +2258,13 @@ fn shutdown_disconnects_clients_and_wakes_waiters() {
         server.publish("f", json!(null), vec![]),
         Err(ChannelError::ShutDown)
     ));
+    assert!(matches!(
+        server.update("e", json!(null)),
+        Err(ChannelError::ShutDown)
+    ));
+    assert!(matches!(server.unpublish("e"), Err(ChannelError::ShutDown)));
+    assert!(server.leases().is_empty());
+    server.wait_released("e", None).unwrap();
     server.shutdown();
     drop(server);
 }

@@ -727,6 +727,9 @@ impl Server {
         json_size(&notice, "notice")?;
         let mut st = lock(&self.shared.state);
         let st = &mut *st;
+        if st.closed {
+            return Err(ChannelError::ShutDown);
+        }
         let id = *st
             .names
             .get(name)
@@ -767,6 +770,9 @@ impl Server {
     /// dropped when its last lease is released (at once if there is none).
     pub fn unpublish(&self, name: &str) -> Result<(), ChannelError> {
         let mut st = lock(&self.shared.state);
+        if st.closed {
+            return Err(ChannelError::ShutDown);
+        }
         let id = *st
             .names
             .get(name)
