@@ -564,6 +564,7 @@ class WorkerProc:
         self.p = None
         self.info = None
         self.starts = 0
+        self.broken = None  # why the worker cannot start, once known
 
     def start(self):
         env = dict(os.environ)
@@ -584,7 +585,12 @@ class WorkerProc:
             q.put(None)
 
         threading.Thread(target=pump, daemon=True).start()
-        self.info = self.call("hello", timeout=300)
+        try:
+            self.info = self.call("hello", timeout=300)
+        except CaseError as e:
+            self.kill()
+            self.broken = str(e)
+            raise
 
     def alive(self):
         return self.p is not None and self.p.poll() is None
@@ -608,6 +614,8 @@ class WorkerProc:
 
     def call(self, op, timeout=120, **args):
         if not self.alive() and op != "hello":
+            if self.broken:
+                raise CaseError(f"worker {self.name} could not start: {self.broken}")
             self.start()
         try:
             self.p.stdin.write(json.dumps({"op": op, "args": args}) + "\n")
@@ -753,9 +761,12 @@ class Runner:
         return self.workers[name]
 
     def need(self, worker, module):
-        if not self.w(worker).alive():
+        w = self.w(worker)
+        if w.broken:
+            raise CaseError(f"worker {worker} could not start: {w.broken}")
+        if not w.alive():
             try:
-                self.w(worker).start()
+                w.start()
             except CaseError as e:
                 raise CaseError(f"worker {worker} could not start: {e}")
         if not self.w(worker).info.get(module):
