@@ -150,7 +150,9 @@ def _parse_segment(version, p):
             f"{len(p)}-byte payload, shorter than the {SEGMENT_HEADER_V2}-byte segment header"
         )
     (pid,) = struct.unpack_from("=i", p, 0)
-    padding = p[4:8]
+    # Bytes 4..8 are padding: older PyTorch left them uninitialised (before
+    # pytorch/pytorch#161885), and 2.13 may again (pytorch/pytorch#198305), so
+    # they are not checked.
     segment_size, count = struct.unpack_from("=QQ", p, 8)
     describe = (
         f"storage handle of version {version}, type 'e' (expandable segment): header says "
@@ -179,11 +181,6 @@ def _parse_segment(version, p):
         raise _err(f"{describe}: no segments to map")
     if pid <= 0:
         raise _err(f"{describe}: the exporter's pid {pid} is not a process id")
-    if version < 3 and any(padding):
-        raise _err(
-            f"{describe}: the padding after the pid is not zero ({padding.hex()}), which "
-            "PyTorch never writes"
-        )
     if segment_size == 0:
         raise _err(f"{describe}: segment size 0")
     if segment_size * count > _U64_MAX:

@@ -184,7 +184,7 @@ impl SegmentHandles {
 /// | bytes | field |
 /// |---|---|
 /// | 0..4 | `pid` (`pid_t`): the exporting process |
-/// | 4..8 | padding (zero) |
+/// | 4..8 | padding (not always zero; ignored) |
 /// | 8..16 | `segment_size` (`size_t`): bytes per physical allocation |
 /// | 16..24 | `num_handles` (`size_t`): physical allocations shared |
 /// | 24.. | `num_handles` handles: 4-byte `int` file descriptors, or 64-byte `CUmemFabricHandle`s |
@@ -419,7 +419,9 @@ fn parse_segment(version: u8, payload: &[u8]) -> Result<ExpandableSegment> {
         )));
     }
     let pid = read_i32(payload, 0);
-    let padding = &payload[4..8];
+    // Bytes 4..8 are padding: older PyTorch left them uninitialised
+    // (before pytorch/pytorch#161885), and 2.13 may again
+    // (pytorch/pytorch#198305), so they are not checked.
     let segment_size = read_u64(payload, 8);
     let count = read_u64(payload, 16);
     let describe = || {
@@ -466,15 +468,6 @@ fn parse_segment(version: u8, payload: &[u8]) -> Result<ExpandableSegment> {
         return Err(torch_err(format!(
             "{}: the exporter's pid {pid} is not a process id",
             describe()
-        )));
-    }
-    if padding.iter().any(|b| *b != 0) && version < 3 {
-        // PyTorch zeroes this padding up to version 2; version 3 may not
-        // (pytorch/pytorch#198305), so it is not checked there.
-        return Err(torch_err(format!(
-            "{}: the padding after the pid is not zero ({}), which PyTorch never writes",
-            describe(),
-            hex::encode(padding)
         )));
     }
     if segment_size == 0 {
