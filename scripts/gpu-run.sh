@@ -6,13 +6,13 @@
 #                          (default: info tests demo cli samples python)
 #
 # Each step prints PASS or FAIL with a one-line reason; full logs go to
-# $LOGS (default: $OUT if set, else ./logs). The last line is the summary:
+# $LOGS (default: ./logs), and, when $OUT is set, into $OUT/logs.tgz. The last line is the summary:
 # "N passed, M failed" over the GPU tests and the other checks.
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 cli=$here/cuda-ipc
-logs=${LOGS:-${OUT:-$here/logs}}
+logs=${LOGS:-$here/logs}
 mkdir -p "$logs"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(info tests demo cli samples python)
@@ -27,7 +27,7 @@ bad() { failed=$((failed + 1)); failures+=("$*"); echo "FAIL  $*"; }
 check() {
   local name=$1 want=$2
   shift 2
-  local log="$logs/$(echo "$name" | tr -c 'A-Za-z0-9._-' '_').log"
+  local log="$logs/$(printf "%s" "$name" | tr -c 'A-Za-z0-9._-' '_').log"
   "$@" >"$log" 2>&1
   local got=$?
   if [ "$got" -eq "$want" ]; then
@@ -40,7 +40,7 @@ check() {
 step_info() {
   check "info" 0 "$cli" info
   "$cli" info --json >"$logs/info.json" 2>&1
-  cat "$logs/info.log"
+  cat "$logs/info.log" 2>/dev/null
   check "info without a driver exits 3" 3 env CUDA_IPC_DISABLE_DRIVER=1 "$cli" info
 }
 
@@ -50,7 +50,7 @@ step_tests() {
     name=$(basename "$t")
     log="$logs/test-$name.log"
     local started=$SECONDS
-    "$t" --ignored --test-threads=1 >"$log" 2>&1
+    "$t" --ignored --test-threads=1 --nocapture >"$log" 2>&1
     local rc=$?
     local p f
     p=$(grep -Eo '[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
@@ -70,7 +70,7 @@ step_tests() {
 
 step_demo() {
   check "demo (auto)" 0 "$cli" demo
-  cat "$logs/demo__auto_.log"
+  cat "$logs/demo__auto_.log" 2>/dev/null
   for m in legacy vmm pool; do
     check "demo --mechanism $m --size 1GiB" 0 "$cli" demo --mechanism "$m" --size 1GiB
   done
@@ -158,5 +158,6 @@ for s in "${steps[@]}"; do
 done
 echo "== summary"
 for f in "${failures[@]}"; do echo "  failed: $f"; done
+[ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C "$logs" . 2>/dev/null
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -37,11 +37,21 @@ use crate::units::{MIB, round_up};
 pub const ALLOCATION_GRANULE: u64 = 2 * MIB;
 
 /// Flags for opening a legacy handle (`CUipcMem_flags`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+///
+/// Current drivers require [`OpenFlags::LAZY_ENABLE_PEER_ACCESS`] on every
+/// open (they reject 0 with `CUDA_ERROR_INVALID_VALUE`), so it is the
+/// default; on one GPU it changes nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct OpenFlags(u32);
 
+impl Default for OpenFlags {
+    fn default() -> Self {
+        OpenFlags::LAZY_ENABLE_PEER_ACCESS
+    }
+}
+
 impl OpenFlags {
-    /// No flags.
+    /// No flags (rejected by current drivers; see the type's documentation).
     pub const NONE: OpenFlags = OpenFlags(0);
     /// Enable peer access from this device to the memory's device on
     /// demand, when the memory lives on another GPU
@@ -313,6 +323,15 @@ impl IpcMapping {
         let base = match ipc::open_mem_handle(handle, flags.bits()) {
             Ok(p) => p,
             Err(e) if e.driver_code() == Some(201) => return Err(Error::SameProcess),
+            Err(e) if e.driver_code() == Some(1) && !flags.contains(OpenFlags::LAZY_ENABLE_PEER_ACCESS) => {
+                return Err(Error::InvalidArgument {
+                    what: "open flags",
+                    reason: format!(
+                        "{e}; the driver requires CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS on every open: pass \
+                         OpenFlags::LAZY_ENABLE_PEER_ACCESS (OpenFlags::default())"
+                    ),
+                });
+            }
             Err(e) => return Err(e),
         };
         let size = match mem::address_range(base) {

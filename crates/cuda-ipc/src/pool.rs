@@ -38,6 +38,9 @@ use crate::result::{mem, pool, stream as rstream};
 pub struct SharedPool {
     device: Device,
     pool: sys::CUmemoryPool,
+    /// Whether the pool has been exported once: the driver exports
+    /// pointers only from a pool that has been shared.
+    shared: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: a pool handle is a process-wide driver object; calls bind the context first.
@@ -54,6 +57,7 @@ impl SharedPool {
         Ok(Arc::new(SharedPool {
             device: device.clone(),
             pool,
+            shared: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -62,7 +66,18 @@ impl SharedPool {
     pub fn export_fd(&self) -> Result<OwnedFd> {
         self.device.bind()?;
         // SAFETY: the pool is live for as long as `self`.
-        unsafe { pool::export_fd(self.pool) }
+        let fd = unsafe { pool::export_fd(self.pool) }?;
+        self.shared.store(true, std::sync::atomic::Ordering::Release);
+        Ok(fd)
+    }
+
+    /// Exports the pool once if nobody has yet: `cuMemPoolExportPointer`
+    /// fails with `CUDA_ERROR_INVALID_VALUE` on a pool never shared.
+    fn ensure_shared(&self) -> Result<()> {
+        if !self.shared.load(std::sync::atomic::Ordering::Acquire) {
+            drop(self.export_fd()?);
+        }
+        Ok(())
     }
 
     /// Allocates `len` bytes from the pool on the device's stream and waits
@@ -163,6 +178,7 @@ impl PoolBuffer {
     /// The 64 bytes another process needs, with the pool, to import this allocation.
     #[doc(alias = "cuMemPoolExportPointer")]
     pub fn export(&self) -> Result<PoolPtrHandle> {
+        self.pool.ensure_shared()?;
         self.pool.device.bind()?;
         pool::export_pointer(self.ptr)
     }

@@ -250,8 +250,9 @@ impl SharedBuffer {
                 )
             }
             Allocation::Pool(b) => {
-                let ptr = b.export()?;
+                // The pool first: the driver exports pointers of shared pools only.
                 let fd = b.pool().export_fd()?;
+                let ptr = b.export()?;
                 (
                     Source::Pool {
                         fd: fd.as_raw_fd(),
@@ -398,12 +399,14 @@ pub fn export_pointer(device: &Device, ptr: u64, len: u64, dtype: Dtype) -> Resu
 /// process of the same user, so the command-line `export` calls it only for
 /// fd mechanisms; programs should prefer the channel.
 pub fn allow_fd_fetching() -> Result<()> {
-    rustix::process::set_ptracer(rustix::process::PTracer::Any).map_err(|e| {
-        Error::io(
+    match rustix::process::set_ptracer(rustix::process::PTracer::Any) {
+        // EINVAL: the kernel has no Yama, so the classic rule (same user) applies.
+        Ok(()) | Err(rustix::io::Errno::INVAL) => Ok(()),
+        Err(e) => Err(Error::io(
             "allowing other processes to fetch our file descriptors (prctl PR_SET_PTRACER)",
             e.into(),
-        )
-    })
+        )),
+    }
 }
 
 /// Takes a duplicate of file descriptor `fd` of process `pid` (`pidfd_getfd`).
@@ -461,12 +464,9 @@ pub fn open_mapping(
     };
     Ok(match descriptor.source {
         Source::Legacy { handle } => {
-            let flags = if descriptor.device_uuid == device.uuid() {
-                OpenFlags::NONE
-            } else {
-                OpenFlags::LAZY_ENABLE_PEER_ACCESS
-            };
-            IpcMapping::open(device, handle, flags)?
+            // The flag is required by the driver, and enables peer access
+            // when the memory lives on another GPU.
+            IpcMapping::open(device, handle, OpenFlags::LAZY_ENABLE_PEER_ACCESS)?
         }
         Source::Vmm { fd } => VmmMapping::import_fd(device, take_fd(fd)?, descriptor.alloc_size)?,
         Source::Fabric { handle } => {

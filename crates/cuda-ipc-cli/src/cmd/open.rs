@@ -65,7 +65,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         ),
         (None, Some(handle)) => {
             let size = args.size.unwrap_or_default();
-            let mapping = IpcMapping::open(&device, handle, OpenFlags::NONE)?;
+            let mapping = IpcMapping::open(&device, handle, OpenFlags::default())?;
             (
                 MappedBuffer::from_bytes(mapping, args.offset, size)?,
                 "legacy".into(),

@@ -21,7 +21,7 @@ const ROLE_ENV: &str = "CUDA_IPC_TEST_ROLE";
 const PREFIX: &str = "@@ ";
 
 /// The deadline for one message from the other process (CUDA start-up included).
-pub const TIMEOUT: Duration = Duration::from_secs(120);
+pub const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The role this process plays, if it is a child.
 pub fn role() -> Option<String> {
@@ -62,8 +62,10 @@ impl Peer {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if let Some(msg) = line.strip_prefix(PREFIX)
-                    && tx.send(msg.to_string()).is_err()
+                // The harness may have written "test name ... " on the same
+                // line before our message, so look for the prefix anywhere.
+                if let Some(at) = line.find(PREFIX)
+                    && tx.send(line[at + PREFIX.len()..].to_string()).is_err()
                 {
                     break;
                 }
@@ -103,9 +105,19 @@ impl Peer {
     }
 
     /// Kills the child.
-    pub fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    pub fn kill(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Peer {
+    /// A child still running when its test ends (the test failed) is killed,
+    /// so that it cannot outlive the test or hold the device.
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 
@@ -133,7 +145,7 @@ impl Parent {
     #[allow(clippy::unused_self)] // the parent's side is this process's stdout
     pub fn send(&self, v: &Value) {
         let mut out = std::io::stdout().lock();
-        writeln!(out, "{PREFIX}{v}").expect("write to parent");
+        writeln!(out, "\n{PREFIX}{v}").expect("write to parent");
         out.flush().expect("flush to parent");
     }
 

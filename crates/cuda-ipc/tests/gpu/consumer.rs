@@ -152,13 +152,20 @@ pub fn serve() {
                     .iter()
                     .map(|h| {
                         let h = h.as_str().unwrap().parse().unwrap();
-                        match IpcMapping::open(&device, h, OpenFlags::NONE) {
+                        match IpcMapping::open(&device, h, OpenFlags::default()) {
                             Ok(_) => json!("opened"),
                             Err(e) => json!(e.to_string()),
                         }
                     })
                     .collect();
                 json!({ "results": results })
+            }
+            "open_without_flag" => {
+                let h = req["handle"].as_str().unwrap().parse().unwrap();
+                match IpcMapping::open(&device, h, OpenFlags::NONE) {
+                    Ok(_) => json!({ "error": null }),
+                    Err(e) => json!({ "error": e.to_string() }),
+                }
             }
             "typed" => typed_views(
                 &device,
