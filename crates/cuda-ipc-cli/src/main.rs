@@ -36,6 +36,8 @@ enum Command {
     Export(cmd::export::Args),
     /// Map memory another process exported, check it, and optionally fill it.
     Open(cmd::open::Args),
+    /// Measure hand-off latency and bandwidth against the driver's floor and PyTorch.
+    Bench(cmd::bench::Args),
     /// (internal) The consumer side of `demo`.
     #[command(name = "__demo-consumer", hide = true)]
     DemoConsumer(cmd::demo::ConsumerArgs),
@@ -78,6 +80,7 @@ fn main() -> ExitCode {
         Command::Demo(a) => cmd::demo::run(&a),
         Command::Export(a) => cmd::export::run(&a),
         Command::Open(a) => cmd::open::run(&a),
+        Command::Bench(a) => cmd::bench::run(&a),
         Command::DemoConsumer(a) => cmd::demo::consumer(&a),
         Command::ProbeOpen(a) => cmd::info::probe_open(&a),
     };

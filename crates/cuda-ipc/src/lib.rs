@@ -31,6 +31,7 @@ pub mod device;
 pub mod driver;
 pub mod error;
 pub mod event;
+pub mod exchange;
 pub mod handle;
 pub mod kernels;
 pub mod legacy;
