@@ -49,7 +49,9 @@ use bytemuck::Pod;
 use serde_json::{Value, json};
 
 use crate::buffer::{MappedBuffer, Mapping};
-use crate::channel::{self, ChannelError, Client, ClientConfig, LeaseInfo, Notice, Server, ServerConfig};
+use crate::channel::{
+    self, ChannelError, Client, ClientConfig, LeaseInfo, Notice, Server, ServerConfig,
+};
 use crate::descriptor::{Descriptor, Dtype, Mechanism};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -133,14 +135,20 @@ pub struct Publisher {
 
 impl std::fmt::Debug for Publisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Publisher").field("path", &self.server.path()).finish_non_exhaustive()
+        f.debug_struct("Publisher")
+            .field("path", &self.server.path())
+            .finish_non_exhaustive()
     }
 }
 
 impl Publisher {
     /// Binds the socket (mode 0600, in a 0700 directory for names) and
     /// starts serving.
-    pub fn bind(device: &Device, endpoint: impl Into<Endpoint>, config: PublisherConfig) -> Result<Self> {
+    pub fn bind(
+        device: &Device,
+        endpoint: impl Into<Endpoint>,
+        config: PublisherConfig,
+    ) -> Result<Self> {
         let path = endpoint.into().path()?;
         let mut server_config = ServerConfig::new(path);
         for uid in config.allow_uids {
@@ -175,15 +183,27 @@ impl Publisher {
     /// optional shape). An event is recorded after the work queued so far on
     /// the buffer's stream; subscribers wait on it before they read.
     #[tracing::instrument(level = "debug", skip(self, buffer, shape), fields(mechanism = %buffer.mechanism(), len = buffer.len()))]
-    pub fn publish(&self, name: &str, buffer: SharedBuffer, dtype: Dtype, shape: Option<Vec<u64>>) -> Result<Arc<SharedBuffer>> {
+    pub fn publish(
+        &self,
+        name: &str,
+        buffer: SharedBuffer,
+        dtype: Dtype,
+        shape: Option<Vec<u64>>,
+    ) -> Result<Arc<SharedBuffer>> {
         let buffer = Arc::new(buffer);
         let export = buffer.export_region(0, buffer.len() as u64, dtype, shape)?;
         self.event.record(buffer.stream())?;
         let mut descriptor = export.descriptor;
         descriptor.event = Some(self.event_handle);
         let mut entries = lock(&self.entries);
-        self.server.publish(name, entry_meta(&descriptor), export.fds)?;
-        entries.insert(name.to_owned(), PublishedBuffer { buffer: buffer.clone() });
+        self.server
+            .publish(name, entry_meta(&descriptor), export.fds)?;
+        entries.insert(
+            name.to_owned(),
+            PublishedBuffer {
+                buffer: buffer.clone(),
+            },
+        );
         Ok(buffer)
     }
 
@@ -225,7 +245,13 @@ impl Publisher {
 
     /// Creates a ring of `slots` buffers of `slot_bytes` each, shared with
     /// `mechanism` (`None`: the best available), under `name`.
-    pub fn ring(&self, name: &str, slots: usize, slot_bytes: usize, mechanism: Option<Mechanism>) -> Result<RingPublisher> {
+    pub fn ring(
+        &self,
+        name: &str,
+        slots: usize,
+        slot_bytes: usize,
+        mechanism: Option<Mechanism>,
+    ) -> Result<RingPublisher> {
         let mut buffers = Vec::with_capacity(slots);
         let mut metas = Vec::with_capacity(slots);
         for _ in 0..slots {
@@ -235,7 +261,9 @@ impl Publisher {
             metas.push((entry_meta(&e.descriptor), e.fds));
             buffers.push(b);
         }
-        let producer = self.server.create_ring(name, json!({ "slot_bytes": slot_bytes }), metas)?;
+        let producer = self
+            .server
+            .create_ring(name, json!({ "slot_bytes": slot_bytes }), metas)?;
         let event = IpcEvent::new(&self.device)?;
         let event_handle = event.handle()?;
         Ok(RingPublisher {
@@ -266,12 +294,13 @@ impl RingPublisher {
     /// Publishes a filled slot: records the ring's event after the work
     /// queued on the slot's stream and sends the frame. Returns its sequence number.
     pub fn publish(&self, slot: usize) -> Result<u64> {
-        let buffer = self
-            .buffers
-            .get(slot)
-            .ok_or_else(|| Error::arg("slot", format!("the ring has {} slots", self.buffers.len())))?;
+        let buffer = self.buffers.get(slot).ok_or_else(|| {
+            Error::arg("slot", format!("the ring has {} slots", self.buffers.len()))
+        })?;
         self.event.record(buffer.stream())?;
-        Ok(self.producer.publish(slot, json!({ "event": self.event_handle.to_hex() }))?)
+        Ok(self
+            .producer
+            .publish(slot, json!({ "event": self.event_handle.to_hex() }))?)
     }
 
     /// The number of slots.
@@ -319,7 +348,9 @@ pub struct Subscriber {
 
 impl std::fmt::Debug for Subscriber {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Subscriber").field("server_pid", &self.client.server_pid()).finish_non_exhaustive()
+        f.debug_struct("Subscriber")
+            .field("server_pid", &self.client.server_pid())
+            .finish_non_exhaustive()
     }
 }
 
@@ -354,7 +385,11 @@ impl<T: Pod> Attached<T> {
 
 impl Subscriber {
     /// Connects to the publisher at `endpoint` (checking its peer credentials).
-    pub fn connect(device: &Device, endpoint: impl Into<Endpoint>, config: SubscriberConfig) -> Result<Self> {
+    pub fn connect(
+        device: &Device,
+        endpoint: impl Into<Endpoint>,
+        config: SubscriberConfig,
+    ) -> Result<Self> {
         let path = endpoint.into().path()?;
         let mut client_config = ClientConfig {
             timeout: config.timeout,
@@ -397,7 +432,11 @@ impl Subscriber {
         Ok(e)
     }
 
-    fn mapping(&self, descriptor: &Descriptor, fds: Vec<std::os::fd::OwnedFd>) -> Result<Arc<dyn Mapping>> {
+    fn mapping(
+        &self,
+        descriptor: &Descriptor,
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> Result<Arc<dyn Mapping>> {
         let key = descriptor.generation.map(|g| (descriptor.pid, g));
         if let Some(key) = key
             && let Some(m) = lock(&self.cache).get(&key).and_then(Weak::upgrade)
@@ -405,7 +444,8 @@ impl Subscriber {
             return Ok(m);
         }
         let m = share::open_mapping(&self.device, descriptor, fds)?;
-        self.opens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.opens
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Some(key) = key {
             let mut cache = lock(&self.cache);
             cache.retain(|_, w| w.strong_count() > 0);
@@ -414,7 +454,11 @@ impl Subscriber {
         Ok(m)
     }
 
-    fn open_descriptor<T: Pod>(&self, meta: &Value, fds: Vec<std::os::fd::OwnedFd>) -> Result<(Descriptor, MappedBuffer<T>, Arc<IpcEvent>)> {
+    fn open_descriptor<T: Pod>(
+        &self,
+        meta: &Value,
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> Result<(Descriptor, MappedBuffer<T>, Arc<IpcEvent>)> {
         let descriptor = Descriptor::from_value(&meta["descriptor"])?;
         let handle = descriptor.event.ok_or_else(|| Error::Descriptor {
             field: "event".into(),
@@ -455,7 +499,10 @@ impl Subscriber {
     pub fn wait_update<T: Pod>(&self, attached: &Attached<T>, timeout: Duration) -> Result<u64> {
         let deadline = Instant::now() + timeout;
         loop {
-            if let Some(notice) = lock(&self.pending).get_mut(&attached.lease).and_then(VecDeque::pop_front) {
+            if let Some(notice) = lock(&self.pending)
+                .get_mut(&attached.lease)
+                .and_then(VecDeque::pop_front)
+            {
                 return Self::apply(attached, &notice);
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -463,7 +510,10 @@ impl Subscriber {
             if u.lease == attached.lease {
                 return Self::apply(attached, &u.notice);
             }
-            lock(&self.pending).entry(u.lease).or_default().push_back(u.notice);
+            lock(&self.pending)
+                .entry(u.lease)
+                .or_default()
+                .push_back(u.notice);
         }
     }
 
@@ -506,17 +556,26 @@ impl Subscriber {
                 }
             }
         }
-        Ok(RingSubscriber { lease: a.lease, slots })
+        Ok(RingSubscriber {
+            lease: a.lease,
+            slots,
+        })
     }
 
     /// The next frame of `ring`, within `timeout`: the slot's buffer, whose
     /// stream has been made to wait on the frame's event.
-    pub fn next_frame<'r, T: Pod>(&self, ring: &'r RingSubscriber<T>, timeout: Duration) -> Result<Frame<'r, T>> {
+    pub fn next_frame<'r, T: Pod>(
+        &self,
+        ring: &'r RingSubscriber<T>,
+        timeout: Duration,
+    ) -> Result<Frame<'r, T>> {
         let f = self.client.next_frame(ring.lease, timeout)?;
-        let buffer = ring
-            .slots
-            .get(f.slot)
-            .ok_or_else(|| Error::arg("ring frame", format!("slot {} of {}", f.slot, ring.slots.len())))?;
+        let buffer = ring.slots.get(f.slot).ok_or_else(|| {
+            Error::arg(
+                "ring frame",
+                format!("slot {} of {}", f.slot, ring.slots.len()),
+            )
+        })?;
         let handle: IpcEventHandle = f.notice["event"]
             .as_str()
             .ok_or_else(|| Error::arg("ring frame", "no event in the frame"))?

@@ -44,6 +44,16 @@ impl Peer {
     /// As [`Peer::spawn`], letting the caller adjust the command (user, environment).
     pub fn spawn_with(test: &str, role: &str, adjust: impl FnOnce(&mut Command)) -> Peer {
         let exe = std::env::current_exe().expect("own executable");
+        Self::spawn_exe_with(&exe, test, role, adjust)
+    }
+
+    /// As [`Peer::spawn_with`], running a copy of this executable at `exe`.
+    pub fn spawn_exe_with(
+        exe: &std::path::Path,
+        test: &str,
+        role: &str,
+        adjust: impl FnOnce(&mut Command),
+    ) -> Peer {
         let mut cmd = Command::new(exe);
         cmd.args([
             test,

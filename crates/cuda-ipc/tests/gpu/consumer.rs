@@ -139,10 +139,9 @@ pub fn serve() {
                 ev.wait_on(buf.stream()).unwrap();
                 let offset = req["offset"].as_u64().unwrap();
                 let size = req["size"].as_u64().unwrap();
-                let bad = kernels::check_u32(&buf.region(offset, size).unwrap(),
-                    pattern(&req["expect"]),
-                )
-                .unwrap();
+                let bad =
+                    kernels::check_u32(&buf.region(offset, size).unwrap(), pattern(&req["expect"]))
+                        .unwrap();
                 json!({ "bad": bad })
             }
             "handles" => {

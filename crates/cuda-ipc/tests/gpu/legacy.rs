@@ -258,9 +258,13 @@ fn freed_and_random_handles_are_errors() {
         println!("freed handle: {}", results[0]);
         // Without the flag the driver refuses even a live handle, and the error says which flag fixes it.
         let live = IpcBuffer::alloc(&device, 2 * MIB).unwrap();
-        peer.send(&json!({ "op": "open_without_flag", "handle": live.export().unwrap().handle.to_hex() }));
+        peer.send(
+            &json!({ "op": "open_without_flag", "handle": live.export().unwrap().handle.to_hex() }),
+        );
         let r = peer.recv();
-        let text = r["error"].as_str().expect("open without the flag must fail");
+        let text = r["error"]
+            .as_str()
+            .expect("open without the flag must fail");
         assert!(text.contains("LAZY_ENABLE_PEER_ACCESS"), "{text}");
         peer.send(&json!({ "op": "exit" }));
         assert!(peer.finish(), "the consumer crashed");

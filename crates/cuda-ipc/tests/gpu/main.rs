@@ -7,6 +7,7 @@
 
 mod common;
 mod consumer;
+mod exchange;
 mod legacy;
 mod mechanisms;
 

@@ -166,11 +166,7 @@ fn pool_allocation_freed_while_mapped() {
         device.synchronize().unwrap();
         // Reuse the pool's memory for something else.
         let other = SharedBuffer::alloc_in_pool(&pool, 64 * MIB as usize).unwrap();
-        kernels::fill_u32(&other,
-            Pattern::constant(0xDEAD_BEEF),
-            Speed::Full,
-        )
-        .unwrap();
+        kernels::fill_u32(&other, Pattern::constant(0xDEAD_BEEF), Speed::Full).unwrap();
         other.synchronize().unwrap();
         peer.send(&json!({ "op": "recheck" }));
         let r = peer.recv();
