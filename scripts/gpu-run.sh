@@ -2,8 +2,8 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests demo cli samples python bench soak
-#                          (default: info tests demo cli samples python)
+#   run.sh [STEP ...]      steps: info tests demo cli exchange samples python bench bench-full
+#                          (default: info tests demo cli exchange samples python)
 #
 # Each step prints PASS or FAIL with a one-line reason; full logs go to
 # $LOGS (default: ./logs), and, when $OUT is set, into $OUT/logs.tgz. The last line is the summary:
@@ -15,7 +15,7 @@ cli=$here/cuda-ipc
 logs=${LOGS:-$here/logs}
 mkdir -p "$logs"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info tests demo cli samples python)
+[ ${#steps[@]} -eq 0 ] && steps=(info tests demo cli exchange samples python)
 passed=0
 failed=0
 failures=()
@@ -106,6 +106,30 @@ step_cli() {
   check "cli: demo without a driver exits 3" 3 env CUDA_IPC_DISABLE_DRIVER=1 "$cli" demo
 }
 
+# serve/attach over the channel, and the streaming demo.
+step_exchange() {
+  local fifo="$logs/stdin-serve" sock="$logs/serve.sock"
+  rm -f "$fifo" "$sock"
+  mkfifo "$fifo"
+  "$cli" serve --socket "$sock" --size 64MiB --fill-u32 0xFEED --buffers 2 <"$fifo" >"$logs/serve.json" 2>"$logs/serve.err" &
+  local pid=$!
+  exec 8>"$fifo"
+  for _ in $(seq 100); do [ -s "$logs/serve.json" ] && break; sleep 0.1; done
+  check "exchange: attach --expect-u32, then fill" 0 "$cli" attach --socket "$sock" --buffer buf1 --expect-u32 0xFEED --fill-u32 0xBEEF
+  check "exchange: the fill is seen by the next subscriber" 0 "$cli" attach --socket "$sock" --buffer buf1 --expect-u32 0xBEEF
+  check "exchange: a wrong value exits 1" 1 "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 1
+  check "exchange: an unknown buffer exits 2" 2 "$cli" attach --socket "$sock" --buffer nope
+  exec 8>&-
+  wait "$pid"
+  local rc=$?
+  [ "$rc" -eq 0 ] && ok "exchange: serve exits 0 once every lease is released" || bad "exchange: serve exited $rc: $(cat "$logs/serve.err")"
+  rm -f "$fifo"
+  for size in 4KiB 1MiB 64MiB; do
+    check "demo --stream --frame-size $size" 0 "$cli" demo --stream --frame-size "$size" --seconds 3
+    grep -E 'frames/s|latency|OK|FAILED' "$logs/demo_--stream_--frame-size_$size.log"
+  done
+}
+
 step_samples() {
   if [ -x "$here/examples/producer" ] && [ -x "$here/examples/consumer" ]; then
     check "samples: producer + consumer" 0 "$here/examples/producer" --consumer "$here/examples/consumer"
@@ -138,13 +162,14 @@ step_python() {
 }
 
 step_bench() {
-  check "bench --quick" 0 "$cli" bench --quick --json-out "$logs/bench.json" --plot "$logs/bench.svg"
-  tail -n 40 "$logs/bench___quick.log"
+  check "bench --quick" 0 "$cli" bench --quick --json-out "$logs/bench-quick.json" --plot "$logs/bench-quick.svg"
+  tail -n 60 "$logs/bench_--quick.log"
 }
 
-step_soak() {
-  check "soak" 0 "$cli" soak --cycles "${SOAK_CYCLES:-100000}"
-  tail -n 20 "$logs/soak.log"
+step_bench-full() {
+  check "bench" 0 "$cli" bench --json-out "$logs/bench.json" --plot "$logs/bench.svg"
+  tail -n 80 "$logs/bench.log"
+  [ -n "${OUT:-}" ] && cp "$logs/bench.json" "$logs/bench.svg" "$OUT/" 2>/dev/null
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU   /'

@@ -36,6 +36,10 @@ enum Command {
     Export(cmd::export::Args),
     /// Map memory another process exported, check it, and optionally fill it.
     Open(cmd::open::Args),
+    /// Publish buffers by name on a Unix socket until standard input ends.
+    Serve(cmd::serve::ServeArgs),
+    /// Attach to a buffer a `serve` (or any publisher) publishes, check it, optionally fill it.
+    Attach(cmd::serve::AttachArgs),
     /// Measure hand-off latency and bandwidth against the driver's floor and PyTorch.
     Bench(cmd::bench::Args),
     /// (internal) The consumer side of `demo`.
@@ -77,10 +81,13 @@ fn main() -> ExitCode {
     init_tracing();
     let result = match cli.command {
         Command::Info(a) => cmd::info::run(&a),
+        Command::Demo(a) if a.stream => cmd::stream::run(&a),
         Command::Demo(a) => cmd::demo::run(&a),
         Command::Export(a) => cmd::export::run(&a),
         Command::Open(a) => cmd::open::run(&a),
         Command::Bench(a) => cmd::bench::run(&a),
+        Command::Serve(a) => cmd::serve::serve(&a),
+        Command::Attach(a) => cmd::serve::attach(&a),
         Command::DemoConsumer(a) => cmd::demo::consumer(&a),
         Command::ProbeOpen(a) => cmd::info::probe_open(&a),
     };

@@ -30,10 +30,13 @@ const HANDLE: &str = "ababababababababababababababababababababababababababababab
 
 #[test]
 fn every_subcommand_has_help() {
-    for sub in ["info", "demo", "export", "open"] {
+    for sub in ["info", "demo", "export", "open", "serve", "attach", "bench"] {
         let o = cuda_ipc(&[sub, "--help"]);
         assert_eq!(code(&o), 0, "{sub} --help: {}", stderr(&o));
-        assert!(String::from_utf8_lossy(&o.stdout).contains("Usage"), "{sub}");
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("Usage"),
+            "{sub}"
+        );
     }
 }
 
@@ -44,9 +47,36 @@ fn no_driver_exits_3_with_a_clear_message() {
         &["info", "--json"],
         &["demo"],
         &["demo", "--mechanism", "vmm", "--size", "2MiB"],
-        &["export", "--size", "4096", "--fill-u32", "0x1", "--mechanism", "legacy"],
-        &["export", "--size", "1MiB", "--offset", "4096", "--fill-u32", "7"],
-        &["open", "--handle", HANDLE, "--size", "4096", "--expect-u32", "1"],
+        &[
+            "export",
+            "--size",
+            "4096",
+            "--fill-u32",
+            "0x1",
+            "--mechanism",
+            "legacy",
+        ],
+        &[
+            "export",
+            "--size",
+            "1MiB",
+            "--offset",
+            "4096",
+            "--fill-u32",
+            "7",
+        ],
+        &[
+            "open",
+            "--handle",
+            HANDLE,
+            "--size",
+            "4096",
+            "--expect-u32",
+            "1",
+        ],
+        &["serve", "--size", "1MiB", "--fill-u32", "3"],
+        &["attach", "--socket", "/nonexistent/x.sock"],
+        &["demo", "--stream", "--seconds", "1"],
     ] {
         let o = cuda_ipc(args);
         assert_no_panic(&o);
@@ -67,25 +97,66 @@ fn info_json_without_a_driver_is_json() {
 #[test]
 fn bad_input_exits_2_naming_the_problem() {
     let cases: &[(&[&str], &str)] = &[
-        (&["export", "--size", "12XB", "--fill-u32", "1"], "unknown unit"),
-        (&["export", "--size", "4096", "--fill-u32", "0x1_0000_0000"], "32-bit"),
-        (&["export", "--size", "6", "--fill-u32", "1"], "multiple of 4"),
-        (&["export", "--size", "4096", "--fill-u32", "1", "--mechanism", "carrier-pigeon"], "not one of"),
+        (
+            &["export", "--size", "12XB", "--fill-u32", "1"],
+            "unknown unit",
+        ),
+        (
+            &["export", "--size", "4096", "--fill-u32", "0x1_0000_0000"],
+            "32-bit",
+        ),
+        (
+            &["export", "--size", "6", "--fill-u32", "1"],
+            "multiple of 4",
+        ),
+        (
+            &[
+                "export",
+                "--size",
+                "4096",
+                "--fill-u32",
+                "1",
+                "--mechanism",
+                "carrier-pigeon",
+            ],
+            "not one of",
+        ),
         (&["demo", "--size", "0"], "positive multiple of 4"),
         (&["open"], "required"),
-        (&["open", "--handle", "xyz", "--size", "4096"], "not a hex digit"),
-        (&["open", "--handle", "abcd", "--size", "4096"], "expected 128 hex digits"),
+        (
+            &["open", "--handle", "xyz", "--size", "4096"],
+            "not a hex digit",
+        ),
+        (
+            &["open", "--handle", "abcd", "--size", "4096"],
+            "expected 128 hex digits",
+        ),
         (&["open", "--descriptor", "{\"cuda_ipc\":1}"], "mechanism"),
         (&["open", "--descriptor", "not json"], "not valid JSON"),
-        (&["open", "--descriptor", "{\"cuda_ipc\":2}"], "format 2 is not supported"),
+        (
+            &["open", "--descriptor", "{\"cuda_ipc\":2}"],
+            "format 2 is not supported",
+        ),
         (&["open", "--size", "4096"], "required"),
         (&["frobnicate"], "unrecognized subcommand"),
+        (
+            &["serve", "--size", "6", "--fill-u32", "1"],
+            "multiple of 4",
+        ),
+        (
+            &["demo", "--stream", "--seconds", "soon"],
+            "not a number of seconds",
+        ),
     ];
     for (args, why) in cases {
         let o = cuda_ipc(args);
         assert_no_panic(&o);
         assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
-        assert!(stderr(&o).contains(why), "{args:?}: expected {why:?} in {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(why),
+            "{args:?}: expected {why:?} in {}",
+            stderr(&o)
+        );
     }
 }
 
@@ -98,5 +169,10 @@ fn a_descriptor_is_validated_before_the_driver_is_needed() {
     assert!(stderr(&o).contains("passes the end"), "{}", stderr(&o));
     let fixed = d.replace("\"offset\":4096", "\"offset\":0");
     let o = cuda_ipc(&["open", "--descriptor", &fixed]);
-    assert_eq!(code(&o), 3, "a valid descriptor reaches the driver check: {}", stderr(&o));
+    assert_eq!(
+        code(&o),
+        3,
+        "a valid descriptor reaches the driver check: {}",
+        stderr(&o)
+    );
 }

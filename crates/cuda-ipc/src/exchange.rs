@@ -294,13 +294,22 @@ impl RingPublisher {
     /// Publishes a filled slot: records the ring's event after the work
     /// queued on the slot's stream and sends the frame. Returns its sequence number.
     pub fn publish(&self, slot: usize) -> Result<u64> {
+        self.publish_with(slot, serde_json::Map::new())
+    }
+
+    /// As [`RingPublisher::publish`], with extra fields for the subscriber
+    /// in the frame's notice (a timestamp, a frame number; small).
+    pub fn publish_with(
+        &self,
+        slot: usize,
+        mut extra: serde_json::Map<String, Value>,
+    ) -> Result<u64> {
         let buffer = self.buffers.get(slot).ok_or_else(|| {
             Error::arg("slot", format!("the ring has {} slots", self.buffers.len()))
         })?;
         self.event.record(buffer.stream())?;
-        Ok(self
-            .producer
-            .publish(slot, json!({ "event": self.event_handle.to_hex() }))?)
+        extra.insert("event".into(), self.event_handle.to_hex().into());
+        Ok(self.producer.publish(slot, Value::Object(extra))?)
     }
 
     /// The number of slots.
@@ -585,6 +594,7 @@ impl Subscriber {
             slot: f.slot,
             seq: f.seq,
             buffer,
+            notice: f.notice,
         })
     }
 
@@ -631,4 +641,6 @@ pub struct Frame<'r, T> {
     pub seq: u64,
     /// The slot's buffer.
     pub buffer: &'r MappedBuffer<T>,
+    /// The producer's notice (its extra fields and the event).
+    pub notice: Value,
 }

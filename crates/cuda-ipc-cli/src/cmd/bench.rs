@@ -14,5 +14,8 @@ pub struct Args {
 }
 
 pub fn run(_args: &Args) -> Result<Outcome, Error> {
-    Err(Error::Unsupported { what: "bench", why: "not written yet".into() })
+    Err(Error::Unsupported {
+        what: "bench",
+        why: "not written yet".into(),
+    })
 }

@@ -32,6 +32,19 @@ pub struct Args {
     /// Device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Stream frames through a ring of buffers instead (a video or
+    /// inference pipeline) and report frames per second and latency.
+    #[arg(long)]
+    pub stream: bool,
+    /// With --stream: the size of one frame.
+    #[arg(long, value_parser = super::parse_size, default_value = "1MiB")]
+    pub frame_size: u64,
+    /// With --stream: how many buffers the ring has.
+    #[arg(long, default_value_t = 8)]
+    pub slots: usize,
+    /// With --stream: how long to stream.
+    #[arg(long, value_parser = super::parse_seconds, default_value = "5")]
+    pub seconds: std::time::Duration,
 }
 
 /// Arguments of the hidden consumer.
@@ -40,6 +53,9 @@ pub struct ConsumerArgs {
     /// Device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Stream mode: subscribe to the ring at this socket.
+    #[arg(long)]
+    pub stream_socket: Option<std::path::PathBuf>,
 }
 
 const PATTERN: Pattern = Pattern::ramp(0xC0DA_0000, 1);
@@ -230,6 +246,9 @@ type Kept = (IpcEvent, MappedBuffer<u32>);
 
 /// The consumer process of the demo.
 pub fn consumer(args: &ConsumerArgs) -> Result<Outcome, Error> {
+    if let Some(socket) = &args.stream_socket {
+        return super::stream::consumer(args.device, socket);
+    }
     let mut out = std::io::stdout().lock();
     let input = LineReader::new(std::io::stdin(), "producer process");
     let reply = (|| -> Result<(Value, Option<Kept>), Error> {

@@ -5,6 +5,8 @@ pub mod demo;
 pub mod export;
 pub mod info;
 pub mod open;
+pub mod serve;
+pub mod stream;
 
 use std::time::Instant;
 
@@ -38,6 +40,21 @@ pub fn parse_mechanism(s: &str) -> Result<MechanismArg, String> {
             .map(|m| MechanismArg(Some(m)))
             .map_err(|e: cuda_ipc::Error| format!("{e} (or auto)"))
     }
+}
+
+/// Parses a number of seconds (fractions allowed) for clap.
+pub fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+    s.parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .map(std::time::Duration::from_secs_f64)
+        .ok_or_else(|| format!("{s:?} is not a number of seconds"))
+}
+
+/// Nanoseconds of CLOCK_MONOTONIC, comparable between processes of one machine.
+pub fn mono_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
 }
 
 /// A byte count in binary units for people.

@@ -1,0 +1,222 @@
+//! `cuda-ipc demo --stream`: a producer streams frames to a consumer process
+//! through a ring of shared buffers with back-pressure, and both report
+//! frames per second and per-frame latency.
+//!
+//! Each frame's latency runs from the moment the producer starts writing the
+//! frame (before its fill kernel is queued) to the moment the consumer has
+//! waited on the frame's event and checked every value of it; it is measured
+//! with CLOCK_MONOTONIC, which both processes share.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
+use cuda_ipc::kernels::{self, Pattern, Speed};
+use cuda_ipc::{Device, Error, channel::ChannelError};
+use serde_json::{Value, json};
+
+use super::demo::Args;
+use super::{human, mono_ns};
+use crate::Outcome;
+use crate::lines::LineReader;
+
+/// The value of word `i` of frame `seq`.
+fn frame_pattern(seq: u64) -> Pattern {
+    Pattern::ramp(seq as u32, 1)
+}
+
+pub fn run(args: &Args) -> Result<Outcome, Error> {
+    if args.frame_size == 0 || !args.frame_size.is_multiple_of(4) || args.slots == 0 {
+        return Err(Error::InvalidArgument {
+            what: "stream",
+            reason: format!(
+                "--frame-size ({}) must be a positive multiple of 4 and --slots ({}) at least 1",
+                args.frame_size, args.slots
+            ),
+        });
+    }
+    let device = Device::open(args.device)?;
+    let publisher = Publisher::bind(
+        &device,
+        Endpoint::Name(format!("demo-{}", std::process::id())),
+        PublisherConfig::default(),
+    )?;
+    let ring = publisher.ring(
+        "frames",
+        args.slots,
+        args.frame_size as usize,
+        args.mechanism.0,
+    )?;
+    let exe = std::env::current_exe().map_err(|e| Error::Io {
+        context: "finding our own executable".into(),
+        source: e,
+    })?;
+    let mut child = Command::new(exe)
+        .arg("__demo-consumer")
+        .arg("--device")
+        .arg(args.device.to_string())
+        .arg("--stream-socket")
+        .arg(publisher.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::Io {
+            context: "starting the consumer process".into(),
+            source: e,
+        })?;
+    let from_child = LineReader::new(child.stdout.take().expect("piped"), "consumer process");
+    let waited = Instant::now();
+    while ring.subscribers().is_empty() {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(Error::InvalidArgument {
+                what: "consumer",
+                reason: format!("exited before subscribing ({status})"),
+            });
+        }
+        if waited.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            return Err(Error::from(ChannelError::Timeout {
+                what: "the consumer to subscribe".into(),
+                after: Duration::from_secs(60),
+            }));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    println!(
+        "cuda-ipc demo --stream: {} frames through a ring of {} buffers ({}) for {:.0?}",
+        human(args.frame_size),
+        args.slots,
+        publisher
+            .buffer("frames")
+            .map_or_else(|| "ring".into(), |b| b.mechanism().to_string()),
+        args.seconds
+    );
+    let started = Instant::now();
+    let mut seq = 0u64;
+    let produced = (|| -> Result<(), Error> {
+        while started.elapsed() < args.seconds {
+            let (slot, buffer) = ring.acquire(Some(Duration::from_secs(10)))?;
+            let t_ns = mono_ns();
+            kernels::fill_u32(buffer, frame_pattern(seq + 1), Speed::Full)?;
+            let mut extra = serde_json::Map::new();
+            extra.insert("t_ns".into(), t_ns.into());
+            seq = ring.publish_with(slot, extra)?;
+        }
+        Ok(())
+    })();
+    let seconds = started.elapsed().as_secs_f64();
+    drop(ring); // the consumer sees the end of the ring after the last frame
+    let report = from_child.next(Duration::from_secs(60));
+    let status = child.wait().map_err(|e| Error::Io {
+        context: "waiting for the consumer".into(),
+        source: e,
+    })?;
+    produced?;
+    let report = report?;
+    if let Some(e) = report.get("error") {
+        return Err(Error::InvalidArgument {
+            what: "consumer",
+            reason: e.as_str().unwrap_or("failed").into(),
+        });
+    }
+    let frames = report["frames"].as_u64().unwrap_or(0);
+    let bad = report["bad"].as_u64().unwrap_or(u64::MAX);
+    let fps = frames as f64 / seconds;
+    println!("  frames sent {seq}, received and checked {frames}, mismatched {bad}");
+    println!(
+        "  {fps:.0} frames/s, {:.2} GB/s of frames",
+        fps * args.frame_size as f64 / 1e9
+    );
+    println!(
+        "  latency per frame (write start to checked): p50 {:.1} us, p90 {:.1} us, p99 {:.1} us",
+        report["p50_us"].as_f64().unwrap_or(f64::NAN),
+        report["p90_us"].as_f64().unwrap_or(f64::NAN),
+        report["p99_us"].as_f64().unwrap_or(f64::NAN)
+    );
+    if bad == 0 && frames == seq && status.success() {
+        println!("OK: every frame arrived intact, in order, with no copy");
+        Ok(Outcome::Ok)
+    } else {
+        println!(
+            "FAILED: {bad} mismatched frames, {} lost, consumer {status}",
+            seq.saturating_sub(frames)
+        );
+        Ok(Outcome::Mismatch)
+    }
+}
+
+/// The value at quantile `q` of sorted `v`.
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() - 1) as f64 * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+pub fn consumer(device: usize, socket: &std::path::Path) -> Result<Outcome, Error> {
+    let result = (|| -> Result<Value, Error> {
+        let device = Device::open(device)?;
+        let sub = Subscriber::connect(&device, socket, SubscriberConfig::default())?;
+        let ring = sub.attach_ring::<u32>("frames")?;
+        let (mut frames, mut bad, mut expected) = (0u64, 0u64, 1u64);
+        let mut latencies = Vec::new();
+        loop {
+            let frame = match sub.next_frame(&ring, Duration::from_secs(30)) {
+                Ok(f) => f,
+                Err(Error::Channel(ChannelError::Unpublished { .. })) => break,
+                Err(e) => return Err(e),
+            };
+            if frame.seq != expected
+                || kernels::check_u32(frame.buffer, frame_pattern(frame.seq))?.is_some()
+            {
+                bad += 1;
+            }
+            expected = frame.seq + 1;
+            if let Some(t) = frame.notice["t_ns"].as_u64() {
+                latencies.push(mono_ns().saturating_sub(t) as f64 / 1e3);
+            }
+            frames += 1;
+            sub.ack(&ring, frame)?;
+        }
+        sub.release_ring(ring)?;
+        latencies.sort_by(f64::total_cmp);
+        Ok(json!({
+            "frames": frames,
+            "bad": bad,
+            "p50_us": quantile(&latencies, 0.5),
+            "p90_us": quantile(&latencies, 0.9),
+            "p99_us": quantile(&latencies, 0.99),
+        }))
+    })();
+    let v = result.unwrap_or_else(|e| json!({ "error": e.to_string() }));
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{v}")
+        .and_then(|()| out.flush())
+        .map_err(|e| Error::Io {
+            context: "reporting".into(),
+            source: e,
+        })?;
+    Ok(Outcome::Ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.5).to_bits(), 51f64.to_bits());
+        assert_eq!(quantile(&v, 0.0).to_bits(), 1f64.to_bits());
+        assert_eq!(quantile(&v, 1.0).to_bits(), 100f64.to_bits());
+        assert!(quantile(&[], 0.5).is_nan());
+    }
+
+    #[test]
+    fn frames_have_distinct_patterns() {
+        assert_ne!(frame_pattern(1).at(0), frame_pattern(2).at(0));
+        assert_eq!(frame_pattern(7).at(3), 10);
+    }
+}
