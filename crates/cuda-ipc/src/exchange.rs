@@ -1,5 +1,5 @@
 //! Publishers and subscribers: device buffers shared by name over the
-//! [`channel`](crate::channel), with leases, per-publish events, a mapping
+//! [`channel`], with leases, per-publish events, a mapping
 //! cache and rings.
 //!
 //! ```no_run

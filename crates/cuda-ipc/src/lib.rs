@@ -53,3 +53,8 @@ pub use event::IpcEvent;
 pub use handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
 pub use legacy::{IpcBuffer, IpcMapping, OpenFlags};
 pub use memory::DeviceMemory;
+
+/// The README's examples, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
