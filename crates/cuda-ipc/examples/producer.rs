@@ -26,8 +26,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--consumer" => consumer = args.next(),
-            "--size" => size = args.next().ok_or("--size needs a value")?.parse::<cuda_ipc::units::ByteSize>()?.0,
-            other => return Err(format!("unknown argument {other:?}; usage: producer --consumer PATH [--size SIZE]").into()),
+            "--size" => {
+                size = args
+                    .next()
+                    .ok_or("--size needs a value")?
+                    .parse::<cuda_ipc::units::ByteSize>()?
+                    .0
+            }
+            other => {
+                return Err(format!(
+                    "unknown argument {other:?}; usage: producer --consumer PATH [--size SIZE]"
+                )
+                .into());
+            }
         }
     }
     let consumer = consumer.ok_or("usage: producer --consumer PATH_TO_CONSUMER [--size SIZE]")?;
@@ -44,9 +55,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut export = buffer.export_region(0, size, Dtype::U32, None)?;
     export.descriptor.event = Some(ready.handle()?);
-    println!("producer: exported {size} bytes with the {} mechanism", buffer.mechanism());
+    println!(
+        "producer: exported {size} bytes with the {} mechanism",
+        buffer.mechanism()
+    );
 
-    let mut child = Command::new(consumer).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
+    let mut child = Command::new(consumer)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
     let mut to_child = child.stdin.take().ok_or("no stdin")?;
     writeln!(to_child, "{}", export.descriptor)?;
     to_child.flush()?;
@@ -63,7 +80,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let status = child.wait()?;
     match bad {
         None if status.success() => {
-            println!("producer: all {} values were transformed by the consumer", size / 4);
+            println!(
+                "producer: all {} values were transformed by the consumer",
+                size / 4
+            );
             Ok(())
         }
         None => Err(format!("the consumer failed: {status}").into()),

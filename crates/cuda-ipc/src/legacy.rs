@@ -323,7 +323,10 @@ impl IpcMapping {
         let base = match ipc::open_mem_handle(handle, flags.bits()) {
             Ok(p) => p,
             Err(e) if e.driver_code() == Some(201) => return Err(Error::SameProcess),
-            Err(e) if e.driver_code() == Some(1) && !flags.contains(OpenFlags::LAZY_ENABLE_PEER_ACCESS) => {
+            Err(e)
+                if e.driver_code() == Some(1)
+                    && !flags.contains(OpenFlags::LAZY_ENABLE_PEER_ACCESS) =>
+            {
                 return Err(Error::InvalidArgument {
                     what: "open flags",
                     reason: format!(

@@ -113,14 +113,21 @@ pub trait DeviceMemory {
     where
         Self: Sized,
     {
-        if offset.checked_add(len).is_none_or(|end| end > self.byte_len() as u64) {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.byte_len() as u64)
+        {
             return Err(Error::OutOfBounds {
                 offset,
                 len,
                 size: self.byte_len() as u64,
             });
         }
-        Ok(Region { of: self, offset, len })
+        Ok(Region {
+            of: self,
+            offset,
+            len,
+        })
     }
 
     /// Queues a device-to-device copy of all of `src` into this memory on

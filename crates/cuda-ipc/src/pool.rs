@@ -67,7 +67,8 @@ impl SharedPool {
         self.device.bind()?;
         // SAFETY: the pool is live for as long as `self`.
         let fd = unsafe { pool::export_fd(self.pool) }?;
-        self.shared.store(true, std::sync::atomic::Ordering::Release);
+        self.shared
+            .store(true, std::sync::atomic::Ordering::Release);
         Ok(fd)
     }
 

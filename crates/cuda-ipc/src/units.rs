@@ -48,6 +48,12 @@ impl FromStr for ByteSize {
             return Err(bad("empty size".into()));
         }
         if let Some(hex) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+            // from_str_radix takes a leading '+'; a size has no sign.
+            if hex.starts_with('+') {
+                return Err(bad(format!(
+                    "{text:?} is not a hex number (a sign after 0x)"
+                )));
+            }
             return u64::from_str_radix(hex, 16)
                 .map(ByteSize)
                 .map_err(|e| bad(format!("{text:?} is not a hex number ({e})")));
@@ -101,17 +107,24 @@ impl ByteSize {
 /// Parses a 32-bit value written in decimal or with a `0x` prefix in hex.
 pub fn parse_u32(text: &str) -> Result<u32> {
     let s = text.trim();
-    let parsed = if let Some(hex) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
-        u32::from_str_radix(hex, 16)
-    } else {
-        s.parse::<u32>()
-    };
-    parsed.map_err(|e| {
+    let bad = |why: &dyn std::fmt::Display| {
         Error::arg(
             "value",
-            format!("{text:?} is not a 32-bit unsigned value ({e}); write it in decimal (305419896) or hex (0x12345678)"),
+            format!(
+                "{text:?} is not a 32-bit unsigned value ({why}); write it in decimal (305419896) or hex (0x12345678)"
+            ),
         )
-    })
+    };
+    let hex = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X"));
+    // from_str_radix and parse take a leading '+'; a value has no sign.
+    if hex.unwrap_or(s).starts_with('+') {
+        return Err(bad(&"a sign is not accepted"));
+    }
+    let parsed = match hex {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => s.parse::<u32>(),
+    };
+    parsed.map_err(|e| bad(&e))
 }
 
 /// Rounds `n` up to a multiple of `align` (a power of two), or `None` on overflow.

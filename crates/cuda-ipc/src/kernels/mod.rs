@@ -202,11 +202,7 @@ pub fn fill_u32(
 }
 
 /// Applies `x -> x * mul + add` to every element of `memory` on its stream.
-pub fn map_u32(
-    memory: &(impl DeviceMemory + ?Sized),
-    mul: u32,
-    add: u32,
-) -> Result<()> {
+pub fn map_u32(memory: &(impl DeviceMemory + ?Sized), mul: u32, add: u32) -> Result<()> {
     let stream = memory.stream();
     let k = memory.device().kernels()?;
     let mut ptr = memory.device_address();
@@ -227,10 +223,7 @@ pub fn map_u32(
 /// Checks every element of `memory` against `pattern` after the work
 /// already queued on its stream, and returns the index of the first mismatch
 /// (`None` when all match). Blocks until the check is done.
-pub fn check_u32(
-    memory: &(impl DeviceMemory + ?Sized),
-    pattern: Pattern,
-) -> Result<Option<u64>> {
+pub fn check_u32(memory: &(impl DeviceMemory + ?Sized), pattern: Pattern) -> Result<Option<u64>> {
     let stream = memory.stream();
     let k = memory.device().kernels()?;
     let scratch = k
