@@ -2,8 +2,12 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests demo cli exchange samples python bench bench-full
-#                          (default: info tests demo cli exchange samples python)
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python bench bench-full
+#                          (default: info tests soak demo cli exchange samples python)
+#
+# `tests` runs every GPU test but the 100,000-cycle soak, which `soak` runs
+# (it takes a minute or two). PYTHON_ONLY=WORD runs only the Python interop
+# cases whose name contains WORD.
 #
 # Each step prints PASS or FAIL with a one-line reason; full logs go to
 # $LOGS (default: ./logs), and, when $OUT is set, into $OUT/logs.tgz. The last line is the summary:
@@ -15,7 +19,7 @@ cli=$here/cuda-ipc
 logs=${LOGS:-$here/logs}
 mkdir -p "$logs"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info tests demo cli exchange samples python)
+[ ${#steps[@]} -eq 0 ] && steps=(info tests soak demo cli exchange samples python)
 passed=0
 failed=0
 failures=()
@@ -44,13 +48,19 @@ step_info() {
   check "info without a driver exits 3" 3 env CUDA_IPC_DISABLE_DRIVER=1 "$cli" info
 }
 
-step_tests() {
+step_tests() { run_tests "" --skip soak_a_hundred_thousand_cycles; }
+step_soak() { run_tests "-soak" soak_a_hundred_thousand_cycles; }
+
+# run_tests SUFFIX ARGS...: every test executable with ARGS, counted.
+run_tests() {
+  local suffix=$1
+  shift
   for t in "$here"/tests/*; do
     local name log
-    name=$(basename "$t")
+    name=$(basename "$t")$suffix
     log="$logs/test-$name.log"
     local started=$SECONDS
-    "$t" --ignored --test-threads=1 --nocapture >"$log" 2>&1
+    "$t" --ignored --test-threads=1 --nocapture "$@" >"$log" 2>&1
     local rc=$?
     local p f
     p=$(grep -Eo '[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
@@ -64,7 +74,7 @@ step_tests() {
       tail -n 5 "$log"
     fi
     [ "$f" -gt 0 ] && failures+=("$name: $f tests")
-    grep -E '^(legacy|vmm|pool|fabric|without|consumer|freed)' "$log" | head -n 40
+    grep -E '^(legacy|vmm|pool|fabric|without|consumer|freed|ring|soak|lease|publisher|refused)' "$log" | head -n 40
   done
 }
 
@@ -149,7 +159,9 @@ step_python() {
     return
   fi
   local log="$logs/python-interop.log"
-  PYTHONPATH="$here/python" python3 "$script" --cli "$cli" >"$log" 2>&1
+  local only=()
+  [ -n "${PYTHON_ONLY:-}" ] && only=(--only "$PYTHON_ONLY")
+  PYTHONPATH="$here/python" python3 "$script" --cli "$cli" "${only[@]}" >"$log" 2>&1
   local rc=$?
   local p f
   p=$(grep -Eo '^[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
