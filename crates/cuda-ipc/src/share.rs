@@ -204,6 +204,7 @@ impl SharedBuffer {
     /// Exports `len` bytes at `offset` holding `dtype` elements, with an
     /// optional shape. Each call creates new file descriptors (for fd
     /// mechanisms), owned by the returned [`Export`].
+    #[tracing::instrument(level = "debug", skip(self, shape), fields(mechanism = %self.mechanism))]
     pub fn export_region(
         &self,
         offset: u64,
@@ -449,6 +450,7 @@ pub fn fetch_fd(pid: u32, fd: i32) -> Result<OwnedFd> {
 /// Maps the whole allocation a descriptor names. `fds` are the descriptors
 /// that travelled with it (over the channel); when empty for an fd
 /// mechanism, they are fetched from the exporter with `pidfd_getfd`.
+#[tracing::instrument(level = "debug", skip_all, fields(mechanism = %descriptor.mechanism(), pid = descriptor.pid, len = descriptor.len))]
 pub fn open_mapping(
     device: &Device,
     descriptor: &Descriptor,
