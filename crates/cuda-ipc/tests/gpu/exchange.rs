@@ -414,7 +414,7 @@ fn another_user_is_refused_unless_allowed() {
         )
     };
     let chmod_socket = |p: &std::path::Path| {
-        std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap()
+        std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
     };
 
     // Default: only our own uid. Open the socket file up, so that it is the
