@@ -31,7 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .next()
                     .ok_or("--size needs a value")?
                     .parse::<cuda_ipc::units::ByteSize>()?
-                    .0
+                    .0;
             }
             other => {
                 return Err(format!(

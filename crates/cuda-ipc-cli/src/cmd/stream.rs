@@ -66,23 +66,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             source: e,
         })?;
     let from_child = LineReader::new(child.stdout.take().expect("piped"), "consumer process");
-    let waited = Instant::now();
-    while ring.subscribers().is_empty() {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(Error::InvalidArgument {
-                what: "consumer",
-                reason: format!("exited before subscribing ({status})"),
-            });
-        }
-        if waited.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            return Err(Error::from(ChannelError::Timeout {
-                what: "the consumer to subscribe".into(),
-                after: Duration::from_secs(60),
-            }));
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_for_subscriber(&ring, &mut child)?;
     println!(
         "cuda-ipc demo --stream: {} frames through a ring of {} buffers ({}) for {:.0?}",
         human(args.frame_size),
@@ -120,13 +104,30 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             reason: e.as_str().unwrap_or("failed").into(),
         });
     }
+    Ok(print_report(
+        &report,
+        seq,
+        seconds,
+        args.frame_size,
+        status.success(),
+    ))
+}
+
+/// Prints the stream's figures; whether every frame arrived intact.
+fn print_report(
+    report: &Value,
+    seq: u64,
+    seconds: f64,
+    frame_size: u64,
+    consumer_ok: bool,
+) -> Outcome {
     let frames = report["frames"].as_u64().unwrap_or(0);
     let bad = report["bad"].as_u64().unwrap_or(u64::MAX);
     let fps = frames as f64 / seconds;
     println!("  frames sent {seq}, received and checked {frames}, mismatched {bad}");
     println!(
         "  {fps:.0} frames/s, {:.2} GB/s of frames",
-        fps * args.frame_size as f64 / 1e9
+        fps * frame_size as f64 / 1e9
     );
     println!(
         "  latency per frame (write start to checked): p50 {:.1} us, p90 {:.1} us, p99 {:.1} us",
@@ -134,16 +135,41 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         report["p90_us"].as_f64().unwrap_or(f64::NAN),
         report["p99_us"].as_f64().unwrap_or(f64::NAN)
     );
-    if bad == 0 && frames == seq && status.success() {
+    if bad == 0 && frames == seq && consumer_ok {
         println!("OK: every frame arrived intact, in order, with no copy");
-        Ok(Outcome::Ok)
+        Outcome::Ok
     } else {
         println!(
-            "FAILED: {bad} mismatched frames, {} lost, consumer {status}",
+            "FAILED: {bad} mismatched frames, {} lost, consumer ok: {consumer_ok}",
             seq.saturating_sub(frames)
         );
-        Ok(Outcome::Mismatch)
+        Outcome::Mismatch
     }
+}
+
+/// Waits until the consumer has subscribed to the ring (or died).
+fn wait_for_subscriber(
+    ring: &cuda_ipc::exchange::RingPublisher,
+    child: &mut std::process::Child,
+) -> Result<(), Error> {
+    let waited = Instant::now();
+    while ring.subscribers().is_empty() {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(Error::InvalidArgument {
+                what: "consumer",
+                reason: format!("exited before subscribing ({status})"),
+            });
+        }
+        if waited.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            return Err(Error::from(ChannelError::Timeout {
+                what: "the consumer to subscribe".into(),
+                after: Duration::from_secs(60),
+            }));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
 }
 
 /// The value at quantile `q` of sorted `v`.
