@@ -127,6 +127,7 @@ fn rejects(edit: impl FnOnce(&mut serde_json::Map<String, Value>), field: &str, 
 }
 
 #[test]
+#[allow(clippy::too_many_lines)] // one line per malformed field
 fn every_malformed_field_is_named() {
     rejects(|m| drop(m.remove("cuda_ipc")), "cuda_ipc", "missing");
     rejects(
@@ -435,5 +436,5 @@ proptest! {
 }
 
 fn hex_of(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    hex::encode(b)
 }
