@@ -61,6 +61,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         };
         devices.push((caps, probes));
     }
+    let peers = peer_links(system.devices.len());
     if args.json {
         let list: Vec<Value> = devices
             .iter()
@@ -73,7 +74,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             .collect();
         println!(
             "{}",
-            json!({ "driver_version": system.driver_version.to_string(), "devices": list, "environment": env })
+            json!({ "driver_version": system.driver_version.to_string(), "devices": list, "peers": peers, "environment": env })
         );
     } else {
         println!(
@@ -85,6 +86,16 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         }
         for (caps, probes) in &devices {
             print_device(caps, probes);
+        }
+        for p in &peers {
+            println!(
+                "peer {} -> {}: access {}, native atomics {} (usually NVLink), performance rank {}",
+                p["from"],
+                p["to"],
+                yes(p["access_supported"] == true),
+                yes(p["native_atomics"] == true),
+                p["performance_rank"]
+            );
         }
         print_environment(&env);
     }
@@ -147,6 +158,22 @@ fn print_device(caps: &Capabilities, probes: &Value) {
     for advice in device_advice(caps) {
         println!("  note: {advice}");
     }
+}
+
+/// How every ordered pair of devices reaches the other (legacy opens with
+/// `LAZY_ENABLE_PEER_ACCESS` and VMM access descriptors need peer access).
+fn peer_links(count: usize) -> Vec<Value> {
+    let mut out = Vec::new();
+    for from in 0..count {
+        for to in (0..count).filter(|t| *t != from) {
+            out.push(match cuda_ipc::device::peer_link(from, to) {
+                Ok(l) => json!({ "from": from, "to": to, "access_supported": l.access_supported,
+                                 "native_atomics": l.native_atomics, "performance_rank": l.performance_rank }),
+                Err(e) => json!({ "from": from, "to": to, "error": e.to_string() }),
+            });
+        }
+    }
+    out
 }
 
 fn device_advice(caps: &Capabilities) -> Vec<String> {
