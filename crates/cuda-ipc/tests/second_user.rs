@@ -1,0 +1,515 @@
+//! A second user on the same machine, without a GPU: what keeps another
+//! user's process away from shared memory, and what does not.
+//!
+//! The tests run a consumer child as uid/gid 65534 (`nobody`) through
+//! `CommandExt::uid`/`gid`, which needs root (CI runs as root). As another
+//! user they skip, printing why. Nothing system-wide is created: sockets
+//! and files live in temporary directories, opened to other users (0755)
+//! only where a test says so.
+//!
+//! - (a) The server's peer check (`SO_PEERCRED` against
+//!   `ServerConfig::allowed_uids`, by default only our own uid) refuses the
+//!   other user even when the socket file itself lets everyone connect,
+//!   and nothing is leased; the other user's client refuses our server too.
+//! - (b) A server that lists uid 65534 admits it: it receives the
+//!   memfd-backed entry and reads the right bytes through the descriptor.
+//! - (c) The socket file (mode 0600) and the private socket directory
+//!   (mode 0700, as `default_socket_dir` makes it) each keep the other user
+//!   from connecting at all: `connect` fails with `EACCES`.
+//! - (d) By contrast, a descriptor printed to a place others can read is a
+//!   bearer token: the other user parses a legacy descriptor and holds the
+//!   64-byte handle, which is all the CUDA driver asks for. An fd-based
+//!   descriptor's number, printed the same way, gives them nothing.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use cuda_ipc::channel::{
+    ChannelError, Client, ClientConfig, EntryKind, Server, ServerConfig, ensure_private_dir,
+};
+use cuda_ipc::descriptor::{Descriptor, Dtype, Source};
+use cuda_ipc::device::DeviceUuid;
+use cuda_ipc::handle::IpcMemHandle;
+use rustix::fs::{MemfdFlags, memfd_create};
+use serde_json::json;
+
+/// The other user: `nobody` on most Linux systems.
+const OTHER: u32 = 65534;
+const CHILD_ENV: &str = "CUDA_IPC_SECOND_USER_CHILD";
+const PATH_ENV: &str = "CUDA_IPC_SECOND_USER_PATH";
+const LEN: usize = 8192;
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Tests copy files and spawn children: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29) ^ 0x5a)
+        .collect()
+}
+
+fn memfd_with(bytes: &[u8]) -> OwnedFd {
+    let fd = memfd_create("cuda-ipc-second-user", MemfdFlags::CLOEXEC).unwrap();
+    let mut written = 0;
+    while written < bytes.len() {
+        written += rustix::io::pwrite(&fd, &bytes[written..], written as u64).unwrap();
+    }
+    fd
+}
+
+fn read_fd(fd: impl AsFd, len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    let mut got = 0;
+    while got < len {
+        let n = rustix::io::pread(&fd, &mut buf[got..], got as u64).unwrap();
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    buf.truncate(got);
+    buf
+}
+
+/// Says that and why a test did not run, on stderr itself: libtest
+/// captures `println!`, and a skip must not look like a pass.
+fn skip(test: &str, why: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "SKIPPED {test}: {why}");
+}
+
+/// Whether this test can run a child as another user; if not, says why.
+fn can_switch_users(test: &str) -> bool {
+    let euid = rustix::process::geteuid().as_raw();
+    if euid != 0 {
+        skip(
+            test,
+            &format!(
+                "running as uid {euid}; switching a child to uid {OTHER} needs root (CI runs \
+                 as root)"
+            ),
+        );
+        return false;
+    }
+    true
+}
+
+/// A temporary directory that other users may enter and list (0755).
+fn open_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+/// This executable, or a copy of it in `dir` if another user could not
+/// reach it where it is.
+fn executable_for_others(dir: &Path) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let reachable = exe
+        .ancestors()
+        .skip(1)
+        .all(|d| std::fs::metadata(d).is_ok_and(|m| m.mode() & 0o001 != 0))
+        && std::fs::metadata(&exe).is_ok_and(|m| m.mode() & 0o005 == 0o005);
+    if reachable {
+        return exe;
+    }
+    let copy = dir.join("second-user-child");
+    std::fs::copy(&exe, &copy).unwrap();
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    copy
+}
+
+/// A child running this executable as uid/gid 65534; killed on drop.
+struct OtherUser {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+}
+
+impl OtherUser {
+    /// Starts `role` against `path`, or says why it cannot (`Err`: skip).
+    fn spawn(dir: &Path, test: &str, role: &str, path: &Path) -> Result<OtherUser, String> {
+        let mut child = Command::new(executable_for_others(dir))
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, role)
+            .env(PATH_ENV, path)
+            .current_dir(dir)
+            .uid(OTHER)
+            .gid(OTHER)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("cannot start a child as uid {OTHER}: {e}"))?;
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stdin = child.stdin.take();
+        Ok(OtherUser {
+            child,
+            stdin,
+            lines,
+        })
+    }
+
+    /// The text after the first line that starts (after libtest's own
+    /// output) with `marker`.
+    fn line(&self, marker: &str) -> String {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(at) = line.find(marker) {
+                        return line[at + marker.len()..].trim().to_owned();
+                    }
+                }
+                Err(e) => panic!("the child did not print {marker:?}: {e}"),
+            }
+        }
+    }
+
+    /// Closes stdin (the signal to finish) and checks the child succeeded.
+    fn finish(mut self) {
+        self.stdin = None;
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "the child failed: {status}");
+                return;
+            }
+            assert!(Instant::now() < deadline, "the child did not exit");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for OtherUser {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// How a connection attempt ended, in one line the parent can check.
+fn outcome(r: &Result<Client, ChannelError>) -> String {
+    match r {
+        Ok(_) => "connected".into(),
+        Err(ChannelError::Refused { by, uid, .. }) => format!("refused by={by} uid={uid}"),
+        Err(ChannelError::Io { source, .. }) => {
+            format!("io errno={}", source.raw_os_error().unwrap_or(-1))
+        }
+        Err(e) => format!("other {e}"),
+    }
+}
+
+fn trust_root() -> ClientConfig {
+    ClientConfig {
+        allowed_server_uids: vec![0],
+        ..ClientConfig::default()
+    }
+}
+
+/// If this process is a child, runs its role and returns true.
+fn run_child_role() -> bool {
+    let Ok(role) = std::env::var(CHILD_ENV) else {
+        return false;
+    };
+    let path = PathBuf::from(std::env::var_os(PATH_ENV).unwrap());
+    let me = rustix::process::geteuid().as_raw();
+    let group = rustix::process::getegid().as_raw();
+    println!("CHILD-UID {me} {group}");
+    match role.as_str() {
+        // Connect, trusting a server run by root.
+        "connect" => println!("RESULT {}", outcome(&Client::connect(&path, trust_root()))),
+        // Connect with the default configuration: trust only our own uid.
+        "connect-default" => {
+            let r = Client::connect(&path, ClientConfig::default());
+            println!("RESULT {}", outcome(&r));
+        }
+        // Attach, read the bytes through the descriptor, hold the lease
+        // until stdin closes.
+        "attach" => {
+            let client = Client::connect(&path, trust_root()).unwrap();
+            let a = client.attach("weights").unwrap();
+            let len = usize::try_from(a.meta["len"].as_u64().unwrap()).unwrap();
+            let ok = read_fd(&a.fds[0], len) == pattern(len);
+            println!("RESULT lease={} read={len} match={ok}", a.lease);
+            let mut sink = Vec::new();
+            let _ = std::io::stdin().read_to_end(&mut sink);
+            client.release(a.lease).unwrap();
+        }
+        // Read a descriptor from a file someone left readable.
+        "read-descriptor" => {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let d = Descriptor::from_json(&text).unwrap();
+            match d.source {
+                Source::Legacy { handle } => println!("RESULT handle={handle}"),
+                Source::Vmm { fd } => {
+                    // The number names a descriptor in the exporter; the
+                    // kernel does not let another user reach it.
+                    let proc_fd = format!("/proc/{}/fd/{fd}", d.pid);
+                    match std::fs::File::open(&proc_fd) {
+                        Ok(_) => println!("RESULT fd-opened {proc_fd}"),
+                        Err(e) => {
+                            let errno = e.raw_os_error().unwrap_or(-1);
+                            println!("RESULT fd-denied errno={errno}");
+                        }
+                    }
+                }
+                other => println!("RESULT unexpected {other:?}"),
+            }
+        }
+        other => panic!("unknown child role {other}"),
+    }
+    true
+}
+
+/// Makes `path` connectable by everyone, so that only the peer check stands
+/// between another user and the server.
+fn open_socket_to_all(path: &Path) {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// (a) The default peer check
+
+#[test]
+fn the_default_peer_check_refuses_another_user() {
+    const TEST: &str = "the_default_peer_check_refuses_another_user";
+    if run_child_role() || !can_switch_users(TEST) {
+        return;
+    }
+    let _serial = serial();
+    let dir = open_dir();
+    let path = dir.path().join("refuse.sock");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    server
+        .publish(
+            "weights",
+            json!({ "len": LEN }),
+            vec![memfd_with(&pattern(LEN))],
+        )
+        .unwrap();
+    open_socket_to_all(&path);
+
+    let child = match OtherUser::spawn(dir.path(), TEST, "connect", &path) {
+        Ok(c) => c,
+        Err(why) => return skip(TEST, &why),
+    };
+    assert_eq!(child.line("CHILD-UID"), format!("{OTHER} {OTHER}"));
+    assert_eq!(
+        child.line("RESULT"),
+        format!("refused by=server uid={OTHER}")
+    );
+    child.finish();
+    assert!(server.leases().is_empty(), "{:?}", server.leases());
+    assert_eq!(server.connection_count(), 0);
+    assert_eq!(server.lease_count("weights"), 0);
+
+    // The other user's client, left at its default, trusts only servers
+    // of its own uid: it refuses ours first.
+    let child = OtherUser::spawn(dir.path(), TEST, "connect-default", &path).unwrap();
+    assert_eq!(child.line("RESULT"), "refused by=client uid=0");
+    child.finish();
+    assert!(server.leases().is_empty());
+
+    // Our own clients are served as before.
+    let own = Client::connect(&path, ClientConfig::default()).unwrap();
+    let a = own.attach("weights").unwrap();
+    assert_eq!(read_fd(&a.fds[0], LEN), pattern(LEN));
+}
+
+// ---------------------------------------------------------------------------
+// (b) A server that admits the other user
+
+#[test]
+fn an_allowed_user_receives_the_memory_through_the_fd() {
+    const TEST: &str = "an_allowed_user_receives_the_memory_through_the_fd";
+    if run_child_role() || !can_switch_users(TEST) {
+        return;
+    }
+    let _serial = serial();
+    let dir = open_dir();
+    let path = dir.path().join("admit.sock");
+    let server = Server::bind(ServerConfig {
+        allowed_uids: vec![0, OTHER],
+        ..ServerConfig::new(&path)
+    })
+    .unwrap();
+    server
+        .publish(
+            "weights",
+            json!({ "len": LEN }),
+            vec![memfd_with(&pattern(LEN))],
+        )
+        .unwrap();
+    // The socket stays 0600; giving it to the other user lets exactly that
+    // user (and root) connect.
+    rustix::fs::chown(
+        &path,
+        Some(rustix::fs::Uid::from_raw(OTHER)),
+        Some(rustix::fs::Gid::from_raw(OTHER)),
+    )
+    .unwrap();
+    assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+
+    let child = match OtherUser::spawn(dir.path(), TEST, "attach", &path) {
+        Ok(c) => c,
+        Err(why) => return skip(TEST, &why),
+    };
+    assert_eq!(child.line("CHILD-UID"), format!("{OTHER} {OTHER}"));
+    let result = child.line("RESULT");
+    assert!(
+        result.ends_with(&format!("read={LEN} match=true")),
+        "{result}"
+    );
+    let leases = server.leases();
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_eq!(leases[0].uid, OTHER);
+    assert_eq!(leases[0].name, "weights");
+    assert_eq!(leases[0].kind, EntryKind::Entry);
+    assert_eq!(leases[0].pid, child.child.id());
+    assert_eq!(
+        result,
+        format!("lease={} read={LEN} match=true", leases[0].lease)
+    );
+    child.finish();
+    server
+        .wait_released("weights", Some(Duration::from_secs(5)))
+        .unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// (c) File permissions: the first gate
+
+#[test]
+fn the_socket_file_and_its_directory_keep_another_user_out() {
+    const TEST: &str = "the_socket_file_and_its_directory_keep_another_user_out";
+    if run_child_role() || !can_switch_users(TEST) {
+        return;
+    }
+    let _serial = serial();
+    let eacces = rustix::io::Errno::ACCESS.raw_os_error();
+
+    // A 0600 socket in a directory everyone may enter: the file's mode
+    // refuses the connection (even a server that would admit the user).
+    let dir = open_dir();
+    let path = dir.path().join("private.sock");
+    let server = Server::bind(ServerConfig {
+        allowed_uids: vec![0, OTHER],
+        ..ServerConfig::new(&path)
+    })
+    .unwrap();
+    assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+    let child = match OtherUser::spawn(dir.path(), TEST, "connect", &path) {
+        Ok(c) => c,
+        Err(why) => return skip(TEST, &why),
+    };
+    assert_eq!(child.line("RESULT"), format!("io errno={eacces}"));
+    child.finish();
+    assert_eq!(server.connection_count(), 0);
+    drop(server);
+
+    // A private directory, as default_socket_dir makes it (0700, ours):
+    // even a socket file open to all cannot be reached through it.
+    let private = dir.path().join("cuda-ipc");
+    ensure_private_dir(&private).unwrap();
+    assert_eq!(std::fs::metadata(&private).unwrap().mode() & 0o777, 0o700);
+    let path = private.join("in-private-dir.sock");
+    let server = Server::bind(ServerConfig {
+        allowed_uids: vec![0, OTHER],
+        ..ServerConfig::new(&path)
+    })
+    .unwrap();
+    open_socket_to_all(&path);
+    let child = OtherUser::spawn(dir.path(), TEST, "connect", &path).unwrap();
+    assert_eq!(child.line("RESULT"), format!("io errno={eacces}"));
+    child.finish();
+    assert_eq!(server.connection_count(), 0);
+
+    // The same socket, reached by a user the directory lets in, works:
+    // the refusals above came from the permissions, not a broken server.
+    Client::connect(&path, ClientConfig::default())
+        .unwrap()
+        .ping()
+        .unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// (d) Bearer tokens
+
+#[test]
+fn a_printed_descriptor_is_a_bearer_token() {
+    const TEST: &str = "a_printed_descriptor_is_a_bearer_token";
+    if run_child_role() || !can_switch_users(TEST) {
+        return;
+    }
+    let _serial = serial();
+    let dir = open_dir();
+    let handle = IpcMemHandle::new(std::array::from_fn(|i| (i as u8) ^ 0xa5));
+    let legacy = Descriptor {
+        source: Source::Legacy { handle },
+        alloc_size: 2 << 20,
+        offset: 0,
+        len: 4096,
+        dtype: Dtype::U8,
+        shape: None,
+        strides: None,
+        device_uuid: DeviceUuid([7; 16]),
+        pid: std::process::id(),
+        event: None,
+        generation: None,
+    };
+    // `cuda-ipc export > /tmp/x.json` with the usual umask: 0644.
+    let file = dir.path().join("legacy.json");
+    std::fs::write(&file, legacy.to_json()).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let child = match OtherUser::spawn(dir.path(), TEST, "read-descriptor", &file) {
+        Ok(c) => c,
+        Err(why) => return skip(TEST, &why),
+    };
+    // The other user now holds the 64 bytes; the driver asks for nothing
+    // more (cuIpcOpenMemHandle checks no user or process).
+    assert_eq!(child.line("RESULT"), format!("handle={handle}"));
+    child.finish();
+
+    // The same for a VMM export: its "fd" is a number in our descriptor
+    // table, and the kernel keeps other users out of that table.
+    let memfd = memfd_with(&pattern(4096));
+    let vmm = Descriptor {
+        source: Source::Vmm {
+            fd: rustix::fd::AsRawFd::as_raw_fd(&memfd),
+        },
+        ..legacy
+    };
+    let file = dir.path().join("vmm.json");
+    std::fs::write(&file, vmm.to_json()).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let child = OtherUser::spawn(dir.path(), TEST, "read-descriptor", &file).unwrap();
+    let eacces = rustix::io::Errno::ACCESS.raw_os_error();
+    assert_eq!(child.line("RESULT"), format!("fd-denied errno={eacces}"));
+    child.finish();
+    drop(memfd);
+}
