@@ -48,6 +48,9 @@ enum Command {
     /// (internal) Opens a legacy handle for `info`'s probe.
     #[command(name = "__probe-open", hide = true)]
     ProbeOpen(cmd::info::ProbeOpenArgs),
+    /// (internal) A consumer process of `bench`.
+    #[command(name = "__bench-worker", hide = true)]
+    BenchWorker(cmd::bench::WorkerArgs),
 }
 
 /// The outcome of a command that ran to completion.
@@ -90,6 +93,7 @@ fn main() -> ExitCode {
         Command::Attach(a) => cmd::serve::attach(&a),
         Command::DemoConsumer(a) => cmd::demo::consumer(&a),
         Command::ProbeOpen(a) => cmd::info::probe_open(&a),
+        Command::BenchWorker(a) => cmd::bench::worker(&a),
     };
     match result {
         Ok(Outcome::Ok) => ExitCode::SUCCESS,

@@ -1,0 +1,472 @@
+//! The PyTorch anchor: runs `bench/torch_share.py`, which measures
+//! torch.multiprocessing's hand-off of CUDA tensors the way this bench
+//! measures ours, and reads the JSON lines it prints.
+//!
+//! The script's lines (one JSON object each, on standard output):
+//! - `{"kind": "hello", "torch": "2.11.0", "cuda": "13.0", "device": "NVIDIA H200", "python": "3.12.3"}`
+//! - `{"kind": "skip", "reason": "..."}`: no torch, or no CUDA in torch (not a failure)
+//! - `{"kind": "startup", "consumer_ms": 3100.0}`: the consumer's start, CUDA included
+//! - `{"kind": "result", "mode": "fresh"|"repeat", "size": N, "warmup": W, "samples_ms": [...], "verify_failures": 0}`
+//! - `{"kind": "error", "message": "..."}`
+//! - `{"kind": "done", "elapsed_s": 12.3}`
+//!
+//! Other lines (not starting with `{`) are ignored.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::report::{Row, Section, SectionId};
+use super::{Plan, Progress};
+
+/// What the script reported.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TorchRun {
+    /// Versions and device, from the hello line.
+    pub hello: Option<Value>,
+    /// Why the script did not measure (not a failure).
+    pub skip: Option<String>,
+    /// The consumer's start-up, ms.
+    pub startup_ms: Option<f64>,
+    /// The measurements.
+    pub results: Vec<TorchResult>,
+    /// The script's own error.
+    pub error: Option<String>,
+    /// Whether the script said it was done.
+    pub done: bool,
+}
+
+/// One measurement of the script.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TorchResult {
+    /// "fresh" or "repeat".
+    pub mode: String,
+    /// Bytes.
+    pub size: u64,
+    /// Samples thrown away.
+    pub warmup: usize,
+    /// Kept samples, ms.
+    pub samples_ms: Vec<f64>,
+    /// Samples whose values did not match.
+    pub verify_failures: u64,
+}
+
+/// Adds one line of the script's output to `run`.
+pub fn parse_line(run: &mut TorchRun, line: &str) -> Result<(), String> {
+    let line = line.trim();
+    if !line.starts_with('{') {
+        return Ok(());
+    }
+    let v: Value =
+        serde_json::from_str(line).map_err(|e| format!("a line that is not JSON ({e}): {line}"))?;
+    let need = |k: &str| {
+        v.get(k)
+            .cloned()
+            .ok_or_else(|| format!("a {:?} line without {k:?}: {line}", v["kind"]))
+    };
+    match v["kind"].as_str().unwrap_or("") {
+        "hello" => run.hello = Some(v.clone()),
+        "skip" => run.skip = Some(need("reason")?.as_str().unwrap_or("").to_string()),
+        "startup" => run.startup_ms = need("consumer_ms")?.as_f64(),
+        "result" => {
+            let samples_ms = need("samples_ms")?
+                .as_array()
+                .and_then(|a| a.iter().map(Value::as_f64).collect::<Option<Vec<_>>>())
+                .ok_or_else(|| format!("samples_ms is not a list of numbers: {line}"))?;
+            run.results.push(TorchResult {
+                mode: need("mode")?.as_str().unwrap_or("").to_string(),
+                size: need("size")?
+                    .as_u64()
+                    .ok_or_else(|| format!("size is not a byte count: {line}"))?,
+                warmup: v["warmup"].as_u64().unwrap_or(0) as usize,
+                samples_ms,
+                verify_failures: v["verify_failures"].as_u64().unwrap_or(0),
+            });
+        }
+        "error" => {
+            run.error = Some(need("message")?.as_str().unwrap_or("").to_string());
+        }
+        "done" => run.done = true,
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Where the script is: the explicit path, else `bench/torch_share.py`
+/// next to this executable (the GPU bundle puts it there), in the
+/// executable's parent folder, in the source tree, or under the current
+/// folder. `Err` lists where it looked.
+pub fn find_script(explicit: Option<&Path>) -> Result<PathBuf, String> {
+    if let Some(p) = explicit {
+        return if p.is_file() {
+            Ok(p.to_path_buf())
+        } else {
+            Err(format!("--torch-script {} does not exist", p.display()))
+        };
+    }
+    let mut candidates = Vec::new();
+    if let Ok(exe) = std::env::current_exe()
+        && let Some(dir) = exe.parent()
+    {
+        candidates.push(dir.join("bench/torch_share.py"));
+        if let Some(up) = dir.parent() {
+            candidates.push(up.join("bench/torch_share.py"));
+        }
+    }
+    candidates.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/torch_share.py"));
+    candidates.push(PathBuf::from("bench/torch_share.py"));
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| {
+            format!(
+                "bench/torch_share.py not found (looked at {}); pass --torch-script",
+                candidates
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })
+}
+
+/// The `--plan` argument: `size:warmup:reps,...`.
+pub fn plan_arg(plan: &Plan) -> String {
+    plan.sizes
+        .iter()
+        .map(|&s| {
+            let r = plan.reps(s);
+            format!("{s}:{}:{}", r.warmup, r.reps)
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Keeps the last `cap` bytes of text.
+fn tail(s: &str, cap: usize) -> &str {
+    if s.len() <= cap {
+        return s;
+    }
+    let mut i = s.len() - cap;
+    while !s.is_char_boundary(i) {
+        i += 1;
+    }
+    &s[i..]
+}
+
+/// The outcome of running the script.
+pub enum Outcome {
+    /// It ran (the run may still carry an error).
+    Ran(TorchRun),
+    /// It could not run for a reason that is not a failure of the bench
+    /// (no interpreter, no script).
+    Skipped(String),
+    /// It failed.
+    Failed(String, TorchRun),
+}
+
+/// Runs the script and collects its lines, within `timeout`.
+pub fn run_script(
+    python: &str,
+    script: &Path,
+    device: usize,
+    plan: &str,
+    timeout: Duration,
+) -> Outcome {
+    let mut child = match Command::new(python)
+        .arg("-u")
+        .arg(script)
+        .args(["--device", &device.to_string(), "--plan", plan])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Outcome::Skipped(format!("{python} not found ({e}); pass --python"));
+        }
+        Err(e) => return Outcome::Failed(format!("starting {python}: {e}"), TorchRun::default()),
+    };
+    let (tx, rx) = mpsc::channel();
+    let stdout = child.stdout.take().expect("piped");
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut stderr = child.stderr.take().expect("piped");
+    let err_thread = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + timeout;
+    let mut run = TorchRun::default();
+    let mut problem = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                if let Err(e) = parse_line(&mut run, &line) {
+                    problem.get_or_insert(e);
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                // Our own child, by its handle.
+                let _ = child.kill();
+                problem = Some(format!(
+                    "the script did not finish within {} s and was stopped",
+                    timeout.as_secs()
+                ));
+                break;
+            }
+        }
+    }
+    let status = child.wait();
+    let err_text = err_thread.join().unwrap_or_default();
+    let err_tail = tail(err_text.trim(), 2000);
+    if let Some(p) = problem {
+        return Outcome::Failed(format!("{p}; its standard error ends: {err_tail}"), run);
+    }
+    if run.skip.is_some() {
+        return Outcome::Ran(run);
+    }
+    match status {
+        Ok(s) if s.success() && run.done => Outcome::Ran(run),
+        Ok(s) => {
+            let why = run
+                .error
+                .clone()
+                .unwrap_or_else(|| format!("the script exited ({s}) without finishing"));
+            Outcome::Failed(format!("{why}; its standard error ends: {err_tail}"), run)
+        }
+        Err(e) => Outcome::Failed(format!("waiting for the script: {e}"), run),
+    }
+}
+
+/// Rows and notes from what the script reported.
+pub fn to_section(run: &TorchRun) -> Section {
+    if let Some(why) = &run.skip {
+        return Section::skipped(SectionId::Torch, why.clone());
+    }
+    let mut s = Section::new(SectionId::Torch);
+    for r in &run.results {
+        let row = Row::new("PyTorch", "ms")
+            .variant(r.mode.clone())
+            .size(r.size)
+            .samples(r.warmup, r.samples_ms.clone());
+        s.rows.push(if r.verify_failures > 0 {
+            row.failed(format!(
+                "{} samples read values other than the producer wrote",
+                r.verify_failures
+            ))
+        } else {
+            row
+        });
+    }
+    if let Some(h) = &run.hello {
+        let get = |k: &str| h[k].as_str().unwrap_or("?").to_string();
+        s.notes.push(format!(
+            "PyTorch {} (CUDA {}), Python {}, on {}; torch.multiprocessing queues with the spawn \
+             start method.",
+            get("torch"),
+            get("cuda"),
+            get("python"),
+            get("device")
+        ));
+    }
+    if let Some(ms) = run.startup_ms {
+        s.notes.push(format!(
+            "The consumer's start (Python, import torch, CUDA) took {ms:.0} ms, not counted."
+        ));
+    }
+    s.notes.push(
+        "fresh: the producer makes a new tensor each sample (torch.full, finished), the clock \
+         runs from just before Queue.put to the consumer's after Queue.get returned and \
+         torch.cuda.current_stream().synchronize(); the consumer then checks 2 values, drops the \
+         tensor and answers. repeat: the same tensor, refilled, put again each sample (PyTorch \
+         reuses the consumer's opened handle)."
+            .into(),
+    );
+    s
+}
+
+/// Section 7: the PyTorch anchor.
+pub fn section(plan: &Plan, progress: &Progress) -> Section {
+    progress.step("PyTorch anchor (bench/torch_share.py)");
+    let s = match &plan.torch {
+        Err(why) => Section::skipped(SectionId::Torch, why.clone()),
+        Ok((python, script)) => match find_script(script.as_deref()) {
+            Err(why) => {
+                if script.is_some() {
+                    let mut s = Section::new(SectionId::Torch);
+                    s.error = Some(why);
+                    s
+                } else {
+                    Section::skipped(SectionId::Torch, why)
+                }
+            }
+            Ok(script) => {
+                let timeout = Duration::from_secs(if plan.quick { 120 } else { 240 });
+                match run_script(python, &script, plan.device, &plan_arg(plan), timeout) {
+                    Outcome::Ran(run) => to_section(&run),
+                    Outcome::Skipped(why) => Section::skipped(SectionId::Torch, why),
+                    Outcome::Failed(why, run) => {
+                        let mut s = to_section(&run);
+                        s.status = super::report::Status::Ok;
+                        s.error = Some(why);
+                        s
+                    }
+                }
+            }
+        },
+    };
+    progress.done();
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OUTPUT: &str = r#"
+some warning printed by a library
+{"kind": "hello", "torch": "2.11.0", "cuda": "13.0", "device": "NVIDIA H200", "python": "3.12.3"}
+{"kind": "startup", "consumer_ms": 3100.5}
+{"kind": "result", "mode": "fresh", "size": 2097152, "warmup": 5, "samples_ms": [0.41, 0.39, 0.5], "verify_failures": 0}
+{"kind": "result", "mode": "repeat", "size": 2097152, "warmup": 5, "samples_ms": [0.2, 0.21], "verify_failures": 1}
+{"kind": "done", "elapsed_s": 12.5}
+"#;
+
+    fn parse_all(text: &str) -> Result<TorchRun, String> {
+        let mut run = TorchRun::default();
+        for line in text.lines() {
+            parse_line(&mut run, line)?;
+        }
+        Ok(run)
+    }
+
+    #[test]
+    fn lines_parse() {
+        let run = parse_all(OUTPUT).unwrap();
+        assert!(run.done);
+        assert_eq!(run.startup_ms, Some(3100.5));
+        assert_eq!(run.results.len(), 2);
+        assert_eq!(run.results[0].mode, "fresh");
+        assert_eq!(run.results[0].size, 2 << 20);
+        assert_eq!(run.results[0].warmup, 5);
+        assert_eq!(run.results[0].samples_ms, vec![0.41, 0.39, 0.5]);
+        assert_eq!(run.results[1].verify_failures, 1);
+        assert_eq!(run.hello.as_ref().unwrap()["torch"], "2.11.0");
+    }
+
+    #[test]
+    fn runs_become_sections() {
+        let run = parse_all(OUTPUT).unwrap();
+        let mut s = to_section(&run);
+        s.finish();
+        assert_eq!(s.rows.len(), 2);
+        assert_eq!(s.rows[0].series, "PyTorch");
+        assert_eq!(s.rows[0].variant.as_deref(), Some("fresh"));
+        assert!((s.rows[0].p50().unwrap() - 0.41).abs() < 1e-12);
+        // a verify failure fails the section
+        assert!(s.failed());
+        assert!(
+            s.notes[0].contains("PyTorch 2.11.0 (CUDA 13.0)"),
+            "{:?}",
+            s.notes
+        );
+        assert!(
+            s.notes
+                .iter()
+                .any(|n| n.contains("3100 ms") || n.contains("3101 ms"))
+        );
+    }
+
+    #[test]
+    fn skips_and_errors() {
+        let run = parse_all(r#"{"kind": "skip", "reason": "No module named 'torch'"}"#).unwrap();
+        let s = to_section(&run);
+        assert_eq!(s.status, super::super::report::Status::Skipped);
+        assert_eq!(s.reason.as_deref(), Some("No module named 'torch'"));
+        let run = parse_all(r#"{"kind": "error", "message": "CUDA out of memory"}"#).unwrap();
+        assert_eq!(run.error.as_deref(), Some("CUDA out of memory"));
+        for bad in [
+            r#"{"kind": "result", "mode": "fresh"}"#,
+            r#"{"kind": "result", "mode": "fresh", "size": 1, "samples_ms": ["x"]}"#,
+            r#"{"kind": "startup""#,
+        ] {
+            assert!(parse_all(bad).is_err(), "{bad}");
+        }
+        // unknown kinds are ignored
+        assert!(parse_all(r#"{"kind": "future", "x": 1}"#).is_ok());
+    }
+
+    #[test]
+    fn plan_argument() {
+        let args = super::super::Plan::from_args(&{
+            use clap::Parser;
+            #[derive(Parser)]
+            struct Cli {
+                #[command(flatten)]
+                a: super::super::Args,
+            }
+            Cli::parse_from(["bench", "--sizes", "2MiB,8GiB"]).a
+        })
+        .unwrap();
+        assert_eq!(plan_arg(&args), "2097152:10:100,8589934592:3:20");
+    }
+
+    #[test]
+    fn script_is_found_in_the_source_tree() {
+        let p = find_script(None).unwrap();
+        assert!(p.ends_with("bench/torch_share.py"), "{}", p.display());
+        assert!(
+            find_script(Some(Path::new("/nonexistent/x.py")))
+                .unwrap_err()
+                .contains("does not exist")
+        );
+    }
+
+    #[test]
+    fn tails_keep_the_end() {
+        assert_eq!(tail("abcdef", 3), "def");
+        assert_eq!(tail("ab", 3), "ab");
+        assert_eq!(tail("aé", 1), "");
+    }
+
+    /// The script's --help works without torch, and the script compiles.
+    #[test]
+    fn script_runs_without_torch() {
+        let script = find_script(None).unwrap();
+        let Ok(o) = Command::new("python3").arg(&script).arg("--help").output() else {
+            eprintln!("skipped: no python3 here");
+            return;
+        };
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert!(String::from_utf8_lossy(&o.stdout).contains("--plan"));
+        // Compiled to a temporary file, so the source tree gets no __pycache__.
+        let cfile = std::env::temp_dir().join(format!("torch_share-{}.pyc", std::process::id()));
+        let o = Command::new("python3")
+            .args([
+                "-c",
+                "import py_compile, sys; py_compile.compile(sys.argv[1], cfile=sys.argv[2], doraise=True)",
+            ])
+            .arg(&script)
+            .arg(&cfile)
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_file(&cfile);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+}

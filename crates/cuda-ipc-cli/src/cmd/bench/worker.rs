@@ -1,0 +1,562 @@
+//! The consumer process of `bench` (`cuda-ipc __bench-worker`): opens the
+//! device, says `{"ready": true}`, then answers one JSON line per request
+//! read from standard input until `{"op": "bye"}` or the end of input.
+//!
+//! Requests (each answered by one line, `{"error": "..."}` on failure):
+//! - `connect {socket}`: connect a [`Subscriber`];
+//! - `ping`: `{t_recv}` (the pipe's one-way time);
+//! - `attach {name, base, step}`: attach, synchronise, note the time,
+//!   check a few words, release: `{t_recv, t_done, verify_ms, release_ms}`;
+//! - `hold {name, base, step}` / `drop {name}`: attach and keep / release;
+//! - `await {name, base, step}`: answers `{waiting}` first, then waits for
+//!   the next update, synchronises: `{t_recv, t_done, verify_ms}`;
+//! - `hold_many {prefix, count}` / `drop_all`;
+//! - `floor_setup {event, socket}`, `floor_legacy {handle, base, step}`,
+//!   `floor_vmm {name, size, len, base, step}`: the driver floor;
+//! - `bandwidth {name, warmup, reps}`: copies timed with CUDA events;
+//! - `ring {name, verify_every}`: answers `{subscribed}` first, then takes
+//!   frames until one says `stop`.
+//!
+//! Reading standard input is a plain blocking read on this thread, so a
+//! request wakes the consumer with no thread hop; if the producer dies the
+//! input ends and the consumer exits.
+
+use std::collections::HashMap;
+use std::io::BufRead;
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use cuda_ipc::channel;
+use cuda_ipc::cudarc::driver::sys::CUevent_flags;
+use cuda_ipc::exchange::{Attached, Subscriber, SubscriberConfig};
+use cuda_ipc::kernels::Pattern;
+use cuda_ipc::{Device, DeviceMemory, Error, IpcBuffer, IpcEvent};
+use serde_json::{Value, json};
+
+use super::floor;
+use super::proto::{failure, mono_ns, send_line};
+use super::stats::ns_to_ms;
+use crate::Outcome;
+
+/// Arguments of the hidden consumer.
+#[derive(clap::Args, Debug)]
+pub struct WorkerArgs {
+    /// Device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+}
+
+/// How long a consumer waits for an update or a ring frame.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// The consumer process.
+pub fn worker(args: &WorkerArgs) -> Result<Outcome, Error> {
+    super::raise_open_files_limit();
+    let mut out = std::io::stdout().lock();
+    let mut input = std::io::stdin().lock();
+    let started = Instant::now();
+    let device = match Device::open(args.device) {
+        Ok(d) => d,
+        Err(e) => {
+            send_line(
+                &mut out,
+                &json!({ "error": format!("opening the device: {e}") }),
+            )?;
+            return Ok(Outcome::Ok);
+        }
+    };
+    send_line(
+        &mut out,
+        &json!({
+            "ready": true,
+            "startup_ms": started.elapsed().as_secs_f64() * 1e3,
+            "pid": std::process::id(),
+        }),
+    )?;
+    let mut state = State {
+        device,
+        sub: None,
+        held: HashMap::new(),
+        floor: None,
+        local: None,
+    };
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = input.read_line(&mut line).map_err(|e| Error::Io {
+            context: "reading the producer's request".into(),
+            source: e,
+        })?;
+        let t_recv = mono_ns();
+        if n == 0 {
+            break; // the producer closed our input (or exited)
+        }
+        let request: Value = match serde_json::from_str(&line) {
+            Ok(v) => v,
+            Err(e) => {
+                send_line(
+                    &mut out,
+                    &json!({ "error": format!("not JSON ({e}): {line:?}") }),
+                )?;
+                continue;
+            }
+        };
+        let op = request["op"].as_str().unwrap_or("").to_string();
+        if op == "bye" {
+            break;
+        }
+        let answer = state
+            .handle(&op, &request, t_recv, &mut out)
+            .unwrap_or_else(|e| json!({ "error": format!("{op}: {e}") }));
+        send_line(&mut out, &answer)?;
+    }
+    Ok(Outcome::Ok)
+}
+
+/// What the driver floor keeps between requests.
+struct Floor {
+    event: IpcEvent,
+    client: channel::Client,
+    granularity: u64,
+}
+
+struct State {
+    device: Device,
+    sub: Option<Subscriber>,
+    held: HashMap<String, Attached<u32>>,
+    floor: Option<Floor>,
+    /// Two local buffers for the bandwidth copies.
+    local: Option<(IpcBuffer, IpcBuffer)>,
+}
+
+fn text<'a>(v: &'a Value, key: &str) -> Result<&'a str, Error> {
+    v.get(key)
+        .and_then(Value::as_str)
+        .ok_or_else(|| failure("the request", format!("no string {key:?} in {v}")))
+}
+
+fn int(v: &Value, key: &str) -> Result<u64, Error> {
+    super::proto::get_u64(v, key)
+}
+
+fn pattern(v: &Value) -> Result<Pattern, Error> {
+    Ok(Pattern::ramp(
+        int(v, "base")? as u32,
+        int(v, "step")? as u32,
+    ))
+}
+
+/// Checks the first and last four words of `memory` against `pattern`;
+/// `Some(description)` of the first mismatch.
+pub fn verify<M: DeviceMemory>(memory: &M, pattern: Pattern) -> Result<Option<String>, Error> {
+    let words = (memory.byte_len() / 4) as u64;
+    let k = words.min(4);
+    for first in [0, words - k] {
+        let got: Vec<u32> = memory.region(first * 4, k * 4)?.to_vec()?;
+        for (i, g) in got.iter().enumerate() {
+            let at = first + i as u64;
+            if *g != pattern.at(at) {
+                return Ok(Some(format!(
+                    "word {at} is {g:#010x}, the producer wrote {:#010x}",
+                    pattern.at(at)
+                )));
+            }
+        }
+    }
+    Ok(None)
+}
+
+fn mismatch(what: &str, m: &str) -> Error {
+    failure(format!("checking {what}"), m)
+}
+
+impl State {
+    fn sub(&self) -> Result<&Subscriber, Error> {
+        self.sub
+            .as_ref()
+            .ok_or_else(|| failure("the request", "not connected (send connect first)"))
+    }
+
+    fn handle(
+        &mut self,
+        op: &str,
+        r: &Value,
+        t_recv: u64,
+        out: &mut impl std::io::Write,
+    ) -> Result<Value, Error> {
+        match op {
+            "ping" => Ok(json!({ "t_recv": t_recv })),
+            "connect" => {
+                let path = text(r, "socket")?;
+                self.sub = Some(Subscriber::connect(
+                    &self.device,
+                    std::path::Path::new(path),
+                    SubscriberConfig {
+                        timeout: Duration::from_secs(60),
+                        ..SubscriberConfig::default()
+                    },
+                )?);
+                Ok(json!({ "ok": true }))
+            }
+            "attach" => self.attach(r, t_recv),
+            "hold" => self.hold(r),
+            "drop" => {
+                let name = text(r, "name")?;
+                let a = self
+                    .held
+                    .remove(name)
+                    .ok_or_else(|| failure("drop", format!("{name:?} is not held")))?;
+                self.sub()?.release(a)?;
+                Ok(json!({ "ok": true }))
+            }
+            "await" => self.wait_update(r, t_recv, out),
+            "hold_many" => {
+                let prefix = text(r, "prefix")?;
+                let count = int(r, "count")?;
+                let t = Instant::now();
+                for i in 0..count {
+                    let name = format!("{prefix}{i}");
+                    let a = self.sub()?.attach::<u32>(&name)?;
+                    self.held.insert(name, a);
+                }
+                Ok(json!({ "ms": t.elapsed().as_secs_f64() * 1e3 }))
+            }
+            "drop_all" => {
+                let held: Vec<Attached<u32>> = self.held.drain().map(|(_, a)| a).collect();
+                let sub = self.sub()?;
+                for a in held {
+                    sub.release(a)?;
+                }
+                Ok(json!({ "ok": true }))
+            }
+            "floor_setup" => {
+                let handle = text(r, "event")?.parse()?;
+                let event = IpcEvent::open(&self.device, handle)?;
+                let client =
+                    channel::Client::connect(text(r, "socket")?, channel::ClientConfig::default())?;
+                let granularity =
+                    cuda_ipc::vmm::granularity(&self.device, cuda_ipc::vmm::ShareableTypes::FD)?;
+                self.floor = Some(Floor {
+                    event,
+                    client,
+                    granularity,
+                });
+                Ok(json!({ "ok": true }))
+            }
+            "floor_legacy" => self.floor_legacy(r),
+            "floor_vmm" => self.floor_vmm(r),
+            "bandwidth" => self.bandwidth(r),
+            "ring" => self.ring(r, out),
+            other => Err(failure("the request", format!("unknown op {other:?}"))),
+        }
+    }
+
+    fn hold(&mut self, r: &Value) -> Result<Value, Error> {
+        let name = text(r, "name")?;
+        let sub = self.sub()?;
+        let a = sub.attach::<u32>(name)?;
+        a.buffer().synchronize()?;
+        if let Some(m) = verify(a.buffer(), pattern(r)?)? {
+            sub.release(a)?;
+            return Err(mismatch(name, &m));
+        }
+        self.held.insert(name.to_string(), a);
+        Ok(json!({ "ok": true }))
+    }
+
+    fn wait_update(
+        &self,
+        r: &Value,
+        t_recv: u64,
+        out: &mut impl std::io::Write,
+    ) -> Result<Value, Error> {
+        let name = text(r, "name")?;
+        let pattern = pattern(r)?;
+        let a = self
+            .held
+            .get(name)
+            .ok_or_else(|| failure("await", format!("{name:?} is not held")))?;
+        let sub = self.sub()?;
+        send_line(out, &json!({ "waiting": true }))?;
+        let generation = sub.wait_update(a, WAIT)?;
+        a.buffer().synchronize()?;
+        let t_done = mono_ns();
+        let checked = Instant::now();
+        if let Some(m) = verify(a.buffer(), pattern)? {
+            return Err(mismatch(name, &m));
+        }
+        Ok(json!({
+            "t_recv": t_recv,
+            "t_done": t_done,
+            "generation": generation,
+            "verify_ms": checked.elapsed().as_secs_f64() * 1e3,
+        }))
+    }
+
+    fn attach(&self, r: &Value, t_recv: u64) -> Result<Value, Error> {
+        let name = text(r, "name")?;
+        let pattern = pattern(r)?;
+        let sub = self.sub()?;
+        let a = sub.attach::<u32>(name)?;
+        a.buffer().synchronize()?;
+        let t_done = mono_ns();
+        let v = Instant::now();
+        let bad = verify(a.buffer(), pattern);
+        let verify_ms = v.elapsed().as_secs_f64() * 1e3;
+        let t = Instant::now();
+        sub.release(a)?;
+        let release_ms = t.elapsed().as_secs_f64() * 1e3;
+        if let Some(m) = bad? {
+            return Err(mismatch(name, &m));
+        }
+        Ok(json!({
+            "t_recv": t_recv,
+            "t_done": t_done,
+            "verify_ms": verify_ms,
+            "release_ms": release_ms,
+        }))
+    }
+
+    fn floor(&self) -> Result<&Floor, Error> {
+        self.floor
+            .as_ref()
+            .ok_or_else(|| failure("the floor", "floor_setup was not sent"))
+    }
+
+    fn floor_legacy(&self, r: &Value) -> Result<Value, Error> {
+        let f = self.floor()?;
+        let handle: cuda_ipc::IpcMemHandle = text(r, "handle")?.parse()?;
+        let len = int(r, "len")? as usize;
+        let pattern = pattern(r)?;
+        let stream = self.device.stream();
+        bind(&self.device)?;
+        let t_c = mono_ns();
+        let opened = floor::open_legacy(&handle, f.event.cu_event(), stream)?;
+        let t_d = mono_ns();
+        let mem = floor::RawMemory {
+            device: &self.device,
+            ptr: opened.ptr,
+            len,
+        };
+        let bad = verify(&mem, pattern);
+        bind(&self.device)?;
+        let t_e = mono_ns();
+        let closed = opened.close();
+        let t_f = mono_ns();
+        if let Some(m) = bad? {
+            return Err(mismatch("the legacy floor's mapping", &m));
+        }
+        closed?;
+        Ok(json!({ "open_ms": ns_to_ms(t_c, t_d), "close_ms": ns_to_ms(t_e, t_f) }))
+    }
+
+    fn floor_vmm(&self, r: &Value) -> Result<Value, Error> {
+        let f = self.floor()?;
+        let name = text(r, "name")?;
+        let size = int(r, "size")?;
+        let len = int(r, "len")? as usize;
+        let pattern = pattern(r)?;
+        let a = f.client.attach(name)?;
+        let result = (|| {
+            let fd = a.fds.first().ok_or_else(|| {
+                failure("the vmm floor", "no file descriptor came with the entry")
+            })?;
+            let stream = self.device.stream();
+            let ordinal = self.device.ordinal() as i32;
+            bind(&self.device)?;
+            let t_c = mono_ns();
+            let mapped = floor::import_vmm(
+                fd.as_fd(),
+                size,
+                f.granularity,
+                ordinal,
+                f.event.cu_event(),
+                stream,
+            )?;
+            let t_d = mono_ns();
+            let mem = floor::RawMemory {
+                device: &self.device,
+                ptr: mapped.ptr,
+                len,
+            };
+            let bad = verify(&mem, pattern);
+            bind(&self.device)?;
+            let t_e = mono_ns();
+            let unmapped = mapped.unmap();
+            let t_f = mono_ns();
+            if let Some(m) = bad? {
+                return Err(mismatch("the vmm floor's mapping", &m));
+            }
+            unmapped?;
+            Ok(json!({ "open_ms": ns_to_ms(t_c, t_d), "close_ms": ns_to_ms(t_e, t_f) }))
+        })();
+        let lease = a.lease;
+        drop(a.fds);
+        f.client.release(lease)?;
+        result
+    }
+
+    fn bandwidth(&mut self, r: &Value) -> Result<Value, Error> {
+        let name = text(r, "name")?;
+        let warmup = int(r, "warmup")? as usize;
+        let reps = int(r, "reps")? as usize;
+        let sub = self
+            .sub
+            .as_ref()
+            .ok_or_else(|| failure("bandwidth", "not connected"))?;
+        let a = sub.attach::<u32>(name)?;
+        let result = (|| {
+            let mapped = a.buffer();
+            mapped.synchronize()?;
+            let size = mapped.byte_len();
+            if self.local.as_ref().is_none_or(|(s, _)| s.len() != size) {
+                self.local = None;
+                self.local = Some((
+                    IpcBuffer::alloc(&self.device, size)?,
+                    IpcBuffer::alloc(&self.device, size)?,
+                ));
+            }
+            let (src, dst) = self.local.as_ref().expect("just allocated");
+            let ctx = self.device.context();
+            let stream = self.device.stream();
+            let cuda = |what: &str, e: cuda_ipc::cudarc::driver::DriverError| {
+                failure(format!("timing copies ({what})"), format!("{e:?}"))
+            };
+            let start = ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| cuda("cuEventCreate", e))?;
+            let end = ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| cuda("cuEventCreate", e))?;
+            let time = |copy: &dyn Fn() -> Result<(), Error>| -> Result<f64, Error> {
+                start.record(stream).map_err(|e| cuda("cuEventRecord", e))?;
+                copy()?;
+                end.record(stream).map_err(|e| cuda("cuEventRecord", e))?;
+                let ms = start
+                    .elapsed_ms(&end)
+                    .map_err(|e| cuda("cuEventElapsedTime", e))?;
+                Ok(f64::from(ms))
+            };
+            let (mut from, mut local, mut into) = (Vec::new(), Vec::new(), Vec::new());
+            for i in 0..warmup + reps {
+                // Interleaved, so that drift affects the three alike.
+                let from_ms = time(&|| dst.copy_from_device(mapped))?;
+                let local_ms = time(&|| dst.copy_from_device(src))?;
+                let into_ms = time(&|| mapped.copy_from_device(src))?;
+                if i >= warmup {
+                    from.push(from_ms);
+                    local.push(local_ms);
+                    into.push(into_ms);
+                }
+            }
+            stream
+                .synchronize()
+                .map_err(|e| cuda("cuStreamSynchronize", e))?;
+            Ok(json!({
+                "size": size,
+                "from_mapping_ms": from,
+                "local_ms": local,
+                "into_mapping_ms": into,
+            }))
+        })();
+        sub.release(a)?;
+        result
+    }
+
+    fn ring(&self, r: &Value, out: &mut impl std::io::Write) -> Result<Value, Error> {
+        let name = text(r, "name")?;
+        let verify_every = int(r, "verify_every")?.max(1);
+        let sub = self.sub()?;
+        let ring = sub.attach_ring::<u32>(name)?;
+        send_line(out, &json!({ "subscribed": true }))?;
+        let mut load = Vec::new();
+        let mut paced = Vec::new();
+        let (mut first_ns, mut last_ns) = (0u64, 0u64);
+        let (mut frames, mut checked, mut bad) = (0u64, 0u64, 0u64);
+        let mut first_bad = None;
+        let mut expected_seq = None;
+        let mut gaps = 0u64;
+        let result = (|| -> Result<(), Error> {
+            loop {
+                let frame = sub.next_frame(&ring, WAIT)?;
+                if frame.notice.get("stop").and_then(Value::as_bool) == Some(true) {
+                    sub.ack(&ring, frame)?;
+                    return Ok(());
+                }
+                frame.buffer.synchronize()?;
+                let t = mono_ns();
+                let is_paced = frame.notice.get("p").and_then(Value::as_u64) == Some(1);
+                let t_pub = frame
+                    .notice
+                    .get("t")
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| failure("a ring frame", "no time stamp in its notice"))?;
+                if expected_seq.is_some_and(|s| s != frame.seq) {
+                    gaps += 1;
+                }
+                expected_seq = Some(frame.seq + 1);
+                let latency = ns_to_ms(t_pub, t);
+                if is_paced {
+                    paced.push(latency);
+                } else {
+                    if load.is_empty() {
+                        first_ns = t;
+                    }
+                    last_ns = t;
+                    load.push(latency);
+                }
+                frames += 1;
+                if is_paced || (frames - 1) % verify_every == 0 {
+                    checked += 1;
+                    if let Some(m) = verify(frame.buffer, Pattern::ramp(frame.seq as u32, 1))? {
+                        bad += 1;
+                        first_bad.get_or_insert(format!("frame {}: {m}", frame.seq));
+                    }
+                }
+                sub.ack(&ring, frame)?;
+            }
+        })();
+        let released = sub.release_ring(ring);
+        result?;
+        released?;
+        let load_frames = load.len() as u64;
+        Ok(json!({
+            "load_ms": load,
+            "paced_ms": paced,
+            "load_frames": load_frames,
+            "first_ns": first_ns,
+            "last_ns": last_ns,
+            "checked": checked,
+            "bad": bad,
+            "first_bad": first_bad,
+            "gaps": gaps,
+        }))
+    }
+}
+
+/// Makes the device's context current on this thread (for raw driver calls).
+fn bind(device: &Device) -> Result<(), Error> {
+    device
+        .context()
+        .bind_to_thread()
+        .map_err(|e| failure("cuCtxSetCurrent", format!("{e:?}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_need_their_fields() {
+        let r = json!({"name": "x", "base": 7, "step": 1});
+        assert_eq!(text(&r, "name").unwrap(), "x");
+        assert_eq!(pattern(&r).unwrap(), Pattern::ramp(7, 1));
+        assert!(
+            text(&r, "socket")
+                .unwrap_err()
+                .to_string()
+                .contains("\"socket\"")
+        );
+        assert!(pattern(&json!({"base": 1})).is_err());
+    }
+}
