@@ -1,0 +1,170 @@
+//! GPU-less hot paths of a hand-off, measured with divan:
+//! descriptor encoding and decoding, handle hex formatting and parsing, and
+//! the channel's round trips over a Unix socket (ping, attach + release of
+//! an entry with a memfd, a whole publish-attach-release-unpublish cycle,
+//! an update notice). Server and client run in this one process, on
+//! separate threads, over a real socket.
+//!
+//! Run: `cargo bench -p cuda-ipc --bench hot_paths`.
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use cuda_ipc::channel::{Client, ClientConfig, Notice, Server, ServerConfig, default_socket_path};
+use cuda_ipc::descriptor::Source;
+use cuda_ipc::device::DeviceUuid;
+use cuda_ipc::{Descriptor, Dtype, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
+use divan::{Bencher, black_box};
+use rustix::fs::{MemfdFlags, memfd_create};
+
+fn main() {
+    divan::main();
+}
+
+fn bytes(seed: u8) -> [u8; 64] {
+    let mut b = [0u8; 64];
+    for (i, x) in b.iter_mut().enumerate() {
+        *x = (i as u8).wrapping_mul(37).wrapping_add(seed);
+    }
+    b
+}
+
+/// A descriptor as a publish sends it: the handle, an event, a shape;
+/// `mechanism` is "legacy" or "pool" (which also carries a descriptor number).
+fn descriptor(mechanism: &str) -> Descriptor {
+    Descriptor {
+        source: if mechanism == "pool" {
+            Source::Pool {
+                fd: 7,
+                ptr: PoolPtrHandle::new(bytes(3)),
+            }
+        } else {
+            Source::Legacy {
+                handle: IpcMemHandle::new(bytes(1)),
+            }
+        },
+        alloc_size: 64 << 20,
+        offset: 0,
+        len: 64 << 20,
+        dtype: Dtype::U32,
+        shape: Some(vec![16 << 20]),
+        strides: None,
+        device_uuid: DeviceUuid([0x5a; 16]),
+        pid: 4242,
+        event: Some(IpcEventHandle::new(bytes(2))),
+        generation: Some((0x1092 << 40) | 0x11),
+    }
+}
+
+mod descriptors {
+    use super::{Bencher, Descriptor, black_box, descriptor};
+
+    #[divan::bench(args = ["legacy", "pool"])]
+    fn encode(bencher: Bencher, mechanism: &str) {
+        let d = descriptor(mechanism);
+        bencher.bench_local(|| black_box(&d).to_json());
+    }
+
+    #[divan::bench(args = ["legacy", "pool"])]
+    fn decode(bencher: Bencher, mechanism: &str) {
+        let text = descriptor(mechanism).to_json();
+        bencher.bench_local(|| Descriptor::from_json(black_box(&text)).unwrap());
+    }
+}
+
+mod handles {
+    use super::{Bencher, IpcMemHandle, black_box, bytes};
+
+    #[divan::bench]
+    fn format(bencher: Bencher) {
+        let h = IpcMemHandle::new(bytes(9));
+        bencher.bench_local(|| black_box(&h).to_hex());
+    }
+
+    #[divan::bench]
+    fn parse(bencher: Bencher) {
+        let text = IpcMemHandle::new(bytes(9)).to_hex();
+        bencher.bench_local(|| black_box(&text).parse::<IpcMemHandle>().unwrap());
+    }
+}
+
+/// A server on a fresh socket and a client connected to it.
+fn pair() -> (Server, Client) {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let name = format!(
+        "hot-paths-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    );
+    let path = default_socket_path(&name).expect("socket path");
+    let server = Server::bind(ServerConfig::new(&path)).expect("bind");
+    let client = Client::connect(&path, ClientConfig::default()).expect("connect");
+    (server, client)
+}
+
+fn memfd() -> OwnedFd {
+    let fd = memfd_create("cuda-ipc-hot-paths", MemfdFlags::CLOEXEC).expect("memfd");
+    rustix::fs::ftruncate(&fd, 4096).expect("ftruncate");
+    fd
+}
+
+fn meta() -> serde_json::Value {
+    serde_json::json!({ "descriptor": descriptor("pool").to_value() })
+}
+
+mod channel {
+    use super::{Bencher, Duration, Notice, memfd, meta, pair};
+
+    /// A request and its answer.
+    #[divan::bench]
+    fn ping(bencher: Bencher) {
+        let (_server, client) = pair();
+        bencher.bench_local(|| client.ping().unwrap());
+    }
+
+    /// Attach to a published entry (receiving a duplicate of its memfd
+    /// with SCM_RIGHTS) and release the lease: what a consumer does.
+    #[divan::bench]
+    fn attach_release(bencher: Bencher) {
+        let (server, client) = pair();
+        server.publish("weights", meta(), vec![memfd()]).unwrap();
+        bencher.bench_local(|| {
+            let a = client.attach("weights").unwrap();
+            drop(a.fds);
+            client.release(a.lease).unwrap();
+        });
+    }
+
+    /// The channel's share of a fresh hand-off: publish an entry with a
+    /// memfd, attach, release, unpublish and wait until it is released.
+    #[divan::bench]
+    fn publish_attach_release_unpublish(bencher: Bencher) {
+        let (server, client) = pair();
+        bencher.with_inputs(memfd).bench_local_values(|fd| {
+            server.publish("fresh", meta(), vec![fd]).unwrap();
+            let a = client.attach("fresh").unwrap();
+            drop(a.fds);
+            client.release(a.lease).unwrap();
+            server.unpublish("fresh").unwrap();
+            server
+                .wait_released("fresh", Some(Duration::from_secs(5)))
+                .unwrap();
+        });
+    }
+
+    /// The channel's share of a cached hand-off: the producer's update
+    /// reaches a consumer that holds a lease.
+    #[divan::bench]
+    fn update_notice(bencher: Bencher) {
+        let (server, client) = pair();
+        server.publish("cached", meta(), vec![memfd()]).unwrap();
+        let a = client.attach("cached").unwrap();
+        bencher.bench_local(|| {
+            server.update("cached", serde_json::json!({})).unwrap();
+            let u = client.next_update(Duration::from_secs(5)).unwrap();
+            assert!(matches!(u.notice, Notice::Updated { .. }));
+        });
+        client.release(a.lease).unwrap();
+    }
+}
