@@ -204,10 +204,11 @@ pub fn run_script(
         }
     });
     let mut stderr = child.stderr.take().expect("piped");
-    let err_thread = std::thread::spawn(move || {
+    let (err_tx, err_rx) = mpsc::channel();
+    std::thread::spawn(move || {
         let mut s = String::new();
         let _ = stderr.read_to_string(&mut s);
-        s
+        let _ = err_tx.send(s);
     });
     let deadline = Instant::now() + timeout;
     let mut run = TorchRun::default();
@@ -233,7 +234,11 @@ pub fn run_script(
         }
     }
     let status = child.wait();
-    let err_text = err_thread.join().unwrap_or_default();
+    // A child of the script (its consumer) may hold standard error open
+    // after the script is gone: wait a little, not for ever.
+    let err_text = err_rx
+        .recv_timeout(Duration::from_secs(5))
+        .unwrap_or_else(|_| "(not available: a child of the script still holds it open)".into());
     let err_tail = tail(err_text.trim(), 2000);
     if let Some(p) = problem {
         return Outcome::Failed(format!("{p}; its standard error ends: {err_tail}"), run);
@@ -443,6 +448,120 @@ some warning printed by a library
         assert_eq!(tail("abcdef", 3), "def");
         assert_eq!(tail("ab", 3), "ab");
         assert_eq!(tail("aé", 1), "");
+    }
+
+    /// Numbers the stand-in scripts' folders.
+    static FAKES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    /// Runs a stand-in script through `run_script`.
+    fn run_fake(body: &str, timeout: Duration) -> Option<Outcome> {
+        if Command::new("python3").arg("--version").output().is_err() {
+            eprintln!("skipped: no python3 here");
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "cuda-ipc-torch-fake-{}-{}",
+            std::process::id(),
+            FAKES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = dir.join("fake.py");
+        std::fs::write(&script, body).unwrap();
+        let out = run_script("python3", &script, 0, "4096:1:2", timeout);
+        std::fs::remove_dir_all(&dir).unwrap();
+        Some(out)
+    }
+
+    #[test]
+    fn a_finished_script_is_read() {
+        let body = r#"
+import json, sys
+assert sys.argv[1:] == ["--device", "0", "--plan", "4096:1:2"], sys.argv
+print("a line that is not JSON")
+for line in [
+    {"kind": "hello", "torch": "9.9", "cuda": "13.0", "device": "fake", "python": "3"},
+    {"kind": "result", "mode": "fresh", "size": 4096, "warmup": 1, "samples_ms": [0.5, 0.7], "verify_failures": 0},
+    {"kind": "done", "elapsed_s": 0.1},
+]:
+    print(json.dumps(line))
+"#;
+        let Some(out) = run_fake(body, Duration::from_secs(60)) else {
+            return;
+        };
+        let Outcome::Ran(run) = out else {
+            panic!("expected a run")
+        };
+        assert_eq!(run.results.len(), 1);
+        let mut s = to_section(&run);
+        s.finish();
+        assert!(!s.failed());
+        assert!((s.rows[0].p50().unwrap() - 0.6).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_failing_script_fails_with_its_message_and_stderr() {
+        let body = r#"
+import json, sys
+print(json.dumps({"kind": "error", "message": "CUDA out of memory"}))
+sys.stderr.write("Traceback: the details\n")
+sys.exit(1)
+"#;
+        let Some(out) = run_fake(body, Duration::from_secs(60)) else {
+            return;
+        };
+        let Outcome::Failed(why, _) = out else {
+            panic!("expected a failure")
+        };
+        assert!(why.contains("CUDA out of memory"), "{why}");
+        assert!(why.contains("Traceback: the details"), "{why}");
+    }
+
+    #[test]
+    fn a_script_that_stops_early_fails() {
+        let Some(out) = run_fake("print('{\"kind\": \"hello\"}')\n", Duration::from_secs(60))
+        else {
+            return;
+        };
+        let Outcome::Failed(why, _) = out else {
+            panic!("expected a failure")
+        };
+        assert!(why.contains("without finishing"), "{why}");
+    }
+
+    #[test]
+    fn a_stuck_script_is_stopped() {
+        let t = std::time::Instant::now();
+        let Some(out) = run_fake("import time\ntime.sleep(60)\n", Duration::from_secs(1)) else {
+            return;
+        };
+        assert!(t.elapsed() < Duration::from_secs(20));
+        let Outcome::Failed(why, _) = out else {
+            panic!("expected a failure")
+        };
+        assert!(why.contains("did not finish within 1 s"), "{why}");
+    }
+
+    #[test]
+    fn no_torch_or_no_python_is_a_skip() {
+        let body = "print('{\"kind\": \"skip\", \"reason\": \"PyTorch is not importable\"}')\n";
+        if let Some(out) = run_fake(body, Duration::from_secs(60)) {
+            let Outcome::Ran(run) = out else {
+                panic!("expected a run")
+            };
+            let s = to_section(&run);
+            assert_eq!(s.status, super::super::report::Status::Skipped);
+        }
+        let out = run_script(
+            "/nonexistent/python3",
+            Path::new("x.py"),
+            0,
+            "4096:1:1",
+            Duration::from_secs(5),
+        );
+        let Outcome::Skipped(why) = out else {
+            panic!("expected a skip")
+        };
+        assert!(why.contains("/nonexistent/python3 not found"), "{why}");
     }
 
     /// The script's --help works without torch, and the script compiles.
