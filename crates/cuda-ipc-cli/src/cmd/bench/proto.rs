@@ -54,6 +54,8 @@ pub struct Worker {
     pub label: String,
     /// How long its CUDA start-up took, ms.
     pub startup_ms: f64,
+    /// How long it gets to exit after `bye` before it is killed.
+    pub grace: Duration,
 }
 
 impl Worker {
@@ -63,8 +65,14 @@ impl Worker {
             context: "finding our own executable to start a consumer".into(),
             source: e,
         })?;
-        let mut child = Command::new(exe)
-            .args(["__bench-worker", "--device", &device.to_string()])
+        let mut command = Command::new(exe);
+        command.args(["__bench-worker", "--device", &device.to_string()]);
+        Worker::spawn_command(command, label)
+    }
+
+    /// Starts `command` as a consumer (tests use stand-ins).
+    pub fn spawn_command(mut command: Command, label: &str) -> Result<Worker, Error> {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -83,6 +91,7 @@ impl Worker {
             reader,
             label: label.to_string(),
             startup_ms: f64::NAN,
+            grace: Duration::from_secs(10),
         })
     }
 
@@ -164,7 +173,8 @@ impl Worker {
         }
     }
 
-    /// Asks the consumer to exit and waits for it (killing it after 10 s).
+    /// Asks the consumer to exit and waits for it (killing it after
+    /// [`Worker::grace`]).
     pub fn close(mut self) {
         self.shutdown();
     }
@@ -173,7 +183,7 @@ impl Worker {
         if let Some(mut stdin) = self.stdin.take() {
             let _ = send_line(&mut stdin, &json!({ "op": "bye" }));
         }
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + self.grace;
         loop {
             match self.child.try_wait() {
                 Ok(Some(_)) | Err(_) => return,
@@ -244,6 +254,98 @@ mod tests {
             serde_json::from_str::<Value>(lines[0]).unwrap()["name"],
             "a b"
         );
+    }
+
+    /// A stand-in consumer written in Python, or `None` without python3.
+    fn fake(script: &str) -> Option<Worker> {
+        if Command::new("python3").arg("--version").output().is_err() {
+            eprintln!("skipped: no python3 here");
+            return None;
+        }
+        let mut c = Command::new("python3");
+        c.args(["-u", "-c", script]);
+        Some(Worker::spawn_command(c, "consumer 1").unwrap())
+    }
+
+    const ECHO: &str = r#"
+import json, sys
+print(json.dumps({"ready": True, "startup_ms": 12.5}))
+for line in sys.stdin:
+    r = json.loads(line)
+    if r["op"] == "bye":
+        break
+    if r["op"] == "fail":
+        print(json.dumps({"error": "attach: no entry named \"x\""}))
+    elif r["op"] == "die":
+        sys.exit(3)
+    else:
+        print(json.dumps({"echo": r["op"]}))
+"#;
+
+    #[test]
+    fn requests_answers_and_errors() {
+        let Some(mut w) = fake(ECHO) else { return };
+        w.wait_ready().unwrap();
+        assert!((w.startup_ms - 12.5).abs() < 1e-12);
+        assert!(w.alive());
+        let a = w
+            .request(&json!({"op": "ping"}), Duration::from_secs(10))
+            .unwrap();
+        assert_eq!(a["echo"], "ping");
+        let e = w
+            .request(&json!({"op": "fail"}), Duration::from_secs(10))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "consumer 1 reported: attach: no entry named \"x\"");
+        w.close();
+    }
+
+    #[test]
+    fn a_dead_consumer_says_how_it_ended() {
+        let Some(mut w) = fake(ECHO) else { return };
+        w.wait_ready().unwrap();
+        let e = w
+            .request(&json!({"op": "die"}), Duration::from_secs(10))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("consumer 1: the process exited"), "{e}");
+        assert!(e.contains('3'), "{e}");
+        assert!(!w.alive());
+        // writing to it now fails clearly too
+        let e = w
+            .request(&json!({"op": "ping"}), Duration::from_secs(10))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("consumer 1"), "{e}");
+    }
+
+    #[test]
+    fn a_consumer_that_cannot_start() {
+        let Some(mut w) =
+            fake("import json; print(json.dumps({'error': 'opening the device: no driver'}))")
+        else {
+            return;
+        };
+        let e = w.wait_ready().unwrap_err().to_string();
+        assert!(e.contains("opening the device: no driver"), "{e}");
+        let Some(mut w) = fake("print('not json')") else {
+            return;
+        };
+        let e = w.wait_ready().unwrap_err().to_string();
+        assert!(e.contains("not JSON"), "{e}");
+    }
+
+    #[test]
+    fn a_silent_consumer_times_out() {
+        let Some(mut w) = fake("import time; time.sleep(30)") else {
+            return;
+        };
+        let e = w.recv(Duration::from_millis(200)).unwrap_err().to_string();
+        assert!(e.contains("no answer within"), "{e}");
+        w.grace = Duration::from_millis(100);
+        let t = Instant::now();
+        drop(w); // killed after the bye is ignored
+        assert!(t.elapsed() < Duration::from_secs(5));
     }
 
     #[test]
