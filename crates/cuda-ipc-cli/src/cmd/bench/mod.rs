@@ -419,7 +419,9 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     let ctx = sections::Ctx::new(&device, &caps, &plan, &publisher, &progress);
     for id in &plan.sections {
         let t = Instant::now();
-        let mut section = match id {
+        // A bug in one section must not cost the others: a panic becomes
+        // the section's error (its message is also on standard error).
+        let run_section = || match id {
             SectionId::Fresh => sections::fresh(&ctx),
             SectionId::Cached => sections::cached(&ctx),
             SectionId::Floor => sections::floor(&ctx),
@@ -428,6 +430,17 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             SectionId::Scale => sections::scale(&ctx),
             SectionId::Torch => torch::section(&plan, &progress),
         };
+        let mut section = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run_section))
+            .unwrap_or_else(|panic| {
+                let why = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_string()))
+                    .unwrap_or_else(|| "unknown".into());
+                let mut s = Section::new(*id);
+                s.error = Some(format!("the bench panicked (a bug): {why}"));
+                s
+            });
         section.seconds = t.elapsed().as_secs_f64();
         section.finish();
         if let Some(why) = &section.reason
