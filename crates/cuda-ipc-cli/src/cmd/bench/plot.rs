@@ -253,12 +253,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "writes /tmp/bench-plot.svg to look at"]
-    fn dump() {
-        write(&synthetic(), std::path::Path::new("/tmp/bench-plot.svg")).unwrap();
-    }
-
-    #[test]
     fn axis_labels_are_short() {
         assert_eq!(axis_ms(0.700_000_000_000_000_1), "0.7");
         assert_eq!(axis_ms(0.0153), "0.0153");
