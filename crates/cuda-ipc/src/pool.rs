@@ -31,6 +31,19 @@ use crate::handle::PoolPtrHandle;
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 use crate::result::{mem, pool, stream as rstream};
 
+/// The largest pool allocation [`SharedPool::alloc`] makes for sharing.
+///
+/// Measured on an H200 with driver 580.159: importing a pool allocation of
+/// 8 GiB in another process crashed that process (SIGSEGV inside the
+/// driver), while 1 GiB allocations worked. A crash in the consumer is worse
+/// than a refusal in the producer, so larger pool allocations are refused
+/// with an error that says to use the vmm mechanism (which shares 8 GiB and
+/// more); set [`LIFT_SIZE_LIMIT_ENV`] to try a driver without this limit.
+pub const MAX_SHARED_ALLOCATION: u64 = 4 << 30;
+
+/// Environment variable that lifts [`MAX_SHARED_ALLOCATION`].
+pub const LIFT_SIZE_LIMIT_ENV: &str = "CUDA_IPC_POOL_NO_SIZE_LIMIT";
+
 /// A memory pool on one device whose allocations can be shared through
 /// POSIX file descriptors. Destroyed when the last [`PoolBuffer`] and the
 /// pool itself are dropped.
@@ -90,6 +103,16 @@ impl SharedPool {
                 "size",
                 "cannot share an empty buffer; ask for at least one byte",
             ));
+        }
+        if len as u64 > MAX_SHARED_ALLOCATION && std::env::var_os(LIFT_SIZE_LIMIT_ENV).is_none() {
+            return Err(Error::Unsupported {
+                what: "a shared pool allocation this large",
+                why: format!(
+                    "{len} bytes is over the {MAX_SHARED_ALLOCATION}-byte limit for pool allocations shared \
+                     across processes (larger ones crashed importers on driver 580); use the vmm mechanism, \
+                     or set {LIFT_SIZE_LIMIT_ENV}=1 to try anyway"
+                ),
+            });
         }
         self.device.bind()?;
         let stream = self.device.stream().clone();
@@ -253,6 +276,7 @@ impl ImportedPool {
     #[doc(alias = "cuMemPoolImportFromShareableHandle")]
     pub fn import(device: &Device, fd: OwnedFd) -> Result<Arc<Self>> {
         device.bind()?;
+        tracing::debug!("importing a memory pool");
         let raw = pool::import_fd(fd.as_fd())?;
         // The driver did not take the descriptor.
         drop(fd);
@@ -284,8 +308,10 @@ impl ImportedPool {
             });
         }
         self.device.bind()?;
+        tracing::debug!(size, "importing a pool pointer");
         // SAFETY: the pool is live.
         let ptr = unsafe { pool::import_pointer(self.pool, data) }?;
+        tracing::debug!(ptr, "imported a pool pointer");
         let actual = mem::address_range(ptr).map_or(size, |(_, s)| s);
         if actual < size {
             let s = self.device.stream().cu_stream();

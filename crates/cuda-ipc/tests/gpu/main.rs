@@ -22,3 +22,21 @@ macro_rules! test_name {
         )
     };
 }
+
+/// Asserts that a child's answer reports success: no `error`, and a `bad`
+/// field that is null (no mismatching element).
+#[macro_export]
+macro_rules! assert_ok {
+    ($answer:expr) => {
+        $crate::assert_ok!($answer, "")
+    };
+    ($answer:expr, $($fmt:tt)+) => {{
+        let answer: &serde_json::Value = $answer;
+        assert!(
+            answer.get("error").is_none() && answer.get("bad").is_some_and(serde_json::Value::is_null),
+            "{}: the child answered {}",
+            format!($($fmt)+),
+            answer
+        );
+    }};
+}

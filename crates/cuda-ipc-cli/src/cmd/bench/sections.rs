@@ -260,6 +260,16 @@ fn skipped_rows(s: &mut Section, ctx: &Ctx<'_>, series: &str, why: &str, per: u6
     }
 }
 
+/// Why `m` cannot share `size` bytes here, if it cannot.
+fn too_large(m: Mechanism, size: u64) -> Option<String> {
+    (m == Mechanism::Pool && size > cuda_ipc::pool::MAX_SHARED_ALLOCATION).then(|| {
+        format!(
+            "pool allocations over {} are refused (importing an 8 GiB one crashed the consumer on driver 580)",
+            human(cuda_ipc::pool::MAX_SHARED_ALLOCATION)
+        )
+    })
+}
+
 /// Section 1: fresh hand-off.
 pub fn fresh(ctx: &Ctx<'_>) -> Section {
     let mut s = Section::new(SectionId::Fresh);
@@ -270,6 +280,11 @@ pub fn fresh(ctx: &Ctx<'_>) -> Section {
             continue;
         }
         for &size in &ctx.plan.sizes {
+            if let Some(why) = too_large(m, size) {
+                s.rows.push(Row::new(m.name(), "ms").size(size).skip(&why));
+                ctx.progress.done();
+                continue;
+            }
             ctx.progress
                 .step(&format!("fresh hand-off, {m}, {}", human(size)));
             let row = match c.get() {
@@ -363,6 +378,11 @@ pub fn cached(ctx: &Ctx<'_>) -> Section {
             continue;
         }
         for &size in &ctx.plan.sizes {
+            if let Some(why) = too_large(m, size) {
+                s.rows.push(Row::new(m.name(), "ms").size(size).skip(&why));
+                ctx.progress.done();
+                continue;
+            }
             ctx.progress
                 .step(&format!("cached hand-off, {m}, {}", human(size)));
             let row = match c.get() {
