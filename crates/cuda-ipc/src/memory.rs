@@ -100,6 +100,29 @@ pub trait DeviceMemory {
         }
     }
 
+    /// Queues a copy of all of `src`, which lives on another device, into
+    /// this memory on [`DeviceMemory::stream`] (`cuMemcpyPeerAsync`; the
+    /// lengths must match). Does not wait.
+    #[doc(alias = "cuMemcpyPeerAsync")]
+    fn copy_from_peer(&self, src: &impl DeviceMemory) -> Result<()>
+    where
+        Self: Sized,
+    {
+        check_len(src.byte_len(), self.byte_len())?;
+        self.device().bind()?;
+        // SAFETY: both ranges are live device memory of their devices' contexts.
+        unsafe {
+            mem::copy_peer_async(
+                self.device_address(),
+                self.device().context().cu_ctx(),
+                src.device_address(),
+                src.device().context().cu_ctx(),
+                self.byte_len(),
+                self.stream().cu_stream(),
+            )
+        }
+    }
+
     /// Waits until the work queued on [`DeviceMemory::stream`] is done.
     #[doc(alias = "cuStreamSynchronize")]
     fn synchronize(&self) -> Result<()> {

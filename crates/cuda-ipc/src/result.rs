@@ -58,6 +58,8 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoDAsync_v2",
     "cuMemsetD32Async",
+    "cuMemcpyPeerAsync",
+    "cuEventElapsedTime_v2",
     "cuIpcGetMemHandle",
     "cuIpcOpenMemHandle_v2",
     "cuIpcCloseMemHandle",
@@ -337,6 +339,24 @@ pub(crate) mod mem {
         // SAFETY: the caller's contract.
         check("cuMemcpyDtoDAsync", unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream)
+        })
+    }
+
+    /// `cuMemcpyPeerAsync`: copies between the memory of two contexts.
+    ///
+    /// # Safety
+    /// Both ranges must be device memory of their contexts, of at least `len` bytes.
+    pub(crate) unsafe fn copy_peer_async(
+        dst: u64,
+        dst_ctx: sys::CUcontext,
+        src: u64,
+        src_ctx: sys::CUcontext,
+        len: usize,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemcpyPeerAsync", unsafe {
+            sys::cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, len, stream)
         })
     }
 

@@ -48,7 +48,11 @@ pub fn pattern_json(p: Pattern) -> Value {
 #[allow(clippy::too_many_lines)] // one arm per request, documented above
 pub fn serve() {
     let parent = Parent::new();
-    let device = Device::open(0).expect("child opens device 0");
+    let ordinal = std::env::var("CUDA_IPC_TEST_DEVICE")
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(0);
+    let device = Device::open(ordinal).expect("child opens its device");
     let mut mappings: Vec<(MappedBuffer<u32>, Pattern)> = Vec::new();
     let mut events: Vec<IpcEvent> = Vec::new();
     let mut own: Option<SharedBuffer> = None;
@@ -166,6 +170,10 @@ pub fn serve() {
                     Err(e) => json!({ "error": e.to_string() }),
                 }
             }
+            "peer_bandwidth" => super::peer::bandwidth(
+                &device,
+                &Descriptor::from_value(&req["descriptor"]).unwrap(),
+            ),
             "typed" => typed_views(
                 &device,
                 &Descriptor::from_value(&req["descriptor"]).unwrap(),

@@ -10,6 +10,7 @@ mod consumer;
 mod exchange;
 mod legacy;
 mod mechanisms;
+mod peer;
 
 /// The full name of test `name` in module `module` (for `--exact`).
 #[macro_export]
