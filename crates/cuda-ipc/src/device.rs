@@ -312,6 +312,17 @@ impl SystemInfo {
     }
 }
 
+/// The ordinal, in this process, of the device with `uuid`, if it is visible.
+pub fn ordinal_of(uuid: DeviceUuid) -> Result<Option<usize>> {
+    crate::driver::init()?;
+    for i in 0..dev::count()? {
+        if dev::uuid(dev::get(i)?)? == uuid.0 {
+            return Ok(Some(i));
+        }
+    }
+    Ok(None)
+}
+
 /// How two devices reach each other.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct PeerLink {

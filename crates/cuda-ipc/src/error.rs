@@ -277,6 +277,10 @@ pub(crate) fn driver_hint(call: &'static str, code: i32) -> Option<&'static str>
         ("cuIpcOpenEventHandle", 1 | 400) => {
             "the event handle is malformed, or its exporter destroyed the event or exited"
         }
+        ("cuIpcOpenEventHandle" | "cuIpcOpenMemHandle", 205) => {
+            "legacy IPC handles and interprocess events open only in processes of the user who \
+             exported them (seen on driver 580); run the consumer as the same user"
+        }
         ("cuIpcGetMemHandle", 1) => {
             "the pointer is not from cuMemAlloc: stream-ordered (cuMemAllocAsync) and VMM \
              memory need the pool or VMM mechanism instead"

@@ -470,7 +470,20 @@ pub fn open_mapping(
             // when the memory lives on another GPU.
             IpcMapping::open(device, handle, OpenFlags::LAZY_ENABLE_PEER_ACCESS)?
         }
-        Source::Vmm { fd } => VmmMapping::import_fd(device, take_fd(fd)?, descriptor.alloc_size)?,
+        Source::Vmm { fd } => {
+            // Memory of another GPU of this process: grant that GPU access too.
+            let owner = if descriptor.device_uuid == device.uuid() {
+                None
+            } else {
+                crate::device::ordinal_of(descriptor.device_uuid)?
+            };
+            VmmMapping::import_fd_for(
+                device,
+                take_fd(fd)?,
+                descriptor.alloc_size,
+                owner.as_slice(),
+            )?
+        }
         Source::Fabric { handle } => {
             VmmMapping::import_fabric(device, handle, descriptor.alloc_size)?
         }

@@ -344,6 +344,28 @@ impl VmmMapping {
     /// back to back (PyTorch's expandable segments share memory this way).
     /// Closes every descriptor.
     pub fn import_segments(device: &Device, fds: Vec<OwnedFd>, segment: u64) -> Result<Arc<Self>> {
+        Self::import_segments_for(device, fds, segment, &[])
+    }
+
+    /// As [`VmmMapping::import_fd`], granting read-write access to the
+    /// devices `also` (ordinals in this process) as well. When the memory
+    /// lives on another GPU, grant its own device too: copy engines then
+    /// reach the mapping (`cuMemcpy*` on a peer VMM mapping fails without it).
+    pub fn import_fd_for(
+        device: &Device,
+        fd: OwnedFd,
+        size: u64,
+        also: &[usize],
+    ) -> Result<Arc<Self>> {
+        Self::import_segments_for(device, vec![fd], size, also)
+    }
+
+    fn import_segments_for(
+        device: &Device,
+        fds: Vec<OwnedFd>,
+        segment: u64,
+        also: &[usize],
+    ) -> Result<Arc<Self>> {
         if fds.is_empty() || segment == 0 {
             return Err(Error::arg(
                 "VMM import",
@@ -373,7 +395,13 @@ impl VmmMapping {
         }
         // The driver did not take the descriptors: close them now.
         drop(fds);
-        Self::map_imported(device, &handles, segment, gran, Mechanism::Vmm)
+        let mapping = Self::map_imported(device, &handles, segment, gran, Mechanism::Vmm)?;
+        for &ordinal in also.iter().filter(|o| **o != device.ordinal()) {
+            device.bind()?;
+            // SAFETY: the range is mapped for as long as `mapping` lives.
+            unsafe { vmm::set_access_rw(mapping.ptr, mapping.size, &[ordinal as i32]) }?;
+        }
+        Ok(mapping)
     }
 
     /// Imports a fabric handle of `size` bytes and maps it read-write on `device`.

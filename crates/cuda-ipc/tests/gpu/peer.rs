@@ -148,6 +148,14 @@ pub fn bandwidth(device: &Device, d: &Descriptor) -> Value {
         let mapped = share::open::<u32>(device, d, Vec::new())?;
         let local = IpcBuffer::alloc(device, mapped.byte_len())?;
         let gpu0 = Device::open(0)?;
+        // cuMemcpyPeer at its best: peer access enabled from GPU 1 to GPU 0.
+        device.synchronize()?;
+        // SAFETY: both contexts are live; enabling peer access twice is an error we ignore.
+        unsafe {
+            use cuda_ipc::cudarc::driver::sys;
+            let _ = sys::cuCtxSetCurrent(device.context().cu_ctx());
+            let _ = sys::cuCtxEnablePeerAccess(gpu0.context().cu_ctx(), 0);
+        }
         let remote = IpcBuffer::alloc(&gpu0, mapped.byte_len())?;
         remote.copy_from_device(&mapped)?;
         remote.synchronize()?;
