@@ -22,6 +22,8 @@ use std::str::FromStr;
 
 use serde_json::{Map, Value};
 
+use crate::json::{Fields, kind_of};
+
 use crate::device::DeviceUuid;
 use crate::error::{Error, Result};
 use crate::handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
@@ -276,90 +278,23 @@ fn field_err(field: &str, reason: impl Into<String>) -> Error {
     }
 }
 
-fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
+/// `field_err` in the shape the shared field decoder wants.
+fn descriptor_err(field: &str, reason: String) -> Error {
+    field_err(field, reason)
 }
 
-struct Fields<'a>(&'a Map<String, Value>);
+fn fd_field(f: &Fields<'_>) -> Result<i32> {
+    let n = f.u64("fd")?;
+    i32::try_from(n).map_err(|_| field_err("fd", format!("{n} is not a file descriptor number")))
+}
 
-impl<'a> Fields<'a> {
-    fn get(&self, key: &str) -> Option<&'a Value> {
-        self.0.get(key).filter(|v| !v.is_null())
-    }
-
-    fn required(&self, key: &str) -> Result<&'a Value> {
-        self.get(key).ok_or_else(|| field_err(key, "missing"))
-    }
-
-    fn u64_value(key: &str, v: &Value) -> Result<u64> {
-        v.as_u64().ok_or_else(|| match v {
-            Value::Number(n) if n.is_f64() => field_err(key, format!("{n} is not a whole number")),
-            Value::Number(n) => field_err(key, format!("{n} is negative")),
-            other => field_err(
-                key,
-                format!(
-                    "expected a non-negative whole number, found {}",
-                    kind_of(other)
-                ),
-            ),
-        })
-    }
-
-    fn u64(&self, key: &str) -> Result<u64> {
-        Self::u64_value(key, self.required(key)?)
-    }
-
-    fn str(&self, key: &str) -> Result<&'a str> {
-        let v = self.required(key)?;
-        v.as_str()
-            .ok_or_else(|| field_err(key, format!("expected a string, found {}", kind_of(v))))
-    }
-
-    fn parsed<T: FromStr<Err = Error>>(&self, key: &str) -> Result<T> {
-        self.str(key)?
-            .parse()
-            .map_err(|e: Error| field_err(key, e.to_string()))
-    }
-
-    fn u64_list(&self, key: &str) -> Result<Option<Vec<u64>>> {
-        let Some(v) = self.get(key) else {
-            return Ok(None);
-        };
-        let items = v.as_array().ok_or_else(|| {
-            field_err(
-                key,
-                format!("expected an array of whole numbers, found {}", kind_of(v)),
-            )
-        })?;
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| Self::u64_value(&format!("{key}[{i}]"), item))
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
-    }
-
-    fn fd(&self) -> Result<i32> {
-        let n = self.u64("fd")?;
-        i32::try_from(n)
-            .map_err(|_| field_err("fd", format!("{n} is not a file descriptor number")))
-    }
-
-    fn forbid(&self, key: &str, mechanism: Mechanism) -> Result<()> {
-        if self.get(key).is_some() {
-            return Err(field_err(
-                key,
-                format!("does not belong to a {mechanism} descriptor"),
-            ));
-        }
-        Ok(())
+fn forbid(f: &Fields<'_>, key: &str, mechanism: Mechanism) -> Result<()> {
+    match f.get(key) {
+        Some(_) => Err(field_err(
+            key,
+            format!("does not belong to a {mechanism} descriptor"),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -379,13 +314,13 @@ impl Descriptor {
                 format!("expected a JSON object, found {}", kind_of(value)),
             )
         })?;
-        if let Some(unknown) = map.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+        let f = Fields::new(map, descriptor_err);
+        if let Some(unknown) = f.unknown(FIELDS) {
             return Err(field_err(
                 unknown,
                 format!("unknown field (this reader knows format {FORMAT_VERSION})"),
             ));
         }
-        let f = Fields(map);
         let version = f.u64(VERSION_KEY)?;
         if version != FORMAT_VERSION {
             return Err(field_err(
@@ -398,29 +333,29 @@ impl Descriptor {
         let mechanism: Mechanism = f.parsed("mechanism")?;
         let source = match mechanism {
             Mechanism::Legacy => {
-                f.forbid("fd", mechanism)?;
+                forbid(&f, "fd", mechanism)?;
                 Source::Legacy {
                     handle: f.parsed("handle")?,
                 }
             }
             Mechanism::Fabric => {
-                f.forbid("fd", mechanism)?;
+                forbid(&f, "fd", mechanism)?;
                 Source::Fabric {
                     handle: f.parsed("handle")?,
                 }
             }
             Mechanism::Vmm => {
-                f.forbid("handle", mechanism)?;
-                Source::Vmm { fd: f.fd()? }
+                forbid(&f, "handle", mechanism)?;
+                Source::Vmm { fd: fd_field(&f)? }
             }
             Mechanism::Pool => Source::Pool {
-                fd: f.fd()?,
+                fd: fd_field(&f)?,
                 ptr: f.parsed("handle")?,
             },
         };
         let dtype: Dtype = f.parsed("dtype")?;
         if let Some(v) = f.get("elem_size") {
-            let n = Fields::u64_value("elem_size", v)?;
+            let n = f.u64_of("elem_size", v)?;
             if n != dtype.size() {
                 return Err(field_err(
                     "elem_size",
@@ -433,22 +368,16 @@ impl Descriptor {
             .ok()
             .filter(|p| *p > 0)
             .ok_or_else(|| field_err("pid", format!("{pid} is not a process id")))?;
-        let event = match f.get("event") {
-            Some(_) => Some(f.parsed("event")?),
-            None => None,
-        };
-        let generation = match f.get("generation") {
-            Some(v) => Some(Fields::u64_value("generation", v)?),
-            None => None,
-        };
+        let event = f.opt_parsed("event")?;
+        let generation = f.opt_u64("generation")?;
         let d = Descriptor {
             source,
             alloc_size: f.u64("alloc_size")?,
             offset: f.u64("offset")?,
             len: f.u64("len")?,
             dtype,
-            shape: f.u64_list("shape")?,
-            strides: f.u64_list("strides")?,
+            shape: f.opt_u64_list("shape")?,
+            strides: f.opt_u64_list("strides")?,
             device_uuid: f.parsed("device_uuid")?,
             pid,
             event,

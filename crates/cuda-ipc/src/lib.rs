@@ -33,6 +33,7 @@ pub mod error;
 pub mod event;
 pub mod exchange;
 pub mod handle;
+mod json;
 pub mod kernels;
 pub mod legacy;
 pub mod memory;

@@ -65,6 +65,7 @@ use crate::descriptor::{Descriptor, Dtype, Source};
 use crate::device::DeviceUuid;
 use crate::error::{Error, Result};
 use crate::handle::{FabricHandle, HANDLE_LEN, IpcEventHandle, IpcMemHandle};
+use crate::json::{Fields, kind_of};
 
 /// The record format this build writes and reads.
 pub const RECORD_FORMAT: u64 = 1;
@@ -584,136 +585,9 @@ const FIELDS: &[&str] = &[
     "alloc_size",
 ];
 
-fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-struct Fields<'a>(&'a Map<String, Value>);
-
-impl<'a> Fields<'a> {
-    fn get(&self, key: &str) -> Option<&'a Value> {
-        self.0.get(key).filter(|v| !v.is_null())
-    }
-
-    fn required(&self, key: &str) -> Result<&'a Value> {
-        self.get(key).ok_or_else(|| field_err(key, "missing"))
-    }
-
-    fn u64_value(key: &str, v: &Value) -> Result<u64> {
-        v.as_u64().ok_or_else(|| match v {
-            Value::Number(n) if n.is_f64() => field_err(key, format!("{n} is not a whole number")),
-            Value::Number(n) => field_err(key, format!("{n} is negative")),
-            other => field_err(
-                key,
-                format!(
-                    "expected a non-negative whole number, found {}",
-                    kind_of(other)
-                ),
-            ),
-        })
-    }
-
-    fn u64(&self, key: &str) -> Result<u64> {
-        Self::u64_value(key, self.required(key)?)
-    }
-
-    fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
-        self.get(key).map(|v| Self::u64_value(key, v)).transpose()
-    }
-
-    fn u32(&self, key: &str) -> Result<u32> {
-        let n = self.u64(key)?;
-        u32::try_from(n).map_err(|_| field_err(key, format!("{n} is too large")))
-    }
-
-    fn bool(&self, key: &str, default: bool) -> Result<bool> {
-        match self.get(key) {
-            None => Ok(default),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(other) => Err(field_err(
-                key,
-                format!("expected true or false, found {}", kind_of(other)),
-            )),
-        }
-    }
-
-    fn str(&self, key: &str) -> Result<&'a str> {
-        let v = self.required(key)?;
-        v.as_str()
-            .ok_or_else(|| field_err(key, format!("expected a string, found {}", kind_of(v))))
-    }
-
-    fn hex_value(key: &str, v: &Value) -> Result<Vec<u8>> {
-        let s = v.as_str().ok_or_else(|| {
-            field_err(key, format!("expected a hex string, found {}", kind_of(v)))
-        })?;
-        if let Some((i, c)) = s.char_indices().find(|(_, c)| !c.is_ascii_hexdigit()) {
-            return Err(field_err(
-                key,
-                format!("character {c:?} at position {i} is not a hex digit"),
-            ));
-        }
-        if s.len() % 2 != 0 {
-            return Err(field_err(
-                key,
-                format!("{} hex digits is not a whole number of bytes", s.len()),
-            ));
-        }
-        hex::decode(s).map_err(|e| field_err(key, e))
-    }
-
-    fn hex(&self, key: &str) -> Result<Vec<u8>> {
-        Self::hex_value(key, self.required(key)?)
-    }
-
-    fn opt_hex(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        self.get(key).map(|v| Self::hex_value(key, v)).transpose()
-    }
-
-    fn array(&self, key: &str) -> Result<&'a Vec<Value>> {
-        let v = self.required(key)?;
-        v.as_array().ok_or_else(|| {
-            field_err(
-                key,
-                format!("expected an array of whole numbers, found {}", kind_of(v)),
-            )
-        })
-    }
-
-    fn u64_list(&self, key: &str) -> Result<Vec<u64>> {
-        self.array(key)?
-            .iter()
-            .enumerate()
-            .map(|(i, item)| Self::u64_value(&format!("{key}[{i}]"), item))
-            .collect()
-    }
-
-    fn i64_list(&self, key: &str) -> Result<Vec<i64>> {
-        self.array(key)?
-            .iter()
-            .enumerate()
-            .map(|(i, item)| {
-                let k = format!("{key}[{i}]");
-                item.as_i64().ok_or_else(|| match item {
-                    Value::Number(n) if n.is_f64() => {
-                        field_err(&k, format!("{n} is not a whole number"))
-                    }
-                    Value::Number(n) => field_err(&k, format!("{n} is too large")),
-                    other => field_err(
-                        &k,
-                        format!("expected a whole number, found {}", kind_of(other)),
-                    ),
-                })
-            })
-            .collect()
-    }
+/// `field_err` in the shape the shared field decoder wants.
+fn record_field_err(field: &str, reason: String) -> Error {
+    field_err(field, reason)
 }
 
 /// The strides of a contiguous row-major tensor of `shape`, in elements.
@@ -787,7 +661,7 @@ impl ShareRecord {
                 format!("unknown field (this reader knows record format {RECORD_FORMAT}){hint}"),
             ));
         }
-        let f = Fields(map);
+        let f = Fields::new(map, record_field_err);
         let format = f.u64(RECORD_KEY)?;
         if format != RECORD_FORMAT {
             return Err(field_err(

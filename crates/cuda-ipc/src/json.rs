@@ -1,0 +1,189 @@
+//! Strict, field-by-field decoding of JSON objects, for the decoders of
+//! untrusted records (descriptors, PyTorch share records): every error names
+//! the field and says what was found.
+
+use std::str::FromStr;
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+
+/// What a JSON value is, in words.
+pub(crate) fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The fields of one JSON object, with the decoder's way of building an
+/// error for a field (`field`, `reason`).
+pub(crate) struct Fields<'a> {
+    map: &'a Map<String, Value>,
+    err: fn(&str, String) -> Error,
+}
+
+impl<'a> Fields<'a> {
+    pub(crate) fn new(map: &'a Map<String, Value>, err: fn(&str, String) -> Error) -> Self {
+        Fields { map, err }
+    }
+
+    /// An error about `key`.
+    pub(crate) fn err(&self, key: &str, reason: impl Into<String>) -> Error {
+        (self.err)(key, reason.into())
+    }
+
+    /// The field, treating `null` as absent.
+    pub(crate) fn get(&self, key: &str) -> Option<&'a Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    /// The first key that is not in `known`.
+    pub(crate) fn unknown(&self, known: &[&str]) -> Option<&'a str> {
+        self.map
+            .keys()
+            .map(String::as_str)
+            .find(|k| !known.contains(k))
+    }
+
+    pub(crate) fn required(&self, key: &str) -> Result<&'a Value> {
+        self.get(key).ok_or_else(|| self.err(key, "missing"))
+    }
+
+    /// `v`, the value of `key`, as a non-negative whole number.
+    pub(crate) fn u64_of(&self, key: &str, v: &Value) -> Result<u64> {
+        v.as_u64().ok_or_else(|| match v {
+            Value::Number(n) if n.is_f64() => self.err(key, format!("{n} is not a whole number")),
+            Value::Number(n) => self.err(key, format!("{n} is negative")),
+            other => self.err(
+                key,
+                format!(
+                    "expected a non-negative whole number, found {}",
+                    kind_of(other)
+                ),
+            ),
+        })
+    }
+
+    pub(crate) fn u64(&self, key: &str) -> Result<u64> {
+        self.u64_of(key, self.required(key)?)
+    }
+
+    pub(crate) fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
+        self.get(key).map(|v| self.u64_of(key, v)).transpose()
+    }
+
+    pub(crate) fn u32(&self, key: &str) -> Result<u32> {
+        let n = self.u64(key)?;
+        u32::try_from(n).map_err(|_| self.err(key, format!("{n} is too large")))
+    }
+
+    pub(crate) fn bool(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(other) => Err(self.err(
+                key,
+                format!("expected true or false, found {}", kind_of(other)),
+            )),
+        }
+    }
+
+    pub(crate) fn str(&self, key: &str) -> Result<&'a str> {
+        let v = self.required(key)?;
+        v.as_str()
+            .ok_or_else(|| self.err(key, format!("expected a string, found {}", kind_of(v))))
+    }
+
+    /// A string field parsed with `FromStr`, the parser's error as the reason.
+    pub(crate) fn parsed<T: FromStr<Err = Error>>(&self, key: &str) -> Result<T> {
+        self.str(key)?
+            .parse()
+            .map_err(|e: Error| self.err(key, e.to_string()))
+    }
+
+    /// As [`Fields::parsed`], absent allowed.
+    pub(crate) fn opt_parsed<T: FromStr<Err = Error>>(&self, key: &str) -> Result<Option<T>> {
+        match self.get(key) {
+            Some(_) => self.parsed(key).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn hex_of(&self, key: &str, v: &Value) -> Result<Vec<u8>> {
+        let s = v
+            .as_str()
+            .ok_or_else(|| self.err(key, format!("expected a hex string, found {}", kind_of(v))))?;
+        if let Some((i, c)) = s.char_indices().find(|(_, c)| !c.is_ascii_hexdigit()) {
+            return Err(self.err(
+                key,
+                format!("character {c:?} at position {i} is not a hex digit"),
+            ));
+        }
+        if !s.len().is_multiple_of(2) {
+            return Err(self.err(
+                key,
+                format!("{} hex digits is not a whole number of bytes", s.len()),
+            ));
+        }
+        hex::decode(s).map_err(|e| self.err(key, e.to_string()))
+    }
+
+    pub(crate) fn hex(&self, key: &str) -> Result<Vec<u8>> {
+        self.hex_of(key, self.required(key)?)
+    }
+
+    pub(crate) fn opt_hex(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        self.get(key).map(|v| self.hex_of(key, v)).transpose()
+    }
+
+    fn array_of(&self, key: &str, v: &'a Value) -> Result<&'a Vec<Value>> {
+        v.as_array().ok_or_else(|| {
+            self.err(
+                key,
+                format!("expected an array of whole numbers, found {}", kind_of(v)),
+            )
+        })
+    }
+
+    pub(crate) fn u64_list(&self, key: &str) -> Result<Vec<u64>> {
+        let items = self.array_of(key, self.required(key)?)?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| self.u64_of(&format!("{key}[{i}]"), item))
+            .collect()
+    }
+
+    pub(crate) fn opt_u64_list(&self, key: &str) -> Result<Option<Vec<u64>>> {
+        match self.get(key) {
+            Some(_) => self.u64_list(key).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    pub(crate) fn i64_list(&self, key: &str) -> Result<Vec<i64>> {
+        let items = self.array_of(key, self.required(key)?)?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let k = format!("{key}[{i}]");
+                item.as_i64().ok_or_else(|| match item {
+                    Value::Number(n) if n.is_f64() => {
+                        self.err(&k, format!("{n} is not a whole number"))
+                    }
+                    Value::Number(n) => self.err(&k, format!("{n} is too large")),
+                    other => self.err(
+                        &k,
+                        format!("expected a whole number, found {}", kind_of(other)),
+                    ),
+                })
+            })
+            .collect()
+    }
+}
