@@ -5,6 +5,7 @@
 //! `cargo test --release --test gpu -- --ignored --test-threads=1`, or the
 //! bundle built by `scripts/gpu-bundle.sh`.
 
+mod chaos;
 mod common;
 mod consumer;
 mod exchange;
