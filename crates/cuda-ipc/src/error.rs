@@ -281,6 +281,18 @@ pub(crate) fn driver_hint(call: &'static str, code: i32) -> Option<&'static str>
             "legacy IPC handles and interprocess events open only in processes of the user who \
              exported them (seen on driver 580); run the consumer as the same user"
         }
+        ("cuMemImportFromShareableHandle" | "cuMemPoolImportFromShareableHandle", 1 | 999) => {
+            "the file descriptor is not the shareable handle of a CUDA allocation or pool (a \
+             wrong or stale descriptor, or one of another kind)"
+        }
+        ("cuMemMap", 1 | 801) => {
+            "the mapping's size does not match the imported allocation; pass the exporter's \
+             allocation size (the descriptor's alloc_size)"
+        }
+        ("cuMemPoolImportPointer", 1) => {
+            "the export data does not name a live allocation of this pool (malformed, or freed \
+             by the exporter)"
+        }
         ("cuIpcGetMemHandle", 1) => {
             "the pointer is not from cuMemAlloc: stream-ordered (cuMemAllocAsync) and VMM \
              memory need the pool or VMM mechanism instead"
@@ -341,6 +353,24 @@ mod tests {
         assert!(text.contains("exported itself"), "{text}");
         assert_eq!(e.driver_code(), Some(201));
         assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn import_failures_say_what_was_wrong() {
+        let e = driver_error(
+            "cuMemImportFromShareableHandle",
+            CUresult::CUDA_ERROR_UNKNOWN,
+        );
+        assert!(
+            e.to_string()
+                .contains("not the shareable handle of a CUDA allocation"),
+            "{e}"
+        );
+        let e = driver_error("cuMemMap", CUresult::CUDA_ERROR_NOT_SUPPORTED);
+        assert!(e.to_string().contains("alloc_size"), "{e}");
+        assert!(!e.to_string().contains("Windows"), "{e}");
+        let e = driver_error("cuIpcOpenEventHandle", CUresult::CUDA_ERROR_MAP_FAILED);
+        assert!(e.to_string().contains("same user"), "{e}");
     }
 
     #[test]
