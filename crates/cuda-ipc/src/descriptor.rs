@@ -550,28 +550,4 @@ impl Descriptor {
     }
 }
 
-impl FromStr for Descriptor {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Descriptor::from_json(s)
-    }
-}
-
-impl fmt::Display for Descriptor {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.to_json())
-    }
-}
-
-impl serde::Serialize for Descriptor {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        self.to_value().serialize(s)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for Descriptor {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let v = Value::deserialize(d)?;
-        Descriptor::from_value(&v).map_err(serde::de::Error::custom)
-    }
-}
+crate::json::json_record!(Descriptor);

@@ -187,3 +187,43 @@ impl<'a> Fields<'a> {
             .collect()
     }
 }
+
+/// Implements `FromStr`, `Display`, `Serialize` and `Deserialize` for a
+/// record type through its strict JSON decoder and encoder
+/// (`from_json`, `from_value`, `to_json`, `to_value`), so that every way in
+/// goes through the same validation.
+macro_rules! json_record {
+    ($ty:ty) => {
+        impl std::str::FromStr for $ty {
+            type Err = $crate::error::Error;
+            fn from_str(s: &str) -> $crate::error::Result<Self> {
+                <$ty>::from_json(s)
+            }
+        }
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(&self.to_json())
+            }
+        }
+
+        impl serde::Serialize for $ty {
+            fn serialize<S: serde::Serializer>(
+                &self,
+                s: S,
+            ) -> std::result::Result<S::Ok, S::Error> {
+                self.to_value().serialize(s)
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(
+                d: D,
+            ) -> std::result::Result<Self, D::Error> {
+                let v = serde_json::Value::deserialize(d)?;
+                <$ty>::from_value(&v).map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+pub(crate) use json_record;

@@ -57,7 +57,6 @@
 //! `Export.close()` does). See `docs/PYTHON.md` for lifetimes.
 
 use std::fmt;
-use std::str::FromStr;
 
 use serde_json::{Map, Value};
 
@@ -973,28 +972,4 @@ impl ShareRecord {
     }
 }
 
-impl FromStr for ShareRecord {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        ShareRecord::from_json(s)
-    }
-}
-
-impl fmt::Display for ShareRecord {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.to_json())
-    }
-}
-
-impl serde::Serialize for ShareRecord {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        self.to_value().serialize(s)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for ShareRecord {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let v = Value::deserialize(d)?;
-        ShareRecord::from_value(&v).map_err(serde::de::Error::custom)
-    }
-}
+crate::json::json_record!(ShareRecord);
