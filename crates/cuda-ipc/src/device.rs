@@ -108,6 +108,51 @@ impl Device {
         crate::result::mem::info()
     }
 
+    /// Lets this device's context read and write `peer`'s memory directly
+    /// (`cuCtxEnablePeerAccess`): plain device pointers of `peer` then work
+    /// in this device's kernels and copies, and `cuMemcpyPeer` runs over
+    /// the direct link instead of staging through the host. Calling it
+    /// again is harmless; access is one way (call it on `peer` too for the
+    /// other way).
+    ///
+    /// Mappings from other processes do not need it: legacy handles open
+    /// with [`OpenFlags::LAZY_ENABLE_PEER_ACCESS`](crate::OpenFlags), and
+    /// VMM and pool imports grant access per mapping.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) when the
+    /// two devices cannot reach each other (`cuDeviceCanAccessPeer` says
+    /// no: no NVLink or PCIe peer-to-peer path), and
+    /// [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) when
+    /// `peer` is this device.
+    #[doc(alias = "cuCtxEnablePeerAccess")]
+    pub fn enable_peer_access(&self, peer: &Device) -> Result<()> {
+        if peer.ordinal() == self.ordinal() {
+            return Err(Error::arg(
+                "peer device",
+                format!(
+                    "device {} is this device; peer access is between two different devices",
+                    peer.ordinal()
+                ),
+            ));
+        }
+        let (a, b) = (self.inner.ctx.cu_device(), peer.inner.ctx.cu_device());
+        if !dev::can_access_peer(a, b)? {
+            return Err(Error::Unsupported {
+                what: "peer access between these two devices",
+                why: format!(
+                    "cuDeviceCanAccessPeer says device {} cannot reach device {} directly (no \
+                     NVLink, and PCIe peer-to-peer is off or crosses an unsupported bridge); \
+                     copy through host memory instead",
+                    self.ordinal(),
+                    peer.ordinal()
+                ),
+            });
+        }
+        self.bind()?;
+        crate::result::context::enable_peer_access(peer.inner.ctx.cu_ctx())
+    }
+
     /// What this device can share.
     pub fn capabilities(&self) -> Result<Capabilities> {
         Capabilities::query(self.ordinal())

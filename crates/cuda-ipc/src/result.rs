@@ -45,6 +45,7 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuCtxSetCurrent",
     "cuCtxGetCurrent",
     "cuCtxSynchronize",
+    "cuCtxEnablePeerAccess",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
@@ -227,6 +228,22 @@ pub(crate) mod device {
             .map(|c| *c as u8)
             .collect();
         String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// Context-wide calls; the context to act on must be current.
+pub(crate) mod context {
+    use super::*;
+
+    /// `cuCtxEnablePeerAccess(peer, 0)` from the current context. Already
+    /// enabled counts as success, so calling it twice is harmless.
+    pub(crate) fn enable_peer_access(peer: sys::CUcontext) -> Result<()> {
+        // SAFETY: `peer` is a live context held by the caller; flags must be 0.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer, 0) };
+        if r == CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check("cuCtxEnablePeerAccess", r)
     }
 }
 

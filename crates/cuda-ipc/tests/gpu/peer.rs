@@ -148,14 +148,10 @@ pub fn bandwidth(device: &Device, d: &Descriptor) -> Value {
         let mapped = share::open::<u32>(device, d, Vec::new())?;
         let local = IpcBuffer::alloc(device, mapped.byte_len())?;
         let gpu0 = Device::open(0)?;
-        // cuMemcpyPeer at its best: peer access enabled from GPU 1 to GPU 0.
-        device.synchronize()?;
-        // SAFETY: both contexts are live; enabling peer access twice is an error we ignore.
-        unsafe {
-            use cuda_ipc::cudarc::driver::sys;
-            let _ = sys::cuCtxSetCurrent(device.context().cu_ctx());
-            let _ = sys::cuCtxEnablePeerAccess(gpu0.context().cu_ctx(), 0);
-        }
+        // cuMemcpyPeer at its best: peer access enabled from GPU 1 to GPU 0
+        // (twice: the second call must be harmless).
+        device.enable_peer_access(&gpu0)?;
+        device.enable_peer_access(&gpu0)?;
         let remote = IpcBuffer::alloc(&gpu0, mapped.byte_len())?;
         remote.copy_from_device(&mapped)?;
         remote.synchronize()?;
@@ -190,4 +186,15 @@ pub fn bandwidth(device: &Device, d: &Descriptor) -> Value {
         )
     };
     run().unwrap_or_else(|e| json!({ "error": e.to_string() }))
+}
+
+/// Peer access is between two devices: asking a device for access to
+/// itself is refused with an error that says so (runs on one GPU too).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn peer_access_to_itself_is_refused() {
+    let d = Device::open(0).unwrap();
+    let e = d.enable_peer_access(&d.clone()).unwrap_err();
+    assert_eq!(e.kind(), cuda_ipc::ErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("two different devices"), "{e}");
 }
