@@ -15,6 +15,7 @@ use cuda_ipc::ErrorKind;
 
 mod cmd;
 mod lines;
+mod link;
 
 /// Share CUDA device memory between processes without copying.
 #[derive(Parser, Debug)]

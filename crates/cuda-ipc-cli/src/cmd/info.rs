@@ -61,7 +61,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         };
         devices.push((caps, probes));
     }
-    let peers = peer_links(system.devices.len());
+    let peers = peer_links(&system.devices);
     if args.json {
         let list: Vec<Value> = devices
             .iter()
@@ -88,8 +88,13 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             print_device(caps, probes);
         }
         for p in &peers {
+            let link = p["link_text"].as_str().unwrap_or("?");
+            if let Some(e) = p["error"].as_str() {
+                println!("peer {} -> {}: {link}; {e}", p["from"], p["to"]);
+                continue;
+            }
             println!(
-                "peer {} -> {}: access {}, native atomics {} (usually NVLink), performance rank {}",
+                "peer {} -> {}: {link}; peer access {}, native atomics {}, performance rank {}",
                 p["from"],
                 p["to"],
                 yes(p["access_supported"] == true),
@@ -161,16 +166,32 @@ fn print_device(caps: &Capabilities, probes: &Value) {
 }
 
 /// How every ordered pair of devices reaches the other (legacy opens with
-/// `LAZY_ENABLE_PEER_ACCESS` and VMM access descriptors need peer access).
-fn peer_links(count: usize) -> Vec<Value> {
+/// `LAZY_ENABLE_PEER_ACCESS` and VMM access descriptors need peer access),
+/// and what the link is (NVLink or PCIe, from NVML).
+fn peer_links(devices: &[Capabilities]) -> Vec<Value> {
     let mut out = Vec::new();
-    for from in 0..count {
-        for to in (0..count).filter(|t| *t != from) {
-            out.push(match cuda_ipc::device::peer_link(from, to) {
-                Ok(l) => json!({ "from": from, "to": to, "access_supported": l.access_supported,
-                                 "native_atomics": l.native_atomics, "performance_rank": l.performance_rank }),
-                Err(e) => json!({ "from": from, "to": to, "error": e.to_string() }),
-            });
+    if devices.len() < 2 {
+        return out;
+    }
+    let topology = crate::link::Topology::open();
+    for a in devices {
+        for b in devices.iter().filter(|b| b.ordinal != a.ordinal) {
+            let link = match &topology {
+                Ok(t) => t.between(a.uuid, b.uuid),
+                Err(why) => crate::link::Link::Unknown { why: why.clone() },
+            };
+            let (from, to) = (a.ordinal, b.ordinal);
+            let mut v =
+                json!({ "from": from, "to": to, "link": link, "link_text": link.to_string() });
+            match cuda_ipc::device::peer_link(from, to) {
+                Ok(l) => {
+                    v["access_supported"] = l.access_supported.into();
+                    v["native_atomics"] = l.native_atomics.into();
+                    v["performance_rank"] = l.performance_rank.into();
+                }
+                Err(e) => v["error"] = e.to_string().into(),
+            }
+            out.push(v);
         }
     }
     out
