@@ -77,6 +77,8 @@ fn no_driver_exits_3_with_a_clear_message() {
         &["serve", "--size", "1MiB", "--fill-u32", "3"],
         &["attach", "--socket", "/nonexistent/x.sock"],
         &["demo", "--stream", "--seconds", "1"],
+        &["bench", "--quick", "--no-torch"],
+        &["bench", "--quick", "--devices", "0,1", "--only", "peer"],
     ] {
         let o = cuda_ipc(args);
         assert_no_panic(&o);
@@ -146,6 +148,12 @@ fn bad_input_exits_2_naming_the_problem() {
         (
             &["demo", "--stream", "--seconds", "soon"],
             "not a number of seconds",
+        ),
+        (&["bench", "--devices", "0,0"], "the two GPUs must differ"),
+        (&["bench", "--devices", "0"], "two device ordinals"),
+        (
+            &["bench", "--only", "peer"],
+            "the peer section needs two GPUs",
         ),
     ];
     for (args, why) in cases {

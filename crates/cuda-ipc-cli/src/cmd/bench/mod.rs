@@ -12,7 +12,8 @@
 //!
 //! Sections (see `docs/PERFORMANCE.md` for what each number includes):
 //! fresh hand-off, cached hand-off, driver floor, bandwidth through a
-//! mapping, streaming ring, scale, PyTorch anchor. A failing section is
+//! mapping, across two GPUs (with `--devices A,B`), streaming ring, scale,
+//! PyTorch anchor. A failing section is
 //! reported in the table and the others still run; the exit code is then 4.
 
 use std::path::PathBuf;
@@ -34,7 +35,7 @@ mod worker;
 
 pub use worker::{WorkerArgs, worker};
 
-use report::{DeviceInfo, Report, Section, SectionId};
+use report::{DeviceInfo, PeerInfo, Report, Section, SectionId};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -58,9 +59,14 @@ pub struct Args {
     /// with --quick, else 2MiB,64MiB,1GiB,8GiB).
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     pub sizes: Option<Vec<u64>>,
-    /// Device ordinal.
-    #[arg(long, default_value_t = 0)]
-    pub device: usize,
+    /// Device ordinal (default 0): the producer's and the consumers' GPU.
+    #[arg(long)]
+    pub device: Option<usize>,
+    /// Two device ordinals, producer first (for example 0,1): also measure
+    /// hand-offs to a consumer on the second GPU and copies between the two
+    /// (the peer section). The other sections run on the first.
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<usize>>,
     /// Skip the PyTorch anchor.
     #[arg(long)]
     pub no_torch: bool,
@@ -78,7 +84,7 @@ pub struct Args {
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// Run only these sections, comma-separated (fresh, cached, floor,
-    /// bandwidth, ring, scale, torch).
+    /// bandwidth, peer, ring, scale, torch).
     #[arg(long, value_delimiter = ',', value_parser = SectionId::parse)]
     pub only: Option<Vec<SectionId>>,
     /// Samples kept per measurement (overrides the defaults: 30 quick, 100
@@ -166,6 +172,59 @@ pub struct Plan {
     pub torch: Result<(String, Option<PathBuf>), String>,
     /// The device ordinal.
     pub device: usize,
+    /// The second GPU's ordinal, for the peer section (`--devices A,B`).
+    pub peer: Option<usize>,
+}
+
+/// The sections to run, in order.
+fn pick_sections(args: &Args, peer: Option<usize>) -> Result<Vec<SectionId>, String> {
+    let mut sections: Vec<SectionId> = match &args.only {
+        Some(only) => SectionId::ALL
+            .into_iter()
+            .filter(|s| only.contains(s))
+            .collect(),
+        None => SectionId::ALL.to_vec(),
+    };
+    if peer.is_none() {
+        if sections.contains(&SectionId::Peer) && args.only.is_some() {
+            return Err(
+                "the peer section needs two GPUs: add --devices A,B (for example 0,1)".into(),
+            );
+        }
+        sections.retain(|s| *s != SectionId::Peer);
+    }
+    if args.no_torch {
+        sections.retain(|s| *s != SectionId::Torch);
+    }
+    if sections.is_empty() {
+        return Err("no section left to run (--only and --no-torch)".into());
+    }
+    Ok(sections)
+}
+
+/// The producer's device and the peer section's, from `--device` and `--devices`.
+fn pick_devices(args: &Args) -> Result<(usize, Option<usize>), String> {
+    let Some(list) = &args.devices else {
+        return Ok((args.device.unwrap_or(0), None));
+    };
+    let [a, b] = list[..] else {
+        return Err(format!(
+            "--devices takes two device ordinals, producer first (for example 0,1), not {}",
+            list.len()
+        ));
+    };
+    if a == b {
+        return Err(format!(
+            "--devices {a},{b}: the two GPUs must differ (for one GPU, use --device {a})"
+        ));
+    }
+    if let Some(d) = args.device.filter(|d| *d != a) {
+        return Err(format!(
+            "--device {d} and --devices {a},{b} disagree: the producer's GPU is the first of \
+             --devices; drop --device"
+        ));
+    }
+    Ok((a, Some(b)))
 }
 
 impl Plan {
@@ -193,19 +252,8 @@ impl Plan {
         if sizes.is_empty() {
             return Err("--sizes names no size".into());
         }
-        let mut sections: Vec<SectionId> = match &args.only {
-            Some(only) => SectionId::ALL
-                .into_iter()
-                .filter(|s| only.contains(s))
-                .collect(),
-            None => SectionId::ALL.to_vec(),
-        };
-        if args.no_torch {
-            sections.retain(|s| *s != SectionId::Torch);
-        }
-        if sections.is_empty() {
-            return Err("no section left to run (--only and --no-torch)".into());
-        }
+        let (device, peer) = pick_devices(args)?;
+        let sections = pick_sections(args, peer)?;
         let pick = |default: Reps| Reps {
             warmup: args.warmup.unwrap_or(default.warmup),
             reps: args.reps.unwrap_or(default.reps).max(1),
@@ -261,7 +309,8 @@ impl Plan {
                 reps: if quick { 30 } else { 50 },
             }),
             torch,
-            device: args.device,
+            device,
+            peer,
         })
     }
 
@@ -289,6 +338,7 @@ impl Plan {
                 SectionId::Fresh | SectionId::Cached => m * s,
                 SectionId::Floor => 1 + floors * s,
                 SectionId::Bandwidth => m,
+                SectionId::Peer => m * s + m,
                 SectionId::Ring => self.ring.len() as u64,
                 SectionId::Scale => self.consumers.len() as u64 + 1,
                 SectionId::Torch => 1,
@@ -374,6 +424,34 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// The producer's device and, with `--devices`, the second one and the
+/// link between them (a second GPU that is not there: exit 3, like the first).
+fn describe_devices(
+    plan: &Plan,
+    caps: &cuda_ipc::device::Capabilities,
+    driver: &str,
+) -> Result<(DeviceInfo, Option<PeerInfo>), Error> {
+    let info = |c: &cuda_ipc::device::Capabilities| DeviceInfo {
+        ordinal: c.ordinal,
+        name: c.name.clone(),
+        uuid: c.uuid.to_string(),
+        driver: driver.to_string(),
+    };
+    let peer = match plan.peer {
+        Some(peer) => {
+            let other = cuda_ipc::device::Capabilities::query(peer)?;
+            Some(PeerInfo {
+                device: info(&other),
+                link: crate::link::between(caps.uuid, other.uuid).to_string(),
+                // The consumer, on `peer`, maps the producer's memory.
+                access_supported: cuda_ipc::device::peer_link(peer, plan.device)?.access_supported,
+            })
+        }
+        None => None,
+    };
+    Ok((info(caps), peer))
+}
+
 pub fn run(args: &Args) -> Result<Outcome, Error> {
     let plan = Plan::from_args(args).map_err(|reason| Error::InvalidArgument {
         what: "bench arguments",
@@ -387,6 +465,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         command: std::env::args().collect(),
         quick: plan.quick,
         device: None,
+        peer: None,
         mechanisms: plan
             .mechanisms
             .iter()
@@ -403,12 +482,9 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     let device = Device::open(plan.device)?;
     let caps = device.capabilities()?;
     let driver = cuda_ipc::driver::load()?;
-    report.device = Some(DeviceInfo {
-        ordinal: caps.ordinal,
-        name: caps.name.clone(),
-        uuid: caps.uuid.to_string(),
-        driver: driver.to_string(),
-    });
+    let (info, peer) = describe_devices(&plan, &caps, &driver.to_string())?;
+    report.device = Some(info);
+    report.peer = peer;
     let publisher = Publisher::bind(
         &device,
         Endpoint::Name(format!("bench-{}", std::process::id())),
@@ -416,7 +492,14 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     )
     .map_err(|e| proto::failure("bench: starting the publisher (the channel socket)", e))?;
     let progress = Progress::new(plan.steps());
-    let ctx = sections::Ctx::new(&device, &caps, &plan, &publisher, &progress);
+    let ctx = sections::Ctx {
+        device: &device,
+        caps: &caps,
+        plan: &plan,
+        publisher: &publisher,
+        progress: &progress,
+        peer: report.peer.clone(),
+    };
     for id in &plan.sections {
         let t = Instant::now();
         // A bug in one section must not cost the others: a panic becomes
@@ -426,6 +509,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             SectionId::Cached => sections::cached(&ctx),
             SectionId::Floor => sections::floor(&ctx),
             SectionId::Bandwidth => sections::bandwidth(&ctx),
+            SectionId::Peer => sections::peer(&ctx),
             SectionId::Ring => sections::ring(&ctx),
             SectionId::Scale => sections::scale(&ctx),
             SectionId::Torch => torch::section(&plan, &progress),
@@ -581,7 +665,11 @@ mod tests {
         assert_eq!(f.consumers, vec![1, 2, 4, 8]);
         assert_eq!(f.live_entries, 1000);
         assert_eq!(f.bandwidth_size, GIB);
-        assert_eq!(f.sections, SectionId::ALL.to_vec());
+        // without --devices, every section but the peer one
+        let mut all = SectionId::ALL.to_vec();
+        all.retain(|s| *s != SectionId::Peer);
+        assert_eq!(f.sections, all);
+        assert_eq!((f.device, f.peer), (0, None));
         assert_eq!(
             f.mechanisms,
             vec![Mechanism::Legacy, Mechanism::Vmm, Mechanism::Pool]
@@ -620,6 +708,40 @@ mod tests {
                 "/opt/py/bin/python".to_string(),
                 Some(PathBuf::from("x.py"))
             ))
+        );
+    }
+
+    #[test]
+    fn devices_add_the_peer_section() {
+        let p = plan(&["--devices", "0,1"]);
+        assert_eq!((p.device, p.peer), (0, Some(1)));
+        assert_eq!(p.sections, SectionId::ALL.to_vec());
+        let q = plan(&["--quick", "--devices", "2,1"]);
+        assert_eq!((q.device, q.peer), (2, Some(1)));
+        // one fresh row per mechanism and size, one copy step per mechanism
+        assert_eq!(
+            q.steps() - plan(&["--quick", "--device", "2"]).steps(),
+            3 * 2 + 3
+        );
+        let p = plan(&["--devices", "1,0", "--device", "1", "--only", "peer"]);
+        assert_eq!(
+            (p.device, p.peer, p.sections),
+            (1, Some(0), vec![SectionId::Peer])
+        );
+    }
+
+    #[test]
+    fn bad_devices_say_why() {
+        let why = |argv: &[&str]| Plan::from_args(&parse(argv).unwrap()).unwrap_err();
+        assert!(why(&["--devices", "0"]).contains("two device ordinals"));
+        assert!(why(&["--devices", "0,1,2"]).contains("not 3"));
+        assert!(why(&["--devices", "1,1"]).contains("must differ"));
+        assert!(why(&["--devices", "0,1", "--device", "1"]).contains("disagree"));
+        assert!(why(&["--only", "peer"]).contains("--devices A,B"));
+        assert!(
+            parse(&["--devices", "0,x"])
+                .unwrap_err()
+                .contains("invalid digit")
         );
     }
 

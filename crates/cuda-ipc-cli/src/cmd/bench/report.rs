@@ -21,6 +21,8 @@ pub enum SectionId {
     Floor,
     /// Device-to-device copies through a mapping.
     Bandwidth,
+    /// Hand-offs and copies from one GPU to another (`--devices A,B`).
+    Peer,
     /// Frames through a ring.
     Ring,
     /// Several consumers, many live entries.
@@ -31,11 +33,12 @@ pub enum SectionId {
 
 impl SectionId {
     /// Every section, in order.
-    pub const ALL: [SectionId; 7] = [
+    pub const ALL: [SectionId; 8] = [
         SectionId::Fresh,
         SectionId::Cached,
         SectionId::Floor,
         SectionId::Bandwidth,
+        SectionId::Peer,
         SectionId::Ring,
         SectionId::Scale,
         SectionId::Torch,
@@ -48,6 +51,7 @@ impl SectionId {
             SectionId::Cached => "cached",
             SectionId::Floor => "floor",
             SectionId::Bandwidth => "bandwidth",
+            SectionId::Peer => "peer",
             SectionId::Ring => "ring",
             SectionId::Scale => "scale",
             SectionId::Torch => "torch",
@@ -61,6 +65,7 @@ impl SectionId {
             SectionId::Cached => "Cached hand-off",
             SectionId::Floor => "Driver floor",
             SectionId::Bandwidth => "Bandwidth through a mapping",
+            SectionId::Peer => "Across two GPUs",
             SectionId::Ring => "Streaming ring",
             SectionId::Scale => "Scale",
             SectionId::Torch => "PyTorch anchor",
@@ -304,6 +309,17 @@ pub struct DeviceInfo {
     pub driver: String,
 }
 
+/// The second GPU of a `--devices A,B` run and how the two are linked.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PeerInfo {
+    /// The consumers' device (B).
+    pub device: DeviceInfo,
+    /// The link, in words: "NVLink (18 active links)", "PCIe (...)".
+    pub link: String,
+    /// Whether B can map A's memory (cuDeviceCanAccessPeer).
+    pub access_supported: bool,
+}
+
 /// Whether a target was met.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -341,6 +357,8 @@ pub mod targets {
     pub const FLOOR_RATIO: f64 = 1.5;
     /// Copy out of a mapping / local copy.
     pub const BANDWIDTH_RATIO: f64 = 0.98;
+    /// Copy out of a peer mapping / cuMemcpyPeer between the same GPUs.
+    pub const PEER_BANDWIDTH_RATIO: f64 = 0.98;
     /// Frames per second through a ring of 4 KiB frames.
     pub const RING_FPS_4K: f64 = 100_000.0;
     /// PyTorch p50 / ours p50 for a fresh 64 MiB hand-off.
@@ -366,6 +384,9 @@ pub struct Report {
     pub quick: bool,
     /// The device, once opened.
     pub device: Option<DeviceInfo>,
+    /// The second device of a `--devices A,B` run.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub peer: Option<PeerInfo>,
     /// The mechanisms asked for.
     pub mechanisms: Vec<String>,
     /// The hand-off sizes, bytes.
@@ -541,6 +562,35 @@ fn bandwidth_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     }
 }
 
+fn peer_targets(r: &Report, out: &mut Vec<TargetCheck>) {
+    if !ran(r, SectionId::Peer) {
+        return;
+    }
+    for m in &r.mechanisms {
+        let measured = r.section(SectionId::Peer).is_some_and(|s| {
+            s.rows
+                .iter()
+                .any(|row| &row.series == m && row.unit == "GB/s" && row.skipped.is_none())
+        });
+        if !measured {
+            continue;
+        }
+        let from = r.row(SectionId::Peer, m, Some("from_mapping"), None);
+        let peer = r.row(SectionId::Peer, m, Some("memcpy_peer"), None);
+        out.push(check(
+            format!("peer/{m}"),
+            format!("copy out of a {m} peer mapping / cuMemcpyPeer (GB/s)"),
+            format!(">= {:.2}", targets::PEER_BANDWIDTH_RATIO),
+            from.and_then(Row::p50)
+                .zip(peer.and_then(Row::p50))
+                .map(|(a, b)| a / b),
+            |v| format!("{v:.3}"),
+            |v| v >= targets::PEER_BANDWIDTH_RATIO,
+            "not measured",
+        ));
+    }
+}
+
 fn ring_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     let Some(s) = r
         .section(SectionId::Ring)
@@ -615,6 +665,7 @@ pub fn evaluate(r: &Report) -> Vec<TargetCheck> {
     cached_targets(r, &mut out);
     floor_targets(r, &mut out);
     bandwidth_targets(r, &mut out);
+    peer_targets(r, &mut out);
     ring_targets(r, &mut out);
     torch_targets(r, &mut out);
     let limit = if r.quick {
@@ -874,6 +925,12 @@ fn render_floor(s: &Section, out: &mut String) {
     t.render(out);
 }
 
+/// A GB/s median, rounded.
+fn gbs(r: Option<&Row>) -> String {
+    r.and_then(Row::p50)
+        .map_or_else(|| "-".into(), |v| format!("{v:.0}"))
+}
+
 fn render_bandwidth(s: &Section, out: &mut String) {
     let mut t = Table::new(&[
         "mech",
@@ -904,10 +961,6 @@ fn render_bandwidth(s: &Section, out: &mut String) {
                 .find(|r| r.variant.as_deref() == Some(v))
                 .copied()
         };
-        let gbs = |r: Option<&Row>| {
-            r.and_then(Row::p50)
-                .map_or_else(|| "-".into(), |v| format!("{v:.0}"))
-        };
         let (from, local, into) = (get("from_mapping"), get("local"), get("into_mapping"));
         t.row(vec![
             m.to_string(),
@@ -922,6 +975,100 @@ fn render_bandwidth(s: &Section, out: &mut String) {
         ]);
     }
     t.render(out);
+}
+
+/// The peer section: fresh hand-offs to a consumer on the other GPU next
+/// to the same-GPU figures, then the copies.
+fn render_peer(r: &Report, s: &Section, out: &mut String) {
+    let mut t = Table::new(&[
+        "mech",
+        "size",
+        "n",
+        "p50",
+        "p90",
+        "p99",
+        "publish",
+        "consumer",
+        "same GPU p50",
+        "across/same",
+    ]);
+    let mut any = false;
+    for row in s.rows.iter().filter(|row| row.unit == "ms") {
+        any = true;
+        if problem_line(&mut t, row, &label(row)) {
+            continue;
+        }
+        let same = r
+            .row(SectionId::Fresh, &row.series, None, row.size)
+            .and_then(Row::p50);
+        let ours = row.p50();
+        t.row(vec![
+            row.series.clone(),
+            row.size.map(human).unwrap_or_default(),
+            n(row),
+            stat(row, |s| s.p50),
+            stat(row, |s| s.p90),
+            stat(row, |s| s.p99),
+            opt_ms(row.part_p50("publish")),
+            opt_ms(row.part_p50("consumer")),
+            opt_ms(same),
+            ratio(ours.zip(same).map(|(o, s)| o / s)),
+        ]);
+    }
+    if any {
+        t.render(out);
+    }
+    let mut t = Table::new(&[
+        "mech",
+        "size",
+        "n",
+        "from peer mapping GB/s",
+        "cuMemcpyPeer GB/s",
+        "local GB/s",
+        "into peer mapping GB/s",
+        "mapping/cuMemcpyPeer",
+    ]);
+    let mut series: Vec<&str> = Vec::new();
+    for row in s.rows.iter().filter(|row| row.unit == "GB/s") {
+        if !series.contains(&row.series.as_str()) {
+            series.push(&row.series);
+        }
+    }
+    for m in &series {
+        let rows: Vec<&Row> = s
+            .rows
+            .iter()
+            .filter(|r| r.series == *m && r.unit == "GB/s")
+            .collect();
+        if let Some(bad) = rows
+            .iter()
+            .find(|r| r.error.is_some() || r.skipped.is_some())
+        {
+            problem_line(&mut t, bad, &format!("{m} copies"));
+            continue;
+        }
+        let get = |v: &str| {
+            rows.iter()
+                .find(|r| r.variant.as_deref() == Some(v))
+                .copied()
+        };
+        let (from, peer) = (get("from_mapping"), get("memcpy_peer"));
+        t.row(vec![
+            (*m).to_string(),
+            from.and_then(|r| r.size).map(human).unwrap_or_default(),
+            from.map(n).unwrap_or_default(),
+            gbs(from),
+            gbs(peer),
+            gbs(get("local")),
+            gbs(get("into_mapping")),
+            from.and_then(Row::p50)
+                .zip(peer.and_then(Row::p50))
+                .map_or_else(|| "-".into(), |(a, b)| format!("{:.3}", a / b)),
+        ]);
+    }
+    if !series.is_empty() {
+        t.render(out);
+    }
 }
 
 fn render_ring(s: &Section, out: &mut String) {
@@ -1093,6 +1240,17 @@ pub fn render(r: &Report) -> String {
         if r.quick { "quick" } else { "full" },
         r.elapsed_s
     );
+    if let Some(p) = &r.peer {
+        let _ = writeln!(
+            out,
+            "second GPU: {} (device {}, {}); link {}; peer access {}",
+            p.device.name,
+            p.device.ordinal,
+            p.device.uuid,
+            p.link,
+            if p.access_supported { "yes" } else { "no" }
+        );
+    }
     let _ = writeln!(
         out,
         "Latencies are one way, in ms: the producer's CLOCK_MONOTONIC before the call to the consumer's \
@@ -1120,6 +1278,7 @@ pub fn render(r: &Report) -> String {
             SectionId::Cached => render_cached(r, s, &mut out),
             SectionId::Floor => render_floor(s, &mut out),
             SectionId::Bandwidth => render_bandwidth(s, &mut out),
+            SectionId::Peer => render_peer(r, s, &mut out),
             SectionId::Ring => render_ring(s, &mut out),
             SectionId::Scale => render_scale(s, &mut out),
             SectionId::Torch => render_torch(s, &mut out),
@@ -1216,6 +1375,22 @@ pub(crate) mod tests {
             gbs("vmm", "local", 4250.0),
             gbs("vmm", "into_mapping", 4240.0),
         ];
+        let mut peer = Section::new(SectionId::Peer);
+        peer.rows = vec![
+            lat("legacy", mib2, &[0.20, 0.22, 0.24]),
+            lat("vmm", mib2, &[0.62, 0.62, 0.62]),
+            gbs("legacy", "from_mapping", 700.0),
+            gbs("legacy", "memcpy_peer", 710.0),
+            gbs("legacy", "local", 4250.0),
+            gbs("legacy", "into_mapping", 690.0),
+            gbs("vmm", "from_mapping", 500.0),
+            gbs("vmm", "memcpy_peer", 710.0),
+            gbs("vmm", "local", 4250.0),
+            gbs("vmm", "into_mapping", 690.0),
+            Row::new("pool", "GB/s")
+                .variant("from_mapping")
+                .skip("pool sharing is off here"),
+        ];
         let mut ring = Section::new(SectionId::Ring);
         let mut r4k = Row::new("vmm", "ms")
             .variant("load")
@@ -1285,11 +1460,21 @@ pub(crate) mod tests {
                 uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
                 driver: "13.0".into(),
             }),
+            peer: Some(PeerInfo {
+                device: DeviceInfo {
+                    ordinal: 1,
+                    name: "NVIDIA H200".into(),
+                    uuid: "GPU-11111111-0000-0000-0000-000000000000".into(),
+                    driver: "13.0".into(),
+                },
+                link: "NVLink (18 active links)".into(),
+                access_supported: true,
+            }),
             mechanisms: vec!["legacy".into(), "vmm".into(), "pool".into()],
             sizes: vec![mib2, mib64],
             started_unix_s: 0.0,
             elapsed_s: 42.0,
-            sections: vec![fresh, cached, floor, bw, ring, scale, torch],
+            sections: vec![fresh, cached, floor, bw, peer, ring, scale, torch],
             targets: Vec::new(),
         };
         for s in &mut r.sections {
@@ -1320,6 +1505,11 @@ pub(crate) mod tests {
         assert_eq!(verdict(&r, "bandwidth/vmm"), Verdict::Miss);
         // pool's bandwidth was never measured
         assert_eq!(verdict(&r, "bandwidth/pool"), Verdict::NotMeasured);
+        // peer copies: legacy 700 / 710 = 0.986 (pass), vmm 500 / 710 (miss);
+        // pool's were skipped, so no target
+        assert_eq!(verdict(&r, "peer/legacy"), Verdict::Pass);
+        assert_eq!(verdict(&r, "peer/vmm"), Verdict::Miss);
+        assert!(r.targets.iter().all(|t| t.id != "peer/pool"));
         assert_eq!(verdict(&r, "ring/vmm/4KiB"), Verdict::Pass);
         // PyTorch 64 MiB p50 0.65 / legacy 0.13 = 5x (pass), / vmm 0.31 = 2.1x (miss)
         assert_eq!(verdict(&r, "torch/legacy/64MiB"), Verdict::Pass);
@@ -1385,6 +1575,30 @@ pub(crate) mod tests {
         // the ring's frames per second
         assert!(text.contains("123456"), "{text}");
         assert!(text.contains("0.0123 ms per extra consumer"), "{text}");
+        // the second GPU and the peer section: across/same for legacy 2 MiB
+        // is 0.22 / 0.11, the copy ratio 700 / 710
+        assert!(
+            text.contains("second GPU: NVIDIA H200 (device 1,")
+                && text.contains("link NVLink (18 active links); peer access yes"),
+            "{text}"
+        );
+        let peer: Vec<&str> = text
+            .lines()
+            .skip_while(|l| !l.contains("Across two GPUs"))
+            .take(9)
+            .collect();
+        assert!(
+            peer[2].trim_start().starts_with("legacy") && peer[2].ends_with("2.00x"),
+            "{peer:?}"
+        );
+        assert!(
+            peer[5].trim_start().starts_with("legacy") && peer[5].ends_with("0.986"),
+            "{peer:?}"
+        );
+        assert!(
+            peer[7].contains("pool copies: skipped: pool sharing is off here"),
+            "{peer:?}"
+        );
         // cached: legacy passes, vmm misses in the table's own column
         let cached: Vec<&str> = text
             .lines()
@@ -1410,7 +1624,11 @@ pub(crate) mod tests {
         assert_eq!(v["device"]["name"], "NVIDIA H200");
         assert_eq!(v["sizes"][1], 64 << 20);
         let sections = v["sections"].as_array().unwrap();
-        assert_eq!(sections.len(), 7);
+        assert_eq!(sections.len(), 8);
+        assert_eq!(v["peer"]["device"]["ordinal"], 1);
+        assert_eq!(v["peer"]["link"], "NVLink (18 active links)");
+        assert_eq!(sections[4]["id"], "peer");
+        assert_eq!(sections[4]["rows"][3]["variant"], "memcpy_peer");
         assert_eq!(sections[0]["id"], "fresh");
         assert_eq!(sections[0]["status"], "failed");
         assert!(sections[0]["error"].is_null());

@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 
 use super::floor;
 use super::proto::{REQUEST_TIMEOUT, Worker, failure, get_f64, get_f64s, get_u64, mono_ns};
-use super::report::{Row, Section, SectionId, human};
+use super::report::{PeerInfo, Row, Section, SectionId, human};
 use super::stats::{Stats, gb_per_s, ns_to_ms, slope};
 use super::{Plan, Progress, Reps};
 
@@ -34,25 +34,11 @@ pub struct Ctx<'a> {
     pub plan: &'a Plan,
     pub publisher: &'a Publisher,
     pub progress: &'a Progress,
+    /// The second GPU (`--devices A,B`) and its link to the first.
+    pub peer: Option<PeerInfo>,
 }
 
-impl<'a> Ctx<'a> {
-    pub fn new(
-        device: &'a Device,
-        caps: &'a Capabilities,
-        plan: &'a Plan,
-        publisher: &'a Publisher,
-        progress: &'a Progress,
-    ) -> Ctx<'a> {
-        Ctx {
-            device,
-            caps,
-            plan,
-            publisher,
-            progress,
-        }
-    }
-
+impl Ctx<'_> {
     /// Why the device cannot share with `m`, if it cannot.
     fn unsupported(&self, m: Mechanism) -> Option<String> {
         share::check_mechanism(self.caps, m)
@@ -83,11 +69,17 @@ struct Consumer {
 }
 
 impl Consumer {
+    /// A consumer on the producer's GPU.
     fn new(ctx: &Ctx<'_>, label: &str) -> Consumer {
+        Consumer::on(ctx, label, ctx.plan.device)
+    }
+
+    /// A consumer on GPU `device`.
+    fn on(ctx: &Ctx<'_>, label: &str, device: usize) -> Consumer {
         Consumer {
             worker: None,
             label: label.to_string(),
-            device: ctx.plan.device,
+            device,
             socket: ctx.socket(),
         }
     }
@@ -270,13 +262,11 @@ fn too_large(m: Mechanism, size: u64) -> Option<String> {
     })
 }
 
-/// Section 1: fresh hand-off.
-pub fn fresh(ctx: &Ctx<'_>) -> Section {
-    let mut s = Section::new(SectionId::Fresh);
-    let mut c = Consumer::new(ctx, "the fresh hand-off's consumer");
+/// Fresh hand-off rows to consumer `c`: every mechanism at every size.
+fn fresh_rows(ctx: &Ctx<'_>, s: &mut Section, c: &mut Consumer, prefix: &str, what: &str) {
     for &m in &ctx.plan.mechanisms {
         if let Some(why) = ctx.unsupported(m) {
-            skipped_rows(&mut s, ctx, m.name(), &why, ctx.plan.sizes.len() as u64);
+            skipped_rows(s, ctx, m.name(), &why, ctx.plan.sizes.len() as u64);
             continue;
         }
         for &size in &ctx.plan.sizes {
@@ -285,16 +275,22 @@ pub fn fresh(ctx: &Ctx<'_>) -> Section {
                 ctx.progress.done();
                 continue;
             }
-            ctx.progress
-                .step(&format!("fresh hand-off, {m}, {}", human(size)));
+            ctx.progress.step(&format!("{what}, {m}, {}", human(size)));
             let row = match c.get() {
-                Ok(w) => fresh_row(ctx, w, m, size, ctx.plan.reps(size), "fresh"),
+                Ok(w) => fresh_row(ctx, w, m, size, ctx.plan.reps(size), prefix),
                 Err(e) => Row::new(m.name(), "ms").size(size).failed(e.to_string()),
             };
             s.rows.push(row);
             ctx.progress.done();
         }
     }
+}
+
+/// Section 1: fresh hand-off.
+pub fn fresh(ctx: &Ctx<'_>) -> Section {
+    let mut s = Section::new(SectionId::Fresh);
+    let mut c = Consumer::new(ctx, "the fresh hand-off's consumer");
+    fresh_rows(ctx, &mut s, &mut c, "fresh", "fresh hand-off");
     s.notes = vec![
         "One way: the producer's clock just before Publisher::publish to the consumer's after \
          Subscriber::attach returned and synchronize() on the attached buffer completed (which \
@@ -308,7 +304,7 @@ pub fn fresh(ctx: &Ctx<'_>) -> Section {
          buffer every sample, so the consumer's mapping cache never hits."
             .into(),
         "publish = the producer's Publisher::publish; consumer = from the consumer reading the \
-         name to the synchronised mapping. floor: section 3; PyTorch: section 7."
+         name to the synchronised mapping. Floor and PyTorch: their sections below."
             .into(),
     ];
     s
@@ -402,7 +398,7 @@ pub fn cached(ctx: &Ctx<'_>) -> Section {
             .into(),
         format!(
             "Target: p50 <= {:.3} ms. PyTorch repeat = the same tensor put on a \
-             torch.multiprocessing queue again (section 7).",
+             torch.multiprocessing queue again (the PyTorch anchor).",
             super::report::targets::CACHED_P50_MS
         ),
     ];
@@ -645,6 +641,71 @@ pub fn floor(ctx: &Ctx<'_>) -> Section {
     section
 }
 
+/// The copies of section 4 the consumer times, by row variant.
+const COPIES: [&str; 3] = ["from_mapping", "local", "into_mapping"];
+/// The copies of the peer section: section 4's and cuMemcpyPeer.
+const PEER_COPIES: [&str; 4] = ["from_mapping", "memcpy_peer", "local", "into_mapping"];
+
+/// One row per copy in `kinds` for mechanism `m`: a buffer of the
+/// bandwidth size is published, and consumer `c` times copies out of its
+/// mapping, local copies and copies into the mapping (and, with
+/// `peer_of`, cuMemcpyPeer from a buffer of its own on that GPU), checking
+/// the data both ways.
+fn copy_rows(
+    ctx: &Ctx<'_>,
+    consumer: &mut Consumer,
+    m: Mechanism,
+    kinds: &[&str],
+    peer_of: Option<usize>,
+) -> Vec<Row> {
+    let size = ctx.plan.bandwidth_size;
+    let reps = ctx.plan.bandwidth_reps;
+    let row = |kind: &str| Row::new(m.name(), "GB/s").variant(kind).size(size);
+    if let Some(why) = ctx.unsupported(m) {
+        return vec![row(kinds[0]).skip(why)];
+    }
+    let name = format!(
+        "{}/{m}",
+        if peer_of.is_some() {
+            "peer"
+        } else {
+            "bandwidth"
+        }
+    );
+    let written = pattern(tag(m, size), 0);
+    let measured = (|| -> Result<Value, Error> {
+        let w = consumer.get()?;
+        let buffer = filled(ctx, m, size, written)?;
+        let published = ctx.publisher.publish(&name, buffer, Dtype::U32, None)?;
+        let mut request = json!({
+            "op": "bandwidth", "name": name, "warmup": reps.warmup, "reps": reps.reps,
+            "base": written.base, "step": written.step,
+        });
+        if let Some(d) = peer_of {
+            request["peer_device"] = d.into();
+        }
+        let a = w.request(&request, REQUEST_TIMEOUT);
+        let gone = ctx.publisher.unpublish(&name, Some(UNPUBLISH_TIMEOUT));
+        drop(published);
+        let a = a?;
+        gone?;
+        Ok(a)
+    })();
+    match measured {
+        Ok(answer) => kinds
+            .iter()
+            .map(|kind| match get_f64s(&answer, &format!("{kind}_ms")) {
+                Ok(ms) => row(kind).samples(
+                    reps.warmup,
+                    ms.iter().map(|ms| gb_per_s(2 * size, *ms)).collect(),
+                ),
+                Err(e) => row(kind).failed(e.to_string()),
+            })
+            .collect(),
+        Err(e) => vec![row(kinds[0]).failed(e.to_string())],
+    }
+}
+
 /// Section 4: bandwidth through a mapping.
 pub fn bandwidth(ctx: &Ctx<'_>) -> Section {
     let mut s = Section::new(SectionId::Bandwidth);
@@ -654,52 +715,7 @@ pub fn bandwidth(ctx: &Ctx<'_>) -> Section {
     for &m in &ctx.plan.mechanisms {
         ctx.progress
             .step(&format!("bandwidth, {m}, {}", human(size)));
-        let kinds = ["from_mapping", "local", "into_mapping"];
-        if let Some(why) = ctx.unsupported(m) {
-            s.rows.push(
-                Row::new(m.name(), "GB/s")
-                    .variant(kinds[0])
-                    .size(size)
-                    .skip(why),
-            );
-            ctx.progress.done();
-            continue;
-        }
-        let name = format!("bandwidth/{m}");
-        let measured = (|| -> Result<Value, Error> {
-            let w = c.get()?;
-            let buffer = filled(ctx, m, size, pattern(tag(m, size), 0))?;
-            let published = ctx.publisher.publish(&name, buffer, Dtype::U32, None)?;
-            let a = w.request(
-                &json!({ "op": "bandwidth", "name": name, "warmup": reps.warmup, "reps": reps.reps }),
-                REQUEST_TIMEOUT,
-            );
-            let gone = ctx.publisher.unpublish(&name, Some(UNPUBLISH_TIMEOUT));
-            drop(published);
-            let a = a?;
-            gone?;
-            Ok(a)
-        })();
-        match measured {
-            Ok(a) => {
-                for kind in kinds {
-                    let row = Row::new(m.name(), "GB/s").variant(kind).size(size);
-                    s.rows.push(match get_f64s(&a, &format!("{kind}_ms")) {
-                        Ok(ms) => row.samples(
-                            reps.warmup,
-                            ms.iter().map(|ms| gb_per_s(2 * size, *ms)).collect(),
-                        ),
-                        Err(e) => row.failed(e.to_string()),
-                    });
-                }
-            }
-            Err(e) => s.rows.push(
-                Row::new(m.name(), "GB/s")
-                    .variant(kinds[0])
-                    .size(size)
-                    .failed(e.to_string()),
-            ),
-        }
+        s.rows.extend(copy_rows(ctx, &mut c, m, &COPIES, None));
         ctx.progress.done();
     }
     s.notes = vec![
@@ -828,6 +844,72 @@ fn ring_run(
     Ok(ring_rows(m, size, slots, seq, &a))
 }
 
+/// The peer section (`--devices A,B`): fresh hand-offs from the producer
+/// on GPU A to a consumer on GPU B, and B's copies out of a peer mapping
+/// against cuMemcpyPeer between the same GPUs.
+pub fn peer(ctx: &Ctx<'_>) -> Section {
+    let mechanisms = ctx.plan.mechanisms.len() as u64;
+    let steps = mechanisms * (ctx.plan.sizes.len() as u64 + 1);
+    let a = ctx.plan.device;
+    let skip = |why: String| {
+        (0..steps).for_each(|_| ctx.progress.done());
+        Section::skipped(SectionId::Peer, why)
+    };
+    let Some(info) = &ctx.peer else {
+        return skip("no second GPU: run with --devices A,B".into());
+    };
+    let b = info.device.ordinal;
+    if !info.access_supported {
+        return skip(format!(
+            "GPU {b} cannot map GPU {a}'s memory (cuDeviceCanAccessPeer says no; link: {}): \
+             buffers cannot be shared between these two GPUs without a copy through the host",
+            info.link
+        ));
+    }
+    let mut s = Section::new(SectionId::Peer);
+    let mut consumer = Consumer::on(ctx, "the consumer on the second GPU", b);
+    fresh_rows(
+        ctx,
+        &mut s,
+        &mut consumer,
+        "peer",
+        &format!("GPU {a} -> GPU {b} hand-off"),
+    );
+    let size = ctx.plan.bandwidth_size;
+    for &m in &ctx.plan.mechanisms {
+        ctx.progress
+            .step(&format!("GPU {a} -> GPU {b} copies, {m}, {}", human(size)));
+        s.rows
+            .extend(copy_rows(ctx, &mut consumer, m, &PEER_COPIES, Some(a)));
+        ctx.progress.done();
+    }
+    let reps = ctx.plan.bandwidth_reps;
+    s.notes = vec![
+        format!(
+            "Producer on GPU {a}, consumer on GPU {b} ({}; link {}). Hand-offs as in the fresh \
+             hand-off section, the consumer's mapping a peer mapping: legacy handles opened with \
+             LAZY_ENABLE_PEER_ACCESS, VMM and pool imports granted access for GPU {b}; the \
+             consumer's stream on GPU {b} waits on the publish event recorded on GPU {a}. \
+             same GPU = the fresh hand-off section's p50, both ends on GPU {a}.",
+            info.device.name, info.link
+        ),
+        format!(
+            "Copies of {} on GPU {b}, each timed by a pair of CUDA events: from peer mapping = \
+             the mapping of GPU {a}'s buffer -> a GPU {b} buffer; cuMemcpyPeer = a buffer the \
+             consumer allocated on GPU {a} -> the same GPU {b} buffer, with peer access enabled \
+             (cuCtxEnablePeerAccess), the driver's own peer copy; local = on GPU {b}; into peer \
+             mapping = GPU {b} -> the mapping. GB/s counts bytes read plus written (2 x {}); {} \
+             warm-up and {} kept copies of each kind, interleaved. The consumer checks the data \
+             read through the mapping, and the producer's buffer after the writes into it.",
+            human(size),
+            human(size),
+            reps.warmup,
+            reps.reps
+        ),
+    ];
+    s
+}
+
 /// Section 5: the streaming ring.
 pub fn ring(ctx: &Ctx<'_>) -> Section {
     let mut s = Section::new(SectionId::Ring);
@@ -953,7 +1035,7 @@ pub fn scale(ctx: &Ctx<'_>) -> Section {
     s.notes = vec![
         format!(
             "k consumer processes attach the same fresh {} buffer ({m}), told its name in turn; \
-             each one's latency as in section 1 (all = every consumer of every sample; slowest = \
+             each one's latency as in the fresh hand-off (all = every consumer of every sample; slowest = \
              the last of each sample). Slope: least squares over the p50s against k.",
             human(size)
         ),

@@ -13,7 +13,9 @@
 //! - `hold_many {prefix, count}` / `drop_all`;
 //! - `floor_setup {event, socket}`, `floor_legacy {handle, base, step}`,
 //!   `floor_vmm {name, size, len, base, step}`: the driver floor;
-//! - `bandwidth {name, warmup, reps}`: copies timed with CUDA events;
+//! - `bandwidth {name, warmup, reps, base, step[, peer_device]}`: copies
+//!   timed with CUDA events (with `peer_device`, also cuMemcpyPeer from a
+//!   buffer on that GPU), the data checked both ways;
 //! - `ring {name, verify_every}`: answers `{subscribed}` first, then takes
 //!   frames until one says `stop`.
 //!
@@ -29,7 +31,7 @@ use std::time::{Duration, Instant};
 use cuda_ipc::channel;
 use cuda_ipc::cudarc::driver::sys::CUevent_flags;
 use cuda_ipc::exchange::{Attached, Subscriber, SubscriberConfig};
-use cuda_ipc::kernels::Pattern;
+use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{Device, DeviceMemory, Error, IpcBuffer, IpcEvent};
 use serde_json::{Value, json};
 
@@ -79,6 +81,7 @@ pub fn worker(args: &WorkerArgs) -> Result<Outcome, Error> {
         held: HashMap::new(),
         floor: None,
         local: None,
+        remote: None,
     };
     let mut line = String::new();
     loop {
@@ -127,6 +130,8 @@ struct State {
     floor: Option<Floor>,
     /// Two local buffers for the bandwidth copies.
     local: Option<(IpcBuffer, IpcBuffer)>,
+    /// For cuMemcpyPeer: the other GPU, and a buffer there.
+    remote: Option<(Device, IpcBuffer)>,
 }
 
 fn text<'a>(v: &'a Value, key: &str) -> Result<&'a str, Error> {
@@ -396,71 +401,126 @@ impl State {
         result
     }
 
+    /// A buffer of `size` bytes on GPU `ordinal`, with peer access from
+    /// this consumer's GPU to it (for cuMemcpyPeer at full speed).
+    fn remote(&mut self, ordinal: usize, size: usize) -> Result<&IpcBuffer, Error> {
+        let fits = self
+            .remote
+            .as_ref()
+            .is_some_and(|(d, b)| d.ordinal() == ordinal && b.len() == size);
+        if !fits {
+            self.remote = None;
+            let other = Device::open(ordinal)?;
+            self.device.enable_peer_access(&other)?;
+            let buffer = IpcBuffer::alloc(&other, size)?;
+            self.remote = Some((other, buffer));
+        }
+        Ok(&self.remote.as_ref().expect("just made").1)
+    }
+
     fn bandwidth(&mut self, r: &Value) -> Result<Value, Error> {
         let name = text(r, "name")?;
         let warmup = int(r, "warmup")? as usize;
         let reps = int(r, "reps")? as usize;
-        let sub = self
-            .sub
-            .as_ref()
-            .ok_or_else(|| failure("bandwidth", "not connected"))?;
-        let a = sub.attach::<u32>(name)?;
-        let result = (|| {
-            let mapped = a.buffer();
-            mapped.synchronize()?;
-            let size = mapped.byte_len();
-            if self.local.as_ref().is_none_or(|(s, _)| s.len() != size) {
-                self.local = None;
-                self.local = Some((
-                    IpcBuffer::alloc(&self.device, size)?,
-                    IpcBuffer::alloc(&self.device, size)?,
-                ));
-            }
-            let (src, dst) = self.local.as_ref().expect("just allocated");
-            let ctx = self.device.context();
-            let stream = self.device.stream();
-            let cuda = |what: &str, e: cuda_ipc::cudarc::driver::DriverError| {
-                failure(format!("timing copies ({what})"), format!("{e:?}"))
-            };
-            let start = ctx
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| cuda("cuEventCreate", e))?;
-            let end = ctx
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| cuda("cuEventCreate", e))?;
-            let time = |copy: &dyn Fn() -> Result<(), Error>| -> Result<f64, Error> {
-                start.record(stream).map_err(|e| cuda("cuEventRecord", e))?;
-                copy()?;
-                end.record(stream).map_err(|e| cuda("cuEventRecord", e))?;
-                let ms = start
-                    .elapsed_ms(&end)
-                    .map_err(|e| cuda("cuEventElapsedTime", e))?;
-                Ok(f64::from(ms))
-            };
-            let (mut from, mut local, mut into) = (Vec::new(), Vec::new(), Vec::new());
-            for i in 0..warmup + reps {
-                // Interleaved, so that drift affects the three alike.
-                let from_ms = time(&|| dst.copy_from_device(mapped))?;
-                let local_ms = time(&|| dst.copy_from_device(src))?;
-                let into_ms = time(&|| mapped.copy_from_device(src))?;
-                if i >= warmup {
-                    from.push(from_ms);
-                    local.push(local_ms);
-                    into.push(into_ms);
-                }
-            }
-            stream
-                .synchronize()
-                .map_err(|e| cuda("cuStreamSynchronize", e))?;
-            Ok(json!({
-                "size": size,
-                "from_mapping_ms": from,
-                "local_ms": local,
-                "into_mapping_ms": into,
-            }))
-        })();
-        sub.release(a)?;
+        let written = pattern(r)?;
+        let peer_device = r
+            .get("peer_device")
+            .map(|_| int(r, "peer_device"))
+            .transpose()?;
+        let a = self.sub()?.attach::<u32>(name)?;
+        let result = self.copies(a.buffer(), written, warmup, reps, peer_device);
+        self.sub()?.release(a)?;
         result
+    }
+
+    /// Times copies out of `mapped`, local ones, into `mapped` and (with
+    /// `peer_device`) cuMemcpyPeer from that GPU, interleaved; checks what
+    /// the mapping held first (`written`) and what the copies into it left.
+    fn copies(
+        &mut self,
+        mapped: &impl DeviceMemory,
+        written: Pattern,
+        warmup: usize,
+        reps: usize,
+        peer_device: Option<u64>,
+    ) -> Result<Value, Error> {
+        mapped.synchronize()?;
+        let size = mapped.byte_len();
+        if self.local.as_ref().is_none_or(|(s, _)| s.len() != size) {
+            self.local = None;
+            self.local = Some((
+                IpcBuffer::alloc(&self.device, size)?,
+                IpcBuffer::alloc(&self.device, size)?,
+            ));
+        }
+        if let Some(d) = peer_device {
+            self.remote(d as usize, size)?;
+        }
+        let remote = peer_device.and(self.remote.as_ref()).map(|(_, b)| b);
+        let (src, dst) = self.local.as_ref().expect("just allocated");
+        // What the producer wrote, read through the mapping.
+        dst.copy_from_device(mapped)?;
+        if let Some(bad) = verify(dst, written)? {
+            return Err(mismatch("the data read through the mapping", &bad));
+        }
+        let back = Pattern::ramp(written.base ^ 0x5A5A_5A5A, written.step.wrapping_add(1));
+        kernels::fill_u32(src, back, Speed::Full)?;
+        let ctx = self.device.context();
+        let stream = self.device.stream();
+        let cuda = |what: &str, e: cuda_ipc::cudarc::driver::DriverError| {
+            failure(format!("timing copies ({what})"), format!("{e:?}"))
+        };
+        let start = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| cuda("cuEventCreate", e))?;
+        let end = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| cuda("cuEventCreate", e))?;
+        let time = |copy: &dyn Fn() -> Result<(), Error>| -> Result<f64, Error> {
+            start.record(stream).map_err(|e| cuda("cuEventRecord", e))?;
+            copy()?;
+            end.record(stream).map_err(|e| cuda("cuEventRecord", e))?;
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| cuda("cuEventElapsedTime", e))?;
+            Ok(f64::from(ms))
+        };
+        let (mut from, mut peer, mut local, mut into) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for i in 0..warmup + reps {
+            // Interleaved, so that drift affects every kind alike.
+            let from_ms = time(&|| dst.copy_from_device(mapped))?;
+            let peer_ms = match remote {
+                Some(remote) => Some(time(&|| dst.copy_from_peer(remote))?),
+                None => None,
+            };
+            let local_ms = time(&|| dst.copy_from_device(src))?;
+            let into_ms = time(&|| mapped.copy_from_device(src))?;
+            if i >= warmup {
+                from.push(from_ms);
+                peer.extend(peer_ms);
+                local.push(local_ms);
+                into.push(into_ms);
+            }
+        }
+        stream
+            .synchronize()
+            .map_err(|e| cuda("cuStreamSynchronize", e))?;
+        // The writes reached the producer's buffer.
+        if let Some(bad) = verify(mapped, back)? {
+            return Err(mismatch("the data written into the mapping", &bad));
+        }
+        let mut answer = json!({
+            "size": size,
+            "from_mapping_ms": from,
+            "local_ms": local,
+            "into_mapping_ms": into,
+            "checked": true,
+        });
+        if remote.is_some() {
+            answer["memcpy_peer_ms"] = peer.into();
+        }
+        Ok(answer)
     }
 
     fn ring(&self, r: &Value, out: &mut impl std::io::Write) -> Result<Value, Error> {
