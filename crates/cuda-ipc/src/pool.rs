@@ -287,8 +287,10 @@ impl ImportedPool {
         let ordinal = device.ordinal() as i32;
         // SAFETY: the pool is live (owned by `imported`).
         if !unsafe { pool::has_access_rw(raw, ordinal) }? {
+            tracing::debug!(ordinal, "granting this device access to the imported pool");
             // SAFETY: as above.
             unsafe { pool::set_access_rw(raw, ordinal) }?;
+            tracing::debug!(ordinal, "granted");
         }
         Ok(imported)
     }

@@ -247,16 +247,16 @@ fn map_rw(
     align: u64,
     device: i32,
 ) -> Result<u64> {
-    map_segments_rw(&[handle], size, align, device)
+    map_segments_rw(&[handle], size, align, &[device])
 }
 
 /// Maps `handles`, each of `segment` bytes, back to back into one reserved
-/// range, read-write for `device`; undoes everything on failure.
+/// range, read-write for `devices`; undoes everything on failure.
 fn map_segments_rw(
     handles: &[sys::CUmemGenericAllocationHandle],
     segment: u64,
     align: u64,
-    device: i32,
+    devices: &[i32],
 ) -> Result<u64> {
     let total = segment * handles.len() as u64;
     let ptr = vmm::address_reserve(total, align)?;
@@ -268,7 +268,7 @@ fn map_segments_rw(
             mapped += 1;
         }
         // SAFETY: the whole range is mapped.
-        unsafe { vmm::set_access_rw(ptr, total, &[device]) }
+        unsafe { vmm::set_access_rw(ptr, total, devices) }
     })();
     if let Err(e) = result {
         for i in 0..mapped {
@@ -395,13 +395,14 @@ impl VmmMapping {
         }
         // The driver did not take the descriptors: close them now.
         drop(fds);
-        let mapping = Self::map_imported(device, &handles, segment, gran, Mechanism::Vmm)?;
-        for &ordinal in also.iter().filter(|o| **o != device.ordinal()) {
-            device.bind()?;
-            // SAFETY: the range is mapped for as long as `mapping` lives.
-            unsafe { vmm::set_access_rw(mapping.ptr, mapping.size, &[ordinal as i32]) }?;
+        // One cuMemSetAccess for every device, not one per device.
+        let mut devices = vec![device.ordinal() as i32];
+        for &ordinal in also {
+            if !devices.contains(&(ordinal as i32)) {
+                devices.push(ordinal as i32);
+            }
         }
-        Ok(mapping)
+        Self::map_imported(device, &handles, segment, gran, &devices, Mechanism::Vmm)
     }
 
     /// Imports a fabric handle of `size` bytes and maps it read-write on `device`.
@@ -426,17 +427,27 @@ impl VmmMapping {
             ));
         }
         let h = vmm::import_fabric(handle).map_err(|e| fabric_unavailable(&e).unwrap_or(e))?;
-        Self::map_imported(device, &[h], size, gran, Mechanism::Fabric)
+        Self::map_imported(
+            device,
+            &[h],
+            size,
+            gran,
+            &[device.ordinal() as i32],
+            Mechanism::Fabric,
+        )
     }
 
+    /// Maps `handles` back to back, read-write for `devices` (ordinals,
+    /// `device` first), and releases the handles.
     fn map_imported(
         device: &Device,
         handles: &[sys::CUmemGenericAllocationHandle],
         segment: u64,
         gran: u64,
+        devices: &[i32],
         mechanism: Mechanism,
     ) -> Result<Arc<Self>> {
-        let mapped = map_segments_rw(handles, segment, gran, device.ordinal() as i32);
+        let mapped = map_segments_rw(handles, segment, gran, devices);
         // The mapping keeps the physical memory alive: release our handles
         // whether or not mapping worked.
         release_all(handles);
