@@ -135,12 +135,13 @@ pub struct VmmImport {
 /// The vmm floor's open: import the file descriptor (which the driver does
 /// not take; the caller closes it), reserve `size` bytes aligned to
 /// `granularity`, map, release the handle (the mapping keeps the memory),
-/// grant `device` read-write access, then wait on the event and synchronise.
+/// grant `devices` read-write access (one call), then wait on the event
+/// and synchronise.
 pub fn import_vmm(
     fd: BorrowedFd<'_>,
     size: u64,
     granularity: u64,
-    device: i32,
+    devices: &[i32],
     event: sys::CUevent,
     stream: &CudaStream,
 ) -> Result<VmmImport, Error> {
@@ -184,16 +185,19 @@ pub fn import_vmm(
         let _ = mapped.unmap();
         return Err(e);
     }
-    let access = sys::CUmemAccessDesc {
-        location: sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: device,
-        },
-        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    };
+    let access: Vec<sys::CUmemAccessDesc> = devices
+        .iter()
+        .map(|&id| sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        })
+        .collect();
     // SAFETY: the range is mapped; `access` lives for the call.
     if let Err(e) = check("cuMemSetAccess", unsafe {
-        sys::cuMemSetAccess(ptr, size as usize, &raw const access, 1)
+        sys::cuMemSetAccess(ptr, size as usize, access.as_ptr(), access.len())
     }) {
         let _ = mapped.unmap();
         return Err(e);

@@ -338,7 +338,7 @@ impl Plan {
                 SectionId::Fresh | SectionId::Cached => m * s,
                 SectionId::Floor => 1 + floors * s,
                 SectionId::Bandwidth => m,
-                SectionId::Peer => m * s + m,
+                SectionId::Peer => 2 * m * s + m + floors * s,
                 SectionId::Ring => self.ring.len() as u64,
                 SectionId::Scale => self.consumers.len() as u64 + 1,
                 SectionId::Torch => 1,
@@ -718,10 +718,11 @@ mod tests {
         assert_eq!(p.sections, SectionId::ALL.to_vec());
         let q = plan(&["--quick", "--devices", "2,1"]);
         assert_eq!((q.device, q.peer), (2, Some(1)));
-        // one fresh row per mechanism and size, one copy step per mechanism
+        // one fresh and one cached row per mechanism and size, one floor
+        // row per floor mechanism and size, one copy step per mechanism
         assert_eq!(
             q.steps() - plan(&["--quick", "--device", "2"]).steps(),
-            3 * 2 + 3
+            2 * 3 * 2 + 2 * 2 + 3
         );
         let p = plan(&["--devices", "1,0", "--device", "1", "--only", "peer"]);
         assert_eq!(

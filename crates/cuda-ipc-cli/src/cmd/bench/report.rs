@@ -931,29 +931,35 @@ fn gbs(r: Option<&Row>) -> String {
         .map_or_else(|| "-".into(), |v| format!("{v:.0}"))
 }
 
-fn render_bandwidth(s: &Section, out: &mut String) {
-    let mut t = Table::new(&[
-        "mech",
-        "size",
-        "n",
-        "from mapping GB/s",
-        "local GB/s",
-        "into mapping GB/s",
-        "from/local",
-    ]);
+/// A table of copy bandwidths: one line per series (mechanism) with the
+/// median GB/s of each variant in `columns` (header, variant), and the
+/// ratio of the first two variants of `ratio` (header, numerator,
+/// denominator).
+fn render_copies(
+    s: &Section,
+    columns: &[(&str, &str)],
+    ratio: (&str, &str, &str),
+    suffix: &str,
+    out: &mut String,
+) {
+    let mut header = vec!["mech", "size", "n"];
+    header.extend(columns.iter().map(|(h, _)| *h));
+    header.push(ratio.0);
+    let mut t = Table::new(&header);
+    let copies: Vec<&Row> = s.rows.iter().filter(|r| r.unit == "GB/s").collect();
     let mut series: Vec<&str> = Vec::new();
-    for row in &s.rows {
+    for row in &copies {
         if !series.contains(&row.series.as_str()) {
             series.push(&row.series);
         }
     }
-    for m in series {
-        let rows: Vec<&Row> = s.rows.iter().filter(|r| r.series == m).collect();
+    for m in &series {
+        let rows: Vec<&Row> = copies.iter().copied().filter(|r| r.series == *m).collect();
         if let Some(bad) = rows
             .iter()
             .find(|r| r.error.is_some() || r.skipped.is_some())
         {
-            problem_line(&mut t, bad, m);
+            problem_line(&mut t, bad, &format!("{m}{suffix}"));
             continue;
         }
         let get = |v: &str| {
@@ -961,20 +967,38 @@ fn render_bandwidth(s: &Section, out: &mut String) {
                 .find(|r| r.variant.as_deref() == Some(v))
                 .copied()
         };
-        let (from, local, into) = (get("from_mapping"), get("local"), get("into_mapping"));
-        t.row(vec![
-            m.to_string(),
-            from.and_then(|r| r.size).map(human).unwrap_or_default(),
-            from.map(n).unwrap_or_default(),
-            gbs(from),
-            gbs(local),
-            gbs(into),
-            from.and_then(Row::p50)
-                .zip(local.and_then(Row::p50))
+        let first = get(columns[0].1);
+        let mut cells = vec![
+            (*m).to_string(),
+            first.and_then(|r| r.size).map(human).unwrap_or_default(),
+            first.map(n).unwrap_or_default(),
+        ];
+        cells.extend(columns.iter().map(|(_, v)| gbs(get(v))));
+        cells.push(
+            get(ratio.1)
+                .and_then(Row::p50)
+                .zip(get(ratio.2).and_then(Row::p50))
                 .map_or_else(|| "-".into(), |(a, b)| format!("{:.3}", a / b)),
-        ]);
+        );
+        t.row(cells);
     }
-    t.render(out);
+    if !series.is_empty() {
+        t.render(out);
+    }
+}
+
+fn render_bandwidth(s: &Section, out: &mut String) {
+    render_copies(
+        s,
+        &[
+            ("from mapping GB/s", "from_mapping"),
+            ("local GB/s", "local"),
+            ("into mapping GB/s", "into_mapping"),
+        ],
+        ("from/local", "from_mapping", "local"),
+        "",
+        out,
+    );
 }
 
 /// The peer section: fresh hand-offs to a consumer on the other GPU next
@@ -989,17 +1013,31 @@ fn render_peer(r: &Report, s: &Section, out: &mut String) {
         "p99",
         "publish",
         "consumer",
+        "floor p50",
+        "ours/floor",
         "same GPU p50",
         "across/same",
     ]);
     let mut any = false;
-    for row in s.rows.iter().filter(|row| row.unit == "ms") {
+    for row in s
+        .rows
+        .iter()
+        .filter(|row| row.unit == "ms" && row.variant.is_none())
+    {
         any = true;
-        if problem_line(&mut t, row, &label(row)) {
+        if problem_line(&mut t, row, &label(row)) || row.series.ends_with(" floor") {
             continue;
         }
         let same = r
             .row(SectionId::Fresh, &row.series, None, row.size)
+            .and_then(Row::p50);
+        let floor = r
+            .row(
+                SectionId::Peer,
+                &format!("{} floor", row.series),
+                None,
+                row.size,
+            )
             .and_then(Row::p50);
         let ours = row.p50();
         t.row(vec![
@@ -1011,6 +1049,8 @@ fn render_peer(r: &Report, s: &Section, out: &mut String) {
             stat(row, |s| s.p99),
             opt_ms(row.part_p50("publish")),
             opt_ms(row.part_p50("consumer")),
+            opt_ms(floor),
+            ratio(ours.zip(floor).map(|(o, f)| o / f)),
             opt_ms(same),
             ratio(ours.zip(same).map(|(o, s)| o / s)),
         ]);
@@ -1018,55 +1058,58 @@ fn render_peer(r: &Report, s: &Section, out: &mut String) {
     if any {
         t.render(out);
     }
+    render_peer_cached(r, s, out);
+    render_copies(
+        s,
+        &[
+            ("from peer mapping GB/s", "from_mapping"),
+            ("cuMemcpyPeer GB/s", "memcpy_peer"),
+            ("local GB/s", "local"),
+            ("into peer mapping GB/s", "into_mapping"),
+        ],
+        ("mapping/cuMemcpyPeer", "from_mapping", "memcpy_peer"),
+        " copies",
+        out,
+    );
+}
+
+/// The peer section's cached hand-offs next to the same-GPU ones.
+fn render_peer_cached(r: &Report, s: &Section, out: &mut String) {
     let mut t = Table::new(&[
-        "mech",
+        "cached",
         "size",
         "n",
-        "from peer mapping GB/s",
-        "cuMemcpyPeer GB/s",
-        "local GB/s",
-        "into peer mapping GB/s",
-        "mapping/cuMemcpyPeer",
+        "p50",
+        "p90",
+        "p99",
+        "same GPU p50",
+        "across/same",
     ]);
-    let mut series: Vec<&str> = Vec::new();
-    for row in s.rows.iter().filter(|row| row.unit == "GB/s") {
-        if !series.contains(&row.series.as_str()) {
-            series.push(&row.series);
-        }
-    }
-    for m in &series {
-        let rows: Vec<&Row> = s
-            .rows
-            .iter()
-            .filter(|r| r.series == *m && r.unit == "GB/s")
-            .collect();
-        if let Some(bad) = rows
-            .iter()
-            .find(|r| r.error.is_some() || r.skipped.is_some())
-        {
-            problem_line(&mut t, bad, &format!("{m} copies"));
+    let mut any = false;
+    for row in s
+        .rows
+        .iter()
+        .filter(|row| row.variant.as_deref() == Some("cached"))
+    {
+        any = true;
+        if problem_line(&mut t, row, &label(row)) {
             continue;
         }
-        let get = |v: &str| {
-            rows.iter()
-                .find(|r| r.variant.as_deref() == Some(v))
-                .copied()
-        };
-        let (from, peer) = (get("from_mapping"), get("memcpy_peer"));
+        let same = r
+            .row(SectionId::Cached, &row.series, None, row.size)
+            .and_then(Row::p50);
         t.row(vec![
-            (*m).to_string(),
-            from.and_then(|r| r.size).map(human).unwrap_or_default(),
-            from.map(n).unwrap_or_default(),
-            gbs(from),
-            gbs(peer),
-            gbs(get("local")),
-            gbs(get("into_mapping")),
-            from.and_then(Row::p50)
-                .zip(peer.and_then(Row::p50))
-                .map_or_else(|| "-".into(), |(a, b)| format!("{:.3}", a / b)),
+            row.series.clone(),
+            row.size.map(human).unwrap_or_default(),
+            n(row),
+            stat(row, |s| s.p50),
+            stat(row, |s| s.p90),
+            stat(row, |s| s.p99),
+            opt_ms(same),
+            ratio(row.p50().zip(same).map(|(o, s)| o / s)),
         ]);
     }
-    if !series.is_empty() {
+    if any {
         t.render(out);
     }
 }
@@ -1379,6 +1422,11 @@ pub(crate) mod tests {
         peer.rows = vec![
             lat("legacy", mib2, &[0.20, 0.22, 0.24]),
             lat("vmm", mib2, &[0.62, 0.62, 0.62]),
+            lat("legacy floor", mib2, &[0.10, 0.11, 0.12]),
+            lat("legacy", mib2, &[0.05, 0.05, 0.05]).variant("cached"),
+            Row::new("vmm floor", "ms")
+                .size(mib2)
+                .skip("no floor today"),
             gbs("legacy", "from_mapping", 700.0),
             gbs("legacy", "memcpy_peer", 710.0),
             gbs("legacy", "local", 4250.0),
@@ -1585,18 +1633,28 @@ pub(crate) mod tests {
         let peer: Vec<&str> = text
             .lines()
             .skip_while(|l| !l.contains("Across two GPUs"))
-            .take(9)
+            .take(12)
             .collect();
+        // legacy 2 MiB: ours / peer floor = 0.22 / 0.11, across / same the same
         assert!(
-            peer[2].trim_start().starts_with("legacy") && peer[2].ends_with("2.00x"),
+            peer[2].trim_start().starts_with("legacy") && peer[2].matches("2.00x").count() == 2,
             "{peer:?}"
         );
         assert!(
-            peer[5].trim_start().starts_with("legacy") && peer[5].ends_with("0.986"),
+            peer[4].contains("vmm floor 2MiB: skipped: no floor today"),
+            "{peer:?}"
+        );
+        // cached across GPUs: 0.05 against 0.016 on one GPU
+        assert!(
+            peer[6].trim_start().starts_with("legacy") && peer[6].ends_with("3.12x"),
             "{peer:?}"
         );
         assert!(
-            peer[7].contains("pool copies: skipped: pool sharing is off here"),
+            peer[8].trim_start().starts_with("legacy") && peer[8].ends_with("0.986"),
+            "{peer:?}"
+        );
+        assert!(
+            peer[10].contains("pool copies: skipped: pool sharing is off here"),
             "{peer:?}"
         );
         // cached: legacy passes, vmm misses in the table's own column
@@ -1628,7 +1686,7 @@ pub(crate) mod tests {
         assert_eq!(v["peer"]["device"]["ordinal"], 1);
         assert_eq!(v["peer"]["link"], "NVLink (18 active links)");
         assert_eq!(sections[4]["id"], "peer");
-        assert_eq!(sections[4]["rows"][3]["variant"], "memcpy_peer");
+        assert_eq!(sections[4]["rows"][6]["variant"], "memcpy_peer");
         assert_eq!(sections[0]["id"], "fresh");
         assert_eq!(sections[0]["status"], "failed");
         assert!(sections[0]["error"].is_null());

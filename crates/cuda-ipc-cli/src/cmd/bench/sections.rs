@@ -262,25 +262,36 @@ fn too_large(m: Mechanism, size: u64) -> Option<String> {
     })
 }
 
-/// Fresh hand-off rows to consumer `c`: every mechanism at every size.
-fn fresh_rows(ctx: &Ctx<'_>, s: &mut Section, c: &mut Consumer, prefix: &str, what: &str) {
+/// One row per mechanism and size, measured by `measure` with consumer
+/// `c` (started again if it died), tagged `variant` where given; skipped
+/// rows for what the device or the library cannot share.
+fn handoff_rows(
+    ctx: &Ctx<'_>,
+    s: &mut Section,
+    c: &mut Consumer,
+    variant: Option<&str>,
+    what: &str,
+    measure: impl Fn(&mut Worker, Mechanism, u64) -> Row,
+) {
+    let tagged = |row: Row| match variant {
+        Some(v) => row.variant(v),
+        None => row,
+    };
     for &m in &ctx.plan.mechanisms {
-        if let Some(why) = ctx.unsupported(m) {
-            skipped_rows(s, ctx, m.name(), &why, ctx.plan.sizes.len() as u64);
-            continue;
-        }
+        let unsupported = ctx.unsupported(m);
         for &size in &ctx.plan.sizes {
-            if let Some(why) = too_large(m, size) {
-                s.rows.push(Row::new(m.name(), "ms").size(size).skip(&why));
+            let row = Row::new(m.name(), "ms").size(size);
+            if let Some(why) = unsupported.clone().or_else(|| too_large(m, size)) {
+                s.rows.push(tagged(row.skip(why)));
                 ctx.progress.done();
                 continue;
             }
             ctx.progress.step(&format!("{what}, {m}, {}", human(size)));
             let row = match c.get() {
-                Ok(w) => fresh_row(ctx, w, m, size, ctx.plan.reps(size), prefix),
-                Err(e) => Row::new(m.name(), "ms").size(size).failed(e.to_string()),
+                Ok(w) => measure(w, m, size),
+                Err(e) => row.failed(e.to_string()),
             };
-            s.rows.push(row);
+            s.rows.push(tagged(row));
             ctx.progress.done();
         }
     }
@@ -290,7 +301,9 @@ fn fresh_rows(ctx: &Ctx<'_>, s: &mut Section, c: &mut Consumer, prefix: &str, wh
 pub fn fresh(ctx: &Ctx<'_>) -> Section {
     let mut s = Section::new(SectionId::Fresh);
     let mut c = Consumer::new(ctx, "the fresh hand-off's consumer");
-    fresh_rows(ctx, &mut s, &mut c, "fresh", "fresh hand-off");
+    handoff_rows(ctx, &mut s, &mut c, None, "fresh hand-off", |w, m, size| {
+        fresh_row(ctx, w, m, size, ctx.plan.reps(size), "fresh")
+    });
     s.notes = vec![
         "One way: the producer's clock just before Publisher::publish to the consumer's after \
          Subscriber::attach returned and synchronize() on the attached buffer completed (which \
@@ -312,9 +325,16 @@ pub fn fresh(ctx: &Ctx<'_>) -> Section {
 
 /// One cached hand-off row: the consumer holds the buffer; each sample
 /// the producer rewrites it, then updates.
-fn cached_row(ctx: &Ctx<'_>, worker: &mut Worker, m: Mechanism, size: u64, reps: Reps) -> Row {
+fn cached_row(
+    ctx: &Ctx<'_>,
+    worker: &mut Worker,
+    m: Mechanism,
+    size: u64,
+    reps: Reps,
+    prefix: &str,
+) -> Row {
     let row = Row::new(m.name(), "ms").size(size);
-    let name = format!("cached/{m}/{size}");
+    let name = format!("{prefix}/{m}/{size}");
     let seed = tag(m, size) ^ 0x5555;
     let buffer = match filled(ctx, m, size, pattern(seed, 0)) {
         Ok(b) => b,
@@ -368,27 +388,14 @@ fn cached_row(ctx: &Ctx<'_>, worker: &mut Worker, m: Mechanism, size: u64, reps:
 pub fn cached(ctx: &Ctx<'_>) -> Section {
     let mut s = Section::new(SectionId::Cached);
     let mut c = Consumer::new(ctx, "the cached hand-off's consumer");
-    for &m in &ctx.plan.mechanisms {
-        if let Some(why) = ctx.unsupported(m) {
-            skipped_rows(&mut s, ctx, m.name(), &why, ctx.plan.sizes.len() as u64);
-            continue;
-        }
-        for &size in &ctx.plan.sizes {
-            if let Some(why) = too_large(m, size) {
-                s.rows.push(Row::new(m.name(), "ms").size(size).skip(&why));
-                ctx.progress.done();
-                continue;
-            }
-            ctx.progress
-                .step(&format!("cached hand-off, {m}, {}", human(size)));
-            let row = match c.get() {
-                Ok(w) => cached_row(ctx, w, m, size, ctx.plan.reps(size)),
-                Err(e) => Row::new(m.name(), "ms").size(size).failed(e.to_string()),
-            };
-            s.rows.push(row);
-            ctx.progress.done();
-        }
-    }
+    handoff_rows(
+        ctx,
+        &mut s,
+        &mut c,
+        None,
+        "cached hand-off",
+        |w, m, size| cached_row(ctx, w, m, size, ctx.plan.reps(size), "cached"),
+    );
     s.notes = vec![
         "The consumer holds the buffer attached. Each sample the producer rewrites it with a \
          kernel (finished before the clock starts), then the clock runs from just before \
@@ -405,30 +412,53 @@ pub fn cached(ctx: &Ctx<'_>) -> Section {
     s
 }
 
-/// Starts the floor's consumer: it opens the floor's event once and
-/// connects to the floor's own channel (which only carries file descriptors).
-fn floor_consumer(
-    ctx: &Ctx<'_>,
-    event: &IpcEvent,
-    server: &channel::Server,
-) -> Result<Worker, Error> {
-    let mut w = Worker::start(ctx.plan.device, "the driver floor's consumer")?;
-    w.request(
-        &json!({
-            "op": "floor_setup",
-            "event": event.handle()?.to_hex(),
-            "socket": server.path().display().to_string(),
-        }),
-        REQUEST_TIMEOUT,
-    )?;
-    Ok(w)
+/// What the driver floor needs: an event, its own channel (which only
+/// carries file descriptors) and the GPU its consumer runs on.
+struct FloorRig {
+    event: IpcEvent,
+    server: channel::Server,
+    /// The consumer's GPU.
+    device: usize,
+    /// With the consumer on another GPU, the producer's: the consumer's VMM
+    /// mappings grant it access too, as the library's peer imports do.
+    owner: Option<usize>,
+}
+
+impl FloorRig {
+    /// A rig whose consumer runs on GPU `device`.
+    fn new(ctx: &Ctx<'_>, device: usize) -> Result<FloorRig, Error> {
+        let event = IpcEvent::new(ctx.device)?;
+        let path =
+            channel::default_socket_path(&format!("bench-{}-floor-{device}", std::process::id()))?;
+        let server = channel::Server::bind(ServerConfig::new(path))?;
+        Ok(FloorRig {
+            event,
+            server,
+            device,
+            owner: (device != ctx.plan.device).then_some(ctx.plan.device),
+        })
+    }
+
+    /// Starts the floor's consumer: it opens the floor's event once and
+    /// connects to the floor's channel.
+    fn consumer(&self) -> Result<Worker, Error> {
+        let mut w = Worker::start(self.device, "the driver floor's consumer")?;
+        w.request(
+            &json!({
+                "op": "floor_setup",
+                "event": self.event.handle()?.to_hex(),
+                "socket": self.server.path().display().to_string(),
+            }),
+            REQUEST_TIMEOUT,
+        )?;
+        Ok(w)
+    }
 }
 
 fn floor_sample(
     ctx: &Ctx<'_>,
     worker: &mut Worker,
-    server: &channel::Server,
-    event: &IpcEvent,
+    rig: &FloorRig,
     m: Mechanism,
     size: u64,
     sample: usize,
@@ -448,7 +478,7 @@ fn floor_sample(
         buffer.synchronize()?;
         bind()?;
         let t_a = mono_ns();
-        let handle = floor::export_legacy(buffer.device_address(), event.cu_event(), stream)?;
+        let handle = floor::export_legacy(buffer.device_address(), rig.event.cu_event(), stream)?;
         let t_b = mono_ns();
         let a = worker.request(
             &json!({
@@ -470,24 +500,26 @@ fn floor_sample(
         bind()?;
         let t_a = mono_ns();
         let fd = buffer.export_fd()?;
-        floor::record(event.cu_event(), stream)?;
+        floor::record(rig.event.cu_event(), stream)?;
         let t_b = mono_ns();
         let name = format!("floor/{size}/{sample}");
-        server.publish(&name, json!({}), vec![fd])?;
-        let a = worker.request(
-            &json!({
-                "op": "floor_vmm",
-                "name": name,
-                "size": buffer.alloc_size(),
-                "len": size,
-                "base": fill.base,
-                "step": fill.step,
-            }),
-            REQUEST_TIMEOUT,
-        );
-        let gone = server
+        rig.server.publish(&name, json!({}), vec![fd])?;
+        let mut request = json!({
+            "op": "floor_vmm",
+            "name": name,
+            "size": buffer.alloc_size(),
+            "len": size,
+            "base": fill.base,
+            "step": fill.step,
+        });
+        if let Some(owner) = rig.owner {
+            request["also"] = owner.into();
+        }
+        let a = worker.request(&request, REQUEST_TIMEOUT);
+        let gone = rig
+            .server
             .unpublish(&name)
-            .and_then(|()| server.wait_released(&name, Some(UNPUBLISH_TIMEOUT)));
+            .and_then(|()| rig.server.wait_released(&name, Some(UNPUBLISH_TIMEOUT)));
         drop(buffer);
         let a = a?;
         gone?;
@@ -522,21 +554,14 @@ fn pipe_row(ctx: &Ctx<'_>, worker: &mut Worker) -> Row {
 }
 
 /// The floor of mechanism `m` at `size`.
-fn floor_row(
-    ctx: &Ctx<'_>,
-    worker: &mut Worker,
-    server: &channel::Server,
-    event: &IpcEvent,
-    m: Mechanism,
-    size: u64,
-) -> Row {
+fn floor_row(ctx: &Ctx<'_>, worker: &mut Worker, rig: &FloorRig, m: Mechanism, size: u64) -> Row {
     let reps = ctx.plan.reps(size);
     let (mut total, mut export, mut open, mut close) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut row = Row::new(format!("{m} floor"), "ms").size(size);
     for i in 0..reps.total() {
         if !worker.alive() {
-            match floor_consumer(ctx, event, server) {
+            match rig.consumer() {
                 Ok(fresh) => *worker = fresh,
                 Err(e) => {
                     row = row.failed(format!("restarting the consumer: {e}"));
@@ -544,7 +569,7 @@ fn floor_row(
                 }
             }
         }
-        match floor_sample(ctx, worker, server, event, m, size, i) {
+        match floor_sample(ctx, worker, rig, m, size, i) {
             Ok((export_ms, open_ms, close_ms)) if i >= reps.warmup => {
                 total.push(export_ms + open_ms);
                 export.push(export_ms);
@@ -564,24 +589,22 @@ fn floor_row(
         .part("close", &close)
 }
 
-/// Section 3: the driver floor.
-pub fn floor(ctx: &Ctx<'_>) -> Section {
-    let mut section = Section::new(SectionId::Floor);
-    let floors: Vec<Mechanism> = ctx
-        .plan
+/// The mechanisms asked for that have a raw driver floor (legacy, vmm).
+fn floor_mechanisms(ctx: &Ctx<'_>) -> Vec<Mechanism> {
+    ctx.plan
         .mechanisms
         .iter()
         .copied()
         .filter(|m| matches!(m, Mechanism::Legacy | Mechanism::Vmm))
-        .collect();
+        .collect()
+}
+
+/// Section 3: the driver floor.
+pub fn floor(ctx: &Ctx<'_>) -> Section {
+    let mut section = Section::new(SectionId::Floor);
+    let floors = floor_mechanisms(ctx);
     let steps = 1 + floors.len() as u64 * ctx.plan.sizes.len() as u64;
-    let setup = (|| -> Result<(IpcEvent, channel::Server), Error> {
-        let event = IpcEvent::new(ctx.device)?;
-        let path = channel::default_socket_path(&format!("bench-{}-floor", std::process::id()))?;
-        let server = channel::Server::bind(ServerConfig::new(path))?;
-        Ok((event, server))
-    })();
-    let (event, server) = match setup {
+    let rig = match FloorRig::new(ctx, ctx.plan.device) {
         Ok(x) => x,
         Err(e) => {
             section.error = Some(format!("setting up: {e}"));
@@ -589,7 +612,7 @@ pub fn floor(ctx: &Ctx<'_>) -> Section {
             return section;
         }
     };
-    let mut worker = match floor_consumer(ctx, &event, &server) {
+    let mut worker = match rig.consumer() {
         Ok(w) => w,
         Err(e) => {
             section.error = Some(e.to_string());
@@ -617,7 +640,7 @@ pub fn floor(ctx: &Ctx<'_>) -> Section {
                 .step(&format!("driver floor, {m}, {}", human(size)));
             section
                 .rows
-                .push(floor_row(ctx, &mut worker, &server, &event, m, size));
+                .push(floor_row(ctx, &mut worker, &rig, m, size));
             ctx.progress.done();
         }
     }
@@ -848,8 +871,10 @@ fn ring_run(
 /// on GPU A to a consumer on GPU B, and B's copies out of a peer mapping
 /// against cuMemcpyPeer between the same GPUs.
 pub fn peer(ctx: &Ctx<'_>) -> Section {
+    let floors = floor_mechanisms(ctx);
     let mechanisms = ctx.plan.mechanisms.len() as u64;
-    let steps = mechanisms * (ctx.plan.sizes.len() as u64 + 1);
+    let sizes = ctx.plan.sizes.len() as u64;
+    let steps = mechanisms * (2 * sizes + 1) + floors.len() as u64 * sizes;
     let a = ctx.plan.device;
     let skip = |why: String| {
         (0..steps).for_each(|_| ctx.progress.done());
@@ -868,13 +893,24 @@ pub fn peer(ctx: &Ctx<'_>) -> Section {
     }
     let mut s = Section::new(SectionId::Peer);
     let mut consumer = Consumer::on(ctx, "the consumer on the second GPU", b);
-    fresh_rows(
+    let reps = |size| ctx.plan.reps(size);
+    handoff_rows(
         ctx,
         &mut s,
         &mut consumer,
-        "peer",
-        &format!("GPU {a} -> GPU {b} hand-off"),
+        None,
+        &format!("GPU {a} -> GPU {b} fresh hand-off"),
+        |w, m, size| fresh_row(ctx, w, m, size, reps(size), "peer-fresh"),
     );
+    handoff_rows(
+        ctx,
+        &mut s,
+        &mut consumer,
+        Some("cached"),
+        &format!("GPU {a} -> GPU {b} cached hand-off"),
+        |w, m, size| cached_row(ctx, w, m, size, reps(size), "peer-cached"),
+    );
+    peer_floor_rows(ctx, &mut s, &floors, b);
     let size = ctx.plan.bandwidth_size;
     for &m in &ctx.plan.mechanisms {
         ctx.progress
@@ -890,8 +926,14 @@ pub fn peer(ctx: &Ctx<'_>) -> Section {
              hand-off section, the consumer's mapping a peer mapping: legacy handles opened with \
              LAZY_ENABLE_PEER_ACCESS, VMM and pool imports granted access for GPU {b}; the \
              consumer's stream on GPU {b} waits on the publish event recorded on GPU {a}. \
-             same GPU = the fresh hand-off section's p50, both ends on GPU {a}.",
+             Cached: as in the cached hand-off section, the update's event recorded on GPU {a} \
+             and waited on by GPU {b}'s stream. same GPU = the fresh or cached hand-off \
+             section's p50, both ends on GPU {a}.",
             info.device.name, info.link
+        ),
+        format!(
+            "floor = the driver floor section's calls with the consumer on GPU {b} (a VMM mapping \
+             granting GPU {b} and GPU {a} access in one cuMemSetAccess, as the library does)."
         ),
         format!(
             "Copies of {} on GPU {b}, each timed by a pair of CUDA events: from peer mapping = \
@@ -908,6 +950,46 @@ pub fn peer(ctx: &Ctx<'_>) -> Section {
         ),
     ];
     s
+}
+
+/// The driver floor with its consumer on GPU `b`, for every floor
+/// mechanism and size (a failure to set up fails the first row).
+fn peer_floor_rows(ctx: &Ctx<'_>, s: &mut Section, floors: &[Mechanism], b: usize) {
+    let rig = FloorRig::new(ctx, b).and_then(|rig| rig.consumer().map(|w| (rig, w)));
+    let (rig, mut worker) = match rig {
+        Ok(x) => x,
+        Err(e) => {
+            let mut e = Some(e.to_string());
+            for &m in floors {
+                for &size in &ctx.plan.sizes {
+                    let row = Row::new(format!("{m} floor"), "ms").size(size);
+                    s.rows.push(match e.take() {
+                        Some(why) => row.failed(format!("setting up: {why}")),
+                        None => row.skip("the floor's consumer did not start"),
+                    });
+                    ctx.progress.done();
+                }
+            }
+            return;
+        }
+    };
+    for &m in floors {
+        if let Some(why) = ctx.unsupported(m) {
+            let series = format!("{m} floor");
+            skipped_rows(s, ctx, &series, &why, ctx.plan.sizes.len() as u64);
+            continue;
+        }
+        for &size in &ctx.plan.sizes {
+            ctx.progress.step(&format!(
+                "GPU {} -> GPU {b} driver floor, {m}, {}",
+                ctx.plan.device,
+                human(size)
+            ));
+            s.rows.push(floor_row(ctx, &mut worker, &rig, m, size));
+            ctx.progress.done();
+        }
+    }
+    worker.close();
 }
 
 /// Section 5: the streaming ring.

@@ -12,7 +12,8 @@
 //!   the next update, synchronises: `{t_recv, t_done, verify_ms}`;
 //! - `hold_many {prefix, count}` / `drop_all`;
 //! - `floor_setup {event, socket}`, `floor_legacy {handle, base, step}`,
-//!   `floor_vmm {name, size, len, base, step}`: the driver floor;
+//!   `floor_vmm {name, size, len, base, step[, also]}`: the driver floor
+//!   (`also`: another GPU the VMM mapping grants access to);
 //! - `bandwidth {name, warmup, reps, base, step[, peer_device]}`: copies
 //!   timed with CUDA events (with `peer_device`, also cuMemcpyPeer from a
 //!   buffer on that GPU), the data checked both ways;
@@ -367,14 +368,17 @@ impl State {
                 failure("the vmm floor", "no file descriptor came with the entry")
             })?;
             let stream = self.device.stream();
-            let ordinal = self.device.ordinal() as i32;
+            let mut devices = vec![self.device.ordinal() as i32];
+            if r.get("also").is_some() {
+                devices.push(int(r, "also")? as i32);
+            }
             bind(&self.device)?;
             let t_c = mono_ns();
             let mapped = floor::import_vmm(
                 fd.as_fd(),
                 size,
                 f.granularity,
-                ordinal,
+                &devices,
                 f.event.cu_event(),
                 stream,
             )?;
