@@ -2,12 +2,13 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python bench bench-full
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python peer bench bench-full
 #                          (default: info tests soak demo cli exchange samples python)
 #
 # `tests` runs every GPU test but the 100,000-cycle soak, which `soak` runs
 # (it takes a minute or two). PYTHON_ONLY=WORD runs only the Python interop
-# cases whose name contains WORD.
+# cases whose name contains WORD. `peer` and the benches use two GPUs
+# (`--devices 0,1`) where there are two.
 #
 # Each step prints PASS or FAIL with a one-line reason; full logs go to
 # $LOGS (default: ./logs), and, when $OUT is set, into $OUT/logs.tgz. The last line is the summary:
@@ -173,14 +174,35 @@ step_python() {
   if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then bad "python interop exited $rc: $(tail -n 3 "$log" | tr '\n' ' ')"; fi
 }
 
+gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
+
+# --devices 0,1 where there are two GPUs (the benches add the peer section).
+two_gpus() { [ "$(gpus)" -ge 2 ] && echo "--devices 0,1"; }
+
+# Two GPUs: the peer section alone, and the errors when the second is missing.
+step_peer() {
+  check "bench --devices 0,1 with one GPU visible exits 3" 3 env CUDA_VISIBLE_DEVICES=0 "$cli" bench --quick --devices 0,1 --no-torch
+  grep -h "device 1 is not available" "$logs"/bench_--devices_0_1_with_one_GPU_visible_exits_3.log
+  if [ "$(gpus)" -lt 2 ]; then
+    echo "SKIP  peer: $(gpus) GPU here; the peer section needs two"
+    return
+  fi
+  grep -h '^peer ' "$logs/info.log" 2>/dev/null
+  check "bench --quick --devices 0,1 --only fresh,peer" 0 "$cli" bench --quick --devices 0,1 --only fresh,peer --json-out "$logs/bench-peer.json"
+  sed -n '/Across two GPUs/,/^Targets/p' "$logs/bench_--quick_--devices_0_1_--only_fresh_peer.log"
+  grep -E 'peer/' "$logs/bench_--quick_--devices_0_1_--only_fresh_peer.log"
+}
+
 step_bench() {
-  check "bench --quick" 0 "$cli" bench --quick --json-out "$logs/bench-quick.json" --plot "$logs/bench-quick.svg"
+  # shellcheck disable=SC2046 # two words or none
+  check "bench --quick" 0 "$cli" bench --quick $(two_gpus) --json-out "$logs/bench-quick.json" --plot "$logs/bench-quick.svg"
   tail -n 60 "$logs/bench_--quick.log"
 }
 
 step_bench-full() {
-  check "bench" 0 "$cli" bench --json-out "$logs/bench.json" --plot "$logs/bench.svg"
-  tail -n 80 "$logs/bench.log"
+  # shellcheck disable=SC2046 # two words or none
+  check "bench" 0 "$cli" bench $(two_gpus) --json-out "$logs/bench.json" --plot "$logs/bench.svg"
+  tail -n 100 "$logs/bench.log"
   [ -n "${OUT:-}" ] && cp "$logs/bench.json" "$logs/bench.svg" "$OUT/" 2>/dev/null
 }
 
