@@ -97,9 +97,19 @@ impl IpcEvent {
 
     /// Makes `stream` wait (on the device, not the host) for the most
     /// recent record of this event, in whichever process it was made.
+    ///
+    /// When that record has already completed (`cuEventQuery`), there is
+    /// nothing to wait for and no wait is queued: a queued wait on another
+    /// process's event makes a GPU shared by both processes switch to the
+    /// waiting process's context even when the work is long done, which
+    /// costs about 0.15 ms on an H200.
     #[doc(alias = "cuStreamWaitEvent")]
     pub fn wait_on(&self, on: &CudaStream) -> Result<()> {
         self.device.bind()?;
+        // SAFETY: live.
+        if unsafe { event::query(self.event) }? {
+            return Ok(());
+        }
         // SAFETY: both live.
         unsafe { stream::wait_event(on.cu_stream(), self.event) }
     }
