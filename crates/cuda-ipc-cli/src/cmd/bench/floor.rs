@@ -5,13 +5,16 @@
 //!
 //! - legacy: `cuIpcGetMemHandle` + `cuEventRecord` in the producer;
 //!   `cuIpcOpenMemHandle_v2` (with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`,
-//!   which the driver requires) + `cuStreamWaitEvent` +
-//!   `cuStreamSynchronize` in the consumer;
+//!   which the driver requires) + the wait (below) in the consumer;
 //! - vmm: `cuMemExportToShareableHandle` (through `VmmBuffer::export_fd`,
 //!   which binds the context and makes that one call) + `cuEventRecord` in
 //!   the producer; `cuMemImportFromShareableHandle` + `cuMemAddressReserve`
-//!   + `cuMemMap` + `cuMemRelease` + `cuMemSetAccess` + `cuStreamWaitEvent`
-//!   + `cuStreamSynchronize` in the consumer.
+//!   + `cuMemMap` + `cuMemRelease` + `cuMemSetAccess` + the wait in the
+//!     consumer.
+//!
+//! The wait is `cuEventQuery`, then `cuStreamWaitEvent` only if the event
+//! has not completed, then `cuStreamSynchronize`: the least a consumer must
+//! do, and what the library does.
 //!
 //! The caller makes the device's context current first (every library call
 //! does, and the floor's callers do it explicitly) and has loaded the
@@ -47,12 +50,21 @@ pub fn record(event: sys::CUevent, stream: &CudaStream) -> Result<(), Error> {
     })
 }
 
-/// `cuStreamWaitEvent(stream, event)` then `cuStreamSynchronize(stream)`.
+/// `cuEventQuery(event)`; unless complete, `cuStreamWaitEvent(stream,
+/// event)`; then `cuStreamSynchronize(stream)`.
 pub fn wait_and_sync(event: sys::CUevent, stream: &CudaStream) -> Result<(), Error> {
     // SAFETY: as in `record`.
-    check("cuStreamWaitEvent", unsafe {
-        sys::cuStreamWaitEvent(stream.cu_stream(), event, 0)
-    })?;
+    let done = match unsafe { sys::cuEventQuery(event) } {
+        CUresult::CUDA_SUCCESS => true,
+        CUresult::CUDA_ERROR_NOT_READY => false,
+        r => return check("cuEventQuery", r),
+    };
+    if !done {
+        // SAFETY: as in `record`.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(stream.cu_stream(), event, 0)
+        })?;
+    }
     // SAFETY: the stream is live for the borrow.
     check("cuStreamSynchronize", unsafe {
         sys::cuStreamSynchronize(stream.cu_stream())

@@ -647,12 +647,13 @@ pub fn floor(ctx: &Ctx<'_>) -> Section {
     worker.close();
     section.notes = vec![
         "legacy floor = producer (cuIpcGetMemHandle + cuEventRecord) + consumer \
-         (cuIpcOpenMemHandle_v2 with LAZY_ENABLE_PEER_ACCESS + cuStreamWaitEvent + \
-         cuStreamSynchronize), each timed with CLOCK_MONOTONIC in its own process and summed."
+         (cuIpcOpenMemHandle_v2 with LAZY_ENABLE_PEER_ACCESS + the wait: cuEventQuery, and \
+         cuStreamWaitEvent only if the event has not completed, + cuStreamSynchronize), each \
+         timed with CLOCK_MONOTONIC in its own process and summed."
             .into(),
         "vmm floor = producer (cuMemExportToShareableHandle, via VmmBuffer::export_fd, + \
          cuEventRecord) + consumer (cuMemImportFromShareableHandle + cuMemAddressReserve + \
-         cuMemMap + cuMemRelease + cuMemSetAccess + cuStreamWaitEvent + cuStreamSynchronize)."
+         cuMemMap + cuMemRelease + cuMemSetAccess + the same wait + cuStreamSynchronize)."
             .into(),
         "Not in the floor: carrying the handle or file descriptor to the other process (a \
          real hand-off must; the pipe row is one JSON line one way, and file descriptors also \
