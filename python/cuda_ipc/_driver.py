@@ -80,6 +80,7 @@ _PROTOTYPES = {
     "cuIpcOpenEventHandle": [POINTER(c_void_p), CUipcEventHandle],
     "cuEventDestroy": [c_void_p],
     "cuStreamWaitEvent": [c_void_p, c_void_p, c_uint],
+    "cuEventQuery": [c_void_p],
     "cuStreamSynchronize": [c_void_p],
     "cuMemGetAddressRange": [POINTER(c_uint64), POINTER(c_size_t), c_uint64],
     "cuMemGetInfo": [POINTER(c_size_t), POINTER(c_size_t)],
@@ -139,6 +140,10 @@ def hint(call, code):
         999: "the driver reported an unknown error; check dmesg and nvidia-smi",
     }
     return generic.get(code)
+
+
+# cuEventQuery's answer for a record that has not completed yet.
+CUDA_ERROR_NOT_READY = 600
 
 
 class Driver:
@@ -278,6 +283,15 @@ class Driver:
 
     def event_destroy(self, event):
         self.call("cuEventDestroy", c_void_p(event))
+
+    def event_complete(self, event):
+        """Whether the event's most recent record has completed (cuEventQuery)."""
+        rc = self._fn("cuEventQuery")(c_void_p(event))
+        if rc == 0:
+            return True
+        if rc == CUDA_ERROR_NOT_READY:
+            return False
+        raise DriverError("cuEventQuery", rc, self.error_name(rc), hint("cuEventQuery", rc))
 
     def stream_wait_event(self, stream, event):
         self.call("cuStreamWaitEvent", c_void_p(stream or None), c_void_p(event), c_uint(0))

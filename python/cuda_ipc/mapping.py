@@ -20,6 +20,15 @@ _LIVE = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
 
+def _wait_for(drv, stream, event):
+    """Makes ``stream`` wait for ``event`` unless its record has completed:
+    then there is nothing to wait for, and a queued wait on another
+    process's event would make a GPU shared with that process switch to
+    this one's context for nothing (about 0.15 ms on an H200)."""
+    if not drv.event_complete(event):
+        drv.stream_wait_event(stream, event)
+
+
 @atexit.register
 def _at_exit():
     # At exit the driver tears every mapping down with the process; calling
@@ -176,7 +185,7 @@ class Mapping:
             return
         drv = driver()
         with drv.bound(res.ordinal):
-            drv.stream_wait_event(_stream_handle(stream), res.event)
+            _wait_for(drv, _stream_handle(stream), res.event)
 
     def _target(self, dtype):
         own = _dtypes.by_name(self.dtype)
@@ -437,7 +446,7 @@ def open(descriptor, *, stream=None, device=None):  # noqa: A001 - the module's 
                 ev = drv.ipc_open_event_handle(bytes.fromhex(d["event"]))
                 res.undo.append(lambda: drv.event_destroy(ev))
                 res.event = ev
-                drv.stream_wait_event(waited, ev)
+                _wait_for(drv, waited, ev)
     except BaseException:
         try:
             res.release()

@@ -27,6 +27,7 @@ class FakeDriver:
         self.fail = None
         self.alloc_size = 2 * MIB
         self.next = 0x7F0000000000
+        self.event_done = False
 
     def _c(self, name, *args):
         self.log.append((name,) + args)
@@ -119,6 +120,10 @@ class FakeDriver:
     def event_destroy(self, e):
         self._c("cuEventDestroy", e)
 
+    def event_complete(self, event):
+        self._c("cuEventQuery", event)
+        return self.event_done
+
     def stream_wait_event(self, stream, event):
         self._c("cuStreamWaitEvent", stream, event)
 
@@ -191,6 +196,15 @@ class Mechanisms(Base):
         m.close()
         names = self.fake.names()
         self.assertLess(names.index("cuEventDestroy"), names.index("cuIpcCloseMemHandle"))
+
+    def test_a_completed_event_queues_no_wait(self):
+        self.fake.event_done = True
+        m = cuda_ipc.open(desc(event="ee" * 64), stream=0x5000)
+        m.wait(0x77)
+        self.assertIn(("cuEventQuery", 0xE0E0), self.fake.log)
+        self.assertNotIn("cuStreamWaitEvent", self.fake.names())
+        m.close()
+        self.assertIn("cuEventDestroy", self.fake.names())
 
     def test_event_on_default_stream_reports_stream_1(self):
         m = cuda_ipc.open(desc(event="ee" * 64))
