@@ -538,54 +538,38 @@ fn floor_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     }
 }
 
-fn bandwidth_targets(r: &Report, out: &mut Vec<TargetCheck>) {
-    if !ran(r, SectionId::Bandwidth) {
+/// One target per mechanism of the copies of section `id`: the p50 GB/s of
+/// variant `num` over that of `den`, at least `goal`.
+fn copy_targets(
+    r: &Report,
+    out: &mut Vec<TargetCheck>,
+    id: SectionId,
+    (num, den): (&str, &str),
+    what: &str,
+    goal: f64,
+) {
+    if !ran(r, id) {
         return;
     }
     for m in &r.mechanisms {
-        if skipped(r, SectionId::Bandwidth, m) {
-            continue;
-        }
-        let from = r.row(SectionId::Bandwidth, m, Some("from_mapping"), None);
-        let local = r.row(SectionId::Bandwidth, m, Some("local"), None);
-        out.push(check(
-            format!("bandwidth/{m}"),
-            format!("copy out of a {m} mapping / local copy (GB/s)"),
-            format!(">= {:.2}", targets::BANDWIDTH_RATIO),
-            from.and_then(Row::p50)
-                .zip(local.and_then(Row::p50))
-                .map(|(a, b)| a / b),
-            |v| format!("{v:.3}"),
-            |v| v >= targets::BANDWIDTH_RATIO,
-            "not measured",
-        ));
-    }
-}
-
-fn peer_targets(r: &Report, out: &mut Vec<TargetCheck>) {
-    if !ran(r, SectionId::Peer) {
-        return;
-    }
-    for m in &r.mechanisms {
-        let measured = r.section(SectionId::Peer).is_some_and(|s| {
+        // Copies skipped (the mechanism is not supported) have no target;
+        // copies that failed or never ran are "not measured".
+        let skipped = r.section(id).is_some_and(|s| {
             s.rows
                 .iter()
-                .any(|row| &row.series == m && row.unit == "GB/s" && row.skipped.is_none())
+                .any(|row| &row.series == m && row.unit == "GB/s" && row.skipped.is_some())
         });
-        if !measured {
+        if skipped {
             continue;
         }
-        let from = r.row(SectionId::Peer, m, Some("from_mapping"), None);
-        let peer = r.row(SectionId::Peer, m, Some("memcpy_peer"), None);
+        let p50 = |v| r.row(id, m, Some(v), None).and_then(Row::p50);
         out.push(check(
-            format!("peer/{m}"),
-            format!("copy out of a {m} peer mapping / cuMemcpyPeer (GB/s)"),
-            format!(">= {:.2}", targets::PEER_BANDWIDTH_RATIO),
-            from.and_then(Row::p50)
-                .zip(peer.and_then(Row::p50))
-                .map(|(a, b)| a / b),
+            format!("{}/{m}", id.name()),
+            what.replace("{m}", m),
+            format!(">= {goal:.2}"),
+            p50(num).zip(p50(den)).map(|(a, b)| a / b),
             |v| format!("{v:.3}"),
-            |v| v >= targets::PEER_BANDWIDTH_RATIO,
+            |v| v >= goal,
             "not measured",
         ));
     }
@@ -664,8 +648,22 @@ pub fn evaluate(r: &Report) -> Vec<TargetCheck> {
     let mut out = Vec::new();
     cached_targets(r, &mut out);
     floor_targets(r, &mut out);
-    bandwidth_targets(r, &mut out);
-    peer_targets(r, &mut out);
+    copy_targets(
+        r,
+        &mut out,
+        SectionId::Bandwidth,
+        ("from_mapping", "local"),
+        "copy out of a {m} mapping / local copy (GB/s)",
+        targets::BANDWIDTH_RATIO,
+    );
+    copy_targets(
+        r,
+        &mut out,
+        SectionId::Peer,
+        ("from_mapping", "memcpy_peer"),
+        "copy out of a {m} peer mapping / cuMemcpyPeer (GB/s)",
+        targets::PEER_BANDWIDTH_RATIO,
+    );
     ring_targets(r, &mut out);
     torch_targets(r, &mut out);
     let limit = if r.quick {
@@ -779,17 +777,20 @@ impl Table {
     }
 }
 
+/// Why the row has no figures: "FAILED: ..." or "skipped: ...".
+fn problem(r: &Row) -> Option<String> {
+    match (&r.error, &r.skipped) {
+        (Some(e), _) => Some(format!("FAILED: {e}")),
+        (None, Some(s)) => Some(format!("skipped: {s}")),
+        (None, None) => None,
+    }
+}
+
 /// Adds the row's failure or skip as a line; true if it did.
 fn problem_line(t: &mut Table, r: &Row, label: &str) -> bool {
-    if let Some(e) = &r.error {
-        t.line(format!("{label}: FAILED: {e}"));
-        true
-    } else if let Some(s) = &r.skipped {
-        t.line(format!("{label}: skipped: {s}"));
-        true
-    } else {
-        false
-    }
+    problem(r)
+        .map(|p| t.line(format!("{label}: {p}")))
+        .is_some()
 }
 
 fn label(r: &Row) -> String {
@@ -806,123 +807,130 @@ fn n(r: &Row) -> String {
     r.stats.map_or_else(|| "0".into(), |s| s.n.to_string())
 }
 
-fn render_fresh(r: &Report, s: &Section, out: &mut String) {
-    let mut t = Table::new(&[
-        "mech",
-        "size",
-        "n",
-        "p50",
-        "p90",
-        "p99",
-        "publish",
-        "consumer",
-        "floor p50",
-        "ours/floor",
-        "PyTorch p50",
-        "PyTorch/ours",
-    ]);
-    for row in &s.rows {
+/// A latency table: a first column named `first`, then size, n, p50, p90,
+/// p99 and the `extra` columns, one line per row of `rows` (its failure or
+/// skip as a line across); `first_cell` and `extra_cells` fill a line.
+/// Nothing is printed without rows.
+fn render_latency<'a>(
+    rows: impl Iterator<Item = &'a Row>,
+    first: &str,
+    extra: &[&str],
+    first_cell: impl Fn(&Row) -> String,
+    extra_cells: impl Fn(&Row) -> Vec<String>,
+    out: &mut String,
+) {
+    let mut header = vec![first, "size", "n", "p50", "p90", "p99"];
+    header.extend_from_slice(extra);
+    let mut t = Table::new(&header);
+    let mut any = false;
+    for row in rows {
+        any = true;
         if problem_line(&mut t, row, &label(row)) {
             continue;
         }
-        let floor = r
-            .row(
-                SectionId::Floor,
-                &format!("{} floor", row.series),
-                None,
-                row.size,
-            )
-            .and_then(Row::p50);
-        let torch = r
-            .row(SectionId::Torch, "PyTorch", Some("fresh"), row.size)
-            .and_then(Row::p50);
-        let ours = row.p50();
-        t.row(vec![
-            row.series.clone(),
-            row.size.map(human).unwrap_or_default(),
-            n(row),
-            stat(row, |s| s.p50),
-            stat(row, |s| s.p90),
-            stat(row, |s| s.p99),
-            opt_ms(row.part_p50("publish")),
-            opt_ms(row.part_p50("consumer")),
-            opt_ms(floor),
-            ratio(ours.zip(floor).map(|(o, f)| o / f)),
-            opt_ms(torch),
-            ratio(torch.zip(ours).map(|(t, o)| t / o)),
-        ]);
-    }
-    t.render(out);
-}
-
-fn render_cached(r: &Report, s: &Section, out: &mut String) {
-    let mut t = Table::new(&[
-        "mech",
-        "size",
-        "n",
-        "p50",
-        "p90",
-        "p99",
-        "target",
-        "PyTorch repeat p50",
-        "PyTorch/ours",
-    ]);
-    for row in &s.rows {
-        if problem_line(&mut t, row, &label(row)) {
-            continue;
-        }
-        let torch = r
-            .row(SectionId::Torch, "PyTorch", Some("repeat"), row.size)
-            .and_then(Row::p50);
-        let ours = row.p50();
-        t.row(vec![
-            row.series.clone(),
-            row.size.map(human).unwrap_or_default(),
-            n(row),
-            stat(row, |s| s.p50),
-            stat(row, |s| s.p90),
-            stat(row, |s| s.p99),
-            match ours {
-                Some(v) if v <= targets::CACHED_P50_MS => "PASS".into(),
-                Some(_) => "MISS".into(),
-                None => "-".into(),
-            },
-            opt_ms(torch),
-            ratio(torch.zip(ours).map(|(t, o)| t / o)),
-        ]);
-    }
-    t.render(out);
-}
-
-fn render_floor(s: &Section, out: &mut String) {
-    let mut t = Table::new(&[
-        "floor",
-        "size",
-        "n",
-        "p50",
-        "p90",
-        "p99",
-        "export p50",
-        "open+wait p50",
-        "close p50",
-    ]);
-    for row in &s.rows {
-        if problem_line(&mut t, row, &label(row)) {
-            continue;
-        }
-        t.row(vec![
-            row.series.clone(),
+        let mut cells = vec![
+            first_cell(row),
             row.size.map_or_else(|| "-".into(), human),
             n(row),
             stat(row, |s| s.p50),
             stat(row, |s| s.p90),
             stat(row, |s| s.p99),
-            opt_ms(row.part_p50("export")),
-            opt_ms(row.part_p50("open")),
-            opt_ms(row.part_p50("close")),
-        ]);
+        ];
+        cells.extend(extra_cells(row));
+        t.row(cells);
     }
-    t.render(out);
+    if any {
+        t.render(out);
+    }
+}
+
+/// The series name (the mechanism): the first cell of most tables.
+fn series(row: &Row) -> String {
+    row.series.clone()
+}
+
+/// Ours against another p50: that p50 and ours / it.
+fn against(ours: Option<f64>, other: Option<f64>) -> [String; 2] {
+    [opt_ms(other), ratio(ours.zip(other).map(|(o, x)| o / x))]
+}
+
+fn render_fresh(r: &Report, s: &Section, out: &mut String) {
+    render_latency(
+        s.rows.iter(),
+        "mech",
+        &[
+            "publish",
+            "consumer",
+            "floor p50",
+            "ours/floor",
+            "PyTorch p50",
+            "PyTorch/ours",
+        ],
+        series,
+        |row| {
+            let floor = r
+                .row(
+                    SectionId::Floor,
+                    &format!("{} floor", row.series),
+                    None,
+                    row.size,
+                )
+                .and_then(Row::p50);
+            let torch = r
+                .row(SectionId::Torch, "PyTorch", Some("fresh"), row.size)
+                .and_then(Row::p50);
+            let ours = row.p50();
+            let mut cells = vec![
+                opt_ms(row.part_p50("publish")),
+                opt_ms(row.part_p50("consumer")),
+            ];
+            cells.extend(against(ours, floor));
+            cells.push(opt_ms(torch));
+            cells.push(ratio(torch.zip(ours).map(|(t, o)| t / o)));
+            cells
+        },
+        out,
+    );
+}
+
+fn render_cached(r: &Report, s: &Section, out: &mut String) {
+    render_latency(
+        s.rows.iter(),
+        "mech",
+        &["target", "PyTorch repeat p50", "PyTorch/ours"],
+        series,
+        |row| {
+            let torch = r
+                .row(SectionId::Torch, "PyTorch", Some("repeat"), row.size)
+                .and_then(Row::p50);
+            let ours = row.p50();
+            vec![
+                match ours {
+                    Some(v) if v <= targets::CACHED_P50_MS => "PASS".into(),
+                    Some(_) => "MISS".into(),
+                    None => "-".into(),
+                },
+                opt_ms(torch),
+                ratio(torch.zip(ours).map(|(t, o)| t / o)),
+            ]
+        },
+        out,
+    );
+}
+
+fn render_floor(s: &Section, out: &mut String) {
+    render_latency(
+        s.rows.iter(),
+        "floor",
+        &["export p50", "open+wait p50", "close p50"],
+        series,
+        |row| {
+            ["export", "open", "close"]
+                .map(|part| opt_ms(row.part_p50(part)))
+                .to_vec()
+        },
+        out,
+    );
 }
 
 /// A GB/s median, rounded.
@@ -933,8 +941,7 @@ fn gbs(r: Option<&Row>) -> String {
 
 /// A table of copy bandwidths: one line per series (mechanism) with the
 /// median GB/s of each variant in `columns` (header, variant), and the
-/// ratio of the first two variants of `ratio` (header, numerator,
-/// denominator).
+/// ratio of `ratio`'s numerator and denominator variants under its header.
 fn render_copies(
     s: &Section,
     columns: &[(&str, &str)],
@@ -1002,63 +1009,68 @@ fn render_bandwidth(s: &Section, out: &mut String) {
 }
 
 /// The peer section: fresh hand-offs to a consumer on the other GPU next
-/// to the same-GPU figures, then the copies.
+/// to the cross-GPU floor and the same-GPU figures, cached hand-offs, then
+/// the copies.
 fn render_peer(r: &Report, s: &Section, out: &mut String) {
-    let mut t = Table::new(&[
+    let ms = |row: &&Row| row.unit == "ms";
+    render_latency(
+        s.rows
+            .iter()
+            .filter(ms)
+            .filter(|row| row.variant.is_none() && !row.series.ends_with(" floor")),
         "mech",
-        "size",
-        "n",
-        "p50",
-        "p90",
-        "p99",
-        "publish",
-        "consumer",
-        "floor p50",
-        "ours/floor",
-        "same GPU p50",
-        "across/same",
-    ]);
-    let mut any = false;
-    for row in s
-        .rows
-        .iter()
-        .filter(|row| row.unit == "ms" && row.variant.is_none())
-    {
-        any = true;
-        if problem_line(&mut t, row, &label(row)) || row.series.ends_with(" floor") {
-            continue;
+        &[
+            "publish",
+            "consumer",
+            "floor p50",
+            "ours/floor",
+            "same GPU p50",
+            "across/same",
+        ],
+        series,
+        |row| {
+            let floor = r
+                .row(
+                    SectionId::Peer,
+                    &format!("{} floor", row.series),
+                    None,
+                    row.size,
+                )
+                .and_then(Row::p50);
+            let same = r
+                .row(SectionId::Fresh, &row.series, None, row.size)
+                .and_then(Row::p50);
+            let mut cells = vec![
+                opt_ms(row.part_p50("publish")),
+                opt_ms(row.part_p50("consumer")),
+            ];
+            cells.extend(against(row.p50(), floor));
+            cells.extend(against(row.p50(), same));
+            cells
+        },
+        out,
+    );
+    // The floor rows show in the columns above, or here if they failed.
+    for row in s.rows.iter().filter(ms) {
+        if let Some(p) = problem(row).filter(|_| row.series.ends_with(" floor")) {
+            let _ = writeln!(out, "  {}: {p}", label(row));
         }
-        let same = r
-            .row(SectionId::Fresh, &row.series, None, row.size)
-            .and_then(Row::p50);
-        let floor = r
-            .row(
-                SectionId::Peer,
-                &format!("{} floor", row.series),
-                None,
-                row.size,
-            )
-            .and_then(Row::p50);
-        let ours = row.p50();
-        t.row(vec![
-            row.series.clone(),
-            row.size.map(human).unwrap_or_default(),
-            n(row),
-            stat(row, |s| s.p50),
-            stat(row, |s| s.p90),
-            stat(row, |s| s.p99),
-            opt_ms(row.part_p50("publish")),
-            opt_ms(row.part_p50("consumer")),
-            opt_ms(floor),
-            ratio(ours.zip(floor).map(|(o, f)| o / f)),
-            opt_ms(same),
-            ratio(ours.zip(same).map(|(o, s)| o / s)),
-        ]);
     }
-    if any {
-        t.render(out);
-    }
-    render_peer_cached(r, s, out);
+    render_latency(
+        s.rows
+            .iter()
+            .filter(|row| row.variant.as_deref() == Some("cached")),
+        "cached",
+        &["same GPU p50", "across/same"],
+        series,
+        |row| {
+            let same = r
+                .row(SectionId::Cached, &row.series, None, row.size)
+                .and_then(Row::p50);
+            against(row.p50(), same).to_vec()
+        },
+        out,
+    );
     render_copies(
         s,
         &[
@@ -1071,47 +1083,6 @@ fn render_peer(r: &Report, s: &Section, out: &mut String) {
         " copies",
         out,
     );
-}
-
-/// The peer section's cached hand-offs next to the same-GPU ones.
-fn render_peer_cached(r: &Report, s: &Section, out: &mut String) {
-    let mut t = Table::new(&[
-        "cached",
-        "size",
-        "n",
-        "p50",
-        "p90",
-        "p99",
-        "same GPU p50",
-        "across/same",
-    ]);
-    let mut any = false;
-    for row in s
-        .rows
-        .iter()
-        .filter(|row| row.variant.as_deref() == Some("cached"))
-    {
-        any = true;
-        if problem_line(&mut t, row, &label(row)) {
-            continue;
-        }
-        let same = r
-            .row(SectionId::Cached, &row.series, None, row.size)
-            .and_then(Row::p50);
-        t.row(vec![
-            row.series.clone(),
-            row.size.map(human).unwrap_or_default(),
-            n(row),
-            stat(row, |s| s.p50),
-            stat(row, |s| s.p90),
-            stat(row, |s| s.p99),
-            opt_ms(same),
-            ratio(row.p50().zip(same).map(|(o, s)| o / s)),
-        ]);
-    }
-    if any {
-        t.render(out);
-    }
 }
 
 fn render_ring(s: &Section, out: &mut String) {
@@ -1246,23 +1217,14 @@ fn render_scale(s: &Section, out: &mut String) {
 }
 
 fn render_torch(s: &Section, out: &mut String) {
-    let mut t = Table::new(&["mode", "size", "n", "p50", "p90", "p99"]);
-    for row in &s.rows {
-        if problem_line(&mut t, row, &label(row)) {
-            continue;
-        }
-        t.row(vec![
-            row.variant.clone().unwrap_or_default(),
-            row.size.map(human).unwrap_or_default(),
-            n(row),
-            stat(row, |s| s.p50),
-            stat(row, |s| s.p90),
-            stat(row, |s| s.p99),
-        ]);
-    }
-    if !s.rows.is_empty() {
-        t.render(out);
-    }
+    render_latency(
+        s.rows.iter(),
+        "mode",
+        &[],
+        |row| row.variant.clone().unwrap_or_default(),
+        |_| Vec::new(),
+        out,
+    );
 }
 
 /// The table printed at the end of a run.
