@@ -1288,6 +1288,62 @@ fn unpublish_and_wait_released() {
         .unwrap();
 }
 
+/// Frames larger than the socket's buffer: the server starts them from the
+/// calling thread and its writer thread finishes them. They must arrive
+/// whole, with their descriptors, and in order with the frames after them.
+#[test]
+fn frames_larger_than_the_socket_buffer_arrive_whole_and_in_order() {
+    // Just under the 256 KiB limit of meta and update data; a Unix
+    // socket's buffer holds about 200 KiB by default.
+    const BLOB: usize = 250 * 1024;
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "large");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    let blob = |c: char| c.to_string().repeat(BLOB);
+    let a = pattern(4096, 7);
+    let b = pattern(8192, 9);
+    server
+        .publish(
+            "big",
+            json!({ "blob": blob('m') }),
+            vec![memfd_with(&a), memfd_with(&b)],
+        )
+        .unwrap();
+
+    // A client that has read nothing yet gets a 250 KiB answer.
+    let client = quick_client(&path);
+    let att = client.attach("big").unwrap();
+    assert_eq!(att.meta["blob"].as_str().map(str::len), Some(BLOB));
+    assert_eq!(att.meta, json!({ "blob": blob('m') }));
+    assert_eq!(att.fds.len(), 2);
+    assert_eq!(read_fd(&att.fds[0], a.len()), a);
+    assert_eq!(read_fd(&att.fds[1], b.len()), b);
+
+    // Large notices while the client does not read: the first one fills
+    // the socket part-way, the rest queue behind it.
+    let letters: Vec<char> = ('a'..='p').collect();
+    for (i, c) in letters.iter().enumerate() {
+        assert_eq!(server.update("big", json!(blob(*c))).unwrap(), i as u64 + 1);
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    for (i, c) in letters.iter().enumerate() {
+        let u = client.next_update(Duration::from_secs(10)).unwrap();
+        assert_eq!(u.lease, att.lease);
+        assert_eq!(
+            u.notice,
+            Notice::Updated {
+                generation: i as u64 + 1,
+                data: json!(blob(*c))
+            },
+            "update {i}"
+        );
+    }
+    // The connection is still in step.
+    client.ping().unwrap();
+    client.release(att.lease).unwrap();
+    assert_eq!(server.lease_count("big"), 0);
+}
+
 #[test]
 fn updates_reach_every_holder_in_order() {
     let tmp = tempfile::tempdir().unwrap();

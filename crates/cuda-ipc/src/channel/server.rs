@@ -42,7 +42,7 @@ use rustix::net::{
 use serde_json::{Value, json};
 
 use super::frame::{EntryKind, ListedEntry, MAX_FDS, Message, PROTOCOL_VERSION};
-use super::socket::{Ucred, peer_credentials, recv_frame, send_frame};
+use super::socket::{Ucred, peer_credentials, recv_frame, send_bytes, send_frame, try_send_frame};
 use super::{ChannelError, Side, lock, own_pid, own_uid, refused_text};
 
 /// The largest `meta` or `notice` value, in bytes of JSON (256 KiB), so that
@@ -373,10 +373,12 @@ impl State {
 // ---------------------------------------------------------------------------
 // Connections
 
-/// A frame waiting for the writer thread, with the descriptors it carries.
-struct Outgoing {
-    message: Message,
-    fds: Vec<OwnedFd>,
+/// What waits for the writer thread.
+enum Outgoing {
+    /// A frame, with the descriptors it carries.
+    Frame { message: Message, fds: Vec<OwnedFd> },
+    /// The end of a frame whose start (and descriptors) already went.
+    Rest(Vec<u8>),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -392,6 +394,8 @@ enum OutState {
 struct Outbox {
     queue: VecDeque<Outgoing>,
     state: OutState,
+    /// The writer thread is sending a frame it took from the queue.
+    sending: bool,
 }
 
 struct Conn {
@@ -403,12 +407,35 @@ struct Conn {
 }
 
 impl Conn {
-    /// Queues a frame for the writer thread. A client with too many unread
-    /// frames is disconnected. Returns whether the frame was queued.
+    /// Sends a frame: at once from the calling thread when nothing is
+    /// queued or being sent and the socket takes it without waiting (no
+    /// thread hop), else through the writer thread's queue. A client with
+    /// too many unread frames is disconnected. Returns whether the frame
+    /// was sent or queued.
     fn push(&self, message: Message, fds: Vec<OwnedFd>, max_queued: usize) -> bool {
         let mut out = lock(&self.out);
         if out.state != OutState::Open {
             return false;
+        }
+        if out.queue.is_empty() && !out.sending {
+            // Under the lock, so that no other frame can start meanwhile.
+            let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+            match try_send_frame(&self.stream, &message, &borrowed) {
+                Ok((bytes, sent)) if sent == bytes.len() => return true,
+                Ok((bytes, 0)) => drop(bytes),
+                Ok((mut bytes, sent)) => {
+                    bytes.drain(..sent);
+                    out.queue.push_back(Outgoing::Rest(bytes));
+                    drop(out);
+                    self.out_ready.notify_all();
+                    return true;
+                }
+                Err(e) => {
+                    drop(out);
+                    self.send_failed(&e);
+                    return false;
+                }
+            }
         }
         if out.queue.len() >= max_queued {
             tracing::warn!(
@@ -424,10 +451,24 @@ impl Conn {
             let _ = shutdown(&self.stream, Shutdown::Both);
             return false;
         }
-        out.queue.push_back(Outgoing { message, fds });
+        out.queue.push_back(Outgoing::Frame { message, fds });
         drop(out);
         self.out_ready.notify_all();
         true
+    }
+
+    /// Logs a failed send (unless the client simply went away) and stops
+    /// the connection: a frame may have been cut in half.
+    fn send_failed(&self, e: &ChannelError) {
+        if !matches!(e, ChannelError::PeerGone) {
+            tracing::warn!(
+                pid = self.cred.pid,
+                uid = self.cred.uid,
+                error = %e,
+                "disconnecting a client that could not be sent a frame"
+            );
+        }
+        self.abort();
     }
 
     /// Lets the writer send `last` (if any) and stop; drops queued frames.
@@ -436,7 +477,7 @@ impl Conn {
         out.queue.clear();
         if out.state == OutState::Open {
             if let Some(message) = last {
-                out.queue.push_back(Outgoing {
+                out.queue.push_back(Outgoing::Frame {
                     message,
                     fds: Vec::new(),
                 });
@@ -478,6 +519,7 @@ impl Conn {
                 let mut out = lock(&self.out);
                 loop {
                     if let Some(o) = out.queue.pop_front() {
+                        out.sending = true;
                         // The reader may be waiting for room.
                         self.out_ready.notify_all();
                         break (o, out.state == OutState::Draining);
@@ -491,27 +533,22 @@ impl Conn {
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
                 }
             };
-            let fds: Vec<BorrowedFd<'_>> = next.fds.iter().map(AsFd::as_fd).collect();
             let timeout = if draining {
                 send_timeout.min(FINAL_SEND_TIMEOUT)
             } else {
                 send_timeout
             };
-            if let Err(e) = send_frame(
-                &self.stream,
-                &next.message,
-                &fds,
-                Some(Instant::now() + timeout),
-            ) {
-                if !matches!(e, ChannelError::PeerGone) {
-                    tracing::warn!(
-                        pid = self.cred.pid,
-                        uid = self.cred.uid,
-                        error = %e,
-                        "disconnecting a client that could not be sent a frame"
-                    );
+            let deadline = Some(Instant::now() + timeout);
+            let sent = match &next {
+                Outgoing::Frame { message, fds } => {
+                    let fds: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+                    send_frame(&self.stream, message, &fds, deadline)
                 }
-                self.abort();
+                Outgoing::Rest(bytes) => send_bytes(&self.stream, bytes, &[], deadline),
+            };
+            lock(&self.out).sending = false;
+            if let Err(e) = sent {
+                self.send_failed(&e);
                 return;
             }
             // `next` drops here: our duplicates of the descriptors close; the
@@ -1117,6 +1154,7 @@ fn admit(shared: &Arc<Shared>, stream: UnixStream) {
             out: Mutex::new(Outbox {
                 queue: VecDeque::new(),
                 state: OutState::Open,
+                sending: false,
             }),
             out_ready: Condvar::new(),
         });

@@ -93,6 +93,12 @@ pub fn send_frame(
     fds: &[BorrowedFd<'_>],
     deadline: Option<Instant>,
 ) -> Result<(), ChannelError> {
+    let bytes = encode_checked(message, fds)?;
+    send_bytes(stream, &bytes, fds, deadline)
+}
+
+/// The frame of `message`, after checking that `fds` is what it announces.
+fn encode_checked(message: &Message, fds: &[BorrowedFd<'_>]) -> Result<Vec<u8>, ChannelError> {
     if message.fd_count() != fds.len() {
         return Err(ChannelError::arg(
             "file descriptors",
@@ -104,8 +110,56 @@ pub fn send_frame(
             ),
         ));
     }
-    let bytes = encode_frame(message, fds.len())?;
-    send_bytes(stream, &bytes, fds, deadline)
+    Ok(encode_frame(message, fds.len())?)
+}
+
+/// One attempt to send a frame without waiting: returns the encoded frame
+/// and how many of its bytes went (0 when the socket's buffer is full; the
+/// descriptors go with the first byte). The caller sends the rest, without
+/// descriptors, with [`send_bytes`]. Errors as [`send_frame`].
+pub(crate) fn try_send_frame(
+    stream: impl AsFd,
+    message: &Message,
+    fds: &[BorrowedFd<'_>],
+) -> Result<(Vec<u8>, usize), ChannelError> {
+    let bytes = encode_checked(message, fds)?;
+    let sent = send_first(stream.as_fd(), &bytes, fds)?.unwrap_or(0);
+    Ok((bytes, sent))
+}
+
+/// One `sendmsg` of `bytes` with `fds` attached, retried on EINTR: how many
+/// bytes went, or `None` if the socket's buffer is full.
+fn send_first(
+    fd: BorrowedFd<'_>,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> Result<Option<usize>, ChannelError> {
+    if fds.len() > MAX_FDS {
+        return Err(FrameError::TooManyFds {
+            count: fds.len(),
+            max: MAX_FDS,
+        }
+        .into());
+    }
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    loop {
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+            // Cannot happen: the buffer is sized for MAX_FDS, checked above.
+            return Err(FrameError::TooManyFds {
+                count: fds.len(),
+                max: MAX_FDS,
+            }
+            .into());
+        }
+        let flags = SendFlags::NOSIGNAL | SendFlags::DONTWAIT;
+        match sendmsg(fd, &[IoSlice::new(bytes)], &mut control, flags) {
+            Ok(n) => return Ok(Some(n)),
+            Err(Errno::AGAIN) => return Ok(None),
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(send_error(e)),
+        }
+    }
 }
 
 /// Sends raw bytes with `fds` attached to the first of them: the building
@@ -125,34 +179,15 @@ pub fn send_bytes(
     let mut sent = 0usize;
 
     // The first transfer carries the descriptors.
-    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
-    if fds.len() > MAX_FDS {
-        return Err(FrameError::TooManyFds {
-            count: fds.len(),
-            max: MAX_FDS,
-        }
-        .into());
-    }
     while sent == 0 && !bytes.is_empty() {
-        let mut control = SendAncillaryBuffer::new(&mut space);
-        if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
-            // Cannot happen: the buffer is sized for MAX_FDS, checked above.
-            return Err(FrameError::TooManyFds {
-                count: fds.len(),
-                max: MAX_FDS,
-            }
-            .into());
-        }
-        match sendmsg(fd, &[IoSlice::new(bytes)], &mut control, flags) {
-            Ok(n) => sent = n,
-            Err(Errno::AGAIN) => {
+        match send_first(fd, bytes, fds)? {
+            Some(n) => sent = n,
+            None => {
                 wait(fd, PollFlags::OUT, deadline).map_err(|()| ChannelError::Timeout {
                     what: "the peer to accept data (its receive buffer is full)".into(),
                     after: started.elapsed(),
                 })?;
             }
-            Err(Errno::INTR) => {}
-            Err(e) => return Err(send_error(e)),
         }
     }
 
