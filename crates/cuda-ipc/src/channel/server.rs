@@ -1442,7 +1442,7 @@ impl Shared {
                 uid: conn.cred.uid,
             },
         );
-        // Queued under the state lock, so that no update for this lease can
+        // Sent or queued under the state lock, so that no update for this lease can
         // overtake the answer.
         conn.push(
             Message::Attached {
