@@ -8,16 +8,18 @@
 //! kills them if a test fails. Every wait has a deadline.
 
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
+
+mod support;
+use support::{ChildProc, memfd_with, pattern, read_fd, test_command};
 
 use cuda_ipc::ErrorKind;
 use cuda_ipc::channel::frame::{
@@ -30,7 +32,6 @@ use cuda_ipc::channel::{
     default_socket_dir, default_socket_path, ensure_private_dir, validate_socket_name,
 };
 use proptest::prelude::*;
-use rustix::fs::{MemfdFlags, memfd_create};
 use serde_json::{Value, json};
 
 // ---------------------------------------------------------------------------
@@ -60,32 +61,6 @@ fn spawn_lock() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
-
-fn memfd_with(bytes: &[u8]) -> OwnedFd {
-    let fd = memfd_create("cuda-ipc-channel-test", MemfdFlags::CLOEXEC).unwrap();
-    let mut written = 0;
-    while written < bytes.len() {
-        written += rustix::io::write(&fd, &bytes[written..]).unwrap();
-    }
-    fd
-}
-
-fn read_fd(fd: impl AsFd, len: usize) -> Vec<u8> {
-    let mut buf = vec![0u8; len];
-    let mut got = 0;
-    while got < len {
-        let n = rustix::io::pread(&fd, &mut buf[got..], got as u64).unwrap();
-        assert!(n > 0, "memfd shorter than expected");
-        got += n;
-    }
-    buf
-}
-
 fn tmp_socket(dir: &tempfile::TempDir, name: &str) -> PathBuf {
     dir.path().join(format!("{name}.sock"))
 }
@@ -94,99 +69,14 @@ fn quick_client(path: &Path) -> Client {
     Client::connect(path, ClientConfig::default()).unwrap()
 }
 
-/// A child process running this executable in a role; killed on drop.
-struct ChildProc {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-}
-
-impl ChildProc {
-    fn spawn(test: &str, role: &str, path: &Path, name: &str) -> ChildProc {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([test, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD_ENV, role)
-            .env(PATH_ENV, path)
-            .env(NAME_ENV, name)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("cannot re-run the test executable");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let stdin = child.stdin.take();
-        ChildProc {
-            child,
-            stdin,
-            lines,
-        }
-    }
-
-    /// Waits for a line containing `marker` (libtest may print the test name
-    /// before it on the same line) and returns it.
-    fn expect_line(&self, marker: &str, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.contains(marker) => return line,
-                Ok(_) => {}
-                Err(e) => panic!("child {} did not print {marker:?}: {e}", self.child.id()),
-            }
-        }
-    }
-
-    /// Closes the child's stdin: the signal to finish.
-    fn finish(&mut self) {
-        self.stdin = None;
-    }
-
-    /// Waits for the child to exit successfully.
-    fn wait_success(&mut self, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(
-                    status.success(),
-                    "child {} failed: {status}",
-                    self.child.id()
-                );
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "child {} did not exit in time",
-                self.child.id()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for ChildProc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            self.kill();
-        }
-    }
+/// This test executable re-run for `test` in `role`, against the socket
+/// at `path` and the entry `name`.
+fn spawn_child(test: &str, role: &str, path: &Path, name: &str) -> ChildProc {
+    let mut cmd = test_command(&std::env::current_exe().unwrap(), test);
+    cmd.env(CHILD_ENV, role)
+        .env(PATH_ENV, path)
+        .env(NAME_ENV, name);
+    ChildProc::start(cmd).expect("cannot re-run the test executable")
 }
 
 /// If this process is a child, runs its role and returns true.
@@ -2052,8 +1942,8 @@ fn killed_consumer_releases_its_leases() {
         )
         .unwrap();
 
-    let mut child = ChildProc::spawn("killed_consumer_releases_its_leases", "hold", &path, "buf");
-    child.expect_line("CHILD-READY", Duration::from_secs(20));
+    let mut child = spawn_child("killed_consumer_releases_its_leases", "hold", &path, "buf");
+    child.line("CHILD-READY", Duration::from_secs(20));
     let leases = server.leases();
     assert_eq!(leases.len(), 1);
     assert_eq!(leases[0].pid, child.pid());
@@ -2078,13 +1968,13 @@ fn killed_ring_subscriber_frees_its_slots() {
     let path = tmp_socket(&tmp, "killed-sub");
     let server = Server::bind(ServerConfig::new(&path)).unwrap();
     let ring = server.create_ring("r", json!(null), ring_slots(2)).unwrap();
-    let mut child = ChildProc::spawn(
+    let mut child = spawn_child(
         "killed_ring_subscriber_frees_its_slots",
         "ring-hold",
         &path,
         "r",
     );
-    child.expect_line("CHILD-READY", Duration::from_secs(20));
+    child.line("CHILD-READY", Duration::from_secs(20));
     assert_eq!(ring.subscribers().len(), 1);
     for i in 0..2 {
         let slot = ring.acquire(Some(Duration::from_secs(1))).unwrap();
@@ -2109,8 +1999,8 @@ fn killed_producer_is_noticed_at_once() {
     let _serial = spawn_lock();
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, "killed-producer");
-    let mut child = ChildProc::spawn("killed_producer_is_noticed_at_once", "producer", &path, "p");
-    child.expect_line("CHILD-READY", Duration::from_secs(20));
+    let mut child = spawn_child("killed_producer_is_noticed_at_once", "producer", &path, "p");
+    child.line("CHILD-READY", Duration::from_secs(20));
 
     let client = Arc::new(quick_client(&path));
     assert_eq!(client.server_pid(), child.pid());
@@ -2171,7 +2061,7 @@ fn fifty_consumers_at_once() {
         .unwrap();
 
     let mut children: Vec<ChildProc> = (0..FIFTY_PROCESSES)
-        .map(|_| ChildProc::spawn("fifty_consumers_at_once", "verify", &path, "shared"))
+        .map(|_| spawn_child("fifty_consumers_at_once", "verify", &path, "shared"))
         .collect();
     let attached = Arc::new(Barrier::new(FIFTY_THREADS + 1));
     let release = Arc::new(Barrier::new(FIFTY_THREADS + 1));
@@ -2190,8 +2080,8 @@ fn fifty_consumers_at_once() {
         })
         .collect();
     attached.wait();
-    for c in &children {
-        c.expect_line("CHILD-READY", Duration::from_secs(30));
+    for c in &mut children {
+        c.line("CHILD-READY", Duration::from_secs(30));
     }
     // All fifty hold a lease at the same time.
     assert_eq!(
@@ -2203,7 +2093,7 @@ fn fifty_consumers_at_once() {
 
     release.wait();
     for c in &mut children {
-        c.finish();
+        c.close_stdin();
     }
     for t in threads {
         t.join().unwrap();

@@ -28,21 +28,22 @@
 //! `CUDA_IPC_CHAOS_SCALE=<n>` multiplies the number of rounds (a soak).
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
+
+mod support;
+use support::{ChildProc, memfd_with, pattern, read_fd, test_command};
 
 use cuda_ipc::channel::frame::{Message, PROTOCOL_VERSION, encode_frame};
 use cuda_ipc::channel::socket::{recv_frame, send_frame};
 use cuda_ipc::channel::{
     ChannelError, Client, ClientConfig, LeaseInfo, Notice, RingProducer, Server, ServerConfig,
 };
-use rustix::fs::{MemfdFlags, memfd_create};
 use serde_json::json;
 
 // ---------------------------------------------------------------------------
@@ -129,35 +130,14 @@ fn scale() -> usize {
 // ---------------------------------------------------------------------------
 // Memory and descriptors
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
-
-fn memfd_with(bytes: &[u8]) -> OwnedFd {
-    let fd = memfd_create("cuda-ipc-chaos", MemfdFlags::CLOEXEC).unwrap();
-    let mut written = 0;
-    while written < bytes.len() {
-        written += rustix::io::pwrite(&fd, &bytes[written..], written as u64).unwrap();
-    }
-    fd
-}
-
-fn read_fd(fd: impl AsFd, len: usize) -> Vec<u8> {
-    let mut buf = vec![0u8; len];
-    let mut got = 0;
-    while got < len {
-        let n = rustix::io::pread(&fd, &mut buf[got..], got as u64).unwrap();
-        assert!(n > 0, "memfd shorter than expected");
-        got += n;
-    }
-    buf
-}
-
 /// The stamp a ring frame's notice announces, written at offset 0 of its slot.
 fn stamp_of(fd: impl AsFd) -> u64 {
-    u64::from_le_bytes(read_fd(fd, 8).try_into().unwrap())
+    let bytes = read_fd(fd, 8);
+    u64::from_le_bytes(
+        bytes
+            .try_into()
+            .unwrap_or_else(|b: Vec<u8>| panic!("a ring slot of {} bytes has no stamp", b.len())),
+    )
 }
 
 fn open_fds() -> usize {
@@ -193,114 +173,14 @@ fn victim_entry(i: u64) -> String {
 // ---------------------------------------------------------------------------
 // Child processes
 
-/// A child process running this executable in a role; killed on drop.
-struct ChildProc {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    /// Lines of stdout, with the moment each arrived.
-    lines: mpsc::Receiver<(String, Instant)>,
-    /// Lines received but not yet asked for.
-    seen: Vec<(String, Instant)>,
-}
-
-impl ChildProc {
-    fn spawn(test: &str, role: &str, path: &Path, arg: &str) -> ChildProc {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([test, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD_ENV, role)
-            .env(PATH_ENV, path)
-            .env(ARG_ENV, arg)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("cannot re-run the test executable");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send((line, Instant::now())).is_err() {
-                    break;
-                }
-            }
-        });
-        let stdin = child.stdin.take();
-        ChildProc {
-            child,
-            stdin,
-            lines,
-            seen: Vec::new(),
-        }
-    }
-
-    /// Waits for a line containing `marker` (lines that arrived earlier
-    /// count too) and returns it with the moment it arrived, or `None`
-    /// after `timeout`.
-    fn try_line(&mut self, marker: &str, timeout: Duration) -> Option<(String, Instant)> {
-        if let Some(i) = self.seen.iter().position(|(l, _)| l.contains(marker)) {
-            return Some(self.seen.remove(i));
-        }
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok((line, at)) if line.contains(marker) => return Some((line, at)),
-                Ok(other) => self.seen.push(other),
-                Err(_) => return None,
-            }
-        }
-    }
-
-    fn line(&mut self, marker: &str, timeout: Duration) -> (String, Instant) {
-        self.try_line(marker, timeout).unwrap_or_else(|| {
-            let status = self.child.try_wait().ok().flatten();
-            panic!(
-                "child {} did not print {marker:?} within {timeout:?} (exit status: {status:?})",
-                self.child.id()
-            )
-        })
-    }
-
-    /// SIGKILL, and reap.
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// Closes stdin (the signal to finish) and waits for a clean exit.
-    fn finish(&mut self, timeout: Duration) {
-        self.stdin = None;
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(
-                    status.success(),
-                    "child {} failed: {status}",
-                    self.child.id()
-                );
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "child {} did not exit within {timeout:?}",
-                self.child.id()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for ChildProc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            self.kill();
-        }
-    }
+/// This test executable re-run for `test` in `role`, against the socket
+/// at `path`, with the role's argument `arg`.
+fn spawn_child(test: &str, role: &str, path: &Path, arg: &str) -> ChildProc {
+    let mut cmd = test_command(&std::env::current_exe().unwrap(), test);
+    cmd.env(CHILD_ENV, role)
+        .env(PATH_ENV, path)
+        .env(ARG_ENV, arg);
+    ChildProc::start(cmd).expect("cannot re-run the test executable")
 }
 
 /// Exits this (child) process when stdin reaches end of file: the parent
@@ -704,7 +584,7 @@ fn consumers_killed_at_random_points() {
     let mut p = Producer::start(&path);
 
     let mut survivors: Vec<ChildProc> = (0..SURVIVORS)
-        .map(|_| ChildProc::spawn(TEST, "survivor", &path, ""))
+        .map(|_| spawn_child(TEST, "survivor", &path, ""))
         .collect();
     for s in &mut survivors {
         s.line("CHILD-READY", Duration::from_secs(30));
@@ -724,20 +604,20 @@ fn consumers_killed_at_random_points() {
         let mut victim = match scenario {
             Scenario::MidFrame => {
                 let arg = format!("{},{}", rng.below(2), rng.next() % 1000);
-                let mut v = ChildProc::spawn(TEST, "half-frame", &path, &arg);
+                let mut v = spawn_child(TEST, "half-frame", &path, &arg);
                 v.line("CHILD-READY", ANSWER);
                 std::thread::sleep(rng.millis(2));
                 v
             }
             Scenario::MidAttach => {
-                let mut v = ChildProc::spawn(TEST, "churn", &path, "");
+                let mut v = spawn_child(TEST, "churn", &path, "");
                 v.line("CHILD-READY", ANSWER);
                 victim_entries = (0..VICTIM_ENTRIES as u64).map(victim_entry).collect();
                 std::thread::sleep(rng.millis(15));
                 v
             }
             Scenario::MidRing => {
-                let mut v = ChildProc::spawn(TEST, "ring-noack", &path, "");
+                let mut v = spawn_child(TEST, "ring-noack", &path, "");
                 v.line("CHILD-READY", ANSWER);
                 let seq = p.publish_frame();
                 // The victim has the frame and will never ack it.
@@ -745,7 +625,7 @@ fn consumers_killed_at_random_points() {
                 v
             }
             Scenario::RingBurst => {
-                let mut v = ChildProc::spawn(TEST, "ring-ack", &path, "");
+                let mut v = spawn_child(TEST, "ring-ack", &path, "");
                 v.line("CHILD-READY", ANSWER);
                 for _ in 0..=rng.below(3) {
                     p.publish_frame();
@@ -760,7 +640,7 @@ fn consumers_killed_at_random_points() {
                 if rng.below(2) == 0 {
                     names.push("ring".into());
                 }
-                let mut v = ChildProc::spawn(TEST, "hold", &path, &names.join(","));
+                let mut v = spawn_child(TEST, "hold", &path, &names.join(","));
                 v.line("CHILD-READY", ANSWER);
                 let now = p.server.leases();
                 let theirs: Vec<&LeaseInfo> = now.iter().filter(|l| l.pid == v.pid()).collect();
@@ -878,7 +758,7 @@ fn producers_killed_at_random_points() {
     let mut early_kills = 0;
     for round in 0..rounds {
         let what = format!("round {round}");
-        let mut producer = ChildProc::spawn(TEST, "producer", &path, "");
+        let mut producer = spawn_child(TEST, "producer", &path, "");
         producer.line("CHILD-READY", Duration::from_secs(30));
         // Mostly a kill in full flow; sometimes while the clients connect.
         let early = rng.below(4) == 0;
@@ -887,7 +767,7 @@ fn producers_killed_at_random_points() {
         let mut consumer = None;
         let held: Arc<Mutex<Option<OwnedFd>>> = Arc::default();
         if !early {
-            let mut c = ChildProc::spawn(TEST, "consumer", &path, "");
+            let mut c = spawn_child(TEST, "consumer", &path, "");
             c.line("CHILD-READY", ANSWER);
             consumer = Some(c);
         }

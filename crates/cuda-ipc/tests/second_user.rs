@@ -21,14 +21,15 @@
 //!   64-byte handle, which is all the CUDA driver asks for. An fd-based
 //!   descriptor's number, printed the same way, gives them nothing.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsFd, OwnedFd};
+use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Mutex, mpsc};
-use std::time::{Duration, Instant};
+use std::sync::Mutex;
+use std::time::Duration;
+
+mod support;
+use support::{ChildProc, memfd_with, pattern, read_fd, test_command};
 
 use cuda_ipc::channel::{
     ChannelError, Client, ClientConfig, EntryKind, Server, ServerConfig, ensure_private_dir,
@@ -36,7 +37,6 @@ use cuda_ipc::channel::{
 use cuda_ipc::descriptor::{Descriptor, Dtype, Source};
 use cuda_ipc::device::DeviceUuid;
 use cuda_ipc::handle::IpcMemHandle;
-use rustix::fs::{MemfdFlags, memfd_create};
 use serde_json::json;
 
 /// The other user: `nobody` on most Linux systems.
@@ -55,33 +55,9 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn pattern(len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(29) ^ 0x5a)
-        .collect()
-}
-
-fn memfd_with(bytes: &[u8]) -> OwnedFd {
-    let fd = memfd_create("cuda-ipc-second-user", MemfdFlags::CLOEXEC).unwrap();
-    let mut written = 0;
-    while written < bytes.len() {
-        written += rustix::io::pwrite(&fd, &bytes[written..], written as u64).unwrap();
-    }
-    fd
-}
-
-fn read_fd(fd: impl AsFd, len: usize) -> Vec<u8> {
-    let mut buf = vec![0u8; len];
-    let mut got = 0;
-    while got < len {
-        let n = rustix::io::pread(&fd, &mut buf[got..], got as u64).unwrap();
-        if n == 0 {
-            break;
-        }
-        got += n;
-    }
-    buf.truncate(got);
-    buf
+/// The contents of the shared memfds.
+fn data(len: usize) -> Vec<u8> {
+    pattern(len, 0x5a)
 }
 
 /// Says that and why a test did not run, on stderr itself: libtest
@@ -131,85 +107,16 @@ fn executable_for_others(dir: &Path) -> PathBuf {
     copy
 }
 
-/// A child running this executable as uid/gid 65534; killed on drop.
-struct OtherUser {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-}
-
-impl OtherUser {
-    /// Starts `role` against `path`, or says why it cannot (`Err`: skip).
-    fn spawn(dir: &Path, test: &str, role: &str, path: &Path) -> Result<OtherUser, String> {
-        let mut child = Command::new(executable_for_others(dir))
-            .args([test, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD_ENV, role)
-            .env(PATH_ENV, path)
-            .current_dir(dir)
-            .uid(OTHER)
-            .gid(OTHER)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("cannot start a child as uid {OTHER}: {e}"))?;
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let stdin = child.stdin.take();
-        Ok(OtherUser {
-            child,
-            stdin,
-            lines,
-        })
-    }
-
-    /// The text after the first line that starts (after libtest's own
-    /// output) with `marker`.
-    fn line(&self, marker: &str) -> String {
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => {
-                    if let Some(at) = line.find(marker) {
-                        return line[at + marker.len()..].trim().to_owned();
-                    }
-                }
-                Err(e) => panic!("the child did not print {marker:?}: {e}"),
-            }
-        }
-    }
-
-    /// Closes stdin (the signal to finish) and checks the child succeeded.
-    fn finish(mut self) {
-        self.stdin = None;
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "the child failed: {status}");
-                return;
-            }
-            assert!(Instant::now() < deadline, "the child did not exit");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
-impl Drop for OtherUser {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+/// Starts this test executable for `test` in `role` against `path`, as
+/// uid/gid 65534, or says why it cannot (`Err`: skip).
+fn spawn_other(dir: &Path, test: &str, role: &str, path: &Path) -> Result<ChildProc, String> {
+    let mut cmd = test_command(&executable_for_others(dir), test);
+    cmd.env(CHILD_ENV, role)
+        .env(PATH_ENV, path)
+        .current_dir(dir)
+        .uid(OTHER)
+        .gid(OTHER);
+    ChildProc::start(cmd).map_err(|e| format!("cannot start a child as uid {OTHER}: {e}"))
 }
 
 /// How a connection attempt ended, in one line the parent can check.
@@ -254,7 +161,7 @@ fn run_child_role() -> bool {
             let client = Client::connect(&path, trust_root()).unwrap();
             let a = client.attach("weights").unwrap();
             let len = usize::try_from(a.meta["len"].as_u64().unwrap()).unwrap();
-            let ok = read_fd(&a.fds[0], len) == pattern(len);
+            let ok = read_fd(&a.fds[0], len) == data(len);
             println!("RESULT lease={} read={len} match={ok}", a.lease);
             let mut sink = Vec::new();
             let _ = std::io::stdin().read_to_end(&mut sink);
@@ -309,36 +216,39 @@ fn the_default_peer_check_refuses_another_user() {
         .publish(
             "weights",
             json!({ "len": LEN }),
-            vec![memfd_with(&pattern(LEN))],
+            vec![memfd_with(&data(LEN))],
         )
         .unwrap();
     open_socket_to_all(&path);
 
-    let child = match OtherUser::spawn(dir.path(), TEST, "connect", &path) {
+    let mut child = match spawn_other(dir.path(), TEST, "connect", &path) {
         Ok(c) => c,
         Err(why) => return skip(TEST, &why),
     };
-    assert_eq!(child.line("CHILD-UID"), format!("{OTHER} {OTHER}"));
     assert_eq!(
-        child.line("RESULT"),
+        child.after("CHILD-UID", TIMEOUT),
+        format!("{OTHER} {OTHER}")
+    );
+    assert_eq!(
+        child.after("RESULT", TIMEOUT),
         format!("refused by=server uid={OTHER}")
     );
-    child.finish();
+    child.finish(TIMEOUT);
     assert!(server.leases().is_empty(), "{:?}", server.leases());
     assert_eq!(server.connection_count(), 0);
     assert_eq!(server.lease_count("weights"), 0);
 
     // The other user's client, left at its default, trusts only servers
     // of its own uid: it refuses ours first.
-    let child = OtherUser::spawn(dir.path(), TEST, "connect-default", &path).unwrap();
-    assert_eq!(child.line("RESULT"), "refused by=client uid=0");
-    child.finish();
+    let mut child = spawn_other(dir.path(), TEST, "connect-default", &path).unwrap();
+    assert_eq!(child.after("RESULT", TIMEOUT), "refused by=client uid=0");
+    child.finish(TIMEOUT);
     assert!(server.leases().is_empty());
 
     // Our own clients are served as before.
     let own = Client::connect(&path, ClientConfig::default()).unwrap();
     let a = own.attach("weights").unwrap();
-    assert_eq!(read_fd(&a.fds[0], LEN), pattern(LEN));
+    assert_eq!(read_fd(&a.fds[0], LEN), data(LEN));
 }
 
 // ---------------------------------------------------------------------------
@@ -362,7 +272,7 @@ fn an_allowed_user_receives_the_memory_through_the_fd() {
         .publish(
             "weights",
             json!({ "len": LEN }),
-            vec![memfd_with(&pattern(LEN))],
+            vec![memfd_with(&data(LEN))],
         )
         .unwrap();
     // The socket stays 0600; giving it to the other user lets exactly that
@@ -375,12 +285,15 @@ fn an_allowed_user_receives_the_memory_through_the_fd() {
     .unwrap();
     assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
 
-    let child = match OtherUser::spawn(dir.path(), TEST, "attach", &path) {
+    let mut child = match spawn_other(dir.path(), TEST, "attach", &path) {
         Ok(c) => c,
         Err(why) => return skip(TEST, &why),
     };
-    assert_eq!(child.line("CHILD-UID"), format!("{OTHER} {OTHER}"));
-    let result = child.line("RESULT");
+    assert_eq!(
+        child.after("CHILD-UID", TIMEOUT),
+        format!("{OTHER} {OTHER}")
+    );
+    let result = child.after("RESULT", TIMEOUT);
     assert!(
         result.ends_with(&format!("read={LEN} match=true")),
         "{result}"
@@ -390,12 +303,12 @@ fn an_allowed_user_receives_the_memory_through_the_fd() {
     assert_eq!(leases[0].uid, OTHER);
     assert_eq!(leases[0].name, "weights");
     assert_eq!(leases[0].kind, EntryKind::Entry);
-    assert_eq!(leases[0].pid, child.child.id());
+    assert_eq!(leases[0].pid, child.pid());
     assert_eq!(
         result,
         format!("lease={} read={LEN} match=true", leases[0].lease)
     );
-    child.finish();
+    child.finish(TIMEOUT);
     server
         .wait_released("weights", Some(Duration::from_secs(5)))
         .unwrap();
@@ -423,12 +336,12 @@ fn the_socket_file_and_its_directory_keep_another_user_out() {
     })
     .unwrap();
     assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
-    let child = match OtherUser::spawn(dir.path(), TEST, "connect", &path) {
+    let mut child = match spawn_other(dir.path(), TEST, "connect", &path) {
         Ok(c) => c,
         Err(why) => return skip(TEST, &why),
     };
-    assert_eq!(child.line("RESULT"), format!("io errno={eacces}"));
-    child.finish();
+    assert_eq!(child.after("RESULT", TIMEOUT), format!("io errno={eacces}"));
+    child.finish(TIMEOUT);
     assert_eq!(server.connection_count(), 0);
     drop(server);
 
@@ -444,9 +357,9 @@ fn the_socket_file_and_its_directory_keep_another_user_out() {
     })
     .unwrap();
     open_socket_to_all(&path);
-    let child = OtherUser::spawn(dir.path(), TEST, "connect", &path).unwrap();
-    assert_eq!(child.line("RESULT"), format!("io errno={eacces}"));
-    child.finish();
+    let mut child = spawn_other(dir.path(), TEST, "connect", &path).unwrap();
+    assert_eq!(child.after("RESULT", TIMEOUT), format!("io errno={eacces}"));
+    child.finish(TIMEOUT);
     assert_eq!(server.connection_count(), 0);
 
     // The same socket, reached by a user the directory lets in, works:
@@ -486,18 +399,18 @@ fn a_printed_descriptor_is_a_bearer_token() {
     let file = dir.path().join("legacy.json");
     std::fs::write(&file, legacy.to_json()).unwrap();
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let child = match OtherUser::spawn(dir.path(), TEST, "read-descriptor", &file) {
+    let mut child = match spawn_other(dir.path(), TEST, "read-descriptor", &file) {
         Ok(c) => c,
         Err(why) => return skip(TEST, &why),
     };
     // The other user now holds the 64 bytes; the driver asks for nothing
     // more (cuIpcOpenMemHandle checks no user or process).
-    assert_eq!(child.line("RESULT"), format!("handle={handle}"));
-    child.finish();
+    assert_eq!(child.after("RESULT", TIMEOUT), format!("handle={handle}"));
+    child.finish(TIMEOUT);
 
     // The same for a VMM export: its "fd" is a number in our descriptor
     // table, and the kernel keeps other users out of that table.
-    let memfd = memfd_with(&pattern(4096));
+    let memfd = memfd_with(&data(4096));
     let vmm = Descriptor {
         source: Source::Vmm {
             fd: rustix::fd::AsRawFd::as_raw_fd(&memfd),
@@ -507,9 +420,12 @@ fn a_printed_descriptor_is_a_bearer_token() {
     let file = dir.path().join("vmm.json");
     std::fs::write(&file, vmm.to_json()).unwrap();
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let child = OtherUser::spawn(dir.path(), TEST, "read-descriptor", &file).unwrap();
+    let mut child = spawn_other(dir.path(), TEST, "read-descriptor", &file).unwrap();
     let eacces = rustix::io::Errno::ACCESS.raw_os_error();
-    assert_eq!(child.line("RESULT"), format!("fd-denied errno={eacces}"));
-    child.finish();
+    assert_eq!(
+        child.after("RESULT", TIMEOUT),
+        format!("fd-denied errno={eacces}")
+    );
+    child.finish(TIMEOUT);
     drop(memfd);
 }
