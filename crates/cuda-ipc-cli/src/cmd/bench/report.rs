@@ -424,6 +424,17 @@ impl Report {
         })
     }
 
+    /// The median of [`Report::row`]'s row, if it was measured.
+    pub fn p50(
+        &self,
+        id: SectionId,
+        series: &str,
+        variant: Option<&str>,
+        size: Option<u64>,
+    ) -> Option<f64> {
+        self.row(id, series, variant, size).and_then(Row::p50)
+    }
+
     /// The names of the sections that failed.
     pub fn failed_sections(&self) -> Vec<&'static str> {
         self.sections
@@ -516,12 +527,8 @@ fn floor_targets(r: &Report, out: &mut Vec<TargetCheck>) {
             continue;
         }
         for &size in &r.sizes {
-            let ours = r
-                .row(SectionId::Fresh, m, None, Some(size))
-                .and_then(Row::p50);
-            let floor = r
-                .row(SectionId::Floor, &format!("{m} floor"), None, Some(size))
-                .and_then(Row::p50);
+            let ours = r.p50(SectionId::Fresh, m, None, Some(size));
+            let floor = r.p50(SectionId::Floor, &format!("{m} floor"), None, Some(size));
             out.push(check(
                 format!("floor/{m}/{}", human(size)),
                 format!(
@@ -562,7 +569,7 @@ fn copy_targets(
         if skipped {
             continue;
         }
-        let p50 = |v| r.row(id, m, Some(v), None).and_then(Row::p50);
+        let p50 = |v| r.p50(id, m, Some(v), None);
         out.push(check(
             format!("{}/{m}", id.name()),
             what.replace("{m}", m),
@@ -617,9 +624,7 @@ fn torch_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     if !ran(r, SectionId::Fresh) || !r.sizes.contains(&size) {
         return;
     }
-    let torch = r
-        .row(SectionId::Torch, "PyTorch", Some("fresh"), Some(size))
-        .and_then(Row::p50);
+    let torch = r.p50(SectionId::Torch, "PyTorch", Some("fresh"), Some(size));
     let why = match r.section(SectionId::Torch).map(|s| s.status) {
         Some(Status::Skipped) | None => "PyTorch skipped",
         _ => "not measured",
@@ -628,9 +633,7 @@ fn torch_targets(r: &Report, out: &mut Vec<TargetCheck>) {
         if skipped(r, SectionId::Fresh, m) {
             continue;
         }
-        let ours = r
-            .row(SectionId::Fresh, m, None, Some(size))
-            .and_then(Row::p50);
+        let ours = r.p50(SectionId::Fresh, m, None, Some(size));
         out.push(check(
             format!("torch/{m}/64MiB"),
             format!("fresh 64 MiB hand-off, {m}: PyTorch p50 / ours p50"),
@@ -868,17 +871,13 @@ fn render_fresh(r: &Report, s: &Section, out: &mut String) {
         ],
         series,
         |row| {
-            let floor = r
-                .row(
-                    SectionId::Floor,
-                    &format!("{} floor", row.series),
-                    None,
-                    row.size,
-                )
-                .and_then(Row::p50);
-            let torch = r
-                .row(SectionId::Torch, "PyTorch", Some("fresh"), row.size)
-                .and_then(Row::p50);
+            let floor = r.p50(
+                SectionId::Floor,
+                &format!("{} floor", row.series),
+                None,
+                row.size,
+            );
+            let torch = r.p50(SectionId::Torch, "PyTorch", Some("fresh"), row.size);
             let ours = row.p50();
             let mut cells = vec![
                 opt_ms(row.part_p50("publish")),
@@ -900,9 +899,7 @@ fn render_cached(r: &Report, s: &Section, out: &mut String) {
         &["target", "PyTorch repeat p50", "PyTorch/ours"],
         series,
         |row| {
-            let torch = r
-                .row(SectionId::Torch, "PyTorch", Some("repeat"), row.size)
-                .and_then(Row::p50);
+            let torch = r.p50(SectionId::Torch, "PyTorch", Some("repeat"), row.size);
             let ours = row.p50();
             vec![
                 match ours {
@@ -1029,17 +1026,13 @@ fn render_peer(r: &Report, s: &Section, out: &mut String) {
         ],
         series,
         |row| {
-            let floor = r
-                .row(
-                    SectionId::Peer,
-                    &format!("{} floor", row.series),
-                    None,
-                    row.size,
-                )
-                .and_then(Row::p50);
-            let same = r
-                .row(SectionId::Fresh, &row.series, None, row.size)
-                .and_then(Row::p50);
+            let floor = r.p50(
+                SectionId::Peer,
+                &format!("{} floor", row.series),
+                None,
+                row.size,
+            );
+            let same = r.p50(SectionId::Fresh, &row.series, None, row.size);
             let mut cells = vec![
                 opt_ms(row.part_p50("publish")),
                 opt_ms(row.part_p50("consumer")),
@@ -1064,9 +1057,7 @@ fn render_peer(r: &Report, s: &Section, out: &mut String) {
         &["same GPU p50", "across/same"],
         series,
         |row| {
-            let same = r
-                .row(SectionId::Cached, &row.series, None, row.size)
-                .and_then(Row::p50);
+            let same = r.p50(SectionId::Cached, &row.series, None, row.size);
             against(row.p50(), same).to_vec()
         },
         out,
