@@ -734,6 +734,19 @@ impl Server {
         validate_entry_name(name)?;
         check_fds(fds.len())?;
         let meta_bytes = json_size(&meta, "meta")?;
+        self.insert(name, meta, meta_bytes, Body::Plain { fds, generation: 0 })?;
+        Ok(())
+    }
+
+    /// Adds a published entry under `name`, unless the server shut down or
+    /// the name is taken, and returns its id.
+    fn insert(
+        &self,
+        name: &str,
+        meta: Value,
+        meta_bytes: usize,
+        body: Body,
+    ) -> Result<u64, ChannelError> {
         let mut st = lock(&self.shared.state);
         if st.closed {
             return Err(ChannelError::ShutDown);
@@ -750,11 +763,11 @@ impl Server {
                 meta_bytes,
                 published: true,
                 leases: BTreeSet::new(),
-                body: Body::Plain { fds, generation: 0 },
+                body,
             },
         );
         st.names.insert(name.into(), id);
-        Ok(())
+        Ok(id)
     }
 
     /// Sends `notice` to every client holding a lease on `name`, as an
@@ -928,30 +941,16 @@ impl Server {
                 pending: BTreeSet::new(),
             })
             .collect();
-        let mut st = lock(&self.shared.state);
-        if st.closed {
-            return Err(ChannelError::ShutDown);
-        }
-        if st.names.contains_key(name) {
-            return Err(ChannelError::AlreadyExists { name: name.into() });
-        }
-        let id = st.new_id();
-        st.entries.insert(
-            id,
-            Entry {
-                name: name.into(),
-                meta,
-                meta_bytes,
-                published: true,
-                leases: BTreeSet::new(),
-                body: Body::Ring(Ring {
-                    slots,
-                    next: 0,
-                    seq: 0,
-                }),
-            },
-        );
-        st.names.insert(name.into(), id);
+        let id = self.insert(
+            name,
+            meta,
+            meta_bytes,
+            Body::Ring(Ring {
+                slots,
+                next: 0,
+                seq: 0,
+            }),
+        )?;
         Ok(RingProducer {
             shared: Arc::clone(&self.shared),
             entry: id,
