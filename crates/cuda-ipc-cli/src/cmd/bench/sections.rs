@@ -894,14 +894,13 @@ pub fn peer(ctx: &Ctx<'_>) -> Section {
     }
     let mut s = Section::new(SectionId::Peer);
     let mut consumer = Consumer::on(ctx, "the consumer on the second GPU", b);
-    let reps = |size| ctx.plan.reps(size);
     handoff_rows(
         ctx,
         &mut s,
         &mut consumer,
         None,
         &format!("GPU {a} -> GPU {b} fresh hand-off"),
-        |w, m, size| fresh_row(ctx, w, m, size, reps(size), "peer-fresh"),
+        |w, m, size| fresh_row(ctx, w, m, size, ctx.plan.reps(size), "peer-fresh"),
     );
     handoff_rows(
         ctx,
@@ -909,7 +908,7 @@ pub fn peer(ctx: &Ctx<'_>) -> Section {
         &mut consumer,
         Some("cached"),
         &format!("GPU {a} -> GPU {b} cached hand-off"),
-        |w, m, size| cached_row(ctx, w, m, size, reps(size), "peer-cached"),
+        |w, m, size| cached_row(ctx, w, m, size, ctx.plan.reps(size), "peer-cached"),
     );
     peer_floor_rows(ctx, &mut s, &floors, b);
     let size = ctx.plan.bandwidth_size;
