@@ -217,7 +217,7 @@ impl Error {
             | Error::OutOfBounds { .. }
             | Error::Torch(_) => ErrorKind::InvalidInput,
             Error::Driver { code, .. } => driver_kind(*code),
-            Error::Channel(e) => e.kind(),
+            Error::Channel(e) => channel_kind(e.kind()),
             Error::Io { .. } => ErrorKind::Failed,
         }
     }
@@ -248,6 +248,17 @@ impl Error {
 }
 
 /// Codes that mean "this machine cannot do it", as opposed to a failure.
+/// The crate's class of a channel error.
+fn channel_kind(kind: crate::channel::ChannelErrorKind) -> ErrorKind {
+    use crate::channel::ChannelErrorKind as K;
+    match kind {
+        K::InvalidInput => ErrorKind::InvalidInput,
+        K::Peer => ErrorKind::Peer,
+        K::Timeout => ErrorKind::Timeout,
+        _ => ErrorKind::Failed,
+    }
+}
+
 fn driver_kind(code: i32) -> ErrorKind {
     match code {
         // NO_DEVICE, INVALID_DEVICE, DEVICE_UNAVAILABLE, NOT_PERMITTED,
@@ -394,6 +405,30 @@ mod tests {
                 driver_error("cuMemCreate", r).kind(),
                 ErrorKind::Unavailable
             );
+        }
+    }
+
+    #[test]
+    fn channel_errors_keep_their_class() {
+        use crate::channel::ChannelError;
+        let cases = [
+            (ChannelError::PeerGone, ErrorKind::Peer),
+            (
+                ChannelError::Timeout {
+                    what: "a reply".into(),
+                    after: std::time::Duration::from_secs(1),
+                },
+                ErrorKind::Timeout,
+            ),
+            (
+                ChannelError::NotFound { name: "a".into() },
+                ErrorKind::InvalidInput,
+            ),
+            (ChannelError::ShutDown, ErrorKind::Failed),
+        ];
+        for (e, kind) in cases {
+            let e = Error::from(e);
+            assert_eq!(e.kind(), kind, "{e}");
         }
     }
 

@@ -25,7 +25,6 @@
 #![warn(missing_docs)]
 
 pub mod buffer;
-pub mod channel;
 pub mod descriptor;
 pub mod device;
 pub mod driver;
@@ -45,6 +44,8 @@ pub mod units;
 pub mod vmm;
 
 pub use buffer::{MappedBuffer, Mapping};
+/// The exchange channel (the `cuda-ipc-channel` crate, which has no CUDA dependency).
+pub use cuda_ipc_channel as channel;
 /// The cudarc version this crate is built on, for matching types.
 pub use cudarc;
 pub use descriptor::{Descriptor, Dtype, Mechanism};

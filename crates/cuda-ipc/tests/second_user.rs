@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
+#[path = "../../cuda-ipc-channel/tests/support/mod.rs"]
 mod support;
 use support::{ChildProc, memfd_with, pattern, read_fd, test_command};
 

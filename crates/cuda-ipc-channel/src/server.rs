@@ -587,9 +587,9 @@ struct Shared {
 /// several threads.
 ///
 /// ```no_run
-/// use cuda_ipc::channel::{Server, ServerConfig};
-/// # fn main() -> Result<(), cuda_ipc::channel::ChannelError> {
-/// let path = cuda_ipc::channel::default_socket_path("demo")?;
+/// use cuda_ipc_channel::{Server, ServerConfig};
+/// # fn main() -> Result<(), cuda_ipc_channel::ChannelError> {
+/// let path = cuda_ipc_channel::default_socket_path("demo")?;
 /// let server = Server::bind(ServerConfig::new(path))?;
 /// # let fd: std::os::fd::OwnedFd = todo!();
 /// server.publish("weights", serde_json::json!({"len": 4096}), vec![fd])?;

@@ -33,13 +33,11 @@
 //!
 //! # Errors
 //! Every fallible function returns [`ChannelError`]; it converts into the
-//! crate's [`Error`](crate::Error) with `?`.
+//! `cuda_ipc::Error` with `?`.
 
 use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
-
-use crate::error::ErrorKind;
 
 pub mod client;
 pub mod frame;
@@ -58,6 +56,21 @@ pub use server::{
     ServerConfig, validate_entry_name,
 };
 pub use socket::Ucred;
+
+/// What went wrong, in the classes a caller acts on (see [`ChannelError::kind`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ChannelErrorKind {
+    /// The caller's input or the peer's message was malformed or not allowed
+    /// (a name, an argument, a frame, a request the state does not allow).
+    InvalidInput,
+    /// The other process is gone, or refused us, or reported an error.
+    Peer,
+    /// A wait ran out of time.
+    Timeout,
+    /// A system call failed, or the server cannot serve.
+    Failed,
+}
 
 /// Which end of a connection refused the other (see [`ChannelError::Refused`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -237,23 +250,23 @@ fn refused_text(by: Side, uid: u32, allowed: &[u32]) -> String {
 
 impl ChannelError {
     /// The class of this error.
-    pub fn kind(&self) -> ErrorKind {
+    pub fn kind(&self) -> ChannelErrorKind {
         match self {
             ChannelError::PeerGone
             | ChannelError::Refused { .. }
             | ChannelError::Remote { .. }
-            | ChannelError::Unpublished { .. } => ErrorKind::Peer,
-            ChannelError::Timeout { .. } => ErrorKind::Timeout,
+            | ChannelError::Unpublished { .. } => ChannelErrorKind::Peer,
+            ChannelError::Timeout { .. } => ChannelErrorKind::Timeout,
             ChannelError::Protocol { .. }
             | ChannelError::Frame(_)
             | ChannelError::InvalidName { .. }
             | ChannelError::InvalidArgument { .. }
             | ChannelError::NotFound { .. }
-            | ChannelError::AlreadyExists { .. } => ErrorKind::InvalidInput,
+            | ChannelError::AlreadyExists { .. } => ChannelErrorKind::InvalidInput,
             ChannelError::Io { .. }
             | ChannelError::InsecureDirectory { .. }
             | ChannelError::Busy { .. }
-            | ChannelError::ShutDown => ErrorKind::Failed,
+            | ChannelError::ShutDown => ChannelErrorKind::Failed,
         }
     }
 

@@ -318,9 +318,9 @@ impl State {
 /// A connection to a channel server: the consumer's end.
 ///
 /// ```no_run
-/// use cuda_ipc::channel::{Client, ClientConfig};
-/// # fn main() -> Result<(), cuda_ipc::channel::ChannelError> {
-/// let path = cuda_ipc::channel::default_socket_path("demo")?;
+/// use cuda_ipc_channel::{Client, ClientConfig};
+/// # fn main() -> Result<(), cuda_ipc_channel::ChannelError> {
+/// let path = cuda_ipc_channel::default_socket_path("demo")?;
 /// let client = Client::connect(&path, ClientConfig::default())?;
 /// let weights = client.attach("weights")?;
 /// // ... map weights.fds, read weights.meta ...

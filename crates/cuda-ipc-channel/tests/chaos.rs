@@ -39,9 +39,9 @@ use std::time::{Duration, Instant};
 mod support;
 use support::{ChildProc, memfd_with, pattern, read_fd, test_command};
 
-use cuda_ipc::channel::frame::{Message, PROTOCOL_VERSION, encode_frame};
-use cuda_ipc::channel::socket::{recv_frame, send_frame};
-use cuda_ipc::channel::{
+use cuda_ipc_channel::frame::{Message, PROTOCOL_VERSION, encode_frame};
+use cuda_ipc_channel::socket::{recv_frame, send_frame};
+use cuda_ipc_channel::{
     ChannelError, Client, ClientConfig, LeaseInfo, Notice, RingProducer, Server, ServerConfig,
 };
 use serde_json::json;

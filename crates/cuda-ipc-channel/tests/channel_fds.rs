@@ -9,9 +9,9 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use cuda_ipc::channel::frame::{Header, Message, encode_header};
-use cuda_ipc::channel::socket::{recv_frame, send_bytes, send_frame};
-use cuda_ipc::channel::{ChannelError, Client, ClientConfig, Server, ServerConfig};
+use cuda_ipc_channel::frame::{Header, Message, encode_header};
+use cuda_ipc_channel::socket::{recv_frame, send_bytes, send_frame};
+use cuda_ipc_channel::{ChannelError, Client, ClientConfig, Server, ServerConfig};
 use rustix::fs::{MemfdFlags, memfd_create};
 use serde_json::json;
 
