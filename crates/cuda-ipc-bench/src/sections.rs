@@ -14,11 +14,11 @@ use cuda_ipc::vmm::VmmBuffer;
 use cuda_ipc::{Device, DeviceMemory, Dtype, Error, IpcBuffer, IpcEvent, Mechanism};
 use serde_json::{Value, json};
 
-use super::floor;
 use super::proto::{REQUEST_TIMEOUT, Worker, failure, get_f64, get_f64s, get_u64, mono_ns};
 use super::report::{PeerInfo, Row, Section, SectionId, human};
 use super::stats::{Stats, gb_per_s, ns_to_ms, slope};
 use super::{Plan, Progress, Reps};
+use cuda_ipc::floor;
 
 /// How long the producer waits for consumers to release a buffer.
 const UNPUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
@@ -478,7 +478,7 @@ fn floor_sample(
         buffer.synchronize()?;
         bind()?;
         let t_a = mono_ns();
-        let handle = floor::export_legacy(buffer.device_address(), rig.event.cu_event(), stream)?;
+        let handle = floor::export_legacy(&buffer, &rig.event, stream)?;
         let t_b = mono_ns();
         let a = worker.request(
             &json!({
@@ -499,8 +499,7 @@ fn floor_sample(
         buffer.synchronize()?;
         bind()?;
         let t_a = mono_ns();
-        let fd = buffer.export_fd()?;
-        floor::record(rig.event.cu_event(), stream)?;
+        let fd = floor::export_vmm(&buffer, &rig.event, stream)?;
         let t_b = mono_ns();
         let name = format!("floor/{size}/{sample}");
         rig.server.publish(&name, json!({}), vec![fd])?;
