@@ -42,7 +42,7 @@ enum Command {
     /// Attach to a buffer a `serve` (or any publisher) publishes, check it, optionally fill it.
     Attach(cmd::serve::AttachArgs),
     /// Measure hand-off latency and bandwidth against the driver's floor and PyTorch.
-    Bench(cmd::bench::Args),
+    Bench(cuda_ipc_bench::Args),
     /// (internal) The consumer side of `demo`.
     #[command(name = "__demo-consumer", hide = true)]
     DemoConsumer(cmd::demo::ConsumerArgs),
@@ -51,7 +51,7 @@ enum Command {
     ProbeOpen(cmd::info::ProbeOpenArgs),
     /// (internal) A consumer process of `bench`.
     #[command(name = "__bench-worker", hide = true)]
-    BenchWorker(cmd::bench::WorkerArgs),
+    BenchWorker(cuda_ipc_bench::WorkerArgs),
 }
 
 /// The outcome of a command that ran to completion.
@@ -89,12 +89,14 @@ fn main() -> ExitCode {
         Command::Demo(a) => cmd::demo::run(&a),
         Command::Export(a) => cmd::export::run(&a),
         Command::Open(a) => cmd::open::run(&a),
-        Command::Bench(a) => cmd::bench::run(&a),
+        Command::Bench(a) => {
+            cuda_ipc_bench::run(&a, &|a, b| link::between(a, b).to_string()).map(|()| Outcome::Ok)
+        }
         Command::Serve(a) => cmd::serve::serve(&a),
         Command::Attach(a) => cmd::serve::attach(&a),
         Command::DemoConsumer(a) => cmd::demo::consumer(&a),
         Command::ProbeOpen(a) => cmd::info::probe_open(&a),
-        Command::BenchWorker(a) => cmd::bench::worker(&a),
+        Command::BenchWorker(a) => cuda_ipc_bench::worker(&a).map(|()| Outcome::Ok),
     };
     match result {
         Ok(Outcome::Ok) => ExitCode::SUCCESS,

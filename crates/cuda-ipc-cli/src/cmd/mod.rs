@@ -1,6 +1,5 @@
 //! One module per subcommand.
 
-pub mod bench;
 pub mod demo;
 pub mod export;
 pub mod info;

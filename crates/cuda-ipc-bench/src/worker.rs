@@ -29,17 +29,15 @@ use std::io::BufRead;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use cuda_ipc::channel;
 use cuda_ipc::cudarc::driver::sys::CUevent_flags;
 use cuda_ipc::exchange::{Attached, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{Device, DeviceMemory, Error, IpcBuffer, IpcEvent};
+use cuda_ipc::{channel, floor};
 use serde_json::{Value, json};
 
-use super::floor;
 use super::proto::{failure, mono_ns, send_line};
 use super::stats::ns_to_ms;
-use crate::Outcome;
 
 /// Arguments of the hidden consumer.
 #[derive(clap::Args, Debug)]
@@ -53,7 +51,7 @@ pub struct WorkerArgs {
 const WAIT: Duration = Duration::from_secs(30);
 
 /// The consumer process.
-pub fn worker(args: &WorkerArgs) -> Result<Outcome, Error> {
+pub fn worker(args: &WorkerArgs) -> Result<(), Error> {
     super::raise_open_files_limit();
     let mut out = std::io::stdout().lock();
     let mut input = std::io::stdin().lock();
@@ -65,7 +63,7 @@ pub fn worker(args: &WorkerArgs) -> Result<Outcome, Error> {
                 &mut out,
                 &json!({ "error": format!("opening the device: {e}") }),
             )?;
-            return Ok(Outcome::Ok);
+            return Ok(());
         }
     };
     send_line(
@@ -114,7 +112,7 @@ pub fn worker(args: &WorkerArgs) -> Result<Outcome, Error> {
             .unwrap_or_else(|e| json!({ "error": format!("{op}: {e}") }));
         send_line(&mut out, &answer)?;
     }
-    Ok(Outcome::Ok)
+    Ok(())
 }
 
 /// What the driver floor keeps between requests.
@@ -334,17 +332,11 @@ impl State {
         let handle: cuda_ipc::IpcMemHandle = text(r, "handle")?.parse()?;
         let len = int(r, "len")? as usize;
         let pattern = pattern(r)?;
-        let stream = self.device.stream();
         bind(&self.device)?;
         let t_c = mono_ns();
-        let opened = floor::open_legacy(&handle, f.event.cu_event(), stream)?;
+        let opened = floor::open_legacy(&self.device, &handle, &f.event)?;
         let t_d = mono_ns();
-        let mem = floor::RawMemory {
-            device: &self.device,
-            ptr: opened.ptr,
-            len,
-        };
-        let bad = verify(&mem, pattern);
+        let bad = opened.memory(len).and_then(|mem| verify(&mem, pattern));
         bind(&self.device)?;
         let t_e = mono_ns();
         let closed = opened.close();
@@ -367,7 +359,6 @@ impl State {
             let fd = a.fds.first().ok_or_else(|| {
                 failure("the vmm floor", "no file descriptor came with the entry")
             })?;
-            let stream = self.device.stream();
             let mut devices = vec![self.device.ordinal() as i32];
             if r.get("also").is_some() {
                 devices.push(int(r, "also")? as i32);
@@ -375,20 +366,15 @@ impl State {
             bind(&self.device)?;
             let t_c = mono_ns();
             let mapped = floor::import_vmm(
+                &self.device,
                 fd.as_fd(),
                 size,
                 f.granularity,
                 &devices,
-                f.event.cu_event(),
-                stream,
+                &f.event,
             )?;
             let t_d = mono_ns();
-            let mem = floor::RawMemory {
-                device: &self.device,
-                ptr: mapped.ptr,
-                len,
-            };
-            let bad = verify(&mem, pattern);
+            let bad = mapped.memory(len).and_then(|mem| verify(&mem, pattern));
             bind(&self.device)?;
             let t_e = mono_ns();
             let unmapped = mapped.unmap();

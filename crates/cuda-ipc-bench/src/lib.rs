@@ -15,16 +15,22 @@
 //! mapping, across two GPUs (with `--devices A,B`), streaming ring, scale,
 //! PyTorch anchor. A failing section is
 //! reported in the table and the others still run; the exit code is then 4.
+//!
+//! This crate is a library so that the `cuda-ipc` command stays one
+//! executable: its `bench` subcommand parses [`Args`] and calls [`run`], and
+//! its hidden `__bench-worker` subcommand parses [`WorkerArgs`] and calls
+//! [`worker`]. The driver floor it measures against is the library's
+//! [`cuda_ipc::floor`]; this crate has no `unsafe` and makes no driver call
+//! of its own.
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use cuda_ipc::device::DeviceUuid;
 use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig};
 use cuda_ipc::{Device, Error, Mechanism};
 
-use crate::Outcome;
-
-mod floor;
 mod plot;
 mod proto;
 mod report;
@@ -110,7 +116,11 @@ fn parse_mechanism(s: &str) -> Result<Mechanism, String> {
 
 /// Parses a hand-off size: at least 4 KiB, a multiple of 4 bytes.
 fn parse_size(s: &str) -> Result<u64, String> {
-    let n = super::parse_size(s.trim())?;
+    let n = s
+        .trim()
+        .parse::<cuda_ipc::units::ByteSize>()
+        .map_err(|e| e.to_string())?
+        .0;
     if n < 4096 || !n.is_multiple_of(4) {
         return Err(format!(
             "{s:?} ({n} bytes): a hand-off size must be at least 4KiB and a multiple of 4 bytes \
@@ -424,12 +434,17 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// How the caller names the link between two GPUs (NVLink, PCIe, ...), for
+/// the peer section's header; the `cuda-ipc` command asks NVML.
+pub type DescribeLink<'a> = &'a dyn Fn(DeviceUuid, DeviceUuid) -> String;
+
 /// The producer's device and, with `--devices`, the second one and the
 /// link between them (a second GPU that is not there: exit 3, like the first).
 fn describe_devices(
     plan: &Plan,
     caps: &cuda_ipc::device::Capabilities,
     driver: &str,
+    describe_link: DescribeLink<'_>,
 ) -> Result<(DeviceInfo, Option<PeerInfo>), Error> {
     let info = |c: &cuda_ipc::device::Capabilities| DeviceInfo {
         ordinal: c.ordinal,
@@ -442,7 +457,7 @@ fn describe_devices(
             let other = cuda_ipc::device::Capabilities::query(peer)?;
             Some(PeerInfo {
                 device: info(&other),
-                link: crate::link::between(caps.uuid, other.uuid).to_string(),
+                link: describe_link(caps.uuid, other.uuid),
                 // The consumer, on `peer`, maps the producer's memory.
                 access_supported: cuda_ipc::device::peer_link(peer, plan.device)?.access_supported,
             })
@@ -452,7 +467,12 @@ fn describe_devices(
     Ok((info(caps), peer))
 }
 
-pub fn run(args: &Args) -> Result<Outcome, Error> {
+/// Runs the benchmark: checks the arguments (an error of kind
+/// `InvalidInput` before the driver is loaded), runs every section with
+/// this process as the producer, prints the table on standard output and
+/// writes `--json-out` and `--plot`. A failed section is an error (of kind
+/// `Failed`) after everything is printed and written.
+pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
     let plan = Plan::from_args(args).map_err(|reason| Error::InvalidArgument {
         what: "bench arguments",
         reason,
@@ -482,7 +502,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     let device = Device::open(plan.device)?;
     let caps = device.capabilities()?;
     let driver = cuda_ipc::driver::load()?;
-    let (info, peer) = describe_devices(&plan, &caps, &driver.to_string())?;
+    let (info, peer) = describe_devices(&plan, &caps, &driver.to_string(), describe_link)?;
     report.device = Some(info);
     report.peer = peer;
     let publisher = Publisher::bind(
@@ -554,7 +574,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
 
 /// Writes the JSON and the plot if asked, and turns failed sections into
 /// the run's error (exit code 4) after everything is printed.
-fn write_outputs(report: &Report, args: &Args) -> Result<Outcome, Error> {
+fn write_outputs(report: &Report, args: &Args) -> Result<(), Error> {
     let mut problems = Vec::new();
     if let Some(path) = &args.json_out {
         if let Err(e) = std::fs::write(path, report.to_json()) {
@@ -581,7 +601,7 @@ fn write_outputs(report: &Report, args: &Args) -> Result<Outcome, Error> {
         );
     }
     if problems.is_empty() {
-        Ok(Outcome::Ok)
+        Ok(())
     } else {
         // A run-time failure: exit code 4.
         Err(Error::Io {

@@ -1,0 +1,14 @@
+//! What a bench run found: the model (sections of rows with raw samples
+//! and summaries, and the JSON document), the targets checked against
+//! them, and the text table. Pure data and formatting; no GPU.
+
+mod format;
+mod model;
+mod render;
+pub mod targets;
+#[cfg(test)]
+pub(crate) mod tests;
+
+pub use format::human;
+pub use model::{DeviceInfo, PeerInfo, Report, Row, Section, SectionId, Status};
+pub use render::render;
