@@ -248,7 +248,9 @@ pub struct RawMemory<'a> {
     pub len: usize,
 }
 
-impl DeviceMemory for RawMemory<'_> {
+// SAFETY: the worker builds it only over a range this floor mapped on
+// `device` (`open_legacy`, `import_vmm`), and drops it before the unmap.
+unsafe impl DeviceMemory for RawMemory<'_> {
     fn device(&self) -> &Device {
         self.device
     }
