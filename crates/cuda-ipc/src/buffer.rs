@@ -1,10 +1,20 @@
 //! Memory mapped from another process, whatever the mechanism, and the typed
 //! view over it.
+//!
+//! # Contract
+//! Only this library makes mappings ([`Mapping`] is sealed), so a
+//! [`MappedBuffer`] always lies inside memory the driver mapped. Every view
+//! (clones, slices, casts) keeps the mapping alive, and a mapping records the
+//! streams its views were given ([`MappedBuffer::with_stream`]): before it is
+//! unmapped, every one of them is synchronised, so no queued work uses the
+//! range after it is gone. A view made by the exchange layer also holds its
+//! lease, which ends when the last view is gone.
+#![allow(unsafe_code)] // only `unsafe impl DeviceMemory`, justified there
 
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 use cudarc::driver::CudaStream;
@@ -14,13 +24,90 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 
-/// A whole allocation of another process, mapped into this one. Unmapped
-/// when the last reference drops (each mechanism's own way).
+pub(crate) mod sealed {
+    use std::sync::Arc;
+
+    use cudarc::driver::CudaStream;
+
+    /// Seals [`Mapping`](super::Mapping): only this crate makes mappings.
+    pub trait Sealed {
+        /// The streams views of this mapping queued work on.
+        fn used_streams(&self) -> &UsedStreams;
+    }
+
+    /// The streams a mapping's views were used with, synchronised before the
+    /// mapping is undone.
+    #[derive(Debug, Default)]
+    pub struct UsedStreams(std::sync::Mutex<Vec<Arc<CudaStream>>>);
+
+    impl UsedStreams {
+        /// Notes that work may be queued through the mapping on `stream`.
+        pub(crate) fn record(&self, stream: &Arc<CudaStream>) {
+            let mut streams = super::lock(&self.0);
+            if !streams.iter().any(|s| s.cu_stream() == stream.cu_stream()) {
+                streams.push(stream.clone());
+            }
+        }
+
+        /// Waits for every recorded stream (they stay recorded, as views
+        /// may still use them). Every stream is waited for even when one
+        /// fails; the first failure is returned (`Drop` logs it).
+        pub(crate) fn synchronize_all(&self) -> crate::error::Result<()> {
+            let streams = super::lock(&self.0).clone();
+            let mut first = Ok(());
+            for s in streams {
+                if let Err(e) = s.synchronize() {
+                    tracing::warn!(error = %e, "waiting for a stream of a mapping failed");
+                    if first.is_ok() {
+                        first = Err(crate::error::from_cudarc("cuStreamSynchronize", e));
+                    }
+                }
+            }
+            first
+        }
+    }
+}
+
+pub(crate) use sealed::UsedStreams;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Something a view keeps alive until the last view of it is gone (the
+/// exchange layer's lease).
+pub(crate) trait Hold: Send + Sync + fmt::Debug {}
+
+/// A whole allocation of another process, mapped into this one by this
+/// library. Unmapped when the last reference drops (each mechanism's own
+/// way), after every stream its views used has finished.
 ///
-/// # Contract
 /// `base()..base() + size()` is device memory mapped on `device()` for as
-/// long as the value lives.
-pub trait Mapping: Send + Sync + fmt::Debug {
+/// long as the value lives. The trait is sealed: the mappings are
+/// [`LegacyMapping`](crate::legacy::LegacyMapping),
+/// [`VmmMapping`](crate::vmm::VmmMapping) and
+/// [`PoolMapping`](crate::pool::PoolMapping), so a [`MappedBuffer`] can't be
+/// built over an arbitrary address:
+///
+/// ```compile_fail
+/// use std::sync::Arc;
+/// use cuda_ipc::{Device, MappedBuffer, Mapping, Mechanism};
+///
+/// #[derive(Debug)]
+/// struct Anywhere(Device);
+///
+/// impl Mapping for Anywhere { // error: the trait is sealed
+///     fn device(&self) -> &Device { &self.0 }
+///     fn base(&self) -> u64 { 0xdead_0000 }
+///     fn size(&self) -> u64 { 4096 }
+///     fn mechanism(&self) -> Mechanism { Mechanism::Legacy }
+/// }
+///
+/// let device = Device::open(0).unwrap();
+/// let fake: Arc<dyn Mapping> = Arc::new(Anywhere(device));
+/// let _ = MappedBuffer::<u8>::new(fake, 0, 4096);
+/// ```
+pub trait Mapping: sealed::Sealed + Send + Sync + fmt::Debug {
     /// The device it is mapped on.
     fn device(&self) -> &Device;
     /// The local address of the allocation's first byte.
@@ -33,7 +120,9 @@ pub trait Mapping: Send + Sync + fmt::Debug {
 
 /// A typed view of `len` elements of `T` inside a [`Mapping`], with the
 /// exporter's offset applied. Cloning shares the mapping; the mapping is
-/// closed when the last view drops.
+/// closed when the last view drops, after the streams its views used have
+/// finished. A view attached through the exchange also holds the lease,
+/// released when the last view (clone, slice or cast) is gone.
 ///
 /// Implements [`DeviceMemory`] (host copies, our kernels) and cudarc's
 /// `DeviceSlice`, `DevicePtr` and `DevicePtrMut`, so a mapped buffer can be a
@@ -43,6 +132,9 @@ pub struct MappedBuffer<T> {
     offset: u64,
     len: usize,
     stream: Arc<CudaStream>,
+    /// Dropped after `mapping`, so a lease ends after the mapping's last
+    /// view is gone (and, when it was the last reference, unmapped).
+    hold: Option<Arc<dyn Hold>>,
     _elem: PhantomData<fn() -> T>,
 }
 
@@ -53,6 +145,7 @@ impl<T> Clone for MappedBuffer<T> {
             offset: self.offset,
             len: self.len,
             stream: self.stream.clone(),
+            hold: self.hold.clone(),
             _elem: PhantomData,
         }
     }
@@ -101,11 +194,13 @@ impl<T: Pod> MappedBuffer<T> {
             ));
         }
         let stream = mapping.device().stream().clone();
+        mapping.used_streams().record(&stream);
         Ok(MappedBuffer {
             mapping,
             offset,
             len,
             stream,
+            hold: None,
             _elem: PhantomData,
         })
     }
@@ -147,9 +242,21 @@ impl<T: Pod> MappedBuffer<T> {
     }
 
     /// Uses `stream` (of the same device) for this view's copies and kernels.
+    ///
+    /// `stream` is first ordered after the view's current stream (an event
+    /// recorded there and waited on), so work queued before keeps its
+    /// order; the mapping waits for `stream` too before it is unmapped.
     #[must_use]
     pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
+        crate::memory::order_after(&stream, &self.stream);
+        self.mapping.used_streams().record(&stream);
         self.stream = stream;
+        self
+    }
+
+    /// Makes this view (and every view made from it) keep `hold` alive.
+    pub(crate) fn hold(mut self, hold: Arc<dyn Hold>) -> Self {
+        self.hold = Some(hold);
         self
     }
 
@@ -168,14 +275,23 @@ impl<T: Pod> MappedBuffer<T> {
         Ok(v)
     }
 
-    /// The same bytes viewed as `U`.
+    /// The same bytes viewed as `U` (on the same stream, holding the same lease).
     pub fn cast<U: Pod>(&self) -> Result<MappedBuffer<U>> {
-        MappedBuffer::<U>::from_bytes(self.mapping.clone(), self.offset, self.byte_len() as u64)
-            .map(|b| b.with_stream(self.stream.clone()))
+        let mut b = MappedBuffer::<U>::from_bytes(
+            self.mapping.clone(),
+            self.offset,
+            self.byte_len() as u64,
+        )?;
+        b.stream.clone_from(&self.stream);
+        b.hold.clone_from(&self.hold);
+        Ok(b)
     }
 }
 
-impl<T: Pod> DeviceMemory for MappedBuffer<T> {
+// SAFETY: `new` checked that the view lies inside the mapping, which only
+// this crate makes (sealed) and which lives as long as the view; its stream
+// is recorded in the mapping, which waits for it before unmapping.
+unsafe impl<T: Pod> DeviceMemory for MappedBuffer<T> {
     fn device(&self) -> &Device {
         self.mapping.device()
     }
@@ -191,16 +307,3 @@ impl<T: Pod> DeviceMemory for MappedBuffer<T> {
 }
 
 impl_cudarc_traits!(MappedBuffer<T>, T);
-
-impl<T> Drop for MappedBuffer<T> {
-    fn drop(&mut self) {
-        // The mapping's own drop waits for the device's stream; work queued
-        // on another stream through this view must be done before the
-        // mapping can go. Errors cannot be raised from drop.
-        if self.stream.cu_stream() != self.mapping.device().stream().cu_stream()
-            && Arc::strong_count(&self.mapping) == 1
-        {
-            let _ = self.stream.synchronize();
-        }
-    }
-}

@@ -7,6 +7,8 @@
 
 use std::fmt;
 
+use cudarc::driver::sys::CUresult;
+
 /// A `Result` whose error is this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -93,6 +95,22 @@ pub enum Error {
         count: usize,
     },
 
+    /// A lease was released explicitly while other views of its buffer
+    /// (clones, slices, casts) were alive.
+    #[error(
+        "lease {lease} on \"{name}\" is still held by {views} other view(s) of its buffer \
+         (clones, slices or casts); drop them first. The lease is released when the last \
+         view drops"
+    )]
+    ViewsAlive {
+        /// The entry's (or ring's) name.
+        name: String,
+        /// The lease id.
+        lease: u64,
+        /// How many other views hold it.
+        views: usize,
+    },
+
     /// A driver call returned an error.
     #[error("{call} failed with {name} ({code}){}", hint_suffix(*.hint))]
     Driver {
@@ -100,6 +118,9 @@ pub enum Error {
         call: &'static str,
         /// The raw `CUresult`.
         code: i32,
+        /// The same `CUresult`, typed (compare with its variants, not with
+        /// numbers).
+        result: CUresult,
         /// The `CUresult` name, for example `CUDA_ERROR_INVALID_CONTEXT`.
         name: String,
         /// What this failure usually means and what to do, where known.
@@ -215,8 +236,9 @@ impl Error {
             | Error::Descriptor { .. }
             | Error::InvalidArgument { .. }
             | Error::OutOfBounds { .. }
+            | Error::ViewsAlive { .. }
             | Error::Torch(_) => ErrorKind::InvalidInput,
-            Error::Driver { code, .. } => driver_kind(*code),
+            Error::Driver { result, .. } => driver_kind(*result),
             Error::Channel(e) => channel_kind(e.kind()),
             Error::Io { .. } => ErrorKind::Failed,
         }
@@ -226,6 +248,14 @@ impl Error {
     pub fn driver_code(&self) -> Option<i32> {
         match self {
             Error::Driver { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// The `CUresult` if this is a driver error.
+    pub fn driver_result(&self) -> Option<CUresult> {
+        match self {
+            Error::Driver { result, .. } => Some(*result),
             _ => None,
         }
     }
@@ -247,7 +277,6 @@ impl Error {
     }
 }
 
-/// Codes that mean "this machine cannot do it", as opposed to a failure.
 /// The crate's class of a channel error.
 fn channel_kind(kind: crate::channel::ChannelErrorKind) -> ErrorKind {
     use crate::channel::ChannelErrorKind as K;
@@ -259,74 +288,100 @@ fn channel_kind(kind: crate::channel::ChannelErrorKind) -> ErrorKind {
     }
 }
 
-fn driver_kind(code: i32) -> ErrorKind {
-    match code {
-        // NO_DEVICE, INVALID_DEVICE, DEVICE_UNAVAILABLE, NOT_PERMITTED,
-        // NOT_SUPPORTED, PEER_ACCESS_UNSUPPORTED, SYSTEM_NOT_READY, INSUFFICIENT_DRIVER
-        100 | 101 | 46 | 800 | 801 | 217 | 802 | 35 => ErrorKind::Unavailable,
-        // INVALID_VALUE, INVALID_HANDLE, INVALID_CONTEXT (opening one's own handle),
-        // ALREADY_MAPPED, PEER_ACCESS_NOT_ENABLED on a handle from another device.
-        1 | 400 | 201 | 208 => ErrorKind::InvalidInput,
+/// Codes that mean "this machine cannot do it", as opposed to a failure.
+fn driver_kind(result: CUresult) -> ErrorKind {
+    use CUresult as R;
+    match result {
+        R::CUDA_ERROR_NO_DEVICE
+        | R::CUDA_ERROR_INVALID_DEVICE
+        | R::CUDA_ERROR_DEVICE_UNAVAILABLE
+        | R::CUDA_ERROR_NOT_PERMITTED
+        | R::CUDA_ERROR_NOT_SUPPORTED
+        | R::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED
+        | R::CUDA_ERROR_SYSTEM_NOT_READY => ErrorKind::Unavailable,
+        // INVALID_CONTEXT: opening one's own handle; ALREADY_MAPPED: the
+        // same allocation mapped twice.
+        R::CUDA_ERROR_INVALID_VALUE
+        | R::CUDA_ERROR_INVALID_HANDLE
+        | R::CUDA_ERROR_INVALID_CONTEXT
+        | R::CUDA_ERROR_ALREADY_MAPPED => ErrorKind::InvalidInput,
         _ => ErrorKind::Failed,
     }
 }
 
 /// What a driver error usually means for the call that returned it.
-pub(crate) fn driver_hint(call: &'static str, code: i32) -> Option<&'static str> {
-    Some(match (call, code) {
-        ("cuIpcOpenMemHandle", 201) => {
+pub(crate) fn driver_hint(call: &'static str, result: CUresult) -> Option<&'static str> {
+    use CUresult as R;
+    Some(match (call, result) {
+        ("cuIpcOpenMemHandle", R::CUDA_ERROR_INVALID_CONTEXT) => {
             "a process cannot open an IPC handle it exported itself; open it in another process"
         }
-        ("cuIpcOpenMemHandle", 1 | 400) => {
+        ("cuIpcOpenMemHandle", R::CUDA_ERROR_INVALID_VALUE | R::CUDA_ERROR_INVALID_HANDLE) => {
             "the handle does not name live memory: it is malformed, or the exporter freed the \
              memory or exited"
         }
-        ("cuIpcOpenMemHandle", 217 | 704) => {
+        (
+            "cuIpcOpenMemHandle",
+            R::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED
+            | R::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            | R::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
+        ) => {
             "the memory lives on another GPU without peer access to this one; open it with \
              OpenFlags::LAZY_ENABLE_PEER_ACCESS on a device with peer access"
         }
-        ("cuIpcOpenEventHandle", 1 | 400) => {
+        ("cuIpcOpenEventHandle", R::CUDA_ERROR_INVALID_VALUE | R::CUDA_ERROR_INVALID_HANDLE) => {
             "the event handle is malformed, or its exporter destroyed the event or exited"
         }
-        ("cuIpcOpenEventHandle" | "cuIpcOpenMemHandle", 205) => {
+        ("cuIpcOpenEventHandle" | "cuIpcOpenMemHandle", R::CUDA_ERROR_MAP_FAILED) => {
             "legacy IPC handles and interprocess events open only in processes of the user who \
              exported them (seen on driver 580); run the consumer as the same user"
         }
-        ("cuMemImportFromShareableHandle" | "cuMemPoolImportFromShareableHandle", 1 | 999) => {
+        (
+            "cuMemImportFromShareableHandle" | "cuMemPoolImportFromShareableHandle",
+            R::CUDA_ERROR_INVALID_VALUE | R::CUDA_ERROR_UNKNOWN,
+        ) => {
             "the file descriptor is not the shareable handle of a CUDA allocation or pool (a \
              wrong or stale descriptor, or one of another kind)"
         }
-        ("cuMemMap", 1 | 801) => {
+        ("cuMemMap", R::CUDA_ERROR_INVALID_VALUE | R::CUDA_ERROR_NOT_SUPPORTED) => {
             "the mapping's size does not match the imported allocation; pass the exporter's \
              allocation size (the descriptor's alloc_size)"
         }
-        ("cuMemPoolImportPointer", 1) => {
+        ("cuMemPoolImportPointer", R::CUDA_ERROR_INVALID_VALUE) => {
             "the export data does not name a live allocation of this pool (malformed, or freed \
              by the exporter)"
         }
-        ("cuIpcGetMemHandle", 1) => {
+        ("cuIpcGetMemHandle", R::CUDA_ERROR_INVALID_VALUE) => {
             "the pointer is not from cuMemAlloc: stream-ordered (cuMemAllocAsync) and VMM \
              memory need the pool or VMM mechanism instead"
         }
-        ("cuIpcGetEventHandle", 1) => {
+        ("cuIpcGetEventHandle", R::CUDA_ERROR_INVALID_VALUE) => {
             "the event was not created with CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING"
         }
-        (_, 2) => "the device is out of memory; free memory or ask for less",
-        (_, 3 | 4) => "the driver is not initialised or is shutting down",
-        (_, 46) => {
+        (_, R::CUDA_ERROR_OUT_OF_MEMORY) => {
+            "the device is out of memory; free memory or ask for less"
+        }
+        (_, R::CUDA_ERROR_NOT_INITIALIZED | R::CUDA_ERROR_DEINITIALIZED) => {
+            "the driver is not initialised or is shutting down"
+        }
+        (_, R::CUDA_ERROR_DEVICE_UNAVAILABLE) => {
             "the device is in exclusive-process or prohibited compute mode, or busy; check \
              `nvidia-smi -q -d COMPUTE`"
         }
-        (_, 100) => "no CUDA device is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES",
-        (_, 800) => {
+        (_, R::CUDA_ERROR_NO_DEVICE) => {
+            "no CUDA device is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES"
+        }
+        (_, R::CUDA_ERROR_NOT_PERMITTED) => {
             "the operation is not permitted here; fabric handles need an IMEX channel \
              (/dev/nvidia-caps-imex-channels) and a running IMEX service"
         }
-        (_, 801) => {
+        (_, R::CUDA_ERROR_NOT_SUPPORTED) => {
             "not supported on this device or platform (CUDA IPC is not available on Windows \
              or WSL, or on devices without unified addressing)"
         }
-        (_, 999) => "the driver reported an unknown error; check dmesg and nvidia-smi",
+        (_, R::CUDA_ERROR_UNKNOWN) => {
+            "the driver reported an unknown error; check dmesg and nvidia-smi"
+        }
         _ => return None,
     })
 }
@@ -338,14 +393,14 @@ pub(crate) fn from_cudarc(call: &'static str, err: cudarc::driver::DriverError) 
 
 /// Builds an [`Error::Driver`] from a raw result.
 pub(crate) fn driver_error(call: &'static str, result: cudarc::driver::sys::CUresult) -> Error {
-    let code = result as i32;
     Error::Driver {
         call,
-        code,
+        code: result as i32,
+        result,
         // The bindings' Debug output is the C enumerator's name; no driver call,
         // so this works when the driver is in a bad state.
         name: format!("{result:?}"),
-        hint: driver_hint(call, code),
+        hint: driver_hint(call, result),
     }
 }
 
@@ -363,6 +418,10 @@ mod tests {
         );
         assert!(text.contains("exported itself"), "{text}");
         assert_eq!(e.driver_code(), Some(201));
+        assert_eq!(
+            e.driver_result(),
+            Some(CUresult::CUDA_ERROR_INVALID_CONTEXT)
+        );
         assert_eq!(e.kind(), ErrorKind::InvalidInput);
     }
 
@@ -430,6 +489,20 @@ mod tests {
             let e = Error::from(e);
             assert_eq!(e.kind(), kind, "{e}");
         }
+    }
+
+    #[test]
+    fn every_hinted_result_keeps_its_raw_code() {
+        for r in [
+            CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+            CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+            CUresult::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
+        ] {
+            let e = driver_error("cuIpcOpenMemHandle", r);
+            assert_eq!(e.driver_code(), Some(r as i32));
+            assert!(e.to_string().contains("peer access"), "{e}");
+        }
+        assert!(Error::SameProcess.driver_result().is_none());
     }
 
     #[test]

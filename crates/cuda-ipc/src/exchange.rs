@@ -32,7 +32,12 @@
 //! opens it once.
 //!
 //! # Lifetimes
-//! Every attach is a lease held by the subscriber's connection.
+//! Every attach is a lease held by the subscriber's connection, and by every
+//! view of the attached buffer (its clones, slices and casts): the lease is
+//! released when the last view drops, or by [`Subscriber::release`], which
+//! refuses while other views are alive ([`Error::ViewsAlive`]). Before the
+//! lease goes, the streams the views used are waited for, so the publisher
+//! never frees memory that queued work still uses. Rings work the same way.
 //! [`Publisher::unpublish`] hides a buffer from new subscribers and waits
 //! (with a timeout) until its last lease is released before handing the
 //! buffer back to be freed. A subscriber that exits or is killed releases
@@ -42,13 +47,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
 use serde_json::{Value, json};
 
-use crate::buffer::{MappedBuffer, Mapping};
+use crate::buffer::{Hold, MappedBuffer, Mapping};
 use crate::channel::{
     self, ChannelError, Client, ClientConfig, LeaseInfo, Notice, Server, ServerConfig,
 };
@@ -345,13 +351,112 @@ impl Default for SubscriberConfig {
 /// (never the address, which a freed allocation gives to the next one).
 type CacheKey = (u32, u64);
 
+/// Notices that arrived for a lease other than the one being waited on.
+type Pending = Mutex<HashMap<u64, VecDeque<Notice>>>;
+
+/// A lease, held by every view of what it covers and released to the
+/// channel when the last of them is gone (or by an explicit release).
+struct LeaseGuard {
+    lease: u64,
+    name: String,
+    client: Weak<Client>,
+    pending: Weak<Pending>,
+    /// The mappings the lease covers, whose streams are waited for before
+    /// the lease ends.
+    mappings: Mutex<Vec<Arc<dyn Mapping>>>,
+    released: AtomicBool,
+}
+
+impl std::fmt::Debug for LeaseGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseGuard")
+            .field("lease", &self.lease)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Hold for LeaseGuard {}
+
+impl LeaseGuard {
+    fn new(
+        client: &Arc<Client>,
+        pending: &Arc<Pending>,
+        lease: u64,
+        name: String,
+        mappings: Vec<Arc<dyn Mapping>>,
+    ) -> Arc<Self> {
+        Arc::new(LeaseGuard {
+            lease,
+            name,
+            client: Arc::downgrade(client),
+            pending: Arc::downgrade(pending),
+            mappings: Mutex::new(mappings),
+            released: AtomicBool::new(false),
+        })
+    }
+
+    /// Fails with [`Error::ViewsAlive`] when views other than `own` hold the lease.
+    fn check_no_views(self: &Arc<Self>, own: usize) -> Result<()> {
+        // Only views hold strong references, and new views are made only
+        // from existing ones, so the count can't grow while we hold none
+        // but `own`.
+        let views = Arc::strong_count(self).saturating_sub(own);
+        if views > 0 {
+            return Err(Error::ViewsAlive {
+                name: self.name.clone(),
+                lease: self.lease,
+                views,
+            });
+        }
+        Ok(())
+    }
+
+    /// Ends the lease once: waits for the streams the views used, drops the
+    /// mappings (unmapped if no other lease shares them), then tells the
+    /// publisher. The lease is released even when a wait failed (the first
+    /// failure is returned).
+    fn end(&self) -> Result<()> {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let mappings = std::mem::take(&mut *lock(&self.mappings));
+        let mut waited = Ok(());
+        for m in &mappings {
+            let r = m.used_streams().synchronize_all();
+            if waited.is_ok() {
+                waited = r;
+            }
+        }
+        drop(mappings);
+        if let Some(pending) = self.pending.upgrade() {
+            lock(&pending).remove(&self.lease);
+        }
+        // Without the client the connection is closed, and the publisher
+        // has released the lease already.
+        if let Some(client) = self.client.upgrade() {
+            client.release(self.lease)?;
+        }
+        waited
+    }
+}
+
+impl Drop for LeaseGuard {
+    fn drop(&mut self) {
+        // The last view is gone. Errors cannot be raised from drop.
+        if let Err(e) = self.end() {
+            tracing::warn!(lease = self.lease, name = %self.name, error = %e, "releasing a lease failed");
+        }
+    }
+}
+
 /// Connects to a [`Publisher`] and maps what it publishes.
 pub struct Subscriber {
     device: Device,
-    client: Client,
+    client: Arc<Client>,
     cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
     events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
-    pending: Mutex<HashMap<u64, VecDeque<Notice>>>,
+    pending: Arc<Pending>,
     opens: std::sync::atomic::AtomicU64,
 }
 
@@ -363,11 +468,13 @@ impl std::fmt::Debug for Subscriber {
     }
 }
 
-/// A buffer attached from a publisher: a lease and a typed mapping.
+/// A buffer attached from a publisher: a lease and a typed mapping. The
+/// buffer and every view made from it hold the lease.
 #[derive(Debug)]
 pub struct Attached<T> {
     lease: u64,
     name: String,
+    guard: Arc<LeaseGuard>,
     buffer: MappedBuffer<T>,
     event: Arc<IpcEvent>,
     descriptor: Descriptor,
@@ -405,13 +512,13 @@ impl Subscriber {
             ..ClientConfig::default()
         };
         client_config.allowed_server_uids.extend(config.allow_uids);
-        let client = Client::connect(path, client_config)?;
+        let client = Arc::new(Client::connect(path, client_config)?);
         Ok(Subscriber {
             device: device.clone(),
             client,
             cache: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
-            pending: Mutex::new(HashMap::new()),
+            pending: Arc::new(Mutex::new(HashMap::new())),
             opens: std::sync::atomic::AtomicU64::new(0),
         })
     }
@@ -487,13 +594,23 @@ impl Subscriber {
     pub fn attach<T: Pod>(&self, name: &str) -> Result<Attached<T>> {
         let a = self.client.attach(name)?;
         match self.open_descriptor::<T>(&a.meta, a.fds) {
-            Ok((descriptor, buffer, event)) => Ok(Attached {
-                lease: a.lease,
-                name: a.name,
-                buffer,
-                event,
-                descriptor,
-            }),
+            Ok((descriptor, buffer, event)) => {
+                let guard = LeaseGuard::new(
+                    &self.client,
+                    &self.pending,
+                    a.lease,
+                    a.name.clone(),
+                    vec![buffer.mapping().clone()],
+                );
+                Ok(Attached {
+                    lease: a.lease,
+                    name: a.name,
+                    buffer: buffer.hold(guard.clone()),
+                    guard,
+                    event,
+                    descriptor,
+                })
+            }
             Err(e) => {
                 let _ = self.client.release(a.lease);
                 Err(e)
@@ -540,16 +657,19 @@ impl Subscriber {
         }
     }
 
-    /// Releases a lease: waits for the work queued on the buffer's stream,
-    /// drops the mapping (unless another attachment shares it), then tells
-    /// the publisher.
+    /// Releases a lease now: waits for the work queued on every stream the
+    /// buffer's views used, drops the mapping (unless another attachment
+    /// shares it), then tells the publisher.
+    ///
+    /// # Errors
+    /// [`Error::ViewsAlive`] while clones, slices or casts of the buffer are
+    /// alive: the lease then stays until the last of them drops.
     #[tracing::instrument(level = "debug", skip_all, fields(lease = attached.lease))]
     pub fn release<T: Pod>(&self, attached: Attached<T>) -> Result<()> {
-        attached.buffer.synchronize()?;
-        let lease = attached.lease;
-        drop(attached);
-        lock(&self.pending).remove(&lease);
-        Ok(self.client.release(lease)?)
+        let Attached { guard, buffer, .. } = attached;
+        drop(buffer);
+        guard.check_no_views(1)?;
+        guard.end()
     }
 
     /// Subscribes to the ring `name`: maps every slot once.
@@ -565,8 +685,18 @@ impl Subscriber {
                 }
             }
         }
+        let mappings = slots.iter().map(|b| b.mapping().clone()).collect();
+        let guard = LeaseGuard::new(
+            &self.client,
+            &self.pending,
+            a.lease,
+            name.to_owned(),
+            mappings,
+        );
+        let slots = slots.into_iter().map(|b| b.hold(guard.clone())).collect();
         Ok(RingSubscriber {
             lease: a.lease,
+            guard,
             slots,
         })
     }
@@ -606,21 +736,26 @@ impl Subscriber {
         Ok(self.client.ack(ring.lease, frame.slot, frame.seq)?)
     }
 
-    /// Ends a ring subscription.
+    /// Ends a ring subscription now, after the work queued on every stream
+    /// the slots' views used.
+    ///
+    /// # Errors
+    /// [`Error::ViewsAlive`] while clones, slices or casts of a slot's buffer
+    /// are alive: the subscription then ends when the last of them drops.
     pub fn release_ring<T: Pod>(&self, ring: RingSubscriber<T>) -> Result<()> {
-        for s in &ring.slots {
-            s.synchronize()?;
-        }
-        let lease = ring.lease;
-        drop(ring);
-        Ok(self.client.release(lease)?)
+        let RingSubscriber { guard, slots, .. } = ring;
+        drop(slots);
+        guard.check_no_views(1)?;
+        guard.end()
     }
 }
 
-/// A subscription to a ring: every slot mapped.
+/// A subscription to a ring: every slot mapped. Every slot's buffer, and
+/// every view made from one, holds the subscription's lease.
 #[derive(Debug)]
 pub struct RingSubscriber<T> {
     lease: u64,
+    guard: Arc<LeaseGuard>,
     slots: Vec<MappedBuffer<T>>,
 }
 
@@ -643,4 +778,78 @@ pub struct Frame<'r, T> {
     pub buffer: &'r MappedBuffer<T>,
     /// The producer's notice (its extra fields and the event).
     pub notice: Value,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A real server and client over a socket in a temporary directory, and
+    /// a lease on the entry "x".
+    fn leased() -> (tempfile::TempDir, Server, Arc<Client>, u64) {
+        let dir = tempfile::tempdir().unwrap();
+        let server = Server::bind(ServerConfig::new(dir.path().join("s.sock"))).unwrap();
+        server.publish("x", json!({}), Vec::new()).unwrap();
+        let client = Arc::new(Client::connect(server.path(), ClientConfig::default()).unwrap());
+        let lease = client.attach("x").unwrap().lease;
+        assert_eq!(server.leases().len(), 1);
+        (dir, server, client, lease)
+    }
+
+    #[test]
+    fn the_last_view_releases_the_lease() {
+        let (_dir, server, client, lease) = leased();
+        let pending = Arc::new(Pending::default());
+        lock(&pending).insert(lease, VecDeque::new());
+        let guard = LeaseGuard::new(&client, &pending, lease, "x".into(), Vec::new());
+        let views: Vec<_> = (0..3).map(|_| guard.clone()).collect();
+        drop(guard);
+        drop(views[..2].to_vec());
+        assert_eq!(server.leases().len(), 1, "a view is still alive");
+        drop(views);
+        assert!(server.leases().is_empty(), "{:?}", server.leases());
+        assert!(
+            lock(&pending).is_empty(),
+            "notices of the lease are dropped"
+        );
+    }
+
+    #[test]
+    fn an_explicit_release_refuses_while_views_live() {
+        let (_dir, server, client, lease) = leased();
+        let pending = Arc::new(Pending::default());
+        let guard = LeaseGuard::new(&client, &pending, lease, "x".into(), Vec::new());
+        let view = guard.clone();
+        let e = guard.check_no_views(1).unwrap_err();
+        assert!(
+            matches!(&e, Error::ViewsAlive { views: 1, lease: l, .. } if *l == lease),
+            "{e}"
+        );
+        assert!(e.to_string().contains("1 other view"), "{e}");
+        assert_eq!(server.leases().len(), 1);
+        drop(view);
+        guard.check_no_views(1).unwrap();
+        guard.end().unwrap();
+        assert!(server.leases().is_empty());
+        // Ended once: the drop that follows does not release again.
+        drop(guard);
+        assert!(client.is_alive());
+    }
+
+    #[test]
+    fn a_lease_outliving_its_client_ends_quietly() {
+        let (_dir, server, client, lease) = leased();
+        let pending = Arc::new(Pending::default());
+        let guard = LeaseGuard::new(&client, &pending, lease, "x".into(), Vec::new());
+        drop(client);
+        drop(pending);
+        guard.end().unwrap();
+        drop(guard);
+        // The server notices the closed connection on its own.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !server.leases().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(server.leases().is_empty());
+    }
 }

@@ -326,7 +326,10 @@ fn check_within(len: usize, available: u64) -> Result<()> {
     Ok(())
 }
 
-impl DeviceMemory for FloorMemory<'_> {
+// SAFETY: built only by `within`, over a range this module mapped on
+// `device` and checked to lie inside the mapping; it borrows the mapping,
+// so the range stays mapped for as long as it lives.
+unsafe impl DeviceMemory for FloorMemory<'_> {
     fn device(&self) -> &Device {
         self.device
     }

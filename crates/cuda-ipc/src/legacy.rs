@@ -22,9 +22,11 @@ use std::collections::HashSet;
 use std::ops::BitOr;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaStream, sys};
 
-use crate::buffer::{MappedBuffer, Mapping};
+use crate::buffer::sealed::Sealed;
+use crate::buffer::{MappedBuffer, Mapping, UsedStreams};
 use crate::descriptor::Mechanism;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -204,7 +206,11 @@ impl IpcBuffer {
 
     /// Uses `stream` (of the same device) for this buffer's copies and kernels.
     #[must_use]
+    ///
+    /// `stream` is first ordered after the buffer's current stream (an event
+    /// recorded there and waited on), so work queued before keeps its order.
     pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
+        crate::memory::order_after(&stream, &self.stream);
         self.stream = stream;
         self
     }
@@ -255,7 +261,9 @@ impl IpcBuffer {
     }
 }
 
-impl DeviceMemory for IpcBuffer {
+// SAFETY: the allocation is owned by the value and freed in its `Drop`,
+// after its stream has finished; the accessors return fixed fields.
+unsafe impl DeviceMemory for IpcBuffer {
     fn device(&self) -> &Device {
         &self.device
     }
@@ -295,6 +303,7 @@ pub struct IpcMapping {
     base: u64,
     size: u64,
     handle: IpcMemHandle,
+    streams: UsedStreams,
 }
 
 // SAFETY: a mapping is a process-wide address range; driver calls bind the context first.
@@ -322,9 +331,11 @@ impl IpcMapping {
         device.bind()?;
         let base = match ipc::open_mem_handle(handle, flags.bits()) {
             Ok(p) => p,
-            Err(e) if e.driver_code() == Some(201) => return Err(Error::SameProcess),
+            Err(e) if e.driver_result() == Some(CUresult::CUDA_ERROR_INVALID_CONTEXT) => {
+                return Err(Error::SameProcess);
+            }
             Err(e)
-                if e.driver_code() == Some(1)
+                if e.driver_result() == Some(CUresult::CUDA_ERROR_INVALID_VALUE)
                     && !flags.contains(OpenFlags::LAZY_ENABLE_PEER_ACCESS) =>
             {
                 return Err(Error::InvalidArgument {
@@ -351,12 +362,19 @@ impl IpcMapping {
             base,
             size,
             handle,
+            streams: UsedStreams::default(),
         }))
     }
 
     /// The handle this mapping was opened from.
     pub fn handle(&self) -> IpcMemHandle {
         self.handle
+    }
+}
+
+impl Sealed for IpcMapping {
+    fn used_streams(&self) -> &UsedStreams {
+        &self.streams
     }
 }
 
@@ -378,9 +396,11 @@ impl Mapping for IpcMapping {
 impl Drop for IpcMapping {
     fn drop(&mut self) {
         // Errors cannot be raised from drop; work queued on the device's
-        // stream is finished first so that nothing uses the range after it
-        // is closed. A failure leaves the mapping to the context's teardown.
+        // stream and on every stream the views used is finished first so
+        // that nothing uses the range after it is closed. A failure leaves
+        // the mapping to the context's teardown.
         let _ = self.device.bind();
+        let _ = self.streams.synchronize_all();
         let _ = self.device.stream().synchronize();
         // SAFETY: opened in `open`, closed once.
         let _ = unsafe { ipc::close_mem_handle(self.base) };

@@ -20,10 +20,37 @@ use crate::result::{mem, stream as rstream};
 
 /// Device memory this process can use: owned, exported or mapped.
 ///
-/// # Contract
-/// `device_address()..device_address() + byte_len()` is device memory of
-/// `device()`, valid for as long as the value lives.
-pub trait DeviceMemory {
+/// The library's copies and kernels read and write the range this trait
+/// reports without further checks, so implementing it is `unsafe`. The
+/// library implements it for every memory it makes; a program implements it
+/// only for memory it allocated itself through the driver.
+///
+/// # Safety
+/// For as long as the value lives (and while work queued through it on
+/// [`DeviceMemory::stream`] may still run):
+/// - `device_address()..device_address() + byte_len()` is device memory
+///   usable from `device()`'s context, readable and writable;
+/// - `device_address()`, `byte_len()`, `device()` and `stream()` return the
+///   same values every time;
+/// - `stream()` is a stream of `device()`'s context.
+///
+/// Safe code cannot claim an arbitrary address is device memory:
+///
+/// ```compile_fail
+/// use std::sync::Arc;
+/// use cuda_ipc::{Device, DeviceMemory};
+/// use cuda_ipc::cudarc::driver::CudaStream;
+///
+/// struct Anywhere(Device);
+///
+/// impl DeviceMemory for Anywhere { // error: the trait requires `unsafe impl`
+///     fn device(&self) -> &Device { &self.0 }
+///     fn stream(&self) -> &Arc<CudaStream> { self.0.stream() }
+///     fn device_address(&self) -> u64 { 0xdead_0000 }
+///     fn byte_len(&self) -> usize { 4096 }
+/// }
+/// ```
+pub unsafe trait DeviceMemory {
     /// The device the memory lives on (or, for a mapping, is mapped into).
     fn device(&self) -> &Device;
 
@@ -183,7 +210,9 @@ pub struct Region<'a, M: DeviceMemory> {
     len: u64,
 }
 
-impl<M: DeviceMemory> DeviceMemory for Region<'_, M> {
+// SAFETY: `region` checked that the range lies inside `of`'s, which is
+// borrowed for the region's lifetime.
+unsafe impl<M: DeviceMemory> DeviceMemory for Region<'_, M> {
     fn device(&self) -> &Device {
         self.of.device()
     }
@@ -271,4 +300,20 @@ pub fn order_streams<'a>(
     // Errors are recorded in the context, as cudarc itself does in these traits.
     stream.context().record_err(stream.join(own));
     cudarc::driver::SyncOnDrop::Sync(Some(stream))
+}
+
+/// Orders `new` after the work queued so far on `old` (`new` waits on an
+/// event recorded on `old`), for `with_stream`: work queued before the
+/// switch stays ordered before work queued after it, and waiting for `new`
+/// (as `Drop` does) also waits for it. If the event can't be recorded or
+/// waited on, `old` is synchronised instead; if even that fails, the error
+/// is recorded in the context (as cudarc does), to surface at its next check.
+pub(crate) fn order_after(new: &Arc<CudaStream>, old: &Arc<CudaStream>) {
+    if new.cu_stream() == old.cu_stream() {
+        return;
+    }
+    if let Err(e) = new.join(old) {
+        tracing::debug!(error = %e, "ordering a stream after another failed; synchronising instead");
+        old.context().record_err(old.synchronize());
+    }
 }

@@ -23,7 +23,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, sys};
 
-use crate::buffer::Mapping;
+use crate::buffer::sealed::Sealed;
+use crate::buffer::{Mapping, UsedStreams};
 use crate::descriptor::Mechanism;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -214,7 +215,11 @@ impl PoolBuffer {
 
     /// Uses `stream` (of the same device) for this buffer's copies, kernels and free.
     #[must_use]
+    ///
+    /// `stream` is first ordered after the buffer's current stream (an event
+    /// recorded there and waited on), so work queued before keeps its order.
     pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
+        crate::memory::order_after(&stream, &self.stream);
         self.stream = stream;
         self
     }
@@ -230,7 +235,9 @@ impl PoolBuffer {
     }
 }
 
-impl DeviceMemory for PoolBuffer {
+// SAFETY: the allocation is owned by the value and freed in its `Drop`,
+// after its stream has finished; the accessors return fixed fields.
+unsafe impl DeviceMemory for PoolBuffer {
     fn device(&self) -> &Device {
         &self.pool.device
     }
@@ -314,23 +321,35 @@ impl ImportedPool {
         // SAFETY: the pool is live.
         let ptr = unsafe { pool::import_pointer(self.pool, data) }?;
         tracing::debug!(ptr, "imported a pool pointer");
-        let actual = mem::address_range(ptr).map_or(size, |(_, s)| s);
-        if actual < size {
+        if let Err(e) = checked_bound(mem::address_range(ptr), size) {
             let s = self.device.stream().cu_stream();
             // SAFETY: imported above, unused.
             let _ = unsafe { pool::free_async(ptr, s) };
-            return Err(Error::OutOfBounds {
-                offset: 0,
-                len: size,
-                size: actual,
-            });
+            return Err(e);
         }
         Ok(Arc::new(PoolMapping {
             pool: self.clone(),
             ptr,
             size,
+            streams: UsedStreams::default(),
         }))
     }
+}
+
+/// The bound of an imported pointer: `claimed` (the descriptor's untrusted
+/// allocation size) only if the driver's size of the allocation is at least
+/// that. Fails closed: when the driver can't say, the import is refused.
+fn checked_bound(queried: Result<(u64, u64)>, claimed: u64) -> Result<u64> {
+    // The driver's error names the call (cuMemGetAddressRange).
+    let (_, actual) = queried?;
+    if actual < claimed {
+        return Err(Error::OutOfBounds {
+            offset: 0,
+            len: claimed,
+            size: actual,
+        });
+    }
+    Ok(claimed)
 }
 
 impl Drop for ImportedPool {
@@ -350,12 +369,19 @@ pub struct PoolMapping {
     pool: Arc<ImportedPool>,
     ptr: u64,
     size: u64,
+    streams: UsedStreams,
 }
 
 // SAFETY: an imported pointer is a process-wide address; calls bind the context first.
 unsafe impl Send for PoolMapping {}
 // SAFETY: as above.
 unsafe impl Sync for PoolMapping {}
+
+impl Sealed for PoolMapping {
+    fn used_streams(&self) -> &UsedStreams {
+        &self.streams
+    }
+}
 
 impl Mapping for PoolMapping {
     fn device(&self) -> &Device {
@@ -379,11 +405,52 @@ impl Drop for PoolMapping {
         // completed here. Errors cannot be raised from drop.
         let device = &self.pool.device;
         let _ = device.bind();
+        // Work the views queued on other streams first, then the free on
+        // the device's stream, which is then waited for.
+        let _ = self.streams.synchronize_all();
         let s = device.stream().cu_stream();
         // SAFETY: imported in `import_pointer`, freed once, then waited for.
         unsafe {
             let _ = pool::free_async(self.ptr, s);
             let _ = rstream::synchronize(s);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUresult;
+
+    #[test]
+    fn the_bound_fails_closed_when_the_size_is_unknown() {
+        let failed = Err(crate::error::driver_error(
+            "cuMemGetAddressRange",
+            CUresult::CUDA_ERROR_INVALID_VALUE,
+        ));
+        let e = checked_bound(failed, 1 << 20).unwrap_err();
+        assert_eq!(
+            e.driver_result(),
+            Some(CUresult::CUDA_ERROR_INVALID_VALUE),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_bound_is_the_claim_only_within_the_allocation() {
+        assert_eq!(checked_bound(Ok((0x1000, 4096)), 4096).unwrap(), 4096);
+        assert_eq!(checked_bound(Ok((0x1000, 8192)), 4096).unwrap(), 4096);
+        let e = checked_bound(Ok((0x1000, 4096)), 4097).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::OutOfBounds {
+                    len: 4097,
+                    size: 4096,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

@@ -13,6 +13,7 @@
 //! descriptor's `pid` and `fd` (which needs the right to ptrace the
 //! exporter: same user, and `kernel.yama.ptrace_scope` allowing it or the
 //! exporter calling [`allow_fd_fetching`]).
+#![allow(unsafe_code)] // only `unsafe impl DeviceMemory`, justified there
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
@@ -306,7 +307,9 @@ impl<M: DeviceMemory> DeviceMemoryDyn for M {
     }
 }
 
-impl DeviceMemory for SharedBuffer {
+// SAFETY: the allocation is owned by the value and freed in its `Drop`,
+// after its stream has finished; the accessors return fixed fields.
+unsafe impl DeviceMemory for SharedBuffer {
     fn device(&self) -> &Device {
         self.memory().device_dyn()
     }

@@ -22,9 +22,11 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaStream, sys};
 
-use crate::buffer::Mapping;
+use crate::buffer::sealed::Sealed;
+use crate::buffer::{Mapping, UsedStreams};
 use crate::descriptor::Mechanism;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -70,7 +72,10 @@ impl ShareableTypes {
 const IMEX_CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
 
 fn fabric_unavailable(e: &Error) -> Option<Error> {
-    (e.driver_code() == Some(800) || e.driver_code() == Some(801)).then(|| {
+    matches!(
+        e.driver_result(),
+        Some(CUresult::CUDA_ERROR_NOT_PERMITTED | CUresult::CUDA_ERROR_NOT_SUPPORTED)
+    ).then(|| {
         let channels = std::path::Path::new(IMEX_CHANNELS).exists();
         Error::Unsupported {
             what: "fabric handles",
@@ -169,7 +174,11 @@ impl VmmBuffer {
 
     /// Uses `stream` (of the same device) for this buffer's copies and kernels.
     #[must_use]
+    ///
+    /// `stream` is first ordered after the buffer's current stream (an event
+    /// recorded there and waited on), so work queued before keeps its order.
     pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
+        crate::memory::order_after(&stream, &self.stream);
         self.stream = stream;
         self
     }
@@ -282,7 +291,9 @@ fn map_segments_rw(
     Ok(ptr)
 }
 
-impl DeviceMemory for VmmBuffer {
+// SAFETY: the allocation is owned by the value and freed in its `Drop`,
+// after its stream has finished; the accessors return fixed fields.
+unsafe impl DeviceMemory for VmmBuffer {
     fn device(&self) -> &Device {
         &self.device
     }
@@ -325,6 +336,7 @@ pub struct VmmMapping {
     /// Each imported allocation is mapped as one segment of this size.
     segment: u64,
     mechanism: Mechanism,
+    streams: UsedStreams,
 }
 
 // SAFETY: a mapping is a process-wide address range; calls bind the context first.
@@ -458,6 +470,7 @@ impl VmmMapping {
             size: segment * handles.len() as u64,
             segment,
             mechanism,
+            streams: UsedStreams::default(),
         }))
     }
 
@@ -479,6 +492,12 @@ fn release_all(handles: &[sys::CUmemGenericAllocationHandle]) {
     }
 }
 
+impl Sealed for VmmMapping {
+    fn used_streams(&self) -> &UsedStreams {
+        &self.streams
+    }
+}
+
 impl Mapping for VmmMapping {
     fn device(&self) -> &Device {
         &self.device
@@ -496,9 +515,11 @@ impl Mapping for VmmMapping {
 
 impl Drop for VmmMapping {
     fn drop(&mut self) {
-        // Errors cannot be raised from drop; the device's stream is finished
-        // first so that nothing queued there uses the range after unmapping.
+        // Errors cannot be raised from drop; the device's stream and every
+        // stream the views used are finished first so that nothing queued
+        // there uses the range after unmapping.
         let _ = self.device.bind();
+        let _ = self.streams.synchronize_all();
         let _ = self.device.stream().synchronize();
         // SAFETY: mapped segment by segment and reserved in `map_imported`,
         // undone once (cuMemUnmap takes whole mappings).

@@ -10,6 +10,7 @@ mod common;
 mod consumer;
 mod exchange;
 mod legacy;
+mod lifetimes;
 mod mechanisms;
 mod peer;
 
