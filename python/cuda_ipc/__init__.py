@@ -18,7 +18,7 @@ from . import dtypes
 from ._driver import available as driver_available
 from .descriptor import FORMAT_VERSION, cuda_array_interface, parse_descriptor, validate_descriptor
 from .errors import CudaIpcError, DescriptorError, DriverError, DriverNotFound, TorchRecordError, Unsupported
-from .export import Export, export_cupy, export_torch, torch_share_record
+from .export import Export, MissingDependency, export_cupy, export_torch, torch_share_record
 from .mapping import Mapping, live_mappings, open
 from .torch_record import parse_storage_handle, record_to_descriptor, tensor_layout, validate_record
 
@@ -43,6 +43,7 @@ __all__ = [
     "dtypes",
     "FORMAT_VERSION",
     "CudaIpcError",
+    "MissingDependency",
     "DriverError",
     "DriverNotFound",
     "DescriptorError",

@@ -11,7 +11,34 @@ from .descriptor import validate_descriptor
 from .errors import CudaIpcError, TorchRecordError
 from .torch_record import parse_storage_handle, record_to_descriptor, record_to_json, validate_record
 
-__all__ = ["Export", "export_torch", "export_cupy", "torch_share_record"]
+__all__ = ["Export", "MissingDependency", "export_torch", "export_cupy", "torch_share_record"]
+
+
+class MissingDependency(CudaIpcError, ImportError):
+    """An optional package this function needs (torch or cupy) is not
+    installed. Also an ``ImportError``, so ``except ImportError`` works."""
+
+
+def _import_optional(module, install):
+    """Imports ``module``, or raises :class:`MissingDependency` saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module and not (e.name or "").startswith(module + "."):
+            raise
+        raise MissingDependency(
+            f"this function needs {module}, which is not installed; install it with `{install}`"
+        ) from e
+
+
+def _torch():
+    return _import_optional("torch", "pip install './python[torch]'  (or pip install torch)")
+
+
+def _cupy():
+    return _import_optional("cupy", "pip install './python[cupy]'  (or pip install cupy-cuda13x)")
 
 
 class Export:
@@ -64,7 +91,7 @@ class Export:
 
 
 def _require_torch_cuda(tensor):
-    import torch
+    torch = _torch()
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -86,7 +113,7 @@ def _reduce(tensor):
     consumers that are not PyTorch never release it, and the tensor would
     stay allocated in PyTorch's 'limbo' forever. Liveness is the Export's
     job instead."""
-    import torch
+    torch = _torch()
     from torch.multiprocessing.reductions import reduce_tensor
 
     t = tensor.detach()
@@ -232,7 +259,7 @@ def export_cupy(array, *, stream=None):
     An interprocess event is recorded on ``stream`` (default: the current
     stream) and its handle goes into the descriptor.
     """
-    import cupy
+    cupy = _cupy()
 
     if not isinstance(array, cupy.ndarray):
         raise TypeError(f"expected a cupy.ndarray, got {type(array).__name__}")

@@ -16,6 +16,7 @@ use cuda_ipc::ErrorKind;
 mod cmd;
 mod lines;
 mod link;
+mod out;
 
 /// Share CUDA device memory between processes without copying.
 #[derive(Parser, Debug)]
@@ -81,7 +82,10 @@ pub fn exit_code(e: &cuda_ipc::Error) -> u8 {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli: Cli = match out::parse_args() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     init_tracing();
     let result = match cli.command {
         Command::Info(a) => cmd::info::run(&a),
@@ -102,7 +106,7 @@ fn main() -> ExitCode {
         Ok(Outcome::Ok) => ExitCode::SUCCESS,
         Ok(Outcome::Mismatch) => ExitCode::from(EXIT_MISMATCH),
         Err(e) => {
-            eprintln!("cuda-ipc: error: {e}");
+            out::report(&e);
             ExitCode::from(exit_code(&e))
         }
     }

@@ -2,15 +2,45 @@
 //! no-driver path. `CUDA_IPC_DISABLE_DRIVER` makes the no-driver path
 //! deterministic on GPU hosts too.
 
+use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
+fn command(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cuda-ipc"));
+    c.args(args).env("CUDA_IPC_DISABLE_DRIVER", "1");
+    c
+}
+
 fn cuda_ipc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cuda-ipc"))
-        .args(args)
-        .env("CUDA_IPC_DISABLE_DRIVER", "1")
+    command(args)
         .stdin(Stdio::null())
         .output()
         .expect("run cuda-ipc")
+}
+
+/// Runs cuda-ipc with `input` on its standard input (written from a thread,
+/// so that a command that stops reading early does not block the test);
+/// also returns how many bytes of the input it took before it exited.
+fn cuda_ipc_with_input(args: &[&str], input: Vec<u8>) -> (Output, usize) {
+    let mut child = command(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run cuda-ipc");
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || {
+        let mut written = 0;
+        for chunk in input.chunks(64 << 10) {
+            if stdin.write_all(chunk).is_err() {
+                break;
+            }
+            written += chunk.len();
+        }
+        written
+    });
+    let out = child.wait_with_output().expect("wait for cuda-ipc");
+    (out, writer.join().unwrap())
 }
 
 fn code(o: &Output) -> i32 {
@@ -24,6 +54,18 @@ fn stderr(o: &Output) -> String {
 fn assert_no_panic(o: &Output) {
     let e = stderr(o);
     assert!(!e.contains("panicked"), "cuda-ipc panicked: {e}");
+    assert_ne!(code(o), 101, "cuda-ipc panicked: {e}");
+    // No Rust `Debug` output: `Error: DriverNotFound { reason: .. }` and the like.
+    assert!(!e.contains(" { "), "Debug output: {e}");
+}
+
+/// Asserts one short error sentence on standard error, naming `why`, and the exit code.
+fn assert_error(args: &[&str], o: &Output, exit: i32, why: &str) {
+    assert_no_panic(o);
+    let e = stderr(o);
+    assert_eq!(code(o), exit, "{args:?}: {e}");
+    assert!(e.contains(why), "{args:?}: expected {why:?} in {e}");
+    assert!(e.len() < 1200, "{args:?}: {} bytes of error: {e}", e.len());
 }
 
 const HANDLE: &str = "abababababababababababababababababababababababababababababababababababababababababababababababababababababababababababababababab";
@@ -75,8 +117,18 @@ fn no_driver_exits_3_with_a_clear_message() {
             "1",
         ],
         &["serve", "--size", "1MiB", "--fill-u32", "3"],
-        &["attach", "--socket", "/nonexistent/x.sock"],
         &["demo", "--stream", "--seconds", "1"],
+        &["demo", "--stream", "--seconds", "1.5s"],
+        &["demo", "--stream", "--seconds", "500ms"],
+        &[
+            "serve",
+            "--size",
+            "4096",
+            "--fill-u32",
+            "1",
+            "--release-timeout",
+            "1m",
+        ],
         &["bench", "--quick", "--no-torch"],
         &["bench", "--quick", "--devices", "0,1", "--only", "peer"],
     ] {
@@ -147,7 +199,7 @@ fn bad_input_exits_2_naming_the_problem() {
         ),
         (
             &["demo", "--stream", "--seconds", "soon"],
-            "not a number of seconds",
+            "expected a duration",
         ),
         (&["bench", "--devices", "0,0"], "the two GPUs must differ"),
         (&["bench", "--devices", "0"], "two device ordinals"),
@@ -182,5 +234,417 @@ fn a_descriptor_is_validated_before_the_driver_is_needed() {
         3,
         "a valid descriptor reaches the driver check: {}",
         stderr(&o)
+    );
+}
+
+/// A valid descriptor (legacy, 16 bytes of u32) as one JSON line.
+fn descriptor(len: u64) -> String {
+    r#"{"cuda_ipc":1,"mechanism":"legacy","handle":"HANDLE","alloc_size":4096,"offset":0,"len":LEN,"dtype":"u32","device_uuid":"GPU-00000000-0000-0000-0000-000000000000","pid":1}"#
+        .replace("HANDLE", HANDLE)
+        .replace("LEN", &len.to_string())
+}
+
+#[test]
+fn durations_take_units_and_have_a_limit() {
+    for (args, why) in [
+        (
+            &["demo", "--stream", "--seconds", "1e20"][..],
+            "expected a duration",
+        ),
+        (
+            &["demo", "--stream", "--seconds", "31d"],
+            "longer than 30 days",
+        ),
+        (
+            &["demo", "--stream", "--seconds", "-1"],
+            "must be non-negative",
+        ),
+        (
+            &[
+                "serve",
+                "--size",
+                "4096",
+                "--fill-u32",
+                "1",
+                "--release-timeout",
+                "1e20",
+            ],
+            "expected a duration",
+        ),
+        (
+            &[
+                "serve",
+                "--size",
+                "4096",
+                "--fill-u32",
+                "1",
+                "--release-timeout",
+                "99999999999999999999999s",
+            ],
+            "longer than 30 days",
+        ),
+    ] {
+        assert_error(args, &cuda_ipc(args), 2, why);
+    }
+}
+
+#[test]
+fn negative_numbers_say_they_must_be_non_negative() {
+    let cases: &[&[&str]] = &[
+        &["demo", "--size", "-4096"],
+        &["demo", "--device", "-1"],
+        &["demo", "--stream", "--slots", "-2"],
+        &["export", "--size", "4096", "--fill-u32", "-1"],
+        &[
+            "export",
+            "--size",
+            "4096",
+            "--fill-u32",
+            "1",
+            "--offset",
+            "-4",
+        ],
+        &[
+            "serve",
+            "--size",
+            "4096",
+            "--fill-u32",
+            "1",
+            "--allow-uid",
+            "-1",
+        ],
+        &[
+            "serve",
+            "--size",
+            "4096",
+            "--fill-u32",
+            "1",
+            "--buffers",
+            "-1",
+        ],
+        &["attach", "--allow-uid", "-1"],
+        &["attach", "--expect-u32", "-7"],
+        &["open", "--handle", HANDLE, "--size", "-4096"],
+    ];
+    for args in cases {
+        assert_error(args, &cuda_ipc(args), 2, "must be non-negative");
+    }
+}
+
+#[test]
+fn a_bad_number_names_the_argument_and_what_it_expected() {
+    for (args, why) in [
+        (&["demo", "--device", "abc"][..], "'--device <DEVICE>'"),
+        (&["demo", "--device", "abc"], "not a device ordinal"),
+        (
+            &[
+                "serve",
+                "--size",
+                "4096",
+                "--fill-u32",
+                "1",
+                "--allow-uid",
+                "abc",
+            ],
+            "not a user id",
+        ),
+        (
+            &["attach", "--allow-uid", "me"],
+            "'--allow-uid <ALLOW_UID>'",
+        ),
+        (&["demo", "--stream", "--slots", "many"], "not a count"),
+    ] {
+        assert_error(args, &cuda_ipc(args), 2, why);
+    }
+}
+
+#[test]
+fn a_full_or_closed_standard_output_is_an_error_not_a_panic() {
+    for args in [
+        &["info"][..],
+        &["info", "--json"],
+        &["--help"],
+        &["demo", "--help"],
+    ] {
+        let o = command(args)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create("/dev/full").unwrap())
+            .output()
+            .unwrap();
+        assert_error(
+            args,
+            &o,
+            4,
+            "cannot write to standard output: No space left",
+        );
+    }
+    // `cuda-ipc info | head -0`: the reader is gone; say nothing more.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let o = command(&["info"])
+        .stdin(Stdio::null())
+        .stdout(writer)
+        .output()
+        .unwrap();
+    assert_no_panic(&o);
+    assert_eq!(code(&o), 4);
+    assert_eq!(stderr(&o), "");
+}
+
+#[test]
+fn info_prints_the_driver_error_once() {
+    let o = cuda_ipc(&["info"]);
+    let all = stderr(&o) + &String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        all.matches("libcuda.so.1) could not be loaded").count(),
+        1,
+        "{all}"
+    );
+    assert_eq!(code(&o), 3);
+}
+
+#[test]
+fn a_file_that_is_not_a_library_at_libcuda_s_name_is_not_loadable() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["libcuda.so", "libcuda.so.1"] {
+        std::fs::write(dir.path().join(name), b"not an ELF file").unwrap();
+    }
+    // The directory comes first on the loader path, so this holds on GPU hosts too.
+    let o = Command::new(env!("CARGO_BIN_EXE_cuda-ipc"))
+        .args(["info", "--no-probe"])
+        .env_remove("CUDA_IPC_DISABLE_DRIVER")
+        .env("LD_LIBRARY_PATH", dir.path())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_error(&["info"], &o, 3, "not a loadable library");
+    assert!(
+        !stderr(&o).contains("was found on the loader path"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn socket_paths_are_checked_before_the_driver() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("file");
+    std::fs::write(&file, "").unwrap();
+    let file = file.to_str().unwrap();
+    let sub = dir.path().to_str().unwrap();
+    let missing = dir.path().join("missing.sock");
+    let missing = missing.to_str().unwrap();
+    let no_dir = dir.path().join("no/such/dir.sock");
+    let no_dir = no_dir.to_str().unwrap();
+    let long_name = "n".repeat(200);
+    let serve = |socket: &str| -> Vec<String> {
+        [
+            "serve",
+            "--size",
+            "4096",
+            "--fill-u32",
+            "1",
+            "--socket",
+            socket,
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect()
+    };
+    let cases: Vec<(Vec<String>, i32, &str)> = vec![
+        (
+            vec!["attach".into(), "--socket".into(), "/etc/passwd".into()],
+            2,
+            "is a regular file, not a socket",
+        ),
+        (
+            vec![
+                "attach".into(),
+                "--list".into(),
+                "--socket".into(),
+                file.into(),
+            ],
+            2,
+            "is a regular file, not a socket",
+        ),
+        (
+            vec!["attach".into(), "--socket".into(), sub.into()],
+            2,
+            "is a directory, not a socket",
+        ),
+        (
+            vec!["attach".into(), "--socket".into(), String::new()],
+            2,
+            "--socket: it is empty",
+        ),
+        (
+            vec!["attach".into(), "--socket".into(), "a:b".into()],
+            2,
+            "is not a socket name",
+        ),
+        (
+            vec!["attach".into(), "--socket".into(), long_name.clone()],
+            2,
+            "more characters",
+        ),
+        (
+            vec!["attach".into(), "--socket".into(), missing.into()],
+            4,
+            "nothing serves there",
+        ),
+        (
+            vec![
+                "attach".into(),
+                "--list".into(),
+                "--socket".into(),
+                missing.into(),
+            ],
+            4,
+            "nothing serves there",
+        ),
+        (serve(file), 2, "refusing to replace it"),
+        (serve(sub), 2, "is a directory, not a socket"),
+        (serve(""), 2, "--socket: it is empty"),
+        (serve("bad name"), 2, "is not a socket name"),
+        (serve(no_dir), 2, "does not exist"),
+        (
+            serve(&format!("/tmp/{}", "x".repeat(120))),
+            2,
+            "at most 107",
+        ),
+    ];
+    for (args, exit, why) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        assert_error(&args, &cuda_ipc(&args), exit, why);
+    }
+}
+
+#[test]
+fn a_real_socket_gets_as_far_as_the_driver() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let path = path.to_str().unwrap();
+    for args in [
+        &["attach", "--socket", path][..],
+        &[
+            "serve",
+            "--size",
+            "4096",
+            "--fill-u32",
+            "1",
+            "--socket",
+            path,
+        ],
+        &["attach", "--socket", "some-name-nobody-serves-on"],
+    ] {
+        let o = cuda_ipc(args);
+        assert_no_panic(&o);
+        let exit = if args.contains(&"some-name-nobody-serves-on") {
+            4
+        } else {
+            3
+        };
+        assert_eq!(code(&o), exit, "{args:?}: {}", stderr(&o));
+    }
+}
+
+#[test]
+fn open_honours_size_and_offset_with_a_descriptor() {
+    let d = descriptor(16);
+    for (args, exit, why) in [
+        (
+            vec!["--size", "32"],
+            2,
+            "passes the end of the described region (16 bytes)",
+        ),
+        (vec!["--offset", "20"], 2, "passes the end"),
+        (vec!["--offset", "8", "--size", "16"], 2, "passes the end"),
+        (vec!["--offset", "8"], 3, "libcuda.so.1"),
+        (vec!["--offset", "4", "--size", "8"], 3, "libcuda.so.1"),
+        (vec!["--size", "16"], 3, "libcuda.so.1"),
+    ] {
+        let mut full = vec!["open", "--descriptor", &d];
+        full.extend(args);
+        assert_error(&full, &cuda_ipc(&full), exit, why);
+    }
+    // With a handle, --size is still required.
+    let o = cuda_ipc(&["open", "--handle", HANDLE, "--offset", "8"]);
+    assert_error(&["open"], &o, 2, "--size");
+}
+
+#[test]
+fn a_descriptor_on_standard_input_is_one_bounded_utf8_line() {
+    let args = ["open", "--descriptor", "-"];
+    let pretty = serde_json::to_string_pretty(
+        &serde_json::from_str::<serde_json::Value>(&descriptor(16)).unwrap(),
+    )
+    .unwrap();
+    for (input, exit, why) in [
+        (Vec::new(), 2, "standard input is empty"),
+        (b"\n".to_vec(), 2, "the first line is empty"),
+        (pretty.into_bytes(), 2, "not a whole JSON document"),
+        (b"{\"cuda_ipc\":1,\xff}\n".to_vec(), 2, "not UTF-8"),
+        (descriptor(16).into_bytes(), 3, "libcuda.so.1"),
+        (
+            format!("{}\nmore\n", descriptor(16)).into_bytes(),
+            3,
+            "libcuda.so.1",
+        ),
+    ] {
+        let (o, _) = cuda_ipc_with_input(&args, input);
+        assert_error(&args, &o, exit, why);
+        if exit == 2 {
+            assert!(stderr(&o).contains("one line of JSON"), "{}", stderr(&o));
+        }
+    }
+    // 64 MiB with no newline: refused after 1 MiB, without reading the rest.
+    let (o, taken) = cuda_ipc_with_input(&args, vec![b'x'; 64 << 20]);
+    assert_error(&args, &o, 2, "longer than 1MiB");
+    assert!(taken < 8 << 20, "cuda-ipc read {taken} bytes");
+}
+
+#[test]
+fn long_arguments_are_not_echoed_in_full() {
+    let long = "9".repeat(120_000);
+    let junk = "x".repeat(120_000);
+    for args in [
+        &["demo", "--size", &long][..],
+        &["demo", "--device", &long],
+        &["demo", "--stream", "--seconds", &long],
+        &["export", "--size", "4096", "--fill-u32", &long],
+        &["attach", "--socket", &junk],
+        &["open", "--descriptor", &junk],
+        &[&junk],
+        &["info", &junk],
+    ] {
+        let o = cuda_ipc(args);
+        assert_no_panic(&o);
+        assert_eq!(code(&o), 2, "{}", &stderr(&o)[..200.min(stderr(&o).len())]);
+        assert!(
+            stderr(&o).len() < 1200,
+            "{} bytes: {}",
+            stderr(&o).len(),
+            &stderr(&o)[..1200]
+        );
+    }
+}
+
+#[test]
+fn a_descriptor_with_a_key_twice_or_a_huge_size_is_refused() {
+    let d = descriptor(16);
+    let twice = d.replacen('{', "{\"len\":4,", 1);
+    assert_error(
+        &["open"],
+        &cuda_ipc(&["open", "--descriptor", &twice]),
+        2,
+        "appears twice",
+    );
+    let huge = d.replace("\"alloc_size\":4096", "\"alloc_size\":18446744073709551616");
+    assert_error(
+        &["open"],
+        &cuda_ipc(&["open", "--descriptor", &huge]),
+        2,
+        "too large",
     );
 }

@@ -301,7 +301,7 @@ fn forbid(f: &Fields<'_>, key: &str, mechanism: Mechanism) -> Result<()> {
 impl Descriptor {
     /// Parses and validates a descriptor from JSON text.
     pub fn from_json(text: &str) -> Result<Self> {
-        let value: Value = serde_json::from_str(text)
+        let value: Value = crate::json::parse_strict(text)
             .map_err(|e| field_err("(document)", format!("not valid JSON: {e}")))?;
         Self::from_value(&value)
     }

@@ -37,10 +37,7 @@ pub fn load() -> Result<DriverVersion> {
     }
     // SAFETY: loading the library runs its initialisers; libcuda is made to be loaded this way.
     if !unsafe { sys::is_culib_present() } {
-        return Err(Error::DriverNotFound {
-            reason: "no library named libcuda.so.1 (or libcuda.so) was found on the loader path"
-                .into(),
-        });
+        return Err(why_not_loaded());
     }
     // SAFETY: `is_culib_present` just loaded it, so `culib` cannot reach its panic.
     let lib = unsafe { sys::culib() };
@@ -63,6 +60,38 @@ pub fn load() -> Result<DriverVersion> {
         });
     }
     Ok(*LOADED.get_or_init(|| version))
+}
+
+/// The names the loader is asked for first (cudarc tries these, then a few
+/// Windows-style names that do not exist on Linux).
+const LIBRARY_NAMES: [&str; 2] = ["libcuda.so", "libcuda.so.1"];
+
+/// Why libcuda did not load: missing from the loader path, or found but not
+/// a library the loader can use (a stray file, a truncated copy, the wrong
+/// architecture), with the loader's own words.
+fn why_not_loaded() -> Error {
+    for name in LIBRARY_NAMES {
+        // SAFETY: as in `load`: loading libcuda runs only its own initialisers.
+        match unsafe { libloading::Library::new(name) } {
+            // Loadable now (it appeared meanwhile): cudarc will find it on the next try.
+            Ok(_) => {}
+            Err(e) => {
+                let text = e.to_string();
+                if !text.contains("cannot open shared object file") {
+                    return Error::DriverNotFound {
+                        reason: format!(
+                            "a file named {name} was found but it is not a loadable library \
+                             ({text}); reinstall the NVIDIA driver, or remove the stray file \
+                             from the loader path"
+                        ),
+                    };
+                }
+            }
+        }
+    }
+    Error::DriverNotFound {
+        reason: "no library named libcuda.so.1 (or libcuda.so) was found on the loader path".into(),
+    }
 }
 
 /// Loads the driver and initialises it (`cuInit`). A machine whose driver

@@ -1,9 +1,12 @@
 //! Strict, field-by-field decoding of JSON objects, for the decoders of
 //! untrusted records (descriptors, PyTorch share records): every error names
-//! the field and says what was found.
+//! the field and says what was found, and a document that names a key twice
+//! is refused rather than read as its last value.
 
+use std::fmt;
 use std::str::FromStr;
 
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
@@ -17,6 +20,92 @@ pub(crate) fn kind_of(v: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
+    }
+}
+
+/// Parses a JSON document as [`serde_json::from_str`] does, but refuses an
+/// object that has the same key twice (serde_json keeps the last one, so two
+/// readers of one document could disagree on what it says). The error is
+/// serde_json's, or names the duplicate key.
+pub(crate) fn parse_strict(text: &str) -> serde_json::Result<Value> {
+    serde_json::from_str::<Strict>(text).map(|s| s.0)
+}
+
+/// A JSON value read with no duplicate keys at any depth.
+pub(crate) struct Strict(pub(crate) Value);
+
+impl<'de> Deserialize<'de> for Strict {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(Strict)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> std::result::Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> std::result::Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> std::result::Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> std::result::Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, v: &str) -> std::result::Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> std::result::Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Value, D::Error> {
+        Strict::deserialize(d).map(|s| s.0)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Strict(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let Strict(v) = map.next_value()?;
+            if out.contains_key(&key) {
+                return Err(de::Error::custom(format_args!(
+                    "the key {} appears twice in one object",
+                    crate::units::shorten(&key, 40)
+                )));
+            }
+            out.insert(key, v);
+        }
+        Ok(Value::Object(out))
     }
 }
 
@@ -57,8 +146,20 @@ impl<'a> Fields<'a> {
     /// `v`, the value of `key`, as a non-negative whole number.
     pub(crate) fn u64_of(&self, key: &str, v: &Value) -> Result<u64> {
         v.as_u64().ok_or_else(|| match v {
-            Value::Number(n) if n.is_f64() => self.err(key, format!("{n} is not a whole number")),
-            Value::Number(n) => self.err(key, format!("{n} is negative")),
+            // serde_json reads a whole number past u64 (2^64 and up) as a float.
+            Value::Number(n)
+                if n.as_f64()
+                    .is_some_and(|f| f >= 18_446_744_073_709_551_616.0) =>
+            {
+                self.err(
+                    key,
+                    format!("{n} is too large (the largest accepted is {})", u64::MAX),
+                )
+            }
+            Value::Number(n) if n.as_f64().is_some_and(|f| f < 0.0) => {
+                self.err(key, format!("{n} is negative"))
+            }
+            Value::Number(n) => self.err(key, format!("{n} is not a whole number")),
             other => self.err(
                 key,
                 format!(
@@ -220,7 +321,7 @@ macro_rules! json_record {
             fn deserialize<D: serde::Deserializer<'de>>(
                 d: D,
             ) -> std::result::Result<Self, D::Error> {
-                let v = serde_json::Value::deserialize(d)?;
+                let $crate::json::Strict(v) = $crate::json::Strict::deserialize(d)?;
                 <$ty>::from_value(&v).map_err(serde::de::Error::custom)
             }
         }

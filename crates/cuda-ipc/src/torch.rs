@@ -636,7 +636,7 @@ fn extent(shape: &[u64], strides: &[u64], given: &[i64]) -> Result<u64> {
 impl ShareRecord {
     /// Parses and validates a record from JSON text.
     pub fn from_json(text: &str) -> Result<Self> {
-        let value: Value = serde_json::from_str(text)
+        let value: Value = crate::json::parse_strict(text)
             .map_err(|e| field_err("(document)", format!("not valid JSON: {e}")))?;
         Self::from_value(&value)
     }

@@ -131,6 +131,70 @@ fn signs_are_refused_in_sizes_and_values() {
     assert_eq!("0x10".parse::<ByteSize>().unwrap(), ByteSize(16));
 }
 
+/// A descriptor that names a key twice was read as its last value
+/// (serde_json's way), although decoding is strict: two readers of one
+/// document could disagree on what it says. Now an error names the key, at
+/// any depth, in descriptors and PyTorch share records alike.
+#[test]
+fn duplicate_keys_are_refused() {
+    let good = sample_descriptor().to_json();
+    let twice = good.replacen('{', "{\"offset\":0,", 1);
+    let e = Descriptor::from_json(&twice).unwrap_err().to_string();
+    assert!(e.contains("\"offset\" appears twice"), "{e}");
+    let nested = good.replacen("\"shape\":[", "\"shape\":[{\"a\":1,\"a\":2},", 1);
+    assert!(
+        Descriptor::from_json(&nested)
+            .unwrap_err()
+            .to_string()
+            .contains("appears twice")
+    );
+    let e = serde_json::from_str::<Descriptor>(&twice)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("appears twice"), "{e}");
+    let e = cuda_ipc::torch::ShareRecord::from_json(r#"{"a":1,"a":1}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("appears twice"), "{e}");
+    assert_eq!(Descriptor::from_json(&good).unwrap().to_json(), good);
+}
+
+/// `alloc_size` 2^64 was "not a whole number" (serde_json reads a whole
+/// number past u64 as a float); it is too large, and the error says so.
+#[test]
+fn whole_numbers_past_u64_are_too_large() {
+    let good = sample_descriptor().to_value();
+    for (n, why) in [
+        ("18446744073709551616", "too large"),
+        ("99999999999999999999999", "too large"),
+        ("-1", "negative"),
+        ("1.5", "not a whole number"),
+    ] {
+        let mut v = good.clone();
+        v["alloc_size"] = serde_json::from_str(n).unwrap();
+        let e = Descriptor::from_json(&v.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("alloc_size") && e.contains(why), "{n}: {e}");
+    }
+}
+
+fn sample_descriptor() -> Descriptor {
+    let mut v = json!({
+        "cuda_ipc": 1,
+        "mechanism": "legacy",
+        "handle": "ab".repeat(64),
+        "alloc_size": 4096,
+        "offset": 0,
+        "len": 16,
+        "dtype": "u32",
+        "device_uuid": "GPU-00000000-0000-0000-0000-000000000000",
+        "pid": 1
+    });
+    v["shape"] = json!([4]);
+    Descriptor::from_value(&v).unwrap()
+}
+
 // ---------------------------------------------------------------------------
 // Properties: descriptors
 
@@ -261,6 +325,27 @@ proptest! {
                 prop_assert!(matches!(e, cuda_ipc::Error::Descriptor { .. }), "{}", shown);
             }
         }
+    }
+}
+
+proptest! {
+    /// Any valid descriptor with any one of its keys written a second time
+    /// (with any JSON) is refused, naming the key.
+    #[test]
+    fn a_repeated_key_is_always_refused(
+        d in arb_descriptor(),
+        pick in any::<prop::sample::Index>(),
+        junk in arb_json(),
+    ) {
+        let v = d.to_value();
+        let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+        let key = keys[pick.index(keys.len())];
+        let text = v.to_string();
+        let extra = format!("{{{}:{},", Value::from(key.as_str()), junk);
+        let twice = text.replacen('{', &extra, 1);
+        let e = Descriptor::from_json(&twice).unwrap_err().to_string();
+        prop_assert!(e.contains("appears twice"), "{}", e);
+        prop_assert!(Descriptor::from_json(&text).is_ok());
     }
 }
 

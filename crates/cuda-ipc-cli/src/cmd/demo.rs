@@ -7,7 +7,7 @@
 //! waits on that event and checks every value again. Both directions are
 //! checked element by element; each step is timed.
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use cuda_ipc::kernels::{self, Pattern, Speed};
@@ -19,31 +19,33 @@ use serde_json::{Value, json};
 
 use crate::Outcome;
 use crate::lines::{self, LineReader, field};
+use crate::out::outln;
 
 /// Arguments of `demo`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// How much memory to share (4096, 64MiB, 1GiB, ...).
-    #[arg(long, value_parser = super::parse_size, default_value = "64MiB")]
+    #[arg(long, value_parser = super::parse_size, default_value = "64MiB", allow_negative_numbers = true)]
     pub size: u64,
     /// How to share: auto, legacy, vmm, pool or fabric.
     #[arg(long, value_parser = super::parse_mechanism, default_value = "auto")]
     pub mechanism: super::MechanismArg,
     /// Device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,
     /// Stream frames through a ring of buffers instead (a video or
     /// inference pipeline) and report frames per second and latency.
     #[arg(long)]
     pub stream: bool,
     /// With --stream: the size of one frame.
-    #[arg(long, value_parser = super::parse_size, default_value = "1MiB")]
+    #[arg(long, value_parser = super::parse_size, default_value = "1MiB", allow_negative_numbers = true)]
     pub frame_size: u64,
     /// With --stream: how many buffers the ring has.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = super::parse_count, allow_negative_numbers = true)]
     pub slots: usize,
-    /// With --stream: how long to stream.
-    #[arg(long, value_parser = super::parse_seconds, default_value = "5")]
+    /// With --stream: how long to stream (10s, 500ms, 1m; a number alone
+    /// counts seconds).
+    #[arg(long, value_parser = super::parse_duration, default_value = "5s", allow_negative_numbers = true)]
     pub seconds: std::time::Duration,
 }
 
@@ -51,7 +53,7 @@ pub struct Args {
 #[derive(clap::Args, Debug)]
 pub struct ConsumerArgs {
     /// Device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,
     /// Stream mode: subscribe to the ring at this socket.
     #[arg(long)]
@@ -124,27 +126,20 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         super::ms_since(t),
     );
 
-    println!(
+    outln!(
         "cuda-ipc demo: sharing {} between two processes on GPU {} ({}) with the {mechanism} mechanism",
         super::human(args.size),
         caps.ordinal,
         caps.name
-    );
+    )?;
 
     let t = Instant::now();
-    let exe = std::env::current_exe().map_err(|e| Error::Io {
-        context: "finding our own executable".into(),
-        source: e,
-    })?;
-    let mut child = Command::new(exe)
-        .args(["__demo-consumer", "--device", &args.device.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| Error::Io {
-            context: "starting the consumer process".into(),
-            source: e,
-        })?;
+    let device_arg = args.device.to_string();
+    let mut child = super::spawn_self(
+        "consumer",
+        &["__demo-consumer", "--device", &device_arg],
+        Stdio::piped(),
+    )?;
     let mut to_child = child.stdin.take().expect("piped");
     let from_child = LineReader::new(child.stdout.take().expect("piped"), "consumer process");
     let outcome = talk_to_consumer(
@@ -162,18 +157,18 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         source: e,
     })?;
     for (who, what, ms) in &steps.0 {
-        println!("  {who:<9} {what:<52} {ms:>10.3} ms");
+        outln!("  {who:<9} {what:<52} {ms:>10.3} ms")?;
     }
     let outcome = outcome?;
     if !status.success() {
-        println!("FAILED: the consumer process exited with {status}");
+        outln!("FAILED: the consumer process exited with {status}")?;
         return Ok(Outcome::Mismatch);
     }
     match outcome {
-        Outcome::Ok => println!(
+        Outcome::Ok => outln!(
             "OK: both processes saw each other's writes ({words} values checked in each direction, no copy)"
-        ),
-        Outcome::Mismatch => println!("FAILED: the data did not match"),
+        )?,
+        Outcome::Mismatch => outln!("FAILED: the data did not match")?,
     }
     drop(export);
     drop(buffer);
@@ -210,10 +205,10 @@ fn talk_to_consumer(
         steps.add("consumer", name, step["ms"].as_f64().unwrap_or(f64::NAN));
     }
     if reply["mismatch"].is_u64() {
-        println!(
+        outln!(
             "consumer saw word {} differ from what the producer wrote",
             reply["mismatch"]
-        );
+        )?;
         return Ok(Outcome::Mismatch);
     }
     let handle: IpcEventHandle = field(&reply, "event")?
@@ -235,7 +230,7 @@ fn talk_to_consumer(
     Ok(match bad {
         None => Outcome::Ok,
         Some(i) => {
-            println!("producer saw word {i} differ from what the consumer wrote");
+            outln!("producer saw word {i} differ from what the consumer wrote")?;
             Outcome::Mismatch
         }
     })

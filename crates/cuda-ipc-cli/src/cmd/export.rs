@@ -1,32 +1,31 @@
 //! `cuda-ipc export`: allocate, fill, print a descriptor, keep the memory
 //! alive until standard input ends.
 
-use std::io::{Read, Write};
-
 use cuda_ipc::kernels::{self, Pattern, Speed};
-use cuda_ipc::share::{self, SharedBuffer};
+use cuda_ipc::share;
 use cuda_ipc::{Device, DeviceMemory, Dtype, Error};
 
 use crate::Outcome;
+use crate::out::outln;
 
 /// Arguments of `export`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Size of the exported region (4096, 2MiB, 1GiB, ...).
-    #[arg(long, value_parser = super::parse_size)]
+    #[arg(long, value_parser = super::parse_size, allow_negative_numbers = true)]
     pub size: u64,
     /// Fill every 32-bit word of the region with this value (decimal or 0x hex).
-    #[arg(long, value_parser = super::parse_value)]
+    #[arg(long, value_parser = super::parse_value, allow_negative_numbers = true)]
     pub fill_u32: u32,
     /// Export a region starting this many bytes into a larger allocation
-    /// (the bytes before it are filled with the bitwise complement of the value).
-    #[arg(long, value_parser = super::parse_size, default_value = "0")]
+    /// (the bytes before it hold the bitwise complement of the value).
+    #[arg(long, value_parser = super::parse_size, default_value = "0", allow_negative_numbers = true)]
     pub offset: u64,
     /// How to share: auto, legacy, vmm, pool or fabric.
     #[arg(long, value_parser = super::parse_mechanism, default_value = "auto")]
     pub mechanism: super::MechanismArg,
     /// Device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,
 }
 
@@ -48,11 +47,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             reason: "offset + size overflows".into(),
         })?;
     let device = Device::open(args.device)?;
-    let buffer = SharedBuffer::alloc(&device, total as usize, args.mechanism.0)?;
-    if args.offset > 0 {
-        let head = buffer.region(0, args.offset)?;
-        kernels::fill_u32(&head, Pattern::constant(!args.fill_u32), Speed::Full)?;
-    }
+    let buffer = super::alloc_filled(&device, total, args.mechanism, !args.fill_u32)?;
     let region = buffer.region(args.offset, args.size)?;
     kernels::fill_u32(&region, Pattern::constant(args.fill_u32), Speed::Full)?;
     device.synchronize()?;
@@ -66,30 +61,9 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         Dtype::U32,
         Some(vec![args.size / 4]),
     )?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", export.descriptor)
-        .and_then(|()| out.flush())
-        .map_err(|e| Error::Io {
-            context: "printing the descriptor".into(),
-            source: e,
-        })?;
-    drop(out);
+    outln!("{}", export.descriptor)?;
     // Keep the memory (and the exported descriptors) alive until stdin ends.
-    let mut sink = [0u8; 4096];
-    let mut stdin = std::io::stdin().lock();
-    loop {
-        match stdin.read(&mut sink) {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                return Err(Error::Io {
-                    context: "reading standard input".into(),
-                    source: e,
-                });
-            }
-        }
-    }
+    super::wait_for_stdin_end()?;
     drop(export);
     drop(buffer);
     Ok(Outcome::Ok)

@@ -2,8 +2,7 @@
 //! driver claims and which actually work (tried between two processes), and
 //! what in this environment gets in the way, with the fix.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use cuda_ipc::device::{Capabilities, ComputeMode, SystemInfo};
@@ -14,6 +13,7 @@ use serde_json::{Value, json};
 
 use crate::Outcome;
 use crate::lines::{self, LineReader};
+use crate::out::outln;
 
 /// Arguments of `info`.
 #[derive(clap::Args, Debug)]
@@ -30,7 +30,7 @@ pub struct Args {
 #[derive(clap::Args, Debug)]
 pub struct ProbeOpenArgs {
     /// Device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,
 }
 
@@ -43,11 +43,11 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         Ok(s) => s,
         Err(e) => {
             if args.json {
-                println!("{}", json!({ "error": e.to_string(), "environment": env }));
+                outln!("{}", json!({ "error": e.to_string(), "environment": env }))?;
             } else {
-                println!("CUDA driver: not usable");
-                println!("  {e}");
-                print_environment(&env);
+                // The error itself is printed once, on standard error, by main.
+                outln!("CUDA driver: not usable (the error follows on standard error)")?;
+                print_environment(&env)?;
             }
             return Err(e);
         }
@@ -72,37 +72,37 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
                 v
             })
             .collect();
-        println!(
+        outln!(
             "{}",
             json!({ "driver_version": system.driver_version.to_string(), "devices": list, "peers": peers, "environment": env })
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "CUDA driver: {} (libcuda.so.1 loaded)",
             system.driver_version
-        );
+        )?;
         if devices.is_empty() {
-            println!("  no devices");
+            outln!("  no devices")?;
         }
         for (caps, probes) in &devices {
-            print_device(caps, probes);
+            print_device(caps, probes)?;
         }
         for p in &peers {
             let link = p["link_text"].as_str().unwrap_or("?");
             if let Some(e) = p["error"].as_str() {
-                println!("peer {} -> {}: {link}; {e}", p["from"], p["to"]);
+                outln!("peer {} -> {}: {link}; {e}", p["from"], p["to"])?;
                 continue;
             }
-            println!(
+            outln!(
                 "peer {} -> {}: {link}; peer access {}, native atomics {}, performance rank {}",
                 p["from"],
                 p["to"],
                 yes(p["access_supported"] == true),
                 yes(p["native_atomics"] == true),
                 p["performance_rank"]
-            );
+            )?;
         }
-        print_environment(&env);
+        print_environment(&env)?;
     }
     Ok(Outcome::Ok)
 }
@@ -111,8 +111,8 @@ fn yes(b: bool) -> &'static str {
     if b { "yes" } else { "no" }
 }
 
-fn print_device(caps: &Capabilities, probes: &Value) {
-    println!(
+fn print_device(caps: &Capabilities, probes: &Value) -> Result<(), Error> {
+    outln!(
         "device {}: {}  {}  PCI {}  compute capability {}.{}  {}  compute mode {:?}",
         caps.ordinal,
         caps.name,
@@ -122,7 +122,7 @@ fn print_device(caps: &Capabilities, probes: &Value) {
         caps.compute_capability.1,
         super::human(caps.total_memory),
         caps.compute_mode
-    );
+    )?;
     let rows = [
         (Mechanism::Legacy, "legacy IPC handles", caps.legacy_ipc),
         (
@@ -137,10 +137,11 @@ fn print_device(caps: &Capabilities, probes: &Value) {
         ),
         (Mechanism::Fabric, "fabric handles", caps.fabric),
     ];
-    println!(
+    outln!(
         "  {:<22} {:<8} tried between two processes",
-        "mechanism", "claimed"
-    );
+        "mechanism",
+        "claimed"
+    )?;
     for (m, label, claimed) in rows {
         let tried = match probes.get(m.name()) {
             None => "not tried".to_string(),
@@ -151,18 +152,19 @@ fn print_device(caps: &Capabilities, probes: &Value) {
             ),
             Some(p) => format!("fails: {}", p["error"].as_str().unwrap_or("?")),
         };
-        println!("  {label:<22} {:<8} {tried}", yes(claimed));
+        outln!("  {label:<22} {:<8} {tried}", yes(claimed))?;
     }
-    println!(
+    outln!(
         "  unified addressing {}, IPC events {}, VMM {}, memory pools {}",
         yes(caps.unified_addressing),
         yes(caps.ipc_events),
         yes(caps.vmm),
         yes(caps.memory_pools)
-    );
+    )?;
     for advice in device_advice(caps) {
-        println!("  note: {advice}");
+        outln!("  note: {advice}")?;
     }
+    Ok(())
 }
 
 /// How every ordered pair of devices reaches the other (legacy opens with
@@ -295,28 +297,14 @@ fn open_in_child(device: usize, descriptors: &[&Descriptor]) -> Vec<Result<Value
             })
             .collect()
     };
-    let exe = match std::env::current_exe() {
-        Ok(p) => p,
-        Err(e) => {
-            return fail(Error::Io {
-                context: "finding our own executable".into(),
-                source: e,
-            });
-        }
-    };
-    let mut child = match Command::new(exe)
-        .args(["__probe-open", "--device", &device.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-    {
+    let device_arg = device.to_string();
+    let mut child = match super::spawn_self(
+        "probe",
+        &["__probe-open", "--device", &device_arg],
+        Stdio::piped(),
+    ) {
         Ok(c) => c,
-        Err(e) => {
-            return fail(Error::Io {
-                context: "starting the probe process".into(),
-                source: e,
-            });
-        }
+        Err(e) => return fail(e),
     };
     let mut stdin = child.stdin.take().expect("piped");
     let reader = LineReader::new(child.stdout.take().expect("piped"), "probe process");
@@ -335,12 +323,18 @@ fn open_in_child(device: usize, descriptors: &[&Descriptor]) -> Vec<Result<Value
 /// answers one JSON line each.
 pub fn probe_open(args: &ProbeOpenArgs) -> Result<Outcome, Error> {
     let device = Device::open(args.device)?;
-    let mut out = std::io::stdout().lock();
-    for line in std::io::stdin().lines() {
-        let line = line.map_err(|e| Error::Io {
-            context: "reading a probe descriptor".into(),
-            source: e,
-        })?;
+    let mut stdin = std::io::stdin().lock();
+    loop {
+        let line = match lines::read_line(&mut stdin, super::open::MAX_DESCRIPTOR_LINE) {
+            Ok(Some(line)) => line,
+            Ok(None) => break,
+            Err(e) => {
+                return Err(Error::Io {
+                    context: "reading a probe descriptor".into(),
+                    source: e.into(),
+                });
+            }
+        };
         let answer = (|| -> Result<Value, Error> {
             let d = Descriptor::from_json(&line)?;
             let started = Instant::now();
@@ -354,12 +348,7 @@ pub fn probe_open(args: &ProbeOpenArgs) -> Result<Outcome, Error> {
             }
         })();
         let v = answer.unwrap_or_else(|e| json!({ "ok": false, "error": e.to_string() }));
-        writeln!(out, "{v}")
-            .and_then(|()| out.flush())
-            .map_err(|e| Error::Io {
-                context: "answering the probe".into(),
-                source: e,
-            })?;
+        outln!("{v}")?;
     }
     Ok(Outcome::Ok)
 }
@@ -408,11 +397,12 @@ fn environment() -> Value {
     })
 }
 
-fn print_environment(env: &Value) {
-    println!("environment:");
+fn print_environment(env: &Value) -> Result<(), Error> {
+    outln!("environment:")?;
     if let Some(notes) = env["notes"].as_array() {
         for n in notes {
-            println!("  {}", n.as_str().unwrap_or_default());
+            outln!("  {}", n.as_str().unwrap_or_default())?;
         }
     }
+    Ok(())
 }

@@ -7,7 +7,14 @@ pub mod open;
 pub mod serve;
 pub mod stream;
 
+use std::ffi::OsStr;
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
 use std::time::Instant;
+
+use cuda_ipc::kernels::{self, Pattern, Speed};
+use cuda_ipc::share::SharedBuffer;
+use cuda_ipc::{Device, Error};
 
 /// Milliseconds since `t`.
 pub fn ms_since(t: Instant) -> f64 {
@@ -26,6 +33,38 @@ pub fn parse_value(s: &str) -> Result<u32, String> {
     cuda_ipc::units::parse_u32(s).map_err(|e| e.to_string())
 }
 
+/// Parses a non-negative whole number for clap; `what` says what it counts
+/// and `example` shows one.
+fn parse_whole<T: std::str::FromStr>(s: &str, what: &str, example: &str) -> Result<T, String> {
+    let shown = cuda_ipc::units::shorten(s, 40);
+    let t = s.trim();
+    if t.starts_with('-') && t.len() > 1 {
+        return Err(format!("{shown} is negative; {what} must be non-negative"));
+    }
+    t.parse().map_err(|_| {
+        format!("{shown} is not {what}; expected a non-negative whole number such as {example}")
+    })
+}
+
+/// Parses a device ordinal (`--device`) for clap.
+pub fn parse_device(s: &str) -> Result<usize, String> {
+    parse_whole(
+        s,
+        "a device ordinal",
+        "0 or 1 (`cuda-ipc info` lists the devices)",
+    )
+}
+
+/// Parses a user id (`--allow-uid`) for clap.
+pub fn parse_uid(s: &str) -> Result<u32, String> {
+    parse_whole(s, "a user id", "1000 (`id -u` prints yours)")
+}
+
+/// Parses a count of things (`--buffers`, `--slots`) for clap.
+pub fn parse_count(s: &str) -> Result<usize, String> {
+    parse_whole(s, "a count", "8")
+}
+
 /// `--mechanism`: `auto` (the best the device supports) or one mechanism.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MechanismArg(pub Option<cuda_ipc::Mechanism>);
@@ -41,13 +80,75 @@ pub fn parse_mechanism(s: &str) -> Result<MechanismArg, String> {
     }
 }
 
-/// Parses a number of seconds (fractions allowed) for clap.
-pub fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
-    s.parse::<f64>()
-        .ok()
-        .filter(|v| v.is_finite() && *v >= 0.0)
-        .map(std::time::Duration::from_secs_f64)
-        .ok_or_else(|| format!("{s:?} is not a number of seconds"))
+/// Parses a duration with units (`10s`, `500ms`, `1m`; a number alone
+/// counts seconds) for clap.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    s.parse::<cuda_ipc::units::Duration>()
+        .map(|d| d.0)
+        .map_err(|e| e.to_string())
+}
+
+/// Allocates a shared buffer of `size` bytes and fills every 32-bit word
+/// with `value` (queued on the buffer's stream).
+pub fn alloc_filled(
+    device: &Device,
+    size: u64,
+    mechanism: MechanismArg,
+    value: u32,
+) -> Result<SharedBuffer, Error> {
+    let buffer = SharedBuffer::alloc(device, size as usize, mechanism.0)?;
+    kernels::fill_u32(&buffer, Pattern::constant(value), Speed::Full)?;
+    Ok(buffer)
+}
+
+/// Returns when standard input ends: how `export` and `serve` learn that
+/// their caller is done with the memory.
+pub fn wait_for_stdin_end() -> Result<(), Error> {
+    let mut sink = [0u8; 4096];
+    let mut stdin = std::io::stdin().lock();
+    loop {
+        match stdin.read(&mut sink) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(Error::Io {
+                    context: "reading standard input".into(),
+                    source: e,
+                });
+            }
+        }
+    }
+}
+
+/// This program, started again with `args` (the hidden child roles of
+/// `demo` and `info`), its standard output piped; `role` names it in errors.
+pub fn spawn_self<A: AsRef<OsStr>>(role: &str, args: &[A], stdin: Stdio) -> Result<Child, Error> {
+    let exe = std::env::current_exe().map_err(|e| Error::Io {
+        context: "finding our own executable".into(),
+        source: e,
+    })?;
+    Command::new(exe)
+        .args(args)
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| Error::Io {
+            context: format!("starting the {role} process"),
+            source: e,
+        })
+}
+
+/// Checks that a region of `len` bytes is whole 32-bit words before
+/// `--expect-u32` or `--fill-u32` works on it.
+pub fn check_words(len: u64, what: &'static str) -> Result<(), Error> {
+    if len.is_multiple_of(4) {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        what,
+        reason: format!("{len} bytes is not a whole number of 32-bit words"),
+    })
 }
 
 /// Nanoseconds of CLOCK_MONOTONIC, comparable between processes of one machine.

@@ -7,8 +7,8 @@
 //! waited on the frame's event and checked every value of it; it is measured
 //! with CLOCK_MONOTONIC, which both processes share.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
+use std::ffi::OsStr;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
@@ -20,6 +20,7 @@ use super::demo::Args;
 use super::{human, mono_ns};
 use crate::Outcome;
 use crate::lines::LineReader;
+use crate::out::outln;
 
 /// The value of word `i` of frame `seq`.
 fn frame_pattern(seq: u64) -> Pattern {
@@ -48,26 +49,21 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         args.frame_size as usize,
         args.mechanism.0,
     )?;
-    let exe = std::env::current_exe().map_err(|e| Error::Io {
-        context: "finding our own executable".into(),
-        source: e,
-    })?;
-    let mut child = Command::new(exe)
-        .arg("__demo-consumer")
-        .arg("--device")
-        .arg(args.device.to_string())
-        .arg("--stream-socket")
-        .arg(publisher.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| Error::Io {
-            context: "starting the consumer process".into(),
-            source: e,
-        })?;
+    let device_arg = args.device.to_string();
+    let mut child = super::spawn_self(
+        "consumer",
+        &[
+            OsStr::new("__demo-consumer"),
+            OsStr::new("--device"),
+            OsStr::new(&device_arg),
+            OsStr::new("--stream-socket"),
+            publisher.path().as_os_str(),
+        ],
+        Stdio::null(),
+    )?;
     let from_child = LineReader::new(child.stdout.take().expect("piped"), "consumer process");
     wait_for_subscriber(&ring, &mut child)?;
-    println!(
+    outln!(
         "cuda-ipc demo --stream: {} frames through a ring of {} buffers ({}) for {:.0?}",
         human(args.frame_size),
         args.slots,
@@ -75,7 +71,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             .buffer("frames")
             .map_or_else(|| "ring".into(), |b| b.mechanism().to_string()),
         args.seconds
-    );
+    )?;
     let started = Instant::now();
     let mut seq = 0u64;
     let produced = (|| -> Result<(), Error> {
@@ -104,13 +100,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             reason: e.as_str().unwrap_or("failed").into(),
         });
     }
-    Ok(print_report(
-        &report,
-        seq,
-        seconds,
-        args.frame_size,
-        status.success(),
-    ))
+    print_report(&report, seq, seconds, args.frame_size, status.success())
 }
 
 /// Prints the stream's figures; whether every frame arrived intact.
@@ -120,30 +110,30 @@ fn print_report(
     seconds: f64,
     frame_size: u64,
     consumer_ok: bool,
-) -> Outcome {
+) -> Result<Outcome, Error> {
     let frames = report["frames"].as_u64().unwrap_or(0);
     let bad = report["bad"].as_u64().unwrap_or(u64::MAX);
     let fps = frames as f64 / seconds;
-    println!("  frames sent {seq}, received and checked {frames}, mismatched {bad}");
-    println!(
+    outln!("  frames sent {seq}, received and checked {frames}, mismatched {bad}")?;
+    outln!(
         "  {fps:.0} frames/s, {:.2} GB/s of frames",
         fps * frame_size as f64 / 1e9
-    );
-    println!(
+    )?;
+    outln!(
         "  latency per frame (write start to checked): p50 {:.1} us, p90 {:.1} us, p99 {:.1} us",
         report["p50_us"].as_f64().unwrap_or(f64::NAN),
         report["p90_us"].as_f64().unwrap_or(f64::NAN),
         report["p99_us"].as_f64().unwrap_or(f64::NAN)
-    );
+    )?;
     if bad == 0 && frames == seq && consumer_ok {
-        println!("OK: every frame arrived intact, in order, with no copy");
-        Outcome::Ok
+        outln!("OK: every frame arrived intact, in order, with no copy")?;
+        Ok(Outcome::Ok)
     } else {
-        println!(
+        outln!(
             "FAILED: {bad} mismatched frames, {} lost, consumer ok: {consumer_ok}",
             seq.saturating_sub(frames)
-        );
-        Outcome::Mismatch
+        )?;
+        Ok(Outcome::Mismatch)
     }
 }
 
@@ -217,13 +207,7 @@ pub fn consumer(device: usize, socket: &std::path::Path) -> Result<Outcome, Erro
         }))
     })();
     let v = result.unwrap_or_else(|e| json!({ "error": e.to_string() }));
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{v}")
-        .and_then(|()| out.flush())
-        .map_err(|e| Error::Io {
-            context: "reporting".into(),
-            source: e,
-        })?;
+    outln!("{v}")?;
     Ok(Outcome::Ok)
 }
 

@@ -1,0 +1,116 @@
+//! Everything the command prints goes through here, so that a full disk
+//! (`> /dev/full`), a closed pipe (`| head -1`) or a huge argument is an
+//! error message and an exit code, never a panic or a screenful.
+
+use std::fmt;
+use std::io::Write;
+use std::process::ExitCode;
+
+use cuda_ipc::Error;
+
+/// The context of every error writing to standard output.
+const STDOUT: &str = "cannot write to standard output";
+
+/// The longest argument an error message quotes in full.
+const MAX_QUOTED: usize = 80;
+
+/// Writes one line to standard output and flushes it.
+pub fn line(args: fmt::Arguments<'_>) -> Result<(), Error> {
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(args)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush())
+        .map_err(|source| Error::Io {
+            context: STDOUT.into(),
+            source,
+        })
+}
+
+/// `println!` that returns an error instead of panicking.
+macro_rules! outln {
+    () => {
+        $crate::out::line(format_args!(""))
+    };
+    ($($arg:tt)*) => {
+        $crate::out::line(format_args!($($arg)*))
+    };
+}
+pub(crate) use outln;
+
+/// `eprintln!` that ignores a failure to write (there is nowhere left to
+/// report it) instead of panicking.
+macro_rules! errln {
+    ($($arg:tt)*) => {
+        $crate::out::to_stderr(&format!("{}\n", format_args!($($arg)*)))
+    };
+}
+pub(crate) use errln;
+
+/// Writes to standard error; a failure there has nowhere to be reported.
+pub fn to_stderr(text: &str) {
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
+}
+
+/// Prints an error as one sentence on standard error. A closed standard
+/// output is not reported: whoever read it (`head`) has stopped listening.
+pub fn report(e: &Error) {
+    if let Error::Io { context, source } = e
+        && context == STDOUT
+        && source.kind() == std::io::ErrorKind::BrokenPipe
+    {
+        return;
+    }
+    to_stderr(&format!("cuda-ipc: error: {e}\n"));
+}
+
+/// `text` cut to [`MAX_QUOTED`] characters, with the number left out.
+pub fn clip(text: &str) -> String {
+    let count = text.chars().count();
+    if count <= MAX_QUOTED {
+        return text.to_owned();
+    }
+    let head: String = text.chars().take(MAX_QUOTED).collect();
+    format!("{head}... ({} more characters)", count - MAX_QUOTED)
+}
+
+/// Parses the command line. Help and version go to standard output through
+/// [`line`] (a failure to print them is an error, exit 4); usage errors go to
+/// standard error with long arguments cut short, exit 2.
+pub fn parse_args<P: clap::Parser>() -> Result<P, ExitCode> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let mut err = match P::try_parse() {
+        Ok(p) => return Ok(p),
+        Err(e) => e,
+    };
+    if matches!(
+        err.kind(),
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
+    ) {
+        let text = err.render().to_string();
+        return match line(format_args!("{}", text.trim_end())) {
+            Ok(()) => Err(ExitCode::SUCCESS),
+            Err(e) => {
+                report(&e);
+                Err(ExitCode::from(crate::EXIT_FAILED))
+            }
+        };
+    }
+    let clipped: Vec<(ContextKind, ContextValue)> = err
+        .context()
+        .filter_map(|(kind, value)| match value {
+            ContextValue::String(s) if s.chars().count() > MAX_QUOTED => {
+                Some((kind, ContextValue::String(clip(s))))
+            }
+            ContextValue::Strings(v) if v.iter().any(|s| s.chars().count() > MAX_QUOTED) => Some((
+                kind,
+                ContextValue::Strings(v.iter().map(|s| clip(s)).collect()),
+            )),
+            _ => None,
+        })
+        .collect();
+    for (kind, value) in clipped {
+        err.insert(kind, value);
+    }
+    to_stderr(&err.render().to_string());
+    Err(ExitCode::from(crate::EXIT_USAGE))
+}
