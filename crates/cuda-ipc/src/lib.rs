@@ -32,6 +32,7 @@ pub mod driver;
 pub mod error;
 pub mod event;
 pub mod exchange;
+pub mod fence;
 pub mod handle;
 mod json;
 pub mod kernels;
