@@ -45,6 +45,29 @@
 //!     an abandoned fence is whatever the producer left; the caller that
 //!     abandons must not use it.
 //!
+//! # Where the words live
+//! - **Device words** ([`Fence::new`], the default): the block is device
+//!   memory exported like any buffer. The device reads and writes it at
+//!   full speed; the host reads a word with a small copy (microseconds).
+//! - **Host words** ([`Fence::new_host`]): the block is a sealed memfd,
+//!   mapped into both processes and registered with the driver
+//!   (`cuMemHostRegister`). The device writes and waits on it across the
+//!   bus; the CPU of either side reads it directly (nanoseconds), so host
+//!   waits ([`FenceMapping::wait_host`]) cost no driver call. A memfd is not
+//!   in `/dev/shm`, so this works in containers too; it travels as a file
+//!   descriptor, like a VMM export.
+//!
+//! # In the exchange
+//! A publisher holds one block per subscriber direction, with one word per
+//! ring slot or per published entry, and sends its [`FenceBlock`] (with the
+//! file descriptors) once when a subscriber attaches; each publish or
+//! update carries a [`FenceRef`] instead of an event handle. A ring's
+//! hand-back uses a block of the subscriber's in the other direction. The
+//! sync mode is chosen when the subscriber attaches: fences where it asks
+//! for them, or where opening an event fails with `CUDA_ERROR_MAP_FAILED`
+//! (a private `/dev/shm`). When the socket says the peer is gone, the
+//! exchange abandons the peer's blocks.
+//!
 //! # Wire form
 //! The block travels once as a [`FenceBlock`] (its [`Descriptor`] and the
 //! number of words, with the block's file descriptors beside it); each
@@ -53,7 +76,8 @@
 //! exchange's messages.
 #![allow(unsafe_code)]
 
-use std::os::fd::OwnedFd;
+use std::ffi::c_void;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -83,10 +107,18 @@ pub const MAX_WORDS: u32 = 1 << 16;
 const WORD: u64 = 8;
 
 /// The driver symbols this module calls, checked when the driver loads.
-pub(crate) const SYMBOLS: &[&str] = &["cuStreamWriteValue64_v2", "cuStreamWaitValue64_v2"];
+pub(crate) const SYMBOLS: &[&str] = &[
+    "cuStreamWriteValue64_v2",
+    "cuStreamWaitValue64_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemHostGetDevicePointer_v2",
+];
 
 /// Checked stream memory operations, one function per driver call.
 mod raw {
+    use std::ffi::c_void;
+
     use cudarc::driver::sys::{self, CUstreamWaitValue_flags, CUstreamWriteValue_flags};
 
     use crate::error::Result;
@@ -123,6 +155,50 @@ mod raw {
         check("cuStreamWaitValue64", unsafe {
             sys::cuStreamWaitValue64_v2(stream, addr, value, flags)
         })
+    }
+
+    /// `cuMemHostRegister_v2` with `CU_MEMHOSTREGISTER_PORTABLE |
+    /// CU_MEMHOSTREGISTER_DEVICEMAP`: pins `len` bytes at `ptr` and maps
+    /// them for every context's devices.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be a page-aligned mapping of this process that
+    /// stays mapped until [`host_unregister`].
+    #[doc(alias = "cuMemHostRegister")]
+    pub(super) unsafe fn host_register(ptr: *mut c_void, len: usize) -> Result<()> {
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller's contract; the symbol was checked at load.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(ptr, len, flags)
+        })
+    }
+
+    /// `cuMemHostUnregister`.
+    ///
+    /// # Safety
+    /// `ptr` must have been registered with [`host_register`], and no
+    /// queued work may still use it.
+    #[doc(alias = "cuMemHostUnregister")]
+    pub(super) unsafe fn host_unregister(ptr: *mut c_void) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(ptr)
+        })
+    }
+
+    /// `cuMemHostGetDevicePointer_v2`: the device address of registered
+    /// host memory.
+    ///
+    /// # Safety
+    /// `ptr` must lie in memory registered with [`host_register`].
+    #[doc(alias = "cuMemHostGetDevicePointer")]
+    pub(super) unsafe fn host_device_pointer(ptr: *mut c_void) -> Result<u64> {
+        let mut d = 0;
+        // SAFETY: valid out-pointer; the caller's contract for `ptr`.
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&raw mut d, ptr, 0)
+        })?;
+        Ok(d)
     }
 }
 
@@ -168,33 +244,187 @@ fn check_word(word: u32, words: u32) -> Result<()> {
     Ok(())
 }
 
-/// The producer's side: a block of sequence words in shared device memory.
+/// Numbers host blocks of this process; mixed with the pid, and with bit 39
+/// set so that no host block shares an identity with a device block
+/// (whose identity is its allocation's generation).
+static HOST_BLOCKS: AtomicU64 = AtomicU64::new(1);
+
+fn next_host_id() -> u64 {
+    (u64::from(std::process::id()) << 40) | (1 << 39) | HOST_BLOCKS.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The bytes of a host block of `words` words: whole pages.
+fn host_len(words: u32) -> usize {
+    (u64::from(words) * WORD).next_multiple_of(4096) as usize
+}
+
+/// Creates a sealed memfd of `len` bytes: it can never shrink or grow, so
+/// that no process holding it can make another's mapping fault.
+fn create_memfd(len: usize) -> Result<OwnedFd> {
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let io = |what: &str, e: rustix::io::Errno| {
+        Error::io(format!("creating a fence block ({what})"), e.into())
+    };
+    let fd = rustix::fs::memfd_create(
+        "cuda-ipc-fence",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )
+    .map_err(|e| io("memfd_create", e))?;
+    rustix::fs::ftruncate(&fd, len as u64).map_err(|e| io("ftruncate", e))?;
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+        .map_err(|e| io("fcntl F_ADD_SEALS", e))?;
+    Ok(fd)
+}
+
+/// Checks that `fd`, received from another process, is a memfd sealed
+/// against shrinking and holds at least `len` bytes.
+fn check_memfd(fd: &OwnedFd, len: usize) -> Result<()> {
+    let bad = |reason: String| Error::arg("fence block's file descriptor", reason);
+    let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| {
+        bad(format!(
+            "it is not a sealed memfd ({e}); host fence blocks come from Fence::new_host"
+        ))
+    })?;
+    if !seals.contains(rustix::fs::SealFlags::SHRINK) {
+        return Err(bad(
+            "its memfd can still shrink, which would fault our mapping; the exporter must seal it"
+                .into(),
+        ));
+    }
+    let size = rustix::fs::fstat(fd)
+        .map_err(|e| Error::io("reading the fence block's size (fstat)", e.into()))?
+        .st_size;
+    if u64::try_from(size).unwrap_or(0) < len as u64 {
+        return Err(bad(format!(
+            "its memfd holds {size} bytes, fewer than the {len} its words need"
+        )));
+    }
+    Ok(())
+}
+
+/// Sequence words in a memfd mapped into this process and registered with
+/// the driver, reachable by the CPU at `ptr` and by the device at `dptr`.
+#[derive(Debug)]
+struct HostWords {
+    device: Device,
+    fd: OwnedFd,
+    ptr: *mut c_void,
+    len: usize,
+    dptr: u64,
+}
+
+// SAFETY: the mapping is process-wide memory, accessed only through atomics
+// and driver calls that bind the context first.
+unsafe impl Send for HostWords {}
+// SAFETY: as above.
+unsafe impl Sync for HostWords {}
+
+impl HostWords {
+    /// Maps `len` bytes of `fd` and registers them with the driver.
+    fn map(device: &Device, fd: OwnedFd, len: usize) -> Result<Self> {
+        use rustix::mm::{MapFlags, ProtFlags};
+        // SAFETY: a new shared mapping of a sealed memfd of at least `len`
+        // bytes (checked by the callers): it aliases no Rust object.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )
+        }
+        .map_err(|e| Error::io("mapping a fence block (mmap)", e.into()))?;
+        let unmap = || {
+            // SAFETY: mapped above, not yet registered or shared.
+            let _ = unsafe { rustix::mm::munmap(ptr, len) };
+        };
+        let registered = device.bind().and_then(|()| {
+            // SAFETY: `ptr..ptr + len` is the page-aligned mapping made above,
+            // unregistered in drop before it is unmapped.
+            unsafe { raw::host_register(ptr, len) }
+        });
+        if let Err(e) = registered {
+            unmap();
+            return Err(e);
+        }
+        // SAFETY: registered just above.
+        match unsafe { raw::host_device_pointer(ptr) } {
+            Ok(dptr) => Ok(HostWords {
+                device: device.clone(),
+                fd,
+                ptr,
+                len,
+                dptr,
+            }),
+            Err(e) => {
+                // SAFETY: registered above; nothing has used it.
+                let _ = unsafe { raw::host_unregister(ptr) };
+                unmap();
+                Err(e)
+            }
+        }
+    }
+
+    /// Word `i`, which the caller has checked is in range.
+    fn word(&self, i: u32) -> &AtomicU64 {
+        // SAFETY: `ptr` is page-aligned, the mapping holds at least `i + 1`
+        // words and lives as long as `self`; other processes and the device
+        // touch it only with aligned 64-bit accesses.
+        unsafe { &*self.ptr.cast::<AtomicU64>().add(i as usize) }
+    }
+}
+
+impl Drop for HostWords {
+    fn drop(&mut self) {
+        // Errors cannot be raised from drop: an unregister that fails leaves
+        // pinned pages until the process exits, a failed unmap the same.
+        // Streams that still wait on a word must be done (the contract of
+        // `FenceMapping::wait`), so the device's stream is enough to wait for.
+        let _ = self.device.synchronize();
+        let _ = self.device.bind();
+        // SAFETY: registered in `map`, unregistered once, then unmapped once.
+        unsafe {
+            let _ = raw::host_unregister(self.ptr);
+            let _ = rustix::mm::munmap(self.ptr, self.len);
+        }
+    }
+}
+
+/// Where a block's words are.
+#[derive(Debug)]
+enum Words {
+    Device(SharedBuffer),
+    Host(HostWords),
+}
+
+/// The producer's side: a block of sequence words in shared device memory
+/// ([`Fence::new`]) or in host memory registered with the driver
+/// ([`Fence::new_host`]).
 ///
 /// Dropping it frees the block once every consumer has unmapped it (as
-/// for any shared buffer); a consumer's mapping keeps the memory alive.
+/// for any shared buffer, or memfd); a consumer's mapping keeps the memory
+/// alive.
 #[derive(Debug)]
 pub struct Fence {
-    buffer: SharedBuffer,
-    words: u32,
+    words: Words,
+    count: u32,
+    id: u64,
     last: Box<[AtomicU64]>,
 }
 
 impl Fence {
-    /// Allocates a block of `words` sequence words on `device`, all 0,
-    /// shared with `mechanism` (`None`: the best the device supports; file
-    /// descriptor mechanisms first).
+    /// Allocates a block of `words` sequence words in device memory on
+    /// `device`, all 0, shared with `mechanism` (`None`: the best the device
+    /// supports; file descriptor mechanisms first).
     ///
     /// # Errors
     /// [`Error::Unsupported`] when the device has no 64-bit stream memory
     /// operations ([`check_support`]) or cannot share memory that way;
     /// [`Error::InvalidArgument`] for 0 words or more than [`MAX_WORDS`].
     pub fn new(device: &Device, words: u32, mechanism: Option<Mechanism>) -> Result<Self> {
-        if words == 0 || words > MAX_WORDS {
-            return Err(Error::arg(
-                "fence words",
-                format!("{words} is outside 1..={MAX_WORDS}"),
-            ));
-        }
+        check_count(words)?;
         check_support(device)?;
         let buffer = SharedBuffer::alloc(device, words as usize * WORD as usize, mechanism)?;
         device.bind()?;
@@ -206,51 +436,103 @@ impl Fence {
             rstream::synchronize(s)?;
         }
         Ok(Fence {
-            buffer,
-            words,
+            id: buffer.generation(),
+            words: Words::Device(buffer),
+            count: words,
+            last: (0..words).map(|_| AtomicU64::new(0)).collect(),
+        })
+    }
+
+    /// Allocates a block of `words` sequence words in host memory (a sealed
+    /// memfd registered with the driver), all 0: the device reaches them
+    /// across the bus, the CPU of both sides directly. See the module's
+    /// "Where the words live".
+    ///
+    /// # Errors
+    /// As [`Fence::new`], and [`Error::Io`] when the memfd cannot be made
+    /// or mapped.
+    #[doc(alias = "cuMemHostRegister")]
+    pub fn new_host(device: &Device, words: u32) -> Result<Self> {
+        check_count(words)?;
+        check_support(device)?;
+        let len = host_len(words);
+        // A new memfd reads as zeros.
+        let host = HostWords::map(device, create_memfd(len)?, len)?;
+        Ok(Fence {
+            words: Words::Host(host),
+            count: words,
+            id: next_host_id(),
             last: (0..words).map(|_| AtomicU64::new(0)).collect(),
         })
     }
 
     /// The number of sequence words.
     pub fn words(&self) -> u32 {
-        self.words
+        self.count
     }
 
-    /// The block's identity on the wire (its allocation's generation).
+    /// The block's identity on the wire (for device words, its
+    /// allocation's generation).
     pub fn id(&self) -> u64 {
-        self.buffer.generation()
+        self.id
     }
 
-    /// The mechanism the block is shared with.
-    pub fn mechanism(&self) -> Mechanism {
-        self.buffer.mechanism()
+    /// Whether the words live in host memory ([`Fence::new_host`]).
+    pub fn is_host(&self) -> bool {
+        matches!(self.words, Words::Host(_))
+    }
+
+    /// The mechanism a device block is shared with (`None` for host words).
+    pub fn mechanism(&self) -> Option<Mechanism> {
+        match &self.words {
+            Words::Device(b) => Some(b.mechanism()),
+            Words::Host(_) => None,
+        }
     }
 
     /// The last sequence number signalled on `word` (0: none yet).
     pub fn last_signalled(&self, word: u32) -> Result<u64> {
-        check_word(word, self.words)?;
+        check_word(word, self.count)?;
         Ok(self.last[word as usize].load(Ordering::Acquire))
     }
 
     /// Exports the block: its [`FenceBlock`] and the file descriptors to
     /// hand over with it (none for legacy). Each call makes new descriptors.
     pub fn export(&self) -> Result<FenceExport> {
-        let e = self.buffer.export_region(
-            0,
-            u64::from(self.words) * WORD,
-            Dtype::U64,
-            Some(vec![u64::from(self.words)]),
-        )?;
-        Ok(FenceExport {
-            block: FenceBlock::new(e.descriptor, self.words)?,
-            fds: e.fds,
-        })
+        match &self.words {
+            Words::Device(buffer) => {
+                let e = buffer.export_region(
+                    0,
+                    u64::from(self.count) * WORD,
+                    Dtype::U64,
+                    Some(vec![u64::from(self.count)]),
+                )?;
+                Ok(FenceExport {
+                    block: FenceBlock::new(e.descriptor, self.count)?,
+                    fds: e.fds,
+                })
+            }
+            Words::Host(host) => {
+                let fd = host
+                    .fd
+                    .try_clone()
+                    .map_err(|e| Error::io("duplicating the fence block's memfd", e))?;
+                Ok(FenceExport {
+                    block: FenceBlock::host(
+                        fd.as_raw_fd(),
+                        std::process::id(),
+                        self.id,
+                        self.count,
+                    )?,
+                    fds: vec![fd],
+                })
+            }
+        }
     }
 
     /// The reference a consumer needs to wait for `seq` on `word`.
     pub fn reference(&self, word: u32, seq: u64) -> Result<FenceRef> {
-        check_word(word, self.words)?;
+        check_word(word, self.count)?;
         check_seq(seq)?;
         Ok(FenceRef {
             block: self.id(),
@@ -270,7 +552,7 @@ impl Fence {
     /// writer, increasing numbers).
     #[doc(alias = "cuStreamWriteValue64")]
     pub fn signal(&self, stream: &CudaStream, word: u32, seq: u64) -> Result<()> {
-        check_word(word, self.words)?;
+        check_word(word, self.count)?;
         check_seq(seq)?;
         let last = &self.last[word as usize];
         last.fetch_update(Ordering::AcqRel, Ordering::Acquire, |prev| {
@@ -282,18 +564,34 @@ impl Fence {
                 format!("{seq} is not above {prev}, the last one signalled on word {word}"),
             )
         })?;
-        self.buffer.device().bind()?;
-        let addr = self.buffer.device_address() + u64::from(word) * WORD;
+        self.device().bind()?;
+        let addr = match &self.words {
+            Words::Device(b) => b.device_address(),
+            Words::Host(h) => h.dptr,
+        } + u64::from(word) * WORD;
         // SAFETY: `addr` is an aligned word of this block, which stays
-        // allocated while any stream still uses it (the buffer's drop waits
+        // mapped while any stream still uses it (dropping the block waits
         // for the device); the stream is live (borrowed).
         unsafe { raw::write_value64(stream.cu_stream(), addr, seq) }
     }
 
-    /// The device this block lives on.
+    /// The device this block belongs to.
     pub fn device(&self) -> &Device {
-        self.buffer.device()
+        match &self.words {
+            Words::Device(b) => b.device(),
+            Words::Host(h) => &h.device,
+        }
     }
+}
+
+fn check_count(words: u32) -> Result<()> {
+    if words == 0 || words > MAX_WORDS {
+        return Err(Error::arg(
+            "fence words",
+            format!("{words} is outside 1..={MAX_WORDS}"),
+        ));
+    }
+    Ok(())
 }
 
 /// An export of a [`Fence`]: the record to send and the file descriptors
@@ -309,13 +607,23 @@ pub struct FenceExport {
 /// The consumer's side: a [`Fence`] block of another process, mapped.
 #[derive(Debug)]
 pub struct FenceMapping {
-    mapping: Arc<dyn Mapping>,
-    base: u64,
-    words: u32,
+    words: MappedWords,
+    count: u32,
     id: u64,
-    /// A stream of our own for host reads and writes of the words, which
-    /// must not queue behind the caller's streams (one may be waiting).
-    host_stream: Arc<CudaStream>,
+}
+
+/// Where a mapped block's words are.
+#[derive(Debug)]
+enum MappedWords {
+    Device {
+        mapping: Arc<dyn Mapping>,
+        base: u64,
+        /// A stream of our own for host reads and writes of the words,
+        /// which must not queue behind the caller's streams (one may be
+        /// waiting on a word).
+        host_stream: Arc<CudaStream>,
+    },
+    Host(HostWords),
 }
 
 impl FenceMapping {
@@ -325,41 +633,64 @@ impl FenceMapping {
     ///
     /// # Errors
     /// [`Error::Unsupported`] when this device has no 64-bit stream memory
-    /// operations, and every error of [`crate::share::open_mapping`].
+    /// operations; for device words every error of
+    /// [`crate::share::open_mapping`]; for host words
+    /// [`Error::InvalidArgument`] when the file descriptor is not a sealed
+    /// memfd large enough for the words.
     pub fn open(device: &Device, block: &FenceBlock, fds: Vec<OwnedFd>) -> Result<Self> {
         block.validate()?;
         check_support(device)?;
-        let d = &block.descriptor;
-        let mapping = crate::share::open_mapping(device, d, fds)?;
-        if d.offset + d.len > mapping.size() {
-            return Err(Error::OutOfBounds {
-                offset: d.offset,
-                len: d.len,
-                size: mapping.size(),
-            });
-        }
-        device.bind()?;
-        let host_stream = device
-            .context()
-            .new_stream()
-            .map_err(|e| from_cudarc("cuStreamCreate", e))?;
+        let words = match &block.placement {
+            Placement::Device(d) => {
+                let mapping = crate::share::open_mapping(device, d, fds)?;
+                if d.offset + d.len > mapping.size() {
+                    return Err(Error::OutOfBounds {
+                        offset: d.offset,
+                        len: d.len,
+                        size: mapping.size(),
+                    });
+                }
+                device.bind()?;
+                let host_stream = device
+                    .context()
+                    .new_stream()
+                    .map_err(|e| from_cudarc("cuStreamCreate", e))?;
+                MappedWords::Device {
+                    base: mapping.base() + d.offset,
+                    mapping,
+                    host_stream,
+                }
+            }
+            Placement::Host { fd, pid, .. } => {
+                let fd = match fds.into_iter().next() {
+                    Some(fd) => fd,
+                    None => crate::share::fetch_fd(*pid, *fd)?,
+                };
+                let len = host_len(block.words);
+                check_memfd(&fd, len)?;
+                MappedWords::Host(HostWords::map(device, fd, len)?)
+            }
+        };
         Ok(FenceMapping {
-            base: mapping.base() + d.offset,
-            mapping,
-            words: block.words,
+            words,
+            count: block.words,
             id: block.id(),
-            host_stream,
         })
     }
 
     /// The number of sequence words.
     pub fn words(&self) -> u32 {
-        self.words
+        self.count
     }
 
     /// The block's identity ([`Fence::id`] in the producer).
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// Whether the words live in host memory ([`Fence::new_host`]).
+    pub fn is_host(&self) -> bool {
+        matches!(self.words, MappedWords::Host(_))
     }
 
     /// Checks that `r` names a word of this block, and returns the word.
@@ -373,13 +704,18 @@ impl FenceMapping {
                 ),
             ));
         }
-        check_word(r.word, self.words)?;
+        check_word(r.word, self.count)?;
         Ok(r.word)
     }
 
+    /// The device address of `word`.
     fn addr(&self, word: u32) -> Result<u64> {
-        check_word(word, self.words)?;
-        Ok(self.base + u64::from(word) * WORD)
+        check_word(word, self.count)?;
+        let base = match &self.words {
+            MappedWords::Device { base, .. } => *base,
+            MappedWords::Host(h) => h.dptr,
+        };
+        Ok(base + u64::from(word) * WORD)
     }
 
     /// Queues on `stream` a wait (on the device, not the host) until `word`
@@ -391,7 +727,7 @@ impl FenceMapping {
     pub fn wait(&self, stream: &CudaStream, word: u32, seq: u64) -> Result<()> {
         check_seq(seq)?;
         let addr = self.addr(word)?;
-        self.mapping.device().bind()?;
+        self.device().bind()?;
         // SAFETY: `addr` is an aligned word of this mapping, which stays
         // mapped while `self` lives; callers must keep `self` until the
         // stream has passed the wait (the exchange holds mappings for as
@@ -423,14 +759,22 @@ impl FenceMapping {
         Ok(true)
     }
 
-    /// The value `word` holds now, read from the host with an 8-byte copy
-    /// on a stream of this mapping's own.
+    /// The value `word` holds now: for host words a load, for device words
+    /// an 8-byte copy on a stream of this mapping's own.
     #[doc(alias = "cuMemcpyDtoHAsync")]
     pub fn value(&self, word: u32) -> Result<u64> {
         let addr = self.addr(word)?;
-        self.mapping.device().bind()?;
+        let (mapping, host_stream) = match &self.words {
+            MappedWords::Host(h) => return Ok(h.word(word).load(Ordering::Acquire)),
+            MappedWords::Device {
+                mapping,
+                host_stream,
+                ..
+            } => (mapping, host_stream),
+        };
+        mapping.device().bind()?;
         let mut v = 0u64;
-        let s = self.host_stream.cu_stream();
+        let s = host_stream.cu_stream();
         // SAFETY: `addr` is an aligned word of the mapping; `v` outlives the
         // copy because we wait for the stream before returning.
         unsafe {
@@ -478,12 +822,25 @@ impl FenceMapping {
     pub fn abandon(&self, word: Option<u32>) -> Result<()> {
         let (first, count) = match word {
             Some(w) => (w, 1),
-            None => (0, self.words),
+            None => (0, self.count),
         };
         let addr = self.addr(first)?;
+        let (mapping, host_stream) = match &self.words {
+            MappedWords::Host(h) => {
+                for w in first..first + count {
+                    h.word(w).store(ABANDONED, Ordering::Release);
+                }
+                return Ok(());
+            }
+            MappedWords::Device {
+                mapping,
+                host_stream,
+                ..
+            } => (mapping, host_stream),
+        };
         let values = vec![ABANDONED; count as usize];
-        self.mapping.device().bind()?;
-        let s = self.host_stream.cu_stream();
+        mapping.device().bind()?;
+        let s = host_stream.cu_stream();
         // SAFETY: `count` words from `addr` lie inside the mapping; the host
         // vector outlives the copy because we wait for the stream.
         unsafe {
@@ -494,7 +851,10 @@ impl FenceMapping {
 
     /// The device the block is mapped on.
     pub fn device(&self) -> &Device {
-        self.mapping.device()
+        match &self.words {
+            MappedWords::Device { mapping, .. } => mapping.device(),
+            MappedWords::Host(h) => &h.device,
+        }
     }
 }
 
@@ -503,52 +863,105 @@ impl Drop for FenceMapping {
         // Our host stream's copies were all waited for. Streams of the
         // caller that still wait on a word must be done before the mapping
         // goes (the contract of `wait`); errors cannot be raised from drop.
-        let _ = self.host_stream.synchronize();
+        if let MappedWords::Device { host_stream, .. } = &self.words {
+            let _ = host_stream.synchronize();
+        }
     }
 }
 
 // ---------------------------------------------------------------------------
 // Wire form
 
-/// A fence block as it travels once from producer to consumer: the
-/// block's descriptor and its number of words. Serialises as
-/// `{"descriptor": {...}, "words": N}`; decoding checks that the
-/// descriptor is a valid export of exactly `words` 8-byte words with a
-/// generation (the block's identity), and refuses unknown fields.
+/// A fence block as it travels once from producer to consumer: where its
+/// words are and how many. Serialises as `{"descriptor": {...}, "words":
+/// N}` for device words and `{"host": {"fd": F, "pid": P, "id": I},
+/// "words": N}` for host words (a memfd, whose descriptor travels beside
+/// the record, or is fetched from process `pid` as descriptor `fd`).
+/// Decoding refuses unknown fields, both or neither placement, and a
+/// descriptor that is not a valid export of exactly `words` 8-byte words
+/// with a generation (the block's identity).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "RawFenceBlock", into = "RawFenceBlock")]
 pub struct FenceBlock {
-    descriptor: Descriptor,
+    placement: Placement,
     words: u32,
+}
+
+/// Where a block's words are, on the wire.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Placement {
+    Device(Box<Descriptor>),
+    Host { fd: i32, pid: u32, id: u64 },
 }
 
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawFenceBlock {
-    descriptor: serde_json::Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    descriptor: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    host: Option<RawHost>,
     words: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHost {
+    fd: i32,
+    pid: u32,
+    id: u64,
 }
 
 impl TryFrom<RawFenceBlock> for FenceBlock {
     type Error = Error;
     fn try_from(raw: RawFenceBlock) -> Result<Self> {
-        FenceBlock::new(Descriptor::from_value(&raw.descriptor)?, raw.words)
+        match (raw.descriptor, raw.host) {
+            (Some(d), None) => FenceBlock::new(Descriptor::from_value(&d)?, raw.words),
+            (None, Some(h)) => FenceBlock::host(h.fd, h.pid, h.id, raw.words),
+            (Some(_), Some(_)) => Err(Error::arg(
+                "fence block",
+                "it has both `descriptor` (device words) and `host` (host words); it needs one",
+            )),
+            (None, None) => Err(Error::arg(
+                "fence block",
+                "it has neither `descriptor` (device words) nor `host` (host words)",
+            )),
+        }
     }
 }
 
 impl From<FenceBlock> for RawFenceBlock {
     fn from(b: FenceBlock) -> Self {
+        let (descriptor, host) = match b.placement {
+            Placement::Device(d) => (Some(d.to_value()), None),
+            Placement::Host { fd, pid, id } => (None, Some(RawHost { fd, pid, id })),
+        };
         RawFenceBlock {
-            descriptor: b.descriptor.to_value(),
+            descriptor,
+            host,
             words: b.words,
         }
     }
 }
 
 impl FenceBlock {
-    /// A block record, checked as decoding checks it.
+    /// A record of device words, checked as decoding checks it.
     pub fn new(descriptor: Descriptor, words: u32) -> Result<Self> {
-        let b = FenceBlock { descriptor, words };
+        let b = FenceBlock {
+            placement: Placement::Device(Box::new(descriptor)),
+            words,
+        };
+        b.validate()?;
+        Ok(b)
+    }
+
+    /// A record of host words: the memfd is descriptor `fd` of process
+    /// `pid`, and the block's identity is `id`.
+    pub fn host(fd: i32, pid: u32, id: u64, words: u32) -> Result<Self> {
+        let b = FenceBlock {
+            placement: Placement::Host { fd, pid, id },
+            words,
+        };
         b.validate()?;
         Ok(b)
     }
@@ -561,7 +974,18 @@ impl FenceBlock {
                 self.words
             )));
         }
-        let d = &self.descriptor;
+        let d = match &self.placement {
+            Placement::Host { fd, pid, .. } => {
+                if *fd < 0 {
+                    return Err(bad(format!("{fd} is not a file descriptor number")));
+                }
+                if *pid == 0 {
+                    return Err(bad("process id 0 names no exporting process".into()));
+                }
+                return Ok(());
+            }
+            Placement::Device(d) => d,
+        };
         d.validate()?;
         if d.dtype != Dtype::U64 {
             return Err(bad(format!(
@@ -586,9 +1010,17 @@ impl FenceBlock {
         Ok(())
     }
 
-    /// The block's descriptor.
-    pub fn descriptor(&self) -> &Descriptor {
-        &self.descriptor
+    /// The block's descriptor, for device words.
+    pub fn descriptor(&self) -> Option<&Descriptor> {
+        match &self.placement {
+            Placement::Device(d) => Some(d),
+            Placement::Host { .. } => None,
+        }
+    }
+
+    /// Whether the words live in host memory.
+    pub fn is_host(&self) -> bool {
+        matches!(self.placement, Placement::Host { .. })
     }
 
     /// The number of sequence words.
@@ -596,9 +1028,12 @@ impl FenceBlock {
         self.words
     }
 
-    /// The block's identity (its descriptor's generation).
+    /// The block's identity ([`Fence::id`] in the producer).
     pub fn id(&self) -> u64 {
-        self.descriptor.generation.unwrap_or_default()
+        match &self.placement {
+            Placement::Device(d) => d.generation.unwrap_or_default(),
+            Placement::Host { id, .. } => *id,
+        }
     }
 }
 
@@ -645,5 +1080,44 @@ impl From<FenceRef> for RawFenceRef {
             word: r.word,
             seq: r.seq,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::OwnedFd;
+
+    use super::{check_memfd, create_memfd, host_len};
+
+    #[test]
+    fn host_blocks_are_whole_pages() {
+        assert_eq!(host_len(1), 4096);
+        assert_eq!(host_len(512), 4096);
+        assert_eq!(host_len(513), 8192);
+        assert_eq!(host_len(super::MAX_WORDS), 512 * 1024);
+    }
+
+    #[test]
+    fn a_block_memfd_is_sealed_and_sized() {
+        let fd = create_memfd(8192).unwrap();
+        check_memfd(&fd, 8192).unwrap();
+        let e = check_memfd(&fd, 12288).unwrap_err().to_string();
+        assert!(e.contains("fewer than"), "{e}");
+        assert!(
+            rustix::fs::ftruncate(&fd, 4096).is_err(),
+            "a sealed memfd shrank"
+        );
+    }
+
+    #[test]
+    fn an_unsealed_or_foreign_descriptor_is_refused() {
+        let open = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&open, 4096).unwrap();
+        // Without ALLOW_SEALING a memfd carries F_SEAL_SEAL only.
+        let e = check_memfd(&open, 4096).unwrap_err().to_string();
+        assert!(e.contains("can still shrink"), "{e}");
+        let file: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        let e = check_memfd(&file, 4096).unwrap_err().to_string();
+        assert!(e.contains("not a sealed memfd"), "{e}");
     }
 }

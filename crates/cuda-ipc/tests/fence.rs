@@ -177,13 +177,13 @@ proptest! {
     #[test]
     fn any_json_in_a_field_decodes_strictly(
         b in arb_block(),
-        field in prop::sample::select(vec!["descriptor", "words", "block", "word", "seq", "extra"]),
+        field in prop::sample::select(vec!["descriptor", "host", "words", "block", "word", "seq", "extra"]),
         junk in arb_json(),
     ) {
         let mut v = serde_json::to_value(&b).unwrap();
         v[field] = junk.clone();
         if let Ok(d) = decode_block(&v) {
-            prop_assert!(matches!(field, "descriptor" | "words"));
+            prop_assert!(matches!(field, "descriptor" | "host" | "words"));
             let again = serde_json::to_value(&d).unwrap();
             prop_assert_eq!(decode_block(&again).unwrap(), d);
         }
@@ -200,5 +200,57 @@ proptest! {
     fn arbitrary_text_never_panics(text in ".{0,200}") {
         let _ = serde_json::from_str::<FenceBlock>(&text);
         let _ = serde_json::from_str::<FenceRef>(&text);
+    }
+}
+
+#[test]
+fn a_host_block_names_its_memfd() {
+    let b = FenceBlock::host(9, 1234, 55, 16).unwrap();
+    let v = serde_json::to_value(&b).unwrap();
+    assert_eq!(
+        v,
+        json!({"host": {"fd": 9, "pid": 1234, "id": 55}, "words": 16})
+    );
+    assert!(b.is_host() && b.descriptor().is_none());
+    assert_eq!(b.id(), 55);
+    assert_eq!(decode_block(&v).unwrap(), b);
+}
+
+#[test]
+fn a_block_needs_exactly_one_placement() {
+    let d = block_descriptor(Source::Vmm { fd: 5 }, 4, 0, Some(1)).to_value();
+    let host = json!({"fd": 3, "pid": 10, "id": 2});
+    for (v, says) in [
+        (json!({"words": 4}), "neither"),
+        (json!({"descriptor": d, "host": host, "words": 4}), "both"),
+        (
+            json!({"host": {"fd": -1, "pid": 10, "id": 2}, "words": 4}),
+            "file descriptor",
+        ),
+        (
+            json!({"host": {"fd": 3, "pid": 0, "id": 2}, "words": 4}),
+            "process id 0",
+        ),
+        (
+            json!({"host": {"fd": 3, "pid": 10, "id": 2, "x": 1}, "words": 4}),
+            "unknown field",
+        ),
+        (
+            json!({"host": {"fd": 3, "pid": 10}, "words": 4}),
+            "missing field",
+        ),
+        (json!({"host": host, "words": 0}), "outside"),
+    ] {
+        let e = decode_block(&v).expect_err(says);
+        assert!(e.contains(says), "{v}: {e}");
+    }
+}
+
+proptest! {
+    #[test]
+    fn host_blocks_round_trip(fd in 0..=i32::MAX, pid in 1u32.., id in any::<u64>(), words in 1..=MAX_WORDS) {
+        let b = FenceBlock::host(fd, pid, id, words).unwrap();
+        let text = serde_json::to_string(&b).unwrap();
+        prop_assert_eq!(serde_json::from_str::<FenceBlock>(&text).unwrap(), b);
     }
 }

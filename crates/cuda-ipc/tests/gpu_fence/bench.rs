@@ -63,7 +63,10 @@ fn consumer() {
     share::allow_fd_fetching().unwrap();
     let parent = Parent::new();
     let m = parent.recv().unwrap();
-    let full = open_fence(&device, &m["full"]);
+    let full = [
+        open_fence(&device, &m["full"]),
+        open_fence(&device, &m["full_host"]),
+    ];
     let full_events = events_of(&device, &m["full_events"]);
     let ring = share::open::<u32>(
         &device,
@@ -71,13 +74,18 @@ fn consumer() {
         Vec::new(),
     )
     .unwrap();
-    let free = Fence::new(&device, SLOTS as u32, None).unwrap();
-    let fe = free.export().unwrap();
+    let free = [
+        Fence::new(&device, SLOTS as u32, None).unwrap(),
+        Fence::new_host(&device, SLOTS as u32).unwrap(),
+    ];
+    let exports = [free[0].export().unwrap(), free[1].export().unwrap()];
     let free_events: Vec<IpcEvent> = (0..SLOTS)
         .map(|_| IpcEvent::new(&device).unwrap())
         .collect();
     let sink = SharedBuffer::alloc(&device, (SLOTS * FRAME) as usize, None).unwrap();
-    parent.send(&json!({ "free": fe.block, "free_events": handles(&free_events) }));
+    parent.send(&json!({
+        "free": exports[0].block, "free_host": exports[1].block, "free_events": handles(&free_events),
+    }));
     let stream = device.stream();
     let consume = |k: u64| {
         sink.region(k * FRAME, FRAME)
@@ -91,6 +99,11 @@ fn consumer() {
             m["base"].as_u64().unwrap(),
             m["n"].as_u64().unwrap(),
         );
+        let (full, free) = if m["host"] == true {
+            (&full[1], &free[1])
+        } else {
+            (&full[0], &free[0])
+        };
         let t = Instant::now();
         for i in base + 1..=base + n {
             let k = (i - 1) % SLOTS;
@@ -126,9 +139,11 @@ struct Producer<'a> {
     device: &'a Device,
     peer: Peer,
     ring: SharedBuffer,
-    full: Fence,
+    /// Device words, then host words.
+    full: [Fence; 2],
     full_events: Vec<IpcEvent>,
-    free: FenceMapping,
+    /// Device words, then host words.
+    free: [FenceMapping; 2],
     free_events: Vec<IpcEvent>,
     base: u64,
 }
@@ -140,13 +155,16 @@ impl Producer<'_> {
         kernels::fill_u32(&slot, Pattern::constant(i as u32), Speed::Full).unwrap();
     }
 
-    /// Runs phase `op` of `n` frames; returns the seconds it took.
-    fn phase(&mut self, op: &str, n: u64) -> f64 {
+    /// Runs phase `op` of `n` frames with device or host words; returns
+    /// the seconds it took.
+    fn phase(&mut self, op: &str, n: u64, host: bool) -> f64 {
         let (base, s) = (self.base, self.device.stream().clone());
         self.base += n;
         if op != "floor" {
-            self.peer.send(&json!({ "op": op, "base": base, "n": n }));
+            self.peer
+                .send(&json!({ "op": op, "base": base, "n": n, "host": host }));
         }
+        let (full, free) = (&self.full[usize::from(host)], &self.free[usize::from(host)]);
         let t = Instant::now();
         for i in base + 1..=base + n {
             let k = (i - 1) % SLOTS;
@@ -154,22 +172,22 @@ impl Producer<'_> {
             match op {
                 "floor" => {
                     self.fill(i);
-                    self.full.signal(&s, k as u32, i).unwrap();
+                    full.signal(&s, k as u32, i).unwrap();
                 }
                 "fences" => {
                     if reuse {
-                        self.free.wait(&s, k as u32, i - SLOTS).unwrap();
+                        free.wait(&s, k as u32, i - SLOTS).unwrap();
                     }
                     self.fill(i);
-                    self.full.signal(&s, k as u32, i).unwrap();
+                    full.signal(&s, k as u32, i).unwrap();
                 }
                 "fences_notices" => {
                     if reuse {
                         assert_eq!(self.peer.recv()["freed"], i - SLOTS);
-                        self.free.wait(&s, k as u32, i - SLOTS).unwrap();
+                        free.wait(&s, k as u32, i - SLOTS).unwrap();
                     }
                     self.fill(i);
-                    self.full.signal(&s, k as u32, i).unwrap();
+                    full.signal(&s, k as u32, i).unwrap();
                     self.peer.send(&json!({ "f": i }));
                 }
                 "events_notices" => {
@@ -197,7 +215,7 @@ impl Producer<'_> {
     }
 
     /// One frame at a time; returns the sorted round trips in ms.
-    fn unloaded(&mut self, events: bool) -> Vec<f64> {
+    fn unloaded(&mut self, events: bool, host: bool) -> Vec<f64> {
         let (base, s) = (self.base, self.device.stream().clone());
         self.base += UNLOADED;
         let op = if events {
@@ -206,7 +224,8 @@ impl Producer<'_> {
             "unloaded_fences"
         };
         self.peer
-            .send(&json!({ "op": op, "base": base, "n": UNLOADED }));
+            .send(&json!({ "op": op, "base": base, "n": UNLOADED, "host": host }));
+        let (full, free) = (&self.full[usize::from(host)], &self.free[usize::from(host)]);
         let mut times = Vec::new();
         for i in base + 1..=base + UNLOADED {
             let k = (i - 1) % SLOTS;
@@ -218,10 +237,9 @@ impl Producer<'_> {
                 assert_eq!(self.peer.recv()["freed"], i);
                 self.free_events[k as usize].synchronize().unwrap();
             } else {
-                self.full.signal(&s, k as u32, i).unwrap();
+                full.signal(&s, k as u32, i).unwrap();
                 assert!(
-                    self.free
-                        .wait_host(k as u32, i, Duration::from_secs(10))
+                    free.wait_host(k as u32, i, Duration::from_secs(10))
                         .unwrap()
                 );
             }
@@ -249,19 +267,28 @@ fn fences_against_events_4kib_frames() {
     }
     let device = Device::open(0).unwrap();
     share::allow_fd_fetching().unwrap();
-    let full = Fence::new(&device, SLOTS as u32, None).unwrap();
+    let full = [
+        Fence::new(&device, SLOTS as u32, None).unwrap(),
+        Fence::new_host(&device, SLOTS as u32).unwrap(),
+    ];
     let ring = SharedBuffer::alloc(&device, (SLOTS * FRAME) as usize, None).unwrap();
     let full_events: Vec<IpcEvent> = (0..SLOTS)
         .map(|_| IpcEvent::new(&device).unwrap())
         .collect();
-    let fe = full.export().unwrap();
+    let exports = [full[0].export().unwrap(), full[1].export().unwrap()];
     let re = ring
         .export_region(0, SLOTS * FRAME, Dtype::U32, None)
         .unwrap();
     let mut peer = Peer::spawn(&test_name!("fences_against_events_4kib_frames"), "consumer");
-    peer.send(&json!({ "full": fe.block, "full_events": handles(&full_events), "ring": re.descriptor.to_value() }));
+    peer.send(&json!({
+        "full": exports[0].block, "full_host": exports[1].block,
+        "full_events": handles(&full_events), "ring": re.descriptor.to_value(),
+    }));
     let r = peer.recv();
-    let free = open_fence(&device, &r["free"]);
+    let free = [
+        open_fence(&device, &r["free"]),
+        open_fence(&device, &r["free_host"]),
+    ];
     let free_events = events_of(&device, &r["free_events"]);
     let mut p = Producer {
         device: &device,
@@ -274,50 +301,54 @@ fn fences_against_events_4kib_frames() {
         base: 0,
     };
     println!(
-        "fence bench: {} slots of 4 KiB, fences shared with {}",
-        SLOTS,
-        p.full.mechanism()
+        "fence bench: {SLOTS} slots of 4 KiB, device words shared with {:?}; host words in sealed memfds",
+        p.full[0].mechanism()
     );
 
     // Warm up every path once.
-    for op in ["floor", "fences", "fences_notices", "events_notices"] {
-        p.phase(op, 1000);
-    }
-    let floor = p.phase("floor", RING_FRAMES);
-    println!(
-        "fence bench: floor (fill launch + signal, nobody consuming): {}",
-        rate(RING_FRAMES, floor)
-    );
-    let fences = p.phase("fences", RING_FRAMES);
-    let ratio = fences / floor;
-    println!(
-        "fence bench: ring with fences, on the device only: {} = {ratio:.2}x the floor (targets >= 250000 frames/s, <= 1.2x): {}",
-        rate(RING_FRAMES, fences),
-        if RING_FRAMES as f64 / fences >= 250_000.0 && ratio <= 1.2 {
-            "met"
-        } else {
-            "NOT met"
+    for host in [false, true] {
+        for op in ["floor", "fences", "fences_notices", "events_notices"] {
+            p.phase(op, 1000, host);
         }
-    );
-    let fn_ = p.phase("fences_notices", NOTICE_FRAMES);
-    println!(
-        "fence bench: ring with fences + per-frame notices both ways: {}",
-        rate(NOTICE_FRAMES, fn_)
-    );
-    let en = p.phase("events_notices", NOTICE_FRAMES);
+    }
+    for host in [false, true] {
+        let words = if host { "host words" } else { "device words" };
+        let floor = p.phase("floor", RING_FRAMES, host);
+        println!(
+            "fence bench: floor with {words} (fill launch + signal, nobody consuming): {}",
+            rate(RING_FRAMES, floor)
+        );
+        let fences = p.phase("fences", RING_FRAMES, host);
+        let ratio = fences / floor;
+        println!(
+            "fence bench: ring with fences ({words}), on the device only: {} = {ratio:.2}x the floor (targets >= 250000 frames/s, <= 1.2x): {}",
+            rate(RING_FRAMES, fences),
+            if RING_FRAMES as f64 / fences >= 250_000.0 && ratio <= 1.2 {
+                "met"
+            } else {
+                "NOT met"
+            }
+        );
+        let with_notices = p.phase("fences_notices", NOTICE_FRAMES, host);
+        println!(
+            "fence bench: ring with fences ({words}) + per-frame notices both ways: {}",
+            rate(NOTICE_FRAMES, with_notices)
+        );
+    }
+    let events = p.phase("events_notices", NOTICE_FRAMES, false);
     println!(
         "fence bench: ring with IPC events + per-frame notices both ways: {}",
-        rate(NOTICE_FRAMES, en)
+        rate(NOTICE_FRAMES, events)
     );
-    for events in [false, true] {
-        let t = p.unloaded(events);
+    for (events, host) in [(false, false), (false, true), (true, false)] {
+        let t = p.unloaded(events, host);
         let (median, p99) = (t[t.len() / 2], t[t.len() * 99 / 100]);
         println!(
             "fence bench: unloaded frame with {}: median {median:.4} ms, p99 {p99:.4} ms, from fill launch to the producer seeing the hand-back (target <= 0.02 ms){}",
-            if events {
-                "IPC events + notices"
-            } else {
-                "fences (host polls the word)"
+            match (events, host) {
+                (true, _) => "IPC events + notices",
+                (false, false) => "fences, device words (host polls with a copy)",
+                (false, true) => "fences, host words (host polls memory)",
             },
             if events {
                 ""

@@ -115,15 +115,30 @@ fn fences_work_where_events_fail_with_a_private_dev_shm() {
     std::fs::File::create(&marker).unwrap();
     let (mut peer, _dir) = spawn_contained(&marker);
 
-    let mut results: Vec<(Mechanism, Value)> = Vec::new();
-    for m in [Mechanism::Vmm, Mechanism::Pool, Mechanism::Legacy] {
+    let mut results: Vec<(String, Value)> = Vec::new();
+    let rounds = [
+        (Mechanism::Vmm, false),
+        (Mechanism::Pool, false),
+        (Mechanism::Legacy, false),
+        (Mechanism::Vmm, true),
+    ];
+    for (m, host) in rounds {
+        let name = if host {
+            format!("{m} data, host-word fence")
+        } else {
+            format!("{m}")
+        };
         if !usable(&caps, m) {
-            println!("private /dev/shm, {m}: not supported by this device, skipped");
+            println!("private /dev/shm, {name}: not supported by this device, skipped");
             continue;
         }
         let event = IpcEvent::new(&device).unwrap();
         event.record(device.stream()).unwrap();
-        let fence = Fence::new(&device, 1, Some(m)).unwrap();
+        let fence = if host {
+            Fence::new_host(&device, 1).unwrap()
+        } else {
+            Fence::new(&device, 1, Some(m)).unwrap()
+        };
         let data = SharedBuffer::alloc(&device, 16 << 20, Some(m)).unwrap();
         let fe = fence.export().unwrap();
         let de = data.export_region(0, 16 << 20, Dtype::U32, None).unwrap();
@@ -142,7 +157,7 @@ fn fences_work_where_events_fail_with_a_private_dev_shm() {
         let r = peer.recv();
         device.synchronize().unwrap();
         println!(
-            "private /dev/shm, {m}: event open: {}; fence: {}",
+            "private /dev/shm, {name}: event open: {}; fence: {}",
             r["event_error"].as_str().unwrap_or("opened"),
             match (r.get("error"), r["bad"].is_null()) {
                 (Some(e), _) => format!("failed: {e}"),
@@ -150,12 +165,19 @@ fn fences_work_where_events_fail_with_a_private_dev_shm() {
                 (None, false) => format!("WRONG DATA at {}", r["bad"]),
             }
         );
-        results.push((m, r));
+        results.push((name, r));
     }
     let _ = std::fs::remove_file(&marker);
     assert!(peer.finish(), "the contained consumer failed");
 
-    for (m, r) in &results {
+    check_results(&results);
+}
+
+/// The consumer saw its own /dev/shm, could not open the events, and was
+/// ordered by every fence it could map (VMM data with both kinds of words
+/// at least).
+fn check_results(results: &[(String, Value)]) {
+    for (m, r) in results {
         assert_eq!(
             r["marker_visible"], false,
             "the consumer's /dev/shm is the host's, so the test proves nothing"
@@ -167,14 +189,17 @@ fn fences_work_where_events_fail_with_a_private_dev_shm() {
             );
         }
     }
-    let (_, vmm) = results
-        .iter()
-        .find(|(m, _)| *m == Mechanism::Vmm)
-        .expect("the device supports VMM file descriptors");
-    assert!(
-        vmm.get("error").is_none(),
-        "a VMM fence failed in the namespace: {vmm}"
-    );
+    for name in ["vmm", "vmm data, host-word fence"] {
+        let (_, r) = results
+            .iter()
+            .find(|(n, _)| n == name)
+            .expect("the device supports VMM file descriptors");
+        assert!(
+            r.get("error").is_none(),
+            "{name}: the fence failed in the namespace: {r}"
+        );
+    }
+    let vmm = &results[0].1;
     let event_error = vmm["event_error"]
         .as_str()
         .expect("the event opened with a private /dev/shm");

@@ -14,12 +14,19 @@ use serde_json::json;
 use crate::common::{Parent, Peer, role};
 use crate::{open_fence, test_name};
 
+/// Set in the producer's environment to make it use host words.
+const HOST_ENV: &str = "CUDA_IPC_FENCE_HOST_WORDS";
+
 /// The producer that will be killed: signals 1 after a fill, then idles.
 fn doomed_producer() {
     let device = Device::open(0).unwrap();
     share::allow_fd_fetching().unwrap();
     let parent = Parent::new();
-    let fence = Fence::new(&device, 1, None).unwrap();
+    let fence = if std::env::var_os(HOST_ENV).is_some() {
+        Fence::new_host(&device, 1).unwrap()
+    } else {
+        Fence::new(&device, 1, None).unwrap()
+    };
     let data = SharedBuffer::alloc(&device, 1 << 20, None).unwrap();
     kernels::fill_u32(&data, Pattern::constant(7), Speed::Full).unwrap();
     fence.signal(device.stream(), 0, 1).unwrap();
@@ -36,11 +43,32 @@ fn a_waiting_consumer_gets_out_when_the_producer_is_killed() {
     if role().as_deref() == Some("producer") {
         return doomed_producer();
     }
-    let device = Device::open(0).unwrap();
-    let peer = Peer::spawn(
+    dead_producer(
+        false,
         &test_name!("a_waiting_consumer_gets_out_when_the_producer_is_killed"),
-        "producer",
     );
+}
+
+/// The same with the sequence word in host memory (a memfd).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_waiting_consumer_gets_out_when_the_producer_is_killed_host_words() {
+    if role().as_deref() == Some("producer") {
+        return doomed_producer();
+    }
+    dead_producer(
+        true,
+        &test_name!("a_waiting_consumer_gets_out_when_the_producer_is_killed_host_words"),
+    );
+}
+
+fn dead_producer(host: bool, test: &str) {
+    let device = Device::open(0).unwrap();
+    let peer = Peer::spawn_with(test, "producer", |c| {
+        if host {
+            c.env(HOST_ENV, "1");
+        }
+    });
     let r = peer.recv();
     let fence = open_fence(&device, &r["fence"]);
     assert!(
@@ -91,7 +119,8 @@ fn a_waiting_consumer_gets_out_when_the_producer_is_killed() {
     assert_eq!(fence.value(0).unwrap(), ABANDONED);
     assert!(fence.is_reached(0, 2).unwrap());
     println!(
-        "dead producer: deadline wait returned after {:.0} ms; the queued wait was released {:.2} ms after abandon",
+        "dead producer ({} words): deadline wait returned after {:.0} ms; the queued wait was released {:.2} ms after abandon",
+        if host { "host" } else { "device" },
         waited.as_secs_f64() * 1e3,
         t.elapsed().as_secs_f64() * 1e3
     );

@@ -106,7 +106,11 @@ fn ring_consumer() {
         Vec::new(),
     )
     .unwrap();
-    let free = Fence::new(&device, SLOTS as u32, None).unwrap();
+    let free = if m["host"] == true {
+        Fence::new_host(&device, SLOTS as u32).unwrap()
+    } else {
+        Fence::new(&device, SLOTS as u32, None).unwrap()
+    };
     let fe = free.export().unwrap();
     let seen = SharedBuffer::alloc(&device, (FRAMES * FRAME) as usize, None).unwrap();
     parent.send(&json!({ "free": fe.block }));
@@ -143,17 +147,38 @@ fn ping_pong_10000_frames_both_ways() {
     if role().as_deref() == Some("consumer") {
         return ring_consumer();
     }
+    ring(false, &test_name!("ping_pong_10000_frames_both_ways"));
+}
+
+/// The same ring with the sequence words in host memory (memfds).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn ping_pong_10000_frames_both_ways_host_words() {
+    if role().as_deref() == Some("consumer") {
+        return ring_consumer();
+    }
+    ring(
+        true,
+        &test_name!("ping_pong_10000_frames_both_ways_host_words"),
+    );
+}
+
+fn ring(host: bool, test: &str) {
     let device = Device::open(0).unwrap();
     share::allow_fd_fetching().unwrap();
-    let full = Fence::new(&device, SLOTS as u32, None).unwrap();
+    let full = if host {
+        Fence::new_host(&device, SLOTS as u32).unwrap()
+    } else {
+        Fence::new(&device, SLOTS as u32, None).unwrap()
+    };
     let ring = SharedBuffer::alloc(&device, (SLOTS * FRAME) as usize, None).unwrap();
     let back = SharedBuffer::alloc(&device, (FRAMES * FRAME) as usize, None).unwrap();
     let fe = full.export().unwrap();
     let re = ring
         .export_region(0, SLOTS * FRAME, Dtype::U32, None)
         .unwrap();
-    let mut peer = Peer::spawn(&test_name!("ping_pong_10000_frames_both_ways"), "consumer");
-    peer.send(&json!({ "full": fe.block, "ring": re.descriptor.to_value() }));
+    let mut peer = Peer::spawn(test, "consumer");
+    peer.send(&json!({ "full": fe.block, "ring": re.descriptor.to_value(), "host": host }));
     let answer = peer.recv();
     let free = open_fence(&device, &answer["free"]);
     let stream = device.stream();
@@ -192,7 +217,8 @@ fn ping_pong_10000_frames_both_ways() {
         "the producer reused a slot before the consumer was done with it"
     );
     println!(
-        "{FRAMES} frames of 4 KiB both ways through {SLOTS} slots: producer {producer_ms:.1} ms, consumer {:.1} ms",
+        "{FRAMES} frames of 4 KiB both ways through {SLOTS} slots, {} words: producer {producer_ms:.1} ms, consumer {:.1} ms",
+        if host { "host" } else { "device" },
         r["ms"].as_f64().unwrap()
     );
     peer.send(&json!({ "op": "bye" }));
