@@ -31,6 +31,7 @@ pub mod driver;
 pub mod error;
 pub mod event;
 pub mod exchange;
+pub mod fence;
 pub mod floor;
 pub mod handle;
 mod json;
