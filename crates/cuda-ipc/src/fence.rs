@@ -1,8 +1,8 @@
 //! GPU-side fences: ordering two processes' GPU work through a shared
 //! 64-bit word, with no interprocess event and no host wait.
 //!
-//! A [`Fence`] is a small block of shared device memory holding `words`
-//! sequence words (one per fence: one per ring slot, one per published
+//! A [`Fence`] is a small block of shared memory (device memory, or host
+//! memory registered with the driver) holding `words` sequence words (one per fence: one per ring slot, one per published
 //! entry, or one for a whole stream of frames). The producer, after queuing
 //! its writes, queues [`Fence::signal`] on the same stream: the device
 //! writes the sequence number into the word once the work before it is done
@@ -33,8 +33,9 @@
 //! - **Waiting for `seq` is satisfied by any later value**, so a consumer
 //!   that falls behind is never stuck, and a ring can reuse a word per slot.
 //! - **When the producer dies** the word keeps its last value: the memory
-//!   stays mapped for as long as the consumer's [`FenceMapping`] lives, and
-//!   no driver error reaches the consumer. A stream already waiting on a
+//!   stays mapped for as long as the consumer's [`FenceMapping`] lives (the
+//!   GPU tests check this for VMM device words and for host words), and no
+//!   driver error reaches the consumer. A stream already waiting on a
 //!   value that will never come would wait for ever. Two ways out:
 //!   - wait with a host-side deadline before queuing anything
 //!     ([`FenceMapping::wait_within`], [`FenceMapping::wait_host`]);
@@ -69,8 +70,9 @@
 //! exchange abandons the peer's blocks.
 //!
 //! # Wire form
-//! The block travels once as a [`FenceBlock`] (its [`Descriptor`] and the
-//! number of words, with the block's file descriptors beside it); each
+//! The block travels once as a [`FenceBlock`] (the number of words, and
+//! for device words the block's [`Descriptor`], for host words the memfd's
+//! number and the exporter's pid; the file descriptors travel beside it); each
 //! publish names its word and sequence number with a small [`FenceRef`].
 //! Both are serde types decoded strictly, ready to be embedded in the
 //! exchange's messages.
@@ -549,7 +551,9 @@ impl Fence {
     /// # Errors
     /// [`Error::InvalidArgument`] if `word` is out of range, or `seq` is 0,
     /// above [`MAX_SEQ`] or not above the word's previous signal (one
-    /// writer, increasing numbers).
+    /// writer, increasing numbers). A driver error (the stream's context
+    /// is broken) spends the number all the same: the next signal on the
+    /// word must use a larger one.
     #[doc(alias = "cuStreamWriteValue64")]
     pub fn signal(&self, stream: &CudaStream, word: u32, seq: u64) -> Result<()> {
         check_word(word, self.count)?;

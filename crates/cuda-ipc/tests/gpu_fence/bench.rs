@@ -28,8 +28,8 @@ use crate::common::{Parent, Peer, role};
 use crate::{FRAME, open_fence, test_name};
 
 const SLOTS: u64 = 8;
-const RING_FRAMES: u64 = 50_000;
-const NOTICE_FRAMES: u64 = 20_000;
+const RING_FRAMES: u64 = 20_000;
+const NOTICE_FRAMES: u64 = 10_000;
 const UNLOADED: u64 = 500;
 
 fn events_of(device: &Device, v: &Value) -> Vec<IpcEvent> {
