@@ -120,10 +120,25 @@ fn parse_ordinal(s: &str) -> Result<usize, String> {
     })
 }
 
-/// Checks that `--json-out` and `--plot` can be written, before the run:
-/// a folder that exists, a name that is not a folder, write permission,
-/// and not both to one file.
-pub(crate) fn check_outputs(args: &Args) -> Result<(), String> {
+/// Checks the paths before the run: `--json-out` and `--plot` can be
+/// written (a folder that exists, a name that is not a folder, write
+/// permission, not both to one file), and a `--torch-script` the run will
+/// use is a file.
+pub(crate) fn check_paths(args: &Args) -> Result<(), String> {
+    let torch_runs = !args.no_torch
+        && args
+            .only
+            .as_ref()
+            .is_none_or(|o| o.contains(&SectionId::Torch));
+    if let Some(script) = args.torch_script.as_deref().filter(|_| torch_runs)
+        && !script.is_file()
+    {
+        return Err(format!(
+            "--torch-script {} is not a file (the PyTorch anchor, bench/torch_share.py); \
+             fix the path, or drop it to use the bundled script",
+            script.display()
+        ));
+    }
     if let Some(path) = &args.json_out {
         check_output("--json-out", path)?;
     }
@@ -210,7 +225,7 @@ mod tests {
     fn outputs(argv: &[&str]) -> Result<(), String> {
         let cli = Cli::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
             .map_err(|e| e.to_string())?;
-        check_outputs(&cli.args)
+        check_paths(&cli.args)
     }
 
     #[test]

@@ -112,7 +112,7 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
     // Everything that can be checked without a GPU is checked first: bad
     // input is exit 2 at once, not after the driver loads or the run ends.
     let plan = Plan::from_args(args)
-        .and_then(|plan| args::check_outputs(args).map(|()| plan))
+        .and_then(|plan| args::check_paths(args).map(|()| plan))
         .map_err(|reason| Error::InvalidArgument {
             what: "bench arguments",
             reason,

@@ -56,6 +56,14 @@ fn output_paths_are_checked_before_the_run() {
 }
 
 #[test]
+fn a_missing_torch_script_is_an_error_up_front() {
+    usage_error(
+        &["--torch-script", "/nonexistent/torch_share.py"],
+        "--torch-script /nonexistent/torch_share.py is not a file",
+    );
+}
+
+#[test]
 fn reps_zero_is_an_error() {
     usage_error(&["--reps", "0"], "at least 1 sample");
     usage_error(&["--reps", "-1"], "not a whole number");
