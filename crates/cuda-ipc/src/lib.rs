@@ -24,6 +24,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod arena;
 pub mod buffer;
 pub mod channel;
 pub mod descriptor;
@@ -39,6 +40,7 @@ pub mod legacy;
 pub mod memory;
 pub mod pool;
 mod result;
+pub mod set;
 pub mod share;
 pub mod torch;
 pub mod units;
