@@ -24,6 +24,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod arena;
 pub mod buffer;
 pub mod descriptor;
 pub mod device;
@@ -40,6 +41,7 @@ pub mod legacy;
 pub mod memory;
 pub mod pool;
 mod result;
+pub mod set;
 pub mod share;
 pub mod torch;
 pub mod units;
