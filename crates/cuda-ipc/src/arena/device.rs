@@ -1,4 +1,5 @@
 //! Chunks of device memory: one [`SharedBuffer`] each, exported once.
+#![allow(unsafe_code)] // only `unsafe impl DeviceMemory`, justified there
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
@@ -124,7 +125,10 @@ impl DeviceChunk {
     }
 }
 
-impl DeviceMemory for DeviceArenaBuffer {
+// SAFETY: the arena hands out a buffer only for a range it allocated inside
+// the chunk (`offset + len <= chunk length`), and the buffer keeps its chunk
+// (and so the chunk's memory) alive; the stream is the chunk buffer's own.
+unsafe impl DeviceMemory for DeviceArenaBuffer {
     fn device(&self) -> &Device {
         self.chunk().backing().buffer.device()
     }
