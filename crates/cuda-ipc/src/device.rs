@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, sys};
 
@@ -24,7 +24,6 @@ struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     uuid: DeviceUuid,
-    kernels: Mutex<Option<Arc<crate::kernels::Kernels>>>,
 }
 
 impl fmt::Debug for Device {
@@ -54,12 +53,7 @@ impl Device {
             .map_err(|e| from_cudarc("cuStreamCreate", e))?;
         let uuid = DeviceUuid(dev::uuid(ctx.cu_device())?);
         Ok(Device {
-            inner: Arc::new(Inner {
-                ctx,
-                stream,
-                uuid,
-                kernels: Mutex::new(None),
-            }),
+            inner: Arc::new(Inner { ctx, stream, uuid }),
         })
     }
 
@@ -156,22 +150,6 @@ impl Device {
     /// What this device can share.
     pub fn capabilities(&self) -> Result<Capabilities> {
         Capabilities::query(self.ordinal())
-    }
-
-    /// The PTX helper kernels, loaded on first use.
-    pub(crate) fn kernels(&self) -> Result<Arc<crate::kernels::Kernels>> {
-        let mut slot = self
-            .inner
-            .kernels
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(k) = slot.as_ref() {
-            return Ok(k.clone());
-        }
-        self.bind()?;
-        let k = Arc::new(crate::kernels::Kernels::load(self)?);
-        *slot = Some(k.clone());
-        Ok(k)
     }
 }
 

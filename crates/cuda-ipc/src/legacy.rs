@@ -27,10 +27,10 @@ use cudarc::driver::{CudaStream, sys};
 
 use crate::buffer::sealed::Sealed;
 use crate::buffer::{MappedBuffer, Mapping, UsedStreams};
-use crate::descriptor::Mechanism;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handle::IpcMemHandle;
+use crate::mechanism::Mechanism;
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 use crate::result::{ipc, mem};
 use crate::units::{MIB, round_up};

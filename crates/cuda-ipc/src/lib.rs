@@ -36,6 +36,7 @@ pub mod handle;
 mod json;
 pub mod kernels;
 pub mod legacy;
+mod mechanism;
 pub mod memory;
 pub mod pool;
 mod result;

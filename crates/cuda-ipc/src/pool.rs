@@ -25,10 +25,10 @@ use cudarc::driver::{CudaStream, sys};
 
 use crate::buffer::sealed::Sealed;
 use crate::buffer::{Mapping, UsedStreams};
-use crate::descriptor::Mechanism;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handle::PoolPtrHandle;
+use crate::mechanism::Mechanism;
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 use crate::result::{mem, pool, stream as rstream};
 

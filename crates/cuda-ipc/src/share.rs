@@ -189,14 +189,6 @@ impl SharedBuffer {
         SharedBuffer { allocation, ..self }
     }
 
-    fn memory(&self) -> &dyn DeviceMemoryDyn {
-        match &self.allocation {
-            Allocation::Legacy(b) => b,
-            Allocation::Vmm(b) => b,
-            Allocation::Pool(b) => b,
-        }
-    }
-
     /// Exports the whole buffer as bytes.
     pub fn export(&self) -> Result<Export> {
         self.export_region(0, self.byte_len() as u64, Dtype::U8, None)
@@ -284,43 +276,31 @@ impl SharedBuffer {
     }
 }
 
-/// Object-safe view of [`DeviceMemory`] for delegation.
-trait DeviceMemoryDyn {
-    fn device_dyn(&self) -> &Device;
-    fn stream_dyn(&self) -> &Arc<CudaStream>;
-    fn address_dyn(&self) -> u64;
-    fn len_dyn(&self) -> usize;
+/// Evaluates `$e` with `$b` bound to the allocation, whichever mechanism made it.
+macro_rules! on_allocation {
+    ($self:ident, $b:ident => $e:expr) => {
+        match &$self.allocation {
+            Allocation::Legacy($b) => $e,
+            Allocation::Vmm($b) => $e,
+            Allocation::Pool($b) => $e,
+        }
+    };
 }
 
-impl<M: DeviceMemory> DeviceMemoryDyn for M {
-    fn device_dyn(&self) -> &Device {
-        self.device()
-    }
-    fn stream_dyn(&self) -> &Arc<CudaStream> {
-        self.stream()
-    }
-    fn address_dyn(&self) -> u64 {
-        self.device_address()
-    }
-    fn len_dyn(&self) -> usize {
-        self.byte_len()
-    }
-}
-
-// SAFETY: the allocation is owned by the value and freed in its `Drop`,
-// after its stream has finished; the accessors return fixed fields.
+// SAFETY: each allocation implements `DeviceMemory` for memory it owns;
+// the buffer owns the allocation and forwards to it unchanged.
 unsafe impl DeviceMemory for SharedBuffer {
     fn device(&self) -> &Device {
-        self.memory().device_dyn()
+        on_allocation!(self, b => b.device())
     }
     fn stream(&self) -> &Arc<CudaStream> {
-        self.memory().stream_dyn()
+        on_allocation!(self, b => b.stream())
     }
     fn device_address(&self) -> u64 {
-        self.memory().address_dyn()
+        on_allocation!(self, b => b.device_address())
     }
     fn byte_len(&self) -> usize {
-        self.memory().len_dyn()
+        on_allocation!(self, b => b.byte_len())
     }
 }
 
