@@ -84,7 +84,7 @@ pub(crate) trait Hold: Send + Sync + fmt::Debug {}
 ///
 /// `base()..base() + size()` is device memory mapped on `device()` for as
 /// long as the value lives. The trait is sealed: the mappings are
-/// [`IpcMapping`](crate::legacy::IpcMapping),
+/// [`LegacyMapping`](crate::legacy::LegacyMapping),
 /// [`VmmMapping`](crate::vmm::VmmMapping) and
 /// [`PoolMapping`](crate::pool::PoolMapping), so a [`MappedBuffer`] can't be
 /// built over an arbitrary address:

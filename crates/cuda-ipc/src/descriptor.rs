@@ -170,8 +170,8 @@ pub struct Descriptor {
     pub alloc_size: u64,
     /// Where the exported bytes start in the allocation.
     pub offset: u64,
-    /// How many bytes are exported.
-    pub len: u64,
+    /// How many bytes are exported (`len` in the JSON).
+    pub byte_len: u64,
     /// What the bytes hold.
     pub dtype: Dtype,
     /// Dimensions in elements, if the exporter gave them.
@@ -311,7 +311,7 @@ impl Descriptor {
             source,
             alloc_size: f.u64("alloc_size")?,
             offset: f.u64("offset")?,
-            len: f.u64("len")?,
+            byte_len: f.u64("len")?,
             dtype,
             shape: f.opt_u64_list("shape")?,
             strides: f.opt_u64_list("strides")?,
@@ -331,15 +331,15 @@ impl Descriptor {
         if self.alloc_size == 0 {
             return Err(field_err("alloc_size", "must be greater than zero"));
         }
-        if self.len == 0 {
+        if self.byte_len == 0 {
             return Err(field_err("len", "must be greater than zero"));
         }
-        if !self.len.is_multiple_of(elem) {
+        if !self.byte_len.is_multiple_of(elem) {
             return Err(field_err(
                 "len",
                 format!(
                     "{} is not a whole number of {elem}-byte {} elements",
-                    self.len, self.dtype
+                    self.byte_len, self.dtype
                 ),
             ));
         }
@@ -354,14 +354,14 @@ impl Descriptor {
         }
         if self
             .offset
-            .checked_add(self.len)
+            .checked_add(self.byte_len)
             .is_none_or(|end| end > self.alloc_size)
         {
             return Err(field_err(
                 "len",
                 format!(
                     "offset {} + len {} passes the end of the {}-byte allocation",
-                    self.offset, self.len, self.alloc_size
+                    self.offset, self.byte_len, self.alloc_size
                 ),
             ));
         }
@@ -385,7 +385,7 @@ impl Descriptor {
 
     fn validate_shape(&self, shape: &[u64], strides: Option<&[u64]>) -> Result<()> {
         let elem = self.dtype.size();
-        let count = self.len / elem;
+        let count = self.byte_len / elem;
         match strides {
             None => {
                 let product = shape
@@ -436,7 +436,7 @@ impl Descriptor {
 
     /// Number of elements in the exported bytes.
     pub fn elements(&self) -> u64 {
-        self.len / self.dtype.size()
+        self.byte_len / self.dtype.size()
     }
 
     /// The descriptor as a JSON value (keys sorted).
@@ -461,7 +461,7 @@ impl Descriptor {
         }
         m.insert("alloc_size".into(), self.alloc_size.into());
         m.insert("offset".into(), self.offset.into());
-        m.insert("len".into(), self.len.into());
+        m.insert("len".into(), self.byte_len.into());
         m.insert("dtype".into(), self.dtype.name().into());
         m.insert("elem_size".into(), self.dtype.size().into());
         if let Some(shape) = &self.shape {

@@ -53,7 +53,7 @@ pub use device::Device;
 pub use error::{Error, ErrorKind, Result};
 pub use event::IpcEvent;
 pub use handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
-pub use legacy::{IpcBuffer, IpcMapping, OpenFlags};
+pub use legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 pub use memory::DeviceMemory;
 
 /// The README's examples, compiled as doc tests.

@@ -184,7 +184,7 @@ impl VmmBuffer {
     }
 
     /// The requested length in bytes.
-    pub fn len(&self) -> usize {
+    pub fn byte_len(&self) -> usize {
         self.len
     }
 

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{
-    Descriptor, Device, DeviceMemory, Error, IpcMapping, IpcMemHandle, MappedBuffer, OpenFlags,
+    Descriptor, Device, DeviceMemory, Error, IpcMemHandle, LegacyMapping, MappedBuffer, OpenFlags,
     share,
 };
 
@@ -65,7 +65,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         ),
         (None, Some(handle)) => {
             let size = args.size.unwrap_or_default();
-            let mapping = IpcMapping::open(&device, handle, OpenFlags::default())?;
+            let mapping = LegacyMapping::open(&device, handle, OpenFlags::default())?;
             (
                 MappedBuffer::from_bytes(mapping, args.offset, size)?,
                 "legacy".into(),

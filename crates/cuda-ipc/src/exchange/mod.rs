@@ -57,8 +57,8 @@ use crate::channel;
 use crate::error::Result;
 
 pub use publisher::{Publisher, PublisherConfig};
-pub use ring::{Frame, RingPublisher, RingSubscriber};
-pub use subscriber::{Attached, Subscriber, SubscriberConfig};
+pub use ring::{RingFrame, RingPublisher, RingSubscriber};
+pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)

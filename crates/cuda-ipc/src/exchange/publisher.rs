@@ -94,7 +94,7 @@ impl Publisher {
     /// Publishes `buffer` under `name` as elements of `dtype` (with an
     /// optional shape). An event is recorded after the work queued so far on
     /// the buffer's stream; subscribers wait on it before they read.
-    #[tracing::instrument(level = "debug", skip(self, buffer, shape), fields(mechanism = %buffer.mechanism(), len = buffer.len()))]
+    #[tracing::instrument(level = "debug", skip(self, buffer, shape), fields(mechanism = %buffer.mechanism(), len = buffer.byte_len()))]
     pub fn publish(
         &self,
         name: &str,
@@ -103,7 +103,7 @@ impl Publisher {
         shape: Option<Vec<u64>>,
     ) -> Result<Arc<SharedBuffer>> {
         let buffer = Arc::new(buffer);
-        let export = buffer.export_region(0, buffer.len() as u64, dtype, shape)?;
+        let export = buffer.export_region(0, buffer.byte_len() as u64, dtype, shape)?;
         self.event.record(buffer.stream())?;
         let mut descriptor = export.descriptor;
         descriptor.event = Some(self.event_handle);
@@ -121,7 +121,8 @@ impl Publisher {
 
     /// Tells every subscriber of `name` that new contents are ready: records
     /// the event after the work queued on the buffer's stream, then notifies.
-    /// Returns the update's generation (from 1).
+    /// Returns the update's version: the count of updates of `name`, from 1
+    /// (the wire's notice calls it `generation`).
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn update(&self, name: &str) -> Result<u64> {
         let buffer = lock(&self.entries)

@@ -30,14 +30,24 @@ pub struct RingPublisher {
 impl RingPublisher {
     /// Waits (up to `timeout`) until the next slot is free, and returns its
     /// index and buffer to fill.
-    pub fn acquire(&self, timeout: Option<Duration>) -> Result<(usize, &SharedBuffer)> {
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<(u32, &SharedBuffer)> {
         let slot = self.producer.acquire(timeout)?;
-        Ok((slot, &self.buffers[slot]))
+        let buffer = self.buffer(index(slot)?)?;
+        Ok((index(slot)?, buffer))
+    }
+
+    fn buffer(&self, slot: usize) -> Result<&SharedBuffer> {
+        self.buffers.get(slot).ok_or_else(|| {
+            Error::arg(
+                "slot",
+                format!("slot {slot} of a ring of {} slots", self.buffers.len()),
+            )
+        })
     }
 
     /// Publishes a filled slot: records the ring's event after the work
     /// queued on the slot's stream and sends the frame. Returns its sequence number.
-    pub fn publish(&self, slot: usize) -> Result<u64> {
+    pub fn publish(&self, slot: u32) -> Result<u64> {
         self.publish_with(slot, serde_json::Map::new())
     }
 
@@ -45,19 +55,17 @@ impl RingPublisher {
     /// in the frame's notice (a timestamp, a frame number; small).
     pub fn publish_with(
         &self,
-        slot: usize,
+        slot: u32,
         mut extra: serde_json::Map<String, Value>,
     ) -> Result<u64> {
-        let buffer = self.buffers.get(slot).ok_or_else(|| {
-            Error::arg("slot", format!("the ring has {} slots", self.buffers.len()))
-        })?;
+        let buffer = self.buffer(index(slot)?)?;
         self.event.record(buffer.stream())?;
         extra.insert("event".into(), self.event_handle.to_hex().into());
-        Ok(self.producer.publish(slot, Value::Object(extra))?)
+        Ok(self.producer.publish(index(slot)?, Value::Object(extra))?)
     }
 
     /// The number of slots.
-    pub fn slots(&self) -> usize {
+    pub fn slot_count(&self) -> usize {
         self.buffers.len()
     }
 
@@ -78,7 +86,7 @@ pub struct RingSubscriber<T> {
 
 impl<T: Pod> RingSubscriber<T> {
     /// The number of slots.
-    pub fn slots(&self) -> usize {
+    pub fn slot_count(&self) -> usize {
         self.slots.len()
     }
 }
@@ -86,9 +94,9 @@ impl<T: Pod> RingSubscriber<T> {
 /// One received frame of a ring.
 #[derive(Debug)]
 #[must_use = "acknowledge the frame with Subscriber::ack so the producer can reuse the slot"]
-pub struct Frame<'r, T> {
-    /// The slot.
-    pub slot: usize,
+pub struct RingFrame<'r, T> {
+    /// The slot's index.
+    pub slot: u32,
     /// The frame's sequence number (from 1).
     pub seq: u64,
     /// The slot's buffer.
@@ -133,9 +141,9 @@ impl Subscriber {
         &self,
         ring: &'r RingSubscriber<T>,
         timeout: Duration,
-    ) -> Result<Frame<'r, T>> {
+    ) -> Result<RingFrame<'r, T>> {
         let f = self.client.next_frame(ring.lease, timeout)?;
-        let buffer = ring.slots.get(f.slot).ok_or_else(|| {
+        let buffer = ring.slots.get(index::<usize, _>(f.slot)?).ok_or_else(|| {
             Error::arg(
                 "ring frame",
                 format!("slot {} of {}", f.slot, ring.slots.len()),
@@ -146,8 +154,8 @@ impl Subscriber {
             .ok_or_else(|| Error::arg("ring frame", "no event in the frame"))?
             .parse()?;
         self.event(handle)?.wait_on(buffer.stream())?;
-        Ok(Frame {
-            slot: f.slot,
+        Ok(RingFrame {
+            slot: index(f.slot)?,
             seq: f.seq,
             buffer,
             notice: f.notice,
@@ -157,9 +165,9 @@ impl Subscriber {
     /// Hands a frame's slot back to the producer, after the work queued on
     /// its stream has finished.
     #[allow(clippy::needless_pass_by_value)] // taking the frame ends its use
-    pub fn ack<T: Pod>(&self, ring: &RingSubscriber<T>, frame: Frame<'_, T>) -> Result<()> {
+    pub fn ack<T: Pod>(&self, ring: &RingSubscriber<T>, frame: RingFrame<'_, T>) -> Result<()> {
         frame.buffer.synchronize()?;
-        Ok(self.client.ack(ring.lease, frame.slot, frame.seq)?)
+        Ok(self.client.ack(ring.lease, index(frame.slot)?, frame.seq)?)
     }
 
     /// Ends a ring subscription now, after the work queued on every stream
@@ -174,4 +182,11 @@ impl Subscriber {
         guard.check_no_views(1)?;
         guard.end()
     }
+}
+
+/// A slot index converted between the public API's `u32` and the integer
+/// the channel or a `Vec` uses; rings are far smaller than either bound, so
+/// a failure means a corrupt index, reported as such.
+fn index<I: TryFrom<S>, S: Copy + std::fmt::Display>(slot: S) -> Result<I> {
+    I::try_from(slot).map_err(|_| Error::arg("slot", format!("slot index {slot} is out of range")))
 }

@@ -63,7 +63,7 @@ impl std::fmt::Debug for Subscriber {
 /// A buffer attached from a publisher: a lease and a typed mapping. The
 /// buffer and every view made from it hold the lease.
 #[derive(Debug)]
-pub struct Attached<T> {
+pub struct Attachment<T> {
     lease: u64,
     name: String,
     guard: Arc<LeaseGuard>,
@@ -72,7 +72,7 @@ pub struct Attached<T> {
     descriptor: Descriptor,
 }
 
-impl<T: Pod> Attached<T> {
+impl<T: Pod> Attachment<T> {
     /// The mapped buffer; its stream waits on the publisher's event.
     pub fn buffer(&self) -> &MappedBuffer<T> {
         &self.buffer
@@ -174,7 +174,8 @@ impl Subscriber {
         })?;
         let event = self.event(handle)?;
         let mapping = self.mapping(&descriptor, fds)?;
-        let buffer = MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.len)?;
+        let buffer =
+            MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.byte_len)?;
         event.wait_on(buffer.stream())?;
         Ok((descriptor, buffer, event))
     }
@@ -183,7 +184,7 @@ impl Subscriber {
     /// memory (reusing a mapping this subscriber already holds for the same
     /// allocation) and makes the buffer's stream wait on the publisher's event.
     #[tracing::instrument(level = "debug", skip(self))]
-    pub fn attach<T: Pod>(&self, name: &str) -> Result<Attached<T>> {
+    pub fn attach<T: Pod>(&self, name: &str) -> Result<Attachment<T>> {
         let a = self.client.attach(name)?;
         match self.open_descriptor::<T>(&a.meta, a.fds) {
             Ok((descriptor, buffer, event)) => {
@@ -194,7 +195,7 @@ impl Subscriber {
                     a.name.clone(),
                     vec![buffer.mapping().clone()],
                 );
-                Ok(Attached {
+                Ok(Attachment {
                     lease: a.lease,
                     name: a.name,
                     buffer: buffer.hold(guard.clone()),
@@ -212,9 +213,10 @@ impl Subscriber {
 
     /// Waits up to `timeout` for the publisher's next update of `attached`,
     /// then makes its buffer's stream wait on the event recorded with it.
-    /// Returns the update's generation; [`ChannelError::Unpublished`] when
+    /// Returns the update's version (the count of updates, from 1; not the
+    /// allocation's generation); [`ChannelError::Unpublished`] when
     /// the publisher wants the buffer back (release it).
-    pub fn wait_update<T: Pod>(&self, attached: &Attached<T>, timeout: Duration) -> Result<u64> {
+    pub fn wait_update<T: Pod>(&self, attached: &Attachment<T>, timeout: Duration) -> Result<u64> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(notice) = lock(&self.pending)
@@ -235,11 +237,15 @@ impl Subscriber {
         }
     }
 
-    fn apply<T: Pod>(attached: &Attached<T>, notice: &Notice) -> Result<u64> {
+    fn apply<T: Pod>(attached: &Attachment<T>, notice: &Notice) -> Result<u64> {
         match notice {
-            Notice::Updated { generation, .. } => {
+            // The channel's notice calls the update counter `generation` on the wire.
+            Notice::Updated {
+                generation: version,
+                ..
+            } => {
                 attached.event.wait_on(attached.buffer.stream())?;
-                Ok(*generation)
+                Ok(*version)
             }
             Notice::Unpublished => Err(ChannelError::Unpublished {
                 name: attached.name.clone(),
@@ -257,8 +263,8 @@ impl Subscriber {
     /// [`Error::ViewsAlive`] while clones, slices or casts of the buffer are
     /// alive: the lease then stays until the last of them drops.
     #[tracing::instrument(level = "debug", skip_all, fields(lease = attached.lease))]
-    pub fn release<T: Pod>(&self, attached: Attached<T>) -> Result<()> {
-        let Attached { guard, buffer, .. } = attached;
+    pub fn release<T: Pod>(&self, attached: Attachment<T>) -> Result<()> {
+        let Attachment { guard, buffer, .. } = attached;
         drop(buffer);
         guard.check_no_views(1)?;
         guard.end()

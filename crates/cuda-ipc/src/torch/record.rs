@@ -21,7 +21,7 @@ pub struct TensorLayout {
     /// allocation, or the first shared segment) to the tensor's first element.
     pub offset: u64,
     /// Bytes from the first element to one past the last one reached.
-    pub len: u64,
+    pub byte_len: u64,
     /// The element type.
     pub dtype: Dtype,
     /// Dimensions in elements.
@@ -374,7 +374,7 @@ impl ShareRecord {
         };
         Ok(TensorLayout {
             offset,
-            len,
+            byte_len: len,
             dtype: self.dtype,
             shape: shape.clone(),
             strides,
@@ -467,7 +467,7 @@ impl ShareRecord {
             source,
             alloc_size,
             offset: layout.offset,
-            len: layout.len,
+            byte_len: layout.byte_len,
             dtype: layout.dtype,
             shape: Some(layout.shape),
             strides: layout.strides,

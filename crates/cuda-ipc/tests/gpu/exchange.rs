@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use cuda_ipc::exchange::{Attached, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
+use cuda_ipc::exchange::{Attachment, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::SharedBuffer;
 use cuda_ipc::{Device, DeviceMemory, Dtype, Error, Mechanism};
@@ -63,7 +63,7 @@ fn subscriber() {
         }
     };
     parent.send(&json!({ "connected": true }));
-    let mut held: HashMap<String, Vec<Attached<u32>>> = HashMap::new();
+    let mut held: HashMap<String, Vec<Attachment<u32>>> = HashMap::new();
     while let Some(req) = parent.recv() {
         let name = req["name"].as_str().unwrap_or_default().to_string();
         let reply = match req["op"].as_str().unwrap_or_default() {
@@ -79,9 +79,9 @@ fn subscriber() {
             "update" => {
                 let a = &held[&name][0];
                 match sub.wait_update(a, Duration::from_secs(30)) {
-                    Ok(generation) => {
+                    Ok(version) => {
                         let bad = kernels::check_u32(a.buffer(), pattern(&req["expect"])).unwrap();
-                        json!({ "bad": bad, "generation": generation })
+                        json!({ "bad": bad, "version": version })
                     }
                     Err(e) => json!({ "error": e.to_string() }),
                 }
@@ -184,12 +184,12 @@ fn updates_are_never_seen_half_written() {
                 // One block of 32 threads: the subscriber would see a mix of
                 // rounds if it read before the event.
                 kernels::fill_u32(buf.as_ref(), p, Speed::Slow).unwrap();
-                let generation = publisher.update(&name).unwrap();
-                assert_eq!(generation, u64::from(round));
+                let version = publisher.update(&name).unwrap();
+                assert_eq!(version, u64::from(round));
                 peer.send(&json!({ "op": "update", "name": name, "expect": pattern_json(p) }));
                 let r = peer.recv();
                 assert_ok!(&r, "{m} round {round}: saw a half-written buffer: {r}");
-                assert_eq!(r["generation"], round);
+                assert_eq!(r["version"], round);
             }
             assert_eq!(publisher.leases().len(), 1);
             peer.send(&json!({ "op": "release", "name": name }));

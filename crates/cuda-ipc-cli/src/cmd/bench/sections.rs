@@ -11,7 +11,7 @@ use cuda_ipc::exchange::Publisher;
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
 use cuda_ipc::vmm::VmmBuffer;
-use cuda_ipc::{Device, DeviceMemory, Dtype, Error, IpcBuffer, IpcEvent, Mechanism};
+use cuda_ipc::{Device, DeviceMemory, Dtype, Error, IpcEvent, LegacyBuffer, Mechanism};
 use serde_json::{Value, json};
 
 use super::floor;
@@ -472,7 +472,7 @@ fn floor_sample(
             .map_err(|e| failure("cuCtxSetCurrent", format!("{e:?}")))
     };
     let answer = if m == Mechanism::Legacy {
-        let buffer = IpcBuffer::alloc(ctx.device, size as usize)
+        let buffer = LegacyBuffer::alloc(ctx.device, size as usize)
             .map_err(|e| failure(format!("allocating {}", human(size)), e))?;
         kernels::fill_u32(&buffer, fill, Speed::Full)?;
         buffer.synchronize()?;
