@@ -38,6 +38,7 @@ pub const VERSION_KEY: &str = "cuda_ipc";
 /// The element type of shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[allow(missing_docs)] // the names say it
+#[non_exhaustive]
 pub enum Dtype {
     Bool,
     U8,
@@ -123,6 +124,7 @@ impl FromStr for Dtype {
 
 /// How the allocation is named, per mechanism.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Source {
     /// A legacy IPC handle.
     Legacy {

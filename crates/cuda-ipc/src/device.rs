@@ -243,6 +243,7 @@ impl ComputeMode {
 /// (fabric handles without an IMEX channel, for instance).
 #[derive(Clone, Debug, serde::Serialize)]
 #[allow(clippy::struct_excessive_bools)] // one flag per device attribute, as the driver reports them
+#[non_exhaustive]
 pub struct Capabilities {
     /// Ordinal in this process.
     pub ordinal: usize,
@@ -315,6 +316,7 @@ impl Capabilities {
 
 /// The driver and every device it sees.
 #[derive(Clone, Debug, serde::Serialize)]
+#[non_exhaustive]
 pub struct SystemInfo {
     /// The driver's CUDA version, for example "13.0".
     pub driver_version: DriverVersion,
@@ -348,6 +350,7 @@ pub fn ordinal_of(uuid: DeviceUuid) -> Result<Option<usize>> {
 
 /// How two devices reach each other.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
 pub struct PeerLink {
     /// Whether `from` can map `to`'s memory.
     pub access_supported: bool,

@@ -94,6 +94,7 @@ fn lock_exported() -> std::sync::MutexGuard<'static, HashSet<IpcMemHandle>> {
 
 /// What another process needs to map a legacy export.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
 pub struct LegacyExport {
     /// The handle of the whole allocation.
     pub handle: IpcMemHandle,

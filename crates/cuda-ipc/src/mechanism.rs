@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
     Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
 )]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Mechanism {
     /// A legacy IPC handle (`cuIpcGetMemHandle`): a 64-byte bearer token.
     Legacy,

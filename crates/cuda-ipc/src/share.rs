@@ -312,6 +312,7 @@ impl_cudarc_traits!(SharedBuffer, u8);
 /// descriptor in this process, valid while the `Export` lives (for
 /// `pidfd_getfd`). Over the channel, the descriptors travel themselves.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Export {
     /// The descriptor.
     pub descriptor: Descriptor,

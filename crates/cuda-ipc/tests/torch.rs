@@ -231,7 +231,7 @@ fn fabric_segments_are_told_apart_by_length() {
     assert_eq!(StorageHandle::parse(&bytes).unwrap(), seg);
     let SegmentHandles::Fabric(hs) = (match StorageHandle::parse(&bytes).unwrap() {
         StorageHandle::Expandable { segment, .. } => segment.handles,
-        StorageHandle::CudaMalloc { .. } => panic!(),
+        _ => panic!("not an expandable segment"),
     }) else {
         panic!()
     };

@@ -81,9 +81,7 @@ pub fn serve(args: &ServeArgs) -> Result<Outcome, Error> {
         });
     }
     let device = Device::open(args.device)?;
-    let config = PublisherConfig {
-        allow_uids: args.allow_uid.clone(),
-    };
+    let config = PublisherConfig::default().with_allow_uids(args.allow_uid.iter().copied());
     let publisher = Publisher::bind(&device, Endpoint::from(args.socket.as_str()), config)?;
     let mut names = Vec::new();
     let mut mechanism = None;
@@ -135,10 +133,7 @@ pub fn serve(args: &ServeArgs) -> Result<Outcome, Error> {
 
 pub fn attach(args: &AttachArgs) -> Result<Outcome, Error> {
     let device = Device::open(args.device)?;
-    let config = SubscriberConfig {
-        allow_uids: args.allow_uid.clone(),
-        ..SubscriberConfig::default()
-    };
+    let config = SubscriberConfig::default().with_allow_uids(args.allow_uid.iter().copied());
     let subscriber = Subscriber::connect(&device, Endpoint::from(args.socket.as_str()), config)?;
     let names = subscriber.list()?;
     if args.list {

@@ -67,6 +67,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Where the socket is: a name under the default socket directory
 /// (`$XDG_RUNTIME_DIR/cuda-ipc/<name>.sock`) or an explicit path.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Endpoint {
     /// A name in the default, private socket directory.
     Name(String),

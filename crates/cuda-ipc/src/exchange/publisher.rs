@@ -19,12 +19,23 @@ use crate::share::SharedBuffer;
 use super::ring::RingPublisher;
 use super::{Endpoint, lock};
 
-/// How a [`Publisher`] serves.
+/// How a [`Publisher`] serves: `PublisherConfig::default()`, adjusted with
+/// the `with_` methods.
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct PublisherConfig {
     /// User ids allowed to connect besides our own (peer credentials are
     /// checked on every connection).
     pub allow_uids: Vec<u32>,
+}
+
+impl PublisherConfig {
+    /// Lets processes of these user ids connect too, besides our own.
+    #[must_use]
+    pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
+        self.allow_uids.extend(uids);
+        self
+    }
 }
 
 /// The meta of an entry: the descriptor plus the event handle.

@@ -94,6 +94,7 @@ impl<T: Pod> RingSubscriber<T> {
 /// One received frame of a ring.
 #[derive(Debug)]
 #[must_use = "acknowledge the frame with Subscriber::ack so the producer can reuse the slot"]
+#[non_exhaustive]
 pub struct RingFrame<'r, T> {
     /// The slot's index.
     pub slot: u32,

@@ -20,8 +20,10 @@ use crate::share;
 use super::lease::{LeaseGuard, Pending};
 use super::{Endpoint, lock};
 
-/// How a [`Subscriber`] connects.
+/// How a [`Subscriber`] connects: `SubscriberConfig::default()`, adjusted
+/// with the `with_` methods.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct SubscriberConfig {
     /// How long a request may take (5 s by default).
     pub timeout: Duration,
@@ -35,6 +37,22 @@ impl Default for SubscriberConfig {
             timeout: Duration::from_secs(5),
             allow_uids: Vec::new(),
         }
+    }
+}
+
+impl SubscriberConfig {
+    /// How long a request may take.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Accepts a publisher running as one of these user ids too, besides our own.
+    #[must_use]
+    pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
+        self.allow_uids.extend(uids);
+        self
     }
 }
 

@@ -71,6 +71,7 @@ impl Pattern {
 
 /// How many threads a launch uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Speed {
     /// Enough blocks to fill the device.
     #[default]

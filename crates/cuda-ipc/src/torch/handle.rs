@@ -10,6 +10,7 @@ use super::{
 
 /// How the payload of an expandable segment names its physical allocations.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SegmentHandles {
     /// POSIX file descriptor numbers in the exporting process, one per
     /// allocation, to be taken with `pidfd_getfd(pidfd_open(pid), fd)`.
@@ -109,6 +110,7 @@ impl ExpandableSegment {
 
 /// A parsed storage handle (`storage._share_cuda_()[1]`).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StorageHandle {
     /// A block of a `cudaMalloc` allocation (type `'c'`).
     CudaMalloc {

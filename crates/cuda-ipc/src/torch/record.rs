@@ -16,6 +16,7 @@ use super::{
 /// Where a tensor lies in the memory its storage handle shares, and what it
 /// holds: the part of a [`Descriptor`] that does not depend on the mechanism.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TensorLayout {
     /// Bytes from the start of the shared memory (the `cudaMalloc`
     /// allocation, or the first shared segment) to the tensor's first element.

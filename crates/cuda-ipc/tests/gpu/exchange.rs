@@ -47,14 +47,11 @@ fn subscriber() {
     let device = Device::open(0).unwrap();
     let socket = PathBuf::from(std::env::var(SOCKET_ENV).unwrap());
     // A child running as another user accepts a publisher running as root.
-    let config = SubscriberConfig {
-        allow_uids: std::env::var("CUDA_IPC_TEST_SERVER_UID")
+    let config = SubscriberConfig::default().with_allow_uids(
+        std::env::var("CUDA_IPC_TEST_SERVER_UID")
             .ok()
-            .and_then(|u| u.parse().ok())
-            .into_iter()
-            .collect(),
-        ..SubscriberConfig::default()
-    };
+            .and_then(|u| u.parse().ok()),
+    );
     let sub = match Subscriber::connect(&device, socket.as_path(), config) {
         Ok(s) => s,
         Err(e) => {
@@ -451,9 +448,7 @@ fn another_user_is_refused_unless_allowed() {
     let publisher2 = Publisher::bind(
         &device,
         socket2.as_path(),
-        PublisherConfig {
-            allow_uids: vec![65534],
-        },
+        PublisherConfig::default().with_allow_uids([65534]),
     )
     .unwrap();
     chmod_socket(&socket2);

@@ -197,10 +197,7 @@ impl State {
                 self.sub = Some(Subscriber::connect(
                     &self.device,
                     std::path::Path::new(path),
-                    SubscriberConfig {
-                        timeout: Duration::from_secs(60),
-                        ..SubscriberConfig::default()
-                    },
+                    SubscriberConfig::default().with_timeout(Duration::from_secs(60)),
                 )?);
                 Ok(json!({ "ok": true }))
             }
