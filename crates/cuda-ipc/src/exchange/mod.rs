@@ -49,6 +49,7 @@ mod lease;
 mod publisher;
 mod ring;
 mod subscriber;
+mod wire;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};

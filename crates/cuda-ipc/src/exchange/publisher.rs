@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::channel::{ChannelError, LeaseInfo, Server, ServerConfig};
 use crate::descriptor::{Descriptor, Dtype, Mechanism};
@@ -17,6 +17,7 @@ use crate::memory::DeviceMemory;
 use crate::share::SharedBuffer;
 
 use super::ring::RingPublisher;
+use super::wire::{self, EntryMeta, RingMeta, UpdateNotice};
 use super::{Endpoint, lock};
 
 /// How a [`Publisher`] serves: `PublisherConfig::default()`, adjusted with
@@ -38,9 +39,9 @@ impl PublisherConfig {
     }
 }
 
-/// The meta of an entry: the descriptor plus the event handle.
-fn entry_meta(descriptor: &Descriptor) -> Value {
-    json!({ "descriptor": descriptor.to_value() })
+/// The meta of an entry: the descriptor (which carries the event handle).
+fn entry_meta(descriptor: &Descriptor) -> Result<Value> {
+    wire::to_value(&EntryMeta::new(descriptor))
 }
 
 struct PublishedBuffer {
@@ -120,7 +121,7 @@ impl Publisher {
         descriptor.event = Some(self.event_handle);
         let mut entries = lock(&self.entries);
         self.server
-            .publish(name, entry_meta(&descriptor), export.fds)?;
+            .publish(name, entry_meta(&descriptor)?, export.fds)?;
         entries.insert(
             name.to_owned(),
             PublishedBuffer {
@@ -141,7 +142,9 @@ impl Publisher {
             .map(|e| e.buffer.clone())
             .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
         self.event.record(buffer.stream())?;
-        Ok(self.server.update(name, json!({}))?)
+        Ok(self
+            .server
+            .update(name, wire::to_value(&UpdateNotice::default())?)?)
     }
 
     /// The buffer published under `name`.
@@ -182,12 +185,12 @@ impl Publisher {
             let b = SharedBuffer::alloc(&self.device, slot_bytes, mechanism)?;
             let mut e = b.export()?;
             e.descriptor.event = Some(self.event_handle);
-            metas.push((entry_meta(&e.descriptor), e.fds));
+            metas.push((entry_meta(&e.descriptor)?, e.fds));
             buffers.push(b);
         }
-        let producer = self
-            .server
-            .create_ring(name, json!({ "slot_bytes": slot_bytes }), metas)?;
+        let producer =
+            self.server
+                .create_ring(name, wire::to_value(&RingMeta { slot_bytes })?, metas)?;
         let event = IpcEvent::new(&self.device)?;
         let event_handle = event.handle()?;
         Ok(RingPublisher {

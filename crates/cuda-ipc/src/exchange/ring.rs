@@ -18,6 +18,7 @@ use crate::share::SharedBuffer;
 
 use super::Subscriber;
 use super::lease::LeaseGuard;
+use super::wire::{self, FrameNotice};
 
 /// The producer's side of a ring of buffers with back-pressure.
 pub struct RingPublisher {
@@ -60,8 +61,13 @@ impl RingPublisher {
     ) -> Result<u64> {
         let buffer = self.buffer(index(slot)?)?;
         self.event.record(buffer.stream())?;
-        extra.insert("event".into(), self.event_handle.to_hex().into());
-        Ok(self.producer.publish(index(slot)?, Value::Object(extra))?)
+        // The event is ours: a producer's field of that name can't replace it.
+        extra.remove("event");
+        let notice = wire::to_value(&FrameNotice {
+            event: self.event_handle,
+            extra,
+        })?;
+        Ok(self.producer.publish(index(slot)?, notice)?)
     }
 
     /// The number of slots.
@@ -150,11 +156,8 @@ impl Subscriber {
                 format!("slot {} of {}", f.slot, ring.slots.len()),
             )
         })?;
-        let handle: IpcEventHandle = f.notice["event"]
-            .as_str()
-            .ok_or_else(|| Error::arg("ring frame", "no event in the frame"))?
-            .parse()?;
-        self.event(handle)?.wait_on(buffer.stream())?;
+        let notice = FrameNotice::decode(&f.notice)?;
+        self.event(notice.event)?.wait_on(buffer.stream())?;
         Ok(RingFrame {
             slot: index(f.slot)?,
             seq: f.seq,

@@ -18,6 +18,7 @@ use crate::memory::DeviceMemory;
 use crate::share;
 
 use super::lease::{LeaseGuard, Pending};
+use super::wire::EntryMeta;
 use super::{Endpoint, lock};
 
 /// How a [`Subscriber`] connects: `SubscriberConfig::default()`, adjusted
@@ -185,7 +186,7 @@ impl Subscriber {
         meta: &Value,
         fds: Vec<std::os::fd::OwnedFd>,
     ) -> Result<(Descriptor, MappedBuffer<T>, Arc<IpcEvent>)> {
-        let descriptor = Descriptor::from_value(&meta["descriptor"])?;
+        let descriptor = EntryMeta::decode(meta)?;
         let handle = descriptor.event.ok_or_else(|| Error::Descriptor {
             field: "event".into(),
             reason: "a published buffer must carry the publisher's event".into(),
