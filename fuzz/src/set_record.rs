@@ -48,7 +48,7 @@ pub fn set_record(data: &[u8]) {
         let d = record
             .entry_descriptor(i)
             .unwrap_or_else(|e| panic!("entry {i} of a valid set has no valid descriptor: {e}"));
-        assert_eq!(d.len, record.entries[i].len);
+        assert_eq!(d.byte_len, record.entries[i].len);
     }
 }
 

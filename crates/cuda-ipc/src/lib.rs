@@ -38,6 +38,7 @@ pub mod handle;
 mod json;
 pub mod kernels;
 pub mod legacy;
+mod mechanism;
 pub mod memory;
 pub mod pool;
 mod result;
@@ -57,7 +58,7 @@ pub use device::Device;
 pub use error::{Error, ErrorKind, Result};
 pub use event::IpcEvent;
 pub use handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
-pub use legacy::{IpcBuffer, IpcMapping, OpenFlags};
+pub use legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 pub use memory::DeviceMemory;
 
 /// The README's examples, compiled as doc tests.

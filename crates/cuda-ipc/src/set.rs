@@ -527,7 +527,7 @@ impl SetRecord {
                 ),
             ));
         }
-        let size = self.chunks[c].descriptor.len;
+        let size = self.chunks[c].descriptor.byte_len;
         let end = e
             .offset
             .checked_add(e.len)
@@ -582,7 +582,7 @@ impl SetRecord {
             })?;
         let d = Descriptor {
             offset,
-            len: e.len,
+            byte_len: e.len,
             dtype: e.dtype,
             shape: Some(e.shape.clone()),
             strides: None,

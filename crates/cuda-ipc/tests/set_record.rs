@@ -25,7 +25,7 @@ fn chunk(id: u64, fd: i32, len: u64) -> SetChunk {
             source: Source::Vmm { fd },
             alloc_size: len,
             offset: 0,
-            len,
+            byte_len: len,
             dtype: Dtype::U8,
             shape: None,
             strides: None,
@@ -82,7 +82,10 @@ fn a_record_round_trips_through_json() {
     assert_eq!(serde_json::to_string(&r).unwrap(), text);
     assert_eq!(r.total_bytes(), 262_144 + 1024 + 2 * MIB + 8);
     let d = r.entry_descriptor(2).unwrap();
-    assert_eq!((d.offset, d.len, d.dtype), (1024, 2 * MIB, Dtype::Bf16));
+    assert_eq!(
+        (d.offset, d.byte_len, d.dtype),
+        (1024, 2 * MIB, Dtype::Bf16)
+    );
     assert_eq!(d.source, Source::Vmm { fd: 9 });
     assert_eq!(d.shape.as_deref(), Some(&[1024u64, 1024][..]));
     assert!(r.entry_descriptor(4).is_err());
@@ -427,7 +430,7 @@ proptest! {
         prop_assert_eq!(back.to_json(), text);
         for i in 0..r.entries.len() {
             let d = r.entry_descriptor(i).unwrap();
-            prop_assert_eq!(d.len, r.entries[i].len);
+            prop_assert_eq!(d.byte_len, r.entries[i].len);
         }
     }
 

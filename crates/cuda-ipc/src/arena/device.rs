@@ -94,7 +94,7 @@ impl ChunkBacking for DeviceChunks {
     }
 
     fn chunk_len(chunk: &DeviceChunk) -> u64 {
-        chunk.buffer.len() as u64
+        chunk.buffer.byte_len() as u64
     }
 }
 
@@ -154,7 +154,7 @@ impl DeviceArenaBuffer {
         let chunk = self.chunk().backing().descriptor();
         let d = Descriptor {
             offset: chunk.offset + self.offset(),
-            len: self.len(),
+            byte_len: self.len(),
             dtype,
             shape,
             strides: None,
