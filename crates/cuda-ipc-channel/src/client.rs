@@ -35,9 +35,9 @@ use rustix::io::Errno;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType, connect, socket_with};
 use serde_json::Value;
 
-use super::frame::{FrameError, ListedEntry, Message, PROTOCOL_VERSION};
 use super::server::{MAX_RING_SLOTS, validate_entry_name};
-use super::socket::{Ucred, peer_closed, peer_credentials, recv_frame, send_frame};
+use super::socket::{Ucred, peer_closed, peer_credentials, recv_message, send_message};
+use super::wire::{ListedEntry, Message, PROTOCOL_VERSION, WireError};
 use super::{ChannelError, Side, lock, own_pid, own_uid};
 
 /// The most listing pages [`Client::list`] follows.
@@ -132,7 +132,7 @@ pub struct RingFrame {
 enum Dead {
     Gone,
     Protocol(String),
-    Frame(FrameError),
+    Frame(WireError),
     Remote {
         code: String,
         message: String,
@@ -149,10 +149,8 @@ impl Dead {
         match e {
             // A frame cut short by end of file means the server went away
             // while sending (it was killed, or it cut us off as too slow).
-            ChannelError::PeerGone | ChannelError::Frame(FrameError::Truncated { .. }) => {
-                Dead::Gone
-            }
-            ChannelError::Frame(f) => Dead::Frame(f),
+            ChannelError::PeerGone | ChannelError::Wire(WireError::Truncated { .. }) => Dead::Gone,
+            ChannelError::Wire(f) => Dead::Frame(f),
             ChannelError::Protocol { reason } => Dead::Protocol(reason),
             ChannelError::Remote { code, message } => Dead::Remote { code, message },
             ChannelError::Io { context, source } => Dead::Io {
@@ -170,7 +168,7 @@ impl Dead {
             Dead::Protocol(reason) => ChannelError::Protocol {
                 reason: reason.clone(),
             },
-            Dead::Frame(f) => ChannelError::Frame(f.clone()),
+            Dead::Frame(f) => ChannelError::Wire(f.clone()),
             Dead::Remote { code, message } => ChannelError::Remote {
                 code: code.clone(),
                 message: message.clone(),
@@ -399,7 +397,7 @@ impl Client {
                 allowed: config.allowed_server_uids,
             });
         }
-        let hello = send_frame(
+        let hello = send_message(
             &stream,
             &Message::Hello {
                 protocol: PROTOCOL_VERSION,
@@ -409,7 +407,7 @@ impl Client {
             Some(deadline),
         );
         // Even if the hello could not be sent, the server may have said why.
-        match recv_frame(&stream, Some(deadline)) {
+        match recv_message(&stream, Some(deadline)) {
             Ok((Message::Welcome { protocol, .. }, _)) => {
                 hello?;
                 if protocol != PROTOCOL_VERSION {
@@ -767,7 +765,7 @@ impl Client {
     /// Sends one frame (without descriptors) within the request timeout.
     fn send(&self, message: &Message) -> Result<(), ChannelError> {
         let _writing = lock(&self.write);
-        send_frame(
+        send_message(
             &self.stream,
             message,
             &[],
@@ -844,7 +842,7 @@ impl Client {
             st.reading = true;
             drop(st);
             // Past the deadline this still takes frames that have arrived.
-            let received = recv_frame(&self.stream, Some(deadline));
+            let received = recv_message(&self.stream, Some(deadline));
             drained = matches!(received, Err(ChannelError::Timeout { .. }));
             st = self.file(received);
         }

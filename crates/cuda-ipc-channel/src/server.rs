@@ -41,8 +41,10 @@ use rustix::net::{
 };
 use serde_json::{Value, json};
 
-use super::frame::{EntryKind, ListedEntry, MAX_FDS, Message, PROTOCOL_VERSION};
-use super::socket::{Ucred, peer_credentials, recv_frame, send_bytes, send_frame, try_send_frame};
+use super::socket::{
+    Ucred, peer_credentials, recv_message, send_bytes, send_message, try_send_message,
+};
+use super::wire::{EntryKind, ListedEntry, MAX_FDS, Message, PROTOCOL_VERSION};
 use super::{ChannelError, Side, lock, own_pid, own_uid, refused_text};
 
 /// The largest `meta` or `notice` value, in bytes of JSON (256 KiB), so that
@@ -420,7 +422,7 @@ impl Conn {
         if out.queue.is_empty() && !out.sending {
             // Under the lock, so that no other frame can start meanwhile.
             let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
-            match try_send_frame(&self.stream, &message, &borrowed) {
+            match try_send_message(&self.stream, &message, &borrowed) {
                 Ok((bytes, sent)) if sent == bytes.len() => return true,
                 Ok((bytes, 0)) => drop(bytes),
                 Ok((mut bytes, sent)) => {
@@ -542,7 +544,7 @@ impl Conn {
             let sent = match &next {
                 Outgoing::Frame { message, fds } => {
                     let fds: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
-                    send_frame(&self.stream, message, &fds, deadline)
+                    send_message(&self.stream, message, &fds, deadline)
                 }
                 Outgoing::Rest(bytes) => send_bytes(&self.stream, bytes, &[], deadline),
             };
@@ -1107,7 +1109,7 @@ fn admit(shared: &Arc<Shared>, stream: UnixStream) {
             message: refused_text(Side::Server, cred.uid, &shared.allowed_uids),
             details: json!({ "uid": cred.uid, "allowed": shared.allowed_uids }),
         };
-        let _ = send_frame(
+        let _ = send_message(
             &stream,
             &refusal,
             &[],
@@ -1137,7 +1139,7 @@ fn admit(shared: &Arc<Shared>, stream: UnixStream) {
                     shared.max_connections
                 ),
             );
-            let _ = send_frame(
+            let _ = send_message(
                 &stream,
                 &busy,
                 &[],
@@ -1210,7 +1212,7 @@ fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
 /// send before closing.
 fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     let deadline = Instant::now() + shared.handshake_timeout;
-    match recv_frame(&conn.stream, Some(deadline)) {
+    match recv_message(&conn.stream, Some(deadline)) {
         Ok((Message::Hello { protocol, .. }, fds)) if fds.is_empty() => {
             if protocol != PROTOCOL_VERSION {
                 return Err(error_frame(
@@ -1248,7 +1250,7 @@ fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     }
     loop {
         conn.wait_for_room(RESPONSE_WINDOW);
-        match recv_frame(&conn.stream, None) {
+        match recv_message(&conn.stream, None) {
             Ok((message, fds)) => {
                 if !fds.is_empty() {
                     return Err(fatal(
@@ -1295,7 +1297,7 @@ fn fatal(conn: &Conn, e: &ChannelError) -> Message {
         "closing a channel connection that broke the protocol"
     );
     let code = match e {
-        ChannelError::Frame(_) => "malformed_frame",
+        ChannelError::Wire(_) => "malformed_frame",
         _ => "protocol",
     };
     error_frame(None, code, e.to_string())

@@ -2,9 +2,9 @@
 //! socket, with a deadline on every wait, and peer credentials.
 //!
 //! # How descriptors travel
-//! [`send_frame`] passes the descriptors as one `SCM_RIGHTS` control
+//! [`send_message`] passes the descriptors as one `SCM_RIGHTS` control
 //! message with the first `sendmsg` that transfers bytes of the frame; the
-//! kernel ties them to those bytes. [`recv_frame`] reads exactly one frame
+//! kernel ties them to those bytes. [`recv_message`] reads exactly one frame
 //! (the header, then exactly the payload length) with `recvmsg`, so it never
 //! consumes bytes of the next frame and never sees that frame's descriptors
 //! early. Every descriptor that arrives is an [`OwnedFd`] from the moment it
@@ -42,11 +42,11 @@ use rustix::net::{
 };
 
 use super::ChannelError;
-use super::frame::{FrameError, HEADER_LEN, MAX_FDS, Message, decode_header, encode_frame};
+use super::wire::{HEADER_LEN, MAX_FDS, Message, WireError, decode_header, encode_message};
 
 /// How long a peer may take to finish a frame it has begun (beyond the
 /// caller's deadline) before the connection is declared broken.
-pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The credentials of the process at the other end of a Unix socket, as the
 /// kernel recorded them when the connection was made (`SO_PEERCRED`).
@@ -87,7 +87,7 @@ pub fn peer_credentials(stream: impl AsFd) -> Result<Ucred, ChannelError> {
 /// reading in the middle of the frame (the stream is then unusable).
 #[doc(alias = "sendmsg")]
 #[doc(alias = "SCM_RIGHTS")]
-pub fn send_frame(
+pub(crate) fn send_message(
     stream: impl AsFd,
     message: &Message,
     fds: &[BorrowedFd<'_>],
@@ -110,14 +110,14 @@ fn encode_checked(message: &Message, fds: &[BorrowedFd<'_>]) -> Result<Vec<u8>, 
             ),
         ));
     }
-    Ok(encode_frame(message, fds.len())?)
+    Ok(encode_message(message, fds.len())?)
 }
 
 /// One attempt to send a frame without waiting: returns the encoded frame
 /// and how many of its bytes went (0 when the socket's buffer is full; the
 /// descriptors go with the first byte). The caller sends the rest, without
-/// descriptors, with [`send_bytes`]. Errors as [`send_frame`].
-pub(crate) fn try_send_frame(
+/// descriptors, with [`send_bytes`]. Errors as [`send_message`].
+pub(crate) fn try_send_message(
     stream: impl AsFd,
     message: &Message,
     fds: &[BorrowedFd<'_>],
@@ -135,7 +135,7 @@ fn send_first(
     fds: &[BorrowedFd<'_>],
 ) -> Result<Option<usize>, ChannelError> {
     if fds.len() > MAX_FDS {
-        return Err(FrameError::TooManyFds {
+        return Err(WireError::TooManyFds {
             count: fds.len(),
             max: MAX_FDS,
         }
@@ -146,7 +146,7 @@ fn send_first(
         let mut control = SendAncillaryBuffer::new(&mut space);
         if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
             // Cannot happen: the buffer is sized for MAX_FDS, checked above.
-            return Err(FrameError::TooManyFds {
+            return Err(WireError::TooManyFds {
                 count: fds.len(),
                 max: MAX_FDS,
             }
@@ -163,11 +163,10 @@ fn send_first(
 }
 
 /// Sends raw bytes with `fds` attached to the first of them: the building
-/// block of [`send_frame`], public so that tests and tools can send frames
-/// that [`send_frame`] would refuse to build.
+/// block of [`send_message`].
 ///
-/// Errors as [`send_frame`].
-pub fn send_bytes(
+/// Errors as [`send_message`].
+pub(crate) fn send_bytes(
     stream: impl AsFd,
     bytes: &[u8],
     fds: &[BorrowedFd<'_>],
@@ -224,12 +223,12 @@ fn send_error(e: Errno) -> ChannelError {
 /// returns [`ChannelError::Timeout`] if it does not; see the
 /// [module documentation](self) for frames that stop half-way. End of file
 /// before a frame begins is [`ChannelError::PeerGone`]; inside a frame it is
-/// [`FrameError::Truncated`]. A descriptor count that differs from the
+/// [`WireError::Truncated`]. A descriptor count that differs from the
 /// header's, or more descriptors than [`MAX_FDS`] (`MSG_CTRUNC`), is an
 /// error, and the descriptors that did arrive are closed.
 #[doc(alias = "recvmsg")]
 #[doc(alias = "SCM_RIGHTS")]
-pub fn recv_frame(
+pub(crate) fn recv_message(
     stream: impl AsFd,
     deadline: Option<Instant>,
 ) -> Result<(Message, Vec<OwnedFd>), ChannelError> {
@@ -260,7 +259,7 @@ pub fn recv_frame(
         &mut stall,
     )?;
     if fds.len() != usize::from(h.fds) {
-        return Err(FrameError::FdCountMismatch {
+        return Err(WireError::FdCountMismatch {
             expected: usize::from(h.fds),
             received: fds.len(),
         }
@@ -315,10 +314,10 @@ fn read_exact(
         match result {
             Ok(msg) => {
                 if msg.flags.contains(ReturnFlags::CTRUNC) {
-                    return Err(FrameError::FdsTruncated { max: MAX_FDS }.into());
+                    return Err(WireError::FdsTruncated { max: MAX_FDS }.into());
                 }
                 if fds.len() > MAX_FDS {
-                    return Err(FrameError::TooManyFds {
+                    return Err(WireError::TooManyFds {
                         count: fds.len(),
                         max: MAX_FDS,
                     }
@@ -328,7 +327,7 @@ fn read_exact(
                     return Err(if part == Part::Header && got == 0 {
                         ChannelError::PeerGone
                     } else {
-                        FrameError::Truncated {
+                        WireError::Truncated {
                             what: match part {
                                 Part::Header => "frame header",
                                 Part::Payload => "payload",
@@ -373,7 +372,7 @@ fn read_exact(
                 return Err(ChannelError::PeerGone);
             }
             Err(Errno::CONNRESET | Errno::PIPE | Errno::NOTCONN) => {
-                return Err(FrameError::Truncated {
+                return Err(WireError::Truncated {
                     what: if part == Part::Header {
                         "frame header"
                     } else {
@@ -441,3 +440,6 @@ pub(crate) fn peer_closed(stream: BorrowedFd<'_>) -> bool {
         Err(_) => true,
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -39,8 +39,9 @@ use std::time::{Duration, Instant};
 mod support;
 use support::{ChildProc, memfd_with, pattern, read_fd, test_command};
 
-use cuda_ipc_channel::frame::{Message, PROTOCOL_VERSION, encode_frame};
-use cuda_ipc_channel::socket::{recv_frame, send_frame};
+use support::wire::{encode, recv_message, send_message};
+
+use cuda_ipc_channel::wire::{Message, PROTOCOL_VERSION};
 use cuda_ipc_channel::{
     ChannelError, Client, ClientConfig, LeaseInfo, Notice, RingProducer, Server, ServerConfig,
 };
@@ -315,19 +316,18 @@ fn half_frame(path: &Path, arg: &str) {
         pid: std::process::id(),
     };
     let frame = if after_handshake {
-        send_frame(&s, &hello, &[], None).unwrap();
-        let (m, _) = recv_frame(&s, Some(Instant::now() + ANSWER)).unwrap();
+        send_message(&s, &hello, &[], None).unwrap();
+        let (m, _) = recv_message(&s, Some(Instant::now() + ANSWER)).unwrap();
         assert!(matches!(m, Message::Welcome { .. }), "{m:?}");
-        encode_frame(
+        encode(
             &Message::Attach {
                 id: 1,
                 name: "v0".into(),
             },
             0,
         )
-        .unwrap()
     } else {
-        encode_frame(&hello, 0).unwrap()
+        encode(&hello, 0)
     };
     let cut = 1 + split % (frame.len() - 1);
     s.write_all(&frame[..cut]).unwrap();

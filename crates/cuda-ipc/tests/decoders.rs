@@ -14,7 +14,7 @@
 
 use std::path::{Path, PathBuf};
 
-use cuda_ipc::channel::frame::Message;
+use cuda_ipc::channel::wire::Message;
 use cuda_ipc::descriptor::{Descriptor, Dtype, Source};
 use cuda_ipc::device::DeviceUuid;
 use cuda_ipc::handle::{FabricHandle, HANDLE_LEN, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
