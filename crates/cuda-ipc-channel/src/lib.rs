@@ -40,20 +40,19 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub mod client;
+mod limits;
 mod paths;
 pub mod server;
 mod socket;
 pub mod wire;
 
 pub use client::{Attachment, Client, ClientConfig, Notice, RingAttachment, RingFrame, Update};
+pub use limits::{MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, validate_entry_name};
 pub use paths::{
     MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,
     validate_socket_name,
 };
-pub use server::{
-    LeaseInfo, MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, RingProducer, Server,
-    ServerConfig, validate_entry_name,
-};
+pub use server::{LeaseInfo, RingProducer, Server, ServerConfig};
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};
 
@@ -74,6 +73,7 @@ pub enum ChannelErrorKind {
 
 /// Which end of a connection refused the other (see [`ChannelError::Refused`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Side {
     /// The server refused this client: the client's user id is not in
     /// [`ServerConfig::allowed_uids`].

@@ -51,6 +51,7 @@ pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// The credentials of the process at the other end of a Unix socket, as the
 /// kernel recorded them when the connection was made (`SO_PEERCRED`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Ucred {
     /// The peer's process id (in our pid namespace).
     pub pid: u32,

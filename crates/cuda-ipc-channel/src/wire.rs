@@ -13,7 +13,7 @@
 //! The payload is one [`Message`], a JSON object whose `"type"` field names
 //! the message (`{"type":"attach","id":7,"name":"weights"}`). The file
 //! descriptors announced in the header travel as `SCM_RIGHTS` ancillary
-//! data with the header's bytes (see [`socket`](super::socket)).
+//! data with the header's bytes (see `socket.rs`).
 //!
 //! Everything here is a pure function of its input and never panics:
 //! decoding checks every field and reports the first problem precisely
@@ -181,7 +181,7 @@ pub enum WireError {
 pub struct Header {
     /// The protocol version.
     pub version: u16,
-    /// The frame kind ([`KIND_JSON`]).
+    /// The payload kind (1: a JSON message, the only kind so far).
     pub kind: u16,
     /// The payload length in bytes.
     pub len: u32,
@@ -295,6 +295,7 @@ pub(crate) fn encode_message(message: &Message, fds: usize) -> Result<Vec<u8>, W
 /// Whether a listed entry is a plain entry or a ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum EntryKind {
     /// A plain entry: metadata and file descriptors (attach with
     /// [`Client::attach`](super::Client::attach)).
@@ -307,6 +308,7 @@ pub enum EntryKind {
 /// One published entry in a [`Message::Listing`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ListedEntry {
     /// The entry's name.
     pub name: String,
@@ -324,6 +326,7 @@ pub struct ListedEntry {
 /// the lease they concern instead.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+#[non_exhaustive]
 pub enum Message {
     // ---- client to server ----
     /// The client's first message.

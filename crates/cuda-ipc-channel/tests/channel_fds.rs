@@ -166,7 +166,10 @@ fn no_descriptor_leaks() {
                 .next_frame(sub.lease, Duration::from_secs(5))
                 .unwrap();
             assert_eq!((f.slot, f.seq), (slot, seq));
-            assert_eq!(read_fd(&sub.slots[f.slot].1[0], 4), [slot as u8; 4]);
+            assert_eq!(
+                read_fd(&sub.slots[f.slot as usize].1[0], 4),
+                [slot as u8; 4]
+            );
             client.ack(sub.lease, f.slot, f.seq).unwrap();
             client.release(sub.lease).unwrap();
         }

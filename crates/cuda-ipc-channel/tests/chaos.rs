@@ -212,14 +212,7 @@ fn say(line: &str) {
 }
 
 fn connect(path: &Path) -> Client {
-    Client::connect(
-        path,
-        ClientConfig {
-            timeout: ANSWER,
-            ..ClientConfig::default()
-        },
-    )
-    .unwrap()
+    Client::connect(path, ClientConfig::default().with_timeout(ANSWER)).unwrap()
 }
 
 /// If this process is a child, runs its role and returns true.
@@ -264,7 +257,7 @@ fn survivor(path: &Path) {
             while !stop.load(Ordering::Relaxed) {
                 match client.next_frame(ring.lease, Duration::from_millis(100)) {
                     Ok(f) => {
-                        let stamp = stamp_of(&ring.slots[f.slot].1[0]);
+                        let stamp = stamp_of(&ring.slots[f.slot as usize].1[0]);
                         assert_eq!(Some(stamp), f.notice["stamp"].as_u64(), "{f:?}");
                         client.ack(ring.lease, f.slot, f.seq).unwrap();
                         say(&format!("ACK {};", f.seq));
@@ -522,7 +515,7 @@ impl Producer {
             .acquire(Some(ANSWER))
             .expect("a ring slot stayed in use");
         self.stamp += 1;
-        rustix::io::pwrite(&self.slot_fds[slot], &self.stamp.to_le_bytes(), 0).unwrap();
+        rustix::io::pwrite(&self.slot_fds[slot as usize], &self.stamp.to_le_bytes(), 0).unwrap();
         self.ring
             .publish(slot, json!({ "stamp": self.stamp }))
             .unwrap()
@@ -544,7 +537,7 @@ impl Producer {
             self.ring.cancel(slot).unwrap();
         }
         self.stamp += 1;
-        rustix::io::pwrite(&self.slot_fds[first], &self.stamp.to_le_bytes(), 0).unwrap();
+        rustix::io::pwrite(&self.slot_fds[first as usize], &self.stamp.to_le_bytes(), 0).unwrap();
         self.ring
             .publish(first, json!({ "stamp": self.stamp }))
             .unwrap()

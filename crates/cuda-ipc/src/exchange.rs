@@ -287,7 +287,7 @@ impl RingPublisher {
     /// Waits (up to `timeout`) until the next slot is free, and returns its
     /// index and buffer to fill.
     pub fn acquire(&self, timeout: Option<Duration>) -> Result<(usize, &SharedBuffer)> {
-        let slot = self.producer.acquire(timeout)?;
+        let slot = self.producer.acquire(timeout)? as usize;
         Ok((slot, &self.buffers[slot]))
     }
 
@@ -309,7 +309,7 @@ impl RingPublisher {
         })?;
         self.event.record(buffer.stream())?;
         extra.insert("event".into(), self.event_handle.to_hex().into());
-        Ok(self.producer.publish(slot, Value::Object(extra))?)
+        Ok(self.producer.publish(slot as u32, Value::Object(extra))?)
     }
 
     /// The number of slots.
@@ -400,10 +400,7 @@ impl Subscriber {
         config: SubscriberConfig,
     ) -> Result<Self> {
         let path = endpoint.into().path()?;
-        let mut client_config = ClientConfig {
-            timeout: config.timeout,
-            ..ClientConfig::default()
-        };
+        let mut client_config = ClientConfig::default().with_timeout(config.timeout);
         client_config.allowed_server_uids.extend(config.allow_uids);
         let client = Client::connect(path, client_config)?;
         Ok(Subscriber {
@@ -537,6 +534,10 @@ impl Subscriber {
                 lease: attached.lease,
             }
             .into()),
+            other => Err(ChannelError::Protocol {
+                reason: format!("a notice this version does not know: {other:?}"),
+            }
+            .into()),
         }
     }
 
@@ -579,7 +580,7 @@ impl Subscriber {
         timeout: Duration,
     ) -> Result<Frame<'r, T>> {
         let f = self.client.next_frame(ring.lease, timeout)?;
-        let buffer = ring.slots.get(f.slot).ok_or_else(|| {
+        let buffer = ring.slots.get(f.slot as usize).ok_or_else(|| {
             Error::arg(
                 "ring frame",
                 format!("slot {} of {}", f.slot, ring.slots.len()),
@@ -591,7 +592,7 @@ impl Subscriber {
             .parse()?;
         self.event(handle)?.wait_on(buffer.stream())?;
         Ok(Frame {
-            slot: f.slot,
+            slot: f.slot as usize,
             seq: f.seq,
             buffer,
             notice: f.notice,
@@ -603,7 +604,7 @@ impl Subscriber {
     #[allow(clippy::needless_pass_by_value)] // taking the frame ends its use
     pub fn ack<T: Pod>(&self, ring: &RingSubscriber<T>, frame: Frame<'_, T>) -> Result<()> {
         frame.buffer.synchronize()?;
-        Ok(self.client.ack(ring.lease, frame.slot, frame.seq)?)
+        Ok(self.client.ack(ring.lease, frame.slot as u32, frame.seq)?)
     }
 
     /// Ends a ring subscription.

@@ -61,11 +61,8 @@ fn bind_refuses_a_live_server_and_replaces_a_stale_socket() {
     assert!(e.to_string().contains("bytes long"), "{e}");
 
     // So is an empty allow-list.
-    let e = Server::bind(ServerConfig {
-        allowed_uids: vec![],
-        ..ServerConfig::new(tmp_socket(&tmp, "nobody"))
-    })
-    .unwrap_err();
+    let e = Server::bind(ServerConfig::new(tmp_socket(&tmp, "nobody")).with_allowed_uids([]))
+        .unwrap_err();
     assert!(e.to_string().contains("allowed_uids"), "{e}");
 
     // A missing socket says so.

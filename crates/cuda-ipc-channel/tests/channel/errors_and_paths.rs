@@ -173,3 +173,25 @@ fn peer_credentials_are_ours() {
     assert_eq!(cred.uid, rustix::process::geteuid().as_raw());
     assert_eq!(cred.gid, rustix::process::getegid().as_raw());
 }
+
+/// A path that is not a socket is named for what it is, not taken for a
+/// socket left by a producer that exited.
+#[test]
+fn connecting_to_a_file_or_directory_says_what_it_is() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("file.sock");
+    std::fs::write(&file, b"").unwrap();
+    let dir = tmp.path().join("dir.sock");
+    std::fs::create_dir(&dir).unwrap();
+    for (path, what) in [(&file, "is a regular file"), (&dir, "is a directory")] {
+        let e = Client::connect(path, ClientConfig::default()).unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains(what), "{text}");
+        assert!(!text.contains("exited"), "{text}");
+    }
+    // A socket nobody serves is still called that.
+    let stale = tmp.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    let e = Client::connect(&stale, ClientConfig::default()).unwrap_err();
+    assert!(e.to_string().contains("no server serves"), "{e}");
+}

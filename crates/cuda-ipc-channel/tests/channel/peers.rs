@@ -9,11 +9,7 @@ fn peer_checks_refuse_other_users() {
     let me = rustix::process::geteuid().as_raw();
     let other = me.wrapping_add(4242);
 
-    let server = Server::bind(ServerConfig {
-        allowed_uids: vec![other],
-        ..ServerConfig::new(&path)
-    })
-    .unwrap();
+    let server = Server::bind(ServerConfig::new(&path).with_allowed_uids([other])).unwrap();
     let e = Client::connect(&path, ClientConfig::default()).unwrap_err();
     match &e {
         ChannelError::Refused { by, uid, allowed } => {
@@ -32,10 +28,7 @@ fn peer_checks_refuse_other_users() {
     let server = Server::bind(ServerConfig::new(&path)).unwrap();
     let e = Client::connect(
         &path,
-        ClientConfig {
-            allowed_server_uids: vec![other],
-            ..ClientConfig::default()
-        },
+        ClientConfig::default().with_allowed_server_uids([other]),
     )
     .unwrap_err();
     assert!(
@@ -337,10 +330,9 @@ fn malformed_frames_get_an_error_and_a_close_and_the_server_carries_on() {
 
     // A peer that connects and says nothing is dropped after the handshake timeout.
     let impatient = tmp_socket(&tmp, "impatient");
-    let server2 = Server::bind(ServerConfig {
-        handshake_timeout: Duration::from_millis(100),
-        ..ServerConfig::new(&impatient)
-    })
+    let server2 = Server::bind(
+        ServerConfig::new(&impatient).with_handshake_timeout(Duration::from_millis(100)),
+    )
     .unwrap();
     let s = raw_connect(&impatient, false);
     let (m, _) = recv_message(&s, Some(Instant::now() + Duration::from_secs(5))).unwrap();
@@ -361,11 +353,11 @@ fn malformed_frames_get_an_error_and_a_close_and_the_server_carries_on() {
 fn a_client_that_does_not_read_is_disconnected() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, "slow");
-    let server = Server::bind(ServerConfig {
-        max_queued_frames: 8,
-        send_timeout: Duration::from_millis(200),
-        ..ServerConfig::new(&path)
-    })
+    let server = Server::bind(
+        ServerConfig::new(&path)
+            .with_max_queued_frames(8)
+            .with_send_timeout(Duration::from_millis(200)),
+    )
     .unwrap();
     server.publish("e", json!(null), vec![]).unwrap();
     let lazy = quick_client(&path);

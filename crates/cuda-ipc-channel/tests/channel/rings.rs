@@ -30,7 +30,7 @@ fn ring_back_pressure_and_acks() {
     // Fill every slot.
     for i in 0..3 {
         assert_eq!(ring.acquire(Some(Duration::from_secs(1))).unwrap(), i);
-        assert_eq!(ring.publish(i, json!({"i": i})).unwrap(), i as u64 + 1);
+        assert_eq!(ring.publish(i, json!({"i": i})).unwrap(), u64::from(i) + 1);
     }
     let e = ring.acquire(Some(Duration::from_millis(100))).unwrap_err();
     assert!(matches!(e, ChannelError::Timeout { .. }), "{e}");
@@ -122,7 +122,7 @@ fn ring_frames_arrive_in_order_under_load() {
                 .next_frame(sub.lease, Duration::from_secs(10))
                 .unwrap();
             assert_eq!(f.seq, seq);
-            assert_eq!(f.slot as u64, (seq - 1) % 3);
+            assert_eq!(u64::from(f.slot), (seq - 1) % 3);
             assert_eq!(f.notice, json!(seq));
             client.ack(sub.lease, f.slot, f.seq).unwrap();
         }
