@@ -9,8 +9,9 @@
 //!   32-bit values (`units`), device UUIDs, near-miss handles of every
 //!   type, and descriptors with one field replaced by any JSON. The other
 //!   decoders have theirs where their module's tests live: descriptors and
-//!   handles in `tests/descriptor.rs`, the channel's frames in
-//!   `tests/channel.rs`, PyTorch share records in `tests/torch.rs`.
+//!   handles in `tests/descriptor.rs`, the channel's wire messages in
+//!   the `cuda-ipc-channel` crate's unit tests (`src/wire/tests.rs`),
+//!   PyTorch share records in `tests/torch.rs`.
 
 use std::path::{Path, PathBuf};
 
