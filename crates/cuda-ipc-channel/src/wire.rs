@@ -579,37 +579,57 @@ impl Message {
         let text = std::str::from_utf8(payload).map_err(|e| WireError::InvalidUtf8 {
             valid_up_to: e.valid_up_to(),
         })?;
-        let value: Value = serde_json::from_str(text).map_err(|e| WireError::InvalidJson {
+        // Checked in passes that build nothing big: the JSON as a whole, then
+        // only its "type" field, then the message itself.
+        serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| {
+            WireError::InvalidJson {
+                reason: e.to_string(),
+            }
+        })?;
+        let shape = match text.trim_start().as_bytes().first() {
+            Some(b'{') => None,
+            Some(b'[') => Some("an array"),
+            Some(b'"') => Some("a string"),
+            Some(b't' | b'f') => Some("a boolean"),
+            Some(b'n') => Some("null"),
+            _ => Some("a number"),
+        };
+        if let Some(found) = shape {
+            return Err(WireError::NotAMessage {
+                found: found.into(),
+            });
+        }
+        let probe: Probe = serde_json::from_str(text).map_err(|e| WireError::InvalidJson {
             reason: e.to_string(),
         })?;
-        let kind = match &value {
-            Value::Object(map) => match map.get("type") {
-                Some(Value::String(t)) => t.clone(),
-                Some(other) => {
-                    return Err(WireError::NotAMessage {
-                        found: format!("an object whose \"type\" is {}", describe(other)),
-                    });
-                }
-                None => {
-                    return Err(WireError::NotAMessage {
-                        found: "an object without a \"type\" field".into(),
-                    });
-                }
-            },
-            other => {
+        let kind = match probe.kind {
+            Some(Value::String(t)) => t,
+            Some(other) => {
                 return Err(WireError::NotAMessage {
-                    found: describe(other).into(),
+                    found: format!("an object whose \"type\" is {}", describe(&other)),
+                });
+            }
+            None => {
+                return Err(WireError::NotAMessage {
+                    found: "an object without a \"type\" field".into(),
                 });
             }
         };
         if !Message::TYPES.contains(&kind.as_str()) {
             return Err(WireError::UnknownType { found: kind });
         }
-        serde_json::from_value(value).map_err(|e| WireError::InvalidMessage {
+        serde_json::from_str(text).map_err(|e| WireError::InvalidMessage {
             kind,
             reason: e.to_string(),
         })
     }
+}
+
+/// The `"type"` field of a payload, read without the rest.
+#[derive(Deserialize)]
+struct Probe {
+    #[serde(rename = "type", default)]
+    kind: Option<Value>,
 }
 
 /// A short description of a JSON value's type, for error messages.

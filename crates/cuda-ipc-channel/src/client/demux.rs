@@ -1,7 +1,7 @@
 //! Demultiplexing: one reader at a time hands each incoming wire message to
 //! the request or queue it belongs to.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::OwnedFd;
 
 use crate::ChannelError;
@@ -83,6 +83,9 @@ pub(super) struct State {
     pub(super) responses: HashMap<u64, VecDeque<(Message, Vec<OwnedFd>)>>,
     pub(super) updates: VecDeque<Update>,
     pub(super) rings: HashMap<u64, RingQueue>,
+    /// The plain-entry leases this client holds: notices about any other
+    /// lease are dropped, so that a server cannot fill our memory with them.
+    pub(super) held: HashSet<u64>,
     /// Leases granted to requests whose callers gave up: to release.
     pub(super) orphans: Vec<u64>,
     pub(super) dead: Option<Dead>,
@@ -106,6 +109,14 @@ impl State {
     /// Files one frame from the server where it belongs.
     pub(super) fn dispatch(&mut self, message: Message, fds: Vec<OwnedFd>) {
         match message {
+            Message::Update { lease, .. } | Message::Unpublished { lease, .. }
+                if !self.held.contains(&lease) && !self.rings.contains_key(&lease) =>
+            {
+                tracing::debug!(
+                    lease,
+                    "dropped a notice about a lease this client does not hold"
+                );
+            }
             Message::Update {
                 lease,
                 name,
@@ -167,6 +178,9 @@ impl State {
                     }
                     return;
                 };
+                if let Message::Attached { lease, .. } = &message {
+                    self.held.insert(*lease);
+                }
                 if let Message::RingAttached { lease, slots, .. } = &message {
                     self.rings.insert(
                         *lease,

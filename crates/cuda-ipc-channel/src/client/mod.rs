@@ -35,12 +35,19 @@ use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType, connec
 use serde_json::Value;
 
 use super::limits::{MAX_RING_SLOTS, validate_entry_name};
-use super::socket::{Ucred, peer_closed, peer_credentials, recv_message, send_message};
+use super::socket::{RecvLimits, Ucred, peer_closed, peer_credentials, recv_message, send_message};
 use super::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use super::{ChannelError, Side, lock, own_pid, own_uid};
 
-/// The most listing pages [`Client::list`] follows.
-const MAX_LISTING_PAGES: usize = 4096;
+/// The most listing pages [`Client::list`] follows (a page is at most
+/// about 512 KiB).
+const MAX_LISTING_PAGES: usize = 256;
+
+/// How many messages a call reads past its deadline, at most.
+const MAX_LATE_READS: usize = 64;
+
+/// The most entries [`Client::list`] collects.
+const MAX_LISTED_ENTRIES: usize = 1 << 16;
 
 mod demux;
 mod types;
@@ -142,7 +149,7 @@ impl Client {
             Some(deadline),
         );
         // Even if the hello could not be sent, the server may have said why.
-        match recv_message(&stream, Some(deadline)) {
+        match recv_message(&stream, Some(deadline), RecvLimits::CLIENT) {
             Ok((Message::Welcome { protocol, .. }, _)) => {
                 hello?;
                 if protocol != PROTOCOL_VERSION {
@@ -255,6 +262,12 @@ impl Client {
             match self.response(&p, "the listing")? {
                 (Message::Listing { entries, next, .. }, _) => {
                     all.extend(entries);
+                    if all.len() > MAX_LISTED_ENTRIES {
+                        return Err(ChannelError::protocol(format!(
+                            "the server lists more than {MAX_LISTED_ENTRIES} entries, more than \
+                             a client collects; attach by name instead"
+                        )));
+                    }
                     match next {
                         None => return Ok(all),
                         Some(n) if after.as_ref().is_some_and(|a| &n <= a) => {
@@ -371,7 +384,11 @@ impl Client {
     pub fn release(&self, lease: u64) -> Result<(), ChannelError> {
         let p = self.request(|id| Message::Release { id, lease }, None)?;
         let answer = self.response(&p, &format!("the answer to releasing lease {lease}"))?;
-        lock(&self.state).rings.remove(&lease);
+        {
+            let mut st = lock(&self.state);
+            st.rings.remove(&lease);
+            st.held.remove(&lease);
+        }
         match answer {
             (Message::Released { .. }, _) => Ok(()),
             (Message::Error { code, message, .. }, _) if code == "invalid_lease" => {
@@ -546,6 +563,9 @@ impl Client {
         let started = Instant::now();
         // Whether a read of ours found nothing more before the deadline.
         let mut drained = false;
+        // Messages read past the deadline: a few that had arrived are still
+        // taken, but a server that keeps sending cannot hold us.
+        let mut late = 0;
         let mut st = lock(&self.state);
         loop {
             if let Some(v) = take(&mut st) {
@@ -567,13 +587,16 @@ impl Client {
                     .0;
                 continue;
             }
-            if left.is_zero() && drained {
+            if left.is_zero() && (drained || late >= MAX_LATE_READS) {
                 return Err(timeout(what, started));
+            }
+            if left.is_zero() {
+                late += 1;
             }
             st.reading = true;
             drop(st);
             // Past the deadline this still takes frames that have arrived.
-            let received = recv_message(&self.stream, Some(deadline));
+            let received = recv_message(&self.stream, Some(deadline), RecvLimits::CLIENT);
             drained = matches!(received, Err(ChannelError::Timeout { .. }));
             st = self.file(received);
         }

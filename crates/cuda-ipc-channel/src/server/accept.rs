@@ -1,6 +1,5 @@
 //! Binding and accepting: the stale socket check, the accept loop, admission.
 
-use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -16,12 +15,13 @@ use rustix::net::{
 };
 use serde_json::json;
 
-use crate::socket::{peer_credentials, send_message};
+use crate::socket::{Ucred, peer_credentials, send_message};
 use crate::wire::Message;
 use crate::{ChannelError, Side, lock, refused_text};
 
-use super::conn::{Conn, OutState, Outbox};
+use super::conn::{Conn, ConnLimits, Outbox};
 use super::session::serve;
+use super::state::State;
 use super::{REFUSE_SEND_TIMEOUT, Shared, error_frame};
 
 /// Removes a socket file that nothing listens on; refuses anything else.
@@ -107,6 +107,38 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
     }
 }
 
+/// Why a new connection from `cred` cannot be served now, if it cannot:
+/// the server's, the user's or the process's connection limit.
+fn turned_away(shared: &Shared, st: &State, cred: Ucred) -> Option<String> {
+    let (uid_conns, pid_conns) = st.conns.values().fold((0, 0), |(u, p), c| {
+        (
+            u + usize::from(c.cred.uid == cred.uid),
+            p + usize::from(c.cred.pid == cred.pid),
+        )
+    });
+    if st.conns.len() >= shared.max_connections {
+        Some(format!(
+            "the server already serves {} connections, its limit; close unused clients \
+             or raise ServerConfig::max_connections",
+            shared.max_connections
+        ))
+    } else if uid_conns >= shared.max_per_uid {
+        Some(format!(
+            "user {} already has {uid_conns} connections to this server, its limit; close \
+             unused clients or raise ServerConfig::max_connections_per_uid",
+            cred.uid
+        ))
+    } else if pid_conns >= shared.max_per_pid {
+        Some(format!(
+            "process {} already has {pid_conns} connections to this server, its limit; share \
+             one Client between threads or raise ServerConfig::max_connections_per_pid",
+            cred.pid
+        ))
+    } else {
+        None
+    }
+}
+
 /// Checks a new connection's credentials and starts serving it.
 pub(super) fn admit(shared: &Arc<Shared>, stream: UnixStream) {
     let cred = match peer_credentials(&stream) {
@@ -144,22 +176,15 @@ pub(super) fn admit(shared: &Arc<Shared>, stream: UnixStream) {
         if st.closed {
             return;
         }
-        if st.conns.len() >= shared.max_connections {
+        let full = turned_away(shared, &st, cred);
+        if let Some(why) = full {
             drop(st);
             tracing::warn!(
                 pid = cred.pid,
-                max = shared.max_connections,
-                "turned away a client: too many connections"
+                uid = cred.uid,
+                "turned away a client: {why}"
             );
-            let busy = error_frame(
-                None,
-                "busy",
-                format!(
-                    "the server already serves {} connections, its limit; close unused clients \
-                     or raise ServerConfig::max_connections",
-                    shared.max_connections
-                ),
-            );
+            let busy = error_frame(None, "busy", why);
             let _ = send_message(
                 &stream,
                 &busy,
@@ -173,11 +198,13 @@ pub(super) fn admit(shared: &Arc<Shared>, stream: UnixStream) {
             id,
             stream,
             cred,
-            out: Mutex::new(Outbox {
-                queue: VecDeque::new(),
-                state: OutState::Open,
-                sending: false,
-            }),
+            limits: ConnLimits {
+                max_queued: shared.max_queued,
+                max_queued_bytes: shared.max_queued_bytes,
+                max_unread_fds: shared.max_unread_fds,
+                send_timeout: shared.send_timeout,
+            },
+            out: Mutex::new(Outbox::new()),
             out_ready: Condvar::new(),
         });
         st.conns.insert(id, Arc::clone(&conn));

@@ -40,7 +40,8 @@ use rustix::net::{
 use serde_json::Value;
 
 use super::limits::{MAX_META_BYTES, MAX_RING_SLOTS, validate_entry_name};
-use super::wire::{EntryKind, MAX_FDS, Message};
+use super::socket::RecvLimits;
+use super::wire::{EntryKind, MAX_FDS, MAX_PAYLOAD, Message};
 use super::{ChannelError, lock, own_pid, own_uid};
 
 /// A listing page stops growing at about this many bytes.
@@ -87,6 +88,29 @@ pub struct ServerConfig {
     /// stuck; default 4096. Must exceed the slot count of every ring, since
     /// a new subscriber is sent one frame per slot at once.
     pub max_queued_frames: usize,
+    /// The most bytes of replies and notices queued for one client before
+    /// it is disconnected as stuck; default 16 MiB. (A client that does not
+    /// read stops being served new requests long before: its requests wait
+    /// while 64 KiB of answers wait for it.)
+    pub max_queued_bytes: usize,
+    /// The most descriptors sent to one client that it has not received
+    /// yet; default 32, at least [`MAX_FDS`]. Descriptors in flight count
+    /// against the sending user's open-file limit in the kernel, so this
+    /// is what keeps a client that does not read from exhausting it.
+    pub max_unread_fds: usize,
+    /// The most connections of one user id at once; default 128.
+    pub max_connections_per_uid: usize,
+    /// The most connections of one process at once; default 64.
+    pub max_connections_per_pid: usize,
+    /// A connection that holds no lease and sends nothing for this long is
+    /// closed; default 2 minutes.
+    pub idle_timeout: Duration,
+    /// The most leases (entry leases and ring subscriptions) one connection
+    /// may hold; default 4096.
+    pub max_leases_per_connection: usize,
+    /// The longest request payload accepted, in bytes; default 4 KiB (the
+    /// longest valid request, an attach with a 256-byte name, is about 300).
+    pub max_request_bytes: u32,
 }
 
 impl ServerConfig {
@@ -99,7 +123,65 @@ impl ServerConfig {
             send_timeout: Duration::from_secs(5),
             max_connections: 256,
             max_queued_frames: 4096,
+            max_queued_bytes: 16 << 20,
+            max_unread_fds: 2 * MAX_FDS,
+            max_connections_per_uid: 128,
+            max_connections_per_pid: 64,
+            idle_timeout: Duration::from_secs(120),
+            max_leases_per_connection: 4096,
+            max_request_bytes: 4096,
         }
+    }
+
+    /// Sets the most bytes queued for one client before it is disconnected.
+    #[must_use]
+    pub fn with_max_queued_bytes(mut self, n: usize) -> Self {
+        self.max_queued_bytes = n;
+        self
+    }
+
+    /// Sets the most descriptors in flight to one client (at least
+    /// [`MAX_FDS`] is used).
+    #[must_use]
+    pub fn with_max_unread_fds(mut self, n: usize) -> Self {
+        self.max_unread_fds = n;
+        self
+    }
+
+    /// Sets the most connections of one user id.
+    #[must_use]
+    pub fn with_max_connections_per_uid(mut self, n: usize) -> Self {
+        self.max_connections_per_uid = n;
+        self
+    }
+
+    /// Sets the most connections of one process.
+    #[must_use]
+    pub fn with_max_connections_per_pid(mut self, n: usize) -> Self {
+        self.max_connections_per_pid = n;
+        self
+    }
+
+    /// Sets how long a connection without leases may stay silent.
+    #[must_use]
+    pub fn with_idle_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_timeout = timeout;
+        self
+    }
+
+    /// Sets the most leases one connection may hold.
+    #[must_use]
+    pub fn with_max_leases_per_connection(mut self, n: usize) -> Self {
+        self.max_leases_per_connection = n;
+        self
+    }
+
+    /// Sets the longest request payload accepted (at most
+    /// [`MAX_PAYLOAD`](crate::MAX_PAYLOAD)).
+    #[must_use]
+    pub fn with_max_request_bytes(mut self, n: u32) -> Self {
+        self.max_request_bytes = n;
+        self
     }
 
     /// Sets the user ids allowed to connect (replacing the default, ours).
@@ -234,6 +316,13 @@ struct Shared {
     send_timeout: Duration,
     max_connections: usize,
     max_queued: usize,
+    max_queued_bytes: usize,
+    max_unread_fds: usize,
+    max_per_uid: usize,
+    max_per_pid: usize,
+    idle_timeout: Duration,
+    max_leases: usize,
+    recv_limits: RecvLimits,
     pid: u32,
     state: Mutex<State>,
     /// Signalled whenever a lease ends, a slot is acked, or an entry is
@@ -366,6 +455,16 @@ impl Server {
             send_timeout: config.send_timeout,
             max_connections: config.max_connections,
             max_queued: config.max_queued_frames,
+            max_queued_bytes: config.max_queued_bytes,
+            max_unread_fds: config.max_unread_fds.max(MAX_FDS),
+            max_per_uid: config.max_connections_per_uid,
+            max_per_pid: config.max_connections_per_pid,
+            idle_timeout: config.idle_timeout,
+            max_leases: config.max_leases_per_connection,
+            recv_limits: RecvLimits {
+                max_payload: config.max_request_bytes.min(MAX_PAYLOAD),
+                strict_deadline: false,
+            },
             pid: own_pid(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),

@@ -13,14 +13,14 @@ use crate::{ChannelError, lock};
 use super::conn::Conn;
 use super::state::{Body, Lease, SlotState};
 use super::{LISTING_PAGE_BYTES, RESPONSE_WINDOW, Shared, error_frame};
+use crate::limits::{MAX_ENTRY_NAME_LEN, validate_entry_name};
 
 /// A connection's reader thread: runs the session, then cleans up.
 pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
     let writer_conn = Arc::clone(conn);
-    let send_timeout = shared.send_timeout;
     let writer = match std::thread::Builder::new()
         .name(format!("cuda-ipc-send-{}", conn.id))
-        .spawn(move || writer_conn.write_loop(send_timeout))
+        .spawn(move || writer_conn.write_loop())
     {
         Ok(w) => w,
         Err(e) => {
@@ -44,7 +44,7 @@ pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
 /// send before closing.
 pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     let deadline = Instant::now() + shared.handshake_timeout;
-    match recv_message(&conn.stream, Some(deadline)) {
+    match recv_message(&conn.stream, Some(deadline), shared.recv_limits) {
         Ok((Message::Hello { protocol, .. }, fds)) if fds.is_empty() => {
             if protocol != PROTOCOL_VERSION {
                 return Err(error_frame(
@@ -82,7 +82,10 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     }
     loop {
         conn.wait_for_room(RESPONSE_WINDOW);
-        match recv_message(&conn.stream, None) {
+        // A connection that holds nothing may stay silent only so long.
+        let idle = lock(&shared.state).leases_of(conn.id) == 0;
+        let deadline = idle.then(|| Instant::now() + shared.idle_timeout);
+        match recv_message(&conn.stream, deadline, shared.recv_limits) {
             Ok((message, fds)) => {
                 if !fds.is_empty() {
                     return Err(fatal(
@@ -96,6 +99,18 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
                     ));
                 }
                 shared.handle(conn, message)?;
+            }
+            Err(ChannelError::Timeout { .. }) if idle => {
+                tracing::debug!(pid = conn.cred.pid, "closing an idle channel connection");
+                return Err(error_frame(
+                    None,
+                    "idle",
+                    format!(
+                        "closing this connection: it held no lease and sent nothing for {:?} \
+                         (ServerConfig::idle_timeout); reconnect when needed",
+                        shared.idle_timeout
+                    ),
+                ));
             }
             Err(e) => return end_of_session(conn, &e),
         }
@@ -140,12 +155,7 @@ impl Shared {
     pub(super) fn disconnect(&self, conn: u64) {
         let mut st = lock(&self.state);
         st.conns.remove(&conn);
-        let leases: Vec<u64> = st
-            .leases
-            .iter()
-            .filter(|(_, l)| l.conn == conn)
-            .map(|(id, _)| *id)
-            .collect();
+        let leases = st.by_conn.remove(&conn).unwrap_or_default();
         for lease in leases {
             st.end_lease(lease);
         }
@@ -160,6 +170,15 @@ impl Shared {
         };
         match message {
             Message::Ping { id } => reply(Message::Pong { id }),
+            Message::Attach { id, name } | Message::AttachRing { id, name }
+                if validate_entry_name(&name).is_err() =>
+            {
+                reply(invalid_name(id, &name));
+            }
+            Message::List {
+                id,
+                after: Some(after),
+            } if after.len() > MAX_ENTRY_NAME_LEN => reply(invalid_name(id, &after)),
             Message::List { id, after } => reply(self.listing(id, after.as_deref())),
             Message::Attach { id, name } => self.attach(conn, id, &name),
             Message::AttachRing { id, name } => self.attach_ring(conn, id, &name),
@@ -229,6 +248,22 @@ impl Shared {
     pub(super) fn attach(&self, conn: &Conn, id: u64, name: &str) {
         let mut st = lock(&self.state);
         let st = &mut *st;
+        if st.leases_of(conn.id) >= self.max_leases {
+            conn.push(
+                error_frame(
+                    Some(id),
+                    "too_many_leases",
+                    format!(
+                        "this connection already holds {} leases, the server's limit; release \
+                         leases you no longer use (ServerConfig::max_leases_per_connection)",
+                        self.max_leases
+                    ),
+                ),
+                Vec::new(),
+                self.max_queued,
+            );
+            return;
+        }
         let Some(&eid) = st.names.get(name) else {
             reply_not_found(conn, id, name, self.max_queued);
             return;
@@ -266,6 +301,7 @@ impl Shared {
         };
         entry.leases.insert(lease);
         let meta = entry.meta.clone();
+        st.by_conn.entry(conn.id).or_default().insert(lease);
         st.leases.insert(
             lease,
             Lease {
@@ -292,6 +328,22 @@ impl Shared {
     pub(super) fn attach_ring(&self, conn: &Conn, id: u64, name: &str) {
         let mut st = lock(&self.state);
         let st = &mut *st;
+        if st.leases_of(conn.id) >= self.max_leases {
+            conn.push(
+                error_frame(
+                    Some(id),
+                    "too_many_leases",
+                    format!(
+                        "this connection already holds {} leases, the server's limit; release \
+                         leases you no longer use (ServerConfig::max_leases_per_connection)",
+                        self.max_leases
+                    ),
+                ),
+                Vec::new(),
+                self.max_queued,
+            );
+            return;
+        }
         let Some(&eid) = st.names.get(name) else {
             reply_not_found(conn, id, name, self.max_queued);
             return;
@@ -331,6 +383,7 @@ impl Shared {
             st.last_id
         };
         entry.leases.insert(lease);
+        st.by_conn.entry(conn.id).or_default().insert(lease);
         st.leases.insert(
             lease,
             Lease {
@@ -402,12 +455,35 @@ impl Shared {
     }
 }
 
+/// A name as an error message shows it: at most 64 characters, then how
+/// long it really was, so that an answer never grows with the request.
+pub(super) fn shown(name: &str) -> String {
+    const SHOWN: usize = 64;
+    match name.char_indices().nth(SHOWN) {
+        None => format!("{name:?}"),
+        Some((cut, _)) => format!("{:?}... ({} bytes)", &name[..cut], name.len()),
+    }
+}
+
+/// The answer to a request that names no valid entry.
+pub(super) fn invalid_name(id: u64, name: &str) -> Message {
+    let why = match validate_entry_name(name) {
+        Err(ChannelError::InvalidName { reason, .. }) => reason,
+        _ => format!("a name has at most {MAX_ENTRY_NAME_LEN} bytes"),
+    };
+    error_frame(
+        Some(id),
+        "invalid_name",
+        format!("invalid name {}: {why}", shown(name)),
+    )
+}
+
 pub(super) fn reply_not_found(conn: &Conn, id: u64, name: &str, max_queued: usize) {
     conn.push(
         error_frame(
             Some(id),
             "not_found",
-            format!("no entry named {name:?} is published"),
+            format!("no entry named {} is published", shown(name)),
         ),
         Vec::new(),
         max_queued,

@@ -81,10 +81,18 @@ pub(super) struct State {
     /// Every live entry, published or waiting for its last lease.
     pub(super) entries: HashMap<u64, Entry>,
     pub(super) leases: HashMap<u64, Lease>,
+    /// Each connection's leases, so that ending a connection touches only
+    /// its own.
+    pub(super) by_conn: HashMap<u64, BTreeSet<u64>>,
     pub(super) conns: HashMap<u64, Arc<Conn>>,
 }
 
 impl State {
+    /// How many leases connection `conn` holds.
+    pub(super) fn leases_of(&self, conn: u64) -> usize {
+        self.by_conn.get(&conn).map_or(0, BTreeSet::len)
+    }
+
     pub(super) fn new_id(&mut self) -> u64 {
         self.last_id += 1;
         self.last_id
@@ -94,6 +102,9 @@ impl State {
     /// unpublished entry. The caller notifies waiters.
     pub(super) fn end_lease(&mut self, lease: u64) -> Option<Lease> {
         let l = self.leases.remove(&lease)?;
+        if let Some(held) = self.by_conn.get_mut(&l.conn) {
+            held.remove(&lease);
+        }
         let mut drop_entry = false;
         if let Some(e) = self.entries.get_mut(&l.entry) {
             e.leases.remove(&lease);

@@ -43,7 +43,12 @@ fn frames_carry_fds_over_a_socket_pair() {
     };
     send_message(&a, &m, &[fd.as_fd(), fd.as_fd()], None).unwrap();
     drop(fd);
-    let (got, fds) = recv_message(&b, Some(Instant::now() + Duration::from_secs(5))).unwrap();
+    let (got, fds) = recv_message(
+        &b,
+        Some(Instant::now() + Duration::from_secs(5)),
+        RecvLimits::ANY,
+    )
+    .unwrap();
     assert_eq!(got, m);
     assert_eq!(fds.len(), 2);
     assert_eq!(read_fd(&fds[1], 4096), bytes);
@@ -65,10 +70,10 @@ fn frames_carry_fds_over_a_socket_pair() {
         send_message(&a, &Message::Pong { id: i }, &[], None).unwrap();
     }
     for i in 0..50u64 {
-        let (m, fds) = recv_message(&b, None).unwrap();
+        let (m, fds) = recv_message(&b, None, RecvLimits::ANY).unwrap();
         assert!(matches!(m, Message::RingSlot { id, .. } if id == i));
         assert_eq!(read_fd(&fds[0], 8), vec![i as u8; 8]);
-        let (m, fds) = recv_message(&b, None).unwrap();
+        let (m, fds) = recv_message(&b, None, RecvLimits::ANY).unwrap();
         assert_eq!(m, Message::Pong { id: i });
         assert!(fds.is_empty());
     }
@@ -86,12 +91,20 @@ fn send_frame_checks_the_fd_count() {
 fn recv_frame_times_out_and_stays_in_step() {
     let (a, b) = UnixStream::pair().unwrap();
     let started = Instant::now();
-    let e = recv_message(&b, Some(Instant::now() + Duration::from_millis(50))).unwrap_err();
+    let e = recv_message(
+        &b,
+        Some(Instant::now() + Duration::from_millis(50)),
+        RecvLimits::ANY,
+    )
+    .unwrap_err();
     assert!(matches!(e, ChannelError::Timeout { .. }), "{e}");
     assert_eq!(e.kind(), ErrorKind::Timeout);
     assert!(started.elapsed() < Duration::from_secs(2));
     send_message(&a, &Message::Ping { id: 3 }, &[], None).unwrap();
-    assert_eq!(recv_message(&b, None).unwrap().0, Message::Ping { id: 3 });
+    assert_eq!(
+        recv_message(&b, None, RecvLimits::ANY).unwrap().0,
+        Message::Ping { id: 3 }
+    );
 }
 
 #[test]
@@ -100,7 +113,7 @@ fn recv_frame_reports_eof_and_truncation() {
     let (a, b) = UnixStream::pair().unwrap();
     drop(a);
     assert!(matches!(
-        recv_message(&b, None),
+        recv_message(&b, None, RecvLimits::ANY),
         Err(ChannelError::PeerGone)
     ));
 
@@ -110,7 +123,7 @@ fn recv_frame_reports_eof_and_truncation() {
         .unwrap();
     drop(a);
     assert!(matches!(
-        recv_message(&b, None),
+        recv_message(&b, None, RecvLimits::ANY),
         Err(ChannelError::Wire(WireError::Truncated {
             what: "frame header",
             expected: 16,
@@ -123,7 +136,7 @@ fn recv_frame_reports_eof_and_truncation() {
     a.write_all(b"{\"ty").unwrap();
     drop(a);
     assert!(matches!(
-        recv_message(&b, None),
+        recv_message(&b, None, RecvLimits::ANY),
         Err(ChannelError::Wire(WireError::Truncated {
             what: "payload",
             expected: 10,
@@ -163,7 +176,7 @@ fn recv_frame_rejects_fd_mismatches() {
     let (a, b) = UnixStream::pair().unwrap();
     send_bytes(&a, &frame(1), &[], None).unwrap();
     assert!(matches!(
-        recv_message(&b, None),
+        recv_message(&b, None, RecvLimits::ANY),
         Err(ChannelError::Wire(WireError::FdCountMismatch {
             expected: 1,
             received: 0
@@ -174,7 +187,7 @@ fn recv_frame_rejects_fd_mismatches() {
     let (a, b) = UnixStream::pair().unwrap();
     send_bytes(&a, &frame(0), &[fd.as_fd()], None).unwrap();
     assert!(matches!(
-        recv_message(&b, None),
+        recv_message(&b, None, RecvLimits::ANY),
         Err(ChannelError::Wire(WireError::FdCountMismatch {
             expected: 0,
             received: 1
@@ -184,14 +197,14 @@ fn recv_frame_rejects_fd_mismatches() {
     // The header and the frame agree, but a ping carries no descriptors.
     let (a, b) = UnixStream::pair().unwrap();
     send_bytes(&a, &frame(1), &[fd.as_fd()], None).unwrap();
-    let e = recv_message(&b, None).unwrap_err();
+    let e = recv_message(&b, None, RecvLimits::ANY).unwrap_err();
     assert!(matches!(e, ChannelError::Protocol { .. }), "{e}");
 
     // More descriptors than the receive buffer holds: MSG_CTRUNC.
     let (a, b) = UnixStream::pair().unwrap();
     let many: Vec<BorrowedFd<'_>> = (0..20).map(|_| fd.as_fd()).collect();
     sendmsg_raw(&a, &frame(16), &many);
-    let e = recv_message(&b, None).unwrap_err();
+    let e = recv_message(&b, None, RecvLimits::ANY).unwrap_err();
     assert!(
         matches!(e, ChannelError::Wire(WireError::FdsTruncated { max: 16 })),
         "{e}"

@@ -22,11 +22,14 @@ mod support;
 
 mod entries;
 mod errors_and_paths;
+mod hostile;
 mod peers;
 mod processes;
 mod rings;
 
-use support::wire::{MAGIC, json_frame, raw_connect, recv_message, send_bytes};
+use support::wire::{
+    MAGIC, encode, json_frame, raw_connect, recv_message, send_bytes, send_message,
+};
 use support::{ChildProc, memfd_with, pattern, read_fd, test_command};
 
 use cuda_ipc_channel::ChannelErrorKind as ErrorKind;
