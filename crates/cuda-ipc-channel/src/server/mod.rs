@@ -106,7 +106,7 @@ pub struct ServerConfig {
     /// closed; default 2 minutes.
     pub idle_timeout: Duration,
     /// The most leases (entry leases and ring subscriptions) one connection
-    /// may hold; default 4096.
+    /// may hold; default 1024.
     pub max_leases_per_connection: usize,
     /// The longest request payload accepted, in bytes; default 4 KiB (the
     /// longest valid request, an attach with a 256-byte name, is about 300).
@@ -128,7 +128,7 @@ impl ServerConfig {
             max_connections_per_uid: 128,
             max_connections_per_pid: 64,
             idle_timeout: Duration::from_secs(120),
-            max_leases_per_connection: 4096,
+            max_leases_per_connection: 1024,
             max_request_bytes: 4096,
         }
     }
