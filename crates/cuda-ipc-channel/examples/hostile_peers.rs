@@ -41,7 +41,10 @@ const ATTACKS: &[(&str, &str)] = &[
     ("big-request", "announces a 1 MiB request and sends it"),
     ("idle", "says hello, then nothing"),
     ("half-written", "sends 10 bytes of a header, then nothing"),
-    ("leases", "takes leases up to its limit (reading every answer)"),
+    (
+        "leases",
+        "takes leases up to its limit (reading every answer)",
+    ),
 ];
 
 fn main() {
