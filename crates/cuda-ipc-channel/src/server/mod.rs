@@ -94,9 +94,13 @@ pub struct ServerConfig {
     /// while 64 KiB of answers wait for it.)
     pub max_queued_bytes: usize,
     /// The most descriptors sent to one client that it has not received
-    /// yet; default 32, at least [`MAX_FDS`]. Descriptors in flight count
-    /// against the sending user's open-file limit in the kernel, so this
-    /// is what keeps a client that does not read from exhausting it.
+    /// yet; default and minimum [`MAX_FDS`] (one answer's worth).
+    /// Descriptors in flight count against the sending user's open-file
+    /// limit (`RLIMIT_NOFILE`) in the kernel, so this is what keeps clients
+    /// that do not read from exhausting it: at most this many per
+    /// connection, times [`max_connections_per_uid`](Self::max_connections_per_uid)
+    /// for one hostile user. Keep the server's soft limit (`ulimit -n`)
+    /// above that product.
     pub max_unread_fds: usize,
     /// The most connections of one user id at once; default 128.
     pub max_connections_per_uid: usize,
@@ -124,7 +128,7 @@ impl ServerConfig {
             max_connections: 256,
             max_queued_frames: 4096,
             max_queued_bytes: 16 << 20,
-            max_unread_fds: 2 * MAX_FDS,
+            max_unread_fds: MAX_FDS,
             max_connections_per_uid: 128,
             max_connections_per_pid: 64,
             idle_timeout: Duration::from_secs(120),
