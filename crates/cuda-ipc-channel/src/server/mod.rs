@@ -107,7 +107,11 @@ pub struct ServerConfig {
     /// The most connections of one process at once; default 64.
     pub max_connections_per_pid: usize,
     /// A connection that holds no lease and sends nothing for this long is
-    /// closed; default 2 minutes.
+    /// closed; default 15 minutes (long enough for a consumer that connects
+    /// early and attaches once its producer is ready, or between the
+    /// sections of a long benchmark). It frees what abandoned connections
+    /// hold; the per-uid and per-pid limits are what keep idle connections
+    /// from locking others out.
     pub idle_timeout: Duration,
     /// The most leases (entry leases and ring subscriptions) one connection
     /// may hold; default 1024.
@@ -131,7 +135,7 @@ impl ServerConfig {
             max_unread_fds: MAX_FDS,
             max_connections_per_uid: 128,
             max_connections_per_pid: 64,
-            idle_timeout: Duration::from_secs(120),
+            idle_timeout: Duration::from_secs(15 * 60),
             max_leases_per_connection: 1024,
             max_request_bytes: 4096,
         }
