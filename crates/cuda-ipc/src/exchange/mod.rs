@@ -45,9 +45,11 @@
 //! next call fails within a second with [`ChannelError::PeerGone`](crate::channel::ChannelError::PeerGone);
 //! [`Subscriber::is_alive`] polls for it.
 
+mod budget;
 mod lease;
 mod publisher;
 mod ring;
+mod set;
 mod subscriber;
 mod wire;
 
@@ -57,8 +59,10 @@ use std::sync::{Mutex, MutexGuard};
 use crate::channel;
 use crate::error::Result;
 
+pub use budget::MappingBudget;
 pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber};
+pub use set::{SET_PART_BYTES, SetAttachment, Sharing, chunk_entry_name};
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -17,7 +17,9 @@ use crate::handle::IpcEventHandle;
 use crate::memory::DeviceMemory;
 use crate::share;
 
+use super::budget::MappingBudget;
 use super::lease::{LeaseGuard, Pending};
+use super::set::ChunkCache;
 use super::wire::EntryMeta;
 use super::{Endpoint, lock};
 
@@ -30,6 +32,8 @@ pub struct SubscriberConfig {
     pub timeout: Duration,
     /// User ids the publisher may run as besides our own.
     pub allow_uids: Vec<u32>,
+    /// How many idle chunk mappings the subscriber keeps for reuse.
+    pub mapping_budget: MappingBudget,
 }
 
 impl Default for SubscriberConfig {
@@ -37,6 +41,7 @@ impl Default for SubscriberConfig {
         SubscriberConfig {
             timeout: Duration::from_secs(5),
             allow_uids: Vec::new(),
+            mapping_budget: MappingBudget::default(),
         }
     }
 }
@@ -55,6 +60,15 @@ impl SubscriberConfig {
         self.allow_uids.extend(uids);
         self
     }
+
+    /// Keeps at most `bytes` bytes (`None`: no limit) and `count` (`None`:
+    /// no limit) of cached chunk mappings, evicting the least recently used
+    /// of those that no lease holds.
+    #[must_use]
+    pub fn with_mapping_budget(mut self, bytes: Option<u64>, count: Option<usize>) -> Self {
+        self.mapping_budget = MappingBudget::new(bytes, count);
+        self
+    }
 }
 
 /// Cache key of a mapping: the exporter and its allocation's generation
@@ -69,6 +83,7 @@ pub struct Subscriber {
     events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
     pub(super) pending: Arc<Pending>,
     opens: std::sync::atomic::AtomicU64,
+    pub(super) chunks: Mutex<ChunkCache>,
 }
 
 impl std::fmt::Debug for Subscriber {
@@ -92,6 +107,24 @@ pub struct Attachment<T> {
 }
 
 impl<T: Pod> Attachment<T> {
+    pub(super) fn from_parts(
+        lease: u64,
+        name: String,
+        guard: Arc<LeaseGuard>,
+        buffer: MappedBuffer<T>,
+        event: Arc<IpcEvent>,
+        descriptor: Descriptor,
+    ) -> Self {
+        Attachment {
+            lease,
+            name,
+            guard,
+            buffer,
+            event,
+            descriptor,
+        }
+    }
+
     /// The mapped buffer; its stream waits on the publisher's event.
     pub fn buffer(&self) -> &MappedBuffer<T> {
         &self.buffer
@@ -128,6 +161,7 @@ impl Subscriber {
             events: Mutex::new(HashMap::new()),
             pending: Arc::new(Mutex::new(HashMap::new())),
             opens: std::sync::atomic::AtomicU64::new(0),
+            chunks: Mutex::new(ChunkCache::new(config.mapping_budget)),
         })
     }
 
@@ -144,6 +178,11 @@ impl Subscriber {
     /// How many mappings this subscriber has opened (cache misses).
     pub fn opens(&self) -> u64 {
         self.opens.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(super) fn count_open(&self) {
+        self.opens
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub(super) fn event(&self, handle: IpcEventHandle) -> Result<Arc<IpcEvent>> {
@@ -202,6 +241,9 @@ impl Subscriber {
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn attach<T: Pod>(&self, name: &str) -> Result<Attachment<T>> {
         let a = self.client.attach(name)?;
+        if super::set::is_set_meta(&a.meta) {
+            return self.attach_arena_buffer(a);
+        }
         match self.open_descriptor::<T>(&a.meta, a.fds) {
             Ok((descriptor, buffer, event)) => {
                 let guard = LeaseGuard::new(
