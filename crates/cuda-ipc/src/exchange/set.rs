@@ -884,3 +884,7 @@ impl Subscriber {
         lock(&self.chunks).usage()
     }
 }
+
+#[cfg(test)]
+#[path = "set_tests.rs"]
+mod tests;
