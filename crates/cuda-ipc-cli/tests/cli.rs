@@ -735,7 +735,7 @@ fn set_mode_with_good_arguments_gets_as_far_as_the_driver() {
             "--size",
             "12",
             "--socket",
-            "/nonexistent-dir/x.sock",
+            "set-mode-args-test",
         ][..],
         &["demo", "--set", "1000", "--size", "64MiB"][..],
     ] {
