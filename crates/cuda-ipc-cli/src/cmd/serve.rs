@@ -327,6 +327,12 @@ fn list(path: &Path, allow_uids: &[u32]) -> Result<Outcome, Error> {
     config.allowed_server_uids.extend_from_slice(allow_uids);
     let client = Client::connect(path, config)?;
     for entry in client.list()? {
+        if entry
+            .name
+            .starts_with(cuda_ipc::exchange::HIDDEN_ENTRY_PREFIX)
+        {
+            continue; // an arena chunk or a part of a set record
+        }
         outln!("{}", entry.name)?;
     }
     Ok(Outcome::Ok)

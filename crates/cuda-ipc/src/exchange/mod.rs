@@ -62,7 +62,7 @@ use crate::error::Result;
 pub use budget::MappingBudget;
 pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber};
-pub use set::{SET_PART_BYTES, SetAttachment, Sharing, chunk_entry_name};
+pub use set::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, SetAttachment, Sharing, chunk_entry_name};
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -104,9 +104,12 @@ pub const SET_PART_BYTES: usize = 96 * 1024;
 /// The key of a set entry's metadata that lists the parts of its record.
 const PARTS_KEY: &str = "cuda_ipc_set_parts";
 
+/// The prefix of the hidden entries a publisher makes for its arena.
+pub const HIDDEN_ENTRY_PREFIX: &str = ".cuda-ipc/";
+
 /// The hidden entry that carries a chunk's descriptor and descriptors.
 pub fn chunk_entry_name(id: ChunkId) -> String {
-    format!(".cuda-ipc/chunk/{}/{}", id.arena, id.index)
+    format!("{HIDDEN_ENTRY_PREFIX}chunk/{}/{}", id.arena, id.index)
 }
 
 /// Whether an entry's metadata is a set record (or the parts of one).
@@ -216,7 +219,11 @@ where
             self.parts += 1;
             let pieces = split_utf8(&text, SET_PART_BYTES);
             for (i, piece) in pieces.iter().enumerate() {
-                let part = format!(".cuda-ipc/set-part/{}/{}/{i}", arena.id(), self.parts);
+                let part = format!(
+                    "{HIDDEN_ENTRY_PREFIX}set-part/{}/{}/{i}",
+                    arena.id(),
+                    self.parts
+                );
                 if let Err(e) = server.publish(&part, json!({ "text": piece }), Vec::new()) {
                     for p in &parts {
                         let _ = server.unpublish(p);

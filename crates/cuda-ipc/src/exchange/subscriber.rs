@@ -165,9 +165,16 @@ impl Subscriber {
         })
     }
 
-    /// The names published now.
+    /// The names published now (not the hidden entries of arena chunks
+    /// and set record parts, which start with `.cuda-ipc/`).
     pub fn list(&self) -> Result<Vec<String>> {
-        Ok(self.client.list()?.into_iter().map(|e| e.name).collect())
+        Ok(self
+            .client
+            .list()?
+            .into_iter()
+            .map(|e| e.name)
+            .filter(|n| !n.starts_with(super::set::HIDDEN_ENTRY_PREFIX))
+            .collect())
     }
 
     /// Whether the publisher is still there (does not block).
