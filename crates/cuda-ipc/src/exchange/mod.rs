@@ -22,6 +22,11 @@
 //! # Ok::<(), cuda_ipc::Error>(())
 //! ```
 //!
+//! Many buffers (a model's weights) travel as one **set** from the
+//! publisher's arena: [`Publisher::publish_set`], [`Subscriber::attach_set`],
+//! [`Publisher::update_set`], [`Subscriber::release_set`]; see the `set`
+//! module's notes on [`SetAttachment`] for chunks, parts and lifetimes.
+//!
 //! # Synchronisation
 //! The publisher records one interprocess event after the writes queued on
 //! a buffer's stream at every [`Publisher::publish`] and
