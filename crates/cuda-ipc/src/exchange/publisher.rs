@@ -173,6 +173,12 @@ impl Publisher {
     /// released. Returns the buffer, which no other process uses any more.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn unpublish(&self, name: &str, timeout: Option<Duration>) -> Result<Arc<SharedBuffer>> {
+        if self.is_arena_entry(name) {
+            return Err(Error::arg(
+                "unpublish",
+                format!("{name:?} was published from the arena; use Publisher::unpublish_set"),
+            ));
+        }
         self.server.unpublish(name)?;
         self.server.wait_released(name, timeout)?;
         let entry = lock(&self.entries)

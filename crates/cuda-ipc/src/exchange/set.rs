@@ -1,29 +1,4 @@
-//! Publishing from an arena, and sets: many buffers handed off as one entry.
-//!
-//! A [`Publisher`] that shares through an arena ([`Sharing::Arena`], the
-//! default) publishes each chunk of its arena **once**, as a hidden channel
-//! entry carrying the chunk's descriptor and file descriptors (exported once
-//! when the chunk was made). A buffer or a set is then an entry whose
-//! metadata is a [set record](crate::set): names, types, shapes and
-//! (chunk, offset, length) views, and no file descriptor. A subscriber
-//! attaches a chunk's hidden entry only the first time it maps that chunk,
-//! and keeps the mapping (and that lease, which tells the publisher the
-//! chunk is mapped) in its cache until the [`MappingBudget`] evicts it. So a
-//! hand-off from an arena is one event record and one message; a chunk's
-//! file descriptors travel once per subscriber, in a frame of their own (at
-//! most 16 per frame, one chunk per frame).
-//!
-//! A set record larger than [`SET_PART_BYTES`] travels in several parts,
-//! hidden entries of its own, one message each (a set of 10,000 buffers
-//! takes a few).
-//!
-//! **Lifetimes.** A published buffer or set holds an [`ArenaLease`] on each
-//! of its buffers while it is published and, after it is unpublished, until
-//! the last consumer's lease on it has ended (released, or closed with the
-//! consumer's connection when it exits or is killed); only then can its
-//! ranges go back to the arena, and only if the producer has dropped its
-//! [`ArenaBuffer`](crate::arena::ArenaBuffer)s too. The publisher checks
-//! for ended leases at each of its arena calls and at [`Publisher::reap`].
+//! Publishing from an arena, and sets (documented in the parent module).
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;

@@ -77,13 +77,15 @@ type CacheKey = (u32, u64);
 
 /// Connects to a [`Publisher`](super::Publisher) and maps what it publishes.
 pub struct Subscriber {
+    /// Cached chunk mappings, unmapped before the connection (and with it
+    /// the chunk leases) closes: fields drop in declaration order.
+    pub(super) chunks: Mutex<ChunkCache>,
     pub(super) device: Device,
     pub(super) client: Arc<Client>,
     cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
     events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
     pub(super) pending: Arc<Pending>,
     opens: std::sync::atomic::AtomicU64,
-    pub(super) chunks: Mutex<ChunkCache>,
 }
 
 impl std::fmt::Debug for Subscriber {
