@@ -76,6 +76,10 @@ impl Sharing {
 /// Set records longer than this (bytes of JSON) travel in parts.
 pub const SET_PART_BYTES: usize = 96 * 1024;
 
+/// The most parts a set record travels in (96 MiB of JSON, far more than
+/// the most entries a record holds take).
+const MAX_PARTS: usize = 1024;
+
 /// The key of a set entry's metadata that lists the parts of its record.
 const PARTS_KEY: &str = "cuda_ipc_set_parts";
 
@@ -484,6 +488,54 @@ impl Publisher {
     }
 }
 
+/// Reads a set entry's record (from its parts when it came in parts).
+fn read_record(client: &channel::Client, meta: &Value) -> Result<SetRecord> {
+    let Some(parts) = meta.get(PARTS_KEY) else {
+        return SetRecord::from_value(meta);
+    };
+    let parts = parts.as_array().ok_or_else(|| Error::Descriptor {
+        field: PARTS_KEY.into(),
+        reason: "expected an array of entry names".into(),
+    })?;
+    if parts.len() > MAX_PARTS {
+        return Err(Error::Descriptor {
+            field: PARTS_KEY.into(),
+            reason: format!(
+                "{} parts is more than the {MAX_PARTS} a set record takes",
+                parts.len()
+            ),
+        });
+    }
+    let mut text = String::new();
+    for p in parts {
+        let name = p.as_str().ok_or_else(|| Error::Descriptor {
+            field: PARTS_KEY.into(),
+            reason: format!("expected an entry name, found {p}"),
+        })?;
+        let a = client.attach(name)?;
+        let _ = client.release(a.lease);
+        let piece =
+            a.meta
+                .get("text")
+                .and_then(Value::as_str)
+                .ok_or_else(|| Error::Descriptor {
+                    field: format!("{name}.text"),
+                    reason: "a set record part carries its text".into(),
+                })?;
+        text.push_str(piece);
+        if text.len() > MAX_PARTS * SET_PART_BYTES {
+            return Err(Error::Descriptor {
+                field: PARTS_KEY.into(),
+                reason: format!(
+                    "the parts pass the {} bytes a set record takes",
+                    MAX_PARTS * SET_PART_BYTES
+                ),
+            });
+        }
+    }
+    SetRecord::from_json(&text)
+}
+
 /// A chunk mapping in the subscriber's cache, with the lease on the chunk's
 /// hidden entry that tells the publisher it is mapped.
 pub(super) struct CachedChunk {
@@ -666,41 +718,11 @@ impl Subscriber {
         }
     }
 
-    /// Reads a set entry's record (from its parts when it came in parts).
-    fn set_record(&self, meta: &Value) -> Result<SetRecord> {
-        let Some(parts) = meta.get(PARTS_KEY) else {
-            return SetRecord::from_value(meta);
-        };
-        let parts = parts.as_array().ok_or_else(|| Error::Descriptor {
-            field: PARTS_KEY.into(),
-            reason: "expected an array of entry names".into(),
-        })?;
-        let mut text = String::new();
-        for p in parts {
-            let name = p.as_str().ok_or_else(|| Error::Descriptor {
-                field: PARTS_KEY.into(),
-                reason: format!("expected an entry name, found {p}"),
-            })?;
-            let a = self.client.attach(name)?;
-            let _ = self.client.release(a.lease);
-            let piece =
-                a.meta
-                    .get("text")
-                    .and_then(Value::as_str)
-                    .ok_or_else(|| Error::Descriptor {
-                        field: format!("{name}.text"),
-                        reason: "a set record part carries its text".into(),
-                    })?;
-            text.push_str(piece);
-        }
-        SetRecord::from_json(&text)
-    }
-
     /// Opens an attached set entry: its record, every chunk (mapped once),
     /// the lease guard, the event waited on.
     fn open_set(&self, a: channel::Attachment) -> Result<SetAttachment> {
         let opened = (|| {
-            let record = self.set_record(&a.meta)?;
+            let record = read_record(&self.client, &a.meta)?;
             let handle = record.event.ok_or_else(|| Error::Descriptor {
                 field: "event".into(),
                 reason: "a published set must carry the publisher's event".into(),

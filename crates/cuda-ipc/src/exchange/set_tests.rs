@@ -164,6 +164,93 @@ fn large_records_travel_in_parts_that_rebuild_the_record() {
     );
 }
 
+/// A real set record of `n` entries over two chunks.
+fn set_record(n: usize) -> SetRecord {
+    use crate::descriptor::{Descriptor, Source};
+    use crate::device::DeviceUuid;
+    use crate::set::SetChunk;
+    let chunk = |id: u64, fd: i32| SetChunk {
+        id,
+        descriptor: Descriptor {
+            source: Source::Vmm { fd },
+            alloc_size: 1 << 30,
+            offset: 0,
+            byte_len: 1 << 30,
+            dtype: Dtype::U8,
+            shape: None,
+            strides: None,
+            device_uuid: DeviceUuid([7; 16]),
+            pid: 4242,
+            event: None,
+            generation: Some(u64::from(fd.unsigned_abs())),
+        },
+    };
+    let entries = (0..n)
+        .map(|i| SetEntry {
+            name: format!("model.layers.{i}.mlp.weight"),
+            dtype: Dtype::F32,
+            shape: vec![64, 16],
+            chunk: (i % 2) as u64,
+            offset: (i / 2) as u64 * 4096,
+            len: 4096,
+        })
+        .collect();
+    SetRecord::new(
+        "weights".into(),
+        crate::arena::ArenaId(99),
+        if n == 1 {
+            vec![chunk(0, 3)]
+        } else {
+            vec![chunk(0, 3), chunk(1, 4)]
+        },
+        entries,
+    )
+    .unwrap()
+}
+
+#[test]
+fn set_records_of_1_to_10000_entries_come_back_whole_through_the_channel() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(&dir);
+    let arena = arena();
+    let mut book = Book::default();
+    let buf = arena.alloc(4096).unwrap();
+    let consumer = client(&server);
+    for n in [1, 100, 1000, 10_000] {
+        let record = set_record(n);
+        let name = format!("set{n}");
+        book.publish(
+            &server,
+            &arena,
+            &name,
+            &record.to_value(),
+            vec![buf.lease()],
+        )
+        .unwrap();
+        let a = consumer.attach(&name).unwrap();
+        let parts = a
+            .meta
+            .get(PARTS_KEY)
+            .map_or(0, |p| p.as_array().unwrap().len());
+        assert_eq!(parts > 0, record.to_json().len() > SET_PART_BYTES, "{n}");
+        assert_eq!(read_record(&consumer, &a.meta).unwrap(), record, "{n}");
+        consumer.release(a.lease).unwrap();
+        book.unpublish(&server, &name).unwrap();
+    }
+    // Bad parts: not an array, a missing part, too many parts.
+    for (meta, why) in [
+        (json!({ PARTS_KEY: 5 }), "array"),
+        (json!({ PARTS_KEY: ["nope"] }), "nope"),
+        (
+            json!({ PARTS_KEY: vec!["x"; MAX_PARTS + 1] }),
+            "parts is more",
+        ),
+    ] {
+        let e = read_record(&consumer, &meta).unwrap_err();
+        assert!(e.to_string().contains(why), "{e}");
+    }
+}
+
 #[test]
 fn split_utf8_cuts_at_character_boundaries() {
     let s = "aé€😀".repeat(50);
