@@ -444,7 +444,7 @@ fn chaos_kills_in_the_middle_of_set_handoffs() {
 /// descriptors of both processes are the same at the end as after warm-up.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
-fn set_handoff_soak() {
+fn set_handoff_soak_a_hundred_thousand_cycles() {
     child_or(|| {
         let cycles = env_count("CUDA_IPC_SET_SOAK_CYCLES", 100_000);
         let device = Device::open(0).unwrap();
@@ -453,7 +453,7 @@ fn set_handoff_soak() {
         publisher.arena().unwrap().reserve(256 * MIB).unwrap();
         let sizes = weight_sizes(16, 64 * MIB, 5).unwrap();
         let mut p = spawn(
-            &test_name!("set_handoff_soak"),
+            &test_name!("set_handoff_soak_a_hundred_thousand_cycles"),
             dir.path().join("s.sock").as_path(),
         );
         let warm = 100.min(cycles);
