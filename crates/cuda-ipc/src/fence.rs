@@ -579,6 +579,30 @@ impl Fence {
         unsafe { raw::write_value64(stream.cu_stream(), addr, seq) }
     }
 
+    /// Stores `value` into `word` from the host, now (host words only): for
+    /// words the device never signals, such as the last sequence number a
+    /// producer queued, which a consumer that attaches late reads to know
+    /// what to wait for. A word is either signalled or announced, never both.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for device words; [`Error::InvalidArgument`]
+    /// if `word` is out of range.
+    pub fn announce(&self, word: u32, value: u64) -> Result<()> {
+        check_word(word, self.count)?;
+        match &self.words {
+            Words::Host(h) => {
+                h.word(word).store(value, Ordering::Release);
+                Ok(())
+            }
+            Words::Device(_) => Err(Error::Unsupported {
+                what: "announcing a fence word from the host",
+                why: "the block's words are device memory; use a block of host words \
+                      (Fence::new_host)"
+                    .into(),
+            }),
+        }
+    }
+
     /// The device this block belongs to.
     pub fn device(&self) -> &Device {
         match &self.words {

@@ -455,6 +455,31 @@ pub fn fetch_fd(pid: u32, fd: i32) -> Result<OwnedFd> {
     })
 }
 
+/// Opens the device a descriptor's memory lives on, found by its UUID among
+/// the devices this process sees: the right GPU whatever this process's
+/// `CUDA_VISIBLE_DEVICES` says (another order, a subset, or the
+/// `GPU-xxxxxxxx-...` UUID form), since ordinals differ between processes
+/// and UUIDs do not.
+///
+/// # Errors
+/// [`Error::Unsupported`] when no visible device has that UUID (hide fewer
+/// devices, or open the memory from a device with peer access to it by
+/// ordinal with [`open_mapping`]).
+#[doc(alias = "cuDeviceGetUuid")]
+pub fn device_for(descriptor: &Descriptor) -> Result<Device> {
+    match crate::device::ordinal_of(descriptor.device_uuid)? {
+        Some(ordinal) => Device::open(ordinal),
+        None => Err(Error::Unsupported {
+            what: "opening the exporter's device",
+            why: format!(
+                "no device visible to this process has UUID {} (check CUDA_VISIBLE_DEVICES: \
+                 it must include that GPU, by ordinal or as its UUID)",
+                descriptor.device_uuid
+            ),
+        }),
+    }
+}
+
 /// Maps the whole allocation a descriptor names. `fds` are the descriptors
 /// that travelled with it (over the channel); when empty for an fd
 /// mechanism, they are fetched from the exporter with `pidfd_getfd`.

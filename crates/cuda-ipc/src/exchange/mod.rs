@@ -31,6 +31,10 @@
 //! attach. One event per publisher serves every buffer, so a subscriber
 //! opens it once.
 //!
+//! Every publish, update and ring frame also signals a GPU-side fence (see
+//! [`SyncMode`]): a subscriber that cannot open the event (its own
+//! `/dev/shm`, as in a container) waits on the fence instead.
+//!
 //! # Lifetimes
 //! Every attach is a lease held by the subscriber's connection, and by every
 //! view of the attached buffer (its clones, slices and casts): the lease is
@@ -49,6 +53,7 @@ mod lease;
 mod publisher;
 mod ring;
 mod subscriber;
+mod sync;
 mod wire;
 
 use std::path::{Path, PathBuf};
@@ -60,6 +65,7 @@ use crate::error::Result;
 pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber};
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
+pub use sync::SyncMode;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
