@@ -8,6 +8,7 @@
 mod chaos;
 mod common;
 mod consumer;
+mod containers;
 mod exchange;
 mod legacy;
 mod lifetimes;
