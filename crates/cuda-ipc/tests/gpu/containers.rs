@@ -79,11 +79,13 @@ fn subscriber_child() {
         .unwrap_or("auto".into())
         .parse()
         .unwrap();
-    let sub = match Subscriber::connect(
-        &device,
-        socket.as_str(),
-        SubscriberConfig::default().with_sync(sync),
-    ) {
+    // A child running as another user accepts a publisher running as root.
+    let config = SubscriberConfig::default().with_sync(sync).with_allow_uids(
+        std::env::var("CUDA_IPC_TEST_SERVER_UID")
+            .ok()
+            .and_then(|u| u.parse().ok()),
+    );
+    let sub = match Subscriber::connect(&device, socket.as_str(), config) {
         Ok(s) => s,
         Err(e) => {
             parent.send(&json!({ "error": e.to_string() }));
@@ -163,9 +165,25 @@ fn child_or(f: impl FnOnce()) {
 /// child (spawned by `spawn`) through attach (data both ways), update and
 /// the ring. Returns whether the child used fences for the entries.
 fn exchange_with(device: &Device, socket: &Path, spawn: impl FnOnce() -> Peer) -> bool {
-    let publisher = Publisher::bind(device, socket, PublisherConfig::default()).unwrap();
+    exchange_entries(device, socket, &ENTRIES, PublisherConfig::default(), spawn)
+}
+
+/// As [`exchange_with`], for `entries`, with a publisher configured so.
+fn exchange_entries(
+    device: &Device,
+    socket: &Path,
+    entries: &[(&'static str, Mechanism)],
+    config: PublisherConfig,
+    spawn: impl FnOnce() -> Peer,
+) -> bool {
+    let publisher = Publisher::bind(device, socket, config).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        // Where the test's directory lets another user in, so does the socket.
+        std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    }
     let mut patterns = HashMap::new();
-    for (k, (name, m)) in ENTRIES.iter().enumerate() {
+    for (k, (name, m)) in entries.iter().enumerate() {
         let b = SharedBuffer::alloc(device, 4 * MIB, Some(*m)).unwrap();
         let p = Pattern::ramp(0x1000 * (k as u32 + 1), 3);
         kernels::fill_u32(&b, p, Speed::Full).unwrap();
@@ -177,7 +195,7 @@ fn exchange_with(device: &Device, socket: &Path, spawn: impl FnOnce() -> Peer) -
     let hello = peer.recv();
     assert_eq!(hello["connected"], true, "{hello}");
     let mut fences = Vec::new();
-    for (name, _) in ENTRIES {
+    for &(name, _) in entries {
         let p = patterns[name];
         peer.send(&json!({ "op": "attach", "name": name, "expect": pattern_json(p) }));
         let r = peer.recv();
@@ -481,5 +499,54 @@ fn the_consumer_finds_the_gpu_by_uuid_whatever_cuda_visible_devices_says() {
             assert_eq!(r["ordinal"], 0, "CUDA_VISIBLE_DEVICES={visible}");
             assert!(peer.finish());
         }
+    });
+}
+
+/// Two users: a consumer running as uid 65534, admitted by the publisher's
+/// allowlist, receives the vmm and pool descriptors and the fence's memfd
+/// over the channel (capabilities, not names) and shares the memory with
+/// fences, data checked both ways. Events cannot serve here (the driver's
+/// `cuIpcOpenEventHandle` fails for another user with `CUDA_ERROR_MAP_FAILED`).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn another_user_shares_through_fences() {
+    child_or(|| {
+        if !rustix::process::geteuid().is_root() {
+            println!("SKIPPED: needs root to run a child as another user");
+            return;
+        }
+        let device = Device::open(0).unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("cuda-ipc-fence-user")
+            .tempdir_in("/tmp")
+            .unwrap();
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        // The executable must be reachable by the other user.
+        let exe = dir.path().join("gpu-tests");
+        std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+        let socket = dir.path().join("users.sock");
+        let test = test_name!("another_user_shares_through_fences");
+        let entries = [("vmm", Mechanism::Vmm), ("pool", Mechanism::Pool)];
+        let config = PublisherConfig::default().with_allow_uids([65534]);
+        let fence = exchange_entries(&device, &socket, &entries, config, || {
+            Peer::spawn_exe_with(&exe, &test, "subscriber", |c| {
+                std::os::unix::process::CommandExt::uid(c, 65534);
+                std::os::unix::process::CommandExt::gid(c, 65534);
+                c.current_dir("/tmp")
+                    .env(SOCKET_ENV, &socket)
+                    .env(SYNC_ENV, "auto")
+                    .env(
+                        "CUDA_IPC_TEST_SERVER_UID",
+                        rustix::process::geteuid().as_raw().to_string(),
+                    );
+            })
+        });
+        println!(
+            "another user (uid 65534): vmm and pool shared, update and ring frames checked; sync: {}",
+            if fence { "fence" } else { "event" }
+        );
     });
 }
