@@ -177,7 +177,7 @@ impl ServerConfig {
     }
 
     /// Sets the longest request payload accepted (at most
-    /// [`MAX_PAYLOAD`](crate::MAX_PAYLOAD)).
+    /// [`MAX_PAYLOAD`]).
     #[must_use]
     pub fn with_max_request_bytes(mut self, n: u32) -> Self {
         self.max_request_bytes = n;
