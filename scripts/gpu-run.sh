@@ -166,8 +166,11 @@ step_containers() {
       unshare --pid --ipc --fork --mount-proc "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 $((value + 1)) --fill-u32 $((value + 2))
     check "containers $m: attach with a private /dev/shm (fences) sees the fill" 0 \
       unshare --mount sh -c "mount -t tmpfs tmpfs /dev/shm && exec \"\$0\" \"\$@\"" "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 $((value + 2)) --fill-u32 $((value + 3))
+    grep -h "synchronised with" "$logs"/containers_"$m"__attach_with_a_private__dev_shm*.log 2>/dev/null
+    check "containers $m: attach --sync fence in a new PID namespace" 0 \
+      unshare --pid --fork --mount-proc "$cli" attach --socket "$sock" --buffer buf0 --sync fence --expect-u32 $((value + 3)) --fill-u32 $((value + 4))
     check "containers $m: attach in a new user namespace (root mapped)" 0 \
-      unshare --user --map-root-user --pid --fork "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 $((value + 3))
+      unshare --user --map-root-user --pid --fork "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 $((value + 4))
     exec 7>&-
     wait "$pid"
     local rc=$?
