@@ -194,6 +194,10 @@ step_containers() {
   else
     bad "containers: the message does not say the exporter is not visible: $(tail -n 2 "$logs/containers__open_--descriptor_of_a_vmm_export_in_a_new_PID_namespace_exits_3.log" | tr '\n' ' ')"
   fi
+  local uuid
+  uuid=$(printf '%s' "$d" | grep -o '"device_uuid":"[^"]*"' | cut -d'"' -f4)
+  check "containers: open --descriptor with CUDA_VISIBLE_DEVICES=$uuid finds the GPU by UUID" 0 \
+    env CUDA_VISIBLE_DEVICES="$uuid" "$cli" open --descriptor "$d" --expect-u32 0x77
   exec 7>&-
   wait "$pid"
   rm -f "$fifo"
