@@ -17,6 +17,7 @@ use crate::memory::DeviceMemory;
 use crate::share::SharedBuffer;
 
 use super::ring::RingPublisher;
+use super::set::{PublisherArena, Sharing};
 use super::sync::{self, EntryFences, FenceMeta};
 use super::wire::{self, EntryMeta, RingMeta, UpdateNotice};
 use super::{Endpoint, lock};
@@ -32,6 +33,9 @@ pub struct PublisherConfig {
     /// Publish without GPU-side fences (events only): subscribers that
     /// cannot open events (their own `/dev/shm`) then cannot attach.
     pub no_fences: bool,
+    /// How buffers are shared: from an arena (the default, `auto`) or
+    /// each exported on its own ([`Sharing::Isolated`]).
+    pub sharing: Sharing,
 }
 
 impl PublisherConfig {
@@ -49,12 +53,19 @@ impl PublisherConfig {
         self.no_fences = !on;
         self
     }
+
+    /// Shares through an arena (the default) or each buffer on its own.
+    #[must_use]
+    pub fn with_sharing(mut self, sharing: Sharing) -> Self {
+        self.sharing = sharing;
+        self
+    }
 }
 
 /// The meta of an entry: the descriptor (which carries the event handle)
 /// and the fence.
 fn entry_meta(descriptor: &Descriptor, fence: Option<FenceMeta>) -> Result<Value> {
-    wire::to_value(&EntryMeta::new(descriptor, fence))
+    wire::to_value(&EntryMeta::with_fence(descriptor, fence))
 }
 
 struct PublishedBuffer {
@@ -65,12 +76,13 @@ struct PublishedBuffer {
 
 /// Serves device buffers by name to subscribers in other processes.
 pub struct Publisher {
-    device: Device,
-    server: Server,
-    event: IpcEvent,
-    event_handle: IpcEventHandle,
+    pub(super) device: Device,
+    pub(super) server: Server,
+    pub(super) event: IpcEvent,
+    pub(super) event_handle: IpcEventHandle,
     entries: Mutex<HashMap<String, PublishedBuffer>>,
     fences: Option<Mutex<EntryFences>>,
+    pub(super) arena: PublisherArena,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -91,7 +103,7 @@ impl Publisher {
     ) -> Result<Self> {
         let path = endpoint.into().path()?;
         let mut server_config = ServerConfig::new(path);
-        for uid in config.allow_uids {
+        for uid in config.allow_uids.iter().copied() {
             if !server_config.allowed_uids.contains(&uid) {
                 server_config.allowed_uids.push(uid);
             }
@@ -112,6 +124,7 @@ impl Publisher {
             event_handle,
             entries: Mutex::new(HashMap::new()),
             fences,
+            arena: PublisherArena::new(config.sharing),
         })
     }
 
@@ -203,6 +216,9 @@ impl Publisher {
     /// (the wire's notice calls it `generation`).
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn update(&self, name: &str) -> Result<u64> {
+        if self.is_arena_entry(name) {
+            return self.update_set(name);
+        }
         let (buffer, fence_slot) = lock(&self.entries)
             .get(name)
             .map(|e| (e.buffer.clone(), e.fence_slot))
@@ -227,6 +243,12 @@ impl Publisher {
     /// released. Returns the buffer, which no other process uses any more.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn unpublish(&self, name: &str, timeout: Option<Duration>) -> Result<Arc<SharedBuffer>> {
+        if self.is_arena_entry(name) {
+            return Err(Error::arg(
+                "unpublish",
+                format!("{name:?} was published from the arena; use Publisher::unpublish_set"),
+            ));
+        }
         self.server.unpublish(name)?;
         self.server.wait_released(name, timeout)?;
         let entry = lock(&self.entries)

@@ -25,15 +25,25 @@ pub(super) struct EntryMeta {
 }
 
 impl EntryMeta {
-    pub(super) fn new(descriptor: &Descriptor, fence: Option<FenceMeta>) -> Self {
+    pub(super) fn new(descriptor: &Descriptor) -> Self {
+        Self::with_fence(descriptor, None)
+    }
+
+    /// The metadata of an entry whose publishes also signal `fence`.
+    pub(super) fn with_fence(descriptor: &Descriptor, fence: Option<FenceMeta>) -> Self {
         EntryMeta {
             descriptor: descriptor.to_value(),
             fence,
         }
     }
 
+    /// Decodes an entry's metadata and its descriptor.
+    pub(super) fn decode(meta: &Value) -> Result<Descriptor> {
+        Ok(Self::decode_with_fence(meta)?.0)
+    }
+
     /// Decodes an entry's metadata: its descriptor and fence.
-    pub(super) fn decode(meta: &Value) -> Result<(Descriptor, Option<FenceMeta>)> {
+    pub(super) fn decode_with_fence(meta: &Value) -> Result<(Descriptor, Option<FenceMeta>)> {
         let m = EntryMeta::deserialize(meta).map_err(|e| Error::Descriptor {
             field: "descriptor".into(),
             reason: format!(
