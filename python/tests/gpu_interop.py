@@ -55,8 +55,13 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON_DIR = os.path.dirname(HERE)
-if PYTHON_DIR not in sys.path:
-    sys.path.insert(0, PYTHON_DIR)
+try:
+    import cuda_ipc._core  # an installed build (a wheel on PYTHONPATH, pip install ./python)
+except ImportError:
+    # This checkout, after `maturin develop` put the extension module in it.
+    if PYTHON_DIR not in sys.path:
+        sys.path.insert(0, PYTHON_DIR)
+    sys.modules.pop("cuda_ipc", None)
 
 MIB = 1 << 20
 
@@ -167,11 +172,7 @@ class Worker:
             self.cupy.cuda.Device().synchronize()
 
     def _mem_free(self):
-        from cuda_ipc._driver import driver
-
-        d = driver()
-        with d.bound(0):
-            return d.mem_info()[0]
+        return self.ci.mem_info(0)[0]
 
     def _empty_caches(self):
         import gc
@@ -200,14 +201,12 @@ class Worker:
     # --- ops ------------------------------------------------------------------
 
     def op_hello(self):
-        from cuda_ipc._driver import driver
-
         return {
             "pid": os.getpid(),
             "torch": getattr(self.torch, "__version__", None),
             "cupy": getattr(self.cupy, "__version__", None),
             "ml_dtypes": _has("ml_dtypes"),
-            "device": driver().device_uuid(0),
+            "device": self.ci.device_uuid(0),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         }
 
@@ -550,6 +549,14 @@ def worker_main(name):
 # =============================================================================
 
 
+def _package_parent():
+    """The folder holding the cuda_ipc package this script imports (an
+    installed wheel's, or this checkout's python/), for the workers."""
+    import cuda_ipc
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(cuda_ipc.__file__)))
+
+
 class CaseError(Exception):
     pass
 
@@ -569,7 +576,7 @@ class WorkerProc:
     def start(self):
         env = dict(os.environ)
         env.update(self.env)
-        env["PYTHONPATH"] = PYTHON_DIR + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = _package_parent() + os.pathsep + env.get("PYTHONPATH", "")
         self.starts += 1
         self.log_path = os.path.join(self.log_dir, f"worker-{self.name}-{self.starts}.log")
         self.log = open(self.log_path, "w")
