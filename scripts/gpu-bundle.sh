@@ -63,7 +63,7 @@ if [ -z "$maturin" ]; then
   maturin=$venv/bin/maturin
 fi
 mkdir -p "$out/wheels"
-"$maturin" build --release --locked -m crates/cuda-ipc-py/Cargo.toml -i python3 -o "$out/wheels" >&2
+(cd python && "$maturin" build --release --locked -i python3 -o "$out/wheels") >&2
 [ -d bench ] && cp -r bench "$out/bench"
 cp scripts/gpu-run.sh "$out/run.sh"
 chmod +x "$out/run.sh"
