@@ -15,6 +15,7 @@ use them. See docs/PYTHON.md.
 """
 
 from . import _core, dtypes
+from .channel import Attachment, Frame, Published, Publisher, Ring, RingPublisher, Subscriber
 from .descriptor import FORMAT_VERSION, cuda_array_interface, descriptor_json, parse_descriptor, validate_descriptor
 from .errors import (
     CudaIpcError,
@@ -49,6 +50,13 @@ device_uuid = _core.device_uuid
 mem_info = _core.mem_info
 
 __all__ = [
+    "Publisher",
+    "Subscriber",
+    "Published",
+    "Attachment",
+    "RingPublisher",
+    "Ring",
+    "Frame",
     "open",
     "Mapping",
     "live_mappings",

@@ -96,45 +96,14 @@ class Mapping:
         on this mapping's device, with the descriptor's shape and strides. The
         tensor keeps the mapping alive. ``dtype`` reinterprets the elements as
         another type of the same size."""
-        torch = _torch()
-        dt = _target(self.dtype, dtype)
-        target = getattr(torch, dt.torch, None)
-        if target is None:
-            raise CudaIpcError(f"this PyTorch has no torch.{dt.torch}")
-        # Types every PyTorch reads from DLPack are handed over as they are;
-        # bool and the unsigned types wider than a byte as same-sized integers.
-        raw = dt.name in ("bool", "u16", "u32", "u64")
-        t = torch.from_dlpack(self._m.view(dt.name, raw))
-        if t.dtype != target:
-            t = t.view(target)
-        return t
+        return _as_torch(self._m.view, self.dtype, dtype)
 
     def as_cupy(self, dtype=None):
         """A CuPy array over the mapped memory (no copy), on this mapping's
         device, with the descriptor's shape and strides; it keeps the mapping
         alive. ``dtype`` reinterprets the elements as another type of the
         same size. bfloat16 needs ml_dtypes (else pass ``dtype="uint16"``)."""
-        cupy = _cupy()
-        dt = _target(self.dtype, dtype)
-        final = None
-        if dt.name == "bf16":
-            try:
-                import ml_dtypes
-
-                final = ml_dtypes.bfloat16
-            except ImportError:
-                raise CudaIpcError(
-                    "CuPy has no bfloat16 type without ml_dtypes; install ml_dtypes, or call "
-                    "as_cupy(dtype='uint16') for the raw bits"
-                ) from None
-        raw = dt.name == "bf16"
-        with cupy.cuda.Device(self.device):
-            a = cupy.asarray(self._m.view(dt.name, raw))
-        if final is not None:
-            a = a.view(final)
-        elif a.dtype.name != dt.numpy:
-            a = a.view(dt.numpy)
-        return a
+        return _as_cupy(self._m.view, self.dtype, self.device, dtype)
 
     def close(self):
         """Unmaps now if no view is alive, else when the last one dies. Safe
@@ -147,6 +116,48 @@ class Mapping:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _as_torch(view, own, dtype=None):
+    """A torch tensor over ``view(name, raw)`` (a core view factory) through
+    DLPack: the capsule's deleter keeps the memory until the tensor dies."""
+    torch = _torch()
+    dt = _target(own, dtype)
+    target = getattr(torch, dt.torch, None)
+    if target is None:
+        raise CudaIpcError(f"this PyTorch has no torch.{dt.torch}")
+    # Types every PyTorch reads from DLPack are handed over as they are;
+    # bool and the unsigned types wider than a byte as same-sized integers.
+    raw = dt.name in ("bool", "u16", "u32", "u64")
+    t = torch.from_dlpack(view(dt.name, raw))
+    if t.dtype != target:
+        t = t.view(target)
+    return t
+
+
+def _as_cupy(view, own, device, dtype=None):
+    """A CuPy array over ``view(name, raw)`` through the CUDA array
+    interface; the array holds the view, which keeps the memory."""
+    cupy = _cupy()
+    dt = _target(own, dtype)
+    final = None
+    if dt.name == "bf16":
+        try:
+            import ml_dtypes
+
+            final = ml_dtypes.bfloat16
+        except ImportError:
+            raise CudaIpcError(
+                "CuPy has no bfloat16 type without ml_dtypes; install ml_dtypes, or call "
+                "as_cupy(dtype='uint16') for the raw bits"
+            ) from None
+    with cupy.cuda.Device(device):
+        a = cupy.asarray(view(dt.name, dt.name == "bf16"))
+    if final is not None:
+        a = a.view(final)
+    elif a.dtype.name != dt.numpy:
+        a = a.view(dt.numpy)
+    return a
 
 
 def _name(dtype):

@@ -149,6 +149,8 @@ calls = {
     "open": lambda: cuda_ipc.open(d),
     "open_record_text": lambda: cuda_ipc.open(json.dumps(d).encode()),
     "export_memory": lambda: cuda_ipc._core.export_memory(0x7f0000000000, "f32", [16]),
+    "Publisher": lambda: cuda_ipc.Publisher("/tmp/cuda-ipc-no-driver-test.sock"),
+    "Subscriber": lambda: cuda_ipc.Subscriber("/tmp/cuda-ipc-no-driver-test.sock"),
 }
 out = {}
 for name, fn in calls.items():

@@ -7,6 +7,7 @@
 mod codec;
 mod dlpack;
 mod errors;
+mod exchange;
 mod export;
 mod mapping;
 
@@ -37,5 +38,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     codec::register(m)?;
     mapping::register(m)?;
     export::register(m)?;
+    exchange::register(m)?;
     Ok(())
 }

@@ -22,48 +22,66 @@ use crate::errors::IntoPyResult;
 /// Mappings of this process not unmapped yet.
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 
-/// One per mapping, shared by every [`Keep`] of it: counts live mappings.
-#[derive(Debug)]
-struct LiveToken;
-
-impl LiveToken {
-    fn new() -> Arc<Self> {
-        LIVE.fetch_add(1, Ordering::SeqCst);
-        Arc::new(LiveToken)
-    }
-}
-
-impl Drop for LiveToken {
-    fn drop(&mut self) {
-        LIVE.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// A share in mapped memory: the mapping (and the lease, for memory
-/// attached over the channel) stays while any `Keep` lives. The
-/// [`Mapping`] object and every DLPack capsule or CUDA-array-interface view
-/// hold one.
-#[derive(Clone, Debug)]
+/// A hold on device memory: the mapping (and the lease, for memory
+/// attached over the channel) or the published buffer stays while any
+/// `Keep` of it lives. Mapping objects and every DLPack capsule or
+/// CUDA-array-interface view hold one.
+#[derive(Clone)]
 pub(crate) struct Keep {
-    buffer: MappedBuffer<u8>,
-    token: Arc<LiveToken>,
+    inner: Arc<KeepInner>,
+}
+
+impl std::fmt::Debug for Keep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keep").finish_non_exhaustive()
+    }
+}
+
+struct KeepInner {
+    device: Device,
+    /// Counted in `live_mappings`.
+    live: bool,
+    hold: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Keep {
+    /// A hold on mapped memory (counted in `live_mappings`).
     pub(crate) fn new(buffer: MappedBuffer<u8>) -> Self {
+        LIVE.fetch_add(1, Ordering::SeqCst);
         Keep {
-            buffer,
-            token: LiveToken::new(),
+            inner: Arc::new(KeepInner {
+                device: buffer.mapping().device().clone(),
+                live: true,
+                hold: Some(Box::new(buffer)),
+            }),
+        }
+    }
+
+    /// How many holds there are on this memory (this one included).
+    pub(crate) fn holders(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
+    /// A hold on anything else that owns device memory of `device`.
+    pub(crate) fn other(device: Device, hold: impl std::any::Any + Send + Sync) -> Self {
+        Keep {
+            inner: Arc::new(KeepInner {
+                device,
+                live: false,
+                hold: Some(Box::new(hold)),
+            }),
         }
     }
 }
 
-impl Drop for Keep {
+impl Drop for KeepInner {
     fn drop(&mut self) {
-        if Arc::strong_count(&self.token) == 1 {
-            // The last holder: work any framework queued on the memory, on
-            // any stream of the context, must finish before it is unmapped.
-            let _ = self.buffer.mapping().device().context().synchronize();
+        // The last holder: work any framework queued on the memory, on any
+        // stream of the context, must finish before it is let go.
+        let _ = self.device.context().synchronize();
+        drop(self.hold.take());
+        if self.live {
+            LIVE.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
@@ -115,8 +133,8 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
-    fn of(keep: &Keep, d: &Descriptor) -> Self {
-        let ptr = keep.buffer.mapping().base() + keep.buffer.offset();
+    pub(crate) fn of(buffer: &MappedBuffer<u8>, d: &Descriptor) -> Self {
+        let ptr = buffer.mapping().base() + buffer.offset();
         let shape = d.shape.clone().unwrap_or_else(|| vec![d.elements()]);
         Layout {
             ptr,
@@ -124,7 +142,7 @@ impl Layout {
             dtype: d.dtype,
             shape,
             strides: d.strides.clone(),
-            ordinal: keep.buffer.mapping().device().ordinal(),
+            ordinal: buffer.mapping().device().ordinal(),
         }
     }
 
@@ -229,6 +247,25 @@ pub(crate) struct View {
     raw: bool,
 }
 
+impl View {
+    /// A view of `layout` held by `keep`, as `dtype` (same size; `None`:
+    /// the layout's own) or, with `raw`, a same-sized integer type.
+    pub(crate) fn new(
+        keep: Keep,
+        layout: Layout,
+        dtype: Option<&str>,
+        raw: bool,
+    ) -> PyResult<Self> {
+        let dtype = target_dtype(layout.dtype, dtype).py()?;
+        Ok(View {
+            keep,
+            layout,
+            dtype,
+            raw,
+        })
+    }
+}
+
 #[pymethods]
 impl View {
     /// The CUDA array interface (version 3).
@@ -273,10 +310,15 @@ pub(crate) struct PyMapping {
 }
 
 impl PyMapping {
-    pub(crate) fn new(keep: Keep, d: &Descriptor, mechanism: String, segments: usize) -> Self {
+    pub(crate) fn new(
+        buffer: MappedBuffer<u8>,
+        d: &Descriptor,
+        mechanism: String,
+        segments: usize,
+    ) -> Self {
         PyMapping {
-            layout: Layout::of(&keep, d),
-            keep: Mutex::new(Some(keep)),
+            layout: Layout::of(&buffer, d),
+            keep: Mutex::new(Some(Keep::new(buffer))),
             descriptor: d.to_json(),
             mechanism,
             segments,
@@ -288,17 +330,7 @@ impl PyMapping {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
-            .ok_or_else(|| {
-                Python::attach(|py| {
-                    crate::errors::to_py(
-                        py,
-                        &Error::InvalidArgument {
-                            what: "mapping",
-                            reason: "it is closed; open the descriptor again".into(),
-                        },
-                    )
-                })
-            })
+            .ok_or_else(|| closed_error("mapping", "open the descriptor again"))
     }
 }
 
@@ -368,13 +400,7 @@ impl PyMapping {
     /// given; `raw` shows a same-sized signed integer type instead.
     #[pyo3(signature = (dtype=None, raw=false))]
     fn view(&self, dtype: Option<&str>, raw: bool) -> PyResult<View> {
-        let dt = target_dtype(self.layout.dtype, dtype).py()?;
-        Ok(View {
-            keep: self.keep()?,
-            layout: self.layout.clone(),
-            dtype: dt,
-            raw,
-        })
+        View::new(self.keep()?, self.layout.clone(), dtype, raw)
     }
 
     /// The CUDA array interface (version 3). Objects built from it do not
@@ -442,6 +468,19 @@ impl PyMapping {
     }
 }
 
+/// The error for a use of a closed object.
+pub(crate) fn closed_error(what: &'static str, then: &str) -> PyErr {
+    Python::attach(|py| {
+        crate::errors::to_py(
+            py,
+            &Error::InvalidArgument {
+                what,
+                reason: format!("it is closed or released; {then}"),
+            },
+        )
+    })
+}
+
 /// Opens a descriptor: maps it and waits for the exporter's event.
 pub(crate) fn open_descriptor(d: &Descriptor, ordinal: Option<usize>) -> Result<PyMapping> {
     let device = device_for(d.device_uuid, ordinal)?;
@@ -450,7 +489,7 @@ pub(crate) fn open_descriptor(d: &Descriptor, ordinal: Option<usize>) -> Result<
         device.synchronize()?;
     }
     Ok(PyMapping::new(
-        Keep::new(buffer),
+        buffer,
         d,
         d.mechanism().name().to_string(),
         1,
@@ -499,7 +538,7 @@ fn open_record(r: &ShareRecord, ordinal: Option<usize>) -> Result<PyMapping> {
         generation: None,
     };
     Ok(PyMapping::new(
-        Keep::new(buffer),
+        buffer,
         &d,
         "torch_segments".into(),
         numbers.len(),
