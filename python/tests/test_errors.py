@@ -79,6 +79,11 @@ class Hierarchy(unittest.TestCase):
         with self.assertRaises(cuda_ipc.TorchRecordError) as cm:
             cuda_ipc.validate_record({"torch_share": 1})
         self.assertIn("PyTorch share record", str(cm.exception))
+        # open() reads a record as a record (its key), before any driver call.
+        with self.assertRaises(cuda_ipc.TorchRecordError):
+            cuda_ipc.open({"torch_share": 1, "pid": 5})
+        with self.assertRaises(cuda_ipc.DescriptorError):
+            cuda_ipc.open('{"cuda_ipc": 1, "note": "torch_share"}')
 
     def test_view_dtype_rules(self):
         from cuda_ipc.mapping import _target

@@ -559,7 +559,10 @@ fn open(
         field: "(document)".into(),
         reason,
     })?;
-    let is_record = text.contains(&format!("\"{}\"", cuda_ipc::torch::RECORD_KEY));
+    // A share record has the `torch_share` key; anything else (malformed
+    // JSON included) is read as a descriptor, whose decoder says what is wrong.
+    let is_record = serde_json::from_str::<serde_json::Value>(&text)
+        .is_ok_and(|v| v.get(cuda_ipc::torch::RECORD_KEY).is_some());
     if is_record {
         let r = ShareRecord::from_json(&text).py()?;
         py.detach(|| open_record(&r, device)).py()
