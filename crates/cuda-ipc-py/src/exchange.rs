@@ -575,7 +575,7 @@ impl PySubscriber {
             name: attached.name().to_owned(),
             lease: attached.lease(),
             keep: Mutex::new(Some(Keep::new(attached.buffer().clone()))),
-            attached: Mutex::new(Some(attached)),
+            attached: Mutex::new(Some(Arc::new(attached))),
             subscriber: sub,
             layout,
             descriptor: d,
@@ -624,7 +624,9 @@ struct Attachment {
     lease: u64,
     /// This object's own hold (views hold clones).
     keep: Mutex<Option<Keep>>,
-    attached: Mutex<Option<Attached<u8>>>,
+    /// Shared with a `wait_update` in progress (never held locked while
+    /// waiting, so other threads are not blocked with the GIL held).
+    attached: Mutex<Option<Arc<Attached<u8>>>>,
     subscriber: Arc<Subscriber>,
     layout: Layout,
     descriptor: Descriptor,
@@ -695,13 +697,12 @@ impl Attachment {
     #[pyo3(signature = (timeout=None))]
     fn wait_update(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
         let t = duration(timeout).py()?;
-        let guard = lock(&self.attached);
-        let Some(a) = guard.as_ref() else {
-            return Err(closed_error("attachment", "attach again"));
-        };
+        let a = lock(&self.attached)
+            .clone()
+            .ok_or_else(|| closed_error("attachment", "attach again"))?;
         let sub = &self.subscriber;
         py.detach(|| -> Result<_> {
-            let generation = sub.wait_update(a, t)?;
+            let generation = sub.wait_update(&a, t)?;
             a.buffer().synchronize()?;
             Ok(generation)
         })
@@ -711,30 +712,40 @@ impl Attachment {
     /// while tensors or arrays made from it are alive: the lease then ends
     /// when the last of them dies.
     fn release(&self, py: Python<'_>) -> PyResult<()> {
-        let mut attached = lock(&self.attached);
-        if attached.is_none() {
-            return Ok(());
-        }
-        let mut own = lock(&self.keep);
-        let views = own.as_ref().map_or(0, |k| k.holders().saturating_sub(1));
-        if views > 0 {
-            return Err(Error::ViewsAlive {
-                name: self.name.clone(),
-                lease: self.lease,
-                views,
-            })
-            .py();
-        }
-        let keep = own.take();
-        let a = attached.take();
-        drop((own, attached));
+        let (keep, a) = {
+            let mut attached = lock(&self.attached);
+            let Some(shared) = attached.take() else {
+                return Ok(());
+            };
+            let mut own = lock(&self.keep);
+            let views = own.as_ref().map_or(0, |k| k.holders().saturating_sub(1));
+            if views > 0 {
+                *attached = Some(shared);
+                return Err(Error::ViewsAlive {
+                    name: self.name.clone(),
+                    lease: self.lease,
+                    views,
+                })
+                .py();
+            }
+            match Arc::try_unwrap(shared) {
+                Ok(a) => (own.take(), a),
+                Err(shared) => {
+                    *attached = Some(shared);
+                    return Err(Error::InvalidArgument {
+                        what: "release",
+                        reason: "another thread is waiting for an update of this attachment; \
+                                 release it after that wait returns"
+                            .into(),
+                    })
+                    .py();
+                }
+            }
+        };
         let sub = self.subscriber.clone();
         py.detach(move || -> Result<_> {
             drop(keep);
-            match a {
-                Some(a) => sub.release(a),
-                None => Ok(()),
-            }
+            sub.release(a)
         })
         .py()
     }
@@ -776,11 +787,9 @@ impl Ring {
     }
     /// The number of slots.
     #[getter]
-    fn slots(&self) -> PyResult<usize> {
-        let guard = lock(&self.shared.ring);
-        guard
-            .as_ref()
-            .map(RingSubscriber::slots)
+    fn slots(&self, py: Python<'_>) -> PyResult<usize> {
+        let shared = self.shared.clone();
+        py.detach(move || lock(&shared.ring).as_ref().map(RingSubscriber::slots))
             .ok_or_else(|| closed_error("ring", "attach it again"))
     }
     /// How long iteration waits for a frame, in seconds (`None`: for ever).
@@ -833,13 +842,16 @@ impl Ring {
     }
     /// Ends the subscription (after the work queued on its slots).
     fn release(&self, py: Python<'_>) -> PyResult<()> {
-        let ring = lock(&self.shared.ring).take();
-        let Some(ring) = ring else { return Ok(()) };
-        let sub = self.shared.subscriber.clone();
+        let shared = self.shared.clone();
         let dev = self.device.clone();
-        py.detach(|| -> Result<_> {
+        // The ring's lock is taken without the GIL: a `next()` in another
+        // thread holds it while it waits.
+        py.detach(move || -> Result<_> {
+            let Some(ring) = lock(&shared.ring).take() else {
+                return Ok(());
+            };
             sync_context(&dev)?;
-            sub.release_ring(ring)
+            shared.subscriber.release_ring(ring)
         })
         .py()
     }
@@ -848,8 +860,8 @@ impl Ring {
     }
     #[pyo3(signature = (*_exc))]
     fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
-        let ring = lock(&self.shared.ring).take();
-        py.detach(move || drop(ring));
+        let shared = self.shared.clone();
+        py.detach(move || drop(lock(&shared.ring).take()));
         false
     }
 }
