@@ -205,6 +205,9 @@ step_peer() {
 }
 
 step_bench() {
+  # Bad arguments and unwritable outputs: exit 2 at once, with a driver present.
+  check "bench --json-out in a missing folder exits 2" 2 "$cli" bench --quick --json-out "$logs/no-such-folder/x.json"
+  check "bench --reps 0 exits 2" 2 "$cli" bench --quick --reps 0
   # shellcheck disable=SC2046 # two words or none
   check "bench --quick" 0 "$cli" bench --quick $(two_gpus) --json-out "$logs/bench-quick.json" --plot "$logs/bench-quick.svg"
   tail -n 60 "$logs/bench_--quick.log"

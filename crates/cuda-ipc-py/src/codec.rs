@@ -128,7 +128,7 @@ pub(crate) fn tensor_layout<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py,
     let l = record_of(obj)?.tensor_layout().py()?;
     let out = PyDict::new(py);
     out.set_item("offset", l.offset)?;
-    out.set_item("len", l.len)?;
+    out.set_item("len", l.byte_len)?;
     out.set_item("dtype", l.dtype.name())?;
     out.set_item("shape", l.shape)?;
     out.set_item("strides", l.strides)?;
@@ -169,8 +169,22 @@ pub(crate) fn parse_storage_handle<'py>(
                         handles.append(PyBytes::new(py, &raw(&h.to_hex())))?;
                     }
                 }
+                other => {
+                    return Err(Error::Torch(format!(
+                        "storage handle with {} {}, which this build cannot describe",
+                        other.len(),
+                        other.kind()
+                    )))
+                    .py();
+                }
             }
             out.set_item("handles", handles)?;
+        }
+        _ => {
+            return Err(Error::Torch(
+                "a storage handle of a kind this build cannot describe".into(),
+            ))
+            .py();
         }
     }
     Ok(out)
@@ -199,6 +213,13 @@ fn numpy_names(d: Dtype) -> (&'static str, &'static str, &'static str, &'static 
         Dtype::Bf16 => ("bfloat16", "<V2", "<i2", "int16"),
         Dtype::F32 => ("float32", "<f4", "<i4", "int32"),
         Dtype::F64 => ("float64", "<f8", "<i8", "int64"),
+        // A type added to the library later: its raw bytes.
+        other => match other.size() {
+            1 => ("uint8", "|u1", "|u1", "uint8"),
+            2 => ("int16", "<i2", "<i2", "int16"),
+            4 => ("int32", "<i4", "<i4", "int32"),
+            _ => ("int64", "<i8", "<i8", "int64"),
+        },
     }
 }
 

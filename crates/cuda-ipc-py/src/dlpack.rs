@@ -61,9 +61,11 @@ pub(crate) fn data_type(d: cuda_ipc::Dtype, raw: bool) -> DlDataType {
         match d {
             D::Bool => 6,
             D::U8 | D::U16 | D::U32 | D::U64 => 1,
-            D::I8 | D::I16 | D::I32 | D::I64 => 0,
             D::F16 | D::F32 | D::F64 => 2,
             D::Bf16 => 4,
+            // The signed integers, and a type added to the library later
+            // (as same-sized integers).
+            _ => 0,
         }
     };
     DlDataType {

@@ -17,12 +17,12 @@ use std::time::Duration;
 use cuda_ipc::descriptor::{Descriptor, Dtype, Mechanism};
 use cuda_ipc::device::Device;
 use cuda_ipc::exchange::{
-    Attached, Endpoint, Frame, Publisher, PublisherConfig, RingPublisher, RingSubscriber,
-    Subscriber, SubscriberConfig,
+    Attachment as Attached, Endpoint, Publisher, PublisherConfig, RingFrame, RingPublisher,
+    RingSubscriber, Subscriber, SubscriberConfig,
 };
 use cuda_ipc::memory::DeviceMemory;
 use cuda_ipc::share::SharedBuffer;
-use cuda_ipc::{Error, MappedBuffer, Result};
+use cuda_ipc::{Error, Result};
 use pyo3::exceptions::PyStopIteration;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -114,7 +114,7 @@ impl Allocation {
     /// Length in bytes.
     #[getter]
     fn nbytes(&self) -> PyResult<usize> {
-        Ok(self.get()?.len())
+        Ok(self.get()?.byte_len())
     }
     /// How it is shared.
     #[getter]
@@ -127,7 +127,7 @@ impl Allocation {
         let b = self.get()?;
         let l = layout(
             b.device_address(),
-            b.len() as u64,
+            b.byte_len() as u64,
             self.device.ordinal(),
             dtype,
             shape,
@@ -214,7 +214,7 @@ impl PyPublisher {
         let (publisher, dev) = py
             .detach(|| -> Result<_> {
                 let dev = crate::mapping::device(device)?;
-                let config = PublisherConfig { allow_uids };
+                let config = PublisherConfig::default().with_allow_uids(allow_uids);
                 let p = Publisher::bind(&dev, Endpoint::from(endpoint), config)?;
                 Ok((p, dev))
             })
@@ -271,7 +271,7 @@ impl PyPublisher {
         let publisher = self.get()?;
         let dt = self::dtype(dtype).py()?;
         let arc = allocation.get()?;
-        let len = arc.len() as u64;
+        let len = arc.byte_len() as u64;
         let l = layout(
             arc.device_address(),
             len,
@@ -393,7 +393,7 @@ struct PyRingPublisher {
     device: Device,
     slot_bytes: usize,
     /// Device addresses of the slots acquired so far.
-    addresses: Mutex<std::collections::HashMap<usize, u64>>,
+    addresses: Mutex<std::collections::HashMap<u32, u64>>,
 }
 
 #[pymethods]
@@ -401,12 +401,12 @@ impl PyRingPublisher {
     /// The number of slots.
     #[getter]
     fn slots(&self) -> usize {
-        self.ring.slots()
+        self.ring.slot_count()
     }
     /// Waits up to `timeout` seconds (`None`: for ever) for a free slot;
     /// returns its index.
     #[pyo3(signature = (timeout=None))]
-    fn acquire(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<usize> {
+    fn acquire(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u32> {
         let t = timeout.map(|s| duration(Some(s))).transpose().py()?;
         let (slot, address) = py
             .detach(|| {
@@ -420,7 +420,7 @@ impl PyRingPublisher {
     }
     /// A view of slot `slot`, as `dtype` with `shape` (default: bytes).
     #[pyo3(signature = (slot, dtype="u8", shape=None))]
-    fn view(&self, slot: usize, dtype: &str, shape: Option<Vec<u64>>) -> PyResult<View> {
+    fn view(&self, slot: u32, dtype: &str, shape: Option<Vec<u64>>) -> PyResult<View> {
         let ptr = self.slot_address(slot).py()?;
         let l = layout(
             ptr,
@@ -444,7 +444,7 @@ impl PyRingPublisher {
     fn publish(
         &self,
         py: Python<'_>,
-        slot: usize,
+        slot: u32,
         extra: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<u64> {
         let extra = match extra {
@@ -476,7 +476,7 @@ impl PyRingPublisher {
 }
 
 impl PyRingPublisher {
-    fn slot_address(&self, slot: usize) -> Result<u64> {
+    fn slot_address(&self, slot: u32) -> Result<u64> {
         lock(&self.addresses)
             .get(&slot)
             .copied()
@@ -485,7 +485,7 @@ impl PyRingPublisher {
                 reason: format!(
                     "slot {slot} was not acquired yet (the ring has {} slots); call acquire() \
                      and view the slot it returns",
-                    self.ring.slots()
+                    self.ring.slot_count()
                 ),
             })
     }
@@ -525,10 +525,9 @@ impl PySubscriber {
         let (sub, dev) = py
             .detach(|| -> Result<_> {
                 let dev = crate::mapping::device(device)?;
-                let config = SubscriberConfig {
-                    timeout,
-                    allow_uids,
-                };
+                let config = SubscriberConfig::default()
+                    .with_timeout(timeout)
+                    .with_allow_uids(allow_uids);
                 Ok((
                     Subscriber::connect(&dev, Endpoint::from(endpoint), config)?,
                     dev,
@@ -589,7 +588,7 @@ impl PySubscriber {
         Ok(Ring {
             shared: Arc::new(RingShared {
                 subscriber: sub,
-                ring: Mutex::new(Some(ring)),
+                ring: Mutex::new(Some(Arc::new(ring))),
             }),
             name: name.to_owned(),
             device: self.device.clone(),
@@ -765,7 +764,33 @@ impl Attachment {
 /// What a ring and its frames share.
 struct RingShared {
     subscriber: Arc<Subscriber>,
-    ring: Mutex<Option<RingSubscriber<u8>>>,
+    /// Shared with the frames not acknowledged yet (each borrows it).
+    ring: Mutex<Option<Arc<RingSubscriber<u8>>>>,
+}
+
+/// A received frame and the subscription it borrows from, kept together.
+struct HeldFrame {
+    // Declared before `ring`: dropped first, while what it borrows lives.
+    frame: RingFrame<'static, u8>,
+    ring: Arc<RingSubscriber<u8>>,
+}
+
+/// The next frame of `ring`, held with the subscription it borrows.
+#[allow(unsafe_code)]
+fn next_held(
+    subscriber: &Subscriber,
+    ring: Arc<RingSubscriber<u8>>,
+    timeout: Duration,
+) -> Result<HeldFrame> {
+    let frame = subscriber.next_frame(&ring, timeout)?;
+    // SAFETY: the frame borrows the `RingSubscriber` inside the Arc's heap
+    // allocation, which does not move when the Arc does. `HeldFrame` keeps
+    // that Arc next to the frame and drops the frame first, so the borrow
+    // never outlives what it points to; the 'static lifetime never escapes
+    // (the frame is only read through `HeldFrame`, and handed back to the
+    // library by `Subscriber::ack` together with the same ring).
+    let frame = unsafe { std::mem::transmute::<RingFrame<'_, u8>, RingFrame<'static, u8>>(frame) };
+    Ok(HeldFrame { frame, ring })
 }
 
 /// A subscription to a ring: iterate it for frames (`for frame in ring`),
@@ -787,9 +812,10 @@ impl Ring {
     }
     /// The number of slots.
     #[getter]
-    fn slots(&self, py: Python<'_>) -> PyResult<usize> {
-        let shared = self.shared.clone();
-        py.detach(move || lock(&shared.ring).as_ref().map(RingSubscriber::slots))
+    fn slots(&self) -> PyResult<usize> {
+        lock(&self.shared.ring)
+            .as_ref()
+            .map(|r| r.slot_count())
             .ok_or_else(|| closed_error("ring", "attach it again"))
     }
     /// How long iteration waits for a frame, in seconds (`None`: for ever).
@@ -807,24 +833,22 @@ impl Ring {
     #[pyo3(signature = (timeout=None))]
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<RingFrameView> {
         let t = duration(timeout).py()?;
-        let shared = self.shared.clone();
-        let (slot, seq, buffer, notice) = py
+        let ring = lock(&self.shared.ring)
+            .clone()
+            .ok_or_else(|| closed_error("ring", "attach it again"))?;
+        let sub = self.shared.subscriber.clone();
+        let held = py
             .detach(move || -> Result<_> {
-                let guard = lock(&shared.ring);
-                let ring = guard.as_ref().ok_or_else(|| Error::InvalidArgument {
-                    what: "ring",
-                    reason: "it is released; attach it again".into(),
-                })?;
-                let f: Frame<'_, u8> = shared.subscriber.next_frame(ring, t)?;
-                f.buffer.synchronize()?;
-                Ok((f.slot, f.seq, f.buffer.clone(), f.notice.to_string()))
+                let held = next_held(&sub, ring, t)?;
+                held.frame.buffer.synchronize()?;
+                Ok(held)
             })
             .py()?;
         Ok(RingFrameView {
-            slot,
-            seq,
-            notice,
-            buffer: Mutex::new(Some(buffer)),
+            slot: held.frame.slot,
+            seq: held.frame.seq,
+            notice: held.frame.notice.to_string(),
+            held: Mutex::new(Some(held)),
             shared: self.shared.clone(),
             device: self.device.clone(),
         })
@@ -840,18 +864,35 @@ impl Ring {
             other => other,
         }
     }
-    /// Ends the subscription (after the work queued on its slots).
+    /// Ends the subscription (after the work queued on its slots). Fails
+    /// while frames are not acknowledged.
     fn release(&self, py: Python<'_>) -> PyResult<()> {
-        let shared = self.shared.clone();
-        let dev = self.device.clone();
-        // The ring's lock is taken without the GIL: a `next()` in another
-        // thread holds it while it waits.
-        py.detach(move || -> Result<_> {
-            let Some(ring) = lock(&shared.ring).take() else {
+        let ring = {
+            let mut guard = lock(&self.shared.ring);
+            let Some(shared) = guard.take() else {
                 return Ok(());
             };
+            match Arc::try_unwrap(shared) {
+                Ok(ring) => ring,
+                Err(shared) => {
+                    let frames = Arc::strong_count(&shared) - 1;
+                    *guard = Some(shared);
+                    return Err(Error::InvalidArgument {
+                        what: "ring release",
+                        reason: format!(
+                            "{frames} frame(s) are not acknowledged yet; ack() them (or leave \
+                             their `with` blocks) first"
+                        ),
+                    })
+                    .py();
+                }
+            }
+        };
+        let sub = self.shared.subscriber.clone();
+        let dev = self.device.clone();
+        py.detach(move || -> Result<_> {
             sync_context(&dev)?;
-            shared.subscriber.release_ring(ring)
+            sub.release_ring(ring)
         })
         .py()
     }
@@ -860,8 +901,9 @@ impl Ring {
     }
     #[pyo3(signature = (*_exc))]
     fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
-        let shared = self.shared.clone();
-        py.detach(move || drop(lock(&shared.ring).take()));
+        // Frames still held keep the subscription until they are dropped.
+        let ring = lock(&self.shared.ring).take();
+        py.detach(move || drop(ring));
         false
     }
 }
@@ -879,10 +921,10 @@ fn is_end(py: Python<'_>, e: &PyErr) -> bool {
 /// producer's notice; `ack()` hands the slot back.
 #[pyclass(module = "cuda_ipc._core", name = "RingFrame", frozen)]
 struct RingFrameView {
-    slot: usize,
+    slot: u32,
     seq: u64,
     notice: String,
-    buffer: Mutex<Option<MappedBuffer<u8>>>,
+    held: Mutex<Option<HeldFrame>>,
     shared: Arc<RingShared>,
     device: Device,
 }
@@ -891,7 +933,7 @@ struct RingFrameView {
 impl RingFrameView {
     /// The slot index.
     #[getter]
-    fn slot(&self) -> usize {
+    fn slot(&self) -> u32 {
         self.slot
     }
     /// The sequence number (from 1).
@@ -908,9 +950,10 @@ impl RingFrameView {
     /// until `ack()`: the producer then reuses the slot.
     #[pyo3(signature = (dtype="u8", shape=None))]
     fn view(&self, dtype: &str, shape: Option<Vec<u64>>) -> PyResult<View> {
-        let guard = lock(&self.buffer);
+        let guard = lock(&self.held);
         let b = guard
             .as_ref()
+            .map(|h| h.frame.buffer)
             .ok_or_else(|| closed_error("frame", "take the next frame"))?;
         let ptr = b.mapping().base() + b.offset();
         let l = layout(
@@ -926,25 +969,15 @@ impl RingFrameView {
     /// Hands the slot back to the producer (after the work queued so far on
     /// this device). Safe to call twice.
     fn ack(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(buffer) = lock(&self.buffer).take() else {
+        let Some(held) = lock(&self.held).take() else {
             return Ok(());
         };
-        let shared = self.shared.clone();
+        let sub = self.shared.subscriber.clone();
         let dev = self.device.clone();
-        let (slot, seq) = (self.slot, self.seq);
         py.detach(move || -> Result<_> {
             sync_context(&dev)?;
-            let guard = lock(&shared.ring);
-            let Some(ring) = guard.as_ref() else {
-                return Ok(());
-            };
-            let frame = Frame {
-                slot,
-                seq,
-                buffer: &buffer,
-                notice: serde_json::Value::Null,
-            };
-            shared.subscriber.ack(ring, frame)
+            let HeldFrame { frame, ring } = held;
+            sub.ack(&ring, frame)
         })
         .py()
     }

@@ -138,7 +138,7 @@ impl Layout {
         let shape = d.shape.clone().unwrap_or_else(|| vec![d.elements()]);
         Layout {
             ptr,
-            len: d.len,
+            len: d.byte_len,
             dtype: d.dtype,
             shape,
             strides: d.strides.clone(),
@@ -519,7 +519,7 @@ fn open_record(r: &ShareRecord, ordinal: Option<usize>) -> Result<PyMapping> {
         .map(|&n| cuda_ipc::share::fetch_fd(segment.pid, n))
         .collect::<Result<Vec<_>>>()?;
     let mapping = VmmMapping::import_segments(&device, fds, segment.segment_size)?;
-    let buffer = MappedBuffer::<u8>::from_bytes(mapping, layout.offset, layout.len)?;
+    let buffer = MappedBuffer::<u8>::from_bytes(mapping, layout.offset, layout.byte_len)?;
     if let Some(h) = r.event() {
         let event = IpcEvent::open(&device, h)?;
         event.synchronize()?;
@@ -528,7 +528,7 @@ fn open_record(r: &ShareRecord, ordinal: Option<usize>) -> Result<PyMapping> {
         source: cuda_ipc::descriptor::Source::Vmm { fd: numbers[0] },
         alloc_size: segment.mapped_size()?,
         offset: layout.offset,
-        len: layout.len,
+        byte_len: layout.byte_len,
         dtype: layout.dtype,
         shape: Some(layout.shape),
         strides: layout.strides,
@@ -597,7 +597,7 @@ fn cuda_array_interface<'py>(
     let d = codec::descriptor_of(descriptor)?;
     let layout = Layout {
         ptr,
-        len: d.len,
+        len: d.byte_len,
         dtype: d.dtype,
         shape: d.shape.clone().unwrap_or_else(|| vec![d.elements()]),
         strides: d.strides.clone(),

@@ -27,7 +27,7 @@
 //!
 //! Every function binds the device's context first, as every library call
 //! does (a check of the current context when it is already bound). Errors
-//! are [`Error::Driver`](crate::Error::Driver) naming the C call.
+//! are [`Error::Driver`] naming the C call.
 //!
 //! What the floor leaves out, the library's owning types do: a mapping here
 //! is checked against the allocation's size only when it is used as memory

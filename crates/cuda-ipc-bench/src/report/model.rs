@@ -77,7 +77,7 @@ impl SectionId {
     pub fn parse(s: &str) -> Result<SectionId, String> {
         SectionId::ALL
             .into_iter()
-            .find(|id| id.name() == s)
+            .find(|id| id.name().eq_ignore_ascii_case(s.trim()))
             .ok_or_else(|| {
                 format!(
                     "{s:?} is not a section; choose from {}",
