@@ -14,7 +14,7 @@ Importing loads only the extension module (``cuda_ipc._core``); the driver
 use them. See docs/PYTHON.md.
 """
 
-from . import _core, dtypes
+from . import _core, dtypes, sets
 from .channel import Attachment, Frame, Published, Publisher, Ring, RingPublisher, Subscriber
 from .descriptor import FORMAT_VERSION, cuda_array_interface, descriptor_json, parse_descriptor, validate_descriptor
 from .errors import (
@@ -78,6 +78,7 @@ __all__ = [
     "device_uuid",
     "mem_info",
     "dtypes",
+    "sets",
     "FORMAT_VERSION",
     "CudaIpcError",
     "Unavailable",

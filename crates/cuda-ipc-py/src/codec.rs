@@ -7,6 +7,7 @@
 //! rules and the same messages as Rust programs and the command-line tool.
 
 use cuda_ipc::descriptor::{Descriptor, Dtype};
+use cuda_ipc::set::SetRecord;
 use cuda_ipc::torch::{SegmentHandles, ShareRecord, StorageHandle};
 use cuda_ipc::{Error, torch};
 use pyo3::prelude::*;
@@ -190,6 +191,36 @@ pub(crate) fn parse_storage_handle<'py>(
     Ok(out)
 }
 
+fn set_input(reason: String) -> Error {
+    Error::Descriptor {
+        field: "(set record)".into(),
+        reason,
+    }
+}
+
+/// Checks a set record (the weights of a model in the chunks of one arena;
+/// a dict, JSON text or bytes) and returns it in canonical form.
+#[pyfunction]
+pub(crate) fn parse_set_record<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let text = document_text(obj, set_input)?;
+    let r = SetRecord::from_json(&text).py()?;
+    loads(obj.py(), &r.to_json())
+}
+
+/// The descriptor of entry `index` of a set record: its bytes in its chunk,
+/// with the entry's element type and shape (and the set's event).
+#[pyfunction]
+pub(crate) fn set_entry_descriptor<'py>(
+    obj: &Bound<'py, PyAny>,
+    index: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let text = document_text(obj, set_input)?;
+    let d = SetRecord::from_json(&text)
+        .and_then(|r| r.entry_descriptor(index))
+        .py()?;
+    descriptor_dict(obj.py(), &d)
+}
+
 /// The bytes of a handle's hex text (the handle types keep their bytes private).
 fn raw(hex_text: &str) -> Vec<u8> {
     hex::decode(hex_text).unwrap_or_default()
@@ -282,6 +313,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_storage_handle, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_table, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_from_torch, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_set_record, m)?)?;
+    m.add_function(wrap_pyfunction!(set_entry_descriptor, m)?)?;
     m.add("FORMAT_VERSION", cuda_ipc::descriptor::FORMAT_VERSION)?;
     m.add("RECORD_KEY", torch::RECORD_KEY)?;
     Ok(())
