@@ -170,24 +170,42 @@ def export_torch(tensor, *, stream=None, allow_fd=True):
         exported = _core.export_memory(t.data_ptr(), name, list(t.shape), list(t.stride()),
                                        device=dev.index, event=ev_handle)
     except CudaIpcError as first:
-        try:
-            t2, record, storage = _record(t, ev_handle)
-        except CudaIpcError:
-            raise first from None
-        if storage["type"] == "e" and len(storage["handles"]) > 1:
-            warnings.warn(
-                f"the tensor lies in an expandable segment shared as {len(storage['handles'])} "
-                "allocations, which one cuda-ipc descriptor cannot describe; returning a PyTorch "
-                "share record instead (Export.kind == 'torch_share'), which cuda_ipc.open and Rust "
-                "torch::ShareRecord read",
-                UserWarning,
-                stacklevel=2,
-            )
-            if storage["kind"] == "fd" and allow_fd:
-                _core.allow_fd_fetching()
-            return Export("torch_share", record, keep=t2, event=event, record=record)
-        raise
+        shared = _several_segments(t, ev_handle, allow_fd)
+        if shared is None:
+            raise
+        return Export("torch_share", shared[1], keep=shared[0], event=event, record=shared[1])
+    if exported.descriptor["mechanism"] == "vmm":
+        # Expandable segments: the tensor must lie in one of PyTorch's
+        # segments for one descriptor to name it; PyTorch's own storage
+        # handle says how many the storage spans.
+        shared = _several_segments(t, ev_handle, allow_fd)
+        if shared is not None:
+            exported.close()
+            return Export("torch_share", shared[1], keep=shared[0], event=event, record=shared[1])
     return Export("descriptor", exported.descriptor, keep=t, event=event, exported=exported)
+
+
+def _several_segments(t, ev_handle, allow_fd):
+    """``(tensor, record)`` when ``t`` lies in an expandable segment of
+    several allocations (shared as a PyTorch share record, with a warning),
+    else ``None``."""
+    try:
+        t2, record, storage = _record(t, ev_handle)
+    except CudaIpcError:
+        return None
+    if storage["type"] != "e" or len(storage["handles"]) < 2:
+        return None
+    warnings.warn(
+        f"the tensor lies in an expandable segment shared as {len(storage['handles'])} "
+        "allocations, which one cuda-ipc descriptor cannot describe; returning a PyTorch "
+        "share record instead (Export.kind == 'torch_share'), which cuda_ipc.open and Rust "
+        "torch::ShareRecord read",
+        UserWarning,
+        stacklevel=3,
+    )
+    if storage["kind"] == "fd" and allow_fd:
+        _core.allow_fd_fetching()
+    return t2, record
 
 
 def export_cupy(array, *, stream=None):
