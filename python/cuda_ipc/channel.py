@@ -162,6 +162,10 @@ class RingPublisher(_Owner):
 
     slots = property(lambda self: self._c.slots)
 
+    def subscribers(self):
+        """How many subscribers the ring has now."""
+        return self._c.subscribers()
+
     def acquire(self, timeout=None):
         """Waits for a free slot; returns its index."""
         return self._c.acquire(timeout)

@@ -660,6 +660,9 @@ def _chan_ring_produce(self, case, frames):
 
     def produce():
         try:
+            deadline = time.time() + 30
+            while ring.subscribers() < 1 and time.time() < deadline:
+                time.sleep(0.01)
             for i in range(frames):
                 slot = ring.acquire(timeout=30)
                 t = ring.as_torch(slot, "int32")
@@ -1288,7 +1291,7 @@ class Runner:
 
             th = threading.Thread(target=consume, daemon=True)
             th.start()
-            time.sleep(0.5)
+            # The producer waits for the subscriber before its first frame.
             a.call("chan_ring_produce", case=case, frames=50)
             th.join(150)
             res = out.get(timeout=1)

@@ -403,6 +403,10 @@ impl PyRingPublisher {
     fn slots(&self) -> usize {
         self.ring.slot_count()
     }
+    /// How many subscribers the ring has now.
+    fn subscribers(&self) -> usize {
+        self.ring.subscribers().len()
+    }
     /// Waits up to `timeout` seconds (`None`: for ever) for a free slot;
     /// returns its index.
     #[pyo3(signature = (timeout=None))]
