@@ -7,7 +7,7 @@
 #   FOLDER/run.sh [STEP ...]              (default: every step)
 #
 # The folder holds the release CLI, the release GPU test executables, the
-# examples, the Python module and its GPU script, the benchmark scripts and
+# examples, the Python wheel (wheels/) and its GPU script, the benchmark scripts and
 # run.sh, which runs them all and prints a summary. Binaries are built here
 # (glibc 2.36) and run on newer hosts (the H200 machine has glibc 2.39).
 set -euo pipefail
@@ -52,7 +52,18 @@ for ex in "$target"/release/examples/*; do
   [ -x "$ex" ] && [ -f "$ex" ] && cp "$ex" "$out/examples/"
 done
 cp -r python "$out/python"
-rm -rf "$out/python/tests/__pycache__" "$out/python/cuda_ipc/__pycache__"
+rm -rf "$out/python/tests/__pycache__" "$out/python/cuda_ipc/__pycache__" "$out/python/cuda_ipc"/_core*.so
+# The Python package as an abi3 wheel (Python 3.9+, manylinux tag of this
+# machine's glibc or lower): the GPU host installs it without Rust or network.
+echo "building the Python wheel..." >&2
+maturin=$(command -v maturin || true)
+if [ -z "$maturin" ]; then
+  venv=$target/maturin-venv
+  [ -x "$venv/bin/maturin" ] || { python3 -m venv "$venv" && "$venv/bin/pip" install -q 'maturin>=1.5,<2'; } >&2
+  maturin=$venv/bin/maturin
+fi
+mkdir -p "$out/wheels"
+(cd python && "$maturin" build --release --locked -i python3 -o "$out/wheels") >&2
 [ -d bench ] && cp -r bench "$out/bench"
 cp scripts/gpu-run.sh "$out/run.sh"
 chmod +x "$out/run.sh"

@@ -222,9 +222,20 @@ step_python() {
     return
   fi
   local log="$logs/python-interop.log"
+  local wheel site=/tmp/cuda_ipc_site
+  wheel=$(ls "$here"/wheels/cuda_ipc-*.whl 2>/dev/null | head -n 1)
+  if [ -z "$wheel" ]; then
+    bad "python: no wheel in $here/wheels (build the bundle with scripts/gpu-bundle.sh)"
+    return
+  fi
+  rm -rf "$site"
+  if ! python3 -m pip install -q --no-index --no-deps --target "$site" "$wheel" >"$logs/python-install.log" 2>&1; then
+    bad "python: installing $(basename "$wheel") failed: $(tail -n 3 "$logs/python-install.log" | tr '\n' ' ')"
+    return
+  fi
   local only=()
   [ -n "${PYTHON_ONLY:-}" ] && only=(--only "$PYTHON_ONLY")
-  PYTHONPATH="$here/python" python3 "$script" --cli "$cli" "${only[@]}" >"$log" 2>&1
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 "$script" --cli "$cli" "${only[@]}" >"$log" 2>&1
   local rc=$?
   local p f
   p=$(grep -Eo '^[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)

@@ -1,30 +1,62 @@
 """cuda_ipc: share CUDA memory between processes without copying.
 
-Map memory another process exported (a Rust program using the cuda-ipc
-crate, the ``cuda-ipc export`` command, or another Python process) as a
-PyTorch tensor or a CuPy array, and export tensors and arrays the other way.
+The Rust library cuda-ipc, for Python: map memory another process exported
+(a Rust program, the ``cuda-ipc`` command, or another Python process) as a
+PyTorch tensor or a CuPy array, export tensors and arrays the other way.
 
 >>> m = cuda_ipc.open(descriptor_json)        # doctest: +SKIP
->>> t = m.as_torch()                          # zero copy; keeps the mapping alive
+>>> t = m.as_torch()                          # zero copy (DLPack); keeps the mapping alive
 >>> e = cuda_ipc.export_torch(tensor)         # doctest: +SKIP
 >>> send(e.json()); wait_for_consumers(); e.close()
 
-Only the standard library is imported here (ctypes on libcuda.so.1, loaded on
-first use); torch and cupy are imported by the functions that use them.
-See docs/PYTHON.md.
+Importing loads only the extension module (``cuda_ipc._core``); the driver
+(libcuda.so.1) is loaded on first use, torch and cupy by the functions that
+use them. See docs/PYTHON.md.
 """
 
-from . import dtypes
-from ._driver import available as driver_available
-from .descriptor import FORMAT_VERSION, cuda_array_interface, parse_descriptor, validate_descriptor
-from .errors import CudaIpcError, DescriptorError, DriverError, DriverNotFound, TorchRecordError, Unsupported
-from .export import Export, MissingDependency, export_cupy, export_torch, torch_share_record
+from . import _core, dtypes, sets
+from .channel import Attachment, Frame, Published, Publisher, Ring, RingPublisher, Subscriber
+from .descriptor import FORMAT_VERSION, cuda_array_interface, descriptor_json, parse_descriptor, validate_descriptor
+from .errors import (
+    CudaIpcError,
+    DescriptorError,
+    DriverError,
+    DriverInvalidInput,
+    DriverNotFound,
+    DriverPeerGone,
+    DriverTimeout,
+    DriverUnavailable,
+    Failed,
+    InvalidInput,
+    MissingDependency,
+    NoDevice,
+    PeerGone,
+    SameProcess,
+    Timeout,
+    TorchRecordError,
+    Unavailable,
+    Unsupported,
+)
+from .export import Export, export_cupy, export_torch, torch_share_record
 from .mapping import Mapping, live_mappings, open
 from .torch_record import parse_storage_handle, record_to_descriptor, tensor_layout, validate_record
 
-__version__ = "0.1.0"
+__version__ = _core.__version__
+
+driver_available = _core.driver_available
+driver_version = _core.driver_version
+device_count = _core.device_count
+device_uuid = _core.device_uuid
+mem_info = _core.mem_info
 
 __all__ = [
+    "Publisher",
+    "Subscriber",
+    "Published",
+    "Attachment",
+    "RingPublisher",
+    "Ring",
+    "Frame",
     "open",
     "Mapping",
     "live_mappings",
@@ -34,19 +66,36 @@ __all__ = [
     "Export",
     "validate_descriptor",
     "parse_descriptor",
+    "descriptor_json",
     "cuda_array_interface",
     "validate_record",
     "record_to_descriptor",
     "parse_storage_handle",
     "tensor_layout",
     "driver_available",
+    "driver_version",
+    "device_count",
+    "device_uuid",
+    "mem_info",
     "dtypes",
+    "sets",
     "FORMAT_VERSION",
     "CudaIpcError",
-    "MissingDependency",
-    "DriverError",
+    "Unavailable",
     "DriverNotFound",
+    "NoDevice",
+    "Unsupported",
+    "InvalidInput",
     "DescriptorError",
     "TorchRecordError",
-    "Unsupported",
+    "SameProcess",
+    "PeerGone",
+    "Timeout",
+    "Failed",
+    "DriverError",
+    "DriverUnavailable",
+    "DriverInvalidInput",
+    "DriverPeerGone",
+    "DriverTimeout",
+    "MissingDependency",
 ]

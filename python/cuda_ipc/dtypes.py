@@ -1,5 +1,5 @@
 """Element types: descriptor names, PyTorch names, NumPy names, CUDA array
-interface type strings.
+interface type strings (the table is the extension's, from the Rust library).
 
 | descriptor | PyTorch | NumPy / CuPy | typestr | bytes |
 |---|---|---|---|---|
@@ -16,50 +16,29 @@ interface type strings.
 | bf16 | bfloat16 | bfloat16 (ml_dtypes) | ``<V2`` | 2 |
 | f32 | float32 | float32 | ``<f4`` | 4 |
 | f64 | float64 | float64 | ``<f8`` | 8 |
-
-bfloat16 has no NumPy type string; the CUDA array interface of a bf16
-mapping says ``<V2`` (two raw bytes), and ``as_torch()`` builds the tensor
-from the 16-bit integers and reinterprets them as ``torch.bfloat16``.
 """
 
-__all__ = ["DTYPES", "DType", "by_name", "from_torch", "from_numpy_name", "torch_name"]
+from . import _core
+
+__all__ = ["DTYPES", "DType", "by_name", "from_torch", "from_numpy_name", "torch_name", "names", "lookup"]
 
 
 class DType:
-    """One element type."""
+    """One element type: ``name`` (in descriptors), ``torch``, ``numpy``,
+    ``typestr``, ``size``, and ``raw_typestr``/``raw_numpy`` (a same-sized
+    integer type every consumer can build)."""
 
     __slots__ = ("name", "torch", "numpy", "typestr", "size", "raw_typestr", "raw_numpy")
 
     def __init__(self, name, torch, numpy, typestr, size, raw_typestr, raw_numpy):
-        self.name = name  # in descriptors
-        self.torch = torch  # torch.<torch>
-        self.numpy = numpy  # numpy / cupy name
-        self.typestr = typestr  # __cuda_array_interface__ typestr
-        self.size = size
-        # A same-sized type every CAI consumer can build (for reinterpretation).
-        self.raw_typestr = raw_typestr
-        self.raw_numpy = raw_numpy
+        self.name, self.torch, self.numpy, self.typestr = name, torch, numpy, typestr
+        self.size, self.raw_typestr, self.raw_numpy = size, raw_typestr, raw_numpy
 
     def __repr__(self):
         return f"DType({self.name!r})"
 
 
-DTYPES = [
-    DType("bool", "bool", "bool", "|b1", 1, "|u1", "uint8"),
-    DType("u8", "uint8", "uint8", "|u1", 1, "|u1", "uint8"),
-    DType("i8", "int8", "int8", "|i1", 1, "|i1", "int8"),
-    DType("u16", "uint16", "uint16", "<u2", 2, "<i2", "int16"),
-    DType("i16", "int16", "int16", "<i2", 2, "<i2", "int16"),
-    DType("u32", "uint32", "uint32", "<u4", 4, "<i4", "int32"),
-    DType("i32", "int32", "int32", "<i4", 4, "<i4", "int32"),
-    DType("u64", "uint64", "uint64", "<u8", 8, "<i8", "int64"),
-    DType("i64", "int64", "int64", "<i8", 8, "<i8", "int64"),
-    DType("f16", "float16", "float16", "<f2", 2, "<i2", "int16"),
-    DType("bf16", "bfloat16", "bfloat16", "<V2", 2, "<i2", "int16"),
-    DType("f32", "float32", "float32", "<f4", 4, "<i4", "int32"),
-    DType("f64", "float64", "float64", "<f8", 8, "<i8", "int64"),
-]
-
+DTYPES = [DType(*row) for row in _core.dtype_table()]
 _BY_NAME = {d.name: d for d in DTYPES}
 _BY_TORCH = {d.torch: d for d in DTYPES}
 _BY_NUMPY = {d.numpy: d for d in DTYPES}
@@ -71,37 +50,28 @@ def names():
 
 
 def by_name(name):
-    """The DType of a descriptor name (``"f32"``), or ``None``."""
+    """The :class:`DType` of a descriptor name (``"f32"``), or ``None``."""
     return _BY_NAME.get(name)
 
 
 def from_torch(name):
-    """The DType of a PyTorch dtype name (``"float32"``, no ``torch.``
-    prefix), or ``None``."""
-    return _BY_TORCH.get(name)
+    """The :class:`DType` of a PyTorch dtype name (``"float32"``), or ``None``."""
+    return _BY_TORCH.get(torch_name(name))
 
 
 def torch_name(dtype):
-    """The PyTorch name of a torch.dtype object (``torch.float32`` ->
-    ``"float32"``)."""
-    text = str(dtype)
-    return text[len("torch."):] if text.startswith("torch.") else text
+    """``"float32"`` for ``torch.float32`` (or its string)."""
+    return str(dtype).replace("torch.", "")
 
 
 def from_numpy_name(name):
-    """The DType of a NumPy/CuPy dtype name (``"float32"``, ``"bfloat16"``),
-    or ``None``."""
+    """The :class:`DType` of a NumPy/CuPy dtype name, or ``None``."""
     return _BY_NUMPY.get(name)
 
 
 def lookup(name):
-    """The DType for any accepted spelling: a descriptor name (``"u16"``), a
-    PyTorch/NumPy name (``"uint16"``), or a torch/numpy dtype object."""
+    """The :class:`DType` of a descriptor, PyTorch or NumPy name, or ``None``."""
     if isinstance(name, DType):
         return name
-    text = torch_name(name)
-    if text in _BY_NAME:
-        return _BY_NAME[text]
-    if text in _BY_TORCH:
-        return _BY_TORCH[text]
-    return None
+    name = torch_name(name)
+    return _BY_NAME.get(name) or _BY_TORCH.get(name) or _BY_NUMPY.get(name)

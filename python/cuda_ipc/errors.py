@@ -1,75 +1,164 @@
-"""The exceptions of cuda_ipc.
+"""The exceptions of cuda_ipc: one class per kind of error of the Rust
+library (``cuda_ipc::ErrorKind``), all under :class:`CudaIpcError`.
 
-Every failure is a :class:`CudaIpcError`. A failed driver call is a
-:class:`DriverError` that names the C function and keeps the raw ``CUresult``
-code and name; malformed input is a :class:`DescriptorError` or a
-:class:`TorchRecordError` (both also ``ValueError``) naming the field.
+The message is the library's one sentence, the same the ``cuda-ipc``
+command prints after ``cuda-ipc: error:``. ``kind`` names the class of the
+error (``"unavailable"``, ``"invalid_input"``, ``"peer"``, ``"timeout"``,
+``"failed"``). A failed driver call is a :class:`DriverError` (of the
+subclass for its kind) with ``call``, ``code``, ``name`` and ``hint``.
+
+::
+
+    CudaIpcError
+    ├── Unavailable             no driver or device, or the feature is missing here
+    │   ├── DriverNotFound      libcuda.so.1 missing, too old, or disabled
+    │   ├── NoDevice
+    │   ├── Unsupported
+    │   └── DriverUnavailable   (also DriverError)
+    ├── InvalidInput            (also ValueError) malformed input
+    │   ├── DescriptorError     names the field
+    │   ├── TorchRecordError
+    │   ├── SameProcess         opening one's own legacy handle
+    │   └── DriverInvalidInput  (also DriverError)
+    ├── PeerGone                the other process exited or refused
+    │   └── DriverPeerGone      (also DriverError)
+    ├── Timeout                 (also TimeoutError)
+    │   └── DriverTimeout       (also DriverError)
+    ├── Failed                  a driver or system call failed at run time
+    │   └── DriverError
+    └── MissingDependency       (also ImportError) torch or cupy not installed
 """
 
 __all__ = [
     "CudaIpcError",
+    "Unavailable",
     "DriverNotFound",
-    "DriverError",
+    "NoDevice",
+    "Unsupported",
+    "InvalidInput",
     "DescriptorError",
     "TorchRecordError",
-    "Unsupported",
+    "SameProcess",
+    "PeerGone",
+    "Timeout",
+    "Failed",
+    "DriverError",
+    "DriverUnavailable",
+    "DriverInvalidInput",
+    "DriverPeerGone",
+    "DriverTimeout",
+    "MissingDependency",
 ]
 
 
 class CudaIpcError(Exception):
     """Base class of every error raised by cuda_ipc.
 
-    ``call``, ``code`` and ``name`` are set for driver errors and ``None``
-    otherwise.
+    ``kind`` is the error's class; ``call``, ``code``, ``name`` and ``hint``
+    are set for driver errors and ``None`` otherwise.
     """
 
+    kind = None
     call = None
     code = None
     name = None
+    hint = None
 
 
-class DriverNotFound(CudaIpcError):
-    """libcuda.so.1 could not be loaded or initialised (no NVIDIA driver)."""
+class Unavailable(CudaIpcError):
+    """No usable driver or device, or the device or platform lacks a feature."""
+
+    kind = "unavailable"
 
 
-class Unsupported(CudaIpcError):
-    """This machine, kernel or library cannot do what was asked."""
+class DriverNotFound(Unavailable):
+    """libcuda.so.1 could not be loaded, is older than CUDA 13.0, or
+    ``CUDA_IPC_DISABLE_DRIVER`` is set."""
 
 
-class DriverError(CudaIpcError):
-    """A CUDA driver call failed.
-
-    Attributes: ``call`` (the C function, e.g. ``"cuIpcOpenMemHandle"``),
-    ``code`` (the raw ``CUresult``), ``name`` (e.g.
-    ``"CUDA_ERROR_INVALID_CONTEXT"``) and ``hint`` (what it usually means, or
-    ``None``).
-    """
-
-    def __init__(self, call, code, name, hint=None):
-        self.call = call
-        self.code = int(code)
-        self.name = name
-        self.hint = hint
-        text = f"{call} failed with {name} ({self.code})"
-        if hint:
-            text += f": {hint}"
-        super().__init__(text)
+class NoDevice(Unavailable):
+    """The driver sees no device, or not the one asked for."""
 
 
-class DescriptorError(CudaIpcError, ValueError):
-    """A descriptor field is missing or malformed (the same rules as the Rust
-    ``descriptor.rs``)."""
-
-    def __init__(self, field, reason):
-        self.field = field
-        self.reason = reason
-        super().__init__(f"descriptor field `{field}`: {reason}")
+class Unsupported(Unavailable):
+    """This machine, kernel or driver cannot do what was asked."""
 
 
-class TorchRecordError(CudaIpcError, ValueError):
-    """A PyTorch share record is malformed or of an unsupported kind (the same
-    rules as the Rust ``torch.rs``)."""
+class InvalidInput(CudaIpcError, ValueError):
+    """The input was malformed or inconsistent (a descriptor, a record, a
+    handle, a size, a range)."""
 
-    def __init__(self, reason):
-        self.reason = reason
-        super().__init__(f"PyTorch share record: {reason}")
+    kind = "invalid_input"
+
+
+class DescriptorError(InvalidInput):
+    """A descriptor field is missing or malformed; ``field`` and ``reason``
+    say which and why."""
+
+    field = None
+    reason = None
+
+
+class TorchRecordError(InvalidInput):
+    """A PyTorch share record is malformed or of an unsupported kind."""
+
+    reason = None
+
+
+class SameProcess(InvalidInput):
+    """A process opened its own legacy IPC handle, which CUDA refuses
+    (``code`` is 201, CUDA_ERROR_INVALID_CONTEXT)."""
+
+
+class PeerGone(CudaIpcError):
+    """The other process is gone, or refused us."""
+
+    kind = "peer"
+
+
+class Timeout(CudaIpcError, TimeoutError):
+    """A wait ran out of time."""
+
+    kind = "timeout"
+
+
+class Failed(CudaIpcError):
+    """A driver call or a system call failed at run time."""
+
+    kind = "failed"
+
+
+class DriverError(Failed):
+    """A CUDA driver call failed: ``call`` (the C function), ``code`` (the
+    raw ``CUresult``), ``name`` (e.g. ``CUDA_ERROR_INVALID_CONTEXT``),
+    ``hint`` (what it usually means, or ``None``). The subclasses below say
+    when the code means something else than a run-time failure."""
+
+
+class DriverUnavailable(DriverError, Unavailable):
+    """A driver call said the device or platform cannot do it."""
+
+    kind = "unavailable"
+
+
+class DriverInvalidInput(DriverError, InvalidInput):
+    """A driver call refused its input (a bogus or foreign handle)."""
+
+    kind = "invalid_input"
+
+
+class DriverPeerGone(DriverError, PeerGone):
+    """A driver call failed because the other process is gone."""
+
+    kind = "peer"
+
+
+class DriverTimeout(DriverError, Timeout):
+    """A driver call timed out."""
+
+    kind = "timeout"
+
+
+class MissingDependency(CudaIpcError, ImportError):
+    """An optional package this function needs (torch or cupy) is not
+    installed. Also an ``ImportError``, so ``except ImportError`` works."""

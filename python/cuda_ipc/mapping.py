@@ -1,283 +1,114 @@
-"""Mapping descriptors (and PyTorch share records) in this process."""
+"""Mapping descriptors (and PyTorch share records) in this process, through
+the Rust library; the torch and CuPy conversions."""
 
-import atexit
-import json
-import os
-import threading
-import weakref
-
+from . import _core
 from . import dtypes as _dtypes
-from ._driver import driver
-from ._os import fetch_fd
-from .descriptor import cuda_array_interface, validate_descriptor
-from .errors import CudaIpcError, DescriptorError, Unsupported
-from .torch_record import check_segment, is_record, parse_storage_handle, record_to_descriptor, tensor_layout, validate_record
+from .errors import CudaIpcError, MissingDependency
 
 __all__ = ["open", "Mapping", "live_mappings"]
 
-_SHUTTING_DOWN = False
-_LIVE = weakref.WeakSet()
-_LIVE_LOCK = threading.Lock()
+
+def _import_optional(module, install):
+    """Imports ``module``, or raises :class:`MissingDependency` saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module and not (e.name or "").startswith(module + "."):
+            raise
+        raise MissingDependency(
+            f"this function needs {module}, which is not installed; install it with `{install}`"
+        ) from e
 
 
-def _wait_for(drv, stream, event):
-    """Makes ``stream`` wait for ``event`` unless its record has completed:
-    then there is nothing to wait for, and a queued wait on another
-    process's event would make a GPU shared with that process switch to
-    this one's context for nothing (about 0.15 ms on an H200)."""
-    if not drv.event_complete(event):
-        drv.stream_wait_event(stream, event)
+def _torch():
+    return _import_optional("torch", "pip install './python[torch]'  (or pip install torch)")
 
 
-@atexit.register
-def _at_exit():
-    # At exit the driver tears every mapping down with the process; calling
-    # into it from finalizers while other libraries shut down is not safe.
-    global _SHUTTING_DOWN
-    _SHUTTING_DOWN = True
+def _cupy():
+    return _import_optional("cupy", "pip install './python[cupy]'  (or pip install cupy-cuda13x)")
 
 
 def live_mappings():
-    """How many mappings this process holds that are not released yet
+    """How many mappings this process holds that are not unmapped yet
     (mappings closed while views are alive count until the views die)."""
-    with _LIVE_LOCK:
-        return sum(1 for r in list(_LIVE) if not r.released)
-
-
-class _Resource:
-    """What one open holds in the driver, undone in reverse order on release."""
-
-    def __init__(self, ordinal, kind):
-        self.ordinal = ordinal
-        self.kind = kind
-        self.released = False
-        self.undo = []
-        self.event = None
-        self.views = weakref.WeakSet()
-        self.lock = threading.Lock()
-        with _LIVE_LOCK:
-            _LIVE.add(self)
-
-    def release(self):
-        with self.lock:
-            if self.released:
-                return
-            self.released = True
-            undo, self.undo = self.undo, []
-        if _SHUTTING_DOWN or not undo:
-            return
-        drv = driver()
-        first = None
-        with drv.bound(self.ordinal):
-            # Work queued on this memory (by us, PyTorch or CuPy, on any
-            # stream of the context) must finish before it is unmapped.
-            try:
-                drv.ctx_synchronize()
-            except CudaIpcError as e:
-                first = e
-            for fn in reversed(undo):
-                try:
-                    fn()
-                except CudaIpcError as e:
-                    first = first or e
-        if first is not None:
-            raise first
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:
-            # Errors cannot be raised from a finalizer; a failed unmap means
-            # the context is gone, which unmaps everything with it.
-            pass
-
-
-class _View:
-    """The object a PyTorch tensor or CuPy array made by ``as_torch`` /
-    ``as_cupy`` holds on to: it keeps the mapping alive."""
-
-    __slots__ = ("_res", "__cuda_array_interface__", "__weakref__")
-
-    def __init__(self, res, cai):
-        self._res = res
-        self.__cuda_array_interface__ = cai
-        res.views.add(self)
-
-
-def _stream_handle(stream):
-    """A raw CUstream from None (the legacy default stream), an int, or a
-    torch/cupy stream object."""
-    if stream is None:
-        return 0
-    if isinstance(stream, int):
-        return stream
-    for attr in ("cuda_stream", "ptr", "handle"):
-        v = getattr(stream, attr, None)
-        if isinstance(v, int):
-            return v
-    raise TypeError(f"cannot get a CUDA stream handle from {stream!r}")
+    return _core.live_mappings()
 
 
 class Mapping:
     """Memory another process exported, mapped here.
 
-    ``ptr`` is the device address of the first exported byte (the
-    descriptor's offset applied), ``nbytes`` the exported length. The object
-    has a ``__cuda_array_interface__`` (version 3) with the descriptor's
-    shape, strides and dtype, so ``torch.as_tensor(m, device="cuda")`` and
-    ``cupy.asarray(m)`` see the memory without copying; prefer
-    :meth:`as_torch` and :meth:`as_cupy`, whose results keep the mapping
-    alive on their own.
+    ``ptr`` is the device address of the first exported byte, ``nbytes`` the
+    exported length, ``shape``/``strides`` (elements) and ``dtype`` the
+    descriptor's. The object speaks DLPack (``__dlpack__``,
+    ``__dlpack_device__``) and the CUDA array interface, so
+    ``torch.from_dlpack(m)`` and ``cupy.asarray(m)`` see the memory without
+    copying; :meth:`as_torch` and :meth:`as_cupy` do that for you. Every
+    tensor or array made from it keeps the memory mapped (through the DLPack
+    capsule's deleter, or the object the array holds) until it dies.
 
-    :meth:`close` unmaps at once when no ``as_torch``/``as_cupy`` view is
-    alive, else when the last one dies. Objects built from the mapping's own
-    ``__cuda_array_interface__`` are not tracked: do not close the mapping
-    while they are in use. Dropping every reference closes it too.
+    :meth:`close` lets go of this object's hold: the memory is unmapped at
+    once when no view is alive, else when the last one dies. The exporter's
+    event, if the descriptor carries one, was waited for by :func:`open`.
     """
 
-    def __init__(self, res, descriptor, ptr, waited_stream, segments=1):
-        self._res = res
-        self.descriptor = descriptor
-        self.ptr = ptr
-        self.nbytes = descriptor["len"]
-        self.device = res.ordinal
-        self.mechanism = descriptor["mechanism"] if segments == 1 else "torch_segments"
-        self.segments = segments
-        self.dtype = descriptor["dtype"]
-        shape = descriptor.get("shape")
-        self.shape = tuple(shape) if shape is not None else (descriptor["len"] // descriptor["elem_size"],)
-        strides = descriptor.get("strides")
-        self.strides = None if strides is None else tuple(strides)
-        self._waited = waited_stream
+    __slots__ = ("_m", "__weakref__")
 
-    def __repr__(self):
-        state = "closed" if self.closed else f"ptr=0x{self.ptr:x}"
-        return (f"<cuda_ipc.Mapping {self.mechanism} {self.dtype}{list(self.shape)} "
-                f"{self.nbytes} bytes on cuda:{self.device} {state}>")
+    def __init__(self, core):
+        self._m = core
 
-    @property
-    def closed(self):
-        """Whether :meth:`close` was called (views may still hold the memory)."""
-        return self._res is None
-
-    def _resource(self):
-        if self._res is None:
-            raise CudaIpcError("the mapping is closed")
-        return self._res
+    ptr = property(lambda self: self._m.ptr, doc="Device address of the first exported byte.")
+    nbytes = property(lambda self: self._m.nbytes, doc="Exported length in bytes.")
+    dtype = property(lambda self: self._m.dtype, doc="Element type (descriptor name).")
+    shape = property(lambda self: self._m.shape, doc="Dimensions in elements.")
+    strides = property(lambda self: self._m.strides, doc="Strides in elements, None when contiguous.")
+    device = property(lambda self: self._m.device, doc="CUDA device ordinal.")
+    mechanism = property(lambda self: self._m.mechanism, doc="legacy, vmm, pool, fabric or torch_segments.")
+    segments = property(lambda self: self._m.segments, doc="How many allocations are mapped.")
+    descriptor = property(lambda self: self._m.descriptor, doc="The descriptor, canonical.")
+    closed = property(lambda self: self._m.closed, doc="Whether close() was called.")
 
     @property
     def __cuda_array_interface__(self):
-        res = self._resource()
-        stream = None
-        if res.event is not None:
-            # The mapping's bytes are ready after the work queued on the
-            # stream we made wait on the exporter's event.
-            stream = 1 if self._waited == 0 else self._waited
-        return cuda_array_interface(self.ptr, self.descriptor, stream=stream)
+        return self._m.__cuda_array_interface__
+
+    def __dlpack__(self, **kwargs):
+        return self._m.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._m.__dlpack_device__()
+
+    def __repr__(self):
+        return repr(self._m)
 
     def wait(self, stream=None):
-        """Makes ``stream`` (a handle or a torch/cupy stream; default the
-        legacy default stream) wait on the device for the exporter's event,
-        if the descriptor carried one. ``as_torch``/``as_cupy`` do this for
-        the framework's current stream."""
-        res = self._resource()
-        if res.event is None:
-            return
-        drv = driver()
-        with drv.bound(res.ordinal):
-            _wait_for(drv, _stream_handle(stream), res.event)
+        """Kept for compatibility: :func:`open` has already waited for the
+        exporter's event."""
 
-    def _target(self, dtype):
-        own = _dtypes.by_name(self.dtype)
-        if dtype is None:
-            return own
-        dt = _dtypes.lookup(dtype)
-        if dt is None:
-            raise CudaIpcError(f"unknown dtype {dtype!r}; known: {', '.join(_dtypes.names())}")
-        if dt.size != own.size:
-            raise CudaIpcError(
-                f"cannot view {own.name} elements as {dt.name}: the element sizes differ "
-                f"({own.size} and {dt.size} bytes)"
-            )
-        return dt
-
-    def _view(self, raw):
-        res = self._resource()
-        return _View(res, cuda_array_interface(self.ptr, self.descriptor, stream=None, raw=raw))
+    def view(self, dtype=None, raw=False):
+        """An object with DLPack and the CUDA array interface that keeps the
+        memory mapped, as ``dtype`` (same element size) if given."""
+        return self._m.view(None if dtype is None else _name(dtype), raw)
 
     def as_torch(self, dtype=None):
-        """A PyTorch tensor over the mapped memory (no copy), on this
-        mapping's device, with the descriptor's shape and strides. The
-        tensor keeps the mapping alive. ``dtype`` reinterprets the elements
-        as another type of the same size (``"uint8"`` for bool, ...).
-
-        The current PyTorch stream is made to wait for the exporter's event
-        first, if there is one. Needs numpy (PyTorch reads the CUDA array
-        interface through it)."""
-        import torch
-
-        dt = self._target(dtype)
-        # Types whose typestr PyTorch reads are built directly; the others
-        # (bf16, u16/u32/u64) from same-sized integers and reinterpreted.
-        target = getattr(torch, dt.torch, None)
-        if target is None:
-            raise CudaIpcError(f"this PyTorch has no torch.{dt.torch}")
-        raw = dt.name in ("bf16", "u16", "u32", "u64") or dt.name != self.dtype
-        owner = self._view(raw)
-        dev = torch.device("cuda", self.device)
-        try:
-            with torch.cuda.device(dev):
-                self.wait(torch.cuda.current_stream(dev).cuda_stream)
-                t = torch.as_tensor(owner, device=dev)
-        except (RuntimeError, TypeError) as e:
-            raise CudaIpcError(
-                f"PyTorch could not wrap the mapping: {e}"
-                + (" (install numpy: PyTorch reads the CUDA array interface through it)" if "umpy" in str(e) else "")
-            ) from e
-        if t.dtype != target:
-            t = t.view(target)
-        return t
+        """A PyTorch tensor over the mapped memory (no copy, through DLPack),
+        on this mapping's device, with the descriptor's shape and strides. The
+        tensor keeps the mapping alive. ``dtype`` reinterprets the elements as
+        another type of the same size."""
+        return _as_torch(self._m.view, self.dtype, dtype)
 
     def as_cupy(self, dtype=None):
         """A CuPy array over the mapped memory (no copy), on this mapping's
         device, with the descriptor's shape and strides; it keeps the mapping
         alive. ``dtype`` reinterprets the elements as another type of the
-        same size. bfloat16 needs ml_dtypes (else pass ``dtype="uint16"`` for
-        the raw bits).
-
-        The current CuPy stream is made to wait for the exporter's event
-        first, if there is one."""
-        import cupy
-
-        dt = self._target(dtype)
-        final = None
-        if dt.name == "bf16":
-            try:
-                import ml_dtypes
-
-                final = ml_dtypes.bfloat16
-            except ImportError:
-                raise CudaIpcError(
-                    "CuPy has no bfloat16 type without ml_dtypes; install ml_dtypes, or call "
-                    "as_cupy(dtype='uint16') for the raw bits"
-                ) from None
-        raw = dt.name == "bf16" or dt.name != self.dtype
-        owner = self._view(raw)
-        with cupy.cuda.Device(self.device):
-            self.wait(cupy.cuda.get_current_stream().ptr)
-            a = cupy.asarray(owner)
-        if final is not None:
-            a = a.view(final)
-        elif a.dtype.name != dt.numpy:
-            a = a.view(dt.numpy)
-        return a
+        same size. bfloat16 needs ml_dtypes (else pass ``dtype="uint16"``)."""
+        return _as_cupy(self._m.view, self.dtype, self.device, dtype)
 
     def close(self):
-        """Unmaps now if no ``as_torch``/``as_cupy`` view is alive, else when
-        the last one dies. Safe to call twice."""
-        res, self._res = self._res, None
-        if res is not None and not len(res.views):
-            res.release()
+        """Unmaps now if no view is alive, else when the last one dies. Safe
+        to call twice."""
+        self._m.close()
 
     def __enter__(self):
         return self
@@ -287,171 +118,76 @@ class Mapping:
         return False
 
 
-def _ordinal_for(drv, uuid, device):
-    if device is not None:
-        n = drv.device_count()
-        if not 0 <= int(device) < n:
-            raise CudaIpcError(f"CUDA device {device} is not available: the driver sees {n} device(s)")
-        return int(device)
-    ordinal = drv.ordinal_of(uuid)
-    if ordinal is None:
+def _as_torch(view, own, dtype=None):
+    """A torch tensor over ``view(name, raw)`` (a core view factory) through
+    DLPack: the capsule's deleter keeps the memory until the tensor dies."""
+    torch = _torch()
+    dt = _target(own, dtype)
+    target = getattr(torch, dt.torch, None)
+    if target is None:
+        raise CudaIpcError(f"this PyTorch has no torch.{dt.torch}")
+    # Types every PyTorch reads from DLPack are handed over as they are;
+    # bool and the unsigned types wider than a byte as same-sized integers.
+    raw = dt.name in ("bool", "u16", "u32", "u64")
+    t = torch.from_dlpack(view(dt.name, raw))
+    if t.dtype != target:
+        t = t.view(target)
+    return t
+
+
+def _as_cupy(view, own, device, dtype=None):
+    """A CuPy array over ``view(name, raw)`` through the CUDA array
+    interface; the array holds the view, which keeps the memory."""
+    cupy = _cupy()
+    dt = _target(own, dtype)
+    final = None
+    if dt.name == "bf16":
+        try:
+            import ml_dtypes
+
+            final = ml_dtypes.bfloat16
+        except ImportError:
+            raise CudaIpcError(
+                "CuPy has no bfloat16 type without ml_dtypes; install ml_dtypes, or call "
+                "as_cupy(dtype='uint16') for the raw bits"
+            ) from None
+    with cupy.cuda.Device(device):
+        a = cupy.asarray(view(dt.name, dt.name == "bf16"))
+    if final is not None:
+        a = a.view(final)
+    elif a.dtype.name != dt.numpy:
+        a = a.view(dt.numpy)
+    return a
+
+
+def _name(dtype):
+    dt = _dtypes.lookup(dtype)
+    return dt.name if dt is not None else str(dtype)
+
+
+def _target(own, dtype):
+    if dtype is None:
+        return _dtypes.by_name(own)
+    dt = _dtypes.lookup(dtype)
+    if dt is None:
+        raise CudaIpcError(f"unknown dtype {dtype!r}; known: {', '.join(_dtypes.names())}")
+    if dt.size != _dtypes.by_name(own).size:
         raise CudaIpcError(
-            f"device {uuid} is not visible to this process (the driver sees "
-            f"{drv.device_count()} device(s)); check CUDA_VISIBLE_DEVICES, or pass device="
+            f"cannot view {own} elements as {dt.name}: the element sizes differ "
+            f"({_dtypes.by_name(own).size} and {dt.size} bytes)"
         )
-    return ordinal
-
-
-def _take_fd(pid, fd):
-    """pidfd_getfd, with the error naming the descriptor."""
-    return fetch_fd(pid, fd)
-
-
-def _import_segments(drv, res, ordinal, imports, segment_size):
-    """Imports allocations of ``segment_size`` bytes each (``imports`` are
-    callables returning a generic allocation handle) and maps them back to
-    back; returns the base address."""
-    handles = []
-    for make in imports:
-        h = make()
-        handles.append(h)
-        res.undo.append(lambda h=h: drv.mem_release(h))
-    total = segment_size * len(handles)
-    base = drv.address_reserve(total)
-    res.undo.append(lambda: drv.address_free(base, total))
-    for i, h in enumerate(handles):
-        at = base + i * segment_size
-        drv.mem_map(at, segment_size, h)
-        res.undo.append(lambda at=at: drv.mem_unmap(at, segment_size))
-    drv.mem_set_access(base, total, ordinal)
-    return base
-
-
-def _fd_import(drv, pid, fd):
-    def make():
-        mine = _take_fd(pid, fd)
-        try:
-            return drv.import_fd(mine)
-        finally:
-            # The driver keeps its own reference to the allocation.
-            os.close(mine)
-    return make
-
-
-def _map(drv, res, d, ordinal, segments=None):
-    """Maps descriptor ``d`` (or the torch segments); returns the base."""
-    mech = d["mechanism"]
-    if segments is not None:
-        storage = segments
-        if storage["kind"] == "fd":
-            imports = [_fd_import(drv, storage["pid"], fd) for fd in storage["handles"]]
-        else:
-            imports = [(lambda h=h: drv.import_fabric(h)) for h in storage["handles"]]
-        return _import_segments(drv, res, ordinal, imports, storage["segment_size"])
-    if mech == "legacy":
-        base = drv.ipc_open_mem_handle(bytes.fromhex(d["handle"]))
-        res.undo.append(lambda: drv.ipc_close_mem_handle(base))
-        _, size = drv.address_range(base)
-        if d["offset"] + d["len"] > size:
-            raise DescriptorError(
-                "len",
-                f"offset {d['offset']} + len {d['len']} passes the end of the {size}-byte "
-                "allocation the handle names",
-            )
-        return base
-    if mech == "vmm":
-        return _import_segments(drv, res, ordinal, [_fd_import(drv, d["pid"], d["fd"])], d["alloc_size"])
-    if mech == "fabric":
-        h = bytes.fromhex(d["handle"])
-        return _import_segments(drv, res, ordinal, [lambda: drv.import_fabric(h)], d["alloc_size"])
-    if mech == "pool":
-        mine = _take_fd(d["pid"], d["fd"])
-        try:
-            pool = drv.pool_import_fd(mine)
-        finally:
-            os.close(mine)
-        res.undo.append(lambda: drv.pool_destroy(pool))
-        drv.pool_ensure_access(pool, ordinal)
-        ptr = drv.pool_import_pointer(pool, bytes.fromhex(d["handle"]))
-        res.undo.append(lambda: drv.mem_free(ptr))
-        _, size = drv.address_range(ptr)
-        if d["offset"] + d["len"] > size:
-            raise DescriptorError(
-                "len",
-                f"offset {d['offset']} + len {d['len']} passes the end of the {size}-byte pool allocation",
-            )
-        return ptr
-    raise Unsupported(f"mechanism {mech!r}")
+    return dt
 
 
 def open(descriptor, *, stream=None, device=None):  # noqa: A001 - the module's verb
-    """Maps a descriptor (a dict or JSON text, as ``cuda-ipc export`` prints
-    or ``export_torch`` returns) in this process and returns a
-    :class:`Mapping`.
+    """Maps a descriptor or a PyTorch share record (a dict, JSON text or
+    bytes) and returns a :class:`Mapping`.
 
-    - legacy: ``cuIpcOpenMemHandle`` (the offset applied);
-    - vmm: ``pidfd_getfd`` of the exporter's descriptor, then
-      ``cuMemImportFromShareableHandle``, reserve, map, set access;
-    - pool: ``pidfd_getfd`` of the pool's descriptor, then
-      ``cuMemPoolImportFromShareableHandle`` and ``cuMemPoolImportPointer``;
-    - fabric: ``cuMemImportFromShareableHandle`` of the fabric handle.
-
-    A PyTorch share record (``torch_share_record``) is accepted too,
-    including expandable segments of several allocations.
-
-    If the descriptor has an ``event``, it is opened and ``stream`` (default:
-    the legacy default stream) is made to wait on it. ``device`` overrides
-    the device found by UUID (an ordinal in this process).
+    The memory is mapped on the exporter's device (found by UUID) unless
+    ``device`` (an ordinal) says otherwise. For the fd mechanisms without the
+    channel, the exporter's descriptor is taken with ``pidfd_getfd`` (the
+    exporter allows it; containers may forbid it: use the channel). If the
+    descriptor carries an event, the host waits for it before returning
+    (``stream`` is accepted for compatibility and not needed).
     """
-    obj = descriptor
-    if isinstance(obj, (bytes, bytearray)):
-        obj = obj.decode("utf-8", errors="replace")
-    if isinstance(obj, str):
-        try:
-            obj = json.loads(obj)
-        except ValueError as e:
-            raise DescriptorError("(document)", f"not valid JSON: {e}") from None
-    segments = None
-    if is_record(obj):
-        r = validate_record(obj)
-        storage = parse_storage_handle(r["storage_handle"])
-        if storage["type"] == "e" and len(storage["handles"]) > 1:
-            check_segment(r, storage)
-            layout = tensor_layout(r)
-            d = {
-                "cuda_ipc": 1, "mechanism": "vmm", "fd": 0,
-                "alloc_size": storage["segment_size"] * len(storage["handles"]),
-                "offset": layout["offset"], "len": layout["len"], "dtype": layout["dtype"],
-                "shape": layout["shape"], "device_uuid": r["device_uuid"], "pid": storage["pid"],
-            }
-            if layout["strides"] is not None:
-                d["strides"] = layout["strides"]
-            if r["event_sync_required"]:
-                d["event"] = r["event_handle"].hex()
-            d = validate_descriptor(d)
-            segments = storage
-        else:
-            d = record_to_descriptor(r)
-    else:
-        d = validate_descriptor(obj)
-
-    drv = driver()
-    ordinal = _ordinal_for(drv, d["device_uuid"], device)
-    res = _Resource(ordinal, d["mechanism"])
-    waited = _stream_handle(stream)
-    try:
-        with drv.bound(ordinal):
-            base = _map(drv, res, d, ordinal, segments)
-            if "event" in d:
-                ev = drv.ipc_open_event_handle(bytes.fromhex(d["event"]))
-                res.undo.append(lambda: drv.event_destroy(ev))
-                res.event = ev
-                _wait_for(drv, waited, ev)
-    except BaseException:
-        try:
-            res.release()
-        except CudaIpcError:
-            pass
-        raise
-    n = 1 if segments is None else len(segments["handles"])
-    return Mapping(res, d, base + d["offset"], waited, segments=n)
+    return Mapping(_core.open(descriptor, device=device))

@@ -172,7 +172,7 @@ class ImportIsLight(unittest.TestCase):
         import subprocess
 
         code = ("import sys; sys.path.insert(0, %r); import cuda_ipc; "
-                "print(sorted(m for m in ('torch', 'cupy', 'numpy') if m in sys.modules))") % _path.PYTHON_DIR
+                "print(sorted(m for m in ('torch', 'cupy', 'numpy') if m in sys.modules))") % _path.PACKAGE_PARENT
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         self.assertEqual(out.stdout.strip(), "[]")
 

@@ -37,7 +37,7 @@ print("ok")
 
 class MissingDependencies(unittest.TestCase):
     def test_export_without_torch_or_cupy_says_what_to_install(self):
-        code = HIDE % _path.PYTHON_DIR
+        code = HIDE % _path.PACKAGE_PARENT
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertEqual(out.stdout.strip(), "ok")

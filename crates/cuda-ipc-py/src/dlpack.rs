@@ -1,0 +1,167 @@
+//! DLPack (version 0.8, the unversioned `dltensor` capsule every consumer
+//! reads): the C structures and the capsule that hands a mapped view to
+//! PyTorch, CuPy, JAX or NumPy-like libraries without a copy.
+//!
+//! The capsule's tensor owns a [`crate::mapping::Keep`]: the mapping (and
+//! the lease, for memory attached over the channel) lives until the
+//! consumer calls the deleter, that is until its last tensor view is gone.
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_void};
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::mapping::Keep;
+
+/// `kDLCUDA`.
+pub(crate) const DEVICE_CUDA: i32 = 2;
+
+#[repr(C)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+/// The DLPack type of a typestr-like element description.
+pub(crate) fn data_type(d: cuda_ipc::Dtype, raw: bool) -> DlDataType {
+    use cuda_ipc::Dtype as D;
+    let bits = (d.size() * 8) as u8;
+    // kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLBool 6. `raw` gives a
+    // same-sized signed integer (for types a consumer may not build).
+    let code = if raw {
+        0
+    } else {
+        match d {
+            D::Bool => 6,
+            D::U8 | D::U16 | D::U32 | D::U64 => 1,
+            D::F16 | D::F32 | D::F64 => 2,
+            D::Bf16 => 4,
+            // The signed integers, and a type added to the library later
+            // (as same-sized integers).
+            _ => 0,
+        }
+    };
+    DlDataType {
+        code,
+        bits,
+        lanes: 1,
+    }
+}
+
+/// What the capsule's tensor owns: the structure itself first (its address
+/// is the `DLManagedTensor *`), the arrays it points into, the mapping.
+#[repr(C)]
+struct Owner {
+    managed: DlManagedTensor,
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+    keep: Keep,
+}
+
+unsafe extern "C" fn delete_owner(managed: *mut DlManagedTensor) {
+    if managed.is_null() {
+        return;
+    }
+    // SAFETY: `managed` is the first field of a `#[repr(C)]` Owner made by
+    // `Box::into_raw` in `capsule`, and DLPack calls the deleter once.
+    drop(unsafe { Box::from_raw(managed.cast::<Owner>()) });
+}
+
+const NAME: &CStr = c"dltensor";
+
+unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    // A consumer that took the tensor renamed the capsule to
+    // "used_dltensor" and owns it now; otherwise nobody did, and we free it.
+    // SAFETY: called by Python with a live capsule and the GIL held.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, NAME.as_ptr()) == 1 {
+            let managed =
+                ffi::PyCapsule_GetPointer(capsule, NAME.as_ptr()).cast::<DlManagedTensor>();
+            if let Some(deleter) = (*managed).deleter {
+                deleter(managed);
+            }
+        } else {
+            // IsValid may have set an exception for the renamed capsule.
+            ffi::PyErr_Clear();
+        }
+    }
+}
+
+/// A `dltensor` capsule over `keep`'s memory at `ptr`, with shape and
+/// strides in elements, on CUDA device `ordinal`.
+pub(crate) fn capsule(
+    py: Python<'_>,
+    keep: Keep,
+    ptr: u64,
+    ordinal: usize,
+    dtype: DlDataType,
+    shape: &[u64],
+    strides: &[u64],
+) -> PyResult<Py<PyAny>> {
+    let mut owner = Box::new(Owner {
+        managed: DlManagedTensor {
+            dl_tensor: DlTensor {
+                data: ptr as *mut c_void,
+                device: DlDevice {
+                    device_type: DEVICE_CUDA,
+                    device_id: ordinal as i32,
+                },
+                ndim: shape.len() as i32,
+                dtype,
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_owner),
+        },
+        shape: shape.iter().map(|&d| d as i64).collect(),
+        strides: strides.iter().map(|&s| s as i64).collect(),
+        keep,
+    });
+    owner.managed.dl_tensor.shape = owner.shape.as_mut_ptr();
+    owner.managed.dl_tensor.strides = owner.strides.as_mut_ptr();
+    let raw = Box::into_raw(owner);
+    // SAFETY: `raw` is a live Owner; the field projection stays inside it.
+    unsafe {
+        (*raw).managed.manager_ctx = raw.cast();
+    }
+    // SAFETY: the pointer is non-null and outlives the capsule (freed by the
+    // deleter, which the destructor or the consumer calls once); the name is
+    // a static C string.
+    let cap = unsafe { ffi::PyCapsule_New(raw.cast(), NAME.as_ptr(), Some(capsule_destructor)) };
+    if cap.is_null() {
+        // SAFETY: no capsule owns `raw`, so nobody else frees it.
+        unsafe { delete_owner(raw.cast()) };
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: PyCapsule_New returned a new reference.
+    Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
+}

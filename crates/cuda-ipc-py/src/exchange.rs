@@ -1,0 +1,1009 @@
+//! The exchange channel from Python: `Publisher` (publish, update,
+//! unpublish, rings) and `Subscriber` (attach, wait for an update, release,
+//! ring frames), over `cuda_ipc::exchange`.
+//!
+//! Every binding of the exchange types is in this file.
+//!
+//! Synchronisation with the frameworks: Python code writes with PyTorch or
+//! CuPy on their own streams, which the library does not know. Before a
+//! publish or an update the context is synchronised (every stream of it),
+//! so the event the library records covers those writes; after an attach
+//! or an update is received, the host waits for the publisher's event, so
+//! any stream may read at once.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use cuda_ipc::descriptor::{Descriptor, Dtype, Mechanism};
+use cuda_ipc::device::Device;
+use cuda_ipc::exchange::{
+    Attachment as Attached, Endpoint, Publisher, PublisherConfig, RingFrame, RingPublisher,
+    RingSubscriber, Subscriber, SubscriberConfig,
+};
+use cuda_ipc::memory::DeviceMemory;
+use cuda_ipc::share::SharedBuffer;
+use cuda_ipc::{Error, Result};
+use pyo3::exceptions::PyStopIteration;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::codec;
+use crate::errors::IntoPyResult;
+use crate::mapping::{Keep, Layout, View, closed_error};
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A timeout in seconds; `None` is a year (a wait without end, that a
+/// deadline computation cannot overflow).
+fn duration(seconds: Option<f64>) -> Result<Duration> {
+    match seconds {
+        None => Ok(Duration::from_secs(365 * 86_400)),
+        Some(s) if s.is_finite() && (0.0..=1e9).contains(&s) => Ok(Duration::from_secs_f64(s)),
+        Some(s) => Err(Error::InvalidArgument {
+            what: "timeout",
+            reason: format!("{s} is not a number of seconds between 0 and 1e9"),
+        }),
+    }
+}
+
+fn mechanism(name: Option<&str>) -> Result<Option<Mechanism>> {
+    name.filter(|n| *n != "auto").map(str::parse).transpose()
+}
+
+fn dtype(name: &str) -> Result<Dtype> {
+    let name = name.strip_prefix("torch.").unwrap_or(name);
+    name.parse::<Dtype>()
+        .or_else(|_| cuda_ipc::torch::dtype_from_torch(name))
+}
+
+/// The layout of `len` bytes at `ptr` as `dtype` with `shape` (default:
+/// one dimension of every whole element).
+fn layout(
+    ptr: u64,
+    len: u64,
+    ordinal: usize,
+    dtype_name: &str,
+    shape: Option<Vec<u64>>,
+) -> Result<Layout> {
+    let dt = dtype(dtype_name)?;
+    let shape = shape.unwrap_or_else(|| vec![len / dt.size()]);
+    let bytes = shape
+        .iter()
+        .try_fold(dt.size(), |a, &d| a.checked_mul(d))
+        .filter(|&b| b <= len)
+        .ok_or_else(|| Error::InvalidArgument {
+            what: "shape",
+            reason: format!("{shape:?} of {dt} does not fit in the {len} bytes of the buffer"),
+        })?;
+    Ok(Layout {
+        ptr,
+        len: bytes,
+        dtype: dt,
+        shape,
+        strides: None,
+        ordinal,
+    })
+}
+
+/// Waits for every stream of `device`'s context (PyTorch's and CuPy's
+/// included).
+fn sync_context(device: &Device) -> Result<()> {
+    device
+        .context()
+        .synchronize()
+        .map_err(|e| Error::Unsupported {
+            what: "synchronising the context",
+            why: e.to_string(),
+        })
+}
+
+// --- the publisher ------------------------------------------------------------
+
+/// Device memory allocated to be published (not published yet): fill it
+/// through `view()`, then hand it to `Publisher.publish`.
+#[pyclass(module = "cuda_ipc._core", frozen)]
+struct Allocation {
+    buffer: Mutex<Option<Arc<SharedBuffer>>>,
+    device: Device,
+}
+
+#[pymethods]
+impl Allocation {
+    /// Length in bytes.
+    #[getter]
+    fn nbytes(&self) -> PyResult<usize> {
+        Ok(self.get()?.byte_len())
+    }
+    /// How it is shared.
+    #[getter]
+    fn mechanism(&self) -> PyResult<&'static str> {
+        Ok(self.get()?.mechanism().name())
+    }
+    /// A view as `dtype` with `shape` (default: bytes), for filling it.
+    #[pyo3(signature = (dtype="u8", shape=None))]
+    fn view(&self, dtype: &str, shape: Option<Vec<u64>>) -> PyResult<View> {
+        let b = self.get()?;
+        let l = layout(
+            b.device_address(),
+            b.byte_len() as u64,
+            self.device.ordinal(),
+            dtype,
+            shape,
+        )
+        .py()?;
+        View::new(Keep::other(self.device.clone(), b), l, None, false)
+    }
+}
+
+impl Allocation {
+    fn get(&self) -> PyResult<Arc<SharedBuffer>> {
+        lock(&self.buffer)
+            .clone()
+            .ok_or_else(|| closed_error("allocation", "it was published; use the Published object"))
+    }
+}
+
+/// A published buffer: write through `view()`, then `Publisher.update`.
+#[pyclass(module = "cuda_ipc._core", frozen)]
+struct Published {
+    name: String,
+    buffer: Arc<SharedBuffer>,
+    layout: Layout,
+    device: Device,
+}
+
+#[pymethods]
+impl Published {
+    /// The entry's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+    /// How it is shared.
+    #[getter]
+    fn mechanism(&self) -> &'static str {
+        self.buffer.mechanism().name()
+    }
+    /// The element type.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.layout.dtype.name()
+    }
+    /// The shape.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.layout.shape)
+    }
+    /// A view that keeps the buffer alive, as `dtype` (same size) if given.
+    #[pyo3(signature = (dtype=None, raw=false))]
+    fn view(&self, dtype: Option<&str>, raw: bool) -> PyResult<View> {
+        View::new(
+            Keep::other(self.device.clone(), self.buffer.clone()),
+            self.layout.clone(),
+            dtype,
+            raw,
+        )
+    }
+}
+
+/// Serves device buffers by name to subscribers in other processes.
+#[pyclass(module = "cuda_ipc._core", name = "Publisher", frozen)]
+struct PyPublisher {
+    inner: Mutex<Option<Arc<Publisher>>>,
+    device: Device,
+    path: String,
+}
+
+impl PyPublisher {
+    fn get(&self) -> PyResult<Arc<Publisher>> {
+        lock(&self.inner)
+            .clone()
+            .ok_or_else(|| closed_error("publisher", "make a new Publisher"))
+    }
+}
+
+#[pymethods]
+impl PyPublisher {
+    /// Binds the socket `endpoint` (a name under `$XDG_RUNTIME_DIR/cuda-ipc/`,
+    /// or a path with a `/`) and starts serving buffers of device `device`.
+    #[new]
+    #[pyo3(signature = (endpoint, *, device=0, allow_uids=Vec::new()))]
+    fn new(py: Python<'_>, endpoint: &str, device: usize, allow_uids: Vec<u32>) -> PyResult<Self> {
+        let (publisher, dev) = py
+            .detach(|| -> Result<_> {
+                let dev = crate::mapping::device(device)?;
+                let config = PublisherConfig::default().with_allow_uids(allow_uids);
+                let p = Publisher::bind(&dev, Endpoint::from(endpoint), config)?;
+                Ok((p, dev))
+            })
+            .py()?;
+        let path = publisher.path().display().to_string();
+        Ok(PyPublisher {
+            inner: Mutex::new(Some(Arc::new(publisher))),
+            device: dev,
+            path,
+        })
+    }
+
+    /// The socket path subscribers connect to.
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The device ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.device.ordinal()
+    }
+
+    /// Allocates `nbytes` of shareable device memory (`mechanism`: legacy,
+    /// vmm, pool, fabric, or `None` for the best here) to fill and publish.
+    #[pyo3(signature = (nbytes, mechanism=None))]
+    fn alloc(
+        &self,
+        py: Python<'_>,
+        nbytes: usize,
+        mechanism: Option<&str>,
+    ) -> PyResult<Allocation> {
+        let m = self::mechanism(mechanism).py()?;
+        let dev = self.device.clone();
+        let buffer = py.detach(|| SharedBuffer::alloc(&dev, nbytes, m)).py()?;
+        Ok(Allocation {
+            buffer: Mutex::new(Some(Arc::new(buffer))),
+            device: self.device.clone(),
+        })
+    }
+
+    /// Publishes `allocation` as `name`, elements of `dtype` with `shape`,
+    /// after the work queued so far on this device (any stream) finished.
+    #[pyo3(signature = (name, allocation, dtype="u8", shape=None))]
+    fn publish(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        allocation: &Allocation,
+        dtype: &str,
+        shape: Option<Vec<u64>>,
+    ) -> PyResult<Published> {
+        let publisher = self.get()?;
+        let dt = self::dtype(dtype).py()?;
+        let arc = allocation.get()?;
+        let len = arc.byte_len() as u64;
+        let l = layout(
+            arc.device_address(),
+            len,
+            self.device.ordinal(),
+            dtype,
+            shape,
+        )
+        .py()?;
+        // The library takes the buffer itself; the allocation's views must be gone.
+        let buffer = Arc::try_unwrap(arc).map_err(|_| {
+            closed_error(
+                "allocation",
+                "views of it are still alive (drop the tensors made from Allocation.view, or \
+                 publish through Publisher.publish in Python, which does)",
+            )
+        })?;
+        lock(&allocation.buffer).take();
+        let shape = l.shape.clone();
+        let dev = self.device.clone();
+        let name_owned = name.to_owned();
+        let shared_buffer = py
+            .detach(move || -> Result<_> {
+                sync_context(&dev)?;
+                publisher.publish(&name_owned, buffer, dt, Some(shape))
+            })
+            .py()?;
+        Ok(Published {
+            name: name.to_owned(),
+            layout: Layout {
+                ptr: shared_buffer.device_address(),
+                ..l
+            },
+            buffer: shared_buffer,
+            device: self.device.clone(),
+        })
+    }
+
+    /// Tells the subscribers of `name` that new contents are ready (after
+    /// the work queued so far on this device). Returns the generation.
+    fn update(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
+        let publisher = self.get()?;
+        let dev = self.device.clone();
+        py.detach(|| -> Result<_> {
+            sync_context(&dev)?;
+            publisher.update(name)
+        })
+        .py()
+    }
+
+    /// Hides `name` from new subscribers and waits up to `timeout` seconds
+    /// (`None`: for ever) until every lease on it is released.
+    #[pyo3(signature = (name, timeout=None))]
+    fn unpublish(&self, py: Python<'_>, name: &str, timeout: Option<f64>) -> PyResult<()> {
+        let publisher = self.get()?;
+        let t = timeout.map(|s| duration(Some(s))).transpose().py()?;
+        py.detach(|| publisher.unpublish(name, t).map(drop)).py()
+    }
+
+    /// The current leases: `[{"lease", "name", "pid", "uid"}]`.
+    fn leases<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.get()?
+            .leases()
+            .into_iter()
+            .map(|l| {
+                let d = PyDict::new(py);
+                d.set_item("lease", l.lease)?;
+                d.set_item("name", l.name)?;
+                d.set_item("pid", l.pid)?;
+                d.set_item("uid", l.uid)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Creates a ring of `slots` buffers of `slot_bytes` each under `name`.
+    #[pyo3(signature = (name, slots, slot_bytes, mechanism=None))]
+    fn ring(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        slots: usize,
+        slot_bytes: usize,
+        mechanism: Option<&str>,
+    ) -> PyResult<PyRingPublisher> {
+        let publisher = self.get()?;
+        let m = self::mechanism(mechanism).py()?;
+        let ring = py
+            .detach(|| publisher.ring(name, slots, slot_bytes, m))
+            .py()?;
+        Ok(PyRingPublisher {
+            ring: Arc::new(ring),
+            device: self.device.clone(),
+            slot_bytes,
+            addresses: Mutex::new(std::collections::HashMap::new()),
+        })
+    }
+
+    /// Stops serving (subscribers see the publisher gone). Safe to call twice.
+    fn close(&self, py: Python<'_>) {
+        let p = lock(&self.inner).take();
+        py.detach(move || drop(p));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+}
+
+/// The producer's side of a ring: acquire a slot, fill it, publish it.
+#[pyclass(module = "cuda_ipc._core", name = "RingPublisher", frozen)]
+struct PyRingPublisher {
+    ring: Arc<RingPublisher>,
+    device: Device,
+    slot_bytes: usize,
+    /// Device addresses of the slots acquired so far.
+    addresses: Mutex<std::collections::HashMap<u32, u64>>,
+}
+
+#[pymethods]
+impl PyRingPublisher {
+    /// The number of slots.
+    #[getter]
+    fn slots(&self) -> usize {
+        self.ring.slot_count()
+    }
+    /// How many subscribers the ring has now.
+    fn subscribers(&self) -> usize {
+        self.ring.subscribers().len()
+    }
+    /// Waits up to `timeout` seconds (`None`: for ever) for a free slot;
+    /// returns its index.
+    #[pyo3(signature = (timeout=None))]
+    fn acquire(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u32> {
+        let t = timeout.map(|s| duration(Some(s))).transpose().py()?;
+        let (slot, address) = py
+            .detach(|| {
+                self.ring
+                    .acquire(t)
+                    .map(|(slot, b)| (slot, b.device_address()))
+            })
+            .py()?;
+        lock(&self.addresses).insert(slot, address);
+        Ok(slot)
+    }
+    /// A view of slot `slot`, as `dtype` with `shape` (default: bytes).
+    #[pyo3(signature = (slot, dtype="u8", shape=None))]
+    fn view(&self, slot: u32, dtype: &str, shape: Option<Vec<u64>>) -> PyResult<View> {
+        let ptr = self.slot_address(slot).py()?;
+        let l = layout(
+            ptr,
+            self.slot_bytes as u64,
+            self.device.ordinal(),
+            dtype,
+            shape,
+        )
+        .py()?;
+        View::new(
+            Keep::other(self.device.clone(), self.ring.clone()),
+            l,
+            None,
+            false,
+        )
+    }
+    /// Publishes a filled slot (after the work queued so far on this
+    /// device), with `extra` (a small dict) in the frame's notice. Returns
+    /// the frame's sequence number.
+    #[pyo3(signature = (slot, extra=None))]
+    fn publish(
+        &self,
+        py: Python<'_>,
+        slot: u32,
+        extra: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<u64> {
+        let extra = match extra {
+            None => serde_json::Map::new(),
+            Some(d) => {
+                let text = codec::document_text(d.as_any(), |reason| Error::InvalidArgument {
+                    what: "extra",
+                    reason,
+                })?;
+                match serde_json::from_str(&text) {
+                    Ok(serde_json::Value::Object(m)) => m,
+                    _ => {
+                        return Err(Error::InvalidArgument {
+                            what: "extra",
+                            reason: "must be a dict of JSON values".into(),
+                        })
+                        .py();
+                    }
+                }
+            }
+        };
+        let dev = self.device.clone();
+        py.detach(|| -> Result<_> {
+            sync_context(&dev)?;
+            self.ring.publish_with(slot, extra)
+        })
+        .py()
+    }
+}
+
+impl PyRingPublisher {
+    fn slot_address(&self, slot: u32) -> Result<u64> {
+        lock(&self.addresses)
+            .get(&slot)
+            .copied()
+            .ok_or_else(|| Error::InvalidArgument {
+                what: "slot",
+                reason: format!(
+                    "slot {slot} was not acquired yet (the ring has {} slots); call acquire() \
+                     and view the slot it returns",
+                    self.ring.slot_count()
+                ),
+            })
+    }
+}
+
+// --- the subscriber -----------------------------------------------------------
+
+/// Connects to a publisher and maps what it publishes.
+#[pyclass(module = "cuda_ipc._core", name = "Subscriber", frozen)]
+struct PySubscriber {
+    inner: Mutex<Option<Arc<Subscriber>>>,
+    device: Device,
+}
+
+impl PySubscriber {
+    fn get(&self) -> PyResult<Arc<Subscriber>> {
+        lock(&self.inner)
+            .clone()
+            .ok_or_else(|| closed_error("subscriber", "make a new Subscriber"))
+    }
+}
+
+#[pymethods]
+impl PySubscriber {
+    /// Connects to the publisher at `endpoint` (a name or a path); requests
+    /// time out after `timeout` seconds.
+    #[new]
+    #[pyo3(signature = (endpoint, *, device=0, timeout=5.0, allow_uids=Vec::new()))]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        device: usize,
+        timeout: f64,
+        allow_uids: Vec<u32>,
+    ) -> PyResult<Self> {
+        let timeout = duration(Some(timeout)).py()?;
+        let (sub, dev) = py
+            .detach(|| -> Result<_> {
+                let dev = crate::mapping::device(device)?;
+                let config = SubscriberConfig::default()
+                    .with_timeout(timeout)
+                    .with_allow_uids(allow_uids);
+                Ok((
+                    Subscriber::connect(&dev, Endpoint::from(endpoint), config)?,
+                    dev,
+                ))
+            })
+            .py()?;
+        Ok(PySubscriber {
+            inner: Mutex::new(Some(Arc::new(sub))),
+            device: dev,
+        })
+    }
+
+    /// The names published now.
+    fn list(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let s = self.get()?;
+        py.detach(|| s.list()).py()
+    }
+
+    /// Whether the publisher is still there (does not block).
+    fn is_alive(&self) -> PyResult<bool> {
+        Ok(self.get()?.is_alive())
+    }
+
+    /// How many mappings this subscriber opened (cache misses).
+    #[getter]
+    fn opens(&self) -> PyResult<u64> {
+        Ok(self.get()?.opens())
+    }
+
+    /// Attaches to the buffer published as `name`: a lease, the memory
+    /// mapped, the publisher's event waited for.
+    fn attach(&self, py: Python<'_>, name: &str) -> PyResult<Attachment> {
+        let sub = self.get()?;
+        let attached = py
+            .detach(|| -> Result<_> {
+                let a = sub.attach::<u8>(name)?;
+                a.buffer().synchronize()?;
+                Ok(a)
+            })
+            .py()?;
+        let d = attached.descriptor().clone();
+        let layout = Layout::of(attached.buffer(), &d);
+        Ok(Attachment {
+            name: attached.name().to_owned(),
+            lease: attached.lease(),
+            keep: Mutex::new(Some(Keep::new(attached.buffer().clone()))),
+            attached: Mutex::new(Some(Arc::new(attached))),
+            subscriber: sub,
+            layout,
+            descriptor: d,
+        })
+    }
+
+    /// Subscribes to the ring `name` (every slot mapped once).
+    fn attach_ring(&self, py: Python<'_>, name: &str) -> PyResult<Ring> {
+        let sub = self.get()?;
+        let ring = py.detach(|| sub.attach_ring::<u8>(name)).py()?;
+        Ok(Ring {
+            shared: Arc::new(RingShared {
+                subscriber: sub,
+                ring: Mutex::new(Some(Arc::new(ring))),
+            }),
+            name: name.to_owned(),
+            device: self.device.clone(),
+            timeout: Mutex::new(None),
+        })
+    }
+
+    /// Disconnects (leases still held by attachments or tensors end when
+    /// they die). Safe to call twice.
+    fn close(&self, py: Python<'_>) {
+        let s = lock(&self.inner).take();
+        py.detach(move || drop(s));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+}
+
+/// A buffer attached from a publisher: a lease and a mapping. Views
+/// (tensors, arrays) hold the lease too: it ends at `release()`, or when
+/// this object and the last view are gone.
+#[pyclass(module = "cuda_ipc._core", frozen)]
+struct Attachment {
+    name: String,
+    lease: u64,
+    /// This object's own hold (views hold clones).
+    keep: Mutex<Option<Keep>>,
+    /// Shared with a `wait_update` in progress (never held locked while
+    /// waiting, so other threads are not blocked with the GIL held).
+    attached: Mutex<Option<Arc<Attached<u8>>>>,
+    subscriber: Arc<Subscriber>,
+    layout: Layout,
+    descriptor: Descriptor,
+}
+
+#[pymethods]
+impl Attachment {
+    /// The entry's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+    /// The lease id.
+    #[getter]
+    fn lease(&self) -> u64 {
+        self.lease
+    }
+    /// Device address of the first byte.
+    #[getter]
+    fn ptr(&self) -> u64 {
+        self.layout.ptr
+    }
+    /// Length in bytes.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.layout.len
+    }
+    /// The element type.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.layout.dtype.name()
+    }
+    /// The shape.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.layout.shape)
+    }
+    /// The CUDA device ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.layout.ordinal
+    }
+    /// How it was shared.
+    #[getter]
+    fn mechanism(&self) -> &'static str {
+        self.descriptor.mechanism().name()
+    }
+    /// The descriptor the publisher sent.
+    #[getter]
+    fn descriptor<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        codec::loads(py, &self.descriptor.to_json())
+    }
+    /// Whether `release()` was called.
+    #[getter]
+    fn released(&self) -> bool {
+        lock(&self.attached).is_none()
+    }
+    /// A view that holds the lease, as `dtype` (same size) if given.
+    #[pyo3(signature = (dtype=None, raw=false))]
+    fn view(&self, dtype: Option<&str>, raw: bool) -> PyResult<View> {
+        let keep = lock(&self.keep)
+            .clone()
+            .ok_or_else(|| closed_error("attachment", "attach again"))?;
+        View::new(keep, self.layout.clone(), dtype, raw)
+    }
+    /// Waits up to `timeout` seconds (`None`: for ever) for the publisher's
+    /// next update, then for its event. Returns the update's generation.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_update(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
+        let t = duration(timeout).py()?;
+        let a = lock(&self.attached)
+            .clone()
+            .ok_or_else(|| closed_error("attachment", "attach again"))?;
+        let sub = &self.subscriber;
+        py.detach(|| -> Result<_> {
+            let generation = sub.wait_update(&a, t)?;
+            a.buffer().synchronize()?;
+            Ok(generation)
+        })
+        .py()
+    }
+    /// Ends the lease now (after the work queued on the memory). Fails
+    /// while tensors or arrays made from it are alive: the lease then ends
+    /// when the last of them dies.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let (keep, a) = {
+            let mut attached = lock(&self.attached);
+            let Some(shared) = attached.take() else {
+                return Ok(());
+            };
+            let mut own = lock(&self.keep);
+            let views = own.as_ref().map_or(0, |k| k.holders().saturating_sub(1));
+            if views > 0 {
+                *attached = Some(shared);
+                return Err(Error::ViewsAlive {
+                    name: self.name.clone(),
+                    lease: self.lease,
+                    views,
+                })
+                .py();
+            }
+            match Arc::try_unwrap(shared) {
+                Ok(a) => (own.take(), a),
+                Err(shared) => {
+                    *attached = Some(shared);
+                    return Err(Error::InvalidArgument {
+                        what: "release",
+                        reason: "another thread is waiting for an update of this attachment; \
+                                 release it after that wait returns"
+                            .into(),
+                    })
+                    .py();
+                }
+            }
+        };
+        let sub = self.subscriber.clone();
+        py.detach(move || -> Result<_> {
+            drop(keep);
+            sub.release(a)
+        })
+        .py()
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        // Views still alive keep the lease until they die.
+        let a = lock(&self.attached).take();
+        let keep = lock(&self.keep).take();
+        py.detach(move || drop((keep, a)));
+        false
+    }
+}
+
+/// What a ring and its frames share.
+struct RingShared {
+    subscriber: Arc<Subscriber>,
+    /// Shared with the frames not acknowledged yet (each borrows it).
+    ring: Mutex<Option<Arc<RingSubscriber<u8>>>>,
+}
+
+/// A received frame and the subscription it borrows from, kept together.
+struct HeldFrame {
+    // Declared before `ring`: dropped first, while what it borrows lives.
+    frame: RingFrame<'static, u8>,
+    ring: Arc<RingSubscriber<u8>>,
+}
+
+/// The next frame of `ring`, held with the subscription it borrows.
+#[allow(unsafe_code)]
+fn next_held(
+    subscriber: &Subscriber,
+    ring: Arc<RingSubscriber<u8>>,
+    timeout: Duration,
+) -> Result<HeldFrame> {
+    let frame = subscriber.next_frame(&ring, timeout)?;
+    // SAFETY: the frame borrows the `RingSubscriber` inside the Arc's heap
+    // allocation, which does not move when the Arc does. `HeldFrame` keeps
+    // that Arc next to the frame and drops the frame first, so the borrow
+    // never outlives what it points to; the 'static lifetime never escapes
+    // (the frame is only read through `HeldFrame`, and handed back to the
+    // library by `Subscriber::ack` together with the same ring).
+    let frame = unsafe { std::mem::transmute::<RingFrame<'_, u8>, RingFrame<'static, u8>>(frame) };
+    Ok(HeldFrame { frame, ring })
+}
+
+/// A subscription to a ring: iterate it for frames (`for frame in ring`),
+/// acknowledge each (`frame.ack()`, or leave the `with frame:` block).
+#[pyclass(module = "cuda_ipc._core", frozen)]
+struct Ring {
+    shared: Arc<RingShared>,
+    name: String,
+    device: Device,
+    timeout: Mutex<Option<f64>>,
+}
+
+#[pymethods]
+impl Ring {
+    /// The ring's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+    /// The number of slots.
+    #[getter]
+    fn slots(&self) -> PyResult<usize> {
+        lock(&self.shared.ring)
+            .as_ref()
+            .map(|r| r.slot_count())
+            .ok_or_else(|| closed_error("ring", "attach it again"))
+    }
+    /// How long iteration waits for a frame, in seconds (`None`: for ever).
+    #[getter]
+    fn get_timeout(&self) -> Option<f64> {
+        *lock(&self.timeout)
+    }
+    #[setter]
+    fn set_timeout(&self, value: Option<f64>) -> PyResult<()> {
+        duration(value).py()?;
+        *lock(&self.timeout) = value;
+        Ok(())
+    }
+    /// The next frame, within `timeout` seconds (`None`: for ever).
+    #[pyo3(signature = (timeout=None))]
+    fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<RingFrameView> {
+        let t = duration(timeout).py()?;
+        let ring = lock(&self.shared.ring)
+            .clone()
+            .ok_or_else(|| closed_error("ring", "attach it again"))?;
+        let sub = self.shared.subscriber.clone();
+        let held = py
+            .detach(move || -> Result<_> {
+                let held = next_held(&sub, ring, t)?;
+                held.frame.buffer.synchronize()?;
+                Ok(held)
+            })
+            .py()?;
+        Ok(RingFrameView {
+            slot: held.frame.slot,
+            seq: held.frame.seq,
+            notice: held.frame.notice.to_string(),
+            held: Mutex::new(Some(held)),
+            shared: self.shared.clone(),
+            device: self.device.clone(),
+        })
+    }
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    /// Iteration ends when the publisher is gone or takes the ring back.
+    fn __next__(&self, py: Python<'_>) -> PyResult<RingFrameView> {
+        let timeout = *lock(&self.timeout);
+        match self.next(py, timeout) {
+            Err(e) if is_end(py, &e) => Err(PyStopIteration::new_err(())),
+            other => other,
+        }
+    }
+    /// Ends the subscription (after the work queued on its slots). Fails
+    /// while frames are not acknowledged.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let ring = {
+            let mut guard = lock(&self.shared.ring);
+            let Some(shared) = guard.take() else {
+                return Ok(());
+            };
+            match Arc::try_unwrap(shared) {
+                Ok(ring) => ring,
+                Err(shared) => {
+                    let frames = Arc::strong_count(&shared) - 1;
+                    *guard = Some(shared);
+                    return Err(Error::InvalidArgument {
+                        what: "ring release",
+                        reason: format!(
+                            "{frames} frame(s) are not acknowledged yet; ack() them (or leave \
+                             their `with` blocks) first"
+                        ),
+                    })
+                    .py();
+                }
+            }
+        };
+        let sub = self.shared.subscriber.clone();
+        let dev = self.device.clone();
+        py.detach(move || -> Result<_> {
+            sync_context(&dev)?;
+            sub.release_ring(ring)
+        })
+        .py()
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        // Frames still held keep the subscription until they are dropped.
+        let ring = lock(&self.shared.ring).take();
+        py.detach(move || drop(ring));
+        false
+    }
+}
+
+/// Whether an error from a ring means its end (the publisher is gone, or
+/// unpublished it).
+fn is_end(py: Python<'_>, e: &PyErr) -> bool {
+    e.value(py)
+        .getattr("kind")
+        .and_then(|k| k.extract::<String>())
+        .is_ok_and(|k| k == "peer")
+}
+
+/// One received frame of a ring: its slot's memory (`view()`), the
+/// producer's notice; `ack()` hands the slot back.
+#[pyclass(module = "cuda_ipc._core", name = "RingFrame", frozen)]
+struct RingFrameView {
+    slot: u32,
+    seq: u64,
+    notice: String,
+    held: Mutex<Option<HeldFrame>>,
+    shared: Arc<RingShared>,
+    device: Device,
+}
+
+#[pymethods]
+impl RingFrameView {
+    /// The slot index.
+    #[getter]
+    fn slot(&self) -> u32 {
+        self.slot
+    }
+    /// The sequence number (from 1).
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    /// The producer's notice (its extra fields and the event).
+    #[getter]
+    fn notice<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        codec::loads(py, &self.notice)
+    }
+    /// A view of the slot as `dtype` with `shape` (default: bytes). Valid
+    /// until `ack()`: the producer then reuses the slot.
+    #[pyo3(signature = (dtype="u8", shape=None))]
+    fn view(&self, dtype: &str, shape: Option<Vec<u64>>) -> PyResult<View> {
+        let guard = lock(&self.held);
+        let b = guard
+            .as_ref()
+            .map(|h| h.frame.buffer)
+            .ok_or_else(|| closed_error("frame", "take the next frame"))?;
+        let ptr = b.mapping().base() + b.offset();
+        let l = layout(
+            ptr,
+            b.byte_len() as u64,
+            self.device.ordinal(),
+            dtype,
+            shape,
+        )
+        .py()?;
+        View::new(Keep::other(self.device.clone(), b.clone()), l, None, false)
+    }
+    /// Hands the slot back to the producer (after the work queued so far on
+    /// this device). Safe to call twice.
+    fn ack(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(held) = lock(&self.held).take() else {
+            return Ok(());
+        };
+        let sub = self.shared.subscriber.clone();
+        let dev = self.device.clone();
+        py.detach(move || -> Result<_> {
+            sync_context(&dev)?;
+            let HeldFrame { frame, ring } = held;
+            sub.ack(&ring, frame)
+        })
+        .py()
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.ack(py)?;
+        Ok(false)
+    }
+}
+
+/// Registers this module's classes.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyPublisher>()?;
+    m.add_class::<PySubscriber>()?;
+    m.add_class::<PyRingPublisher>()?;
+    m.add_class::<Allocation>()?;
+    m.add_class::<Published>()?;
+    m.add_class::<Attachment>()?;
+    m.add_class::<Ring>()?;
+    m.add_class::<RingFrameView>()?;
+    Ok(())
+}

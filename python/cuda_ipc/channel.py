@@ -1,0 +1,311 @@
+"""The exchange channel from Python: buffers published by name over a Unix
+socket, with leases, an event per publish, rings. The same protocol as Rust
+``cuda_ipc::exchange`` and ``cuda-ipc serve`` / ``cuda-ipc attach``, so
+either side may be Python or Rust.
+
+Publisher::
+
+    with cuda_ipc.Publisher("weights") as pub:
+        p = pub.publish("w", tensor)          # copied once into shareable memory
+        w = p.as_torch()                      # the shared tensor: update it in place
+        w.add_(1); pub.update("w")            # subscribers see generation 1
+
+Subscriber (another process)::
+
+    with cuda_ipc.Subscriber("weights") as sub, sub.attach("w") as a:
+        w = a.as_torch()                      # zero copy; holds the lease
+        a.wait_update(timeout=10)             # the next update is visible to every stream
+    # the lease ends when `a` is released and the last tensor made from it is gone
+
+Publishing and updating wait for the work queued so far on the device (on
+every stream, PyTorch's and CuPy's included), then record the event;
+attaching and receiving an update wait on the host for that event.
+"""
+
+from . import _core
+from . import dtypes as _dtypes
+from .errors import CudaIpcError
+from .mapping import _as_cupy, _as_torch, _torch
+
+__all__ = ["Publisher", "Subscriber", "Published", "Attachment", "RingPublisher", "Ring", "Frame"]
+
+
+class _Owner:
+    """Context manager plumbing shared by the channel's owners."""
+
+    __slots__ = ("_c", "__weakref__")
+
+    def __init__(self, core):
+        self._c = core
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._c.__exit__(*exc)
+
+    def __repr__(self):
+        return f"<cuda_ipc.{type(self).__name__} {getattr(self._c, 'name', '')}>"
+
+
+class Published(_Owner):
+    """A buffer this process publishes: write it through :meth:`as_torch` /
+    :meth:`as_cupy` / :meth:`view`, then ``Publisher.update(name)``."""
+
+    name = property(lambda self: self._c.name)
+    mechanism = property(lambda self: self._c.mechanism)
+    dtype = property(lambda self: self._c.dtype)
+    shape = property(lambda self: self._c.shape)
+
+    def view(self, dtype=None, raw=False):
+        return self._c.view(dtype, raw)
+
+    def as_torch(self, dtype=None):
+        return _as_torch(self._c.view, self.dtype, dtype)
+
+    def as_cupy(self, dtype=None):
+        return _as_cupy(self._c.view, self.dtype, _device_of(self._c), dtype)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _device_of(core):
+    return core.view().__dlpack_device__()[1]
+
+
+class Publisher(_Owner):
+    """Serves device buffers by name (see the module documentation).
+
+    ``endpoint`` is a name (a socket under ``$XDG_RUNTIME_DIR/cuda-ipc/``)
+    or a path containing ``/``; ``allow_uids`` lets other users connect.
+    """
+
+    def __init__(self, endpoint, *, device=0, allow_uids=()):
+        super().__init__(_core.Publisher(str(endpoint), device=device, allow_uids=list(allow_uids)))
+
+    path = property(lambda self: self._c.path, doc="The socket path.")
+    device = property(lambda self: self._c.device, doc="The CUDA device ordinal.")
+
+    def publish(self, name, source=None, *, shape=None, dtype=None, mechanism=None):
+        """Publishes ``name``: a copy of ``source`` (a torch tensor, or any
+        object torch.as_tensor reads) in shareable memory, or, without a
+        source, new memory of ``shape`` and ``dtype`` (contents undefined
+        until you write them and call :meth:`update`). ``mechanism``:
+        ``legacy``, ``vmm``, ``pool``, ``fabric`` or ``None`` (the best
+        here). Returns a :class:`Published`."""
+        if source is not None:
+            torch = _torch()
+            if not isinstance(source, torch.Tensor):
+                source = torch.as_tensor(source, device=f"cuda:{self.device}")
+            shape = list(source.shape)
+            dtype = _dtypes.torch_name(source.dtype)
+        if shape is None:
+            raise CudaIpcError("publish needs a source tensor, or a shape (and a dtype)")
+        dt = _dtypes.lookup(dtype or "u8")
+        if dt is None:
+            raise CudaIpcError(f"unknown dtype {dtype!r}; known: {', '.join(_dtypes.names())}")
+        shape = [int(x) for x in shape]
+        count = 1
+        for d in shape:
+            count *= d
+        alloc = self._c.alloc(max(count * dt.size, 1), mechanism)
+        if source is not None:
+            dst = _as_torch(lambda n, raw: alloc.view(_raw_name(n, raw), shape), dt.name)
+            dst.copy_(source.reshape(shape))
+            del dst
+        return Published(self._c.publish(name, alloc, dt.name, shape))
+
+    def update(self, name):
+        """Tells subscribers of ``name`` that new contents are ready; returns
+        the generation (from 1)."""
+        return self._c.update(name)
+
+    def unpublish(self, name, timeout=None):
+        """Hides ``name`` and waits up to ``timeout`` seconds (``None``: for
+        ever) until every lease on it is released."""
+        return self._c.unpublish(name, timeout)
+
+    def leases(self):
+        """The current leases: ``[{"lease", "name", "pid", "uid"}]``."""
+        return self._c.leases()
+
+    def ring(self, name, slots, slot_bytes, mechanism=None):
+        """A ring of ``slots`` buffers of ``slot_bytes`` each, as ``name``."""
+        return RingPublisher(self._c.ring(name, slots, slot_bytes, mechanism), self.device)
+
+    def close(self):
+        """Stops serving. Safe to call twice."""
+        self._c.close()
+
+
+def _raw_name(name, raw):
+    """The same-sized signed integer name for ``raw`` views of ring slots and
+    allocations (bool -> u8, u16 -> i16, ...)."""
+    if not raw:
+        return name
+    return {"bool": "u8", "u16": "i16", "u32": "i32", "u64": "i64"}.get(name, name)
+
+
+class RingPublisher(_Owner):
+    """The producer's side of a ring: ``slot = ring.acquire()``, fill
+    ``ring.as_torch(slot, ...)``, ``ring.publish(slot)``."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, core, device):
+        super().__init__(core)
+        self.device = device
+
+    slots = property(lambda self: self._c.slots)
+
+    def subscribers(self):
+        """How many subscribers the ring has now."""
+        return self._c.subscribers()
+
+    def acquire(self, timeout=None):
+        """Waits for a free slot; returns its index."""
+        return self._c.acquire(timeout)
+
+    def view(self, slot, dtype="u8", shape=None):
+        return self._c.view(slot, dtype, shape)
+
+    def as_torch(self, slot, dtype="u8", shape=None):
+        """The acquired slot as a torch tensor of ``dtype`` and ``shape``."""
+        dt = _dtypes.lookup(dtype)
+        return _as_torch(lambda n, raw: self._c.view(slot, _raw_name(n, raw), shape), dt.name if dt else dtype)
+
+    def publish(self, slot, extra=None):
+        """Publishes the filled slot; ``extra`` (a small dict) goes into the
+        frame's notice. Returns the frame's sequence number."""
+        return self._c.publish(slot, extra)
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Attachment(_Owner):
+    """A buffer attached from a publisher: a lease and a mapping. Tensors
+    and arrays made from it hold the lease too: it ends at :meth:`release`,
+    or when this object and the last of them are gone (also when this
+    process exits or is killed)."""
+
+    name = property(lambda self: self._c.name)
+    lease = property(lambda self: self._c.lease)
+    ptr = property(lambda self: self._c.ptr)
+    nbytes = property(lambda self: self._c.nbytes)
+    dtype = property(lambda self: self._c.dtype)
+    shape = property(lambda self: self._c.shape)
+    device = property(lambda self: self._c.device)
+    mechanism = property(lambda self: self._c.mechanism)
+    descriptor = property(lambda self: self._c.descriptor)
+    released = property(lambda self: self._c.released)
+
+    def view(self, dtype=None, raw=False):
+        return self._c.view(dtype, raw)
+
+    def as_torch(self, dtype=None):
+        """A torch tensor over the attached memory (zero copy); it holds the lease."""
+        return _as_torch(self._c.view, self.dtype, dtype)
+
+    def as_cupy(self, dtype=None):
+        """A CuPy array over the attached memory (zero copy); it holds the lease."""
+        return _as_cupy(self._c.view, self.dtype, self.device, dtype)
+
+    def wait_update(self, timeout=None):
+        """Waits for the publisher's next update; returns its generation.
+        Raises PeerGone when the publisher is gone or takes the buffer back."""
+        return self._c.wait_update(timeout)
+
+    def release(self):
+        """Ends the lease now; raises InvalidInput while tensors made from
+        it are alive (the lease then ends with the last of them)."""
+        return self._c.release()
+
+
+class Frame(_Owner):
+    """One frame of a ring: the slot's memory until :meth:`ack` (or the end
+    of a ``with`` block) hands it back to the producer."""
+
+    slot = property(lambda self: self._c.slot)
+    seq = property(lambda self: self._c.seq)
+    notice = property(lambda self: self._c.notice)
+
+    def view(self, dtype="u8", shape=None):
+        return self._c.view(dtype, shape)
+
+    def as_torch(self, dtype="u8", shape=None):
+        """The slot as a torch tensor of ``dtype`` and ``shape`` (zero copy);
+        valid until :meth:`ack`."""
+        dt = _dtypes.lookup(dtype)
+        return _as_torch(lambda n, raw: self._c.view(_raw_name(n, raw), shape), dt.name if dt else dtype)
+
+    def ack(self):
+        """Hands the slot back to the producer. Safe to call twice."""
+        return self._c.ack()
+
+
+class Ring(_Owner):
+    """A subscription to a ring: ``for frame in ring`` yields :class:`Frame`
+    objects until the publisher is gone; ``timeout`` bounds each wait."""
+
+    name = property(lambda self: self._c.name)
+    slots = property(lambda self: self._c.slots)
+
+    @property
+    def timeout(self):
+        return self._c.timeout
+
+    @timeout.setter
+    def timeout(self, seconds):
+        self._c.timeout = seconds
+
+    def next(self, timeout=None):
+        """The next frame within ``timeout`` seconds (``None``: for ever)."""
+        return Frame(self._c.next(timeout))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return Frame(self._c.__next__())
+
+    def release(self):
+        """Ends the subscription."""
+        return self._c.release()
+
+
+class Subscriber(_Owner):
+    """Connects to a publisher (a name or a socket path) and attaches to
+    what it publishes; requests time out after ``timeout`` seconds."""
+
+    def __init__(self, endpoint, *, device=0, timeout=5.0, allow_uids=()):
+        super().__init__(_core.Subscriber(str(endpoint), device=device, timeout=timeout,
+                                          allow_uids=list(allow_uids)))
+
+    def list(self):
+        """The names published now."""
+        return self._c.list()
+
+    def is_alive(self):
+        """Whether the publisher is still there."""
+        return self._c.is_alive()
+
+    opens = property(lambda self: self._c.opens, doc="Mappings opened (cache misses).")
+
+    def attach(self, name):
+        """Attaches to ``name``; returns an :class:`Attachment`."""
+        return Attachment(self._c.attach(name))
+
+    def attach_ring(self, name, timeout=None):
+        """Subscribes to the ring ``name``; returns a :class:`Ring`."""
+        r = Ring(self._c.attach_ring(name))
+        r.timeout = timeout
+        return r
+
+    def close(self):
+        """Disconnects. Safe to call twice."""
+        self._c.close()
