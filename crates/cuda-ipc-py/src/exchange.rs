@@ -270,25 +270,31 @@ impl PyPublisher {
     ) -> PyResult<Published> {
         let publisher = self.get()?;
         let dt = self::dtype(dtype).py()?;
-        let arc = allocation.get()?;
-        let len = arc.byte_len() as u64;
-        let l = layout(
-            arc.device_address(),
-            len,
-            self.device.ordinal(),
-            dtype,
-            shape,
-        )
-        .py()?;
-        // The library takes the buffer itself; the allocation's views must be gone.
-        let buffer = Arc::try_unwrap(arc).map_err(|_| {
+        let l = {
+            let arc = allocation.get()?;
+            layout(
+                arc.device_address(),
+                arc.byte_len() as u64,
+                self.device.ordinal(),
+                dtype,
+                shape,
+            )
+            .py()?
+        };
+        // The library takes the buffer itself: take it out of the allocation
+        // (which holds one reference), and put it back if views of it are
+        // still alive.
+        let arc = lock(&allocation.buffer).take().ok_or_else(|| {
+            closed_error("allocation", "it was published; use the Published object")
+        })?;
+        let buffer = Arc::try_unwrap(arc).map_err(|arc| {
+            *lock(&allocation.buffer) = Some(arc);
             closed_error(
                 "allocation",
                 "views of it are still alive (drop the tensors made from Allocation.view, or \
                  publish through Publisher.publish in Python, which does)",
             )
         })?;
-        lock(&allocation.buffer).take();
         let shape = l.shape.clone();
         let dev = self.device.clone();
         let name_owned = name.to_owned();
