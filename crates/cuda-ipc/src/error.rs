@@ -238,7 +238,7 @@ impl Error {
             | Error::OutOfBounds { .. }
             | Error::ViewsAlive { .. }
             | Error::Torch(_) => ErrorKind::InvalidInput,
-            Error::Driver { result, .. } => driver_kind(*result),
+            Error::Driver { call, result, .. } => driver_kind(call, *result),
             Error::Channel(e) => channel_kind(e.kind()),
             Error::Io { .. } => ErrorKind::Failed,
         }
@@ -289,9 +289,11 @@ fn channel_kind(kind: crate::channel::ChannelErrorKind) -> ErrorKind {
 }
 
 /// Codes that mean "this machine cannot do it", as opposed to a failure.
-fn driver_kind(result: CUresult) -> ErrorKind {
+fn driver_kind(call: &str, result: CUresult) -> ErrorKind {
     use CUresult as R;
     match result {
+        // The driver cannot start in this process (a new user namespace).
+        R::CUDA_ERROR_OPERATING_SYSTEM if call == "cuInit" => ErrorKind::Unavailable,
         R::CUDA_ERROR_NO_DEVICE
         | R::CUDA_ERROR_INVALID_DEVICE
         | R::CUDA_ERROR_DEVICE_UNAVAILABLE
@@ -313,6 +315,11 @@ fn driver_kind(result: CUresult) -> ErrorKind {
 pub(crate) fn driver_hint(call: &'static str, result: CUresult) -> Option<&'static str> {
     use CUresult as R;
     Some(match (call, result) {
+        ("cuInit", R::CUDA_ERROR_OPERATING_SYSTEM) => {
+            "the driver cannot start in this process; on an H200 with driver 580 this is what a new \
+             user namespace gives (unshare --user, rootless containers): run the process in the \
+             host's user namespace, or in a container made with the NVIDIA container toolkit"
+        }
         ("cuIpcOpenMemHandle", R::CUDA_ERROR_INVALID_CONTEXT) => {
             "a process cannot open an IPC handle it exported itself; open it in another process"
         }
@@ -500,6 +507,16 @@ mod tests {
             let e = Error::from(e);
             assert_eq!(e.kind(), kind, "{e}");
         }
+    }
+
+    #[test]
+    fn a_driver_that_cannot_start_is_unavailable_with_a_hint() {
+        let e = driver_error("cuInit", CUresult::CUDA_ERROR_OPERATING_SYSTEM);
+        assert_eq!(e.kind(), ErrorKind::Unavailable);
+        assert!(e.to_string().contains("user namespace"), "{e}");
+        // The same code from another call is a plain failure.
+        let e = driver_error("cuMemMap", CUresult::CUDA_ERROR_OPERATING_SYSTEM);
+        assert_eq!(e.kind(), ErrorKind::Failed);
     }
 
     #[test]

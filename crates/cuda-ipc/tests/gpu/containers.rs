@@ -278,34 +278,25 @@ fn fences_over_the_channel_publish_update_ring() {
 }
 
 /// The consumer in new namespaces, over the channel, sync = auto: a new
-/// PID namespace; PID + IPC; a user namespace mapped to root; and a mount
-/// namespace with a private tmpfs over /dev/shm, where events cannot open
-/// and fences must be chosen. Every mechanism, data checked both ways.
+/// PID namespace; PID + IPC; and a mount namespace with a private tmpfs
+/// over /dev/shm, where events cannot open and fences must be chosen.
+/// Every mechanism, data checked both ways. (A consumer in a new user
+/// namespace cannot start the driver at all on the H200 with driver 580:
+/// `cuInit` fails with CUDA_ERROR_OPERATING_SYSTEM; `run.sh containers`
+/// checks the error the command gives there.)
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn every_mechanism_with_the_consumer_in_new_namespaces() {
     child_or(|| {
         let device = Device::open(0).unwrap();
         let test = test_name!("every_mechanism_with_the_consumer_in_new_namespaces");
-        let cases: [(&str, &[&str], &str, Option<bool>); 5] = [
+        let cases: [(&str, &[&str], &str, Option<bool>); 4] = [
             ("pid", &["--pid", "--fork", "--kill-child"], "", Some(false)),
             (
                 "pid+ipc",
                 &["--pid", "--ipc", "--fork", "--kill-child"],
                 "",
                 Some(false),
-            ),
-            (
-                "user (root mapped)",
-                &[
-                    "--user",
-                    "--map-root-user",
-                    "--pid",
-                    "--fork",
-                    "--kill-child",
-                ],
-                "",
-                None,
             ),
             (
                 "private /dev/shm",
