@@ -30,9 +30,9 @@ use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use cuda_ipc::cudarc::driver::sys::CUevent_flags;
-use cuda_ipc::exchange::{Attached, Subscriber, SubscriberConfig};
+use cuda_ipc::exchange::{Attachment, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
-use cuda_ipc::{Device, DeviceMemory, Error, IpcBuffer, IpcEvent};
+use cuda_ipc::{Device, DeviceMemory, Error, IpcEvent, LegacyBuffer};
 use cuda_ipc::{channel, floor};
 use serde_json::{Value, json};
 
@@ -125,12 +125,12 @@ struct Floor {
 struct State {
     device: Device,
     sub: Option<Subscriber>,
-    held: HashMap<String, Attached<u32>>,
+    held: HashMap<String, Attachment<u32>>,
     floor: Option<Floor>,
     /// Two local buffers for the bandwidth copies.
-    local: Option<(IpcBuffer, IpcBuffer)>,
+    local: Option<(LegacyBuffer, LegacyBuffer)>,
     /// For cuMemcpyPeer: the other GPU, and a buffer there.
-    remote: Option<(Device, IpcBuffer)>,
+    remote: Option<(Device, LegacyBuffer)>,
 }
 
 fn text<'a>(v: &'a Value, key: &str) -> Result<&'a str, Error> {
@@ -195,10 +195,7 @@ impl State {
                 self.sub = Some(Subscriber::connect(
                     &self.device,
                     std::path::Path::new(path),
-                    SubscriberConfig {
-                        timeout: Duration::from_secs(60),
-                        ..SubscriberConfig::default()
-                    },
+                    SubscriberConfig::default().with_timeout(Duration::from_secs(60)),
                 )?);
                 Ok(json!({ "ok": true }))
             }
@@ -226,7 +223,7 @@ impl State {
                 Ok(json!({ "ms": t.elapsed().as_secs_f64() * 1e3 }))
             }
             "drop_all" => {
-                let held: Vec<Attached<u32>> = self.held.drain().map(|(_, a)| a).collect();
+                let held: Vec<Attachment<u32>> = self.held.drain().map(|(_, a)| a).collect();
                 let sub = self.sub()?;
                 for a in held {
                     sub.release(a)?;
@@ -393,16 +390,16 @@ impl State {
 
     /// A buffer of `size` bytes on GPU `ordinal`, with peer access from
     /// this consumer's GPU to it (for cuMemcpyPeer at full speed).
-    fn remote(&mut self, ordinal: usize, size: usize) -> Result<&IpcBuffer, Error> {
+    fn remote(&mut self, ordinal: usize, size: usize) -> Result<&LegacyBuffer, Error> {
         let fits = self
             .remote
             .as_ref()
-            .is_some_and(|(d, b)| d.ordinal() == ordinal && b.len() == size);
+            .is_some_and(|(d, b)| d.ordinal() == ordinal && b.byte_len() == size);
         if !fits {
             self.remote = None;
             let other = Device::open(ordinal)?;
             self.device.enable_peer_access(&other)?;
-            let buffer = IpcBuffer::alloc(&other, size)?;
+            let buffer = LegacyBuffer::alloc(&other, size)?;
             self.remote = Some((other, buffer));
         }
         Ok(&self.remote.as_ref().expect("just made").1)
@@ -436,11 +433,15 @@ impl State {
     ) -> Result<Value, Error> {
         mapped.synchronize()?;
         let size = mapped.byte_len();
-        if self.local.as_ref().is_none_or(|(s, _)| s.len() != size) {
+        if self
+            .local
+            .as_ref()
+            .is_none_or(|(s, _)| s.byte_len() != size)
+        {
             self.local = None;
             self.local = Some((
-                IpcBuffer::alloc(&self.device, size)?,
-                IpcBuffer::alloc(&self.device, size)?,
+                LegacyBuffer::alloc(&self.device, size)?,
+                LegacyBuffer::alloc(&self.device, size)?,
             ));
         }
         if let Some(d) = peer_device {

@@ -12,7 +12,7 @@ use std::os::fd::AsFd;
 use std::process::Command;
 
 use cuda_ipc::kernels::{self, Pattern, Speed};
-use cuda_ipc::{Device, DeviceMemory, ErrorKind, IpcBuffer, IpcEvent, channel, floor};
+use cuda_ipc::{Device, DeviceMemory, ErrorKind, IpcEvent, LegacyBuffer, channel, floor};
 
 const ROLE: &str = "GPU_FLOOR_ROLE";
 const LEN: usize = 4 << 20;
@@ -70,7 +70,7 @@ fn legacy_floor_hands_a_buffer_over() {
         opened.close().unwrap();
         return;
     }
-    let buffer = IpcBuffer::alloc(&device, LEN).unwrap();
+    let buffer = LegacyBuffer::alloc(&device, LEN).unwrap();
     kernels::fill_u32(&buffer, PATTERN, Speed::Full).unwrap();
     buffer.synchronize().unwrap();
     let event = IpcEvent::new(&device).unwrap();

@@ -46,7 +46,7 @@ fn descriptor(mechanism: &str) -> Descriptor {
         },
         alloc_size: 64 << 20,
         offset: 0,
-        len: 64 << 20,
+        byte_len: 64 << 20,
         dtype: Dtype::U32,
         shape: Some(vec![16 << 20]),
         strides: None,

@@ -90,6 +90,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Source::Vmm { .. } => "a VMM file descriptor (PyTorch expandable segment)",
         Source::Pool { .. } => "a memory pool",
         Source::Fabric { .. } => "a fabric handle",
+        _ => "a mechanism newer than this example",
     };
     eprintln!(
         "torch_consumer: mapped {} elements at offset {} through {how}",

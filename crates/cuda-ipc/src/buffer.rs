@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex};
 use bytemuck::Pod;
 use cudarc::driver::CudaStream;
 
-use crate::descriptor::Mechanism;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::mechanism::Mechanism;
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 
 pub(crate) mod sealed {

@@ -27,6 +27,7 @@ use crate::json::{Fields, kind_of};
 use crate::device::DeviceUuid;
 use crate::error::{Error, Result};
 use crate::handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
+pub use crate::mechanism::Mechanism;
 
 /// The descriptor format this build writes and reads.
 pub const FORMAT_VERSION: u64 = 1;
@@ -34,73 +35,10 @@ pub const FORMAT_VERSION: u64 = 1;
 /// The key that carries the format version.
 pub const VERSION_KEY: &str = "cuda_ipc";
 
-/// How memory is shared between processes.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "snake_case")]
-pub enum Mechanism {
-    /// A legacy IPC handle (`cuIpcGetMemHandle`): a 64-byte bearer token.
-    Legacy,
-    /// A VMM allocation (`cuMemCreate`) shared as a POSIX file descriptor.
-    Vmm,
-    /// An allocation from a shareable stream-ordered memory pool: the pool's
-    /// file descriptor and the pointer's 64-byte export data.
-    Pool,
-    /// A VMM allocation shared as a fabric handle (NVLink domain, IMEX).
-    Fabric,
-}
-
-impl Mechanism {
-    /// Every mechanism, in the order `auto` prefers them.
-    pub const ALL: [Mechanism; 4] = [
-        Mechanism::Vmm,
-        Mechanism::Pool,
-        Mechanism::Legacy,
-        Mechanism::Fabric,
-    ];
-
-    /// The name used in descriptors and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Mechanism::Legacy => "legacy",
-            Mechanism::Vmm => "vmm",
-            Mechanism::Pool => "pool",
-            Mechanism::Fabric => "fabric",
-        }
-    }
-
-    /// Whether the mechanism shares file descriptors (capabilities, which
-    /// travel only to a process we hand them to) rather than bearer tokens.
-    pub fn uses_fd(self) -> bool {
-        matches!(self, Mechanism::Vmm | Mechanism::Pool)
-    }
-}
-
-impl fmt::Display for Mechanism {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Mechanism {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Mechanism::ALL
-            .into_iter()
-            .find(|m| m.name() == s)
-            .ok_or_else(|| {
-                Error::arg(
-                    "mechanism",
-                    format!("{s:?} is not one of legacy, vmm, pool, fabric"),
-                )
-            })
-    }
-}
-
 /// The element type of shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[allow(missing_docs)] // the names say it
+#[non_exhaustive]
 pub enum Dtype {
     Bool,
     U8,
@@ -186,6 +124,7 @@ impl FromStr for Dtype {
 
 /// How the allocation is named, per mechanism.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Source {
     /// A legacy IPC handle.
     Legacy {
@@ -233,8 +172,8 @@ pub struct Descriptor {
     pub alloc_size: u64,
     /// Where the exported bytes start in the allocation.
     pub offset: u64,
-    /// How many bytes are exported.
-    pub len: u64,
+    /// How many bytes are exported (`len` in the JSON).
+    pub byte_len: u64,
     /// What the bytes hold.
     pub dtype: Dtype,
     /// Dimensions in elements, if the exporter gave them.
@@ -374,7 +313,7 @@ impl Descriptor {
             source,
             alloc_size: f.u64("alloc_size")?,
             offset: f.u64("offset")?,
-            len: f.u64("len")?,
+            byte_len: f.u64("len")?,
             dtype,
             shape: f.opt_u64_list("shape")?,
             strides: f.opt_u64_list("strides")?,
@@ -394,15 +333,15 @@ impl Descriptor {
         if self.alloc_size == 0 {
             return Err(field_err("alloc_size", "must be greater than zero"));
         }
-        if self.len == 0 {
+        if self.byte_len == 0 {
             return Err(field_err("len", "must be greater than zero"));
         }
-        if !self.len.is_multiple_of(elem) {
+        if !self.byte_len.is_multiple_of(elem) {
             return Err(field_err(
                 "len",
                 format!(
                     "{} is not a whole number of {elem}-byte {} elements",
-                    self.len, self.dtype
+                    self.byte_len, self.dtype
                 ),
             ));
         }
@@ -417,14 +356,14 @@ impl Descriptor {
         }
         if self
             .offset
-            .checked_add(self.len)
+            .checked_add(self.byte_len)
             .is_none_or(|end| end > self.alloc_size)
         {
             return Err(field_err(
                 "len",
                 format!(
                     "offset {} + len {} passes the end of the {}-byte allocation",
-                    self.offset, self.len, self.alloc_size
+                    self.offset, self.byte_len, self.alloc_size
                 ),
             ));
         }
@@ -448,7 +387,7 @@ impl Descriptor {
 
     fn validate_shape(&self, shape: &[u64], strides: Option<&[u64]>) -> Result<()> {
         let elem = self.dtype.size();
-        let count = self.len / elem;
+        let count = self.byte_len / elem;
         match strides {
             None => {
                 let product = shape
@@ -499,7 +438,7 @@ impl Descriptor {
 
     /// Number of elements in the exported bytes.
     pub fn elements(&self) -> u64 {
-        self.len / self.dtype.size()
+        self.byte_len / self.dtype.size()
     }
 
     /// The descriptor as a JSON value (keys sorted).
@@ -524,7 +463,7 @@ impl Descriptor {
         }
         m.insert("alloc_size".into(), self.alloc_size.into());
         m.insert("offset".into(), self.offset.into());
-        m.insert("len".into(), self.len.into());
+        m.insert("len".into(), self.byte_len.into());
         m.insert("dtype".into(), self.dtype.name().into());
         m.insert("elem_size".into(), self.dtype.size().into());
         if let Some(shape) = &self.shape {

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, sys};
 
@@ -24,7 +24,6 @@ struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     uuid: DeviceUuid,
-    kernels: Mutex<Option<Arc<crate::kernels::Kernels>>>,
 }
 
 impl fmt::Debug for Device {
@@ -54,12 +53,7 @@ impl Device {
             .map_err(|e| from_cudarc("cuStreamCreate", e))?;
         let uuid = DeviceUuid(dev::uuid(ctx.cu_device())?);
         Ok(Device {
-            inner: Arc::new(Inner {
-                ctx,
-                stream,
-                uuid,
-                kernels: Mutex::new(None),
-            }),
+            inner: Arc::new(Inner { ctx, stream, uuid }),
         })
     }
 
@@ -157,22 +151,6 @@ impl Device {
     pub fn capabilities(&self) -> Result<Capabilities> {
         Capabilities::query(self.ordinal())
     }
-
-    /// The PTX helper kernels, loaded on first use.
-    pub(crate) fn kernels(&self) -> Result<Arc<crate::kernels::Kernels>> {
-        let mut slot = self
-            .inner
-            .kernels
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(k) = slot.as_ref() {
-            return Ok(k.clone());
-        }
-        self.bind()?;
-        let k = Arc::new(crate::kernels::Kernels::load(self)?);
-        *slot = Some(k.clone());
-        Ok(k)
-    }
 }
 
 /// A device UUID, printed as `nvidia-smi` does (`GPU-xxxxxxxx-xxxx-...`).
@@ -265,6 +243,7 @@ impl ComputeMode {
 /// (fabric handles without an IMEX channel, for instance).
 #[derive(Clone, Debug, serde::Serialize)]
 #[allow(clippy::struct_excessive_bools)] // one flag per device attribute, as the driver reports them
+#[non_exhaustive]
 pub struct Capabilities {
     /// Ordinal in this process.
     pub ordinal: usize,
@@ -337,6 +316,7 @@ impl Capabilities {
 
 /// The driver and every device it sees.
 #[derive(Clone, Debug, serde::Serialize)]
+#[non_exhaustive]
 pub struct SystemInfo {
     /// The driver's CUDA version, for example "13.0".
     pub driver_version: DriverVersion,
@@ -370,6 +350,7 @@ pub fn ordinal_of(uuid: DeviceUuid) -> Result<Option<usize>> {
 
 /// How two devices reach each other.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
 pub struct PeerLink {
     /// Whether `from` can map `to`'s memory.
     pub access_supported: bool,

@@ -140,7 +140,7 @@ pub enum Error {
     #[error(
         "the memory at {ptr:#x} was allocated stream-ordered (cuMemAllocAsync, the default \
          allocator of cudarc's `CudaStream::alloc`), and legacy IPC handles cannot share it. \
-         Allocate it with `IpcBuffer::alloc` or cudarc's `result::malloc_sync`, or from a \
+         Allocate it with `LegacyBuffer::alloc` or cudarc's `result::malloc_sync`, or from a \
          shareable memory pool (`pool::SharedPool`)"
     )]
     StreamOrdered {

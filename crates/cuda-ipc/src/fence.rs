@@ -647,10 +647,10 @@ impl FenceMapping {
         let words = match &block.placement {
             Placement::Device(d) => {
                 let mapping = crate::share::open_mapping(device, d, fds)?;
-                if d.offset + d.len > mapping.size() {
+                if d.offset + d.byte_len > mapping.size() {
                     return Err(Error::OutOfBounds {
                         offset: d.offset,
-                        len: d.len,
+                        len: d.byte_len,
                         size: mapping.size(),
                     });
                 }
@@ -997,10 +997,10 @@ impl FenceBlock {
                 d.dtype
             )));
         }
-        if d.len != u64::from(self.words) * WORD {
+        if d.byte_len != u64::from(self.words) * WORD {
             return Err(bad(format!(
                 "its descriptor exports {} bytes, not {} words of 8 bytes",
-                d.len, self.words
+                d.byte_len, self.words
             )));
         }
         if !d.offset.is_multiple_of(WORD) {

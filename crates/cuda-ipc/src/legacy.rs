@@ -8,7 +8,7 @@
 //!   for, so an export carries the offset and length separately
 //!   ([`LegacyExport`]);
 //! - `cudaMalloc` may place a small buffer inside a larger block, and a
-//!   handle to it shares the whole block: [`IpcBuffer`] rounds every
+//!   handle to it shares the whole block: [`LegacyBuffer`] rounds every
 //!   allocation up to 2 MiB so that nothing else lives in it;
 //! - stream-ordered memory (`cuMemAllocAsync`) cannot be exported this way
 //!   ([`Error::StreamOrdered`] says what to use instead), and a process
@@ -27,10 +27,10 @@ use cudarc::driver::{CudaStream, sys};
 
 use crate::buffer::sealed::Sealed;
 use crate::buffer::{MappedBuffer, Mapping, UsedStreams};
-use crate::descriptor::Mechanism;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handle::IpcMemHandle;
+use crate::mechanism::Mechanism;
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 use crate::result::{ipc, mem};
 use crate::units::{MIB, round_up};
@@ -94,6 +94,7 @@ fn lock_exported() -> std::sync::MutexGuard<'static, HashSet<IpcMemHandle>> {
 
 /// What another process needs to map a legacy export.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
 pub struct LegacyExport {
     /// The handle of the whole allocation.
     pub handle: IpcMemHandle,
@@ -165,7 +166,7 @@ pub fn export_pointer(device: &Device, ptr: u64, len: u64) -> Result<LegacyExpor
 /// Device memory from `cuMemAlloc`, sized so that it shares no block with
 /// any other allocation, ready to export with a legacy handle.
 #[derive(Debug)]
-pub struct IpcBuffer {
+pub struct LegacyBuffer {
     device: Device,
     stream: Arc<CudaStream>,
     ptr: u64,
@@ -176,11 +177,11 @@ pub struct IpcBuffer {
 
 // SAFETY: the buffer owns a device allocation, usable from any thread; the
 // context is bound before every driver call.
-unsafe impl Send for IpcBuffer {}
+unsafe impl Send for LegacyBuffer {}
 // SAFETY: as above; methods taking `&self` only read the address or issue driver calls.
-unsafe impl Sync for IpcBuffer {}
+unsafe impl Sync for LegacyBuffer {}
 
-impl IpcBuffer {
+impl LegacyBuffer {
     /// Allocates `len` bytes (rounded up to 2 MiB underneath) on `device`.
     #[doc(alias = "cuMemAlloc")]
     pub fn alloc(device: &Device, len: usize) -> Result<Self> {
@@ -194,7 +195,7 @@ impl IpcBuffer {
             .ok_or_else(|| Error::arg("size", format!("{len} bytes is too large")))?;
         device.bind()?;
         let ptr = mem::alloc(alloc_size as usize)?;
-        Ok(IpcBuffer {
+        Ok(LegacyBuffer {
             device: device.clone(),
             stream: device.stream().clone(),
             ptr,
@@ -216,7 +217,7 @@ impl IpcBuffer {
     }
 
     /// The requested length in bytes.
-    pub fn len(&self) -> usize {
+    pub fn byte_len(&self) -> usize {
         self.len
     }
 
@@ -263,7 +264,7 @@ impl IpcBuffer {
 
 // SAFETY: the allocation is owned by the value and freed in its `Drop`,
 // after its stream has finished; the accessors return fixed fields.
-unsafe impl DeviceMemory for IpcBuffer {
+unsafe impl DeviceMemory for LegacyBuffer {
     fn device(&self) -> &Device {
         &self.device
     }
@@ -278,9 +279,9 @@ unsafe impl DeviceMemory for IpcBuffer {
     }
 }
 
-impl_cudarc_traits!(IpcBuffer, u8);
+impl_cudarc_traits!(LegacyBuffer, u8);
 
-impl Drop for IpcBuffer {
+impl Drop for LegacyBuffer {
     fn drop(&mut self) {
         if let Some(e) = self.export.get() {
             lock_exported().remove(&e.handle);
@@ -298,7 +299,7 @@ impl Drop for IpcBuffer {
 /// A legacy handle opened in this process: the whole allocation, mapped.
 /// Closed (`cuIpcCloseMemHandle`) when the last reference drops.
 #[derive(Debug)]
-pub struct IpcMapping {
+pub struct LegacyMapping {
     device: Device,
     base: u64,
     size: u64,
@@ -307,11 +308,11 @@ pub struct IpcMapping {
 }
 
 // SAFETY: a mapping is a process-wide address range; driver calls bind the context first.
-unsafe impl Send for IpcMapping {}
+unsafe impl Send for LegacyMapping {}
 // SAFETY: as above.
-unsafe impl Sync for IpcMapping {}
+unsafe impl Sync for LegacyMapping {}
 
-impl IpcMapping {
+impl LegacyMapping {
     /// Opens `handle` on `device`.
     ///
     /// Opening a handle this process exported fails with
@@ -357,7 +358,7 @@ impl IpcMapping {
             }
         };
         tracing::debug!(base, size, "opened legacy handle");
-        Ok(Arc::new(IpcMapping {
+        Ok(Arc::new(LegacyMapping {
             device: device.clone(),
             base,
             size,
@@ -372,13 +373,13 @@ impl IpcMapping {
     }
 }
 
-impl Sealed for IpcMapping {
+impl Sealed for LegacyMapping {
     fn used_streams(&self) -> &UsedStreams {
         &self.streams
     }
 }
 
-impl Mapping for IpcMapping {
+impl Mapping for LegacyMapping {
     fn device(&self) -> &Device {
         &self.device
     }
@@ -393,7 +394,7 @@ impl Mapping for IpcMapping {
     }
 }
 
-impl Drop for IpcMapping {
+impl Drop for LegacyMapping {
     fn drop(&mut self) {
         // Errors cannot be raised from drop; work queued on the device's
         // stream and on every stream the views used is finished first so
@@ -414,6 +415,6 @@ pub fn open<T: bytemuck::Pod>(
     export: &LegacyExport,
     flags: OpenFlags,
 ) -> Result<MappedBuffer<T>> {
-    let mapping = IpcMapping::open(device, export.handle, flags)?;
+    let mapping = LegacyMapping::open(device, export.handle, flags)?;
     MappedBuffer::from_bytes(mapping, export.offset, export.len)
 }

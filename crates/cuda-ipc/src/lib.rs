@@ -24,6 +24,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod arena;
 pub mod buffer;
 pub mod descriptor;
 pub mod device;
@@ -37,9 +38,11 @@ pub mod handle;
 mod json;
 pub mod kernels;
 pub mod legacy;
+mod mechanism;
 pub mod memory;
 pub mod pool;
 mod result;
+pub mod set;
 pub mod share;
 pub mod torch;
 pub mod units;
@@ -55,7 +58,7 @@ pub use device::Device;
 pub use error::{Error, ErrorKind, Result};
 pub use event::IpcEvent;
 pub use handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
-pub use legacy::{IpcBuffer, IpcMapping, OpenFlags};
+pub use legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 pub use memory::DeviceMemory;
 
 /// The README's examples, compiled as doc tests.

@@ -25,10 +25,10 @@ use cudarc::driver::{CudaStream, sys};
 
 use crate::buffer::sealed::Sealed;
 use crate::buffer::{Mapping, UsedStreams};
-use crate::descriptor::Mechanism;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handle::PoolPtrHandle;
+use crate::mechanism::Mechanism;
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 use crate::result::{mem, pool, stream as rstream};
 
@@ -178,7 +178,7 @@ pub(crate) fn export_existing(
         why: format!(
             "its memory pool cannot be exported ({e}); it is probably the device's default pool, which \
              cudarc's CudaStream::alloc uses. Allocate from a cuda_ipc::pool::SharedPool (or with \
-             cuda_ipc::IpcBuffer::alloc / cudarc's result::malloc_sync for legacy handles)"
+             cuda_ipc::LegacyBuffer::alloc / cudarc's result::malloc_sync for legacy handles)"
         ),
     })?;
     let data = pool::export_pointer(base)?;
@@ -225,7 +225,7 @@ impl PoolBuffer {
     }
 
     /// The length in bytes.
-    pub fn len(&self) -> usize {
+    pub fn byte_len(&self) -> usize {
         self.len
     }
 

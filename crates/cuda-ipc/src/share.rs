@@ -27,7 +27,7 @@ use crate::descriptor::{Descriptor, Dtype, Mechanism, Source};
 use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result};
 use crate::event::IpcEvent;
-use crate::legacy::{IpcBuffer, IpcMapping, OpenFlags};
+use crate::legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 use crate::pool::{ImportedPool, PoolBuffer, SharedPool};
 use crate::vmm::{ShareableTypes, VmmBuffer, VmmMapping};
@@ -96,7 +96,7 @@ pub fn check_mechanism(caps: &Capabilities, mechanism: Mechanism) -> Result<()> 
 /// The allocation behind a [`SharedBuffer`].
 #[derive(Debug)]
 enum Allocation {
-    Legacy(IpcBuffer),
+    Legacy(LegacyBuffer),
     Vmm(VmmBuffer),
     Pool(PoolBuffer),
 }
@@ -136,7 +136,7 @@ impl SharedBuffer {
         pool: Option<&Arc<SharedPool>>,
     ) -> Result<Self> {
         let allocation = match mechanism {
-            Mechanism::Legacy => Allocation::Legacy(IpcBuffer::alloc(device, len)?),
+            Mechanism::Legacy => Allocation::Legacy(LegacyBuffer::alloc(device, len)?),
             Mechanism::Vmm => Allocation::Vmm(VmmBuffer::alloc(device, len)?),
             Mechanism::Fabric => Allocation::Vmm(VmmBuffer::alloc_with(
                 device,
@@ -169,8 +169,8 @@ impl SharedBuffer {
     }
 
     /// The requested length in bytes.
-    pub fn len(&self) -> usize {
-        self.byte_len()
+    pub fn byte_len(&self) -> usize {
+        DeviceMemory::byte_len(self)
     }
 
     /// Always false: empty buffers are refused at allocation.
@@ -187,14 +187,6 @@ impl SharedBuffer {
             Allocation::Pool(b) => Allocation::Pool(b.with_stream(stream)),
         };
         SharedBuffer { allocation, ..self }
-    }
-
-    fn memory(&self) -> &dyn DeviceMemoryDyn {
-        match &self.allocation {
-            Allocation::Legacy(b) => b,
-            Allocation::Vmm(b) => b,
-            Allocation::Pool(b) => b,
-        }
     }
 
     /// Exports the whole buffer as bytes.
@@ -260,7 +252,7 @@ impl SharedBuffer {
                         fd: fd.as_raw_fd(),
                         ptr,
                     },
-                    b.len() as u64,
+                    b.byte_len() as u64,
                     0,
                     vec![fd],
                 )
@@ -270,7 +262,7 @@ impl SharedBuffer {
             source,
             alloc_size,
             offset: base_offset + offset,
-            len,
+            byte_len: len,
             dtype,
             shape,
             strides: None,
@@ -284,43 +276,31 @@ impl SharedBuffer {
     }
 }
 
-/// Object-safe view of [`DeviceMemory`] for delegation.
-trait DeviceMemoryDyn {
-    fn device_dyn(&self) -> &Device;
-    fn stream_dyn(&self) -> &Arc<CudaStream>;
-    fn address_dyn(&self) -> u64;
-    fn len_dyn(&self) -> usize;
+/// Evaluates `$e` with `$b` bound to the allocation, whichever mechanism made it.
+macro_rules! on_allocation {
+    ($self:ident, $b:ident => $e:expr) => {
+        match &$self.allocation {
+            Allocation::Legacy($b) => $e,
+            Allocation::Vmm($b) => $e,
+            Allocation::Pool($b) => $e,
+        }
+    };
 }
 
-impl<M: DeviceMemory> DeviceMemoryDyn for M {
-    fn device_dyn(&self) -> &Device {
-        self.device()
-    }
-    fn stream_dyn(&self) -> &Arc<CudaStream> {
-        self.stream()
-    }
-    fn address_dyn(&self) -> u64 {
-        self.device_address()
-    }
-    fn len_dyn(&self) -> usize {
-        self.byte_len()
-    }
-}
-
-// SAFETY: the allocation is owned by the value and freed in its `Drop`,
-// after its stream has finished; the accessors return fixed fields.
+// SAFETY: each allocation implements `DeviceMemory` for memory it owns;
+// the buffer owns the allocation and forwards to it unchanged.
 unsafe impl DeviceMemory for SharedBuffer {
     fn device(&self) -> &Device {
-        self.memory().device_dyn()
+        on_allocation!(self, b => b.device())
     }
     fn stream(&self) -> &Arc<CudaStream> {
-        self.memory().stream_dyn()
+        on_allocation!(self, b => b.stream())
     }
     fn device_address(&self) -> u64 {
-        self.memory().address_dyn()
+        on_allocation!(self, b => b.device_address())
     }
     fn byte_len(&self) -> usize {
-        self.memory().len_dyn()
+        on_allocation!(self, b => b.byte_len())
     }
 }
 
@@ -332,6 +312,7 @@ impl_cudarc_traits!(SharedBuffer, u8);
 /// descriptor in this process, valid while the `Export` lives (for
 /// `pidfd_getfd`). Over the channel, the descriptors travel themselves.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Export {
     /// The descriptor.
     pub descriptor: Descriptor,
@@ -355,7 +336,7 @@ pub fn export_pointer(device: &Device, ptr: u64, len: u64, dtype: Dtype) -> Resu
         source,
         alloc_size,
         offset,
-        len,
+        byte_len: len,
         dtype,
         shape: None,
         strides: None,
@@ -453,7 +434,7 @@ pub fn fetch_fd(pid: u32, fd: i32) -> Result<OwnedFd> {
 /// Maps the whole allocation a descriptor names. `fds` are the descriptors
 /// that travelled with it (over the channel); when empty for an fd
 /// mechanism, they are fetched from the exporter with `pidfd_getfd`.
-#[tracing::instrument(level = "debug", skip_all, fields(mechanism = %descriptor.mechanism(), pid = descriptor.pid, len = descriptor.len))]
+#[tracing::instrument(level = "debug", skip_all, fields(mechanism = %descriptor.mechanism(), pid = descriptor.pid, len = descriptor.byte_len))]
 pub fn open_mapping(
     device: &Device,
     descriptor: &Descriptor,
@@ -471,7 +452,7 @@ pub fn open_mapping(
         Source::Legacy { handle } => {
             // The flag is required by the driver, and enables peer access
             // when the memory lives on another GPU.
-            IpcMapping::open(device, handle, OpenFlags::LAZY_ENABLE_PEER_ACCESS)?
+            LegacyMapping::open(device, handle, OpenFlags::LAZY_ENABLE_PEER_ACCESS)?
         }
         Source::Vmm { fd } => {
             // Memory of another GPU of this process: grant that GPU access too.
@@ -519,7 +500,7 @@ pub fn open<T: Pod>(
         ));
     }
     let mapping = open_mapping(device, descriptor, fds)?;
-    let buffer = MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.len)?;
+    let buffer = MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.byte_len)?;
     if let Some(handle) = descriptor.event {
         let event = IpcEvent::open(device, handle)?;
         event.wait_on(buffer.stream())?;

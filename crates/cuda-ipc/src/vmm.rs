@@ -27,10 +27,10 @@ use cudarc::driver::{CudaStream, sys};
 
 use crate::buffer::sealed::Sealed;
 use crate::buffer::{Mapping, UsedStreams};
-use crate::descriptor::Mechanism;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handle::FabricHandle;
+use crate::mechanism::Mechanism;
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 use crate::result::vmm::{self, HandleType};
 use crate::units::round_up;
@@ -184,7 +184,7 @@ impl VmmBuffer {
     }
 
     /// The requested length in bytes.
-    pub fn len(&self) -> usize {
+    pub fn byte_len(&self) -> usize {
         self.len
     }
 

@@ -250,7 +250,7 @@ fn arb_descriptor() -> impl Strategy<Value = Descriptor> {
                     source,
                     alloc_size: offset + len + slack,
                     offset,
-                    len,
+                    byte_len: len,
                     dtype,
                     shape,
                     strides,

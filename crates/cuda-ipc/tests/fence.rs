@@ -20,7 +20,7 @@ fn block_descriptor(
         source,
         alloc_size: (offset + len).next_multiple_of(2 << 20),
         offset,
-        len,
+        byte_len: len,
         dtype: Dtype::U64,
         shape: Some(vec![u64::from(words)]),
         strides: None,
@@ -132,7 +132,7 @@ fn blocks_that_are_not_whole_aligned_u64_words_are_refused() {
     let ok = block_descriptor(Source::Vmm { fd: 5 }, 4, 0, Some(1));
     let mut wrong_dtype = ok.clone();
     wrong_dtype.dtype = Dtype::U32;
-    wrong_dtype.len = 32;
+    wrong_dtype.byte_len = 32;
     wrong_dtype.shape = None;
     let mut unaligned = ok.clone();
     unaligned.offset = 4;

@@ -387,7 +387,7 @@ fn a_printed_descriptor_is_a_bearer_token() {
         source: Source::Legacy { handle },
         alloc_size: 2 << 20,
         offset: 0,
-        len: 4096,
+        byte_len: 4096,
         dtype: Dtype::U8,
         shape: None,
         strides: None,

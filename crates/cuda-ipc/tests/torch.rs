@@ -231,7 +231,7 @@ fn fabric_segments_are_told_apart_by_length() {
     assert_eq!(StorageHandle::parse(&bytes).unwrap(), seg);
     let SegmentHandles::Fabric(hs) = (match StorageHandle::parse(&bytes).unwrap() {
         StorageHandle::Expandable { segment, .. } => segment.handles,
-        StorageHandle::CudaMalloc { .. } => panic!(),
+        _ => panic!("not an expandable segment"),
     }) else {
         panic!()
     };
@@ -331,12 +331,12 @@ fn several_segments_give_a_layout_but_no_descriptor() {
     assert!(err.contains("import_segments"), "{err}");
     let layout = r.tensor_layout().unwrap();
     assert_eq!(layout.offset, 2 * MIB - 1024);
-    assert_eq!(layout.len, 4096);
+    assert_eq!(layout.byte_len, 4096);
     assert_eq!(layout.strides, None);
     let StorageHandle::Expandable { segment, .. } = r.parse_storage_handle().unwrap() else {
         panic!()
     };
-    assert!(layout.offset + layout.len <= segment.mapped_size().unwrap());
+    assert!(layout.offset + layout.byte_len <= segment.mapped_size().unwrap());
 }
 
 #[test]
@@ -364,7 +364,7 @@ fn legacy_descriptor_fields() {
         }
     );
     assert_eq!(d.offset, 4096 + 40);
-    assert_eq!(d.len, 400);
+    assert_eq!(d.byte_len, 400);
     assert_eq!(d.alloc_size, 2 * MIB);
     assert_eq!(d.shape, Some(vec![100]));
     assert_eq!(d.strides, None);
@@ -526,7 +526,7 @@ proptest! {
         let d = r.to_descriptor().unwrap();
         let elem = r.dtype.size();
         prop_assert_eq!(d.offset, r.storage_offset_bytes + r.tensor_offset * elem);
-        prop_assert_eq!(d.len, r.tensor_size.iter().product::<u64>() * elem);
+        prop_assert_eq!(d.byte_len, r.tensor_size.iter().product::<u64>() * elem);
         prop_assert_eq!(d.shape.as_deref(), Some(&r.tensor_size[..]));
         prop_assert_eq!(d.dtype, r.dtype);
         prop_assert_eq!(d.event.is_some(), r.event_sync_required);

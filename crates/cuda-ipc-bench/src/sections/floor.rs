@@ -4,7 +4,7 @@
 use cuda_ipc::channel::{self, ServerConfig};
 use cuda_ipc::kernels::{self, Speed};
 use cuda_ipc::vmm::VmmBuffer;
-use cuda_ipc::{DeviceMemory, Error, IpcBuffer, IpcEvent, Mechanism};
+use cuda_ipc::{DeviceMemory, Error, IpcEvent, LegacyBuffer, Mechanism};
 use serde_json::json;
 
 use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_f64, get_u64, mono_ns};
@@ -74,7 +74,7 @@ fn floor_sample(
             .map_err(|e| failure("cuCtxSetCurrent", format!("{e:?}")))
     };
     let answer = if m == Mechanism::Legacy {
-        let buffer = IpcBuffer::alloc(ctx.device, size as usize)
+        let buffer = LegacyBuffer::alloc(ctx.device, size as usize)
             .map_err(|e| failure(format!("allocating {}", human(size)), e))?;
         kernels::fill_u32(&buffer, fill, Speed::Full)?;
         buffer.synchronize()?;

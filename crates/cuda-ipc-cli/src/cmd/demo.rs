@@ -186,7 +186,7 @@ fn talk_to_consumer(
     steps: &mut Steps,
     t: Instant,
 ) -> Result<Outcome, Error> {
-    let words = buffer.len() / 4;
+    let words = buffer.byte_len() / 4;
     lines::send(to_child, &json!({ "descriptor": descriptor.to_value() }))?;
     let reply = from_child.next(CHILD_TIMEOUT)?;
     steps.add(

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{
-    Descriptor, Device, DeviceMemory, Error, IpcMapping, IpcMemHandle, MappedBuffer, OpenFlags,
+    Descriptor, Device, DeviceMemory, Error, IpcMemHandle, LegacyMapping, MappedBuffer, OpenFlags,
     share,
 };
 
@@ -70,7 +70,7 @@ fn source(args: &Args) -> Result<Source, Error> {
             });
         }
     };
-    let len = descriptor.len;
+    let len = descriptor.byte_len;
     let size = args.size.unwrap_or(len.saturating_sub(args.offset));
     let end = args.offset.checked_add(size).filter(|&end| end <= len);
     let Some(end) = end else {
@@ -138,7 +138,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             d.mechanism().to_string(),
         ),
         Source::Handle(handle, offset, size) => {
-            let mapping = IpcMapping::open(&device, *handle, OpenFlags::default())?;
+            let mapping = LegacyMapping::open(&device, *handle, OpenFlags::default())?;
             (
                 MappedBuffer::from_bytes(mapping, *offset, *size)?,
                 "legacy".into(),

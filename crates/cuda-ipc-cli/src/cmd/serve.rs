@@ -117,6 +117,7 @@ fn socket_path(socket: &str, side: Side) -> Result<PathBuf, Error> {
             channel::default_socket_path(&name)?
         }
         Endpoint::Path(path) => path,
+        other => other.path()?,
     };
     let shown = shorten(&path.to_string_lossy(), 80);
     let len = path.as_os_str().len();
@@ -186,9 +187,7 @@ pub fn serve(args: &ServeArgs) -> Result<Outcome, Error> {
     }
     let path = socket_path(&args.socket, Side::Serve)?;
     let device = Device::open(args.device)?;
-    let config = PublisherConfig {
-        allow_uids: args.allow_uid.clone(),
-    };
+    let config = PublisherConfig::default().with_allow_uids(args.allow_uid.iter().copied());
     let publisher = Publisher::bind(&device, Endpoint::Path(path), config)?;
     let mut names = Vec::new();
     let mut mechanism = None;
@@ -240,10 +239,7 @@ pub fn attach(args: &AttachArgs) -> Result<Outcome, Error> {
         return list(&path, &args.allow_uid);
     }
     let device = Device::open(args.device)?;
-    let config = SubscriberConfig {
-        allow_uids: args.allow_uid.clone(),
-        ..SubscriberConfig::default()
-    };
+    let config = SubscriberConfig::default().with_allow_uids(args.allow_uid.iter().copied());
     let subscriber = Subscriber::connect(&device, Endpoint::Path(path), config)?;
     let names = subscriber.list()?;
     let name = match &args.buffer {

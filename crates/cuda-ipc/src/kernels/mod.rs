@@ -9,7 +9,7 @@
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_void};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::{CudaContext, sys};
 
@@ -71,6 +71,7 @@ impl Pattern {
 
 /// How many threads a launch uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Speed {
     /// Enough blocks to fill the device.
     #[default]
@@ -80,9 +81,34 @@ pub enum Speed {
     Slow,
 }
 
-/// The loaded module of one device.
-pub(crate) struct Kernels {
-    ctx: Arc<CudaContext>,
+/// The modules loaded so far, one per cudarc context (that is, per
+/// [`Device::open`]), kept while the context lives.
+static LOADED: Mutex<Vec<Arc<Kernels>>> = Mutex::new(Vec::new());
+
+/// The helper kernels of `device`'s context, loaded on first use.
+fn kernels(device: &Device) -> Result<Arc<Kernels>> {
+    let mut loaded = LOADED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // Modules of contexts that are gone: their drop does nothing more.
+    loaded.retain(|k| k.ctx.strong_count() > 0);
+    let ctx = device.context();
+    if let Some(k) = loaded
+        .iter()
+        .find(|k| std::ptr::eq(k.ctx.as_ptr(), Arc::as_ptr(ctx)))
+    {
+        return Ok(k.clone());
+    }
+    device.bind()?;
+    let k = Arc::new(Kernels::load(device)?);
+    loaded.push(k.clone());
+    Ok(k)
+}
+
+/// The loaded module of one context.
+struct Kernels {
+    /// Weak, so that the cache does not keep a context alive.
+    ctx: Weak<CudaContext>,
     module: sys::CUmodule,
     fill: sys::CUfunction,
     check: sys::CUfunction,
@@ -100,7 +126,7 @@ unsafe impl Sync for Kernels {}
 
 impl Kernels {
     /// Loads the PTX into the (current) context of `device`.
-    pub(crate) fn load(device: &Device) -> Result<Self> {
+    fn load(device: &Device) -> Result<Self> {
         let ptx = CStr::from_bytes_with_nul(PTX.as_bytes()).map_err(|e| Error::Unsupported {
             what: "helper kernels",
             why: format!("embedded PTX is malformed: {e}"),
@@ -127,7 +153,7 @@ impl Kernels {
         };
         let scratch = mem::alloc(8)?;
         Ok(Kernels {
-            ctx: device.context().clone(),
+            ctx: Arc::downgrade(device.context()),
             module,
             fill,
             check,
@@ -139,9 +165,14 @@ impl Kernels {
 
 impl Drop for Kernels {
     fn drop(&mut self) {
-        // Errors cannot be raised from drop; a failure here means the
-        // context is already gone, which frees both anyway.
-        let _ = self.ctx.bind_to_thread();
+        // Errors cannot be raised from drop. Once our cudarc context is
+        // gone no driver call is safe here: releasing the primary context
+        // freed both, or another `Device` of the same ordinal still holds it
+        // and the module and the 8-byte word stay until that one goes.
+        let Some(ctx) = self.ctx.upgrade() else {
+            return;
+        };
+        let _ = ctx.bind_to_thread();
         let scratch = *self
             .scratch
             .get_mut()
@@ -184,7 +215,7 @@ pub fn fill_u32(
     speed: Speed,
 ) -> Result<()> {
     let stream = memory.stream();
-    let k = memory.device().kernels()?;
+    let k = kernels(memory.device())?;
     let mut ptr = memory.device_address();
     let mut n = words(memory)?;
     let (mut base, mut step) = (pattern.base, pattern.step);
@@ -204,7 +235,7 @@ pub fn fill_u32(
 /// Applies `x -> x * mul + add` to every element of `memory` on its stream.
 pub fn map_u32(memory: &(impl DeviceMemory + ?Sized), mul: u32, add: u32) -> Result<()> {
     let stream = memory.stream();
-    let k = memory.device().kernels()?;
+    let k = kernels(memory.device())?;
     let mut ptr = memory.device_address();
     let mut n = words(memory)?;
     let (mut m, mut a) = (mul, add);
@@ -225,7 +256,7 @@ pub fn map_u32(memory: &(impl DeviceMemory + ?Sized), mul: u32, add: u32) -> Res
 /// (`None` when all match). Blocks until the check is done.
 pub fn check_u32(memory: &(impl DeviceMemory + ?Sized), pattern: Pattern) -> Result<Option<u64>> {
     let stream = memory.stream();
-    let k = memory.device().kernels()?;
+    let k = kernels(memory.device())?;
     let scratch = k
         .scratch
         .lock()

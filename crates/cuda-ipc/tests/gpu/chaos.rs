@@ -178,7 +178,7 @@ fn bad_descriptors_of_fd_mechanisms_are_errors() {
             "a VMM allocation of a size off the granularity",
             Descriptor {
                 alloc_size: 3 * MIB as u64,
-                len: MIB as u64,
+                byte_len: MIB as u64,
                 ..ve.descriptor.clone()
             },
             false,

@@ -25,7 +25,7 @@ use std::time::Instant;
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
 use cuda_ipc::{
-    Descriptor, Device, DeviceMemory, Dtype, IpcEvent, IpcMapping, MappedBuffer, OpenFlags,
+    Descriptor, Device, DeviceMemory, Dtype, IpcEvent, LegacyMapping, MappedBuffer, OpenFlags,
 };
 use serde_json::{Value, json};
 
@@ -155,7 +155,7 @@ pub fn serve() {
                     .iter()
                     .map(|h| {
                         let h = h.as_str().unwrap().parse().unwrap();
-                        match IpcMapping::open(&device, h, OpenFlags::default()) {
+                        match LegacyMapping::open(&device, h, OpenFlags::default()) {
                             Ok(_) => json!("opened"),
                             Err(e) => json!(e.to_string()),
                         }
@@ -165,7 +165,7 @@ pub fn serve() {
             }
             "open_without_flag" => {
                 let h = req["handle"].as_str().unwrap().parse().unwrap();
-                match IpcMapping::open(&device, h, OpenFlags::NONE) {
+                match LegacyMapping::open(&device, h, OpenFlags::NONE) {
                     Ok(_) => json!({ "error": null }),
                     Err(e) => json!({ "error": e.to_string() }),
                 }

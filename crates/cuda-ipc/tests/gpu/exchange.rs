@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use cuda_ipc::exchange::{Attached, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
+use cuda_ipc::exchange::{Attachment, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::SharedBuffer;
 use cuda_ipc::{Device, DeviceMemory, Dtype, Error, Mechanism};
@@ -47,14 +47,11 @@ fn subscriber() {
     let device = Device::open(0).unwrap();
     let socket = PathBuf::from(std::env::var(SOCKET_ENV).unwrap());
     // A child running as another user accepts a publisher running as root.
-    let config = SubscriberConfig {
-        allow_uids: std::env::var("CUDA_IPC_TEST_SERVER_UID")
+    let config = SubscriberConfig::default().with_allow_uids(
+        std::env::var("CUDA_IPC_TEST_SERVER_UID")
             .ok()
-            .and_then(|u| u.parse().ok())
-            .into_iter()
-            .collect(),
-        ..SubscriberConfig::default()
-    };
+            .and_then(|u| u.parse().ok()),
+    );
     let sub = match Subscriber::connect(&device, socket.as_path(), config) {
         Ok(s) => s,
         Err(e) => {
@@ -63,7 +60,7 @@ fn subscriber() {
         }
     };
     parent.send(&json!({ "connected": true }));
-    let mut held: HashMap<String, Vec<Attached<u32>>> = HashMap::new();
+    let mut held: HashMap<String, Vec<Attachment<u32>>> = HashMap::new();
     while let Some(req) = parent.recv() {
         let name = req["name"].as_str().unwrap_or_default().to_string();
         let reply = match req["op"].as_str().unwrap_or_default() {
@@ -79,9 +76,9 @@ fn subscriber() {
             "update" => {
                 let a = &held[&name][0];
                 match sub.wait_update(a, Duration::from_secs(30)) {
-                    Ok(generation) => {
+                    Ok(version) => {
                         let bad = kernels::check_u32(a.buffer(), pattern(&req["expect"])).unwrap();
-                        json!({ "bad": bad, "generation": generation })
+                        json!({ "bad": bad, "version": version })
                     }
                     Err(e) => json!({ "error": e.to_string() }),
                 }
@@ -184,12 +181,12 @@ fn updates_are_never_seen_half_written() {
                 // One block of 32 threads: the subscriber would see a mix of
                 // rounds if it read before the event.
                 kernels::fill_u32(buf.as_ref(), p, Speed::Slow).unwrap();
-                let generation = publisher.update(&name).unwrap();
-                assert_eq!(generation, u64::from(round));
+                let version = publisher.update(&name).unwrap();
+                assert_eq!(version, u64::from(round));
                 peer.send(&json!({ "op": "update", "name": name, "expect": pattern_json(p) }));
                 let r = peer.recv();
                 assert_ok!(&r, "{m} round {round}: saw a half-written buffer: {r}");
-                assert_eq!(r["generation"], round);
+                assert_eq!(r["version"], round);
             }
             assert_eq!(publisher.leases().len(), 1);
             peer.send(&json!({ "op": "release", "name": name }));
@@ -451,9 +448,7 @@ fn another_user_is_refused_unless_allowed() {
     let publisher2 = Publisher::bind(
         &device,
         socket2.as_path(),
-        PublisherConfig {
-            allow_uids: vec![65534],
-        },
+        PublisherConfig::default().with_allow_uids([65534]),
     )
     .unwrap();
     chmod_socket(&socket2);

@@ -3,7 +3,7 @@
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
 use cuda_ipc::{
-    Device, DeviceMemory, Dtype, Error, IpcBuffer, IpcEvent, IpcMapping, Mechanism, OpenFlags,
+    Device, DeviceMemory, Dtype, Error, IpcEvent, LegacyBuffer, LegacyMapping, Mechanism, OpenFlags,
 };
 use serde_json::{Value, json};
 
@@ -28,7 +28,7 @@ fn child_or(f: impl FnOnce()) {
 fn round_trip_both_directions() {
     child_or(|| {
         let device = Device::open(0).unwrap();
-        let buf = IpcBuffer::alloc(&device, 64 * MIB).unwrap();
+        let buf = LegacyBuffer::alloc(&device, 64 * MIB).unwrap();
         assert_eq!(buf.alloc_size(), 64 * MIB as u64);
         let p = Pattern::ramp(0xA000_0000, 3);
         kernels::fill_u32(&buf, p, Speed::Full).unwrap();
@@ -40,7 +40,7 @@ fn round_trip_both_directions() {
             source: cuda_ipc::descriptor::Source::Legacy { handle: e.handle },
             alloc_size: e.alloc_size,
             offset: 0,
-            len: e.len,
+            byte_len: e.len,
             dtype: Dtype::U32,
             shape: None,
             strides: None,
@@ -191,9 +191,9 @@ fn events_order_producer_before_consumer() {
 #[ignore = "needs an NVIDIA GPU"]
 fn same_process_open_is_a_clear_error() {
     let device = Device::open(0).unwrap();
-    let buf = IpcBuffer::alloc(&device, 4096).unwrap();
+    let buf = LegacyBuffer::alloc(&device, 4096).unwrap();
     let e = buf.export().unwrap();
-    let err = IpcMapping::open(&device, e.handle, OpenFlags::NONE).unwrap_err();
+    let err = LegacyMapping::open(&device, e.handle, OpenFlags::NONE).unwrap_err();
     assert!(matches!(err, Error::SameProcess), "{err}");
     assert!(err.to_string().contains("same process"), "{err}");
 }
@@ -223,7 +223,7 @@ fn stream_ordered_memory_gets_a_clear_error() {
 fn freed_and_random_handles_are_errors() {
     child_or(|| {
         let device = Device::open(0).unwrap();
-        let buf = IpcBuffer::alloc(&device, 2 * MIB).unwrap();
+        let buf = LegacyBuffer::alloc(&device, 2 * MIB).unwrap();
         let freed = buf.export().unwrap().handle;
         drop(buf);
         let mut handles = vec![freed.to_hex()];
@@ -253,7 +253,7 @@ fn freed_and_random_handles_are_errors() {
         }
         println!("freed handle: {}", results[0]);
         // Without the flag the driver refuses even a live handle, and the error says which flag fixes it.
-        let live = IpcBuffer::alloc(&device, 2 * MIB).unwrap();
+        let live = LegacyBuffer::alloc(&device, 2 * MIB).unwrap();
         peer.send(
             &json!({ "op": "open_without_flag", "handle": live.export().unwrap().handle.to_hex() }),
         );

@@ -9,7 +9,7 @@
 
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
-use cuda_ipc::{Descriptor, Device, DeviceMemory, Dtype, IpcBuffer, IpcEvent, Mechanism};
+use cuda_ipc::{Descriptor, Device, DeviceMemory, Dtype, IpcEvent, LegacyBuffer, Mechanism};
 use serde_json::{Value, json};
 
 use super::common::{Peer, role};
@@ -93,7 +93,7 @@ fn peer_open_without_the_flag_says_which_flag() {
         return consumer::serve();
     }
     let Some(device) = two_devices() else { return };
-    let buf = IpcBuffer::alloc(&device, 2 * MIB).unwrap();
+    let buf = LegacyBuffer::alloc(&device, 2 * MIB).unwrap();
     let mut peer = spawn_on_gpu1(&test_name!("peer_open_without_the_flag_says_which_flag"));
     peer.send(
         &json!({ "op": "open_without_flag", "handle": buf.export().unwrap().handle.to_hex() }),
@@ -146,13 +146,13 @@ fn peer_bandwidth_against_memcpy_peer() {
 pub fn bandwidth(device: &Device, d: &Descriptor) -> Value {
     let run = || -> Result<Value, cuda_ipc::Error> {
         let mapped = share::open::<u32>(device, d, Vec::new())?;
-        let local = IpcBuffer::alloc(device, mapped.byte_len())?;
+        let local = LegacyBuffer::alloc(device, mapped.byte_len())?;
         let gpu0 = Device::open(0)?;
         // cuMemcpyPeer at its best: peer access enabled from GPU 1 to GPU 0
         // (twice: the second call must be harmless).
         device.enable_peer_access(&gpu0)?;
         device.enable_peer_access(&gpu0)?;
-        let remote = IpcBuffer::alloc(&gpu0, mapped.byte_len())?;
+        let remote = LegacyBuffer::alloc(&gpu0, mapped.byte_len())?;
         remote.copy_from_device(&mapped)?;
         remote.synchronize()?;
         let time = |f: &dyn Fn() -> Result<(), cuda_ipc::Error>| -> Result<f64, cuda_ipc::Error> {

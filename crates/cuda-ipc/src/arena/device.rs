@@ -1,0 +1,242 @@
+//! Chunks of device memory: one [`SharedBuffer`] each, exported once.
+#![allow(unsafe_code)] // only `unsafe impl DeviceMemory`, justified there
+
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+
+use super::{Arena, ArenaBuffer, ChunkBacking, MIB};
+use crate::descriptor::{Descriptor, Dtype, Mechanism};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::memory::{DeviceMemory, impl_cudarc_traits};
+use crate::set::{SetChunk, SetEntry, SetRecord};
+use crate::share::{self, Export, SharedBuffer};
+use crate::vmm::{self, ShareableTypes};
+
+/// An arena of device memory.
+pub type DeviceArena = Arena<DeviceChunks>;
+
+/// A buffer of a [`DeviceArena`]: device memory, usable with the kernels
+/// and copies of [`DeviceMemory`] and as a cudarc device slice of bytes.
+pub type DeviceArenaBuffer = ArenaBuffer<DeviceChunks>;
+
+/// Makes chunks of device memory on one device with one mechanism, each
+/// exported once when it is created.
+#[derive(Clone, Debug)]
+pub struct DeviceChunks {
+    device: Device,
+    mechanism: Mechanism,
+    granularity: u64,
+}
+
+impl DeviceChunks {
+    /// Chunks on `device` shared with `mechanism` (`None`: the best the
+    /// device supports, VMM where VMM file descriptors work).
+    pub fn new(device: &Device, mechanism: Option<Mechanism>) -> Result<Self> {
+        let caps = device.capabilities()?;
+        let mechanism = match mechanism {
+            Some(m) => {
+                share::check_mechanism(&caps, m)?;
+                m
+            }
+            None => share::best_mechanism(&caps)?,
+        };
+        // Legacy and pool chunks round to 2 MiB as the crate's other
+        // allocations do; VMM chunks to the driver's granularity.
+        let granularity = match mechanism {
+            Mechanism::Vmm => vmm::granularity(device, ShareableTypes::FD)?,
+            Mechanism::Fabric => vmm::granularity(device, ShareableTypes::FD_AND_FABRIC)?,
+            Mechanism::Legacy | Mechanism::Pool => 2 * MIB,
+        }
+        .max(2 * MIB);
+        Ok(DeviceChunks {
+            device: device.clone(),
+            mechanism,
+            granularity,
+        })
+    }
+
+    /// The device the chunks live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The mechanism the chunks are shared with.
+    pub fn mechanism(&self) -> Mechanism {
+        self.mechanism
+    }
+}
+
+impl ChunkBacking for DeviceChunks {
+    type Chunk = DeviceChunk;
+
+    fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    #[doc(alias = "cuMemCreate")]
+    #[doc(alias = "cuMemExportToShareableHandle")]
+    fn create(&self, len: u64) -> Result<DeviceChunk> {
+        let len = usize::try_from(len)
+            .map_err(|_| Error::arg("size", format!("{len} bytes is too large")))?;
+        let buffer = SharedBuffer::alloc(&self.device, len, Some(self.mechanism))?;
+        let export = buffer.export()?;
+        tracing::debug!(
+            mechanism = %self.mechanism,
+            len,
+            generation = buffer.generation(),
+            "created and exported an arena chunk"
+        );
+        Ok(DeviceChunk { buffer, export })
+    }
+
+    fn chunk_len(chunk: &DeviceChunk) -> u64 {
+        chunk.buffer.byte_len() as u64
+    }
+}
+
+/// One chunk of device memory and its export, made once.
+#[derive(Debug)]
+pub struct DeviceChunk {
+    buffer: SharedBuffer,
+    export: Export,
+}
+
+impl DeviceChunk {
+    /// The chunk's memory.
+    pub fn buffer(&self) -> &SharedBuffer {
+        &self.buffer
+    }
+
+    /// The descriptor of the whole chunk (bytes), made when it was created.
+    /// A buffer at offset `o` of the chunk starts `descriptor().offset + o`
+    /// bytes into the allocation the descriptor names.
+    pub fn descriptor(&self) -> &Descriptor {
+        &self.export.descriptor
+    }
+
+    /// The file descriptors that travel with the descriptor (none for
+    /// legacy and fabric chunks). They live as long as the chunk.
+    pub fn fds(&self) -> &[OwnedFd] {
+        &self.export.fds
+    }
+}
+
+// SAFETY: the arena hands out a buffer only for a range it allocated inside
+// the chunk (`offset + len <= chunk length`), and the buffer keeps its chunk
+// (and so the chunk's memory) alive; the stream is the chunk buffer's own.
+unsafe impl DeviceMemory for DeviceArenaBuffer {
+    fn device(&self) -> &Device {
+        self.chunk().backing().buffer.device()
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.chunk().backing().buffer.stream()
+    }
+    fn device_address(&self) -> u64 {
+        self.chunk().backing().buffer.device_address() + self.offset()
+    }
+    fn byte_len(&self) -> usize {
+        self.len() as usize
+    }
+}
+
+impl_cudarc_traits!(DeviceArenaBuffer, u8);
+
+impl DeviceArenaBuffer {
+    /// A descriptor of this buffer alone, holding `dtype` elements with an
+    /// optional shape: the chunk's descriptor narrowed to the buffer, with no
+    /// new export. It shares the chunk's handle or file descriptor, so a
+    /// consumer that opens it maps (and can read) the whole chunk.
+    pub fn descriptor(&self, dtype: Dtype, shape: Option<Vec<u64>>) -> Result<Descriptor> {
+        let chunk = self.chunk().backing().descriptor();
+        let d = Descriptor {
+            offset: chunk.offset + self.offset(),
+            byte_len: self.len(),
+            dtype,
+            shape,
+            strides: None,
+            ..chunk.clone()
+        };
+        d.validate()?;
+        Ok(d)
+    }
+}
+
+/// One buffer of a set, for [`DeviceArena::describe_set`].
+#[derive(Clone, Copy, Debug)]
+pub struct SetMember<'a> {
+    /// The buffer's name in the set.
+    pub name: &'a str,
+    /// What it holds.
+    pub dtype: Dtype,
+    /// Its dimensions in elements (row-major, contiguous).
+    pub shape: &'a [u64],
+    /// Where it lives.
+    pub buffer: &'a DeviceArenaBuffer,
+}
+
+impl DeviceArena {
+    /// The set record of `members`: one entry per member, in order, and the
+    /// descriptor of every chunk they use, once. Each member's bytes
+    /// (elements of its shape times its dtype's size) must fit in its buffer.
+    pub fn describe_set<'a>(
+        &self,
+        name: &str,
+        members: impl IntoIterator<Item = SetMember<'a>>,
+    ) -> Result<SetRecord> {
+        let mut chunks = BTreeMap::new();
+        let mut entries = Vec::new();
+        for m in members {
+            let chunk = m.buffer.chunk();
+            if chunk.id().arena != self.id() {
+                return Err(Error::arg(
+                    "set member",
+                    format!("{:?} is a buffer of another arena", m.name),
+                ));
+            }
+            let elements = m
+                .shape
+                .iter()
+                .try_fold(1u64, |a, d| a.checked_mul(*d))
+                .and_then(|n| n.checked_mul(m.dtype.size()));
+            let len = match elements {
+                Some(len) if len <= m.buffer.len() => len,
+                _ => {
+                    return Err(Error::arg(
+                        "set member",
+                        format!(
+                            "{:?}: shape {:?} of {} does not fit in its {}-byte buffer",
+                            m.name,
+                            m.shape,
+                            m.dtype,
+                            m.buffer.len()
+                        ),
+                    ));
+                }
+            };
+            chunks
+                .entry(chunk.id().index)
+                .or_insert_with(|| chunk.backing().descriptor().clone());
+            entries.push(SetEntry {
+                name: m.name.to_string(),
+                dtype: m.dtype,
+                shape: m.shape.to_vec(),
+                chunk: chunk.id().index,
+                offset: m.buffer.offset(),
+                len,
+            });
+        }
+        SetRecord::new(
+            name.to_string(),
+            self.id(),
+            chunks
+                .into_iter()
+                .map(|(id, descriptor)| SetChunk { id, descriptor })
+                .collect(),
+            entries,
+        )
+    }
+}

@@ -1,0 +1,110 @@
+//! Publishers and subscribers: device buffers shared by name over the
+//! [`channel`], with leases, per-publish events, a mapping
+//! cache and rings.
+//!
+//! ```no_run
+//! use cuda_ipc::exchange::{Publisher, Subscriber};
+//! use cuda_ipc::kernels::{self, Pattern, Speed};
+//! use cuda_ipc::{Device, Dtype, share::SharedBuffer};
+//!
+//! // Producer
+//! let device = Device::open(0)?;
+//! let publisher = Publisher::bind(&device, "frames", Default::default())?;
+//! let buffer = SharedBuffer::alloc(&device, 64 << 20, None)?;
+//! kernels::fill_u32(&buffer, Pattern::ramp(0, 1), Speed::Full)?;
+//! publisher.publish("weights", buffer, Dtype::U32, None)?; // records an event after the fill
+//!
+//! // Consumer (another process)
+//! let subscriber = Subscriber::connect(&device, "frames", Default::default())?;
+//! let weights = subscriber.attach::<u32>("weights")?; // mapped; its stream waits on the event
+//! assert_eq!(kernels::check_u32(weights.buffer(), Pattern::ramp(0, 1))?, None);
+//! subscriber.release(weights)?; // the producer may now free it
+//! # Ok::<(), cuda_ipc::Error>(())
+//! ```
+//!
+//! # Synchronisation
+//! The publisher records one interprocess event after the writes queued on
+//! a buffer's stream at every [`Publisher::publish`] and
+//! [`Publisher::update`] and then notifies; the subscriber makes the
+//! mapping's stream wait on that event at [`Subscriber::attach`] and at
+//! every [`Subscriber::wait_update`]. Every update, not only the first
+//! attach. One event per publisher serves every buffer, so a subscriber
+//! opens it once.
+//!
+//! # Lifetimes
+//! Every attach is a lease held by the subscriber's connection, and by every
+//! view of the attached buffer (its clones, slices and casts): the lease is
+//! released when the last view drops, or by [`Subscriber::release`], which
+//! refuses while other views are alive ([`Error::ViewsAlive`](crate::Error::ViewsAlive)). Before the
+//! lease goes, the streams the views used are waited for, so the publisher
+//! never frees memory that queued work still uses. Rings work the same way.
+//! [`Publisher::unpublish`] hides a buffer from new subscribers and waits
+//! (with a timeout) until its last lease is released before handing the
+//! buffer back to be freed. A subscriber that exits or is killed releases
+//! its leases (the socket closes). If the publisher dies, the subscriber's
+//! next call fails within a second with [`ChannelError::PeerGone`](crate::channel::ChannelError::PeerGone);
+//! [`Subscriber::is_alive`] polls for it.
+
+mod lease;
+mod publisher;
+mod ring;
+mod subscriber;
+mod wire;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::channel;
+use crate::error::Result;
+
+pub use publisher::{Publisher, PublisherConfig};
+pub use ring::{RingFrame, RingPublisher, RingSubscriber};
+pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Where the socket is: a name under the default socket directory
+/// (`$XDG_RUNTIME_DIR/cuda-ipc/<name>.sock`) or an explicit path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Endpoint {
+    /// A name in the default, private socket directory.
+    Name(String),
+    /// An explicit socket path.
+    Path(PathBuf),
+}
+
+impl Endpoint {
+    /// The socket path.
+    pub fn path(&self) -> Result<PathBuf> {
+        match self {
+            Endpoint::Name(n) => Ok(channel::default_socket_path(n)?),
+            Endpoint::Path(p) => Ok(p.clone()),
+        }
+    }
+}
+
+impl From<&str> for Endpoint {
+    /// A string with a `/` is a path; anything else is a name.
+    fn from(s: &str) -> Self {
+        if s.contains('/') {
+            Endpoint::Path(s.into())
+        } else {
+            Endpoint::Name(s.into())
+        }
+    }
+}
+
+impl From<&Path> for Endpoint {
+    fn from(p: &Path) -> Self {
+        Endpoint::Path(p.into())
+    }
+}
+
+impl From<PathBuf> for Endpoint {
+    fn from(p: PathBuf) -> Self {
+        Endpoint::Path(p)
+    }
+}

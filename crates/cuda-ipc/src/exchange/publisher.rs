@@ -1,0 +1,203 @@
+//! The publishing side: buffers served by name, updates, unpublishing.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::channel::{ChannelError, LeaseInfo, Server, ServerConfig};
+use crate::descriptor::{Descriptor, Dtype, Mechanism};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::event::IpcEvent;
+use crate::handle::IpcEventHandle;
+use crate::memory::DeviceMemory;
+use crate::share::SharedBuffer;
+
+use super::ring::RingPublisher;
+use super::wire::{self, EntryMeta, RingMeta, UpdateNotice};
+use super::{Endpoint, lock};
+
+/// How a [`Publisher`] serves: `PublisherConfig::default()`, adjusted with
+/// the `with_` methods.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct PublisherConfig {
+    /// User ids allowed to connect besides our own (peer credentials are
+    /// checked on every connection).
+    pub allow_uids: Vec<u32>,
+}
+
+impl PublisherConfig {
+    /// Lets processes of these user ids connect too, besides our own.
+    #[must_use]
+    pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
+        self.allow_uids.extend(uids);
+        self
+    }
+}
+
+/// The meta of an entry: the descriptor (which carries the event handle).
+fn entry_meta(descriptor: &Descriptor) -> Result<Value> {
+    wire::to_value(&EntryMeta::new(descriptor))
+}
+
+struct PublishedBuffer {
+    buffer: Arc<SharedBuffer>,
+}
+
+/// Serves device buffers by name to subscribers in other processes.
+pub struct Publisher {
+    device: Device,
+    server: Server,
+    event: IpcEvent,
+    event_handle: IpcEventHandle,
+    entries: Mutex<HashMap<String, PublishedBuffer>>,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("path", &self.server.path())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Publisher {
+    /// Binds the socket (mode 0600, in a 0700 directory for names) and
+    /// starts serving.
+    pub fn bind(
+        device: &Device,
+        endpoint: impl Into<Endpoint>,
+        config: PublisherConfig,
+    ) -> Result<Self> {
+        let path = endpoint.into().path()?;
+        let mut server_config = ServerConfig::new(path);
+        for uid in config.allow_uids {
+            if !server_config.allowed_uids.contains(&uid) {
+                server_config.allowed_uids.push(uid);
+            }
+        }
+        let server = Server::bind(server_config)?;
+        let event = IpcEvent::new(device)?;
+        let event_handle = event.handle()?;
+        tracing::info!(path = %server.path().display(), "publisher serving");
+        Ok(Publisher {
+            device: device.clone(),
+            server,
+            event,
+            event_handle,
+            entries: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The socket path subscribers connect to.
+    pub fn path(&self) -> &Path {
+        self.server.path()
+    }
+
+    /// The channel server underneath (leases, connection counts).
+    pub fn server(&self) -> &Server {
+        &self.server
+    }
+
+    /// Publishes `buffer` under `name` as elements of `dtype` (with an
+    /// optional shape). An event is recorded after the work queued so far on
+    /// the buffer's stream; subscribers wait on it before they read.
+    #[tracing::instrument(level = "debug", skip(self, buffer, shape), fields(mechanism = %buffer.mechanism(), len = buffer.byte_len()))]
+    pub fn publish(
+        &self,
+        name: &str,
+        buffer: SharedBuffer,
+        dtype: Dtype,
+        shape: Option<Vec<u64>>,
+    ) -> Result<Arc<SharedBuffer>> {
+        let buffer = Arc::new(buffer);
+        let export = buffer.export_region(0, buffer.byte_len() as u64, dtype, shape)?;
+        self.event.record(buffer.stream())?;
+        let mut descriptor = export.descriptor;
+        descriptor.event = Some(self.event_handle);
+        let mut entries = lock(&self.entries);
+        self.server
+            .publish(name, entry_meta(&descriptor)?, export.fds)?;
+        entries.insert(
+            name.to_owned(),
+            PublishedBuffer {
+                buffer: buffer.clone(),
+            },
+        );
+        Ok(buffer)
+    }
+
+    /// Tells every subscriber of `name` that new contents are ready: records
+    /// the event after the work queued on the buffer's stream, then notifies.
+    /// Returns the update's version: the count of updates of `name`, from 1
+    /// (the wire's notice calls it `generation`).
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn update(&self, name: &str) -> Result<u64> {
+        let buffer = lock(&self.entries)
+            .get(name)
+            .map(|e| e.buffer.clone())
+            .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        self.event.record(buffer.stream())?;
+        Ok(self
+            .server
+            .update(name, wire::to_value(&UpdateNotice::default())?)?)
+    }
+
+    /// The buffer published under `name`.
+    pub fn buffer(&self, name: &str) -> Option<Arc<SharedBuffer>> {
+        lock(&self.entries).get(name).map(|e| e.buffer.clone())
+    }
+
+    /// Hides `name` from new subscribers, tells its subscribers, and waits
+    /// up to `timeout` (`None`: for ever) until every lease on it is
+    /// released. Returns the buffer, which no other process uses any more.
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn unpublish(&self, name: &str, timeout: Option<Duration>) -> Result<Arc<SharedBuffer>> {
+        self.server.unpublish(name)?;
+        self.server.wait_released(name, timeout)?;
+        let entry = lock(&self.entries)
+            .remove(name)
+            .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        Ok(entry.buffer)
+    }
+
+    /// The current leases.
+    pub fn leases(&self) -> Vec<LeaseInfo> {
+        self.server.leases()
+    }
+
+    /// Creates a ring of `slots` buffers of `slot_bytes` each, shared with
+    /// `mechanism` (`None`: the best available), under `name`.
+    pub fn ring(
+        &self,
+        name: &str,
+        slots: usize,
+        slot_bytes: usize,
+        mechanism: Option<Mechanism>,
+    ) -> Result<RingPublisher> {
+        let mut buffers = Vec::with_capacity(slots);
+        let mut metas = Vec::with_capacity(slots);
+        for _ in 0..slots {
+            let b = SharedBuffer::alloc(&self.device, slot_bytes, mechanism)?;
+            let mut e = b.export()?;
+            e.descriptor.event = Some(self.event_handle);
+            metas.push((entry_meta(&e.descriptor)?, e.fds));
+            buffers.push(b);
+        }
+        let producer =
+            self.server
+                .create_ring(name, wire::to_value(&RingMeta { slot_bytes })?, metas)?;
+        let event = IpcEvent::new(&self.device)?;
+        let event_handle = event.handle()?;
+        Ok(RingPublisher {
+            producer,
+            buffers,
+            event,
+            event_handle,
+        })
+    }
+}

@@ -1,0 +1,196 @@
+//! Rings: a fixed set of slots cycled between one producer and its
+//! subscribers, with back-pressure, a lease per subscription and an event per
+//! frame.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytemuck::Pod;
+use serde_json::Value;
+
+use crate::buffer::MappedBuffer;
+use crate::channel::{self, LeaseInfo};
+use crate::error::{Error, Result};
+use crate::event::IpcEvent;
+use crate::handle::IpcEventHandle;
+use crate::memory::DeviceMemory;
+use crate::share::SharedBuffer;
+
+use super::Subscriber;
+use super::lease::LeaseGuard;
+use super::wire::{self, FrameNotice};
+
+/// The producer's side of a ring of buffers with back-pressure.
+pub struct RingPublisher {
+    pub(super) producer: channel::RingProducer,
+    pub(super) buffers: Vec<SharedBuffer>,
+    pub(super) event: IpcEvent,
+    pub(super) event_handle: IpcEventHandle,
+}
+
+impl RingPublisher {
+    /// Waits (up to `timeout`) until the next slot is free, and returns its
+    /// index and buffer to fill.
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<(u32, &SharedBuffer)> {
+        let slot = self.producer.acquire(timeout)?;
+        let buffer = self.buffer(index(slot)?)?;
+        Ok((index(slot)?, buffer))
+    }
+
+    fn buffer(&self, slot: usize) -> Result<&SharedBuffer> {
+        self.buffers.get(slot).ok_or_else(|| {
+            Error::arg(
+                "slot",
+                format!("slot {slot} of a ring of {} slots", self.buffers.len()),
+            )
+        })
+    }
+
+    /// Publishes a filled slot: records the ring's event after the work
+    /// queued on the slot's stream and sends the frame. Returns its sequence number.
+    pub fn publish(&self, slot: u32) -> Result<u64> {
+        self.publish_with(slot, serde_json::Map::new())
+    }
+
+    /// As [`RingPublisher::publish`], with extra fields for the subscriber
+    /// in the frame's notice (a timestamp, a frame number; small).
+    pub fn publish_with(
+        &self,
+        slot: u32,
+        mut extra: serde_json::Map<String, Value>,
+    ) -> Result<u64> {
+        let buffer = self.buffer(index(slot)?)?;
+        self.event.record(buffer.stream())?;
+        // The event is ours: a producer's field of that name can't replace it.
+        extra.remove("event");
+        let notice = wire::to_value(&FrameNotice {
+            event: self.event_handle,
+            extra,
+        })?;
+        Ok(self.producer.publish(index(slot)?, notice)?)
+    }
+
+    /// The number of slots.
+    pub fn slot_count(&self) -> usize {
+        self.buffers.len()
+    }
+
+    /// The current subscribers.
+    pub fn subscribers(&self) -> Vec<LeaseInfo> {
+        self.producer.subscribers()
+    }
+}
+
+/// A subscription to a ring: every slot mapped. Every slot's buffer, and
+/// every view made from one, holds the subscription's lease.
+#[derive(Debug)]
+pub struct RingSubscriber<T> {
+    lease: u64,
+    guard: Arc<LeaseGuard>,
+    slots: Vec<MappedBuffer<T>>,
+}
+
+impl<T: Pod> RingSubscriber<T> {
+    /// The number of slots.
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+}
+
+/// One received frame of a ring.
+#[derive(Debug)]
+#[must_use = "acknowledge the frame with Subscriber::ack so the producer can reuse the slot"]
+#[non_exhaustive]
+pub struct RingFrame<'r, T> {
+    /// The slot's index.
+    pub slot: u32,
+    /// The frame's sequence number (from 1).
+    pub seq: u64,
+    /// The slot's buffer.
+    pub buffer: &'r MappedBuffer<T>,
+    /// The producer's notice (its extra fields and the event).
+    pub notice: Value,
+}
+
+impl Subscriber {
+    /// Subscribes to the ring `name`: maps every slot once.
+    pub fn attach_ring<T: Pod>(&self, name: &str) -> Result<RingSubscriber<T>> {
+        let a = self.client.attach_ring(name)?;
+        let mut slots = Vec::with_capacity(a.slots.len());
+        for (meta, fds) in a.slots {
+            match self.open_descriptor::<T>(&meta, fds) {
+                Ok((_, buffer, _)) => slots.push(buffer),
+                Err(e) => {
+                    let _ = self.client.release(a.lease);
+                    return Err(e);
+                }
+            }
+        }
+        let mappings = slots.iter().map(|b| b.mapping().clone()).collect();
+        let guard = LeaseGuard::new(
+            &self.client,
+            &self.pending,
+            a.lease,
+            name.to_owned(),
+            mappings,
+        );
+        let slots = slots.into_iter().map(|b| b.hold(guard.clone())).collect();
+        Ok(RingSubscriber {
+            lease: a.lease,
+            guard,
+            slots,
+        })
+    }
+
+    /// The next frame of `ring`, within `timeout`: the slot's buffer, whose
+    /// stream has been made to wait on the frame's event.
+    pub fn next_frame<'r, T: Pod>(
+        &self,
+        ring: &'r RingSubscriber<T>,
+        timeout: Duration,
+    ) -> Result<RingFrame<'r, T>> {
+        let f = self.client.next_frame(ring.lease, timeout)?;
+        let buffer = ring.slots.get(index::<usize, _>(f.slot)?).ok_or_else(|| {
+            Error::arg(
+                "ring frame",
+                format!("slot {} of {}", f.slot, ring.slots.len()),
+            )
+        })?;
+        let notice = FrameNotice::decode(&f.notice)?;
+        self.event(notice.event)?.wait_on(buffer.stream())?;
+        Ok(RingFrame {
+            slot: index(f.slot)?,
+            seq: f.seq,
+            buffer,
+            notice: f.notice,
+        })
+    }
+
+    /// Hands a frame's slot back to the producer, after the work queued on
+    /// its stream has finished.
+    #[allow(clippy::needless_pass_by_value)] // taking the frame ends its use
+    pub fn ack<T: Pod>(&self, ring: &RingSubscriber<T>, frame: RingFrame<'_, T>) -> Result<()> {
+        frame.buffer.synchronize()?;
+        Ok(self.client.ack(ring.lease, index(frame.slot)?, frame.seq)?)
+    }
+
+    /// Ends a ring subscription now, after the work queued on every stream
+    /// the slots' views used.
+    ///
+    /// # Errors
+    /// [`Error::ViewsAlive`] while clones, slices or casts of a slot's buffer
+    /// are alive: the subscription then ends when the last of them drops.
+    pub fn release_ring<T: Pod>(&self, ring: RingSubscriber<T>) -> Result<()> {
+        let RingSubscriber { guard, slots, .. } = ring;
+        drop(slots);
+        guard.check_no_views(1)?;
+        guard.end()
+    }
+}
+
+/// A slot index converted between the public API's `u32` and the integer
+/// the channel or a `Vec` uses; rings are far smaller than either bound, so
+/// a failure means a corrupt index, reported as such.
+fn index<I: TryFrom<S>, S: Copy + std::fmt::Display>(slot: S) -> Result<I> {
+    I::try_from(slot).map_err(|_| Error::arg("slot", format!("slot index {slot} is out of range")))
+}

@@ -1,0 +1,291 @@
+//! The subscribing side: attaching, the mapping cache, updates, releases.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use bytemuck::Pod;
+use serde_json::Value;
+
+use crate::buffer::{MappedBuffer, Mapping};
+use crate::channel::{ChannelError, Client, ClientConfig, Notice};
+use crate::descriptor::Descriptor;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::event::IpcEvent;
+use crate::handle::IpcEventHandle;
+use crate::memory::DeviceMemory;
+use crate::share;
+
+use super::lease::{LeaseGuard, Pending};
+use super::wire::EntryMeta;
+use super::{Endpoint, lock};
+
+/// How a [`Subscriber`] connects: `SubscriberConfig::default()`, adjusted
+/// with the `with_` methods.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct SubscriberConfig {
+    /// How long a request may take (5 s by default).
+    pub timeout: Duration,
+    /// User ids the publisher may run as besides our own.
+    pub allow_uids: Vec<u32>,
+}
+
+impl Default for SubscriberConfig {
+    fn default() -> Self {
+        SubscriberConfig {
+            timeout: Duration::from_secs(5),
+            allow_uids: Vec::new(),
+        }
+    }
+}
+
+impl SubscriberConfig {
+    /// How long a request may take.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Accepts a publisher running as one of these user ids too, besides our own.
+    #[must_use]
+    pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
+        self.allow_uids.extend(uids);
+        self
+    }
+}
+
+/// Cache key of a mapping: the exporter and its allocation's generation
+/// (never the address, which a freed allocation gives to the next one).
+type CacheKey = (u32, u64);
+
+/// Connects to a [`Publisher`](super::Publisher) and maps what it publishes.
+pub struct Subscriber {
+    pub(super) device: Device,
+    pub(super) client: Arc<Client>,
+    cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
+    events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
+    pub(super) pending: Arc<Pending>,
+    opens: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for Subscriber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscriber")
+            .field("server_pid", &self.client.server_pid())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A buffer attached from a publisher: a lease and a typed mapping. The
+/// buffer and every view made from it hold the lease.
+#[derive(Debug)]
+pub struct Attachment<T> {
+    lease: u64,
+    name: String,
+    guard: Arc<LeaseGuard>,
+    buffer: MappedBuffer<T>,
+    event: Arc<IpcEvent>,
+    descriptor: Descriptor,
+}
+
+impl<T: Pod> Attachment<T> {
+    /// The mapped buffer; its stream waits on the publisher's event.
+    pub fn buffer(&self) -> &MappedBuffer<T> {
+        &self.buffer
+    }
+    /// The entry's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// The lease id.
+    pub fn lease(&self) -> u64 {
+        self.lease
+    }
+    /// The descriptor the publisher sent.
+    pub fn descriptor(&self) -> &Descriptor {
+        &self.descriptor
+    }
+}
+
+impl Subscriber {
+    /// Connects to the publisher at `endpoint` (checking its peer credentials).
+    pub fn connect(
+        device: &Device,
+        endpoint: impl Into<Endpoint>,
+        config: SubscriberConfig,
+    ) -> Result<Self> {
+        let path = endpoint.into().path()?;
+        let mut client_config = ClientConfig {
+            timeout: config.timeout,
+            ..ClientConfig::default()
+        };
+        client_config.allowed_server_uids.extend(config.allow_uids);
+        let client = Arc::new(Client::connect(path, client_config)?);
+        Ok(Subscriber {
+            device: device.clone(),
+            client,
+            cache: Mutex::new(HashMap::new()),
+            events: Mutex::new(HashMap::new()),
+            pending: Arc::new(Mutex::new(HashMap::new())),
+            opens: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// The names published now.
+    pub fn list(&self) -> Result<Vec<String>> {
+        Ok(self.client.list()?.into_iter().map(|e| e.name).collect())
+    }
+
+    /// Whether the publisher is still there (does not block).
+    pub fn is_alive(&self) -> bool {
+        self.client.is_alive()
+    }
+
+    /// How many mappings this subscriber has opened (cache misses).
+    pub fn opens(&self) -> u64 {
+        self.opens.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(super) fn event(&self, handle: IpcEventHandle) -> Result<Arc<IpcEvent>> {
+        let mut events = lock(&self.events);
+        if let Some(e) = events.get(&handle) {
+            return Ok(e.clone());
+        }
+        let e = Arc::new(IpcEvent::open(&self.device, handle)?);
+        events.insert(handle, e.clone());
+        Ok(e)
+    }
+
+    fn mapping(
+        &self,
+        descriptor: &Descriptor,
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> Result<Arc<dyn Mapping>> {
+        let key = descriptor.generation.map(|g| (descriptor.pid, g));
+        if let Some(key) = key
+            && let Some(m) = lock(&self.cache).get(&key).and_then(Weak::upgrade)
+        {
+            return Ok(m);
+        }
+        let m = share::open_mapping(&self.device, descriptor, fds)?;
+        self.opens
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(key) = key {
+            let mut cache = lock(&self.cache);
+            cache.retain(|_, w| w.strong_count() > 0);
+            cache.insert(key, Arc::downgrade(&m));
+        }
+        Ok(m)
+    }
+
+    pub(super) fn open_descriptor<T: Pod>(
+        &self,
+        meta: &Value,
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> Result<(Descriptor, MappedBuffer<T>, Arc<IpcEvent>)> {
+        let descriptor = EntryMeta::decode(meta)?;
+        let handle = descriptor.event.ok_or_else(|| Error::Descriptor {
+            field: "event".into(),
+            reason: "a published buffer must carry the publisher's event".into(),
+        })?;
+        let event = self.event(handle)?;
+        let mapping = self.mapping(&descriptor, fds)?;
+        let buffer =
+            MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.byte_len)?;
+        event.wait_on(buffer.stream())?;
+        Ok((descriptor, buffer, event))
+    }
+
+    /// Attaches to the buffer published as `name`: takes a lease, maps the
+    /// memory (reusing a mapping this subscriber already holds for the same
+    /// allocation) and makes the buffer's stream wait on the publisher's event.
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn attach<T: Pod>(&self, name: &str) -> Result<Attachment<T>> {
+        let a = self.client.attach(name)?;
+        match self.open_descriptor::<T>(&a.meta, a.fds) {
+            Ok((descriptor, buffer, event)) => {
+                let guard = LeaseGuard::new(
+                    &self.client,
+                    &self.pending,
+                    a.lease,
+                    a.name.clone(),
+                    vec![buffer.mapping().clone()],
+                );
+                Ok(Attachment {
+                    lease: a.lease,
+                    name: a.name,
+                    buffer: buffer.hold(guard.clone()),
+                    guard,
+                    event,
+                    descriptor,
+                })
+            }
+            Err(e) => {
+                let _ = self.client.release(a.lease);
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits up to `timeout` for the publisher's next update of `attached`,
+    /// then makes its buffer's stream wait on the event recorded with it.
+    /// Returns the update's version (the count of updates, from 1; not the
+    /// allocation's generation); [`ChannelError::Unpublished`] when
+    /// the publisher wants the buffer back (release it).
+    pub fn wait_update<T: Pod>(&self, attached: &Attachment<T>, timeout: Duration) -> Result<u64> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(notice) = lock(&self.pending)
+                .get_mut(&attached.lease)
+                .and_then(VecDeque::pop_front)
+            {
+                return Self::apply(attached, &notice);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let u = self.client.next_update(left)?;
+            if u.lease == attached.lease {
+                return Self::apply(attached, &u.notice);
+            }
+            lock(&self.pending)
+                .entry(u.lease)
+                .or_default()
+                .push_back(u.notice);
+        }
+    }
+
+    fn apply<T: Pod>(attached: &Attachment<T>, notice: &Notice) -> Result<u64> {
+        match notice {
+            // The channel's notice calls the update counter `generation` on the wire.
+            Notice::Updated {
+                generation: version,
+                ..
+            } => {
+                attached.event.wait_on(attached.buffer.stream())?;
+                Ok(*version)
+            }
+            Notice::Unpublished => Err(ChannelError::Unpublished {
+                name: attached.name.clone(),
+                lease: attached.lease,
+            }
+            .into()),
+        }
+    }
+
+    /// Releases a lease now: waits for the work queued on every stream the
+    /// buffer's views used, drops the mapping (unless another attachment
+    /// shares it), then tells the publisher.
+    ///
+    /// # Errors
+    /// [`Error::ViewsAlive`] while clones, slices or casts of the buffer are
+    /// alive: the lease then stays until the last of them drops.
+    #[tracing::instrument(level = "debug", skip_all, fields(lease = attached.lease))]
+    pub fn release<T: Pod>(&self, attached: Attachment<T>) -> Result<()> {
+        let Attachment { guard, buffer, .. } = attached;
+        drop(buffer);
+        guard.check_no_views(1)?;
+        guard.end()
+    }
+}

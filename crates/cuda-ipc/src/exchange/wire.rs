@@ -1,0 +1,111 @@
+//! What the exchange puts in the channel's JSON: the metadata of entries and
+//! rings, and the notices of updates and ring frames, as typed records. The
+//! channel carries them as `serde_json::Value`; the field names are the wire
+//! format (the Python module reads the same records), so they don't change.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::descriptor::Descriptor;
+use crate::error::{Error, Result};
+use crate::handle::IpcEventHandle;
+
+/// The metadata of a published buffer, or of one slot of a ring.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct EntryMeta {
+    /// The descriptor, as [`Descriptor::to_value`] writes it; decoded by
+    /// [`Descriptor::from_value`], whose errors name the field.
+    descriptor: Value,
+}
+
+impl EntryMeta {
+    pub(super) fn new(descriptor: &Descriptor) -> Self {
+        EntryMeta {
+            descriptor: descriptor.to_value(),
+        }
+    }
+
+    /// Decodes an entry's metadata and its descriptor.
+    pub(super) fn decode(meta: &Value) -> Result<Descriptor> {
+        let m = EntryMeta::deserialize(meta).map_err(|e| Error::Descriptor {
+            field: "descriptor".into(),
+            reason: format!("the entry's metadata is not {{\"descriptor\": ...}}: {e}"),
+        })?;
+        Descriptor::from_value(&m.descriptor)
+    }
+}
+
+/// The metadata of a ring as a whole.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct RingMeta {
+    /// The size of every slot, in bytes.
+    pub(super) slot_bytes: usize,
+}
+
+/// The notice of an update: nothing beyond the channel's own fields (the
+/// event to wait on is the publisher's, named by the descriptor).
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(super) struct UpdateNotice {}
+
+/// The notice of a ring frame: the producer's extra fields and the event
+/// recorded after the slot was written.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct FrameNotice {
+    /// The ring's interprocess event, as hex.
+    pub(super) event: IpcEventHandle,
+    /// The producer's own fields (a timestamp, a frame number).
+    #[serde(flatten)]
+    pub(super) extra: Map<String, Value>,
+}
+
+impl FrameNotice {
+    /// Decodes a frame's notice.
+    pub(super) fn decode(notice: &Value) -> Result<Self> {
+        FrameNotice::deserialize(notice).map_err(|e| {
+            Error::arg(
+                "ring frame",
+                format!("the frame's notice has no valid event: {e}"),
+            )
+        })
+    }
+}
+
+/// A record as the channel carries it.
+pub(super) fn to_value(record: &impl Serialize) -> Result<Value> {
+    serde_json::to_value(record)
+        .map_err(|e| Error::arg("exchange record", format!("cannot be written as JSON: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn frame_notices_keep_the_producer_fields_beside_the_event() {
+        let event = IpcEventHandle::from_bytes(&[7; 64]).unwrap();
+        let mut extra = Map::new();
+        extra.insert("stamp".into(), json!(42));
+        let v = to_value(&FrameNotice { event, extra }).unwrap();
+        assert_eq!(v["stamp"], 42);
+        assert_eq!(v["event"], event.to_hex());
+        let back = FrameNotice::decode(&v).unwrap();
+        assert_eq!(back.event, event);
+        assert_eq!(back.extra["stamp"], 42);
+    }
+
+    #[test]
+    fn bad_records_say_what_is_wrong() {
+        let e = FrameNotice::decode(&json!({ "stamp": 1 })).unwrap_err();
+        assert!(e.to_string().contains("event"), "{e}");
+        let e = FrameNotice::decode(&json!({ "event": "zz" })).unwrap_err();
+        assert!(e.to_string().contains("ring frame"), "{e}");
+        let e = EntryMeta::decode(&json!({ "descriptr": {} })).unwrap_err();
+        assert!(e.to_string().contains("descriptor"), "{e}");
+        assert_eq!(to_value(&UpdateNotice::default()).unwrap(), json!({}));
+        assert_eq!(
+            to_value(&RingMeta { slot_bytes: 4096 }).unwrap(),
+            json!({ "slot_bytes": 4096 })
+        );
+    }
+}

@@ -1,0 +1,640 @@
+//! The set record: a versioned, language-neutral JSON record of a named set
+//! of many buffers (a model's weights) that live in the chunks of one
+//! [arena](crate::arena).
+//!
+//! A set record holds a **chunk table**, the [`Descriptor`] of every chunk
+//! the set uses, once, so that a consumer maps each chunk once, and one
+//! **entry** per buffer: its name, element type, shape, the chunk it lives
+//! in (by the chunk's id in its arena) and its byte offset and byte length
+//! in that chunk. Offsets count from the first byte the chunk's descriptor
+//! names (`descriptor.offset` into the allocation), so an entry's bytes are
+//! `descriptor.offset + offset .. + len` of the allocation.
+//!
+//! ```json
+//! {"cuda_ipc_set":1,"name":"weights","arena":1311768467294899695,
+//!  "chunks":[{"id":0,"descriptor":{"cuda_ipc":1,"mechanism":"vmm","fd":7, ...}}],
+//!  "entries":[["layer0.weight","f32",[1024,1024],0,0,4194304],
+//!             ["layer0.bias","f32",[1024],0,4194304,4096]]}
+//! ```
+//!
+//! Entries are arrays, `[name, dtype, shape, chunk, offset, len]`, to keep a
+//! set of 10,000 buffers well under the channel's frame size; errors still
+//! name the field (`entries[17].offset`). The optional `event` is one
+//! interprocess event for the whole set, recorded after the producer's
+//! writes; chunk descriptors carry none of their own.
+//!
+//! Decoding is strict: unknown fields and versions, wrong types, duplicate
+//! chunks or names, entries that overlap, pass the end of their chunk, are
+//! misaligned for their element type or whose length disagrees with their
+//! shape, chunks of different devices, processes or mechanisms, and chunks
+//! no entry uses are all errors ([`Error::Descriptor`]) that name the field.
+//!
+//! A consumer that maps a chunk can read every buffer in it, whether the
+//! set names it or not: see the security note of [`arena`](crate::arena).
+
+use std::collections::{HashMap, HashSet};
+
+use serde_json::{Map, Value};
+
+use crate::arena::ArenaId;
+use crate::descriptor::{Descriptor, Dtype};
+use crate::error::{Error, Result};
+use crate::handle::IpcEventHandle;
+use crate::json::{Fields, kind_of};
+
+/// The set record format this build writes and reads.
+pub const SET_FORMAT_VERSION: u64 = 1;
+
+/// The key that carries the set record's format version.
+pub const SET_VERSION_KEY: &str = "cuda_ipc_set";
+
+/// The most entries a set record holds.
+pub const MAX_SET_ENTRIES: usize = 100_000;
+
+/// The most chunks a set record's table holds.
+pub const MAX_SET_CHUNKS: usize = 4096;
+
+/// The longest name of a set or an entry, in bytes of UTF-8.
+pub const MAX_SET_NAME_LEN: usize = 256;
+
+/// The most dimensions of an entry's shape.
+pub const MAX_SET_DIMS: usize = 32;
+
+/// One chunk of a set's chunk table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SetChunk {
+    /// The chunk's index in its arena ([`ChunkId::index`](crate::arena::ChunkId)).
+    pub id: u64,
+    /// The chunk's descriptor: the whole chunk, as bytes (`u8`, no shape, no event).
+    pub descriptor: Descriptor,
+}
+
+/// One buffer of a set.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SetEntry {
+    /// The buffer's name, unique in the set.
+    pub name: String,
+    /// What it holds.
+    pub dtype: Dtype,
+    /// Its dimensions in elements, row-major and contiguous (`[]` for a scalar).
+    pub shape: Vec<u64>,
+    /// The id of the chunk it lives in.
+    pub chunk: u64,
+    /// Bytes from the start of the chunk's described bytes to the buffer.
+    pub offset: u64,
+    /// Its length in bytes: the elements of `shape` times the dtype's size.
+    pub len: u64,
+}
+
+/// A named set of buffers in the chunks of one arena.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SetRecord {
+    /// The set's name.
+    pub name: String,
+    /// The arena the chunks belong to (with a chunk's id, the key of a
+    /// consumer's mapping cache).
+    pub arena: ArenaId,
+    /// Every chunk the entries use, once.
+    pub chunks: Vec<SetChunk>,
+    /// The buffers, in the producer's order.
+    pub entries: Vec<SetEntry>,
+    /// An interprocess event recorded after the producer's writes, if any.
+    pub event: Option<IpcEventHandle>,
+}
+
+const FIELDS: &[&str] = &[
+    SET_VERSION_KEY,
+    "name",
+    "arena",
+    "chunks",
+    "entries",
+    "event",
+];
+const CHUNK_FIELDS: &[&str] = &["id", "descriptor"];
+const ENTRY_FIELDS: [&str; 6] = ["name", "dtype", "shape", "chunk", "offset", "len"];
+
+fn field_err(field: &str, reason: impl Into<String>) -> Error {
+    Error::Descriptor {
+        field: field.to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn set_err(field: &str, reason: String) -> Error {
+    field_err(field, reason)
+}
+
+/// `e` with its field put under `prefix` (for errors of nested records).
+fn nested(prefix: &str, e: Error) -> Error {
+    match e {
+        Error::Descriptor { field, reason } => Error::Descriptor {
+            field: format!("{prefix}.{field}"),
+            reason,
+        },
+        other => field_err(prefix, other.to_string()),
+    }
+}
+
+fn u64_of(field: &str, v: &Value) -> Result<u64> {
+    v.as_u64().ok_or_else(|| match v {
+        Value::Number(n) if n.is_f64() => field_err(field, format!("{n} is not a whole number")),
+        Value::Number(n) => field_err(field, format!("{n} is negative")),
+        other => field_err(
+            field,
+            format!(
+                "expected a non-negative whole number, found {}",
+                kind_of(other)
+            ),
+        ),
+    })
+}
+
+fn array_of<'a>(field: &str, v: &'a Value, what: &str) -> Result<&'a Vec<Value>> {
+    v.as_array().ok_or_else(|| {
+        field_err(
+            field,
+            format!("expected an array of {what}, found {}", kind_of(v)),
+        )
+    })
+}
+
+fn str_of<'a>(field: &str, v: &'a Value) -> Result<&'a str> {
+    v.as_str()
+        .ok_or_else(|| field_err(field, format!("expected a string, found {}", kind_of(v))))
+}
+
+fn check_name(field: &str, name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(field_err(field, "must not be empty"));
+    }
+    if name.len() > MAX_SET_NAME_LEN {
+        return Err(field_err(
+            field,
+            format!(
+                "{} bytes is longer than the {MAX_SET_NAME_LEN} allowed",
+                name.len()
+            ),
+        ));
+    }
+    if let Some(c) = name.chars().find(|c| c.is_control()) {
+        return Err(field_err(
+            field,
+            format!("{name:?} holds the control character {c:?}"),
+        ));
+    }
+    Ok(())
+}
+
+fn decode_chunk(i: usize, v: &Value) -> Result<SetChunk> {
+    let at = format!("chunks[{i}]");
+    let map = v.as_object().ok_or_else(|| {
+        field_err(
+            &at,
+            format!(
+                "expected an object {{id, descriptor}}, found {}",
+                kind_of(v)
+            ),
+        )
+    })?;
+    let f = Fields::new(map, set_err);
+    if let Some(unknown) = f.unknown(CHUNK_FIELDS) {
+        return Err(field_err(
+            &format!("{at}.{unknown}"),
+            "unknown field (a chunk has id and descriptor)",
+        ));
+    }
+    let id = f.u64("id").map_err(|e| nested(&at, e))?;
+    let d = f.required("descriptor").map_err(|e| nested(&at, e))?;
+    let descriptor =
+        Descriptor::from_value(d).map_err(|e| nested(&format!("{at}.descriptor"), e))?;
+    Ok(SetChunk { id, descriptor })
+}
+
+fn decode_entry(i: usize, v: &Value) -> Result<SetEntry> {
+    let at = |field: &str| format!("entries[{i}].{field}");
+    let items = array_of(&format!("entries[{i}]"), v, "6 fields")?;
+    if items.len() != ENTRY_FIELDS.len() {
+        return Err(field_err(
+            &format!("entries[{i}]"),
+            format!(
+                "{} fields where an entry has 6: [{}]",
+                items.len(),
+                ENTRY_FIELDS.join(", ")
+            ),
+        ));
+    }
+    let name = str_of(&at("name"), &items[0])?.to_string();
+    let dtype: Dtype = str_of(&at("dtype"), &items[1])?
+        .parse()
+        .map_err(|e: Error| field_err(&at("dtype"), e.to_string()))?;
+    let dims = array_of(&at("shape"), &items[2], "whole numbers")?;
+    if dims.len() > MAX_SET_DIMS {
+        return Err(field_err(
+            &at("shape"),
+            format!(
+                "{} dimensions is more than the {MAX_SET_DIMS} allowed",
+                dims.len()
+            ),
+        ));
+    }
+    let shape = dims
+        .iter()
+        .enumerate()
+        .map(|(d, v)| u64_of(&format!("entries[{i}].shape[{d}]"), v))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(SetEntry {
+        name,
+        dtype,
+        shape,
+        chunk: u64_of(&at("chunk"), &items[3])?,
+        offset: u64_of(&at("offset"), &items[4])?,
+        len: u64_of(&at("len"), &items[5])?,
+    })
+}
+
+impl SetRecord {
+    /// A set record with no event, validated.
+    pub fn new(
+        name: String,
+        arena: ArenaId,
+        chunks: Vec<SetChunk>,
+        entries: Vec<SetEntry>,
+    ) -> Result<Self> {
+        let r = SetRecord {
+            name,
+            arena,
+            chunks,
+            entries,
+            event: None,
+        };
+        r.validate()?;
+        Ok(r)
+    }
+
+    /// Parses and validates a set record from JSON text.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| field_err("(document)", format!("not valid JSON: {e}")))?;
+        Self::from_value(&value)
+    }
+
+    /// Validates a set record already parsed as JSON.
+    pub fn from_value(value: &Value) -> Result<Self> {
+        let map = value.as_object().ok_or_else(|| {
+            field_err(
+                "(document)",
+                format!("expected a JSON object, found {}", kind_of(value)),
+            )
+        })?;
+        let f = Fields::new(map, set_err);
+        if let Some(unknown) = f.unknown(FIELDS) {
+            return Err(field_err(
+                unknown,
+                format!("unknown field (this reader knows set format {SET_FORMAT_VERSION})"),
+            ));
+        }
+        let version = f.u64(SET_VERSION_KEY)?;
+        if version != SET_FORMAT_VERSION {
+            return Err(field_err(
+                SET_VERSION_KEY,
+                format!(
+                    "set format {version} is not supported; this build reads set format {SET_FORMAT_VERSION}"
+                ),
+            ));
+        }
+        let name = f.str("name")?.to_string();
+        let arena = ArenaId(f.u64("arena")?);
+        let chunk_values = array_of("chunks", f.required("chunks")?, "chunks")?;
+        if chunk_values.len() > MAX_SET_CHUNKS {
+            return Err(field_err(
+                "chunks",
+                format!(
+                    "{} chunks is more than the {MAX_SET_CHUNKS} allowed",
+                    chunk_values.len()
+                ),
+            ));
+        }
+        let entry_values = array_of("entries", f.required("entries")?, "entries")?;
+        if entry_values.len() > MAX_SET_ENTRIES {
+            return Err(field_err(
+                "entries",
+                format!(
+                    "{} entries is more than the {MAX_SET_ENTRIES} allowed",
+                    entry_values.len()
+                ),
+            ));
+        }
+        let chunks = chunk_values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| decode_chunk(i, v))
+            .collect::<Result<Vec<_>>>()?;
+        let entries = entry_values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| decode_entry(i, v))
+            .collect::<Result<Vec<_>>>()?;
+        let r = SetRecord {
+            name,
+            arena,
+            chunks,
+            entries,
+            event: f.opt_parsed("event")?,
+        };
+        r.validate()?;
+        Ok(r)
+    }
+
+    /// Checks names, the chunk table and every entry's place; the decoder
+    /// calls it, and so should code that builds a record by hand.
+    pub fn validate(&self) -> Result<()> {
+        check_name("name", &self.name)?;
+        if self.arena.0 == 0 {
+            return Err(field_err("arena", "must not be zero"));
+        }
+        let chunks = self.validate_chunks()?;
+        self.validate_entries(&chunks)
+    }
+
+    /// Checks the chunk table; returns each chunk's position by id.
+    fn validate_chunks(&self) -> Result<HashMap<u64, usize>> {
+        if self.chunks.is_empty() {
+            return Err(field_err("chunks", "a set needs at least one chunk"));
+        }
+        if self.chunks.len() > MAX_SET_CHUNKS {
+            return Err(field_err(
+                "chunks",
+                format!(
+                    "{} chunks is more than the {MAX_SET_CHUNKS} allowed",
+                    self.chunks.len()
+                ),
+            ));
+        }
+        let first = &self.chunks[0].descriptor;
+        let mut by_id = HashMap::with_capacity(self.chunks.len());
+        for (i, c) in self.chunks.iter().enumerate() {
+            let at = |field: &str| format!("chunks[{i}].{field}");
+            let d = &c.descriptor;
+            d.validate()
+                .map_err(|e| nested(&format!("chunks[{i}].descriptor"), e))?;
+            if let Some(j) = by_id.insert(c.id, i) {
+                return Err(field_err(
+                    &at("id"),
+                    format!("chunk {} is also chunks[{j}]", c.id),
+                ));
+            }
+            if d.dtype != Dtype::U8 || d.shape.is_some() || d.strides.is_some() {
+                return Err(field_err(
+                    &at("descriptor.dtype"),
+                    "a chunk is described as bytes (dtype u8, no shape or strides); entries carry the types",
+                ));
+            }
+            if d.event.is_some() {
+                return Err(field_err(
+                    &at("descriptor.event"),
+                    "chunks carry no event; the set's event goes in the set's `event` field",
+                ));
+            }
+            let same = [
+                (d.mechanism() == first.mechanism(), "mechanism"),
+                (d.device_uuid == first.device_uuid, "device_uuid"),
+                (d.pid == first.pid, "pid"),
+            ];
+            if let Some((_, field)) = same.iter().find(|(ok, _)| !ok) {
+                return Err(field_err(
+                    &at(&format!("descriptor.{field}")),
+                    "differs from chunks[0]: a set's chunks come from one arena",
+                ));
+            }
+            if let Some(j) = self.chunks[..i]
+                .iter()
+                .position(|o| o.descriptor.source == d.source)
+            {
+                return Err(field_err(
+                    &at("descriptor"),
+                    format!("names the same memory as chunks[{j}]"),
+                ));
+            }
+        }
+        Ok(by_id)
+    }
+
+    fn validate_entries(&self, chunks: &HashMap<u64, usize>) -> Result<()> {
+        if self.entries.is_empty() {
+            return Err(field_err("entries", "a set needs at least one entry"));
+        }
+        if self.entries.len() > MAX_SET_ENTRIES {
+            return Err(field_err(
+                "entries",
+                format!(
+                    "{} entries is more than the {MAX_SET_ENTRIES} allowed",
+                    self.entries.len()
+                ),
+            ));
+        }
+        let mut names = HashSet::with_capacity(self.entries.len());
+        let mut used = vec![false; self.chunks.len()];
+        // (chunk position, offset, end, entry)
+        let mut spans = Vec::with_capacity(self.entries.len());
+        for (i, e) in self.entries.iter().enumerate() {
+            if !names.insert(e.name.as_str()) {
+                return Err(field_err(
+                    &format!("entries[{i}].name"),
+                    format!("{:?} names another entry too", e.name),
+                ));
+            }
+            let (c, end) = self.check_entry(i, e, chunks)?;
+            used[c] = true;
+            spans.push((c, e.offset, end, i));
+        }
+        if let Some(c) = used.iter().position(|u| !u) {
+            return Err(field_err(
+                &format!("chunks[{c}]"),
+                format!("no entry uses chunk {}", self.chunks[c].id),
+            ));
+        }
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            let ((c0, o0, e0, i0), (c1, o1, e1, i1)) = (w[0], w[1]);
+            if c0 == c1 && o1 < e0 {
+                let (first, second) = (i0.min(i1), i0.max(i1));
+                let (a, b) = if i0 < i1 {
+                    ((o0, e0), (o1, e1))
+                } else {
+                    ((o1, e1), (o0, e0))
+                };
+                return Err(field_err(
+                    &format!("entries[{second}].offset"),
+                    format!(
+                        "bytes {}..{} overlap entries[{first}] ({:?}, bytes {}..{}) in chunk {}",
+                        b.0, b.1, self.entries[first].name, a.0, a.1, self.chunks[c0].id
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks one entry on its own; returns its chunk's position and its end.
+    fn check_entry(
+        &self,
+        i: usize,
+        e: &SetEntry,
+        chunks: &HashMap<u64, usize>,
+    ) -> Result<(usize, u64)> {
+        let at = |field: &str| format!("entries[{i}].{field}");
+        check_name(&at("name"), &e.name)?;
+        if e.shape.len() > MAX_SET_DIMS {
+            return Err(field_err(
+                &at("shape"),
+                format!(
+                    "{} dimensions is more than the {MAX_SET_DIMS} allowed",
+                    e.shape.len()
+                ),
+            ));
+        }
+        let elem = e.dtype.size();
+        let bytes = e
+            .shape
+            .iter()
+            .try_fold(1u64, |a, d| a.checked_mul(*d))
+            .and_then(|n| n.checked_mul(elem))
+            .ok_or_else(|| field_err(&at("shape"), "the size in bytes overflows"))?;
+        if e.len == 0 {
+            return Err(field_err(&at("len"), "must be greater than zero"));
+        }
+        if bytes != e.len {
+            return Err(field_err(
+                &at("len"),
+                format!(
+                    "{} bytes, but shape {:?} of {} holds {bytes}",
+                    e.len, e.shape, e.dtype
+                ),
+            ));
+        }
+        let &c = chunks.get(&e.chunk).ok_or_else(|| {
+            field_err(
+                &at("chunk"),
+                format!("{} is not the id of a chunk in the table", e.chunk),
+            )
+        })?;
+        if !e.offset.is_multiple_of(elem) {
+            return Err(field_err(
+                &at("offset"),
+                format!(
+                    "{} is not aligned to the {elem}-byte {} elements",
+                    e.offset, e.dtype
+                ),
+            ));
+        }
+        let size = self.chunks[c].descriptor.byte_len;
+        let end = e
+            .offset
+            .checked_add(e.len)
+            .filter(|end| *end <= size)
+            .ok_or_else(|| {
+                field_err(
+                    &at("len"),
+                    format!(
+                        "offset {} + len {} passes the end of chunk {} ({size} bytes)",
+                        e.offset, e.len, e.chunk
+                    ),
+                )
+            })?;
+        Ok((c, end))
+    }
+
+    /// The chunk with this id.
+    pub fn chunk(&self, id: u64) -> Option<&SetChunk> {
+        self.chunks.iter().find(|c| c.id == id)
+    }
+
+    /// The bytes of all entries together.
+    pub fn total_bytes(&self) -> u64 {
+        self.entries.iter().map(|e| e.len).sum()
+    }
+
+    /// A descriptor of entry `index` alone (its chunk's descriptor narrowed
+    /// to the entry, with the set's event), for consumers that open buffers
+    /// one by one. Mapping it maps the whole chunk.
+    pub fn entry_descriptor(&self, index: usize) -> Result<Descriptor> {
+        let e = self.entries.get(index).ok_or_else(|| {
+            Error::arg(
+                "set entry",
+                format!(
+                    "index {index} is past the set's {} entries",
+                    self.entries.len()
+                ),
+            )
+        })?;
+        let chunk = self.chunk(e.chunk).ok_or_else(|| {
+            field_err(
+                &format!("entries[{index}].chunk"),
+                format!("{} is not the id of a chunk in the table", e.chunk),
+            )
+        })?;
+        let offset = chunk
+            .descriptor
+            .offset
+            .checked_add(e.offset)
+            .ok_or_else(|| {
+                field_err(&format!("entries[{index}].offset"), "the offset overflows")
+            })?;
+        let d = Descriptor {
+            offset,
+            byte_len: e.len,
+            dtype: e.dtype,
+            shape: Some(e.shape.clone()),
+            strides: None,
+            event: self.event,
+            ..chunk.descriptor.clone()
+        };
+        d.validate()?;
+        Ok(d)
+    }
+
+    /// The record as a JSON value (keys sorted).
+    pub fn to_value(&self) -> Value {
+        let mut m = Map::new();
+        m.insert(SET_VERSION_KEY.into(), SET_FORMAT_VERSION.into());
+        m.insert("name".into(), self.name.clone().into());
+        m.insert("arena".into(), self.arena.0.into());
+        let chunks = self
+            .chunks
+            .iter()
+            .map(|c| {
+                let mut o = Map::new();
+                o.insert("id".into(), c.id.into());
+                o.insert("descriptor".into(), c.descriptor.to_value());
+                Value::Object(o)
+            })
+            .collect();
+        m.insert("chunks".into(), Value::Array(chunks));
+        let entries = self
+            .entries
+            .iter()
+            .map(|e| {
+                Value::Array(vec![
+                    e.name.clone().into(),
+                    e.dtype.name().into(),
+                    e.shape.clone().into(),
+                    e.chunk.into(),
+                    e.offset.into(),
+                    e.len.into(),
+                ])
+            })
+            .collect();
+        m.insert("entries".into(), Value::Array(entries));
+        if let Some(e) = self.event {
+            m.insert("event".into(), e.to_hex().into());
+        }
+        Value::Object(m)
+    }
+
+    /// The record as one line of JSON.
+    pub fn to_json(&self) -> String {
+        self.to_value().to_string()
+    }
+}
+
+crate::json::json_record!(SetRecord);
