@@ -31,6 +31,7 @@ use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig};
 use cuda_ipc::{Device, Error};
 
 mod args;
+mod chunks;
 mod plan;
 mod plot;
 mod progress;

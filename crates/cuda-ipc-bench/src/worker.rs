@@ -18,7 +18,12 @@
 //!   timed with CUDA events (with `peer_device`, also cuMemcpyPeer from a
 //!   buffer on that GPU), the data checked both ways;
 //! - `ring {name, verify_every}`: answers `{subscribed}` first, then takes
-//!   frames until one says `stop`.
+//!   frames until one says `stop`;
+//! - `set_attach {set, base, step, hold}`: a set record of arena chunks:
+//!   map the chunks not mapped yet, a view per entry, wait on its event:
+//!   `{t_recv, t_done, verify_ms, entries, opened}`; `set_update {name,
+//!   base, step}`: wait on a held set's event again; `set_drop {name}`;
+//!   `chunks_close`: unmap every chunk.
 //!
 //! Reading standard input is a plain blocking read on this thread, so a
 //! request wakes the consumer with no thread hop; if the producer dies the
@@ -36,6 +41,7 @@ use cuda_ipc::{Device, DeviceMemory, Error, IpcEvent, LegacyBuffer};
 use cuda_ipc::{channel, floor};
 use serde_json::{Value, json};
 
+use super::chunks::Chunks;
 use super::proto::{failure, mono_ns, send_line};
 use super::stats::ns_to_ms;
 
@@ -81,6 +87,7 @@ pub fn worker(args: &WorkerArgs) -> Result<(), Error> {
         floor: None,
         local: None,
         remote: None,
+        chunks: Chunks::default(),
     };
     let mut line = String::new();
     loop {
@@ -131,6 +138,8 @@ struct State {
     local: Option<(LegacyBuffer, LegacyBuffer)>,
     /// For cuMemcpyPeer: the other GPU, and a buffer there.
     remote: Option<(Device, LegacyBuffer)>,
+    /// Arena chunks mapped, events opened and sets held.
+    chunks: Chunks,
 }
 
 fn text<'a>(v: &'a Value, key: &str) -> Result<&'a str, Error> {
@@ -190,6 +199,12 @@ impl State {
     ) -> Result<Value, Error> {
         match op {
             "ping" => Ok(json!({ "t_recv": t_recv })),
+            "set_attach" => self.chunks.attach(&self.device, r, t_recv, pattern(r)?),
+            "set_update" => self
+                .chunks
+                .update(&self.device, text(r, "name")?, t_recv, pattern(r)?),
+            "set_drop" => self.chunks.drop_set(text(r, "name")?),
+            "chunks_close" => Ok(self.chunks.close()),
             "connect" => {
                 let path = text(r, "socket")?;
                 self.sub = Some(Subscriber::connect(

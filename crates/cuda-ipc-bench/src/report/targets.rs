@@ -43,11 +43,6 @@ pub const QUICK_SECONDS: f64 = 180.0;
 /// Run time of a full run, seconds.
 pub const FULL_SECONDS: f64 = 480.0;
 
-/// How a row that this build cannot measure yet begins its skip reason:
-/// such rows still get their targets (not measured), unlike rows skipped
-/// because the device lacks the mechanism.
-pub const NOT_IN_BUILD: &str = "not measured by this build";
-
 /// Whether a target was met.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -294,15 +289,7 @@ fn arena_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     };
     for m in &r.mechanisms {
         // A mechanism the device lacks has skipped rows and no targets.
-        if skipped(r, SectionId::Fresh, m)
-            || s.rows.iter().any(|row| {
-                &row.series == m
-                    && row
-                        .skipped
-                        .as_deref()
-                        .is_some_and(|w| !w.starts_with(NOT_IN_BUILD))
-            })
-        {
+        if skipped(r, SectionId::Fresh, m) || skipped(r, SectionId::Arena, m) {
             continue;
         }
         for row in s.rows.iter().filter(|row| &row.series == m) {

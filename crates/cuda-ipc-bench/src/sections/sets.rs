@@ -3,32 +3,227 @@
 //! tensors on a queue and its flattened bucket, and the in-place update of
 //! a set already attached.
 
+use cuda_ipc::arena::{DeviceArena, DeviceArenaBuffer, SetMember};
+use cuda_ipc::kernels::{self, Pattern, Speed};
+use cuda_ipc::{DeviceMemory, Dtype, Error, IpcEvent, Mechanism};
+use serde_json::json;
+
+use crate::chunks::entry_pattern;
+use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns};
 use crate::report::{Row, Section, SectionId, human};
+use crate::stats::ns_to_ms;
 use crate::torch;
 use crate::{Plan, Reps};
 
-use super::Ctx;
-use super::arena::PENDING;
+use super::arena::{new_arena, send_set};
+use super::{Consumer, Ctx, pattern};
 
-/// The set hand-off: the clock from just before the producer publishes the
-/// set to the consumer holding every buffer of it synchronised.
-fn set_row(_ctx: &Ctx<'_>, count: u64, total: u64, _reps: Reps) -> Row {
-    Row::new("ours", "ms")
-        .variant("set")
-        .count(count)
-        .size(total)
-        .skip(PENDING)
+/// A weight set in an arena: one buffer per tensor, and their names.
+struct WeightSet {
+    arena: DeviceArena,
+    buffers: Vec<DeviceArenaBuffer>,
+    names: Vec<String>,
+    shapes: Vec<[u64; 1]>,
+    event: IpcEvent,
 }
 
-/// The update of a set the consumer holds: new contents, one event for the
-/// set; the clock from just before the producer's update to the consumer's
-/// wait returning and the set synchronised.
-fn update_row(_ctx: &Ctx<'_>, count: u64, total: u64, _reps: Reps) -> Row {
-    Row::new("ours", "ms")
-        .variant("update")
-        .count(count)
-        .size(total)
-        .skip(PENDING)
+impl WeightSet {
+    /// The set of `count` tensors totalling `total` bytes in an arena of
+    /// `m` chunks, every chunk made and exported before the clock.
+    fn new(ctx: &Ctx<'_>, m: Mechanism, count: u64, total: u64) -> Result<WeightSet, Error> {
+        let sizes = crate::weights::sizes(count, total)
+            .map_err(|e| failure("drawing the weight set", e))?;
+        let arena = new_arena(ctx, m, 256 << 20, total)?;
+        let buffers = sizes
+            .iter()
+            .map(|s| arena.alloc(*s))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| failure(format!("allocating the {count} tensors in the arena"), e))?;
+        Ok(WeightSet {
+            arena,
+            buffers,
+            names: (0..count).map(|j| format!("w{j:05}")).collect(),
+            shapes: sizes.iter().map(|s| [s / 4]).collect(),
+            event: IpcEvent::new(ctx.device)?,
+        })
+    }
+
+    /// Every tensor filled with its pattern of `p`, finished.
+    fn fill(&self, p: Pattern) -> Result<(), Error> {
+        for (j, b) in self.buffers.iter().enumerate() {
+            kernels::fill_u32(b, entry_pattern(p, j), Speed::Full)?;
+        }
+        self.buffers[0].synchronize()
+    }
+
+    fn members(&self) -> impl Iterator<Item = SetMember<'_>> {
+        self.buffers
+            .iter()
+            .zip(&self.names)
+            .zip(&self.shapes)
+            .map(|((buffer, name), shape)| SetMember {
+                name,
+                dtype: Dtype::F32,
+                shape,
+                buffer,
+            })
+    }
+}
+
+/// Device memory in use now (all processes), bytes.
+fn used(ctx: &Ctx<'_>) -> Result<u64, Error> {
+    let (free, total) = ctx.device.memory_info()?;
+    Ok(total - free)
+}
+
+/// The set hand-off row and the update row of a set of `count` tensors
+/// totalling `total` bytes in chunks of `m`, to the consumer of `c`.
+fn set_rows(
+    ctx: &Ctx<'_>,
+    c: &mut Consumer,
+    m: Mechanism,
+    (count, total): (u64, u64),
+    reps: Reps,
+) -> (Row, Row) {
+    let row = |v: &str| Row::new("ours", "ms").variant(v).count(count).size(total);
+    let w = match c.get() {
+        Ok(w) => w,
+        Err(e) => {
+            return (
+                row("set").failed(e.to_string()),
+                row("update").failed(e.to_string()),
+            );
+        }
+    };
+    let set = match WeightSet::new(ctx, m, count, total) {
+        Ok(s) => s,
+        Err(e) => {
+            return (
+                row("set").failed(e.to_string()),
+                row("update").failed(e.to_string()),
+            );
+        }
+    };
+    let set_row = handoff_row(ctx, w, &set, row("set"), reps, count);
+    let update_row = update_row(ctx, w, &set, row("update"), reps, count);
+    let closed = w.request(&json!({ "op": "chunks_close" }), REQUEST_TIMEOUT);
+    drop(set);
+    match closed {
+        Ok(_) => (set_row, update_row),
+        Err(e) => (
+            set_row,
+            update_row.failed(format!("unmapping the chunks: {e}")),
+        ),
+    }
+}
+
+/// Samples of the whole set's hand-off: refilled (not timed), then timed
+/// from the event record to the consumer holding every view synchronised.
+fn handoff_row(
+    ctx: &Ctx<'_>,
+    w: &mut Worker,
+    set: &WeightSet,
+    row: Row,
+    reps: Reps,
+    count: u64,
+) -> Row {
+    let (mut samples, mut publish, mut consumer) = (Vec::new(), Vec::new(), Vec::new());
+    let mut extra = 0u64;
+    let seed = 0x5E7 ^ (count << 20);
+    let measured = (|| -> Result<(), Error> {
+        for i in 0..reps.total() {
+            let p = pattern(seed, i);
+            set.fill(p)?;
+            let before = used(ctx)?;
+            let name = format!("weights/{count}/{i}");
+            let (t0, t_pub, a) = send_set(
+                ctx,
+                w,
+                (&set.arena, &set.event),
+                &name,
+                set.members(),
+                p,
+                false,
+            )
+            .map_err(|e| failure(format!("sample {i}"), e))?;
+            let after = used(ctx)?;
+            if a["entries"].as_u64() != Some(count) {
+                return Err(failure(
+                    format!("sample {i}"),
+                    format!("the consumer saw {a}"),
+                ));
+            }
+            if i < reps.warmup {
+                continue;
+            }
+            // The first samples map the chunks; kept samples allocate nothing.
+            extra = extra.max(after.saturating_sub(before));
+            let (t_recv, t_done) = (get_u64(&a, "t_recv")?, get_u64(&a, "t_done")?);
+            samples.push(ns_to_ms(t0, t_done));
+            publish.push(ns_to_ms(t0, t_pub));
+            consumer.push(ns_to_ms(t_recv, t_done));
+        }
+        Ok(())
+    })();
+    let row = row
+        .samples(reps.warmup, samples)
+        .part("publish", &publish)
+        .part("consumer", &consumer)
+        .extra_device_bytes(extra);
+    match measured {
+        Ok(()) => row,
+        Err(e) => row.failed(e.to_string()),
+    }
+}
+
+/// Samples of the update of a set the consumer holds: refilled (not
+/// timed), then timed from the event record (one for the set) and the
+/// update message to the consumer's wait returning and its stream synchronised.
+fn update_row(
+    ctx: &Ctx<'_>,
+    w: &mut Worker,
+    set: &WeightSet,
+    row: Row,
+    reps: Reps,
+    count: u64,
+) -> Row {
+    let mut samples = Vec::new();
+    let seed = 0x0DA7E ^ (count << 20);
+    let name = format!("weights/{count}/held");
+    let measured = (|| -> Result<(), Error> {
+        let p0 = pattern(seed, 0);
+        set.fill(p0)?;
+        send_set(
+            ctx,
+            w,
+            (&set.arena, &set.event),
+            &name,
+            set.members(),
+            p0,
+            true,
+        )?;
+        for i in 1..=reps.total() {
+            let p = pattern(seed, i);
+            set.fill(p)?;
+            let request =
+                json!({ "op": "set_update", "name": name, "base": p.base, "step": p.step });
+            let t0 = mono_ns();
+            set.event.record(ctx.device.stream())?;
+            let a = w
+                .request(&request, REQUEST_TIMEOUT)
+                .map_err(|e| failure(format!("update {i}"), e))?;
+            if i > reps.warmup {
+                samples.push(ns_to_ms(t0, get_u64(&a, "t_done")?));
+            }
+        }
+        w.request(&json!({ "op": "set_drop", "name": name }), REQUEST_TIMEOUT)?;
+        Ok(())
+    })();
+    let row = row.samples(reps.warmup, samples);
+    match measured {
+        Ok(()) => row,
+        Err(e) => row.failed(e.to_string()),
+    }
 }
 
 /// The sets section: ours and its update per set, then PyTorch's list and
@@ -36,18 +231,31 @@ fn update_row(_ctx: &Ctx<'_>, count: u64, total: u64, _reps: Reps) -> Row {
 pub fn sets(ctx: &Ctx<'_>) -> Section {
     let mut s = Section::new(SectionId::Sets);
     let reps = ctx.plan.set_reps;
+    let mut c = Consumer::new(ctx, "the weight sets' consumer");
+    let primary = ctx.primary();
     for &(count, total) in &ctx.plan.sets {
         ctx.progress
             .step(&format!("weight set, {count} tensors / {}", human(total)));
-        s.rows.push(set_row(ctx, count, total, reps));
+        let (set, update) = if let Some(m) = primary {
+            set_rows(ctx, &mut c, m, (count, total), reps)
+        } else {
+            let why = "none of the mechanisms asked for is supported here";
+            let row = |v: &str| {
+                Row::new("ours", "ms")
+                    .variant(v)
+                    .count(count)
+                    .size(total)
+                    .skip(why)
+            };
+            (row("set"), row("update"))
+        };
+        s.rows.push(set);
         ctx.progress.done();
-        ctx.progress.step(&format!(
-            "weight set update, {count} tensors / {}",
-            human(total)
-        ));
-        s.rows.push(update_row(ctx, count, total, reps));
+        s.rows.push(update);
         ctx.progress.done();
     }
+    // The consumer exits before PyTorch's processes start.
+    drop(c);
     ctx.progress
         .step("PyTorch weight sets (bench/torch_share.py --sets)");
     let (rows, torch_notes, error) = torch::set_rows(ctx.plan);
@@ -55,6 +263,9 @@ pub fn sets(ctx: &Ctx<'_>) -> Section {
     s.error = error.map(|e| format!("PyTorch's weight sets: {e}"));
     ctx.progress.done();
     s.notes = notes(ctx.plan);
+    if let Some(m) = primary {
+        s.notes.insert(0, format!("ours: an arena of {m} chunks (256 MiB each, exported when made, before the first sample)."));
+    }
     s.notes.extend(torch_notes);
     s
 }
