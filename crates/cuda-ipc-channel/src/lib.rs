@@ -15,10 +15,10 @@
 //! every subscriber that was sent it has acknowledged it or gone away.
 //!
 //! # Layers
-//! - [`frame`]: the wire format, pure functions (a 16-byte header and a
-//!   UTF-8 JSON payload);
-//! - [`socket`]: sending and receiving frames with file descriptors, with a
-//!   deadline on every wait, and peer credentials;
+//! - [`wire`]: the wire format, pure functions (a 16-byte header and a
+//!   UTF-8 JSON payload, together a *wire message*);
+//! - `socket` (private): sending and receiving wire messages with file
+//!   descriptors, with a deadline on every wait, and peer credentials;
 //! - [`server`] and [`client`]: the two ends.
 //!
 //! # Security
@@ -40,22 +40,21 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub mod client;
-pub mod frame;
+mod limits;
 mod paths;
 pub mod server;
-pub mod socket;
+mod socket;
+pub mod wire;
 
 pub use client::{Attachment, Client, ClientConfig, Notice, RingAttachment, RingFrame, Update};
-pub use frame::{EntryKind, FrameError, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message};
+pub use limits::{MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, validate_entry_name};
 pub use paths::{
     MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,
     validate_socket_name,
 };
-pub use server::{
-    LeaseInfo, MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, RingProducer, Server,
-    ServerConfig, validate_entry_name,
-};
-pub use socket::Ucred;
+pub use server::{LeaseInfo, RingProducer, Server, ServerConfig};
+pub use socket::{Ucred, peer_credentials};
+pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};
 
 /// What went wrong, in the classes a caller acts on (see [`ChannelError::kind`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -74,6 +73,7 @@ pub enum ChannelErrorKind {
 
 /// Which end of a connection refused the other (see [`ChannelError::Refused`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Side {
     /// The server refused this client: the client's user id is not in
     /// [`ServerConfig::allowed_uids`].
@@ -96,7 +96,7 @@ impl fmt::Display for Side {
 ///
 /// Messages are sentences that say what happened and what to do. After
 /// [`PeerGone`](Self::PeerGone), [`Protocol`](Self::Protocol) and
-/// [`Frame`](Self::Frame) errors the connection is closed; a
+/// [`Wire`](Self::Wire) errors the connection is closed; a
 /// [`Timeout`](Self::Timeout) leaves it usable.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -147,9 +147,9 @@ pub enum ChannelError {
         reason: String,
     },
 
-    /// A frame was malformed (see [`FrameError`]).
-    #[error("malformed frame: {0}")]
-    Frame(#[from] FrameError),
+    /// A message on the wire was malformed (see [`WireError`]).
+    #[error("malformed message on the wire: {0}")]
+    Wire(#[from] WireError),
 
     /// The other side answered with an error frame.
     #[error("the other side reported an error ({code}): {message}")]
@@ -258,7 +258,7 @@ impl ChannelError {
             | ChannelError::Unpublished { .. } => ChannelErrorKind::Peer,
             ChannelError::Timeout { .. } => ChannelErrorKind::Timeout,
             ChannelError::Protocol { .. }
-            | ChannelError::Frame(_)
+            | ChannelError::Wire(_)
             | ChannelError::InvalidName { .. }
             | ChannelError::InvalidArgument { .. }
             | ChannelError::NotFound { .. }

@@ -2,9 +2,9 @@
 //! socket, with a deadline on every wait, and peer credentials.
 //!
 //! # How descriptors travel
-//! [`send_frame`] passes the descriptors as one `SCM_RIGHTS` control
+//! [`send_message`] passes the descriptors as one `SCM_RIGHTS` control
 //! message with the first `sendmsg` that transfers bytes of the frame; the
-//! kernel ties them to those bytes. [`recv_frame`] reads exactly one frame
+//! kernel ties them to those bytes. [`recv_message`] reads exactly one frame
 //! (the header, then exactly the payload length) with `recvmsg`, so it never
 //! consumes bytes of the next frame and never sees that frame's descriptors
 //! early. Every descriptor that arrives is an [`OwnedFd`] from the moment it
@@ -42,15 +42,18 @@ use rustix::net::{
 };
 
 use super::ChannelError;
-use super::frame::{FrameError, HEADER_LEN, MAX_FDS, Message, decode_header, encode_frame};
+use super::wire::{
+    HEADER_LEN, MAX_FDS, MAX_PAYLOAD, Message, WireError, decode_header, encode_message,
+};
 
 /// How long a peer may take to finish a frame it has begun (beyond the
 /// caller's deadline) before the connection is declared broken.
-pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The credentials of the process at the other end of a Unix socket, as the
 /// kernel recorded them when the connection was made (`SO_PEERCRED`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Ucred {
     /// The peer's process id (in our pid namespace).
     pub pid: u32,
@@ -87,7 +90,7 @@ pub fn peer_credentials(stream: impl AsFd) -> Result<Ucred, ChannelError> {
 /// reading in the middle of the frame (the stream is then unusable).
 #[doc(alias = "sendmsg")]
 #[doc(alias = "SCM_RIGHTS")]
-pub fn send_frame(
+pub(crate) fn send_message(
     stream: impl AsFd,
     message: &Message,
     fds: &[BorrowedFd<'_>],
@@ -98,7 +101,10 @@ pub fn send_frame(
 }
 
 /// The frame of `message`, after checking that `fds` is what it announces.
-fn encode_checked(message: &Message, fds: &[BorrowedFd<'_>]) -> Result<Vec<u8>, ChannelError> {
+pub(crate) fn encode_checked(
+    message: &Message,
+    fds: &[BorrowedFd<'_>],
+) -> Result<Vec<u8>, ChannelError> {
     if message.fd_count() != fds.len() {
         return Err(ChannelError::arg(
             "file descriptors",
@@ -110,21 +116,38 @@ fn encode_checked(message: &Message, fds: &[BorrowedFd<'_>]) -> Result<Vec<u8>, 
             ),
         ));
     }
-    Ok(encode_frame(message, fds.len())?)
+    Ok(encode_message(message, fds.len())?)
 }
 
-/// One attempt to send a frame without waiting: returns the encoded frame
-/// and how many of its bytes went (0 when the socket's buffer is full; the
-/// descriptors go with the first byte). The caller sends the rest, without
-/// descriptors, with [`send_bytes`]. Errors as [`send_frame`].
-pub(crate) fn try_send_frame(
+/// One attempt to send `bytes` with `fds` attached to the first of them
+/// without waiting: how many bytes went (0 when the socket's buffer is full).
+pub(crate) fn try_send_bytes(
     stream: impl AsFd,
-    message: &Message,
+    bytes: &[u8],
     fds: &[BorrowedFd<'_>],
-) -> Result<(Vec<u8>, usize), ChannelError> {
-    let bytes = encode_checked(message, fds)?;
-    let sent = send_first(stream.as_fd(), &bytes, fds)?.unwrap_or(0);
-    Ok((bytes, sent))
+) -> Result<usize, ChannelError> {
+    Ok(send_first(stream.as_fd(), bytes, fds)?.unwrap_or(0))
+}
+
+/// How much of what we sent on a Unix stream socket the peer has not
+/// received yet (`SIOCOUTQ`; for a Unix socket, the kernel's accounting of
+/// the buffers queued to the peer, so 0 exactly when the peer has read
+/// everything, descriptors included).
+#[doc(alias = "SIOCOUTQ")]
+pub(crate) fn unread_by_peer(stream: impl AsFd) -> Result<usize, ChannelError> {
+    use std::os::fd::AsRawFd;
+    let mut queued: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ (TIOCOUTQ, the same request number) writes one `int`
+    // through its argument, which points to a live, writable `c_int`; the
+    // descriptor is borrowed for the duration of the call.
+    let r = unsafe { libc::ioctl(stream.as_fd().as_raw_fd(), libc::TIOCOUTQ, &raw mut queued) };
+    if r < 0 {
+        return Err(ChannelError::io(
+            "cannot read how much the peer has not received (SIOCOUTQ)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(usize::try_from(queued).unwrap_or(0))
 }
 
 /// One `sendmsg` of `bytes` with `fds` attached, retried on EINTR: how many
@@ -135,7 +158,7 @@ fn send_first(
     fds: &[BorrowedFd<'_>],
 ) -> Result<Option<usize>, ChannelError> {
     if fds.len() > MAX_FDS {
-        return Err(FrameError::TooManyFds {
+        return Err(WireError::TooManyFds {
             count: fds.len(),
             max: MAX_FDS,
         }
@@ -146,7 +169,7 @@ fn send_first(
         let mut control = SendAncillaryBuffer::new(&mut space);
         if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
             // Cannot happen: the buffer is sized for MAX_FDS, checked above.
-            return Err(FrameError::TooManyFds {
+            return Err(WireError::TooManyFds {
                 count: fds.len(),
                 max: MAX_FDS,
             }
@@ -163,11 +186,10 @@ fn send_first(
 }
 
 /// Sends raw bytes with `fds` attached to the first of them: the building
-/// block of [`send_frame`], public so that tests and tools can send frames
-/// that [`send_frame`] would refuse to build.
+/// block of [`send_message`].
 ///
-/// Errors as [`send_frame`].
-pub fn send_bytes(
+/// Errors as [`send_message`].
+pub(crate) fn send_bytes(
     stream: impl AsFd,
     bytes: &[u8],
     fds: &[BorrowedFd<'_>],
@@ -224,14 +246,15 @@ fn send_error(e: Errno) -> ChannelError {
 /// returns [`ChannelError::Timeout`] if it does not; see the
 /// [module documentation](self) for frames that stop half-way. End of file
 /// before a frame begins is [`ChannelError::PeerGone`]; inside a frame it is
-/// [`FrameError::Truncated`]. A descriptor count that differs from the
+/// [`WireError::Truncated`]. A descriptor count that differs from the
 /// header's, or more descriptors than [`MAX_FDS`] (`MSG_CTRUNC`), is an
 /// error, and the descriptors that did arrive are closed.
 #[doc(alias = "recvmsg")]
 #[doc(alias = "SCM_RIGHTS")]
-pub fn recv_frame(
+pub(crate) fn recv_message(
     stream: impl AsFd,
     deadline: Option<Instant>,
+    limits: RecvLimits,
 ) -> Result<(Message, Vec<OwnedFd>), ChannelError> {
     let fd = stream.as_fd();
     let started = Instant::now();
@@ -239,28 +262,40 @@ pub fn recv_frame(
 
     let mut header = [0u8; HEADER_LEN];
     let mut stall = None;
+    let strict = if limits.strict_deadline {
+        deadline
+    } else {
+        None
+    };
     read_exact(
         fd,
         &mut header,
         &mut fds,
         Part::Header,
-        deadline,
+        (deadline, strict),
         started,
         &mut stall,
     )?;
     let h = decode_header(&header)?;
+    if h.len > limits.max_payload {
+        return Err(WireError::PayloadTooLarge {
+            len: u64::from(h.len),
+            max: limits.max_payload,
+        }
+        .into());
+    }
     let mut payload = vec![0u8; h.len as usize];
     read_exact(
         fd,
         &mut payload,
         &mut fds,
         Part::Payload,
-        deadline,
+        (deadline, strict),
         started,
         &mut stall,
     )?;
     if fds.len() != usize::from(h.fds) {
-        return Err(FrameError::FdCountMismatch {
+        return Err(WireError::FdCountMismatch {
             expected: usize::from(h.fds),
             received: fds.len(),
         }
@@ -278,6 +313,33 @@ pub fn recv_frame(
     Ok((message, fds))
 }
 
+/// What one end accepts from the other.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RecvLimits {
+    /// The longest payload accepted (at most [`MAX_PAYLOAD`]).
+    pub(crate) max_payload: u32,
+    /// Whether a message begun before the deadline must also end by it
+    /// (else it gets [`STALL_TIMEOUT`] from its first byte). The connection
+    /// is unusable after such a timeout.
+    pub(crate) strict_deadline: bool,
+}
+
+impl RecvLimits {
+    /// Everything the wire format allows, with the stall timeout.
+    #[cfg(test)]
+    pub(crate) const ANY: RecvLimits = RecvLimits {
+        max_payload: MAX_PAYLOAD,
+        strict_deadline: false,
+    };
+
+    /// What a client accepts from its server: any size, and the caller's
+    /// deadline holds even in the middle of a message.
+    pub(crate) const CLIENT: RecvLimits = RecvLimits {
+        max_payload: MAX_PAYLOAD,
+        strict_deadline: true,
+    };
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Part {
     Header,
@@ -291,7 +353,7 @@ fn read_exact(
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
     part: Part,
-    deadline: Option<Instant>,
+    (deadline, strict): (Option<Instant>, Option<Instant>),
     started: Instant,
     stall: &mut Option<Instant>,
 ) -> Result<(), ChannelError> {
@@ -315,10 +377,10 @@ fn read_exact(
         match result {
             Ok(msg) => {
                 if msg.flags.contains(ReturnFlags::CTRUNC) {
-                    return Err(FrameError::FdsTruncated { max: MAX_FDS }.into());
+                    return Err(WireError::FdsTruncated { max: MAX_FDS }.into());
                 }
                 if fds.len() > MAX_FDS {
-                    return Err(FrameError::TooManyFds {
+                    return Err(WireError::TooManyFds {
                         count: fds.len(),
                         max: MAX_FDS,
                     }
@@ -328,7 +390,7 @@ fn read_exact(
                     return Err(if part == Part::Header && got == 0 {
                         ChannelError::PeerGone
                     } else {
-                        FrameError::Truncated {
+                        WireError::Truncated {
                             what: match part {
                                 Part::Header => "frame header",
                                 Part::Payload => "payload",
@@ -340,7 +402,12 @@ fn read_exact(
                     });
                 }
                 if stall.is_none() {
-                    *stall = Some(later(deadline, Instant::now() + STALL_TIMEOUT));
+                    *stall = Some(match strict {
+                        // A message begun just before the deadline still gets
+                        // a moment to arrive whole.
+                        Some(d) => d.max(Instant::now() + STRICT_GRACE),
+                        None => later(deadline, Instant::now() + STALL_TIMEOUT),
+                    });
                 }
                 got += msg.bytes;
             }
@@ -373,7 +440,7 @@ fn read_exact(
                 return Err(ChannelError::PeerGone);
             }
             Err(Errno::CONNRESET | Errno::PIPE | Errno::NOTCONN) => {
-                return Err(FrameError::Truncated {
+                return Err(WireError::Truncated {
                     what: if part == Part::Header {
                         "frame header"
                     } else {
@@ -389,6 +456,9 @@ fn read_exact(
     }
     Ok(())
 }
+
+/// How long a message begun right at a strict deadline may take to end.
+const STRICT_GRACE: Duration = Duration::from_millis(50);
 
 /// The later of an optional deadline and an instant.
 fn later(deadline: Option<Instant>, other: Instant) -> Instant {
@@ -441,3 +511,6 @@ pub(crate) fn peer_closed(stream: BorrowedFd<'_>) -> bool {
         Err(_) => true,
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -3,16 +3,17 @@
 //! This binary holds a single test, so that no other test opens or closes
 //! descriptors while it counts the entries of `/proc/self/fd`.
 
-use std::io::IoSlice;
-use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cuda_ipc_channel::frame::{Header, Message, encode_header};
-use cuda_ipc_channel::socket::{recv_frame, send_bytes, send_frame};
+mod support;
+use support::wire::{encode, raw_connect, recv_message, send_bytes, send_message};
+use support::{memfd_with, read_fd};
+
+use cuda_ipc_channel::wire::Message;
 use cuda_ipc_channel::{ChannelError, Client, ClientConfig, Server, ServerConfig};
-use rustix::fs::{MemfdFlags, memfd_create};
 use serde_json::json;
 
 /// Requests sent by the flooding client.
@@ -36,72 +37,35 @@ fn settle_to(expected: usize) -> usize {
     }
 }
 
-fn memfd_with(bytes: &[u8]) -> OwnedFd {
-    let fd = memfd_create("cuda-ipc-fd-test", MemfdFlags::CLOEXEC).unwrap();
-    assert_eq!(rustix::io::write(&fd, bytes).unwrap(), bytes.len());
-    fd
+/// Sends `bytes` with `fds` on a fresh connection to the server and reads
+/// until the server closes it: the server refuses such a message.
+fn refused(path: &Path, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
+    let s = raw_connect(path, true);
+    send_bytes(&s, bytes, fds, None).unwrap();
+    let deadline = Some(Instant::now() + Duration::from_secs(5));
+    while recv_message(&s, deadline).is_ok() {}
 }
 
-fn read_fd(fd: impl AsFd, len: usize) -> Vec<u8> {
-    let mut buf = vec![0u8; len];
-    assert_eq!(rustix::io::pread(fd, &mut buf, 0).unwrap(), len);
-    buf
-}
-
-fn frame(message: &Message, fds: u16) -> Vec<u8> {
-    let payload = message.encode();
-    let mut f = encode_header(&Header::json(payload.len() as u32, fds)).to_vec();
-    f.extend_from_slice(&payload);
-    f
-}
-
-fn sendmsg_many(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
-    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
-    let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(64))];
-    let mut control = SendAncillaryBuffer::new(&mut space);
-    assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
-    sendmsg(
-        stream,
-        &[IoSlice::new(bytes)],
-        &mut control,
-        SendFlags::NOSIGNAL,
-    )
-    .unwrap();
-}
-
-/// Frames that are refused close the descriptors that came with them.
-/// (After a refused frame the stream is out of step: a fresh pair each.)
-fn refused_frames_close_their_fds() {
+/// Wire messages that the server refuses close the descriptors that came
+/// with them.
+fn refused_messages_close_their_fds(path: &Path, steady: usize) {
     let fd = memfd_with(b"x");
     let ping = Message::Ping { id: 1 };
-    let base = open_fds();
     for _ in 0..20 {
         // Announced none, two came.
-        let (a, b) = UnixStream::pair().unwrap();
-        send_bytes(&a, &frame(&ping, 0), &[fd.as_fd(), fd.as_fd()], None).unwrap();
-        assert!(recv_frame(&b, None).is_err());
+        refused(path, &encode(&ping, 0), &[fd.as_fd(), fd.as_fd()]);
         // A ping with a descriptor.
-        let (a, b) = UnixStream::pair().unwrap();
-        send_bytes(&a, &frame(&ping, 1), &[fd.as_fd()], None).unwrap();
-        assert!(recv_frame(&b, None).is_err());
+        refused(path, &encode(&ping, 1), &[fd.as_fd()]);
         // More than fit: MSG_CTRUNC.
-        let (a, b) = UnixStream::pair().unwrap();
         let many: Vec<BorrowedFd<'_>> = (0..30).map(|_| fd.as_fd()).collect();
-        sendmsg_many(&a, &frame(&ping, 16), &many);
-        assert!(recv_frame(&b, None).is_err());
-        // A good frame with descriptors, dropped by the receiver.
-        let (a, b) = UnixStream::pair().unwrap();
-        let attached = Message::Attached {
-            id: 1,
-            lease: 1,
-            meta: json!(null),
-            fds: 3,
-        };
-        send_frame(&a, &attached, &[fd.as_fd(), fd.as_fd(), fd.as_fd()], None).unwrap();
-        let (_, fds) = recv_frame(&b, None).unwrap();
-        assert_eq!(fds.len(), 3);
+        refused(path, &encode(&ping, 16), &many);
     }
-    assert_eq!(open_fds(), base, "refused frames leaked descriptors");
+    drop(fd);
+    assert_eq!(
+        settle_to(steady),
+        steady,
+        "refused messages leaked descriptors"
+    );
 }
 
 /// A client that floods requests without reading the answers is
@@ -113,9 +77,9 @@ fn flood_is_throttled(server: &Server, path: &std::path::Path, steady: usize) {
         protocol: 1,
         pid: std::process::id(),
     };
-    send_frame(&raw, &hello, &[], None).unwrap();
+    send_message(&raw, &hello, &[], None).unwrap();
     assert!(matches!(
-        recv_frame(&raw, None).unwrap().0,
+        recv_message(&raw, None).unwrap().0,
         Message::Welcome { .. }
     ));
     let flooder = {
@@ -127,7 +91,7 @@ fn flood_is_throttled(server: &Server, path: &std::path::Path, steady: usize) {
                     name: "e".into(),
                 };
                 let deadline = Instant::now() + Duration::from_secs(10);
-                send_frame(&raw, &attach, &[], Some(deadline)).unwrap();
+                send_message(&raw, &attach, &[], Some(deadline)).unwrap();
             }
         })
     };
@@ -141,7 +105,7 @@ fn flood_is_throttled(server: &Server, path: &std::path::Path, steady: usize) {
     );
     for id in 0..FLOOD {
         let deadline = Instant::now() + Duration::from_secs(10);
-        let (m, fds) = recv_frame(&raw, Some(deadline)).unwrap();
+        let (m, fds) = recv_message(&raw, Some(deadline)).unwrap();
         assert!(
             matches!(m, Message::Attached { id: got, .. } if got == id),
             "{m:?}"
@@ -161,7 +125,6 @@ fn flood_is_throttled(server: &Server, path: &std::path::Path, steady: usize) {
 fn no_descriptor_leaks() {
     let before = open_fds();
 
-    refused_frames_close_their_fds();
     {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("fds.sock");
@@ -203,7 +166,10 @@ fn no_descriptor_leaks() {
                 .next_frame(sub.lease, Duration::from_secs(5))
                 .unwrap();
             assert_eq!((f.slot, f.seq), (slot, seq));
-            assert_eq!(read_fd(&sub.slots[f.slot].1[0], 4), [slot as u8; 4]);
+            assert_eq!(
+                read_fd(&sub.slots[f.slot as usize].1[0], 4),
+                [slot as u8; 4]
+            );
             client.ack(sub.lease, f.slot, f.seq).unwrap();
             client.release(sub.lease).unwrap();
         }
@@ -231,6 +197,7 @@ fn no_descriptor_leaks() {
             .unwrap();
         assert_eq!(settle_to(steady), steady, "connections leaked");
 
+        refused_messages_close_their_fds(&path, steady);
         flood_is_throttled(&server, &path, steady);
 
         // Unpublished entries close their descriptors with the last lease.

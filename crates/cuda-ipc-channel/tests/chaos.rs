@@ -39,8 +39,9 @@ use std::time::{Duration, Instant};
 mod support;
 use support::{ChildProc, memfd_with, pattern, read_fd, test_command};
 
-use cuda_ipc_channel::frame::{Message, PROTOCOL_VERSION, encode_frame};
-use cuda_ipc_channel::socket::{recv_frame, send_frame};
+use support::wire::{encode, recv_message, send_message};
+
+use cuda_ipc_channel::wire::{Message, PROTOCOL_VERSION};
 use cuda_ipc_channel::{
     ChannelError, Client, ClientConfig, LeaseInfo, Notice, RingProducer, Server, ServerConfig,
 };
@@ -211,14 +212,7 @@ fn say(line: &str) {
 }
 
 fn connect(path: &Path) -> Client {
-    Client::connect(
-        path,
-        ClientConfig {
-            timeout: ANSWER,
-            ..ClientConfig::default()
-        },
-    )
-    .unwrap()
+    Client::connect(path, ClientConfig::default().with_timeout(ANSWER)).unwrap()
 }
 
 /// If this process is a child, runs its role and returns true.
@@ -263,7 +257,7 @@ fn survivor(path: &Path) {
             while !stop.load(Ordering::Relaxed) {
                 match client.next_frame(ring.lease, Duration::from_millis(100)) {
                     Ok(f) => {
-                        let stamp = stamp_of(&ring.slots[f.slot].1[0]);
+                        let stamp = stamp_of(&ring.slots[f.slot as usize].1[0]);
                         assert_eq!(Some(stamp), f.notice["stamp"].as_u64(), "{f:?}");
                         client.ack(ring.lease, f.slot, f.seq).unwrap();
                         say(&format!("ACK {};", f.seq));
@@ -315,19 +309,18 @@ fn half_frame(path: &Path, arg: &str) {
         pid: std::process::id(),
     };
     let frame = if after_handshake {
-        send_frame(&s, &hello, &[], None).unwrap();
-        let (m, _) = recv_frame(&s, Some(Instant::now() + ANSWER)).unwrap();
+        send_message(&s, &hello, &[], None).unwrap();
+        let (m, _) = recv_message(&s, Some(Instant::now() + ANSWER)).unwrap();
         assert!(matches!(m, Message::Welcome { .. }), "{m:?}");
-        encode_frame(
+        encode(
             &Message::Attach {
                 id: 1,
                 name: "v0".into(),
             },
             0,
         )
-        .unwrap()
     } else {
-        encode_frame(&hello, 0).unwrap()
+        encode(&hello, 0)
     };
     let cut = 1 + split % (frame.len() - 1);
     s.write_all(&frame[..cut]).unwrap();
@@ -522,7 +515,7 @@ impl Producer {
             .acquire(Some(ANSWER))
             .expect("a ring slot stayed in use");
         self.stamp += 1;
-        rustix::io::pwrite(&self.slot_fds[slot], &self.stamp.to_le_bytes(), 0).unwrap();
+        rustix::io::pwrite(&self.slot_fds[slot as usize], &self.stamp.to_le_bytes(), 0).unwrap();
         self.ring
             .publish(slot, json!({ "stamp": self.stamp }))
             .unwrap()
@@ -544,7 +537,7 @@ impl Producer {
             self.ring.cancel(slot).unwrap();
         }
         self.stamp += 1;
-        rustix::io::pwrite(&self.slot_fds[first], &self.stamp.to_le_bytes(), 0).unwrap();
+        rustix::io::pwrite(&self.slot_fds[first as usize], &self.stamp.to_le_bytes(), 0).unwrap();
         self.ring
             .publish(first, json!({ "stamp": self.stamp }))
             .unwrap()

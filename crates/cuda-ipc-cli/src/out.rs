@@ -60,7 +60,16 @@ pub fn report(e: &Error) {
     {
         return;
     }
-    to_stderr(&format!("cuda-ipc: error: {e}\n"));
+    to_stderr(&format!(
+        "cuda-ipc: error: {}\n",
+        clip_words(&e.to_string())
+    ));
+}
+
+/// `text` with every word (a run without spaces) longer than [`MAX_QUOTED`]
+/// cut short: a library error may quote a huge argument in full.
+fn clip_words(text: &str) -> String {
+    text.split(' ').map(clip).collect::<Vec<_>>().join(" ")
 }
 
 /// `text` cut to [`MAX_QUOTED`] characters, with the number left out.

@@ -648,3 +648,21 @@ fn a_descriptor_with_a_key_twice_or_a_huge_size_is_refused() {
         "too large",
     );
 }
+
+#[test]
+fn a_descriptor_quoting_a_long_value_is_cut_short() {
+    let long = "q".repeat(5000);
+    let d = descriptor(16);
+    for (from, to) in [
+        (
+            "\"mechanism\":\"legacy\"",
+            format!("\"mechanism\":\"{long}\""),
+        ),
+        ("\"dtype\":\"u32\"", format!("\"dtype\":\"{long}\"")),
+        ("\"pid\":1", format!("\"pid\":1,\"{long}\":1")),
+    ] {
+        let bad = d.replace(from, &to);
+        let o = cuda_ipc(&["open", "--descriptor", &bad]);
+        assert_error(&["open"], &o, 2, "more characters");
+    }
+}

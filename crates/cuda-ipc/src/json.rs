@@ -202,9 +202,14 @@ impl<'a> Fields<'a> {
 
     /// A string field parsed with `FromStr`, the parser's error as the reason.
     pub(crate) fn parsed<T: FromStr<Err = Error>>(&self, key: &str) -> Result<T> {
-        self.str(key)?
-            .parse()
-            .map_err(|e: Error| self.err(key, e.to_string()))
+        let text = self.str(key)?;
+        text.parse().map_err(|e: Error| {
+            // The parsers quote what they were given; quote a long value cut short.
+            let reason = e
+                .to_string()
+                .replace(&format!("{text:?}"), &crate::units::shorten(text, 40));
+            self.err(key, reason)
+        })
     }
 
     /// As [`Fields::parsed`], absent allowed.

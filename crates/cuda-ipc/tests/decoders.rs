@@ -9,12 +9,13 @@
 //!   32-bit values (`units`), device UUIDs, near-miss handles of every
 //!   type, and descriptors with one field replaced by any JSON. The other
 //!   decoders have theirs where their module's tests live: descriptors and
-//!   handles in `tests/descriptor.rs`, the channel's frames in
-//!   `tests/channel.rs`, PyTorch share records in `tests/torch.rs`.
+//!   handles in `tests/descriptor.rs`, the channel's wire messages in
+//!   the `cuda-ipc-channel` crate's unit tests (`src/wire/tests.rs`),
+//!   PyTorch share records in `tests/torch.rs`.
 
 use std::path::{Path, PathBuf};
 
-use cuda_ipc::channel::frame::Message;
+use cuda_ipc::channel::wire::Message;
 use cuda_ipc::descriptor::{Descriptor, Dtype, Source};
 use cuda_ipc::device::DeviceUuid;
 use cuda_ipc::handle::{FabricHandle, HANDLE_LEN, IpcEventHandle, IpcMemHandle, PoolPtrHandle};

@@ -133,10 +133,7 @@ fn outcome(r: &Result<Client, ChannelError>) -> String {
 }
 
 fn trust_root() -> ClientConfig {
-    ClientConfig {
-        allowed_server_uids: vec![0],
-        ..ClientConfig::default()
-    }
+    ClientConfig::default().with_allowed_server_uids([0])
 }
 
 /// If this process is a child, runs its role and returns true.
@@ -264,11 +261,7 @@ fn an_allowed_user_receives_the_memory_through_the_fd() {
     let _serial = serial();
     let dir = open_dir();
     let path = dir.path().join("admit.sock");
-    let server = Server::bind(ServerConfig {
-        allowed_uids: vec![0, OTHER],
-        ..ServerConfig::new(&path)
-    })
-    .unwrap();
+    let server = Server::bind(ServerConfig::new(&path).with_allowed_uids([0, OTHER])).unwrap();
     server
         .publish(
             "weights",
@@ -331,11 +324,7 @@ fn the_socket_file_and_its_directory_keep_another_user_out() {
     // refuses the connection (even a server that would admit the user).
     let dir = open_dir();
     let path = dir.path().join("private.sock");
-    let server = Server::bind(ServerConfig {
-        allowed_uids: vec![0, OTHER],
-        ..ServerConfig::new(&path)
-    })
-    .unwrap();
+    let server = Server::bind(ServerConfig::new(&path).with_allowed_uids([0, OTHER])).unwrap();
     assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
     let mut child = match spawn_other(dir.path(), TEST, "connect", &path) {
         Ok(c) => c,
@@ -352,11 +341,7 @@ fn the_socket_file_and_its_directory_keep_another_user_out() {
     ensure_private_dir(&private).unwrap();
     assert_eq!(std::fs::metadata(&private).unwrap().mode() & 0o777, 0o700);
     let path = private.join("in-private-dir.sock");
-    let server = Server::bind(ServerConfig {
-        allowed_uids: vec![0, OTHER],
-        ..ServerConfig::new(&path)
-    })
-    .unwrap();
+    let server = Server::bind(ServerConfig::new(&path).with_allowed_uids([0, OTHER])).unwrap();
     open_socket_to_all(&path);
     let mut child = spawn_other(dir.path(), TEST, "connect", &path).unwrap();
     assert_eq!(child.after("RESULT", TIMEOUT), format!("io errno={eacces}"));

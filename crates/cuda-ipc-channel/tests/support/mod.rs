@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use rustix::fs::{MemfdFlags, memfd_create};
 
+pub mod wire;
+
 /// A command that runs the test executable `exe` for `test` alone, with
 /// piped stdin and stdout (stderr shows in the parent's output). Set the
 /// role's environment on it, then [`ChildProc::start`] it.

@@ -118,10 +118,7 @@ impl Subscriber {
         config: SubscriberConfig,
     ) -> Result<Self> {
         let path = endpoint.into().path()?;
-        let mut client_config = ClientConfig {
-            timeout: config.timeout,
-            ..ClientConfig::default()
-        };
+        let mut client_config = ClientConfig::default().with_timeout(config.timeout);
         client_config.allowed_server_uids.extend(config.allow_uids);
         let client = Arc::new(Client::connect(path, client_config)?);
         Ok(Subscriber {
@@ -269,6 +266,10 @@ impl Subscriber {
             Notice::Unpublished => Err(ChannelError::Unpublished {
                 name: attached.name.clone(),
                 lease: attached.lease,
+            }
+            .into()),
+            other => Err(ChannelError::Protocol {
+                reason: format!("a notice this version does not know: {other:?}"),
             }
             .into()),
         }

@@ -44,9 +44,9 @@ fn victim() {
     }
 }
 
-/// 40 subscriber processes killed at random points: after each, every
-/// lease is released within a second; at the end device memory and the
-/// publisher's descriptors are as before.
+/// 40 subscriber processes (`CUDA_IPC_CHAOS_ROUNDS` to change) killed at
+/// random points: after each, every lease is released within a second; at
+/// the end device memory and the publisher's descriptors are as before.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn subscribers_killed_at_random_points() {
@@ -73,8 +73,12 @@ fn subscribers_killed_at_random_points() {
     let (mem, fds) = (free_memory(&device), open_fds());
     let mut seed = 0x2545_F491_4F6C_DD1Du64;
     println!("seed {seed:#x}");
+    let rounds: u32 = std::env::var("CUDA_IPC_CHAOS_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40);
     let mut held_at_kill = 0;
-    for round in 0..40 {
+    for round in 0..rounds {
         let peer = Peer::spawn_with(
             &test_name!("subscribers_killed_at_random_points"),
             "victim",
@@ -103,7 +107,7 @@ fn subscribers_killed_at_random_points() {
     device.synchronize().unwrap();
     let (mem2, fds2) = (free_memory(&device), open_fds());
     println!(
-        "chaos: 40 subscribers killed holding {held_at_kill} leases in all; free memory {mem} -> {mem2}, fds {fds} -> {fds2}"
+        "chaos: {rounds} subscribers killed holding {held_at_kill} leases in all; free memory {mem} -> {mem2}, fds {fds} -> {fds2}"
     );
     assert_eq!(fds, fds2, "the publisher leaked descriptors");
     assert!(

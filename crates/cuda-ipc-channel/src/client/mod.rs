@@ -24,7 +24,6 @@
 //! producer you are done; keep it until you no longer use what the
 //! descriptors refer to.
 
-use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -35,285 +34,26 @@ use rustix::io::Errno;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType, connect, socket_with};
 use serde_json::Value;
 
-use super::frame::{FrameError, ListedEntry, Message, PROTOCOL_VERSION};
-use super::server::{MAX_RING_SLOTS, validate_entry_name};
-use super::socket::{Ucred, peer_closed, peer_credentials, recv_frame, send_frame};
+use super::limits::{MAX_RING_SLOTS, validate_entry_name};
+use super::socket::{RecvLimits, Ucred, peer_closed, peer_credentials, recv_message, send_message};
+use super::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use super::{ChannelError, Side, lock, own_pid, own_uid};
 
-/// The most listing pages [`Client::list`] follows.
-const MAX_LISTING_PAGES: usize = 4096;
+/// The most listing pages [`Client::list`] follows (a page is at most
+/// about 512 KiB).
+const MAX_LISTING_PAGES: usize = 256;
 
-/// How a [`Client`] connects.
-#[derive(Clone, Debug)]
-pub struct ClientConfig {
-    /// How long a request may take, and how long [`Client::connect`] may
-    /// take; default 5 s.
-    pub timeout: Duration,
-    /// The user ids the server may run as (`SO_PEERCRED`); default: only ours.
-    pub allowed_server_uids: Vec<u32>,
-}
+/// How many messages a call reads past its deadline, at most.
+const MAX_LATE_READS: usize = 64;
 
-impl Default for ClientConfig {
-    fn default() -> Self {
-        ClientConfig {
-            timeout: Duration::from_secs(5),
-            allowed_server_uids: vec![own_uid()],
-        }
-    }
-}
+/// The most entries [`Client::list`] collects.
+const MAX_LISTED_ENTRIES: usize = 1 << 16;
 
-/// A lease on a plain entry, with the entry's metadata and descriptors.
-#[derive(Debug)]
-pub struct Attachment {
-    /// The lease id; pass it to [`Client::release`].
-    pub lease: u64,
-    /// The entry's name.
-    pub name: String,
-    /// The producer's metadata.
-    pub meta: Value,
-    /// This process's own duplicates of the entry's descriptors.
-    pub fds: Vec<OwnedFd>,
-}
+mod demux;
+mod types;
 
-/// A subscription to a ring, with every slot's metadata and descriptors.
-#[derive(Debug)]
-pub struct RingAttachment {
-    /// The lease id; pass it to [`Client::next_frame`], [`Client::ack`]
-    /// and [`Client::release`].
-    pub lease: u64,
-    /// The ring's name.
-    pub name: String,
-    /// The ring's metadata.
-    pub meta: Value,
-    /// Each slot's metadata and descriptors, by slot index.
-    pub slots: Vec<(Value, Vec<OwnedFd>)>,
-}
-
-/// What happened to an entry the client holds a lease on.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Notice {
-    /// The producer called [`Server::update`](super::Server::update).
-    Updated {
-        /// The entry's update counter, from 1, without gaps.
-        generation: u64,
-        /// The producer's notice.
-        data: Value,
-    },
-    /// The producer unpublished the entry. The lease stays valid (the
-    /// producer keeps the entry until it is released); release it when done.
-    Unpublished,
-}
-
-/// A notice about a leased entry (see [`Client::next_update`]).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Update {
-    /// The lease it concerns.
-    pub lease: u64,
-    /// The entry's name.
-    pub name: String,
-    /// What happened.
-    pub notice: Notice,
-}
-
-/// A frame of a ring: the producer filled `slot` (see [`Client::next_frame`]).
-#[derive(Clone, Debug, PartialEq)]
-pub struct RingFrame {
-    /// The ring lease.
-    pub lease: u64,
-    /// The slot the producer filled.
-    pub slot: usize,
-    /// The ring's frame counter, from 1.
-    pub seq: u64,
-    /// The producer's notice.
-    pub notice: Value,
-}
-
-/// Why a connection is over; turns back into an error for every later call.
-enum Dead {
-    Gone,
-    Protocol(String),
-    Frame(FrameError),
-    Remote {
-        code: String,
-        message: String,
-    },
-    Io {
-        context: String,
-        kind: std::io::ErrorKind,
-        text: String,
-    },
-}
-
-impl Dead {
-    fn from_error(e: ChannelError) -> Dead {
-        match e {
-            // A frame cut short by end of file means the server went away
-            // while sending (it was killed, or it cut us off as too slow).
-            ChannelError::PeerGone | ChannelError::Frame(FrameError::Truncated { .. }) => {
-                Dead::Gone
-            }
-            ChannelError::Frame(f) => Dead::Frame(f),
-            ChannelError::Protocol { reason } => Dead::Protocol(reason),
-            ChannelError::Remote { code, message } => Dead::Remote { code, message },
-            ChannelError::Io { context, source } => Dead::Io {
-                context,
-                kind: source.kind(),
-                text: source.to_string(),
-            },
-            other => Dead::Protocol(other.to_string()),
-        }
-    }
-
-    fn error(&self) -> ChannelError {
-        match self {
-            Dead::Gone => ChannelError::PeerGone,
-            Dead::Protocol(reason) => ChannelError::Protocol {
-                reason: reason.clone(),
-            },
-            Dead::Frame(f) => ChannelError::Frame(f.clone()),
-            Dead::Remote { code, message } => ChannelError::Remote {
-                code: code.clone(),
-                message: message.clone(),
-            },
-            Dead::Io {
-                context,
-                kind,
-                text,
-            } => ChannelError::Io {
-                context: context.clone(),
-                source: std::io::Error::new(*kind, text.clone()),
-            },
-        }
-    }
-}
-
-struct RingQueue {
-    name: String,
-    slots: usize,
-    frames: VecDeque<RingFrame>,
-    ended: bool,
-}
-
-#[derive(Default)]
-struct State {
-    /// Whether a thread is reading the socket now.
-    reading: bool,
-    last_id: u64,
-    /// Requests whose callers still wait, with the ring name for `attach_ring`.
-    waiting: HashMap<u64, Option<String>>,
-    responses: HashMap<u64, VecDeque<(Message, Vec<OwnedFd>)>>,
-    updates: VecDeque<Update>,
-    rings: HashMap<u64, RingQueue>,
-    /// Leases granted to requests whose callers gave up: to release.
-    orphans: Vec<u64>,
-    dead: Option<Dead>,
-}
-
-impl State {
-    fn next_id(&mut self) -> u64 {
-        self.last_id += 1;
-        self.last_id
-    }
-
-    fn take_response(&mut self, id: u64) -> Option<(Message, Vec<OwnedFd>)> {
-        let queue = self.responses.get_mut(&id)?;
-        let r = queue.pop_front();
-        if queue.is_empty() {
-            self.responses.remove(&id);
-        }
-        r
-    }
-
-    /// Files one frame from the server where it belongs.
-    fn dispatch(&mut self, message: Message, fds: Vec<OwnedFd>) {
-        match message {
-            Message::Update {
-                lease,
-                name,
-                generation,
-                notice,
-            } => self.updates.push_back(Update {
-                lease,
-                name,
-                notice: Notice::Updated {
-                    generation,
-                    data: notice,
-                },
-            }),
-            Message::RingFrame {
-                lease,
-                slot,
-                seq,
-                notice,
-            } => {
-                // Frames for a released ring are dropped.
-                if let Some(q) = self.rings.get_mut(&lease) {
-                    q.frames.push_back(RingFrame {
-                        lease,
-                        slot: slot as usize,
-                        seq,
-                        notice,
-                    });
-                }
-            }
-            Message::Unpublished { lease, name } => match self.rings.get_mut(&lease) {
-                Some(q) => q.ended = true,
-                None => self.updates.push_back(Update {
-                    lease,
-                    name,
-                    notice: Notice::Unpublished,
-                }),
-            },
-            Message::Error {
-                id: None,
-                code,
-                message,
-                ..
-            } => {
-                self.dead = Some(Dead::Remote { code, message });
-            }
-            Message::Listing { id, .. }
-            | Message::Attached { id, .. }
-            | Message::Released { id }
-            | Message::RingAttached { id, .. }
-            | Message::RingSlot { id, .. }
-            | Message::Pong { id }
-            | Message::Error { id: Some(id), .. } => {
-                let Some(ring_name) = self.waiting.get(&id) else {
-                    // Its caller gave up; a lease granted to it goes back.
-                    if let Message::Attached { lease, .. } | Message::RingAttached { lease, .. } =
-                        message
-                    {
-                        self.orphans.push(lease);
-                    }
-                    return;
-                };
-                if let Message::RingAttached { lease, slots, .. } = &message {
-                    self.rings.insert(
-                        *lease,
-                        RingQueue {
-                            name: ring_name.clone().unwrap_or_default(),
-                            slots: *slots as usize,
-                            frames: VecDeque::new(),
-                            ended: false,
-                        },
-                    );
-                }
-                self.responses
-                    .entry(id)
-                    .or_default()
-                    .push_back((message, fds));
-            }
-            other => {
-                self.dead = Some(Dead::Protocol(format!(
-                    "the server sent a {:?} message, which only clients send or which \
-                     belongs to the handshake",
-                    other.type_name()
-                )));
-            }
-        }
-    }
-}
+use demux::{Dead, State};
+pub use types::{Attachment, ClientConfig, Notice, RingAttachment, RingFrame, Update};
 
 /// A connection to a channel server: the consumer's end.
 ///
@@ -399,7 +139,7 @@ impl Client {
                 allowed: config.allowed_server_uids,
             });
         }
-        let hello = send_frame(
+        let hello = send_message(
             &stream,
             &Message::Hello {
                 protocol: PROTOCOL_VERSION,
@@ -409,7 +149,7 @@ impl Client {
             Some(deadline),
         );
         // Even if the hello could not be sent, the server may have said why.
-        match recv_frame(&stream, Some(deadline)) {
+        match recv_message(&stream, Some(deadline), RecvLimits::CLIENT) {
             Ok((Message::Welcome { protocol, .. }, _)) => {
                 hello?;
                 if protocol != PROTOCOL_VERSION {
@@ -522,6 +262,12 @@ impl Client {
             match self.response(&p, "the listing")? {
                 (Message::Listing { entries, next, .. }, _) => {
                     all.extend(entries);
+                    if all.len() > MAX_LISTED_ENTRIES {
+                        return Err(ChannelError::protocol(format!(
+                            "the server lists more than {MAX_LISTED_ENTRIES} entries, more than \
+                             a client collects; attach by name instead"
+                        )));
+                    }
                     match next {
                         None => return Ok(all),
                         Some(n) if after.as_ref().is_some_and(|a| &n <= a) => {
@@ -638,7 +384,11 @@ impl Client {
     pub fn release(&self, lease: u64) -> Result<(), ChannelError> {
         let p = self.request(|id| Message::Release { id, lease }, None)?;
         let answer = self.response(&p, &format!("the answer to releasing lease {lease}"))?;
-        lock(&self.state).rings.remove(&lease);
+        {
+            let mut st = lock(&self.state);
+            st.rings.remove(&lease);
+            st.held.remove(&lease);
+        }
         match answer {
             (Message::Released { .. }, _) => Ok(()),
             (Message::Error { code, message, .. }, _) if code == "invalid_lease" => {
@@ -697,7 +447,7 @@ impl Client {
     /// Acknowledges a ring frame: this subscriber is done with `slot` as of
     /// frame `seq`, and the producer may reuse it. Does not wait for an
     /// answer.
-    pub fn ack(&self, lease: u64, slot: usize, seq: u64) -> Result<(), ChannelError> {
+    pub fn ack(&self, lease: u64, slot: u32, seq: u64) -> Result<(), ChannelError> {
         {
             let st = lock(&self.state);
             if let Some(d) = &st.dead {
@@ -722,11 +472,7 @@ impl Client {
                 Some(_) => {}
             }
         }
-        self.send(&Message::Ack {
-            lease,
-            slot: slot as u32,
-            seq,
-        })
+        self.send(&Message::Ack { lease, slot, seq })
     }
 
     // ---- internals ----
@@ -767,7 +513,7 @@ impl Client {
     /// Sends one frame (without descriptors) within the request timeout.
     fn send(&self, message: &Message) -> Result<(), ChannelError> {
         let _writing = lock(&self.write);
-        send_frame(
+        send_message(
             &self.stream,
             message,
             &[],
@@ -817,6 +563,9 @@ impl Client {
         let started = Instant::now();
         // Whether a read of ours found nothing more before the deadline.
         let mut drained = false;
+        // Messages read past the deadline: a few that had arrived are still
+        // taken, but a server that keeps sending cannot hold us.
+        let mut late = 0;
         let mut st = lock(&self.state);
         loop {
             if let Some(v) = take(&mut st) {
@@ -838,13 +587,16 @@ impl Client {
                     .0;
                 continue;
             }
-            if left.is_zero() && drained {
+            if left.is_zero() && (drained || late >= MAX_LATE_READS) {
                 return Err(timeout(what, started));
+            }
+            if left.is_zero() {
+                late += 1;
             }
             st.reading = true;
             drop(st);
             // Past the deadline this still takes frames that have arrived.
-            let received = recv_frame(&self.stream, Some(deadline));
+            let received = recv_message(&self.stream, Some(deadline), RecvLimits::CLIENT);
             drained = matches!(received, Err(ChannelError::Timeout { .. }));
             st = self.file(received);
         }
@@ -902,6 +654,32 @@ fn unexpected(message: Message, expected: &str, name: &str) -> ChannelError {
 
 /// Connects a Unix stream socket without blocking past `deadline` (a
 /// listener with a full backlog makes `connect` wait).
+/// Why nobody answered at `path`, from what the path really is.
+fn refused_context(path: &Path) -> String {
+    let what = match rustix::fs::stat(path) {
+        Ok(st) => match rustix::fs::FileType::from_raw_mode(st.st_mode) {
+            rustix::fs::FileType::Socket => {
+                return format!(
+                    "nothing is listening on {}: it is a socket that no server serves (its \
+                     producer exited); start the producer",
+                    path.display()
+                );
+            }
+            rustix::fs::FileType::RegularFile => "a regular file",
+            rustix::fs::FileType::Directory => "a directory",
+            rustix::fs::FileType::Fifo => "a named pipe",
+            rustix::fs::FileType::CharacterDevice | rustix::fs::FileType::BlockDevice => "a device",
+            _ => "not a socket",
+        },
+        Err(_) => "not a socket",
+    };
+    format!(
+        "{} is {what}, not a channel socket; check the path (a producer creates the socket \
+         when it starts)",
+        path.display()
+    )
+}
+
 fn connect_socket(path: &Path, deadline: Instant) -> Result<UnixStream, ChannelError> {
     let addr = SocketAddrUnix::new(path).map_err(|e| {
         ChannelError::io(format!("{} is not a valid socket path", path.display()), e)
@@ -937,11 +715,7 @@ fn connect_socket(path: &Path, deadline: Instant) -> Result<UnixStream, ChannelE
                          producer first, or check the path",
                         path.display()
                     ),
-                    Errno::CONNREFUSED => format!(
-                        "nothing is listening on {} (a socket left by a producer that \
-                         exited); start the producer",
-                        path.display()
-                    ),
+                    Errno::CONNREFUSED | Errno::NOTSOCK => refused_context(path),
                     Errno::ACCESS => format!(
                         "permission denied connecting to {}: the socket or its directory \
                          belongs to another user",

@@ -13,11 +13,11 @@
 //! The payload is one [`Message`], a JSON object whose `"type"` field names
 //! the message (`{"type":"attach","id":7,"name":"weights"}`). The file
 //! descriptors announced in the header travel as `SCM_RIGHTS` ancillary
-//! data with the header's bytes (see [`socket`](super::socket)).
+//! data with the header's bytes (see `socket.rs`).
 //!
 //! Everything here is a pure function of its input and never panics:
 //! decoding checks every field and reports the first problem precisely
-//! ([`FrameError`]), naming what it found and what it expected. Decoding is
+//! ([`WireError`]), naming what it found and what it expected. Decoding is
 //! strict: unknown message types and unknown fields are errors, since both
 //! sides speak the same protocol version.
 
@@ -25,13 +25,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// The magic bytes that start every frame.
-pub const MAGIC: [u8; 4] = *b"CIPC";
+pub(crate) const MAGIC: [u8; 4] = *b"CIPC";
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u16 = 1;
 
 /// The frame kind of a JSON message, the only kind so far.
-pub const KIND_JSON: u16 = 1;
+pub(crate) const KIND_JSON: u16 = 1;
 
 /// The size of a frame header in bytes.
 pub const HEADER_LEN: usize = 16;
@@ -47,7 +47,7 @@ pub const MAX_FDS: usize = 16;
 /// Each variant names what was found and what was expected.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum FrameError {
+pub enum WireError {
     /// The frame does not start with `b"CIPC"`.
     #[error(
         "bad magic {found:02x?}: expected {MAGIC:02x?} (b\"CIPC\"); the peer does not speak \
@@ -175,12 +175,13 @@ pub enum FrameError {
     },
 }
 
-/// A decoded frame header.
+/// A decoded wire header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Header {
     /// The protocol version.
     pub version: u16,
-    /// The frame kind ([`KIND_JSON`]).
+    /// The payload kind (1: a JSON message, the only kind so far).
     pub kind: u16,
     /// The payload length in bytes.
     pub len: u32,
@@ -191,7 +192,7 @@ pub struct Header {
 impl Header {
     /// A header of the current version for a JSON payload of `len` bytes
     /// with `fds` descriptors.
-    pub fn json(len: u32, fds: u16) -> Header {
+    pub(crate) fn json(len: u32, fds: u16) -> Header {
         Header {
             version: PROTOCOL_VERSION,
             kind: KIND_JSON,
@@ -203,7 +204,7 @@ impl Header {
 
 /// Encodes a header. Any field values are written as given (the reserved
 /// field is always 0); [`decode_header`] is where they are checked.
-pub fn encode_header(header: &Header) -> [u8; HEADER_LEN] {
+pub(crate) fn encode_header(header: &Header) -> [u8; HEADER_LEN] {
     let mut out = [0u8; HEADER_LEN];
     out[0..4].copy_from_slice(&MAGIC);
     out[4..6].copy_from_slice(&header.version.to_le_bytes());
@@ -218,9 +219,9 @@ pub fn encode_header(header: &Header) -> [u8; HEADER_LEN] {
 ///
 /// Checks, in order: length, magic, version, kind, reserved field, payload
 /// length, descriptor count.
-pub fn decode_header(bytes: &[u8]) -> Result<Header, FrameError> {
+pub fn decode_header(bytes: &[u8]) -> Result<Header, WireError> {
     let Some(b) = bytes.first_chunk::<HEADER_LEN>() else {
-        return Err(FrameError::Truncated {
+        return Err(WireError::Truncated {
             what: "frame header",
             expected: HEADER_LEN,
             got: bytes.len(),
@@ -229,33 +230,33 @@ pub fn decode_header(bytes: &[u8]) -> Result<Header, FrameError> {
     let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
     let found = [b[0], b[1], b[2], b[3]];
     if found != MAGIC {
-        return Err(FrameError::BadMagic { found });
+        return Err(WireError::BadMagic { found });
     }
     let version = u16_at(4);
     if version != PROTOCOL_VERSION {
-        return Err(FrameError::UnsupportedVersion {
+        return Err(WireError::UnsupportedVersion {
             found: version,
             supported: PROTOCOL_VERSION,
         });
     }
     let kind = u16_at(6);
     if kind != KIND_JSON {
-        return Err(FrameError::UnknownKind { found: kind });
+        return Err(WireError::UnknownKind { found: kind });
     }
     let reserved = u16_at(14);
     if reserved != 0 {
-        return Err(FrameError::ReservedNotZero { found: reserved });
+        return Err(WireError::ReservedNotZero { found: reserved });
     }
     let len = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
     if len > MAX_PAYLOAD {
-        return Err(FrameError::PayloadTooLarge {
+        return Err(WireError::PayloadTooLarge {
             len: u64::from(len),
             max: MAX_PAYLOAD,
         });
     }
     let fds = u16_at(12);
     if usize::from(fds) > MAX_FDS {
-        return Err(FrameError::TooManyFds {
+        return Err(WireError::TooManyFds {
             count: usize::from(fds),
             max: MAX_FDS,
         });
@@ -270,9 +271,9 @@ pub fn decode_header(bytes: &[u8]) -> Result<Header, FrameError> {
 
 /// Encodes a whole frame (header and payload) for `message` with `fds`
 /// descriptors attached.
-pub fn encode_frame(message: &Message, fds: usize) -> Result<Vec<u8>, FrameError> {
+pub(crate) fn encode_message(message: &Message, fds: usize) -> Result<Vec<u8>, WireError> {
     if fds > MAX_FDS {
-        return Err(FrameError::TooManyFds {
+        return Err(WireError::TooManyFds {
             count: fds,
             max: MAX_FDS,
         });
@@ -281,7 +282,7 @@ pub fn encode_frame(message: &Message, fds: usize) -> Result<Vec<u8>, FrameError
     let len = u32::try_from(payload.len())
         .ok()
         .filter(|&l| l <= MAX_PAYLOAD)
-        .ok_or(FrameError::PayloadTooLarge {
+        .ok_or(WireError::PayloadTooLarge {
             len: payload.len() as u64,
             max: MAX_PAYLOAD,
         })?;
@@ -294,6 +295,7 @@ pub fn encode_frame(message: &Message, fds: usize) -> Result<Vec<u8>, FrameError
 /// Whether a listed entry is a plain entry or a ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum EntryKind {
     /// A plain entry: metadata and file descriptors (attach with
     /// [`Client::attach`](super::Client::attach)).
@@ -306,6 +308,7 @@ pub enum EntryKind {
 /// One published entry in a [`Message::Listing`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ListedEntry {
     /// The entry's name.
     pub name: String,
@@ -323,6 +326,7 @@ pub struct ListedEntry {
 /// the lease they concern instead.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+#[non_exhaustive]
 pub enum Message {
     // ---- client to server ----
     /// The client's first message.
@@ -565,47 +569,67 @@ impl Message {
 
     /// Decodes a payload, checking size, UTF-8, JSON, the message type and
     /// its fields, in that order.
-    pub fn decode(payload: &[u8]) -> Result<Message, FrameError> {
+    pub fn decode(payload: &[u8]) -> Result<Message, WireError> {
         if payload.len() > MAX_PAYLOAD as usize {
-            return Err(FrameError::PayloadTooLarge {
+            return Err(WireError::PayloadTooLarge {
                 len: payload.len() as u64,
                 max: MAX_PAYLOAD,
             });
         }
-        let text = std::str::from_utf8(payload).map_err(|e| FrameError::InvalidUtf8 {
+        let text = std::str::from_utf8(payload).map_err(|e| WireError::InvalidUtf8 {
             valid_up_to: e.valid_up_to(),
         })?;
-        let value: Value = serde_json::from_str(text).map_err(|e| FrameError::InvalidJson {
+        // Checked in passes that build nothing big: the JSON as a whole, then
+        // only its "type" field, then the message itself.
+        serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| {
+            WireError::InvalidJson {
+                reason: e.to_string(),
+            }
+        })?;
+        let shape = match text.trim_start().as_bytes().first() {
+            Some(b'{') => None,
+            Some(b'[') => Some("an array"),
+            Some(b'"') => Some("a string"),
+            Some(b't' | b'f') => Some("a boolean"),
+            Some(b'n') => Some("null"),
+            _ => Some("a number"),
+        };
+        if let Some(found) = shape {
+            return Err(WireError::NotAMessage {
+                found: found.into(),
+            });
+        }
+        let probe: Probe = serde_json::from_str(text).map_err(|e| WireError::InvalidJson {
             reason: e.to_string(),
         })?;
-        let kind = match &value {
-            Value::Object(map) => match map.get("type") {
-                Some(Value::String(t)) => t.clone(),
-                Some(other) => {
-                    return Err(FrameError::NotAMessage {
-                        found: format!("an object whose \"type\" is {}", describe(other)),
-                    });
-                }
-                None => {
-                    return Err(FrameError::NotAMessage {
-                        found: "an object without a \"type\" field".into(),
-                    });
-                }
-            },
-            other => {
-                return Err(FrameError::NotAMessage {
-                    found: describe(other).into(),
+        let kind = match probe.kind {
+            Some(Value::String(t)) => t,
+            Some(other) => {
+                return Err(WireError::NotAMessage {
+                    found: format!("an object whose \"type\" is {}", describe(&other)),
+                });
+            }
+            None => {
+                return Err(WireError::NotAMessage {
+                    found: "an object without a \"type\" field".into(),
                 });
             }
         };
         if !Message::TYPES.contains(&kind.as_str()) {
-            return Err(FrameError::UnknownType { found: kind });
+            return Err(WireError::UnknownType { found: kind });
         }
-        serde_json::from_value(value).map_err(|e| FrameError::InvalidMessage {
+        serde_json::from_str(text).map_err(|e| WireError::InvalidMessage {
             kind,
             reason: e.to_string(),
         })
     }
+}
+
+/// The `"type"` field of a payload, read without the rest.
+#[derive(Deserialize)]
+struct Probe {
+    #[serde(rename = "type", default)]
+    kind: Option<Value>,
 }
 
 /// A short description of a JSON value's type, for error messages.
@@ -621,92 +645,4 @@ fn describe(v: &Value) -> &'static str {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn type_names_match_serde_tags() {
-        let samples = [
-            Message::Hello {
-                protocol: 1,
-                pid: 1,
-            },
-            Message::List { id: 1, after: None },
-            Message::Attach {
-                id: 1,
-                name: "a".into(),
-            },
-            Message::Release { id: 1, lease: 2 },
-            Message::AttachRing {
-                id: 1,
-                name: "r".into(),
-            },
-            Message::Ack {
-                lease: 1,
-                slot: 0,
-                seq: 1,
-            },
-            Message::Ping { id: 1 },
-            Message::Welcome {
-                protocol: 1,
-                pid: 1,
-            },
-            Message::Listing {
-                id: 1,
-                entries: vec![],
-                next: None,
-            },
-            Message::Attached {
-                id: 1,
-                lease: 1,
-                meta: json!({}),
-                fds: 0,
-            },
-            Message::Released { id: 1 },
-            Message::RingAttached {
-                id: 1,
-                lease: 1,
-                slots: 1,
-                meta: json!(null),
-            },
-            Message::RingSlot {
-                id: 1,
-                lease: 1,
-                slot: 0,
-                meta: json!(1),
-                fds: 0,
-            },
-            Message::Update {
-                lease: 1,
-                name: "a".into(),
-                generation: 1,
-                notice: json!([]),
-            },
-            Message::RingFrame {
-                lease: 1,
-                slot: 0,
-                seq: 1,
-                notice: json!("x"),
-            },
-            Message::Unpublished {
-                lease: 1,
-                name: "a".into(),
-            },
-            Message::Pong { id: 1 },
-            Message::Error {
-                id: None,
-                code: "c".into(),
-                message: "m".into(),
-                details: Value::Null,
-            },
-        ];
-        assert_eq!(samples.len(), Message::TYPES.len());
-        for (m, t) in samples.iter().zip(Message::TYPES) {
-            assert_eq!(m.type_name(), *t);
-            let v: Value = serde_json::from_slice(&m.encode()).unwrap();
-            assert_eq!(v["type"], json!(t));
-            assert_eq!(&Message::decode(&m.encode()).unwrap(), m);
-        }
-    }
-}
+mod tests;

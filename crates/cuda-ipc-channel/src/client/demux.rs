@@ -1,0 +1,209 @@
+//! Demultiplexing: one reader at a time hands each incoming wire message to
+//! the request or queue it belongs to.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::os::fd::OwnedFd;
+
+use crate::ChannelError;
+use crate::wire::{Message, WireError};
+
+use super::types::{Notice, RingFrame, Update};
+
+/// Why a connection is over; turns back into an error for every later call.
+pub(super) enum Dead {
+    Gone,
+    Protocol(String),
+    Frame(WireError),
+    Remote {
+        code: String,
+        message: String,
+    },
+    Io {
+        context: String,
+        kind: std::io::ErrorKind,
+        text: String,
+    },
+}
+
+impl Dead {
+    pub(super) fn from_error(e: ChannelError) -> Dead {
+        match e {
+            // A frame cut short by end of file means the server went away
+            // while sending (it was killed, or it cut us off as too slow).
+            ChannelError::PeerGone | ChannelError::Wire(WireError::Truncated { .. }) => Dead::Gone,
+            ChannelError::Wire(f) => Dead::Frame(f),
+            ChannelError::Protocol { reason } => Dead::Protocol(reason),
+            ChannelError::Remote { code, message } => Dead::Remote { code, message },
+            ChannelError::Io { context, source } => Dead::Io {
+                context,
+                kind: source.kind(),
+                text: source.to_string(),
+            },
+            other => Dead::Protocol(other.to_string()),
+        }
+    }
+
+    pub(super) fn error(&self) -> ChannelError {
+        match self {
+            Dead::Gone => ChannelError::PeerGone,
+            Dead::Protocol(reason) => ChannelError::Protocol {
+                reason: reason.clone(),
+            },
+            Dead::Frame(f) => ChannelError::Wire(f.clone()),
+            Dead::Remote { code, message } => ChannelError::Remote {
+                code: code.clone(),
+                message: message.clone(),
+            },
+            Dead::Io {
+                context,
+                kind,
+                text,
+            } => ChannelError::Io {
+                context: context.clone(),
+                source: std::io::Error::new(*kind, text.clone()),
+            },
+        }
+    }
+}
+
+pub(super) struct RingQueue {
+    pub(super) name: String,
+    pub(super) slots: u32,
+    pub(super) frames: VecDeque<RingFrame>,
+    pub(super) ended: bool,
+}
+
+#[derive(Default)]
+pub(super) struct State {
+    /// Whether a thread is reading the socket now.
+    pub(super) reading: bool,
+    pub(super) last_id: u64,
+    /// Requests whose callers still wait, with the ring name for `attach_ring`.
+    pub(super) waiting: HashMap<u64, Option<String>>,
+    pub(super) responses: HashMap<u64, VecDeque<(Message, Vec<OwnedFd>)>>,
+    pub(super) updates: VecDeque<Update>,
+    pub(super) rings: HashMap<u64, RingQueue>,
+    /// The plain-entry leases this client holds: notices about any other
+    /// lease are dropped, so that a server cannot fill our memory with them.
+    pub(super) held: HashSet<u64>,
+    /// Leases granted to requests whose callers gave up: to release.
+    pub(super) orphans: Vec<u64>,
+    pub(super) dead: Option<Dead>,
+}
+
+impl State {
+    pub(super) fn next_id(&mut self) -> u64 {
+        self.last_id += 1;
+        self.last_id
+    }
+
+    pub(super) fn take_response(&mut self, id: u64) -> Option<(Message, Vec<OwnedFd>)> {
+        let queue = self.responses.get_mut(&id)?;
+        let r = queue.pop_front();
+        if queue.is_empty() {
+            self.responses.remove(&id);
+        }
+        r
+    }
+
+    /// Files one frame from the server where it belongs.
+    pub(super) fn dispatch(&mut self, message: Message, fds: Vec<OwnedFd>) {
+        match message {
+            Message::Update { lease, .. } | Message::Unpublished { lease, .. }
+                if !self.held.contains(&lease) && !self.rings.contains_key(&lease) =>
+            {
+                tracing::debug!(
+                    lease,
+                    "dropped a notice about a lease this client does not hold"
+                );
+            }
+            Message::Update {
+                lease,
+                name,
+                generation,
+                notice,
+            } => self.updates.push_back(Update {
+                lease,
+                name,
+                notice: Notice::Updated {
+                    generation,
+                    data: notice,
+                },
+            }),
+            Message::RingFrame {
+                lease,
+                slot,
+                seq,
+                notice,
+            } => {
+                // Frames for a released ring are dropped.
+                if let Some(q) = self.rings.get_mut(&lease) {
+                    q.frames.push_back(RingFrame {
+                        lease,
+                        slot,
+                        seq,
+                        notice,
+                    });
+                }
+            }
+            Message::Unpublished { lease, name } => match self.rings.get_mut(&lease) {
+                Some(q) => q.ended = true,
+                None => self.updates.push_back(Update {
+                    lease,
+                    name,
+                    notice: Notice::Unpublished,
+                }),
+            },
+            Message::Error {
+                id: None,
+                code,
+                message,
+                ..
+            } => {
+                self.dead = Some(Dead::Remote { code, message });
+            }
+            Message::Listing { id, .. }
+            | Message::Attached { id, .. }
+            | Message::Released { id }
+            | Message::RingAttached { id, .. }
+            | Message::RingSlot { id, .. }
+            | Message::Pong { id }
+            | Message::Error { id: Some(id), .. } => {
+                let Some(ring_name) = self.waiting.get(&id) else {
+                    // Its caller gave up; a lease granted to it goes back.
+                    if let Message::Attached { lease, .. } | Message::RingAttached { lease, .. } =
+                        message
+                    {
+                        self.orphans.push(lease);
+                    }
+                    return;
+                };
+                if let Message::Attached { lease, .. } = &message {
+                    self.held.insert(*lease);
+                }
+                if let Message::RingAttached { lease, slots, .. } = &message {
+                    self.rings.insert(
+                        *lease,
+                        RingQueue {
+                            name: ring_name.clone().unwrap_or_default(),
+                            slots: *slots,
+                            frames: VecDeque::new(),
+                            ended: false,
+                        },
+                    );
+                }
+                self.responses
+                    .entry(id)
+                    .or_default()
+                    .push_back((message, fds));
+            }
+            other => {
+                self.dead = Some(Dead::Protocol(format!(
+                    "the server sent a {:?} message, which only clients send or which \
+                     belongs to the handshake",
+                    other.type_name()
+                )));
+            }
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! What the client hands out: its configuration, attachments, notices.
+
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::own_uid;
+
+/// How a [`Client`](super::Client) connects.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ClientConfig {
+    /// How long a request may take, and how long [`Client::connect`](super::Client::connect) may
+    /// take; default 5 s.
+    pub timeout: Duration,
+    /// The user ids the server may run as (`SO_PEERCRED`); default: only ours.
+    pub allowed_server_uids: Vec<u32>,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            timeout: Duration::from_secs(5),
+            allowed_server_uids: vec![own_uid()],
+        }
+    }
+}
+
+impl ClientConfig {
+    /// Sets how long a request (and [`Client::connect`](super::Client::connect)) may take.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets the user ids the server may run as (replacing the default, ours).
+    #[must_use]
+    pub fn with_allowed_server_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
+        self.allowed_server_uids = uids.into_iter().collect();
+        self
+    }
+}
+
+/// A lease on a plain entry, with the entry's metadata and descriptors.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Attachment {
+    /// The lease id; pass it to [`Client::release`](super::Client::release).
+    pub lease: u64,
+    /// The entry's name.
+    pub name: String,
+    /// The producer's metadata.
+    pub meta: Value,
+    /// This process's own duplicates of the entry's descriptors.
+    pub fds: Vec<OwnedFd>,
+}
+
+/// A subscription to a ring, with every slot's metadata and descriptors.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct RingAttachment {
+    /// The lease id; pass it to [`Client::next_frame`](super::Client::next_frame), [`Client::ack`](super::Client::ack)
+    /// and [`Client::release`](super::Client::release).
+    pub lease: u64,
+    /// The ring's name.
+    pub name: String,
+    /// The ring's metadata.
+    pub meta: Value,
+    /// Each slot's metadata and descriptors, by slot index.
+    pub slots: Vec<(Value, Vec<OwnedFd>)>,
+}
+
+/// What happened to an entry the client holds a lease on.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Notice {
+    /// The producer called [`Server::update`](crate::Server::update).
+    Updated {
+        /// The entry's update counter, from 1, without gaps.
+        generation: u64,
+        /// The producer's notice.
+        data: Value,
+    },
+    /// The producer unpublished the entry. The lease stays valid (the
+    /// producer keeps the entry until it is released); release it when done.
+    Unpublished,
+}
+
+/// A notice about a leased entry (see [`Client::next_update`](super::Client::next_update)).
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Update {
+    /// The lease it concerns.
+    pub lease: u64,
+    /// The entry's name.
+    pub name: String,
+    /// What happened.
+    pub notice: Notice,
+}
+
+/// A frame of a ring: the producer filled `slot` (see [`Client::next_frame`](super::Client::next_frame)).
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct RingFrame {
+    /// The ring lease.
+    pub lease: u64,
+    /// The slot the producer filled.
+    pub slot: u32,
+    /// The ring's frame counter, from 1.
+    pub seq: u64,
+    /// The producer's notice.
+    pub notice: Value,
+}

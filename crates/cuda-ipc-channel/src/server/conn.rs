@@ -1,0 +1,355 @@
+//! One client connection and its writer: queued replies, the writer thread.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use rustix::net::{Shutdown, shutdown};
+
+use crate::socket::{Ucred, encode_checked, send_bytes, try_send_bytes, unread_by_peer};
+use crate::wire::Message;
+use crate::{ChannelError, lock};
+
+use super::{FINAL_SEND_TIMEOUT, error_frame};
+
+/// A connection's reader takes no new request while this many bytes of
+/// answers wait to be sent to it.
+pub(super) const WINDOW_BYTES: usize = 64 * 1024;
+
+/// A wire message waiting for the writer thread, encoded, with the
+/// descriptors that go with its first byte (none once its start went).
+pub(super) struct Outgoing {
+    pub(super) bytes: Vec<u8>,
+    pub(super) fds: Vec<OwnedFd>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum OutState {
+    /// Accepting messages.
+    Open,
+    /// Send what is queued, then stop.
+    Draining,
+    /// Stop now; the queue is cleared.
+    Closed,
+}
+
+pub(super) struct Outbox {
+    pub(super) queue: VecDeque<Outgoing>,
+    pub(super) state: OutState,
+    /// The writer thread is sending a message it took from the queue.
+    pub(super) sending: bool,
+    /// Bytes queued, and in the message being sent.
+    pub(super) bytes: usize,
+    /// Descriptors queued, and in the message being sent (our duplicates).
+    pub(super) fds: usize,
+    /// Descriptors sent since the client was last seen to have received
+    /// everything.
+    pub(super) unread_fds: usize,
+}
+
+impl Outbox {
+    pub(super) fn new() -> Outbox {
+        Outbox {
+            queue: VecDeque::new(),
+            state: OutState::Open,
+            sending: false,
+            bytes: 0,
+            fds: 0,
+            unread_fds: 0,
+        }
+    }
+}
+
+/// What one connection may hold.
+#[derive(Clone, Copy)]
+pub(super) struct ConnLimits {
+    /// Messages queued before the client is cut off as stuck.
+    pub(super) max_queued: usize,
+    /// Bytes queued before the client is cut off as stuck.
+    pub(super) max_queued_bytes: usize,
+    /// Descriptors in flight to the client.
+    pub(super) max_unread_fds: usize,
+    /// How long the client may leave a message (or its descriptors) unread.
+    pub(super) send_timeout: Duration,
+}
+
+pub(super) struct Conn {
+    pub(super) id: u64,
+    pub(super) stream: UnixStream,
+    pub(super) cred: Ucred,
+    pub(super) limits: ConnLimits,
+    pub(super) out: Mutex<Outbox>,
+    pub(super) out_ready: Condvar,
+}
+
+/// The request id a reply answers, for the error that replaces a reply
+/// too long to send.
+fn request_id(message: &Message) -> Option<u64> {
+    match message {
+        Message::Listing { id, .. }
+        | Message::Attached { id, .. }
+        | Message::Released { id }
+        | Message::RingAttached { id, .. }
+        | Message::RingSlot { id, .. }
+        | Message::Pong { id } => Some(*id),
+        Message::Error { id, .. } => *id,
+        _ => None,
+    }
+}
+
+impl Conn {
+    /// Sends a message: at once from the calling thread when nothing is
+    /// queued or being sent and the socket takes it without waiting (no
+    /// thread hop), else through the writer thread's queue. A client with
+    /// too many unread messages or bytes is disconnected. Returns whether
+    /// the message was sent or queued. A reply too long for the wire is
+    /// replaced by an error answering the same request.
+    // Callers build the message for this call; it is theirs no longer.
+    #[allow(clippy::needless_pass_by_value)]
+    pub(super) fn push(&self, message: Message, fds: Vec<OwnedFd>, _max_queued: usize) -> bool {
+        let encoded = {
+            let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+            encode_checked(&message, &borrowed)
+        };
+        let (bytes, fds) = match encoded {
+            Ok(bytes) => (bytes, fds),
+            Err(ChannelError::Wire(e)) => {
+                tracing::warn!(
+                    pid = self.cred.pid,
+                    error = %e,
+                    kind = message.type_name(),
+                    "a reply does not fit in a wire message; answering with an error"
+                );
+                let error = error_frame(
+                    request_id(&message),
+                    "reply_too_large",
+                    format!(
+                        "the {:?} answer does not fit in a wire message: {e}",
+                        message.type_name()
+                    ),
+                );
+                match encode_checked(&error, &[]) {
+                    Ok(bytes) => (bytes, Vec::new()),
+                    Err(e) => {
+                        self.send_failed(&e);
+                        return false;
+                    }
+                }
+            }
+            Err(e) => {
+                self.send_failed(&e);
+                return false;
+            }
+        };
+        let mut out = lock(&self.out);
+        if out.state != OutState::Open {
+            return false;
+        }
+        if out.queue.is_empty() && !out.sending && self.fd_room(&mut out, fds.len()) {
+            // Under the lock, so that no other message can start meanwhile.
+            let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+            match try_send_bytes(&self.stream, &bytes, &borrowed) {
+                Ok(0) => {}
+                Ok(sent) => {
+                    out.unread_fds += fds.len();
+                    if sent == bytes.len() {
+                        return true;
+                    }
+                    let rest = bytes[sent..].to_vec();
+                    out.bytes += rest.len();
+                    out.queue.push_back(Outgoing {
+                        bytes: rest,
+                        fds: Vec::new(),
+                    });
+                    drop(out);
+                    self.out_ready.notify_all();
+                    return true;
+                }
+                Err(e) => {
+                    drop(out);
+                    self.send_failed(&e);
+                    return false;
+                }
+            }
+        }
+        if out.queue.len() >= self.limits.max_queued
+            || out.bytes + bytes.len() > self.limits.max_queued_bytes
+        {
+            tracing::warn!(
+                pid = self.cred.pid,
+                uid = self.cred.uid,
+                queued = out.queue.len(),
+                bytes = out.bytes,
+                "disconnecting a client that does not read its socket"
+            );
+            out.queue.clear();
+            out.state = OutState::Closed;
+            drop(out);
+            self.out_ready.notify_all();
+            let _ = shutdown(&self.stream, Shutdown::Both);
+            return false;
+        }
+        out.bytes += bytes.len();
+        out.fds += fds.len();
+        out.queue.push_back(Outgoing { bytes, fds });
+        drop(out);
+        self.out_ready.notify_all();
+        true
+    }
+
+    /// Whether `count` more descriptors may go to the client now: within
+    /// the limit of descriptors in flight, or the client has received
+    /// everything sent so far (which resets the count).
+    fn fd_room(&self, out: &mut Outbox, count: usize) -> bool {
+        if count == 0 || out.unread_fds + count <= self.limits.max_unread_fds {
+            return true;
+        }
+        if unread_by_peer(&self.stream).is_ok_and(|n| n == 0) {
+            out.unread_fds = 0;
+            return true;
+        }
+        false
+    }
+
+    /// Logs a failed send (unless the client simply went away) and stops
+    /// the connection: a message may have been cut in half.
+    pub(super) fn send_failed(&self, e: &ChannelError) {
+        if !matches!(e, ChannelError::PeerGone) {
+            tracing::warn!(
+                pid = self.cred.pid,
+                uid = self.cred.uid,
+                error = %e,
+                "disconnecting a client that could not be sent a message"
+            );
+        }
+        self.abort();
+    }
+
+    /// Lets the writer send `last` (if any) and stop; drops queued messages.
+    pub(super) fn finish(&self, last: Option<Message>) {
+        let mut out = lock(&self.out);
+        out.queue.clear();
+        out.bytes = 0;
+        out.fds = 0;
+        if out.state == OutState::Open {
+            if let Some(bytes) = last.and_then(|m| encode_checked(&m, &[]).ok()) {
+                out.queue.push_back(Outgoing {
+                    bytes,
+                    fds: Vec::new(),
+                });
+            }
+            out.state = OutState::Draining;
+        }
+        drop(out);
+        self.out_ready.notify_all();
+    }
+
+    /// Waits until the client has room for the answer to another request:
+    /// fewer than `limit` messages and [`WINDOW_BYTES`] bytes queued, and
+    /// none of our duplicated descriptors waiting for it; or the connection
+    /// stops. (A client that never reads is cut off by the writer's send
+    /// timeout, which ends this wait.)
+    pub(super) fn wait_for_room(&self, limit: usize) {
+        let mut out = lock(&self.out);
+        while out.state == OutState::Open
+            && (out.queue.len() >= limit || out.bytes >= WINDOW_BYTES || out.fds > 0)
+        {
+            out = self
+                .out_ready
+                .wait(out)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    /// Stops the connection now: the writer stops, and the reader sees end
+    /// of file.
+    pub(super) fn abort(&self) {
+        let mut out = lock(&self.out);
+        out.queue.clear();
+        out.bytes = 0;
+        out.fds = 0;
+        out.state = OutState::Closed;
+        drop(out);
+        self.out_ready.notify_all();
+        let _ = shutdown(&self.stream, Shutdown::Both);
+    }
+
+    /// Waits (polling: the kernel signals no event for it) until the client
+    /// has received enough descriptors for `count` more to go, or `deadline`.
+    fn wait_fd_room(&self, count: usize, deadline: Instant) -> bool {
+        let mut pause = Duration::from_micros(200);
+        loop {
+            {
+                let mut out = lock(&self.out);
+                if out.state == OutState::Closed {
+                    return false;
+                }
+                if self.fd_room(&mut out, count) {
+                    return true;
+                }
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+    }
+
+    /// The writer thread's loop.
+    pub(super) fn write_loop(&self) {
+        let send_timeout = self.limits.send_timeout;
+        loop {
+            let (next, draining) = {
+                let mut out = lock(&self.out);
+                loop {
+                    if let Some(o) = out.queue.pop_front() {
+                        out.sending = true;
+                        break (o, out.state == OutState::Draining);
+                    }
+                    if out.state != OutState::Open {
+                        return;
+                    }
+                    out = self
+                        .out_ready
+                        .wait(out)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+            };
+            let timeout = if draining {
+                send_timeout.min(FINAL_SEND_TIMEOUT)
+            } else {
+                send_timeout
+            };
+            let deadline = Instant::now() + timeout;
+            let sent = if next.fds.is_empty() || self.wait_fd_room(next.fds.len(), deadline) {
+                let fds: Vec<BorrowedFd<'_>> = next.fds.iter().map(AsFd::as_fd).collect();
+                send_bytes(&self.stream, &next.bytes, &fds, Some(deadline))
+            } else {
+                Err(ChannelError::Timeout {
+                    what: "the client to receive the descriptors already sent to it".into(),
+                    after: timeout,
+                })
+            };
+            {
+                let mut out = lock(&self.out);
+                out.sending = false;
+                out.bytes = out.bytes.saturating_sub(next.bytes.len());
+                out.fds = out.fds.saturating_sub(next.fds.len());
+                if sent.is_ok() {
+                    out.unread_fds += next.fds.len();
+                }
+            }
+            // The reader may be waiting for room.
+            self.out_ready.notify_all();
+            if let Err(e) = sent {
+                self.send_failed(&e);
+                return;
+            }
+            // `next` drops here: our duplicates of the descriptors close; the
+            // client has its own.
+        }
+    }
+}

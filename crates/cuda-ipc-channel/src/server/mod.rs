@@ -1,0 +1,768 @@
+//! The producer's end: a Unix socket server that publishes named entries,
+//! hands out leases, pushes updates and runs rings.
+//!
+//! # Threads
+//! [`Server::bind`] starts one accept thread. Each admitted connection gets
+//! a reader thread, which answers requests, and a writer thread, the only
+//! one that writes to the socket: requests, [`Server::update`] and
+//! [`RingProducer::publish`] only queue frames for it, so a slow or stuck
+//! client never blocks the producer or other clients. A client that leaves
+//! more than [`ServerConfig::max_queued_frames`] frames unread, or does not
+//! read for [`ServerConfig::send_timeout`], is disconnected.
+//!
+//! # Leases
+//! A lease is held by a connection. When the connection ends for any reason
+//! (release, close, crash, `SIGKILL`, a malformed frame), all its leases and
+//! ring subscriptions end at once and waiters
+//! ([`Server::wait_released`], [`RingProducer::acquire`]) wake up.
+//!
+//! # File descriptors
+//! [`Server::publish`] and [`Server::create_ring`] take ownership of the
+//! descriptors. Every attach sends the client duplicates (`dup`), queued
+//! with the frame and closed once the frame is sent; the kernel gives the
+//! client its own descriptors for the same open files. The originals are
+//! closed when the entry is gone: unpublished and its last lease released,
+//! or the server shut down.
+
+use std::collections::BTreeSet;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rustix::event::{EventfdFlags, eventfd};
+use rustix::fs::Mode;
+use rustix::io::Errno;
+use rustix::net::{
+    AddressFamily, SocketAddrUnix, SocketFlags, SocketType, bind, listen, socket_with,
+};
+use serde_json::Value;
+
+use super::limits::{MAX_META_BYTES, MAX_RING_SLOTS, validate_entry_name};
+use super::socket::RecvLimits;
+use super::wire::{EntryKind, MAX_FDS, MAX_PAYLOAD, Message};
+use super::{ChannelError, lock, own_pid, own_uid};
+
+/// A listing page stops growing at about this many bytes.
+const LISTING_PAGE_BYTES: usize = 512 * 1024;
+
+/// How long a refused or turned-away peer gets to take its error frame.
+const REFUSE_SEND_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// The longest a closing connection may take to send its final error frame.
+const FINAL_SEND_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A connection's reader takes no new request while this many frames wait
+/// to be sent to it: a client that sends requests without reading the
+/// answers slows down instead of making the server queue (and hold the
+/// duplicated descriptors of) an unbounded number of answers.
+const RESPONSE_WINDOW: usize = 64;
+
+/// The backlog of the listening socket.
+const LISTEN_BACKLOG: i32 = 128;
+
+/// The longest path a Unix socket address holds (`sun_path` less its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// How a [`Server`] is set up.
+///
+/// Build it with [`ServerConfig::new`] (there is no `Default`: the socket
+/// path has none) and change what you need with the setters:
+/// `ServerConfig::new(path).with_allowed_uids([1000, 1001])`.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ServerConfig {
+    /// The socket path (see [`default_socket_path`](super::default_socket_path)).
+    pub path: PathBuf,
+    /// The user ids allowed to connect (`SO_PEERCRED`); default: only ours.
+    pub allowed_uids: Vec<u32>,
+    /// How long a new connection has to send its `hello`; default 5 s.
+    pub handshake_timeout: Duration,
+    /// How long a client may leave a frame unread before it is
+    /// disconnected; default 5 s.
+    pub send_timeout: Duration,
+    /// The most connections served at once; default 256.
+    pub max_connections: usize,
+    /// The most frames queued for one client before it is disconnected as
+    /// stuck; default 4096. Must exceed the slot count of every ring, since
+    /// a new subscriber is sent one frame per slot at once.
+    pub max_queued_frames: usize,
+    /// The most bytes of replies and notices queued for one client before
+    /// it is disconnected as stuck; default 16 MiB. (A client that does not
+    /// read stops being served new requests long before: its requests wait
+    /// while 64 KiB of answers wait for it.)
+    pub max_queued_bytes: usize,
+    /// The most descriptors sent to one client that it has not received
+    /// yet; default 32, at least [`MAX_FDS`]. Descriptors in flight count
+    /// against the sending user's open-file limit in the kernel, so this
+    /// is what keeps a client that does not read from exhausting it.
+    pub max_unread_fds: usize,
+    /// The most connections of one user id at once; default 128.
+    pub max_connections_per_uid: usize,
+    /// The most connections of one process at once; default 64.
+    pub max_connections_per_pid: usize,
+    /// A connection that holds no lease and sends nothing for this long is
+    /// closed; default 2 minutes.
+    pub idle_timeout: Duration,
+    /// The most leases (entry leases and ring subscriptions) one connection
+    /// may hold; default 1024.
+    pub max_leases_per_connection: usize,
+    /// The longest request payload accepted, in bytes; default 4 KiB (the
+    /// longest valid request, an attach with a 256-byte name, is about 300).
+    pub max_request_bytes: u32,
+}
+
+impl ServerConfig {
+    /// The default configuration for a socket at `path`.
+    pub fn new(path: impl Into<PathBuf>) -> ServerConfig {
+        ServerConfig {
+            path: path.into(),
+            allowed_uids: vec![own_uid()],
+            handshake_timeout: Duration::from_secs(5),
+            send_timeout: Duration::from_secs(5),
+            max_connections: 256,
+            max_queued_frames: 4096,
+            max_queued_bytes: 16 << 20,
+            max_unread_fds: 2 * MAX_FDS,
+            max_connections_per_uid: 128,
+            max_connections_per_pid: 64,
+            idle_timeout: Duration::from_secs(120),
+            max_leases_per_connection: 1024,
+            max_request_bytes: 4096,
+        }
+    }
+
+    /// Sets the most bytes queued for one client before it is disconnected.
+    #[must_use]
+    pub fn with_max_queued_bytes(mut self, n: usize) -> Self {
+        self.max_queued_bytes = n;
+        self
+    }
+
+    /// Sets the most descriptors in flight to one client (at least
+    /// [`MAX_FDS`] is used).
+    #[must_use]
+    pub fn with_max_unread_fds(mut self, n: usize) -> Self {
+        self.max_unread_fds = n;
+        self
+    }
+
+    /// Sets the most connections of one user id.
+    #[must_use]
+    pub fn with_max_connections_per_uid(mut self, n: usize) -> Self {
+        self.max_connections_per_uid = n;
+        self
+    }
+
+    /// Sets the most connections of one process.
+    #[must_use]
+    pub fn with_max_connections_per_pid(mut self, n: usize) -> Self {
+        self.max_connections_per_pid = n;
+        self
+    }
+
+    /// Sets how long a connection without leases may stay silent.
+    #[must_use]
+    pub fn with_idle_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_timeout = timeout;
+        self
+    }
+
+    /// Sets the most leases one connection may hold.
+    #[must_use]
+    pub fn with_max_leases_per_connection(mut self, n: usize) -> Self {
+        self.max_leases_per_connection = n;
+        self
+    }
+
+    /// Sets the longest request payload accepted (at most
+    /// [`MAX_PAYLOAD`](crate::MAX_PAYLOAD)).
+    #[must_use]
+    pub fn with_max_request_bytes(mut self, n: u32) -> Self {
+        self.max_request_bytes = n;
+        self
+    }
+
+    /// Sets the user ids allowed to connect (replacing the default, ours).
+    #[must_use]
+    pub fn with_allowed_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
+        self.allowed_uids = uids.into_iter().collect();
+        self
+    }
+
+    /// Sets how long a new connection has to send its `hello`.
+    #[must_use]
+    pub fn with_handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.handshake_timeout = timeout;
+        self
+    }
+
+    /// Sets how long a client may leave a reply unread before it is
+    /// disconnected.
+    #[must_use]
+    pub fn with_send_timeout(mut self, timeout: Duration) -> Self {
+        self.send_timeout = timeout;
+        self
+    }
+
+    /// Sets the most connections served at once.
+    #[must_use]
+    pub fn with_max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// Sets the most replies queued for one client before it is
+    /// disconnected as stuck.
+    #[must_use]
+    pub fn with_max_queued_frames(mut self, n: usize) -> Self {
+        self.max_queued_frames = n;
+        self
+    }
+}
+
+/// One lease, as [`Server::leases`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct LeaseInfo {
+    /// The lease id.
+    pub lease: u64,
+    /// The entry's or ring's name.
+    pub name: String,
+    /// Whether the lease is on a plain entry or a ring.
+    pub kind: EntryKind,
+    /// The holder's process id (`SO_PEERCRED`).
+    pub pid: u32,
+    /// The holder's user id (`SO_PEERCRED`).
+    pub uid: u32,
+}
+
+/// The size of a value's JSON, refused above [`MAX_META_BYTES`].
+fn json_size(value: &Value, what: &'static str) -> Result<usize, ChannelError> {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing a `Value` into a counter cannot fail.
+    let _ = serde_json::to_writer(&mut count, value);
+    if count.0 > MAX_META_BYTES {
+        return Err(ChannelError::arg(
+            what,
+            format!(
+                "its JSON is {} bytes, more than the limit of {MAX_META_BYTES}; put large data \
+                 in shared memory and describe it here",
+                count.0
+            ),
+        ));
+    }
+    Ok(count.0)
+}
+
+/// `n` copies of `value`: clones first, the value itself last.
+fn copies<T: Clone>(value: T, n: usize) -> impl Iterator<Item = T> {
+    let mut value = Some(value);
+    (0..n).filter_map(move |i| {
+        if i + 1 == n {
+            value.take()
+        } else {
+            value.clone()
+        }
+    })
+}
+
+fn check_fds(count: usize) -> Result<(), ChannelError> {
+    if count > MAX_FDS {
+        return Err(ChannelError::arg(
+            "file descriptors",
+            format!("an entry or slot carries at most {MAX_FDS} file descriptors, not {count}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The error frame for a request or a connection.
+fn error_frame(id: Option<u64>, code: &str, message: impl Into<String>) -> Message {
+    Message::Error {
+        id,
+        code: code.into(),
+        message: message.into(),
+        details: Value::Null,
+    }
+}
+
+mod accept;
+mod conn;
+mod ring;
+mod session;
+mod state;
+
+use accept::{accept_loop, remove_stale_socket};
+use conn::Conn;
+pub use ring::RingProducer;
+use state::{Body, Entry, Ring, Slot, SlotState, State};
+
+struct Shared {
+    path: PathBuf,
+    allowed_uids: Vec<u32>,
+    handshake_timeout: Duration,
+    send_timeout: Duration,
+    max_connections: usize,
+    max_queued: usize,
+    max_queued_bytes: usize,
+    max_unread_fds: usize,
+    max_per_uid: usize,
+    max_per_pid: usize,
+    idle_timeout: Duration,
+    max_leases: usize,
+    recv_limits: RecvLimits,
+    pid: u32,
+    state: Mutex<State>,
+    /// Signalled whenever a lease ends, a slot is acked, or an entry is
+    /// unpublished, and at shutdown.
+    changed: Condvar,
+    /// Wakes the accept thread at shutdown.
+    wake: OwnedFd,
+    /// The connection threads, joined at shutdown.
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// A channel server: the producer's end.
+///
+/// Bind it to a socket path, publish entries and rings, and drop it (or call
+/// [`shutdown`](Self::shutdown)) to stop serving: threads stop, connections
+/// close, the socket file is removed, and the descriptors of every entry are
+/// closed. `Server` is `Send` and `Sync`; share it with `Arc` to publish from
+/// several threads.
+///
+/// ```no_run
+/// use cuda_ipc_channel::{Server, ServerConfig};
+/// # fn main() -> Result<(), cuda_ipc_channel::ChannelError> {
+/// let path = cuda_ipc_channel::default_socket_path("demo")?;
+/// let server = Server::bind(ServerConfig::new(path))?;
+/// # let fd: std::os::fd::OwnedFd = todo!();
+/// server.publish("weights", serde_json::json!({"len": 4096}), vec![fd])?;
+/// server.wait_released("weights", None)?;
+/// # Ok(()) }
+/// ```
+pub struct Server {
+    shared: Arc<Shared>,
+    accept: Mutex<Option<JoinHandle<()>>>,
+    /// The device and inode of the socket file we bound, so that shutdown
+    /// removes our socket and never one that replaced it.
+    socket_id: (u64, u64),
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("path", &self.shared.path)
+            .field("allowed_uids", &self.shared.allowed_uids)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// Binds a server to `config.path` and starts serving.
+    ///
+    /// A socket file left at the path by a server that exited is removed
+    /// (nothing accepts connections on it); if a server is listening there
+    /// the result is [`ChannelError::Busy`]. Any other kind of file at the
+    /// path is left alone and refused. The socket file gets mode `0600`.
+    ///
+    /// # References
+    /// [bind(2)](https://man7.org/linux/man-pages/man2/bind.2.html),
+    /// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html).
+    pub fn bind(config: ServerConfig) -> Result<Server, ChannelError> {
+        let path = config.path.clone();
+        if config.allowed_uids.is_empty() {
+            return Err(ChannelError::arg(
+                "allowed_uids",
+                "the list is empty, so no client could connect; list at least one user id",
+            ));
+        }
+        if config.max_connections == 0 || config.max_queued_frames == 0 {
+            return Err(ChannelError::arg(
+                "server limits",
+                "max_connections and max_queued_frames must be at least 1",
+            ));
+        }
+        let len = path.as_os_str().len();
+        if len == 0 || len > MAX_SOCKET_PATH {
+            return Err(ChannelError::arg(
+                "socket path",
+                format!(
+                    "{} is {len} bytes long, but a Unix socket path must have 1 to \
+                     {MAX_SOCKET_PATH}; choose a shorter path",
+                    path.display()
+                ),
+            ));
+        }
+        let addr = SocketAddrUnix::new(&path).map_err(|e| {
+            ChannelError::io(format!("{} is not a valid socket path", path.display()), e)
+        })?;
+        remove_stale_socket(&path, &addr)?;
+
+        let listener = socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )
+        .map_err(|e| ChannelError::io("cannot create a Unix socket", e))?;
+        // Linux creates the socket file with the socket inode's mode less the
+        // umask: narrowing it first closes the window before the chmod below.
+        let _ = rustix::fs::fchmod(&listener, Mode::from_raw_mode(0o600));
+        match bind(&listener, &addr) {
+            Ok(()) => {}
+            Err(Errno::ADDRINUSE) => return Err(ChannelError::Busy { path }),
+            Err(e) => {
+                return Err(ChannelError::io(
+                    format!("cannot bind the channel socket {}", path.display()),
+                    e,
+                ));
+            }
+        }
+        // From here on the socket file is ours: remove it on failure.
+        let cleanup = |e: ChannelError| {
+            let _ = rustix::fs::unlink(&path);
+            e
+        };
+        rustix::fs::chmod(&path, Mode::from_raw_mode(0o600))
+            .map_err(|e| ChannelError::io(format!("cannot set the mode of {}", path.display()), e))
+            .map_err(cleanup)?;
+        let st = rustix::fs::lstat(&path)
+            .map_err(|e| ChannelError::io(format!("cannot inspect {}", path.display()), e))
+            .map_err(cleanup)?;
+        listen(&listener, LISTEN_BACKLOG)
+            .map_err(|e| ChannelError::io(format!("cannot listen on {}", path.display()), e))
+            .map_err(cleanup)?;
+        let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+            .map_err(|e| ChannelError::io("cannot create an eventfd", e))
+            .map_err(cleanup)?;
+
+        let shared = Arc::new(Shared {
+            path: path.clone(),
+            allowed_uids: config.allowed_uids,
+            handshake_timeout: config.handshake_timeout,
+            send_timeout: config.send_timeout,
+            max_connections: config.max_connections,
+            max_queued: config.max_queued_frames,
+            max_queued_bytes: config.max_queued_bytes,
+            max_unread_fds: config.max_unread_fds.max(MAX_FDS),
+            max_per_uid: config.max_connections_per_uid,
+            max_per_pid: config.max_connections_per_pid,
+            idle_timeout: config.idle_timeout,
+            max_leases: config.max_leases_per_connection,
+            recv_limits: RecvLimits {
+                max_payload: config.max_request_bytes.min(MAX_PAYLOAD),
+                strict_deadline: false,
+            },
+            pid: own_pid(),
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            wake,
+            threads: Mutex::new(Vec::new()),
+        });
+        let accept_shared = Arc::clone(&shared);
+        let accept = std::thread::Builder::new()
+            .name("cuda-ipc-accept".into())
+            .spawn(move || accept_loop(&accept_shared, &listener))
+            .map_err(|e| ChannelError::io("cannot start the accept thread", e))
+            .map_err(cleanup)?;
+        tracing::debug!(path = %path.display(), "channel server listening");
+        Ok(Server {
+            shared,
+            accept: Mutex::new(Some(accept)),
+            socket_id: (st.st_dev, st.st_ino),
+        })
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    /// Publishes an entry: `meta` (at most [`MAX_META_BYTES`] of JSON) and
+    /// up to [`MAX_FDS`] file descriptors, which the server now owns.
+    ///
+    /// Fails with [`ChannelError::AlreadyExists`] if the name is published;
+    /// a name that was unpublished may be published again at once, even
+    /// while leases on the old entry remain.
+    pub fn publish(&self, name: &str, meta: Value, fds: Vec<OwnedFd>) -> Result<(), ChannelError> {
+        validate_entry_name(name)?;
+        check_fds(fds.len())?;
+        let meta_bytes = json_size(&meta, "meta")?;
+        self.insert(name, meta, meta_bytes, Body::Plain { fds, generation: 0 })?;
+        Ok(())
+    }
+
+    /// Adds a published entry under `name`, unless the server shut down or
+    /// the name is taken, and returns its id.
+    fn insert(
+        &self,
+        name: &str,
+        meta: Value,
+        meta_bytes: usize,
+        body: Body,
+    ) -> Result<u64, ChannelError> {
+        let mut st = lock(&self.shared.state);
+        if st.closed {
+            return Err(ChannelError::ShutDown);
+        }
+        if st.names.contains_key(name) {
+            return Err(ChannelError::AlreadyExists { name: name.into() });
+        }
+        let id = st.new_id();
+        st.entries.insert(
+            id,
+            Entry {
+                name: name.into(),
+                meta,
+                meta_bytes,
+                published: true,
+                leases: BTreeSet::new(),
+                body,
+            },
+        );
+        st.names.insert(name.into(), id);
+        Ok(id)
+    }
+
+    /// Sends `notice` to every client holding a lease on `name`, as an
+    /// [`Update`](super::Update) with the entry's next generation (from 1),
+    /// which it returns. Never blocks on clients.
+    pub fn update(&self, name: &str, notice: Value) -> Result<u64, ChannelError> {
+        json_size(&notice, "notice")?;
+        let mut st = lock(&self.shared.state);
+        let st = &mut *st;
+        if st.closed {
+            return Err(ChannelError::ShutDown);
+        }
+        let id = *st
+            .names
+            .get(name)
+            .ok_or_else(|| ChannelError::NotFound { name: name.into() })?;
+        let Some(entry) = st.entries.get_mut(&id) else {
+            return Err(ChannelError::NotFound { name: name.into() });
+        };
+        let Body::Plain { generation, .. } = &mut entry.body else {
+            return Err(ChannelError::arg(
+                "entry",
+                format!("{name:?} is a ring; publish its frames with RingProducer::publish"),
+            ));
+        };
+        *generation += 1;
+        let generation = *generation;
+        let holders: Vec<(u64, &Arc<Conn>)> = entry
+            .leases
+            .iter()
+            .filter_map(|lease| Some((*lease, st.conns.get(&st.leases.get(lease)?.conn)?)))
+            .collect();
+        for ((lease, conn), notice) in holders.iter().zip(copies(notice, holders.len())) {
+            conn.push(
+                Message::Update {
+                    lease: *lease,
+                    name: name.into(),
+                    generation,
+                    notice,
+                },
+                Vec::new(),
+                self.shared.max_queued,
+            );
+        }
+        Ok(generation)
+    }
+
+    /// Unpublishes an entry or ring: no new attaches; every lease holder
+    /// gets an `unpublished` notice; the entry and its descriptors are
+    /// dropped when its last lease is released (at once if there is none).
+    pub fn unpublish(&self, name: &str) -> Result<(), ChannelError> {
+        let mut st = lock(&self.shared.state);
+        if st.closed {
+            return Err(ChannelError::ShutDown);
+        }
+        let id = *st
+            .names
+            .get(name)
+            .ok_or_else(|| ChannelError::NotFound { name: name.into() })?;
+        st.unpublish(id, self.shared.max_queued);
+        drop(st);
+        self.shared.changed.notify_all();
+        Ok(())
+    }
+
+    /// Blocks until no lease on an entry or ring called `name` remains,
+    /// published or not, or `timeout` passes ([`ChannelError::Timeout`];
+    /// `None` waits for ever). Returns at once if there is none.
+    pub fn wait_released(&self, name: &str, timeout: Option<Duration>) -> Result<(), ChannelError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = lock(&self.shared.state);
+        loop {
+            let n = st.lease_count(name);
+            if n == 0 {
+                return Ok(());
+            }
+            st = match deadline {
+                None => self
+                    .shared
+                    .changed
+                    .wait(st)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(ChannelError::Timeout {
+                            what: format!("the {n} lease(s) on {name:?} to be released"),
+                            after: timeout.unwrap_or_default(),
+                        });
+                    }
+                    self.shared
+                        .changed
+                        .wait_timeout(st, left)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .0
+                }
+            };
+        }
+    }
+
+    /// Every lease held now, in lease order.
+    pub fn leases(&self) -> Vec<LeaseInfo> {
+        let st = lock(&self.shared.state);
+        let mut out: Vec<LeaseInfo> = st
+            .leases
+            .iter()
+            .filter_map(|(id, l)| st.lease_info(*id, l))
+            .collect();
+        out.sort_by_key(|l| l.lease);
+        out
+    }
+
+    /// The number of leases on entries or rings called `name`, published or not.
+    pub fn lease_count(&self, name: &str) -> usize {
+        lock(&self.shared.state).lease_count(name)
+    }
+
+    /// The number of connected clients.
+    pub fn connection_count(&self) -> usize {
+        lock(&self.shared.state).conns.len()
+    }
+
+    /// Publishes a ring called `name` with one slot per element of `slots`
+    /// (1 to [`MAX_RING_SLOTS`]), each with its metadata and up to
+    /// [`MAX_FDS`] descriptors, and returns the producer's handle.
+    ///
+    /// Subscribers attach with [`Client::attach_ring`](super::Client::attach_ring)
+    /// and receive every slot's metadata and descriptors once; afterwards
+    /// only small [`RingFrame`](super::RingFrame) notices travel. Dropping
+    /// the [`RingProducer`] unpublishes the ring.
+    pub fn create_ring(
+        &self,
+        name: &str,
+        meta: Value,
+        slots: Vec<(Value, Vec<OwnedFd>)>,
+    ) -> Result<RingProducer, ChannelError> {
+        validate_entry_name(name)?;
+        let meta_bytes = json_size(&meta, "meta")?;
+        if slots.is_empty() || slots.len() > MAX_RING_SLOTS {
+            return Err(ChannelError::arg(
+                "slots",
+                format!(
+                    "a ring has 1 to {MAX_RING_SLOTS} slots, not {}",
+                    slots.len()
+                ),
+            ));
+        }
+        if slots.len() >= self.shared.max_queued {
+            return Err(ChannelError::arg(
+                "slots",
+                format!(
+                    "a subscriber is sent one frame per slot at once, and {} slots do not fit \
+                     in ServerConfig::max_queued_frames ({}); raise it or use fewer slots",
+                    slots.len(),
+                    self.shared.max_queued
+                ),
+            ));
+        }
+        for (meta, fds) in &slots {
+            json_size(meta, "slot meta")?;
+            check_fds(fds.len())?;
+        }
+        let count = slots.len();
+        let slots = slots
+            .into_iter()
+            .map(|(meta, fds)| Slot {
+                meta,
+                fds,
+                state: SlotState::Free,
+                seq: 0,
+                pending: BTreeSet::new(),
+            })
+            .collect();
+        let id = self.insert(
+            name,
+            meta,
+            meta_bytes,
+            Body::Ring(Ring {
+                slots,
+                next: 0,
+                seq: 0,
+            }),
+        )?;
+        Ok(RingProducer {
+            shared: Arc::clone(&self.shared),
+            entry: id,
+            name: name.into(),
+            slots: count,
+        })
+    }
+
+    /// Stops serving: stops the threads, closes every connection (clients
+    /// see [`ChannelError::PeerGone`]), closes every entry's descriptors and
+    /// removes the socket file. Idempotent; `Drop` calls it.
+    pub fn shutdown(&self) {
+        let Some(accept) = lock(&self.accept).take() else {
+            return;
+        };
+        lock(&self.shared.state).closed = true;
+        let _ = rustix::io::write(&self.shared.wake, &1u64.to_ne_bytes());
+        let _ = accept.join();
+        let conns: Vec<Arc<Conn>> = lock(&self.shared.state).conns.values().cloned().collect();
+        for conn in conns {
+            conn.abort();
+        }
+        let threads = std::mem::take(&mut *lock(&self.shared.threads));
+        for t in threads {
+            let _ = t.join();
+        }
+        {
+            let mut st = lock(&self.shared.state);
+            st.names.clear();
+            st.leases.clear();
+            st.conns.clear();
+            st.entries.clear();
+        }
+        self.shared.changed.notify_all();
+        // Remove the socket file only if it is still the one we bound.
+        if let Ok(st) = rustix::fs::lstat(&self.shared.path)
+            && (st.st_dev, st.st_ino) == self.socket_id
+        {
+            let _ = rustix::fs::unlink(&self.shared.path);
+        }
+        tracing::debug!(path = %self.shared.path.display(), "channel server shut down");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,237 @@
+//! The producer's side of a ring.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::wire::Message;
+use crate::{ChannelError, lock};
+
+use super::conn::Conn;
+use super::state::{Body, Entry, Ring, SlotState, State};
+use super::{LeaseInfo, Shared, copies, json_size};
+
+/// The producer's handle on a ring (see [`Server::create_ring`](crate::Server::create_ring)).
+///
+/// The cycle: [`acquire`](Self::acquire) a slot (blocks while it is in use),
+/// fill what the slot's descriptors refer to, then
+/// [`publish`](Self::publish) it with a notice; every subscriber gets a
+/// [`RingFrame`](crate::RingFrame) and acks it when done. Slots are handed
+/// out in order `0, 1, …, n-1, 0, …`. Dropping the handle unpublishes the
+/// ring.
+pub struct RingProducer {
+    pub(super) shared: Arc<Shared>,
+    pub(super) entry: u64,
+    pub(super) name: String,
+    pub(super) slots: usize,
+}
+
+impl std::fmt::Debug for RingProducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingProducer")
+            .field("name", &self.name)
+            .field("slots", &self.slots)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RingProducer {
+    /// The ring's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The number of slots.
+    pub fn slot_count(&self) -> u32 {
+        self.slots as u32
+    }
+
+    /// Runs `f` on the ring, if it is still published.
+    fn with_ring<T>(
+        &self,
+        st: &mut State,
+        f: impl FnOnce(&mut Ring, &BTreeSet<u64>) -> T,
+    ) -> Result<T, ChannelError> {
+        if st.closed {
+            return Err(ChannelError::ShutDown);
+        }
+        match st.entries.get_mut(&self.entry) {
+            Some(Entry {
+                published: true,
+                body: Body::Ring(ring),
+                leases,
+                ..
+            }) => Ok(f(ring, leases)),
+            _ => Err(ChannelError::NotFound {
+                name: self.name.clone(),
+            }),
+        }
+    }
+
+    /// Waits until the next slot in order is free (every subscriber that was
+    /// sent its last frame acked it or went away), marks it acquired and
+    /// returns its index. `None` waits for ever; a timeout gives
+    /// [`ChannelError::Timeout`].
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<u32, ChannelError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = lock(&self.shared.state);
+        loop {
+            let got = self.with_ring(&mut st, |ring, _| {
+                let i = ring.next;
+                let slot = &mut ring.slots[i];
+                if slot.state == SlotState::Free {
+                    slot.state = SlotState::Acquired;
+                    ring.next = (i + 1) % ring.slots.len();
+                    Ok(i)
+                } else {
+                    Err(i)
+                }
+            })?;
+            let waiting_for = match got {
+                Ok(i) => return Ok(i as u32),
+                Err(i) => i,
+            };
+            st = match deadline {
+                None => self
+                    .shared
+                    .changed
+                    .wait(st)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(ChannelError::Timeout {
+                            what: format!(
+                                "slot {waiting_for} of ring {:?} to be acknowledged by every \
+                                 subscriber",
+                                self.name
+                            ),
+                            after: timeout.unwrap_or_default(),
+                        });
+                    }
+                    self.shared
+                        .changed
+                        .wait_timeout(st, left)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .0
+                }
+            };
+        }
+    }
+
+    /// Publishes an acquired slot: sends a frame with the next sequence
+    /// number (from 1), which it returns, and `notice` to every current
+    /// subscriber. The slot is free again once they all ack it (at once if
+    /// there are none). Never blocks on subscribers.
+    pub fn publish(&self, slot: u32, notice: Value) -> Result<u64, ChannelError> {
+        json_size(&notice, "notice")?;
+        let max_queued = self.shared.max_queued;
+        let mut guard = lock(&self.shared.state);
+        let st = &mut *guard;
+        let (conns, leases) = (&st.conns, &st.leases);
+        let closed = st.closed;
+        if closed {
+            return Err(ChannelError::ShutDown);
+        }
+        let Some(Entry {
+            published: true,
+            body: Body::Ring(ring),
+            leases: subscribers,
+            ..
+        }) = st.entries.get_mut(&self.entry)
+        else {
+            return Err(ChannelError::NotFound {
+                name: self.name.clone(),
+            });
+        };
+        let count = ring.slots.len();
+        let Some(s) = ring
+            .slots
+            .get_mut(slot as usize)
+            .filter(|s| s.state == SlotState::Acquired)
+        else {
+            return Err(ChannelError::arg(
+                "slot",
+                format!(
+                    "slot {slot} of ring {:?} (of {count}) is not acquired; publish only a slot \
+                     that acquire() returned, once",
+                    self.name
+                ),
+            ));
+        };
+        ring.seq += 1;
+        let seq = ring.seq;
+        s.seq = seq;
+        s.pending.clear();
+        let targets: Vec<(u64, &Arc<Conn>)> = subscribers
+            .iter()
+            .filter_map(|lease| Some((*lease, conns.get(&leases.get(lease)?.conn)?)))
+            .collect();
+        for ((lease, conn), notice) in targets.iter().zip(copies(notice, targets.len())) {
+            let sent = conn.push(
+                Message::RingFrame {
+                    lease: *lease,
+                    slot,
+                    seq,
+                    notice,
+                },
+                Vec::new(),
+                max_queued,
+            );
+            if sent {
+                s.pending.insert(*lease);
+            }
+        }
+        s.state = if s.pending.is_empty() {
+            SlotState::Free
+        } else {
+            SlotState::InFlight
+        };
+        Ok(seq)
+    }
+
+    /// Gives back an acquired slot without publishing it; [`acquire`](Self::acquire)
+    /// hands it out again when its turn in the cycle comes.
+    pub fn cancel(&self, slot: u32) -> Result<(), ChannelError> {
+        let mut st = lock(&self.shared.state);
+        let done = self.with_ring(&mut st, |ring, _| match ring.slots.get_mut(slot as usize) {
+            Some(s) if s.state == SlotState::Acquired => {
+                s.state = SlotState::Free;
+                true
+            }
+            _ => false,
+        })?;
+        drop(st);
+        if !done {
+            return Err(ChannelError::arg(
+                "slot",
+                format!("slot {slot} of ring {:?} is not acquired", self.name),
+            ));
+        }
+        self.shared.changed.notify_all();
+        Ok(())
+    }
+
+    /// The current subscribers, in lease order.
+    pub fn subscribers(&self) -> Vec<LeaseInfo> {
+        let st = lock(&self.shared.state);
+        let Some(e) = st.entries.get(&self.entry) else {
+            return Vec::new();
+        };
+        e.leases
+            .iter()
+            .filter_map(|id| st.lease_info(*id, st.leases.get(id)?))
+            .collect()
+    }
+}
+
+impl Drop for RingProducer {
+    fn drop(&mut self) {
+        let mut st = lock(&self.shared.state);
+        st.unpublish(self.entry, self.shared.max_queued);
+        drop(st);
+        self.shared.changed.notify_all();
+    }
+}

@@ -1,0 +1,500 @@
+//! One connection's session: the handshake and the request handlers.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rustix::net::{Shutdown, shutdown};
+
+use crate::socket::recv_message;
+use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
+use crate::{ChannelError, lock};
+
+use super::conn::Conn;
+use super::state::{Body, Lease, SlotState};
+use super::{LISTING_PAGE_BYTES, RESPONSE_WINDOW, Shared, error_frame};
+use crate::limits::{MAX_ENTRY_NAME_LEN, validate_entry_name};
+
+/// A connection's reader thread: runs the session, then cleans up.
+pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
+    let writer_conn = Arc::clone(conn);
+    let writer = match std::thread::Builder::new()
+        .name(format!("cuda-ipc-send-{}", conn.id))
+        .spawn(move || writer_conn.write_loop())
+    {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot start a writer thread; dropping the client");
+            shared.disconnect(conn.id);
+            conn.abort();
+            return;
+        }
+    };
+    let last = session(shared, conn).err();
+    // Leases end before the final frame goes out, so that a producer waiting
+    // in wait_released is not held up by a client that will not read.
+    shared.disconnect(conn.id);
+    conn.finish(last);
+    let _ = writer.join();
+    let _ = shutdown(&conn.stream, Shutdown::Both);
+    tracing::debug!(pid = conn.cred.pid, "channel client disconnected");
+}
+
+/// Serves one connection until it ends. `Err` carries the error frame to
+/// send before closing.
+pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
+    let deadline = Instant::now() + shared.handshake_timeout;
+    match recv_message(&conn.stream, Some(deadline), shared.recv_limits) {
+        Ok((Message::Hello { protocol, .. }, fds)) if fds.is_empty() => {
+            if protocol != PROTOCOL_VERSION {
+                return Err(error_frame(
+                    None,
+                    "unsupported_protocol",
+                    format!(
+                        "the client speaks protocol {protocol}, this server speaks \
+                         {PROTOCOL_VERSION}; use the same cuda-ipc version on both sides"
+                    ),
+                ));
+            }
+            conn.push(
+                Message::Welcome {
+                    protocol: PROTOCOL_VERSION,
+                    pid: shared.pid,
+                },
+                Vec::new(),
+                shared.max_queued,
+            );
+        }
+        Ok((message, fds)) => {
+            return Err(fatal(
+                conn,
+                &ChannelError::protocol(if fds.is_empty() {
+                    format!(
+                        "expected a \"hello\" message first, got {:?}",
+                        message.type_name()
+                    )
+                } else {
+                    "clients must not send file descriptors".into()
+                }),
+            ));
+        }
+        Err(e) => return end_of_session(conn, &e),
+    }
+    loop {
+        conn.wait_for_room(RESPONSE_WINDOW);
+        // A connection that holds nothing may stay silent only so long.
+        let idle = lock(&shared.state).leases_of(conn.id) == 0;
+        let deadline = idle.then(|| Instant::now() + shared.idle_timeout);
+        match recv_message(&conn.stream, deadline, shared.recv_limits) {
+            Ok((message, fds)) => {
+                if !fds.is_empty() {
+                    return Err(fatal(
+                        conn,
+                        &ChannelError::protocol(format!(
+                            "a {:?} message came with {} file descriptors; clients must not \
+                             send file descriptors",
+                            message.type_name(),
+                            fds.len()
+                        )),
+                    ));
+                }
+                shared.handle(conn, message)?;
+            }
+            Err(ChannelError::Timeout { .. }) if idle => {
+                tracing::debug!(pid = conn.cred.pid, "closing an idle channel connection");
+                return Err(error_frame(
+                    None,
+                    "idle",
+                    format!(
+                        "closing this connection: it held no lease and sent nothing for {:?} \
+                         (ServerConfig::idle_timeout); reconnect when needed",
+                        shared.idle_timeout
+                    ),
+                ));
+            }
+            Err(e) => return end_of_session(conn, &e),
+        }
+    }
+}
+
+/// Classifies a receive error: a quiet end, or an error frame to send.
+pub(super) fn end_of_session(conn: &Conn, e: &ChannelError) -> Result<(), Message> {
+    match e {
+        ChannelError::PeerGone => Ok(()),
+        ChannelError::Io { .. } => {
+            tracing::warn!(pid = conn.cred.pid, error = %e, "channel connection failed");
+            Ok(())
+        }
+        ChannelError::Timeout { after, .. } => Err(fatal(
+            conn,
+            &ChannelError::protocol(format!(
+                "no \"hello\" message within {after:?} of connecting"
+            )),
+        )),
+        e => Err(fatal(conn, e)),
+    }
+}
+
+/// Logs a client's protocol error and builds the error frame for it.
+pub(super) fn fatal(conn: &Conn, e: &ChannelError) -> Message {
+    tracing::warn!(
+        pid = conn.cred.pid,
+        uid = conn.cred.uid,
+        error = %e,
+        "closing a channel connection that broke the protocol"
+    );
+    let code = match e {
+        ChannelError::Wire(_) => "malformed_frame",
+        _ => "protocol",
+    };
+    error_frame(None, code, e.to_string())
+}
+
+impl Shared {
+    /// Ends a connection's leases and forgets it.
+    pub(super) fn disconnect(&self, conn: u64) {
+        let mut st = lock(&self.state);
+        st.conns.remove(&conn);
+        let leases = st.by_conn.remove(&conn).unwrap_or_default();
+        for lease in leases {
+            st.end_lease(lease);
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// Answers one request. `Err` ends the connection with that frame.
+    pub(super) fn handle(&self, conn: &Conn, message: Message) -> Result<(), Message> {
+        let reply = |m: Message| {
+            conn.push(m, Vec::new(), self.max_queued);
+        };
+        match message {
+            Message::Ping { id } => reply(Message::Pong { id }),
+            Message::Attach { id, name } | Message::AttachRing { id, name }
+                if validate_entry_name(&name).is_err() =>
+            {
+                reply(invalid_name(id, &name));
+            }
+            Message::List {
+                id,
+                after: Some(after),
+            } if after.len() > MAX_ENTRY_NAME_LEN => reply(invalid_name(id, &after)),
+            Message::List { id, after } => reply(self.listing(id, after.as_deref())),
+            Message::Attach { id, name } => self.attach(conn, id, &name),
+            Message::AttachRing { id, name } => self.attach_ring(conn, id, &name),
+            Message::Release { id, lease } => {
+                let mut st = lock(&self.state);
+                if st.leases.get(&lease).is_some_and(|l| l.conn == conn.id) {
+                    st.end_lease(lease);
+                    drop(st);
+                    self.changed.notify_all();
+                    reply(Message::Released { id });
+                } else {
+                    drop(st);
+                    reply(error_frame(
+                        Some(id),
+                        "invalid_lease",
+                        format!("this connection holds no lease {lease}"),
+                    ));
+                }
+            }
+            Message::Ack { lease, slot, seq } => self.ack(conn, lease, slot, seq)?,
+            Message::Hello { .. } => {
+                return Err(fatal(
+                    conn,
+                    &ChannelError::protocol("a second \"hello\" on the same connection"),
+                ));
+            }
+            other => {
+                return Err(fatal(
+                    conn,
+                    &ChannelError::protocol(format!(
+                        "{:?} is a server message; a client must not send it",
+                        other.type_name()
+                    )),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn listing(&self, id: u64, after: Option<&str>) -> Message {
+        use std::ops::Bound;
+        let st = lock(&self.state);
+        let lower = after.map_or(Bound::Unbounded, Bound::Excluded);
+        let mut entries = Vec::new();
+        let mut size = 0usize;
+        let mut next = None;
+        for (name, eid) in st.names.range::<str, _>((lower, Bound::Unbounded)) {
+            let Some(e) = st.entries.get(eid) else {
+                continue;
+            };
+            // JSON escaping at most sextuples a name.
+            let cost = e.meta_bytes + 6 * name.len() + 64;
+            if !entries.is_empty() && size + cost > LISTING_PAGE_BYTES {
+                next = entries.last().map(|l: &ListedEntry| l.name.clone());
+                break;
+            }
+            size += cost;
+            entries.push(ListedEntry {
+                name: name.clone(),
+                kind: e.kind(),
+                meta: e.meta.clone(),
+            });
+        }
+        Message::Listing { id, entries, next }
+    }
+
+    pub(super) fn attach(&self, conn: &Conn, id: u64, name: &str) {
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        if st.leases_of(conn.id) >= self.max_leases {
+            conn.push(
+                error_frame(
+                    Some(id),
+                    "too_many_leases",
+                    format!(
+                        "this connection already holds {} leases, the server's limit; release \
+                         leases you no longer use (ServerConfig::max_leases_per_connection)",
+                        self.max_leases
+                    ),
+                ),
+                Vec::new(),
+                self.max_queued,
+            );
+            return;
+        }
+        let Some(&eid) = st.names.get(name) else {
+            reply_not_found(conn, id, name, self.max_queued);
+            return;
+        };
+        let Some(entry) = st.entries.get_mut(&eid) else {
+            reply_not_found(conn, id, name, self.max_queued);
+            return;
+        };
+        let Body::Plain { fds, .. } = &entry.body else {
+            conn.push(
+                error_frame(
+                    Some(id),
+                    "wrong_kind",
+                    format!("{name:?} is a ring; subscribe to it with attach_ring"),
+                ),
+                Vec::new(),
+                self.max_queued,
+            );
+            return;
+        };
+        let copies = match dup_all(fds) {
+            Ok(c) => c,
+            Err(e) => {
+                conn.push(
+                    error_frame(Some(id), "io", e.to_string()),
+                    Vec::new(),
+                    self.max_queued,
+                );
+                return;
+            }
+        };
+        let lease = {
+            st.last_id += 1;
+            st.last_id
+        };
+        entry.leases.insert(lease);
+        let meta = entry.meta.clone();
+        st.by_conn.entry(conn.id).or_default().insert(lease);
+        st.leases.insert(
+            lease,
+            Lease {
+                entry: eid,
+                conn: conn.id,
+                pid: conn.cred.pid,
+                uid: conn.cred.uid,
+            },
+        );
+        // Sent or queued under the state lock, so that no update for this lease can
+        // overtake the answer.
+        conn.push(
+            Message::Attached {
+                id,
+                lease,
+                meta,
+                fds: copies.len() as u16,
+            },
+            copies,
+            self.max_queued,
+        );
+    }
+
+    pub(super) fn attach_ring(&self, conn: &Conn, id: u64, name: &str) {
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        if st.leases_of(conn.id) >= self.max_leases {
+            conn.push(
+                error_frame(
+                    Some(id),
+                    "too_many_leases",
+                    format!(
+                        "this connection already holds {} leases, the server's limit; release \
+                         leases you no longer use (ServerConfig::max_leases_per_connection)",
+                        self.max_leases
+                    ),
+                ),
+                Vec::new(),
+                self.max_queued,
+            );
+            return;
+        }
+        let Some(&eid) = st.names.get(name) else {
+            reply_not_found(conn, id, name, self.max_queued);
+            return;
+        };
+        let Some(entry) = st.entries.get_mut(&eid) else {
+            reply_not_found(conn, id, name, self.max_queued);
+            return;
+        };
+        let Body::Ring(ring) = &entry.body else {
+            conn.push(
+                error_frame(
+                    Some(id),
+                    "wrong_kind",
+                    format!("{name:?} is a plain entry; attach to it with attach"),
+                ),
+                Vec::new(),
+                self.max_queued,
+            );
+            return;
+        };
+        let mut slots = Vec::with_capacity(ring.slots.len());
+        for slot in &ring.slots {
+            match dup_all(&slot.fds) {
+                Ok(c) => slots.push((slot.meta.clone(), c)),
+                Err(e) => {
+                    conn.push(
+                        error_frame(Some(id), "io", e.to_string()),
+                        Vec::new(),
+                        self.max_queued,
+                    );
+                    return;
+                }
+            }
+        }
+        let lease = {
+            st.last_id += 1;
+            st.last_id
+        };
+        entry.leases.insert(lease);
+        st.by_conn.entry(conn.id).or_default().insert(lease);
+        st.leases.insert(
+            lease,
+            Lease {
+                entry: eid,
+                conn: conn.id,
+                pid: conn.cred.pid,
+                uid: conn.cred.uid,
+            },
+        );
+        conn.push(
+            Message::RingAttached {
+                id,
+                lease,
+                slots: slots.len() as u32,
+                meta: entry.meta.clone(),
+            },
+            Vec::new(),
+            self.max_queued,
+        );
+        for (i, (meta, fds)) in slots.into_iter().enumerate() {
+            conn.push(
+                Message::RingSlot {
+                    id,
+                    lease,
+                    slot: i as u32,
+                    meta,
+                    fds: fds.len() as u16,
+                },
+                fds,
+                self.max_queued,
+            );
+        }
+    }
+
+    pub(super) fn ack(&self, conn: &Conn, lease: u64, slot: u32, seq: u64) -> Result<(), Message> {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        // An ack racing with the client's own release of the lease is harmless.
+        let Some(l) = st.leases.get(&lease).filter(|l| l.conn == conn.id) else {
+            tracing::debug!(
+                lease,
+                "ignoring an ack for a lease this connection does not hold"
+            );
+            return Ok(());
+        };
+        let Some(Body::Ring(ring)) = st.entries.get_mut(&l.entry).map(|e| &mut e.body) else {
+            return Err(fatal(
+                conn,
+                &ChannelError::protocol(format!("lease {lease} is not a ring lease")),
+            ));
+        };
+        let count = ring.slots.len();
+        let Some(s) = ring.slots.get_mut(slot as usize) else {
+            return Err(fatal(
+                conn,
+                &ChannelError::protocol(format!(
+                    "ack for slot {slot}, but the ring has {count} slots"
+                )),
+            ));
+        };
+        if s.seq == seq && s.pending.remove(&lease) {
+            if s.pending.is_empty() && s.state == SlotState::InFlight {
+                s.state = SlotState::Free;
+            }
+            drop(guard);
+            self.changed.notify_all();
+        }
+        Ok(())
+    }
+}
+
+/// A name as an error message shows it: at most 64 characters, then how
+/// long it really was, so that an answer never grows with the request.
+pub(super) fn shown(name: &str) -> String {
+    const SHOWN: usize = 64;
+    match name.char_indices().nth(SHOWN) {
+        None => format!("{name:?}"),
+        Some((cut, _)) => format!("{:?}... ({} bytes)", &name[..cut], name.len()),
+    }
+}
+
+/// The answer to a request that names no valid entry.
+pub(super) fn invalid_name(id: u64, name: &str) -> Message {
+    let why = match validate_entry_name(name) {
+        Err(ChannelError::InvalidName { reason, .. }) => reason,
+        _ => format!("a name has at most {MAX_ENTRY_NAME_LEN} bytes"),
+    };
+    error_frame(
+        Some(id),
+        "invalid_name",
+        format!("invalid name {}: {why}", shown(name)),
+    )
+}
+
+pub(super) fn reply_not_found(conn: &Conn, id: u64, name: &str, max_queued: usize) {
+    conn.push(
+        error_frame(
+            Some(id),
+            "not_found",
+            format!("no entry named {} is published", shown(name)),
+        ),
+        Vec::new(),
+        max_queued,
+    );
+}
+
+pub(super) fn dup_all(fds: &[OwnedFd]) -> Result<Vec<OwnedFd>, ChannelError> {
+    fds.iter()
+        .map(|fd| {
+            fd.try_clone()
+                .map_err(|e| ChannelError::io("cannot duplicate an entry's file descriptor", e))
+        })
+        .collect()
+}

@@ -1,0 +1,356 @@
+//! Hostile peers: each way a client or a server could pin the other's
+//! memory, descriptors or time, and the bound that stops it.
+
+use std::os::unix::net::UnixListener;
+
+use super::*;
+
+/// An Attached answer for one 2-descriptor entry, as the wire carries it.
+fn attached_len() -> usize {
+    HEADER_LEN
+        + Message::Attached {
+            id: 100,
+            lease: 100,
+            meta: json!({"len": 4}),
+            fds: 2,
+        }
+        .encode()
+        .len()
+}
+
+/// A client that sends attaches and reads nothing gets only a few
+/// descriptors in flight: the rest wait for it to read, so it cannot push
+/// its user past the kernel's limit on descriptors in flight, nor make the
+/// server hold hundreds of duplicates.
+#[test]
+fn a_client_that_never_reads_pins_few_descriptors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "pin");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    server
+        .publish(
+            "e",
+            json!({"len": 4}),
+            vec![memfd_with(b"abcd"), memfd_with(b"efgh")],
+        )
+        .unwrap();
+    let raw = raw_connect(&path, true);
+    let flood = {
+        let raw = raw.try_clone().unwrap();
+        std::thread::spawn(move || {
+            for id in 0..400 {
+                let attach = Message::Attach {
+                    id,
+                    name: "e".into(),
+                };
+                // The server stops reading; the sends then fail on the
+                // deadline, which is fine.
+                let deadline = Instant::now() + Duration::from_secs(2);
+                if send_message(&raw, &attach, &[], Some(deadline)).is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let unread = rustix::io::ioctl_fionread(&raw).unwrap() as usize;
+    let replies = unread.div_ceil(attached_len());
+    assert!(
+        2 * replies <= ServerConfig::new(&path).max_unread_fds + 2,
+        "{replies} answers with 2 descriptors each wait unread for a client that does not read"
+    );
+    // Everyone else is served meanwhile.
+    let steady = quick_client(&path);
+    let a = steady.attach("e").unwrap();
+    assert_eq!(read_fd(&a.fds[0], 4), b"abcd");
+    drop(raw);
+    flood.join().unwrap();
+}
+
+/// A request larger than the request limit is refused before its payload
+/// is read; a name that is not valid is answered with an error whose echo
+/// is truncated, never with a reply the size of the request.
+#[test]
+fn requests_are_capped_and_names_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "cap");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    let deadline = || Some(Instant::now() + Duration::from_secs(5));
+
+    // 1 MiB of name: the header alone gets it refused.
+    let s = raw_connect(&path, true);
+    let huge = Message::Attach {
+        id: 1,
+        name: "n".repeat(MAX_PAYLOAD as usize - 100),
+    };
+    let _ = send_message(&s, &huge, &[], deadline());
+    match recv_message(&s, deadline()) {
+        Ok((
+            Message::Error {
+                id: None, message, ..
+            },
+            _,
+        )) => {
+            assert!(message.contains("exceeds the limit of 4096"), "{message}");
+        }
+        other => panic!("expected a connection error, got {other:?}"),
+    }
+
+    // Names that are not valid: answered, the echo bounded.
+    let s = raw_connect(&path, true);
+    for (id, name) in [
+        (2, "x".repeat(3000)),
+        (3, "bad\nname".to_owned()),
+        (4, String::new()),
+    ] {
+        send_message(&s, &Message::Attach { id, name }, &[], deadline()).unwrap();
+        match recv_message(&s, deadline()).unwrap().0 {
+            Message::Error {
+                id: Some(got),
+                code,
+                message,
+                ..
+            } => {
+                assert_eq!((got, code.as_str()), (id, "invalid_name"));
+                assert!(message.len() < 400, "an echo of {} bytes", message.len());
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let not_found = Message::AttachRing {
+        id: 5,
+        name: "y".repeat(256),
+    };
+    send_message(&s, &not_found, &[], deadline()).unwrap();
+    match recv_message(&s, deadline()).unwrap().0 {
+        Message::Error { code, message, .. } => {
+            assert_eq!(code, "not_found");
+            assert!(message.len() < 200, "an echo of {} bytes", message.len());
+        }
+        other => panic!("{other:?}"),
+    }
+    drop(server);
+}
+
+/// A reply too long for the wire is an error answering the request, not
+/// a silent close. (A name of 270,000 quotes, 540 KB of request to a server
+/// that takes requests up to the wire's limit, once came back as a
+/// not-found echo of over 1 MiB, and the connection was cut.)
+#[test]
+fn an_over_long_answer_is_an_error_frame() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "long");
+    let _server =
+        Server::bind(ServerConfig::new(&path).with_max_request_bytes(MAX_PAYLOAD)).unwrap();
+    let s = raw_connect(&path, true);
+    let deadline = || Some(Instant::now() + Duration::from_secs(5));
+    let attach = Message::Attach {
+        id: 7,
+        name: "\"".repeat(270_000),
+    };
+    send_message(&s, &attach, &[], deadline()).unwrap();
+    match recv_message(&s, deadline()) {
+        Ok((Message::Error { id: Some(7), .. }, _)) => {}
+        other => panic!("expected an error answering request 7, got {other:?}"),
+    }
+    send_message(&s, &Message::Ping { id: 8 }, &[], deadline()).unwrap();
+    assert_eq!(
+        recv_message(&s, deadline()).unwrap().0,
+        Message::Pong { id: 8 }
+    );
+}
+
+/// A fake server: accepts one client, answers its hello, then runs `then`.
+fn fake_server(
+    path: &Path,
+    then: impl FnOnce(UnixStream) + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    let listener = UnixListener::bind(path).unwrap();
+    std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        let deadline = Some(Instant::now() + Duration::from_secs(5));
+        let (hello, _) = recv_message(&s, deadline).unwrap();
+        assert!(matches!(hello, Message::Hello { .. }), "{hello:?}");
+        let welcome = Message::Welcome {
+            protocol: 1,
+            pid: std::process::id(),
+        };
+        send_message(&s, &welcome, &[], deadline).unwrap();
+        then(s);
+    })
+}
+
+/// Runs `f` on another thread and fails if it takes longer than `limit`.
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("still blocked after {limit:?}"))
+}
+
+/// A server that trickles a message one byte at a time cannot hold a call
+/// past its deadline.
+#[test]
+fn a_trickling_server_cannot_hold_a_call_past_its_deadline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "trickle");
+    let server = fake_server(&path, |s| {
+        let update = encode(
+            &Message::Update {
+                lease: 1,
+                name: "e".into(),
+                generation: 1,
+                notice: json!(null),
+            },
+            0,
+        );
+        for b in update.iter().cycle().take(60) {
+            if send_bytes(&s, &[*b], &[], None).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let client = Client::connect(
+        &path,
+        ClientConfig::default().with_timeout(Duration::from_millis(500)),
+    )
+    .unwrap();
+    let started = Instant::now();
+    let r = within(Duration::from_secs(3), move || client.ping());
+    assert!(r.is_err(), "{r:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "ping with a 500 ms timeout took {:?}",
+        started.elapsed()
+    );
+    server.join().unwrap();
+}
+
+/// A server that never answers but keeps sending notices cannot hold a
+/// call past its deadline either.
+#[test]
+fn a_chattering_server_cannot_hold_a_call_past_its_deadline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "chatter");
+    let _server = fake_server(&path, |s| {
+        for generation in 1..=3000 {
+            let update = Message::Update {
+                lease: 1,
+                name: "e".into(),
+                generation,
+                notice: json!(null),
+            };
+            if send_message(&s, &update, &[], None).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
+    let client = Client::connect(
+        &path,
+        ClientConfig::default().with_timeout(Duration::from_millis(300)),
+    )
+    .unwrap();
+    let started = Instant::now();
+    let r = within(Duration::from_secs(3), move || client.ping());
+    assert!(matches!(r, Err(ChannelError::Timeout { .. })), "{r:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// Notices about leases the client does not hold are dropped, not queued.
+#[test]
+fn notices_for_leases_not_held_are_dropped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "notices");
+    let server = fake_server(&path, |s| {
+        for generation in 1..=2000 {
+            let update = Message::Update {
+                lease: 999,
+                name: "not-yours".into(),
+                generation,
+                notice: json!({"pad": "p".repeat(100)}),
+            };
+            send_message(&s, &update, &[], None).unwrap();
+        }
+        let unpublished = Message::Unpublished {
+            lease: 998,
+            name: "not-yours".into(),
+        };
+        send_message(&s, &unpublished, &[], None).unwrap();
+        let deadline = Some(Instant::now() + Duration::from_secs(5));
+        let (ping, _) = recv_message(&s, deadline).unwrap();
+        let Message::Ping { id } = ping else {
+            panic!("{ping:?}")
+        };
+        send_message(&s, &Message::Pong { id }, &[], None).unwrap();
+        // Hold the connection until the client is done.
+        let _ = recv_message(&s, deadline);
+    });
+    let client = Client::connect(&path, ClientConfig::default()).unwrap();
+    client.ping().unwrap();
+    let r = client.next_update(Duration::ZERO);
+    assert!(matches!(r, Err(ChannelError::Timeout { .. })), "{r:?}");
+    drop(client);
+    server.join().unwrap();
+}
+
+/// Idle connections are capped per process and closed after the idle
+/// timeout, so that they cannot lock everyone else out.
+#[test]
+fn idle_connections_are_capped_and_closed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "idle");
+    let _server = Server::bind(
+        ServerConfig::new(&path)
+            .with_max_connections_per_pid(4)
+            .with_idle_timeout(Duration::from_millis(300)),
+    )
+    .unwrap();
+    let idle: Vec<UnixStream> = (0..4).map(|_| raw_connect(&path, true)).collect();
+    // A fifth connection of this process is turned away, saying why.
+    let e = Client::connect(&path, ClientConfig::default()).unwrap_err();
+    assert!(e.to_string().contains("already has 4 connections"), "{e}");
+    // The idle ones are closed, with an error saying so.
+    let deadline = Some(Instant::now() + Duration::from_secs(5));
+    for s in &idle {
+        match recv_message(s, deadline) {
+            Ok((Message::Error { code, .. }, _)) => assert_eq!(code, "idle"),
+            other => panic!("{other:?}"),
+        }
+    }
+    // With them gone, this process may connect again.
+    let client = Client::connect(&path, ClientConfig::default()).unwrap();
+    client.ping().unwrap();
+}
+
+/// A connection holds at most the configured number of leases.
+#[test]
+fn leases_per_connection_are_capped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "leases");
+    let server = Server::bind(ServerConfig::new(&path).with_max_leases_per_connection(50)).unwrap();
+    server
+        .publish("e", json!(null), vec![memfd_with(b"x")])
+        .unwrap();
+    let client = quick_client(&path);
+    let held: Vec<_> = (0..50).map(|_| client.attach("e").unwrap()).collect();
+    match client.attach("e") {
+        Err(ChannelError::Remote { code, .. }) => assert_eq!(code, "too_many_leases"),
+        other => panic!("{other:?}"),
+    }
+    // Another connection is not affected.
+    quick_client(&path).attach("e").unwrap();
+    client.release(held[0].lease).unwrap();
+    client.attach("e").unwrap();
+    drop(client);
+    server
+        .wait_released("e", Some(Duration::from_secs(5)))
+        .unwrap();
+}

@@ -1,0 +1,156 @@
+//! Rings: back-pressure, acknowledgements, order under load.
+
+use super::*;
+
+#[test]
+fn ring_back_pressure_and_acks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "ring");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    let ring = Arc::new(
+        server
+            .create_ring("frames", json!({"w": 64}), ring_slots(3))
+            .unwrap(),
+    );
+    assert_eq!(ring.slot_count(), 3);
+    assert_eq!(ring.name(), "frames");
+
+    let c1 = quick_client(&path);
+    let c2 = quick_client(&path);
+    let s1 = c1.attach_ring("frames").unwrap();
+    let s2 = c2.attach_ring("frames").unwrap();
+    assert_eq!(s1.meta, json!({"w": 64}));
+    assert_eq!(s1.slots.len(), 3);
+    for (i, (meta, fds)) in s1.slots.iter().enumerate() {
+        assert_eq!(meta, &json!({"slot": i}));
+        assert_eq!(read_fd(&fds[0], 16), vec![i as u8; 16]);
+    }
+    assert_eq!(ring.subscribers().len(), 2);
+
+    // Fill every slot.
+    for i in 0..3 {
+        assert_eq!(ring.acquire(Some(Duration::from_secs(1))).unwrap(), i);
+        assert_eq!(ring.publish(i, json!({"i": i})).unwrap(), u64::from(i) + 1);
+    }
+    let e = ring.acquire(Some(Duration::from_millis(100))).unwrap_err();
+    assert!(matches!(e, ChannelError::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("slot 0"), "{e}");
+
+    // A producer thread blocks until both subscribers ack slot 0.
+    let blocked = {
+        let ring = Arc::clone(&ring);
+        std::thread::spawn(move || ring.acquire(Some(Duration::from_secs(10))))
+    };
+    for (c, s) in [(&c1, &s1), (&c2, &s2)] {
+        let f = c.next_frame(s.lease, Duration::from_secs(5)).unwrap();
+        assert_eq!((f.lease, f.slot, f.seq), (s.lease, 0, 1));
+        assert_eq!(f.notice, json!({"i": 0}));
+    }
+    c1.ack(s1.lease, 0, 1).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !blocked.is_finished(),
+        "one ack of two must not free the slot"
+    );
+    let acked = Instant::now();
+    c2.ack(s2.lease, 0, 1).unwrap();
+    assert_eq!(blocked.join().unwrap().unwrap(), 0);
+    assert!(acked.elapsed() < Duration::from_secs(1));
+
+    // Stale and duplicate acks are ignored; bad ones are refused locally.
+    c1.ack(s1.lease, 0, 1).unwrap();
+    c1.ack(s1.lease, 1, 99).unwrap();
+    assert!(matches!(
+        c1.ack(s1.lease, 3, 1),
+        Err(ChannelError::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        c1.ack(12345, 0, 1),
+        Err(ChannelError::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        c1.next_frame(12345, Duration::from_millis(1)),
+        Err(ChannelError::InvalidArgument { .. })
+    ));
+    // Publishing a slot that was not acquired is refused.
+    assert!(matches!(
+        ring.publish(1, json!(null)),
+        Err(ChannelError::InvalidArgument { .. })
+    ));
+    ring.cancel(0).unwrap();
+    assert!(ring.cancel(0).is_err());
+
+    // A subscriber that releases its lease frees its pending slots.
+    c1.release(s1.lease).unwrap();
+    for (slot, seq) in [(1, 2), (2, 3)] {
+        let f = c2.next_frame(s2.lease, Duration::from_secs(5)).unwrap();
+        assert_eq!((f.slot, f.seq), (slot, seq));
+        c2.ack(s2.lease, f.slot, f.seq).unwrap();
+    }
+    assert_eq!(ring.acquire(Some(Duration::from_secs(1))).unwrap(), 1);
+    assert_eq!(ring.acquire(Some(Duration::from_secs(1))).unwrap(), 2);
+    assert_eq!(ring.subscribers().len(), 1);
+
+    // Dropping the producer unpublishes the ring: after the frames already
+    // sent, the subscriber learns it.
+    ring.publish(1, json!("last")).unwrap();
+    drop(ring);
+    let f = c2.next_frame(s2.lease, Duration::from_secs(5)).unwrap();
+    assert_eq!(f.notice, json!("last"));
+    let e = c2.next_frame(s2.lease, Duration::from_secs(5)).unwrap_err();
+    assert!(
+        matches!(&e, ChannelError::Unpublished { name, lease } if name == "frames" && *lease == s2.lease),
+        "{e}"
+    );
+    assert_eq!(server.lease_count("frames"), 1);
+    c2.release(s2.lease).unwrap();
+    assert_eq!(server.lease_count("frames"), 0);
+    assert!(c2.list().unwrap().is_empty());
+}
+
+#[test]
+fn ring_frames_arrive_in_order_under_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "ringload");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    let ring = server.create_ring("r", json!(null), ring_slots(3)).unwrap();
+    let client = quick_client(&path);
+    let sub = client.attach_ring("r").unwrap();
+    let consumer = std::thread::spawn(move || {
+        for seq in 1..=RING_FRAMES {
+            let f = client
+                .next_frame(sub.lease, Duration::from_secs(10))
+                .unwrap();
+            assert_eq!(f.seq, seq);
+            assert_eq!(u64::from(f.slot), (seq - 1) % 3);
+            assert_eq!(f.notice, json!(seq));
+            client.ack(sub.lease, f.slot, f.seq).unwrap();
+        }
+    });
+    for seq in 1..=RING_FRAMES {
+        let slot = ring.acquire(Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(ring.publish(slot, json!(seq)).unwrap(), seq);
+    }
+    consumer.join().unwrap();
+}
+
+#[test]
+fn ring_without_subscribers_never_blocks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = Server::bind(ServerConfig::new(tmp_socket(&tmp, "lonely"))).unwrap();
+    let ring = server.create_ring("r", json!(null), ring_slots(2)).unwrap();
+    for i in 0..10 {
+        let slot = ring.acquire(Some(Duration::ZERO)).unwrap();
+        assert_eq!(slot, i % 2);
+        ring.publish(slot, json!(i)).unwrap();
+    }
+    assert!(matches!(
+        server.create_ring("empty", json!(null), vec![]),
+        Err(ChannelError::InvalidArgument { .. })
+    ));
+    server.unpublish("r").unwrap();
+    assert!(matches!(
+        ring.acquire(Some(Duration::ZERO)),
+        Err(ChannelError::NotFound { .. })
+    ));
+}
