@@ -307,7 +307,9 @@ fn render_sets(r: &Report, s: &Section, out: &mut String) {
             ]);
         }
     }
-    t.render(out);
+    if !s.rows.is_empty() {
+        t.render(out);
+    }
 }
 
 fn render_cached(r: &Report, s: &Section, out: &mut String) {

@@ -582,3 +582,22 @@ fn arena_and_set_tables() {
     assert!(sets[7].contains("MISS"), "update 1000: {sets:?}");
     assert!(text.contains("* the sets"), "{text}");
 }
+
+#[test]
+fn a_skipped_sets_section_has_no_table_and_no_targets() {
+    let mut r = synthetic();
+    let i = r
+        .sections
+        .iter()
+        .position(|s| s.id == SectionId::Sets)
+        .unwrap();
+    r.sections[i] = Section::skipped(SectionId::Sets, "not asked for");
+    r.evaluate();
+    assert!(r.targets.iter().all(|t| !t.id.starts_with("sets")));
+    let text = render(&r);
+    assert!(
+        text.contains("Weight sets (0.0 s)  [skipped: not asked for]"),
+        "{text}"
+    );
+    assert!(!text.contains("contender"), "{text}");
+}
