@@ -31,7 +31,8 @@ shares):
 
 Weight sets (--sets COUNT:TOTAL:WARMUP:REPS,...): COUNT fp32 tensors of
 TOTAL bytes together, their sizes drawn by weight_set_sizes() below (the
-bench's Rust side draws the same list: see its weights.rs). The tensors are
+library's cuda_ipc::set::weight_sizes with the same seed: the bench's Rust
+side draws the same list, see its weights.rs). The tensors are
 allocated once, as a trainer's parameters are; each sample refills every
 tensor with its own value (torch.Tensor.fill_, then torch.cuda.synchronize():
 not timed).
@@ -81,10 +82,10 @@ def value_for(size_index, i):
     return (size_index * 1000003 + i * 7919 + 1) % (2**31 - 1)
 
 
-# The weight-set draw, shared with the bench's Rust side (weights.rs): both
-# must give the same list, and each side has a test that pins it.
-WEIGHT_SET_SEED = 0x13
-WEIGHT_SET_UNIT = 256  # every tensor is a whole number of 256-byte units
+# The weight-set draw, the library's cuda_ipc::set::weight_sizes (and the
+# bench's weights.rs): every side must give the same list, and each side has
+# a test that pins it.
+WEIGHT_SET_SEED = 0x5E75EED
 _MASK64 = (1 << 64) - 1
 
 
@@ -97,35 +98,35 @@ def splitmix64(state):
     return state, z ^ (z >> 31)
 
 
-def weight_set_sizes(count, total):
-    """The byte sizes of a weight set of `count` tensors totalling `total`
-    bytes (a multiple of 256, at least 256 per tensor).
+def weight_set_sizes(count, total, seed=WEIGHT_SET_SEED):
+    """The byte sizes of a weight set of `count` fp32 tensors totalling
+    `total` bytes (a multiple of 4, at least 4 per tensor).
 
-    Rule: draw a weight w_i = 1 + (x_i >> 54) (1..1024) for each tensor, x_i
-    the successive outputs of splitmix64 seeded with WEIGHT_SET_SEED; with
-    U = total / 256 units, tensor i gets 1 + (U - count) * w_i // sum(w)
-    units; the units left over (fewer than count) go one each to the first
-    tensors. Sizes are units * 256 bytes and sum to `total` exactly.
+    Rule: a weight w_i = 1 + x_i % 1000 per tensor, x_i the successive
+    outputs of splitmix64 seeded with `seed`; with E = total / 4 elements,
+    tensor i gets 1 + (E - count) * w_i // sum(w) elements; the elements the
+    rounding left go to the largest tensor (the last of the largest). Sizes
+    are elements * 4 bytes and sum to `total` exactly.
     """
-    if count <= 0:
-        raise ValueError("a weight set has at least one tensor, not %d" % count)
-    if total <= 0 or total % WEIGHT_SET_UNIT != 0 or total // WEIGHT_SET_UNIT < count:
+    if count <= 0 or count > 100000:
+        raise ValueError("a weight set has 1 to 100000 tensors, not %d" % count)
+    if total % 4 != 0 or total < 4 * count:
         raise ValueError(
-            "%d bytes cannot hold %d tensors of whole 256-byte units" % (total, count)
+            "%d bytes is not a multiple of 4 of at least %d (one fp32 element per tensor)"
+            % (total, 4 * count)
         )
-    units = total // WEIGHT_SET_UNIT
-    state = WEIGHT_SET_SEED
+    state = seed
     weights = []
     for _ in range(count):
         state, x = splitmix64(state)
-        weights.append(1 + (x >> 54))
-    free = units - count
+        weights.append(1 + x % 1000)
+    elems = total // 4
+    rest = elems - count
     wsum = sum(weights)
-    got = [1 + free * w // wsum for w in weights]
-    left = units - sum(got)
-    for i in range(left):
-        got[i] += 1
-    return [u * WEIGHT_SET_UNIT for u in got]
+    got = [1 + rest * w // wsum for w in weights]
+    largest = max(range(count), key=lambda i: (got[i], i))
+    got[largest] += elems - sum(got)
+    return [e * 4 for e in got]
 
 
 def set_value(set_index, i, j):

@@ -1,21 +1,21 @@
 //! The weight set every contender of the sets section hands off: `count`
 //! fp32 tensors totalling `total` bytes, their sizes drawn from a fixed
-//! seed. `bench/torch_share.py` draws the same list with the same rule
-//! (its `weight_set_sizes`); a test on each side pins the result, and a test
-//! here compares the two lists.
+//! seed by the rule of the library's `cuda_ipc::set::weight_sizes` (which
+//! the CLI's set mode uses too). `bench/torch_share.py` draws the same list
+//! with the same rule (its `weight_set_sizes`); a test on each side pins the
+//! result, and a test here compares the two.
 //!
-//! The rule: weights `w_i = 1 + (x_i >> 54)` (1 to 1024), `x_i` the
-//! successive outputs of splitmix64 seeded with [`SEED`]; with
-//! `U = total / 256` units, tensor `i` gets `1 + (U - count) * w_i / sum(w)`
-//! units (rounded down), and the units left over (fewer than `count`) go one
-//! each to the first tensors. Sizes are whole 256-byte units (the arena's
-//! default alignment, so the set packs with no padding) and sum to `total`.
+//! The rule: weights `w_i = 1 + x_i % 1000`, `x_i` the successive outputs of
+//! splitmix64 seeded with [`SEED`]; with `E = total / 4` elements, tensor
+//! `i` gets `1 + (E - count) * w_i / sum(w)` elements (rounded down), and
+//! the elements the rounding left go to the largest tensor (the last of the
+//! largest). Sizes are elements times 4 bytes and sum to `total` exactly.
 
-/// The seed of the draw.
-pub const SEED: u64 = 0x13;
+/// The seed of the draw (the CLI's set mode uses the same).
+pub const SEED: u64 = 0x5E7_5EED;
 
-/// Every tensor is a whole number of these bytes.
-pub const UNIT: u64 = 256;
+/// The most tensors a set holds (the set record's limit).
+pub const MAX_TENSORS: u64 = 100_000;
 
 /// One step of splitmix64: the next state and its output.
 pub fn splitmix64(state: u64) -> (u64, u64) {
@@ -27,38 +27,41 @@ pub fn splitmix64(state: u64) -> (u64, u64) {
 }
 
 /// The byte sizes of a weight set of `count` tensors totalling `total`
-/// bytes: `total` a multiple of 256 with at least 256 bytes per tensor.
+/// bytes: `total` a multiple of 4 with at least 4 bytes per tensor.
 pub fn sizes(count: u64, total: u64) -> Result<Vec<u64>, String> {
-    if count == 0 {
-        return Err("a weight set has at least one tensor".into());
-    }
-    if total == 0 || !total.is_multiple_of(UNIT) || total / UNIT < count {
+    if count == 0 || count > MAX_TENSORS {
         return Err(format!(
-            "{total} bytes cannot hold {count} tensors of whole {UNIT}-byte units \
-             (give a total that is a multiple of {UNIT} and at least {UNIT} bytes per tensor)"
+            "a weight set has 1 to {MAX_TENSORS} tensors, not {count}"
         ));
     }
-    let units = total / UNIT;
+    if !total.is_multiple_of(4) || total < 4 * count {
+        return Err(format!(
+            "{total} bytes cannot hold {count} fp32 tensors (give a multiple of 4 bytes, \
+             at least 4 per tensor)"
+        ));
+    }
     let mut state = SEED;
-    let weights: Vec<u64> = (0..count)
+    let weights: Vec<u128> = (0..count)
         .map(|_| {
             let (next, x) = splitmix64(state);
             state = next;
-            1 + (x >> 54)
+            1 + u128::from(x % 1000)
         })
         .collect();
-    let free = u128::from(units - count);
-    let sum: u128 = weights.iter().map(|w| u128::from(*w)).sum();
-    let mut got: Vec<u64> = weights
+    let sum: u128 = weights.iter().sum();
+    let elems = u128::from(total / 4);
+    let rest = elems - u128::from(count);
+    let mut got: Vec<u128> = weights.iter().map(|w| 1 + rest * w / sum).collect();
+    let left = elems - got.iter().sum::<u128>();
+    // The last of the largest takes what the rounding left.
+    let largest = got
         .iter()
-        // At most `free`: the quotient fits in u64.
-        .map(|w| 1 + (free * u128::from(*w) / sum) as u64)
-        .collect();
-    let left = units - got.iter().sum::<u64>();
-    for g in got.iter_mut().take(left as usize) {
-        *g += 1;
-    }
-    Ok(got.into_iter().map(|u| u * UNIT).collect())
+        .enumerate()
+        .max_by_key(|(i, e)| (**e, *i))
+        .map_or(0, |(i, _)| i);
+    got[largest] += left;
+    // At most `total / 4` elements each: the products fit in u64.
+    Ok(got.into_iter().map(|e| e as u64 * 4).collect())
 }
 
 #[cfg(test)]
@@ -84,26 +87,27 @@ mod tests {
     fn pinned_sizes() {
         // The same figures are pinned in bench/test_torch_share.py.
         let s = sizes(100, 4 * GIB).unwrap();
-        assert_eq!(s[..4], [65_876_224, 10_484_480, 32_588_800, 7_426_816]);
+        assert_eq!(s[..4], [77_560_868, 25_218_624, 68_761_564, 16_600_748]);
         let (min, max) = (*s.iter().min().unwrap(), *s.iter().max().unwrap());
         assert_eq!(
             (min, max, checksum(&s)),
-            (1_747_456, 86_756_864, 206_316_000_768)
+            (90_716, 87_358_208, 211_502_503_036)
         );
         let s = sizes(1000, 4 * GIB).unwrap();
-        assert_eq!(s[..4], [6_511_360, 1_036_544, 3_221_248, 734_464]);
+        assert_eq!(s[..4], [7_097_292, 2_307_660, 6_292_100, 1_519_072]);
         let (min, max) = (*s.iter().min().unwrap(), *s.iter().max().unwrap());
         assert_eq!(
             (min, max, checksum(&s)),
-            (8960, 8_825_344, 2_152_586_604_032)
+            (8304, 8_302_844, 2_210_082_048_708)
         );
     }
 
     #[test]
     fn sizes_sum_to_the_total_in_whole_units() {
         for (count, total) in [
-            (1, 256),
-            (3, 768),
+            (1, 4),
+            (3, 12),
+            (100, 400),
             (7, 1 << 20),
             (1000, 256 << 20),
             (10_000, 4 * GIB),
@@ -111,14 +115,15 @@ mod tests {
             let s = sizes(count, total).unwrap();
             assert_eq!(s.len() as u64, count);
             assert_eq!(s.iter().sum::<u64>(), total);
-            assert!(s.iter().all(|x| *x >= UNIT && x.is_multiple_of(UNIT)));
+            assert!(s.iter().all(|x| *x >= 4 && x.is_multiple_of(4)));
         }
     }
 
     #[test]
     fn bad_sets_say_why() {
-        assert!(sizes(0, 256).unwrap_err().contains("at least one tensor"));
-        for (count, total) in [(2, 256), (1, 100), (1, 0)] {
+        assert!(sizes(0, 4).unwrap_err().contains("1 to 100000 tensors"));
+        assert!(sizes(100_001, GIB).unwrap_err().contains("not 100001"));
+        for (count, total) in [(2, 4), (1, 6), (1, 0)] {
             let e = sizes(count, total).unwrap_err();
             assert!(e.contains("cannot hold"), "{e}");
         }
