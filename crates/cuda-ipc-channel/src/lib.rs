@@ -1,4 +1,4 @@
-//! The exchange channel: framed, versioned messages over a Unix socket, with
+//! The exchange channel: versioned messages over a Unix socket, with
 //! file descriptors (`SCM_RIGHTS`), peer credentials, names, leases, updates
 //! and rings. Independent of CUDA, so it is fully testable without a GPU.
 //!
@@ -61,7 +61,7 @@ pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError}
 #[non_exhaustive]
 pub enum ChannelErrorKind {
     /// The caller's input or the peer's message was malformed or not allowed
-    /// (a name, an argument, a frame, a request the state does not allow).
+    /// (a name, an argument, a message, a request the state does not allow).
     InvalidInput,
     /// The other process is gone, or refused us, or reported an error.
     Peer,
@@ -151,7 +151,7 @@ pub enum ChannelError {
     #[error("malformed message on the wire: {0}")]
     Wire(#[from] WireError),
 
-    /// The other side answered with an error frame.
+    /// The other side answered with an error message.
     #[error("the other side reported an error ({code}): {message}")]
     Remote {
         /// A machine-readable code, for example `"wrong_kind"`.

@@ -5,7 +5,7 @@
 use crate::ChannelError;
 
 /// The largest `meta` or `notice` value, in bytes of JSON (256 KiB), so that
-/// every message fits in a frame.
+/// every message fits on the wire.
 pub const MAX_META_BYTES: usize = 256 * 1024;
 
 /// The longest entry name, in bytes.

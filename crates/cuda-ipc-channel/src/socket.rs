@@ -1,12 +1,12 @@
-//! Sending and receiving frames with file descriptors over a Unix stream
+//! Sending and receiving messages with file descriptors over a Unix stream
 //! socket, with a deadline on every wait, and peer credentials.
 //!
 //! # How descriptors travel
 //! [`send_message`] passes the descriptors as one `SCM_RIGHTS` control
-//! message with the first `sendmsg` that transfers bytes of the frame; the
-//! kernel ties them to those bytes. [`recv_message`] reads exactly one frame
+//! message with the first `sendmsg` that transfers bytes of the message; the
+//! kernel ties them to those bytes. [`recv_message`] reads exactly one message
 //! (the header, then exactly the payload length) with `recvmsg`, so it never
-//! consumes bytes of the next frame and never sees that frame's descriptors
+//! consumes bytes of the next message and never sees that message's descriptors
 //! early. Every descriptor that arrives is an [`OwnedFd`] from the moment it
 //! is received (with `MSG_CMSG_CLOEXEC`, so it does not leak into children):
 //! on any error the ones received so far are closed when the function
@@ -15,11 +15,11 @@
 //! # Waiting
 //! The sockets may be blocking or not: every send and receive uses
 //! `MSG_DONTWAIT` and waits with `poll(2)` up to the deadline. A receive
-//! times out only while it waits for the *first* byte of a frame, and then
+//! times out only while it waits for the *first* byte of a message, and then
 //! returns [`ChannelError::Timeout`] with the stream still in step. Once a
-//! frame has begun, the rest must follow within the later of the deadline
+//! message has begun, the rest must follow within the later of the deadline
 //! and [`STALL_TIMEOUT`] after its first byte; a peer that stops in the
-//! middle of a frame is a protocol error, and the connection is unusable
+//! middle of a message is a protocol error, and the connection is unusable
 //! after it. Sends use `MSG_NOSIGNAL`: a closed peer is
 //! [`ChannelError::PeerGone`], never `SIGPIPE`.
 //!
@@ -46,7 +46,7 @@ use super::wire::{
     HEADER_LEN, MAX_FDS, MAX_PAYLOAD, Message, WireError, decode_header, encode_message,
 };
 
-/// How long a peer may take to finish a frame it has begun (beyond the
+/// How long a peer may take to finish a message it has begun (beyond the
 /// caller's deadline) before the connection is declared broken.
 pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -87,7 +87,7 @@ pub fn peer_credentials(stream: impl AsFd) -> Result<Ucred, ChannelError> {
 /// Returns [`ChannelError::Timeout`] if nothing could be sent before the
 /// deadline (the stream is still usable), [`ChannelError::PeerGone`] if the
 /// peer closed the connection, and a protocol error if the peer stopped
-/// reading in the middle of the frame (the stream is then unusable).
+/// reading in the middle of the message (the stream is then unusable).
 #[doc(alias = "sendmsg")]
 #[doc(alias = "SCM_RIGHTS")]
 pub(crate) fn send_message(
@@ -100,7 +100,7 @@ pub(crate) fn send_message(
     send_bytes(stream, &bytes, fds, deadline)
 }
 
-/// The frame of `message`, after checking that `fds` is what it announces.
+/// The wire bytes of `message`, after checking that `fds` is what it announces.
 pub(crate) fn encode_checked(
     message: &Message,
     fds: &[BorrowedFd<'_>],
@@ -220,7 +220,7 @@ pub(crate) fn send_bytes(
             Ok(n) => sent += n,
             Err(Errno::AGAIN) => wait(fd, PollFlags::OUT, Some(stall)).map_err(|()| {
                 ChannelError::protocol(format!(
-                    "the peer stopped reading in the middle of a frame ({sent} of {} bytes sent \
+                    "the peer stopped reading in the middle of a message ({sent} of {} bytes sent \
                      in {:?}); the connection can no longer be used",
                     bytes.len(),
                     started.elapsed()
@@ -240,12 +240,12 @@ fn send_error(e: Errno) -> ChannelError {
     }
 }
 
-/// Receives one frame: its message and the descriptors that came with it.
+/// Receives one wire message: the message and the descriptors that came with it.
 ///
-/// Waits for the frame to begin until `deadline` (`None`: for ever) and
+/// Waits for the message to begin until `deadline` (`None`: for ever) and
 /// returns [`ChannelError::Timeout`] if it does not; see the
-/// [module documentation](self) for frames that stop half-way. End of file
-/// before a frame begins is [`ChannelError::PeerGone`]; inside a frame it is
+/// [module documentation](self) for messages that stop half-way. End of file
+/// before a message begins is [`ChannelError::PeerGone`]; inside a message it is
 /// [`WireError::Truncated`]. A descriptor count that differs from the
 /// header's, or more descriptors than [`MAX_FDS`] (`MSG_CTRUNC`), is an
 /// error, and the descriptors that did arrive are closed.
@@ -304,7 +304,7 @@ pub(crate) fn recv_message(
     let message = Message::decode(&payload)?;
     if message.fd_count() != fds.len() {
         return Err(ChannelError::protocol(format!(
-            "a {:?} message announces {} file descriptors but its frame carried {}",
+            "a {:?} message announces {} file descriptors but its wire message carried {}",
             message.type_name(),
             message.fd_count(),
             fds.len()
@@ -392,7 +392,7 @@ fn read_exact(
                     } else {
                         WireError::Truncated {
                             what: match part {
-                                Part::Header => "frame header",
+                                Part::Header => "wire header",
                                 Part::Payload => "payload",
                             },
                             expected: buf.len(),
@@ -417,7 +417,7 @@ fn read_exact(
                 wait(fd, PollFlags::IN, until).map_err(|()| {
                     if frame_begun {
                         ChannelError::protocol(format!(
-                            "the peer stopped in the middle of a frame ({got} of {} {} bytes \
+                            "the peer stopped in the middle of a message ({got} of {} {} bytes \
                              received after {:?}); the connection can no longer be used",
                             buf.len(),
                             if part == Part::Header {
@@ -442,7 +442,7 @@ fn read_exact(
             Err(Errno::CONNRESET | Errno::PIPE | Errno::NOTCONN) => {
                 return Err(WireError::Truncated {
                     what: if part == Part::Header {
-                        "frame header"
+                        "wire header"
                     } else {
                         "payload"
                     },

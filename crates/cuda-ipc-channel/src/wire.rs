@@ -4,7 +4,7 @@
 //! offset size field
 //!      0    4 magic            b"CIPC"
 //!      4    2 protocol version u16 little-endian, PROTOCOL_VERSION (1)
-//!      6    2 frame kind       u16 little-endian, KIND_JSON (1)
+//!      6    2 payload kind     u16 little-endian, KIND_JSON (1)
 //!      8    4 payload length   u32 little-endian, at most MAX_PAYLOAD
 //!     12    2 fd count         u16 little-endian, at most MAX_FDS
 //!     14    2 reserved         must be 0
@@ -24,31 +24,31 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// The magic bytes that start every frame.
+/// The magic bytes that start every message.
 pub(crate) const MAGIC: [u8; 4] = *b"CIPC";
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u16 = 1;
 
-/// The frame kind of a JSON message, the only kind so far.
+/// The payload kind of a JSON message, the only kind so far.
 pub(crate) const KIND_JSON: u16 = 1;
 
-/// The size of a frame header in bytes.
+/// The size of a wire header in bytes.
 pub const HEADER_LEN: usize = 16;
 
-/// The largest payload a frame may carry (1 MiB).
+/// The largest payload a message may carry (1 MiB).
 pub const MAX_PAYLOAD: u32 = 1 << 20;
 
-/// The most file descriptors one frame may carry.
+/// The most file descriptors one message may carry.
 pub const MAX_FDS: usize = 16;
 
-/// What went wrong decoding (or encoding) a frame.
+/// What went wrong decoding (or encoding) a message.
 ///
 /// Each variant names what was found and what was expected.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum WireError {
-    /// The frame does not start with `b"CIPC"`.
+    /// The message does not start with `b"CIPC"`.
     #[error(
         "bad magic {found:02x?}: expected {MAGIC:02x?} (b\"CIPC\"); the peer does not speak \
          the cuda-ipc channel protocol"
@@ -70,8 +70,8 @@ pub enum WireError {
         supported: u16,
     },
 
-    /// The frame kind is unknown.
-    #[error("unknown frame kind {found}: expected {KIND_JSON} (a JSON message)")]
+    /// The payload kind is unknown.
+    #[error("unknown payload kind {found}: expected {KIND_JSON} (a JSON message)")]
     UnknownKind {
         /// The kind in the header.
         found: u16,
@@ -93,8 +93,8 @@ pub enum WireError {
         max: u32,
     },
 
-    /// The frame announces or carries more than [`MAX_FDS`] descriptors.
-    #[error("the frame carries {count} file descriptors, more than the limit of {max}")]
+    /// The message announces or carries more than [`MAX_FDS`] descriptors.
+    #[error("the message carries {count} file descriptors, more than the limit of {max}")]
     TooManyFds {
         /// How many.
         count: usize,
@@ -102,10 +102,10 @@ pub enum WireError {
         max: usize,
     },
 
-    /// The input ended before the frame did.
+    /// The input ended before the message did.
     #[error("{what} truncated: expected {expected} bytes, got {got}")]
     Truncated {
-        /// Which part: "frame header" or "payload".
+        /// Which part: "wire header" or "payload".
         what: &'static str,
         /// How many bytes were needed.
         expected: usize,
@@ -154,7 +154,7 @@ pub enum WireError {
 
     /// The header announced a different number of descriptors than arrived.
     #[error(
-        "the header announced {expected} file descriptors but {received} arrived with the frame"
+        "the header announced {expected} file descriptors but {received} arrived with the message"
     )]
     FdCountMismatch {
         /// The count in the header.
@@ -166,7 +166,7 @@ pub enum WireError {
     /// The peer attached more descriptors than the receive buffer holds, and
     /// the kernel discarded the rest (`MSG_CTRUNC`).
     #[error(
-        "the peer attached more file descriptors than the {max} a frame may carry; the kernel \
+        "the peer attached more file descriptors than the {max} a message may carry; the kernel \
          discarded the extra ones"
     )]
     FdsTruncated {
@@ -185,7 +185,7 @@ pub struct Header {
     pub kind: u16,
     /// The payload length in bytes.
     pub len: u32,
-    /// The number of file descriptors sent with the frame.
+    /// The number of file descriptors sent with the message.
     pub fds: u16,
 }
 
@@ -222,7 +222,7 @@ pub(crate) fn encode_header(header: &Header) -> [u8; HEADER_LEN] {
 pub fn decode_header(bytes: &[u8]) -> Result<Header, WireError> {
     let Some(b) = bytes.first_chunk::<HEADER_LEN>() else {
         return Err(WireError::Truncated {
-            what: "frame header",
+            what: "wire header",
             expected: HEADER_LEN,
             got: bytes.len(),
         });
@@ -269,7 +269,7 @@ pub fn decode_header(bytes: &[u8]) -> Result<Header, WireError> {
     })
 }
 
-/// Encodes a whole frame (header and payload) for `message` with `fds`
+/// Encodes a whole wire message (header and payload) for `message` with `fds`
 /// descriptors attached.
 pub(crate) fn encode_message(message: &Message, fds: usize) -> Result<Vec<u8>, WireError> {
     if fds > MAX_FDS {
@@ -371,7 +371,7 @@ pub enum Message {
     Ack {
         /// The ring lease.
         lease: u64,
-        /// The slot of the frame.
+        /// The slot of the message.
         slot: u32,
         /// The sequence number of the frame.
         seq: u64,
@@ -400,7 +400,7 @@ pub enum Message {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         next: Option<String>,
     },
-    /// A lease on a plain entry; the entry's descriptors come with this frame.
+    /// A lease on a plain entry; the entry's descriptors come with this message.
     Attached {
         /// The request id.
         id: u64,
@@ -408,7 +408,7 @@ pub enum Message {
         lease: u64,
         /// The entry's metadata.
         meta: Value,
-        /// How many descriptors come with the frame.
+        /// How many descriptors come with the message.
         fds: u16,
     },
     /// The lease was released.
@@ -416,7 +416,7 @@ pub enum Message {
         /// The request id.
         id: u64,
     },
-    /// A lease on a ring; one [`RingSlot`](Self::RingSlot) frame per slot follows.
+    /// A lease on a ring; one [`RingSlot`](Self::RingSlot) message per slot follows.
     RingAttached {
         /// The request id.
         id: u64,
@@ -427,7 +427,7 @@ pub enum Message {
         /// The ring's metadata.
         meta: Value,
     },
-    /// One slot of a ring; the slot's descriptors come with this frame.
+    /// One slot of a ring; the slot's descriptors come with this message.
     RingSlot {
         /// The request id of the [`AttachRing`](Self::AttachRing).
         id: u64,
@@ -437,7 +437,7 @@ pub enum Message {
         slot: u32,
         /// The slot's metadata.
         meta: Value,
-        /// How many descriptors come with the frame.
+        /// How many descriptors come with the message.
         fds: u16,
     },
     /// A notice from the producer about an entry the client holds a lease on.

@@ -666,3 +666,83 @@ fn a_descriptor_quoting_a_long_value_is_cut_short() {
         assert_error(&["open"], &o, 2, "more characters");
     }
 }
+
+#[test]
+fn set_mode_arguments_are_checked_before_the_driver() {
+    let cases: &[(&[&str], &str)] = &[
+        // Sizes that cannot be drawn: fewer bytes than one fp32 word per
+        // buffer, a size not in words, no buffer at all.
+        (
+            &["serve", "--set", "3", "--size", "8"],
+            "cannot draw 3 buffers",
+        ),
+        (
+            &["serve", "--set", "2", "--size", "1026"],
+            "cannot draw 2 buffers",
+        ),
+        (
+            &["serve", "--set", "0", "--size", "4096"],
+            "cannot draw 0 buffers",
+        ),
+        (
+            &["demo", "--set", "100", "--size", "256"],
+            "cannot draw 100 buffers",
+        ),
+        (&["serve", "--set", "-1", "--size", "4096"], "negative"),
+        (&["serve", "--set", "many", "--size", "4096"], "not a count"),
+        // A set has its own values and names.
+        (
+            &["serve", "--set", "2", "--size", "4096", "--fill-u32", "1"],
+            "cannot be used with",
+        ),
+        (
+            &["serve", "--set", "2", "--size", "4096", "--buffers", "3"],
+            "cannot be used with",
+        ),
+        (&["serve", "--size", "4096"], "--fill-u32"),
+        (&["demo", "--set", "2", "--stream"], "cannot be used with"),
+        (
+            &["attach", "--set", "weights", "--buffer", "buf0"],
+            "cannot be used with",
+        ),
+        (
+            &["attach", "--set", "weights", "--expect-u32", "1"],
+            "cannot be used with",
+        ),
+        (
+            &["attach", "--set", "weights", "--list"],
+            "cannot be used with",
+        ),
+        (&["attach", "--set"], "a value is required"),
+    ];
+    for (args, why) in cases {
+        let o = cuda_ipc(args);
+        assert_no_panic(&o);
+        assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(why), "{args:?}: {}", stderr(&o));
+    }
+}
+
+#[test]
+fn set_mode_with_good_arguments_gets_as_far_as_the_driver() {
+    // The same draw as the benchmark's weight sets; without a driver the
+    // commands stop at the device with the no-driver exit, not a usage error.
+    for args in [
+        &[
+            "serve",
+            "--set",
+            "3",
+            "--size",
+            "12",
+            "--socket",
+            "set-mode-args-test",
+        ][..],
+        &["demo", "--set", "1000", "--size", "64MiB"][..],
+    ] {
+        let o = cuda_ipc(args);
+        assert_no_panic(&o);
+        let e = stderr(&o);
+        assert_eq!(code(&o), 3, "{args:?}: {e}");
+        assert!(e.contains("libcuda"), "{args:?}: {e}");
+    }
+}

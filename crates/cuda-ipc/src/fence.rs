@@ -89,7 +89,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::buffer::Mapping;
 use crate::descriptor::{Descriptor, Dtype, Mechanism};
-use crate::device::Device;
+use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result, from_cudarc};
 use crate::memory::DeviceMemory;
 use crate::result::{device as dev, mem, stream as rstream};
@@ -428,7 +428,8 @@ impl Fence {
     pub fn new(device: &Device, words: u32, mechanism: Option<Mechanism>) -> Result<Self> {
         check_count(words)?;
         check_support(device)?;
-        let buffer = SharedBuffer::alloc(device, words as usize * WORD as usize, mechanism)?;
+        let mechanism = fence_mechanism(&device.capabilities()?, mechanism)?;
+        let buffer = SharedBuffer::alloc(device, words as usize * WORD as usize, Some(mechanism))?;
         device.bind()?;
         let s = buffer.stream().cu_stream();
         // SAFETY: the buffer holds `words` 8-byte words, so `2 * words`
@@ -585,6 +586,26 @@ impl Fence {
             Words::Device(b) => b.device(),
             Words::Host(h) => &h.device,
         }
+    }
+}
+
+/// The mechanism for a block of device words: `requested`, or VMM where
+/// VMM file descriptors work and legacy IPC otherwise. Never a memory pool:
+/// on driver 580 `cuStreamWaitValue64` on an imported pool pointer fails
+/// with CUDA_ERROR_INVALID_VALUE (measured on an H200), so a consumer could
+/// not wait on the words.
+fn fence_mechanism(caps: &Capabilities, requested: Option<Mechanism>) -> Result<Mechanism> {
+    match requested {
+        Some(Mechanism::Pool) => Err(Error::Unsupported {
+            what: "fence words in pool memory",
+            why: "a consumer cannot queue cuStreamWaitValue64 on an imported pool pointer \
+                  (CUDA_ERROR_INVALID_VALUE); put the words in vmm or legacy memory, or in host memory \
+                  (Fence::new_host)"
+                .into(),
+        }),
+        Some(m) => Ok(m),
+        None if caps.vmm && caps.posix_fd => Ok(Mechanism::Vmm),
+        None => Ok(Mechanism::Legacy),
     }
 }
 
@@ -1091,7 +1112,45 @@ impl From<FenceRef> for RawFenceRef {
 mod tests {
     use std::os::fd::OwnedFd;
 
-    use super::{check_memfd, create_memfd, host_len};
+    use super::{check_memfd, create_memfd, fence_mechanism, host_len};
+    use crate::device::{Capabilities, ComputeMode, DeviceUuid};
+    use crate::{ErrorKind, Mechanism};
+
+    fn caps(vmm_fds: bool) -> Capabilities {
+        Capabilities {
+            ordinal: 0,
+            name: "test".into(),
+            uuid: DeviceUuid([0; 16]),
+            pci_bus_id: String::new(),
+            compute_capability: (9, 0),
+            compute_mode: ComputeMode::Default,
+            total_memory: 1 << 30,
+            unified_addressing: true,
+            ipc_events: true,
+            legacy_ipc: true,
+            vmm: vmm_fds,
+            posix_fd: vmm_fds,
+            fabric: false,
+            memory_pools: true,
+            mempool_handle_types: 1,
+        }
+    }
+
+    #[test]
+    fn words_never_live_in_pool_memory() {
+        assert_eq!(fence_mechanism(&caps(true), None).unwrap(), Mechanism::Vmm);
+        assert_eq!(
+            fence_mechanism(&caps(false), None).unwrap(),
+            Mechanism::Legacy
+        );
+        assert_eq!(
+            fence_mechanism(&caps(true), Some(Mechanism::Legacy)).unwrap(),
+            Mechanism::Legacy
+        );
+        let e = fence_mechanism(&caps(true), Some(Mechanism::Pool)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unavailable);
+        assert!(e.to_string().contains("cuStreamWaitValue64"), "{e}");
+    }
 
     #[test]
     fn host_blocks_are_whole_pages() {

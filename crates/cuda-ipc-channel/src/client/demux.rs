@@ -28,7 +28,7 @@ pub(super) enum Dead {
 impl Dead {
     pub(super) fn from_error(e: ChannelError) -> Dead {
         match e {
-            // A frame cut short by end of file means the server went away
+            // A message cut short by end of file means the server went away
             // while sending (it was killed, or it cut us off as too slow).
             ChannelError::PeerGone | ChannelError::Wire(WireError::Truncated { .. }) => Dead::Gone,
             ChannelError::Wire(f) => Dead::Frame(f),
@@ -106,7 +106,7 @@ impl State {
         r
     }
 
-    /// Files one frame from the server where it belongs.
+    /// Files one message from the server where it belongs.
     pub(super) fn dispatch(&mut self, message: Message, fds: Vec<OwnedFd>) {
         match message {
             Message::Update { lease, .. } | Message::Unpublished { lease, .. }

@@ -11,7 +11,7 @@
 //!
 //! # Threads
 //! A `Client` is `Send` and `Sync`. Several threads may wait on it at once:
-//! whichever is reading the socket hands each frame to the thread it
+//! whichever is reading the socket hands each message to the thread it
 //! concerns, and frames the server pushes on its own (updates, ring frames,
 //! unpublished notices) are queued until asked for, never lost. The queues
 //! grow while nobody asks: call [`Client::next_update`] if you hold leases
@@ -71,10 +71,10 @@ pub struct Client {
     stream: UnixStream,
     server: Ucred,
     timeout: Duration,
-    /// Serialises writers, so that frames never interleave.
+    /// Serialises writers, so that messages never interleave.
     write: Mutex<()>,
     state: Mutex<State>,
-    /// Signalled when a frame was filed, the reader stepped down, or the
+    /// Signalled when a message was filed, the reader stepped down, or the
     /// connection died.
     filed: Condvar,
 }
@@ -413,7 +413,7 @@ impl Client {
 
     /// The next frame of the ring subscribed with `lease`, waiting up to
     /// `timeout` for one (`Duration::ZERO` polls). After the producer unpublished the ring and every
-    /// earlier frame was taken: [`ChannelError::Unpublished`].
+    /// earlier message was taken: [`ChannelError::Unpublished`].
     pub fn next_frame(&self, lease: u64, timeout: Duration) -> Result<RingFrame, ChannelError> {
         let not_ring = || {
             ChannelError::arg(
@@ -510,7 +510,7 @@ impl Client {
         self.wait_for(p.deadline, what, |st| st.take_response(p.id))
     }
 
-    /// Sends one frame (without descriptors) within the request timeout.
+    /// Sends one message (without descriptors) within the request timeout.
     fn send(&self, message: &Message) -> Result<(), ChannelError> {
         let _writing = lock(&self.write);
         send_message(
@@ -520,7 +520,7 @@ impl Client {
             Some(Instant::now() + self.timeout),
         )
         .map_err(|e| {
-            // A frame cut in half leaves the stream unusable. (After
+            // A message cut in half leaves the stream unusable. (After
             // PeerGone, reading still delivers what the server sent last.)
             if matches!(e, ChannelError::Protocol { .. } | ChannelError::Io { .. }) {
                 let mut st = lock(&self.state);
@@ -551,7 +551,7 @@ impl Client {
     }
 
     /// Waits until `take` finds what it looks for in the state, reading the
-    /// socket (if no other thread is) until `deadline`. Frames that have
+    /// socket (if no other thread is) until `deadline`. Messages that have
     /// already arrived are always read before giving up, so a zero timeout
     /// polls without blocking.
     fn wait_for<T>(
@@ -595,7 +595,7 @@ impl Client {
             }
             st.reading = true;
             drop(st);
-            // Past the deadline this still takes frames that have arrived.
+            // Past the deadline this still takes messages that have arrived.
             let received = recv_message(&self.stream, Some(deadline), RecvLimits::CLIENT);
             drained = matches!(received, Err(ChannelError::Timeout { .. }));
             st = self.file(received);
@@ -637,7 +637,7 @@ fn timeout(what: &str, started: Instant) -> ChannelError {
     }
 }
 
-/// The error for an answer of the wrong type: the server's error frame, or
+/// The error for an answer of the wrong type: the server's error message, or
 /// a protocol violation.
 fn unexpected(message: Message, expected: &str, name: &str) -> ChannelError {
     match message {

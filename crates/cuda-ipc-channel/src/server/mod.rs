@@ -7,19 +7,19 @@
 //! one that writes to the socket: requests, [`Server::update`] and
 //! [`RingProducer::publish`] only queue frames for it, so a slow or stuck
 //! client never blocks the producer or other clients. A client that leaves
-//! more than [`ServerConfig::max_queued_frames`] frames unread, or does not
+//! more than [`ServerConfig::max_queued_frames`] messages unread, or does not
 //! read for [`ServerConfig::send_timeout`], is disconnected.
 //!
 //! # Leases
 //! A lease is held by a connection. When the connection ends for any reason
-//! (release, close, crash, `SIGKILL`, a malformed frame), all its leases and
+//! (release, close, crash, `SIGKILL`, a malformed message), all its leases and
 //! ring subscriptions end at once and waiters
 //! ([`Server::wait_released`], [`RingProducer::acquire`]) wake up.
 //!
 //! # File descriptors
 //! [`Server::publish`] and [`Server::create_ring`] take ownership of the
 //! descriptors. Every attach sends the client duplicates (`dup`), queued
-//! with the frame and closed once the frame is sent; the kernel gives the
+//! with the message and closed once the message is sent; the kernel gives the
 //! client its own descriptors for the same open files. The originals are
 //! closed when the entry is gone: unpublished and its last lease released,
 //! or the server shut down.
@@ -47,13 +47,13 @@ use super::{ChannelError, lock, own_pid, own_uid};
 /// A listing page stops growing at about this many bytes.
 const LISTING_PAGE_BYTES: usize = 512 * 1024;
 
-/// How long a refused or turned-away peer gets to take its error frame.
+/// How long a refused or turned-away peer gets to take its error message.
 const REFUSE_SEND_TIMEOUT: Duration = Duration::from_millis(200);
 
-/// The longest a closing connection may take to send its final error frame.
+/// The longest a closing connection may take to send its final error message.
 const FINAL_SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// A connection's reader takes no new request while this many frames wait
+/// A connection's reader takes no new request while this many messages wait
 /// to be sent to it: a client that sends requests without reading the
 /// answers slows down instead of making the server queue (and hold the
 /// duplicated descriptors of) an unbounded number of answers.
@@ -79,14 +79,14 @@ pub struct ServerConfig {
     pub allowed_uids: Vec<u32>,
     /// How long a new connection has to send its `hello`; default 5 s.
     pub handshake_timeout: Duration,
-    /// How long a client may leave a frame unread before it is
+    /// How long a client may leave a message unread before it is
     /// disconnected; default 5 s.
     pub send_timeout: Duration,
     /// The most connections served at once; default 256.
     pub max_connections: usize,
-    /// The most frames queued for one client before it is disconnected as
+    /// The most messages queued for one client before it is disconnected as
     /// stuck; default 4096. Must exceed the slot count of every ring, since
-    /// a new subscriber is sent one frame per slot at once.
+    /// a new subscriber is sent one message per slot at once.
     pub max_queued_frames: usize,
     /// The most bytes of replies and notices queued for one client before
     /// it is disconnected as stuck; default 16 MiB. (A client that does not
@@ -94,16 +94,24 @@ pub struct ServerConfig {
     /// while 64 KiB of answers wait for it.)
     pub max_queued_bytes: usize,
     /// The most descriptors sent to one client that it has not received
-    /// yet; default 32, at least [`MAX_FDS`]. Descriptors in flight count
-    /// against the sending user's open-file limit in the kernel, so this
-    /// is what keeps a client that does not read from exhausting it.
+    /// yet; default and minimum [`MAX_FDS`] (one answer's worth).
+    /// Descriptors in flight count against the sending user's open-file
+    /// limit (`RLIMIT_NOFILE`) in the kernel, so this is what keeps clients
+    /// that do not read from exhausting it: at most this many per
+    /// connection, times [`max_connections_per_uid`](Self::max_connections_per_uid)
+    /// for one hostile user. Keep the server's soft limit (`ulimit -n`)
+    /// above that product.
     pub max_unread_fds: usize,
     /// The most connections of one user id at once; default 128.
     pub max_connections_per_uid: usize,
     /// The most connections of one process at once; default 64.
     pub max_connections_per_pid: usize,
     /// A connection that holds no lease and sends nothing for this long is
-    /// closed; default 2 minutes.
+    /// closed; default 15 minutes (long enough for a consumer that connects
+    /// early and attaches once its producer is ready, or between the
+    /// sections of a long benchmark). It frees what abandoned connections
+    /// hold; the per-uid and per-pid limits are what keep idle connections
+    /// from locking others out.
     pub idle_timeout: Duration,
     /// The most leases (entry leases and ring subscriptions) one connection
     /// may hold; default 1024.
@@ -124,10 +132,10 @@ impl ServerConfig {
             max_connections: 256,
             max_queued_frames: 4096,
             max_queued_bytes: 16 << 20,
-            max_unread_fds: 2 * MAX_FDS,
+            max_unread_fds: MAX_FDS,
             max_connections_per_uid: 128,
             max_connections_per_pid: 64,
-            idle_timeout: Duration::from_secs(120),
+            idle_timeout: Duration::from_secs(15 * 60),
             max_leases_per_connection: 1024,
             max_request_bytes: 4096,
         }
@@ -177,7 +185,7 @@ impl ServerConfig {
     }
 
     /// Sets the longest request payload accepted (at most
-    /// [`MAX_PAYLOAD`](crate::MAX_PAYLOAD)).
+    /// [`MAX_PAYLOAD`]).
     #[must_use]
     pub fn with_max_request_bytes(mut self, n: u32) -> Self {
         self.max_request_bytes = n;
@@ -288,7 +296,7 @@ fn check_fds(count: usize) -> Result<(), ChannelError> {
     Ok(())
 }
 
-/// The error frame for a request or a connection.
+/// The error message for a request or a connection.
 fn error_frame(id: Option<u64>, code: &str, message: impl Into<String>) -> Message {
     Message::Error {
         id,
@@ -685,7 +693,7 @@ impl Server {
             return Err(ChannelError::arg(
                 "slots",
                 format!(
-                    "a subscriber is sent one frame per slot at once, and {} slots do not fit \
+                    "a subscriber is sent one message per slot at once, and {} slots do not fit \
                      in ServerConfig::max_queued_frames ({}); raise it or use fewer slots",
                     slots.len(),
                     self.shared.max_queued

@@ -31,7 +31,7 @@ pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
         }
     };
     let last = session(shared, conn).err();
-    // Leases end before the final frame goes out, so that a producer waiting
+    // Leases end before the final message goes out, so that a producer waiting
     // in wait_released is not held up by a client that will not read.
     shared.disconnect(conn.id);
     conn.finish(last);
@@ -40,7 +40,7 @@ pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
     tracing::debug!(pid = conn.cred.pid, "channel client disconnected");
 }
 
-/// Serves one connection until it ends. `Err` carries the error frame to
+/// Serves one connection until it ends. `Err` carries the error message to
 /// send before closing.
 pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     let deadline = Instant::now() + shared.handshake_timeout;
@@ -117,7 +117,7 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     }
 }
 
-/// Classifies a receive error: a quiet end, or an error frame to send.
+/// Classifies a receive error: a quiet end, or an error message to send.
 pub(super) fn end_of_session(conn: &Conn, e: &ChannelError) -> Result<(), Message> {
     match e {
         ChannelError::PeerGone => Ok(()),
@@ -135,7 +135,7 @@ pub(super) fn end_of_session(conn: &Conn, e: &ChannelError) -> Result<(), Messag
     }
 }
 
-/// Logs a client's protocol error and builds the error frame for it.
+/// Logs a client's protocol error and builds the error message for it.
 pub(super) fn fatal(conn: &Conn, e: &ChannelError) -> Message {
     tracing::warn!(
         pid = conn.cred.pid,
@@ -163,7 +163,7 @@ impl Shared {
         self.changed.notify_all();
     }
 
-    /// Answers one request. `Err` ends the connection with that frame.
+    /// Answers one request. `Err` ends the connection with that message.
     pub(super) fn handle(&self, conn: &Conn, message: Message) -> Result<(), Message> {
         let reply = |m: Message| {
             conn.push(m, Vec::new(), self.max_queued);

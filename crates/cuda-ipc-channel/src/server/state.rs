@@ -27,7 +27,7 @@ pub(super) struct Slot {
     pub(super) state: SlotState,
     /// The sequence number of the slot's latest frame.
     pub(super) seq: u64,
-    /// The leases that were sent the latest frame and have not acked it.
+    /// The leases that were sent the latest message and have not acked it.
     pub(super) pending: BTreeSet<u64>,
 }
 

@@ -125,7 +125,7 @@ fn recv_frame_reports_eof_and_truncation() {
     assert!(matches!(
         recv_message(&b, None, RecvLimits::ANY),
         Err(ChannelError::Wire(WireError::Truncated {
-            what: "frame header",
+            what: "wire header",
             expected: 16,
             got: 5
         }))

@@ -124,7 +124,7 @@ fn malformed_headers_are_rejected_precisely() {
     assert_eq!(
         decode_header(&good[..7]).unwrap_err(),
         WireError::Truncated {
-            what: "frame header",
+            what: "wire header",
             expected: 16,
             got: 7
         }

@@ -100,7 +100,7 @@ fn malformed_frames_get_an_error_and_a_close_and_the_server_carries_on() {
             handshake: true,
             send: bytes(with_header(&|h| h[6] = 7)),
             code: "malformed_frame",
-            text: "frame kind 7",
+            text: "payload kind 7",
         },
         Case {
             what: "reserved",
@@ -133,7 +133,7 @@ fn malformed_frames_get_an_error_and_a_close_and_the_server_carries_on() {
                 s.shutdown(std::net::Shutdown::Write).unwrap();
             }),
             code: "malformed_frame",
-            text: "frame header truncated",
+            text: "wire header truncated",
         },
         Case {
             what: "short payload",

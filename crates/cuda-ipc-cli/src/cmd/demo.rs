@@ -10,6 +10,7 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use cuda_ipc::exchange::{Publisher, PublisherConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
 use cuda_ipc::{
@@ -37,6 +38,11 @@ pub struct Args {
     /// inference pipeline) and report frames per second and latency.
     #[arg(long)]
     pub stream: bool,
+    /// Hand off a set of this many buffers (--size bytes in all, sizes from
+    /// a fixed seed) from an arena in one entry; a consumer process attaches
+    /// it and checks every buffer.
+    #[arg(long, value_parser = super::parse_count, allow_negative_numbers = true, conflicts_with = "stream")]
+    pub set: Option<usize>,
     /// With --stream: the size of one frame.
     #[arg(long, value_parser = super::parse_size, default_value = "1MiB", allow_negative_numbers = true)]
     pub frame_size: u64,
@@ -73,7 +79,59 @@ impl Steps {
     }
 }
 
+/// `demo --set N`: a set of `n` buffers handed off from an arena to a
+/// consumer process (`attach --set`), which checks every value.
+fn run_set(args: &Args, n: usize) -> Result<Outcome, Error> {
+    let sizes = super::serve::set_sizes(n, args.size)?;
+    let t = Instant::now();
+    let device = Device::open(args.device)?;
+    let name = format!("demo-set-{}", std::process::id());
+    let config =
+        PublisherConfig::default().with_sharing(super::serve::arena_sharing(args.mechanism));
+    let publisher = Publisher::bind(&device, name.as_str(), config)?;
+    let buffers = super::serve::publish_set(&publisher, &sizes)?;
+    let mechanism = publisher.arena()?.backing().mechanism();
+    let chunks = publisher.arena()?.stats().chunks;
+    let publish_ms = super::ms_since(t);
+    outln!(
+        "cuda-ipc demo: a set of {n} buffers, {} in all, in {chunks} {mechanism} chunk(s) of one arena ({publish_ms:.3} ms to allocate, fill and publish)",
+        super::human(args.size)
+    )?;
+    let socket = publisher.path().to_string_lossy().into_owned();
+    let device_arg = args.device.to_string();
+    let child = super::spawn_self(
+        "consumer",
+        &[
+            "attach",
+            "--socket",
+            &socket,
+            "--set",
+            super::serve::SET_NAME,
+            "--device",
+            &device_arg,
+        ],
+        Stdio::null(),
+    )?;
+    let out = child.wait_with_output().map_err(|e| Error::Io {
+        context: "waiting for the consumer".into(),
+        source: e,
+    })?;
+    let report = String::from_utf8_lossy(&out.stdout);
+    outln!("  consumer: {}", report.trim())?;
+    publisher.unpublish_set(super::serve::SET_NAME, Some(Duration::from_secs(10)))?;
+    drop(buffers);
+    if !out.status.success() {
+        outln!("FAILED: the consumer process exited with {}", out.status)?;
+        return Ok(Outcome::Mismatch);
+    }
+    outln!("OK: the consumer checked every value of all {n} buffers")?;
+    Ok(Outcome::Ok)
+}
+
 pub fn run(args: &Args) -> Result<Outcome, Error> {
+    if let Some(n) = args.set {
+        return run_set(args, n);
+    }
     if args.size == 0 || !args.size.is_multiple_of(4) {
         return Err(Error::InvalidArgument {
             what: "size",

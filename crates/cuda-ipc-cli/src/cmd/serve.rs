@@ -6,9 +6,13 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
 use cuda_ipc::channel::{self, ChannelError, Client, ClientConfig};
-use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
+use cuda_ipc::exchange::{
+    Endpoint, Publisher, PublisherConfig, Sharing, Subscriber, SubscriberConfig,
+};
 use cuda_ipc::kernels::{self, Pattern, Speed};
+use cuda_ipc::set;
 use cuda_ipc::units::shorten;
 use cuda_ipc::{Device, DeviceMemory, Dtype, Error};
 use rustix::fs::FileType;
@@ -29,11 +33,16 @@ pub struct ServeArgs {
     #[arg(long, value_parser = super::parse_size, allow_negative_numbers = true)]
     pub size: u64,
     /// Fill every 32-bit word with this value (decimal or 0x hex).
-    #[arg(long, value_parser = super::parse_value, allow_negative_numbers = true)]
-    pub fill_u32: u32,
+    #[arg(long, value_parser = super::parse_value, allow_negative_numbers = true, required_unless_present = "set")]
+    pub fill_u32: Option<u32>,
     /// How many buffers to publish (named buf0, buf1, ...).
     #[arg(long, default_value_t = 1, value_parser = super::parse_count, allow_negative_numbers = true)]
     pub buffers: usize,
+    /// Publish one set called `weights` of this many buffers (w0, w1, ...)
+    /// from an arena instead, --size bytes in all (sizes drawn from a fixed
+    /// seed), each filled with its own ramp that `attach --set` checks.
+    #[arg(long, value_parser = super::parse_count, allow_negative_numbers = true, conflicts_with_all = ["fill_u32", "buffers"])]
+    pub set: Option<usize>,
     /// How to share: auto, legacy, vmm, pool or fabric.
     #[arg(long, value_parser = super::parse_mechanism, default_value = "auto")]
     pub mechanism: super::MechanismArg,
@@ -61,6 +70,10 @@ pub struct AttachArgs {
     /// Only list the published buffers.
     #[arg(long)]
     pub list: bool,
+    /// Attach this set (as `serve --set` or `demo --set` publish it) and
+    /// check every buffer's values (exit 1 on a mismatch).
+    #[arg(long, conflicts_with_all = ["buffer", "list", "expect_u32", "fill_u32"])]
+    pub set: Option<String>,
     /// Check that every 32-bit word equals this value (exit 1 on the first mismatch).
     #[arg(long, value_parser = super::parse_value, allow_negative_numbers = true)]
     pub expect_u32: Option<u32>,
@@ -175,7 +188,92 @@ fn socket_path(socket: &str, side: Side) -> Result<PathBuf, Error> {
     }
 }
 
+/// The seed of the set mode's buffer sizes (`set::weight_sizes`).
+pub const SET_SEED: u64 = 0x5E7_5EED;
+
+/// The name `serve --set` and `demo --set` publish their set under.
+pub const SET_NAME: &str = "weights";
+
+/// The values of buffer `i` of a CLI set: a ramp that starts differently
+/// for every buffer, so that a view of the wrong buffer fails the check.
+pub fn set_pattern(i: usize) -> Pattern {
+    Pattern::ramp((i as u32).wrapping_mul(0x0100_0193) ^ 0x5E7D_A7A0, 1)
+}
+
+/// The sizes of a CLI set of `n` buffers, `total` bytes in all.
+pub fn set_sizes(n: usize, total: u64) -> Result<Vec<u64>, Error> {
+    set::weight_sizes(n, total, SET_SEED).map_err(|e| Error::InvalidArgument {
+        what: "--set or --size",
+        reason: format!("cannot draw {n} buffers of {total} bytes in all: {e}"),
+    })
+}
+
+/// Publishes the CLI's set of `sizes.len()` buffers, each filled with its
+/// ramp, from the publisher's arena; returns the buffers (the producer's
+/// handles).
+pub fn publish_set(publisher: &Publisher, sizes: &[u64]) -> Result<Vec<DeviceArenaBuffer>, Error> {
+    let total: u64 = sizes.iter().sum();
+    publisher.arena()?.reserve(total)?;
+    let mut buffers = Vec::with_capacity(sizes.len());
+    for (i, len) in sizes.iter().enumerate() {
+        let b = publisher.alloc(*len)?;
+        kernels::fill_u32(&b, set_pattern(i), Speed::Full)?;
+        buffers.push(b);
+    }
+    let names: Vec<String> = (0..sizes.len()).map(|i| format!("w{i}")).collect();
+    let shapes: Vec<[u64; 1]> = sizes.iter().map(|l| [l / 4]).collect();
+    let members: Vec<SetMember<'_>> = buffers
+        .iter()
+        .zip(&names)
+        .zip(&shapes)
+        .map(|((buffer, name), shape)| SetMember {
+            name,
+            dtype: Dtype::U32,
+            shape,
+            buffer,
+        })
+        .collect();
+    publisher.publish_set(SET_NAME, &members)?;
+    Ok(buffers)
+}
+
+/// The sharing a `--mechanism` asks for, from an arena.
+pub fn arena_sharing(mechanism: super::MechanismArg) -> Sharing {
+    match mechanism.0 {
+        Some(m) => Sharing::arena(m),
+        None => Sharing::auto(),
+    }
+}
+
+fn serve_set(args: &ServeArgs, n: usize) -> Result<Outcome, Error> {
+    let sizes = set_sizes(n, args.size)?;
+    let path = socket_path(&args.socket, Side::Serve)?;
+    let device = Device::open(args.device)?;
+    let config = PublisherConfig::default()
+        .with_allow_uids(args.allow_uid.iter().copied())
+        .with_sharing(arena_sharing(args.mechanism));
+    let publisher = Publisher::bind(&device, Endpoint::Path(path), config)?;
+    let buffers = publish_set(&publisher, &sizes)?;
+    let line = json!({
+        "socket": publisher.path(),
+        "set": SET_NAME,
+        "buffers": n,
+        "mechanism": publisher.arena()?.backing().mechanism().name(),
+        "size": args.size,
+        "pid": std::process::id(),
+    });
+    outln!("{line}")?;
+    super::wait_for_stdin_end()?;
+    publisher.unpublish_set(SET_NAME, Some(args.release_timeout))?;
+    drop(buffers);
+    publisher.trim()?;
+    Ok(Outcome::Ok)
+}
+
 pub fn serve(args: &ServeArgs) -> Result<Outcome, Error> {
+    if let Some(n) = args.set {
+        return serve_set(args, n);
+    }
     if args.size == 0 || !args.size.is_multiple_of(4) || args.buffers == 0 {
         return Err(Error::InvalidArgument {
             what: "size or buffers",
@@ -192,7 +290,8 @@ pub fn serve(args: &ServeArgs) -> Result<Outcome, Error> {
     let mut names = Vec::new();
     let mut mechanism = None;
     for i in 0..args.buffers {
-        let buffer = super::alloc_filled(&device, args.size, args.mechanism, args.fill_u32)?;
+        let fill = args.fill_u32.unwrap_or_default(); // required without --set
+        let buffer = super::alloc_filled(&device, args.size, args.mechanism, fill)?;
         mechanism = Some(buffer.mechanism());
         let name = format!("buf{i}");
         publisher.publish(&name, buffer, Dtype::U32, Some(vec![args.size / 4]))?;
@@ -228,6 +327,12 @@ fn list(path: &Path, allow_uids: &[u32]) -> Result<Outcome, Error> {
     config.allowed_server_uids.extend_from_slice(allow_uids);
     let client = Client::connect(path, config)?;
     for entry in client.list()? {
+        if entry
+            .name
+            .starts_with(cuda_ipc::exchange::HIDDEN_ENTRY_PREFIX)
+        {
+            continue; // an arena chunk or a part of a set record
+        }
         outln!("{}", entry.name)?;
     }
     Ok(Outcome::Ok)
@@ -241,6 +346,9 @@ pub fn attach(args: &AttachArgs) -> Result<Outcome, Error> {
     let device = Device::open(args.device)?;
     let config = SubscriberConfig::default().with_allow_uids(args.allow_uid.iter().copied());
     let subscriber = Subscriber::connect(&device, Endpoint::Path(path), config)?;
+    if let Some(set) = &args.set {
+        return attach_set(&subscriber, set);
+    }
     let names = subscriber.list()?;
     let name = match &args.buffer {
         Some(n) => n.clone(),
@@ -286,5 +394,40 @@ pub fn attach(args: &AttachArgs) -> Result<Outcome, Error> {
     }
     subscriber.release(attached)?;
     outln!("{report}")?;
+    Ok(Outcome::Ok)
+}
+
+/// `attach --set NAME`: attaches the set and checks every buffer's ramp.
+pub fn attach_set(subscriber: &Subscriber, name: &str) -> Result<Outcome, Error> {
+    let started = Instant::now();
+    let set = subscriber.attach_set(name)?;
+    // Every view of the set shares the device stream that waited on the event.
+    set.view::<u8>(0)?.synchronize()?;
+    let ms = super::ms_since(started);
+    let t = Instant::now();
+    for i in 0..set.len() {
+        let view = set.view::<u32>(i)?;
+        if let Some(w) = kernels::check_u32(&view, set_pattern(i))? {
+            let found: Vec<u32> = view.slice(w as usize..w as usize + 1)?.to_vec()?;
+            errln!(
+                "cuda-ipc: mismatch: word {w} of {}/{} is {:#010x}, expected {:#010x}",
+                name,
+                set.entries()[i].name,
+                found[0],
+                set_pattern(i).at(w)
+            );
+            drop(view);
+            subscriber.release_set(set)?;
+            return Ok(Outcome::Mismatch);
+        }
+    }
+    let check_ms = super::ms_since(t);
+    let bytes = set.record().total_bytes();
+    let n = set.len();
+    subscriber.release_set(set)?;
+    outln!(
+        "attached set {name}: {n} buffers, {} in {ms:.3} ms; every value of every buffer checked in {check_ms:.3} ms",
+        super::human(bytes)
+    )?;
     Ok(Outcome::Ok)
 }

@@ -66,8 +66,10 @@
 //! A consumer that maps a chunk can read (and, for writable mappings,
 //! write) **every** buffer in that chunk, not only those handed to it. Keep
 //! one arena per publisher, and give data that some consumers must not see
-//! its own arena (or per-buffer exports). An `isolated` publisher option
-//! that does this for the caller belongs to the exchange layer.
+//! its own arena (or per-buffer exports): a
+//! [`Publisher`](crate::exchange::Publisher) has an arena of its own, and
+//! [`Sharing::Isolated`](crate::exchange::Sharing::Isolated) exports every
+//! buffer on its own.
 //!
 //! ```no_run
 //! use cuda_ipc::arena::{Arena, ArenaOptions, DeviceChunks};

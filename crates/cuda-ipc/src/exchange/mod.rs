@@ -22,6 +22,38 @@
 //! # Ok::<(), cuda_ipc::Error>(())
 //! ```
 //!
+//! # Arenas and sets
+//! Many buffers (a model's weights) travel as one **set** from the
+//! publisher's arena: [`Publisher::publish_set`], [`Subscriber::attach_set`],
+//! [`Publisher::update_set`] with [`Subscriber::wait_set_update`],
+//! [`Subscriber::release_set`]; one buffer with [`Publisher::publish_buffer`]
+//! and the usual [`Subscriber::attach`].
+//!
+//! A [`Publisher`] that shares through an arena ([`Sharing::Arena`], the
+//! default) publishes each chunk of its arena **once**, as a hidden channel
+//! entry carrying the chunk's descriptor and file descriptors (exported once
+//! when the chunk was made). A buffer or a set is then an entry whose
+//! metadata is a [set record](crate::set): names, types, shapes and
+//! (chunk, offset, length) views, and no file descriptor. A subscriber
+//! attaches a chunk's hidden entry only the first time it maps that chunk,
+//! and keeps the mapping (and that lease, which tells the publisher the
+//! chunk is mapped) in its cache until the [`MappingBudget`] evicts it. So a
+//! hand-off from an arena is one event record and one message; a chunk's
+//! file descriptors travel once per subscriber, in a frame of their own (at
+//! most 16 per frame, one chunk per frame).
+//!
+//! A set record larger than [`SET_PART_BYTES`] travels in several parts,
+//! hidden entries of its own, one message each (a set of 10,000 buffers
+//! takes a few).
+//!
+//! **Lifetimes.** A published buffer or set holds an [`ArenaLease`](crate::arena::ArenaLease) on each
+//! of its buffers while it is published and, after it is unpublished, until
+//! the last consumer's lease on it has ended (released, or closed with the
+//! consumer's connection when it exits or is killed); only then can its
+//! ranges go back to the arena, and only if the producer has dropped its
+//! [`ArenaBuffer`](crate::arena::ArenaBuffer)s too. The publisher checks
+//! for ended leases at each of its arena calls and at [`Publisher::reap`].
+//!
 //! # Synchronisation
 //! The publisher records one interprocess event after the writes queued on
 //! a buffer's stream at every [`Publisher::publish`] and
@@ -45,9 +77,11 @@
 //! next call fails within a second with [`ChannelError::PeerGone`](crate::channel::ChannelError::PeerGone);
 //! [`Subscriber::is_alive`] polls for it.
 
+mod budget;
 mod lease;
 mod publisher;
 mod ring;
+mod set;
 mod subscriber;
 mod wire;
 
@@ -57,8 +91,10 @@ use std::sync::{Mutex, MutexGuard};
 use crate::channel;
 use crate::error::Result;
 
+pub use budget::MappingBudget;
 pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber};
+pub use set::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, SetAttachment, Sharing, chunk_entry_name};
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -17,6 +17,7 @@ use crate::memory::DeviceMemory;
 use crate::share::SharedBuffer;
 
 use super::ring::RingPublisher;
+use super::set::{PublisherArena, Sharing};
 use super::wire::{self, EntryMeta, RingMeta, UpdateNotice};
 use super::{Endpoint, lock};
 
@@ -28,6 +29,9 @@ pub struct PublisherConfig {
     /// User ids allowed to connect besides our own (peer credentials are
     /// checked on every connection).
     pub allow_uids: Vec<u32>,
+    /// How buffers are shared: from an arena (the default, `auto`) or
+    /// each exported on its own ([`Sharing::Isolated`]).
+    pub sharing: Sharing,
 }
 
 impl PublisherConfig {
@@ -35,6 +39,13 @@ impl PublisherConfig {
     #[must_use]
     pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
         self.allow_uids.extend(uids);
+        self
+    }
+
+    /// Shares through an arena (the default) or each buffer on its own.
+    #[must_use]
+    pub fn with_sharing(mut self, sharing: Sharing) -> Self {
+        self.sharing = sharing;
         self
     }
 }
@@ -50,11 +61,12 @@ struct PublishedBuffer {
 
 /// Serves device buffers by name to subscribers in other processes.
 pub struct Publisher {
-    device: Device,
-    server: Server,
-    event: IpcEvent,
-    event_handle: IpcEventHandle,
+    pub(super) device: Device,
+    pub(super) server: Server,
+    pub(super) event: IpcEvent,
+    pub(super) event_handle: IpcEventHandle,
     entries: Mutex<HashMap<String, PublishedBuffer>>,
+    pub(super) arena: PublisherArena,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -75,7 +87,7 @@ impl Publisher {
     ) -> Result<Self> {
         let path = endpoint.into().path()?;
         let mut server_config = ServerConfig::new(path);
-        for uid in config.allow_uids {
+        for uid in config.allow_uids.iter().copied() {
             if !server_config.allowed_uids.contains(&uid) {
                 server_config.allowed_uids.push(uid);
             }
@@ -90,6 +102,7 @@ impl Publisher {
             event,
             event_handle,
             entries: Mutex::new(HashMap::new()),
+            arena: PublisherArena::new(config.sharing),
         })
     }
 
@@ -137,6 +150,9 @@ impl Publisher {
     /// (the wire's notice calls it `generation`).
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn update(&self, name: &str) -> Result<u64> {
+        if self.is_arena_entry(name) {
+            return self.update_set(name);
+        }
         let buffer = lock(&self.entries)
             .get(name)
             .map(|e| e.buffer.clone())
@@ -157,6 +173,12 @@ impl Publisher {
     /// released. Returns the buffer, which no other process uses any more.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn unpublish(&self, name: &str, timeout: Option<Duration>) -> Result<Arc<SharedBuffer>> {
+        if self.is_arena_entry(name) {
+            return Err(Error::arg(
+                "unpublish",
+                format!("{name:?} was published from the arena; use Publisher::unpublish_set"),
+            ));
+        }
         self.server.unpublish(name)?;
         self.server.wait_released(name, timeout)?;
         let entry = lock(&self.entries)

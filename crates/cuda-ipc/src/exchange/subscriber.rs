@@ -17,7 +17,9 @@ use crate::handle::IpcEventHandle;
 use crate::memory::DeviceMemory;
 use crate::share;
 
+use super::budget::MappingBudget;
 use super::lease::{LeaseGuard, Pending};
+use super::set::ChunkCache;
 use super::wire::EntryMeta;
 use super::{Endpoint, lock};
 
@@ -30,6 +32,8 @@ pub struct SubscriberConfig {
     pub timeout: Duration,
     /// User ids the publisher may run as besides our own.
     pub allow_uids: Vec<u32>,
+    /// How many idle chunk mappings the subscriber keeps for reuse.
+    pub mapping_budget: MappingBudget,
 }
 
 impl Default for SubscriberConfig {
@@ -37,6 +41,7 @@ impl Default for SubscriberConfig {
         SubscriberConfig {
             timeout: Duration::from_secs(5),
             allow_uids: Vec::new(),
+            mapping_budget: MappingBudget::default(),
         }
     }
 }
@@ -55,6 +60,15 @@ impl SubscriberConfig {
         self.allow_uids.extend(uids);
         self
     }
+
+    /// Keeps at most `bytes` bytes (`None`: no limit) and `count` (`None`:
+    /// no limit) of cached chunk mappings, evicting the least recently used
+    /// of those that no lease holds.
+    #[must_use]
+    pub fn with_mapping_budget(mut self, bytes: Option<u64>, count: Option<usize>) -> Self {
+        self.mapping_budget = MappingBudget::new(bytes, count);
+        self
+    }
 }
 
 /// Cache key of a mapping: the exporter and its allocation's generation
@@ -63,6 +77,9 @@ type CacheKey = (u32, u64);
 
 /// Connects to a [`Publisher`](super::Publisher) and maps what it publishes.
 pub struct Subscriber {
+    /// Cached chunk mappings, unmapped before the connection (and with it
+    /// the chunk leases) closes: fields drop in declaration order.
+    pub(super) chunks: Mutex<ChunkCache>,
     pub(super) device: Device,
     pub(super) client: Arc<Client>,
     cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
@@ -92,6 +109,24 @@ pub struct Attachment<T> {
 }
 
 impl<T: Pod> Attachment<T> {
+    pub(super) fn from_parts(
+        lease: u64,
+        name: String,
+        guard: Arc<LeaseGuard>,
+        buffer: MappedBuffer<T>,
+        event: Arc<IpcEvent>,
+        descriptor: Descriptor,
+    ) -> Self {
+        Attachment {
+            lease,
+            name,
+            guard,
+            buffer,
+            event,
+            descriptor,
+        }
+    }
+
     /// The mapped buffer; its stream waits on the publisher's event.
     pub fn buffer(&self) -> &MappedBuffer<T> {
         &self.buffer
@@ -128,12 +163,20 @@ impl Subscriber {
             events: Mutex::new(HashMap::new()),
             pending: Arc::new(Mutex::new(HashMap::new())),
             opens: std::sync::atomic::AtomicU64::new(0),
+            chunks: Mutex::new(ChunkCache::new(config.mapping_budget)),
         })
     }
 
-    /// The names published now.
+    /// The names published now (not the hidden entries of arena chunks
+    /// and set record parts, which start with `.cuda-ipc/`).
     pub fn list(&self) -> Result<Vec<String>> {
-        Ok(self.client.list()?.into_iter().map(|e| e.name).collect())
+        Ok(self
+            .client
+            .list()?
+            .into_iter()
+            .map(|e| e.name)
+            .filter(|n| !n.starts_with(super::set::HIDDEN_ENTRY_PREFIX))
+            .collect())
     }
 
     /// Whether the publisher is still there (does not block).
@@ -144,6 +187,11 @@ impl Subscriber {
     /// How many mappings this subscriber has opened (cache misses).
     pub fn opens(&self) -> u64 {
         self.opens.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(super) fn count_open(&self) {
+        self.opens
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub(super) fn event(&self, handle: IpcEventHandle) -> Result<Arc<IpcEvent>> {
@@ -202,6 +250,9 @@ impl Subscriber {
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn attach<T: Pod>(&self, name: &str) -> Result<Attachment<T>> {
         let a = self.client.attach(name)?;
+        if super::set::is_set_meta(&a.meta) {
+            return self.attach_arena_buffer(a);
+        }
         match self.open_descriptor::<T>(&a.meta, a.fds) {
             Ok((descriptor, buffer, event)) => {
                 let guard = LeaseGuard::new(

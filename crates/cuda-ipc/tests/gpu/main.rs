@@ -5,6 +5,7 @@
 //! `cargo test --release --test gpu -- --ignored --test-threads=1`, or the
 //! bundle built by `scripts/gpu-bundle.sh`.
 
+mod arena_sets;
 mod chaos;
 mod common;
 mod consumer;

@@ -1,0 +1,894 @@
+//! Publishing from an arena, and sets (documented in the parent module).
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytemuck::Pod;
+use serde_json::{Value, json};
+
+use crate::arena::{
+    Arena, ArenaLease, ArenaOptions, Chunk, ChunkBacking, ChunkId, ChunkPin, DeviceArena,
+    DeviceArenaBuffer, DeviceChunk, DeviceChunks, SetMember,
+};
+use crate::buffer::{MappedBuffer, Mapping};
+use crate::channel::{self, ChannelError, Notice, Server};
+use crate::descriptor::{Dtype, Mechanism};
+use crate::error::{Error, Result};
+use crate::event::IpcEvent;
+use crate::memory::DeviceMemory;
+use crate::set::{SET_VERSION_KEY, SetEntry, SetRecord};
+use crate::share;
+
+use super::budget::{Held, LruCache};
+use super::lease::LeaseGuard;
+use super::lock;
+use super::publisher::Publisher;
+use super::subscriber::{Attachment, Subscriber};
+use super::wire::{self, EntryMeta, UpdateNotice};
+
+/// How a [`Publisher`] shares memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Sharing {
+    /// Buffers come from one arena per publisher ([`Publisher::alloc`]):
+    /// chunks exported once, hand-offs with no export. A consumer that maps
+    /// a chunk can read every buffer in it.
+    Arena {
+        /// The chunks' mechanism (`None`: auto, VMM where VMM file
+        /// descriptors work, else pool or legacy).
+        mechanism: Option<Mechanism>,
+        /// Chunk sizes, alignment, limit.
+        options: ArenaOptions,
+    },
+    /// No arena: every buffer is its own allocation, exported when it is
+    /// published ([`Publisher::publish`]); a consumer maps only what it is
+    /// handed.
+    Isolated,
+}
+
+impl Default for Sharing {
+    /// `auto`: an arena of the best mechanism, with the default options.
+    fn default() -> Self {
+        Sharing::auto()
+    }
+}
+
+impl Sharing {
+    /// An arena of the best mechanism the device supports, default options.
+    pub fn auto() -> Self {
+        Sharing::Arena {
+            mechanism: None,
+            options: ArenaOptions::default(),
+        }
+    }
+
+    /// An arena whose chunks use `mechanism`, default options.
+    pub fn arena(mechanism: Mechanism) -> Self {
+        Sharing::Arena {
+            mechanism: Some(mechanism),
+            options: ArenaOptions::default(),
+        }
+    }
+}
+
+/// Set records longer than this (bytes of JSON) travel in parts.
+pub const SET_PART_BYTES: usize = 96 * 1024;
+
+/// The most parts a set record travels in (96 MiB of JSON, far more than
+/// the most entries a record holds take).
+const MAX_PARTS: usize = 1024;
+
+/// The key of a set entry's metadata that lists the parts of its record.
+const PARTS_KEY: &str = "cuda_ipc_set_parts";
+
+/// The prefix of the hidden entries a publisher makes for its arena.
+pub const HIDDEN_ENTRY_PREFIX: &str = ".cuda-ipc/";
+
+/// The hidden entry that carries a chunk's descriptor and descriptors.
+pub fn chunk_entry_name(id: ChunkId) -> String {
+    format!("{HIDDEN_ENTRY_PREFIX}chunk/{}/{}", id.arena, id.index)
+}
+
+/// Whether an entry's metadata is a set record (or the parts of one).
+pub(super) fn is_set_meta(meta: &Value) -> bool {
+    meta.get(SET_VERSION_KEY).is_some() || meta.get(PARTS_KEY).is_some()
+}
+
+/// A chunk that can be published as a hidden entry: its metadata and
+/// copies of its file descriptors (no new export).
+pub(super) trait ChunkEntry {
+    fn entry(&self) -> Result<(Value, Vec<OwnedFd>)>;
+}
+
+impl ChunkEntry for DeviceChunk {
+    fn entry(&self) -> Result<(Value, Vec<OwnedFd>)> {
+        let fds = self
+            .fds()
+            .iter()
+            .map(|fd| {
+                fd.try_clone()
+                    .map_err(|e| Error::arg("chunk descriptor", format!("cannot dup: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((wire::to_value(&EntryMeta::new(self.descriptor()))?, fds))
+    }
+}
+
+struct Published<B: ChunkBacking> {
+    leases: Vec<ArenaLease<B>>,
+    chunks: Vec<Arc<Chunk<B>>>,
+    parts: Vec<String>,
+}
+
+/// What stays alive after an entry is unpublished, until its last lease ends.
+struct Retired<B: ChunkBacking> {
+    names: Vec<String>,
+    _leases: Vec<ArenaLease<B>>,
+    _pin: Option<ChunkPin<B>>,
+}
+
+/// The publisher's bookkeeping of arena entries: which chunks are published
+/// as hidden entries, which sets hold which leases, what waits for its last
+/// consumer. Generic over the backing so that it runs without a GPU.
+pub(super) struct Book<B: ChunkBacking> {
+    sets: HashMap<String, Published<B>>,
+    chunks: HashMap<u64, ChunkPin<B>>,
+    retired: Vec<Retired<B>>,
+    parts: u64,
+}
+
+impl<B: ChunkBacking> Default for Book<B> {
+    fn default() -> Self {
+        Book {
+            sets: HashMap::new(),
+            chunks: HashMap::new(),
+            retired: Vec::new(),
+            parts: 0,
+        }
+    }
+}
+
+impl<B: ChunkBacking> Book<B>
+where
+    B::Chunk: ChunkEntry,
+{
+    /// Publishes `chunk` as a hidden entry unless it is already.
+    fn ensure_chunk(&mut self, server: &Server, arena: &Arena<B>, chunk: &Chunk<B>) -> Result<()> {
+        let id = chunk.id();
+        if self.chunks.contains_key(&id.index) {
+            return Ok(());
+        }
+        let pin = arena.pin(id)?;
+        let (meta, fds) = chunk.backing().entry()?;
+        server.publish(&chunk_entry_name(id), meta, fds)?;
+        self.chunks.insert(id.index, pin);
+        Ok(())
+    }
+
+    /// Publishes a set record under `name`, holding `leases` while it is
+    /// published and leased.
+    pub(super) fn publish(
+        &mut self,
+        server: &Server,
+        arena: &Arena<B>,
+        name: &str,
+        record: &Value,
+        leases: Vec<ArenaLease<B>>,
+    ) -> Result<()> {
+        self.reap(server);
+        if self.sets.contains_key(name) {
+            return Err(ChannelError::AlreadyExists { name: name.into() }.into());
+        }
+        let mut chunks: Vec<Arc<Chunk<B>>> = Vec::new();
+        for l in &leases {
+            if !chunks.iter().any(|c| c.id() == l.chunk().id()) {
+                chunks.push(l.chunk().clone());
+            }
+        }
+        for c in &chunks {
+            self.ensure_chunk(server, arena, c)?;
+        }
+        let text = record.to_string();
+        let mut parts: Vec<String> = Vec::new();
+        let meta = if text.len() <= SET_PART_BYTES {
+            record.clone()
+        } else {
+            self.parts += 1;
+            let pieces = split_utf8(&text, SET_PART_BYTES);
+            for (i, piece) in pieces.iter().enumerate() {
+                let part = format!(
+                    "{HIDDEN_ENTRY_PREFIX}set-part/{}/{}/{i}",
+                    arena.id(),
+                    self.parts
+                );
+                if let Err(e) = server.publish(&part, json!({ "text": piece }), Vec::new()) {
+                    for p in &parts {
+                        let _ = server.unpublish(p);
+                    }
+                    return Err(e.into());
+                }
+                parts.push(part);
+            }
+            json!({ PARTS_KEY: parts, "bytes": text.len() })
+        };
+        if let Err(e) = server.publish(name, meta, Vec::new()) {
+            for p in &parts {
+                let _ = server.unpublish(p);
+            }
+            return Err(e.into());
+        }
+        self.sets.insert(
+            name.to_owned(),
+            Published {
+                leases,
+                chunks,
+                parts,
+            },
+        );
+        Ok(())
+    }
+
+    /// The chunks of a published set, for recording its event.
+    pub(super) fn chunks_of(&self, name: &str) -> Option<Vec<Arc<Chunk<B>>>> {
+        self.sets.get(name).map(|s| s.chunks.clone())
+    }
+
+    /// Whether `name` is a set (or arena buffer) of this book.
+    pub(super) fn contains(&self, name: &str) -> bool {
+        self.sets.contains_key(name)
+    }
+
+    /// Unpublishes a set: no new attaches; its leases stay until its last
+    /// consumer's lease ends.
+    pub(super) fn unpublish(&mut self, server: &Server, name: &str) -> Result<()> {
+        let set = self
+            .sets
+            .remove(name)
+            .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        let mut names = vec![name.to_owned()];
+        let r = server.unpublish(name);
+        for p in set.parts {
+            let _ = server.unpublish(&p);
+            names.push(p);
+        }
+        self.retired.push(Retired {
+            names,
+            _leases: set.leases,
+            _pin: None,
+        });
+        self.reap(server);
+        Ok(r?)
+    }
+
+    /// Drops what waited for consumers whose leases have all ended; returns
+    /// how many retired entries were let go.
+    pub(super) fn reap(&mut self, server: &Server) -> usize {
+        let before = self.retired.len();
+        self.retired
+            .retain(|r| r.names.iter().any(|n| server.lease_count(n) > 0));
+        before - self.retired.len()
+    }
+
+    /// Unpublishes the hidden entries of chunks that hold no buffer, then
+    /// trims the arena: a chunk goes when no consumer maps it any more.
+    pub(super) fn trim(&mut self, server: &Server, arena: &Arena<B>) -> u64 {
+        let idle: Vec<u64> = arena
+            .chunks()
+            .into_iter()
+            .filter(|c| c.buffers == 0)
+            .map(|c| c.id.index)
+            .collect();
+        for index in idle {
+            if let Some(pin) = self.chunks.remove(&index) {
+                let name = chunk_entry_name(pin.chunk().id());
+                let _ = server.unpublish(&name);
+                self.retired.push(Retired {
+                    names: vec![name],
+                    _leases: Vec::new(),
+                    _pin: Some(pin),
+                });
+            }
+        }
+        self.reap(server);
+        arena.trim()
+    }
+
+    /// Entries waiting for their last consumer.
+    pub(super) fn retired(&self) -> usize {
+        self.retired.len()
+    }
+}
+
+/// `text` in pieces of at most `max` bytes, cut at character boundaries.
+fn split_utf8(text: &str, max: usize) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        let mut cut = max.min(rest.len());
+        while !rest.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let (a, b) = rest.split_at(cut);
+        out.push(a);
+        rest = b;
+    }
+    out
+}
+
+/// The arena side of a [`Publisher`]: its arena (made at the first use) and
+/// the bookkeeping of what it published from it.
+pub(super) struct PublisherArena {
+    sharing: Sharing,
+    arena: OnceLock<DeviceArena>,
+    pub(super) book: std::sync::Mutex<Book<DeviceChunks>>,
+}
+
+impl PublisherArena {
+    pub(super) fn new(sharing: Sharing) -> Self {
+        PublisherArena {
+            sharing,
+            arena: OnceLock::new(),
+            book: std::sync::Mutex::new(Book::default()),
+        }
+    }
+}
+
+impl Publisher {
+    /// This publisher's arena, made at the first call (no chunk is
+    /// allocated until the first [`Publisher::alloc`] or
+    /// [`Arena::reserve`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a publisher configured
+    /// [`Sharing::Isolated`]; the device's errors if it cannot share memory.
+    pub fn arena(&self) -> Result<&DeviceArena> {
+        if let Some(a) = self.arena.arena.get() {
+            return Ok(a);
+        }
+        let Sharing::Arena { mechanism, options } = &self.arena.sharing else {
+            return Err(Error::arg(
+                "publisher",
+                "it is configured isolated (no arena); publish SharedBuffers with \
+                 Publisher::publish, or configure Sharing::Arena",
+            ));
+        };
+        let arena = Arena::new(
+            DeviceChunks::new(&self.device, *mechanism)?,
+            options.clone(),
+        )?;
+        let _ = self.arena.arena.set(arena);
+        self.arena
+            .arena
+            .get()
+            .ok_or_else(|| Error::arg("publisher", "its arena could not be kept"))
+    }
+
+    /// Allocates `bytes` bytes from this publisher's arena: no export (a new
+    /// chunk, exported once, only when no chunk has room).
+    pub fn alloc(&self, bytes: u64) -> Result<DeviceArenaBuffer> {
+        let arena = self.arena()?;
+        lock(&self.arena.book).reap(&self.server);
+        arena.alloc(bytes)
+    }
+
+    /// Publishes one arena buffer under `name` as elements of `dtype` with
+    /// `shape` (a set of one, which [`Subscriber::attach`] also opens): no
+    /// driver export, one event record, one message.
+    pub fn publish_buffer(
+        &self,
+        name: &str,
+        buffer: &DeviceArenaBuffer,
+        dtype: Dtype,
+        shape: &[u64],
+    ) -> Result<()> {
+        self.publish_set(
+            name,
+            &[SetMember {
+                name,
+                dtype,
+                shape,
+                buffer,
+            }],
+        )
+    }
+
+    /// Publishes `members`, buffers of this publisher's arena, as one set
+    /// called `name`: one entry, one event recorded after the work queued on
+    /// the members' streams, no driver export.
+    #[tracing::instrument(level = "debug", skip(self, members), fields(members = members.len()))]
+    pub fn publish_set(&self, name: &str, members: &[SetMember<'_>]) -> Result<()> {
+        let arena = self.arena()?;
+        let mut record = arena.describe_set(name, members.iter().copied())?;
+        record.event = Some(self.event_handle);
+        let mut chunks: Vec<&Arc<Chunk<DeviceChunks>>> = Vec::new();
+        for m in members {
+            if !chunks.iter().any(|c| c.id() == m.buffer.chunk().id()) {
+                chunks.push(m.buffer.chunk());
+            }
+        }
+        self.record_after(chunks.iter().copied())?;
+        let leases = members.iter().map(|m| m.buffer.lease()).collect();
+        lock(&self.arena.book).publish(&self.server, arena, name, &record.to_value(), leases)
+    }
+
+    /// Records the publisher's event after the work queued on the streams
+    /// of `chunks` (joined into the first).
+    fn record_after<'a>(
+        &self,
+        chunks: impl Iterator<Item = &'a Arc<Chunk<DeviceChunks>>>,
+    ) -> Result<()> {
+        let mut streams: Vec<&Arc<cudarc::driver::CudaStream>> = Vec::new();
+        for c in chunks {
+            let s = c.backing().buffer().stream();
+            if !streams.iter().any(|o| Arc::ptr_eq(o, s)) {
+                streams.push(s);
+            }
+        }
+        let Some(first) = streams.first() else {
+            return Ok(());
+        };
+        for other in &streams[1..] {
+            first.join(other).map_err(|e| {
+                Error::arg("stream", format!("cannot order the set's streams: {e}"))
+            })?;
+        }
+        self.event.record(first)
+    }
+
+    /// Tells every subscriber of the set (or arena buffer) `name` that new
+    /// contents are ready, written in place: one event for the whole set,
+    /// one notice per subscriber. Returns the update's version, from 1.
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn update_set(&self, name: &str) -> Result<u64> {
+        let chunks = lock(&self.arena.book)
+            .chunks_of(name)
+            .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        self.record_after(chunks.iter())?;
+        Ok(self
+            .server
+            .update(name, wire::to_value(&UpdateNotice::default())?)?)
+    }
+
+    /// Whether `name` was published from the arena (a set or an arena buffer).
+    pub(super) fn is_arena_entry(&self, name: &str) -> bool {
+        lock(&self.arena.book).contains(name)
+    }
+
+    /// Hides the set (or arena buffer) `name` from new subscribers and tells
+    /// its subscribers; its buffers' ranges stay allocated until the last
+    /// lease on it ends. Waits up to `timeout` for that (`None`: returns at
+    /// once; the ranges come back at a later call once the leases end).
+    pub fn unpublish_set(&self, name: &str, timeout: Option<Duration>) -> Result<()> {
+        lock(&self.arena.book).unpublish(&self.server, name)?;
+        if let Some(t) = timeout {
+            self.server.wait_released(name, Some(t))?;
+            self.reap();
+        }
+        Ok(())
+    }
+
+    /// Lets go of the buffers of unpublished sets whose last lease has
+    /// ended (released, or its consumer gone); returns how many sets.
+    pub fn reap(&self) -> usize {
+        lock(&self.arena.book).reap(&self.server)
+    }
+
+    /// Unpublished sets still leased by a consumer.
+    pub fn retired_sets(&self) -> usize {
+        lock(&self.arena.book).retired()
+    }
+
+    /// Releases the arena's chunks that hold no buffer and that no consumer
+    /// maps any more; returns the bytes released.
+    pub fn trim(&self) -> Result<u64> {
+        let arena = self.arena()?;
+        Ok(lock(&self.arena.book).trim(&self.server, arena))
+    }
+}
+
+/// Reads a set entry's record (from its parts when it came in parts).
+fn read_record(client: &channel::Client, meta: &Value) -> Result<SetRecord> {
+    let Some(parts) = meta.get(PARTS_KEY) else {
+        return SetRecord::from_value(meta);
+    };
+    let parts = parts.as_array().ok_or_else(|| Error::Descriptor {
+        field: PARTS_KEY.into(),
+        reason: "expected an array of entry names".into(),
+    })?;
+    if parts.len() > MAX_PARTS {
+        return Err(Error::Descriptor {
+            field: PARTS_KEY.into(),
+            reason: format!(
+                "{} parts is more than the {MAX_PARTS} a set record takes",
+                parts.len()
+            ),
+        });
+    }
+    let mut text = String::new();
+    for p in parts {
+        let name = p.as_str().ok_or_else(|| Error::Descriptor {
+            field: PARTS_KEY.into(),
+            reason: format!("expected an entry name, found {p}"),
+        })?;
+        let a = client.attach(name)?;
+        let _ = client.release(a.lease);
+        let piece =
+            a.meta
+                .get("text")
+                .and_then(Value::as_str)
+                .ok_or_else(|| Error::Descriptor {
+                    field: format!("{name}.text"),
+                    reason: "a set record part carries its text".into(),
+                })?;
+        text.push_str(piece);
+        if text.len() > MAX_PARTS * SET_PART_BYTES {
+            return Err(Error::Descriptor {
+                field: PARTS_KEY.into(),
+                reason: format!(
+                    "the parts pass the {} bytes a set record takes",
+                    MAX_PARTS * SET_PART_BYTES
+                ),
+            });
+        }
+    }
+    SetRecord::from_json(&text)
+}
+
+/// A chunk mapping in the subscriber's cache, with the lease on the chunk's
+/// hidden entry that tells the publisher it is mapped.
+pub(super) struct CachedChunk {
+    mapping: Arc<dyn Mapping>,
+    lease: u64,
+}
+
+impl Held for CachedChunk {
+    fn held(&self) -> bool {
+        Arc::strong_count(&self.mapping) > 1
+    }
+}
+
+/// The subscriber's cache of chunk mappings.
+pub(super) type ChunkCache = LruCache<ChunkId, CachedChunk>;
+
+/// A set attached from a publisher: one lease for the whole set, every chunk
+/// mapped once, typed views of its buffers by name or index. The set and
+/// every view made from it hold the lease; [`Subscriber::release_set`] (or
+/// dropping the set and its views) releases it.
+#[derive(Debug)]
+pub struct SetAttachment {
+    record: SetRecord,
+    lease: u64,
+    guard: Arc<LeaseGuard>,
+    event: Arc<IpcEvent>,
+    mappings: HashMap<u64, Arc<dyn Mapping>>,
+    index: HashMap<String, usize>,
+}
+
+impl SetAttachment {
+    /// The set's name.
+    pub fn name(&self) -> &str {
+        &self.record.name
+    }
+
+    /// The lease id.
+    pub fn lease(&self) -> u64 {
+        self.lease
+    }
+
+    /// The set record the publisher sent.
+    pub fn record(&self) -> &SetRecord {
+        &self.record
+    }
+
+    /// The number of buffers.
+    pub fn len(&self) -> usize {
+        self.record.entries.len()
+    }
+
+    /// Never true: a set has at least one buffer.
+    pub fn is_empty(&self) -> bool {
+        self.record.entries.is_empty()
+    }
+
+    /// The buffers' entries (name, dtype, shape, place), in the producer's order.
+    pub fn entries(&self) -> &[SetEntry] {
+        &self.record.entries
+    }
+
+    /// The index of the buffer called `name`.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
+    /// A view of the buffer called `name` as elements of `T`.
+    pub fn get<T: Pod>(&self, name: &str) -> Result<MappedBuffer<T>> {
+        let i = self.position(name).ok_or_else(|| {
+            Error::arg(
+                "set entry",
+                format!("{:?} has no buffer called {name:?}", self.record.name),
+            )
+        })?;
+        self.view(i)
+    }
+
+    /// A view of buffer `index` as elements of `T` (its stream waits on the
+    /// set's event, as every view on this device shares the stream).
+    pub fn view<T: Pod>(&self, index: usize) -> Result<MappedBuffer<T>> {
+        let e = self.record.entries.get(index).ok_or_else(|| {
+            Error::arg(
+                "set entry",
+                format!("index {index} is past the set's {} buffers", self.len()),
+            )
+        })?;
+        let size = std::mem::size_of::<T>() as u64;
+        if size != e.dtype.size() && size != 1 {
+            return Err(Error::arg(
+                "set entry",
+                format!(
+                    "{:?} holds {} ({}-byte elements), not {}-byte {}",
+                    e.name,
+                    e.dtype,
+                    e.dtype.size(),
+                    size,
+                    std::any::type_name::<T>()
+                ),
+            ));
+        }
+        let (mapping, base) = self.place(e.chunk)?;
+        Ok(
+            MappedBuffer::<T>::from_bytes(mapping, base + e.offset, e.len)?
+                .hold(self.guard.clone()),
+        )
+    }
+
+    fn place(&self, chunk: u64) -> Result<(Arc<dyn Mapping>, u64)> {
+        let mapping = self.mappings.get(&chunk).cloned();
+        let base = self.record.chunk(chunk).map(|c| c.descriptor.offset);
+        match (mapping, base) {
+            (Some(m), Some(b)) => Ok((m, b)),
+            _ => Err(Error::arg(
+                "set entry",
+                format!("chunk {chunk} is not in the set's table"),
+            )),
+        }
+    }
+}
+
+impl Subscriber {
+    /// The mapping of chunk `id` of a set: from the cache, or mapped now
+    /// from the chunk's hidden entry (the only time its file descriptors
+    /// travel to this subscriber).
+    fn chunk_mapping(&self, record: &SetRecord, index: u64) -> Result<Arc<dyn Mapping>> {
+        let id = ChunkId {
+            arena: record.arena,
+            index,
+        };
+        if let Some(c) = lock(&self.chunks).get(&id) {
+            return Ok(c.mapping.clone());
+        }
+        let want = record.chunk(index).ok_or_else(|| {
+            Error::arg("set record", format!("chunk {index} is not in its table"))
+        })?;
+        let a = self.client.attach(&chunk_entry_name(id))?;
+        let opened = EntryMeta::decode(&a.meta).and_then(|d| {
+            if d.source != want.descriptor.source || d.byte_len != want.descriptor.byte_len {
+                return Err(Error::Descriptor {
+                    field: "chunks".into(),
+                    reason: format!(
+                        "the publisher's chunk {id} is not the memory the set record names"
+                    ),
+                });
+            }
+            let len = d.alloc_size;
+            Ok((share::open_mapping(&self.device, &d, a.fds)?, len))
+        });
+        let (mapping, len) = match opened {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = self.client.release(a.lease);
+                return Err(e);
+            }
+        };
+        self.count_open();
+        let evicted = lock(&self.chunks).insert(
+            id,
+            CachedChunk {
+                mapping: mapping.clone(),
+                lease: a.lease,
+            },
+            len,
+        );
+        self.drop_chunks(evicted);
+        Ok(mapping)
+    }
+
+    /// Unmaps evicted chunks and releases their leases, outside the cache's lock.
+    fn drop_chunks(&self, evicted: Vec<CachedChunk>) {
+        for c in evicted {
+            lock(&self.pending).remove(&c.lease);
+            let _ = c.mapping.used_streams().synchronize_all();
+            drop(c.mapping);
+            if self.client.is_alive()
+                && let Err(e) = self.client.release(c.lease)
+            {
+                tracing::debug!(lease = c.lease, error = %e, "releasing a chunk lease failed");
+            }
+        }
+    }
+
+    /// Opens an attached set entry: its record, every chunk (mapped once),
+    /// the lease guard, the event waited on.
+    fn open_set(&self, a: channel::Attachment) -> Result<SetAttachment> {
+        let opened = (|| {
+            let record = read_record(&self.client, &a.meta)?;
+            let handle = record.event.ok_or_else(|| Error::Descriptor {
+                field: "event".into(),
+                reason: "a published set must carry the publisher's event".into(),
+            })?;
+            let event = self.event(handle)?;
+            let mut mappings = HashMap::with_capacity(record.chunks.len());
+            for c in &record.chunks {
+                mappings.insert(c.id, self.chunk_mapping(&record, c.id)?);
+            }
+            event.wait_on(self.device.stream())?;
+            Ok((record, event, mappings))
+        })();
+        let (record, event, mappings) = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = self.client.release(a.lease);
+                return Err(e);
+            }
+        };
+        let guard = LeaseGuard::new(
+            &self.client,
+            &self.pending,
+            a.lease,
+            a.name,
+            mappings.values().cloned().collect(),
+        );
+        let index = record
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.name.clone(), i))
+            .collect();
+        Ok(SetAttachment {
+            record,
+            lease: a.lease,
+            guard,
+            event,
+            mappings,
+            index,
+        })
+    }
+
+    /// Attaches the set published as `name`: one lease for the whole set,
+    /// each of its chunks mapped once (reusing the chunks this subscriber
+    /// has mapped already: then the hand-off is one message), and the
+    /// device stream made to wait on the set's event.
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn attach_set(&self, name: &str) -> Result<SetAttachment> {
+        let a = self.client.attach(name)?;
+        if !is_set_meta(&a.meta) {
+            let _ = self.client.release(a.lease);
+            return Err(Error::arg(
+                "set",
+                format!(
+                    "{name:?} is a single buffer, not a set; attach it with Subscriber::attach"
+                ),
+            ));
+        }
+        self.open_set(a)
+    }
+
+    /// Opens an arena buffer published with [`Publisher::publish_buffer`]
+    /// (a set of one) as an [`Attachment`].
+    pub(super) fn attach_arena_buffer<T: Pod>(
+        &self,
+        a: channel::Attachment,
+    ) -> Result<Attachment<T>> {
+        let set = self.open_set(a)?;
+        if set.len() != 1 {
+            return Err(Error::arg(
+                "attach",
+                format!(
+                    "{:?} is a set of {} buffers; attach it with Subscriber::attach_set",
+                    set.name(),
+                    set.len()
+                ),
+            ));
+        }
+        let descriptor = set.record.entry_descriptor(0)?;
+        let buffer = set.view::<T>(0)?;
+        Ok(Attachment::from_parts(
+            set.lease,
+            set.record.name.clone(),
+            set.guard.clone(),
+            buffer,
+            set.event.clone(),
+            descriptor,
+        ))
+    }
+
+    /// Waits up to `timeout` for the publisher's next update of `set`, then
+    /// makes the device stream wait on the event recorded with it. Returns
+    /// the update's version; [`ChannelError::Unpublished`] when the publisher
+    /// wants the set back (release it).
+    pub fn wait_set_update(&self, set: &SetAttachment, timeout: Duration) -> Result<u64> {
+        let deadline = Instant::now() + timeout;
+        let notice = loop {
+            if let Some(n) = lock(&self.pending)
+                .get_mut(&set.lease)
+                .and_then(std::collections::VecDeque::pop_front)
+            {
+                break n;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let u = self.client.next_update(left)?;
+            if u.lease == set.lease {
+                break u.notice;
+            }
+            lock(&self.pending)
+                .entry(u.lease)
+                .or_default()
+                .push_back(u.notice);
+        };
+        match notice {
+            Notice::Updated {
+                generation: version,
+                ..
+            } => {
+                set.event.wait_on(self.device.stream())?;
+                Ok(version)
+            }
+            Notice::Unpublished => Err(ChannelError::Unpublished {
+                name: set.record.name.clone(),
+                lease: set.lease,
+            }
+            .into()),
+            other => Err(ChannelError::Protocol {
+                reason: format!("a notice this version does not know: {other:?}"),
+            }
+            .into()),
+        }
+    }
+
+    /// Releases a set as a whole: waits for the work queued on the streams
+    /// its views used, then tells the publisher. Its chunks stay mapped in
+    /// the cache for the next set, within the mapping budget.
+    ///
+    /// # Errors
+    /// [`Error::ViewsAlive`] while views of its buffers are alive: the lease
+    /// then stays until the last of them drops.
+    pub fn release_set(&self, set: SetAttachment) -> Result<()> {
+        let SetAttachment {
+            guard, mappings, ..
+        } = set;
+        drop(mappings);
+        guard.check_no_views(1)?;
+        let r = guard.end();
+        drop(guard);
+        let evicted = lock(&self.chunks).evict();
+        self.drop_chunks(evicted);
+        r
+    }
+
+    /// Unmaps every cached chunk that no set or buffer holds, and tells the
+    /// publisher (so that it may trim them).
+    pub fn drop_idle_mappings(&self) {
+        let idle = lock(&self.chunks).drain_idle();
+        self.drop_chunks(idle);
+    }
+
+    /// Cached chunk mappings and their bytes.
+    pub fn cached_mappings(&self) -> (usize, u64) {
+        lock(&self.chunks).usage()
+    }
+}
+
+#[cfg(test)]
+#[path = "set_tests.rs"]
+mod tests;

@@ -1,0 +1,394 @@
+//! The publisher's arena bookkeeping without a GPU: chunks are memfds, the
+//! channel is real (a server and clients over a socket), and a consumer
+//! killed while it holds a set is a real child process.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rustix::fs::{MemfdFlags, ftruncate, memfd_create};
+
+use super::*;
+use crate::channel::{Client, ClientConfig, ServerConfig};
+
+/// Chunks of host memory in memfds: what a chunk entry carries, without a GPU.
+struct MemChunks;
+
+struct MemChunk {
+    fd: OwnedFd,
+    len: u64,
+}
+
+impl ChunkBacking for MemChunks {
+    type Chunk = MemChunk;
+    fn granularity(&self) -> u64 {
+        4096
+    }
+    fn create(&self, len: u64) -> Result<MemChunk> {
+        let fd = memfd_create("cuda-ipc-test-chunk", MemfdFlags::CLOEXEC)
+            .map_err(|e| Error::arg("memfd", e.to_string()))?;
+        ftruncate(&fd, len).map_err(|e| Error::arg("memfd", e.to_string()))?;
+        Ok(MemChunk { fd, len })
+    }
+    fn chunk_len(chunk: &MemChunk) -> u64 {
+        chunk.len
+    }
+}
+
+impl ChunkEntry for MemChunk {
+    fn entry(&self) -> Result<(Value, Vec<OwnedFd>)> {
+        let fd = self
+            .fd
+            .try_clone()
+            .map_err(|e| Error::arg("memfd", e.to_string()))?;
+        Ok((json!({ "memfd": self.len }), vec![fd]))
+    }
+}
+
+fn arena() -> Arena<MemChunks> {
+    Arena::new(
+        MemChunks,
+        ArenaOptions {
+            chunk_size: 1 << 20,
+            max_chunk_size: 1 << 20,
+            ..ArenaOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn server(dir: &tempfile::TempDir) -> Server {
+    Server::bind(ServerConfig::new(dir.path().join("s.sock"))).unwrap()
+}
+
+fn client(server: &Server) -> Client {
+    Client::connect(server.path(), ClientConfig::default()).unwrap()
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A record's stand-in: the set entry's metadata is whatever JSON the
+/// publisher built (the set record's own decoder is tested in `set`).
+fn record(n: usize) -> Value {
+    json!({ SET_VERSION_KEY: 1, "entries": (0..n).map(|i| format!("w{i}")).collect::<Vec<_>>() })
+}
+
+#[test]
+fn chunk_descriptors_travel_once_per_subscriber_and_sets_carry_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(&dir);
+    let arena = arena();
+    let mut book = Book::default();
+    // Three buffers over two chunks (each chunk holds 1 MiB).
+    let a = arena.alloc(600 << 10).unwrap();
+    let b = arena.alloc(300 << 10).unwrap();
+    let c = arena.alloc(600 << 10).unwrap();
+    assert_eq!(a.chunk().id(), b.chunk().id());
+    assert_ne!(a.chunk().id(), c.chunk().id());
+    let leases = vec![a.lease(), b.lease(), c.lease()];
+    book.publish(&server, &arena, "weights", &record(3), leases)
+        .unwrap();
+    // One hidden entry per chunk, published once.
+    let names: Vec<String> = client(&server)
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    for ch in [a.chunk().id(), c.chunk().id()] {
+        assert!(names.contains(&chunk_entry_name(ch)), "{names:?}");
+    }
+    // A second set on the same chunks publishes no chunk again.
+    book.publish(&server, &arena, "weights2", &record(1), vec![b.lease()])
+        .unwrap();
+    assert_eq!(client(&server).list().unwrap().len(), 4);
+    assert!(matches!(
+        book.publish(&server, &arena, "weights", &record(1), vec![b.lease()]),
+        Err(Error::Channel(ChannelError::AlreadyExists { .. }))
+    ));
+
+    let consumer = client(&server);
+    let set = consumer.attach("weights").unwrap();
+    assert!(set.fds.is_empty(), "a set entry carries no descriptor");
+    assert!(is_set_meta(&set.meta));
+    let chunk = consumer.attach(&chunk_entry_name(a.chunk().id())).unwrap();
+    assert_eq!(chunk.fds.len(), 1);
+    assert_eq!(chunk.meta, json!({ "memfd": 1u64 << 20 }));
+    // An update of the set reaches its holder as one notice.
+    assert_eq!(server.update("weights", json!({})).unwrap(), 1);
+    let u = consumer.next_update(Duration::from_secs(5)).unwrap();
+    assert_eq!(u.lease, set.lease);
+}
+
+#[test]
+fn large_records_travel_in_parts_that_rebuild_the_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(&dir);
+    let arena = arena();
+    let mut book = Book::default();
+    let buf = arena.alloc(4096).unwrap();
+    // About the size of a record of 10,000 buffers, with multibyte names.
+    let big = json!({ SET_VERSION_KEY: 1, "entries": (0..10_000).map(|i| format!("layer{i}.wéight")).collect::<Vec<_>>() });
+    book.publish(&server, &arena, "big", &big, vec![buf.lease()])
+        .unwrap();
+    let consumer = client(&server);
+    let a = consumer.attach("big").unwrap();
+    assert!(is_set_meta(&a.meta));
+    let parts = a.meta[PARTS_KEY].as_array().unwrap();
+    assert!(parts.len() >= 2, "{} parts", parts.len());
+    let mut text = String::new();
+    for p in parts {
+        let part = consumer.attach(p.as_str().unwrap()).unwrap();
+        assert!(part.fds.is_empty());
+        text.push_str(part.meta["text"].as_str().unwrap());
+        consumer.release(part.lease).unwrap();
+    }
+    assert_eq!(a.meta["bytes"], text.len());
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), big);
+    // Unpublishing the set takes its parts with it.
+    book.unpublish(&server, "big").unwrap();
+    let left: Vec<String> = consumer
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert!(
+        left.iter().all(|n| n.starts_with(".cuda-ipc/chunk/")),
+        "{left:?}"
+    );
+}
+
+/// A real set record of `n` entries over two chunks.
+fn set_record(n: usize) -> SetRecord {
+    use crate::descriptor::{Descriptor, Source};
+    use crate::device::DeviceUuid;
+    use crate::set::SetChunk;
+    let chunk = |id: u64, fd: i32| SetChunk {
+        id,
+        descriptor: Descriptor {
+            source: Source::Vmm { fd },
+            alloc_size: 1 << 30,
+            offset: 0,
+            byte_len: 1 << 30,
+            dtype: Dtype::U8,
+            shape: None,
+            strides: None,
+            device_uuid: DeviceUuid([7; 16]),
+            pid: 4242,
+            event: None,
+            generation: Some(u64::from(fd.unsigned_abs())),
+        },
+    };
+    let entries = (0..n)
+        .map(|i| SetEntry {
+            name: format!("model.layers.{i}.mlp.weight"),
+            dtype: Dtype::F32,
+            shape: vec![64, 16],
+            chunk: (i % 2) as u64,
+            offset: (i / 2) as u64 * 4096,
+            len: 4096,
+        })
+        .collect();
+    SetRecord::new(
+        "weights".into(),
+        crate::arena::ArenaId(99),
+        if n == 1 {
+            vec![chunk(0, 3)]
+        } else {
+            vec![chunk(0, 3), chunk(1, 4)]
+        },
+        entries,
+    )
+    .unwrap()
+}
+
+#[test]
+fn set_records_of_1_to_10000_entries_come_back_whole_through_the_channel() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(&dir);
+    let arena = arena();
+    let mut book = Book::default();
+    let buf = arena.alloc(4096).unwrap();
+    let consumer = client(&server);
+    for n in [1, 100, 1000, 10_000] {
+        let record = set_record(n);
+        let name = format!("set{n}");
+        book.publish(
+            &server,
+            &arena,
+            &name,
+            &record.to_value(),
+            vec![buf.lease()],
+        )
+        .unwrap();
+        let a = consumer.attach(&name).unwrap();
+        let parts = a
+            .meta
+            .get(PARTS_KEY)
+            .map_or(0, |p| p.as_array().unwrap().len());
+        assert_eq!(parts > 0, record.to_json().len() > SET_PART_BYTES, "{n}");
+        assert_eq!(read_record(&consumer, &a.meta).unwrap(), record, "{n}");
+        consumer.release(a.lease).unwrap();
+        book.unpublish(&server, &name).unwrap();
+    }
+    // Bad parts: not an array, a missing part, too many parts.
+    for (meta, why) in [
+        (json!({ PARTS_KEY: 5 }), "array"),
+        (json!({ PARTS_KEY: ["nope"] }), "nope"),
+        (
+            json!({ PARTS_KEY: vec!["x"; MAX_PARTS + 1] }),
+            "parts is more",
+        ),
+    ] {
+        let e = read_record(&consumer, &meta).unwrap_err();
+        assert!(e.to_string().contains(why), "{e}");
+    }
+}
+
+#[test]
+fn split_utf8_cuts_at_character_boundaries() {
+    let s = "aé€😀".repeat(50);
+    for max in [4, 5, 7, 100] {
+        let parts = split_utf8(&s, max);
+        assert!(parts.iter().all(|p| p.len() <= max && !p.is_empty()));
+        assert_eq!(parts.concat(), s);
+    }
+    assert!(split_utf8("", 4).is_empty());
+}
+
+#[test]
+fn ranges_come_back_after_release_and_unpublish_in_either_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(&dir);
+    let arena = arena();
+    let mut book = Book::default();
+    let a = arena.alloc(4096).unwrap();
+    book.publish(&server, &arena, "s", &record(1), vec![a.lease()])
+        .unwrap();
+    let consumer = client(&server);
+    let lease = consumer.attach("s").unwrap().lease;
+    drop(a);
+    assert_eq!(arena.stats().held_by_leases_only, 1, "published: kept");
+    book.unpublish(&server, "s").unwrap();
+    assert_eq!(book.retired(), 1, "leased: kept");
+    assert_eq!(arena.stats().buffers, 1);
+    consumer.release(lease).unwrap();
+    assert_eq!(book.reap(&server), 1);
+    assert_eq!(arena.stats().buffers, 0, "{:?}", arena.stats());
+    // Nothing maps the chunk any more: trim takes it and its hidden entry.
+    assert_eq!(book.trim(&server, &arena), 1 << 20);
+    assert_eq!(arena.stats().chunks, 0);
+    assert!(consumer.list().unwrap().is_empty());
+}
+
+#[test]
+fn a_mapped_chunk_is_not_trimmed_until_its_consumer_lets_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(&dir);
+    let arena = arena();
+    let mut book = Book::default();
+    let a = arena.alloc(4096).unwrap();
+    book.publish(&server, &arena, "s", &record(1), vec![a.lease()])
+        .unwrap();
+    let consumer = client(&server);
+    let chunk = consumer.attach(&chunk_entry_name(a.chunk().id())).unwrap();
+    book.unpublish(&server, "s").unwrap();
+    drop(a);
+    assert_eq!(arena.stats().buffers, 0);
+    assert_eq!(book.trim(&server, &arena), 0, "the consumer maps the chunk");
+    assert_eq!(arena.stats().chunks, 1);
+    consumer.release(chunk.lease).unwrap();
+    assert_eq!(book.trim(&server, &arena), 1 << 20);
+}
+
+const CHILD_ENV: &str = "CUDA_IPC_TEST_SET_HOLDER";
+
+/// The consumer of [`a_consumer_killed_while_holding_a_set_gives_its_ranges_back`]:
+/// attaches the set and its chunk, says so, and waits to be killed.
+fn holder(socket: &str) {
+    let c = Client::connect(socket, ClientConfig::default()).unwrap();
+    let set = c.attach("weights").unwrap();
+    let _chunks: Vec<_> = (0..2)
+        .map(|i| {
+            let id = ChunkId {
+                arena: ArenaId(set.meta["arena"].as_u64().unwrap()),
+                index: i,
+            };
+            c.attach(&chunk_entry_name(id)).unwrap()
+        })
+        .collect();
+    println!("holding");
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+use crate::arena::{ArenaBuffer, ArenaId};
+
+#[test]
+fn a_consumer_killed_while_holding_a_set_gives_its_ranges_back() {
+    if let Ok(socket) = std::env::var(CHILD_ENV) {
+        holder(&socket);
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(&dir);
+    let arena = arena();
+    let mut book = Book::default();
+    let bufs: Vec<_> = [700 << 10, 700 << 10, 4096]
+        .iter()
+        .map(|n| arena.alloc(*n).unwrap())
+        .collect();
+    let mut rec = record(3);
+    rec["arena"] = arena.id().0.into();
+    book.publish(
+        &server,
+        &arena,
+        "weights",
+        &rec,
+        bufs.iter().map(ArenaBuffer::lease).collect(),
+    )
+    .unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "exchange::set::tests::a_consumer_killed_while_holding_a_set_gives_its_ranges_back",
+            "--nocapture",
+        ])
+        .env(CHILD_ENV, server.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "the holder exited early"
+        );
+        if line.contains("holding") {
+            break;
+        }
+    }
+    assert_eq!(server.leases().len(), 3, "{:?}", server.leases());
+    // The producer lets go of everything; the holder keeps it all.
+    book.unpublish(&server, "weights").unwrap();
+    drop(bufs);
+    assert_eq!(book.trim(&server, &arena), 0);
+    assert_eq!(arena.stats().held_by_leases_only, 3);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    wait_until("the channel to end the dead consumer's leases", || {
+        server.leases().is_empty()
+    });
+    assert_eq!(book.reap(&server), 1);
+    assert_eq!(arena.stats().buffers, 0, "{:?}", arena.stats());
+    assert_eq!(book.trim(&server, &arena), 2 << 20);
+    assert_eq!(arena.stats().chunks, 0);
+}
