@@ -31,7 +31,6 @@ use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig};
 use cuda_ipc::{Device, Error};
 
 mod args;
-mod chunks;
 mod plan;
 mod plot;
 mod progress;

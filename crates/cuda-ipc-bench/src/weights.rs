@@ -1,9 +1,9 @@
 //! The weight set every contender of the sets section hands off: `count`
 //! fp32 tensors totalling `total` bytes, their sizes drawn from a fixed
-//! seed by the rule of the library's `cuda_ipc::set::weight_sizes` (which
-//! the CLI's set mode uses too). `bench/torch_share.py` draws the same list
-//! with the same rule (its `weight_set_sizes`); a test on each side pins the
-//! result, and a test here compares the two.
+//! seed by the library's [`cuda_ipc::set::weight_sizes`] (which the CLI's
+//! set mode uses too, with the same seed). `bench/torch_share.py` draws the
+//! same list with the same rule (its `weight_set_sizes`); a test on each
+//! side pins the result, and a test here compares the two.
 //!
 //! The rule: weights `w_i = 1 + x_i % 1000`, `x_i` the successive outputs of
 //! splitmix64 seeded with [`SEED`]; with `E = total / 4` elements, tensor
@@ -14,54 +14,11 @@
 /// The seed of the draw (the CLI's set mode uses the same).
 pub const SEED: u64 = 0x5E7_5EED;
 
-/// The most tensors a set holds (the set record's limit).
-pub const MAX_TENSORS: u64 = 100_000;
-
-/// One step of splitmix64: the next state and its output.
-pub fn splitmix64(state: u64) -> (u64, u64) {
-    let state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    (state, z ^ (z >> 31))
-}
-
 /// The byte sizes of a weight set of `count` tensors totalling `total`
 /// bytes: `total` a multiple of 4 with at least 4 bytes per tensor.
 pub fn sizes(count: u64, total: u64) -> Result<Vec<u64>, String> {
-    if count == 0 || count > MAX_TENSORS {
-        return Err(format!(
-            "a weight set has 1 to {MAX_TENSORS} tensors, not {count}"
-        ));
-    }
-    if !total.is_multiple_of(4) || total < 4 * count {
-        return Err(format!(
-            "{total} bytes cannot hold {count} fp32 tensors (give a multiple of 4 bytes, \
-             at least 4 per tensor)"
-        ));
-    }
-    let mut state = SEED;
-    let weights: Vec<u128> = (0..count)
-        .map(|_| {
-            let (next, x) = splitmix64(state);
-            state = next;
-            1 + u128::from(x % 1000)
-        })
-        .collect();
-    let sum: u128 = weights.iter().sum();
-    let elems = u128::from(total / 4);
-    let rest = elems - u128::from(count);
-    let mut got: Vec<u128> = weights.iter().map(|w| 1 + rest * w / sum).collect();
-    let left = elems - got.iter().sum::<u128>();
-    // The last of the largest takes what the rounding left.
-    let largest = got
-        .iter()
-        .enumerate()
-        .max_by_key(|(i, e)| (**e, *i))
-        .map_or(0, |(i, _)| i);
-    got[largest] += left;
-    // At most `total / 4` elements each: the products fit in u64.
-    Ok(got.into_iter().map(|e| e as u64 * 4).collect())
+    let n = usize::try_from(count).map_err(|_| format!("{count} tensors is too many"))?;
+    cuda_ipc::set::weight_sizes(n, total, SEED).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -75,12 +32,6 @@ mod tests {
         s.iter().enumerate().fold(0u64, |a, (i, x)| {
             a.wrapping_add((i as u64 + 1).wrapping_mul(*x))
         })
-    }
-
-    #[test]
-    fn splitmix64_reference() {
-        // The first output of splitmix64 seeded with 0, as published with it.
-        assert_eq!(splitmix64(0).1, 0xE220_A839_7B1D_CDAF);
     }
 
     #[test]
@@ -121,11 +72,13 @@ mod tests {
 
     #[test]
     fn bad_sets_say_why() {
-        assert!(sizes(0, 4).unwrap_err().contains("1 to 100000 tensors"));
-        assert!(sizes(100_001, GIB).unwrap_err().contains("not 100001"));
+        for (count, total) in [(0, 4), (100_001, GIB)] {
+            let e = sizes(count, total).unwrap_err();
+            assert!(e.contains("tensor count"), "{e}");
+        }
         for (count, total) in [(2, 4), (1, 6), (1, 0)] {
             let e = sizes(count, total).unwrap_err();
-            assert!(e.contains("cannot hold"), "{e}");
+            assert!(e.contains("total bytes"), "{e}");
         }
     }
 

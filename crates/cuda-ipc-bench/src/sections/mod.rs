@@ -96,6 +96,14 @@ impl Consumer {
         }
     }
 
+    /// A consumer on the producer's GPU, of the publisher at `socket`.
+    fn of(ctx: &Ctx<'_>, label: &str, socket: &std::path::Path) -> Consumer {
+        Consumer {
+            socket: socket.display().to_string(),
+            ..Consumer::new(ctx, label)
+        }
+    }
+
     /// The running consumer, connected to the publisher.
     fn get(&mut self) -> Result<&mut Worker, Error> {
         let alive = self.worker.as_mut().is_some_and(Worker::alive);

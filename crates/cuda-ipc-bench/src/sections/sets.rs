@@ -3,48 +3,46 @@
 //! tensors on a queue and its flattened bucket, and the in-place update of
 //! a set already attached.
 
-use cuda_ipc::arena::{DeviceArena, DeviceArenaBuffer, SetMember};
+use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
+use cuda_ipc::exchange::Publisher;
 use cuda_ipc::kernels::{self, Pattern, Speed};
-use cuda_ipc::{DeviceMemory, Dtype, Error, IpcEvent, Mechanism};
+use cuda_ipc::{DeviceMemory, Dtype, Error, Mechanism};
 use serde_json::json;
 
-use crate::chunks::entry_pattern;
 use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns};
 use crate::report::{Row, Section, SectionId, human};
 use crate::stats::ns_to_ms;
 use crate::torch;
+use crate::worker::entry_pattern;
 use crate::{Plan, Reps};
 
-use super::arena::{new_arena, send_set};
-use super::{Consumer, Ctx, pattern};
+use super::arena::arena_publisher;
+use super::{Consumer, Ctx, UNPUBLISH_TIMEOUT, pattern};
 
-/// A weight set in an arena: one buffer per tensor, and their names.
+/// A weight set in a publisher's arena: one buffer per tensor, and their
+/// names and shapes.
 struct WeightSet {
-    arena: DeviceArena,
     buffers: Vec<DeviceArenaBuffer>,
     names: Vec<String>,
     shapes: Vec<[u64; 1]>,
-    event: IpcEvent,
 }
 
 impl WeightSet {
-    /// The set of `count` tensors totalling `total` bytes in an arena of
-    /// `m` chunks, every chunk made and exported before the clock.
-    fn new(ctx: &Ctx<'_>, m: Mechanism, count: u64, total: u64) -> Result<WeightSet, Error> {
+    /// The set of `count` tensors totalling `total` bytes in `publisher`'s
+    /// arena, every chunk made and exported before the clock.
+    fn new(publisher: &Publisher, count: u64, total: u64) -> Result<WeightSet, Error> {
         let sizes = crate::weights::sizes(count, total)
             .map_err(|e| failure("drawing the weight set", e))?;
-        let arena = new_arena(ctx, m, 256 << 20, total)?;
+        publisher.arena()?.reserve(total)?;
         let buffers = sizes
             .iter()
-            .map(|s| arena.alloc(*s))
+            .map(|s| publisher.alloc(*s))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| failure(format!("allocating the {count} tensors in the arena"), e))?;
         Ok(WeightSet {
-            arena,
             buffers,
             names: (0..count).map(|j| format!("w{j:05}")).collect(),
             shapes: sizes.iter().map(|s| [s / 4]).collect(),
-            event: IpcEvent::new(ctx.device)?,
         })
     }
 
@@ -56,7 +54,7 @@ impl WeightSet {
         self.buffers[0].synchronize()
     }
 
-    fn members(&self) -> impl Iterator<Item = SetMember<'_>> {
+    fn members(&self) -> Vec<SetMember<'_>> {
         self.buffers
             .iter()
             .zip(&self.names)
@@ -67,6 +65,7 @@ impl WeightSet {
                 shape,
                 buffer,
             })
+            .collect()
     }
 }
 
@@ -77,17 +76,13 @@ fn used(ctx: &Ctx<'_>) -> Result<u64, Error> {
 }
 
 /// The set hand-off row and the update row of a set of `count` tensors
-/// totalling `total` bytes in chunks of `m`, to the consumer of `c`.
-fn set_rows(
-    ctx: &Ctx<'_>,
-    c: &mut Consumer,
-    m: Mechanism,
-    (count, total): (u64, u64),
-    reps: Reps,
-) -> (Row, Row) {
+/// totalling `total` bytes in an arena of `m` chunks.
+fn set_rows(ctx: &Ctx<'_>, m: Mechanism, (count, total): (u64, u64), reps: Reps) -> (Row, Row) {
     let row = |v: &str| Row::new("ours", "ms").variant(v).count(count).size(total);
-    let w = match c.get() {
-        Ok(w) => w,
+    let made = arena_publisher(ctx, m, "sets")
+        .and_then(|p| WeightSet::new(&p, count, total).map(|s| (p, s)));
+    let (publisher, set) = match made {
+        Ok(x) => x,
         Err(e) => {
             return (
                 row("set").failed(e.to_string()),
@@ -95,58 +90,59 @@ fn set_rows(
             );
         }
     };
-    let set = match WeightSet::new(ctx, m, count, total) {
-        Ok(s) => s,
-        Err(e) => {
-            return (
-                row("set").failed(e.to_string()),
-                row("update").failed(e.to_string()),
-            );
-        }
-    };
-    let set_row = handoff_row(ctx, w, &set, row("set"), reps, count);
-    let update_row = update_row(ctx, w, &set, row("update"), reps, count);
-    let closed = w.request(&json!({ "op": "chunks_close" }), REQUEST_TIMEOUT);
-    drop(set);
-    match closed {
-        Ok(_) => (set_row, update_row),
-        Err(e) => (
-            set_row,
-            update_row.failed(format!("unmapping the chunks: {e}")),
+    let mut c = Consumer::of(ctx, "the weight sets' consumer", publisher.path());
+    let rows = match c.get() {
+        Ok(w) => (
+            handoff_row(ctx, &publisher, w, &set, row("set"), reps, count),
+            update_row(&publisher, w, &set, row("update"), reps, count),
         ),
-    }
+        Err(e) => (
+            row("set").failed(e.to_string()),
+            row("update").failed(e.to_string()),
+        ),
+    };
+    // The consumer exits (and unmaps) before the chunks are freed.
+    drop(c);
+    drop(set);
+    drop(publisher);
+    rows
 }
 
 /// Samples of the whole set's hand-off: refilled (not timed), then timed
-/// from the event record to the consumer holding every view synchronised.
+/// from `Publisher::publish_set` to the consumer holding every buffer
+/// synchronised (`Subscriber::attach_set`).
 fn handoff_row(
     ctx: &Ctx<'_>,
+    publisher: &Publisher,
     w: &mut Worker,
     set: &WeightSet,
     row: Row,
     reps: Reps,
     count: u64,
 ) -> Row {
-    let (mut samples, mut publish, mut consumer) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut samples, mut publish, mut consumer, mut teardown) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut extra = 0u64;
     let seed = 0x5E7 ^ (count << 20);
+    let members = set.members();
     let measured = (|| -> Result<(), Error> {
         for i in 0..reps.total() {
             let p = pattern(seed, i);
             set.fill(p)?;
-            let before = used(ctx)?;
             let name = format!("weights/{count}/{i}");
-            let (t0, t_pub, a) = send_set(
-                ctx,
-                w,
-                (&set.arena, &set.event),
-                &name,
-                set.members(),
-                p,
-                false,
-            )
-            .map_err(|e| failure(format!("sample {i}"), e))?;
+            let request =
+                json!({ "op": "set_attach", "name": name, "base": p.base, "step": p.step });
+            let before = used(ctx)?;
+            let t0 = mono_ns();
+            publisher.publish_set(&name, &members)?;
+            let t_pub = mono_ns();
+            let answer = w.send(&request).and_then(|()| w.recv(REQUEST_TIMEOUT));
             let after = used(ctx)?;
+            let t = std::time::Instant::now();
+            let unpublished = publisher.unpublish_set(&name, Some(UNPUBLISH_TIMEOUT));
+            let teardown_ms = t.elapsed().as_secs_f64() * 1e3;
+            let a = answer.map_err(|e| failure(format!("sample {i}"), e))?;
+            unpublished.map_err(|e| failure(format!("sample {i}: unpublishing"), e))?;
             if a["entries"].as_u64() != Some(count) {
                 return Err(failure(
                     format!("sample {i}"),
@@ -162,6 +158,7 @@ fn handoff_row(
             samples.push(ns_to_ms(t0, t_done));
             publish.push(ns_to_ms(t0, t_pub));
             consumer.push(ns_to_ms(t_recv, t_done));
+            teardown.push(teardown_ms);
         }
         Ok(())
     })();
@@ -169,6 +166,7 @@ fn handoff_row(
         .samples(reps.warmup, samples)
         .part("publish", &publish)
         .part("consumer", &consumer)
+        .part("teardown", &teardown)
         .extra_device_bytes(extra);
     match measured {
         Ok(()) => row,
@@ -177,52 +175,56 @@ fn handoff_row(
 }
 
 /// Samples of the update of a set the consumer holds: refilled (not
-/// timed), then timed from the event record (one for the set) and the
-/// update message to the consumer's wait returning and its stream synchronised.
+/// timed), the consumer waiting; then timed from `Publisher::update_set`
+/// (one event for the set, one notice) to the consumer's
+/// `Subscriber::wait_set_update` returning and its stream synchronised.
 fn update_row(
-    ctx: &Ctx<'_>,
+    publisher: &Publisher,
     w: &mut Worker,
     set: &WeightSet,
     row: Row,
     reps: Reps,
     count: u64,
 ) -> Row {
-    let mut samples = Vec::new();
+    let (mut samples, mut update) = (Vec::new(), Vec::new());
     let seed = 0x0DA7E ^ (count << 20);
     let name = format!("weights/{count}/held");
+    let members = set.members();
     let measured = (|| -> Result<(), Error> {
         let p0 = pattern(seed, 0);
         set.fill(p0)?;
-        send_set(
-            ctx,
-            w,
-            (&set.arena, &set.event),
-            &name,
-            set.members(),
-            p0,
-            true,
+        publisher.publish_set(&name, &members)?;
+        w.request(
+            &json!({ "op": "set_hold", "name": name, "base": p0.base, "step": p0.step }),
+            REQUEST_TIMEOUT,
         )?;
         for i in 1..=reps.total() {
             let p = pattern(seed, i);
             set.fill(p)?;
-            let request =
-                json!({ "op": "set_update", "name": name, "base": p.base, "step": p.step });
+            w.request(
+                &json!({ "op": "set_await", "name": name, "base": p.base, "step": p.step }),
+                REQUEST_TIMEOUT,
+            )?;
             let t0 = mono_ns();
-            set.event.record(ctx.device.stream())?;
+            publisher.update_set(&name)?;
+            let t_upd = mono_ns();
             let a = w
-                .request(&request, REQUEST_TIMEOUT)
+                .recv(REQUEST_TIMEOUT)
                 .map_err(|e| failure(format!("update {i}"), e))?;
             if i > reps.warmup {
                 samples.push(ns_to_ms(t0, get_u64(&a, "t_done")?));
+                update.push(ns_to_ms(t0, t_upd));
             }
         }
         w.request(&json!({ "op": "set_drop", "name": name }), REQUEST_TIMEOUT)?;
         Ok(())
     })();
-    let row = row.samples(reps.warmup, samples);
-    match measured {
-        Ok(()) => row,
-        Err(e) => row.failed(e.to_string()),
+    let unpublished = publisher.unpublish_set(&name, Some(UNPUBLISH_TIMEOUT));
+    let row = row.samples(reps.warmup, samples).part("update", &update);
+    match (measured, unpublished) {
+        (Err(e), _) => row.failed(e.to_string()),
+        (Ok(()), Err(e)) => row.failed(format!("unpublishing: {e}")),
+        (Ok(()), Ok(())) => row,
     }
 }
 
@@ -231,13 +233,12 @@ fn update_row(
 pub fn sets(ctx: &Ctx<'_>) -> Section {
     let mut s = Section::new(SectionId::Sets);
     let reps = ctx.plan.set_reps;
-    let mut c = Consumer::new(ctx, "the weight sets' consumer");
     let primary = ctx.primary();
     for &(count, total) in &ctx.plan.sets {
         ctx.progress
             .step(&format!("weight set, {count} tensors / {}", human(total)));
         let (set, update) = if let Some(m) = primary {
-            set_rows(ctx, &mut c, m, (count, total), reps)
+            set_rows(ctx, m, (count, total), reps)
         } else {
             let why = "none of the mechanisms asked for is supported here";
             let row = |v: &str| {
@@ -254,8 +255,6 @@ pub fn sets(ctx: &Ctx<'_>) -> Section {
         s.rows.push(update);
         ctx.progress.done();
     }
-    // The consumer exits before PyTorch's processes start.
-    drop(c);
     ctx.progress
         .step("PyTorch weight sets (bench/torch_share.py --sets)");
     let (rows, torch_notes, error) = torch::set_rows(ctx.plan);
@@ -264,7 +263,10 @@ pub fn sets(ctx: &Ctx<'_>) -> Section {
     ctx.progress.done();
     s.notes = notes(ctx.plan);
     if let Some(m) = primary {
-        s.notes.insert(0, format!("ours: an arena of {m} chunks (256 MiB each, exported when made, before the first sample)."));
+        s.notes.insert(
+            0,
+            format!("ours: a publisher whose arena has {m} chunks (Sharing::arena)."),
+        );
     }
     s.notes.extend(torch_notes);
     s
@@ -279,12 +281,14 @@ pub(crate) fn notes(plan: &Plan) -> Vec<String> {
          each sample refills every one with its own value before the clock (not timed), and \
          the consumer checks the first and last value of every tensor after it (not timed)."
             .into(),
-        "ours set: the clock from just before the producer publishes the set (its buffers in \
-         an arena whose chunks were exported before the first sample) to the consumer holding \
-         every buffer synchronised (one attach of the whole set, each chunk mapped once). ours \
-         update: the consumer holds the set; the clock from just before the producer's update \
-         (new contents, one event for the set) to the consumer's wait returning and the set \
-         synchronised."
+        "ours set: the clock from just before Publisher::publish_set (the buffers in the \
+         publisher's arena, whose chunks were made and exported before the first sample) to \
+         the consumer's after Subscriber::attach_set returned and its stream synchronised \
+         (one attach of the whole set; each chunk mapped once, on the warm-up samples, and \
+         kept in the consumer's cache). extra = device memory in use (cuMemGetInfo, all \
+         processes) after the hand-off minus before it. ours update: the consumer holds the \
+         set and waits; the clock from just before Publisher::update_set (one event for the \
+         set, one notice) to Subscriber::wait_set_update returning and the stream synchronised."
             .into(),
         "PyTorch list: the clock from just before torch.multiprocessing's Queue.put of the list \
          of tensors to the consumer's after Queue.get returned and its stream synchronised. \
