@@ -2,7 +2,7 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python peer bench bench-full
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python peer bench bench-full containers
 #                          (default: info tests soak demo cli exchange samples python)
 #
 # `tests` runs every GPU test but the 100,000-cycle soak, which `soak` runs
@@ -139,6 +139,68 @@ step_exchange() {
     check "demo --stream --frame-size $size" 0 "$cli" demo --stream --frame-size "$size" --seconds 3
     grep -E 'frames/s|latency|OK|FAILED' "$logs/demo_--stream_--frame-size_$size.log"
   done
+}
+
+# The consumer in new namespaces (needs root and util-linux unshare): serve
+# outside, attach inside a new PID namespace, PID + IPC, and with a private
+# /dev/shm (events cannot open there: the exchange uses fences); a vmm
+# descriptor opened from a new PID namespace says the exporter is not visible.
+step_containers() {
+  if ! unshare --pid --fork --mount-proc true 2>/dev/null; then
+    echo "SKIP  containers: unshare --pid is not allowed here (run as root)"
+    return
+  fi
+  local m value=0
+  for m in legacy vmm pool; do
+    value=$((value + 0x1000))
+    local fifo="$logs/stdin-ns-$m" sock="$logs/ns-$m.sock"
+    rm -f "$fifo" "$sock"
+    mkfifo "$fifo"
+    "$cli" serve --socket "$sock" --size 64MiB --fill-u32 "$value" --buffers 1 --mechanism "$m" <"$fifo" >"$logs/ns-serve-$m.json" 2>"$logs/ns-serve-$m.err" &
+    local pid=$!
+    exec 7>"$fifo"
+    for _ in $(seq 100); do [ -s "$logs/ns-serve-$m.json" ] && break; sleep 0.1; done
+    check "containers $m: attach in a new PID namespace" 0 \
+      unshare --pid --fork --mount-proc "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 "$value" --fill-u32 $((value + 1))
+    check "containers $m: attach in a new PID + IPC namespace sees the fill" 0 \
+      unshare --pid --ipc --fork --mount-proc "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 $((value + 1)) --fill-u32 $((value + 2))
+    check "containers $m: attach with a private /dev/shm (fences) sees the fill" 0 \
+      unshare --mount sh -c "mount -t tmpfs tmpfs /dev/shm && exec \"\$0\" \"\$@\"" "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 $((value + 2)) --fill-u32 $((value + 3))
+    grep -h "synchronised with" "$logs"/containers_"$m"__attach_with_a_private__dev_shm*.log 2>/dev/null
+    check "containers $m: attach --sync fence in a new PID namespace" 0 \
+      unshare --pid --fork --mount-proc "$cli" attach --socket "$sock" --buffer buf0 --sync fence --expect-u32 $((value + 3)) --fill-u32 $((value + 4))
+    check "containers $m: attach in a new user namespace (root mapped)" 0 \
+      unshare --user --map-root-user --pid --fork "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 $((value + 4))
+    exec 7>&-
+    wait "$pid"
+    local rc=$?
+    [ "$rc" -eq 0 ] && ok "containers $m: serve exits 0 once every lease is released" || bad "containers $m: serve exited $rc: $(cat "$logs/ns-serve-$m.err")"
+    rm -f "$fifo"
+  done
+  echo "SKIP  containers: demo with its consumer in a new PID + IPC namespace (the demo spawns its own consumer; the GPU test every_mechanism_with_the_consumer_in_new_namespaces covers it)"
+  local fifo="$logs/stdin-ns-export"
+  rm -f "$fifo"
+  mkfifo "$fifo"
+  "$cli" export --size 2MiB --fill-u32 0x77 --mechanism vmm <"$fifo" >"$logs/ns-export.json" 2>"$logs/ns-export.err" &
+  local pid=$!
+  exec 7>"$fifo"
+  for _ in $(seq 100); do [ -s "$logs/ns-export.json" ] && break; sleep 0.1; done
+  local d
+  d=$(head -n 1 "$logs/ns-export.json")
+  check "containers: open --descriptor of a vmm export in a new PID namespace exits 3" 3 \
+    unshare --pid --fork --mount-proc "$cli" open --descriptor "$d" --expect-u32 0x77
+  if grep -q "not visible from this PID namespace" "$logs/containers__open_--descriptor_of_a_vmm_export_in_a_new_PID_namespace_exits_3.log"; then
+    ok "containers: the message says the exporter is not visible from this PID namespace"
+  else
+    bad "containers: the message does not say the exporter is not visible: $(tail -n 2 "$logs/containers__open_--descriptor_of_a_vmm_export_in_a_new_PID_namespace_exits_3.log" | tr '\n' ' ')"
+  fi
+  local uuid
+  uuid=$(printf '%s' "$d" | grep -o '"device_uuid":"[^"]*"' | cut -d'"' -f4)
+  check "containers: open --descriptor with CUDA_VISIBLE_DEVICES=$uuid finds the GPU by UUID" 0 \
+    env CUDA_VISIBLE_DEVICES="$uuid" "$cli" open --descriptor "$d" --expect-u32 0x77
+  exec 7>&-
+  wait "$pid"
+  rm -f "$fifo"
 }
 
 step_samples() {

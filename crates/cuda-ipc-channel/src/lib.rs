@@ -31,6 +31,22 @@
 //! descriptors are capabilities: only a process that passed the checks ever
 //! receives one.
 //!
+//! # Namespaces (containers)
+//! The two ends may live in different PID, IPC, mount, network and user
+//! namespaces: they need only reach the same socket file (a shared volume
+//! or a bind mount at any path) and the same kernel.
+//! - PID: a peer whose PID namespace ours cannot see has pid 0 in
+//!   [`Ucred`]; that is not an error. Whether the peer is alive comes from
+//!   the connection (it closes when the peer exits), never from its pid.
+//! - Users: the allowlists match the peer's uid as the kernel maps it into
+//!   *our* user namespace. A peer in a user namespace whose uids map onto
+//!   ours (a container's `uid_map`, `unshare --map-root-user`) shows the uid
+//!   it has outside, so allow that one. A uid with no mapping into our
+//!   namespace reads as the overflow uid (`/proc/sys/kernel/overflowuid`,
+//!   normally 65534): allowing 65534 allows every peer whose user we cannot
+//!   see, and a process in an unmapped user namespace is itself 65534 there,
+//!   so its default allowlist accepts any such server. Map the uids instead.
+//!
 //! # Errors
 //! Every fallible function returns [`ChannelError`]; it converts into the
 //! `cuda_ipc::Error` with `?`.

@@ -52,29 +52,92 @@ pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The credentials of the process at the other end of a Unix socket, as the
 /// kernel recorded them when the connection was made (`SO_PEERCRED`).
+///
+/// The kernel translates each field into the namespaces of the process that
+/// reads them:
+/// - `pid` is the peer's process id in our PID namespace, or 0 when the peer
+///   runs in a PID namespace that ours cannot see into (another container, or
+///   `unshare --pid`). 0 is not an error: the connection itself tells whether
+///   the peer is alive (it closes when the peer exits); see [`Ucred::pid_visible`].
+/// - `uid` and `gid` are the peer's effective ids mapped into our user
+///   namespace. A peer in a user namespace whose ids map onto ours (such as
+///   `unshare --user --map-root-user`, or a container's `uid_map`) shows its
+///   id *outside* its namespace, the one the allowlists match. An id with no
+///   mapping into our namespace reads as the overflow id
+///   (`/proc/sys/kernel/overflowuid`, normally 65534, "nobody"), so allowing
+///   65534 allows every peer whose user we cannot see.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct Ucred {
-    /// The peer's process id (in our pid namespace).
+    /// The peer's process id in our PID namespace; 0 when the peer's PID
+    /// namespace is not visible from ours.
     pub pid: u32,
-    /// The peer's effective user id.
+    /// The peer's effective user id, in our user namespace.
     pub uid: u32,
-    /// The peer's effective group id.
+    /// The peer's effective group id, in our user namespace.
     pub gid: u32,
+}
+
+impl Ucred {
+    /// Whether the peer's process id means something here: false when the
+    /// kernel reported 0, which it does for a peer in a PID namespace that
+    /// ours cannot see (a process in another container).
+    #[must_use]
+    pub fn pid_visible(&self) -> bool {
+        self.pid != 0
+    }
 }
 
 /// The credentials of the peer of a connected Unix socket.
 ///
+/// A peer in another PID namespace gets `pid` 0 (see [`Ucred`]); that is
+/// not an error.
+///
 /// # References
-/// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html), `SO_PEERCRED`.
+/// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html), `SO_PEERCRED`;
+/// [`pid_namespaces(7)`](https://man7.org/linux/man-pages/man7/pid_namespaces.7.html),
+/// [`user_namespaces(7)`](https://man7.org/linux/man-pages/man7/user_namespaces.7.html).
 #[doc(alias = "SO_PEERCRED")]
 pub fn peer_credentials(stream: impl AsFd) -> Result<Ucred, ChannelError> {
-    let cred = rustix::net::sockopt::socket_peercred(stream)
-        .map_err(|e| ChannelError::io("cannot read the peer's credentials (SO_PEERCRED)", e))?;
+    use std::os::fd::AsRawFd;
+    // Read with libc rather than rustix: rustix's `UCred` holds the pid as a
+    // non-zero `Pid`, and the kernel reports 0 for a peer in a PID namespace
+    // we cannot see.
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED writes at most `len` bytes (one `struct ucred`)
+    // through the value pointer, which points to a live, writable `ucred`,
+    // and updates `len`, which points to a live `socklen_t`; the descriptor
+    // is borrowed for the duration of the call.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_fd().as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &raw mut len,
+        )
+    };
+    if r < 0 {
+        return Err(ChannelError::io(
+            "cannot read the peer's credentials (SO_PEERCRED)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    if len as usize != std::mem::size_of::<libc::ucred>() {
+        return Err(ChannelError::protocol(format!(
+            "SO_PEERCRED returned {len} bytes, not the {} of a struct ucred;              this kernel is not supported",
+            std::mem::size_of::<libc::ucred>()
+        )));
+    }
     Ok(Ucred {
-        pid: rustix::process::Pid::as_raw(Some(cred.pid)) as u32,
-        uid: cred.uid.as_raw(),
-        gid: cred.gid.as_raw(),
+        pid: u32::try_from(cred.pid).unwrap_or(0),
+        uid: cred.uid,
+        gid: cred.gid,
     })
 }
 

@@ -149,6 +149,53 @@ fn info_json_without_a_driver_is_json() {
 }
 
 #[test]
+fn info_reports_containers_namespaces_and_pidfd_getfd() {
+    let o = cuda_ipc(&["info", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let env = &v["environment"];
+    assert!(env["container"].is_boolean(), "{env}");
+    assert!(env["container_reasons"].is_array(), "{env}");
+    assert!(env["pidfd_getfd"]["allowed"].is_boolean(), "{env}");
+    let kinds: Vec<&str> = env["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts"]
+    );
+    // In a new PID namespace (where root may create one), the pid namespace
+    // is reported as its own and the process as containerised.
+    let probe = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "true"])
+        .output();
+    if !probe.is_ok_and(|p| p.status.success()) {
+        println!("skipped the PID namespace half: unshare --pid is not allowed here");
+        return;
+    }
+    let o = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "--"])
+        .arg(env!("CARGO_BIN_EXE_cuda-ipc"))
+        .args(["info", "--json"])
+        .env("CUDA_IPC_DISABLE_DRIVER", "1")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let env = &v["environment"];
+    assert_eq!(env["container"], true, "{env}");
+    assert!(
+        env["namespaces_not_initial"]
+            .as_array()
+            .unwrap()
+            .contains(&"pid".into()),
+        "{env}"
+    );
+}
+
+#[test]
 fn bad_input_exits_2_naming_the_problem() {
     let cases: &[(&[&str], &str)] = &[
         (

@@ -332,9 +332,17 @@ pub(crate) fn driver_hint(call: &'static str, result: CUresult) -> Option<&'stat
         ("cuIpcOpenEventHandle", R::CUDA_ERROR_INVALID_VALUE | R::CUDA_ERROR_INVALID_HANDLE) => {
             "the event handle is malformed, or its exporter destroyed the event or exited"
         }
-        ("cuIpcOpenEventHandle" | "cuIpcOpenMemHandle", R::CUDA_ERROR_MAP_FAILED) => {
-            "legacy IPC handles and interprocess events open only in processes of the user who \
-             exported them (seen on driver 580); run the consumer as the same user"
+        ("cuIpcOpenEventHandle", R::CUDA_ERROR_MAP_FAILED) => {
+            "the event's shared memory in /dev/shm is not shared with the exporter: this process \
+             has a /dev/shm of its own (a container's private /dev/shm, or a new mount \
+             namespace) or runs as another user; the exchange then synchronises with GPU-side \
+             fences instead (SubscriberConfig sync auto or fence), or share /dev/shm \
+             (docker --ipc=shareable / container:NAME, or one emptyDir volume at /dev/shm)"
+        }
+        ("cuIpcOpenMemHandle", R::CUDA_ERROR_MAP_FAILED) => {
+            "the exporter's memory could not be mapped here: legacy handles need the exporter's \
+             /dev/shm and user (a container with its own /dev/shm, or another user); use a vmm \
+             or pool export over the channel, whose descriptors need neither"
         }
         (
             "cuMemImportFromShareableHandle" | "cuMemPoolImportFromShareableHandle",
@@ -440,7 +448,10 @@ mod tests {
         assert!(e.to_string().contains("alloc_size"), "{e}");
         assert!(!e.to_string().contains("Windows"), "{e}");
         let e = driver_error("cuIpcOpenEventHandle", CUresult::CUDA_ERROR_MAP_FAILED);
-        assert!(e.to_string().contains("same user"), "{e}");
+        assert!(e.to_string().contains("/dev/shm is not shared"), "{e}");
+        assert!(e.to_string().contains("fences"), "{e}");
+        let e = driver_error("cuIpcOpenMemHandle", CUresult::CUDA_ERROR_MAP_FAILED);
+        assert!(e.to_string().contains("over the channel"), "{e}");
     }
 
     #[test]

@@ -59,15 +59,18 @@
 //!   descriptor, like a VMM export.
 //!
 //! # In the exchange
-//! A publisher holds one block per subscriber direction, with one word per
-//! ring slot or per published entry, and sends its [`FenceBlock`] (with the
-//! file descriptors) once when a subscriber attaches; each publish or
-//! update carries a [`FenceRef`] instead of an event handle. A ring's
-//! hand-back uses a block of the subscriber's in the other direction. The
-//! sync mode is chosen when the subscriber attaches: fences where it asks
-//! for them, or where opening an event fails with `CUDA_ERROR_MAP_FAILED`
-//! (a private `/dev/shm`). When the socket says the peer is gone, the
-//! exchange abandons the peer's blocks.
+//! A publisher holds one block of host words for its entries (two words per
+//! entry: the one the device signals, and one the host writes with the last
+//! sequence number queued, for subscribers that attach late) and one block
+//! per ring (a word per slot). Every publish, update and ring frame records
+//! the publisher's event *and* signals the entry's or slot's word; the
+//! block's [`FenceBlock`] travels in the entry's metadata and its memfd beside
+//! the entry's descriptors, so each subscriber receives it with what it
+//! attaches. The sync mode is the subscriber's choice
+//! (`exchange::SyncMode`): the event where it opens, else the fence (a
+//! private `/dev/shm`, another user), or either one always. A fence wait
+//! starts with a host-side deadline ([`FenceMapping::wait_within`]); when
+//! the socket says the publisher is gone, the word is abandoned.
 //!
 //! # Wire form
 //! The block travels once as a [`FenceBlock`] (the number of words, and
@@ -578,6 +581,30 @@ impl Fence {
         // mapped while any stream still uses it (dropping the block waits
         // for the device); the stream is live (borrowed).
         unsafe { raw::write_value64(stream.cu_stream(), addr, seq) }
+    }
+
+    /// Stores `value` into `word` from the host, now (host words only): for
+    /// words the device never signals, such as the last sequence number a
+    /// producer queued, which a consumer that attaches late reads to know
+    /// what to wait for. A word is either signalled or announced, never both.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for device words; [`Error::InvalidArgument`]
+    /// if `word` is out of range.
+    pub fn announce(&self, word: u32, value: u64) -> Result<()> {
+        check_word(word, self.count)?;
+        match &self.words {
+            Words::Host(h) => {
+                h.word(word).store(value, Ordering::Release);
+                Ok(())
+            }
+            Words::Device(_) => Err(Error::Unsupported {
+                what: "announcing a fence word from the host",
+                why: "the block's words are device memory; use a block of host words \
+                      (Fence::new_host)"
+                    .into(),
+            }),
+        }
     }
 
     /// The device this block belongs to.

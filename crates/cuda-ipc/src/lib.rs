@@ -17,6 +17,27 @@
 //! [`exchange`] builds publishers, subscribers, leases, per-publish events
 //! and rings on top of it.
 //!
+//! # Crates and layers
+//! Imports go one way, down this list; the compiler enforces the crate
+//! boundaries, and each layer below names what it owns.
+//!
+//! | crate | layer | what it owns |
+//! |---|---|---|
+//! | `cudarc` (dependency) | generated driver bindings | nothing: raw symbols, loaded at run time |
+//! | `cuda-ipc` (this crate), private `result` | one checked function per driver call | nothing: each call returns `Result` and names the C function |
+//! | `cuda-ipc`: [`device`], [`legacy`], [`vmm`], [`pool`], [`event`], [`buffer`], [`fence`] | owning types, released in `Drop` | [`LegacyBuffer`] / [`vmm::VmmBuffer`] / [`pool::PoolBuffer`] own an allocation; [`LegacyMapping`] / [`vmm::VmmMapping`] / [`pool::PoolMapping`] own a mapping of another process's allocation (sealed [`Mapping`]); [`MappedBuffer`] is a typed view holding its mapping and, when attached through the exchange, its lease; [`IpcEvent`] owns an event; [`fence::Fence`] owns shared sequence words |
+//! | `cuda-ipc`: [`share`], [`descriptor`], [`torch`], [`set`] | one API over the mechanisms; plain-data records | [`share::SharedBuffer`] owns an allocation of any mechanism; [`Descriptor`], [`set::SetRecord`] and [`torch::ShareRecord`] are strictly decoded, language-neutral records that own nothing |
+//! | `cuda-ipc`: [`arena`] | sub-allocation of chunks exported once | [`arena::Arena`] owns its chunks; an [`arena::ArenaBuffer`] owns a range until it and every lease on it are gone |
+//! | `cuda-ipc-channel`, re-exported as [`channel`] | Unix-socket exchange, no CUDA | the server owns entries, leases and rings; the client owns its connection; file descriptors travel as `OwnedFd` |
+//! | `cuda-ipc`: [`exchange`] | publishers and subscribers | [`exchange::Publisher`] owns what it published until every lease ends; [`exchange::Subscriber`] owns its connection, its mapping cache and its leases |
+//! | `cuda-ipc-bench` | the benchmark, no `unsafe` | its consumer processes; the driver floor it compares against is [`floor`] |
+//! | `cuda-ipc-cli` (the `cuda-ipc` command) | a thin front, no `unsafe` | nothing of its own: every command calls the library |
+//!
+//! `unsafe` lives only in the modules that call the driver or the kernel
+//! (each with `#![allow(unsafe_code)]` and a `// SAFETY:` comment on every
+//! block); [`DeviceMemory`] is an `unsafe trait` and [`Mapping`] is sealed, so
+//! safe code cannot make the library read or write an arbitrary address.
+//!
 //! # Loading
 //! The driver is loaded at run time. Without a driver every entry point
 //! returns [`Error::DriverNotFound`] (or [`Error::NoDevice`]); nothing
@@ -26,6 +47,7 @@
 
 pub mod arena;
 pub mod buffer;
+pub mod container;
 pub mod descriptor;
 pub mod device;
 pub mod driver;

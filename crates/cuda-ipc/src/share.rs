@@ -394,14 +394,38 @@ pub fn allow_fd_fetching() -> Result<()> {
     }
 }
 
+/// Why `pidfd_open` found no process with the descriptor's pid: it has
+/// exited, or, from a PID namespace of our own, it may be alive but not
+/// visible (in the parent namespace or another container).
+fn exporter_not_found() -> String {
+    match crate::container::in_nested_pid_namespace() {
+        Some(false) => "the exporting process has exited".to_owned(),
+        nested => format!(
+            "the exporting process is not visible from this PID namespace (a container?){}; \
+             pass descriptors over the channel (`cuda-ipc serve`/`attach`), which carries \
+             the fds itself",
+            if nested.is_none() {
+                ", or it has exited"
+            } else {
+                ""
+            }
+        ),
+    }
+}
+
 /// Takes a duplicate of file descriptor `fd` of process `pid` (`pidfd_getfd`).
+///
+/// The pid must be visible from this process's PID namespace: from another
+/// container, or from a new PID namespace (`unshare --pid`), the exporter
+/// cannot be found and the error says so; pass the descriptors over the
+/// channel there.
 pub fn fetch_fd(pid: u32, fd: i32) -> Result<OwnedFd> {
     let p = rustix::process::Pid::from_raw(pid as i32)
         .ok_or_else(|| Error::arg("pid", format!("{pid} is not a process id")))?;
     let pidfd =
         rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).map_err(|e| {
             let why = match e {
-                rustix::io::Errno::SRCH => "the exporting process has exited".to_string(),
+                rustix::io::Errno::SRCH => exporter_not_found(),
                 rustix::io::Errno::NOSYS => {
                     "this kernel has no pidfd_open (Linux 5.3+ needed); use the channel instead"
                         .to_string()
@@ -429,6 +453,31 @@ pub fn fetch_fd(pid: u32, fd: i32) -> Result<OwnedFd> {
             why,
         }
     })
+}
+
+/// Opens the device a descriptor's memory lives on, found by its UUID among
+/// the devices this process sees: the right GPU whatever this process's
+/// `CUDA_VISIBLE_DEVICES` says (another order, a subset, or the
+/// `GPU-xxxxxxxx-...` UUID form), since ordinals differ between processes
+/// and UUIDs do not.
+///
+/// # Errors
+/// [`Error::Unsupported`] when no visible device has that UUID (hide fewer
+/// devices, or open the memory from a device with peer access to it by
+/// ordinal with [`open_mapping`]).
+#[doc(alias = "cuDeviceGetUuid")]
+pub fn device_for(descriptor: &Descriptor) -> Result<Device> {
+    match crate::device::ordinal_of(descriptor.device_uuid)? {
+        Some(ordinal) => Device::open(ordinal),
+        None => Err(Error::Unsupported {
+            what: "opening the exporter's device",
+            why: format!(
+                "no device visible to this process has UUID {} (check CUDA_VISIBLE_DEVICES: \
+                 it must include that GPU, by ordinal or as its UUID)",
+                descriptor.device_uuid
+            ),
+        }),
+    }
 }
 
 /// Maps the whole allocation a descriptor names. `fds` are the descriptors

@@ -217,7 +217,9 @@ impl Client {
         })
     }
 
-    /// The server's process id (`SO_PEERCRED`, in our pid namespace).
+    /// The server's process id (`SO_PEERCRED`, in our pid namespace), or 0
+    /// when the server runs in a PID namespace that ours cannot see (see
+    /// [`Ucred::pid_visible`]).
     pub fn server_pid(&self) -> u32 {
         self.server.pid
     }

@@ -113,7 +113,9 @@ fn turned_away(shared: &Shared, st: &State, cred: Ucred) -> Option<String> {
     let (uid_conns, pid_conns) = st.conns.values().fold((0, 0), |(u, p), c| {
         (
             u + usize::from(c.cred.uid == cred.uid),
-            p + usize::from(c.cred.pid == cred.pid),
+            // Peers in PID namespaces we cannot see all read as pid 0: the
+            // per-process limit cannot tell them apart, the per-user one can.
+            p + usize::from(cred.pid_visible() && c.cred.pid == cred.pid),
         )
     });
     if st.conns.len() >= shared.max_connections {

@@ -240,7 +240,8 @@ pub struct LeaseInfo {
     pub name: String,
     /// Whether the lease is on a plain entry or a ring.
     pub kind: EntryKind,
-    /// The holder's process id (`SO_PEERCRED`).
+    /// The holder's process id (`SO_PEERCRED`), or 0 when the holder runs
+    /// in a PID namespace this server cannot see (a container).
     pub pid: u32,
     /// The holder's user id (`SO_PEERCRED`).
     pub uid: u32,

@@ -374,16 +374,35 @@ fn environment() -> Value {
         Some(2) => "kernel.yama.ptrace_scope=2: pidfd_getfd needs CAP_SYS_PTRACE; pass file descriptors over the channel (serve/attach)".into(),
         Some(n) => format!("kernel.yama.ptrace_scope={n}: pidfd_getfd is disabled; pass file descriptors over the channel (serve/attach)"),
     });
-    let container = std::path::Path::new("/.dockerenv").exists()
-        || std::path::Path::new("/run/.containerenv").exists()
-        || read("/proc/1/cgroup").is_some_and(|c| {
-            c.contains("docker") || c.contains("kubepods") || c.contains("containerd")
-        });
-    if container {
+    let hints = cuda_ipc::container::ContainerHints::read();
+    let container_reasons = hints.reasons();
+    let container = !container_reasons.is_empty();
+    let pidfd_getfd = cuda_ipc::container::pidfd_getfd_allowed();
+    if let Err(why) = &pidfd_getfd {
+        notes.push(format!(
+            "pidfd_getfd is not allowed here ({why}): `open --descriptor` of vmm and pool exports \
+             cannot fetch the exporter's descriptors; pass them over the channel (serve/attach)"
+        ));
+    }
+    let namespaces = cuda_ipc::container::namespaces();
+    let own: Vec<&str> = namespaces
+        .iter()
+        .filter(|n| n.differs == Some(true))
+        .map(|n| n.kind)
+        .collect();
+    if container || own.contains(&"pid") {
         notes.push(
-            "running in a container: processes in other containers live in other PID namespaces, so a descriptor's pid \
-             does not name them and pidfd_getfd fails; share a Unix socket directory and use the channel, and run \
-             both sides with --ipc=host so legacy handles can be opened"
+            "this looks like a container: processes in other containers live in other PID namespaces, so a \
+             descriptor's pid does not name them and pidfd_getfd cannot reach them; share a Unix socket directory \
+             and use the channel (serve/attach), which carries the file descriptors itself (vmm and pool work \
+             without hostPID, hostIPC or ptrace rights)"
+                .into(),
+        );
+    }
+    if own.contains(&"mnt") || container {
+        notes.push(
+            "interprocess events need the exporter's /dev/shm: with a /dev/shm of its own a consumer cannot open \
+             them (CUDA_ERROR_MAP_FAILED) and synchronises with GPU-side fences instead"
                 .into(),
         );
     }
@@ -392,6 +411,13 @@ fn environment() -> Value {
         "pid": std::process::id(),
         "wsl": wsl,
         "container": container,
+        "container_reasons": container_reasons,
+        "pidfd_getfd": match &pidfd_getfd {
+            Ok(()) => json!({ "allowed": true }),
+            Err(why) => json!({ "allowed": false, "why": why }),
+        },
+        "namespaces": namespaces,
+        "namespaces_not_initial": own,
         "ptrace_scope": ptrace_scope,
         "notes": notes,
     })
@@ -399,6 +425,40 @@ fn environment() -> Value {
 
 fn print_environment(env: &Value) -> Result<(), Error> {
     outln!("environment:")?;
+    let allowed = env["pidfd_getfd"]["allowed"] == true;
+    outln!(
+        "  pidfd_getfd allowed here: {}{}",
+        yes(allowed),
+        env["pidfd_getfd"]["why"]
+            .as_str()
+            .map(|w| format!(" ({w})"))
+            .unwrap_or_default()
+    )?;
+    let reasons: Vec<&str> = env["container_reasons"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    if reasons.is_empty() {
+        outln!("  container: no sign of one")?;
+    } else {
+        outln!("  container: looks like one ({})", reasons.join("; "))?;
+    }
+    let namespaces: Vec<String> = env["namespaces"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|n| {
+                    let state = match n["differs"].as_bool() {
+                        Some(true) => "own",
+                        Some(false) => "init's",
+                        None => "unknown",
+                    };
+                    format!("{} {state}", n["kind"].as_str().unwrap_or("?"))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    outln!("  namespaces: {}", namespaces.join(", "))?;
     if let Some(notes) = env["notes"].as_array() {
         for n in notes {
             outln!("  {}", n.as_str().unwrap_or_default())?;

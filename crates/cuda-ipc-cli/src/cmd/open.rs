@@ -38,9 +38,10 @@ pub struct Args {
     /// Then fill every 32-bit word with this value.
     #[arg(long, value_parser = super::parse_value, allow_negative_numbers = true)]
     pub fill_u32: Option<u32>,
-    /// Device ordinal.
-    #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
-    pub device: usize,
+    /// Device ordinal (default: the descriptor's GPU, found by its UUID
+    /// whatever CUDA_VISIBLE_DEVICES says; device 0 for a bare handle).
+    #[arg(long, value_parser = super::parse_device, allow_negative_numbers = true)]
+    pub device: Option<usize>,
 }
 
 /// The most `--descriptor -` reads from standard input: a descriptor is a
@@ -130,7 +131,11 @@ pub fn read_descriptor(input: &mut impl BufRead) -> Result<Descriptor, Error> {
 
 pub fn run(args: &Args) -> Result<Outcome, Error> {
     let source = source(args)?;
-    let device = Device::open(args.device)?;
+    let device = match (args.device, &source) {
+        (Some(ordinal), _) => Device::open(ordinal)?,
+        (None, Source::Descriptor(d, ..)) => share::device_for(d)?,
+        (None, Source::Handle(..)) => Device::open(0)?,
+    };
     let started = Instant::now();
     let (buffer, mechanism): (MappedBuffer<u8>, String) = match &source {
         Source::Descriptor(d, start, end) => (

@@ -83,6 +83,10 @@ pub struct AttachArgs {
     /// Accept a publisher running as this user id too (repeatable).
     #[arg(long = "allow-uid", value_parser = super::parse_uid, allow_negative_numbers = true)]
     pub allow_uid: Vec<u32>,
+    /// How to wait for the publisher's work: auto (its event where it
+    /// opens, else its fence), event, or fence.
+    #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<cuda_ipc::exchange::SyncMode>().map_err(|e| e.to_string()))]
+    pub sync: cuda_ipc::exchange::SyncMode,
     /// Device ordinal.
     #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,
@@ -344,7 +348,9 @@ pub fn attach(args: &AttachArgs) -> Result<Outcome, Error> {
         return list(&path, &args.allow_uid);
     }
     let device = Device::open(args.device)?;
-    let config = SubscriberConfig::default().with_allow_uids(args.allow_uid.iter().copied());
+    let config = SubscriberConfig::default()
+        .with_allow_uids(args.allow_uid.iter().copied())
+        .with_sync(args.sync);
     let subscriber = Subscriber::connect(&device, Endpoint::Path(path), config)?;
     if let Some(set) = &args.set {
         return attach_set(&subscriber, set);
@@ -367,9 +373,14 @@ pub fn attach(args: &AttachArgs) -> Result<Outcome, Error> {
     let ms = super::ms_since(started);
     let len = buffer.byte_len() as u64;
     let mut report = format!(
-        "attached {name}: {} ({}) in {ms:.3} ms",
+        "attached {name}: {} ({}, synchronised with the publisher's {}) in {ms:.3} ms",
         super::human(len),
-        attached.descriptor().mechanism()
+        attached.descriptor().mechanism(),
+        if attached.uses_fence() {
+            "fence"
+        } else {
+            "event"
+        }
     );
     if args.expect_u32.is_some() || args.fill_u32.is_some() {
         super::check_words(len, "buffer")?;

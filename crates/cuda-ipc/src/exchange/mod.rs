@@ -63,6 +63,10 @@
 //! attach. One event per publisher serves every buffer, so a subscriber
 //! opens it once.
 //!
+//! Every publish, update and ring frame also signals a GPU-side fence (see
+//! [`SyncMode`]): a subscriber that cannot open the event (its own
+//! `/dev/shm`, as in a container) waits on the fence instead.
+//!
 //! # Lifetimes
 //! Every attach is a lease held by the subscriber's connection, and by every
 //! view of the attached buffer (its clones, slices and casts): the lease is
@@ -83,6 +87,7 @@ mod publisher;
 mod ring;
 mod set;
 mod subscriber;
+mod sync;
 mod wire;
 
 use std::path::{Path, PathBuf};
@@ -96,6 +101,7 @@ pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber};
 pub use set::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, SetAttachment, Sharing, chunk_entry_name};
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
+pub use sync::SyncMode;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)

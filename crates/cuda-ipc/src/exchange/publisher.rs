@@ -18,6 +18,7 @@ use crate::share::SharedBuffer;
 
 use super::ring::RingPublisher;
 use super::set::{PublisherArena, Sharing};
+use super::sync::{self, EntryFences, FenceMeta};
 use super::wire::{self, EntryMeta, RingMeta, UpdateNotice};
 use super::{Endpoint, lock};
 
@@ -29,6 +30,9 @@ pub struct PublisherConfig {
     /// User ids allowed to connect besides our own (peer credentials are
     /// checked on every connection).
     pub allow_uids: Vec<u32>,
+    /// Publish without GPU-side fences (events only): subscribers that
+    /// cannot open events (their own `/dev/shm`) then cannot attach.
+    pub no_fences: bool,
     /// How buffers are shared: from an arena (the default, `auto`) or
     /// each exported on its own ([`Sharing::Isolated`]).
     pub sharing: Sharing,
@@ -42,6 +46,14 @@ impl PublisherConfig {
         self
     }
 
+    /// Whether every publish, update and ring frame also signals a fence
+    /// (on by default; see [`SyncMode`](super::SyncMode)).
+    #[must_use]
+    pub fn with_fences(mut self, on: bool) -> Self {
+        self.no_fences = !on;
+        self
+    }
+
     /// Shares through an arena (the default) or each buffer on its own.
     #[must_use]
     pub fn with_sharing(mut self, sharing: Sharing) -> Self {
@@ -50,13 +62,16 @@ impl PublisherConfig {
     }
 }
 
-/// The meta of an entry: the descriptor (which carries the event handle).
-fn entry_meta(descriptor: &Descriptor) -> Result<Value> {
-    wire::to_value(&EntryMeta::new(descriptor))
+/// The meta of an entry: the descriptor (which carries the event handle)
+/// and the fence.
+fn entry_meta(descriptor: &Descriptor, fence: Option<FenceMeta>) -> Result<Value> {
+    wire::to_value(&EntryMeta::with_fence(descriptor, fence))
 }
 
 struct PublishedBuffer {
     buffer: Arc<SharedBuffer>,
+    /// The entry's slot in the fence block.
+    fence_slot: Option<u32>,
 }
 
 /// Serves device buffers by name to subscribers in other processes.
@@ -66,6 +81,7 @@ pub struct Publisher {
     pub(super) event: IpcEvent,
     pub(super) event_handle: IpcEventHandle,
     entries: Mutex<HashMap<String, PublishedBuffer>>,
+    fences: Option<Mutex<EntryFences>>,
     pub(super) arena: PublisherArena,
 }
 
@@ -93,6 +109,11 @@ impl Publisher {
             }
         }
         let server = Server::bind(server_config)?;
+        let fences = if config.no_fences {
+            None
+        } else {
+            EntryFences::new(device).map(Mutex::new)
+        };
         let event = IpcEvent::new(device)?;
         let event_handle = event.handle()?;
         tracing::info!(path = %server.path().display(), "publisher serving");
@@ -102,6 +123,7 @@ impl Publisher {
             event,
             event_handle,
             entries: Mutex::new(HashMap::new()),
+            fences,
             arena: PublisherArena::new(config.sharing),
         })
     }
@@ -132,16 +154,60 @@ impl Publisher {
         self.event.record(buffer.stream())?;
         let mut descriptor = export.descriptor;
         descriptor.event = Some(self.event_handle);
+        let mut fds = export.fds;
         let mut entries = lock(&self.entries);
-        self.server
-            .publish(name, entry_meta(&descriptor)?, export.fds)?;
+        let (fence, fence_slot) = self.fence_entry(&buffer, &mut fds)?;
+        if let Err(e) = self
+            .server
+            .publish(name, entry_meta(&descriptor, fence)?, fds)
+        {
+            self.give_back(fence_slot);
+            return Err(e.into());
+        }
         entries.insert(
             name.to_owned(),
             PublishedBuffer {
                 buffer: buffer.clone(),
+                fence_slot,
             },
         );
         Ok(buffer)
+    }
+
+    /// Takes a fence slot for a new entry, signals it after the work queued
+    /// on the buffer's stream, and adds the block's descriptor to `fds`.
+    fn fence_entry(
+        &self,
+        buffer: &SharedBuffer,
+        fds: &mut Vec<std::os::fd::OwnedFd>,
+    ) -> Result<(Option<FenceMeta>, Option<u32>)> {
+        let Some(fences) = &self.fences else {
+            return Ok((None, None));
+        };
+        let mut fences = lock(fences);
+        let Some(slot) = fences.take() else {
+            tracing::warn!("more entries than fence slots: this one goes with its event only");
+            return Ok((None, None));
+        };
+        let signalled = fences
+            .signal(buffer.stream(), slot)
+            .and_then(|_| fences.export(slot, fds.len()));
+        match signalled {
+            Ok((meta, fd)) => {
+                fds.push(fd);
+                Ok((Some(meta), Some(slot)))
+            }
+            Err(e) => {
+                fences.give_back(slot);
+                Err(e)
+            }
+        }
+    }
+
+    fn give_back(&self, slot: Option<u32>) {
+        if let (Some(fences), Some(slot)) = (&self.fences, slot) {
+            lock(fences).give_back(slot);
+        }
     }
 
     /// Tells every subscriber of `name` that new contents are ready: records
@@ -153,14 +219,18 @@ impl Publisher {
         if self.is_arena_entry(name) {
             return self.update_set(name);
         }
-        let buffer = lock(&self.entries)
+        let (buffer, fence_slot) = lock(&self.entries)
             .get(name)
-            .map(|e| e.buffer.clone())
+            .map(|e| (e.buffer.clone(), e.fence_slot))
             .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
         self.event.record(buffer.stream())?;
+        let fence_seq = match (&self.fences, fence_slot) {
+            (Some(f), Some(slot)) => Some(lock(f).signal(buffer.stream(), slot)?),
+            _ => None,
+        };
         Ok(self
             .server
-            .update(name, wire::to_value(&UpdateNotice::default())?)?)
+            .update(name, wire::to_value(&UpdateNotice { fence_seq })?)?)
     }
 
     /// The buffer published under `name`.
@@ -184,6 +254,7 @@ impl Publisher {
         let entry = lock(&self.entries)
             .remove(name)
             .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        self.give_back(entry.fence_slot);
         Ok(entry.buffer)
     }
 
@@ -203,11 +274,24 @@ impl Publisher {
     ) -> Result<RingPublisher> {
         let mut buffers = Vec::with_capacity(slots);
         let mut metas = Vec::with_capacity(slots);
-        for _ in 0..slots {
+        let fence = if self.fences.is_some() {
+            sync::ring_fence(&self.device, slots)
+        } else {
+            None
+        };
+        for i in 0..slots {
             let b = SharedBuffer::alloc(&self.device, slot_bytes, mechanism)?;
             let mut e = b.export()?;
             e.descriptor.event = Some(self.event_handle);
-            metas.push((entry_meta(&e.descriptor)?, e.fds));
+            let fence_meta = match &fence {
+                Some(f) => {
+                    let (meta, fd) = sync::export(f, i as u32, None, e.fds.len())?;
+                    e.fds.push(fd);
+                    Some(meta)
+                }
+                None => None,
+            };
+            metas.push((entry_meta(&e.descriptor, fence_meta)?, e.fds));
             buffers.push(b);
         }
         let producer =
@@ -220,6 +304,8 @@ impl Publisher {
             buffers,
             event,
             event_handle,
+            fence,
+            frames: std::sync::atomic::AtomicU64::new(0),
         })
     }
 }

@@ -12,12 +12,14 @@ use crate::buffer::MappedBuffer;
 use crate::channel::{self, LeaseInfo};
 use crate::error::{Error, Result};
 use crate::event::IpcEvent;
+use crate::fence::Fence;
 use crate::handle::IpcEventHandle;
 use crate::memory::DeviceMemory;
 use crate::share::SharedBuffer;
 
 use super::Subscriber;
 use super::lease::LeaseGuard;
+use super::sync::Waiter;
 use super::wire::{self, FrameNotice};
 
 /// The producer's side of a ring of buffers with back-pressure.
@@ -26,6 +28,10 @@ pub struct RingPublisher {
     pub(super) buffers: Vec<SharedBuffer>,
     pub(super) event: IpcEvent,
     pub(super) event_handle: IpcEventHandle,
+    /// One word per slot, signalled with the frame counter.
+    pub(super) fence: Option<Fence>,
+    /// Frames published so far (the fence's sequence numbers).
+    pub(super) frames: std::sync::atomic::AtomicU64,
 }
 
 impl RingPublisher {
@@ -61,10 +67,23 @@ impl RingPublisher {
     ) -> Result<u64> {
         let buffer = self.buffer(index(slot)?)?;
         self.event.record(buffer.stream())?;
-        // The event is ours: a producer's field of that name can't replace it.
+        let fence_seq = match &self.fence {
+            Some(f) => {
+                let seq = self
+                    .frames
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    + 1;
+                f.signal(buffer.stream(), slot, seq)?;
+                Some(seq)
+            }
+            None => None,
+        };
+        // These fields are ours: a producer's field of that name can't replace them.
         extra.remove("event");
+        extra.remove("fence_seq");
         let notice = wire::to_value(&FrameNotice {
             event: self.event_handle,
+            fence_seq,
             extra,
         })?;
         Ok(self.producer.publish(index(slot)?, notice)?)
@@ -88,12 +107,20 @@ pub struct RingSubscriber<T> {
     lease: u64,
     guard: Arc<LeaseGuard>,
     slots: Vec<MappedBuffer<T>>,
+    /// How each slot waits (event or fence).
+    waiters: Vec<Waiter>,
 }
 
 impl<T: Pod> RingSubscriber<T> {
     /// The number of slots.
     pub fn slot_count(&self) -> usize {
         self.slots.len()
+    }
+
+    /// Whether frames are waited for with the publisher's fence (rather
+    /// than its event).
+    pub fn uses_fences(&self) -> bool {
+        self.waiters.first().is_some_and(Waiter::is_fence)
     }
 }
 
@@ -117,9 +144,13 @@ impl Subscriber {
     pub fn attach_ring<T: Pod>(&self, name: &str) -> Result<RingSubscriber<T>> {
         let a = self.client.attach_ring(name)?;
         let mut slots = Vec::with_capacity(a.slots.len());
+        let mut waiters = Vec::with_capacity(a.slots.len());
         for (meta, fds) in a.slots {
             match self.open_descriptor::<T>(&meta, fds) {
-                Ok((_, buffer, _)) => slots.push(buffer),
+                Ok((_, buffer, waiter)) => {
+                    slots.push(buffer);
+                    waiters.push(waiter);
+                }
                 Err(e) => {
                     let _ = self.client.release(a.lease);
                     return Err(e);
@@ -139,6 +170,7 @@ impl Subscriber {
             lease: a.lease,
             guard,
             slots,
+            waiters,
         })
     }
 
@@ -157,7 +189,18 @@ impl Subscriber {
             )
         })?;
         let notice = FrameNotice::decode(&f.notice)?;
-        self.event(notice.event)?.wait_on(buffer.stream())?;
+        match (&ring.waiters[index::<usize, _>(f.slot)?], notice.fence_seq) {
+            (waiter @ Waiter::Fence { .. }, Some(seq)) => {
+                self.wait_fence(waiter, buffer.stream(), seq)?;
+            }
+            (Waiter::Fence { .. }, None) => {
+                return Err(Error::arg(
+                    "ring frame",
+                    "the frame's notice has no fence sequence number, but this subscriber waits on fences",
+                ));
+            }
+            (Waiter::Event(_), _) => self.event(notice.event)?.wait_on(buffer.stream())?,
+        }
         Ok(RingFrame {
             slot: index(f.slot)?,
             seq: f.seq,

@@ -4,7 +4,11 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use std::os::fd::OwnedFd;
+
 use bytemuck::Pod;
+use cudarc::driver::CudaStream;
+use serde::Deserialize;
 use serde_json::Value;
 
 use crate::buffer::{MappedBuffer, Mapping};
@@ -13,6 +17,7 @@ use crate::descriptor::Descriptor;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::IpcEvent;
+use crate::fence::FenceMapping;
 use crate::handle::IpcEventHandle;
 use crate::memory::DeviceMemory;
 use crate::share;
@@ -20,7 +25,8 @@ use crate::share;
 use super::budget::MappingBudget;
 use super::lease::{LeaseGuard, Pending};
 use super::set::ChunkCache;
-use super::wire::EntryMeta;
+use super::sync::{self, SyncMode, Waiter};
+use super::wire::{EntryMeta, UpdateNotice};
 use super::{Endpoint, lock};
 
 /// How a [`Subscriber`] connects: `SubscriberConfig::default()`, adjusted
@@ -32,6 +38,9 @@ pub struct SubscriberConfig {
     pub timeout: Duration,
     /// User ids the publisher may run as besides our own.
     pub allow_uids: Vec<u32>,
+    /// How streams wait for the publisher's work: its event or its fence
+    /// ([`SyncMode::Auto`] by default: the event where it opens).
+    pub sync: SyncMode,
     /// How many idle chunk mappings the subscriber keeps for reuse.
     pub mapping_budget: MappingBudget,
 }
@@ -41,6 +50,7 @@ impl Default for SubscriberConfig {
         SubscriberConfig {
             timeout: Duration::from_secs(5),
             allow_uids: Vec::new(),
+            sync: SyncMode::Auto,
             mapping_budget: MappingBudget::default(),
         }
     }
@@ -58,6 +68,13 @@ impl SubscriberConfig {
     #[must_use]
     pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
         self.allow_uids.extend(uids);
+        self
+    }
+
+    /// How streams wait for the publisher's work (see [`SyncMode`]).
+    #[must_use]
+    pub fn with_sync(mut self, sync: SyncMode) -> Self {
+        self.sync = sync;
         self
     }
 
@@ -84,6 +101,9 @@ pub struct Subscriber {
     pub(super) client: Arc<Client>,
     cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
     events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
+    fences: Mutex<HashMap<u64, Arc<FenceMapping>>>,
+    sync: SyncMode,
+    timeout: Duration,
     pub(super) pending: Arc<Pending>,
     opens: std::sync::atomic::AtomicU64,
 }
@@ -104,7 +124,7 @@ pub struct Attachment<T> {
     name: String,
     guard: Arc<LeaseGuard>,
     buffer: MappedBuffer<T>,
-    event: Arc<IpcEvent>,
+    waiter: Waiter,
     descriptor: Descriptor,
 }
 
@@ -122,7 +142,7 @@ impl<T: Pod> Attachment<T> {
             name,
             guard,
             buffer,
-            event,
+            waiter: Waiter::Event(event),
             descriptor,
         }
     }
@@ -143,6 +163,11 @@ impl<T: Pod> Attachment<T> {
     pub fn descriptor(&self) -> &Descriptor {
         &self.descriptor
     }
+    /// Whether this buffer waits on the publisher's fence (rather than its
+    /// event).
+    pub fn uses_fence(&self) -> bool {
+        self.waiter.is_fence()
+    }
 }
 
 impl Subscriber {
@@ -161,6 +186,9 @@ impl Subscriber {
             client,
             cache: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
+            fences: Mutex::new(HashMap::new()),
+            sync: config.sync,
+            timeout: config.timeout,
             pending: Arc::new(Mutex::new(HashMap::new())),
             opens: std::sync::atomic::AtomicU64::new(0),
             chunks: Mutex::new(ChunkCache::new(config.mapping_budget)),
@@ -204,6 +232,24 @@ impl Subscriber {
         Ok(e)
     }
 
+    /// The fence block `meta` names, mapped once per subscriber.
+    fn fence(&self, meta: &sync::FenceMeta, fd: OwnedFd) -> Result<Arc<FenceMapping>> {
+        let mut fences = lock(&self.fences);
+        if let Some(f) = fences.get(&meta.block.id()) {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(FenceMapping::open(&self.device, &meta.block, vec![fd])?);
+        fences.insert(meta.block.id(), f.clone());
+        Ok(f)
+    }
+
+    /// Makes `stream` wait (GPU-side, after a host-side deadline) until the
+    /// fence reaches `seq`; abandons it when the publisher is gone.
+    pub(super) fn wait_fence(&self, waiter: &Waiter, stream: &CudaStream, seq: u64) -> Result<()> {
+        let client = self.client.clone();
+        waiter.wait_seq(stream, seq, &move || client.is_alive(), self.timeout)
+    }
+
     fn mapping(
         &self,
         descriptor: &Descriptor,
@@ -230,18 +276,46 @@ impl Subscriber {
         &self,
         meta: &Value,
         fds: Vec<std::os::fd::OwnedFd>,
-    ) -> Result<(Descriptor, MappedBuffer<T>, Arc<IpcEvent>)> {
-        let descriptor = EntryMeta::decode(meta)?;
+    ) -> Result<(Descriptor, MappedBuffer<T>, Waiter)> {
+        let (descriptor, fence) = EntryMeta::decode_with_fence(meta)?;
         let handle = descriptor.event.ok_or_else(|| Error::Descriptor {
             field: "event".into(),
             reason: "a published buffer must carry the publisher's event".into(),
         })?;
-        let event = self.event(handle)?;
+        let mut fds = fds;
+        let fence = match fence {
+            Some(f) if f.fd < fds.len() => Some((fds.remove(f.fd), f)),
+            Some(f) => {
+                return Err(Error::Descriptor {
+                    field: "fence.fd".into(),
+                    reason: format!(
+                        "the fence's file descriptor is number {} of the entry's, which has {}",
+                        f.fd,
+                        fds.len()
+                    ),
+                });
+            }
+            None => None,
+        };
+        let waiter = sync::choose(
+            self.sync,
+            || self.event(handle),
+            fence.as_ref().map(|(fd, meta)| {
+                (meta, move || {
+                    self.fence(
+                        meta,
+                        fd.try_clone()
+                            .map_err(|e| Error::io("duplicating the fence's descriptor", e))?,
+                    )
+                })
+            }),
+        )?;
         let mapping = self.mapping(&descriptor, fds)?;
         let buffer =
             MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.byte_len)?;
-        event.wait_on(buffer.stream())?;
-        Ok((descriptor, buffer, event))
+        let client = self.client.clone();
+        waiter.wait_latest(buffer.stream(), &move || client.is_alive(), self.timeout)?;
+        Ok((descriptor, buffer, waiter))
     }
 
     /// Attaches to the buffer published as `name`: takes a lease, maps the
@@ -254,7 +328,7 @@ impl Subscriber {
             return self.attach_arena_buffer(a);
         }
         match self.open_descriptor::<T>(&a.meta, a.fds) {
-            Ok((descriptor, buffer, event)) => {
+            Ok((descriptor, buffer, waiter)) => {
                 let guard = LeaseGuard::new(
                     &self.client,
                     &self.pending,
@@ -267,7 +341,7 @@ impl Subscriber {
                     name: a.name,
                     buffer: buffer.hold(guard.clone()),
                     guard,
-                    event,
+                    waiter,
                     descriptor,
                 })
             }
@@ -290,12 +364,12 @@ impl Subscriber {
                 .get_mut(&attached.lease)
                 .and_then(VecDeque::pop_front)
             {
-                return Self::apply(attached, &notice);
+                return self.apply(attached, &notice);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             let u = self.client.next_update(left)?;
             if u.lease == attached.lease {
-                return Self::apply(attached, &u.notice);
+                return self.apply(attached, &u.notice);
             }
             lock(&self.pending)
                 .entry(u.lease)
@@ -304,14 +378,28 @@ impl Subscriber {
         }
     }
 
-    fn apply<T: Pod>(attached: &Attachment<T>, notice: &Notice) -> Result<u64> {
+    fn apply<T: Pod>(&self, attached: &Attachment<T>, notice: &Notice) -> Result<u64> {
         match notice {
             // The channel's notice calls the update counter `generation` on the wire.
             Notice::Updated {
                 generation: version,
-                ..
+                data,
             } => {
-                attached.event.wait_on(attached.buffer.stream())?;
+                let seq = UpdateNotice::deserialize(data)
+                    .map_err(|e| Error::arg("update notice", e.to_string()))?
+                    .fence_seq;
+                match (&attached.waiter, seq) {
+                    (Waiter::Event(e), _) => e.wait_on(attached.buffer.stream())?,
+                    (waiter, Some(seq)) => {
+                        self.wait_fence(waiter, attached.buffer.stream(), seq)?;
+                    }
+                    (_, None) => {
+                        return Err(Error::arg(
+                            "update notice",
+                            "it has no fence sequence number, but this attachment waits on the fence",
+                        ));
+                    }
+                }
                 Ok(*version)
             }
             Notice::Unpublished => Err(ChannelError::Unpublished {

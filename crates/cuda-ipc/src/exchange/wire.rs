@@ -10,28 +10,47 @@ use crate::descriptor::Descriptor;
 use crate::error::{Error, Result};
 use crate::handle::IpcEventHandle;
 
+use super::sync::FenceMeta;
+
 /// The metadata of a published buffer, or of one slot of a ring.
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) struct EntryMeta {
     /// The descriptor, as [`Descriptor::to_value`] writes it; decoded by
     /// [`Descriptor::from_value`], whose errors name the field.
     descriptor: Value,
+    /// The fence signalled with every publish and update (absent when the
+    /// publisher has none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    fence: Option<FenceMeta>,
 }
 
 impl EntryMeta {
     pub(super) fn new(descriptor: &Descriptor) -> Self {
+        Self::with_fence(descriptor, None)
+    }
+
+    /// The metadata of an entry whose publishes also signal `fence`.
+    pub(super) fn with_fence(descriptor: &Descriptor, fence: Option<FenceMeta>) -> Self {
         EntryMeta {
             descriptor: descriptor.to_value(),
+            fence,
         }
     }
 
     /// Decodes an entry's metadata and its descriptor.
     pub(super) fn decode(meta: &Value) -> Result<Descriptor> {
+        Ok(Self::decode_with_fence(meta)?.0)
+    }
+
+    /// Decodes an entry's metadata: its descriptor and fence.
+    pub(super) fn decode_with_fence(meta: &Value) -> Result<(Descriptor, Option<FenceMeta>)> {
         let m = EntryMeta::deserialize(meta).map_err(|e| Error::Descriptor {
             field: "descriptor".into(),
-            reason: format!("the entry's metadata is not {{\"descriptor\": ...}}: {e}"),
+            reason: format!(
+                "the entry's metadata is not {{\"descriptor\": ..., \"fence\": ...}}: {e}"
+            ),
         })?;
-        Descriptor::from_value(&m.descriptor)
+        Ok((Descriptor::from_value(&m.descriptor)?, m.fence))
     }
 }
 
@@ -45,7 +64,11 @@ pub(super) struct RingMeta {
 /// The notice of an update: nothing beyond the channel's own fields (the
 /// event to wait on is the publisher's, named by the descriptor).
 #[derive(Debug, Default, Serialize, Deserialize)]
-pub(super) struct UpdateNotice {}
+pub(super) struct UpdateNotice {
+    /// The sequence number the entry's fence word reaches after the update.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) fence_seq: Option<u64>,
+}
 
 /// The notice of a ring frame: the producer's extra fields and the event
 /// recorded after the slot was written.
@@ -53,6 +76,9 @@ pub(super) struct UpdateNotice {}
 pub(super) struct FrameNotice {
     /// The ring's interprocess event, as hex.
     pub(super) event: IpcEventHandle,
+    /// The sequence number the slot's fence word reaches with this frame.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) fence_seq: Option<u64>,
     /// The producer's own fields (a timestamp, a frame number).
     #[serde(flatten)]
     pub(super) extra: Map<String, Value>,
@@ -86,12 +112,20 @@ mod tests {
         let event = IpcEventHandle::from_bytes(&[7; 64]).unwrap();
         let mut extra = Map::new();
         extra.insert("stamp".into(), json!(42));
-        let v = to_value(&FrameNotice { event, extra }).unwrap();
+        let v = to_value(&FrameNotice {
+            event,
+            fence_seq: Some(9),
+            extra,
+        })
+        .unwrap();
+        assert_eq!(v["fence_seq"], 9);
         assert_eq!(v["stamp"], 42);
         assert_eq!(v["event"], event.to_hex());
         let back = FrameNotice::decode(&v).unwrap();
         assert_eq!(back.event, event);
         assert_eq!(back.extra["stamp"], 42);
+        assert_eq!(back.fence_seq, Some(9));
+        assert!(!back.extra.contains_key("fence_seq"));
     }
 
     #[test]

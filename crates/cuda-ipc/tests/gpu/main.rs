@@ -9,6 +9,7 @@ mod arena_sets;
 mod chaos;
 mod common;
 mod consumer;
+mod containers;
 mod exchange;
 mod legacy;
 mod lifetimes;

@@ -1,0 +1,373 @@
+//! How a subscriber's streams wait for the publisher's work: interprocess
+//! events, or GPU-side fences where events cannot be opened.
+//!
+//! Every publish, update and ring frame records the publisher's event *and*
+//! (unless [`PublisherConfig::fences`](super::PublisherConfig) is off)
+//! signals a fence word: the stream that did the work writes the sequence
+//! number after it (`cuStreamWriteValue64`, one stream operation). The
+//! fence block is a sealed memfd of host words ([`Fence::new_host`]), which
+//! travels as one more file descriptor beside the entry's, so it needs no
+//! `/dev/shm`, no visible pid and no shared user: it works wherever the
+//! channel does.
+//!
+//! The subscriber chooses ([`SyncMode`]): the event where it can open it,
+//! else the fence (`Auto`, the default); or one of them always. A fence
+//! wait is first a host-side wait with a deadline
+//! ([`FenceMapping::wait_within`]), so no stream ever waits for a publisher
+//! that is gone: when the socket says it is gone, the fence is abandoned
+//! ([`FenceMapping::abandon`]) and the call fails with
+//! [`ChannelError::PeerGone`].
+//!
+//! # Layout of a publisher's block
+//! Entry `i` (in the order of publishing; freed words are reused) owns
+//! words `2i` and `2i + 1`: the device signals `2i` after each publish or
+//! update, and the host writes into `2i + 1` the last sequence number
+//! queued ([`Fence::announce`]), which a subscriber that attaches late
+//! reads to know what to wait for. A ring has a block of its own, one word
+//! per slot, signalled with the ring's frame counter.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+use serde::{Deserialize, Serialize};
+
+use crate::channel::ChannelError;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::event::IpcEvent;
+use crate::fence::{Fence, FenceBlock, FenceMapping};
+
+/// How a subscriber's streams wait for the publisher's work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum SyncMode {
+    /// The interprocess event where it opens, else the fence (when the
+    /// publisher sends one). The default.
+    #[default]
+    Auto,
+    /// Always the interprocess event: fails where it cannot be opened (a
+    /// consumer with its own `/dev/shm`).
+    Event,
+    /// Always the fence: fails if the publisher sends none.
+    Fence,
+}
+
+impl std::str::FromStr for SyncMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(SyncMode::Auto),
+            "event" => Ok(SyncMode::Event),
+            "fence" => Ok(SyncMode::Fence),
+            other => Err(Error::arg(
+                "sync mode",
+                format!("{other:?} is not one of auto, event, fence"),
+            )),
+        }
+    }
+}
+
+/// What an entry's or slot's metadata says about its fence: the block (its
+/// file descriptor is `fds[fd]` of the entry's), the word to wait on and
+/// the word that announces what to wait for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FenceMeta {
+    /// The block.
+    pub(super) block: FenceBlock,
+    /// The index of the block's file descriptor among the entry's.
+    pub(super) fd: usize,
+    /// The word the device signals.
+    pub(super) word: u32,
+    /// The word announcing the last sequence number queued; `None` for ring
+    /// slots (each frame's notice says it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) announce: Option<u32>,
+}
+
+/// The publisher's fence block for entries: two words per entry.
+#[derive(Debug)]
+pub(super) struct EntryFences {
+    fence: Fence,
+    /// Which entry slots are in use.
+    used: Vec<bool>,
+}
+
+/// How many entries one publisher's block serves at once.
+pub(super) const ENTRY_SLOTS: u32 = 1024;
+
+impl EntryFences {
+    /// A block for [`ENTRY_SLOTS`] entries; `None` (logged) where the device
+    /// cannot signal fences, so that publishing still works with events.
+    pub(super) fn new(device: &Device) -> Option<Self> {
+        match Fence::new_host(device, 2 * ENTRY_SLOTS) {
+            Ok(fence) => Some(EntryFences {
+                fence,
+                used: vec![false; ENTRY_SLOTS as usize],
+            }),
+            Err(e) => {
+                tracing::warn!(error = %e, "publishing without fences (events only)");
+                None
+            }
+        }
+    }
+
+    /// Takes a free entry slot; `None` when all are in use (the entry then
+    /// goes without a fence).
+    pub(super) fn take(&mut self) -> Option<u32> {
+        let i = self.used.iter().position(|u| !u)?;
+        self.used[i] = true;
+        Some(i as u32)
+    }
+
+    /// Gives an entry slot back (after its last lease is released).
+    pub(super) fn give_back(&mut self, slot: u32) {
+        if let Some(u) = self.used.get_mut(slot as usize) {
+            *u = false;
+        }
+    }
+
+    /// Signals entry `slot`'s next sequence number after the work queued on
+    /// `stream`, and announces it.
+    pub(super) fn signal(&self, stream: &CudaStream, slot: u32) -> Result<u64> {
+        let word = 2 * slot;
+        let seq = self.fence.last_signalled(word)? + 1;
+        self.fence.signal(stream, word, seq)?;
+        self.fence.announce(word + 1, seq)?;
+        Ok(seq)
+    }
+
+    /// The metadata and the file descriptor for entry `slot`, whose file
+    /// descriptor will be the entry's `fd_index`-th.
+    pub(super) fn export(&self, slot: u32, fd_index: usize) -> Result<(FenceMeta, OwnedFd)> {
+        export(&self.fence, 2 * slot, Some(2 * slot + 1), fd_index)
+    }
+}
+
+/// A ring's fence block: one word per slot.
+pub(super) fn ring_fence(device: &Device, slots: usize) -> Option<Fence> {
+    let words = u32::try_from(slots).ok()?;
+    match Fence::new_host(device, words) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            tracing::warn!(error = %e, "ring without fences (events only)");
+            None
+        }
+    }
+}
+
+/// The metadata and file descriptor of `word` of `fence`.
+pub(super) fn export(
+    fence: &Fence,
+    word: u32,
+    announce: Option<u32>,
+    fd_index: usize,
+) -> Result<(FenceMeta, OwnedFd)> {
+    let e = fence.export()?;
+    let fd = e.fds.into_iter().next().ok_or_else(|| Error::Unsupported {
+        what: "fences over the channel",
+        why: "the fence block exported no file descriptor".into(),
+    })?;
+    Ok((
+        FenceMeta {
+            block: e.block,
+            fd: fd_index,
+            word,
+            announce,
+        },
+        fd,
+    ))
+}
+
+/// How one attached buffer or ring slot waits.
+#[derive(Debug, Clone)]
+pub(crate) enum Waiter {
+    /// On the publisher's interprocess event.
+    Event(Arc<IpcEvent>),
+    /// On a word of a mapped fence block.
+    Fence {
+        /// The block.
+        mapping: Arc<FenceMapping>,
+        /// The word the device signals.
+        word: u32,
+        /// The word announcing what to wait for, for entries.
+        announce: Option<u32>,
+    },
+}
+
+/// How often a fence wait checks whether the publisher is still there.
+const SLICE: Duration = Duration::from_millis(50);
+
+impl Waiter {
+    /// Whether this waits on a fence.
+    pub(crate) fn is_fence(&self) -> bool {
+        matches!(self, Waiter::Fence { .. })
+    }
+
+    /// Makes `stream` wait for the publisher's latest work (at attach): the
+    /// event's last record, or the fence's announced sequence number.
+    pub(super) fn wait_latest(
+        &self,
+        stream: &CudaStream,
+        alive: &dyn Fn() -> bool,
+        timeout: Duration,
+    ) -> Result<()> {
+        match self {
+            Waiter::Event(e) => e.wait_on(stream),
+            Waiter::Fence {
+                mapping, announce, ..
+            } => {
+                let seq = match announce {
+                    Some(a) => mapping.value(*a)?,
+                    None => 0,
+                };
+                self.wait_seq(stream, seq, alive, timeout)
+            }
+        }
+    }
+
+    /// Makes `stream` wait until sequence number `seq` (0: nothing yet) was
+    /// signalled; for an event, its last record.
+    pub(super) fn wait_seq(
+        &self,
+        stream: &CudaStream,
+        seq: u64,
+        alive: &dyn Fn() -> bool,
+        timeout: Duration,
+    ) -> Result<()> {
+        let (mapping, word) = match self {
+            Waiter::Event(e) => return e.wait_on(stream),
+            Waiter::Fence { mapping, word, .. } => (mapping, *word),
+        };
+        if seq == 0 {
+            return Ok(());
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if mapping.wait_within(stream, word, seq, left.min(SLICE))? {
+                return Ok(());
+            }
+            if !alive() {
+                // Release any stream of ours already waiting on the word.
+                mapping.abandon(Some(word))?;
+                return Err(ChannelError::PeerGone.into());
+            }
+            if left.is_zero() {
+                return Err(ChannelError::Timeout {
+                    what: format!("the publisher's work before fence sequence number {seq}"),
+                    after: timeout,
+                }
+                .into());
+            }
+        }
+    }
+}
+
+/// Chooses how to wait, per `mode`: opens the event (`event`, through the
+/// subscriber's cache) or the fence (`fence`, through its cache).
+pub(super) fn choose(
+    mode: SyncMode,
+    event: impl FnOnce() -> Result<Arc<IpcEvent>>,
+    fence: Option<(&FenceMeta, impl FnOnce() -> Result<Arc<FenceMapping>>)>,
+) -> Result<Waiter> {
+    let open_fence = |(meta, open): (&FenceMeta, _)| -> Result<Waiter> {
+        let open: Box<dyn FnOnce() -> Result<Arc<FenceMapping>>> = Box::new(open);
+        Ok(Waiter::Fence {
+            mapping: open()?,
+            word: meta.word,
+            announce: meta.announce,
+        })
+    };
+    match mode {
+        SyncMode::Event => Ok(Waiter::Event(event()?)),
+        SyncMode::Fence => match fence {
+            Some(f) => open_fence(f),
+            None => Err(Error::Unsupported {
+                what: "fence synchronisation",
+                why: "the publisher sends no fence (it runs an older version, turned fences \
+                      off, or its device cannot signal them); use SyncMode::Event or Auto"
+                    .into(),
+            }),
+        },
+        SyncMode::Auto => match event() {
+            Ok(e) => Ok(Waiter::Event(e)),
+            Err(e) => match fence {
+                Some(f) => {
+                    tracing::info!(error = %e, "the publisher's event cannot be opened here; using its fence");
+                    open_fence(f)
+                }
+                None => Err(e),
+            },
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sync_modes_parse_and_serialise() {
+        for (s, m) in [
+            ("auto", SyncMode::Auto),
+            ("event", SyncMode::Event),
+            ("fence", SyncMode::Fence),
+        ] {
+            assert_eq!(s.parse::<SyncMode>().unwrap(), m);
+            assert_eq!(serde_json::to_value(m).unwrap(), s);
+        }
+        let e = "fences".parse::<SyncMode>().unwrap_err();
+        assert!(e.to_string().contains("auto, event, fence"), "{e}");
+        assert_eq!(SyncMode::default(), SyncMode::Auto);
+    }
+
+    #[test]
+    fn fence_meta_decodes_strictly() {
+        let block = FenceBlock::host(5, 42, (1 << 39) | 3, 8).unwrap();
+        let meta = FenceMeta {
+            block,
+            fd: 1,
+            word: 2,
+            announce: Some(3),
+        };
+        let v = serde_json::to_value(&meta).unwrap();
+        let back: FenceMeta = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(back, meta);
+        let mut extra = v.clone();
+        extra["surprise"] = 1.into();
+        assert!(serde_json::from_value::<FenceMeta>(extra).is_err());
+        let mut ring = v;
+        ring.as_object_mut().unwrap().remove("announce");
+        let ring: FenceMeta = serde_json::from_value(ring).unwrap();
+        assert_eq!(ring.announce, None);
+    }
+
+    type OpenFence = fn() -> Result<Arc<FenceMapping>>;
+
+    #[test]
+    fn auto_falls_back_to_the_fence_only_when_the_event_fails() {
+        let no_fence: Option<(&FenceMeta, OpenFence)> = None;
+        let failed = || Err(Error::arg("event", "cannot be opened here"));
+        let e = choose(SyncMode::Auto, failed, no_fence).unwrap_err();
+        assert!(e.to_string().contains("cannot be opened"), "{e}");
+        let e = choose(SyncMode::Fence, failed, no_fence).unwrap_err();
+        assert!(e.to_string().contains("sends no fence"), "{e}");
+        let block = FenceBlock::host(5, 42, (1 << 39) | 3, 8).unwrap();
+        let meta = FenceMeta {
+            block,
+            fd: 0,
+            word: 0,
+            announce: None,
+        };
+        // The fence is tried after the event failed: its own error shows.
+        let fence_fails = || -> Result<Arc<FenceMapping>> { Err(Error::arg("fence", "tried")) };
+        let e = choose(SyncMode::Auto, failed, Some((&meta, fence_fails))).unwrap_err();
+        assert!(e.to_string().contains("tried"), "{e}");
+        let e = choose(SyncMode::Event, failed, Some((&meta, fence_fails))).unwrap_err();
+        assert!(e.to_string().contains("cannot be opened"), "{e}");
+    }
+}
