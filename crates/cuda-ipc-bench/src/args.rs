@@ -12,7 +12,8 @@ use crate::report::SectionId;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// A short run (under 2 minutes on an H200): sizes 2MiB and 64MiB,
-    /// about 30 samples each, 1 s per ring size, 1 and 2 consumers.
+    /// about 30 samples each, 1 s per ring size, 1 and 2 consumers, weight
+    /// sets of 256MiB instead of 4GiB.
     #[arg(long)]
     pub quick: bool,
     /// Mechanisms to measure, comma-separated (legacy, vmm, pool).
@@ -40,7 +41,7 @@ pub struct Args {
         allow_negative_numbers = true
     )]
     pub devices: Option<Vec<usize>>,
-    /// Skip the PyTorch anchor.
+    /// Skip the PyTorch anchor (and PyTorch's rows of the sets section).
     #[arg(long)]
     pub no_torch: bool,
     /// The Python interpreter for the PyTorch anchor.
@@ -56,8 +57,8 @@ pub struct Args {
     /// Draw hand-off latency against size (log-log) as SVG to this file.
     #[arg(long)]
     pub plot: Option<PathBuf>,
-    /// Run only these sections, comma-separated (fresh, cached, floor,
-    /// bandwidth, peer, ring, scale, torch).
+    /// Run only these sections, comma-separated (fresh, arena, cached,
+    /// floor, bandwidth, peer, ring, scale, sets, torch).
     #[arg(long, value_delimiter = ',', value_parser = SectionId::parse)]
     pub only: Option<Vec<SectionId>>,
     /// Samples kept per measurement, at least 1 (overrides the defaults: 30
@@ -129,7 +130,7 @@ pub(crate) fn check_paths(args: &Args) -> Result<(), String> {
         && args
             .only
             .as_ref()
-            .is_none_or(|o| o.contains(&SectionId::Torch));
+            .is_none_or(|o| o.contains(&SectionId::Torch) || o.contains(&SectionId::Sets));
     if let Some(script) = args.torch_script.as_deref().filter(|_| torch_runs)
         && !script.is_file()
     {

@@ -11,9 +11,9 @@
 //! every process of one machine).
 //!
 //! Sections (see `docs/PERFORMANCE.md` for what each number includes):
-//! fresh hand-off, cached hand-off, driver floor, bandwidth through a
-//! mapping, across two GPUs (with `--devices A,B`), streaming ring, scale,
-//! PyTorch anchor. A failing section is
+//! fresh hand-off, fresh hand-off from an arena, cached hand-off, driver
+//! floor, bandwidth through a mapping, across two GPUs (with `--devices
+//! A,B`), streaming ring, scale, weight sets, PyTorch anchor. A failing section is
 //! reported in the table and the others still run; the exit code is then 4.
 //!
 //! This crate is a library so that the `cuda-ipc` command stays one
@@ -39,6 +39,7 @@ mod report;
 mod sections;
 mod stats;
 mod torch;
+mod weights;
 mod worker;
 
 pub use args::Args;
@@ -166,12 +167,14 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
         // the section's error (its message is also on standard error).
         let run_section = || match id {
             SectionId::Fresh => sections::fresh(&ctx),
+            SectionId::Arena => sections::arena(&ctx),
             SectionId::Cached => sections::cached(&ctx),
             SectionId::Floor => sections::floor(&ctx),
             SectionId::Bandwidth => sections::bandwidth(&ctx),
             SectionId::Peer => sections::peer(&ctx),
             SectionId::Ring => sections::ring(&ctx),
             SectionId::Scale => sections::scale(&ctx),
+            SectionId::Sets => sections::sets(&ctx),
             SectionId::Torch => torch::section(&plan, &progress),
         };
         let mut section = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run_section))

@@ -12,6 +12,13 @@ use crate::report::{SectionId, human};
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
+/// The tensors of the weight sets.
+pub const SET_COUNTS: [u64; 2] = [100, 1000];
+/// Their total size in a full run.
+pub const SET_TOTAL: u64 = 4 * GIB;
+/// Their total size with `--quick`.
+pub const SET_TOTAL_QUICK: u64 = 256 * MIB;
+
 /// Warm-up and kept samples.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Reps {
@@ -38,6 +45,12 @@ pub struct Plan {
     pub sizes: Vec<u64>,
     /// The sections to run, in order.
     pub sections: Vec<SectionId>,
+    /// The sizes of the arena section: the hand-off sizes up to 1 GiB.
+    pub arena_sizes: Vec<u64>,
+    /// The weight sets of the sets section: (tensors, total bytes).
+    pub sets: Vec<(u64, u64)>,
+    /// Samples per weight-set measurement.
+    pub set_reps: Reps,
     /// Samples up to 1 GiB.
     pub reps_small: Reps,
     /// Samples above 1 GiB.
@@ -103,6 +116,25 @@ fn pick_sections(args: &Args, peer: Option<usize>) -> Result<Vec<SectionId>, Str
         return Err("no section left to run (--only and --no-torch)".into());
     }
     Ok(sections)
+}
+
+/// The arena section's sizes: the hand-off sizes up to 1 GiB (`sizes` is
+/// sorted and not empty). None is an error only when `--only` names the section.
+fn pick_arena_sizes(args: &Args, sizes: &[u64]) -> Result<Vec<u64>, String> {
+    let arena_sizes: Vec<u64> = sizes.iter().copied().filter(|s| *s <= GIB).collect();
+    if arena_sizes.is_empty()
+        && args
+            .only
+            .as_ref()
+            .is_some_and(|o| o.contains(&SectionId::Arena))
+    {
+        return Err(format!(
+            "the arena section measures sizes up to 1GiB and --sizes names none \
+             (the smallest is {}); add one",
+            human(sizes[0])
+        ));
+    }
+    Ok(arena_sizes)
 }
 
 /// The producer's device and the peer section's, from `--device` and `--devices`.
@@ -198,11 +230,19 @@ impl Plan {
         } else {
             Ok((args.python.clone(), args.torch_script.clone()))
         };
+        let arena_sizes = pick_arena_sizes(args, &sizes)?;
+        let set_total = if quick { SET_TOTAL_QUICK } else { SET_TOTAL };
         Ok(Plan {
             quick,
             mechanisms,
             sizes,
             sections,
+            arena_sizes,
+            sets: SET_COUNTS.iter().map(|n| (*n, set_total)).collect(),
+            set_reps: pick(Reps {
+                warmup: if quick { 2 } else { 3 },
+                reps: if quick { 10 } else { 20 },
+            }),
             reps_small: pick(small),
             reps_large: pick(large),
             bandwidth_size: if quick { 256 * MIB } else { GIB },
@@ -248,6 +288,9 @@ impl Plan {
             .iter()
             .map(|id| match id {
                 SectionId::Fresh | SectionId::Cached => m * s,
+                SectionId::Arena => m * self.arena_sizes.len() as u64,
+                // ours and its update per set, then the PyTorch script
+                SectionId::Sets => 2 * self.sets.len() as u64 + 1,
                 SectionId::Floor => 1 + floors * s,
                 SectionId::Bandwidth => m,
                 SectionId::Peer => 2 * m * s + m + floors * s,
@@ -345,7 +388,27 @@ mod tests {
         );
         assert_eq!(f.torch, Ok(("python3".to_string(), None)));
         // one step per row
-        assert_eq!(f.steps(), 12 + 12 + (1 + 8) + 3 + 3 + 5 + 1);
+        // fresh, arena (sizes up to 1 GiB), cached, floor, bandwidth, ring,
+        // scale, sets (ours and its update per set, then PyTorch), torch
+        assert_eq!(f.steps(), 12 + 9 + 12 + (1 + 8) + 3 + 3 + 5 + 5 + 1);
+        assert_eq!(f.arena_sizes, vec![2 * MIB, 64 * MIB, GIB]);
+        assert_eq!(f.sets, vec![(100, 4 * GIB), (1000, 4 * GIB)]);
+        assert_eq!(
+            f.set_reps,
+            Reps {
+                warmup: 3,
+                reps: 20
+            }
+        );
+        assert_eq!(q.arena_sizes, vec![2 * MIB, 64 * MIB]);
+        assert_eq!(q.sets, vec![(100, 256 * MIB), (1000, 256 * MIB)]);
+        assert_eq!(
+            q.set_reps,
+            Reps {
+                warmup: 2,
+                reps: 10
+            }
+        );
     }
 
     #[test]
@@ -413,6 +476,32 @@ mod tests {
                 .unwrap_err()
                 .contains("\"x\" is not a device ordinal")
         );
+    }
+
+    #[test]
+    fn arena_and_sets_sections() {
+        let p = plan(&["--only", "sets,arena", "--reps", "4"]);
+        assert_eq!(p.sections, vec![SectionId::Arena, SectionId::Sets]);
+        assert_eq!(p.set_reps, Reps { warmup: 3, reps: 4 });
+        assert_eq!(p.steps(), 3 * 3 + 2 * 2 + 1);
+        let p = plan(&[
+            "--only",
+            "arena",
+            "--sizes",
+            "4KiB,8GiB",
+            "--mechanisms",
+            "vmm",
+        ]);
+        assert_eq!(p.arena_sizes, vec![4096]);
+        let e =
+            Plan::from_args(&parse(&["--only", "arena", "--sizes", "8GiB"]).unwrap()).unwrap_err();
+        assert!(e.contains("up to 1GiB") && e.contains("8GiB"), "{e}");
+        // without --only, a run of large sizes only just has no arena rows
+        assert!(plan(&["--sizes", "8GiB"]).arena_sizes.is_empty());
+        // the PyTorch rows of the sets section go with --no-torch
+        let p = plan(&["--only", "sets", "--no-torch"]);
+        assert_eq!(p.sections, vec![SectionId::Sets]);
+        assert_eq!(p.torch, Err("--no-torch".to_string()));
     }
 
     #[test]

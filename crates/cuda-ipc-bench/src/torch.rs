@@ -7,6 +7,7 @@
 //! - `{"kind": "skip", "reason": "..."}`: no torch, or no CUDA in torch (not a failure)
 //! - `{"kind": "startup", "consumer_ms": 3100.0}`: the consumer's start, CUDA included
 //! - `{"kind": "result", "mode": "fresh"|"repeat", "size": N, "warmup": W, "samples_ms": [...], "verify_failures": 0}`
+//! - `{"kind": "result", "mode": "set_list"|"set_bucket", "size": TOTAL, "count": TENSORS, "warmup": W, "samples_ms": [...], "verify_failures": 0, "extra_device_bytes": B}`
 //! - `{"kind": "error", "message": "..."}`
 //! - `{"kind": "done", "elapsed_s": 12.3}`
 //!
@@ -43,10 +44,14 @@ pub struct TorchRun {
 /// One measurement of the script.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TorchResult {
-    /// "fresh" or "repeat".
+    /// "fresh", "repeat", "set_list" or "set_bucket".
     pub mode: String,
-    /// Bytes.
+    /// Bytes (of the whole set for the set modes).
     pub size: u64,
+    /// The tensors of a weight set.
+    pub count: Option<u64>,
+    /// Device memory the hand-off needed beyond the tensors (set modes).
+    pub extra_device_bytes: Option<u64>,
     /// Samples thrown away.
     pub warmup: usize,
     /// Kept samples, ms.
@@ -82,6 +87,8 @@ pub fn parse_line(run: &mut TorchRun, line: &str) -> Result<(), String> {
                 size: need("size")?
                     .as_u64()
                     .ok_or_else(|| format!("size is not a byte count: {line}"))?,
+                count: v["count"].as_u64(),
+                extra_device_bytes: v["extra_device_bytes"].as_u64(),
                 warmup: v["warmup"].as_u64().unwrap_or(0) as usize,
                 samples_ms,
                 verify_failures: v["verify_failures"].as_u64().unwrap_or(0),
@@ -147,6 +154,18 @@ pub fn plan_arg(plan: &Plan) -> String {
         .join(",")
 }
 
+/// The `--sets` argument: `count:total:warmup:reps,...`.
+pub fn sets_arg(plan: &Plan) -> String {
+    plan.sets
+        .iter()
+        .map(|(count, total)| {
+            let r = plan.set_reps;
+            format!("{count}:{total}:{}:{}", r.warmup, r.reps)
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// Keeps the last `cap` bytes of text.
 fn tail(s: &str, cap: usize) -> &str {
     if s.len() <= cap {
@@ -170,18 +189,20 @@ pub enum Outcome {
     Failed(String, TorchRun),
 }
 
-/// Runs the script and collects its lines, within `timeout`.
+/// Runs the script with `--device device` and `args`, and collects its
+/// lines, within `timeout`.
 pub fn run_script(
     python: &str,
     script: &Path,
     device: usize,
-    plan: &str,
+    args: &[String],
     timeout: Duration,
 ) -> Outcome {
     let mut child = match Command::new(python)
         .arg("-u")
         .arg(script)
-        .args(["--device", &device.to_string(), "--plan", plan])
+        .args(["--device", &device.to_string()])
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -259,37 +280,56 @@ pub fn run_script(
     }
 }
 
+/// The row of one result: series "PyTorch", the mode as variant (the set
+/// modes as "list" and "bucket", with the count and the extra memory).
+pub fn result_row(r: &TorchResult) -> Row {
+    let variant = match r.mode.as_str() {
+        "set_list" => "list",
+        "set_bucket" => "bucket",
+        other => other,
+    };
+    let mut row = Row::new("PyTorch", "ms")
+        .variant(variant)
+        .size(r.size)
+        .samples(r.warmup, r.samples_ms.clone());
+    if let Some(n) = r.count {
+        row = row.count(n);
+    }
+    if let Some(b) = r.extra_device_bytes {
+        row = row.extra_device_bytes(b);
+    }
+    if r.verify_failures > 0 {
+        row.failed(format!(
+            "{} samples read values other than the producer wrote",
+            r.verify_failures
+        ))
+    } else {
+        row
+    }
+}
+
+/// The versions line of the hello message.
+fn versions_note(run: &TorchRun) -> Option<String> {
+    let h = run.hello.as_ref()?;
+    let get = |k: &str| h[k].as_str().unwrap_or("?").to_string();
+    Some(format!(
+        "PyTorch {} (CUDA {}), Python {}, on {}; torch.multiprocessing queues with the spawn \
+         start method.",
+        get("torch"),
+        get("cuda"),
+        get("python"),
+        get("device")
+    ))
+}
+
 /// Rows and notes from what the script reported.
 pub fn to_section(run: &TorchRun) -> Section {
     if let Some(why) = &run.skip {
         return Section::skipped(SectionId::Torch, why.clone());
     }
     let mut s = Section::new(SectionId::Torch);
-    for r in &run.results {
-        let row = Row::new("PyTorch", "ms")
-            .variant(r.mode.clone())
-            .size(r.size)
-            .samples(r.warmup, r.samples_ms.clone());
-        s.rows.push(if r.verify_failures > 0 {
-            row.failed(format!(
-                "{} samples read values other than the producer wrote",
-                r.verify_failures
-            ))
-        } else {
-            row
-        });
-    }
-    if let Some(h) = &run.hello {
-        let get = |k: &str| h[k].as_str().unwrap_or("?").to_string();
-        s.notes.push(format!(
-            "PyTorch {} (CUDA {}), Python {}, on {}; torch.multiprocessing queues with the spawn \
-             start method.",
-            get("torch"),
-            get("cuda"),
-            get("python"),
-            get("device")
-        ));
-    }
+    s.rows.extend(run.results.iter().map(result_row));
+    s.notes.extend(versions_note(run));
     if let Some(ms) = run.startup_ms {
         s.notes.push(format!(
             "The consumer's start (Python, import torch, CUDA) took {ms:.0} ms, not counted."
@@ -306,38 +346,96 @@ pub fn to_section(run: &TorchRun) -> Section {
     s
 }
 
+/// What running the anchor for a section gave.
+pub enum Anchor {
+    /// Not run, not a failure (--no-torch, no interpreter, no script, no
+    /// torch or no CUDA in it).
+    Skipped(String),
+    /// It ran to the end.
+    Ran(TorchRun),
+    /// It failed; what it reported before is kept.
+    Failed(String, TorchRun),
+}
+
+/// Runs the anchor script of `plan` with `args`, within `timeout`.
+pub fn run_anchor(plan: &Plan, args: &[String], timeout: Duration) -> Anchor {
+    let (python, script) = match &plan.torch {
+        Err(why) => return Anchor::Skipped(why.clone()),
+        Ok(t) => t,
+    };
+    let script = match find_script(script.as_deref()) {
+        Ok(s) => s,
+        // An explicit path that is missing is a failure; a bundled script
+        // that is missing, a skip.
+        Err(why) if script.is_some() => return Anchor::Failed(why, TorchRun::default()),
+        Err(why) => return Anchor::Skipped(why),
+    };
+    match run_script(python, &script, plan.device, args, timeout) {
+        Outcome::Ran(run) => match &run.skip {
+            Some(why) => Anchor::Skipped(why.clone()),
+            None => Anchor::Ran(run),
+        },
+        Outcome::Skipped(why) => Anchor::Skipped(why),
+        Outcome::Failed(why, run) => Anchor::Failed(why, run),
+    }
+}
+
 /// Section 7: the PyTorch anchor.
 pub fn section(plan: &Plan, progress: &Progress) -> Section {
     progress.step("PyTorch anchor (bench/torch_share.py)");
-    let s = match &plan.torch {
-        Err(why) => Section::skipped(SectionId::Torch, why.clone()),
-        Ok((python, script)) => match find_script(script.as_deref()) {
-            Err(why) => {
-                if script.is_some() {
-                    let mut s = Section::new(SectionId::Torch);
-                    s.error = Some(why);
-                    s
-                } else {
-                    Section::skipped(SectionId::Torch, why)
-                }
-            }
-            Ok(script) => {
-                let timeout = Duration::from_secs(if plan.quick { 120 } else { 240 });
-                match run_script(python, &script, plan.device, &plan_arg(plan), timeout) {
-                    Outcome::Ran(run) => to_section(&run),
-                    Outcome::Skipped(why) => Section::skipped(SectionId::Torch, why),
-                    Outcome::Failed(why, run) => {
-                        let mut s = to_section(&run);
-                        s.status = super::report::Status::Ok;
-                        s.error = Some(why);
-                        s
-                    }
-                }
-            }
-        },
+    let timeout = Duration::from_secs(if plan.quick { 120 } else { 240 });
+    let s = match run_anchor(plan, &["--plan".into(), plan_arg(plan)], timeout) {
+        Anchor::Skipped(why) => Section::skipped(SectionId::Torch, why),
+        Anchor::Ran(run) => to_section(&run),
+        Anchor::Failed(why, run) => {
+            let mut s = to_section(&run);
+            s.status = super::report::Status::Ok;
+            s.error = Some(why);
+            s
+        }
     };
     progress.done();
     s
+}
+
+/// PyTorch's weight-set rows (its list of tensors and its flattened
+/// bucket, per set of `plan`), the notes that go with them, and the
+/// script's error if it failed. Skipped rows say why when it did not run.
+pub fn set_rows(plan: &Plan) -> (Vec<Row>, Vec<String>, Option<String>) {
+    let args = [
+        "--sets".to_string(),
+        sets_arg(plan),
+        "--modes".into(),
+        "set_list,set_bucket".into(),
+    ];
+    let timeout = Duration::from_secs(if plan.quick { 120 } else { 300 });
+    let skipped = |why: &str| -> Vec<Row> {
+        plan.sets
+            .iter()
+            .flat_map(|(count, total)| {
+                ["list", "bucket"].map(|v| {
+                    Row::new("PyTorch", "ms")
+                        .variant(v)
+                        .count(*count)
+                        .size(*total)
+                        .skip(format!("PyTorch skipped: {why}"))
+                })
+            })
+            .collect()
+    };
+    let (run, error) = match run_anchor(plan, &args, timeout) {
+        Anchor::Skipped(why) => return (skipped(&why), Vec::new(), None),
+        Anchor::Ran(run) => (run, None),
+        Anchor::Failed(why, run) => (run, Some(why)),
+    };
+    let rows = run
+        .results
+        .iter()
+        .filter(|r| r.count.is_some())
+        .map(result_row)
+        .collect();
+    let notes = versions_note(&run).into_iter().collect();
+    (rows, notes, error)
 }
 
 #[cfg(test)]
@@ -467,7 +565,8 @@ some warning printed by a library
         std::fs::create_dir_all(&dir).unwrap();
         let script = dir.join("fake.py");
         std::fs::write(&script, body).unwrap();
-        let out = run_script("python3", &script, 0, "4096:1:2", timeout);
+        let args = ["--plan".to_string(), "4096:1:2".into()];
+        let out = run_script("python3", &script, 0, &args, timeout);
         std::fs::remove_dir_all(&dir).unwrap();
         Some(out)
     }
@@ -555,13 +654,147 @@ sys.exit(1)
             "/nonexistent/python3",
             Path::new("x.py"),
             0,
-            "4096:1:1",
+            &["--plan".into(), "4096:1:1".into()],
             Duration::from_secs(5),
         );
         let Outcome::Skipped(why) = out else {
             panic!("expected a skip")
         };
         assert!(why.contains("/nonexistent/python3 not found"), "{why}");
+    }
+
+    fn quick_plan(extra: &[&str]) -> Plan {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: super::super::Args,
+        }
+        let argv = ["bench", "--quick"].iter().chain(extra).copied();
+        Plan::from_args(&Cli::parse_from(argv).a).unwrap()
+    }
+
+    #[test]
+    fn set_results_become_rows() {
+        let run = parse_all(
+            r#"{"kind": "result", "mode": "set_bucket", "size": 4294967296, "count": 1000, "warmup": 3, "samples_ms": [6.7, 6.9], "verify_failures": 0, "extra_device_bytes": 4294967296}"#,
+        )
+        .unwrap();
+        let r = &run.results[0];
+        assert_eq!((r.count, r.extra_device_bytes), (Some(1000), Some(4 << 30)));
+        let row = result_row(r);
+        assert_eq!(row.series, "PyTorch");
+        assert_eq!(row.variant.as_deref(), Some("bucket"));
+        assert_eq!((row.count, row.size), (Some(1000), Some(4 << 30)));
+        assert_eq!(row.extra_device_bytes, Some(4 << 30));
+        assert!((row.p50().unwrap() - 6.8).abs() < 1e-12);
+        // the per-size modes carry neither
+        let run = parse_all(OUTPUT).unwrap();
+        let row = result_row(&run.results[0]);
+        assert_eq!((row.count, row.extra_device_bytes), (None, None));
+        assert_eq!(
+            sets_arg(&quick_plan(&[])),
+            "100:268435456:2:10,1000:268435456:2:10"
+        );
+        assert_eq!(
+            sets_arg(&quick_plan(&["--reps", "3", "--warmup", "0"])),
+            "100:268435456:0:3,1000:268435456:0:3"
+        );
+    }
+
+    /// Writes a stand-in script; `None` without python3.
+    fn fake_script(body: &str) -> Option<(PathBuf, PathBuf)> {
+        if Command::new("python3").arg("--version").output().is_err() {
+            eprintln!("skipped: no python3 here");
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "cuda-ipc-torch-sets-{}-{}",
+            std::process::id(),
+            FAKES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = dir.join("fake.py");
+        std::fs::write(&script, body).unwrap();
+        Some((dir, script))
+    }
+
+    #[test]
+    fn set_rows_from_a_stand_in_script() {
+        let body = r#"
+import json, sys
+assert sys.argv[1:] == ["--device", "0", "--sets", "100:268435456:2:10,1000:268435456:2:10",
+                        "--modes", "set_list,set_bucket"], sys.argv
+for line in [
+    {"kind": "hello", "torch": "9.9", "cuda": "13.0", "device": "fake", "python": "3"},
+    {"kind": "startup", "consumer_ms": 2000.0},
+    {"kind": "result", "mode": "set_list", "size": 268435456, "count": 100, "warmup": 2,
+     "samples_ms": [11.0, 12.0], "verify_failures": 0, "extra_device_bytes": 0},
+    {"kind": "result", "mode": "set_bucket", "size": 268435456, "count": 100, "warmup": 2,
+     "samples_ms": [3.5], "verify_failures": 2, "extra_device_bytes": 268435456},
+    {"kind": "done", "elapsed_s": 0.1},
+]:
+    print(json.dumps(line))
+"#;
+        let Some((dir, script)) = fake_script(body) else {
+            return;
+        };
+        let script_arg = script.display().to_string();
+        let plan = quick_plan(&["--python", "python3", "--torch-script", &script_arg]);
+        let (rows, notes, error) = set_rows(&plan);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(error, None);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].variant.as_deref(), Some("list"));
+        assert!((rows[0].p50().unwrap() - 11.5).abs() < 1e-12);
+        assert_eq!(rows[1].extra_device_bytes, Some(256 << 20));
+        // values the consumer did not find fail the row
+        assert!(rows[1].error.as_deref().unwrap().contains("2 samples"));
+        assert!(notes[0].contains("PyTorch 9.9"), "{notes:?}");
+    }
+
+    #[test]
+    fn set_rows_when_pytorch_does_not_run() {
+        let (rows, notes, error) = set_rows(&quick_plan(&["--no-torch"]));
+        assert_eq!((rows.len(), notes.len(), error), (4, 0, None));
+        assert!(
+            rows.iter()
+                .all(|r| r.skipped.as_deref() == Some("PyTorch skipped: --no-torch"))
+        );
+        assert_eq!(
+            rows.iter()
+                .map(|r| (r.variant.as_deref().unwrap(), r.count.unwrap()))
+                .collect::<Vec<_>>(),
+            [
+                ("list", 100),
+                ("bucket", 100),
+                ("list", 1000),
+                ("bucket", 1000)
+            ]
+        );
+        let body = "print('{\"kind\": \"skip\", \"reason\": \"PyTorch is not importable\"}')\n";
+        if let Some((dir, script)) = fake_script(body) {
+            let script_arg = script.display().to_string();
+            let (rows, _, error) = set_rows(&quick_plan(&["--torch-script", &script_arg]));
+            assert_eq!(error, None);
+            assert!(rows.iter().all(|r| {
+                r.skipped
+                    .as_deref()
+                    .is_some_and(|w| w.contains("not importable"))
+            }));
+            let failing = "import json, sys\nprint(json.dumps({'kind': 'error', 'message': 'CUDA out of memory'}))\nsys.exit(1)\n";
+            std::fs::write(&script, failing).unwrap();
+            let (rows, _, error) = set_rows(&quick_plan(&["--torch-script", &script_arg]));
+            std::fs::remove_dir_all(&dir).unwrap();
+            assert!(rows.is_empty());
+            assert!(error.unwrap().contains("CUDA out of memory"));
+        }
+        // an explicit script that is missing is a failure, not a skip
+        let (_, _, error) = set_rows(&quick_plan(&[
+            "--torch-script",
+            "/nonexistent/torch_share.py",
+        ]));
+        assert!(error.unwrap().contains("does not exist"));
     }
 
     /// The script's --help works without torch, and the script compiles.

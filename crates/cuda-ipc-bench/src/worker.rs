@@ -18,7 +18,13 @@
 //!   timed with CUDA events (with `peer_device`, also cuMemcpyPeer from a
 //!   buffer on that GPU), the data checked both ways;
 //! - `ring {name, verify_every}`: answers `{subscribed}` first, then takes
-//!   frames until one says `stop`.
+//!   frames until one says `stop`;
+//! - `set_attach {name, base, step}`: attach a set, synchronise, note the
+//!   time, check every buffer, release: `{t_recv, t_done, verify_ms,
+//!   entries, cached_mappings}`; `set_hold {name, base, step}` /
+//!   `set_drop {name}`: attach and keep / release; `set_await {name, base,
+//!   step}`: answers `{waiting}` first, then waits for the set's next
+//!   update, synchronises: `{t_recv, t_done, version, verify_ms}`.
 //!
 //! Reading standard input is a plain blocking read on this thread, so a
 //! request wakes the consumer with no thread hop; if the producer dies the
@@ -30,7 +36,7 @@ use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use cuda_ipc::cudarc::driver::sys::CUevent_flags;
-use cuda_ipc::exchange::{Attachment, Subscriber, SubscriberConfig};
+use cuda_ipc::exchange::{Attachment, SetAttachment, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{Device, DeviceMemory, Error, IpcEvent, LegacyBuffer};
 use cuda_ipc::{channel, floor};
@@ -81,6 +87,7 @@ pub fn worker(args: &WorkerArgs) -> Result<(), Error> {
         floor: None,
         local: None,
         remote: None,
+        sets: HashMap::new(),
     };
     let mut line = String::new();
     loop {
@@ -131,6 +138,8 @@ struct State {
     local: Option<(LegacyBuffer, LegacyBuffer)>,
     /// For cuMemcpyPeer: the other GPU, and a buffer there.
     remote: Option<(Device, LegacyBuffer)>,
+    /// Sets attached and kept (`set_hold`).
+    sets: HashMap<String, SetAttachment>,
 }
 
 fn text<'a>(v: &'a Value, key: &str) -> Result<&'a str, Error> {
@@ -170,6 +179,27 @@ pub fn verify<M: DeviceMemory>(memory: &M, pattern: Pattern) -> Result<Option<St
     Ok(None)
 }
 
+/// The pattern of buffer `j` of a set filled with `p`: distinct per
+/// buffer, so a view at the wrong offset is caught.
+pub fn entry_pattern(p: Pattern, j: usize) -> Pattern {
+    Pattern::ramp(
+        p.base.wrapping_add((j as u32).wrapping_mul(0x9E37_79B9)),
+        p.step,
+    )
+}
+
+/// Checks the first and last words of every buffer of `set` against its
+/// pattern of `p` (the views are dropped before this returns).
+fn check_set(set: &SetAttachment, p: Pattern) -> Result<(), Error> {
+    for j in 0..set.len() {
+        let view = set.view::<u32>(j)?;
+        if let Some(m) = verify(&view, entry_pattern(p, j))? {
+            return Err(mismatch(&format!("buffer {j} of set {:?}", set.name()), &m));
+        }
+    }
+    Ok(())
+}
+
 fn mismatch(what: &str, m: &str) -> Error {
     failure(format!("checking {what}"), m)
 }
@@ -190,6 +220,32 @@ impl State {
     ) -> Result<Value, Error> {
         match op {
             "ping" => Ok(json!({ "t_recv": t_recv })),
+            "set_attach" => self.set_attach(r, t_recv),
+            "set_hold" => {
+                let name = text(r, "name")?;
+                let set = self.sub()?.attach_set(name)?;
+                self.device
+                    .stream()
+                    .synchronize()
+                    .map_err(|e| failure("cuStreamSynchronize", format!("{e:?}")))?;
+                let checked = check_set(&set, pattern(r)?);
+                if let Err(e) = checked {
+                    self.sub()?.release_set(set)?;
+                    return Err(e);
+                }
+                self.sets.insert(name.to_string(), set);
+                Ok(json!({ "ok": true }))
+            }
+            "set_await" => self.set_await(r, t_recv, out),
+            "set_drop" => {
+                let name = text(r, "name")?;
+                let set = self
+                    .sets
+                    .remove(name)
+                    .ok_or_else(|| failure("set_drop", format!("{name:?} is not held")))?;
+                self.sub()?.release_set(set)?;
+                Ok(json!({ "ok": true }))
+            }
             "connect" => {
                 let path = text(r, "socket")?;
                 self.sub = Some(Subscriber::connect(
@@ -250,6 +306,66 @@ impl State {
             "ring" => self.ring(r, out),
             other => Err(failure("the request", format!("unknown op {other:?}"))),
         }
+    }
+
+    /// Attaches set `name`, synchronises (the clock), checks every buffer
+    /// and releases the set.
+    fn set_attach(&self, r: &Value, t_recv: u64) -> Result<Value, Error> {
+        let name = text(r, "name")?;
+        let p = pattern(r)?;
+        let sub = self.sub()?;
+        let set = sub.attach_set(name)?;
+        let synced = self
+            .device
+            .stream()
+            .synchronize()
+            .map_err(|e| failure("cuStreamSynchronize", format!("{e:?}")));
+        let t_done = mono_ns();
+        let checked = Instant::now();
+        let bad = synced.and_then(|()| check_set(&set, p));
+        let verify_ms = checked.elapsed().as_secs_f64() * 1e3;
+        let entries = set.len();
+        sub.release_set(set)?;
+        bad?;
+        Ok(json!({
+            "t_recv": t_recv,
+            "t_done": t_done,
+            "verify_ms": verify_ms,
+            "entries": entries,
+            "cached_mappings": sub.cached_mappings().0,
+        }))
+    }
+
+    /// Answers `{waiting}`, waits for the next update of held set `name`,
+    /// synchronises (the clock) and checks every buffer.
+    fn set_await(
+        &self,
+        r: &Value,
+        t_recv: u64,
+        out: &mut impl std::io::Write,
+    ) -> Result<Value, Error> {
+        let name = text(r, "name")?;
+        let p = pattern(r)?;
+        let set = self
+            .sets
+            .get(name)
+            .ok_or_else(|| failure("set_await", format!("{name:?} is not held")))?;
+        let sub = self.sub()?;
+        send_line(out, &json!({ "waiting": true }))?;
+        let version = sub.wait_set_update(set, WAIT)?;
+        self.device
+            .stream()
+            .synchronize()
+            .map_err(|e| failure("cuStreamSynchronize", format!("{e:?}")))?;
+        let t_done = mono_ns();
+        let checked = Instant::now();
+        check_set(set, p)?;
+        Ok(json!({
+            "t_recv": t_recv,
+            "t_done": t_done,
+            "version": version,
+            "verify_ms": checked.elapsed().as_secs_f64() * 1e3,
+        }))
     }
 
     fn hold(&mut self, r: &Value) -> Result<Value, Error> {
@@ -596,6 +712,14 @@ fn bind(device: &Device) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn set_buffers_get_distinct_patterns() {
+        let p = Pattern::ramp(7, 1);
+        assert_eq!(entry_pattern(p, 0), p);
+        assert_ne!(entry_pattern(p, 1), entry_pattern(p, 2));
+        assert_eq!(entry_pattern(p, 5).step, 1);
+    }
 
     #[test]
     fn requests_need_their_fields() {

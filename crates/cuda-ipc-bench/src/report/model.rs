@@ -16,6 +16,8 @@ use crate::stats::Stats;
 pub enum SectionId {
     /// A new buffer each time: publish to a synchronised mapping.
     Fresh,
+    /// A new buffer from an arena (its chunk exported once) each time.
+    Arena,
     /// An attached buffer with new contents: update to synchronised.
     Cached,
     /// The raw driver calls alone.
@@ -28,20 +30,24 @@ pub enum SectionId {
     Ring,
     /// Several consumers, many live entries.
     Scale,
+    /// A weight set of many tensors: ours, PyTorch's list and bucket.
+    Sets,
     /// torch.multiprocessing's hand-off.
     Torch,
 }
 
 impl SectionId {
     /// Every section, in order.
-    pub const ALL: [SectionId; 8] = [
+    pub const ALL: [SectionId; 10] = [
         SectionId::Fresh,
+        SectionId::Arena,
         SectionId::Cached,
         SectionId::Floor,
         SectionId::Bandwidth,
         SectionId::Peer,
         SectionId::Ring,
         SectionId::Scale,
+        SectionId::Sets,
         SectionId::Torch,
     ];
 
@@ -49,12 +55,14 @@ impl SectionId {
     pub fn name(self) -> &'static str {
         match self {
             SectionId::Fresh => "fresh",
+            SectionId::Arena => "arena",
             SectionId::Cached => "cached",
             SectionId::Floor => "floor",
             SectionId::Bandwidth => "bandwidth",
             SectionId::Peer => "peer",
             SectionId::Ring => "ring",
             SectionId::Scale => "scale",
+            SectionId::Sets => "sets",
             SectionId::Torch => "torch",
         }
     }
@@ -63,12 +71,14 @@ impl SectionId {
     pub fn title(self) -> &'static str {
         match self {
             SectionId::Fresh => "Fresh hand-off",
+            SectionId::Arena => "Fresh hand-off from an arena",
             SectionId::Cached => "Cached hand-off",
             SectionId::Floor => "Driver floor",
             SectionId::Bandwidth => "Bandwidth through a mapping",
             SectionId::Peer => "Across two GPUs",
             SectionId::Ring => "Streaming ring",
             SectionId::Scale => "Scale",
+            SectionId::Sets => "Weight sets",
             SectionId::Torch => "PyTorch anchor",
         }
     }
@@ -96,13 +106,14 @@ pub struct Row {
     /// What was measured within the series: "from_mapping", "local",
     /// "into_mapping" (bandwidth), "load", "paced" (ring), "consumers",
     /// "slowest_consumer", "live_entries", "slope" (scale), "fresh",
-    /// "repeat" (PyTorch).
+    /// "repeat" (PyTorch), "set", "update" (ours, sets), "list", "bucket"
+    /// (PyTorch, sets).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub variant: Option<String>,
     /// The buffer or frame size in bytes.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub size: Option<u64>,
-    /// Consumers, live entries or ring slots.
+    /// Consumers, live entries, ring slots or the tensors of a weight set.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub count: Option<u64>,
     /// The unit of the samples: "ms" or "GB/s".
@@ -121,6 +132,10 @@ pub struct Row {
     /// consumer for a slope.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub value: Option<f64>,
+    /// Device memory the hand-off needed beyond the buffers handed off, in
+    /// bytes (the sets section: PyTorch's bucket copy; 0 where none).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub extra_device_bytes: Option<u64>,
     /// Why this row failed (the section then failed).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error: Option<String>,
@@ -175,6 +190,13 @@ impl Row {
         if let Some(s) = Stats::of(samples) {
             self.parts.insert(name.into(), s);
         }
+        self
+    }
+
+    /// Sets the extra device memory.
+    #[must_use]
+    pub fn extra_device_bytes(mut self, bytes: u64) -> Row {
+        self.extra_device_bytes = Some(bytes);
         self
     }
 
@@ -355,6 +377,24 @@ impl Report {
     /// The section `id`, if it is in the report.
     pub fn section(&self, id: SectionId) -> Option<&Section> {
         self.sections.iter().find(|s| s.id == id)
+    }
+
+    /// The first measured row of section `id` matching the series, variant
+    /// and count (any size).
+    pub fn row_of_count(
+        &self,
+        id: SectionId,
+        series: &str,
+        variant: &str,
+        count: u64,
+    ) -> Option<&Row> {
+        self.section(id)?.rows.iter().find(|r| {
+            r.series == series
+                && r.variant.as_deref() == Some(variant)
+                && r.count == Some(count)
+                && r.error.is_none()
+                && r.skipped.is_none()
+        })
     }
 
     /// The first row of section `id` matching the series, variant and size.

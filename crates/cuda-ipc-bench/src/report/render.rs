@@ -196,6 +196,122 @@ fn render_fresh(r: &Report, s: &Section, out: &mut String) {
     );
 }
 
+/// The target column: PASS, MISS or "-".
+fn verdict_cell(v: Option<f64>, pass: impl Fn(f64) -> bool) -> String {
+    match v {
+        Some(v) if pass(v) => "PASS".into(),
+        Some(_) => "MISS".into(),
+        None => "-".into(),
+    }
+}
+
+fn render_arena(r: &Report, s: &Section, out: &mut String) {
+    render_latency(
+        s.rows.iter(),
+        "mech",
+        &[
+            "target",
+            "per-buffer p50",
+            "per-buffer/ours",
+            "PyTorch p50",
+            "PyTorch/ours",
+        ],
+        series,
+        |row| {
+            let ours = row.p50();
+            let per_buffer = r.p50(SectionId::Fresh, &row.series, None, row.size);
+            let torch = r.p50(SectionId::Torch, "PyTorch", Some("fresh"), row.size);
+            vec![
+                verdict_cell(ours, |v| v <= targets::ARENA_P50_MS),
+                opt_ms(per_buffer),
+                ratio(per_buffer.zip(ours).map(|(p, o)| p / o)),
+                opt_ms(torch),
+                ratio(torch.zip(ours).map(|(t, o)| t / o)),
+            ]
+        },
+        out,
+    );
+}
+
+/// A byte count for the extra-memory column.
+fn bytes(b: Option<u64>) -> String {
+    b.map_or_else(
+        || "-".into(),
+        |b| if b == 0 { "0".into() } else { human(b) },
+    )
+}
+
+fn render_sets(r: &Report, s: &Section, out: &mut String) {
+    let mut counts: Vec<u64> = s.rows.iter().filter_map(|row| row.count).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let order = ["set", "update", "list", "bucket"];
+    let rank = |row: &Row| {
+        let v = row.variant.as_deref().unwrap_or("");
+        order.iter().position(|o| *o == v).unwrap_or(order.len())
+    };
+    let mut t = Table::new(&[
+        "contender",
+        "tensors",
+        "size",
+        "n",
+        "p50",
+        "p90",
+        "p99",
+        "extra",
+        "target",
+        "it/ours",
+    ])
+    .left_aligned(1);
+    for count in counts {
+        let mut rows: Vec<&Row> = s
+            .rows
+            .iter()
+            .filter(|row| row.count == Some(count))
+            .collect();
+        rows.sort_by_key(|row| rank(row));
+        let ours = r
+            .row_of_count(SectionId::Sets, "ours", "set", count)
+            .and_then(Row::p50);
+        for row in rows {
+            if problem_line(&mut t, row, &label(row)) {
+                continue;
+            }
+            let p50 = row.p50();
+            let is_ours = row.series == "ours";
+            let target = match (row.variant.as_deref(), count) {
+                (Some("set"), targets::SET_SMALL) => {
+                    verdict_cell(p50, |v| v <= targets::SET_SMALL_P50_MS)
+                }
+                (Some("set"), targets::SET_LARGE) => {
+                    verdict_cell(p50, |v| v <= targets::SET_LARGE_P50_MS)
+                }
+                (Some("update"), _) => verdict_cell(p50, |v| v <= targets::SET_UPDATE_P50_MS),
+                _ => String::new(),
+            };
+            t.row(vec![
+                format!("{} {}", row.series, row.variant.as_deref().unwrap_or("")),
+                count.to_string(),
+                row.size.map_or_else(|| "-".into(), human),
+                n(row),
+                stat(row, |s| s.p50),
+                stat(row, |s| s.p90),
+                stat(row, |s| s.p99),
+                bytes(row.extra_device_bytes),
+                target,
+                if is_ours {
+                    String::new()
+                } else {
+                    ratio(p50.zip(ours).map(|(t, o)| t / o))
+                },
+            ]);
+        }
+    }
+    if !s.rows.is_empty() {
+        t.render(out);
+    }
+}
+
 fn render_cached(r: &Report, s: &Section, out: &mut String) {
     render_latency(
         s.rows.iter(),
@@ -575,12 +691,14 @@ pub fn render(r: &Report) -> String {
         }
         match s.id {
             SectionId::Fresh => render_fresh(r, s, &mut out),
+            SectionId::Arena => render_arena(r, s, &mut out),
             SectionId::Cached => render_cached(r, s, &mut out),
             SectionId::Floor => render_floor(s, &mut out),
             SectionId::Bandwidth => render_bandwidth(s, &mut out),
             SectionId::Peer => render_peer(r, s, &mut out),
             SectionId::Ring => render_ring(s, &mut out),
             SectionId::Scale => render_scale(s, &mut out),
+            SectionId::Sets => render_sets(r, s, &mut out),
             SectionId::Torch => render_torch(s, &mut out),
         }
         for note in &s.notes {

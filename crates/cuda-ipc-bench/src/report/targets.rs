@@ -6,8 +6,26 @@ use serde::{Deserialize, Serialize};
 use super::format::{fmt_ms, human};
 use super::model::{Report, Row, SectionId, Status};
 
-/// Cached hand-off median, ms.
-pub const CACHED_P50_MS: f64 = 0.02;
+/// Cached hand-off median, ms, at every size and mechanism.
+pub const CACHED_P50_MS: f64 = 0.010;
+/// Fresh hand-off from an arena, median, ms (2 MiB to 1 GiB).
+pub const ARENA_P50_MS: f64 = 0.03;
+/// PyTorch's fresh hand-off p50 / ours from an arena, same size.
+pub const ARENA_TORCH_SPEEDUP: f64 = 10.0;
+/// The large weight set's tensors.
+pub const SET_LARGE: u64 = 1000;
+/// Its hand-off median, ms.
+pub const SET_LARGE_P50_MS: f64 = 1.0;
+/// PyTorch's list of tensors p50 / ours, large set.
+pub const SET_LIST_SPEEDUP: f64 = 50.0;
+/// PyTorch's flattened bucket p50 / ours, large set.
+pub const SET_BUCKET_SPEEDUP: f64 = 6.0;
+/// The small weight set's tensors.
+pub const SET_SMALL: u64 = 100;
+/// Its hand-off median, ms.
+pub const SET_SMALL_P50_MS: f64 = 0.5;
+/// The update of an attached set, median, ms.
+pub const SET_UPDATE_P50_MS: f64 = 0.03;
 /// Ours p50 / driver floor p50.
 pub const FLOOR_RATIO: f64 = 1.5;
 /// Copy out of a mapping / local copy.
@@ -245,10 +263,155 @@ fn torch_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     }
 }
 
+/// Why a target that needs PyTorch has no figure.
+fn torch_missing(r: &Report) -> &'static str {
+    match r.section(SectionId::Torch).map(|s| s.status) {
+        Some(Status::Skipped) | None => "PyTorch skipped",
+        _ => "not measured",
+    }
+}
+
+/// Why a row has no figure: its failure, its skip, or that it is missing.
+fn why_missing(row: Option<&Row>) -> &'static str {
+    match row {
+        Some(r) if r.error.is_some() => "failed",
+        Some(r) if r.skipped.is_some() => "not measured (skipped)",
+        _ => "not measured",
+    }
+}
+
+fn arena_targets(r: &Report, out: &mut Vec<TargetCheck>) {
+    let Some(s) = r
+        .section(SectionId::Arena)
+        .filter(|_| ran(r, SectionId::Arena))
+    else {
+        return;
+    };
+    for m in &r.mechanisms {
+        // A mechanism the device lacks has skipped rows and no targets.
+        if skipped(r, SectionId::Fresh, m) || skipped(r, SectionId::Arena, m) {
+            continue;
+        }
+        for row in s.rows.iter().filter(|row| &row.series == m) {
+            let size = row.size.unwrap_or(0);
+            let ours = row.p50().filter(|_| row.error.is_none());
+            let missing = why_missing(Some(row));
+            out.push(check(
+                format!("arena/{m}/{}", human(size)),
+                format!("fresh hand-off from an arena p50, {m} {}", human(size)),
+                format!("<= {ARENA_P50_MS:.3} ms"),
+                ours,
+                |v| format!("{} ms", fmt_ms(v)),
+                |v| v <= ARENA_P50_MS,
+                missing,
+            ));
+            let torch = r.p50(SectionId::Torch, "PyTorch", Some("fresh"), Some(size));
+            out.push(check(
+                format!("arena-torch/{m}/{}", human(size)),
+                format!(
+                    "fresh {} hand-off, PyTorch p50 / ours from a {m} arena",
+                    human(size)
+                ),
+                format!(">= {ARENA_TORCH_SPEEDUP:.0}x"),
+                torch.zip(ours).map(|(t, o)| t / o),
+                |v| format!("{v:.1}x"),
+                |v| v >= ARENA_TORCH_SPEEDUP,
+                if ours.is_none() {
+                    missing
+                } else {
+                    torch_missing(r)
+                },
+            ));
+        }
+    }
+}
+
+fn set_targets(r: &Report, out: &mut Vec<TargetCheck>) {
+    let Some(s) = r
+        .section(SectionId::Sets)
+        .filter(|_| ran(r, SectionId::Sets))
+    else {
+        return;
+    };
+    let find = |series: &str, variant: &str, count: u64| {
+        s.rows.iter().find(|row| {
+            row.series == series
+                && row.variant.as_deref() == Some(variant)
+                && row.count == Some(count)
+        })
+    };
+    let p50 = |row: Option<&Row>| row.filter(|x| x.error.is_none()).and_then(Row::p50);
+    for (count, limit) in [(SET_SMALL, SET_SMALL_P50_MS), (SET_LARGE, SET_LARGE_P50_MS)] {
+        let Some(row) = find("ours", "set", count) else {
+            continue;
+        };
+        let total = row.size.map_or_else(|| "?".into(), human);
+        let ours = p50(Some(row));
+        out.push(check(
+            format!("sets/{count}"),
+            format!("weight set hand-off p50, {count} tensors / {total}"),
+            format!("<= {limit:.1} ms"),
+            ours,
+            |v| format!("{} ms", fmt_ms(v)),
+            |v| v <= limit,
+            why_missing(Some(row)),
+        ));
+        if count == SET_LARGE {
+            for (variant, goal) in [("list", SET_LIST_SPEEDUP), ("bucket", SET_BUCKET_SPEEDUP)] {
+                let torch_row = find("PyTorch", variant, count);
+                out.push(check(
+                    format!("sets-{variant}/{count}"),
+                    format!("weight set, {count} tensors: PyTorch {variant} p50 / ours"),
+                    format!(">= {goal:.0}x"),
+                    p50(torch_row).zip(ours).map(|(t, o)| t / o),
+                    |v| format!("{v:.1}x"),
+                    |v| v >= goal,
+                    if ours.is_none() {
+                        why_missing(Some(row))
+                    } else if torch_row.is_some_and(|t| t.error.is_some()) {
+                        "failed"
+                    } else {
+                        torch_missing(r)
+                    },
+                ));
+            }
+            out.push(check(
+                format!("sets-memory/{count}"),
+                format!("weight set, {count} tensors: extra device memory of ours"),
+                "0 bytes".into(),
+                row.extra_device_bytes
+                    .filter(|_| ours.is_some())
+                    .map(|b| b as f64),
+                |v| human(v as u64),
+                |v| v <= 0.0,
+                why_missing(Some(row)),
+            ));
+        }
+    }
+    for row in s
+        .rows
+        .iter()
+        .filter(|row| row.series == "ours" && row.variant.as_deref() == Some("update"))
+    {
+        let count = row.count.unwrap_or(0);
+        out.push(check(
+            format!("sets-update/{count}"),
+            format!("weight set update p50, {count} tensors"),
+            format!("<= {SET_UPDATE_P50_MS:.3} ms"),
+            p50(Some(row)),
+            |v| format!("{} ms", fmt_ms(v)),
+            |v| v <= SET_UPDATE_P50_MS,
+            why_missing(Some(row)),
+        ));
+    }
+}
+
 /// Every target, checked against `r`.
 pub fn evaluate(r: &Report) -> Vec<TargetCheck> {
     let mut out = Vec::new();
     cached_targets(r, &mut out);
+    arena_targets(r, &mut out);
+    set_targets(r, &mut out);
     floor_targets(r, &mut out);
     copy_targets(
         r,

@@ -25,9 +25,36 @@ pub(crate) fn synthetic() -> Report {
             .size(mib2)
             .failed("allocating 2MiB: out of memory"),
     ];
+    let mut arena = Section::new(SectionId::Arena);
+    arena.rows = vec![
+        lat("legacy", mib2, &[0.020, 0.021, 0.022]),
+        lat("legacy", mib64, &[0.040, 0.041, 0.042]),
+        Row::new("pool", "ms")
+            .size(mib2)
+            .skip("pool sharing is off here"),
+    ];
+    let mut sets = Section::new(SectionId::Sets);
+    let set = |series: &str, variant: &str, count: u64, samples: &[f64]| {
+        Row::new(series, "ms")
+            .variant(variant)
+            .count(count)
+            .size(256 << 20)
+            .samples(2, samples.to_vec())
+    };
+    sets.rows = vec![
+        set("ours", "set", 100, &[0.30, 0.31, 0.32]).extra_device_bytes(0),
+        set("ours", "update", 100, &[0.02, 0.02]),
+        set("ours", "set", 1000, &[0.8, 0.8]).extra_device_bytes(0),
+        set("ours", "update", 1000, &[0.05, 0.05]),
+        set("PyTorch", "list", 100, &[11.0, 11.0]).extra_device_bytes(0),
+        set("PyTorch", "bucket", 100, &[3.6, 3.6]).extra_device_bytes(256 << 20),
+        set("PyTorch", "list", 1000, &[56.0, 56.0]).extra_device_bytes(0),
+        set("PyTorch", "bucket", 1000, &[6.7, 6.7]).extra_device_bytes(256 << 20),
+    ];
+    sets.notes.push("the sets".into());
     let mut cached = Section::new(SectionId::Cached);
     cached.rows = vec![
-        lat("legacy", mib2, &[0.015, 0.016, 0.017]),
+        lat("legacy", mib2, &[0.008, 0.009, 0.010]),
         lat("vmm", mib2, &[0.025, 0.026, 0.027]),
     ];
     let mut floor = Section::new(SectionId::Floor);
@@ -58,7 +85,7 @@ pub(crate) fn synthetic() -> Report {
         lat("legacy", mib2, &[0.20, 0.22, 0.24]),
         lat("vmm", mib2, &[0.62, 0.62, 0.62]),
         lat("legacy floor", mib2, &[0.10, 0.11, 0.12]),
-        lat("legacy", mib2, &[0.05, 0.05, 0.05]).variant("cached"),
+        lat("legacy", mib2, &[0.027, 0.027, 0.027]).variant("cached"),
         Row::new("vmm floor", "ms")
             .size(mib2)
             .skip("no floor today"),
@@ -157,7 +184,9 @@ pub(crate) fn synthetic() -> Report {
         sizes: vec![mib2, mib64],
         started_unix_s: 0.0,
         elapsed_s: 42.0,
-        sections: vec![fresh, cached, floor, bw, peer, ring, scale, torch],
+        sections: vec![
+            fresh, arena, cached, floor, bw, peer, ring, scale, sets, torch,
+        ],
         targets: Vec::new(),
     };
     for s in &mut r.sections {
@@ -279,9 +308,9 @@ fn table_shows_every_section_and_verdict() {
         peer[4].contains("vmm floor 2MiB: skipped: no floor today"),
         "{peer:?}"
     );
-    // cached across GPUs: 0.05 against 0.016 on one GPU
+    // cached across GPUs: 0.027 against 0.009 on one GPU
     assert!(
-        peer[6].trim_start().starts_with("legacy") && peer[6].ends_with("3.12x"),
+        peer[6].trim_start().starts_with("legacy") && peer[6].ends_with("3.00x"),
         "{peer:?}"
     );
     assert!(
@@ -317,11 +346,25 @@ fn json_has_the_documented_shape() {
     assert_eq!(v["device"]["name"], "NVIDIA H200");
     assert_eq!(v["sizes"][1], 64 << 20);
     let sections = v["sections"].as_array().unwrap();
-    assert_eq!(sections.len(), 8);
+    assert_eq!(sections.len(), 10);
     assert_eq!(v["peer"]["device"]["ordinal"], 1);
     assert_eq!(v["peer"]["link"], "NVLink (18 active links)");
-    assert_eq!(sections[4]["id"], "peer");
-    assert_eq!(sections[4]["rows"][6]["variant"], "memcpy_peer");
+    assert_eq!(sections[5]["id"], "peer");
+    assert_eq!(sections[5]["rows"][6]["variant"], "memcpy_peer");
+    assert_eq!(sections[1]["id"], "arena");
+    assert_eq!(sections[8]["id"], "sets");
+    let bucket = &sections[8]["rows"][7];
+    assert_eq!(
+        (&bucket["series"], &bucket["variant"], &bucket["count"]),
+        (
+            &serde_json::json!("PyTorch"),
+            &serde_json::json!("bucket"),
+            &serde_json::json!(1000)
+        )
+    );
+    assert_eq!(bucket["extra_device_bytes"], 256 << 20);
+    assert_eq!(sections[8]["rows"][0]["extra_device_bytes"], 0);
+    assert!(sections[8]["rows"][1].get("extra_device_bytes").is_none());
     assert_eq!(sections[0]["id"], "fresh");
     assert_eq!(sections[0]["status"], "failed");
     assert!(sections[0]["error"].is_null());
@@ -331,7 +374,7 @@ fn json_has_the_documented_shape() {
             .unwrap()
             .contains("out of memory")
     );
-    assert_eq!(sections[1]["status"], "ok");
+    assert_eq!(sections[2]["status"], "ok");
     let row = &sections[0]["rows"][0];
     assert_eq!(row["series"], "legacy");
     assert_eq!(row["size"], 2 << 20);
@@ -373,7 +416,7 @@ fn section_names_parse() {
     assert!(
         SectionId::parse("nope")
             .unwrap_err()
-            .contains("fresh, cached")
+            .contains("fresh, arena, cached")
     );
 }
 
@@ -383,4 +426,178 @@ fn ms_formatting() {
     assert_eq!(fmt_ms(1.5), "1.500");
     assert_eq!(fmt_ms(3100.0), "3100.0");
     assert_eq!(fmt_ms(f64::NAN), "-");
+}
+
+#[test]
+fn arena_targets() {
+    let r = synthetic();
+    // legacy 2 MiB: 0.021 ms (pass); PyTorch 0.55 / 0.021 = 26x (pass)
+    assert_eq!(verdict(&r, "arena/legacy/2MiB"), Verdict::Pass);
+    assert_eq!(verdict(&r, "arena-torch/legacy/2MiB"), Verdict::Pass);
+    // legacy 64 MiB: 0.041 ms (miss); PyTorch 0.65 / 0.041 = 15.9x (pass)
+    assert_eq!(verdict(&r, "arena/legacy/64MiB"), Verdict::Miss);
+    assert_eq!(verdict(&r, "arena-torch/legacy/64MiB"), Verdict::Pass);
+    // vmm: not in the arena section (not run for it), so not measured
+    assert!(r.targets.iter().all(|t| !t.id.starts_with("arena/vmm")));
+    // pool: the device lacks it, so no target
+    assert!(r.targets.iter().all(|t| !t.id.starts_with("arena/pool")));
+    // the cached target is 0.010 ms at every size and mechanism
+    assert_eq!(verdict(&r, "cached/legacy/2MiB"), Verdict::Pass);
+    let t = r
+        .targets
+        .iter()
+        .find(|t| t.id == "cached/vmm/2MiB")
+        .unwrap();
+    assert_eq!(
+        (t.verdict, t.target.as_str()),
+        (Verdict::Miss, "<= 0.010 ms")
+    );
+}
+
+#[test]
+fn set_targets() {
+    let mut r = synthetic();
+    assert_eq!(verdict(&r, "sets/100"), Verdict::Pass);
+    assert_eq!(verdict(&r, "sets/1000"), Verdict::Pass);
+    // 56 / 0.8 = 70x (pass); 6.7 / 0.8 = 8.4x (pass)
+    assert_eq!(verdict(&r, "sets-list/1000"), Verdict::Pass);
+    assert_eq!(verdict(&r, "sets-bucket/1000"), Verdict::Pass);
+    let t = r.targets.iter().find(|t| t.id == "sets-list/1000").unwrap();
+    assert!((t.measured.unwrap() - 70.0).abs() < 1e-9);
+    assert_eq!(verdict(&r, "sets-memory/1000"), Verdict::Pass);
+    assert_eq!(verdict(&r, "sets-update/100"), Verdict::Pass);
+    assert_eq!(verdict(&r, "sets-update/1000"), Verdict::Miss);
+    // ours slower and with extra memory: misses
+    let i = r
+        .sections
+        .iter()
+        .position(|s| s.id == SectionId::Sets)
+        .unwrap();
+    r.sections[i].rows[2] = Row::new("ours", "ms")
+        .variant("set")
+        .count(1000)
+        .size(256 << 20)
+        .samples(2, vec![2.0])
+        .extra_device_bytes(2 << 20);
+    r.evaluate();
+    assert_eq!(verdict(&r, "sets/1000"), Verdict::Miss);
+    assert_eq!(verdict(&r, "sets-bucket/1000"), Verdict::Miss);
+    assert_eq!(verdict(&r, "sets-list/1000"), Verdict::Miss);
+    assert_eq!(verdict(&r, "sets-memory/1000"), Verdict::Miss);
+    // ours skipped (no mechanism): every set target is listed, not measured
+    for row in &mut r.sections[i].rows {
+        if row.series == "ours" {
+            *row = Row::new("ours", "ms")
+                .variant(row.variant.clone().unwrap())
+                .count(row.count.unwrap())
+                .size(256 << 20)
+                .skip("no mechanism");
+        }
+    }
+    r.evaluate();
+    for id in [
+        "sets/100",
+        "sets/1000",
+        "sets-list/1000",
+        "sets-bucket/1000",
+        "sets-memory/1000",
+        "sets-update/100",
+        "sets-update/1000",
+    ] {
+        assert_eq!(verdict(&r, id), Verdict::NotMeasured, "{id}");
+    }
+    // PyTorch skipped: its ratios say so
+    r.sections[i] = synthetic().sections[i].clone();
+    r.sections[i].rows.retain(|row| row.series == "ours");
+    let t = r
+        .sections
+        .iter()
+        .position(|s| s.id == SectionId::Torch)
+        .unwrap();
+    r.sections[t] = Section::skipped(SectionId::Torch, "--no-torch");
+    r.evaluate();
+    let t = r
+        .targets
+        .iter()
+        .find(|t| t.id == "sets-bucket/1000")
+        .unwrap();
+    assert_eq!(
+        (t.verdict, t.shown.as_str()),
+        (Verdict::NotMeasured, "PyTorch skipped")
+    );
+}
+
+#[test]
+fn arena_and_set_tables() {
+    let r = synthetic();
+    let text = render(&r);
+    let arena: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.contains("Fresh hand-off from an arena"))
+        .take(6)
+        .collect();
+    // legacy 2 MiB: per-buffer 0.11 / 0.021, PyTorch 0.55 / 0.021
+    assert!(
+        arena[2].trim_start().starts_with("legacy")
+            && arena[2].contains("PASS")
+            && arena[2].contains("5.24x")
+            && arena[2].contains("26.19x"),
+        "{arena:?}"
+    );
+    assert!(arena[3].contains("MISS"), "{arena:?}");
+    assert!(
+        arena[4].contains("pool 2MiB: skipped: pool sharing is off here"),
+        "{arena:?}"
+    );
+    let sets: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.contains("Weight sets"))
+        .take(10)
+        .collect();
+    assert!(
+        sets[1].contains("contender") && sets[1].contains("extra"),
+        "{sets:?}"
+    );
+    // per count: ours set, ours update, PyTorch list, PyTorch bucket
+    assert!(
+        sets[2].trim_start().starts_with("ours set") && sets[2].contains("PASS"),
+        "{sets:?}"
+    );
+    assert!(sets[3].trim_start().starts_with("ours update"), "{sets:?}");
+    // 11.0 / 0.31 and 3.6 / 0.31, the bucket's extra 256 MiB
+    assert!(
+        sets[4].trim_start().starts_with("PyTorch list") && sets[4].ends_with("35.48x"),
+        "{sets:?}"
+    );
+    assert!(
+        sets[5].trim_start().starts_with("PyTorch bucket")
+            && sets[5].contains("256MiB")
+            && sets[5].ends_with("11.61x"),
+        "{sets:?}"
+    );
+    assert!(
+        sets[6].trim_start().starts_with("ours set") && sets[6].contains("1000"),
+        "{sets:?}"
+    );
+    assert!(sets[7].contains("MISS"), "update 1000: {sets:?}");
+    assert!(text.contains("* the sets"), "{text}");
+}
+
+#[test]
+fn a_skipped_sets_section_has_no_table_and_no_targets() {
+    let mut r = synthetic();
+    let i = r
+        .sections
+        .iter()
+        .position(|s| s.id == SectionId::Sets)
+        .unwrap();
+    r.sections[i] = Section::skipped(SectionId::Sets, "not asked for");
+    r.evaluate();
+    assert!(r.targets.iter().all(|t| !t.id.starts_with("sets")));
+    let text = render(&r);
+    assert!(
+        text.contains("Weight sets (0.0 s)  [skipped: not asked for]"),
+        "{text}"
+    );
+    assert!(!text.contains("contender"), "{text}");
 }

@@ -3,6 +3,7 @@
 //! row (with the error, naming what failed) instead of stopping; a consumer
 //! that died is started again for the next row.
 
+mod arena;
 mod bandwidth;
 mod cached;
 mod floor;
@@ -10,7 +11,9 @@ mod fresh;
 mod peer;
 mod ring;
 mod scale;
+mod sets;
 
+pub use arena::arena;
 pub use bandwidth::bandwidth;
 pub use cached::cached;
 pub use floor::floor;
@@ -18,6 +21,7 @@ pub use fresh::fresh;
 pub use peer::peer;
 pub use ring::ring;
 pub use scale::scale;
+pub use sets::sets;
 
 use std::time::{Duration, Instant};
 
@@ -89,6 +93,14 @@ impl Consumer {
             label: label.to_string(),
             device,
             socket: ctx.socket(),
+        }
+    }
+
+    /// A consumer on the producer's GPU, of the publisher at `socket`.
+    fn of(ctx: &Ctx<'_>, label: &str, socket: &std::path::Path) -> Consumer {
+        Consumer {
+            socket: socket.display().to_string(),
+            ..Consumer::new(ctx, label)
         }
     }
 

@@ -1,0 +1,333 @@
+//! Weight sets: a model's weights (many fp32 tensors, sizes drawn by
+//! [`crate::weights`]) handed off in one call, against PyTorch's list of
+//! tensors on a queue and its flattened bucket, and the in-place update of
+//! a set already attached.
+
+use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
+use cuda_ipc::exchange::Publisher;
+use cuda_ipc::kernels::{self, Pattern, Speed};
+use cuda_ipc::{DeviceMemory, Dtype, Error, Mechanism};
+use serde_json::json;
+
+use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns};
+use crate::report::{Row, Section, SectionId, human};
+use crate::stats::ns_to_ms;
+use crate::torch;
+use crate::worker::entry_pattern;
+use crate::{Plan, Reps};
+
+use super::arena::arena_publisher;
+use super::{Consumer, Ctx, UNPUBLISH_TIMEOUT, pattern};
+
+/// A weight set in a publisher's arena: one buffer per tensor, and their
+/// names and shapes.
+struct WeightSet {
+    buffers: Vec<DeviceArenaBuffer>,
+    names: Vec<String>,
+    shapes: Vec<[u64; 1]>,
+}
+
+impl WeightSet {
+    /// The set of `count` tensors totalling `total` bytes in `publisher`'s
+    /// arena, every chunk made and exported before the clock.
+    fn new(publisher: &Publisher, count: u64, total: u64) -> Result<WeightSet, Error> {
+        let sizes = crate::weights::sizes(count, total)
+            .map_err(|e| failure("drawing the weight set", e))?;
+        publisher.arena()?.reserve(total)?;
+        let buffers = sizes
+            .iter()
+            .map(|s| publisher.alloc(*s))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| failure(format!("allocating the {count} tensors in the arena"), e))?;
+        Ok(WeightSet {
+            buffers,
+            names: (0..count).map(|j| format!("w{j:05}")).collect(),
+            shapes: sizes.iter().map(|s| [s / 4]).collect(),
+        })
+    }
+
+    /// Every tensor filled with its pattern of `p`, finished.
+    fn fill(&self, p: Pattern) -> Result<(), Error> {
+        for (j, b) in self.buffers.iter().enumerate() {
+            kernels::fill_u32(b, entry_pattern(p, j), Speed::Full)?;
+        }
+        self.buffers[0].synchronize()
+    }
+
+    fn members(&self) -> Vec<SetMember<'_>> {
+        self.buffers
+            .iter()
+            .zip(&self.names)
+            .zip(&self.shapes)
+            .map(|((buffer, name), shape)| SetMember {
+                name,
+                dtype: Dtype::F32,
+                shape,
+                buffer,
+            })
+            .collect()
+    }
+}
+
+/// Device memory in use now (all processes), bytes.
+fn used(ctx: &Ctx<'_>) -> Result<u64, Error> {
+    let (free, total) = ctx.device.memory_info()?;
+    Ok(total - free)
+}
+
+/// The set hand-off row and the update row of a set of `count` tensors
+/// totalling `total` bytes in an arena of `m` chunks.
+fn set_rows(ctx: &Ctx<'_>, m: Mechanism, (count, total): (u64, u64), reps: Reps) -> (Row, Row) {
+    let row = |v: &str| Row::new("ours", "ms").variant(v).count(count).size(total);
+    let made = arena_publisher(ctx, m, "sets")
+        .and_then(|p| WeightSet::new(&p, count, total).map(|s| (p, s)));
+    let (publisher, set) = match made {
+        Ok(x) => x,
+        Err(e) => {
+            return (
+                row("set").failed(e.to_string()),
+                row("update").failed(e.to_string()),
+            );
+        }
+    };
+    let mut c = Consumer::of(ctx, "the weight sets' consumer", publisher.path());
+    let rows = match c.get() {
+        Ok(w) => (
+            handoff_row(ctx, &publisher, w, &set, row("set"), reps, count),
+            update_row(&publisher, w, &set, row("update"), reps, count),
+        ),
+        Err(e) => (
+            row("set").failed(e.to_string()),
+            row("update").failed(e.to_string()),
+        ),
+    };
+    // The consumer exits (and unmaps) before the chunks are freed.
+    drop(c);
+    drop(set);
+    drop(publisher);
+    rows
+}
+
+/// Samples of the whole set's hand-off: refilled (not timed), then timed
+/// from `Publisher::publish_set` to the consumer holding every buffer
+/// synchronised (`Subscriber::attach_set`).
+fn handoff_row(
+    ctx: &Ctx<'_>,
+    publisher: &Publisher,
+    w: &mut Worker,
+    set: &WeightSet,
+    row: Row,
+    reps: Reps,
+    count: u64,
+) -> Row {
+    let (mut samples, mut publish, mut consumer, mut teardown) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut extra = 0u64;
+    let seed = 0x5E7 ^ (count << 20);
+    let members = set.members();
+    let measured = (|| -> Result<(), Error> {
+        for i in 0..reps.total() {
+            let p = pattern(seed, i);
+            set.fill(p)?;
+            let name = format!("weights/{count}/{i}");
+            let request =
+                json!({ "op": "set_attach", "name": name, "base": p.base, "step": p.step });
+            let before = used(ctx)?;
+            let t0 = mono_ns();
+            publisher.publish_set(&name, &members)?;
+            let t_pub = mono_ns();
+            let answer = w.send(&request).and_then(|()| w.recv(REQUEST_TIMEOUT));
+            let after = used(ctx)?;
+            let t = std::time::Instant::now();
+            let unpublished = publisher.unpublish_set(&name, Some(UNPUBLISH_TIMEOUT));
+            let teardown_ms = t.elapsed().as_secs_f64() * 1e3;
+            let a = answer.map_err(|e| failure(format!("sample {i}"), e))?;
+            unpublished.map_err(|e| failure(format!("sample {i}: unpublishing"), e))?;
+            if a["entries"].as_u64() != Some(count) {
+                return Err(failure(
+                    format!("sample {i}"),
+                    format!("the consumer saw {a}"),
+                ));
+            }
+            if i < reps.warmup {
+                continue;
+            }
+            // The first samples map the chunks; kept samples allocate nothing.
+            extra = extra.max(after.saturating_sub(before));
+            let (t_recv, t_done) = (get_u64(&a, "t_recv")?, get_u64(&a, "t_done")?);
+            samples.push(ns_to_ms(t0, t_done));
+            publish.push(ns_to_ms(t0, t_pub));
+            consumer.push(ns_to_ms(t_recv, t_done));
+            teardown.push(teardown_ms);
+        }
+        Ok(())
+    })();
+    let row = row
+        .samples(reps.warmup, samples)
+        .part("publish", &publish)
+        .part("consumer", &consumer)
+        .part("teardown", &teardown)
+        .extra_device_bytes(extra);
+    match measured {
+        Ok(()) => row,
+        Err(e) => row.failed(e.to_string()),
+    }
+}
+
+/// Samples of the update of a set the consumer holds: refilled (not
+/// timed), the consumer waiting; then timed from `Publisher::update_set`
+/// (one event for the set, one notice) to the consumer's
+/// `Subscriber::wait_set_update` returning and its stream synchronised.
+fn update_row(
+    publisher: &Publisher,
+    w: &mut Worker,
+    set: &WeightSet,
+    row: Row,
+    reps: Reps,
+    count: u64,
+) -> Row {
+    let (mut samples, mut update) = (Vec::new(), Vec::new());
+    let seed = 0x0DA7E ^ (count << 20);
+    let name = format!("weights/{count}/held");
+    let members = set.members();
+    let measured = (|| -> Result<(), Error> {
+        let p0 = pattern(seed, 0);
+        set.fill(p0)?;
+        publisher.publish_set(&name, &members)?;
+        w.request(
+            &json!({ "op": "set_hold", "name": name, "base": p0.base, "step": p0.step }),
+            REQUEST_TIMEOUT,
+        )?;
+        for i in 1..=reps.total() {
+            let p = pattern(seed, i);
+            set.fill(p)?;
+            w.request(
+                &json!({ "op": "set_await", "name": name, "base": p.base, "step": p.step }),
+                REQUEST_TIMEOUT,
+            )?;
+            let t0 = mono_ns();
+            publisher.update_set(&name)?;
+            let t_upd = mono_ns();
+            let a = w
+                .recv(REQUEST_TIMEOUT)
+                .map_err(|e| failure(format!("update {i}"), e))?;
+            if i > reps.warmup {
+                samples.push(ns_to_ms(t0, get_u64(&a, "t_done")?));
+                update.push(ns_to_ms(t0, t_upd));
+            }
+        }
+        w.request(&json!({ "op": "set_drop", "name": name }), REQUEST_TIMEOUT)?;
+        Ok(())
+    })();
+    let unpublished = publisher.unpublish_set(&name, Some(UNPUBLISH_TIMEOUT));
+    let row = row.samples(reps.warmup, samples).part("update", &update);
+    match (measured, unpublished) {
+        (Err(e), _) => row.failed(e.to_string()),
+        (Ok(()), Err(e)) => row.failed(format!("unpublishing: {e}")),
+        (Ok(()), Ok(())) => row,
+    }
+}
+
+/// The sets section: ours and its update per set, then PyTorch's list and
+/// bucket per set (one run of the script).
+pub fn sets(ctx: &Ctx<'_>) -> Section {
+    let mut s = Section::new(SectionId::Sets);
+    let reps = ctx.plan.set_reps;
+    let primary = ctx.primary();
+    for &(count, total) in &ctx.plan.sets {
+        ctx.progress
+            .step(&format!("weight set, {count} tensors / {}", human(total)));
+        let (set, update) = if let Some(m) = primary {
+            set_rows(ctx, m, (count, total), reps)
+        } else {
+            let why = "none of the mechanisms asked for is supported here";
+            let row = |v: &str| {
+                Row::new("ours", "ms")
+                    .variant(v)
+                    .count(count)
+                    .size(total)
+                    .skip(why)
+            };
+            (row("set"), row("update"))
+        };
+        s.rows.push(set);
+        ctx.progress.done();
+        s.rows.push(update);
+        ctx.progress.done();
+    }
+    ctx.progress
+        .step("PyTorch weight sets (bench/torch_share.py --sets)");
+    let (rows, torch_notes, error) = torch::set_rows(ctx.plan);
+    s.rows.extend(rows);
+    s.error = error.map(|e| format!("PyTorch's weight sets: {e}"));
+    ctx.progress.done();
+    s.notes = notes(ctx.plan);
+    if let Some(m) = primary {
+        s.notes.insert(
+            0,
+            format!("ours: a publisher whose arena has {m} chunks (Sharing::arena)."),
+        );
+    }
+    s.notes.extend(torch_notes);
+    s
+}
+
+/// What the section's figures include.
+pub(crate) fn notes(plan: &Plan) -> Vec<String> {
+    let mut notes = vec![
+        "A weight set: N fp32 tensors totalling the size shown, their sizes drawn from a fixed \
+         seed (splitmix64, the rule in weights.rs and bench/torch_share.py; the same list for \
+         every contender). The tensors live across samples, as a trainer's parameters do; \
+         each sample refills every one with its own value before the clock (not timed), and \
+         the consumer checks the first and last value of every tensor after it (not timed)."
+            .into(),
+        "ours set: the clock from just before Publisher::publish_set (the buffers in the \
+         publisher's arena, whose chunks were made and exported before the first sample) to \
+         the consumer's after Subscriber::attach_set returned and its stream synchronised \
+         (one attach of the whole set; each chunk mapped once, on the warm-up samples, and \
+         kept in the consumer's cache). extra = device memory in use (cuMemGetInfo, all \
+         processes) after the hand-off minus before it. ours update: the consumer holds the \
+         set and waits; the clock from just before Publisher::update_set (one event for the \
+         set, one notice) to Subscriber::wait_set_update returning and the stream synchronised."
+            .into(),
+        "PyTorch list: the clock from just before torch.multiprocessing's Queue.put of the list \
+         of tensors to the consumer's after Queue.get returned and its stream synchronised. \
+         PyTorch bucket: the clock from just before torch.cat packs the tensors into one (the \
+         \"flattened bucket\"), then that one tensor on the queue; the consumer splits it back \
+         into views (torch.split) and synchronises. extra = device memory the producer needed \
+         beyond the tensors (the bucket's copy; torch.cuda.max_memory_allocated)."
+            .into(),
+        format!(
+            "Targets: {} tensors <= {:.1} ms, PyTorch list / ours >= {:.0}x, PyTorch bucket / \
+             ours >= {:.0}x, with no extra device memory; {} tensors <= {:.1} ms; the update \
+             <= {:.3} ms.",
+            crate::report::targets::SET_LARGE,
+            crate::report::targets::SET_LARGE_P50_MS,
+            crate::report::targets::SET_LIST_SPEEDUP,
+            crate::report::targets::SET_BUCKET_SPEEDUP,
+            crate::report::targets::SET_SMALL,
+            crate::report::targets::SET_SMALL_P50_MS,
+            crate::report::targets::SET_UPDATE_P50_MS,
+        ),
+    ];
+    for &(count, total) in &plan.sets {
+        match crate::weights::sizes(count, total) {
+            Ok(sizes) => notes.push(format!(
+                "The {count}-tensor set: {} in tensors of {} to {}.",
+                human(total),
+                human(sizes.iter().copied().min().unwrap_or(0)),
+                human(sizes.iter().copied().max().unwrap_or(0)),
+            )),
+            Err(e) => notes.push(format!("The {count}-tensor set: {e}")),
+        }
+    }
+    if plan.quick {
+        notes.push(format!(
+            "--quick: the sets total {} instead of {} (the targets are set for {}).",
+            human(crate::plan::SET_TOTAL_QUICK),
+            human(crate::plan::SET_TOTAL),
+            human(crate::plan::SET_TOTAL)
+        ));
+    }
+    notes
+}
