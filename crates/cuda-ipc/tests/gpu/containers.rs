@@ -36,7 +36,7 @@ const ENTRIES: [(&str, Mechanism); 3] = [
 const RING_FRAMES: u32 = 200;
 
 /// Why `unshare FLAGS true` cannot run here, if it cannot.
-fn unshare_refused(flags: &[&str]) -> Option<String> {
+pub(super) fn unshare_refused(flags: &[&str]) -> Option<String> {
     match Command::new("unshare")
         .args(flags)
         .arg("true")
@@ -55,7 +55,7 @@ fn unshare_refused(flags: &[&str]) -> Option<String> {
 
 /// A script that runs this executable through `unshare FLAGS`, after
 /// `setup` (shell commands run inside, before the test starts).
-fn wrapper(dir: &Path, flags: &[&str], setup: &str) -> PathBuf {
+pub(super) fn wrapper(dir: &Path, flags: &[&str], setup: &str) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let exe = std::env::current_exe().unwrap();
     let path = dir.join("in-namespaces.sh");
