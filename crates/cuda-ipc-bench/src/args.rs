@@ -57,7 +57,7 @@ pub struct Args {
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// Run only these sections, comma-separated (fresh, cached, floor,
-    /// bandwidth, peer, ring, scale, torch).
+    /// bandwidth, peer, ring, sync, scale, torch).
     #[arg(long, value_delimiter = ',', value_parser = SectionId::parse)]
     pub only: Option<Vec<SectionId>>,
     /// Samples kept per measurement, at least 1 (overrides the defaults: 30

@@ -12,7 +12,8 @@
 //!
 //! Sections (see `docs/PERFORMANCE.md` for what each number includes):
 //! fresh hand-off, cached hand-off, driver floor, bandwidth through a
-//! mapping, across two GPUs (with `--devices A,B`), streaming ring, scale,
+//! mapping, across two GPUs (with `--devices A,B`), streaming ring, events
+//! against fences, scale,
 //! PyTorch anchor. A failing section is
 //! reported in the table and the others still run; the exit code is then 4.
 //!
@@ -171,6 +172,7 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
             SectionId::Bandwidth => sections::bandwidth(&ctx),
             SectionId::Peer => sections::peer(&ctx),
             SectionId::Ring => sections::ring(&ctx),
+            SectionId::Sync => sections::sync(&ctx),
             SectionId::Scale => sections::scale(&ctx),
             SectionId::Torch => torch::section(&plan, &progress),
         };

@@ -252,6 +252,7 @@ impl Plan {
                 SectionId::Bandwidth => m,
                 SectionId::Peer => 2 * m * s + m + floors * s,
                 SectionId::Ring => self.ring.len() as u64,
+                SectionId::Sync => crate::sections::SYNC_STEPS,
                 SectionId::Scale => self.consumers.len() as u64 + 1,
                 SectionId::Torch => 1,
             })
@@ -345,7 +346,7 @@ mod tests {
         );
         assert_eq!(f.torch, Ok(("python3".to_string(), None)));
         // one step per row
-        assert_eq!(f.steps(), 12 + 12 + (1 + 8) + 3 + 3 + 5 + 1);
+        assert_eq!(f.steps(), 12 + 12 + (1 + 8) + 3 + 3 + 8 + 5 + 1);
     }
 
     #[test]

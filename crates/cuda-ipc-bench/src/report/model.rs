@@ -26,6 +26,8 @@ pub enum SectionId {
     Peer,
     /// Frames through a ring.
     Ring,
+    /// Interprocess events against GPU-side fences, next to a floor.
+    Sync,
     /// Several consumers, many live entries.
     Scale,
     /// torch.multiprocessing's hand-off.
@@ -34,13 +36,14 @@ pub enum SectionId {
 
 impl SectionId {
     /// Every section, in order.
-    pub const ALL: [SectionId; 8] = [
+    pub const ALL: [SectionId; 9] = [
         SectionId::Fresh,
         SectionId::Cached,
         SectionId::Floor,
         SectionId::Bandwidth,
         SectionId::Peer,
         SectionId::Ring,
+        SectionId::Sync,
         SectionId::Scale,
         SectionId::Torch,
     ];
@@ -54,6 +57,7 @@ impl SectionId {
             SectionId::Bandwidth => "bandwidth",
             SectionId::Peer => "peer",
             SectionId::Ring => "ring",
+            SectionId::Sync => "sync",
             SectionId::Scale => "scale",
             SectionId::Torch => "torch",
         }
@@ -68,6 +72,7 @@ impl SectionId {
             SectionId::Bandwidth => "Bandwidth through a mapping",
             SectionId::Peer => "Across two GPUs",
             SectionId::Ring => "Streaming ring",
+            SectionId::Sync => "Events against fences",
             SectionId::Scale => "Scale",
             SectionId::Torch => "PyTorch anchor",
         }

@@ -95,6 +95,28 @@ pub(crate) fn synthetic() -> Report {
             .samples(0, vec![0.05]),
         r1m,
     ];
+    let mut sync = Section::new(SectionId::Sync);
+    let fps = |series: &str, v: f64| {
+        let mut row = Row::new(series, "ms")
+            .variant("load")
+            .size(4096)
+            .samples(0, vec![0.04, 0.05]);
+        row.value = Some(v);
+        row
+    };
+    let mut floor_row = Row::new("floor: fill + signal", "ms").size(4096);
+    floor_row.value = Some(232_000.0);
+    sync.rows = vec![
+        lat("event", mib2, &[0.02, 0.02]).variant("cached"),
+        lat("fence", mib2, &[0.02, 0.02]).variant("cached"),
+        fps("fence", 22_800.0),
+        Row::new("fence", "ms")
+            .variant("paced")
+            .size(4096)
+            .samples(0, vec![0.29, 0.31, 0.33]),
+        fps("fence, batch 8", 260_000.0),
+        floor_row,
+    ];
     let mut scale = Section::new(SectionId::Scale);
     let mut slope = Row::new("vmm", "ms/consumer").variant("slope");
     slope.value = Some(0.0123);
@@ -157,7 +179,7 @@ pub(crate) fn synthetic() -> Report {
         sizes: vec![mib2, mib64],
         started_unix_s: 0.0,
         elapsed_s: 42.0,
-        sections: vec![fresh, cached, floor, bw, peer, ring, scale, torch],
+        sections: vec![fresh, cached, floor, bw, peer, ring, sync, scale, torch],
         targets: Vec::new(),
     };
     for s in &mut r.sections {
@@ -194,6 +216,13 @@ fn targets_pass_and_miss() {
     assert_eq!(verdict(&r, "peer/vmm"), Verdict::Miss);
     assert!(r.targets.iter().all(|t| t.id != "peer/pool"));
     assert_eq!(verdict(&r, "ring/vmm/4KiB"), Verdict::Pass);
+    // sync: fences 22,800/s (miss), floor 232,000 / 22,800 = 10x (miss);
+    // batched 260,000/s (pass), 232,000 / 260,000 = 0.89x (pass); paced 0.31 ms (miss)
+    assert_eq!(verdict(&r, "sync/ring/fence/4KiB"), Verdict::Miss);
+    assert_eq!(verdict(&r, "sync/floor/fence"), Verdict::Miss);
+    assert_eq!(verdict(&r, "sync/ring/fence, batch 8/4KiB"), Verdict::Pass);
+    assert_eq!(verdict(&r, "sync/floor/fence, batch 8"), Verdict::Pass);
+    assert_eq!(verdict(&r, "sync/unloaded/fence"), Verdict::Miss);
     // PyTorch 64 MiB p50 0.65 / legacy 0.13 = 5x (pass), / vmm 0.31 = 2.1x (miss)
     assert_eq!(verdict(&r, "torch/legacy/64MiB"), Verdict::Pass);
     assert_eq!(verdict(&r, "torch/vmm/64MiB"), Verdict::Miss);
@@ -317,7 +346,7 @@ fn json_has_the_documented_shape() {
     assert_eq!(v["device"]["name"], "NVIDIA H200");
     assert_eq!(v["sizes"][1], 64 << 20);
     let sections = v["sections"].as_array().unwrap();
-    assert_eq!(sections.len(), 8);
+    assert_eq!(sections.len(), 9);
     assert_eq!(v["peer"]["device"]["ordinal"], 1);
     assert_eq!(v["peer"]["link"], "NVLink (18 active links)");
     assert_eq!(sections[4]["id"], "peer");

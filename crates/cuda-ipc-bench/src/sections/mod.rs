@@ -10,6 +10,7 @@ mod fresh;
 mod peer;
 mod ring;
 mod scale;
+mod sync;
 
 pub use bandwidth::bandwidth;
 pub use cached::cached;
@@ -18,6 +19,7 @@ pub use fresh::fresh;
 pub use peer::peer;
 pub use ring::ring;
 pub use scale::scale;
+pub use sync::{SYNC_STEPS, consume_ring, sync};
 
 use std::time::{Duration, Instant};
 
