@@ -346,7 +346,7 @@ mod tests {
         );
         assert_eq!(f.torch, Ok(("python3".to_string(), None)));
         // one step per row
-        assert_eq!(f.steps(), 12 + 12 + (1 + 8) + 3 + 3 + 8 + 5 + 1);
+        assert_eq!(f.steps(), 12 + 12 + (1 + 8) + 3 + 3 + 10 + 5 + 1);
     }
 
     #[test]

@@ -239,7 +239,10 @@ fn sync_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     let fences: Vec<&Row> = s
         .rows
         .iter()
-        .filter(|row| row.series.starts_with("fence") && row.variant.as_deref() == Some("load"))
+        .filter(|row| {
+            (row.series.starts_with("fence") || row.series.starts_with("host-fence"))
+                && row.variant.as_deref() == Some("load")
+        })
         .collect();
     let plain = Row::new("fence", "ms");
     let rows = if fences.is_empty() {
@@ -271,15 +274,21 @@ fn sync_targets(r: &Report, out: &mut Vec<TargetCheck>) {
             "not measured",
         ));
     }
-    out.push(check(
-        "sync/unloaded/fence".into(),
-        "an unloaded ring frame with fences, p50".into(),
-        format!("<= {SYNC_UNLOADED_MS:.3} ms"),
-        r.p50(SectionId::Sync, "fence", Some("paced"), Some(4096)),
-        |v| format!("{} ms", fmt_ms(v)),
-        |v| v <= SYNC_UNLOADED_MS,
-        "not measured",
-    ));
+    for series in ["fence", "host-fence"] {
+        let paced = r.p50(SectionId::Sync, series, Some("paced"), Some(4096));
+        if series == "host-fence" && paced.is_none() {
+            continue;
+        }
+        out.push(check(
+            format!("sync/unloaded/{series}"),
+            format!("an unloaded ring frame, {series}, p50"),
+            format!("<= {SYNC_UNLOADED_MS:.3} ms"),
+            paced,
+            |v| format!("{} ms", fmt_ms(v)),
+            |v| v <= SYNC_UNLOADED_MS,
+            "not measured",
+        ));
+    }
 }
 
 fn torch_targets(r: &Report, out: &mut Vec<TargetCheck>) {

@@ -115,6 +115,11 @@ pub(crate) fn synthetic() -> Report {
             .size(4096)
             .samples(0, vec![0.29, 0.31, 0.33]),
         fps("fence, batch 8", 260_000.0),
+        fps("host-fence", 240_000.0),
+        Row::new("host-fence", "ms")
+            .variant("paced")
+            .size(4096)
+            .samples(0, vec![0.012, 0.015]),
         floor_row,
     ];
     let mut scale = Section::new(SectionId::Scale);
@@ -223,6 +228,10 @@ fn targets_pass_and_miss() {
     assert_eq!(verdict(&r, "sync/ring/fence, batch 8/4KiB"), Verdict::Pass);
     assert_eq!(verdict(&r, "sync/floor/fence, batch 8"), Verdict::Pass);
     assert_eq!(verdict(&r, "sync/unloaded/fence"), Verdict::Miss);
+    // host-fence: 240,000/s (miss), 232,000 / 240,000 = 0.97x (pass), paced 0.0135 ms (pass)
+    assert_eq!(verdict(&r, "sync/ring/host-fence/4KiB"), Verdict::Miss);
+    assert_eq!(verdict(&r, "sync/floor/host-fence"), Verdict::Pass);
+    assert_eq!(verdict(&r, "sync/unloaded/host-fence"), Verdict::Pass);
     // PyTorch 64 MiB p50 0.65 / legacy 0.13 = 5x (pass), / vmm 0.31 = 2.1x (miss)
     assert_eq!(verdict(&r, "torch/legacy/64MiB"), Verdict::Pass);
     assert_eq!(verdict(&r, "torch/vmm/64MiB"), Verdict::Miss);

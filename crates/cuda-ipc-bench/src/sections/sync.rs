@@ -3,10 +3,11 @@
 //! buffer) and a ring of 4 KiB frames, each with one consumer that waits on
 //! the publisher's events and one that waits on its fences
 //! ([`SyncMode`](cuda_ipc::exchange::SyncMode) forced), next to a floor: the
-//! producer's own per-frame work with nobody consuming. A ring row whose
-//! consumer takes frames in batches (several stream waits, one
-//! synchronize) measures what the per-frame switch between the two
-//! processes' contexts costs.
+//! producer's own per-frame work with nobody consuming. Two rows measure
+//! what the per-frame switch between the two processes' contexts costs: a
+//! consumer that takes frames in batches (several stream waits, one
+//! synchronize), and one that waits on the fence from the host only
+//! (`SyncMode::HostFence`: no stream operation per frame).
 
 use std::time::{Duration, Instant};
 
@@ -39,13 +40,14 @@ const VERIFY_EVERY: u64 = 1024;
 /// How long the consumer waits for a frame.
 const WAIT: Duration = Duration::from_secs(30);
 /// The ways a consumer waits, as `SyncMode` names.
-const MODES: [&str; 2] = ["event", "fence"];
+const MODES: [&str; 3] = ["event", "fence", "host-fence"];
 /// The ring runs: sync mode and frames per synchronize.
-const RING_RUNS: [(&str, u64); 4] = [
+const RING_RUNS: [(&str, u64); 5] = [
     ("event", 1),
     ("fence", 1),
     ("event", SYNC_BATCH),
     ("fence", SYNC_BATCH),
+    ("host-fence", 1),
 ];
 /// Progress steps: the cached rows, the ring runs, the two floors.
 pub const SYNC_STEPS: u64 = MODES.len() as u64 + RING_RUNS.len() as u64 + 2;
@@ -200,7 +202,7 @@ pub(crate) fn check_mode(mode: &str, subscribed: &Value) -> Result<(), Error> {
             "its answer does not say whether it waits on fences",
         )
     })?;
-    if fence == (mode == "fence") {
+    if fence == (mode != "event") {
         Ok(())
     } else {
         Err(failure(
@@ -391,8 +393,9 @@ pub fn sync(ctx: &Ctx<'_>) -> Section {
     }
     s.notes = vec![
         format!(
-            "Mechanism {m}. Two consumers: one waits on the publisher's interprocess events, \
-             one on its GPU-side fences (SyncMode forced), on the same device in the same run. \
+            "Mechanism {m}. Three consumers: one waits on the publisher's interprocess events, \
+             one on its GPU-side fences, one on the fences from the host only (SyncMode forced: \
+             event, fence, host-fence), on the same device in the same run. \
              Rows 'cached': Publisher::update to the consumer's wait_update and synchronize \
              ({}), p50 in the 'load p50' column.",
             human(size)
@@ -401,7 +404,10 @@ pub fn sync(ctx: &Ctx<'_>) -> Section {
             "Ring rows: {} frames, {SLOTS} slots, as in the ring section (frames/s over {:.0} s \
              flat out, then {} paced frames {} us apart). 'batch {SYNC_BATCH}': the consumer \
              takes up to {SYNC_BATCH} frames, synchronizes once, then acks them, so its context \
-             runs once per batch instead of once per frame.",
+             runs once per batch instead of once per frame. 'host-fence': the consumer waits \
+             on the fence word from the host and queues no stream wait, so its context runs \
+             nothing per frame (its own work on a frame would still be time-sliced with the \
+             producer's).",
             human(SYNC_FRAME),
             ctx.plan.ring_load.as_secs_f64(),
             ctx.plan.ring_paced,
@@ -429,13 +435,14 @@ mod tests {
     fn series_name_the_mode_and_batch() {
         assert_eq!(series("fence", 1), "fence");
         assert_eq!(series("event", 8), "event, batch 8");
-        assert_eq!(SYNC_STEPS, 8);
+        assert_eq!(SYNC_STEPS, 10);
     }
 
     #[test]
     fn the_consumer_must_wait_as_asked() {
         check_mode("fence", &json!({ "fence": true })).unwrap();
         check_mode("event", &json!({ "fence": false })).unwrap();
+        check_mode("host-fence", &json!({ "fence": true })).unwrap();
         let e = check_mode("fence", &json!({ "fence": false })).unwrap_err();
         assert!(e.to_string().contains("it waits on events"), "{e}");
         let e = check_mode("event", &json!({ "subscribed": true })).unwrap_err();

@@ -55,7 +55,7 @@ use super::wire::UpdateNotice;
 
 /// How a subscriber's streams wait for the publisher's work.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 #[non_exhaustive]
 pub enum SyncMode {
     /// The interprocess event where it opens, else the fence (when the
@@ -67,6 +67,16 @@ pub enum SyncMode {
     Event,
     /// Always the fence: fails if the publisher sends none.
     Fence,
+    /// The fence, waited on by the calling thread only (`host-fence`): once
+    /// the host has seen the fence word reach the sequence number, the
+    /// publisher's work is complete and its writes visible, so the stream
+    /// gets no wait operation and the consumer's context runs nothing for
+    /// the hand-off itself (on a GPU time-sliced between the two
+    /// processes, each stream operation costs a context switch). The
+    /// calling thread blocks until the publisher's work is done, which
+    /// [`Fence`](SyncMode::Fence) leaves to the stream. Fails if the
+    /// publisher sends no fence.
+    HostFence,
 }
 
 impl std::str::FromStr for SyncMode {
@@ -76,9 +86,10 @@ impl std::str::FromStr for SyncMode {
             "auto" => Ok(SyncMode::Auto),
             "event" => Ok(SyncMode::Event),
             "fence" => Ok(SyncMode::Fence),
+            "host-fence" => Ok(SyncMode::HostFence),
             other => Err(Error::arg(
                 "sync mode",
-                format!("{other:?} is not one of auto, event, fence"),
+                format!("{other:?} is not one of auto, event, fence, host-fence"),
             )),
         }
     }
@@ -338,6 +349,9 @@ pub(crate) enum Waiter {
         word: u32,
         /// The word announcing what to wait for, for entries.
         announce: Option<u32>,
+        /// Whether the host's wait is all ([`SyncMode::HostFence`]): no
+        /// stream operation once the host has seen the word.
+        host_only: bool,
     },
 }
 
@@ -403,17 +417,30 @@ impl Waiter {
         alive: &dyn Fn() -> bool,
         timeout: Duration,
     ) -> Result<()> {
-        let (mapping, word) = match self {
+        let (mapping, word, host_only) = match self {
             Waiter::Event(e) => return e.wait_on(stream),
-            Waiter::Fence { mapping, word, .. } => (mapping, *word),
+            Waiter::Fence {
+                mapping,
+                word,
+                host_only,
+                ..
+            } => (mapping, *word, *host_only),
         };
         if seq == 0 {
             return Ok(());
         }
+        // Host words are written by the publisher's stream after its work
+        // (with the write's memory barrier): seen here, the work is done.
+        let host_only = host_only && mapping.is_host();
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            if mapping.wait_within(stream, word, seq, left.min(SLICE))? {
+            let reached = if host_only {
+                mapping.wait_host(word, seq, left.min(SLICE))?
+            } else {
+                mapping.wait_within(stream, word, seq, left.min(SLICE))?
+            };
+            if reached {
                 return Ok(());
             }
             if !alive() {
@@ -446,17 +473,19 @@ pub(super) fn choose(
     event: impl FnOnce() -> Result<Arc<IpcEvent>>,
     fence: Option<(&FenceMeta, impl FnOnce() -> Result<Arc<FenceMapping>>)>,
 ) -> Result<Waiter> {
+    let host_only = mode == SyncMode::HostFence;
     let open_fence = |(meta, open): (&FenceMeta, _)| -> Result<Waiter> {
         let open: Box<dyn FnOnce() -> Result<Arc<FenceMapping>>> = Box::new(open);
         Ok(Waiter::Fence {
             mapping: open()?,
             word: meta.word,
             announce: meta.announce,
+            host_only,
         })
     };
     match mode {
         SyncMode::Event => Ok(Waiter::Event(event()?)),
-        SyncMode::Fence => match fence {
+        SyncMode::Fence | SyncMode::HostFence => match fence {
             Some(f) => open_fence(f),
             None => Err(Error::Unsupported {
                 what: "fence synchronisation",
@@ -488,12 +517,16 @@ mod tests {
             ("auto", SyncMode::Auto),
             ("event", SyncMode::Event),
             ("fence", SyncMode::Fence),
+            ("host-fence", SyncMode::HostFence),
         ] {
             assert_eq!(s.parse::<SyncMode>().unwrap(), m);
             assert_eq!(serde_json::to_value(m).unwrap(), s);
         }
         let e = "fences".parse::<SyncMode>().unwrap_err();
-        assert!(e.to_string().contains("auto, event, fence"), "{e}");
+        assert!(
+            e.to_string().contains("auto, event, fence, host-fence"),
+            "{e}"
+        );
         assert_eq!(SyncMode::default(), SyncMode::Auto);
     }
 
@@ -526,8 +559,10 @@ mod tests {
         let failed = || Err(Error::arg("event", "cannot be opened here"));
         let e = choose(SyncMode::Auto, failed, no_fence).unwrap_err();
         assert!(e.to_string().contains("cannot be opened"), "{e}");
-        let e = choose(SyncMode::Fence, failed, no_fence).unwrap_err();
-        assert!(e.to_string().contains("sends no fence"), "{e}");
+        for mode in [SyncMode::Fence, SyncMode::HostFence] {
+            let e = choose(mode, failed, no_fence).unwrap_err();
+            assert!(e.to_string().contains("sends no fence"), "{e}");
+        }
         let block = FenceBlock::host(5, 42, (1 << 39) | 3, 8).unwrap();
         let meta = FenceMeta {
             block,

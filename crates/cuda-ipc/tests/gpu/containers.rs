@@ -151,7 +151,7 @@ fn subscriber_child() {
     }
 }
 
-fn child_or(f: impl FnOnce()) {
+pub(super) fn child_or(f: impl FnOnce()) {
     match role().as_deref() {
         Some("subscriber") => subscriber_child(),
         Some("victim") => ring_victim(),
@@ -164,7 +164,7 @@ fn child_or(f: impl FnOnce()) {
 /// Publishes one buffer per mechanism and a ring, and runs a subscriber
 /// child (spawned by `spawn`) through attach (data both ways), update and
 /// the ring. Returns whether the child used fences for the entries.
-fn exchange_with(device: &Device, socket: &Path, spawn: impl FnOnce() -> Peer) -> bool {
+pub(super) fn exchange_with(device: &Device, socket: &Path, spawn: impl FnOnce() -> Peer) -> bool {
     exchange_entries(device, socket, &ENTRIES, PublisherConfig::default(), spawn)
 }
 
@@ -244,7 +244,7 @@ fn exchange_entries(
     fences[0]
 }
 
-fn spawn_subscriber(test: &str, socket: &Path, sync: &str, exe: Option<&Path>) -> Peer {
+pub(super) fn spawn_subscriber(test: &str, socket: &Path, sync: &str, exe: Option<&Path>) -> Peer {
     let adjust = |c: &mut Command| {
         c.env(SOCKET_ENV, socket).env(SYNC_ENV, sync);
     };

@@ -1,6 +1,6 @@
 //! Sets and arena buffers synchronised through GPU-side fences: a set of
 //! 100 buffers and one arena buffer attached and updated with the
-//! consumer's `SyncMode::Fence` on the host, and with `auto` in a mount
+//! consumer's `SyncMode::Fence` (and `HostFence`) on the host, and with `auto` in a mount
 //! namespace with a private tmpfs `/dev/shm` (where the publisher's event
 //! cannot be opened, so `auto` must pick the fence and `event` must fail).
 //! Every value of every buffer is checked after the attach and after each
@@ -230,8 +230,13 @@ fn sets_through_fences_on_the_host_and_in_a_private_dev_shm() {
             spawn_subscriber(&test, &socket, "event", None)
         });
         assert_eq!(fence, Ok(false), "host, sync=event");
+        let socket = dir.path().join("host-host-fence.sock");
+        let fence = sets_with(&device, &socket, || {
+            spawn_subscriber(&test, &socket, "host-fence", None)
+        });
+        assert_eq!(fence, Ok(true), "host, sync=host-fence");
         println!(
-            "host: {BUFFERS} buffers + 1, {UPDATES} updates each, fence and event, in {:.2} s",
+            "host: {BUFFERS} buffers + 1, {UPDATES} updates each, fence, event and host-fence, in {:.2} s",
             t.elapsed().as_secs_f64()
         );
 
@@ -262,5 +267,22 @@ fn sets_through_fences_on_the_host_and_in_a_private_dev_shm() {
             r.unwrap_err(),
             t.elapsed().as_secs_f64()
         );
+    });
+}
+
+/// Publish, update and ring over the channel with `sync = host-fence` (the
+/// host's wait alone, no stream operation), data checked both ways.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn host_fences_over_the_channel_publish_update_ring() {
+    super::containers::child_or(|| {
+        let device = Device::open(0).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("host-fence.sock");
+        let test = test_name!("host_fences_over_the_channel_publish_update_ring");
+        let fence = super::containers::exchange_with(&device, &socket, || {
+            super::containers::spawn_subscriber(&test, &socket, "host-fence", None)
+        });
+        assert!(fence, "sync=host-fence must wait on fences");
     });
 }
