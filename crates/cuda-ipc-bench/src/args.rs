@@ -58,7 +58,7 @@ pub struct Args {
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// Run only these sections, comma-separated (fresh, arena, cached,
-    /// floor, bandwidth, peer, ring, scale, sets, torch).
+    /// floor, bandwidth, peer, ring, sync, scale, sets, torch).
     #[arg(long, value_delimiter = ',', value_parser = SectionId::parse)]
     pub only: Option<Vec<SectionId>>,
     /// Samples kept per measurement, at least 1 (overrides the defaults: 30

@@ -13,7 +13,8 @@
 //! Sections (see `docs/PERFORMANCE.md` for what each number includes):
 //! fresh hand-off, fresh hand-off from an arena, cached hand-off, driver
 //! floor, bandwidth through a mapping, across two GPUs (with `--devices
-//! A,B`), streaming ring, scale, weight sets, PyTorch anchor. A failing section is
+//! A,B`), streaming ring, events against fences, scale, weight sets,
+//! PyTorch anchor. A failing section is
 //! reported in the table and the others still run; the exit code is then 4.
 //!
 //! This crate is a library so that the `cuda-ipc` command stays one
@@ -173,6 +174,7 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
             SectionId::Bandwidth => sections::bandwidth(&ctx),
             SectionId::Peer => sections::peer(&ctx),
             SectionId::Ring => sections::ring(&ctx),
+            SectionId::Sync => sections::sync(&ctx),
             SectionId::Scale => sections::scale(&ctx),
             SectionId::Sets => sections::sets(&ctx),
             SectionId::Torch => torch::section(&plan, &progress),

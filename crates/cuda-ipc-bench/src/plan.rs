@@ -295,6 +295,7 @@ impl Plan {
                 SectionId::Bandwidth => m,
                 SectionId::Peer => 2 * m * s + m + floors * s,
                 SectionId::Ring => self.ring.len() as u64,
+                SectionId::Sync => crate::sections::SYNC_STEPS,
                 SectionId::Scale => self.consumers.len() as u64 + 1,
                 SectionId::Torch => 1,
             })
@@ -389,8 +390,8 @@ mod tests {
         assert_eq!(f.torch, Ok(("python3".to_string(), None)));
         // one step per row
         // fresh, arena (sizes up to 1 GiB), cached, floor, bandwidth, ring,
-        // scale, sets (ours and its update per set, then PyTorch), torch
-        assert_eq!(f.steps(), 12 + 9 + 12 + (1 + 8) + 3 + 3 + 5 + 5 + 1);
+        // sync, scale, sets (ours and its update per set, then PyTorch), torch
+        assert_eq!(f.steps(), 12 + 9 + 12 + (1 + 8) + 3 + 3 + 10 + 5 + 5 + 1);
         assert_eq!(f.arena_sizes, vec![2 * MIB, 64 * MIB, GIB]);
         assert_eq!(f.sets, vec![(100, 4 * GIB), (1000, 4 * GIB)]);
         assert_eq!(

@@ -248,10 +248,16 @@ impl State {
             }
             "connect" => {
                 let path = text(r, "socket")?;
+                let sync = match r.get("sync").and_then(Value::as_str) {
+                    Some(s) => s.parse()?,
+                    None => cuda_ipc::exchange::SyncMode::Auto,
+                };
                 self.sub = Some(Subscriber::connect(
                     &self.device,
                     std::path::Path::new(path),
-                    SubscriberConfig::default().with_timeout(Duration::from_secs(60)),
+                    SubscriberConfig::default()
+                        .with_timeout(Duration::from_secs(60))
+                        .with_sync(sync),
                 )?);
                 Ok(json!({ "ok": true }))
             }
@@ -304,6 +310,7 @@ impl State {
             "floor_vmm" => self.floor_vmm(r),
             "bandwidth" => self.bandwidth(r),
             "ring" => self.ring(r, out),
+            "sync_ring" => crate::sections::consume_ring(self.sub()?, r, out),
             other => Err(failure("the request", format!("unknown op {other:?}"))),
         }
     }

@@ -28,6 +28,8 @@ pub enum SectionId {
     Peer,
     /// Frames through a ring.
     Ring,
+    /// Interprocess events against GPU-side fences, next to a floor.
+    Sync,
     /// Several consumers, many live entries.
     Scale,
     /// A weight set of many tensors: ours, PyTorch's list and bucket.
@@ -38,7 +40,7 @@ pub enum SectionId {
 
 impl SectionId {
     /// Every section, in order.
-    pub const ALL: [SectionId; 10] = [
+    pub const ALL: [SectionId; 11] = [
         SectionId::Fresh,
         SectionId::Arena,
         SectionId::Cached,
@@ -46,6 +48,7 @@ impl SectionId {
         SectionId::Bandwidth,
         SectionId::Peer,
         SectionId::Ring,
+        SectionId::Sync,
         SectionId::Scale,
         SectionId::Sets,
         SectionId::Torch,
@@ -61,6 +64,7 @@ impl SectionId {
             SectionId::Bandwidth => "bandwidth",
             SectionId::Peer => "peer",
             SectionId::Ring => "ring",
+            SectionId::Sync => "sync",
             SectionId::Scale => "scale",
             SectionId::Sets => "sets",
             SectionId::Torch => "torch",
@@ -77,6 +81,7 @@ impl SectionId {
             SectionId::Bandwidth => "Bandwidth through a mapping",
             SectionId::Peer => "Across two GPUs",
             SectionId::Ring => "Streaming ring",
+            SectionId::Sync => "Events against fences",
             SectionId::Scale => "Scale",
             SectionId::Sets => "Weight sets",
             SectionId::Torch => "PyTorch anchor",

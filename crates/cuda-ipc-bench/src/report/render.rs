@@ -696,7 +696,7 @@ pub fn render(r: &Report) -> String {
             SectionId::Floor => render_floor(s, &mut out),
             SectionId::Bandwidth => render_bandwidth(s, &mut out),
             SectionId::Peer => render_peer(r, s, &mut out),
-            SectionId::Ring => render_ring(s, &mut out),
+            SectionId::Ring | SectionId::Sync => render_ring(s, &mut out),
             SectionId::Scale => render_scale(s, &mut out),
             SectionId::Sets => render_sets(r, s, &mut out),
             SectionId::Torch => render_torch(s, &mut out),

@@ -34,6 +34,12 @@ pub const BANDWIDTH_RATIO: f64 = 0.98;
 pub const PEER_BANDWIDTH_RATIO: f64 = 0.98;
 /// Frames per second through a ring of 4 KiB frames.
 pub const RING_FPS_4K: f64 = 100_000.0;
+/// Frames per second through a ring of 4 KiB frames with fences (sync section).
+pub const SYNC_RING_FPS_4K: f64 = 250_000.0;
+/// The producer's floor frames/s over the fence ring's (sync section).
+pub const SYNC_FLOOR_RATIO: f64 = 1.2;
+/// An unloaded (paced) ring frame with fences, p50 ms (sync section).
+pub const SYNC_UNLOADED_MS: f64 = 0.02;
 /// PyTorch p50 / ours p50 for a fresh 64 MiB hand-off.
 pub const TORCH_SPEEDUP_64M: f64 = 4.0;
 /// The size of the PyTorch comparison.
@@ -236,6 +242,73 @@ fn ring_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     }
 }
 
+/// The sync section's targets: for every fence ring row (plain and
+/// batched), frames/s and the floor over it; the unloaded frame with fences.
+fn sync_targets(r: &Report, out: &mut Vec<TargetCheck>) {
+    let Some(s) = r
+        .section(SectionId::Sync)
+        .filter(|_| ran(r, SectionId::Sync))
+    else {
+        return;
+    };
+    let floor = r
+        .row(SectionId::Sync, "floor: fill + signal", None, Some(4096))
+        .and_then(|row| row.value);
+    let fences: Vec<&Row> = s
+        .rows
+        .iter()
+        .filter(|row| {
+            (row.series.starts_with("fence") || row.series.starts_with("host-fence"))
+                && row.variant.as_deref() == Some("load")
+        })
+        .collect();
+    let plain = Row::new("fence", "ms");
+    let rows = if fences.is_empty() {
+        vec![&plain]
+    } else {
+        fences
+    };
+    for row in rows {
+        let fps = row.value.filter(|_| row.error.is_none());
+        out.push(check(
+            format!("sync/ring/{}/4KiB", row.series),
+            format!("ring frames per second, 4 KiB frames, {}", row.series),
+            format!(">= {SYNC_RING_FPS_4K:.0}/s"),
+            fps,
+            |v| format!("{v:.0}/s"),
+            |v| v >= SYNC_RING_FPS_4K,
+            "not measured",
+        ));
+        out.push(check(
+            format!("sync/floor/{}", row.series),
+            format!(
+                "ring with {} / the producer's floor (fill + signal): time per frame",
+                row.series
+            ),
+            format!("<= {SYNC_FLOOR_RATIO:.1}x"),
+            floor.zip(fps).map(|(f, v)| f / v),
+            |v| format!("{v:.2}x"),
+            |v| v <= SYNC_FLOOR_RATIO,
+            "not measured",
+        ));
+    }
+    for series in ["fence", "host-fence"] {
+        let paced = r.p50(SectionId::Sync, series, Some("paced"), Some(4096));
+        if series == "host-fence" && paced.is_none() {
+            continue;
+        }
+        out.push(check(
+            format!("sync/unloaded/{series}"),
+            format!("an unloaded ring frame, {series}, p50"),
+            format!("<= {SYNC_UNLOADED_MS:.3} ms"),
+            paced,
+            |v| format!("{} ms", fmt_ms(v)),
+            |v| v <= SYNC_UNLOADED_MS,
+            "not measured",
+        ));
+    }
+}
+
 fn torch_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     let size = TORCH_SIZE;
     if !ran(r, SectionId::Fresh) || !r.sizes.contains(&size) {
@@ -430,6 +503,7 @@ pub fn evaluate(r: &Report) -> Vec<TargetCheck> {
         PEER_BANDWIDTH_RATIO,
     );
     ring_targets(r, &mut out);
+    sync_targets(r, &mut out);
     torch_targets(r, &mut out);
     let limit = if r.quick { QUICK_SECONDS } else { FULL_SECONDS };
     out.push(check(

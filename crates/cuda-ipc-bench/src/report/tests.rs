@@ -122,6 +122,33 @@ pub(crate) fn synthetic() -> Report {
             .samples(0, vec![0.05]),
         r1m,
     ];
+    let mut sync = Section::new(SectionId::Sync);
+    let fps = |series: &str, v: f64| {
+        let mut row = Row::new(series, "ms")
+            .variant("load")
+            .size(4096)
+            .samples(0, vec![0.04, 0.05]);
+        row.value = Some(v);
+        row
+    };
+    let mut floor_row = Row::new("floor: fill + signal", "ms").size(4096);
+    floor_row.value = Some(232_000.0);
+    sync.rows = vec![
+        lat("event", mib2, &[0.02, 0.02]).variant("cached"),
+        lat("fence", mib2, &[0.02, 0.02]).variant("cached"),
+        fps("fence", 22_800.0),
+        Row::new("fence", "ms")
+            .variant("paced")
+            .size(4096)
+            .samples(0, vec![0.29, 0.31, 0.33]),
+        fps("fence, batch 8", 260_000.0),
+        fps("host-fence", 240_000.0),
+        Row::new("host-fence", "ms")
+            .variant("paced")
+            .size(4096)
+            .samples(0, vec![0.012, 0.015]),
+        floor_row,
+    ];
     let mut scale = Section::new(SectionId::Scale);
     let mut slope = Row::new("vmm", "ms/consumer").variant("slope");
     slope.value = Some(0.0123);
@@ -185,7 +212,7 @@ pub(crate) fn synthetic() -> Report {
         started_unix_s: 0.0,
         elapsed_s: 42.0,
         sections: vec![
-            fresh, arena, cached, floor, bw, peer, ring, scale, sets, torch,
+            fresh, arena, cached, floor, bw, peer, ring, sync, scale, sets, torch,
         ],
         targets: Vec::new(),
     };
@@ -223,6 +250,17 @@ fn targets_pass_and_miss() {
     assert_eq!(verdict(&r, "peer/vmm"), Verdict::Miss);
     assert!(r.targets.iter().all(|t| t.id != "peer/pool"));
     assert_eq!(verdict(&r, "ring/vmm/4KiB"), Verdict::Pass);
+    // sync: fences 22,800/s (miss), floor 232,000 / 22,800 = 10x (miss);
+    // batched 260,000/s (pass), 232,000 / 260,000 = 0.89x (pass); paced 0.31 ms (miss)
+    assert_eq!(verdict(&r, "sync/ring/fence/4KiB"), Verdict::Miss);
+    assert_eq!(verdict(&r, "sync/floor/fence"), Verdict::Miss);
+    assert_eq!(verdict(&r, "sync/ring/fence, batch 8/4KiB"), Verdict::Pass);
+    assert_eq!(verdict(&r, "sync/floor/fence, batch 8"), Verdict::Pass);
+    assert_eq!(verdict(&r, "sync/unloaded/fence"), Verdict::Miss);
+    // host-fence: 240,000/s (miss), 232,000 / 240,000 = 0.97x (pass), paced 0.0135 ms (pass)
+    assert_eq!(verdict(&r, "sync/ring/host-fence/4KiB"), Verdict::Miss);
+    assert_eq!(verdict(&r, "sync/floor/host-fence"), Verdict::Pass);
+    assert_eq!(verdict(&r, "sync/unloaded/host-fence"), Verdict::Pass);
     // PyTorch 64 MiB p50 0.65 / legacy 0.13 = 5x (pass), / vmm 0.31 = 2.1x (miss)
     assert_eq!(verdict(&r, "torch/legacy/64MiB"), Verdict::Pass);
     assert_eq!(verdict(&r, "torch/vmm/64MiB"), Verdict::Miss);
@@ -346,14 +384,14 @@ fn json_has_the_documented_shape() {
     assert_eq!(v["device"]["name"], "NVIDIA H200");
     assert_eq!(v["sizes"][1], 64 << 20);
     let sections = v["sections"].as_array().unwrap();
-    assert_eq!(sections.len(), 10);
+    assert_eq!(sections.len(), 11);
     assert_eq!(v["peer"]["device"]["ordinal"], 1);
     assert_eq!(v["peer"]["link"], "NVLink (18 active links)");
     assert_eq!(sections[5]["id"], "peer");
     assert_eq!(sections[5]["rows"][6]["variant"], "memcpy_peer");
     assert_eq!(sections[1]["id"], "arena");
-    assert_eq!(sections[8]["id"], "sets");
-    let bucket = &sections[8]["rows"][7];
+    assert_eq!(sections[9]["id"], "sets");
+    let bucket = &sections[9]["rows"][7];
     assert_eq!(
         (&bucket["series"], &bucket["variant"], &bucket["count"]),
         (
@@ -363,8 +401,8 @@ fn json_has_the_documented_shape() {
         )
     );
     assert_eq!(bucket["extra_device_bytes"], 256 << 20);
-    assert_eq!(sections[8]["rows"][0]["extra_device_bytes"], 0);
-    assert!(sections[8]["rows"][1].get("extra_device_bytes").is_none());
+    assert_eq!(sections[9]["rows"][0]["extra_device_bytes"], 0);
+    assert!(sections[9]["rows"][1].get("extra_device_bytes").is_none());
     assert_eq!(sections[0]["id"], "fresh");
     assert_eq!(sections[0]["status"], "failed");
     assert!(sections[0]["error"].is_null());

@@ -12,6 +12,7 @@ mod peer;
 mod ring;
 mod scale;
 mod sets;
+mod sync;
 
 pub use arena::arena;
 pub use bandwidth::bandwidth;
@@ -22,6 +23,7 @@ pub use peer::peer;
 pub use ring::ring;
 pub use scale::scale;
 pub use sets::sets;
+pub use sync::{SYNC_STEPS, consume_ring, sync};
 
 use std::time::{Duration, Instant};
 

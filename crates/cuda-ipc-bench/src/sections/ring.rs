@@ -18,7 +18,7 @@ const RING_PACE: Duration = Duration::from_micros(500);
 const RING_VERIFY_EVERY: u64 = 1024;
 
 /// The outcome of one ring run, from the consumer's answer.
-fn ring_rows(m: Mechanism, size: u64, slots: usize, sent: u64, a: &Value) -> Vec<Row> {
+pub(super) fn ring_rows(m: Mechanism, size: u64, slots: usize, sent: u64, a: &Value) -> Vec<Row> {
     let base = |v: &str| {
         Row::new(m.name(), "ms")
             .variant(v)

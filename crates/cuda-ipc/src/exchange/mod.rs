@@ -63,9 +63,10 @@
 //! attach. One event per publisher serves every buffer, so a subscriber
 //! opens it once.
 //!
-//! Every publish, update and ring frame also signals a GPU-side fence (see
-//! [`SyncMode`]): a subscriber that cannot open the event (its own
-//! `/dev/shm`, as in a container) waits on the fence instead.
+//! Every publish, update and ring frame, and every set and arena buffer
+//! published or updated, also signals a GPU-side fence (see [`SyncMode`]):
+//! a subscriber that cannot open the event (its own `/dev/shm`, as in a
+//! container) waits on the fence instead.
 //!
 //! # Lifetimes
 //! Every attach is a lease held by the subscriber's connection, and by every

@@ -81,7 +81,7 @@ pub struct Publisher {
     pub(super) event: IpcEvent,
     pub(super) event_handle: IpcEventHandle,
     entries: Mutex<HashMap<String, PublishedBuffer>>,
-    fences: Option<Mutex<EntryFences>>,
+    pub(super) fences: Option<Mutex<EntryFences>>,
     pub(super) arena: PublisherArena,
 }
 

@@ -16,7 +16,6 @@ use crate::buffer::{MappedBuffer, Mapping};
 use crate::channel::{self, ChannelError, Notice, Server};
 use crate::descriptor::{Dtype, Mechanism};
 use crate::error::{Error, Result};
-use crate::event::IpcEvent;
 use crate::memory::DeviceMemory;
 use crate::set::{SET_VERSION_KEY, SetEntry, SetRecord};
 use crate::share;
@@ -26,6 +25,7 @@ use super::lease::LeaseGuard;
 use super::lock;
 use super::publisher::Publisher;
 use super::subscriber::{Attachment, Subscriber};
+use super::sync::{self, FenceSlot, SetFence, Waiter};
 use super::wire::{self, EntryMeta, UpdateNotice};
 
 /// How a [`Publisher`] shares memory.
@@ -120,6 +120,8 @@ struct Published<B: ChunkBacking> {
     leases: Vec<ArenaLease<B>>,
     chunks: Vec<Arc<Chunk<B>>>,
     parts: Vec<String>,
+    /// The set's fence slot, if it has one.
+    fence: Option<FenceSlot>,
 }
 
 /// What stays alive after an entry is unpublished, until its last lease ends.
@@ -127,6 +129,7 @@ struct Retired<B: ChunkBacking> {
     names: Vec<String>,
     _leases: Vec<ArenaLease<B>>,
     _pin: Option<ChunkPin<B>>,
+    _fence: Option<FenceSlot>,
 }
 
 /// The publisher's bookkeeping of arena entries: which chunks are published
@@ -167,8 +170,11 @@ where
         Ok(())
     }
 
-    /// Publishes a set record under `name`, holding `leases` while it is
-    /// published and leased.
+    /// Publishes a set record under `name`, holding `leases` (and the
+    /// fence's slot) while it is published and leased. The fence, if any,
+    /// travels beside the record: its metadata under
+    /// [`SET_FENCE_KEY`](sync::SET_FENCE_KEY), its file descriptor as the
+    /// entry's only one.
     pub(super) fn publish(
         &mut self,
         server: &Server,
@@ -176,6 +182,7 @@ where
         name: &str,
         record: &Value,
         leases: Vec<ArenaLease<B>>,
+        fence: Option<SetFence>,
     ) -> Result<()> {
         self.reap(server);
         if self.sets.contains_key(name) {
@@ -192,7 +199,7 @@ where
         }
         let text = record.to_string();
         let mut parts: Vec<String> = Vec::new();
-        let meta = if text.len() <= SET_PART_BYTES {
+        let mut meta = if text.len() <= SET_PART_BYTES {
             record.clone()
         } else {
             self.parts += 1;
@@ -213,7 +220,19 @@ where
             }
             json!({ PARTS_KEY: parts, "bytes": text.len() })
         };
-        if let Err(e) = server.publish(name, meta, Vec::new()) {
+        let (fds, fence) = match fence {
+            Some(f) => {
+                if let Err(e) = sync::add_set_fence(&mut meta, &f.meta) {
+                    for p in &parts {
+                        let _ = server.unpublish(p);
+                    }
+                    return Err(e);
+                }
+                (vec![f.fd], Some(f.slot))
+            }
+            None => (Vec::new(), None),
+        };
+        if let Err(e) = server.publish(name, meta, fds) {
             for p in &parts {
                 let _ = server.unpublish(p);
             }
@@ -225,9 +244,18 @@ where
                 leases,
                 chunks,
                 parts,
+                fence,
             },
         );
         Ok(())
+    }
+
+    /// The fence slot of a published set, if it has one.
+    pub(super) fn fence_slot(&self, name: &str) -> Option<u32> {
+        self.sets
+            .get(name)
+            .and_then(|s| s.fence.as_ref())
+            .map(FenceSlot::slot)
     }
 
     /// The chunks of a published set, for recording its event.
@@ -257,6 +285,7 @@ where
             names,
             _leases: set.leases,
             _pin: None,
+            _fence: set.fence,
         });
         self.reap(server);
         Ok(r?)
@@ -288,6 +317,7 @@ where
                     names: vec![name],
                     _leases: Vec::new(),
                     _pin: Some(pin),
+                    _fence: None,
                 });
             }
         }
@@ -395,8 +425,9 @@ impl Publisher {
     }
 
     /// Publishes `members`, buffers of this publisher's arena, as one set
-    /// called `name`: one entry, one event recorded after the work queued on
-    /// the members' streams, no driver export.
+    /// called `name`: one entry, one event recorded and one fence signalled
+    /// (see [`SyncMode`](super::SyncMode)) after the work queued on the
+    /// members' streams, no driver export.
     #[tracing::instrument(level = "debug", skip(self, members), fields(members = members.len()))]
     pub fn publish_set(&self, name: &str, members: &[SetMember<'_>]) -> Result<()> {
         let arena = self.arena()?;
@@ -408,17 +439,35 @@ impl Publisher {
                 chunks.push(m.buffer.chunk());
             }
         }
-        self.record_after(chunks.iter().copied())?;
+        let stream = self.record_after(chunks.iter().copied())?;
+        let fence = self.set_fence(&stream)?;
         let leases = members.iter().map(|m| m.buffer.lease()).collect();
-        lock(&self.arena.book).publish(&self.server, arena, name, &record.to_value(), leases)
+        lock(&self.arena.book).publish(&self.server, arena, name, &record.to_value(), leases, fence)
+    }
+
+    /// Takes a fence slot for a new set and signals it after the work queued
+    /// on `stream`; `None` when this publisher has no fences (or no free
+    /// slot: the set then goes with its event only).
+    fn set_fence(&self, stream: &Arc<cudarc::driver::CudaStream>) -> Result<Option<SetFence>> {
+        let Some(fences) = &self.fences else {
+            return Ok(None);
+        };
+        let fences = lock(fences);
+        let Some(slot) = fences.take_held() else {
+            tracing::warn!("more entries than fence slots: this set goes with its event only");
+            return Ok(None);
+        };
+        fences.signal(stream, slot.slot())?;
+        let (meta, fd) = fences.export(slot.slot(), 0)?;
+        Ok(Some(SetFence { meta, fd, slot }))
     }
 
     /// Records the publisher's event after the work queued on the streams
-    /// of `chunks` (joined into the first).
+    /// of `chunks` (joined into the first, which it returns).
     fn record_after<'a>(
         &self,
         chunks: impl Iterator<Item = &'a Arc<Chunk<DeviceChunks>>>,
-    ) -> Result<()> {
+    ) -> Result<Arc<cudarc::driver::CudaStream>> {
         let mut streams: Vec<&Arc<cudarc::driver::CudaStream>> = Vec::new();
         for c in chunks {
             let s = c.backing().buffer().stream();
@@ -427,28 +476,38 @@ impl Publisher {
             }
         }
         let Some(first) = streams.first() else {
-            return Ok(());
+            return Err(Error::arg("set", "it has no buffer, so nothing to record"));
         };
         for other in &streams[1..] {
             first.join(other).map_err(|e| {
                 Error::arg("stream", format!("cannot order the set's streams: {e}"))
             })?;
         }
-        self.event.record(first)
+        self.event.record(first)?;
+        Ok(Arc::clone(first))
     }
 
     /// Tells every subscriber of the set (or arena buffer) `name` that new
-    /// contents are ready, written in place: one event for the whole set,
-    /// one notice per subscriber. Returns the update's version, from 1.
+    /// contents are ready, written in place: one event recorded and one
+    /// fence signalled for the whole set, one notice per subscriber.
+    /// Returns the update's version, from 1.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn update_set(&self, name: &str) -> Result<u64> {
-        let chunks = lock(&self.arena.book)
-            .chunks_of(name)
-            .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
-        self.record_after(chunks.iter())?;
+        let (chunks, slot) = {
+            let book = lock(&self.arena.book);
+            let chunks = book
+                .chunks_of(name)
+                .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+            (chunks, book.fence_slot(name))
+        };
+        let stream = self.record_after(chunks.iter())?;
+        let fence_seq = match (&self.fences, slot) {
+            (Some(f), Some(slot)) => Some(lock(f).signal(&stream, slot)?),
+            _ => None,
+        };
         Ok(self
             .server
-            .update(name, wire::to_value(&UpdateNotice::default())?)?)
+            .update(name, wire::to_value(&UpdateNotice { fence_seq })?)?)
     }
 
     /// Whether `name` was published from the arena (a set or an arena buffer).
@@ -561,7 +620,7 @@ pub struct SetAttachment {
     record: SetRecord,
     lease: u64,
     guard: Arc<LeaseGuard>,
-    event: Arc<IpcEvent>,
+    waiter: Waiter,
     mappings: HashMap<u64, Arc<dyn Mapping>>,
     index: HashMap<String, usize>,
 }
@@ -575,6 +634,12 @@ impl SetAttachment {
     /// The lease id.
     pub fn lease(&self) -> u64 {
         self.lease
+    }
+
+    /// Whether this set waits on the publisher's fence (rather than its
+    /// event).
+    pub fn uses_fence(&self) -> bool {
+        self.waiter.is_fence()
     }
 
     /// The set record the publisher sent.
@@ -614,7 +679,7 @@ impl SetAttachment {
     }
 
     /// A view of buffer `index` as elements of `T` (its stream waits on the
-    /// set's event, as every view on this device shares the stream).
+    /// set's event or fence, as every view on this device shares the stream).
     pub fn view<T: Pod>(&self, index: usize) -> Result<MappedBuffer<T>> {
         let e = self.record.entries.get(index).ok_or_else(|| {
             Error::arg(
@@ -719,34 +784,39 @@ impl Subscriber {
     }
 
     /// Opens an attached set entry: its record, every chunk (mapped once),
-    /// the lease guard, the event waited on.
+    /// the lease guard, the event or fence waited on (per the subscriber's
+    /// [`SyncMode`](super::SyncMode)).
     fn open_set(&self, a: channel::Attachment) -> Result<SetAttachment> {
+        let channel::Attachment {
+            lease,
+            name,
+            mut meta,
+            mut fds,
+            ..
+        } = a;
         let opened = (|| {
-            let record = read_record(&self.client, &a.meta)?;
-            let handle = record.event.ok_or_else(|| Error::Descriptor {
-                field: "event".into(),
-                reason: "a published set must carry the publisher's event".into(),
-            })?;
-            let event = self.event(handle)?;
+            let fence = sync::take_set_fence(&mut meta)?;
+            let record = read_record(&self.client, &meta)?;
+            let waiter = self.waiter(record.event, fence, &mut fds, "a published set")?;
             let mut mappings = HashMap::with_capacity(record.chunks.len());
             for c in &record.chunks {
                 mappings.insert(c.id, self.chunk_mapping(&record, c.id)?);
             }
-            event.wait_on(self.device.stream())?;
-            Ok((record, event, mappings))
+            self.wait_latest(&waiter, self.device.stream())?;
+            Ok((record, waiter, mappings))
         })();
-        let (record, event, mappings) = match opened {
+        let (record, waiter, mappings) = match opened {
             Ok(o) => o,
             Err(e) => {
-                let _ = self.client.release(a.lease);
+                let _ = self.client.release(lease);
                 return Err(e);
             }
         };
         let guard = LeaseGuard::new(
             &self.client,
             &self.pending,
-            a.lease,
-            a.name,
+            lease,
+            name,
             mappings.values().cloned().collect(),
         );
         let index = record
@@ -757,9 +827,9 @@ impl Subscriber {
             .collect();
         Ok(SetAttachment {
             record,
-            lease: a.lease,
+            lease,
             guard,
-            event,
+            waiter,
             mappings,
             index,
         })
@@ -808,13 +878,15 @@ impl Subscriber {
             set.record.name.clone(),
             set.guard.clone(),
             buffer,
-            set.event.clone(),
+            set.waiter.clone(),
             descriptor,
         ))
     }
 
     /// Waits up to `timeout` for the publisher's next update of `set`, then
-    /// makes the device stream wait on the event recorded with it. Returns
+    /// makes the device stream wait on the event recorded or the fence
+    /// signalled with it (a fence wait has this subscriber's deadline and
+    /// fails with [`ChannelError::PeerGone`] if the publisher goes). Returns
     /// the update's version; [`ChannelError::Unpublished`] when the publisher
     /// wants the set back (release it).
     pub fn wait_set_update(&self, set: &SetAttachment, timeout: Duration) -> Result<u64> {
@@ -839,9 +911,9 @@ impl Subscriber {
         match notice {
             Notice::Updated {
                 generation: version,
-                ..
+                data,
             } => {
-                set.event.wait_on(self.device.stream())?;
+                self.wait_notice(&set.waiter, self.device.stream(), &data)?;
                 Ok(version)
             }
             Notice::Unpublished => Err(ChannelError::Unpublished {

@@ -91,7 +91,7 @@ fn chunk_descriptors_travel_once_per_subscriber_and_sets_carry_none() {
     assert_eq!(a.chunk().id(), b.chunk().id());
     assert_ne!(a.chunk().id(), c.chunk().id());
     let leases = vec![a.lease(), b.lease(), c.lease()];
-    book.publish(&server, &arena, "weights", &record(3), leases)
+    book.publish(&server, &arena, "weights", &record(3), leases, None)
         .unwrap();
     // One hidden entry per chunk, published once.
     let names: Vec<String> = client(&server)
@@ -104,11 +104,25 @@ fn chunk_descriptors_travel_once_per_subscriber_and_sets_carry_none() {
         assert!(names.contains(&chunk_entry_name(ch)), "{names:?}");
     }
     // A second set on the same chunks publishes no chunk again.
-    book.publish(&server, &arena, "weights2", &record(1), vec![b.lease()])
-        .unwrap();
+    book.publish(
+        &server,
+        &arena,
+        "weights2",
+        &record(1),
+        vec![b.lease()],
+        None,
+    )
+    .unwrap();
     assert_eq!(client(&server).list().unwrap().len(), 4);
     assert!(matches!(
-        book.publish(&server, &arena, "weights", &record(1), vec![b.lease()]),
+        book.publish(
+            &server,
+            &arena,
+            "weights",
+            &record(1),
+            vec![b.lease()],
+            None
+        ),
         Err(Error::Channel(ChannelError::AlreadyExists { .. }))
     ));
 
@@ -134,7 +148,7 @@ fn large_records_travel_in_parts_that_rebuild_the_record() {
     let buf = arena.alloc(4096).unwrap();
     // About the size of a record of 10,000 buffers, with multibyte names.
     let big = json!({ SET_VERSION_KEY: 1, "entries": (0..10_000).map(|i| format!("layer{i}.wéight")).collect::<Vec<_>>() });
-    book.publish(&server, &arena, "big", &big, vec![buf.lease()])
+    book.publish(&server, &arena, "big", &big, vec![buf.lease()], None)
         .unwrap();
     let consumer = client(&server);
     let a = consumer.attach("big").unwrap();
@@ -225,6 +239,7 @@ fn set_records_of_1_to_10000_entries_come_back_whole_through_the_channel() {
             &name,
             &record.to_value(),
             vec![buf.lease()],
+            None,
         )
         .unwrap();
         let a = consumer.attach(&name).unwrap();
@@ -269,7 +284,7 @@ fn ranges_come_back_after_release_and_unpublish_in_either_order() {
     let arena = arena();
     let mut book = Book::default();
     let a = arena.alloc(4096).unwrap();
-    book.publish(&server, &arena, "s", &record(1), vec![a.lease()])
+    book.publish(&server, &arena, "s", &record(1), vec![a.lease()], None)
         .unwrap();
     let consumer = client(&server);
     let lease = consumer.attach("s").unwrap().lease;
@@ -294,7 +309,7 @@ fn a_mapped_chunk_is_not_trimmed_until_its_consumer_lets_go() {
     let arena = arena();
     let mut book = Book::default();
     let a = arena.alloc(4096).unwrap();
-    book.publish(&server, &arena, "s", &record(1), vec![a.lease()])
+    book.publish(&server, &arena, "s", &record(1), vec![a.lease()], None)
         .unwrap();
     let consumer = client(&server);
     let chunk = consumer.attach(&chunk_entry_name(a.chunk().id())).unwrap();
@@ -351,6 +366,7 @@ fn a_consumer_killed_while_holding_a_set_gives_its_ranges_back() {
         "weights",
         &rec,
         bufs.iter().map(ArenaBuffer::lease).collect(),
+        None,
     )
     .unwrap();
     let mut child = Command::new(std::env::current_exe().unwrap())
@@ -391,4 +407,102 @@ fn a_consumer_killed_while_holding_a_set_gives_its_ranges_back() {
     assert_eq!(arena.stats().buffers, 0, "{:?}", arena.stats());
     assert_eq!(book.trim(&server, &arena), 2 << 20);
     assert_eq!(arena.stats().chunks, 0);
+}
+
+/// A set's fence as the publisher sends it, with a memfd for the block.
+fn set_fence(slots: &std::sync::Arc<std::sync::Mutex<sync::Slots>>) -> SetFence {
+    let slot = FenceSlot::take(slots).unwrap();
+    let s = slot.slot();
+    let fd = memfd_create("cuda-ipc-test-fence", MemfdFlags::CLOEXEC).unwrap();
+    SetFence {
+        meta: sync::FenceMeta {
+            block: crate::fence::FenceBlock::host(0, 42, 9, 16).unwrap(),
+            fd: 0,
+            word: 2 * s,
+            announce: Some(2 * s + 1),
+        },
+        fd,
+        slot,
+    }
+}
+
+#[test]
+fn a_set_fence_travels_beside_the_record_and_its_slot_outlives_the_last_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(&dir);
+    let arena = arena();
+    let mut book = Book::default();
+    let slots = sync::Slots::new(4);
+    let a = arena.alloc(4096).unwrap();
+    let fence = set_fence(&slots);
+    let word = fence.meta.word;
+    book.publish(
+        &server,
+        &arena,
+        "s",
+        &record(1),
+        vec![a.lease()],
+        Some(fence),
+    )
+    .unwrap();
+    assert_eq!(book.fence_slot("s"), Some(word / 2));
+    assert_eq!(book.fence_slot("nope"), None);
+    // A large record (in parts) carries its fence beside the parts too.
+    let b = arena.alloc(4096).unwrap();
+    let big = json!({ SET_VERSION_KEY: 1, "pad": "x".repeat(SET_PART_BYTES + 10) });
+    book.publish(
+        &server,
+        &arena,
+        "big",
+        &big,
+        vec![b.lease()],
+        Some(set_fence(&slots)),
+    )
+    .unwrap();
+    assert_eq!(lock(&slots).in_use(), 2);
+
+    let consumer = client(&server);
+    for name in ["s", "big"] {
+        let mut at = consumer.attach(name).unwrap();
+        assert_eq!(
+            at.fds.len(),
+            1,
+            "{name}: the fence block is the only descriptor"
+        );
+        let f = sync::take_set_fence(&mut at.meta).unwrap().unwrap();
+        assert_eq!(f.fd, 0);
+        assert!(is_set_meta(&at.meta), "{name}");
+        // The record decodes strictly once the fence is off.
+        if name == "s" {
+            assert_eq!(at.meta, record(1));
+            assert_eq!(f.word, word);
+        } else {
+            assert_eq!(read_record_text(&consumer, &at.meta), big.to_string());
+        }
+        if name == "big" {
+            consumer.release(at.lease).unwrap();
+        } else {
+            // Keep the lease on "s": its slot must stay taken after unpublish.
+            let lease = at.lease;
+            book.unpublish(&server, "s").unwrap();
+            assert_eq!(lock(&slots).in_use(), 2, "unpublished but leased: kept");
+            consumer.release(lease).unwrap();
+            assert_eq!(book.reap(&server), 1);
+            assert_eq!(lock(&slots).in_use(), 1, "last lease ended: given back");
+        }
+    }
+    book.unpublish(&server, "big").unwrap();
+    book.reap(&server);
+    assert_eq!(lock(&slots).in_use(), 0);
+}
+
+/// The text of a record that travelled in parts.
+fn read_record_text(consumer: &Client, meta: &Value) -> String {
+    let mut text = String::new();
+    for p in meta[PARTS_KEY].as_array().unwrap() {
+        let a = consumer.attach(p.as_str().unwrap()).unwrap();
+        text.push_str(a.meta["text"].as_str().unwrap());
+        consumer.release(a.lease).unwrap();
+    }
+    text
 }

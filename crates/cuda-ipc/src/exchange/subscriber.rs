@@ -8,7 +8,6 @@ use std::os::fd::OwnedFd;
 
 use bytemuck::Pod;
 use cudarc::driver::CudaStream;
-use serde::Deserialize;
 use serde_json::Value;
 
 use crate::buffer::{MappedBuffer, Mapping};
@@ -26,7 +25,7 @@ use super::budget::MappingBudget;
 use super::lease::{LeaseGuard, Pending};
 use super::set::ChunkCache;
 use super::sync::{self, SyncMode, Waiter};
-use super::wire::{EntryMeta, UpdateNotice};
+use super::wire::EntryMeta;
 use super::{Endpoint, lock};
 
 /// How a [`Subscriber`] connects: `SubscriberConfig::default()`, adjusted
@@ -134,7 +133,7 @@ impl<T: Pod> Attachment<T> {
         name: String,
         guard: Arc<LeaseGuard>,
         buffer: MappedBuffer<T>,
-        event: Arc<IpcEvent>,
+        waiter: Waiter,
         descriptor: Descriptor,
     ) -> Self {
         Attachment {
@@ -142,7 +141,7 @@ impl<T: Pod> Attachment<T> {
             name,
             guard,
             buffer,
-            waiter: Waiter::Event(event),
+            waiter,
             descriptor,
         }
     }
@@ -243,6 +242,58 @@ impl Subscriber {
         Ok(f)
     }
 
+    /// Chooses how to wait for an entry's work, per this subscriber's
+    /// [`SyncMode`]: on the publisher's event `handle` (which `what`, the
+    /// kind of entry, must carry unless it waits on the fence) or on
+    /// `fence`, whose file descriptor is taken out of `fds`.
+    pub(super) fn waiter(
+        &self,
+        handle: Option<IpcEventHandle>,
+        fence: Option<sync::FenceMeta>,
+        fds: &mut Vec<OwnedFd>,
+        what: &str,
+    ) -> Result<Waiter> {
+        let fence = sync::take_fence_fd(fence, fds)?;
+        sync::choose(
+            self.sync,
+            || {
+                let handle = handle.ok_or_else(|| Error::Descriptor {
+                    field: "event".into(),
+                    reason: format!("{what} must carry the publisher's event"),
+                })?;
+                self.event(handle)
+            },
+            fence.as_ref().map(|(fd, meta)| {
+                (meta, move || {
+                    self.fence(
+                        meta,
+                        fd.try_clone()
+                            .map_err(|e| Error::io("duplicating the fence's descriptor", e))?,
+                    )
+                })
+            }),
+        )
+    }
+
+    /// Makes `stream` wait for the publisher's latest work (at attach), with
+    /// this subscriber's deadline; abandons a fence when the publisher is gone.
+    pub(super) fn wait_latest(&self, waiter: &Waiter, stream: &CudaStream) -> Result<()> {
+        let client = self.client.clone();
+        waiter.wait_latest(stream, &move || client.is_alive(), self.timeout)
+    }
+
+    /// Makes `stream` wait for the work of the update whose notice carried
+    /// `data` (see [`Waiter::wait_update`]).
+    pub(super) fn wait_notice(
+        &self,
+        waiter: &Waiter,
+        stream: &CudaStream,
+        data: &Value,
+    ) -> Result<()> {
+        let client = self.client.clone();
+        waiter.wait_update(stream, data, &move || client.is_alive(), self.timeout)
+    }
+
     /// Makes `stream` wait (GPU-side, after a host-side deadline) until the
     /// fence reaches `seq`; abandons it when the publisher is gone.
     pub(super) fn wait_fence(&self, waiter: &Waiter, stream: &CudaStream, seq: u64) -> Result<()> {
@@ -278,43 +329,12 @@ impl Subscriber {
         fds: Vec<std::os::fd::OwnedFd>,
     ) -> Result<(Descriptor, MappedBuffer<T>, Waiter)> {
         let (descriptor, fence) = EntryMeta::decode_with_fence(meta)?;
-        let handle = descriptor.event.ok_or_else(|| Error::Descriptor {
-            field: "event".into(),
-            reason: "a published buffer must carry the publisher's event".into(),
-        })?;
         let mut fds = fds;
-        let fence = match fence {
-            Some(f) if f.fd < fds.len() => Some((fds.remove(f.fd), f)),
-            Some(f) => {
-                return Err(Error::Descriptor {
-                    field: "fence.fd".into(),
-                    reason: format!(
-                        "the fence's file descriptor is number {} of the entry's, which has {}",
-                        f.fd,
-                        fds.len()
-                    ),
-                });
-            }
-            None => None,
-        };
-        let waiter = sync::choose(
-            self.sync,
-            || self.event(handle),
-            fence.as_ref().map(|(fd, meta)| {
-                (meta, move || {
-                    self.fence(
-                        meta,
-                        fd.try_clone()
-                            .map_err(|e| Error::io("duplicating the fence's descriptor", e))?,
-                    )
-                })
-            }),
-        )?;
+        let waiter = self.waiter(descriptor.event, fence, &mut fds, "a published buffer")?;
         let mapping = self.mapping(&descriptor, fds)?;
         let buffer =
             MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.byte_len)?;
-        let client = self.client.clone();
-        waiter.wait_latest(buffer.stream(), &move || client.is_alive(), self.timeout)?;
+        self.wait_latest(&waiter, buffer.stream())?;
         Ok((descriptor, buffer, waiter))
     }
 
@@ -385,21 +405,7 @@ impl Subscriber {
                 generation: version,
                 data,
             } => {
-                let seq = UpdateNotice::deserialize(data)
-                    .map_err(|e| Error::arg("update notice", e.to_string()))?
-                    .fence_seq;
-                match (&attached.waiter, seq) {
-                    (Waiter::Event(e), _) => e.wait_on(attached.buffer.stream())?,
-                    (waiter, Some(seq)) => {
-                        self.wait_fence(waiter, attached.buffer.stream(), seq)?;
-                    }
-                    (_, None) => {
-                        return Err(Error::arg(
-                            "update notice",
-                            "it has no fence sequence number, but this attachment waits on the fence",
-                        ));
-                    }
-                }
+                self.wait_notice(&attached.waiter, attached.buffer.stream(), data)?;
                 Ok(*version)
             }
             Notice::Unpublished => Err(ChannelError::Unpublished {

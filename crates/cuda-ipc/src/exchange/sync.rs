@@ -25,9 +25,20 @@
 //! queued ([`Fence::announce`]), which a subscriber that attaches late
 //! reads to know what to wait for. A ring has a block of its own, one word
 //! per slot, signalled with the ring's frame counter.
+//!
+//! # Sets and arena buffers
+//! A set (or an arena buffer, a set of one) takes one entry slot for the
+//! whole set: [`Publisher::publish_set`](super::Publisher::publish_set) and
+//! [`Publisher::update_set`](super::Publisher::update_set) signal it after
+//! the work queued on the set's streams. Its [`FenceMeta`] travels beside
+//! the set record, under [`SET_FENCE_KEY`] of the entry's metadata (the
+//! exchange takes it off before the record is decoded), and the block's
+//! file descriptor is the set entry's only one. The slot stays taken while
+//! the set is published and, after that, until its last lease ends
+//! ([`FenceSlot`]).
 
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaStream;
@@ -39,9 +50,12 @@ use crate::error::{Error, Result};
 use crate::event::IpcEvent;
 use crate::fence::{Fence, FenceBlock, FenceMapping};
 
+use super::lock;
+use super::wire::UpdateNotice;
+
 /// How a subscriber's streams wait for the publisher's work.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 #[non_exhaustive]
 pub enum SyncMode {
     /// The interprocess event where it opens, else the fence (when the
@@ -53,6 +67,16 @@ pub enum SyncMode {
     Event,
     /// Always the fence: fails if the publisher sends none.
     Fence,
+    /// The fence, waited on by the calling thread only (`host-fence`): once
+    /// the host has seen the fence word reach the sequence number, the
+    /// publisher's work is complete and its writes visible, so the stream
+    /// gets no wait operation and the consumer's context runs nothing for
+    /// the hand-off itself (on a GPU time-sliced between the two
+    /// processes, each stream operation costs a context switch). The
+    /// calling thread blocks until the publisher's work is done, which
+    /// [`Fence`](SyncMode::Fence) leaves to the stream. Fails if the
+    /// publisher sends no fence.
+    HostFence,
 }
 
 impl std::str::FromStr for SyncMode {
@@ -62,9 +86,10 @@ impl std::str::FromStr for SyncMode {
             "auto" => Ok(SyncMode::Auto),
             "event" => Ok(SyncMode::Event),
             "fence" => Ok(SyncMode::Fence),
+            "host-fence" => Ok(SyncMode::HostFence),
             other => Err(Error::arg(
                 "sync mode",
-                format!("{other:?} is not one of auto, event, fence"),
+                format!("{other:?} is not one of auto, event, fence, host-fence"),
             )),
         }
     }
@@ -93,11 +118,74 @@ pub(super) struct FenceMeta {
 pub(super) struct EntryFences {
     fence: Fence,
     /// Which entry slots are in use.
-    used: Vec<bool>,
+    slots: Arc<Mutex<Slots>>,
 }
 
 /// How many entries one publisher's block serves at once.
 pub(super) const ENTRY_SLOTS: u32 = 1024;
+
+/// Which entry slots of a fence block are in use.
+#[derive(Debug)]
+pub(super) struct Slots {
+    used: Vec<bool>,
+}
+
+impl Slots {
+    /// `n` free slots.
+    pub(super) fn new(n: u32) -> Arc<Mutex<Self>> {
+        Arc::new(Mutex::new(Slots {
+            used: vec![false; n as usize],
+        }))
+    }
+
+    fn take(&mut self) -> Option<u32> {
+        let i = self.used.iter().position(|u| !u)?;
+        self.used[i] = true;
+        Some(i as u32)
+    }
+
+    fn give_back(&mut self, slot: u32) {
+        if let Some(u) = self.used.get_mut(slot as usize) {
+            *u = false;
+        }
+    }
+
+    /// Slots in use.
+    #[cfg(test)]
+    pub(super) fn in_use(&self) -> usize {
+        self.used.iter().filter(|u| **u).count()
+    }
+}
+
+/// An entry slot held by a set: given back when dropped (when the set is
+/// unpublished and its last lease has ended).
+#[derive(Debug)]
+pub(super) struct FenceSlot {
+    slots: Arc<Mutex<Slots>>,
+    slot: u32,
+}
+
+impl FenceSlot {
+    /// Takes a free slot of `slots`; `None` when all are in use.
+    pub(super) fn take(slots: &Arc<Mutex<Slots>>) -> Option<Self> {
+        let slot = lock(slots).take()?;
+        Some(FenceSlot {
+            slots: slots.clone(),
+            slot,
+        })
+    }
+
+    /// The slot's index.
+    pub(super) fn slot(&self) -> u32 {
+        self.slot
+    }
+}
+
+impl Drop for FenceSlot {
+    fn drop(&mut self) {
+        lock(&self.slots).give_back(self.slot);
+    }
+}
 
 impl EntryFences {
     /// A block for [`ENTRY_SLOTS`] entries; `None` (logged) where the device
@@ -106,7 +194,7 @@ impl EntryFences {
         match Fence::new_host(device, 2 * ENTRY_SLOTS) {
             Ok(fence) => Some(EntryFences {
                 fence,
-                used: vec![false; ENTRY_SLOTS as usize],
+                slots: Slots::new(ENTRY_SLOTS),
             }),
             Err(e) => {
                 tracing::warn!(error = %e, "publishing without fences (events only)");
@@ -118,16 +206,18 @@ impl EntryFences {
     /// Takes a free entry slot; `None` when all are in use (the entry then
     /// goes without a fence).
     pub(super) fn take(&mut self) -> Option<u32> {
-        let i = self.used.iter().position(|u| !u)?;
-        self.used[i] = true;
-        Some(i as u32)
+        lock(&self.slots).take()
+    }
+
+    /// Takes a free entry slot for a set, given back when the returned
+    /// guard drops; `None` when all are in use.
+    pub(super) fn take_held(&self) -> Option<FenceSlot> {
+        FenceSlot::take(&self.slots)
     }
 
     /// Gives an entry slot back (after its last lease is released).
     pub(super) fn give_back(&mut self, slot: u32) {
-        if let Some(u) = self.used.get_mut(slot as usize) {
-            *u = false;
-        }
+        lock(&self.slots).give_back(slot);
     }
 
     /// Signals entry `slot`'s next sequence number after the work queued on
@@ -144,6 +234,70 @@ impl EntryFences {
     /// descriptor will be the entry's `fd_index`-th.
     pub(super) fn export(&self, slot: u32, fd_index: usize) -> Result<(FenceMeta, OwnedFd)> {
         export(&self.fence, 2 * slot, Some(2 * slot + 1), fd_index)
+    }
+}
+
+/// What a set entry carries for its fence: the metadata (beside the
+/// record), the block's file descriptor and the slot it holds.
+#[derive(Debug)]
+pub(super) struct SetFence {
+    /// The metadata, put under [`SET_FENCE_KEY`].
+    pub(super) meta: FenceMeta,
+    /// The block's file descriptor (the entry's only one).
+    pub(super) fd: OwnedFd,
+    /// The slot, held while the set is published and leased.
+    pub(super) slot: FenceSlot,
+}
+
+/// The key of a set entry's metadata that carries its [`FenceMeta`].
+pub(super) const SET_FENCE_KEY: &str = "cuda_ipc_fence";
+
+/// Puts `fence` into a set entry's metadata `meta` (a JSON object).
+pub(super) fn add_set_fence(meta: &mut serde_json::Value, fence: &FenceMeta) -> Result<()> {
+    let v = super::wire::to_value(fence)?;
+    match meta.as_object_mut() {
+        Some(m) => {
+            m.insert(SET_FENCE_KEY.into(), v);
+            Ok(())
+        }
+        None => Err(Error::arg(
+            "set entry",
+            "its metadata is not a JSON object, so it cannot carry a fence",
+        )),
+    }
+}
+
+/// Takes a set entry's fence off its metadata (so that the record decodes
+/// strictly); `None` when the publisher sent none.
+pub(super) fn take_set_fence(meta: &mut serde_json::Value) -> Result<Option<FenceMeta>> {
+    let Some(v) = meta.as_object_mut().and_then(|m| m.remove(SET_FENCE_KEY)) else {
+        return Ok(None);
+    };
+    FenceMeta::deserialize(v)
+        .map(Some)
+        .map_err(|e| Error::Descriptor {
+            field: SET_FENCE_KEY.into(),
+            reason: format!("expected a fence (block, fd, word, announce): {e}"),
+        })
+}
+
+/// Takes the fence's file descriptor (number `fence.fd`) out of an entry's
+/// `fds`, checking that it is there.
+pub(super) fn take_fence_fd(
+    fence: Option<FenceMeta>,
+    fds: &mut Vec<OwnedFd>,
+) -> Result<Option<(OwnedFd, FenceMeta)>> {
+    match fence {
+        Some(f) if f.fd < fds.len() => Ok(Some((fds.remove(f.fd), f))),
+        Some(f) => Err(Error::Descriptor {
+            field: "fence.fd".into(),
+            reason: format!(
+                "the fence's file descriptor is number {} of the entry's, which has {}",
+                f.fd,
+                fds.len()
+            ),
+        }),
+        None => Ok(None),
     }
 }
 
@@ -195,6 +349,9 @@ pub(crate) enum Waiter {
         word: u32,
         /// The word announcing what to wait for, for entries.
         announce: Option<u32>,
+        /// Whether the host's wait is all ([`SyncMode::HostFence`]): no
+        /// stream operation once the host has seen the word.
+        host_only: bool,
     },
 }
 
@@ -229,6 +386,28 @@ impl Waiter {
         }
     }
 
+    /// Makes `stream` wait for the work of the update whose notice carried
+    /// `data`: the event's last record, or the fence's sequence number the
+    /// notice names.
+    pub(super) fn wait_update(
+        &self,
+        stream: &CudaStream,
+        data: &serde_json::Value,
+        alive: &dyn Fn() -> bool,
+        timeout: Duration,
+    ) -> Result<()> {
+        if let Waiter::Event(e) = self {
+            return e.wait_on(stream);
+        }
+        match update_seq(data)? {
+            Some(seq) => self.wait_seq(stream, seq, alive, timeout),
+            None => Err(Error::arg(
+                "update notice",
+                "it has no fence sequence number, but this attachment waits on the fence",
+            )),
+        }
+    }
+
     /// Makes `stream` wait until sequence number `seq` (0: nothing yet) was
     /// signalled; for an event, its last record.
     pub(super) fn wait_seq(
@@ -238,17 +417,30 @@ impl Waiter {
         alive: &dyn Fn() -> bool,
         timeout: Duration,
     ) -> Result<()> {
-        let (mapping, word) = match self {
+        let (mapping, word, host_only) = match self {
             Waiter::Event(e) => return e.wait_on(stream),
-            Waiter::Fence { mapping, word, .. } => (mapping, *word),
+            Waiter::Fence {
+                mapping,
+                word,
+                host_only,
+                ..
+            } => (mapping, *word, *host_only),
         };
         if seq == 0 {
             return Ok(());
         }
+        // Host words are written by the publisher's stream after its work
+        // (with the write's memory barrier): seen here, the work is done.
+        let host_only = host_only && mapping.is_host();
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            if mapping.wait_within(stream, word, seq, left.min(SLICE))? {
+            let reached = if host_only {
+                mapping.wait_host(word, seq, left.min(SLICE))?
+            } else {
+                mapping.wait_within(stream, word, seq, left.min(SLICE))?
+            };
+            if reached {
                 return Ok(());
             }
             if !alive() {
@@ -267,6 +459,13 @@ impl Waiter {
     }
 }
 
+/// The fence sequence number an update notice's `data` carries.
+fn update_seq(data: &serde_json::Value) -> Result<Option<u64>> {
+    UpdateNotice::deserialize(data)
+        .map(|n| n.fence_seq)
+        .map_err(|e| Error::arg("update notice", e.to_string()))
+}
+
 /// Chooses how to wait, per `mode`: opens the event (`event`, through the
 /// subscriber's cache) or the fence (`fence`, through its cache).
 pub(super) fn choose(
@@ -274,17 +473,19 @@ pub(super) fn choose(
     event: impl FnOnce() -> Result<Arc<IpcEvent>>,
     fence: Option<(&FenceMeta, impl FnOnce() -> Result<Arc<FenceMapping>>)>,
 ) -> Result<Waiter> {
+    let host_only = mode == SyncMode::HostFence;
     let open_fence = |(meta, open): (&FenceMeta, _)| -> Result<Waiter> {
         let open: Box<dyn FnOnce() -> Result<Arc<FenceMapping>>> = Box::new(open);
         Ok(Waiter::Fence {
             mapping: open()?,
             word: meta.word,
             announce: meta.announce,
+            host_only,
         })
     };
     match mode {
         SyncMode::Event => Ok(Waiter::Event(event()?)),
-        SyncMode::Fence => match fence {
+        SyncMode::Fence | SyncMode::HostFence => match fence {
             Some(f) => open_fence(f),
             None => Err(Error::Unsupported {
                 what: "fence synchronisation",
@@ -316,12 +517,16 @@ mod tests {
             ("auto", SyncMode::Auto),
             ("event", SyncMode::Event),
             ("fence", SyncMode::Fence),
+            ("host-fence", SyncMode::HostFence),
         ] {
             assert_eq!(s.parse::<SyncMode>().unwrap(), m);
             assert_eq!(serde_json::to_value(m).unwrap(), s);
         }
         let e = "fences".parse::<SyncMode>().unwrap_err();
-        assert!(e.to_string().contains("auto, event, fence"), "{e}");
+        assert!(
+            e.to_string().contains("auto, event, fence, host-fence"),
+            "{e}"
+        );
         assert_eq!(SyncMode::default(), SyncMode::Auto);
     }
 
@@ -354,8 +559,10 @@ mod tests {
         let failed = || Err(Error::arg("event", "cannot be opened here"));
         let e = choose(SyncMode::Auto, failed, no_fence).unwrap_err();
         assert!(e.to_string().contains("cannot be opened"), "{e}");
-        let e = choose(SyncMode::Fence, failed, no_fence).unwrap_err();
-        assert!(e.to_string().contains("sends no fence"), "{e}");
+        for mode in [SyncMode::Fence, SyncMode::HostFence] {
+            let e = choose(mode, failed, no_fence).unwrap_err();
+            assert!(e.to_string().contains("sends no fence"), "{e}");
+        }
         let block = FenceBlock::host(5, 42, (1 << 39) | 3, 8).unwrap();
         let meta = FenceMeta {
             block,
@@ -369,5 +576,84 @@ mod tests {
         assert!(e.to_string().contains("tried"), "{e}");
         let e = choose(SyncMode::Event, failed, Some((&meta, fence_fails))).unwrap_err();
         assert!(e.to_string().contains("cannot be opened"), "{e}");
+    }
+
+    #[test]
+    fn set_fences_travel_beside_the_record_and_come_off_before_it_decodes() {
+        let block = FenceBlock::host(0, 42, (1 << 39) | 3, 2048).unwrap();
+        let meta = FenceMeta {
+            block,
+            fd: 0,
+            word: 10,
+            announce: Some(11),
+        };
+        let record = serde_json::json!({ "cuda_ipc_set": 1, "name": "w" });
+        let mut v = record.clone();
+        add_set_fence(&mut v, &meta).unwrap();
+        assert_eq!(v[SET_FENCE_KEY]["word"], 10);
+        assert_eq!(take_set_fence(&mut v).unwrap(), Some(meta.clone()));
+        assert_eq!(v, record, "only the fence comes off");
+        assert_eq!(take_set_fence(&mut v).unwrap(), None, "none sent: none");
+        // A fence that is not one is an error that names the key.
+        let mut bad = record.clone();
+        bad[SET_FENCE_KEY] = serde_json::json!({ "word": "ten" });
+        let e = take_set_fence(&mut bad).unwrap_err();
+        assert!(e.to_string().contains(SET_FENCE_KEY), "{e}");
+        let mut not_object = serde_json::json!([1]);
+        let e = add_set_fence(&mut not_object, &meta).unwrap_err();
+        assert!(e.to_string().contains("not a JSON object"), "{e}");
+        assert_eq!(take_set_fence(&mut not_object).unwrap(), None);
+    }
+
+    fn memfd() -> OwnedFd {
+        rustix::fs::memfd_create("cuda-ipc-test-fence", rustix::fs::MemfdFlags::CLOEXEC).unwrap()
+    }
+
+    #[test]
+    fn the_fence_descriptor_comes_out_of_the_entry_descriptors_by_index() {
+        use std::os::fd::AsRawFd;
+        let block = FenceBlock::host(0, 42, 7, 8).unwrap();
+        let meta = |fd| FenceMeta {
+            block: block.clone(),
+            fd,
+            word: 0,
+            announce: None,
+        };
+        let mut fds = vec![memfd(), memfd(), memfd()];
+        let raw: Vec<i32> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+        let (fd, m) = take_fence_fd(Some(meta(1)), &mut fds).unwrap().unwrap();
+        assert_eq!(fd.as_raw_fd(), raw[1]);
+        assert_eq!(m.fd, 1);
+        let left: Vec<i32> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+        assert_eq!(
+            left,
+            [raw[0], raw[2]],
+            "the memory's descriptors stay in order"
+        );
+        let e = take_fence_fd(Some(meta(2)), &mut fds).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("number 2 of the entry's, which has 2"),
+            "{e}"
+        );
+        assert!(take_fence_fd(None, &mut fds).unwrap().is_none());
+        assert_eq!(fds.len(), 2);
+    }
+
+    #[test]
+    fn a_set_holds_its_fence_slot_until_the_guard_drops() {
+        let slots = Slots::new(2);
+        let a = FenceSlot::take(&slots).unwrap();
+        let b = FenceSlot::take(&slots).unwrap();
+        assert_ne!(a.slot(), b.slot());
+        assert!(FenceSlot::take(&slots).is_none(), "all in use");
+        assert_eq!(lock(&slots).in_use(), 2);
+        let freed = a.slot();
+        drop(a);
+        assert_eq!(lock(&slots).in_use(), 1);
+        let c = FenceSlot::take(&slots).unwrap();
+        assert_eq!(c.slot(), freed, "a freed slot is reused");
+        drop((b, c));
+        assert_eq!(lock(&slots).in_use(), 0);
     }
 }

@@ -36,7 +36,7 @@ const ENTRIES: [(&str, Mechanism); 3] = [
 const RING_FRAMES: u32 = 200;
 
 /// Why `unshare FLAGS true` cannot run here, if it cannot.
-fn unshare_refused(flags: &[&str]) -> Option<String> {
+pub(super) fn unshare_refused(flags: &[&str]) -> Option<String> {
     match Command::new("unshare")
         .args(flags)
         .arg("true")
@@ -55,7 +55,7 @@ fn unshare_refused(flags: &[&str]) -> Option<String> {
 
 /// A script that runs this executable through `unshare FLAGS`, after
 /// `setup` (shell commands run inside, before the test starts).
-fn wrapper(dir: &Path, flags: &[&str], setup: &str) -> PathBuf {
+pub(super) fn wrapper(dir: &Path, flags: &[&str], setup: &str) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let exe = std::env::current_exe().unwrap();
     let path = dir.join("in-namespaces.sh");
@@ -151,7 +151,7 @@ fn subscriber_child() {
     }
 }
 
-fn child_or(f: impl FnOnce()) {
+pub(super) fn child_or(f: impl FnOnce()) {
     match role().as_deref() {
         Some("subscriber") => subscriber_child(),
         Some("victim") => ring_victim(),
@@ -164,7 +164,7 @@ fn child_or(f: impl FnOnce()) {
 /// Publishes one buffer per mechanism and a ring, and runs a subscriber
 /// child (spawned by `spawn`) through attach (data both ways), update and
 /// the ring. Returns whether the child used fences for the entries.
-fn exchange_with(device: &Device, socket: &Path, spawn: impl FnOnce() -> Peer) -> bool {
+pub(super) fn exchange_with(device: &Device, socket: &Path, spawn: impl FnOnce() -> Peer) -> bool {
     exchange_entries(device, socket, &ENTRIES, PublisherConfig::default(), spawn)
 }
 
@@ -244,7 +244,7 @@ fn exchange_entries(
     fences[0]
 }
 
-fn spawn_subscriber(test: &str, socket: &Path, sync: &str, exe: Option<&Path>) -> Peer {
+pub(super) fn spawn_subscriber(test: &str, socket: &Path, sync: &str, exe: Option<&Path>) -> Peer {
     let adjust = |c: &mut Command| {
         c.env(SOCKET_ENV, socket).env(SYNC_ENV, sync);
     };

@@ -15,6 +15,7 @@ mod legacy;
 mod lifetimes;
 mod mechanisms;
 mod peer;
+mod set_fences;
 
 /// The full name of test `name` in module `module` (for `--exact`).
 #[macro_export]
