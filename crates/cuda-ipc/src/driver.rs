@@ -101,10 +101,12 @@ pub fn init() -> Result<DriverVersion> {
     let version = load()?;
     match crate::result::driver::init() {
         Ok(()) => Ok(version),
-        Err(e) if e.driver_code() == Some(100) => Err(Error::NoDevice {
-            ordinal: 0,
-            count: 0,
-        }),
+        Err(e) if e.driver_result() == Some(sys::CUresult::CUDA_ERROR_NO_DEVICE) => {
+            Err(Error::NoDevice {
+                ordinal: 0,
+                count: 0,
+            })
+        }
         Err(e) => Err(e),
     }
 }
