@@ -2,7 +2,9 @@
 //! unpublish, rings) and `Subscriber` (attach, wait for an update, release,
 //! ring frames), over `cuda_ipc::exchange`.
 //!
-//! Every binding of the exchange types is in this file.
+//! The bindings of arenas and sets (`Publisher.arena_alloc`,
+//! `publish_set`, `Subscriber.attach_set`, ...) are in `sets.rs`; the
+//! methods here only hand over to it.
 //!
 //! Synchronisation with the frameworks: Python code writes with PyTorch or
 //! CuPy on their own streams, which the library does not know. Before a
@@ -31,13 +33,13 @@ use crate::codec;
 use crate::errors::IntoPyResult;
 use crate::mapping::{Keep, Layout, View, closed_error};
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A timeout in seconds; `None` is a year (a wait without end, that a
 /// deadline computation cannot overflow).
-fn duration(seconds: Option<f64>) -> Result<Duration> {
+pub(crate) fn duration(seconds: Option<f64>) -> Result<Duration> {
     match seconds {
         None => Ok(Duration::from_secs(365 * 86_400)),
         Some(s) if s.is_finite() && (0.0..=1e9).contains(&s) => Ok(Duration::from_secs_f64(s)),
@@ -52,7 +54,7 @@ fn mechanism(name: Option<&str>) -> Result<Option<Mechanism>> {
     name.filter(|n| *n != "auto").map(str::parse).transpose()
 }
 
-fn dtype(name: &str) -> Result<Dtype> {
+pub(crate) fn dtype(name: &str) -> Result<Dtype> {
     let name = name.strip_prefix("torch.").unwrap_or(name);
     name.parse::<Dtype>()
         .or_else(|_| cuda_ipc::torch::dtype_from_torch(name))
@@ -60,7 +62,7 @@ fn dtype(name: &str) -> Result<Dtype> {
 
 /// The layout of `len` bytes at `ptr` as `dtype` with `shape` (default:
 /// one dimension of every whole element).
-fn layout(
+pub(crate) fn layout(
     ptr: u64,
     len: u64,
     ordinal: usize,
@@ -89,7 +91,7 @@ fn layout(
 
 /// Waits for every stream of `device`'s context (PyTorch's and CuPy's
 /// included).
-fn sync_context(device: &Device) -> Result<()> {
+pub(crate) fn sync_context(device: &Device) -> Result<()> {
     device
         .context()
         .synchronize()
@@ -190,14 +192,16 @@ impl Published {
 
 /// Serves device buffers by name to subscribers in other processes.
 #[pyclass(module = "cuda_ipc._core", name = "Publisher", frozen)]
-struct PyPublisher {
+pub(crate) struct PyPublisher {
     inner: Mutex<Option<Arc<Publisher>>>,
-    device: Device,
+    pub(crate) device: Device,
     path: String,
+    /// The arena buffers allocated through this object, by address.
+    pub(crate) arena_buffers: crate::sets::ArenaRegistry,
 }
 
 impl PyPublisher {
-    fn get(&self) -> PyResult<Arc<Publisher>> {
+    pub(crate) fn get(&self) -> PyResult<Arc<Publisher>> {
         lock(&self.inner)
             .clone()
             .ok_or_else(|| closed_error("publisher", "make a new Publisher"))
@@ -224,6 +228,7 @@ impl PyPublisher {
             inner: Mutex::new(Some(Arc::new(publisher))),
             device: dev,
             path,
+            arena_buffers: crate::sets::ArenaRegistry::default(),
         })
     }
 
@@ -350,6 +355,67 @@ impl PyPublisher {
                 Ok(d)
             })
             .collect()
+    }
+
+    /// Allocates `nbytes` from this publisher's arena (no export: a new
+    /// chunk, exported once, only when no chunk has room). Fill it through
+    /// `view()`, then publish it in a set with `publish_set`.
+    fn arena_alloc(&self, py: Python<'_>, nbytes: u64) -> PyResult<crate::sets::ArenaBuffer> {
+        crate::sets::arena_alloc(self, py, nbytes)
+    }
+
+    /// Makes sure the arena has `nbytes` free, creating (and exporting) one
+    /// chunk now if not; returns the bytes of chunks created.
+    fn arena_reserve(&self, py: Python<'_>, nbytes: u64) -> PyResult<u64> {
+        crate::sets::arena_reserve(self, py, nbytes)
+    }
+
+    /// The mechanism of the arena's chunks (`vmm`, `pool`, `legacy`, ...).
+    fn arena_mechanism(&self, py: Python<'_>) -> PyResult<&'static str> {
+        crate::sets::arena_mechanism(self, py)
+    }
+
+    /// The live arena buffer allocated here that starts at device address
+    /// `ptr` and holds at least `nbytes`, if any.
+    fn arena_buffer_at(&self, ptr: u64, nbytes: u64) -> Option<crate::sets::ArenaBuffer> {
+        crate::sets::arena_buffer_at(self, ptr, nbytes)
+    }
+
+    /// Publishes `members`, `[(name, ArenaBuffer, dtype, shape)]`, as one
+    /// set called `name`, after the work queued so far on this device.
+    fn publish_set<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        members: Vec<crate::sets::MemberArg<'py>>,
+    ) -> PyResult<()> {
+        crate::sets::publish_set(self, py, name, members)
+    }
+
+    /// Tells the subscribers of the set `name` that new contents are ready
+    /// (after the work queued so far on this device). Returns the version.
+    fn update_set(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
+        crate::sets::update_set(self, py, name)
+    }
+
+    /// Hides the set `name` from new subscribers and waits up to `timeout`
+    /// seconds (`None`: for ever) until every lease on it is released.
+    #[pyo3(signature = (name, timeout=None))]
+    fn unpublish_set(&self, py: Python<'_>, name: &str, timeout: Option<f64>) -> PyResult<()> {
+        crate::sets::unpublish_set(self, py, name, timeout)
+    }
+
+    /// Unpublished sets still leased by a subscriber.
+    fn retired_sets(&self) -> PyResult<usize> {
+        let p = self.get()?;
+        Ok(p.retired_sets())
+    }
+
+    /// Releases the arena's chunks that hold no buffer and that no
+    /// subscriber maps any more; returns the bytes released.
+    fn trim(&self, py: Python<'_>) -> PyResult<u64> {
+        let p = self.get()?;
+        py.detach(|| p.trim()).py()
     }
 
     /// Creates a ring of `slots` buffers of `slot_bytes` each under `name`.
@@ -505,13 +571,13 @@ impl PyRingPublisher {
 
 /// Connects to a publisher and maps what it publishes.
 #[pyclass(module = "cuda_ipc._core", name = "Subscriber", frozen)]
-struct PySubscriber {
+pub(crate) struct PySubscriber {
     inner: Mutex<Option<Arc<Subscriber>>>,
-    device: Device,
+    pub(crate) device: Device,
 }
 
 impl PySubscriber {
-    fn get(&self) -> PyResult<Arc<Subscriber>> {
+    pub(crate) fn get(&self) -> PyResult<Arc<Subscriber>> {
         lock(&self.inner)
             .clone()
             .ok_or_else(|| closed_error("subscriber", "make a new Subscriber"))
@@ -589,6 +655,25 @@ impl PySubscriber {
             layout,
             descriptor: d,
         })
+    }
+
+    /// Attaches the set published as `name`: one lease for the whole set,
+    /// each chunk mapped once, the publisher's event (or fence) waited for.
+    fn attach_set(&self, py: Python<'_>, name: &str) -> PyResult<crate::sets::SetAttachment> {
+        crate::sets::attach_set(self, py, name)
+    }
+
+    /// Unmaps the cached arena chunks that no set or buffer holds any more
+    /// (so that the publisher may trim them).
+    fn drop_idle_mappings(&self, py: Python<'_>) -> PyResult<()> {
+        let s = self.get()?;
+        py.detach(|| s.drop_idle_mappings());
+        Ok(())
+    }
+
+    /// `(count, bytes)` of the arena chunks this subscriber keeps mapped.
+    fn cached_mappings(&self) -> PyResult<(usize, u64)> {
+        Ok(self.get()?.cached_mappings())
     }
 
     /// Subscribes to the ring `name` (every slot mapped once).

@@ -10,6 +10,7 @@ mod errors;
 mod exchange;
 mod export;
 mod mapping;
+mod sets;
 
 use pyo3::prelude::*;
 
@@ -39,5 +40,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     mapping::register(m)?;
     export::register(m)?;
     exchange::register(m)?;
+    sets::register(m)?;
     Ok(())
 }

@@ -1,0 +1,531 @@
+//! Arenas and sets from Python, over `cuda_ipc::exchange`: `ArenaBuffer`
+//! (a buffer of a publisher's arena, filled through its views), the
+//! publisher's `publish_set` / `update_set` / `unpublish_set`, and
+//! `SetAttachment`, a set attached by a subscriber.
+//!
+//! Lifetimes: an `ArenaBuffer` object and every view (tensor, array) made
+//! from it hold the buffer; a published set holds its members too, until
+//! its last subscriber's lease ends. A `SetAttachment` holds the set's one
+//! lease and its chunk mappings; every view of one of its entries holds
+//! them as well, so the lease ends at `release()`, or when the attachment
+//! and the last view are gone (or the process exits).
+//!
+//! Synchronisation is the channel's (see `exchange.rs`): publishing and
+//! updating wait for the work queued on the whole context first; attaching
+//! and receiving an update wait on the host for the publisher's event or
+//! fence, so every stream may read at once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, Weak};
+
+use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
+use cuda_ipc::descriptor::Dtype;
+use cuda_ipc::device::Device;
+use cuda_ipc::exchange::SetAttachment as Attached;
+use cuda_ipc::memory::DeviceMemory;
+use cuda_ipc::{Error, Result};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::codec;
+use crate::errors::IntoPyResult;
+use crate::exchange::{PyPublisher, PySubscriber, duration, layout, lock, sync_context};
+use crate::mapping::{Keep, Layout, View, closed_error};
+
+// --- the publisher ------------------------------------------------------------
+
+/// The arena buffers a publisher object allocated, by device address, so
+/// that memory already in the arena is published without a copy. Holds no
+/// buffer alive: an entry whose buffer is gone does not match.
+#[derive(Default)]
+pub(crate) struct ArenaRegistry {
+    inner: Mutex<Registry>,
+}
+
+#[derive(Default)]
+struct Registry {
+    by_ptr: BTreeMap<u64, Weak<DeviceArenaBuffer>>,
+    /// Dead entries are swept when the table reaches this size.
+    sweep_at: usize,
+}
+
+impl ArenaRegistry {
+    fn insert(&self, buffer: &Arc<DeviceArenaBuffer>) {
+        let mut r = lock(&self.inner);
+        r.by_ptr
+            .insert(buffer.device_address(), Arc::downgrade(buffer));
+        if r.by_ptr.len() >= r.sweep_at {
+            r.by_ptr.retain(|_, w| w.strong_count() > 0);
+            r.sweep_at = (r.by_ptr.len() * 2).max(64);
+        }
+    }
+
+    fn find(&self, ptr: u64, nbytes: u64) -> Option<Arc<DeviceArenaBuffer>> {
+        lock(&self.inner)
+            .by_ptr
+            .get(&ptr)?
+            .upgrade()
+            .filter(|b| b.len() >= nbytes)
+    }
+}
+
+/// A buffer of a publisher's arena: fill it through `view()`, then publish
+/// it as a member of a set (`Publisher.publish_set`). The buffer lives while
+/// this object, a view of it or a set that holds it lives.
+#[pyclass(module = "cuda_ipc._core", frozen)]
+pub(crate) struct ArenaBuffer {
+    buffer: Arc<DeviceArenaBuffer>,
+    device: Device,
+}
+
+#[pymethods]
+impl ArenaBuffer {
+    /// Device address of the first byte.
+    #[getter]
+    fn ptr(&self) -> u64 {
+        self.buffer.device_address()
+    }
+    /// Length in bytes, as asked for.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.buffer.len()
+    }
+    /// Bytes from the start of its chunk.
+    #[getter]
+    fn offset(&self) -> u64 {
+        self.buffer.offset()
+    }
+    /// The index of its chunk in the arena.
+    #[getter]
+    fn chunk(&self) -> u64 {
+        self.buffer.chunk().id().index
+    }
+    /// How many published sets (one per subscriber lease) hold it.
+    #[getter]
+    fn leases(&self) -> usize {
+        self.buffer.leases()
+    }
+    /// The CUDA device ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.device.ordinal()
+    }
+    /// A view as `dtype` with `shape` (default: bytes) that keeps the buffer.
+    #[pyo3(signature = (dtype="u8", shape=None))]
+    fn view(&self, dtype: &str, shape: Option<Vec<u64>>) -> PyResult<View> {
+        let l = layout(
+            self.buffer.device_address(),
+            self.buffer.len(),
+            self.device.ordinal(),
+            dtype,
+            shape,
+        )
+        .py()?;
+        View::new(
+            Keep::other(self.device.clone(), self.buffer.clone()),
+            l,
+            None,
+            false,
+        )
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "<cuda_ipc.ArenaBuffer {} bytes at 0x{:x} (chunk {}, offset {}) on cuda:{}>",
+            self.buffer.len(),
+            self.buffer.device_address(),
+            self.buffer.chunk().id().index,
+            self.buffer.offset(),
+            self.device.ordinal()
+        )
+    }
+}
+
+/// `Publisher.arena_alloc`.
+pub(crate) fn arena_alloc(p: &PyPublisher, py: Python<'_>, nbytes: u64) -> PyResult<ArenaBuffer> {
+    let publisher = p.get()?;
+    let buffer = Arc::new(py.detach(|| publisher.alloc(nbytes)).py()?);
+    p.arena_buffers.insert(&buffer);
+    Ok(ArenaBuffer {
+        buffer,
+        device: p.device.clone(),
+    })
+}
+
+/// `Publisher.arena_reserve`.
+pub(crate) fn arena_reserve(p: &PyPublisher, py: Python<'_>, nbytes: u64) -> PyResult<u64> {
+    let publisher = p.get()?;
+    py.detach(|| publisher.arena()?.reserve(nbytes)).py()
+}
+
+/// `Publisher.arena_mechanism`.
+pub(crate) fn arena_mechanism(p: &PyPublisher, py: Python<'_>) -> PyResult<&'static str> {
+    let publisher = p.get()?;
+    py.detach(|| Ok(publisher.arena()?.backing().mechanism().name()))
+        .py()
+}
+
+/// `Publisher.arena_buffer_at`.
+pub(crate) fn arena_buffer_at(p: &PyPublisher, ptr: u64, nbytes: u64) -> Option<ArenaBuffer> {
+    p.arena_buffers.find(ptr, nbytes).map(|buffer| ArenaBuffer {
+        buffer,
+        device: p.device.clone(),
+    })
+}
+
+/// One member of `Publisher.publish_set`: `(name, buffer, dtype, shape)`.
+pub(crate) type MemberArg<'py> = (String, Bound<'py, ArenaBuffer>, String, Vec<u64>);
+
+/// `Publisher.publish_set`.
+pub(crate) fn publish_set(
+    p: &PyPublisher,
+    py: Python<'_>,
+    name: &str,
+    members: Vec<MemberArg<'_>>,
+) -> PyResult<()> {
+    let publisher = p.get()?;
+    if members.is_empty() {
+        return Err(Error::InvalidArgument {
+            what: "set members",
+            reason: format!("{name:?} has none; a set holds at least one buffer"),
+        })
+        .py();
+    }
+    let mut owned = Vec::with_capacity(members.len());
+    for (i, (member, buffer, dt, shape)) in members.into_iter().enumerate() {
+        let dt = member_dtype(i, &member, &dt).py()?;
+        owned.push((member, buffer.get().buffer.clone(), dt, shape));
+    }
+    let dev = p.device.clone();
+    py.detach(move || -> Result<()> {
+        let members: Vec<SetMember<'_>> = owned
+            .iter()
+            .map(|(name, buffer, dtype, shape)| SetMember {
+                name,
+                dtype: *dtype,
+                shape,
+                buffer,
+            })
+            .collect();
+        sync_context(&dev)?;
+        publisher.publish_set(name, &members)
+    })
+    .py()
+}
+
+/// The element type of member `index`, or an error that names the member.
+fn member_dtype(index: usize, member: &str, name: &str) -> Result<Dtype> {
+    crate::exchange::dtype(name).map_err(|_| Error::InvalidArgument {
+        what: "set member dtype",
+        reason: format!(
+            "member {index} ({member:?}) has the unknown dtype {name:?}; a set holds {}",
+            Dtype::ALL.map(Dtype::name).join(", ")
+        ),
+    })
+}
+
+/// `Publisher.update_set`.
+pub(crate) fn update_set(p: &PyPublisher, py: Python<'_>, name: &str) -> PyResult<u64> {
+    let publisher = p.get()?;
+    let dev = p.device.clone();
+    py.detach(|| -> Result<u64> {
+        sync_context(&dev)?;
+        publisher.update_set(name)
+    })
+    .py()
+}
+
+/// `Publisher.unpublish_set`.
+pub(crate) fn unpublish_set(
+    p: &PyPublisher,
+    py: Python<'_>,
+    name: &str,
+    timeout: Option<f64>,
+) -> PyResult<()> {
+    let publisher = p.get()?;
+    let t = duration(timeout).py()?;
+    py.detach(|| publisher.unpublish_set(name, Some(t))).py()
+}
+
+// --- the subscriber -----------------------------------------------------------
+
+/// One entry of an attached set, as Python sees it.
+struct Entry {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    /// Device address of its first byte, in this process.
+    ptr: u64,
+    len: u64,
+}
+
+/// A set attached from a publisher: one lease, each chunk mapped once, and
+/// a view of every entry by index or name. Views hold the lease too: it
+/// ends at `release()`, or when this object and the last view are gone.
+#[pyclass(module = "cuda_ipc._core", frozen)]
+pub(crate) struct SetAttachment {
+    name: String,
+    lease: u64,
+    uses_fence: bool,
+    ordinal: usize,
+    entries: Vec<Entry>,
+    index: HashMap<String, usize>,
+    /// This object's own hold (views hold clones): a view of the first
+    /// entry, which holds the lease and, through it, every chunk mapping.
+    keep: Mutex<Option<Keep>>,
+    /// Shared with a `wait_update` in progress (never held locked while
+    /// waiting).
+    set: Mutex<Option<Arc<Attached>>>,
+    subscriber: Arc<cuda_ipc::exchange::Subscriber>,
+}
+
+/// `Subscriber.attach_set`.
+pub(crate) fn attach_set(s: &PySubscriber, py: Python<'_>, name: &str) -> PyResult<SetAttachment> {
+    let sub = s.get()?;
+    let (set, first, entries) = py
+        .detach(|| -> Result<_> {
+            let set = sub.attach_set(name)?;
+            // Every view of the set shares the device stream that waited on
+            // the publisher's event or fence.
+            let first = set.view::<u8>(0)?;
+            first.synchronize()?;
+            let mut entries = Vec::with_capacity(set.len());
+            for (i, e) in set.entries().iter().enumerate() {
+                let b = set.view::<u8>(i)?;
+                entries.push(Entry {
+                    name: e.name.clone(),
+                    dtype: e.dtype,
+                    shape: e.shape.clone(),
+                    ptr: b.mapping().base() + b.offset(),
+                    len: e.len,
+                });
+            }
+            Ok((set, first, entries))
+        })
+        .py()?;
+    let index = entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.name.clone(), i))
+        .collect();
+    Ok(SetAttachment {
+        name: set.name().to_owned(),
+        lease: set.lease(),
+        uses_fence: set.uses_fence(),
+        ordinal: s.device.ordinal(),
+        entries,
+        index,
+        keep: Mutex::new(Some(Keep::new(first))),
+        set: Mutex::new(Some(Arc::new(set))),
+        subscriber: sub,
+    })
+}
+
+impl SetAttachment {
+    /// The position of `key`: an index, or an entry's name.
+    fn position(&self, key: &Bound<'_, PyAny>) -> Result<usize> {
+        if let Ok(i) = key.extract::<usize>() {
+            if i < self.entries.len() {
+                return Ok(i);
+            }
+            return Err(Error::InvalidArgument {
+                what: "set entry",
+                reason: format!(
+                    "index {i} is past the {} entries of {:?}",
+                    self.entries.len(),
+                    self.name
+                ),
+            });
+        }
+        if let Ok(name) = key.extract::<String>() {
+            return self
+                .index
+                .get(&name)
+                .copied()
+                .ok_or_else(|| Error::InvalidArgument {
+                    what: "set entry",
+                    reason: format!("{:?} has no entry called {name:?}", self.name),
+                });
+        }
+        Err(Error::InvalidArgument {
+            what: "set entry",
+            reason: "expected an index (int) or an entry name (str)".into(),
+        })
+    }
+
+    fn live(&self) -> PyResult<Arc<Attached>> {
+        lock(&self.set)
+            .clone()
+            .ok_or_else(|| closed_error("set", "attach it again"))
+    }
+}
+
+#[pymethods]
+impl SetAttachment {
+    /// The set's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+    /// The lease id.
+    #[getter]
+    fn lease(&self) -> u64 {
+        self.lease
+    }
+    /// Whether updates are waited for through the publisher's fence (else
+    /// its event).
+    #[getter]
+    fn uses_fence(&self) -> bool {
+        self.uses_fence
+    }
+    /// The CUDA device ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.ordinal
+    }
+    /// The bytes of every entry together.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.entries.iter().map(|e| e.len).sum()
+    }
+    /// Whether `release()` was called.
+    #[getter]
+    fn released(&self) -> bool {
+        lock(&self.set).is_none()
+    }
+    /// The entries in the publisher's order: `[(name, dtype, shape, ptr,
+    /// nbytes)]`, `ptr` the device address in this process.
+    #[getter]
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        self.entries
+            .iter()
+            .map(|e| {
+                (
+                    e.name.as_str(),
+                    e.dtype.name(),
+                    PyTuple::new(py, &e.shape)?,
+                    e.ptr,
+                    e.len,
+                )
+                    .into_pyobject(py)
+            })
+            .collect()
+    }
+    /// The set record the publisher sent (a dict).
+    #[getter]
+    fn record<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let set = self.live()?;
+        codec::loads(py, &set.record().to_value().to_string())
+    }
+    fn __len__(&self) -> usize {
+        self.entries.len()
+    }
+    /// The index of the entry called `name`, or `None`.
+    fn index(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+    /// A view of entry `key` (an index or a name) that holds the set's
+    /// lease, as `dtype` (same size) if given; `raw` shows a same-sized
+    /// signed integer type instead.
+    #[pyo3(signature = (key, dtype=None, raw=false))]
+    fn view(&self, key: &Bound<'_, PyAny>, dtype: Option<&str>, raw: bool) -> PyResult<View> {
+        let i = self.position(key).py()?;
+        let keep = lock(&self.keep)
+            .clone()
+            .ok_or_else(|| closed_error("set", "attach it again"))?;
+        let e = &self.entries[i];
+        let l = Layout {
+            ptr: e.ptr,
+            len: e.len,
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            strides: None,
+            ordinal: self.ordinal,
+        };
+        View::new(keep, l, dtype, raw)
+    }
+    /// Waits up to `timeout` seconds (`None`: for ever) for the publisher's
+    /// next update of the set, then for its event (or fence). Returns the
+    /// update's version.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_update(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
+        let t = duration(timeout).py()?;
+        let set = self.live()?;
+        let sub = &self.subscriber;
+        py.detach(|| -> Result<u64> {
+            let version = sub.wait_set_update(&set, t)?;
+            set.view::<u8>(0)?.synchronize()?;
+            Ok(version)
+        })
+        .py()
+    }
+    /// Ends the lease now (after the work queued on the memory); the chunks
+    /// stay mapped in the subscriber's cache for the next set. Fails while
+    /// tensors or arrays made from it are alive: the lease then ends when
+    /// the last of them dies.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let (keep, set) = {
+            let mut guard = lock(&self.set);
+            let Some(shared) = guard.take() else {
+                return Ok(());
+            };
+            let mut own = lock(&self.keep);
+            let views = own.as_ref().map_or(0, |k| k.holders().saturating_sub(1));
+            if views > 0 {
+                *guard = Some(shared);
+                return Err(Error::ViewsAlive {
+                    name: self.name.clone(),
+                    lease: self.lease,
+                    views,
+                })
+                .py();
+            }
+            match Arc::try_unwrap(shared) {
+                Ok(set) => (own.take(), set),
+                Err(shared) => {
+                    *guard = Some(shared);
+                    return Err(Error::InvalidArgument {
+                        what: "release",
+                        reason: "another thread is waiting for an update of this set; release \
+                                 it after that wait returns"
+                            .into(),
+                    })
+                    .py();
+                }
+            }
+        };
+        let sub = self.subscriber.clone();
+        py.detach(move || -> Result<()> {
+            drop(keep);
+            sub.release_set(set)
+        })
+        .py()
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        // Views still alive keep the lease until they die.
+        let set = lock(&self.set).take();
+        let keep = lock(&self.keep).take();
+        py.detach(move || drop((keep, set)));
+        false
+    }
+    fn __repr__(&self) -> String {
+        let state = if self.released() { " released" } else { "" };
+        format!(
+            "<cuda_ipc.SetAttachment {:?}: {} entries, {} bytes, lease {}{state}>",
+            self.name,
+            self.entries.len(),
+            self.nbytes(),
+            self.lease
+        )
+    }
+}
+
+/// Registers this module's classes and functions.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<ArenaBuffer>()?;
+    m.add_class::<SetAttachment>()?;
+    Ok(())
+}
