@@ -39,6 +39,7 @@ from .errors import (
 )
 from .export import Export, export_cupy, export_torch, torch_share_record
 from .mapping import Mapping, live_mappings, open
+from .sets import ArenaBuffer, SetAttachment, StateDict
 from .torch_record import parse_storage_handle, record_to_descriptor, tensor_layout, validate_record
 
 __version__ = _core.__version__
@@ -57,6 +58,9 @@ __all__ = [
     "RingPublisher",
     "Ring",
     "Frame",
+    "ArenaBuffer",
+    "SetAttachment",
+    "StateDict",
     "open",
     "Mapping",
     "live_mappings",

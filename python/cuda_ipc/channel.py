@@ -20,10 +20,16 @@ Subscriber (another process)::
 Publishing and updating wait for the work queued so far on the device (on
 every stream, PyTorch's and CuPy's included), then record the event;
 attaching and receiving an update wait on the host for that event.
+
+Sets (many buffers of the publisher's arena in one entry) and whole state
+dicts: :meth:`Publisher.publish_state_dict`, :meth:`Subscriber.attach_state_dict`
+and the lower-level :meth:`Publisher.alloc` / :meth:`Publisher.publish_set` /
+:meth:`Subscriber.attach_set`; see :mod:`cuda_ipc.sets`.
 """
 
 from . import _core
 from . import dtypes as _dtypes
+from . import sets as _sets
 from .errors import CudaIpcError
 from .mapping import _as_cupy, _as_torch, _torch
 
@@ -86,6 +92,8 @@ class Publisher(_Owner):
 
     def __init__(self, endpoint, *, device=0, allow_uids=()):
         super().__init__(_core.Publisher(str(endpoint), device=device, allow_uids=list(allow_uids)))
+        self._sets = set()
+        self._state_dicts = {}
 
     path = property(lambda self: self._c.path, doc="The socket path.")
     device = property(lambda self: self._c.device, doc="The CUDA device ordinal.")
@@ -125,9 +133,71 @@ class Publisher(_Owner):
         return self._c.update(name)
 
     def unpublish(self, name, timeout=None):
-        """Hides ``name`` and waits up to ``timeout`` seconds (``None``: for
-        ever) until every lease on it is released."""
+        """Hides ``name`` (a buffer or a set) and waits up to ``timeout``
+        seconds (``None``: for ever) until every lease on it is released."""
+        if name in self._sets:
+            return _sets.unpublish_set(self, name, timeout)
         return self._c.unpublish(name, timeout)
+
+    # --- arenas and sets -------------------------------------------------------
+
+    def alloc(self, nbytes):
+        """``nbytes`` of this publisher's arena (no export: a chunk is
+        exported once, when it is made), as a :class:`cuda_ipc.sets.ArenaBuffer`
+        to fill and publish with :meth:`publish_set`."""
+        return _sets.ArenaBuffer(self._c.arena_alloc(int(nbytes)))
+
+    def reserve(self, nbytes):
+        """Makes sure the arena has ``nbytes`` free (one chunk made and
+        exported now if not); returns the bytes of chunks made."""
+        return self._c.arena_reserve(int(nbytes))
+
+    @property
+    def arena_mechanism(self):
+        """How the arena's chunks are shared (``vmm``, ``pool``, ``legacy``)."""
+        return self._c.arena_mechanism()
+
+    def publish_set(self, name, members):
+        """Publishes ``members``, ``[(entry_name, ArenaBuffer, dtype,
+        shape)]``, as one set ``name``: one entry, one message, no export,
+        after the work queued so far on this device."""
+        _sets.publish_set(self, name, members)
+
+    def update_set(self, name):
+        """Tells the subscribers of the set ``name`` that new contents are
+        ready; returns the version (from 1)."""
+        return self._c.update_set(name)
+
+    def unpublish_set(self, name, timeout=None):
+        """Hides the set ``name`` and waits up to ``timeout`` seconds
+        (``None``: for ever) until every lease on it is released."""
+        _sets.unpublish_set(self, name, timeout)
+
+    def publish_state_dict(self, name, state_dict):
+        """Publishes a state dict (names to torch tensors) as the set
+        ``name``. Each tensor is copied once into a buffer of this
+        publisher's arena (made contiguous), unless it is one already (a
+        tensor this method returned, or a view of :meth:`alloc`): then it
+        is published as it is. Returns a dict of the shared tensors: write
+        into them (or ``model.load_state_dict(them, assign=True)`` and
+        train) and call :meth:`update_state_dict` to publish the change."""
+        return _sets.publish_state_dict(self, name, state_dict)
+
+    def update_state_dict(self, name, state_dict=None):
+        """Publishes new values of the state dict ``name``: copies
+        ``state_dict`` (same keys, dtypes and shapes) into the shared
+        tensors, in place, or, without one, publishes what was written into
+        them. Returns the version (from 1)."""
+        return _sets.update_state_dict(self, name, state_dict)
+
+    def retired_sets(self):
+        """Unpublished sets still leased by a subscriber."""
+        return self._c.retired_sets()
+
+    def trim(self):
+        """Releases the arena's chunks that hold no buffer and that no
+        subscriber maps; returns the bytes released."""
+        return self._c.trim()
 
     def leases(self):
         """The current leases: ``[{"lease", "name", "pid", "uid"}]``."""
@@ -299,6 +369,24 @@ class Subscriber(_Owner):
     def attach(self, name):
         """Attaches to ``name``; returns an :class:`Attachment`."""
         return Attachment(self._c.attach(name))
+
+    def attach_set(self, name):
+        """Attaches the set ``name``; returns a :class:`cuda_ipc.sets.SetAttachment`."""
+        return _sets.SetAttachment(self._c.attach_set(name))
+
+    def attach_state_dict(self, name):
+        """Attaches the set ``name`` as a :class:`cuda_ipc.sets.StateDict`:
+        a dict of zero-copy torch tensors (dtypes and shapes as published)
+        with ``wait_update`` and ``release``."""
+        return _sets.attach_state_dict(self._c.attach_set(name))
+
+    def drop_idle_mappings(self):
+        """Unmaps the cached arena chunks that no set holds any more."""
+        self._c.drop_idle_mappings()
+
+    def cached_mappings(self):
+        """``(count, bytes)`` of the arena chunks kept mapped."""
+        return self._c.cached_mappings()
 
     def attach_ring(self, name, timeout=None):
         """Subscribes to the ring ``name``; returns a :class:`Ring`."""

@@ -1,15 +1,62 @@
-"""Set records: the weights of a model (many named buffers) in the chunks of
-one arena, as one language-neutral record (``cuda_ipc::set::SetRecord``):
-checked by the library's decoder, and each entry's descriptor, which
-:func:`cuda_ipc.open` maps.
+"""Sets: many named buffers (a model's weights) in the chunks of one
+publisher's arena, handed off as one entry over the channel, and state
+dicts published and attached as sets.
 
-Publishing and attaching whole sets over the channel (a state dict in, a
-dict of tensors out) builds on these records and the library's arenas.
+Publisher (a trainer)::
+
+    pub = cuda_ipc.Publisher("weights")
+    shared = pub.publish_state_dict("model", model.state_dict())  # copied once
+    model.load_state_dict(shared, assign=True)   # the model now trains in the shared memory
+    ...; optimizer.step(); pub.update_state_dict("model")
+
+Subscriber (an inference server, another process)::
+
+    sub = cuda_ipc.Subscriber("weights")
+    sd = sub.attach_state_dict("model")          # zero copy: views of the mapped chunks
+    model.load_state_dict(sd, assign=True)
+    sd.wait_update(timeout=30)                   # the next update is visible to every stream
+
+The set record (``cuda_ipc::set::SetRecord``) is language neutral: Rust
+programs and ``cuda-ipc attach --set`` read sets published from Python, and
+Python attaches sets published by Rust (``cuda-ipc serve --set``).
+
+Element types: the 13 of :mod:`cuda_ipc.dtypes` (bool, the 8-64 bit
+integers, float16, bfloat16, float32, float64). Other PyTorch types
+(complex, float8, quantized) are refused with :class:`InvalidInput`.
+
+A set entry holds at least one byte; an empty tensor of a state dict (a
+dimension of 0) travels as a one-element entry named
+``.cuda-ipc/empty/<dims>/<key>`` (dims joined by ``x``), which
+:meth:`Subscriber.attach_state_dict` turns back into an empty tensor of the
+same dtype and shape.
+
+Also: set records checked by the library's decoder, and each entry's
+descriptor, which :func:`cuda_ipc.open` maps.
 """
 
-from . import _core
+import warnings
 
-__all__ = ["parse_set_record", "set_entry_descriptor"]
+from . import _core
+from . import dtypes as _dtypes
+from .errors import InvalidInput
+from .mapping import _as_cupy, _as_torch, _torch
+
+__all__ = [
+    "ArenaBuffer",
+    "SetAttachment",
+    "StateDict",
+    "EMPTY_PREFIX",
+    "empty_entry_name",
+    "parse_empty_entry_name",
+    "set_dtype",
+    "parse_set_record",
+    "set_entry_descriptor",
+]
+
+EMPTY_PREFIX = ".cuda-ipc/empty/"
+
+# The longest entry name a set record takes (cuda_ipc::set::MAX_SET_NAME_LEN).
+MAX_NAME_BYTES = 256
 
 
 def parse_set_record(record):
@@ -22,3 +69,395 @@ def set_entry_descriptor(record, index):
     """The descriptor of entry ``index``: its bytes in its chunk, with the
     entry's element type and shape."""
     return _core.set_entry_descriptor(record, index)
+
+
+def set_dtype(dtype, what="tensor"):
+    """The :class:`cuda_ipc.dtypes.DType` a set stores for a PyTorch dtype
+    (``torch.bfloat16`` or ``"bfloat16"``); :class:`InvalidInput` naming
+    ``what`` for a type a set does not hold."""
+    dt = _dtypes.from_torch(dtype)
+    if dt is None:
+        known = ", ".join(d.torch for d in _dtypes.DTYPES)
+        raise InvalidInput(
+            f"{what} is {_dtypes.torch_name(dtype)}, which a set does not hold (it holds {known}); "
+            f"convert it first (t.to(torch.float32), or t.view(torch.int16) for raw bits)"
+        )
+    return dt
+
+
+def empty_entry_name(key, shape):
+    """The entry name that carries the empty tensor ``key`` of ``shape``."""
+    dims = [int(d) for d in shape]
+    if 0 not in dims:
+        raise InvalidInput(f"{key!r}: shape {dims} is not empty")
+    return f"{EMPTY_PREFIX}{'x'.join(str(d) for d in dims)}/{key}"
+
+
+def parse_empty_entry_name(name):
+    """``(key, shape)`` for an entry made by :func:`empty_entry_name`, else
+    ``None``."""
+    if not name.startswith(EMPTY_PREFIX):
+        return None
+    dims, sep, key = name[len(EMPTY_PREFIX):].partition("/")
+    if not sep or not key:
+        return None
+    try:
+        shape = tuple(int(d) for d in dims.split("x"))
+    except ValueError:
+        return None
+    if any(d < 0 for d in shape) or 0 not in shape:
+        return None
+    return key, shape
+
+
+def _raw_name(name, raw):
+    if not raw:
+        return name
+    return {"bool": "u8", "u16": "i16", "u32": "i32", "u64": "i64"}.get(name, name)
+
+
+# --- the publisher's side -------------------------------------------------------
+
+
+class ArenaBuffer:
+    """A buffer of a publisher's arena (:meth:`Publisher.alloc`): fill it
+    through :meth:`as_torch` / :meth:`as_cupy`, then publish it in a set
+    (:meth:`Publisher.publish_set`). Tensors made from it keep it alive."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self, core):
+        self._c = core
+
+    ptr = property(lambda self: self._c.ptr, doc="Device address of the first byte.")
+    nbytes = property(lambda self: self._c.nbytes, doc="Length in bytes.")
+    offset = property(lambda self: self._c.offset, doc="Bytes from the start of its chunk.")
+    chunk = property(lambda self: self._c.chunk, doc="The index of its chunk in the arena.")
+    device = property(lambda self: self._c.device, doc="The CUDA device ordinal.")
+
+    def view(self, dtype="u8", shape=None):
+        return self._c.view(dtype, None if shape is None else [int(d) for d in shape])
+
+    def as_torch(self, dtype="u8", shape=None):
+        """The buffer as a torch tensor of ``dtype`` and ``shape`` (default:
+        every whole element, one dimension); it keeps the buffer alive."""
+        dt = _dtypes.lookup(dtype)
+        if dt is None:
+            raise InvalidInput(f"unknown dtype {dtype!r}; known: {', '.join(_dtypes.names())}")
+        return _as_torch(lambda n, raw: self.view(_raw_name(n, raw), shape), dt.name)
+
+    def as_cupy(self, dtype="u8", shape=None):
+        """The buffer as a CuPy array of ``dtype`` and ``shape``."""
+        dt = _dtypes.lookup(dtype)
+        if dt is None:
+            raise InvalidInput(f"unknown dtype {dtype!r}; known: {', '.join(_dtypes.names())}")
+        return _as_cupy(lambda n, raw: self.view("i16" if raw and n == "bf16" else n, shape), dt.name, self.device)
+
+    def __repr__(self):
+        return repr(self._c)
+
+
+def _core_buffer(buffer):
+    return buffer._c if isinstance(buffer, ArenaBuffer) else buffer
+
+
+def publish_set(pub, name, members):
+    """:meth:`Publisher.publish_set`."""
+    core = []
+    for i, m in enumerate(members):
+        try:
+            member, buffer, dtype, shape = m
+        except (TypeError, ValueError):
+            raise InvalidInput(f"set member {i} is not (name, buffer, dtype, shape)") from None
+        dt = _dtypes.lookup(dtype)
+        if dt is None:
+            raise InvalidInput(f"set member {i} ({member!r}): unknown dtype {dtype!r}; known: "
+                               f"{', '.join(_dtypes.names())}")
+        core.append((str(member), _core_buffer(buffer), dt.name, [int(d) for d in shape]))
+    pub._c.publish_set(str(name), core)
+    pub._sets.add(str(name))
+
+
+class _PublishedStateDict:
+    __slots__ = ("tensors", "buffers")
+
+    def __init__(self, tensors, buffers):
+        self.tensors, self.buffers = tensors, buffers
+
+
+def _check_name(name):
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"the set's name must be a non-empty string, not {name!r}")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise InvalidInput(f"the set's name is longer than the {MAX_NAME_BYTES} bytes a set record takes")
+
+
+def _check_items(state_dict):
+    """The state dict's items, after the checks that need no torch."""
+    if not hasattr(state_dict, "items"):
+        raise InvalidInput(f"expected a state dict (a mapping of names to tensors), not {type(state_dict).__name__}")
+    items = list(state_dict.items())
+    if not items:
+        raise InvalidInput("the state dict is empty; a set holds at least one tensor")
+    for key, _ in items:
+        if not isinstance(key, str) or not key:
+            raise InvalidInput(f"state dict keys must be non-empty strings, not {key!r}")
+        if key.startswith(EMPTY_PREFIX):
+            raise InvalidInput(f"{key!r}: keys starting with {EMPTY_PREFIX!r} are reserved")
+    return items
+
+
+def _round_up(n, unit=256):
+    return (n + unit - 1) // unit * unit
+
+
+def publish_state_dict(pub, name, state_dict):
+    """:meth:`Publisher.publish_state_dict`."""
+    _check_name(name)
+    items = _check_items(state_dict)
+    if name in pub._state_dicts:
+        raise InvalidInput(f"{name!r} is published already; update it with update_state_dict, "
+                           f"or unpublish it first")
+    torch = _torch()
+    plan = []
+    for key, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInput(f"{key!r} is a {type(t).__name__}, not a torch tensor")
+        dt = set_dtype(t.dtype, repr(key))
+        nbytes = t.numel() * t.element_size()
+        entry = key if nbytes else empty_entry_name(key, t.shape)
+        if len(entry.encode()) > MAX_NAME_BYTES:
+            raise InvalidInput(f"{key!r}: the entry name is longer than the {MAX_NAME_BYTES} bytes a set takes")
+        found = None
+        if nbytes and t.is_cuda and t.device.index == pub.device and t.is_contiguous():
+            found = pub._c.arena_buffer_at(t.data_ptr(), nbytes)
+        plan.append((key, t, dt, nbytes, entry, found))
+    # One chunk for everything copied, when it fits one.
+    need = sum(_round_up(max(n, dt.size)) for _, _, dt, n, _, found in plan if found is None)
+    if need:
+        pub._c.arena_reserve(need)
+    device = torch.device("cuda", pub.device)
+    members, tensors, buffers = [], {}, []
+    copied = copied_bytes = in_arena = 0
+    with torch.no_grad():
+        for key, t, dt, nbytes, entry, found in plan:
+            shape = [int(d) for d in t.shape]
+            if found is not None:
+                buf, dst = found, t
+                in_arena += 1
+            else:
+                buf = pub._c.arena_alloc(max(nbytes, dt.size))
+                if nbytes:
+                    dst = _as_torch(lambda n, raw, b=buf, s=shape: b.view(_raw_name(n, raw), s), dt.name)
+                    dst.copy_(t)  # on the current stream; non-contiguous sources become contiguous
+                    copied += 1
+                    copied_bytes += nbytes
+                else:
+                    dst = torch.empty(shape, dtype=t.dtype, device=device)
+            buffers.append(buf)
+            tensors[key] = dst
+            members.append((entry, buf, dt.name, shape if nbytes else [1]))
+    # Waits for the copies queued above (every stream of the context).
+    pub._c.publish_set(name, members)
+    pub._sets.add(name)
+    pub._state_dicts[name] = _PublishedStateDict(tensors, buffers)
+    if copied and not in_arena:
+        warnings.warn(
+            f"publish_state_dict({name!r}) copied {copied} tensors ({copied_bytes / 2**20:.1f} MiB) into the "
+            f"publisher's arena. To avoid the copy, train in the tensors it returned "
+            f"(model.load_state_dict(returned, assign=True)) and publish changes with update_state_dict, "
+            f"or allocate the weights in the arena from the start (Publisher.alloc, or a shareable "
+            f"allocator on the arena).",
+            stacklevel=3,
+        )
+    return dict(tensors)
+
+
+def update_state_dict(pub, name, state_dict=None):
+    """:meth:`Publisher.update_state_dict`."""
+    st = pub._state_dicts.get(name)
+    if st is None:
+        raise InvalidInput(f"{name!r} was not published by this publisher's publish_state_dict")
+    if state_dict is not None:
+        items = _check_items(state_dict)
+        missing = [k for k in st.tensors if k not in state_dict]
+        extra = [k for k, _ in items if k not in st.tensors]
+        if missing or extra:
+            raise InvalidInput(
+                f"the state dict does not have the keys of {name!r}: "
+                + "; ".join(s for s in (
+                    f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else "",
+                    f"unknown {extra[:5]}{' ...' if len(extra) > 5 else ''}" if extra else "",
+                ) if s))
+        torch = _torch()
+        for key, src in items:
+            dst = st.tensors[key]
+            if not isinstance(src, torch.Tensor):
+                raise InvalidInput(f"{key!r} is a {type(src).__name__}, not a torch tensor")
+            if src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
+                raise InvalidInput(f"{key!r} is {src.dtype} {list(src.shape)}; the published tensor is "
+                                   f"{dst.dtype} {list(dst.shape)}")
+        with torch.no_grad():
+            for key, src in items:
+                dst = st.tensors[key]
+                if dst.numel() == 0 or (src.data_ptr() == dst.data_ptr() and src.is_contiguous()):
+                    continue
+                dst.copy_(src)
+    # Waits for the copies queued above (every stream of the context).
+    return pub._c.update_set(name)
+
+
+def unpublish_set(pub, name, timeout=None):
+    """:meth:`Publisher.unpublish_set`."""
+    pub._c.unpublish_set(name, timeout)
+    pub._sets.discard(name)
+    pub._state_dicts.pop(name, None)
+
+
+# --- the subscriber's side ------------------------------------------------------
+
+
+class SetAttachment:
+    """A set attached from a publisher: one lease, every chunk mapped once.
+    Entries by index or name (``len(s)``, ``name in s``, :attr:`names`,
+    :attr:`entries`); :meth:`as_torch` / :meth:`as_cupy` / :meth:`view` make
+    zero-copy views that hold the lease too: it ends at :meth:`release`, or
+    when this object and the last view are gone (also when this process
+    exits or is killed)."""
+
+    __slots__ = ("_c", "_entries", "__weakref__")
+
+    def __init__(self, core):
+        self._c = core
+        self._entries = core.entries
+
+    name = property(lambda self: self._c.name, doc="The set's name.")
+    lease = property(lambda self: self._c.lease, doc="The lease id.")
+    device = property(lambda self: self._c.device, doc="The CUDA device ordinal.")
+    nbytes = property(lambda self: self._c.nbytes, doc="The bytes of every entry together.")
+    released = property(lambda self: self._c.released, doc="Whether release() was called.")
+    uses_fence = property(lambda self: self._c.uses_fence, doc="Whether updates wait on a fence.")
+    record = property(lambda self: self._c.record, doc="The set record the publisher sent.")
+
+    @property
+    def entries(self):
+        """``[(name, dtype, shape, ptr, nbytes)]`` in the publisher's order."""
+        return list(self._entries)
+
+    @property
+    def names(self):
+        return [e[0] for e in self._entries]
+
+    def __len__(self):
+        return len(self._entries)
+
+    def __contains__(self, name):
+        return self._c.index(name) is not None
+
+    def _dtype_of(self, key):
+        if isinstance(key, int):
+            if not 0 <= key < len(self._entries):
+                raise InvalidInput(f"index {key} is past the {len(self._entries)} entries of {self.name!r}")
+            return self._entries[key][1]
+        i = self._c.index(key)
+        if i is None:
+            raise InvalidInput(f"{self.name!r} has no entry called {key!r}")
+        return self._entries[i][1]
+
+    def view(self, key, dtype=None, raw=False):
+        return self._c.view(key, dtype, raw)
+
+    def as_torch(self, key, dtype=None):
+        """Entry ``key`` (an index or a name) as a torch tensor (zero copy);
+        it holds the lease."""
+        return _as_torch(lambda n, raw: self._c.view(key, n, raw), self._dtype_of(key), dtype)
+
+    def as_cupy(self, key, dtype=None):
+        """Entry ``key`` as a CuPy array (zero copy); it holds the lease."""
+        return _as_cupy(lambda n, raw: self._c.view(key, n, raw), self._dtype_of(key), self.device, dtype)
+
+    def wait_update(self, timeout=None):
+        """Waits for the publisher's next update of the set; returns its
+        version. Raises PeerGone when the publisher is gone or takes the set
+        back, Timeout after ``timeout`` seconds."""
+        return self._c.wait_update(timeout)
+
+    def release(self):
+        """Ends the lease now; raises InvalidInput while tensors made from
+        it are alive (the lease then ends with the last of them)."""
+        return self._c.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._c.__exit__(*exc)
+
+    def __repr__(self):
+        return repr(self._c)
+
+
+class StateDict(dict):
+    """A state dict attached from a publisher: a ``dict`` of torch tensors,
+    zero-copy views of the publisher's memory, that
+    ``model.load_state_dict(sd, assign=True)`` takes as they are (the model
+    then runs on the shared memory; without ``assign`` the values are copied
+    into the model's own tensors). :meth:`wait_update` waits for the next
+    update, which every tensor sees in place.
+
+    The tensors hold the set's lease: :meth:`release` (or leaving a ``with``
+    block) drops this dict's tensors and ends the lease, or, while other
+    tensors of it live (a model's parameters after ``assign=True``), raises
+    InvalidInput for release() and leaves the lease to the last of them."""
+
+    def __init__(self, attachment, tensors):
+        super().__init__(tensors)
+        self.attachment = attachment
+
+    name = property(lambda self: self.attachment.name, doc="The set's name.")
+    lease = property(lambda self: self.attachment.lease, doc="The lease id.")
+
+    def wait_update(self, timeout=None):
+        """Waits for the publisher's next update; returns its version."""
+        return self.attachment.wait_update(timeout)
+
+    def release(self):
+        """Drops this dict's tensors and ends the lease (see the class)."""
+        self.clear()
+        return self.attachment.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.clear()
+        return self.attachment.__exit__(*exc)
+
+
+def attach_state_dict(core_attachment):
+    """A :class:`StateDict` of the set ``core_attachment`` (a
+    ``_core.SetAttachment``)."""
+    a = SetAttachment(core_attachment)
+    try:
+        torch = _torch()
+        tensors = {}
+        device = torch.device("cuda", a.device)
+        for i, (entry, dtype, _shape, _ptr, _nbytes) in enumerate(a._entries):
+            empty = parse_empty_entry_name(entry)
+            if empty is not None:
+                key, shape = empty
+                dt = _dtypes.by_name(dtype)
+                target = getattr(torch, dt.torch, None)
+                if target is None:
+                    raise InvalidInput(f"{key!r}: this PyTorch has no torch.{dt.torch}")
+                value = torch.empty(shape, dtype=target, device=device)
+            else:
+                key, value = entry, a.as_torch(i)
+            if key in tensors:
+                raise InvalidInput(f"{a.name!r} holds {key!r} twice")
+            tensors[key] = value
+    except BaseException:
+        tensors = None
+        a.__exit__(None, None, None)
+        raise
+    return StateDict(a, tensors)
