@@ -973,6 +973,7 @@ def _sets_check_cli_set(self, path, n):
         for i in range(n):
             _ramp_check(torch, sd[f"w{i}"], i, f"state dict w{i}")
         sd.release()
+        del s, sd
         gc.collect()
     return {"words": words, "bytes": total}
 
