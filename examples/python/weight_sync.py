@@ -21,6 +21,7 @@ otherwise. Needs PyTorch and a CUDA GPU.
 """
 
 import argparse
+import gc
 import os
 import queue
 import sys
@@ -155,7 +156,9 @@ def inference(socket, steps, device_index, ready, acks, results):
                 raise RuntimeError(f"step {step}: the output differs from the local reference by {diff:.3g} "
                                    f"(atol {ATOL})")
             acks.put(step)
+        # The model's parameters are views of the set: drop them, then release.
         del model
+        gc.collect()
         sd.release()
     results.put(worst)
 
