@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import unittest
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _path  # noqa: E402
