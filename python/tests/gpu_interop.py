@@ -915,10 +915,10 @@ def _sets_leases(self, case, want=None, at_least=None, name=None, timeout=10.0):
     return {"leases": n}
 
 
-def _sets_unpublish(self, case, name, timeout):
-    """Unpublishes `name` waiting up to `timeout` s for its leases (raises if not)."""
+def _sets_unpublish(self, case, name, wait):
+    """Unpublishes `name` waiting up to `wait` s for its leases (raises if not)."""
     t0 = time.perf_counter()
-    self.state[case]["pub"].unpublish(name, timeout=timeout)
+    self.state[case]["pub"].unpublish(name, timeout=wait)
     return {"ms": (time.perf_counter() - t0) * 1e3}
 
 
@@ -1627,7 +1627,7 @@ class Runner:
             a.call("sets_leases", case=case, want=1, name="model")
             b.call("sets_release_sd", case=case)
             a.call("sets_leases", case=case, want=0)
-            a.call("sets_unpublish", case=case, name="model", timeout=10)
+            a.call("sets_unpublish", case=case, name="model", wait=10)
         except BaseException:
             self._sets_drop(b, case)
             raise
@@ -1667,11 +1667,11 @@ class Runner:
         r = a.call("sets_publish_sd", case=case, n=n, timeout=300)
         try:
             b.call("sets_attach_sd", case=case, path=r["path"], n=n, version=0, hold="tensors", timeout=300)
-            a.call("sets_leases", case=case, want=1, name="model", timeout=1)
+            a.call("sets_leases", case=case, want=1, name="model")
             held = a.call("sets_leases", case=case, at_least=2)["leases"]
             b.kill()  # SIGKILL, tensors and all
             a.call("sets_leases", case=case, want=0)
-            u = a.call("sets_unpublish", case=case, name="model", timeout=10)
+            u = a.call("sets_unpublish", case=case, name="model", wait=10)
         finally:
             self._sets_close(a, case)
         return f"{held} leases (the set's and its chunks') ended; unpublish took {u['ms']:.1f} ms"
