@@ -2,11 +2,13 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python peer bench bench-full containers
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python peer bench bench-full containers sets stress
 #                          (default: info tests soak demo cli exchange samples python)
 #
-# `tests` runs every GPU test but the 100,000-cycle soak, which `soak` runs
-# (it takes a minute or two). PYTHON_ONLY=WORD runs only the Python interop
+# `tests` runs every GPU test but the 100,000-cycle soaks, which `soak` runs
+# (they take a minute or two). `sets` hands off weight sets through the CLI;
+# `stress` kills 200 subscribers (CHAOS_ROUNDS) and runs the exchange soak for
+# 1,000,000 cycles (SOAK_CYCLES), about ten minutes. PYTHON_ONLY=WORD runs only the Python interop
 # cases whose name contains WORD. `peer` and the benches use two GPUs
 # (`--devices 0,1`) where there are two.
 #
@@ -204,6 +206,40 @@ step_containers() {
   exec 7>&-
   wait "$pid"
   rm -f "$fifo"
+}
+
+# Weight sets through the CLI: 1,000 buffers (4 GiB) in one hand-off, and
+# serve --set with two consumers in turn.
+step_sets() {
+  check "sets: demo --set 1000 --size 4GiB" 0 "$cli" demo --set 1000 --size 4GiB
+  grep -E 'set|attached|OK|FAILED' "$logs/sets__demo_--set_1000_--size_4GiB.log" | head -n 12
+  local fifo="$logs/stdin-serve-set" sock="$logs/serve-set.sock"
+  rm -f "$fifo" "$sock"
+  mkfifo "$fifo"
+  "$cli" serve --socket "$sock" --size 1GiB --set 100 <"$fifo" >"$logs/serve-set.json" 2>"$logs/serve-set.err" &
+  local pid=$!
+  exec 6>"$fifo"
+  for _ in $(seq 100); do [ -s "$logs/serve-set.json" ] && break; sleep 0.1; done
+  check "sets: attach --set weights (100 buffers, 1 GiB)" 0 "$cli" attach --socket "$sock" --set weights
+  check "sets: a second consumer attaches the same set" 0 "$cli" attach --socket "$sock" --set weights
+  check "sets: an unknown set exits 2" 2 "$cli" attach --socket "$sock" --set nope
+  grep -hE 'attached|checked|OK' "$logs"/sets__attach_--set_weights*.log | head -n 4
+  exec 6>&-
+  wait "$pid"
+  local rc=$?
+  [ "$rc" -eq 0 ] && ok "sets: serve --set exits 0 once every lease is released" || bad "sets: serve --set exited $rc: $(cat "$logs/serve-set.err")"
+  rm -f "$fifo"
+}
+
+# Long runs: subscribers killed at random points, and the million-cycle soak.
+step_stress() {
+  local gpu=$here/tests/gpu
+  check "stress: ${CHAOS_ROUNDS:-200} subscribers killed at random points" 0 \
+    env CUDA_IPC_CHAOS_ROUNDS="${CHAOS_ROUNDS:-200}" "$gpu" --ignored --exact chaos::subscribers_killed_at_random_points --test-threads=1 --nocapture
+  grep -hE '^(seed|chaos|killed|free|fds|leases)' "$logs"/stress__*subscribers_killed*.log | head -n 8
+  check "stress: exchange soak of ${SOAK_CYCLES:-1000000} cycles" 0 \
+    env CUDA_IPC_SOAK_CYCLES="${SOAK_CYCLES:-1000000}" "$gpu" --ignored --exact exchange::soak_a_hundred_thousand_cycles --test-threads=1 --nocapture
+  grep -hE '^soak' "$logs"/stress__exchange_soak*.log | head -n 8
 }
 
 step_samples() {
