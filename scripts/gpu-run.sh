@@ -171,17 +171,24 @@ step_containers() {
     grep -h "synchronised with" "$logs"/containers_"$m"__attach_with_a_private__dev_shm*.log 2>/dev/null
     check "containers $m: attach --sync fence in a new PID namespace" 0 \
       unshare --pid --fork --mount-proc "$cli" attach --socket "$sock" --buffer buf0 --sync fence --expect-u32 $((value + 3)) --fill-u32 $((value + 4))
+    check "containers $m: attach in a new user namespace (root mapped to ours)" 0 \
+      unshare --user --map-root-user "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 $((value + 4)) --fill-u32 $((value + 5))
     exec 7>&-
     wait "$pid"
     local rc=$?
     [ "$rc" -eq 0 ] && ok "containers $m: serve exits 0 once every lease is released" || bad "containers $m: serve exited $rc: $(cat "$logs/ns-serve-$m.err")"
     rm -f "$fifo"
   done
-  # The driver does not start in a new user namespace (cuInit: CUDA_ERROR_OPERATING_SYSTEM
-  # on driver 580): the command must say so and exit 3, as without a driver.
-  check "containers: in a new user namespace the driver cannot start (exit 3)" 3 \
-    unshare --user --map-root-user "$cli" info
-  grep -h "user namespace" "$logs"/containers__in_a_new_user_namespace*.log | head -n 2
+  # A new PID namespace that still sees the parent's /proc: the driver
+  # does not start there (cuInit: CUDA_ERROR_OPERATING_SYSTEM on driver
+  # 580); the command must say so, name the fix and exit 3.
+  check "containers: in a new PID namespace without its own /proc the driver cannot start (exit 3)" 3 \
+    unshare --pid --fork "$cli" info
+  if grep -q -- "--mount-proc" "$logs"/containers__in_a_new_PID_namespace_without*.log; then
+    ok "containers: the message names the fix (--mount-proc)"
+  else
+    bad "containers: the message does not name --mount-proc: $(tail -n 2 "$logs"/containers__in_a_new_PID_namespace_without*.log | tr '\n' ' ' | cut -c1-300)"
+  fi
   echo "SKIP  containers: demo with its consumer in a new PID + IPC namespace (the demo spawns its own consumer; the GPU test every_mechanism_with_the_consumer_in_new_namespaces covers it)"
   local fifo="$logs/stdin-ns-export"
   rm -f "$fifo"

@@ -292,7 +292,8 @@ fn channel_kind(kind: crate::channel::ChannelErrorKind) -> ErrorKind {
 fn driver_kind(call: &str, result: CUresult) -> ErrorKind {
     use CUresult as R;
     match result {
-        // The driver cannot start in this process (a new user namespace).
+        // The driver cannot start in this process (a new PID namespace
+        // that still sees its parent's /proc).
         R::CUDA_ERROR_OPERATING_SYSTEM if call == "cuInit" => ErrorKind::Unavailable,
         R::CUDA_ERROR_NO_DEVICE
         | R::CUDA_ERROR_INVALID_DEVICE
@@ -316,9 +317,10 @@ pub(crate) fn driver_hint(call: &'static str, result: CUresult) -> Option<&'stat
     use CUresult as R;
     Some(match (call, result) {
         ("cuInit", R::CUDA_ERROR_OPERATING_SYSTEM) => {
-            "the driver cannot start in this process; on an H200 with driver 580 this is what a new \
-             user namespace gives (unshare --user, rootless containers): run the process in the \
-             host's user namespace, or in a container made with the NVIDIA container toolkit"
+            "the driver cannot start in this process; on an H200 with driver 580 this is what a \
+             process in a new PID namespace gets while /proc is still its parent's (unshare --pid \
+             without --mount-proc): give the namespace its own /proc (unshare --pid --fork \
+             --mount-proc, as container runtimes do)"
         }
         ("cuIpcOpenMemHandle", R::CUDA_ERROR_INVALID_CONTEXT) => {
             "a process cannot open an IPC handle it exported itself; open it in another process"
@@ -513,7 +515,7 @@ mod tests {
     fn a_driver_that_cannot_start_is_unavailable_with_a_hint() {
         let e = driver_error("cuInit", CUresult::CUDA_ERROR_OPERATING_SYSTEM);
         assert_eq!(e.kind(), ErrorKind::Unavailable);
-        assert!(e.to_string().contains("user namespace"), "{e}");
+        assert!(e.to_string().contains("--mount-proc"), "{e}");
         // The same code from another call is a plain failure.
         let e = driver_error("cuMemMap", CUresult::CUDA_ERROR_OPERATING_SYSTEM);
         assert_eq!(e.kind(), ErrorKind::Failed);

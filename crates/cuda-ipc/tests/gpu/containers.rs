@@ -278,10 +278,11 @@ fn fences_over_the_channel_publish_update_ring() {
 }
 
 /// The consumer in new namespaces, over the channel, sync = auto: a new
-/// PID namespace; PID + IPC; and a mount namespace with a private tmpfs
-/// over /dev/shm, where events cannot open and fences must be chosen.
-/// Every mechanism, data checked both ways. (A consumer in a new user
-/// namespace cannot start the driver at all on the H200 with driver 580:
+/// PID namespace with its own /proc; PID + IPC; a new user namespace
+/// (root mapped to ours); and a mount namespace with a private tmpfs over
+/// /dev/shm, where events cannot open and fences must be chosen. Every
+/// mechanism, data checked both ways. (A new PID namespace that still sees
+/// the parent's /proc cannot start the driver on the H200 with driver 580:
 /// `cuInit` fails with CUDA_ERROR_OPERATING_SYSTEM; `run.sh containers`
 /// checks the error the command gives there.)
 #[test]
@@ -290,14 +291,20 @@ fn every_mechanism_with_the_consumer_in_new_namespaces() {
     child_or(|| {
         let device = Device::open(0).unwrap();
         let test = test_name!("every_mechanism_with_the_consumer_in_new_namespaces");
-        let cases: [(&str, &[&str], &str, Option<bool>); 4] = [
-            ("pid", &["--pid", "--fork", "--kill-child"], "", Some(false)),
+        let cases: [(&str, &[&str], &str, Option<bool>); 5] = [
             (
-                "pid+ipc",
-                &["--pid", "--ipc", "--fork", "--kill-child"],
+                "pid",
+                &["--pid", "--fork", "--kill-child", "--mount-proc"],
                 "",
                 Some(false),
             ),
+            (
+                "pid+ipc",
+                &["--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"],
+                "",
+                Some(false),
+            ),
+            ("user", &["--user", "--map-root-user"], "", Some(false)),
             (
                 "private /dev/shm",
                 &["--mount"],
@@ -306,7 +313,7 @@ fn every_mechanism_with_the_consumer_in_new_namespaces() {
             ),
             (
                 "pid+ipc+private /dev/shm",
-                &["--mount", "--pid", "--ipc", "--fork", "--kill-child"],
+                &["--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"],
                 "mount -t tmpfs tmpfs /dev/shm &&",
                 Some(true),
             ),
