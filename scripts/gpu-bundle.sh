@@ -65,6 +65,9 @@ fi
 mkdir -p "$out/wheels"
 (cd python && "$maturin" build --release --locked -i python3 -o "$out/wheels") >&2
 [ -d bench ] && cp -r bench "$out/bench"
+# The Python examples (the interop script runs weight_sync.py from here).
+mkdir -p "$out/examples/python"
+cp examples/python/*.py "$out/examples/python/"
 cp scripts/gpu-run.sh "$out/run.sh"
 chmod +x "$out/run.sh"
 strip --strip-debug "$out/cuda-ipc" "$out"/tests/* "$out"/examples/* 2>/dev/null || true
