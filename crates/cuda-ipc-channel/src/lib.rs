@@ -56,6 +56,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub mod client;
+mod deadline;
 mod limits;
 mod paths;
 pub mod server;
@@ -63,6 +64,7 @@ mod socket;
 pub mod wire;
 
 pub use client::{Attachment, Client, ClientConfig, Notice, RingAttachment, RingFrame, Update};
+pub use deadline::deadline_in;
 pub use limits::{MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, validate_entry_name};
 pub use paths::{
     MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,

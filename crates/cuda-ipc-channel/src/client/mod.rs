@@ -129,7 +129,7 @@ impl Client {
     pub fn connect(path: impl AsRef<Path>, config: ClientConfig) -> Result<Client, ChannelError> {
         let path = path.as_ref();
         let started = Instant::now();
-        let deadline = started + config.timeout;
+        let deadline = crate::deadline_in(config.timeout);
         let stream = connect_socket(path, deadline)?;
         let server = peer_credentials(&stream)?;
         if !config.allowed_server_uids.contains(&server.uid) {
@@ -407,7 +407,7 @@ impl Client {
     /// [`ChannelError::PeerGone`].
     pub fn next_update(&self, timeout: Duration) -> Result<Update, ChannelError> {
         self.wait_for(
-            Instant::now() + timeout,
+            crate::deadline_in(timeout),
             "an update from the producer",
             |st| st.updates.pop_front(),
         )
@@ -429,7 +429,7 @@ impl Client {
         if !lock(&self.state).rings.contains_key(&lease) {
             return Err(not_ring());
         }
-        self.wait_for(Instant::now() + timeout, "a ring frame", |st| {
+        self.wait_for(crate::deadline_in(timeout), "a ring frame", |st| {
             let Some(q) = st.rings.get_mut(&lease) else {
                 return Some(Err(not_ring()));
             };
@@ -497,7 +497,7 @@ impl Client {
         let pending = Pending {
             client: self,
             id,
-            deadline: Instant::now() + self.timeout,
+            deadline: crate::deadline_in(self.timeout),
         };
         self.send(&make(id))?;
         Ok(pending)
@@ -519,7 +519,7 @@ impl Client {
             &self.stream,
             message,
             &[],
-            Some(Instant::now() + self.timeout),
+            Some(crate::deadline_in(self.timeout)),
         )
         .map_err(|e| {
             // A message cut in half leaves the stream unusable. (After

@@ -323,7 +323,7 @@ impl Conn {
             } else {
                 send_timeout
             };
-            let deadline = Instant::now() + timeout;
+            let deadline = crate::deadline_in(timeout);
             let sent = if next.fds.is_empty() || self.wait_fd_room(next.fds.len(), deadline) {
                 let fds: Vec<BorrowedFd<'_>> = next.fds.iter().map(AsFd::as_fd).collect();
                 send_bytes(&self.stream, &next.bytes, &fds, Some(deadline))

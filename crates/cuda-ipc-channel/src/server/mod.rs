@@ -612,7 +612,7 @@ impl Server {
     /// published or not, or `timeout` passes ([`ChannelError::Timeout`];
     /// `None` waits for ever). Returns at once if there is none.
     pub fn wait_released(&self, name: &str, timeout: Option<Duration>) -> Result<(), ChannelError> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let deadline = timeout.map(crate::deadline_in);
         let mut st = lock(&self.shared.state);
         loop {
             let n = st.lease_count(name);

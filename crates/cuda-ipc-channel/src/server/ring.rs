@@ -75,7 +75,7 @@ impl RingProducer {
     /// returns its index. `None` waits for ever; a timeout gives
     /// [`ChannelError::Timeout`].
     pub fn acquire(&self, timeout: Option<Duration>) -> Result<u32, ChannelError> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let deadline = timeout.map(crate::deadline_in);
         let mut st = lock(&self.shared.state);
         loop {
             let got = self.with_ring(&mut st, |ring, _| {

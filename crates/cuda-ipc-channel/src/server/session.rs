@@ -2,7 +2,6 @@
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::time::Instant;
 
 use rustix::net::{Shutdown, shutdown};
 
@@ -43,7 +42,7 @@ pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
 /// Serves one connection until it ends. `Err` carries the error message to
 /// send before closing.
 pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
-    let deadline = Instant::now() + shared.handshake_timeout;
+    let deadline = crate::deadline_in(shared.handshake_timeout);
     match recv_message(&conn.stream, Some(deadline), shared.recv_limits) {
         Ok((Message::Hello { protocol, .. }, fds)) if fds.is_empty() => {
             if protocol != PROTOCOL_VERSION {
@@ -84,7 +83,7 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         conn.wait_for_room(RESPONSE_WINDOW);
         // A connection that holds nothing may stay silent only so long.
         let idle = lock(&shared.state).leases_of(conn.id) == 0;
-        let deadline = idle.then(|| Instant::now() + shared.idle_timeout);
+        let deadline = idle.then(|| crate::deadline_in(shared.idle_timeout));
         match recv_message(&conn.stream, deadline, shared.recv_limits) {
             Ok((message, fds)) => {
                 if !fds.is_empty() {

@@ -529,3 +529,30 @@ fn shutdown_disconnects_clients_and_wakes_waiters() {
     server.shutdown();
     drop(server);
 }
+
+/// "Wait for ever" written as `Duration::MAX` is a wait, not an overflow
+/// panic: in the client's config, its waits, and the server's.
+#[test]
+fn the_longest_timeouts_wait_instead_of_panicking() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "forever");
+    let server = Server::bind(
+        ServerConfig::new(&path)
+            .with_send_timeout(Duration::MAX)
+            .with_idle_timeout(Duration::MAX),
+    )
+    .unwrap();
+    server
+        .publish("x", json!({"len": 4}), vec![memfd_with(b"abcd")])
+        .unwrap();
+    let client =
+        Client::connect(&path, ClientConfig::default().with_timeout(Duration::MAX)).unwrap();
+    let a = client.attach("x").unwrap();
+    assert_eq!(read_fd(&a.fds[0], 4), b"abcd");
+    server.update("x", json!({"v": 1})).unwrap();
+    let u = client.next_update(Duration::MAX).unwrap();
+    assert_eq!(u.lease, a.lease);
+    client.release(a.lease).unwrap();
+    server.wait_released("x", Some(Duration::MAX)).unwrap();
+    assert_eq!(server.lease_count("x"), 0);
+}

@@ -890,7 +890,7 @@ impl Subscriber {
     /// the update's version; [`ChannelError::Unpublished`] when the publisher
     /// wants the set back (release it).
     pub fn wait_set_update(&self, set: &SetAttachment, timeout: Duration) -> Result<u64> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::channel::deadline_in(timeout);
         let notice = loop {
             if let Some(n) = lock(&self.pending)
                 .get_mut(&set.lease)

@@ -378,7 +378,7 @@ impl Subscriber {
     /// allocation's generation); [`ChannelError::Unpublished`] when
     /// the publisher wants the buffer back (release it).
     pub fn wait_update<T: Pod>(&self, attached: &Attachment<T>, timeout: Duration) -> Result<u64> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::channel::deadline_in(timeout);
         loop {
             if let Some(notice) = lock(&self.pending)
                 .get_mut(&attached.lease)

@@ -432,7 +432,7 @@ impl Waiter {
         // Host words are written by the publisher's stream after its work
         // (with the write's memory barrier): seen here, the work is done.
         let host_only = host_only && mapping.is_host();
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::channel::deadline_in(timeout);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let reached = if host_only {
