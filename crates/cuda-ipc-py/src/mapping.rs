@@ -524,19 +524,16 @@ fn open_record(r: &ShareRecord, ordinal: Option<usize>) -> Result<PyMapping> {
         let event = IpcEvent::open(&device, h)?;
         event.synchronize()?;
     }
-    let d = Descriptor {
-        source: cuda_ipc::descriptor::Source::Vmm { fd: numbers[0] },
-        alloc_size: segment.mapped_size()?,
-        offset: layout.offset,
-        byte_len: layout.byte_len,
-        dtype: layout.dtype,
-        shape: Some(layout.shape),
-        strides: layout.strides,
-        device_uuid: r.device_uuid,
-        pid: segment.pid,
-        event: None,
-        generation: None,
-    };
+    let mut d = Descriptor::new(
+        cuda_ipc::descriptor::Source::Vmm { fd: numbers[0] },
+        segment.mapped_size()?,
+        r.device_uuid,
+        segment.pid,
+    )
+    .with_range(layout.offset, layout.byte_len)
+    .with_dtype(layout.dtype)
+    .with_shape(layout.shape);
+    d.strides = layout.strides;
     Ok(PyMapping::new(
         buffer,
         &d,

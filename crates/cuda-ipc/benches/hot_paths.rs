@@ -33,28 +33,21 @@ fn bytes(seed: u8) -> [u8; 64] {
 /// A descriptor as a publish sends it: the handle, an event, a shape;
 /// `mechanism` is "legacy" or "pool" (which also carries a descriptor number).
 fn descriptor(mechanism: &str) -> Descriptor {
-    Descriptor {
-        source: if mechanism == "pool" {
-            Source::Pool {
-                fd: 7,
-                ptr: PoolPtrHandle::new(bytes(3)),
-            }
-        } else {
-            Source::Legacy {
-                handle: IpcMemHandle::new(bytes(1)),
-            }
-        },
-        alloc_size: 64 << 20,
-        offset: 0,
-        byte_len: 64 << 20,
-        dtype: Dtype::U32,
-        shape: Some(vec![16 << 20]),
-        strides: None,
-        device_uuid: DeviceUuid([0x5a; 16]),
-        pid: 4242,
-        event: Some(IpcEventHandle::new(bytes(2))),
-        generation: Some((0x1092 << 40) | 0x11),
-    }
+    let source = if mechanism == "pool" {
+        Source::Pool {
+            fd: 7,
+            ptr: PoolPtrHandle::new(bytes(3)),
+        }
+    } else {
+        Source::Legacy {
+            handle: IpcMemHandle::new(bytes(1)),
+        }
+    };
+    Descriptor::new(source, 64 << 20, DeviceUuid([0x5a; 16]), 4242)
+        .with_dtype(Dtype::U32)
+        .with_shape(vec![16 << 20])
+        .with_event(IpcEventHandle::new(bytes(2)))
+        .with_generation((0x1092 << 40) | 0x11)
 }
 
 mod descriptors {

@@ -164,7 +164,12 @@ impl Source {
 }
 
 /// One export, as another process (in any language) needs it.
+///
+/// Made by the exporting types (`SharedBuffer::descriptor`, ...) or decoded
+/// with [`Descriptor::from_json`]; to build one by hand, start from
+/// [`Descriptor::new`] and the `with_*` methods (more fields may come).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Descriptor {
     /// How the allocation is shared.
     pub source: Source,
@@ -238,6 +243,69 @@ fn forbid(f: &Fields<'_>, key: &str, mechanism: Mechanism) -> Result<()> {
 }
 
 impl Descriptor {
+    /// A descriptor of the whole allocation of `alloc_size` bytes as bytes
+    /// (`u8`), with no shape, event or generation: set those with the
+    /// `with_*` methods. Not validated until [`Descriptor::validate`] or
+    /// an open.
+    pub fn new(source: Source, alloc_size: u64, device_uuid: DeviceUuid, pid: u32) -> Self {
+        Descriptor {
+            source,
+            alloc_size,
+            offset: 0,
+            byte_len: alloc_size,
+            dtype: Dtype::U8,
+            shape: None,
+            strides: None,
+            device_uuid,
+            pid,
+            event: None,
+            generation: None,
+        }
+    }
+
+    /// Exports `byte_len` bytes from `offset` in the allocation.
+    #[must_use]
+    pub fn with_range(mut self, offset: u64, byte_len: u64) -> Self {
+        self.offset = offset;
+        self.byte_len = byte_len;
+        self
+    }
+
+    /// The element type.
+    #[must_use]
+    pub fn with_dtype(mut self, dtype: Dtype) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Dimensions in elements.
+    #[must_use]
+    pub fn with_shape(mut self, shape: Vec<u64>) -> Self {
+        self.shape = Some(shape);
+        self
+    }
+
+    /// Strides in elements, one per dimension of the shape.
+    #[must_use]
+    pub fn with_strides(mut self, strides: Vec<u64>) -> Self {
+        self.strides = Some(strides);
+        self
+    }
+
+    /// The interprocess event recorded after the exporter's writes.
+    #[must_use]
+    pub fn with_event(mut self, event: IpcEventHandle) -> Self {
+        self.event = Some(event);
+        self
+    }
+
+    /// The allocation's generation, for caches of mappings.
+    #[must_use]
+    pub fn with_generation(mut self, generation: u64) -> Self {
+        self.generation = Some(generation);
+        self
+    }
+
     /// Parses and validates a descriptor from JSON text.
     pub fn from_json(text: &str) -> Result<Self> {
         let value: Value = crate::json::parse_strict(text)

@@ -247,19 +247,14 @@ fn arb_descriptor() -> impl Strategy<Value = Descriptor> {
                     2 => (Some(vec![count.div_ceil(2), 1]), Some(vec![2, 1])),
                     _ => (Some(vec![1, count]), None),
                 };
-                Descriptor {
-                    source,
-                    alloc_size: offset + len + slack,
-                    offset,
-                    byte_len: len,
-                    dtype,
-                    shape,
-                    strides,
-                    device_uuid: DeviceUuid(uuid),
-                    pid,
-                    event: event.map(IpcEventHandle::new),
-                    generation,
-                }
+                let mut d = Descriptor::new(source, offset + len + slack, DeviceUuid(uuid), pid)
+                    .with_range(offset, len)
+                    .with_dtype(dtype);
+                d.shape = shape;
+                d.strides = strides;
+                d.event = event.map(IpcEventHandle::new);
+                d.generation = generation;
+                d
             },
         )
 }

@@ -17,21 +17,26 @@ fn handle_bytes(seed: u8) -> [u8; HANDLE_LEN] {
 }
 
 fn legacy() -> Descriptor {
-    Descriptor {
-        source: Source::Legacy {
+    Descriptor::new(
+        Source::Legacy {
             handle: IpcMemHandle::new(handle_bytes(1)),
         },
-        alloc_size: 4 << 20,
-        offset: 1 << 20,
-        byte_len: 3 << 20,
-        dtype: Dtype::U32,
-        shape: Some(vec![3 << 18]),
-        strides: None,
-        device_uuid: DeviceUuid([7; 16]),
-        pid: 4242,
-        event: Some(IpcEventHandle::new(handle_bytes(9))),
-        generation: Some(77),
-    }
+        4 << 20,
+        DeviceUuid([7; 16]),
+        4242,
+    )
+    .with_range(1 << 20, 3 << 20)
+    .with_dtype(Dtype::U32)
+    .with_shape(vec![3 << 18])
+    .with_event(IpcEventHandle::new(handle_bytes(9)))
+    .with_generation(77)
+}
+
+/// `legacy()` with another source.
+fn with_source(source: Source) -> Descriptor {
+    let mut d = legacy();
+    d.source = source;
+    d
 }
 
 #[test]
@@ -98,7 +103,7 @@ fn every_mechanism_round_trips() {
         },
     ];
     for source in sources {
-        let d = Descriptor { source, ..legacy() };
+        let d = with_source(source);
         let text = d.to_json();
         assert_eq!(Descriptor::from_json(&text).unwrap(), d, "{text}");
         assert_eq!(d.mechanism(), source.mechanism());
@@ -286,11 +291,7 @@ fn every_malformed_field_is_named() {
 
 #[test]
 fn fd_mechanisms_have_their_own_rules() {
-    let mut v = Descriptor {
-        source: Source::Vmm { fd: 5 },
-        ..legacy()
-    }
-    .to_value();
+    let mut v = with_source(Source::Vmm { fd: 5 }).to_value();
     v["handle"] = json!(IpcMemHandle::new(handle_bytes(1)).to_hex());
     assert!(
         Descriptor::from_value(&v)
@@ -298,11 +299,7 @@ fn fd_mechanisms_have_their_own_rules() {
             .to_string()
             .contains("does not belong to a vmm descriptor")
     );
-    let mut v = Descriptor {
-        source: Source::Vmm { fd: 5 },
-        ..legacy()
-    }
-    .to_value();
+    let mut v = with_source(Source::Vmm { fd: 5 }).to_value();
     v["fd"] = json!(1u64 << 35);
     assert!(
         Descriptor::from_value(&v)
@@ -310,13 +307,10 @@ fn fd_mechanisms_have_their_own_rules() {
             .to_string()
             .contains("not a file descriptor number")
     );
-    let mut v = Descriptor {
-        source: Source::Pool {
-            fd: 5,
-            ptr: PoolPtrHandle::new(handle_bytes(4)),
-        },
-        ..legacy()
-    }
+    let mut v = with_source(Source::Pool {
+        fd: 5,
+        ptr: PoolPtrHandle::new(handle_bytes(4)),
+    })
     .to_value();
     v.as_object_mut().unwrap().remove("fd");
     assert!(
@@ -389,19 +383,11 @@ proptest! {
         with_shape in any::<bool>(),
     ) {
         let size = dtype.size();
-        let d = Descriptor {
-            source,
-            alloc_size: (before + elems + after) * size,
-            offset: before * size,
-            byte_len: elems * size,
-            dtype,
-            shape: with_shape.then(|| vec![elems]),
-            strides: None,
-            device_uuid: DeviceUuid([3; 16]),
-            pid,
-            event: None,
-            generation,
-        };
+        let mut d = Descriptor::new(source, (before + elems + after) * size, DeviceUuid([3; 16]), pid)
+            .with_range(before * size, elems * size)
+            .with_dtype(dtype);
+        d.shape = with_shape.then(|| vec![elems]);
+        d.generation = generation;
         prop_assert_eq!(Descriptor::from_json(&d.to_json()).unwrap(), d);
     }
 

@@ -16,19 +16,17 @@ fn block_descriptor(
     generation: Option<u64>,
 ) -> Descriptor {
     let len = u64::from(words) * 8;
-    Descriptor {
+    let mut d = Descriptor::new(
         source,
-        alloc_size: (offset + len).next_multiple_of(2 << 20),
-        offset,
-        byte_len: len,
-        dtype: Dtype::U64,
-        shape: Some(vec![u64::from(words)]),
-        strides: None,
-        device_uuid: DeviceUuid([7; 16]),
-        pid: 4242,
-        event: None,
-        generation,
-    }
+        (offset + len).next_multiple_of(2 << 20),
+        DeviceUuid([7; 16]),
+        4242,
+    )
+    .with_range(offset, len)
+    .with_dtype(Dtype::U64)
+    .with_shape(vec![u64::from(words)]);
+    d.generation = generation;
+    d
 }
 
 fn arb_source() -> impl Strategy<Value = Source> {

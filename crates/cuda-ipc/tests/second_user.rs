@@ -35,7 +35,7 @@ use support::{ChildProc, memfd_with, pattern, read_fd, test_command};
 use cuda_ipc::channel::{
     ChannelError, Client, ClientConfig, EntryKind, Server, ServerConfig, ensure_private_dir,
 };
-use cuda_ipc::descriptor::{Descriptor, Dtype, Source};
+use cuda_ipc::descriptor::{Descriptor, Source};
 use cuda_ipc::device::DeviceUuid;
 use cuda_ipc::handle::IpcMemHandle;
 use serde_json::json;
@@ -368,19 +368,13 @@ fn a_printed_descriptor_is_a_bearer_token() {
     let _serial = serial();
     let dir = open_dir();
     let handle = IpcMemHandle::new(std::array::from_fn(|i| (i as u8) ^ 0xa5));
-    let legacy = Descriptor {
-        source: Source::Legacy { handle },
-        alloc_size: 2 << 20,
-        offset: 0,
-        byte_len: 4096,
-        dtype: Dtype::U8,
-        shape: None,
-        strides: None,
-        device_uuid: DeviceUuid([7; 16]),
-        pid: std::process::id(),
-        event: None,
-        generation: None,
-    };
+    let legacy = Descriptor::new(
+        Source::Legacy { handle },
+        2 << 20,
+        DeviceUuid([7; 16]),
+        std::process::id(),
+    )
+    .with_range(0, 4096);
     // `cuda-ipc export > /tmp/x.json` with the usual umask: 0644.
     let file = dir.path().join("legacy.json");
     std::fs::write(&file, legacy.to_json()).unwrap();
@@ -397,11 +391,9 @@ fn a_printed_descriptor_is_a_bearer_token() {
     // The same for a VMM export: its "fd" is a number in our descriptor
     // table, and the kernel keeps other users out of that table.
     let memfd = memfd_with(&data(4096));
-    let vmm = Descriptor {
-        source: Source::Vmm {
-            fd: rustix::fd::AsRawFd::as_raw_fd(&memfd),
-        },
-        ..legacy
+    let mut vmm = legacy.clone();
+    vmm.source = Source::Vmm {
+        fd: rustix::fd::AsRawFd::as_raw_fd(&memfd),
     };
     let file = dir.path().join("vmm.json");
     std::fs::write(&file, vmm.to_json()).unwrap();

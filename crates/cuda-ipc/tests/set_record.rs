@@ -21,19 +21,8 @@ const MIB: u64 = 1 << 20;
 fn chunk(id: u64, fd: i32, len: u64) -> SetChunk {
     SetChunk {
         id,
-        descriptor: Descriptor {
-            source: Source::Vmm { fd },
-            alloc_size: len,
-            offset: 0,
-            byte_len: len,
-            dtype: Dtype::U8,
-            shape: None,
-            strides: None,
-            device_uuid: UUID,
-            pid: 4242,
-            event: None,
-            generation: Some(u64::from(fd.unsigned_abs())),
-        },
+        descriptor: Descriptor::new(Source::Vmm { fd }, len, UUID, 4242)
+            .with_generation(u64::from(fd.unsigned_abs())),
     }
 }
 

@@ -297,24 +297,7 @@ fn uuid() -> DeviceUuid {
 }
 
 fn base_record(handle: Vec<u8>) -> ShareRecord {
-    ShareRecord {
-        storage_handle: handle,
-        storage_size_bytes: 4096,
-        storage_offset_bytes: 0,
-        tensor_size: vec![1024],
-        tensor_stride: vec![1],
-        tensor_offset: 0,
-        dtype: Dtype::F32,
-        storage_device: 0,
-        device_uuid: uuid(),
-        pid: 4242,
-        requires_grad: false,
-        ref_counter_handle: None,
-        ref_counter_offset: None,
-        event_handle: None,
-        event_sync_required: false,
-        alloc_size: None,
-    }
+    ShareRecord::new(handle, 4096, Dtype::F32, uuid(), 4242)
 }
 
 fn c_bytes() -> Vec<u8> {
@@ -463,24 +446,23 @@ fn valid_record() -> impl Strategy<Value = ShareRecord> {
                 let size: Vec<u64> = (0..n).map(|i| shape[(i + k) % n]).collect();
                 let stride: Vec<i64> = (0..n).map(|i| rm[(i + k) % n] as i64).collect();
                 let numel: u64 = shape.iter().product();
-                ShareRecord {
-                    storage_handle: handle,
-                    storage_size_bytes: (tensor_offset + numel + slack) * elem,
-                    storage_offset_bytes: storage_off_elems * elem,
-                    tensor_size: size,
-                    tensor_stride: stride,
-                    tensor_offset,
+                let mut r = ShareRecord::new(
+                    handle,
+                    (tensor_offset + numel + slack) * elem,
                     dtype,
-                    storage_device: 0,
-                    device_uuid: uuid(),
-                    pid: 4242,
-                    requires_grad: ev,
-                    ref_counter_handle: Some(b"/torch_4242_1_0".to_vec()),
-                    ref_counter_offset: Some(2),
-                    event_handle: Some(IpcEventHandle::new(evb)),
-                    event_sync_required: ev,
-                    alloc_size: None,
-                }
+                    uuid(),
+                    4242,
+                );
+                r.storage_offset_bytes = storage_off_elems * elem;
+                r.tensor_size = size;
+                r.tensor_stride = stride;
+                r.tensor_offset = tensor_offset;
+                r.requires_grad = ev;
+                r.ref_counter_handle = Some(b"/torch_4242_1_0".to_vec());
+                r.ref_counter_offset = Some(2);
+                r.event_handle = Some(IpcEventHandle::new(evb));
+                r.event_sync_required = ev;
+                r
             },
         )
 }

@@ -35,7 +35,12 @@ pub struct TensorLayout {
 /// [module documentation](super) for the format). Decoding is strict: unknown
 /// fields, wrong types, negative or fractional sizes and malformed hex are
 /// errors that name the field.
+///
+/// Decoded with [`ShareRecord::from_json`] (or from PyTorch's tuple by the
+/// Python package); to build one by hand, start from [`ShareRecord::new`]
+/// and set the fields (more may come).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ShareRecord {
     /// `storage._share_cuda_()`'s handle, raw (see [`StorageHandle`]).
     pub storage_handle: Vec<u8>,
@@ -144,6 +149,36 @@ fn extent(shape: &[u64], strides: &[u64], given: &[i64]) -> Result<u64> {
 }
 
 impl ShareRecord {
+    /// A record of a contiguous one-dimensional tensor that fills its
+    /// storage of `storage_size_bytes` bytes (`dtype` elements), with no
+    /// reference counter and no event: set the other fields as needed.
+    pub fn new(
+        storage_handle: Vec<u8>,
+        storage_size_bytes: u64,
+        dtype: Dtype,
+        device_uuid: DeviceUuid,
+        pid: u32,
+    ) -> Self {
+        ShareRecord {
+            storage_handle,
+            storage_size_bytes,
+            storage_offset_bytes: 0,
+            tensor_size: vec![storage_size_bytes / dtype.size()],
+            tensor_stride: vec![1],
+            tensor_offset: 0,
+            dtype,
+            storage_device: 0,
+            device_uuid,
+            pid,
+            requires_grad: false,
+            ref_counter_handle: None,
+            ref_counter_offset: None,
+            event_handle: None,
+            event_sync_required: false,
+            alloc_size: None,
+        }
+    }
+
     /// Parses and validates a record from JSON text.
     pub fn from_json(text: &str) -> Result<Self> {
         let value: Value = crate::json::parse_strict(text)

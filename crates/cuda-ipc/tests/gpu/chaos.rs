@@ -172,40 +172,44 @@ fn bad_descriptors_of_fd_mechanisms_are_errors() {
         ("a memfd as a memory pool", pe.descriptor.clone(), true),
         (
             "a VMM allocation twice its size",
-            Descriptor {
-                alloc_size: 8 * MIB as u64,
-                ..ve.descriptor.clone()
+            {
+                let mut d = ve.descriptor.clone();
+                d.alloc_size = 8 * MIB as u64;
+                d
             },
             false,
         ),
         (
             "a VMM allocation of a size off the granularity",
-            Descriptor {
-                alloc_size: 3 * MIB as u64,
-                byte_len: MIB as u64,
-                ..ve.descriptor.clone()
+            {
+                let mut d = ve.descriptor.clone();
+                d.alloc_size = 3 * MIB as u64;
+                d.byte_len = MIB as u64;
+                d
             },
             false,
         ),
         (
             "random pointer export data in a real pool",
-            Descriptor {
-                source: Source::Pool {
+            {
+                let mut d = pe.descriptor.clone();
+                d.source = Source::Pool {
                     fd: match pe.descriptor.source {
                         Source::Pool { fd, .. } => fd,
                         _ => unreachable!(),
                     },
                     ptr: PoolPtrHandle::new(random),
-                },
-                ..pe.descriptor.clone()
+                };
+                d
             },
             false,
         ),
         (
             "an fd number the exporter does not have",
-            Descriptor {
-                source: Source::Vmm { fd: 987_654 },
-                ..ve.descriptor.clone()
+            {
+                let mut d = ve.descriptor.clone();
+                d.source = Source::Vmm { fd: 987_654 };
+                d
             },
             false,
         ),

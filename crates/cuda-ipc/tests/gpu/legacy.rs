@@ -36,19 +36,15 @@ fn round_trip_both_directions() {
         ready.record(buf.stream()).unwrap();
         let e = buf.export().unwrap();
         assert_eq!((e.offset, e.len), (0, 64 * MIB as u64));
-        let descriptor = cuda_ipc::Descriptor {
-            source: cuda_ipc::descriptor::Source::Legacy { handle: e.handle },
-            alloc_size: e.alloc_size,
-            offset: 0,
-            byte_len: e.len,
-            dtype: Dtype::U32,
-            shape: None,
-            strides: None,
-            device_uuid: device.uuid(),
-            pid: std::process::id(),
-            event: Some(ready.handle().unwrap()),
-            generation: None,
-        };
+        let descriptor = cuda_ipc::Descriptor::new(
+            cuda_ipc::descriptor::Source::Legacy { handle: e.handle },
+            e.alloc_size,
+            device.uuid(),
+            std::process::id(),
+        )
+        .with_range(0, e.len)
+        .with_dtype(Dtype::U32)
+        .with_event(ready.handle().unwrap());
         let mut peer = Peer::spawn(&test_name!("round_trip_both_directions"), "consumer");
         peer.send(&json!({ "op": "open", "descriptor": descriptor.to_value(), "expect": pattern_json(p), "transform": [5, 7] }));
         let r = peer.recv();
