@@ -32,6 +32,7 @@ use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig};
 use cuda_ipc::{Device, Error};
 
 mod args;
+pub mod lines;
 mod plan;
 mod plot;
 mod progress;

@@ -3,62 +3,15 @@
 //! answers with a deadline. A consumer that answers `{"error": ...}` or dies
 //! is an error naming the consumer.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use cuda_ipc::Error;
 use cuda_ipc::channel::ChannelError;
 use serde_json::{Value, json};
 
-/// Reads a consumer's JSON lines on a background thread, so that every
-/// read can have a deadline: a dead or stuck consumer is an error, not a hang.
-struct LineReader {
-    rx: mpsc::Receiver<std::io::Result<String>>,
-    what: &'static str,
-}
-
-impl LineReader {
-    /// Starts reading `input`; `what` names the other side in errors.
-    fn new(input: impl Read + Send + 'static, what: &'static str) -> Self {
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(input).lines() {
-                let stop = line.is_err();
-                if tx.send(line).is_err() || stop {
-                    break;
-                }
-            }
-        });
-        LineReader { rx, what }
-    }
-
-    /// The next JSON line, within `timeout`.
-    fn next(&self, timeout: Duration) -> Result<Value, Error> {
-        match self.rx.recv_timeout(timeout) {
-            Ok(Ok(line)) => serde_json::from_str(&line).map_err(|e| Error::InvalidArgument {
-                what: "message",
-                reason: format!(
-                    "the {} sent a line that is not JSON ({e}): {line:?}",
-                    self.what
-                ),
-            }),
-            Ok(Err(e)) => Err(Error::Io {
-                context: format!("reading from the {}", self.what),
-                source: e,
-            }),
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(ChannelError::PeerGone.into()),
-            Err(mpsc::RecvTimeoutError::Timeout) => Err(Error::Io {
-                context: format!("waiting for the {}", self.what),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("no answer within {timeout:?}"),
-                ),
-            }),
-        }
-    }
-}
+use crate::lines::LineReader;
 
 /// Nanoseconds of CLOCK_MONOTONIC, comparable between processes of one machine.
 pub fn mono_ns() -> u64 {

@@ -14,7 +14,6 @@ use clap::{Parser, Subcommand};
 use cuda_ipc::ErrorKind;
 
 mod cmd;
-mod lines;
 mod link;
 mod out;
 

@@ -19,8 +19,8 @@ use cuda_ipc::{
 use serde_json::{Value, json};
 
 use crate::Outcome;
-use crate::lines::{self, LineReader, field};
 use crate::out::outln;
+use cuda_ipc_bench::lines::{self, LineReader, field};
 
 /// Arguments of `demo`.
 #[derive(clap::Args, Debug)]

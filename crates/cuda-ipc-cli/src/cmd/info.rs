@@ -12,8 +12,8 @@ use cuda_ipc::{Descriptor, Device, DeviceMemory, Dtype, Error, Mechanism};
 use serde_json::{Value, json};
 
 use crate::Outcome;
-use crate::lines::{self, LineReader};
 use crate::out::outln;
+use cuda_ipc_bench::lines::{self, LineReader};
 
 /// Arguments of `info`.
 #[derive(clap::Args, Debug)]

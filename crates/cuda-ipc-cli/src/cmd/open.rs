@@ -95,19 +95,19 @@ pub fn read_descriptor(input: &mut impl BufRead) -> Result<Descriptor, Error> {
     };
     let one_line = "expected the descriptor as one line of JSON, as `cuda-ipc export` prints it \
                     (`jq -c .` puts a pretty-printed one on one line)";
-    let line = match crate::lines::read_line(input, MAX_DESCRIPTOR_LINE) {
+    let line = match cuda_ipc_bench::lines::read_line(input, MAX_DESCRIPTOR_LINE) {
         Ok(Some(line)) => line,
         Ok(None) => return Err(bad(format!("standard input is empty; {one_line}"))),
-        Err(crate::lines::LineError::TooLong) => {
+        Err(cuda_ipc_bench::lines::LineError::TooLong) => {
             return Err(bad(format!(
                 "the first line is longer than {}; {one_line}",
                 super::human(MAX_DESCRIPTOR_LINE as u64)
             )));
         }
-        Err(crate::lines::LineError::NotUtf8) => {
+        Err(cuda_ipc_bench::lines::LineError::NotUtf8) => {
             return Err(bad(format!("the input is not UTF-8 text; {one_line}")));
         }
-        Err(crate::lines::LineError::Io(e)) => {
+        Err(cuda_ipc_bench::lines::LineError::Io(e)) => {
             return Err(Error::Io {
                 context: "reading the descriptor from standard input".into(),
                 source: e,

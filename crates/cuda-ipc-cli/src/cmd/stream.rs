@@ -19,8 +19,8 @@ use serde_json::{Value, json};
 use super::demo::Args;
 use super::{human, mono_ns};
 use crate::Outcome;
-use crate::lines::LineReader;
 use crate::out::outln;
+use cuda_ipc_bench::lines::LineReader;
 
 /// The value of word `i` of frame `seq`.
 fn frame_pattern(seq: u64) -> Pattern {

@@ -1,7 +1,8 @@
-//! JSON lines between a parent process and the child it started: the
-//! parent writes to the child's standard input and reads its standard
-//! output, with a deadline on every read so a dead or stuck child is an
-//! error, not a hang.
+//! JSON lines between a parent process and the child it started (the
+//! bench's consumers, and the CLI's demo and probes): the parent writes to
+//! the child's standard input and reads its standard output, with a
+//! deadline on every read and a bound on every line, so a dead, stuck or
+//! babbling child is an error, not a hang.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::sync::mpsc;
