@@ -2,8 +2,10 @@
 //! descriptor encoding and decoding, handle hex formatting and parsing, and
 //! the channel's round trips over a Unix socket (ping, attach + release of
 //! an entry with a memfd, a whole publish-attach-release-unpublish cycle,
-//! an update notice). Server and client run in this one process, on
-//! separate threads, over a real socket.
+//! an update notice), and a weight set's record (encoding, decoding with
+//! its checks, and through the channel) at 100 and 1,000 tensors. Server
+//! and client run in this one process, on separate threads, over a real
+//! socket.
 //!
 //! Run: `cargo bench -p cuda-ipc --bench hot_paths`.
 
@@ -11,9 +13,11 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use cuda_ipc::arena::ArenaId;
 use cuda_ipc::channel::{Client, ClientConfig, Notice, Server, ServerConfig, default_socket_path};
 use cuda_ipc::descriptor::Source;
 use cuda_ipc::device::DeviceUuid;
+use cuda_ipc::set::{SetChunk, SetEntry, SetRecord};
 use cuda_ipc::{Descriptor, Dtype, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
 use divan::{Bencher, black_box};
 use rustix::fs::{MemfdFlags, memfd_create};
@@ -159,5 +163,67 @@ mod channel {
             assert!(matches!(u.notice, Notice::Updated { .. }));
         });
         client.release(a.lease).unwrap();
+    }
+}
+
+/// The record of a set of `n` tensors of 4 KiB in 8 vmm chunks, named as a
+/// transformer's weights are.
+fn set_record(n: u64) -> SetRecord {
+    let chunks = (0..8u64)
+        .map(|c| SetChunk {
+            id: c,
+            descriptor: Descriptor::new(
+                Source::Vmm { fd: 10 + c as i32 },
+                512 << 20,
+                DeviceUuid([0x5a; 16]),
+                4242,
+            )
+            .with_generation(c),
+        })
+        .collect();
+    let entries = (0..n)
+        .map(|i| SetEntry {
+            name: format!("model.layers.{}.mlp.w{}", i / 10, i % 10),
+            dtype: Dtype::F32,
+            shape: vec![32, 32],
+            chunk: i % 8,
+            offset: (i / 8) * 4096,
+            len: 4096,
+        })
+        .collect();
+    SetRecord::new("weights".into(), ArenaId(7), chunks, entries).expect("a valid record")
+}
+
+mod sets {
+    use super::{Bencher, SetRecord, black_box, pair, set_record};
+
+    /// The record as JSON text: what `publish_set` sends.
+    #[divan::bench(args = [100, 1000])]
+    fn encode(bencher: Bencher, n: u64) {
+        let r = set_record(n);
+        bencher.bench_local(|| black_box(&r).to_json());
+    }
+
+    /// JSON text to a checked record (names, chunks, overlaps): what
+    /// `attach_set` decodes.
+    #[divan::bench(args = [100, 1000])]
+    fn decode(bencher: Bencher, n: u64) {
+        let text = set_record(n).to_json();
+        bencher.bench_local(|| SetRecord::from_json(black_box(&text)).unwrap());
+    }
+
+    /// The record through the channel: published as an entry's metadata,
+    /// attached (the metadata read back), decoded, released.
+    #[divan::bench(args = [100, 1000])]
+    fn attach_over_the_channel(bencher: Bencher, n: u64) {
+        let (server, client) = pair();
+        let r = set_record(n);
+        server.publish("weights", r.to_value(), vec![]).unwrap();
+        bencher.bench_local(|| {
+            let a = client.attach("weights").unwrap();
+            let back = SetRecord::from_value(&a.meta).unwrap();
+            client.release(a.lease).unwrap();
+            back
+        });
     }
 }

@@ -135,41 +135,83 @@ fn nested(prefix: &str, e: Error) -> Error {
     }
 }
 
-fn u64_of(field: &str, v: &Value) -> Result<u64> {
-    v.as_u64().ok_or_else(|| match v {
-        Value::Number(n) if n.is_f64() => field_err(field, format!("{n} is not a whole number")),
-        Value::Number(n) => field_err(field, format!("{n} is negative")),
-        other => field_err(
-            field,
-            format!(
-                "expected a non-negative whole number, found {}",
-                kind_of(other)
+/// The name of a field in errors, built only when there is an error (a
+/// record of 10,000 entries would otherwise format 100,000 names to decode).
+trait FieldName {
+    fn name(self) -> String;
+}
+
+impl FieldName for &str {
+    fn name(self) -> String {
+        self.to_string()
+    }
+}
+
+/// `entries[i]`, or `entries[i].field`.
+struct EntryField(usize, Option<&'static str>);
+
+impl FieldName for EntryField {
+    fn name(self) -> String {
+        match self.1 {
+            Some(f) => format!("entries[{}].{f}", self.0),
+            None => format!("entries[{}]", self.0),
+        }
+    }
+}
+
+/// `entries[i].shape[d]`.
+struct ShapeDim(usize, usize);
+
+impl FieldName for ShapeDim {
+    fn name(self) -> String {
+        format!("entries[{}].shape[{}]", self.0, self.1)
+    }
+}
+
+fn u64_of(field: impl FieldName, v: &Value) -> Result<u64> {
+    v.as_u64().ok_or_else(|| {
+        let field = field.name();
+        match v {
+            Value::Number(n) if n.is_f64() => {
+                field_err(&field, format!("{n} is not a whole number"))
+            }
+            Value::Number(n) => field_err(&field, format!("{n} is negative")),
+            other => field_err(
+                &field,
+                format!(
+                    "expected a non-negative whole number, found {}",
+                    kind_of(other)
+                ),
             ),
-        ),
+        }
     })
 }
 
-fn array_of<'a>(field: &str, v: &'a Value, what: &str) -> Result<&'a Vec<Value>> {
+fn array_of<'a>(field: impl FieldName, v: &'a Value, what: &str) -> Result<&'a Vec<Value>> {
     v.as_array().ok_or_else(|| {
         field_err(
-            field,
+            &field.name(),
             format!("expected an array of {what}, found {}", kind_of(v)),
         )
     })
 }
 
-fn str_of<'a>(field: &str, v: &'a Value) -> Result<&'a str> {
-    v.as_str()
-        .ok_or_else(|| field_err(field, format!("expected a string, found {}", kind_of(v))))
+fn str_of(field: impl FieldName, v: &Value) -> Result<&str> {
+    v.as_str().ok_or_else(|| {
+        field_err(
+            &field.name(),
+            format!("expected a string, found {}", kind_of(v)),
+        )
+    })
 }
 
-fn check_name(field: &str, name: &str) -> Result<()> {
+fn check_name(field: impl FieldName, name: &str) -> Result<()> {
     if name.is_empty() {
-        return Err(field_err(field, "must not be empty"));
+        return Err(field_err(&field.name(), "must not be empty"));
     }
     if name.len() > MAX_SET_NAME_LEN {
         return Err(field_err(
-            field,
+            &field.name(),
             format!(
                 "{} bytes is longer than the {MAX_SET_NAME_LEN} allowed",
                 name.len()
@@ -178,7 +220,7 @@ fn check_name(field: &str, name: &str) -> Result<()> {
     }
     if let Some(c) = name.chars().find(|c| c.is_control()) {
         return Err(field_err(
-            field,
+            &field.name(),
             format!("{name:?} holds the control character {c:?}"),
         ));
     }
@@ -211,8 +253,8 @@ fn decode_chunk(i: usize, v: &Value) -> Result<SetChunk> {
 }
 
 fn decode_entry(i: usize, v: &Value) -> Result<SetEntry> {
-    let at = |field: &str| format!("entries[{i}].{field}");
-    let items = array_of(&format!("entries[{i}]"), v, "6 fields")?;
+    let at = |field: &'static str| EntryField(i, Some(field));
+    let items = array_of(EntryField(i, None), v, "6 fields")?;
     if items.len() != ENTRY_FIELDS.len() {
         return Err(field_err(
             &format!("entries[{i}]"),
@@ -223,14 +265,14 @@ fn decode_entry(i: usize, v: &Value) -> Result<SetEntry> {
             ),
         ));
     }
-    let name = str_of(&at("name"), &items[0])?.to_string();
-    let dtype: Dtype = str_of(&at("dtype"), &items[1])?
+    let name = str_of(at("name"), &items[0])?.to_string();
+    let dtype: Dtype = str_of(at("dtype"), &items[1])?
         .parse()
-        .map_err(|e: Error| field_err(&at("dtype"), e.to_string()))?;
-    let dims = array_of(&at("shape"), &items[2], "whole numbers")?;
+        .map_err(|e: Error| field_err(&at("dtype").name(), e.to_string()))?;
+    let dims = array_of(at("shape"), &items[2], "whole numbers")?;
     if dims.len() > MAX_SET_DIMS {
         return Err(field_err(
-            &at("shape"),
+            &at("shape").name(),
             format!(
                 "{} dimensions is more than the {MAX_SET_DIMS} allowed",
                 dims.len()
@@ -240,15 +282,15 @@ fn decode_entry(i: usize, v: &Value) -> Result<SetEntry> {
     let shape = dims
         .iter()
         .enumerate()
-        .map(|(d, v)| u64_of(&format!("entries[{i}].shape[{d}]"), v))
+        .map(|(d, v)| u64_of(ShapeDim(i, d), v))
         .collect::<Result<Vec<_>>>()?;
     Ok(SetEntry {
         name,
         dtype,
         shape,
-        chunk: u64_of(&at("chunk"), &items[3])?,
-        offset: u64_of(&at("offset"), &items[4])?,
-        len: u64_of(&at("len"), &items[5])?,
+        chunk: u64_of(at("chunk"), &items[3])?,
+        offset: u64_of(at("offset"), &items[4])?,
+        len: u64_of(at("len"), &items[5])?,
     })
 }
 
@@ -483,7 +525,7 @@ impl SetRecord {
         chunks: &HashMap<u64, usize>,
     ) -> Result<(usize, u64)> {
         let at = |field: &str| format!("entries[{i}].{field}");
-        check_name(&at("name"), &e.name)?;
+        check_name(EntryField(i, Some("name")), &e.name)?;
         if e.shape.len() > MAX_SET_DIMS {
             return Err(field_err(
                 &at("shape"),
