@@ -21,6 +21,8 @@
 //! strict: unknown message types and unknown fields are errors, since both
 //! sides speak the same protocol version.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -406,8 +408,8 @@ pub enum Message {
         id: u64,
         /// The new lease.
         lease: u64,
-        /// The entry's metadata.
-        meta: Value,
+        /// The entry's metadata (shared with the server's entry, not copied).
+        meta: Arc<Value>,
         /// How many descriptors come with the message.
         fds: u16,
     },
@@ -424,8 +426,8 @@ pub enum Message {
         lease: u64,
         /// The number of slots.
         slots: u32,
-        /// The ring's metadata.
-        meta: Value,
+        /// The ring's metadata (shared with the server's entry, not copied).
+        meta: Arc<Value>,
     },
     /// One slot of a ring; the slot's descriptors come with this message.
     RingSlot {

@@ -27,7 +27,7 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rustix::io::Errno;
@@ -307,7 +307,8 @@ impl Client {
             (Message::Attached { lease, meta, .. }, fds) => Ok(Attachment {
                 lease,
                 name: name.into(),
-                meta,
+                // The only reference after decoding: no copy.
+                meta: Arc::unwrap_or_clone(meta),
                 fds,
             }),
             (other, _) => Err(unexpected(other, "attached", name)),
@@ -371,7 +372,7 @@ impl Client {
             Ok(slots) => Ok(RingAttachment {
                 lease,
                 name: name.into(),
-                meta,
+                meta: Arc::unwrap_or_clone(meta),
                 slots,
             }),
             Err(e) => {

@@ -534,7 +534,7 @@ impl Server {
             id,
             Entry {
                 name: name.into(),
-                meta,
+                meta: Arc::new(meta),
                 meta_bytes,
                 published: true,
                 leases: BTreeSet::new(),

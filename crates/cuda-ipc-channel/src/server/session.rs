@@ -238,7 +238,7 @@ impl Shared {
             entries.push(ListedEntry {
                 name: name.clone(),
                 kind: e.kind(),
-                meta: e.meta.clone(),
+                meta: serde_json::Value::clone(&e.meta),
             });
         }
         Message::Listing { id, entries, next }
@@ -299,7 +299,7 @@ impl Shared {
             st.last_id
         };
         entry.leases.insert(lease);
-        let meta = entry.meta.clone();
+        let meta = Arc::clone(&entry.meta);
         st.by_conn.entry(conn.id).or_default().insert(lease);
         st.leases.insert(
             lease,
@@ -397,7 +397,7 @@ impl Shared {
                 id,
                 lease,
                 slots: slots.len() as u32,
-                meta: entry.meta.clone(),
+                meta: Arc::clone(&entry.meta),
             },
             Vec::new(),
             self.max_queued,

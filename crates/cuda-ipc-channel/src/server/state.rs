@@ -46,7 +46,10 @@ pub(super) enum Body {
 
 pub(super) struct Entry {
     pub(super) name: String,
-    pub(super) meta: Value,
+    /// Shared with every attach's answer: a set's record can be hundreds of
+    /// kilobytes, and copying it under the state lock for each attach cost
+    /// 0.25 ms at 1,000 tensors.
+    pub(super) meta: Arc<Value>,
     /// The size of `meta`'s JSON.
     pub(super) meta_bytes: usize,
     /// False once unpublished: no new leases; dropped with its last lease.

@@ -38,7 +38,7 @@ fn frames_carry_fds_over_a_socket_pair() {
     let m = Message::Attached {
         id: 1,
         lease: 2,
-        meta: json!({"len": 4096}),
+        meta: json!({"len": 4096}).into(),
         fds: 2,
     };
     send_message(&a, &m, &[fd.as_fd(), fd.as_fd()], None).unwrap();

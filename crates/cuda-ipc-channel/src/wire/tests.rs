@@ -42,7 +42,7 @@ fn type_names_match_serde_tags() {
         Message::Attached {
             id: 1,
             lease: 1,
-            meta: json!({}),
+            meta: json!({}).into(),
             fds: 0,
         },
         Message::Released { id: 1 },
@@ -50,7 +50,7 @@ fn type_names_match_serde_tags() {
             id: 1,
             lease: 1,
             slots: 1,
-            meta: json!(null),
+            meta: json!(null).into(),
         },
         Message::RingSlot {
             id: 1,
@@ -280,7 +280,7 @@ fn encode_message_enforces_limits() {
     let huge = Message::Attached {
         id: 1,
         lease: 1,
-        meta: Value::String("x".repeat(MAX_PAYLOAD as usize)),
+        meta: Value::String("x".repeat(MAX_PAYLOAD as usize)).into(),
         fds: 0,
     };
     assert!(matches!(
@@ -348,7 +348,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
             |(id, lease, meta, fds)| Message::Attached {
                 id,
                 lease,
-                meta,
+                meta: meta.into(),
                 fds
             }
         ),
@@ -358,7 +358,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 id,
                 lease,
                 slots,
-                meta
+                meta: meta.into()
             }
         ),
         (
