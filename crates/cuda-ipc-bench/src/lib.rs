@@ -32,6 +32,7 @@ use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig};
 use cuda_ipc::{Device, Error};
 
 mod args;
+pub mod namespaces;
 mod plan;
 mod plot;
 mod progress;
@@ -119,6 +120,8 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
             what: "bench arguments",
             reason,
         })?;
+    // Consumers in new namespaces that cannot be started: exit 3 now.
+    plan.namespaces.check_allowed()?;
     raise_open_files_limit();
     let started = Instant::now();
     let mut report = Report {
@@ -134,6 +137,13 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
             .map(|m| m.name().to_string())
             .collect(),
         sizes: plan.sizes.clone(),
+        consumer_namespaces: plan
+            .namespaces
+            .names()
+            .into_iter()
+            .map(str::to_string)
+            .collect(),
+        consumer_command: plan.namespaces.shown(),
         started_unix_s: unix_now(),
         elapsed_s: 0.0,
         sections: Vec::new(),
@@ -163,6 +173,11 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
         peer: report.peer.clone(),
     };
     for id in &plan.sections {
+        if let Some(why) = plan.namespace_skip(*id) {
+            progress.note(&format!("{} skipped: {why}", id.title()));
+            report.sections.push(Section::skipped(*id, why));
+            continue;
+        }
         let t = Instant::now();
         // A bug in one section must not cost the others: a panic becomes
         // the section's error (its message is also on standard error).

@@ -656,6 +656,14 @@ pub fn render(r: &Report) -> String {
         if r.quick { "quick" } else { "full" },
         r.elapsed_s
     );
+    if !r.consumer_namespaces.is_empty() {
+        let _ = writeln!(
+            out,
+            "consumers in new namespaces: {} ({})",
+            r.consumer_namespaces.join(", "),
+            r.consumer_command
+        );
+    }
     if let Some(p) = &r.peer {
         let _ = writeln!(
             out,
