@@ -106,25 +106,9 @@ fn describe_devices(
     Ok((info(caps), peer))
 }
 
-/// Runs the benchmark: checks the arguments (an error of kind
-/// `InvalidInput` before the driver is loaded), runs every section with
-/// this process as the producer, prints the table on standard output and
-/// writes `--json-out` and `--plot`. A failed section is an error (of kind
-/// `Failed`) after everything is printed and written.
-pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
-    // Everything that can be checked without a GPU is checked first: bad
-    // input is exit 2 at once, not after the driver loads or the run ends.
-    let plan = Plan::from_args(args)
-        .and_then(|plan| args::check_paths(args).map(|()| plan))
-        .map_err(|reason| Error::InvalidArgument {
-            what: "bench arguments",
-            reason,
-        })?;
-    // Consumers in new namespaces that cannot be started: exit 3 now.
-    plan.namespaces.check_allowed()?;
-    raise_open_files_limit();
-    let started = Instant::now();
-    let mut report = Report {
+/// The report of a run of `plan`, before anything is measured.
+fn new_report(plan: &Plan) -> Report {
+    Report {
         schema: 1,
         tool: format!("cuda-ipc bench {}", env!("CARGO_PKG_VERSION")),
         command: std::env::args().collect(),
@@ -148,7 +132,28 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
         elapsed_s: 0.0,
         sections: Vec::new(),
         targets: Vec::new(),
-    };
+    }
+}
+
+/// Runs the benchmark: checks the arguments (an error of kind
+/// `InvalidInput` before the driver is loaded), runs every section with
+/// this process as the producer, prints the table on standard output and
+/// writes `--json-out` and `--plot`. A failed section is an error (of kind
+/// `Failed`) after everything is printed and written.
+pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
+    // Everything that can be checked without a GPU is checked first: bad
+    // input is exit 2 at once, not after the driver loads or the run ends.
+    let plan = Plan::from_args(args)
+        .and_then(|plan| args::check_paths(args).map(|()| plan))
+        .map_err(|reason| Error::InvalidArgument {
+            what: "bench arguments",
+            reason,
+        })?;
+    // Consumers in new namespaces that cannot be started: exit 3 now.
+    plan.namespaces.check_allowed()?;
+    raise_open_files_limit();
+    let started = Instant::now();
+    let mut report = new_report(&plan);
 
     // No driver or no device: exit 3 before anything else.
     let device = Device::open(plan.device)?;

@@ -169,6 +169,20 @@ fn pick_devices(args: &Args) -> Result<(usize, Option<usize>), String> {
     Ok((a, Some(b)))
 }
 
+/// The PyTorch anchor's interpreter and script, or why it does not run.
+fn pick_torch(
+    args: &Args,
+    namespaces: &ConsumerNamespaces,
+) -> Result<(String, Option<PathBuf>), String> {
+    if args.no_torch {
+        Err("--no-torch".to_string())
+    } else if !namespaces.is_empty() {
+        Err(TORCH_IN_NAMESPACES.to_string())
+    } else {
+        Ok((args.python.clone(), args.torch_script.clone()))
+    }
+}
+
 impl Plan {
     /// The plan for `args`.
     pub fn from_args(args: &Args) -> Result<Plan, String> {
@@ -233,13 +247,7 @@ impl Plan {
             )
         };
         let namespaces = ConsumerNamespaces::new(&args.consumer_namespaces)?;
-        let torch = if args.no_torch {
-            Err("--no-torch".to_string())
-        } else if !namespaces.is_empty() {
-            Err(TORCH_IN_NAMESPACES.to_string())
-        } else {
-            Ok((args.python.clone(), args.torch_script.clone()))
-        };
+        let torch = pick_torch(args, &namespaces);
         let arena_sizes = pick_arena_sizes(args, &sizes)?;
         let set_total = if quick { SET_TOTAL_QUICK } else { SET_TOTAL };
         Ok(Plan {
