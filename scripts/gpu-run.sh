@@ -30,11 +30,15 @@ failures=()
 ok() { passed=$((passed + 1)); echo "PASS  $*"; }
 bad() { failed=$((failed + 1)); failures+=("$*"); echo "FAIL  $*"; }
 
+# log_of NAME: the log file of check NAME.
+log_of() { printf "%s/%s.log" "$logs" "$(printf "%s" "$1" | tr -c 'A-Za-z0-9._-' '_')"; }
+
 # check NAME EXPECTED_EXIT COMMAND...: runs COMMAND, logs it, compares the exit code.
 check() {
   local name=$1 want=$2
   shift 2
-  local log="$logs/$(printf "%s" "$name" | tr -c 'A-Za-z0-9._-' '_').log"
+  local log
+  log=$(log_of "$name")
   "$@" >"$log" 2>&1
   local got=$?
   if [ "$got" -eq "$want" ]; then
@@ -145,8 +149,10 @@ step_exchange() {
 
 # The consumer in new namespaces (needs root and util-linux unshare): serve
 # outside, attach inside a new PID namespace, PID + IPC, and with a private
-# /dev/shm (events cannot open there: the exchange uses fences); a vmm
-# descriptor opened from a new PID namespace says the exporter is not visible.
+# /dev/shm (events cannot open there: the exchange uses fences); the demo
+# and the fresh and cached bench rows with their consumers in new namespaces
+# (--consumer-namespaces); a vmm descriptor opened from a new PID namespace
+# says the exporter is not visible.
 step_containers() {
   if ! unshare --pid --fork --mount-proc true 2>/dev/null; then
     echo "SKIP  containers: unshare --pid is not allowed here (run as root)"
@@ -189,7 +195,31 @@ step_containers() {
   else
     bad "containers: the message does not name --mount-proc: $(tail -n 2 "$logs"/containers__in_a_new_PID_namespace_without*.log | tr '\n' ' ' | cut -c1-300)"
   fi
-  echo "SKIP  containers: demo with its consumer in a new PID + IPC namespace (the demo spawns its own consumer; the GPU test every_mechanism_with_the_consumer_in_new_namespaces covers it)"
+  # The demo and the bench with their consumers in new namespaces
+  # (--consumer-namespaces: each consumer through unshare, the buffer over
+  # the channel).
+  local name
+  for m in legacy vmm pool; do
+    name="containers $m: demo --consumer-namespaces pid,ipc"
+    check "$name" 0 "$cli" demo --mechanism "$m" --consumer-namespaces pid,ipc
+    grep -h -E "own namespaces|^OK|^FAILED" "$(log_of "$name")"
+  done
+  name="containers: demo --consumer-namespaces shm (a private /dev/shm)"
+  check "$name" 0 "$cli" demo --consumer-namespaces shm
+  if grep -q "synchronised with the publisher's fence" "$(log_of "$name")"; then
+    ok "containers: demo with a private /dev/shm synchronises with fences"
+  else
+    bad "containers: demo with a private /dev/shm did not use fences: $(grep -h "synchronised with" "$(log_of "$name")" | cut -c1-300)"
+  fi
+  name="containers: bench --quick --only fresh,cached --consumer-namespaces pid,ipc"
+  check "$name" 0 "$cli" bench --quick --only fresh,cached --consumer-namespaces pid,ipc --no-torch --json-out "$logs/bench-ns.json"
+  grep -h "consumers in new namespaces" "$(log_of "$name")"
+  sed -n '/Fresh hand-off/,/^Targets/p' "$(log_of "$name")"
+  if tr -d ' \n' <"$logs/bench-ns.json" 2>/dev/null | grep -q '"consumer_namespaces":\["pid","ipc"\]'; then
+    ok "containers: bench-ns.json names the consumers' namespaces"
+  else
+    bad "containers: bench-ns.json does not say \"consumer_namespaces\": [\"pid\", \"ipc\"]"
+  fi
   local fifo="$logs/stdin-ns-export"
   rm -f "$fifo"
   mkfifo "$fifo"

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use cuda_ipc::Mechanism;
 
+use crate::namespaces::Namespace;
 use crate::report::SectionId;
 
 /// Arguments of `bench`.
@@ -68,6 +69,13 @@ pub struct Args {
     /// Warm-up samples thrown away per measurement (default: 5 quick, 10 full).
     #[arg(long, value_parser = parse_count, allow_negative_numbers = true)]
     pub warmup: Option<usize>,
+    /// Run every consumer process in new Linux namespaces, as a container
+    /// would, through util-linux unshare; comma-separated: pid (with its own
+    /// /proc), ipc, mount, user (ours mapped to root), shm (a private
+    /// /dev/shm: fences instead of events). Needs root. Sections that
+    /// cannot work there are skipped, saying why.
+    #[arg(long, value_delimiter = ',', value_parser = Namespace::parse)]
+    pub consumer_namespaces: Vec<Namespace>,
 }
 
 /// Parses a mechanism the bench measures.

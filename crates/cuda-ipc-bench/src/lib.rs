@@ -33,6 +33,7 @@ use cuda_ipc::{Device, Error};
 
 mod args;
 pub mod lines;
+pub mod namespaces;
 mod plan;
 mod plot;
 mod progress;
@@ -106,6 +107,35 @@ fn describe_devices(
     Ok((info(caps), peer))
 }
 
+/// The report of a run of `plan`, before anything is measured.
+fn new_report(plan: &Plan) -> Report {
+    Report {
+        schema: 1,
+        tool: format!("cuda-ipc bench {}", env!("CARGO_PKG_VERSION")),
+        command: std::env::args().collect(),
+        quick: plan.quick,
+        device: None,
+        peer: None,
+        mechanisms: plan
+            .mechanisms
+            .iter()
+            .map(|m| m.name().to_string())
+            .collect(),
+        sizes: plan.sizes.clone(),
+        consumer_namespaces: plan
+            .namespaces
+            .names()
+            .into_iter()
+            .map(str::to_string)
+            .collect(),
+        consumer_command: plan.namespaces.shown(),
+        started_unix_s: unix_now(),
+        elapsed_s: 0.0,
+        sections: Vec::new(),
+        targets: Vec::new(),
+    }
+}
+
 /// Runs the benchmark: checks the arguments (an error of kind
 /// `InvalidInput` before the driver is loaded), runs every section with
 /// this process as the producer, prints the table on standard output and
@@ -120,26 +150,11 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
             what: "bench arguments",
             reason,
         })?;
+    // Consumers in new namespaces that cannot be started: exit 3 now.
+    plan.namespaces.check_allowed()?;
     raise_open_files_limit();
     let started = Instant::now();
-    let mut report = Report {
-        schema: 1,
-        tool: format!("cuda-ipc bench {}", env!("CARGO_PKG_VERSION")),
-        command: std::env::args().collect(),
-        quick: plan.quick,
-        device: None,
-        peer: None,
-        mechanisms: plan
-            .mechanisms
-            .iter()
-            .map(|m| m.name().to_string())
-            .collect(),
-        sizes: plan.sizes.clone(),
-        started_unix_s: unix_now(),
-        elapsed_s: 0.0,
-        sections: Vec::new(),
-        targets: Vec::new(),
-    };
+    let mut report = new_report(&plan);
 
     // No driver or no device: exit 3 before anything else.
     let device = Device::open(plan.device)?;
@@ -164,6 +179,11 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
         peer: report.peer.clone(),
     };
     for id in &plan.sections {
+        if let Some(why) = plan.namespace_skip(*id) {
+            progress.note(&format!("{} skipped: {why}", id.title()));
+            report.sections.push(Section::skipped(*id, why));
+            continue;
+        }
         let t = Instant::now();
         // A bug in one section must not cost the others: a panic becomes
         // the section's error (its message is also on standard error).

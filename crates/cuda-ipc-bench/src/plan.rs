@@ -7,6 +7,7 @@ use std::time::Duration;
 use cuda_ipc::Mechanism;
 
 use crate::args::Args;
+use crate::namespaces::{ConsumerNamespaces, Namespace};
 use crate::report::{SectionId, human};
 
 const MIB: u64 = 1 << 20;
@@ -79,7 +80,13 @@ pub struct Plan {
     pub device: usize,
     /// The second GPU's ordinal, for the peer section (`--devices A,B`).
     pub peer: Option<usize>,
+    /// The namespaces every consumer runs in (`--consumer-namespaces`).
+    pub namespaces: ConsumerNamespaces,
 }
+
+/// Why PyTorch's rows cannot run with consumers in other namespaces.
+const TORCH_IN_NAMESPACES: &str = "PyTorch's consumers are its own torch.multiprocessing children, \
+     which --consumer-namespaces cannot move into other namespaces";
 
 /// The sections to run, in order.
 fn pick_sections(args: &Args, peer: Option<usize>) -> Result<Vec<SectionId>, String> {
@@ -162,6 +169,20 @@ fn pick_devices(args: &Args) -> Result<(usize, Option<usize>), String> {
     Ok((a, Some(b)))
 }
 
+/// The PyTorch anchor's interpreter and script, or why it does not run.
+fn pick_torch(
+    args: &Args,
+    namespaces: &ConsumerNamespaces,
+) -> Result<(String, Option<PathBuf>), String> {
+    if args.no_torch {
+        Err("--no-torch".to_string())
+    } else if !namespaces.is_empty() {
+        Err(TORCH_IN_NAMESPACES.to_string())
+    } else {
+        Ok((args.python.clone(), args.torch_script.clone()))
+    }
+}
+
 impl Plan {
     /// The plan for `args`.
     pub fn from_args(args: &Args) -> Result<Plan, String> {
@@ -225,11 +246,8 @@ impl Plan {
                 },
             )
         };
-        let torch = if args.no_torch {
-            Err("--no-torch".to_string())
-        } else {
-            Ok((args.python.clone(), args.torch_script.clone()))
-        };
+        let namespaces = ConsumerNamespaces::new(&args.consumer_namespaces)?;
+        let torch = pick_torch(args, &namespaces);
         let arena_sizes = pick_arena_sizes(args, &sizes)?;
         let set_total = if quick { SET_TOTAL_QUICK } else { SET_TOTAL };
         Ok(Plan {
@@ -263,7 +281,29 @@ impl Plan {
             torch,
             device,
             peer,
+            namespaces,
         })
+    }
+
+    /// Why section `id` cannot run with the consumers in [`Plan::namespaces`],
+    /// if it cannot. With a private `/dev/shm` interprocess events cannot be
+    /// opened: the driver floor opens one directly (the peer section's
+    /// floor rows too), and the sync section has a consumer that waits on
+    /// events only. Sections through the exchange fall back to fences.
+    pub fn namespace_skip(&self, id: SectionId) -> Option<String> {
+        let shm = self.namespaces.contains(Namespace::Shm);
+        let why = match id {
+            SectionId::Floor | SectionId::Peer if shm => {
+                "the driver floor's consumer opens an interprocess event, which a private \
+                 /dev/shm (--consumer-namespaces shm) cannot open"
+            }
+            SectionId::Sync if shm => {
+                "its events consumer waits on interprocess events, which a private /dev/shm \
+                 (--consumer-namespaces shm) cannot open"
+            }
+            _ => return None,
+        };
+        Some(why.to_string())
     }
 
     /// Warm-up and kept samples for a hand-off of `size` bytes.
@@ -286,6 +326,7 @@ impl Plan {
             .count() as u64;
         self.sections
             .iter()
+            .filter(|id| self.namespace_skip(**id).is_none())
             .map(|id| match id {
                 SectionId::Fresh | SectionId::Cached => m * s,
                 SectionId::Arena => m * self.arena_sizes.len() as u64,
@@ -304,9 +345,9 @@ impl Plan {
 }
 
 #[cfg(test)]
-#[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sections::SYNC_STEPS;
     use clap::Parser;
 
     #[derive(Parser, Debug)]
@@ -551,6 +592,64 @@ mod tests {
         assert!(e.contains("\"-1\" is not a device ordinal"), "{e}");
         // no warm-up is a valid choice
         assert_eq!(plan(&["--warmup", "0"]).reps(2 * MIB).warmup, 0);
+    }
+
+    #[test]
+    fn consumer_namespaces_skip_what_cannot_work_there() {
+        let p = plan(&["--quick"]);
+        assert!(p.namespaces.is_empty());
+        assert!(
+            SectionId::ALL
+                .iter()
+                .all(|id| p.namespace_skip(*id).is_none())
+        );
+        let p = plan(&["--quick", "--consumer-namespaces", "pid,ipc"]);
+        assert_eq!(p.namespaces.names(), ["pid", "ipc"]);
+        // PyTorch's own children cannot be moved: its rows say why
+        assert!(
+            p.torch
+                .as_ref()
+                .unwrap_err()
+                .contains("torch.multiprocessing"),
+            "{:?}",
+            p.torch
+        );
+        assert!(
+            SectionId::ALL
+                .iter()
+                .all(|id| p.namespace_skip(*id).is_none())
+        );
+        assert_eq!(p.steps(), plan(&["--quick"]).steps());
+        // --no-torch says so first
+        let p = plan(&["--consumer-namespaces", "ipc", "--no-torch"]);
+        assert_eq!(p.torch, Err("--no-torch".to_string()));
+        // a private /dev/shm: no interprocess events
+        let p = plan(&["--quick", "--consumer-namespaces", "shm,pid"]);
+        for id in [SectionId::Floor, SectionId::Peer, SectionId::Sync] {
+            let why = p.namespace_skip(id).unwrap();
+            assert!(why.contains("private /dev/shm"), "{why}");
+        }
+        for id in [SectionId::Fresh, SectionId::Cached, SectionId::Ring] {
+            assert_eq!(p.namespace_skip(id), None);
+        }
+        // no progress steps for the skipped sections
+        let q = plan(&["--quick"]);
+        assert_eq!(p.steps(), q.steps() - (1 + 2 * 2) - SYNC_STEPS);
+        let p = plan(&["--only", "fresh,cached", "--consumer-namespaces", "user"]);
+        assert_eq!(p.sections, vec![SectionId::Fresh, SectionId::Cached]);
+    }
+
+    #[test]
+    fn bad_consumer_namespaces_say_why() {
+        let e = parse(&["--consumer-namespaces", "pid,net"]).unwrap_err();
+        assert!(
+            e.contains("\"net\" is not a namespace")
+                && e.contains("choose from pid, ipc, mount, user, shm"),
+            "{e}"
+        );
+        let e = Plan::from_args(&parse(&["--consumer-namespaces", "ipc,pid,ipc"]).unwrap())
+            .unwrap_err();
+        assert!(e.contains("--consumer-namespaces names ipc twice"), "{e}");
     }
 
     #[test]

@@ -12,6 +12,7 @@ use cuda_ipc::channel::ChannelError;
 use serde_json::{Value, json};
 
 use crate::lines::LineReader;
+use crate::namespaces::ConsumerNamespaces;
 
 /// Nanoseconds of CLOCK_MONOTONIC, comparable between processes of one machine.
 pub fn mono_ns() -> u64 {
@@ -59,13 +60,18 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Starts a consumer on device `device` without waiting for it.
-    pub fn spawn(device: usize, label: &str) -> Result<Worker, Error> {
+    /// Starts a consumer on device `device`, in `namespaces`, without
+    /// waiting for it.
+    pub fn spawn(
+        device: usize,
+        namespaces: &ConsumerNamespaces,
+        label: &str,
+    ) -> Result<Worker, Error> {
         let exe = std::env::current_exe().map_err(|e| Error::Io {
             context: "finding our own executable to start a consumer".into(),
             source: e,
         })?;
-        let mut command = Command::new(exe);
+        let mut command = namespaces.command(exe);
         command.args(["__bench-worker", "--device", &device.to_string()]);
         Worker::spawn_command(command, label)
     }
@@ -108,9 +114,13 @@ impl Worker {
         Ok(())
     }
 
-    /// Starts a consumer and waits until it is ready.
-    pub fn start(device: usize, label: &str) -> Result<Worker, Error> {
-        let mut w = Worker::spawn(device, label)?;
+    /// Starts a consumer (in `namespaces`) and waits until it is ready.
+    pub fn start(
+        device: usize,
+        namespaces: &ConsumerNamespaces,
+        label: &str,
+    ) -> Result<Worker, Error> {
+        let mut w = Worker::spawn(device, namespaces, label)?;
         w.wait_ready()?;
         Ok(w)
     }
@@ -346,6 +356,57 @@ for line in sys.stdin:
         let t = Instant::now();
         drop(w); // killed after the bye is ignored
         assert!(t.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_consumer_in_new_namespaces_talks_over_its_pipes_and_is_killed_with_its_wrapper() {
+        let list = [
+            crate::namespaces::Namespace::Pid,
+            crate::namespaces::Namespace::Ipc,
+            crate::namespaces::Namespace::Shm,
+        ];
+        let ns = ConsumerNamespaces::new(&list).unwrap();
+        if let Err(e) = ns.check_allowed() {
+            println!("skipped: {e}");
+            return;
+        }
+        if Command::new("python3").arg("--version").output().is_err() {
+            println!("skipped: no python3 here");
+            return;
+        }
+        let mut c = ns.command("python3");
+        c.args(["-u", "-c", ECHO]);
+        let mut w = Worker::spawn_command(c, "consumer 1").unwrap();
+        w.wait_ready().unwrap();
+        let a = w
+            .request(&json!({"op": "ping"}), Duration::from_secs(10))
+            .unwrap();
+        assert_eq!(a["echo"], "ping");
+        w.close();
+        // A consumer that ignores `bye` is killed with its wrapper
+        // (unshare's --kill-child), not left behind.
+        let marker = format!("cuda-ipc-bench-stuck-{}-{}", std::process::id(), mono_ns());
+        let script = format!("import time; print('{{}}'); time.sleep(30)  # {marker}");
+        let mut c = ns.command("python3");
+        c.args(["-u", "-c", &script]);
+        let mut w = Worker::spawn_command(c, "consumer 2").unwrap();
+        assert_eq!(w.recv(Duration::from_secs(10)).unwrap(), json!({}));
+        let running = || {
+            std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+                std::fs::read(e.path().join("cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&marker))
+            })
+        };
+        assert!(running(), "the consumer is not running");
+        w.grace = Duration::from_millis(100);
+        let t = Instant::now();
+        drop(w);
+        assert!(t.elapsed() < Duration::from_secs(5));
+        let gone = Instant::now() + Duration::from_secs(5);
+        while running() {
+            assert!(Instant::now() < gone, "the consumer outlived its wrapper");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     #[test]

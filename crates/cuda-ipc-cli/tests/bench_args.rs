@@ -100,3 +100,30 @@ fn device_ordinals_say_what_is_wrong() {
     usage_error(&["--device", "-1"], "\"-1\" is not a device ordinal");
     usage_error(&["--devices", "a,b"], "\"a\" is not a device ordinal");
 }
+
+#[test]
+fn consumer_namespaces_are_checked_before_the_driver() {
+    usage_error(
+        &["--consumer-namespaces", "pid,net"],
+        "\"net\" is not a namespace a consumer can be given; choose from pid, ipc, mount, user, shm",
+    );
+    usage_error(
+        &["--consumer-namespaces", "pid,ipc,Pid"],
+        "--consumer-namespaces names pid twice",
+    );
+    // No unshare to run the consumers with: exit 3, saying so, before the
+    // driver (which would say CUDA_IPC_DISABLE_DRIVER).
+    let o = Command::new(env!("CARGO_BIN_EXE_cuda-ipc"))
+        .args(["bench", "--quick", "--consumer-namespaces", "pid,ipc"])
+        .env("CUDA_IPC_DISABLE_DRIVER", "1")
+        .env("PATH", "/nonexistent")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("util-linux `unshare` is not installed") && !err.contains("libcuda"),
+        "{err}"
+    );
+}

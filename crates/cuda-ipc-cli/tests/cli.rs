@@ -793,3 +793,79 @@ fn set_mode_with_good_arguments_gets_as_far_as_the_driver() {
         assert!(e.contains("libcuda"), "{args:?}: {e}");
     }
 }
+
+#[test]
+fn demo_consumer_namespaces_are_checked_before_the_driver() {
+    for args in [
+        &["demo", "--consumer-namespaces", "pid,net"][..],
+        &["demo", "--stream", "--consumer-namespaces", "uts"],
+    ] {
+        let o = cuda_ipc(args);
+        assert_error(
+            args,
+            &o,
+            2,
+            "is not a namespace a consumer can be given; choose from pid, ipc, mount, user, shm",
+        );
+    }
+    for args in [
+        &["demo", "--consumer-namespaces", "shm,ipc,shm"][..],
+        &["demo", "--stream", "--consumer-namespaces", "ipc,ipc"],
+        &["demo", "--set", "4", "--consumer-namespaces", "pid,pid"],
+    ] {
+        let o = cuda_ipc(args);
+        assert_error(args, &o, 2, "names");
+        assert!(stderr(&o).contains("twice; give each namespace once"));
+    }
+    // Without unshare: exit 3, saying so, before the driver is loaded.
+    let o = command(&["demo", "--consumer-namespaces", "pid,ipc"])
+        .env("PATH", "/nonexistent")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_error(&[], &o, 3, "util-linux `unshare` is not installed");
+    assert!(!stderr(&o).contains("libcuda"), "{}", stderr(&o));
+}
+
+/// The demo's consumer, this executable, started through the same wrapper
+/// the demo uses, in new PID, IPC and mount namespaces with a private
+/// /dev/shm: it runs, and answers on its standard output.
+#[test]
+fn the_demo_consumer_runs_in_new_namespaces() {
+    use cuda_ipc_bench::namespaces::{ConsumerNamespaces, Namespace};
+    let ns = ConsumerNamespaces::new(&[Namespace::Pid, Namespace::Ipc, Namespace::Shm]).unwrap();
+    if let Err(e) = ns.check_allowed() {
+        println!("skipped: {e}");
+        return;
+    }
+    let exe = env!("CARGO_BIN_EXE_cuda-ipc");
+    let help = ns.command(exe).arg("--help").output().unwrap();
+    assert!(help.status.success(), "{}", stderr(&help));
+    assert!(String::from_utf8_lossy(&help.stdout).contains("Usage: cuda-ipc"));
+    // The consumer of `demo --consumer-namespaces`: without a driver it
+    // answers with the error, as one JSON line.
+    let o = ns
+        .command(exe)
+        .args(["__demo-consumer", "--socket", "/nonexistent/demo.sock"])
+        .env("CUDA_IPC_DISABLE_DRIVER", "1")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_no_panic(&o);
+    let line = String::from_utf8_lossy(&o.stdout);
+    let v: serde_json::Value = serde_json::from_str(line.trim()).expect("one JSON line");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("CUDA_IPC_DISABLE_DRIVER"),
+        "{v}"
+    );
+    // With the namespaces allowed, the demo gets as far as the driver.
+    for extra in [&[][..], &["--stream"], &["--set", "3", "--size", "1MiB"]] {
+        let mut args = vec!["demo", "--consumer-namespaces", "pid,ipc,shm"];
+        args.extend(extra);
+        let o = cuda_ipc(&args);
+        assert_error(&args, &o, 3, "CUDA_IPC_DISABLE_DRIVER");
+    }
+}

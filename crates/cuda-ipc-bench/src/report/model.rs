@@ -368,6 +368,15 @@ pub struct Report {
     pub mechanisms: Vec<String>,
     /// The hand-off sizes, bytes.
     pub sizes: Vec<u64>,
+    /// The namespaces every consumer process ran in besides the
+    /// producer's (`--consumer-namespaces`: pid, ipc, mount, user, shm);
+    /// empty when they ran in the producer's.
+    #[serde(default)]
+    pub consumer_namespaces: Vec<String>,
+    /// The command line a consumer ran under ("unshare ... -- CONSUMER"),
+    /// empty when it ran directly.
+    #[serde(skip_serializing_if = "String::is_empty", default)]
+    pub consumer_command: String,
     /// When the run started, seconds since the Unix epoch.
     pub started_unix_s: f64,
     /// How long the run took, seconds.

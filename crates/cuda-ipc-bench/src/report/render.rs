@@ -641,6 +641,14 @@ fn render_torch(s: &Section, out: &mut String) {
 /// The table printed at the end of a run.
 pub fn render(r: &Report) -> String {
     let mut out = String::new();
+    render_header(r, &mut out);
+    render_sections(r, &mut out);
+    render_targets(r, &mut out);
+    out
+}
+
+/// The device, the run, the second GPU and where the consumers ran.
+fn render_header(r: &Report, out: &mut String) {
     let device = r.device.as_ref().map_or_else(
         || "no device".to_string(),
         |d| {
@@ -656,6 +664,22 @@ pub fn render(r: &Report) -> String {
         if r.quick { "quick" } else { "full" },
         r.elapsed_s
     );
+    if !r.consumer_namespaces.is_empty() {
+        let _ = writeln!(
+            out,
+            "consumers in new namespaces: {} ({})",
+            r.consumer_namespaces.join(", "),
+            r.consumer_command
+        );
+    }
+    if !r.consumer_namespaces.is_empty() {
+        let _ = writeln!(
+            out,
+            "consumers in new namespaces: {} ({})",
+            r.consumer_namespaces.join(", "),
+            r.consumer_command
+        );
+    }
     if let Some(p) = &r.peer {
         let _ = writeln!(
             out,
@@ -672,6 +696,10 @@ pub fn render(r: &Report) -> String {
         "Latencies are one way, in ms: the producer's CLOCK_MONOTONIC before the call to the consumer's \
          after its wait completed; p50/p90/p99 over the samples kept after warm-up."
     );
+}
+
+/// Every section: its heading, its table and its notes.
+fn render_sections(r: &Report, out: &mut String) {
     for (i, s) in r.sections.iter().enumerate() {
         let _ = writeln!(out);
         let status = match s.status {
@@ -690,21 +718,25 @@ pub fn render(r: &Report) -> String {
             let _ = writeln!(out, "  FAILED: {e}");
         }
         match s.id {
-            SectionId::Fresh => render_fresh(r, s, &mut out),
-            SectionId::Arena => render_arena(r, s, &mut out),
-            SectionId::Cached => render_cached(r, s, &mut out),
-            SectionId::Floor => render_floor(s, &mut out),
-            SectionId::Bandwidth => render_bandwidth(s, &mut out),
-            SectionId::Peer => render_peer(r, s, &mut out),
-            SectionId::Ring | SectionId::Sync => render_ring(s, &mut out),
-            SectionId::Scale => render_scale(s, &mut out),
-            SectionId::Sets => render_sets(r, s, &mut out),
-            SectionId::Torch => render_torch(s, &mut out),
+            SectionId::Fresh => render_fresh(r, s, out),
+            SectionId::Arena => render_arena(r, s, out),
+            SectionId::Cached => render_cached(r, s, out),
+            SectionId::Floor => render_floor(s, out),
+            SectionId::Bandwidth => render_bandwidth(s, out),
+            SectionId::Peer => render_peer(r, s, out),
+            SectionId::Ring | SectionId::Sync => render_ring(s, out),
+            SectionId::Scale => render_scale(s, out),
+            SectionId::Sets => render_sets(r, s, out),
+            SectionId::Torch => render_torch(s, out),
         }
         for note in &s.notes {
             let _ = writeln!(out, "  * {note}");
         }
     }
+}
+
+/// Every target and its verdict, then the summary line.
+fn render_targets(r: &Report, out: &mut String) {
     let _ = writeln!(out);
     let _ = writeln!(out, "Targets");
     let mut t = Table::new(&["verdict", "what", "target", "measured"]).left_aligned(4);
@@ -721,7 +753,7 @@ pub fn render(r: &Report) -> String {
             c.shown.clone(),
         ]);
     }
-    t.render(&mut out);
+    t.render(out);
     let count = |v| r.targets.iter().filter(|c| c.verdict == v).count();
     let failed = r.failed_sections();
     let _ = writeln!(
@@ -737,5 +769,4 @@ pub fn render(r: &Report) -> String {
             format!("FAILED sections: {}", failed.join(", "))
         }
     );
-    out
 }

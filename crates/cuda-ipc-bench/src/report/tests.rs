@@ -209,6 +209,8 @@ pub(crate) fn synthetic() -> Report {
         }),
         mechanisms: vec!["legacy".into(), "vmm".into(), "pool".into()],
         sizes: vec![mib2, mib64],
+        consumer_namespaces: Vec::new(),
+        consumer_command: String::new(),
         started_unix_s: 0.0,
         elapsed_s: 42.0,
         sections: vec![
@@ -383,6 +385,9 @@ fn json_has_the_documented_shape() {
     assert_eq!(v["quick"], true);
     assert_eq!(v["device"]["name"], "NVIDIA H200");
     assert_eq!(v["sizes"][1], 64 << 20);
+    // consumers in the producer's namespaces: an empty list, no command
+    assert_eq!(v["consumer_namespaces"], serde_json::json!([]));
+    assert!(v.get("consumer_command").is_none());
     let sections = v["sections"].as_array().unwrap();
     assert_eq!(sections.len(), 11);
     assert_eq!(v["peer"]["device"]["ordinal"], 1);
@@ -438,6 +443,33 @@ fn json_has_the_documented_shape() {
     // and it reads back
     let back: Report = serde_json::from_str(&r.to_json()).unwrap();
     assert_eq!(back, r);
+}
+
+#[test]
+fn the_consumers_namespaces_are_in_the_header_and_the_json() {
+    let mut r = synthetic();
+    assert!(!render(&r).contains("new namespaces"));
+    r.consumer_namespaces = vec!["pid".into(), "ipc".into()];
+    r.consumer_command = "unshare --pid --fork --kill-child --mount-proc --ipc -- CONSUMER".into();
+    let text = render(&r);
+    assert_eq!(
+        text.lines().nth(1),
+        Some(
+            "consumers in new namespaces: pid, ipc \
+             (unshare --pid --fork --kill-child --mount-proc --ipc -- CONSUMER)"
+        ),
+        "{text}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+    assert_eq!(v["consumer_namespaces"], serde_json::json!(["pid", "ipc"]));
+    assert_eq!(v["consumer_command"], r.consumer_command.as_str());
+    let back: Report = serde_json::from_str(&r.to_json()).unwrap();
+    assert_eq!(back, r);
+    // a report written before the field existed still reads
+    let mut old: serde_json::Value = serde_json::from_str(&synthetic().to_json()).unwrap();
+    old.as_object_mut().unwrap().remove("consumer_namespaces");
+    let back: Report = serde_json::from_value(old).unwrap();
+    assert!(back.consumer_namespaces.is_empty());
 }
 
 #[test]

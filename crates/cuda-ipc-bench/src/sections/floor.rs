@@ -7,6 +7,7 @@ use cuda_ipc::vmm::VmmBuffer;
 use cuda_ipc::{DeviceMemory, Error, IpcEvent, LegacyBuffer, Mechanism};
 use serde_json::json;
 
+use crate::namespaces::ConsumerNamespaces;
 use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_f64, get_u64, mono_ns};
 use crate::report::{Row, Section, SectionId, human};
 use crate::stats::ns_to_ms;
@@ -24,6 +25,8 @@ pub(super) struct FloorRig {
     /// With the consumer on another GPU, the producer's: the consumer's VMM
     /// mappings grant it access too, as the library's peer imports do.
     owner: Option<usize>,
+    /// The namespaces its consumer runs in.
+    namespaces: ConsumerNamespaces,
 }
 
 impl FloorRig {
@@ -38,13 +41,14 @@ impl FloorRig {
             server,
             device,
             owner: (device != ctx.plan.device).then_some(ctx.plan.device),
+            namespaces: ctx.plan.namespaces.clone(),
         })
     }
 
     /// Starts the floor's consumer: it opens the floor's event once and
     /// connects to the floor's channel.
     pub(super) fn consumer(&self) -> Result<Worker, Error> {
-        let mut w = Worker::start(self.device, "the driver floor's consumer")?;
+        let mut w = Worker::start(self.device, &self.namespaces, "the driver floor's consumer")?;
         w.request(
             &json!({
                 "op": "floor_setup",

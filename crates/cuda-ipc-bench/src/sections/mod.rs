@@ -34,6 +34,7 @@ use cuda_ipc::share::{self, SharedBuffer};
 use cuda_ipc::{Device, DeviceMemory, Dtype, Error, Mechanism};
 use serde_json::{Value, json};
 
+use crate::namespaces::ConsumerNamespaces;
 use crate::proto::{REQUEST_TIMEOUT, Worker, failure, mono_ns};
 use crate::report::{PeerInfo, Row, Section, human};
 use crate::{Plan, Progress};
@@ -80,6 +81,7 @@ struct Consumer {
     label: String,
     device: usize,
     socket: String,
+    namespaces: ConsumerNamespaces,
 }
 
 impl Consumer {
@@ -95,6 +97,7 @@ impl Consumer {
             label: label.to_string(),
             device,
             socket: ctx.socket(),
+            namespaces: ctx.plan.namespaces.clone(),
         }
     }
 
@@ -111,7 +114,7 @@ impl Consumer {
         let alive = self.worker.as_mut().is_some_and(Worker::alive);
         if !alive {
             self.worker = None;
-            let mut w = Worker::start(self.device, &self.label)?;
+            let mut w = Worker::start(self.device, &self.namespaces, &self.label)?;
             w.request(
                 &json!({ "op": "connect", "socket": self.socket }),
                 REQUEST_TIMEOUT,

@@ -27,7 +27,13 @@ pub fn scale(ctx: &Ctx<'_>) -> Section {
     // Start every consumer at once: their CUDA start-ups overlap.
     let started = (|| -> Result<Vec<Worker>, Error> {
         let mut workers = (0..most)
-            .map(|i| Worker::spawn(ctx.plan.device, &format!("consumer {}", i + 1)))
+            .map(|i| {
+                Worker::spawn(
+                    ctx.plan.device,
+                    &ctx.plan.namespaces,
+                    &format!("consumer {}", i + 1),
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         for w in &mut workers {
             w.wait_ready()?;

@@ -18,6 +18,7 @@ use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{DeviceMemory, Error, Mechanism};
 use serde_json::{Value, json};
 
+use crate::namespaces::ConsumerNamespaces;
 use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns, send_line};
 use crate::report::{Row, Section, SectionId, human};
 use crate::stats::ns_to_ms;
@@ -72,6 +73,7 @@ struct SyncConsumer {
     mode: &'static str,
     device: usize,
     socket: String,
+    namespaces: ConsumerNamespaces,
 }
 
 impl SyncConsumer {
@@ -80,7 +82,7 @@ impl SyncConsumer {
         if !alive {
             self.worker = None;
             let label = format!("the sync section's {} consumer", self.mode);
-            let mut w = Worker::start(self.device, &label)?;
+            let mut w = Worker::start(self.device, &self.namespaces, &label)?;
             w.request(
                 &json!({ "op": "connect", "socket": self.socket, "sync": self.mode }),
                 REQUEST_TIMEOUT,
@@ -342,6 +344,7 @@ pub fn sync(ctx: &Ctx<'_>) -> Section {
         mode,
         device: ctx.plan.device,
         socket: ctx.socket(),
+        namespaces: ctx.plan.namespaces.clone(),
     });
     let size = ctx.plan.sizes[0];
     for c in &mut consumers {

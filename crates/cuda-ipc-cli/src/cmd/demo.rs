@@ -6,16 +6,24 @@
 //! (`x -> 2x + 1`) with a kernel and records its own event. The producer
 //! waits on that event and checks every value again. Both directions are
 //! checked element by element; each step is timed.
+//!
+//! With `--consumer-namespaces` the consumer runs in new namespaces (as in
+//! a container), where it can neither fetch file descriptors by the
+//! producer's pid nor, with a private `/dev/shm`, open its events; the
+//! buffer then travels over the channel instead, synchronised by the
+//! publisher's event or, where events cannot open, its fence, and the
+//! consumer's release (which waits for its kernel) hands the buffer back.
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use cuda_ipc::exchange::{Publisher, PublisherConfig};
+use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
 use cuda_ipc::{
     Descriptor, Device, DeviceMemory, Dtype, Error, IpcEvent, IpcEventHandle, MappedBuffer,
 };
+use cuda_ipc_bench::namespaces::{ConsumerNamespaces, Namespace};
 use serde_json::{Value, json};
 
 use crate::Outcome;
@@ -53,6 +61,13 @@ pub struct Args {
     /// counts seconds).
     #[arg(long, value_parser = super::parse_duration, default_value = "5s", allow_negative_numbers = true)]
     pub seconds: std::time::Duration,
+    /// Run the consumer process in new Linux namespaces, as a container
+    /// would, through util-linux unshare; comma-separated: pid (with its own
+    /// /proc), ipc, mount, user (ours mapped to root), shm (a private
+    /// /dev/shm: fences instead of events). The buffer then travels over
+    /// the channel (a Unix socket). Needs root.
+    #[arg(long, value_delimiter = ',', value_parser = Namespace::parse)]
+    pub consumer_namespaces: Vec<Namespace>,
 }
 
 /// Arguments of the hidden consumer.
@@ -64,6 +79,10 @@ pub struct ConsumerArgs {
     /// Stream mode: subscribe to the ring at this socket.
     #[arg(long)]
     pub stream_socket: Option<std::path::PathBuf>,
+    /// Attach the demo's buffer from the publisher at this socket (the
+    /// demo with --consumer-namespaces).
+    #[arg(long, conflicts_with = "stream_socket")]
+    pub socket: Option<std::path::PathBuf>,
 }
 
 const PATTERN: Pattern = Pattern::ramp(0xC0DA_0000, 1);
@@ -81,7 +100,7 @@ impl Steps {
 
 /// `demo --set N`: a set of `n` buffers handed off from an arena to a
 /// consumer process (`attach --set`), which checks every value.
-fn run_set(args: &Args, n: usize) -> Result<Outcome, Error> {
+fn run_set(args: &Args, n: usize, namespaces: &ConsumerNamespaces) -> Result<Outcome, Error> {
     let sizes = super::serve::set_sizes(n, args.size)?;
     let t = Instant::now();
     let device = Device::open(args.device)?;
@@ -97,9 +116,13 @@ fn run_set(args: &Args, n: usize) -> Result<Outcome, Error> {
         "cuda-ipc demo: a set of {n} buffers, {} in all, in {chunks} {mechanism} chunk(s) of one arena ({publish_ms:.3} ms to allocate, fill and publish)",
         super::human(args.size)
     )?;
+    if !namespaces.is_empty() {
+        outln!("  the consumer runs in new namespaces: {namespaces}")?;
+    }
     let socket = publisher.path().to_string_lossy().into_owned();
     let device_arg = args.device.to_string();
-    let child = super::spawn_self(
+    let child = super::spawn_self_in(
+        namespaces,
         "consumer",
         &[
             "attach",
@@ -129,8 +152,9 @@ fn run_set(args: &Args, n: usize) -> Result<Outcome, Error> {
 }
 
 pub fn run(args: &Args) -> Result<Outcome, Error> {
+    let namespaces = super::consumer_namespaces(&args.consumer_namespaces)?;
     if let Some(n) = args.set {
-        return run_set(args, n);
+        return run_set(args, n, &namespaces);
     }
     if args.size == 0 || !args.size.is_multiple_of(4) {
         return Err(Error::InvalidArgument {
@@ -140,6 +164,9 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
                 args.size
             ),
         });
+    }
+    if !namespaces.is_empty() {
+        return run_over_channel(args, &namespaces);
     }
     let words = args.size / 4;
     let mut steps = Steps(Vec::new());
@@ -294,6 +321,261 @@ fn talk_to_consumer(
     })
 }
 
+/// The channel entry the demo publishes with `--consumer-namespaces`.
+const ENTRY: &str = "demo";
+
+/// Which of `/proc/self/ns` a requested namespace makes new.
+fn kind_of(n: Namespace) -> &'static str {
+    match n {
+        Namespace::Pid => "pid",
+        Namespace::Ipc => "ipc",
+        Namespace::Mount | Namespace::Shm => "mnt",
+        Namespace::User => "user",
+    }
+}
+
+/// This process's namespaces as `{kind: inode}`.
+fn own_namespaces() -> Value {
+    cuda_ipc::container::namespaces()
+        .into_iter()
+        .map(|n| (n.kind.to_string(), n.inode.map_or(Value::Null, Value::from)))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+/// `demo --consumer-namespaces`: the consumer runs in new namespaces, where
+/// it can neither fetch descriptors by our pid (a PID namespace of its own)
+/// nor, with `shm`, open our events; so the buffer travels over the
+/// channel, with its file descriptors, its event and its fence. The
+/// consumer attaches (waiting on the event, or on the fence where events
+/// cannot open), checks every value, transforms every value and releases
+/// the lease, which waits for its kernel first; the producer unpublishes
+/// (which returns once the lease is released) and checks every value again.
+fn run_over_channel(args: &Args, namespaces: &ConsumerNamespaces) -> Result<Outcome, Error> {
+    let words = args.size / 4;
+    let mut steps = Steps(Vec::new());
+    let t = Instant::now();
+    let device = Device::open(args.device)?;
+    let caps = device.capabilities()?;
+    steps.add(
+        "producer",
+        "start CUDA and open the device",
+        super::ms_since(t),
+    );
+
+    let t = Instant::now();
+    let buffer = SharedBuffer::alloc(&device, args.size as usize, args.mechanism.0)?;
+    let mechanism = buffer.mechanism();
+    kernels::fill_u32(&buffer, PATTERN, Speed::Full)?;
+    steps.add(
+        "producer",
+        format!(
+            "allocate {} ({mechanism}) and queue the fill kernel",
+            super::human(args.size)
+        ),
+        super::ms_since(t),
+    );
+
+    let t = Instant::now();
+    let publisher = Publisher::bind(
+        &device,
+        Endpoint::Name(format!("demo-{}", std::process::id())),
+        PublisherConfig::default(),
+    )?;
+    let shared = publisher.publish(ENTRY, buffer, Dtype::U32, Some(vec![words]))?;
+    steps.add(
+        "producer",
+        "publish it on the channel (an event and a fence)",
+        super::ms_since(t),
+    );
+    outln!(
+        "cuda-ipc demo: sharing {} between two processes on GPU {} ({}) with the {mechanism} \
+         mechanism, the consumer in new namespaces ({namespaces}) and the buffer over the channel",
+        super::human(args.size),
+        caps.ordinal,
+        caps.name
+    )?;
+
+    let t = Instant::now();
+    let device_arg = args.device.to_string();
+    let mut child = super::spawn_self_in(
+        namespaces,
+        "consumer",
+        &[
+            std::ffi::OsStr::new("__demo-consumer"),
+            std::ffi::OsStr::new("--device"),
+            std::ffi::OsStr::new(&device_arg),
+            std::ffi::OsStr::new("--socket"),
+            publisher.path().as_os_str(),
+        ],
+        Stdio::null(),
+    )?;
+    let from_child = LineReader::new(child.stdout.take().expect("piped"), "consumer process");
+    let reply = from_child.next(CHILD_TIMEOUT);
+    steps.add(
+        "both",
+        "spawn the consumer, which attaches, checks, transforms and releases",
+        super::ms_since(t),
+    );
+    // Returns once the consumer's lease is released (its kernel finished)
+    // or the consumer is gone.
+    let t = Instant::now();
+    let unpublished = publisher.unpublish(ENTRY, Some(Duration::from_secs(30)));
+    let status = child.wait().map_err(|e| Error::Io {
+        context: "waiting for the consumer".into(),
+        source: e,
+    })?;
+    let reply = reply?;
+    if let Some(err) = reply.get("error") {
+        return Err(Error::Io {
+            context: format!("the consumer in new namespaces ({namespaces})"),
+            source: std::io::Error::other(err.as_str().unwrap_or("failed").to_string()),
+        });
+    }
+    unpublished?;
+    // Not checked again when the consumer already saw a difference.
+    let bad = if reply["mismatch"].is_u64() {
+        None
+    } else {
+        kernels::check_u32(shared.as_ref(), PATTERN.mapped(MUL, ADD))?
+    };
+    let check_ms = super::ms_since(t);
+    for step in field(&reply, "steps")?.as_array().into_iter().flatten() {
+        let name = step["what"].as_str().unwrap_or("?").to_string();
+        steps.add("consumer", name, step["ms"].as_f64().unwrap_or(f64::NAN));
+    }
+    steps.add(
+        "producer",
+        format!("wait for the consumer's release and check {words} values"),
+        check_ms,
+    );
+    for (who, what, ms) in &steps.0 {
+        outln!("  {who:<9} {what:<58} {ms:>10.3} ms")?;
+    }
+    check_namespaces(&reply, namespaces)?;
+    verdict(&reply, bad, status, words)
+}
+
+/// The demo's outcome: the consumer's exit `status`, the first word it saw
+/// differ (in `reply`) and the first the producer saw differ (`bad`).
+fn verdict(
+    reply: &Value,
+    bad: Option<u64>,
+    status: std::process::ExitStatus,
+    words: u64,
+) -> Result<Outcome, Error> {
+    if !status.success() {
+        outln!("FAILED: the consumer process exited with {status}")?;
+        return Ok(Outcome::Mismatch);
+    }
+    match (reply["mismatch"].as_u64(), bad) {
+        (Some(i), _) => {
+            outln!("FAILED: the consumer saw word {i} differ from what the producer wrote")?;
+            Ok(Outcome::Mismatch)
+        }
+        (None, Some(i)) => {
+            outln!("FAILED: the producer saw word {i} differ from what the consumer wrote")?;
+            Ok(Outcome::Mismatch)
+        }
+        _ => {
+            outln!(
+                "OK: both processes saw each other's writes across namespaces ({words} values \
+                 checked in each direction, no copy)"
+            )?;
+            Ok(Outcome::Ok)
+        }
+    }
+}
+
+/// Prints which namespaces of the consumer (as its `reply` reports them)
+/// are not the producer's, and how it synchronised; an error if one it
+/// was to get new is still ours (the wrapper did not work).
+fn check_namespaces(reply: &Value, namespaces: &ConsumerNamespaces) -> Result<(), Error> {
+    let theirs = field(reply, "namespaces")?;
+    let ours = own_namespaces();
+    let differ: Vec<&str> = cuda_ipc::container::NAMESPACE_KINDS
+        .into_iter()
+        .filter(|k| !theirs[*k].is_null() && theirs[*k] != ours[*k])
+        .collect();
+    outln!(
+        "  the consumer's own namespaces: {}; it synchronised with the publisher's {}",
+        if differ.is_empty() {
+            "none".to_string()
+        } else {
+            differ.join(", ")
+        },
+        reply["sync"].as_str().unwrap_or("?")
+    )?;
+    match namespaces_of(namespaces).find(|n| !differ.contains(&kind_of(*n))) {
+        Some(n) => Err(Error::Io {
+            context: "demo --consumer-namespaces".into(),
+            source: std::io::Error::other(format!(
+                "the consumer ran in the producer's {} namespace, not a new one",
+                kind_of(n)
+            )),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The namespaces of `set`, one by one.
+fn namespaces_of(set: &ConsumerNamespaces) -> impl Iterator<Item = Namespace> + '_ {
+    Namespace::ALL.into_iter().filter(|n| set.contains(*n))
+}
+
+/// The consumer of `demo --consumer-namespaces`: attaches the buffer over
+/// the channel, checks it, transforms it, releases it, and reports (its
+/// steps, how it synchronised, its namespaces) on standard output.
+fn consumer_over_channel(device: usize, socket: &std::path::Path) -> Result<Outcome, Error> {
+    let reply = (|| -> Result<Value, Error> {
+        let mut steps = Vec::new();
+        let t = Instant::now();
+        let device = Device::open(device)?;
+        steps.push(json!({ "what": "start CUDA and open the device", "ms": super::ms_since(t) }));
+
+        let t = Instant::now();
+        let sub = Subscriber::connect(&device, socket, SubscriberConfig::default())?;
+        let attached = sub.attach::<u32>(ENTRY)?;
+        let sync = if attached.uses_fence() {
+            "fence"
+        } else {
+            "event"
+        };
+        steps.push(json!({
+            "what": format!("connect, map the buffer ({}) and wait on the {sync}", attached.descriptor().mechanism()),
+            "ms": super::ms_since(t),
+        }));
+
+        let t = Instant::now();
+        let bad = kernels::check_u32(attached.buffer(), PATTERN)?;
+        steps.push(json!({
+            "what": format!("check {} values", attached.buffer().len()),
+            "ms": super::ms_since(t),
+        }));
+        if bad.is_none() {
+            let t = Instant::now();
+            kernels::map_u32(attached.buffer(), MUL, ADD)?;
+            steps.push(
+                json!({ "what": "queue x -> 2x+1 on every value", "ms": super::ms_since(t) }),
+            );
+        }
+
+        let t = Instant::now();
+        sub.release(attached)?;
+        steps.push(
+            json!({ "what": "finish the kernel and release the lease", "ms": super::ms_since(t) }),
+        );
+        let mut reply = json!({ "steps": steps, "sync": sync, "namespaces": own_namespaces() });
+        if let Some(i) = bad {
+            reply["mismatch"] = i.into();
+        }
+        Ok(reply)
+    })();
+    let value = reply.unwrap_or_else(|e| json!({ "error": e.to_string() }));
+    lines::send(&mut std::io::stdout().lock(), &value)?;
+    Ok(Outcome::Ok)
+}
+
 /// What the consumer keeps until the producer has waited on its event.
 type Kept = (IpcEvent, MappedBuffer<u32>);
 
@@ -301,6 +583,9 @@ type Kept = (IpcEvent, MappedBuffer<u32>);
 pub fn consumer(args: &ConsumerArgs) -> Result<Outcome, Error> {
     if let Some(socket) = &args.stream_socket {
         return super::stream::consumer(args.device, socket);
+    }
+    if let Some(socket) = &args.socket {
+        return consumer_over_channel(args.device, socket);
     }
     let mut out = std::io::stdout().lock();
     let input = LineReader::new(std::io::stdin(), "producer process");

@@ -9,12 +9,13 @@ pub mod stream;
 
 use std::ffi::OsStr;
 use std::io::Read;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Instant;
 
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::SharedBuffer;
 use cuda_ipc::{Device, Error};
+use cuda_ipc_bench::namespaces::ConsumerNamespaces;
 
 /// Milliseconds since `t`.
 pub fn ms_since(t: Instant) -> f64 {
@@ -88,6 +89,20 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
         .map_err(|e| e.to_string())
 }
 
+/// Checks `--consumer-namespaces` before the driver is touched: a name
+/// given twice is bad input (exit 2); namespaces that cannot be created
+/// here (no `unshare`, not root) are unavailable (exit 3).
+pub fn consumer_namespaces(
+    list: &[cuda_ipc_bench::namespaces::Namespace],
+) -> Result<ConsumerNamespaces, Error> {
+    let namespaces = ConsumerNamespaces::new(list).map_err(|reason| Error::InvalidArgument {
+        what: "consumer namespaces",
+        reason,
+    })?;
+    namespaces.check_allowed()?;
+    Ok(namespaces)
+}
+
 /// Allocates a shared buffer of `size` bytes and fills every 32-bit word
 /// with `value` (queued on the buffer's stream).
 pub fn alloc_filled(
@@ -124,11 +139,22 @@ pub fn wait_for_stdin_end() -> Result<(), Error> {
 /// This program, started again with `args` (the hidden child roles of
 /// `demo` and `info`), its standard output piped; `role` names it in errors.
 pub fn spawn_self<A: AsRef<OsStr>>(role: &str, args: &[A], stdin: Stdio) -> Result<Child, Error> {
+    spawn_self_in(&ConsumerNamespaces::default(), role, args, stdin)
+}
+
+/// [`spawn_self`] in new namespaces (`--consumer-namespaces`; none: ours).
+pub fn spawn_self_in<A: AsRef<OsStr>>(
+    namespaces: &ConsumerNamespaces,
+    role: &str,
+    args: &[A],
+    stdin: Stdio,
+) -> Result<Child, Error> {
     let exe = std::env::current_exe().map_err(|e| Error::Io {
         context: "finding our own executable".into(),
         source: e,
     })?;
-    Command::new(exe)
+    namespaces
+        .command(exe)
         .args(args)
         .stdin(stdin)
         .stdout(Stdio::piped())

@@ -28,6 +28,7 @@ fn frame_pattern(seq: u64) -> Pattern {
 }
 
 pub fn run(args: &Args) -> Result<Outcome, Error> {
+    let namespaces = super::consumer_namespaces(&args.consumer_namespaces)?;
     if args.frame_size == 0 || !args.frame_size.is_multiple_of(4) || args.slots == 0 {
         return Err(Error::InvalidArgument {
             what: "stream",
@@ -50,7 +51,8 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         args.mechanism.0,
     )?;
     let device_arg = args.device.to_string();
-    let mut child = super::spawn_self(
+    let mut child = super::spawn_self_in(
+        &namespaces,
         "consumer",
         &[
             OsStr::new("__demo-consumer"),
@@ -72,6 +74,9 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             .map_or_else(|| "ring".into(), |b| b.mechanism().to_string()),
         args.seconds
     )?;
+    if !namespaces.is_empty() {
+        outln!("  the consumer runs in new namespaces: {namespaces}")?;
+    }
     let started = Instant::now();
     let mut seq = 0u64;
     let produced = (|| -> Result<(), Error> {
