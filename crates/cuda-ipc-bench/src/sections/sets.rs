@@ -64,6 +64,7 @@ impl WeightSet {
                 dtype: Dtype::F32,
                 shape,
                 buffer,
+                offset: 0,
             })
             .collect()
     }
