@@ -20,6 +20,13 @@ pub const SET_LARGE_P50_MS: f64 = 1.0;
 pub const SET_LIST_SPEEDUP: f64 = 50.0;
 /// PyTorch's flattened bucket p50 / ours, large set.
 pub const SET_BUCKET_SPEEDUP: f64 = 6.0;
+/// The large weight set handed off from Python (`bench/cuda_ipc_share.py`:
+/// publish_state_dict to attach_state_dict), median, ms.
+pub const PY_SET_LARGE_P50_MS: f64 = 2.0;
+/// The large weight set from Python p50 / the same set from Rust.
+pub const PY_RUST_RATIO: f64 = 2.0;
+/// The series of the Python rows.
+pub const PY_SERIES: &str = "ours from Python";
 /// The small weight set's tensors.
 pub const SET_SMALL: u64 = 100;
 /// Its hand-off median, ms.
@@ -448,6 +455,30 @@ fn set_targets(r: &Report, out: &mut Vec<TargetCheck>) {
                     },
                 ));
             }
+            let py_row = find(PY_SERIES, "set", count);
+            let py = p50(py_row);
+            out.push(check(
+                format!("python-set/{count}"),
+                format!("weight set from Python p50, {count} tensors / {total}"),
+                format!("<= {PY_SET_LARGE_P50_MS:.0} ms"),
+                py,
+                |v| format!("{} ms", fmt_ms(v)),
+                |v| v <= PY_SET_LARGE_P50_MS,
+                why_missing(py_row),
+            ));
+            out.push(check(
+                format!("python/rust/{count}"),
+                format!("weight set, {count} tensors: from Python p50 / from Rust p50"),
+                format!("<= {PY_RUST_RATIO:.0}x"),
+                py.zip(ours).map(|(p, o)| p / o),
+                |v| format!("{v:.1}x"),
+                |v| v <= PY_RUST_RATIO,
+                if ours.is_none() {
+                    why_missing(Some(row))
+                } else {
+                    why_missing(py_row)
+                },
+            ));
             out.push(check(
                 format!("sets-memory/{count}"),
                 format!("weight set, {count} tensors: extra device memory of ours"),
