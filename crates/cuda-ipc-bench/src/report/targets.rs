@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::format::{fmt_ms, human};
-use super::model::{Report, Row, SectionId, Status};
+use super::model::{Report, Row, Section, SectionId, Status};
 
 /// Cached hand-off median, ms, at every size and mechanism.
 pub const CACHED_P50_MS: f64 = 0.010;
@@ -406,6 +406,39 @@ fn arena_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     }
 }
 
+/// The Python rows' checks against the large set's Rust row (`row`, whose
+/// p50 is `ours`).
+fn python_targets(s: &Section, row: &Row, ours: Option<f64>, out: &mut Vec<TargetCheck>) {
+    let count = row.count.unwrap_or(SET_LARGE);
+    let total = row.size.map_or_else(|| "?".into(), human);
+    let py_row = s.rows.iter().find(|x| {
+        x.series == PY_SERIES && x.variant.as_deref() == Some("set") && x.count == Some(count)
+    });
+    let py = py_row.filter(|x| x.error.is_none()).and_then(Row::p50);
+    out.push(check(
+        format!("python-set/{count}"),
+        format!("weight set from Python p50, {count} tensors / {total}"),
+        format!("<= {PY_SET_LARGE_P50_MS:.0} ms"),
+        py,
+        |v| format!("{} ms", fmt_ms(v)),
+        |v| v <= PY_SET_LARGE_P50_MS,
+        why_missing(py_row),
+    ));
+    out.push(check(
+        format!("python/rust/{count}"),
+        format!("weight set, {count} tensors: from Python p50 / from Rust p50"),
+        format!("<= {PY_RUST_RATIO:.0}x"),
+        py.zip(ours).map(|(p, o)| p / o),
+        |v| format!("{v:.1}x"),
+        |v| v <= PY_RUST_RATIO,
+        if ours.is_none() {
+            why_missing(Some(row))
+        } else {
+            why_missing(py_row)
+        },
+    ));
+}
+
 fn set_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     let Some(s) = r
         .section(SectionId::Sets)
@@ -455,30 +488,7 @@ fn set_targets(r: &Report, out: &mut Vec<TargetCheck>) {
                     },
                 ));
             }
-            let py_row = find(PY_SERIES, "set", count);
-            let py = p50(py_row);
-            out.push(check(
-                format!("python-set/{count}"),
-                format!("weight set from Python p50, {count} tensors / {total}"),
-                format!("<= {PY_SET_LARGE_P50_MS:.0} ms"),
-                py,
-                |v| format!("{} ms", fmt_ms(v)),
-                |v| v <= PY_SET_LARGE_P50_MS,
-                why_missing(py_row),
-            ));
-            out.push(check(
-                format!("python/rust/{count}"),
-                format!("weight set, {count} tensors: from Python p50 / from Rust p50"),
-                format!("<= {PY_RUST_RATIO:.0}x"),
-                py.zip(ours).map(|(p, o)| p / o),
-                |v| format!("{v:.1}x"),
-                |v| v <= PY_RUST_RATIO,
-                if ours.is_none() {
-                    why_missing(Some(row))
-                } else {
-                    why_missing(py_row)
-                },
-            ));
+            python_targets(s, row, ours, out);
             out.push(check(
                 format!("sets-memory/{count}"),
                 format!("weight set, {count} tensors: extra device memory of ours"),
