@@ -11,7 +11,8 @@ PyTorch tensor or a CuPy array, export tensors and arrays the other way.
 
 Importing loads only the extension module (``cuda_ipc._core``); the driver
 (libcuda.so.1) is loaded on first use, torch and cupy by the functions that
-use them. See docs/PYTHON.md.
+use them. ``cuda_ipc.torch.shareable(publisher)`` makes tensors in a
+publisher's arena (see :mod:`cuda_ipc.torch`). See docs/PYTHON.md.
 """
 
 from . import _core, dtypes, sets
@@ -43,6 +44,17 @@ from .sets import ArenaBuffer, SetAttachment, StateDict
 from .torch_record import parse_storage_handle, record_to_descriptor, tensor_layout, validate_record
 
 __version__ = _core.__version__
+
+
+def __getattr__(name):
+    # cuda_ipc.torch (tensors born shareable) on first use: importing it does
+    # not import torch either.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 driver_available = _core.driver_available
 driver_version = _core.driver_version

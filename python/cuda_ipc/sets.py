@@ -166,14 +166,20 @@ def publish_set(pub, name, members):
     core = []
     for i, m in enumerate(members):
         try:
-            member, buffer, dtype, shape = m
+            member, buffer, dtype, shape, *rest = m
+            offset = int(rest[0]) if rest else 0
+            if len(rest) > 1:
+                raise ValueError
         except (TypeError, ValueError):
-            raise InvalidInput(f"set member {i} is not (name, buffer, dtype, shape)") from None
+            raise InvalidInput(f"set member {i} is not (name, buffer, dtype, shape) or "
+                               f"(name, buffer, dtype, shape, offset)") from None
+        if offset < 0:
+            raise InvalidInput(f"set member {i} ({member!r}): the offset {offset} is negative")
         dt = _dtypes.lookup(dtype)
         if dt is None:
             raise InvalidInput(f"set member {i} ({member!r}): unknown dtype {dtype!r}; known: "
                                f"{', '.join(_dtypes.names())}")
-        core.append((str(member), _core_buffer(buffer), dt.name, [int(d) for d in shape]))
+        core.append((str(member), _core_buffer(buffer), dt.name, [int(d) for d in shape], offset))
     pub._c.publish_set(str(name), core)
     pub._sets.add(str(name))
 
@@ -228,9 +234,13 @@ def publish_state_dict(pub, name, state_dict):
         entry = key if nbytes else empty_entry_name(key, t.shape)
         if len(entry.encode()) > MAX_NAME_BYTES:
             raise InvalidInput(f"{key!r}: the entry name is longer than the {MAX_NAME_BYTES} bytes a set takes")
+        # A tensor inside a buffer of this publisher's arena (one it returned
+        # before, a view of alloc(), or a tensor made in a shareable() block,
+        # which torch's caching allocator placed in one of its segments) is
+        # published where it is: (buffer, offset of its first byte).
         found = None
         if nbytes and t.is_cuda and t.device.index == pub.device and t.is_contiguous():
-            found = pub._c.arena_buffer_at(t.data_ptr(), nbytes)
+            found = pub._c.arena_buffer_containing(t.data_ptr(), nbytes)
         plan.append((key, t, dt, nbytes, entry, found))
     # One chunk for everything copied, when it fits one.
     need = sum(_round_up(max(n, dt.size)) for _, _, dt, n, _, found in plan if found is None)
@@ -238,13 +248,14 @@ def publish_state_dict(pub, name, state_dict):
         pub._c.arena_reserve(need)
     device = torch.device("cuda", pub.device)
     members, tensors, buffers = [], {}, []
-    copied = copied_bytes = in_arena = 0
+    copied = copied_bytes = 0
+    first_copied = None
     with torch.no_grad():
         for key, t, dt, nbytes, entry, found in plan:
             shape = [int(d) for d in t.shape]
+            offset = 0
             if found is not None:
-                buf, dst = found, t
-                in_arena += 1
+                (buf, offset), dst = found, t
             else:
                 buf = pub._c.arena_alloc(max(nbytes, dt.size))
                 if nbytes:
@@ -252,25 +263,31 @@ def publish_state_dict(pub, name, state_dict):
                     dst.copy_(t)  # on the current stream; non-contiguous sources become contiguous
                     copied += 1
                     copied_bytes += nbytes
+                    first_copied = key if first_copied is None else first_copied
                 else:
                     dst = torch.empty(shape, dtype=t.dtype, device=device)
             buffers.append(buf)
             tensors[key] = dst
-            members.append((entry, buf, dt.name, shape if nbytes else [1]))
+            members.append((entry, buf, dt.name, shape if nbytes else [1], offset))
     # Waits for the copies queued above (every stream of the context).
     pub._c.publish_set(name, members)
     pub._sets.add(name)
     pub._state_dicts[name] = _PublishedStateDict(tensors, buffers)
-    if copied and not in_arena:
-        warnings.warn(
-            f"publish_state_dict({name!r}) copied {copied} tensors ({copied_bytes / 2**20:.1f} MiB) into the "
-            f"publisher's arena. To avoid the copy, train in the tensors it returned "
-            f"(model.load_state_dict(returned, assign=True)) and publish changes with update_state_dict, "
-            f"or allocate the weights in the arena from the start (Publisher.alloc, or a shareable "
-            f"allocator on the arena).",
-            stacklevel=3,
-        )
+    if copied:
+        warnings.warn(copy_warning(name, copied, copied_bytes, first_copied), stacklevel=3)
     return dict(tensors)
+
+
+def copy_warning(name, copied, copied_bytes, first):
+    """The warning of a publish_state_dict that copied tensors not born in
+    the arena: how many, and how to avoid it."""
+    return (
+        f"publish_state_dict({name!r}) copied {copied} tensors ({copied_bytes / 2**20:.1f} MiB, e.g. {first!r}) "
+        f"into the publisher's arena: they were not born in it. To avoid the copy, make the model inside "
+        f"`with cuda_ipc.torch.shareable(publisher):` (every tensor made there lives in the arena), or train "
+        f"in the tensors publish_state_dict returned (model.load_state_dict(returned, assign=True)) and "
+        f"publish changes with update_state_dict. Non-contiguous tensors are always copied."
+    )
 
 
 def update_state_dict(pub, name, state_dict=None):

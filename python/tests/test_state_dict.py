@@ -162,8 +162,26 @@ class PublishChecks(unittest.TestCase):
         self.assertIn("unknown dtype 'complex64'", str(cm.exception))
         self.assertEqual(p._c.calls, [])
         p.publish_set("s", [("w", None, "torch.bfloat16", (2, 3))])
-        self.assertEqual(p._c.calls, [("publish_set", ("s", [("w", None, "bf16", [2, 3])]))])
+        self.assertEqual(p._c.calls, [("publish_set", ("s", [("w", None, "bf16", [2, 3], 0)]))])
         self.assertIn("s", p._sets)
+
+    def test_publish_set_members_at_an_offset(self):
+        p = _publisher()
+        p.publish_set("s", [("w", None, "f32", [4], 512)])
+        self.assertEqual(p._c.calls, [("publish_set", ("s", [("w", None, "f32", [4], 512)]))])
+        for bad, text in (([("w", None, "f32", [4], -4)], "negative"),
+                          ([("w", None, "f32", [4], 0, 1)], "(name, buffer, dtype, shape, offset)"),
+                          ([("w", None, "f32", [4], "x")], "(name, buffer, dtype, shape, offset)")):
+            with self.subTest(bad=bad):
+                with self.assertRaises(cuda_ipc.InvalidInput) as cm:
+                    p.publish_set("t", bad)
+                self.assertIn(text, str(cm.exception))
+
+    def test_the_copy_warning_says_how_to_avoid_it(self):
+        msg = sets.copy_warning("model", 3, 3 * 2**20, "fc.weight")
+        self.assertIn("copied 3 tensors (3.0 MiB, e.g. 'fc.weight')", msg)
+        self.assertIn("cuda_ipc.torch.shareable(publisher)", msg)
+        self.assertIn("update_state_dict", msg)
 
     def test_unpublish_goes_to_the_set(self):
         p = _publisher()

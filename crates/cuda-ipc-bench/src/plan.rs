@@ -331,7 +331,7 @@ impl Plan {
                 SectionId::Fresh | SectionId::Cached => m * s,
                 SectionId::Arena => m * self.arena_sizes.len() as u64,
                 // ours and its update per set, then the PyTorch script
-                SectionId::Sets => 2 * self.sets.len() as u64 + 1,
+                SectionId::Sets => 2 * self.sets.len() as u64 + 2,
                 SectionId::Floor => 1 + floors * s,
                 SectionId::Bandwidth => m,
                 SectionId::Peer => 2 * m * s + m + floors * s,
@@ -431,8 +431,9 @@ mod tests {
         assert_eq!(f.torch, Ok(("python3".to_string(), None)));
         // one step per row
         // fresh, arena (sizes up to 1 GiB), cached, floor, bandwidth, ring,
-        // sync, scale, sets (ours and its update per set, then PyTorch), torch
-        assert_eq!(f.steps(), 12 + 9 + 12 + (1 + 8) + 3 + 3 + 10 + 5 + 5 + 1);
+        // sync, scale, sets (ours and its update per set, then PyTorch and
+        // ours from Python), torch
+        assert_eq!(f.steps(), 12 + 9 + 12 + (1 + 8) + 3 + 3 + 10 + 5 + 6 + 1);
         assert_eq!(f.arena_sizes, vec![2 * MIB, 64 * MIB, GIB]);
         assert_eq!(f.sets, vec![(100, 4 * GIB), (1000, 4 * GIB)]);
         assert_eq!(
@@ -525,7 +526,7 @@ mod tests {
         let p = plan(&["--only", "sets,arena", "--reps", "4"]);
         assert_eq!(p.sections, vec![SectionId::Arena, SectionId::Sets]);
         assert_eq!(p.set_reps, Reps { warmup: 3, reps: 4 });
-        assert_eq!(p.steps(), 3 * 3 + 2 * 2 + 1);
+        assert_eq!(p.steps(), 3 * 3 + 2 * 2 + 2);
         let p = plan(&[
             "--only",
             "arena",

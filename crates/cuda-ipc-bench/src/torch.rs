@@ -23,6 +23,7 @@ use serde_json::Value;
 
 use super::report::{Row, Section, SectionId};
 use super::{Plan, Progress};
+use crate::report::targets::PY_SERIES;
 
 /// What the script reported.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -283,12 +284,14 @@ pub fn run_script(
 /// The row of one result: series "PyTorch", the mode as variant (the set
 /// modes as "list" and "bucket", with the count and the extra memory).
 pub fn result_row(r: &TorchResult) -> Row {
-    let variant = match r.mode.as_str() {
-        "set_list" => "list",
-        "set_bucket" => "bucket",
-        other => other,
+    let (series, variant) = match r.mode.as_str() {
+        "set_list" => ("PyTorch", "list"),
+        "set_bucket" => ("PyTorch", "bucket"),
+        "py_set" => (PY_SERIES, "set"),
+        "py_fresh" => (PY_SERIES, "fresh"),
+        other => ("PyTorch", other),
     };
-    let mut row = Row::new("PyTorch", "ms")
+    let mut row = Row::new(series, "ms")
         .variant(variant)
         .size(r.size)
         .samples(r.warmup, r.samples_ms.clone());
@@ -435,6 +438,73 @@ pub fn set_rows(plan: &Plan) -> (Vec<Row>, Vec<String>, Option<String>) {
         .map(result_row)
         .collect();
     let notes = versions_note(&run).into_iter().collect();
+    (rows, notes, error)
+}
+
+/// The script of the Python rows, next to the PyTorch anchor's.
+pub const PY_SCRIPT: &str = "cuda_ipc_share.py";
+
+/// Ours from Python (`bench/cuda_ipc_share.py`, the installed `cuda_ipc`
+/// wheel): a fresh attach of an arena buffer at each size of the plan and
+/// each weight set of the plan through publish_state_dict /
+/// attach_state_dict; the notes that go with them and the script's error.
+/// Skipped rows say why when it did not run (no wheel, no torch).
+pub fn python_rows(plan: &Plan) -> (Vec<Row>, Vec<String>, Option<String>) {
+    let skipped = |why: &str| -> Vec<Row> {
+        plan.sets
+            .iter()
+            .map(|(count, total)| {
+                Row::new(PY_SERIES, "ms")
+                    .variant("set")
+                    .count(*count)
+                    .size(*total)
+                    .skip(format!("ours from Python skipped: {why}"))
+            })
+            .collect()
+    };
+    let (python, script) = match &plan.torch {
+        Err(why) => return (skipped(why), Vec::new(), None),
+        Ok(t) => t,
+    };
+    let script = match find_script(script.as_deref()) {
+        Ok(s) => s.with_file_name(PY_SCRIPT),
+        Err(why) => return (skipped(&why), Vec::new(), None),
+    };
+    if !script.is_file() {
+        let why = format!("{} not found", script.display());
+        return (skipped(&why), Vec::new(), None);
+    }
+    let args = [
+        "--plan".to_string(),
+        plan_arg(plan),
+        "--sets".into(),
+        sets_arg(plan),
+    ];
+    let timeout = Duration::from_secs(if plan.quick { 120 } else { 300 });
+    let (run, error) = match run_script(python, &script, plan.device, &args, timeout) {
+        Outcome::Ran(run) => match &run.skip {
+            Some(why) => return (skipped(why), Vec::new(), None),
+            None => (run, None),
+        },
+        Outcome::Skipped(why) => return (skipped(&why), Vec::new(), None),
+        Outcome::Failed(why, run) => (run, Some(why)),
+    };
+    let rows = run.results.iter().map(result_row).collect();
+    let notes = run
+        .hello
+        .as_ref()
+        .map(|h| {
+            let get = |k: &str| h[k].as_str().unwrap_or("?").to_string();
+            format!(
+                "ours from Python: cuda_ipc {} with PyTorch {}, Python {}, on {}.",
+                get("cuda_ipc"),
+                get("torch"),
+                get("python"),
+                get("device")
+            )
+        })
+        .into_iter()
+        .collect();
     (rows, notes, error)
 }
 
@@ -672,6 +742,41 @@ sys.exit(1)
         }
         let argv = ["bench", "--quick"].iter().chain(extra).copied();
         Plan::from_args(&Cli::parse_from(argv).a).unwrap()
+    }
+
+    #[test]
+    fn python_results_become_rows_of_ours_from_python() {
+        let run = parse_all(
+            r#"{"kind": "hello", "cuda_ipc": "0.1.0", "torch": "2.11.0", "device": "NVIDIA H200", "python": "3.12.3"}
+{"kind": "startup", "consumer_ms": 2100.0}
+{"kind": "result", "mode": "py_fresh", "size": 2097152, "warmup": 3, "samples_ms": [0.09, 0.1, 0.11], "verify_failures": 0}
+{"kind": "result", "mode": "py_set", "size": 4294967296, "count": 1000, "warmup": 3, "samples_ms": [1.5, 1.7], "verify_failures": 1}
+{"kind": "done", "elapsed_s": 9.0}"#,
+        )
+        .unwrap();
+        assert!(run.done);
+        let fresh = result_row(&run.results[0]);
+        assert_eq!(fresh.series, PY_SERIES);
+        assert_eq!(fresh.variant.as_deref(), Some("fresh"));
+        assert_eq!((fresh.size, fresh.count), (Some(2 << 20), None));
+        assert!((fresh.p50().unwrap() - 0.1).abs() < 1e-12);
+        let set = result_row(&run.results[1]);
+        assert_eq!(set.series, PY_SERIES);
+        assert_eq!(set.variant.as_deref(), Some("set"));
+        assert_eq!((set.count, set.size), (Some(1000), Some(4 << 30)));
+        assert!(set.error.as_deref().unwrap().contains("1 samples"));
+    }
+
+    #[test]
+    fn python_rows_are_skipped_without_an_interpreter() {
+        let mut plan = quick_plan(&[]);
+        plan.torch = Err("--no-torch".into());
+        let (rows, notes, error) = python_rows(&plan);
+        assert_eq!(rows.len(), plan.sets.len());
+        assert!(rows.iter().all(|r| r.series == PY_SERIES
+            && r.variant.as_deref() == Some("set")
+            && r.skipped.as_deref().unwrap().contains("--no-torch")));
+        assert!(notes.is_empty() && error.is_none());
     }
 
     #[test]

@@ -197,7 +197,7 @@ pub(crate) struct PyPublisher {
     pub(crate) device: Device,
     path: String,
     /// The arena buffers allocated through this object, by address.
-    pub(crate) arena_buffers: crate::sets::ArenaRegistry,
+    pub(crate) arena_buffers: Arc<crate::sets::ArenaRegistry>,
 }
 
 impl PyPublisher {
@@ -228,7 +228,7 @@ impl PyPublisher {
             inner: Mutex::new(Some(Arc::new(publisher))),
             device: dev,
             path,
-            arena_buffers: crate::sets::ArenaRegistry::default(),
+            arena_buffers: Arc::default(),
         })
     }
 
@@ -381,8 +381,27 @@ impl PyPublisher {
         crate::sets::arena_buffer_at(self, ptr, nbytes)
     }
 
-    /// Publishes `members`, `[(name, ArenaBuffer, dtype, shape)]`, as one
-    /// set called `name`, after the work queued so far on this device.
+    /// The live arena buffer allocated here (by `arena_alloc` or by the
+    /// shareable torch allocator) that holds the `nbytes` bytes from device
+    /// address `ptr`, and `ptr`'s offset in it; `None` if there is none.
+    fn arena_buffer_containing(
+        &self,
+        ptr: u64,
+        nbytes: u64,
+    ) -> Option<(crate::sets::ArenaBuffer, u64)> {
+        crate::sets::arena_buffer_containing(self, ptr, nbytes)
+    }
+
+    /// The arena's counts: `chunks`, `chunk_bytes`, `idle_chunks`,
+    /// `buffers`, `used_bytes`, `requested_bytes`, `leases`,
+    /// `held_by_leases_only`, `pins`, `chunks_created`, `chunks_released`.
+    fn arena_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        crate::sets::arena_stats(self, py)
+    }
+
+    /// Publishes `members`, `[(name, ArenaBuffer, dtype, shape, offset)]`,
+    /// as one set called `name`, after the work queued so far on this
+    /// device; `offset` is the member's first byte in its buffer.
     fn publish_set<'py>(
         &self,
         py: Python<'py>,
@@ -443,6 +462,9 @@ impl PyPublisher {
 
     /// Stops serving (subscribers see the publisher gone). Safe to call twice.
     fn close(&self, py: Python<'_>) {
+        // Allocations of a shareable block stop here; its segments stay
+        // until torch frees them.
+        crate::alloc::forget(self);
         let p = lock(&self.inner).take();
         py.detach(move || drop(p));
     }

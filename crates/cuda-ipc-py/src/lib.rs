@@ -4,6 +4,7 @@
 //! package `cuda_ipc` (python/ in the repository) adds the torch and CuPy
 //! conversions. Built with maturin from python/pyproject.toml.
 
+mod alloc;
 mod codec;
 mod dlpack;
 mod errors;
@@ -41,5 +42,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     export::register(m)?;
     exchange::register(m)?;
     sets::register(m)?;
+    alloc::register(m)?;
     Ok(())
 }

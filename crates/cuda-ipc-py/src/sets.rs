@@ -25,7 +25,7 @@ use cuda_ipc::exchange::SetAttachment as Attached;
 use cuda_ipc::memory::DeviceMemory;
 use cuda_ipc::{Error, Result};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyTuple};
 
 use crate::codec;
 use crate::errors::IntoPyResult;
@@ -50,7 +50,7 @@ struct Registry {
 }
 
 impl ArenaRegistry {
-    fn insert(&self, buffer: &Arc<DeviceArenaBuffer>) {
+    pub(crate) fn insert(&self, buffer: &Arc<DeviceArenaBuffer>) {
         let mut r = lock(&self.inner);
         r.by_ptr
             .insert(buffer.device_address(), Arc::downgrade(buffer));
@@ -66,6 +66,23 @@ impl ArenaRegistry {
             .get(&ptr)?
             .upgrade()
             .filter(|b| b.len() >= nbytes)
+    }
+
+    /// The live buffer that holds the `nbytes` bytes from device address
+    /// `ptr`, and `ptr`'s offset in it.
+    fn containing(&self, ptr: u64, nbytes: u64) -> Option<(Arc<DeviceArenaBuffer>, u64)> {
+        let r = lock(&self.inner);
+        // Live buffers never overlap, so the first live one that starts at
+        // or below `ptr` is the only one that can hold it; dead entries
+        // (their ranges may since have been handed out again) are skipped.
+        let buffer = r
+            .by_ptr
+            .range(..=ptr)
+            .rev()
+            .find_map(|(_, w)| w.upgrade())?;
+        let offset = ptr - buffer.device_address();
+        let end = offset.checked_add(nbytes)?;
+        (end <= buffer.len()).then_some((buffer, offset))
     }
 }
 
@@ -172,8 +189,49 @@ pub(crate) fn arena_buffer_at(p: &PyPublisher, ptr: u64, nbytes: u64) -> Option<
     })
 }
 
-/// One member of `Publisher.publish_set`: `(name, buffer, dtype, shape)`.
-pub(crate) type MemberArg<'py> = (String, Bound<'py, ArenaBuffer>, String, Vec<u64>);
+/// `Publisher.arena_buffer_containing`.
+pub(crate) fn arena_buffer_containing(
+    p: &PyPublisher,
+    ptr: u64,
+    nbytes: u64,
+) -> Option<(ArenaBuffer, u64)> {
+    p.arena_buffers
+        .containing(ptr, nbytes)
+        .map(|(buffer, offset)| {
+            (
+                ArenaBuffer {
+                    buffer,
+                    device: p.device.clone(),
+                },
+                offset,
+            )
+        })
+}
+
+/// `Publisher.arena_stats`.
+pub(crate) fn arena_stats<'py>(p: &PyPublisher, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    let publisher = p.get()?;
+    let s = py
+        .detach(|| publisher.arena().map(cuda_ipc::arena::Arena::stats))
+        .py()?;
+    let d = PyDict::new(py);
+    d.set_item("chunks", s.chunks)?;
+    d.set_item("chunk_bytes", s.chunk_bytes)?;
+    d.set_item("idle_chunks", s.idle_chunks)?;
+    d.set_item("buffers", s.buffers)?;
+    d.set_item("used_bytes", s.used_bytes)?;
+    d.set_item("requested_bytes", s.requested_bytes)?;
+    d.set_item("leases", s.leases)?;
+    d.set_item("held_by_leases_only", s.held_by_leases_only)?;
+    d.set_item("pins", s.pins)?;
+    d.set_item("chunks_created", s.chunks_created)?;
+    d.set_item("chunks_released", s.chunks_released)?;
+    Ok(d)
+}
+
+/// One member of `Publisher.publish_set`: `(name, buffer, dtype, shape,
+/// offset)`, `offset` the member's first byte in the buffer.
+pub(crate) type MemberArg<'py> = (String, Bound<'py, ArenaBuffer>, String, Vec<u64>, u64);
 
 /// `Publisher.publish_set`.
 pub(crate) fn publish_set(
@@ -191,19 +249,20 @@ pub(crate) fn publish_set(
         .py();
     }
     let mut owned = Vec::with_capacity(members.len());
-    for (i, (member, buffer, dt, shape)) in members.into_iter().enumerate() {
+    for (i, (member, buffer, dt, shape, offset)) in members.into_iter().enumerate() {
         let dt = member_dtype(i, &member, &dt).py()?;
-        owned.push((member, buffer.get().buffer.clone(), dt, shape));
+        owned.push((member, buffer.get().buffer.clone(), dt, shape, offset));
     }
     let dev = p.device.clone();
     py.detach(move || -> Result<()> {
         let members: Vec<SetMember<'_>> = owned
             .iter()
-            .map(|(name, buffer, dtype, shape)| SetMember {
+            .map(|(name, buffer, dtype, shape, offset)| SetMember {
                 name,
                 dtype: *dtype,
                 shape,
                 buffer,
+                offset: *offset,
             })
             .collect();
         sync_context(&dev)?;

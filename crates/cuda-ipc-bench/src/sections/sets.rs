@@ -64,6 +64,7 @@ impl WeightSet {
                 dtype: Dtype::F32,
                 shape,
                 buffer,
+                offset: 0,
             })
             .collect()
     }
@@ -261,6 +262,18 @@ pub fn sets(ctx: &Ctx<'_>) -> Section {
     s.rows.extend(rows);
     s.error = error.map(|e| format!("PyTorch's weight sets: {e}"));
     ctx.progress.done();
+    ctx.progress
+        .step("ours from Python (bench/cuda_ipc_share.py --plan --sets)");
+    let (rows, py_notes, py_error) = torch::python_rows(ctx.plan);
+    s.rows.extend(rows);
+    if let Some(e) = py_error {
+        let e = format!("ours from Python: {e}");
+        s.error = Some(match s.error.take() {
+            Some(prev) => format!("{prev}; {e}"),
+            None => e,
+        });
+    }
+    ctx.progress.done();
     s.notes = notes(ctx.plan);
     if let Some(m) = primary {
         s.notes.insert(
@@ -269,6 +282,7 @@ pub fn sets(ctx: &Ctx<'_>) -> Section {
         );
     }
     s.notes.extend(torch_notes);
+    s.notes.extend(py_notes);
     s
 }
 
@@ -289,6 +303,14 @@ pub(crate) fn notes(plan: &Plan) -> Vec<String> {
          processes) after the hand-off minus before it. ours update: the consumer holds the \
          set and waits; the clock from just before Publisher::update_set (one event for the \
          set, one notice) to Subscriber::wait_set_update returning and the stream synchronised."
+            .into(),
+        "ours from Python (bench/cuda_ipc_share.py, the installed cuda_ipc wheel, two Python \
+         processes): set = the clock from just before Publisher.publish_state_dict of the \
+         weight set, whose tensors were made once in the publisher's arena \
+         (cuda_ipc.torch.shareable, so nothing is copied), to the consumer's after \
+         Subscriber.attach_state_dict returned its dict of torch tensors (the event waited \
+         for); fresh = a new arena buffer published as a set of one (publish_set), to the \
+         consumer's after attach_set and as_torch returned."
             .into(),
         "PyTorch list: the clock from just before torch.multiprocessing's Queue.put of the list \
          of tensors to the consumer's after Queue.get returned and its stream synchronised. \

@@ -235,6 +235,7 @@ pub fn publish_set(publisher: &Publisher, sizes: &[u64]) -> Result<Vec<DeviceAre
             dtype: Dtype::U32,
             shape,
             buffer,
+            offset: 0,
         })
         .collect();
     publisher.publish_set(SET_NAME, &members)?;

@@ -176,12 +176,63 @@ pub struct SetMember<'a> {
     pub shape: &'a [u64],
     /// Where it lives.
     pub buffer: &'a DeviceArenaBuffer,
+    /// Bytes from the buffer's first byte to the member's: 0 for a member
+    /// that starts its buffer, more for a byte range inside it (a tensor
+    /// that a caching allocator placed in a larger arena buffer). A
+    /// multiple of the dtype's size; the member's bytes end inside the
+    /// buffer.
+    pub offset: u64,
+}
+
+/// The length in bytes of a member of `dtype` with `shape` that starts
+/// `offset` bytes into a buffer of `buffer_len` bytes: an error that names
+/// the member when it does not fit in the buffer or starts off the dtype's
+/// alignment.
+pub(crate) fn member_len(
+    name: &str,
+    dtype: Dtype,
+    shape: &[u64],
+    offset: u64,
+    buffer_len: u64,
+) -> Result<u64> {
+    if !offset.is_multiple_of(dtype.size()) {
+        return Err(Error::arg(
+            "set member",
+            format!(
+                "{name:?} starts {offset} bytes into its buffer, not a multiple of {}'s {} bytes",
+                dtype,
+                dtype.size()
+            ),
+        ));
+    }
+    let len = shape
+        .iter()
+        .try_fold(1u64, |a, d| a.checked_mul(*d))
+        .and_then(|n| n.checked_mul(dtype.size()));
+    match len {
+        Some(len) if offset.checked_add(len).is_some_and(|end| end <= buffer_len) => Ok(len),
+        _ if offset == 0 => Err(Error::arg(
+            "set member",
+            format!(
+                "{name:?}: shape {shape:?} of {dtype} does not fit in its {buffer_len}-byte buffer"
+            ),
+        )),
+        _ => Err(Error::arg(
+            "set member",
+            format!(
+                "{name:?}: shape {shape:?} of {dtype} from byte {offset} does not fit in its \
+                 {buffer_len}-byte buffer"
+            ),
+        )),
+    }
 }
 
 impl DeviceArena {
     /// The set record of `members`: one entry per member, in order, and the
     /// descriptor of every chunk they use, once. Each member's bytes
-    /// (elements of its shape times its dtype's size) must fit in its buffer.
+    /// (elements of its shape times its dtype's size), from its offset, must
+    /// fit in its buffer, and the offset must be a multiple of the dtype's
+    /// size.
     pub fn describe_set<'a>(
         &self,
         name: &str,
@@ -197,26 +248,7 @@ impl DeviceArena {
                     format!("{:?} is a buffer of another arena", m.name),
                 ));
             }
-            let elements = m
-                .shape
-                .iter()
-                .try_fold(1u64, |a, d| a.checked_mul(*d))
-                .and_then(|n| n.checked_mul(m.dtype.size()));
-            let len = match elements {
-                Some(len) if len <= m.buffer.len() => len,
-                _ => {
-                    return Err(Error::arg(
-                        "set member",
-                        format!(
-                            "{:?}: shape {:?} of {} does not fit in its {}-byte buffer",
-                            m.name,
-                            m.shape,
-                            m.dtype,
-                            m.buffer.len()
-                        ),
-                    ));
-                }
-            };
+            let len = member_len(m.name, m.dtype, m.shape, m.offset, m.buffer.len())?;
             chunks
                 .entry(chunk.id().index)
                 .or_insert_with(|| chunk.backing().descriptor().clone());
@@ -225,7 +257,7 @@ impl DeviceArena {
                 dtype: m.dtype,
                 shape: m.shape.to_vec(),
                 chunk: chunk.id().index,
-                offset: m.buffer.offset(),
+                offset: m.buffer.offset() + m.offset,
                 len,
             });
         }

@@ -581,3 +581,39 @@ proptest! {
         prop_assert_eq!(backing.live.load(Ordering::SeqCst), 0);
     }
 }
+
+#[test]
+fn set_members_are_byte_ranges_inside_their_buffer() {
+    use super::device::member_len;
+    use crate::descriptor::Dtype;
+    // A member that starts its buffer, and ranges inside one.
+    assert_eq!(member_len("w", Dtype::F32, &[4, 8], 0, 128).unwrap(), 128);
+    assert_eq!(member_len("w", Dtype::F32, &[8], 96, 128).unwrap(), 32);
+    assert_eq!(member_len("w", Dtype::F64, &[], 120, 128).unwrap(), 8);
+    assert_eq!(member_len("w", Dtype::U8, &[1], 127, 128).unwrap(), 1);
+    assert_eq!(member_len("w", Dtype::Bf16, &[0], 64, 128).unwrap(), 0);
+    // Past the end, from the start or from an offset.
+    let e = member_len("w", Dtype::F32, &[33], 0, 128).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("does not fit in its 128-byte buffer"),
+        "{e}"
+    );
+    let e = member_len("w", Dtype::F32, &[8], 100, 128).unwrap_err();
+    assert!(e.to_string().contains("from byte 100 does not fit"), "{e}");
+    assert_eq!(e.kind(), crate::ErrorKind::InvalidInput);
+    let e = member_len("w", Dtype::U8, &[1], 128, 128).unwrap_err();
+    assert!(e.to_string().contains("from byte 128"), "{e}");
+    // Off the dtype's alignment.
+    let e = member_len("layer.bias", Dtype::F32, &[1], 2, 128).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("\"layer.bias\" starts 2 bytes into its buffer"),
+        "{e}"
+    );
+    assert!(member_len("w", Dtype::I64, &[1], 4, 128).is_err());
+    assert!(member_len("w", Dtype::F16, &[1], 2, 128).is_ok());
+    // Overflow in the shape or in the end is refused, not wrapped.
+    assert!(member_len("w", Dtype::F32, &[u64::MAX, 2], 0, 128).is_err());
+    assert!(member_len("w", Dtype::U8, &[2], u64::MAX - 1, u64::MAX).is_err());
+}

@@ -420,6 +420,7 @@ impl Publisher {
                 dtype,
                 shape,
                 buffer,
+                offset: 0,
             }],
         )
     }

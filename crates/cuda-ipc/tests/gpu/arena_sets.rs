@@ -91,6 +91,7 @@ impl Set {
                 dtype: Dtype::U32,
                 shape,
                 buffer,
+                offset: 0,
             })
             .collect()
     }
@@ -136,6 +137,27 @@ fn subscriber() {
                         check_set(&s, base_of(&req))
                     };
                     let r = json!({ "bad": bad, "len": s.len(), "opens": sub.opens() });
+                    sets.push(s);
+                    r
+                }
+                Err(e) => json!({ "error": e.to_string() }),
+            },
+            "attach_ranges" => match sub.attach_set(&name) {
+                // Entry i holds the ramp `patterns[i]` = [base, step].
+                Ok(s) => {
+                    let mut bad = Value::Null;
+                    for (i, p) in req["patterns"].as_array().into_iter().flatten().enumerate() {
+                        let pattern = Pattern {
+                            base: p[0].as_u64().unwrap_or(0) as u32,
+                            step: p[1].as_u64().unwrap_or(0) as u32,
+                        };
+                        let v = s.view::<u32>(i).unwrap();
+                        if let Some(w) = kernels::check_u32(&v, pattern).unwrap() {
+                            bad = json!([i, w]);
+                            break;
+                        }
+                    }
+                    let r = json!({ "bad": bad, "len": s.len() });
                     sets.push(s);
                     r
                 }
@@ -292,6 +314,84 @@ fn sets_on_every_chunk_mechanism() {
             assert!(publisher.trim().unwrap() > 0, "{m}");
             println!("{m}: set of 100 buffers, update and per-buffer attach checked");
         }
+    });
+}
+
+/// Members that are byte ranges of one arena buffer (what a caching
+/// allocator on the arena makes of its segments): the consumer sees each
+/// range's own values; a range past the buffer's end or off its dtype's
+/// alignment is refused before anything is published.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn members_that_are_byte_ranges_of_one_buffer() {
+    child_or(|| {
+        let device = Device::open(0).unwrap();
+        let m = mechanisms(&device)[0];
+        let dir = socket_dir();
+        let publisher = publisher_on(&device, dir.path(), Sharing::arena(m));
+        let buffer = publisher.alloc(4 * MIB).unwrap();
+        kernels::fill_u32(&buffer, Pattern { base: 5, step: 1 }, Speed::Full).unwrap();
+        // (name, offset in bytes, elements)
+        let ranges: [(&str, u64, u64); 3] = [
+            ("head", 0, 256),
+            ("middle", 4096 + 512, 1000),
+            ("tail", 4 * MIB - 1024, 256),
+        ];
+        let shapes: Vec<[u64; 1]> = ranges.iter().map(|r| [r.2]).collect();
+        let members: Vec<SetMember<'_>> = ranges
+            .iter()
+            .zip(&shapes)
+            .map(|((name, offset, _), shape)| SetMember {
+                name,
+                dtype: Dtype::U32,
+                shape,
+                buffer: &buffer,
+                offset: *offset,
+            })
+            .collect();
+        for (offset, elements, what) in [
+            (2, 1, "not a multiple"),
+            (4 * MIB - 1020, 256, "does not fit"),
+        ] {
+            let e = publisher
+                .publish_set(
+                    "bad",
+                    &[SetMember {
+                        name: "w",
+                        dtype: Dtype::U32,
+                        shape: &[elements],
+                        buffer: &buffer,
+                        offset,
+                    }],
+                )
+                .unwrap_err();
+            assert!(e.to_string().contains(what), "{e}");
+        }
+        publisher.publish_set("ranges", &members).unwrap();
+        let mut p = spawn(
+            &test_name!("members_that_are_byte_ranges_of_one_buffer"),
+            publisher.path(),
+        );
+        let patterns: Vec<Value> = ranges
+            .iter()
+            .map(|(_, offset, _)| json!([5 + offset / 4, 1]))
+            .collect();
+        let r = ask(
+            &mut p,
+            &json!({ "op": "attach_ranges", "name": "ranges", "patterns": patterns }),
+        );
+        assert_eq!(r["len"], 3);
+        assert!(
+            buffer.leases() > 0,
+            "the published ranges hold their buffer"
+        );
+        ask(&mut p, &json!({ "op": "release" }));
+        publisher
+            .unpublish_set("ranges", Some(Duration::from_secs(10)))
+            .unwrap();
+        p.send(&json!({ "op": "exit" }));
+        assert!(p.finish(), "the child failed");
+        println!("{m}: three byte ranges of one buffer published and checked");
     });
 }
 

@@ -145,6 +145,7 @@ fn sets_with(device: &Device, socket: &Path, spawn: impl FnOnce() -> Peer) -> Re
             dtype: Dtype::U32,
             shape,
             buffer,
+            offset: 0,
         })
         .collect();
     fill(1);

@@ -153,6 +153,7 @@ fn every_chunk_mechanism_hands_off_sets_and_keeps_leased_memory() {
                         dtype: Dtype::U32,
                         shape: &shapes[i],
                         buffer: b,
+                        offset: 0,
                     }),
                 )
                 .unwrap()
@@ -258,6 +259,7 @@ fn a_thousand_buffer_set_is_checked_and_updated_in_place() {
                 dtype: Dtype::U32,
                 shape: &shapes[i],
                 buffer: b,
+                offset: 0,
             }),
         )
         .unwrap();

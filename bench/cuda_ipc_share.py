@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Ours from Python, for `cuda-ipc bench`: the `cuda_ipc` package (the
+installed wheel) handing off between two Python processes, timed the way the
+bench times the Rust side, printed as JSON lines like bench/torch_share.py:
+
+  {"kind": "hello", "cuda_ipc": ..., "torch": ..., "device": ..., "python": ...}
+  {"kind": "skip", "reason": ...}          no cuda_ipc (wheel not installed), no torch or no CUDA
+  {"kind": "startup", "consumer_ms": ...}  the consumer's start (imports, CUDA, connect)
+  {"kind": "result", "mode": "py_fresh", "size": BYTES, "warmup": W,
+   "samples_ms": [...], "verify_failures": N}
+  {"kind": "result", "mode": "py_set", "size": TOTAL_BYTES, "count": TENSORS,
+   "warmup": W, "samples_ms": [...], "verify_failures": N}
+  {"kind": "error", "message": ...}
+  {"kind": "done", "elapsed_s": ...}
+
+Method (one way, CLOCK_MONOTONIC in both processes):
+  py_fresh: each sample the producer takes a new buffer of its publisher's
+            arena (Publisher.alloc, whose chunks were made before the first
+            sample), fills it (not timed), reads the clock and publishes it
+            as a set of one (Publisher.publish_set); the consumer's
+            Subscriber.attach_set returns (its event waited on the host),
+            it makes the torch tensor (SetAttachment.as_torch: DLPack, zero
+            copy) and reads the clock; then, not timed, it checks the first
+            and last value, releases and answers; the producer unpublishes.
+  py_set:   COUNT fp32 tensors of TOTAL bytes (weight_set_sizes, the same
+            draw as torch_share.py and the bench's Rust side), made once in
+            the publisher's arena (cuda_ipc.torch.shareable). Each sample
+            refills every tensor (not timed), reads the clock and calls
+            Publisher.publish_state_dict (no copy: the tensors are in the
+            arena); the consumer's Subscriber.attach_state_dict returns a
+            dict of torch tensors (event waited) and it reads the clock; then,
+            not timed, it checks the first and last value of every tensor,
+            releases and answers; the producer unpublishes.
+
+Usage: cuda_ipc_share.py --device 0 --plan SIZE:WARMUP:REPS[,...]
+       cuda_ipc_share.py --device 0 --sets COUNT:TOTAL:WARMUP:REPS[,...]
+cuda_ipc and torch are imported lazily: a missing one is a skip line.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_share import emit, now_ns, parse_plan, parse_sets, weight_set_sizes  # noqa: E402
+
+ANSWER_TIMEOUT_S = 120.0
+
+
+def sample_value(i, k):
+    """The value of tensor k at sample i: small integers, exact in fp32."""
+    return float((i * 1009 + k * 7 + 1) % 65521)
+
+
+def consumer_main(device, path):
+    """Answers the producer's requests, one JSON line each, on stdout."""
+    import cuda_ipc
+    import torch
+
+    torch.cuda.set_device(device)
+    sub = cuda_ipc.Subscriber(path, device=device, timeout=30)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "fresh":
+            a = sub.attach_set(req["name"])
+            t = a.as_torch(0)
+            t_ns = now_ns()
+            flat = t.reshape(-1)
+            bad = int(flat[0].item()) != req["value"] or int(flat[-1].item()) != req["value"]
+            del t, flat
+            a.release()
+        else:
+            sd = sub.attach_state_dict(req["name"])
+            t_ns = now_ns()
+            firsts = torch.stack([t.reshape(-1)[0] for t in sd.values()])
+            lasts = torch.stack([t.reshape(-1)[-1] for t in sd.values()])
+            want = torch.tensor([sample_value(req["sample"], k) for k in range(len(sd))], device=firsts.device)
+            bad = not (torch.equal(firsts, want) and torch.equal(lasts, want))
+            del firsts, lasts
+            sd.release()
+        print(json.dumps({"t_ns": t_ns, "bad": bad}), flush=True)
+    sub.close()
+
+
+class Consumer:
+    def __init__(self, device, path):
+        self.p = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "--consumer", path,
+                                   "--device", str(device)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def read(self):
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError("the consumer exited (exit status %s)" % self.p.wait(30))
+        return json.loads(line)
+
+    def ask(self, req):
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def close(self):
+        try:
+            self.p.stdin.close()
+            self.p.wait(ANSWER_TIMEOUT_S)
+        except Exception:
+            self.p.kill()
+
+
+def measure_fresh(torch, pub, consumer, size, warmup, reps, index):
+    samples, failures = [], 0
+    n = size // 4
+    for i in range(warmup + reps):
+        value = (index * 1000003 + i * 7919 + 1) % (2**31 - 1)
+        buf = pub.alloc(size)
+        buf.as_torch("i32", [n]).fill_(value)
+        torch.cuda.synchronize()
+        name = "fresh-%d-%d" % (index, i)
+        t0 = now_ns()
+        pub.publish_set(name, [(name, buf, "i32", [n])])
+        ans = consumer.ask({"op": "fresh", "name": name, "value": value})
+        pub.unpublish_set(name, timeout=ANSWER_TIMEOUT_S)
+        del buf
+        failures += bool(ans["bad"]) and i >= warmup
+        if i >= warmup:
+            samples.append((ans["t_ns"] - t0) / 1e6)
+    return samples, failures
+
+
+def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index):
+    sizes = weight_set_sizes(count, total)
+    with ci.torch.shareable(pub):
+        tensors = {"w%d" % k: torch.empty(s // 4, dtype=torch.float32, device="cuda") for k, s in enumerate(sizes)}
+    samples, failures = [], 0
+    for i in range(warmup + reps):
+        for k, t in enumerate(tensors.values()):
+            t.fill_(sample_value(i, k))
+        torch.cuda.synchronize()
+        name = "set-%d-%d" % (index, i)
+        t0 = now_ns()
+        pub.publish_state_dict(name, tensors)
+        ans = consumer.ask({"op": "set", "name": name, "sample": i})
+        pub.unpublish(name, timeout=ANSWER_TIMEOUT_S)
+        failures += bool(ans["bad"]) and i >= warmup
+        if i >= warmup:
+            samples.append((ans["t_ns"] - t0) / 1e6)
+    del tensors
+    torch.cuda.empty_cache()
+    return samples, failures
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--plan", help="SIZE:WARMUP:REPS,... (py_fresh)")
+    ap.add_argument("--sets", help="COUNT:TOTAL:WARMUP:REPS,... (py_set)")
+    ap.add_argument("--consumer", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.consumer:
+        return consumer_main(args.device, args.consumer)
+    try:
+        plan = parse_plan(args.plan) if args.plan else []
+        sets = parse_sets(args.sets) if args.sets else []
+    except ValueError as e:
+        emit({"kind": "error", "message": str(e)})
+        return 2
+    started = time.time()
+    try:
+        import cuda_ipc
+    except ImportError as e:
+        emit({"kind": "skip", "reason": "cuda_ipc is not importable (%s); pip install the wheel" % e})
+        return 0
+    try:
+        import torch
+    except ImportError as e:
+        emit({"kind": "skip", "reason": "torch is not importable (%s)" % e})
+        return 0
+    if not torch.cuda.is_available() or args.device >= torch.cuda.device_count():
+        emit({"kind": "skip", "reason": "PyTorch sees no CUDA device %d" % args.device})
+        return 0
+    torch.cuda.set_device(args.device)
+    emit({"kind": "hello", "cuda_ipc": cuda_ipc.__version__, "torch": torch.__version__,
+          "device": torch.cuda.get_device_name(args.device), "python": sys.version.split()[0]})
+    path = os.path.join(tempfile.mkdtemp(prefix="cuda-ipc-bench-py-"), "p.sock")
+    pub = cuda_ipc.Publisher(path, device=args.device)
+    t0 = time.perf_counter()
+    consumer = Consumer(args.device, path)
+    try:
+        consumer.read()
+        emit({"kind": "startup", "consumer_ms": (time.perf_counter() - t0) * 1e3})
+        for index, (size, warmup, reps) in enumerate(plan):
+            samples, failures = measure_fresh(torch, pub, consumer, size, warmup, reps, index)
+            emit({"kind": "result", "mode": "py_fresh", "size": size, "warmup": warmup,
+                  "samples_ms": samples, "verify_failures": failures})
+        for index, (count, total, warmup, reps) in enumerate(sets):
+            samples, failures = measure_set(torch, cuda_ipc, pub, consumer, count, total, warmup, reps, index)
+            emit({"kind": "result", "mode": "py_set", "size": total, "count": count, "warmup": warmup,
+                  "samples_ms": samples, "verify_failures": failures})
+    except Exception as e:
+        emit({"kind": "error", "message": "%s: %s" % (type(e).__name__, e)})
+        traceback.print_exc()
+        return 1
+    finally:
+        consumer.close()
+        pub.close()
+    emit({"kind": "done", "elapsed_s": time.time() - started})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

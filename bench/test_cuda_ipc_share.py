@@ -1,0 +1,74 @@
+"""Tests of cuda_ipc_share.py that need neither torch nor a GPU:
+python3 -m unittest discover -s bench."""
+
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cuda_ipc_share  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_ipc_share.py")
+
+# Hides cuda_ipc (and torch) even where they are installed, then runs the script.
+HIDE = """
+import runpy, sys
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in (%r,):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+sys.argv = [%r] + %r
+runpy.run_path(%r, run_name="__main__")
+"""
+
+
+def run_hiding(module, args):
+    code = HIDE % (module, SCRIPT, args, SCRIPT)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def lines(out):
+    return [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+
+
+class Script(unittest.TestCase):
+    def test_without_cuda_ipc_it_skips_saying_why(self):
+        out = run_hiding("cuda_ipc", ["--device", "0", "--sets", "100:4096:1:2"])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        got = lines(out)
+        self.assertEqual(len(got), 1, got)
+        self.assertEqual(got[0]["kind"], "skip")
+        self.assertIn("cuda_ipc is not importable", got[0]["reason"])
+        self.assertIn("pip install", got[0]["reason"])
+
+    def test_without_torch_it_skips(self):
+        out = run_hiding("torch", ["--device", "0", "--plan", "4096:1:2"])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        got = lines(out)
+        self.assertEqual(got[-1]["kind"], "skip", got)
+
+    def test_a_bad_plan_is_an_error_line(self):
+        for args in (["--plan", "4095:1:2"], ["--sets", "10:12:1:2"], ["--sets", "1:4:0"]):
+            with self.subTest(args=args):
+                out = subprocess.run([sys.executable, SCRIPT, "--device", "0"] + args, capture_output=True,
+                                     text=True, timeout=60)
+                self.assertEqual(out.returncode, 2, out.stderr)
+                got = lines(out)
+                self.assertEqual([g["kind"] for g in got], ["error"])
+
+    def test_sample_values_are_exact_in_fp32(self):
+        import struct
+
+        for i, k in ((0, 0), (7, 999), (12, 123456)):
+            v = cuda_ipc_share.sample_value(i, k)
+            self.assertEqual(struct.unpack("f", struct.pack("f", v))[0], v)
+            self.assertEqual(v, int(v))
+        self.assertNotEqual(cuda_ipc_share.sample_value(1, 0), cuda_ipc_share.sample_value(2, 0))
+
+
+if __name__ == "__main__":
+    unittest.main()

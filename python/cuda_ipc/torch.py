@@ -1,0 +1,122 @@
+"""Tensors born shareable: a PyTorch allocator on a publisher's arena.
+
+::
+
+    pub = cuda_ipc.Publisher("trainer")
+    with cuda_ipc.torch.shareable(pub):
+        model = Net().cuda()                 # every weight lands in pub's arena
+    shared = pub.publish_state_dict("model", model.state_dict())   # no copy, no warning
+    ...; opt.step(); pub.update_state_dict("model")
+
+How: the extension module exports two C functions,
+``cuda_ipc_torch_alloc(size, device, stream)`` and
+``cuda_ipc_torch_free(ptr, size, device, stream)``, which
+``torch.cuda.memory.CUDAPluggableAllocator`` loads from the extension's
+shared object (``cuda_ipc._core.__file__``). :func:`shareable` makes one
+``torch.cuda.MemPool`` over them per publisher and routes the block's
+allocations on the publisher's device to it (``torch.cuda.use_mem_pool``).
+PyTorch's caching allocator asks the pool for *segments*, which come from the
+publisher's arena (``Publisher.alloc``: no export, chunks exported once), and
+places tensors inside them; ``publish_state_dict`` finds each tensor's
+segment and publishes the tensor as a byte range of it.
+
+Lifetimes and limits:
+
+- One publisher per device is the allocator's source at a time (the C
+  functions are told a device, not a pool); nesting the same publisher is
+  fine, another publisher on the same device raises ``InvalidInput``.
+- Only the thread that runs the block allocates in the pool (PyTorch's
+  rule): tensors made by other threads, e.g. gradients made by autograd's
+  device threads during ``backward()``, come from PyTorch's usual memory.
+  Parameters, buffers and optimizer state made in the block are in the
+  arena, and an optimizer step updates them in place.
+- Segments are owned by the allocator until PyTorch frees them
+  (``torch.cuda.empty_cache()``, or the pool's end), whatever happens to
+  the publisher: closing the publisher stops new allocations in its pool
+  (they raise ``torch.OutOfMemoryError`` saying why) but leaves every tensor
+  made in it valid. A segment that a published set uses stays allocated in
+  the arena until the set's last lease ends, as any arena buffer.
+- The pool lives on the publisher object (:func:`pool`); tensors freed in
+  it go back to the pool's cache, and ``torch.cuda.empty_cache()`` gives
+  the free segments back to the arena.
+- A published tensor must not be freed and its memory reused while
+  subscribers read it: ``publish_state_dict`` keeps the tensors it
+  published until ``unpublish``.
+- An allocation the arena cannot serve (the device is full, the arena's
+  limit) returns null to PyTorch, which frees its cached blocks, retries,
+  then raises ``torch.OutOfMemoryError``; :func:`shareable` adds the
+  arena's reason to the message.
+
+Importing this module does not import torch; :func:`shareable` does.
+"""
+
+import contextlib
+import threading
+
+from . import _core
+from .mapping import _torch
+
+__all__ = ["shareable", "pool", "allocator", "last_error", "segments"]
+
+_lock = threading.Lock()
+_allocator = None
+
+
+def allocator():
+    """The process's ``torch.cuda.memory.CUDAPluggableAllocator`` over the
+    extension's two C functions (made once)."""
+    global _allocator
+    with _lock:
+        if _allocator is None:
+            torch = _torch()
+            _allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                _core.__file__, _core.SHAREABLE_ALLOC, _core.SHAREABLE_FREE
+            )
+        return _allocator
+
+
+def pool(publisher):
+    """The ``torch.cuda.MemPool`` of ``publisher`` on its device, made on
+    first use and kept on the publisher object."""
+    p = getattr(publisher, "_torch_pool", None)
+    if p is None:
+        torch = _torch()
+        plug = allocator()
+        with torch.cuda.device(publisher.device):
+            p = torch.cuda.MemPool(plug.allocator())
+        publisher._torch_pool = p
+    return p
+
+
+def last_error():
+    """Why the last allocation or free of the allocator failed (and
+    forgets it), or ``None``."""
+    return _core.shareable_error()
+
+
+def segments():
+    """``(count, bytes)`` of the segments the allocator holds now (arena
+    buffers that PyTorch has not freed)."""
+    return _core.shareable_segments()
+
+
+@contextlib.contextmanager
+def shareable(publisher):
+    """Inside the block, tensors made on ``publisher``'s device (which the
+    block makes the current device) live in ``publisher``'s arena, so
+    :meth:`Publisher.publish_state_dict` publishes them without a copy.
+    Yields the ``torch.cuda.MemPool``. See the module documentation for the
+    lifetimes."""
+    torch = _torch()
+    mem_pool = pool(publisher)
+    _core.shareable_enter(publisher._c)
+    try:
+        with torch.cuda.device(publisher.device), torch.cuda.use_mem_pool(mem_pool, device=publisher.device):
+            yield mem_pool
+    except torch.cuda.OutOfMemoryError as e:
+        reason = _core.shareable_error()
+        if reason and e.args:
+            e.args = (f"{e.args[0]}\ncuda_ipc.torch.shareable: {reason}",) + tuple(e.args[1:])
+        raise
+    finally:
+        _core.shareable_exit(publisher._c)

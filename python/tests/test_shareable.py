@@ -1,0 +1,103 @@
+"""The shareable torch allocator without a GPU: the two C functions are
+exported by the extension's shared object under the names the package
+gives torch, they fail cleanly (null, a reason kept for Python) when no
+publisher is active, a free of an unknown address is recorded and ignored,
+and neither `import cuda_ipc` nor `cuda_ipc.torch` imports torch."""
+
+import ctypes
+import os
+import subprocess
+import sys
+import unittest
+
+import _path  # noqa: F401
+
+import cuda_ipc  # noqa: E402
+from cuda_ipc import _core  # noqa: E402
+
+
+def _functions():
+    lib = ctypes.CDLL(_core.__file__)
+    alloc = getattr(lib, _core.SHAREABLE_ALLOC)
+    alloc.restype = ctypes.c_void_p
+    alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    free = getattr(lib, _core.SHAREABLE_FREE)
+    free.restype = None
+    free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return alloc, free
+
+
+class CFunctions(unittest.TestCase):
+    def setUp(self):
+        _core.shareable_error()  # forget an earlier test's
+
+    def test_exported_under_the_names_torch_is_given(self):
+        self.assertEqual((_core.SHAREABLE_ALLOC, _core.SHAREABLE_FREE),
+                         ("cuda_ipc_torch_alloc", "cuda_ipc_torch_free"))
+        alloc, free = _functions()
+        self.assertIsNotNone(ctypes.cast(alloc, ctypes.c_void_p).value)
+        self.assertIsNotNone(ctypes.cast(free, ctypes.c_void_p).value)
+
+    def test_alloc_without_an_active_publisher_returns_null_and_says_why(self):
+        alloc, _ = _functions()
+        self.assertFalse(_core.shareable_active(3))
+        self.assertIsNone(alloc(1 << 20, 3, None))
+        msg = cuda_ipc.torch.last_error()
+        self.assertIn("could not allocate 1048576 bytes on cuda:3", msg)
+        self.assertIn("no publisher is active on cuda:3", msg)
+        self.assertIn("cuda_ipc.torch.shareable(publisher)", msg)
+        self.assertIsNone(cuda_ipc.torch.last_error(), "read once")
+        self.assertEqual(cuda_ipc.torch.segments(), (0, 0))
+
+    def test_free_of_an_unknown_address_is_recorded_and_ignored(self):
+        _, free = _functions()
+        free(0x7F0000001000, 4096, 0, None)
+        msg = _core.shareable_error()
+        self.assertIn("0x7f0000001000 is not a segment this allocator handed out", msg)
+        free(None, 0, 0, None)
+        self.assertIn("0x0", _core.shareable_error())
+
+
+HIDE = """
+import sys
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+sys.path.insert(0, %r)
+import cuda_ipc
+import cuda_ipc.torch
+assert cuda_ipc.torch.segments() == (0, 0)
+try:
+    with cuda_ipc.torch.shareable(object()):
+        pass
+except ImportError as e:
+    assert isinstance(e, cuda_ipc.MissingDependency), type(e)
+    assert "pip install" in str(e), str(e)
+else:
+    raise AssertionError("shareable did not raise")
+assert "torch" not in sys.modules
+print("ok")
+"""
+
+
+class Imports(unittest.TestCase):
+    def test_cuda_ipc_torch_does_not_import_torch(self):
+        code = HIDE % _path.PACKAGE_PARENT
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ))
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.strip(), "ok")
+
+    def test_the_attribute_is_the_module(self):
+        import cuda_ipc.torch as m
+
+        self.assertIs(cuda_ipc.torch, m)
+        self.assertTrue(callable(m.shareable))
+        with self.assertRaises(AttributeError):
+            cuda_ipc.no_such_thing  # noqa: B018
+
+
+if __name__ == "__main__":
+    unittest.main()
