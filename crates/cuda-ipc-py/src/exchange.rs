@@ -828,35 +828,15 @@ impl Attachment {
     /// while tensors or arrays made from it are alive: the lease then ends
     /// when the last of them dies.
     fn release(&self, py: Python<'_>) -> PyResult<()> {
-        let (keep, a) = {
-            let mut attached = lock(&self.attached);
-            let Some(shared) = attached.take() else {
-                return Ok(());
-            };
-            let mut own = lock(&self.keep);
-            let views = own.as_ref().map_or(0, |k| k.holders().saturating_sub(1));
-            if views > 0 {
-                *attached = Some(shared);
-                return Err(Error::ViewsAlive {
-                    name: self.name.clone(),
-                    lease: self.lease,
-                    views,
-                })
-                .py();
-            }
-            match Arc::try_unwrap(shared) {
-                Ok(a) => (own.take(), a),
-                Err(shared) => {
-                    *attached = Some(shared);
-                    return Err(Error::InvalidArgument {
-                        what: "release",
-                        reason: "another thread is waiting for an update of this attachment; \
-                                 release it after that wait returns"
-                            .into(),
-                    })
-                    .py();
-                }
-            }
+        let Some((keep, a)) = take_for_release(
+            &self.attached,
+            &self.keep,
+            &self.name,
+            self.lease,
+            "attachment",
+        )?
+        else {
+            return Ok(());
         };
         let sub = self.subscriber.clone();
         py.detach(move || -> Result<_> {
@@ -890,6 +870,48 @@ struct HeldFrame {
     // Declared before `ring`: dropped first, while what it borrows lives.
     frame: RingFrame<'static, u8>,
     ring: Arc<RingSubscriber<u8>>,
+}
+
+/// Takes what an explicit `release()` ends out of its owner: `None` if it
+/// was released already; an error, with the owner left as it was, while
+/// views made from it are alive (the lease then ends with the last of
+/// them) or while another thread waits on it.
+pub(crate) fn take_for_release<T>(
+    slot: &Mutex<Option<Arc<T>>>,
+    keep: &Mutex<Option<Keep>>,
+    name: &str,
+    lease: u64,
+    what: &str,
+) -> PyResult<Option<(Option<Keep>, T)>> {
+    let mut guard = lock(slot);
+    let Some(shared) = guard.take() else {
+        return Ok(None);
+    };
+    let mut own = lock(keep);
+    let views = own.as_ref().map_or(0, |k| k.holders().saturating_sub(1));
+    if views > 0 {
+        *guard = Some(shared);
+        return Err(Error::ViewsAlive {
+            name: name.to_owned(),
+            lease,
+            views,
+        })
+        .py();
+    }
+    match Arc::try_unwrap(shared) {
+        Ok(t) => Ok(Some((own.take(), t))),
+        Err(shared) => {
+            *guard = Some(shared);
+            Err(Error::InvalidArgument {
+                what: "release",
+                reason: format!(
+                    "another thread is waiting for an update of this {what}; release it after \
+                     that wait returns"
+                ),
+            })
+            .py()
+        }
+    }
 }
 
 /// The next frame of `ring`, held with the subscription it borrows.

@@ -29,7 +29,9 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::codec;
 use crate::errors::IntoPyResult;
-use crate::exchange::{PyPublisher, PySubscriber, duration, layout, lock, sync_context};
+use crate::exchange::{
+    PyPublisher, PySubscriber, duration, layout, lock, sync_context, take_for_release,
+};
 use crate::mapping::{Keep, Layout, View, closed_error};
 
 // --- the publisher ------------------------------------------------------------
@@ -522,35 +524,10 @@ impl SetAttachment {
     /// tensors or arrays made from it are alive: the lease then ends when
     /// the last of them dies.
     fn release(&self, py: Python<'_>) -> PyResult<()> {
-        let (keep, set) = {
-            let mut guard = lock(&self.set);
-            let Some(shared) = guard.take() else {
-                return Ok(());
-            };
-            let mut own = lock(&self.keep);
-            let views = own.as_ref().map_or(0, |k| k.holders().saturating_sub(1));
-            if views > 0 {
-                *guard = Some(shared);
-                return Err(Error::ViewsAlive {
-                    name: self.name.clone(),
-                    lease: self.lease,
-                    views,
-                })
-                .py();
-            }
-            match Arc::try_unwrap(shared) {
-                Ok(set) => (own.take(), set),
-                Err(shared) => {
-                    *guard = Some(shared);
-                    return Err(Error::InvalidArgument {
-                        what: "release",
-                        reason: "another thread is waiting for an update of this set; release \
-                                 it after that wait returns"
-                            .into(),
-                    })
-                    .py();
-                }
-            }
+        let Some((keep, set)) =
+            take_for_release(&self.set, &self.keep, &self.name, self.lease, "set")?
+        else {
+            return Ok(());
         };
         let sub = self.subscriber.clone();
         py.detach(move || -> Result<()> {
