@@ -259,12 +259,8 @@ pub(crate) fn publish_set(
     py.detach(move || -> Result<()> {
         let members: Vec<SetMember<'_>> = owned
             .iter()
-            .map(|(name, buffer, dtype, shape, offset)| SetMember {
-                name,
-                dtype: *dtype,
-                shape,
-                buffer,
-                offset: *offset,
+            .map(|(name, buffer, dtype, shape, offset)| {
+                SetMember::new(name, *dtype, shape, buffer).at(*offset)
             })
             .collect();
         sync_context(&dev)?;

@@ -59,13 +59,7 @@ impl WeightSet {
             .iter()
             .zip(&self.names)
             .zip(&self.shapes)
-            .map(|((buffer, name), shape)| SetMember {
-                name,
-                dtype: Dtype::F32,
-                shape,
-                buffer,
-                offset: 0,
-            })
+            .map(|((buffer, name), shape)| SetMember::new(name, Dtype::F32, shape, buffer))
             .collect()
     }
 }

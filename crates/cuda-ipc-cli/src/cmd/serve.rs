@@ -230,13 +230,7 @@ pub fn publish_set(publisher: &Publisher, sizes: &[u64]) -> Result<Vec<DeviceAre
         .iter()
         .zip(&names)
         .zip(&shapes)
-        .map(|((buffer, name), shape)| SetMember {
-            name,
-            dtype: Dtype::U32,
-            shape,
-            buffer,
-            offset: 0,
-        })
+        .map(|((buffer, name), shape)| SetMember::new(name, Dtype::U32, shape, buffer))
         .collect();
     publisher.publish_set(SET_NAME, &members)?;
     Ok(buffers)

@@ -165,8 +165,12 @@ impl DeviceArenaBuffer {
     }
 }
 
-/// One buffer of a set, for [`DeviceArena::describe_set`].
+/// One buffer of a set, for [`DeviceArena::describe_set`] and
+/// [`Publisher::publish_set`](crate::exchange::Publisher::publish_set):
+/// `SetMember::new(name, dtype, shape, &buffer)`, with
+/// [`at`](SetMember::at) for a byte range inside the buffer.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct SetMember<'a> {
     /// The buffer's name in the set.
     pub name: &'a str,
@@ -182,6 +186,33 @@ pub struct SetMember<'a> {
     /// multiple of the dtype's size; the member's bytes end inside the
     /// buffer.
     pub offset: u64,
+}
+
+impl<'a> SetMember<'a> {
+    /// A member called `name` of `dtype` elements in `shape` that starts
+    /// at the first byte of `buffer`.
+    pub fn new(
+        name: &'a str,
+        dtype: Dtype,
+        shape: &'a [u64],
+        buffer: &'a DeviceArenaBuffer,
+    ) -> Self {
+        SetMember {
+            name,
+            dtype,
+            shape,
+            buffer,
+            offset: 0,
+        }
+    }
+
+    /// The same member, starting `offset` bytes into its buffer (checked
+    /// when the set is described: aligned to the dtype, inside the buffer).
+    #[must_use]
+    pub fn at(mut self, offset: u64) -> Self {
+        self.offset = offset;
+        self
+    }
 }
 
 /// The length in bytes of a member of `dtype` with `shape` that starts

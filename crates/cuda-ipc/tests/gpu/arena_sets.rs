@@ -86,13 +86,7 @@ impl Set {
             .iter()
             .zip(&self.names)
             .zip(&self.shapes)
-            .map(|((buffer, name), shape)| SetMember {
-                name,
-                dtype: Dtype::U32,
-                shape,
-                buffer,
-                offset: 0,
-            })
+            .map(|((buffer, name), shape)| SetMember::new(name, Dtype::U32, shape, buffer))
             .collect()
     }
 
@@ -341,12 +335,8 @@ fn members_that_are_byte_ranges_of_one_buffer() {
         let members: Vec<SetMember<'_>> = ranges
             .iter()
             .zip(&shapes)
-            .map(|((name, offset, _), shape)| SetMember {
-                name,
-                dtype: Dtype::U32,
-                shape,
-                buffer: &buffer,
-                offset: *offset,
+            .map(|((name, offset, _), shape)| {
+                SetMember::new(name, Dtype::U32, shape, &buffer).at(*offset)
             })
             .collect();
         for (offset, elements, what) in [
@@ -356,13 +346,7 @@ fn members_that_are_byte_ranges_of_one_buffer() {
             let e = publisher
                 .publish_set(
                     "bad",
-                    &[SetMember {
-                        name: "w",
-                        dtype: Dtype::U32,
-                        shape: &[elements],
-                        buffer: &buffer,
-                        offset,
-                    }],
+                    &[SetMember::new("w", Dtype::U32, &[elements], &buffer).at(offset)],
                 )
                 .unwrap_err();
             assert!(e.to_string().contains(what), "{e}");

@@ -140,13 +140,7 @@ fn sets_with(device: &Device, socket: &Path, spawn: impl FnOnce() -> Peer) -> Re
         .iter()
         .zip(&names)
         .zip(&shapes)
-        .map(|((buffer, name), shape)| SetMember {
-            name,
-            dtype: Dtype::U32,
-            shape,
-            buffer,
-            offset: 0,
-        })
+        .map(|((buffer, name), shape)| SetMember::new(name, Dtype::U32, shape, buffer))
         .collect();
     fill(1);
     publisher.publish_set("weights", &members).unwrap();

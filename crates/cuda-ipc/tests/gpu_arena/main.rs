@@ -148,13 +148,9 @@ fn every_chunk_mechanism_hands_off_sets_and_keeps_leased_memory() {
             arena
                 .describe_set(
                     &format!("set-{m}"),
-                    bufs.iter().enumerate().map(|(i, b)| SetMember {
-                        name: &names[i],
-                        dtype: Dtype::U32,
-                        shape: &shapes[i],
-                        buffer: b,
-                        offset: 0,
-                    }),
+                    bufs.iter()
+                        .enumerate()
+                        .map(|(i, b)| SetMember::new(&names[i], Dtype::U32, &shapes[i], b)),
                 )
                 .unwrap()
         };
@@ -254,13 +250,10 @@ fn a_thousand_buffer_set_is_checked_and_updated_in_place() {
     let set = arena
         .describe_set(
             "weights",
-            buffers.iter().enumerate().map(|(i, b)| SetMember {
-                name: &names[i],
-                dtype: Dtype::U32,
-                shape: &shapes[i],
-                buffer: b,
-                offset: 0,
-            }),
+            buffers
+                .iter()
+                .enumerate()
+                .map(|(i, b)| SetMember::new(&names[i], Dtype::U32, &shapes[i], b)),
         )
         .unwrap();
     for round in 0..2 {
