@@ -17,6 +17,7 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use cuda_ipc::device::Capabilities;
 use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
@@ -170,24 +171,8 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     }
     let words = args.size / 4;
     let mut steps = Steps(Vec::new());
-
-    let t = Instant::now();
-    let device = Device::open(args.device)?;
-    let caps = device.capabilities()?;
-    steps.add(
-        "producer",
-        "start CUDA and open the device",
-        super::ms_since(t),
-    );
-
-    let t = Instant::now();
-    let buffer = SharedBuffer::alloc(&device, args.size as usize, args.mechanism.0)?;
+    let (device, caps, buffer) = open_and_allocate(args, &mut steps)?;
     let mechanism = buffer.mechanism();
-    steps.add(
-        "producer",
-        format!("allocate {} ({mechanism})", super::human(args.size)),
-        super::ms_since(t),
-    );
 
     let t = Instant::now();
     kernels::fill_u32(&buffer, PATTERN, Speed::Full)?;
@@ -343,6 +328,34 @@ fn own_namespaces() -> Value {
         .into()
 }
 
+/// The producer's first two steps, timed: start CUDA and open the
+/// device, then allocate the buffer with the chosen mechanism.
+fn open_and_allocate(
+    args: &Args,
+    steps: &mut Steps,
+) -> Result<(Device, Capabilities, SharedBuffer), Error> {
+    let t = Instant::now();
+    let device = Device::open(args.device)?;
+    let caps = device.capabilities()?;
+    steps.add(
+        "producer",
+        "start CUDA and open the device",
+        super::ms_since(t),
+    );
+    let t = Instant::now();
+    let buffer = SharedBuffer::alloc(&device, args.size as usize, args.mechanism.0)?;
+    steps.add(
+        "producer",
+        format!(
+            "allocate {} ({})",
+            super::human(args.size),
+            buffer.mechanism()
+        ),
+        super::ms_since(t),
+    );
+    Ok((device, caps, buffer))
+}
+
 /// `demo --consumer-namespaces`: the consumer runs in new namespaces, where
 /// it can neither fetch descriptors by our pid (a PID namespace of its own)
 /// nor, with `shm`, open our events; so the buffer travels over the
@@ -354,27 +367,11 @@ fn own_namespaces() -> Value {
 fn run_over_channel(args: &Args, namespaces: &ConsumerNamespaces) -> Result<Outcome, Error> {
     let words = args.size / 4;
     let mut steps = Steps(Vec::new());
-    let t = Instant::now();
-    let device = Device::open(args.device)?;
-    let caps = device.capabilities()?;
-    steps.add(
-        "producer",
-        "start CUDA and open the device",
-        super::ms_since(t),
-    );
-
-    let t = Instant::now();
-    let buffer = SharedBuffer::alloc(&device, args.size as usize, args.mechanism.0)?;
+    let (device, caps, buffer) = open_and_allocate(args, &mut steps)?;
     let mechanism = buffer.mechanism();
+    let t = Instant::now();
     kernels::fill_u32(&buffer, PATTERN, Speed::Full)?;
-    steps.add(
-        "producer",
-        format!(
-            "allocate {} ({mechanism}) and queue the fill kernel",
-            super::human(args.size)
-        ),
-        super::ms_since(t),
-    );
+    steps.add("producer", "queue the fill kernel", super::ms_since(t));
 
     let t = Instant::now();
     let publisher = Publisher::bind(
