@@ -672,14 +672,6 @@ fn render_header(r: &Report, out: &mut String) {
             r.consumer_command
         );
     }
-    if !r.consumer_namespaces.is_empty() {
-        let _ = writeln!(
-            out,
-            "consumers in new namespaces: {} ({})",
-            r.consumer_namespaces.join(", "),
-            r.consumer_command
-        );
-    }
     if let Some(p) = &r.peer {
         let _ = writeln!(
             out,

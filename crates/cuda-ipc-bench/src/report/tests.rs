@@ -460,6 +460,11 @@ fn the_consumers_namespaces_are_in_the_header_and_the_json() {
         ),
         "{text}"
     );
+    assert_eq!(
+        text.matches("consumers in new namespaces").count(),
+        1,
+        "{text}"
+    );
     let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
     assert_eq!(v["consumer_namespaces"], serde_json::json!(["pid", "ipc"]));
     assert_eq!(v["consumer_command"], r.consumer_command.as_str());
