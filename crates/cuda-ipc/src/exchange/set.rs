@@ -180,7 +180,7 @@ where
         server: &Server,
         arena: &Arena<B>,
         name: &str,
-        record: &Value,
+        record: Value,
         leases: Vec<ArenaLease<B>>,
         fence: Option<SetFence>,
     ) -> Result<()> {
@@ -200,7 +200,7 @@ where
         let text = record.to_string();
         let mut parts: Vec<String> = Vec::new();
         let mut meta = if text.len() <= SET_PART_BYTES {
-            record.clone()
+            record
         } else {
             self.parts += 1;
             let pieces = split_utf8(&text, SET_PART_BYTES);
@@ -443,7 +443,7 @@ impl Publisher {
         let stream = self.record_after(chunks.iter().copied())?;
         let fence = self.set_fence(&stream)?;
         let leases = members.iter().map(|m| m.buffer.lease()).collect();
-        lock(&self.arena.book).publish(&self.server, arena, name, &record.to_value(), leases, fence)
+        lock(&self.arena.book).publish(&self.server, arena, name, record.to_value(), leases, fence)
     }
 
     /// Takes a fence slot for a new set and signals it after the work queued

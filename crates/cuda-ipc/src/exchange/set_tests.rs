@@ -91,7 +91,7 @@ fn chunk_descriptors_travel_once_per_subscriber_and_sets_carry_none() {
     assert_eq!(a.chunk().id(), b.chunk().id());
     assert_ne!(a.chunk().id(), c.chunk().id());
     let leases = vec![a.lease(), b.lease(), c.lease()];
-    book.publish(&server, &arena, "weights", &record(3), leases, None)
+    book.publish(&server, &arena, "weights", record(3), leases, None)
         .unwrap();
     // One hidden entry per chunk, published once.
     let names: Vec<String> = client(&server)
@@ -108,21 +108,14 @@ fn chunk_descriptors_travel_once_per_subscriber_and_sets_carry_none() {
         &server,
         &arena,
         "weights2",
-        &record(1),
+        record(1),
         vec![b.lease()],
         None,
     )
     .unwrap();
     assert_eq!(client(&server).list().unwrap().len(), 4);
     assert!(matches!(
-        book.publish(
-            &server,
-            &arena,
-            "weights",
-            &record(1),
-            vec![b.lease()],
-            None
-        ),
+        book.publish(&server, &arena, "weights", record(1), vec![b.lease()], None),
         Err(Error::Channel(ChannelError::AlreadyExists { .. }))
     ));
 
@@ -148,7 +141,7 @@ fn large_records_travel_in_parts_that_rebuild_the_record() {
     let buf = arena.alloc(4096).unwrap();
     // About the size of a record of 10,000 buffers, with multibyte names.
     let big = json!({ SET_VERSION_KEY: 1, "entries": (0..10_000).map(|i| format!("layer{i}.wéight")).collect::<Vec<_>>() });
-    book.publish(&server, &arena, "big", &big, vec![buf.lease()], None)
+    book.publish(&server, &arena, "big", big.clone(), vec![buf.lease()], None)
         .unwrap();
     let consumer = client(&server);
     let a = consumer.attach("big").unwrap();
@@ -237,7 +230,7 @@ fn set_records_of_1_to_10000_entries_come_back_whole_through_the_channel() {
             &server,
             &arena,
             &name,
-            &record.to_value(),
+            record.to_value(),
             vec![buf.lease()],
             None,
         )
@@ -284,7 +277,7 @@ fn ranges_come_back_after_release_and_unpublish_in_either_order() {
     let arena = arena();
     let mut book = Book::default();
     let a = arena.alloc(4096).unwrap();
-    book.publish(&server, &arena, "s", &record(1), vec![a.lease()], None)
+    book.publish(&server, &arena, "s", record(1), vec![a.lease()], None)
         .unwrap();
     let consumer = client(&server);
     let lease = consumer.attach("s").unwrap().lease;
@@ -309,7 +302,7 @@ fn a_mapped_chunk_is_not_trimmed_until_its_consumer_lets_go() {
     let arena = arena();
     let mut book = Book::default();
     let a = arena.alloc(4096).unwrap();
-    book.publish(&server, &arena, "s", &record(1), vec![a.lease()], None)
+    book.publish(&server, &arena, "s", record(1), vec![a.lease()], None)
         .unwrap();
     let consumer = client(&server);
     let chunk = consumer.attach(&chunk_entry_name(a.chunk().id())).unwrap();
@@ -364,7 +357,7 @@ fn a_consumer_killed_while_holding_a_set_gives_its_ranges_back() {
         &server,
         &arena,
         "weights",
-        &rec,
+        rec,
         bufs.iter().map(ArenaBuffer::lease).collect(),
         None,
     )
@@ -440,7 +433,7 @@ fn a_set_fence_travels_beside_the_record_and_its_slot_outlives_the_last_lease() 
         &server,
         &arena,
         "s",
-        &record(1),
+        record(1),
         vec![a.lease()],
         Some(fence),
     )
@@ -454,7 +447,7 @@ fn a_set_fence_travels_beside_the_record_and_its_slot_outlives_the_last_lease() 
         &server,
         &arena,
         "big",
-        &big,
+        big.clone(),
         vec![b.lease()],
         Some(set_fence(&slots)),
     )
