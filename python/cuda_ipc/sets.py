@@ -30,6 +30,15 @@ dimension of 0) travels as a one-element entry named
 :meth:`Subscriber.attach_state_dict` turns back into an empty tensor of the
 same dtype and shape.
 
+Tied tensors (two keys of one tensor, as a language model's input
+embedding and output projection often are) stay tied: the first key is an
+entry, each other key a one-byte entry named
+``.cuda-ipc/alias/<index>/<key>`` (``index``: the first key's entry), which
+:meth:`Subscriber.attach_state_dict` turns into the same tensor object, so
+``load_state_dict(sd, assign=True)`` ties the parameters again. Tensors
+that share memory without being the same view (overlapping slices of one
+storage) are copied apart, as entries cannot overlap.
+
 Also: set records checked by the library's decoder, and each entry's
 descriptor, which :func:`cuda_ipc.open` maps.
 """
@@ -46,14 +55,21 @@ __all__ = [
     "SetAttachment",
     "StateDict",
     "EMPTY_PREFIX",
+    "ALIAS_PREFIX",
     "empty_entry_name",
     "parse_empty_entry_name",
+    "alias_entry_name",
+    "parse_alias_entry_name",
     "set_dtype",
     "parse_set_record",
     "set_entry_descriptor",
 ]
 
-EMPTY_PREFIX = ".cuda-ipc/empty/"
+# Entry names under this prefix carry what a set entry cannot hold as it
+# is; state dict keys may not start with it.
+RESERVED_PREFIX = ".cuda-ipc/"
+EMPTY_PREFIX = RESERVED_PREFIX + "empty/"
+ALIAS_PREFIX = RESERVED_PREFIX + "alias/"
 
 # The longest entry name a set record takes (cuda_ipc::set::MAX_SET_NAME_LEN).
 MAX_NAME_BYTES = 256
@@ -108,6 +124,25 @@ def parse_empty_entry_name(name):
     if any(d < 0 for d in shape) or 0 not in shape:
         return None
     return key, shape
+
+
+def alias_entry_name(index, key):
+    """The entry name that says ``key`` is the same tensor as entry
+    ``index`` of the set."""
+    if not isinstance(index, int) or index < 0:
+        raise InvalidInput(f"{key!r}: an alias names an entry by its index, not {index!r}")
+    return f"{ALIAS_PREFIX}{index}/{key}"
+
+
+def parse_alias_entry_name(name):
+    """``(index, key)`` for an entry made by :func:`alias_entry_name`, else
+    ``None``."""
+    if not name.startswith(ALIAS_PREFIX):
+        return None
+    index, sep, key = name[len(ALIAS_PREFIX):].partition("/")
+    if not sep or not key or not index.isdigit():
+        return None
+    return int(index), key
 
 
 def _raw_name(name, raw):
@@ -208,9 +243,32 @@ def _check_items(state_dict):
     for key, _ in items:
         if not isinstance(key, str) or not key:
             raise InvalidInput(f"state dict keys must be non-empty strings, not {key!r}")
-        if key.startswith(EMPTY_PREFIX):
-            raise InvalidInput(f"{key!r}: keys starting with {EMPTY_PREFIX!r} are reserved")
+        if key.startswith(RESERVED_PREFIX):
+            raise InvalidInput(f"{key!r}: keys starting with {RESERVED_PREFIX!r} are reserved")
     return items
+
+
+def _same_view(t):
+    """What makes two tensors the same view of the same memory."""
+    return (t.device.type, t.device.index, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def _keep_apart(plan):
+    """Arena ranges found for different keys may overlap (slices of one
+    storage); set entries cannot. Every found range that overlaps one
+    before it (by address) is copied instead: its ``found`` becomes None."""
+    ranges = sorted(
+        (t.data_ptr(), t.data_ptr() + nbytes, i)
+        for i, (_key, t, _dt, nbytes, _entry, found) in enumerate(plan)
+        if found is not None
+    )
+    end = None
+    for start, stop, i in ranges:
+        if end is not None and start < end:
+            key, t, dt, nbytes, entry, _ = plan[i]
+            plan[i] = (key, t, dt, nbytes, entry, None)
+        else:
+            end = stop if end is None else max(end, stop)
 
 
 def _round_up(n, unit=256):
@@ -226,11 +284,18 @@ def publish_state_dict(pub, name, state_dict):
                            f"or unpublish it first")
     torch = _torch()
     plan = []
+    aliases = []  # (key, key of the same tensor earlier in the plan)
+    first_of = {}
     for key, t in items:
         if not isinstance(t, torch.Tensor):
             raise InvalidInput(f"{key!r} is a {type(t).__name__}, not a torch tensor")
         dt = set_dtype(t.dtype, repr(key))
         nbytes = t.numel() * t.element_size()
+        if nbytes:
+            same = first_of.setdefault(_same_view(t), key)
+            if same != key:
+                aliases.append((key, same))
+                continue
         entry = key if nbytes else empty_entry_name(key, t.shape)
         if len(entry.encode()) > MAX_NAME_BYTES:
             raise InvalidInput(f"{key!r}: the entry name is longer than the {MAX_NAME_BYTES} bytes a set takes")
@@ -242,8 +307,10 @@ def publish_state_dict(pub, name, state_dict):
         if nbytes and t.is_cuda and t.device.index == pub.device and t.is_contiguous():
             found = pub._c.arena_buffer_containing(t.data_ptr(), nbytes)
         plan.append((key, t, dt, nbytes, entry, found))
-    # One chunk for everything copied, when it fits one.
+    _keep_apart(plan)
+    # One chunk for everything copied (and a byte per alias), when it fits one.
     need = sum(_round_up(max(n, dt.size)) for _, _, dt, n, _, found in plan if found is None)
+    need += _round_up(1) * len(aliases)
     if need:
         pub._c.arena_reserve(need)
     device = torch.device("cuda", pub.device)
@@ -269,13 +336,22 @@ def publish_state_dict(pub, name, state_dict):
             buffers.append(buf)
             tensors[key] = dst
             members.append((entry, buf, dt.name, shape if nbytes else [1], offset))
+        index = {key: i for i, (key, *_rest) in enumerate(plan)}
+        for key, same in aliases:
+            entry = alias_entry_name(index[same], key)
+            if len(entry.encode()) > MAX_NAME_BYTES:
+                raise InvalidInput(f"{key!r}: the entry name is longer than the {MAX_NAME_BYTES} bytes a set takes")
+            buf = pub._c.arena_alloc(1)
+            buffers.append(buf)
+            tensors[key] = tensors[same]
+            members.append((entry, buf, "u8", [1], 0))
     # Waits for the copies queued above (every stream of the context).
     pub._c.publish_set(name, members)
     pub._sets.add(name)
     pub._state_dicts[name] = _PublishedStateDict(tensors, buffers)
     if copied:
         warnings.warn(copy_warning(name, copied, copied_bytes, first_copied), stacklevel=3)
-    return dict(tensors)
+    return {key: tensors[key] for key, _ in items}
 
 
 def copy_warning(name, copied, copied_bytes, first):
@@ -459,9 +535,16 @@ def attach_state_dict(core_attachment):
         torch = _torch()
         tensors = {}
         device = torch.device("cuda", a.device)
+        keys = []
         for i, (entry, dtype, _shape, _ptr, _nbytes) in enumerate(a._entries):
             empty = parse_empty_entry_name(entry)
-            if empty is not None:
+            alias = parse_alias_entry_name(entry)
+            if alias is not None:
+                index, key = alias
+                if index >= len(keys):
+                    raise InvalidInput(f"{a.name!r}: {key!r} is an alias of entry {index}, which is not before it")
+                value = tensors[keys[index]]
+            elif empty is not None:
                 key, shape = empty
                 dt = _dtypes.by_name(dtype)
                 target = getattr(torch, dt.torch, None)
@@ -472,6 +555,7 @@ def attach_state_dict(core_attachment):
                 key, value = entry, a.as_torch(i)
             if key in tensors:
                 raise InvalidInput(f"{a.name!r} holds {key!r} twice")
+            keys.append(key)
             tensors[key] = value
     except BaseException:
         tensors = None

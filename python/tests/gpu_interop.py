@@ -1005,6 +1005,95 @@ def _sets_publish_ramps(self, case, n, nbytes):
     return {"path": path, "mechanism": pub.arena_mechanism}
 
 
+def _tied_sd(torch, version):
+    """A state dict with tied tensors: "emb" and "head" one tensor, "a" and
+    "b" overlapping slices of one storage, "c" on its own."""
+    emb = torch.arange(4096, device="cuda", dtype=torch.float32) + version
+    base = torch.arange(1000, device="cuda", dtype=torch.int32) * 3 + version
+    return {"emb": emb, "a": base[0:600], "head": emb, "b": base[400:1000], "c": base[100:200] * 2}
+
+
+def _sets_publish_tied(self, case):
+    """Publishes _tied_sd as "tied"; checks the returned dict keeps the tie."""
+    import warnings
+
+    ci, torch = self.ci, self.torch
+    folder = tempfile.mkdtemp(prefix="cuda-ipc-tied-")
+    path = os.path.join(folder, "p.sock")
+    pub = ci.Publisher(path)
+    sd = _tied_sd(torch, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shared = pub.publish_state_dict("tied", sd)
+    if list(shared) != list(sd):
+        raise AssertionError(f"the returned keys {list(shared)} are not the state dict's {list(sd)}")
+    if shared["emb"] is not shared["head"]:
+        raise AssertionError("publish_state_dict returned two tensors for the tied emb and head")
+    for k, t in sd.items():
+        if not torch.equal(shared[k], t):
+            raise AssertionError(f"the returned {k} differs from the state dict's")
+    # Republishing the returned tensors: the tie is seen again, nothing copied.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = pub.publish_state_dict("again", shared)
+    if caught:
+        raise AssertionError(f"republishing the returned tensors warned: {caught[0].message}")
+    if again["emb"] is not again["head"] or again["emb"].data_ptr() != shared["emb"].data_ptr():
+        raise AssertionError("republishing the returned tensors lost the tie or moved them")
+    pub.unpublish("again", timeout=10)
+    # Overlapping slices of one arena buffer: the first is published where
+    # it is, the second copied apart (set entries cannot overlap).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parts = pub.publish_state_dict("overlap", {"x": shared["a"][0:100], "y": shared["a"][50:150]})
+    if parts["x"].data_ptr() != shared["a"].data_ptr() or parts["y"].data_ptr() == shared["a"][50:].data_ptr():
+        raise AssertionError("expected x in place and y copied apart")
+    if len(caught) != 1 or "copied 1 tensors" not in str(caught[0].message):
+        raise AssertionError(f"expected one warning about one copy, got {[str(w.message) for w in caught]}")
+    if not torch.equal(parts["y"], shared["a"][50:150]):
+        raise AssertionError("the copied slice differs")
+    pub.unpublish("overlap", timeout=10)
+    self.state[case] = dict(pub=pub, shared=shared, path=path, set="tied")
+    return {"path": path}
+
+
+def _sets_update_tied(self, case, version):
+    """Writes version `version` into the shared tensors in place; update."""
+    s, torch = self.state[case], self.torch
+    new = _tied_sd(torch, version)
+    with torch.no_grad():
+        for k, t in s["shared"].items():
+            t.copy_(new[k])
+    return {"generation": s["pub"].update_state_dict("tied")}
+
+
+def _sets_attach_tied(self, case, path):
+    """Attaches "tied": emb and head the same tensor, every value checked."""
+    ci, torch = self.ci, self.torch
+    sub = ci.Subscriber(path)
+    sd = sub.attach_state_dict("tied")
+    want = _tied_sd(torch, 0)
+    if sorted(sd) != sorted(want):
+        raise AssertionError(f"attached keys {sorted(sd)}, expected {sorted(want)}")
+    if sd["emb"] is not sd["head"]:
+        raise AssertionError("the consumer got two tensors for the tied emb and head")
+    for k, t in want.items():
+        if not torch.equal(sd[k], t):
+            raise AssertionError(f"attached {k} differs")
+    self.state[case] = dict(sub=sub, sd=sd)
+    return {"tensors": len(sd), "entries": len(sd.attachment.entries)}
+
+
+def _sets_wait_tied(self, case, version):
+    s, torch = self.state[case], self.torch
+    g = s["sd"].wait_update(timeout=30)
+    want = _tied_sd(torch, version)
+    for k, t in want.items():
+        if not torch.equal(s["sd"][k], t):
+            raise AssertionError(f"after update {g}: {k} differs")
+    return {"generation": g}
+
+
 for _name, _fn in list(globals().items()):
     if _name.startswith("_sets_"):
         setattr(Worker, "op_" + _name[1:], _fn)
@@ -1873,6 +1962,26 @@ class Runner:
             self._sets_close(a, case)
         return f"{r['mechanism']}: 3 updates of {n} tensors (in place, copied in, in place) seen in order, every value checked"
 
+    def sets_tied(self):
+        self.need("a", "torch")
+        self.need("b", "torch")
+        a, b = self.w("a"), self.w("b")
+        case = self.case_id()
+        r = a.call("sets_publish_tied", case=case, timeout=120)
+        try:
+            got = b.call("sets_attach_tied", case=case, path=r["path"], timeout=120)
+            a.call("sets_update_tied", case=case, version=1, timeout=120)
+            b.call("sets_wait_tied", case=case, version=1, timeout=120)
+            b.call("sets_release_sd", case=case)
+            a.call("sets_leases", case=case, want=0)
+        except BaseException:
+            self._sets_drop(b, case)
+            raise
+        finally:
+            self._sets_close(a, case)
+        return (f"{got['tensors']} tensors in {got['entries']} entries: the tied pair one tensor on both sides, "
+                f"overlapping slices copied apart, an update in place seen")
+
     def sets_kill9(self, n):
         self.need("a", "torch")
         self.need("b", "torch")
@@ -2124,6 +2233,8 @@ class Runner:
                     lambda: self.sets_state_dict(1000)))
         out.append(("sets: state dict updates (in place and copied in) seen after wait_update",
                     lambda: self.sets_updates(1000)))
+        out.append(("sets: tied tensors stay tied through a state dict; overlapping slices are copied apart",
+                    self.sets_tied))
         out.append(("sets: kill -9 of a consumer holding state dict tensors ends its leases",
                     lambda: self.sets_kill9(100)))
         out.append(("sets: cuda-ipc serve --set 100 -> Python attach_set and attach_state_dict",

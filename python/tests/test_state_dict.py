@@ -71,6 +71,27 @@ class EmptyEntries(unittest.TestCase):
                 self.assertIsNone(sets.parse_empty_entry_name(name))
 
 
+class AliasEntries(unittest.TestCase):
+    def test_round_trip(self):
+        for index, key in ((0, "lm_head.weight"), (12, "a/b.c"), (999, "x")):
+            with self.subTest(index=index, key=key):
+                name = sets.alias_entry_name(index, key)
+                self.assertTrue(name.startswith(sets.ALIAS_PREFIX))
+                self.assertEqual(sets.parse_alias_entry_name(name), (index, key))
+
+    def test_a_bad_index_is_refused(self):
+        for index in (-1, "3", 1.0, None):
+            with self.subTest(index=index):
+                with self.assertRaises(cuda_ipc.InvalidInput):
+                    sets.alias_entry_name(index, "w")
+
+    def test_other_names_are_not_aliases(self):
+        for name in ("w", "layer.0.weight", ".cuda-ipc/alias/", ".cuda-ipc/alias/3", ".cuda-ipc/alias/3/",
+                     ".cuda-ipc/alias/x/w", ".cuda-ipc/alias/-1/w", ".cuda-ipc/empty/0/w"):
+            with self.subTest(name=name):
+                self.assertIsNone(sets.parse_alias_entry_name(name))
+
+
 class _StubCore:
     """Stands in for _core.Publisher: records calls, allocates nothing."""
 
@@ -113,6 +134,8 @@ class PublishChecks(unittest.TestCase):
             "key not a string": ({3: object()}, "non-empty strings"),
             "empty key": ({"": object()}, "non-empty strings"),
             "reserved key": ({sets.EMPTY_PREFIX + "0/w": object()}, "reserved"),
+            "reserved alias key": ({sets.ALIAS_PREFIX + "0/w": object()}, "reserved"),
+            "reserved prefix": ({".cuda-ipc/other": object()}, "reserved"),
         }
         for what, (sd, text) in cases.items():
             with self.subTest(what):
