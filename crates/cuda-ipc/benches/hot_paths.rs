@@ -170,25 +170,20 @@ mod channel {
 /// transformer's weights are.
 fn set_record(n: u64) -> SetRecord {
     let chunks = (0..8u64)
-        .map(|c| SetChunk {
-            id: c,
-            descriptor: Descriptor::new(
+        .map(|c| {
+            let d = Descriptor::new(
                 Source::Vmm { fd: 10 + c as i32 },
                 512 << 20,
                 DeviceUuid([0x5a; 16]),
                 4242,
-            )
-            .with_generation(c),
+            );
+            SetChunk::new(c, d.with_generation(c))
         })
         .collect();
     let entries = (0..n)
-        .map(|i| SetEntry {
-            name: format!("model.layers.{}.mlp.w{}", i / 10, i % 10),
-            dtype: Dtype::F32,
-            shape: vec![32, 32],
-            chunk: i % 8,
-            offset: (i / 8) * 4096,
-            len: 4096,
+        .map(|i| {
+            let name = format!("model.layers.{}.mlp.w{}", i / 10, i % 10);
+            SetEntry::new(name, Dtype::F32, vec![32, 32], i % 8, (i / 8) * 4096, 4096)
         })
         .collect();
     SetRecord::new("weights".into(), ArenaId(7), chunks, entries).expect("a valid record")

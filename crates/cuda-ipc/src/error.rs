@@ -14,6 +14,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// A CUDA driver version as `cuDriverGetVersion` reports it (`1000 * major + 10 * minor`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
 pub struct DriverVersion(pub i32);
 
 impl DriverVersion {

@@ -62,6 +62,7 @@ pub const MAX_SET_DIMS: usize = 32;
 
 /// One chunk of a set's chunk table.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SetChunk {
     /// The chunk's index in its arena ([`ChunkId::index`](crate::arena::ChunkId)).
     pub id: u64,
@@ -71,6 +72,7 @@ pub struct SetChunk {
 
 /// One buffer of a set.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SetEntry {
     /// The buffer's name, unique in the set.
     pub name: String,
@@ -88,6 +90,7 @@ pub struct SetEntry {
 
 /// A named set of buffers in the chunks of one arena.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SetRecord {
     /// The set's name.
     pub name: String,
@@ -292,6 +295,36 @@ fn decode_entry(i: usize, v: &Value) -> Result<SetEntry> {
         offset: u64_of(at("offset"), &items[4])?,
         len: u64_of(at("len"), &items[5])?,
     })
+}
+
+impl SetChunk {
+    /// Chunk `id` of its arena, described by `descriptor` (the whole chunk
+    /// as bytes).
+    pub fn new(id: u64, descriptor: Descriptor) -> Self {
+        SetChunk { id, descriptor }
+    }
+}
+
+impl SetEntry {
+    /// The buffer `name` of `dtype` in `shape`, `len` bytes at `offset` in
+    /// chunk `chunk` (checked with the record: [`SetRecord::validate`]).
+    pub fn new(
+        name: String,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        chunk: u64,
+        offset: u64,
+        len: u64,
+    ) -> Self {
+        SetEntry {
+            name,
+            dtype,
+            shape,
+            chunk,
+            offset,
+            len,
+        }
+    }
 }
 
 impl SetRecord {

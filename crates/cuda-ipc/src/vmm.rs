@@ -37,6 +37,7 @@ use crate::units::round_up;
 
 /// The handle types a VMM allocation can be exported as.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct ShareableTypes {
     /// POSIX file descriptors (one host).
     pub posix_fd: bool,

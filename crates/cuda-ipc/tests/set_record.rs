@@ -19,22 +19,16 @@ const UUID: DeviceUuid = DeviceUuid([7; 16]);
 const MIB: u64 = 1 << 20;
 
 fn chunk(id: u64, fd: i32, len: u64) -> SetChunk {
-    SetChunk {
+    SetChunk::new(
         id,
-        descriptor: Descriptor::new(Source::Vmm { fd }, len, UUID, 4242)
+        Descriptor::new(Source::Vmm { fd }, len, UUID, 4242)
             .with_generation(u64::from(fd.unsigned_abs())),
-    }
+    )
 }
 
 fn entry(name: &str, dtype: Dtype, shape: &[u64], chunk: u64, offset: u64) -> SetEntry {
-    SetEntry {
-        name: name.into(),
-        dtype,
-        shape: shape.to_vec(),
-        chunk,
-        offset,
-        len: shape.iter().product::<u64>() * dtype.size(),
-    }
+    let len = shape.iter().product::<u64>() * dtype.size();
+    SetEntry::new(name.into(), dtype, shape.to_vec(), chunk, offset, len)
 }
 
 fn sample() -> SetRecord {

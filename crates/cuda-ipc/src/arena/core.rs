@@ -709,6 +709,7 @@ impl<B: ChunkBacking> Drop for ChunkPin<B> {
 
 /// One chunk's counts, from [`Arena::chunks`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ChunkInfo {
     /// The chunk's identity.
     pub id: ChunkId,
@@ -728,6 +729,7 @@ pub struct ChunkInfo {
 
 /// An arena's counts, from [`Arena::stats`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
 pub struct ArenaStats {
     /// Chunks in the arena.
     pub chunks: usize,

@@ -173,6 +173,7 @@ impl fmt::Display for ChunkId {
 /// Where a buffer lives: plain data that consumers resolve against their
 /// mapping of the chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct BufferView {
     /// The chunk.
     pub chunk: ChunkId,
@@ -184,6 +185,7 @@ pub struct BufferView {
 
 /// How an [`Arena`] sizes, aligns and limits its chunks.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ArenaOptions {
     /// The size of the first chunk, and the least size of every chunk
     /// (rounded up to the backing's granularity). Default 256 MiB.
@@ -225,6 +227,41 @@ const MAX_BUFFERS_PER_CHUNK: u32 = (u32::MAX - 4) / 2;
 const MAX_ALIGNMENT: u64 = 2 * MIB;
 
 impl ArenaOptions {
+    /// The size of the first chunk and the least of every chunk.
+    #[must_use]
+    pub fn with_chunk_size(mut self, bytes: u64) -> Self {
+        self.chunk_size = bytes;
+        self
+    }
+
+    /// The largest chunk that growth makes.
+    #[must_use]
+    pub fn with_max_chunk_size(mut self, bytes: u64) -> Self {
+        self.max_chunk_size = bytes;
+        self
+    }
+
+    /// The alignment of every buffer's offset in its chunk.
+    #[must_use]
+    pub fn with_alignment(mut self, bytes: u64) -> Self {
+        self.alignment = bytes;
+        self
+    }
+
+    /// The most bytes of chunks held at once (`None`: no limit).
+    #[must_use]
+    pub fn with_limit(mut self, bytes: Option<u64>) -> Self {
+        self.limit = bytes;
+        self
+    }
+
+    /// How many buffers each chunk can hold at least.
+    #[must_use]
+    pub fn with_max_buffers_per_chunk(mut self, count: u32) -> Self {
+        self.max_buffers_per_chunk = count;
+        self
+    }
+
     /// Checks that the options make sense together.
     pub fn validate(&self) -> Result<()> {
         if !self.alignment.is_power_of_two() || self.alignment > MAX_ALIGNMENT {

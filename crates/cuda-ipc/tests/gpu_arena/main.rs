@@ -90,11 +90,9 @@ fn consumer() {
 }
 
 fn arena_of(device: &Device, m: Mechanism) -> DeviceArena {
-    let options = ArenaOptions {
-        chunk_size: 64 * MIB,
-        max_chunk_size: 128 * MIB,
-        ..ArenaOptions::default()
-    };
+    let options = ArenaOptions::default()
+        .with_chunk_size(64 * MIB)
+        .with_max_chunk_size(128 * MIB);
     Arena::new(DeviceChunks::new(device, Some(m)).unwrap(), options).unwrap()
 }
 
