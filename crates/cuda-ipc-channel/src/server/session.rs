@@ -10,7 +10,7 @@ use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use crate::{ChannelError, lock};
 
 use super::conn::Conn;
-use super::state::{Body, Lease, SlotState};
+use super::state::{Body, Lease, SlotState, State};
 use super::{LISTING_PAGE_BYTES, RESPONSE_WINDOW, Shared, error_frame};
 use crate::limits::{MAX_ENTRY_NAME_LEN, validate_entry_name};
 
@@ -244,9 +244,10 @@ impl Shared {
         Message::Listing { id, entries, next }
     }
 
-    pub(super) fn attach(&self, conn: &Conn, id: u64, name: &str) {
-        let mut st = lock(&self.state);
-        let st = &mut *st;
+    /// The id of the entry `name` that `conn` may take a new lease on;
+    /// `None` after answering request `id` with the refusal (the
+    /// connection's lease limit, or no such entry).
+    fn leasable(&self, st: &State, conn: &Conn, id: u64, name: &str) -> Option<u64> {
         if st.leases_of(conn.id) >= self.max_leases {
             conn.push(
                 error_frame(
@@ -261,10 +262,19 @@ impl Shared {
                 Vec::new(),
                 self.max_queued,
             );
-            return;
+            return None;
         }
-        let Some(&eid) = st.names.get(name) else {
+        let eid = st.names.get(name).copied();
+        if eid.is_none() {
             reply_not_found(conn, id, name, self.max_queued);
+        }
+        eid
+    }
+
+    pub(super) fn attach(&self, conn: &Conn, id: u64, name: &str) {
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        let Some(eid) = self.leasable(st, conn, id, name) else {
             return;
         };
         let Some(entry) = st.entries.get_mut(&eid) else {
@@ -327,24 +337,7 @@ impl Shared {
     pub(super) fn attach_ring(&self, conn: &Conn, id: u64, name: &str) {
         let mut st = lock(&self.state);
         let st = &mut *st;
-        if st.leases_of(conn.id) >= self.max_leases {
-            conn.push(
-                error_frame(
-                    Some(id),
-                    "too_many_leases",
-                    format!(
-                        "this connection already holds {} leases, the server's limit; release \
-                         leases you no longer use (ServerConfig::max_leases_per_connection)",
-                        self.max_leases
-                    ),
-                ),
-                Vec::new(),
-                self.max_queued,
-            );
-            return;
-        }
-        let Some(&eid) = st.names.get(name) else {
-            reply_not_found(conn, id, name, self.max_queued);
+        let Some(eid) = self.leasable(st, conn, id, name) else {
             return;
         };
         let Some(entry) = st.entries.get_mut(&eid) else {
