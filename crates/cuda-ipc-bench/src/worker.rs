@@ -36,7 +36,7 @@ use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use cuda_ipc::cudarc::driver::sys::CUevent_flags;
-use cuda_ipc::exchange::{Attachment, SetAttachment, Subscriber, SubscriberConfig};
+use cuda_ipc::exchange::{Attachment, RingFrame, SetAttachment, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{Device, DeviceMemory, Error, IpcEvent, LegacyBuffer};
 use cuda_ipc::{channel, floor};
@@ -643,13 +643,7 @@ impl State {
         let sub = self.sub()?;
         let ring = sub.attach_ring::<u32>(name)?;
         send_line(out, &json!({ "subscribed": true }))?;
-        let mut load = Vec::new();
-        let mut paced = Vec::new();
-        let (mut first_ns, mut last_ns) = (0u64, 0u64);
-        let (mut frames, mut checked, mut bad) = (0u64, 0u64, 0u64);
-        let mut first_bad = None;
-        let mut expected_seq = None;
-        let mut gaps = 0u64;
+        let mut tally = RingTally::new(verify_every);
         let result = (|| -> Result<(), Error> {
             loop {
                 let frame = sub.next_frame(&ring, WAIT)?;
@@ -658,53 +652,98 @@ impl State {
                     return Ok(());
                 }
                 frame.buffer.synchronize()?;
-                let t = mono_ns();
-                let is_paced = frame.notice.get("p").and_then(Value::as_u64) == Some(1);
-                let t_pub = frame
-                    .notice
-                    .get("t")
-                    .and_then(Value::as_u64)
-                    .ok_or_else(|| failure("a ring frame", "no time stamp in its notice"))?;
-                if expected_seq.is_some_and(|s| s != frame.seq) {
-                    gaps += 1;
-                }
-                expected_seq = Some(frame.seq + 1);
-                let latency = ns_to_ms(t_pub, t);
-                if is_paced {
-                    paced.push(latency);
-                } else {
-                    if load.is_empty() {
-                        first_ns = t;
-                    }
-                    last_ns = t;
-                    load.push(latency);
-                }
-                frames += 1;
-                if is_paced || (frames - 1) % verify_every == 0 {
-                    checked += 1;
-                    if let Some(m) = verify(frame.buffer, Pattern::ramp(frame.seq as u32, 1))? {
-                        bad += 1;
-                        first_bad.get_or_insert(format!("frame {}: {m}", frame.seq));
-                    }
-                }
+                tally.record(&frame, mono_ns())?;
                 sub.ack(&ring, frame)?;
             }
         })();
         let released = sub.release_ring(ring);
         result?;
         released?;
-        let load_frames = load.len() as u64;
-        Ok(json!({
-            "load_ms": load,
-            "paced_ms": paced,
-            "load_frames": load_frames,
-            "first_ns": first_ns,
-            "last_ns": last_ns,
-            "checked": checked,
-            "bad": bad,
-            "first_bad": first_bad,
-            "gaps": gaps,
-        }))
+        Ok(tally.answer())
+    }
+}
+
+/// A ring consumer's account of the frames it took: latencies under load
+/// and paced, the load phase's first and last arrival, sequence gaps, and
+/// the checks of every `verify_every`-th frame (and every paced one).
+pub(crate) struct RingTally {
+    verify_every: u64,
+    load: Vec<f64>,
+    paced: Vec<f64>,
+    first_ns: u64,
+    last_ns: u64,
+    frames: u64,
+    checked: u64,
+    bad: u64,
+    first_bad: Option<String>,
+    expected_seq: Option<u64>,
+    gaps: u64,
+}
+
+impl RingTally {
+    pub(crate) fn new(verify_every: u64) -> Self {
+        RingTally {
+            verify_every: verify_every.max(1),
+            load: Vec::new(),
+            paced: Vec::new(),
+            first_ns: 0,
+            last_ns: 0,
+            frames: 0,
+            checked: 0,
+            bad: 0,
+            first_bad: None,
+            expected_seq: None,
+            gaps: 0,
+        }
+    }
+
+    /// Counts `frame`, synchronised and seen at `t` (CLOCK_MONOTONIC ns).
+    pub(crate) fn record(&mut self, frame: &RingFrame<'_, u32>, t: u64) -> Result<(), Error> {
+        let is_paced = frame.notice.get("p").and_then(Value::as_u64) == Some(1);
+        let t_pub = frame
+            .notice
+            .get("t")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| failure("a ring frame", "no time stamp in its notice"))?;
+        if self.expected_seq.is_some_and(|s| s != frame.seq) {
+            self.gaps += 1;
+        }
+        self.expected_seq = Some(frame.seq + 1);
+        let latency = ns_to_ms(t_pub, t);
+        if is_paced {
+            self.paced.push(latency);
+        } else {
+            if self.load.is_empty() {
+                self.first_ns = t;
+            }
+            self.last_ns = t;
+            self.load.push(latency);
+        }
+        self.frames += 1;
+        if is_paced || (self.frames - 1).is_multiple_of(self.verify_every) {
+            self.checked += 1;
+            if let Some(m) = verify(frame.buffer, Pattern::ramp(frame.seq as u32, 1))? {
+                self.bad += 1;
+                self.first_bad
+                    .get_or_insert(format!("frame {}: {m}", frame.seq));
+            }
+        }
+        Ok(())
+    }
+
+    /// The answer to the producer.
+    pub(crate) fn answer(self) -> Value {
+        json!({
+            "load_ms": self.load,
+            "paced_ms": self.paced,
+            "load_frames": self.load.len() as u64,
+            "first_ns": self.first_ns,
+            "last_ns": self.last_ns,
+            "checked": self.checked,
+            "bad": self.bad,
+            "first_bad": self.first_bad,
+            "gaps": self.gaps,
+        })
     }
 }
 

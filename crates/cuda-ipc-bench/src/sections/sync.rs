@@ -21,8 +21,7 @@ use serde_json::{Value, json};
 use crate::namespaces::ConsumerNamespaces;
 use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns, send_line};
 use crate::report::{Row, Section, SectionId, human};
-use crate::stats::ns_to_ms;
-use crate::worker::verify;
+use crate::worker::RingTally;
 
 use super::cached::cached_row;
 use super::ring::ring_rows;
@@ -113,13 +112,7 @@ pub fn consume_ring(
         out,
         &json!({ "subscribed": true, "fence": ring.uses_fences() }),
     )?;
-    let mut load = Vec::new();
-    let mut paced = Vec::new();
-    let (mut first_ns, mut last_ns) = (0u64, 0u64);
-    let (mut frames, mut checked, mut bad) = (0u64, 0u64, 0u64);
-    let mut first_bad = None;
-    let mut expected_seq = None;
-    let mut gaps = 0u64;
+    let mut tally = RingTally::new(verify_every);
     let result = (|| -> Result<(), Error> {
         loop {
             let mut taken = Vec::with_capacity(batch as usize);
@@ -145,34 +138,7 @@ pub fn consume_ring(
                     sub.ack(&ring, frame)?;
                     continue;
                 }
-                let is_paced = frame.notice.get("p").and_then(Value::as_u64) == Some(1);
-                let t_pub = frame
-                    .notice
-                    .get("t")
-                    .and_then(Value::as_u64)
-                    .ok_or_else(|| failure("a ring frame", "no time stamp in its notice"))?;
-                if expected_seq.is_some_and(|s| s != frame.seq) {
-                    gaps += 1;
-                }
-                expected_seq = Some(frame.seq + 1);
-                let latency = ns_to_ms(t_pub, t);
-                if is_paced {
-                    paced.push(latency);
-                } else {
-                    if load.is_empty() {
-                        first_ns = t;
-                    }
-                    last_ns = t;
-                    load.push(latency);
-                }
-                frames += 1;
-                if is_paced || (frames - 1) % verify_every == 0 {
-                    checked += 1;
-                    if let Some(m) = verify(frame.buffer, Pattern::ramp(frame.seq as u32, 1))? {
-                        bad += 1;
-                        first_bad.get_or_insert(format!("frame {}: {m}", frame.seq));
-                    }
-                }
+                tally.record(&frame, t)?;
                 sub.ack(&ring, frame)?;
             }
             if stop {
@@ -183,16 +149,7 @@ pub fn consume_ring(
     let released = sub.release_ring(ring);
     result?;
     released?;
-    Ok(json!({
-        "load_ms": load,
-        "paced_ms": paced,
-        "first_ns": first_ns,
-        "last_ns": last_ns,
-        "checked": checked,
-        "bad": bad,
-        "first_bad": first_bad,
-        "gaps": gaps,
-    }))
+    Ok(tally.answer())
 }
 
 /// Whether the consumer's answer at subscribing says it waits the way
