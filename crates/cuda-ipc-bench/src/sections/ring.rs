@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use cuda_ipc::exchange::RingPublisher;
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{Error, Mechanism};
 use serde_json::{Value, json};
@@ -13,7 +14,7 @@ use crate::report::{Row, Section, SectionId, human};
 use super::{Consumer, Ctx};
 
 /// Pause between paced ring frames.
-const RING_PACE: Duration = Duration::from_micros(500);
+pub(crate) const RING_PACE: Duration = Duration::from_micros(500);
 /// Every this many ring frames under load, the consumer checks one.
 const RING_VERIFY_EVERY: u64 = 1024;
 
@@ -63,6 +64,58 @@ pub(super) fn ring_rows(m: Mechanism, size: u64, slots: usize, sent: u64, a: &Va
     vec![load_row, base("paced").samples(0, paced)]
 }
 
+/// The producer's side of a ring run once its consumer has subscribed
+/// (and `ready` says it may start): frames flat out for the plan's load
+/// time, then the paced ones [`RING_PACE`] apart, each filled with a ramp
+/// of its sequence number and stamped with its time; then a stop frame,
+/// whatever happened. Returns the last sequence number and the consumer's
+/// answer; the ring is freed only after that answer, with the consumer's
+/// mappings gone.
+pub(crate) fn run_frames(
+    ctx: &Ctx<'_>,
+    w: &mut Worker,
+    ring: RingPublisher,
+    ready: Result<(), Error>,
+) -> Result<(u64, Value), Error> {
+    let acquire = Some(Duration::from_secs(30));
+    let mut seq = 0u64;
+    let frame = |seq: &mut u64, paced: bool| -> Result<(), Error> {
+        let (slot, buffer) = ring.acquire(acquire)?;
+        let t = mono_ns();
+        kernels::fill_u32(buffer, Pattern::ramp((*seq + 1) as u32, 1), Speed::Full)?;
+        let mut extra = serde_json::Map::new();
+        extra.insert("t".into(), t.into());
+        extra.insert("p".into(), u64::from(paced).into());
+        *seq = ring.publish_with(slot, extra)?;
+        Ok(())
+    };
+    let mut produced = ready.and_then(|()| {
+        let started = Instant::now();
+        while started.elapsed() < ctx.plan.ring_load {
+            frame(&mut seq, false)?;
+        }
+        for _ in 0..ctx.plan.ring_paced {
+            std::thread::sleep(RING_PACE);
+            frame(&mut seq, true)?;
+        }
+        Ok(())
+    });
+    let stop = ring.acquire(acquire).and_then(|(slot, _)| {
+        let mut extra = serde_json::Map::new();
+        extra.insert("stop".into(), true.into());
+        ring.publish_with(slot, extra)
+    });
+    if produced.is_ok()
+        && let Err(e) = stop
+    {
+        produced = Err(e);
+    }
+    let answer = w.recv(REQUEST_TIMEOUT);
+    drop(ring);
+    produced?;
+    Ok((seq, answer?))
+}
+
 fn ring_run(
     ctx: &Ctx<'_>,
     w: &mut Worker,
@@ -82,45 +135,7 @@ fn ring_run(
             "the consumer said it subscribed, but the producer sees no subscriber",
         ));
     }
-    let acquire = Some(Duration::from_secs(30));
-    let mut seq = 0u64;
-    let frame = |seq: &mut u64, paced: bool| -> Result<(), Error> {
-        let (slot, buffer) = ring.acquire(acquire)?;
-        let t = mono_ns();
-        kernels::fill_u32(buffer, Pattern::ramp((*seq + 1) as u32, 1), Speed::Full)?;
-        let mut extra = serde_json::Map::new();
-        extra.insert("t".into(), t.into());
-        extra.insert("p".into(), u64::from(paced).into());
-        *seq = ring.publish_with(slot, extra)?;
-        Ok(())
-    };
-    let started = Instant::now();
-    let mut produced = (|| -> Result<(), Error> {
-        while started.elapsed() < ctx.plan.ring_load {
-            frame(&mut seq, false)?;
-        }
-        for _ in 0..ctx.plan.ring_paced {
-            std::thread::sleep(RING_PACE);
-            frame(&mut seq, true)?;
-        }
-        Ok(())
-    })();
-    // The last frame tells the consumer to stop, whatever happened.
-    let stop = ring.acquire(acquire).and_then(|(slot, _)| {
-        let mut extra = serde_json::Map::new();
-        extra.insert("stop".into(), true.into());
-        ring.publish_with(slot, extra)
-    });
-    if produced.is_ok()
-        && let Err(e) = stop
-    {
-        produced = Err(e);
-    }
-    let answer = w.recv(REQUEST_TIMEOUT);
-    // Only now, with the consumer's mappings gone, may the slots be freed.
-    drop(ring);
-    produced?;
-    let a = answer?;
+    let (seq, a) = run_frames(ctx, w, ring, Ok(()))?;
     Ok(ring_rows(m, size, slots, seq, &a))
 }
 

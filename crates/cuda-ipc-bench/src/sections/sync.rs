@@ -24,7 +24,7 @@ use crate::report::{Row, Section, SectionId, human};
 use crate::worker::RingTally;
 
 use super::cached::cached_row;
-use super::ring::ring_rows;
+use super::ring::{RING_PACE, ring_rows, run_frames};
 use super::{Ctx, allocate};
 
 /// The ring's frame size.
@@ -33,8 +33,6 @@ pub const SYNC_FRAME: u64 = 4096;
 const SLOTS: usize = 64;
 /// Frames per synchronize in the batched rows.
 pub const SYNC_BATCH: u64 = 8;
-/// Pause between paced frames.
-const PACE: Duration = Duration::from_micros(500);
 /// Every this many frames under load, the consumer checks one.
 const VERIFY_EVERY: u64 = 1024;
 /// How long the consumer waits for a frame.
@@ -205,45 +203,8 @@ fn ring_run(
         &json!({ "op": "sync_ring", "name": name, "batch": batch, "verify_every": VERIFY_EVERY }),
         REQUEST_TIMEOUT,
     )?;
-    let acquire = Some(Duration::from_secs(30));
-    let mut seq = 0u64;
-    let frame = |seq: &mut u64, paced: bool| -> Result<(), Error> {
-        let (slot, buffer) = ring.acquire(acquire)?;
-        let t = mono_ns();
-        kernels::fill_u32(buffer, Pattern::ramp((*seq + 1) as u32, 1), Speed::Full)?;
-        let mut extra = serde_json::Map::new();
-        extra.insert("t".into(), t.into());
-        extra.insert("p".into(), u64::from(paced).into());
-        *seq = ring.publish_with(slot, extra)?;
-        Ok(())
-    };
-    let mut produced = check_mode(mode, &subscribed).and_then(|()| {
-        let started = Instant::now();
-        while started.elapsed() < ctx.plan.ring_load {
-            frame(&mut seq, false)?;
-        }
-        for _ in 0..ctx.plan.ring_paced {
-            std::thread::sleep(PACE);
-            frame(&mut seq, true)?;
-        }
-        Ok(())
-    });
-    // The last frame tells the consumer to stop, whatever happened.
-    let stop = ring.acquire(acquire).and_then(|(slot, _)| {
-        let mut extra = serde_json::Map::new();
-        extra.insert("stop".into(), true.into());
-        ring.publish_with(slot, extra)
-    });
-    if produced.is_ok()
-        && let Err(e) = stop
-    {
-        produced = Err(e);
-    }
-    let answer = w.recv(REQUEST_TIMEOUT);
-    // Only now, with the consumer's mappings gone, may the slots be freed.
-    drop(ring);
-    produced?;
-    Ok(named_rows(m, mode, batch, seq, &answer?))
+    let (seq, answer) = run_frames(ctx, w, ring, check_mode(mode, &subscribed))?;
+    Ok(named_rows(m, mode, batch, seq, &answer))
 }
 
 /// Frames per second from `frames` over `seconds`.
@@ -371,7 +332,7 @@ pub fn sync(ctx: &Ctx<'_>) -> Section {
             human(SYNC_FRAME),
             ctx.plan.ring_load.as_secs_f64(),
             ctx.plan.ring_paced,
-            PACE.as_micros()
+            RING_PACE.as_micros()
         ),
         "Floors: the producer alone on a 4 KiB buffer (frames/s): a fill launch and a fence \
          signal per frame; and with the event record every frame also does. Nobody consumes."
