@@ -10,7 +10,7 @@ use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use crate::{ChannelError, lock};
 
 use super::conn::Conn;
-use super::state::{Body, Lease, SlotState, State};
+use super::state::{Body, SlotState, State};
 use super::{LISTING_PAGE_BYTES, RESPONSE_WINDOW, Shared, error_frame};
 use crate::limits::{MAX_ENTRY_NAME_LEN, validate_entry_name};
 
@@ -304,22 +304,8 @@ impl Shared {
                 return;
             }
         };
-        let lease = {
-            st.last_id += 1;
-            st.last_id
-        };
-        entry.leases.insert(lease);
         let meta = Arc::clone(&entry.meta);
-        st.by_conn.entry(conn.id).or_default().insert(lease);
-        st.leases.insert(
-            lease,
-            Lease {
-                entry: eid,
-                conn: conn.id,
-                pid: conn.cred.pid,
-                uid: conn.cred.uid,
-            },
-        );
+        let lease = st.grant_lease(eid, conn);
         // Sent or queued under the state lock, so that no update for this lease can
         // overtake the answer.
         conn.push(
@@ -370,27 +356,14 @@ impl Shared {
                 }
             }
         }
-        let lease = {
-            st.last_id += 1;
-            st.last_id
-        };
-        entry.leases.insert(lease);
-        st.by_conn.entry(conn.id).or_default().insert(lease);
-        st.leases.insert(
-            lease,
-            Lease {
-                entry: eid,
-                conn: conn.id,
-                pid: conn.cred.pid,
-                uid: conn.cred.uid,
-            },
-        );
+        let meta = Arc::clone(&entry.meta);
+        let lease = st.grant_lease(eid, conn);
         conn.push(
             Message::RingAttached {
                 id,
                 lease,
                 slots: slots.len() as u32,
-                meta: Arc::clone(&entry.meta),
+                meta,
             },
             Vec::new(),
             self.max_queued,

@@ -101,6 +101,26 @@ impl State {
         self.last_id
     }
 
+    /// A new lease of `conn` on entry `entry` (which must exist), recorded
+    /// in the entry, the connection's index and the lease table.
+    pub(super) fn grant_lease(&mut self, entry: u64, conn: &Conn) -> u64 {
+        let lease = self.new_id();
+        if let Some(e) = self.entries.get_mut(&entry) {
+            e.leases.insert(lease);
+        }
+        self.by_conn.entry(conn.id).or_default().insert(lease);
+        self.leases.insert(
+            lease,
+            Lease {
+                entry,
+                conn: conn.id,
+                pid: conn.cred.pid,
+                uid: conn.cred.uid,
+            },
+        );
+        lease
+    }
+
     /// Ends a lease; drops its entry if that was the last lease on an
     /// unpublished entry. The caller notifies waiters.
     pub(super) fn end_lease(&mut self, lease: u64) -> Option<Lease> {
