@@ -190,6 +190,13 @@ class Publisher(_Owner):
         them. Returns the version (from 1)."""
         return _sets.update_state_dict(self, name, state_dict)
 
+    def arena_stats(self):
+        """The arena's accounting as a dict: ``chunks``, ``chunk_bytes``,
+        ``idle_chunks``, ``buffers``, ``used_bytes``, ``requested_bytes``,
+        ``leases``, ``held_by_leases_only``, ``pins``, ``chunks_created``,
+        ``chunks_released``."""
+        return self._c.arena_stats()
+
     def retired_sets(self):
         """Unpublished sets still leased by a subscriber."""
         return self._c.retired_sets()

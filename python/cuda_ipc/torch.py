@@ -44,8 +44,10 @@ Lifetimes and limits:
   published until ``unpublish``.
 - An allocation the arena cannot serve (the device is full, the arena's
   limit) returns null to PyTorch, which frees its cached blocks, retries,
-  then raises ``torch.OutOfMemoryError``; :func:`shareable` adds the
-  arena's reason to the message.
+  then raises ``torch.OutOfMemoryError`` with its own message. When the
+  error leaves the :func:`shareable` block, the block adds the arena's
+  reason to the message; code that catches it inside the block gets the
+  reason from :func:`last_error`.
 
 Importing this module does not import torch; :func:`shareable` does.
 """

@@ -1241,14 +1241,22 @@ def _alloc_close(self):
     path = os.path.join(tempfile.mkdtemp(prefix="cuda-ipc-alloc-"), "p.sock")
     pub = ci.Publisher(path)
     before = ci.torch.segments()
-    oom = None
-    with ci.torch.shareable(pub):
-        kept = torch.arange(4 * MIB, device="cuda", dtype=torch.int32)
-        pub.close()
-        try:
+    oom = inside = None
+    # Caught inside the block, the error is torch's and last_error() says
+    # why; once it leaves the block, the reason is part of its message.
+    try:
+        with ci.torch.shareable(pub):
+            kept = torch.arange(4 * MIB, device="cuda", dtype=torch.int32)
+            pub.close()
+            try:
+                torch.empty(512 * MIB, dtype=torch.uint8, device="cuda")
+            except torch.cuda.OutOfMemoryError:
+                inside = ci.torch.last_error()
             torch.empty(512 * MIB, dtype=torch.uint8, device="cuda")
-        except torch.cuda.OutOfMemoryError as e:
-            oom = str(e)
+    except torch.cuda.OutOfMemoryError as e:
+        oom = str(e)
+    if inside is None or "no publisher is active" not in inside:
+        raise AssertionError(f"a new segment after close, caught in the block: last_error() is {inside!r}")
     if oom is None or "no publisher is active" not in oom:
         raise AssertionError(f"a new segment after close: expected OutOfMemoryError naming the cause, got {oom!r}")
     want = torch.arange(4 * MIB, device="cuda", dtype=torch.int32)
@@ -1276,8 +1284,9 @@ def _alloc_close(self):
 
 def _alloc_oom(self):
     """An allocation larger than the GPU inside shareable(): torch's
-    OutOfMemoryError with the arena's reason; the process and the pool still
-    work afterwards."""
+    OutOfMemoryError; caught in the block, last_error() gives the arena's
+    reason, and leaving the block, the message carries it; the process and
+    the pool still work afterwards."""
     ci, torch = self.ci, self.torch
     total = torch.cuda.get_device_properties(0).total_memory
     path = os.path.join(tempfile.mkdtemp(prefix="cuda-ipc-alloc-"), "p.sock")
@@ -1285,12 +1294,22 @@ def _alloc_oom(self):
         with ci.torch.shareable(pub):
             try:
                 torch.empty(2 * total, dtype=torch.uint8, device="cuda")
-            except torch.cuda.OutOfMemoryError as e:
-                msg = str(e)
+            except torch.cuda.OutOfMemoryError:
+                reason = ci.torch.last_error()
             else:
                 raise AssertionError(f"allocating {2 * total} bytes did not raise")
-            if "cuda_ipc.torch.shareable:" not in msg:
-                raise AssertionError(f"the OutOfMemoryError does not say the arena's reason: {msg[-300:]}")
+        if not reason:
+            raise AssertionError("after an OutOfMemoryError in the block, last_error() is empty")
+        msg = None
+        try:
+            with ci.torch.shareable(pub):
+                torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+        except torch.cuda.OutOfMemoryError as e:
+            msg = str(e)
+        if msg is None or "cuda_ipc.torch.shareable:" not in msg:
+            raise AssertionError(f"the OutOfMemoryError leaving the block does not say the arena's reason: "
+                                 f"{(msg or '')[-300:]!r}")
+        with ci.torch.shareable(pub):
             small = torch.ones(MIB, device="cuda")
             if float(small.sum()) != MIB:
                 raise AssertionError("a small allocation in the pool after the failure is wrong")
@@ -1299,7 +1318,7 @@ def _alloc_oom(self):
                 raise AssertionError("the small tensor after the failure is not in the arena")
             del small
         torch.cuda.empty_cache()
-    return {"message": msg.splitlines()[-1][:160]}
+    return {"reason": reason[:120], "message": msg.splitlines()[-1][:160]}
 
 
 for _name, _fn in list(globals().items()):
