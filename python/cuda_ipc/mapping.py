@@ -8,12 +8,21 @@ from .errors import CudaIpcError, MissingDependency
 __all__ = ["open", "Mapping", "live_mappings"]
 
 
+_loaded = {}
+
+
 def _import_optional(module, install):
-    """Imports ``module``, or raises :class:`MissingDependency` saying how to install it."""
+    """Imports ``module``, or raises :class:`MissingDependency` saying how to
+    install it. Remembers it: per-tensor paths call this (an import through
+    importlib costs microseconds even when the module is loaded)."""
+    found = _loaded.get(module)
+    if found is not None:
+        return found
     import importlib
 
     try:
-        return importlib.import_module(module)
+        found = _loaded[module] = importlib.import_module(module)
+        return found
     except ModuleNotFoundError as e:
         if e.name != module and not (e.name or "").startswith(module + "."):
             raise
@@ -129,7 +138,12 @@ def _as_torch(view, own, dtype=None):
     # Types every PyTorch reads from DLPack are handed over as they are;
     # bool and the unsigned types wider than a byte as same-sized integers.
     raw = dt.name in ("bool", "u16", "u32", "u64")
-    t = torch.from_dlpack(view(dt.name, raw))
+    # The capsule itself, not the object: torch.from_dlpack(obj) first asks
+    # for torch's current stream and the device in Python (about 8 µs), for
+    # a stream hand-shake that our views do not need (the memory is ready
+    # on every stream when a view exists: the producer's event or fence was
+    # waited for on the host).
+    t = torch.from_dlpack(view(dt.name, raw).__dlpack__())
     if t.dtype != target:
         t = t.view(target)
     return t

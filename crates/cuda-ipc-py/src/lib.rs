@@ -11,6 +11,7 @@ mod errors;
 mod exchange;
 mod export;
 mod mapping;
+mod runs;
 mod sets;
 
 use pyo3::prelude::*;
@@ -42,6 +43,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     export::register(m)?;
     exchange::register(m)?;
     sets::register(m)?;
+    runs::register(m)?;
     alloc::register(m)?;
     Ok(())
 }

@@ -33,6 +33,7 @@ use crate::exchange::{
     PyPublisher, PySubscriber, duration, layout, lock, sync_context, take_for_release,
 };
 use crate::mapping::{Keep, Layout, View, closed_error};
+use crate::runs::{self, Place, Placed, Run};
 
 // --- the publisher ------------------------------------------------------------
 
@@ -326,6 +327,9 @@ pub(crate) struct SetAttachment {
     ordinal: usize,
     entries: Vec<Entry>,
     index: HashMap<String, usize>,
+    /// The entries grouped for few DLPack imports (`runs`).
+    runs: Vec<Run>,
+    places: Vec<Option<Place>>,
     /// This object's own hold (views hold clones): a view of the first
     /// entry, which holds the lease and, through it, every chunk mapping.
     keep: Mutex<Option<Keep>>,
@@ -338,7 +342,7 @@ pub(crate) struct SetAttachment {
 /// `Subscriber.attach_set`.
 pub(crate) fn attach_set(s: &PySubscriber, py: Python<'_>, name: &str) -> PyResult<SetAttachment> {
     let sub = s.get()?;
-    let (set, first, entries) = py
+    let (set, first, entries, runs, places) = py
         .detach(|| -> Result<_> {
             let set = sub.attach_set(name)?;
             // Every view of the set shares the device stream that waited on
@@ -346,17 +350,29 @@ pub(crate) fn attach_set(s: &PySubscriber, py: Python<'_>, name: &str) -> PyResu
             let first = set.view::<u8>(0)?;
             first.synchronize()?;
             let mut entries = Vec::with_capacity(set.len());
+            let mut placed = Vec::with_capacity(set.len());
             for (i, e) in set.entries().iter().enumerate() {
                 let b = set.view::<u8>(i)?;
+                let chunk = b.mapping();
+                let ptr = chunk.base() + b.offset();
+                placed.push(Placed {
+                    chunk: chunk.base(),
+                    chunk_size: chunk.size(),
+                    ptr,
+                    len: e.len,
+                    dtype: e.dtype,
+                    shape: e.shape.clone(),
+                });
                 entries.push(Entry {
                     name: e.name.clone(),
                     dtype: e.dtype,
                     shape: e.shape.clone(),
-                    ptr: b.mapping().base() + b.offset(),
+                    ptr,
                     len: e.len,
                 });
             }
-            Ok((set, first, entries))
+            let (runs, places) = runs::plan(&placed);
+            Ok((set, first, entries, runs, places))
         })
         .py()?;
     let index = entries
@@ -371,6 +387,8 @@ pub(crate) fn attach_set(s: &PySubscriber, py: Python<'_>, name: &str) -> PyResu
         ordinal: s.device.ordinal(),
         entries,
         index,
+        runs,
+        places,
         keep: Mutex::new(Some(Keep::new(first))),
         set: Mutex::new(Some(Arc::new(set))),
         subscriber: sub,
@@ -495,6 +513,53 @@ impl SetAttachment {
             len: e.len,
             dtype: e.dtype,
             shape: e.shape.clone(),
+            strides: None,
+            ordinal: self.ordinal,
+        };
+        View::new(keep, l, dtype, raw)
+    }
+    /// The entries grouped for few DLPack imports: `(runs, places)`, `runs`
+    /// `[(ptr, nbytes, dtype)]` (stretches of one mapped chunk holding
+    /// entries of one dtype), `places[i]` `(run, offset, strides)` (in
+    /// elements) of entry `i` in its run, or `None` for an entry to make on
+    /// its own (`view`). See `run_view`.
+    #[getter]
+    #[allow(clippy::type_complexity)]
+    fn runs(
+        &self,
+    ) -> (
+        Vec<(u64, u64, &'static str)>,
+        Vec<Option<(usize, u64, Vec<u64>)>>,
+    ) {
+        (
+            runs::runs_tuples(&self.runs),
+            runs::places_tuples(&self.places),
+        )
+    }
+    /// A one-dimensional view of run `run` (see `runs`) that holds the
+    /// set's lease, as `dtype` (same size) if given; `raw` as for `view`.
+    #[pyo3(signature = (run, dtype=None, raw=false))]
+    fn run_view(&self, run: usize, dtype: Option<&str>, raw: bool) -> PyResult<View> {
+        let r = self
+            .runs
+            .get(run)
+            .ok_or_else(|| Error::InvalidArgument {
+                what: "run",
+                reason: format!(
+                    "run {run} is past the {} runs of {:?}",
+                    self.runs.len(),
+                    self.name
+                ),
+            })
+            .py()?;
+        let keep = lock(&self.keep)
+            .clone()
+            .ok_or_else(|| closed_error("set", "attach it again"))?;
+        let l = Layout {
+            ptr: r.ptr,
+            len: r.len,
+            dtype: r.dtype,
+            shape: vec![r.len / r.dtype.size()],
             strides: None,
             ordinal: self.ordinal,
         };
