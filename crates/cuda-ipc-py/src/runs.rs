@@ -146,7 +146,7 @@ fn plan_runs(
     Vec<(u64, u64, &'static str)>,
     Vec<Option<(usize, u64, Vec<u64>)>>,
 )> {
-    let placed = entries
+    let items = entries
         .into_iter()
         .map(|(chunk, chunk_size, ptr, len, dtype, shape)| {
             let dtype = dtype.parse::<Dtype>().map_err(|_| Error::InvalidArgument {
@@ -164,7 +164,7 @@ fn plan_runs(
         })
         .collect::<Result<Vec<_>>>()
         .py()?;
-    let (runs, places) = plan(&placed);
+    let (runs, places) = plan(&items);
     Ok((runs_tuples(&runs), places_tuples(&places)))
 }
 

@@ -350,12 +350,12 @@ pub(crate) fn attach_set(s: &PySubscriber, py: Python<'_>, name: &str) -> PyResu
             let first = set.view::<u8>(0)?;
             first.synchronize()?;
             let mut entries = Vec::with_capacity(set.len());
-            let mut placed = Vec::with_capacity(set.len());
+            let mut items = Vec::with_capacity(set.len());
             for (i, e) in set.entries().iter().enumerate() {
                 let b = set.view::<u8>(i)?;
                 let chunk = b.mapping();
                 let ptr = chunk.base() + b.offset();
-                placed.push(Placed {
+                items.push(Placed {
                     chunk: chunk.base(),
                     chunk_size: chunk.size(),
                     ptr,
@@ -371,7 +371,7 @@ pub(crate) fn attach_set(s: &PySubscriber, py: Python<'_>, name: &str) -> PyResu
                     len: e.len,
                 });
             }
-            let (runs, places) = runs::plan(&placed);
+            let (runs, places) = runs::plan(&items);
             Ok((set, first, entries, runs, places))
         })
         .py()?;
