@@ -287,6 +287,30 @@ step_samples() {
   fi
 }
 
+# The wheel, installed once into $site for the Python steps and the
+# benches' Python rows (bench/cuda_ipc_share.py imports cuda_ipc): exported
+# on PYTHONPATH for everything after. Returns 1 with the reason in
+# $wheel_error (not to be called in a subshell: the export would be lost).
+site=/tmp/cuda_ipc_site
+wheel_installed=
+wheel_error=
+install_wheel() {
+  [ -n "$wheel_installed" ] && return 0
+  local wheel
+  wheel=$(ls "$here"/wheels/cuda_ipc-*.whl 2>/dev/null | head -n 1)
+  if [ -z "$wheel" ]; then
+    wheel_error="no wheel in $here/wheels (build the bundle with scripts/gpu-bundle.sh)"
+    return 1
+  fi
+  rm -rf "$site"
+  if ! python3 -m pip install -q --no-index --no-deps --target "$site" "$wheel" >"$logs/python-install.log" 2>&1; then
+    wheel_error="installing $(basename "$wheel") failed: $(tail -n 3 "$logs/python-install.log" | tr '\n' ' ')"
+    return 1
+  fi
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  wheel_installed=1
+}
+
 step_python() {
   local script=$here/python/tests/gpu_interop.py
   if [ ! -f "$script" ]; then
@@ -298,20 +322,13 @@ step_python() {
     return
   fi
   local log="$logs/python-interop.log"
-  local wheel site=/tmp/cuda_ipc_site
-  wheel=$(ls "$here"/wheels/cuda_ipc-*.whl 2>/dev/null | head -n 1)
-  if [ -z "$wheel" ]; then
-    bad "python: no wheel in $here/wheels (build the bundle with scripts/gpu-bundle.sh)"
-    return
-  fi
-  rm -rf "$site"
-  if ! python3 -m pip install -q --no-index --no-deps --target "$site" "$wheel" >"$logs/python-install.log" 2>&1; then
-    bad "python: installing $(basename "$wheel") failed: $(tail -n 3 "$logs/python-install.log" | tr '\n' ' ')"
+  if ! install_wheel; then
+    bad "python: $wheel_error"
     return
   fi
   local only=()
   [ -n "${PYTHON_ONLY:-}" ] && only=(--only "$PYTHON_ONLY")
-  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 "$script" --cli "$cli" "${only[@]}" >"$log" 2>&1
+  python3 "$script" --cli "$cli" "${only[@]}" >"$log" 2>&1
   local rc=$?
   local p f
   p=$(grep -Eo '^[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
@@ -321,6 +338,12 @@ step_python() {
   echo "PYTHON interop: $p passed, $f failed (exit $rc)"
   grep -E 'FAIL' "$log" | head -n 20
   if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then bad "python interop exited $rc: $(tail -n 3 "$log" | tr '\n' ' ')"; fi
+}
+
+# The benches' rows from Python need the wheel; without it they are skipped
+# (the bench says why).
+bench_python() {
+  install_wheel || echo "NOTE  the bench's rows from Python will be skipped: $wheel_error"
 }
 
 gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
@@ -343,6 +366,7 @@ step_peer() {
 }
 
 step_bench() {
+  bench_python
   # Bad arguments and unwritable outputs: exit 2 at once, with a driver present.
   check "bench --json-out in a missing folder exits 2" 2 "$cli" bench --quick --json-out "$logs/no-such-folder/x.json"
   check "bench --reps 0 exits 2" 2 "$cli" bench --quick --reps 0
@@ -352,6 +376,7 @@ step_bench() {
 }
 
 step_bench-full() {
+  bench_python
   # shellcheck disable=SC2046 # two words or none
   check "bench" 0 "$cli" bench $(two_gpus) --json-out "$logs/bench.json" --plot "$logs/bench.svg"
   tail -n 100 "$logs/bench.log"

@@ -94,6 +94,8 @@ class Publisher(_Owner):
         super().__init__(_core.Publisher(str(endpoint), device=device, allow_uids=list(allow_uids)))
         self._sets = set()
         self._state_dicts = {}
+        self._torch_pool = None  # cuda_ipc.torch.pool(self), made on first use
+        self._torch_blocks = 0  # shareable(self) blocks running
 
     path = property(lambda self: self._c.path, doc="The socket path.")
     device = property(lambda self: self._c.device, doc="The CUDA device ordinal.")
@@ -215,8 +217,15 @@ class Publisher(_Owner):
         return RingPublisher(self._c.ring(name, slots, slot_bytes, mechanism), self.device)
 
     def close(self):
-        """Stops serving. Safe to call twice."""
+        """Stops serving. Safe to call twice. Lets go of the publisher's
+        torch pool (:func:`cuda_ipc.torch.shareable`): its tensors stay
+        valid, and their segments go back to the arena as they are freed."""
         self._c.close()
+        self._torch_pool = None
+
+    def __exit__(self, *exc):
+        self._torch_pool = None
+        return self._c.__exit__(*exc)
 
 
 def _raw_name(name, raw):

@@ -30,15 +30,21 @@ Lifetimes and limits:
   device threads during ``backward()``, come from PyTorch's usual memory.
   Parameters, buffers and optimizer state made in the block are in the
   arena, and an optimizer step updates them in place.
-- Segments are owned by the allocator until PyTorch frees them
-  (``torch.cuda.empty_cache()``, or the pool's end), whatever happens to
-  the publisher: closing the publisher stops new allocations in its pool
-  (they raise ``torch.OutOfMemoryError`` saying why) but leaves every tensor
-  made in it valid. A segment that a published set uses stays allocated in
-  the arena until the set's last lease ends, as any arena buffer.
+- Segments are owned by the allocator until PyTorch frees them, whatever
+  happens to the publisher: closing the publisher stops new allocations in
+  its pool (they raise ``torch.OutOfMemoryError`` saying why) but leaves
+  every tensor made in it valid. A segment that a published set uses stays
+  allocated in the arena until the set's last lease ends, as any arena
+  buffer.
 - The pool lives on the publisher object (:func:`pool`); tensors freed in
-  it go back to the pool's cache, and ``torch.cuda.empty_cache()`` gives
-  the free segments back to the arena.
+  it go back to the pool's cache. PyTorch frees a pool's segments only once
+  the pool itself is let go of: ``torch.cuda.empty_cache()`` leaves the
+  segments of a pool in use where they are (PyTorch 2.11). So
+  :func:`empty_cache` lets go of the publisher's pool and empties the
+  caches: free segments go back to the arena at once, the others as their
+  tensors are freed (and ``torch.cuda.empty_cache()`` runs); the next
+  :func:`shareable` block makes a new pool. ``Publisher.close()`` lets go
+  of the pool too.
 - A published tensor must not be freed and its memory reused while
   subscribers read it: ``publish_state_dict`` keeps the tensors it
   published until ``unpublish``.
@@ -56,9 +62,10 @@ import contextlib
 import threading
 
 from . import _core
+from .errors import InvalidInput
 from .mapping import _torch
 
-__all__ = ["shareable", "pool", "allocator", "last_error", "segments"]
+__all__ = ["shareable", "pool", "empty_cache", "allocator", "last_error", "segments"]
 
 _lock = threading.Lock()
 _allocator = None
@@ -90,6 +97,25 @@ def pool(publisher):
     return p
 
 
+def empty_cache(publisher):
+    """Gives the free segments of ``publisher``'s pool back to its arena:
+    lets go of the pool (tensors made in it stay valid; their segments go
+    back as they are freed) and calls ``torch.cuda.empty_cache()``. The
+    next :func:`shareable` block makes a new pool. Raises
+    :class:`~cuda_ipc.InvalidInput` inside a :func:`shareable` block of
+    ``publisher``. Returns :func:`segments` afterwards."""
+    if getattr(publisher, "_torch_blocks", 0):
+        raise InvalidInput(
+            "cuda_ipc.torch.empty_cache(publisher) inside a shareable(publisher) block: "
+            "call it after the block"
+        )
+    publisher._torch_pool = None
+    torch = _torch()
+    torch.cuda.synchronize(publisher.device)
+    torch.cuda.empty_cache()
+    return segments()
+
+
 def last_error():
     """Why the last allocation or free of the allocator failed (and
     forgets it), or ``None``."""
@@ -112,6 +138,7 @@ def shareable(publisher):
     torch = _torch()
     mem_pool = pool(publisher)
     _core.shareable_enter(publisher._c)
+    publisher._torch_blocks = getattr(publisher, "_torch_blocks", 0) + 1
     try:
         with torch.cuda.device(publisher.device), torch.cuda.use_mem_pool(mem_pool, device=publisher.device):
             yield mem_pool
@@ -121,4 +148,5 @@ def shareable(publisher):
             e.args = (f"{e.args[0]}\ncuda_ipc.torch.shareable: {reason}",) + tuple(e.args[1:])
         raise
     finally:
+        publisher._torch_blocks -= 1
         _core.shareable_exit(publisher._c)

@@ -1201,8 +1201,10 @@ def _alloc_wait(self, case, digests, timeout=60.0):
 
 
 def _alloc_freed_space(self):
-    """Tensors made and freed in the pool: empty_cache gives their segments
-    back, and the arena's used bytes come back to where they were."""
+    """Tensors made and freed in the pool: torch.cuda.empty_cache() keeps
+    the segments of the pool in use (PyTorch's rule), and
+    cuda_ipc.torch.empty_cache(pub) gives them back (refused inside a
+    shareable block): the arena's used bytes come back to where they were."""
     import gc
 
     ci, torch = self.ci, self.torch
@@ -1221,6 +1223,18 @@ def _alloc_freed_space(self):
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        kept = ci.torch.segments()
+        if kept != during:
+            # If a later PyTorch empties pools in use, this case says so.
+            raise AssertionError(f"torch.cuda.empty_cache() emptied a pool in use: segments {during} -> {kept}")
+        with ci.torch.shareable(pub):
+            try:
+                ci.torch.empty_cache(pub)
+            except ci.InvalidInput:
+                pass
+            else:
+                raise AssertionError("cuda_ipc.torch.empty_cache(pub) inside shareable(pub) did not raise")
+        ci.torch.empty_cache(pub)
         after, used2 = ci.torch.segments(), pub.arena_stats()["used_bytes"]
         if after != before or used2 != used0:
             raise AssertionError(f"after empty_cache: segments {during} -> {after} (before {before}), "
@@ -2264,7 +2278,7 @@ class Runner:
                     self.alloc_zero_copy))
         out.append(("alloc: training steps in place seen by the consumer after update_state_dict",
                     lambda: self.alloc_training(3, 5)))
-        out.append(("alloc: tensors freed in the pool give their segments back to the arena (empty_cache)",
+        out.append(("alloc: tensors freed in the pool give their segments back to the arena (cuda_ipc.torch.empty_cache)",
                     self.alloc_freed))
         out.append(("alloc: closing the publisher keeps its tensors; a new segment raises OutOfMemoryError",
                     self.alloc_close))
