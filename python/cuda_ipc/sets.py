@@ -76,8 +76,10 @@ MAX_NAME_BYTES = 256
 
 
 def parse_set_record(record):
-    """Checks a set record (dict, JSON text or bytes); returns it in
-    canonical form. Raises :class:`DescriptorError` naming the field."""
+    """Checks a set record (dict, JSON text or bytes; format 1, or format 2
+    as publishers send it, the entries a base64 table); returns it in
+    format 1, every entry a list ``[name, dtype, shape, chunk, offset,
+    len]``. Raises :class:`DescriptorError` naming the field."""
     return _core.parse_set_record(record)
 
 

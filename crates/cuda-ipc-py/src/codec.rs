@@ -199,12 +199,13 @@ fn set_input(reason: String) -> Error {
 }
 
 /// Checks a set record (the weights of a model in the chunks of one arena;
-/// a dict, JSON text or bytes) and returns it in canonical form.
+/// a dict, JSON text or bytes, format 1 or 2) and returns it in format 1,
+/// every entry a list `[name, dtype, shape, chunk, offset, len]`, to read.
 #[pyfunction]
 pub(crate) fn parse_set_record<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let text = document_text(obj, set_input)?;
     let r = SetRecord::from_json(&text).py()?;
-    loads(obj.py(), &r.to_json())
+    loads(obj.py(), &r.to_expanded_value().to_string())
 }
 
 /// The descriptor of entry `index` of a set record: its bytes in its chunk,

@@ -485,11 +485,12 @@ impl SetAttachment {
             })
             .collect()
     }
-    /// The set record the publisher sent (a dict).
+    /// The set record the publisher sent, as a dict in format 1 (each
+    /// entry a list), as `parse_set_record` returns it.
     #[getter]
     fn record<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let set = self.live()?;
-        codec::loads(py, &set.record().to_value().to_string())
+        codec::loads(py, &set.record().to_expanded_value().to_string())
     }
     fn __len__(&self) -> usize {
         self.entries.len()

@@ -1,19 +1,24 @@
-//! The set record (`cuda_ipc::set`): strict decoding with errors that name
-//! the field, 10,000 entries, the fuzz corpus of `fuzz/set_record` replayed,
-//! and property tests (round trip; every mutation decodes to a valid record
-//! or fails cleanly).
+//! The set record (`cuda_ipc::set`): strict decoding of formats 1 and 2
+//! with errors that name the field, format 2's entry table byte by byte,
+//! 10,000 entries, the fuzz corpora of `fuzz/set_record` and
+//! `fuzz/set_table` replayed, and property tests (round trip; every
+//! mutation decodes to a valid record or fails cleanly).
 
 use std::path::{Path, PathBuf};
 
 use cuda_ipc::arena::ArenaId;
 use cuda_ipc::descriptor::{Descriptor, Dtype, Source};
 use cuda_ipc::device::DeviceUuid;
+use cuda_ipc::set::table::{decode_bytes, encode_bytes};
 use cuda_ipc::set::{SetChunk, SetEntry, SetRecord};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
 #[path = "../../../fuzz/src/set_record.rs"]
 mod fuzz_set_record;
+
+#[path = "../../../fuzz/src/set_table.rs"]
+mod fuzz_set_table;
 
 const UUID: DeviceUuid = DeviceUuid([7; 16]);
 const MIB: u64 = 1 << 20;
@@ -53,10 +58,8 @@ fn sample() -> SetRecord {
 fn a_record_round_trips_through_json() {
     let r = sample();
     let text = r.to_json();
-    assert!(
-        text.contains(r#"["layer0.bias","f32",[256],0,262144,1024]"#),
-        "{text}"
-    );
+    assert!(text.starts_with(r#"{"arena":"#), "{text}");
+    assert!(text.contains(r#""cuda_ipc_set":2"#), "{text}");
     let back = SetRecord::from_json(&text).unwrap();
     assert_eq!(back, r);
     assert_eq!(back.to_json(), text);
@@ -74,10 +77,171 @@ fn a_record_round_trips_through_json() {
     assert!(r.entry_descriptor(4).is_err());
 }
 
-/// Applies `edit` to the sample's JSON and expects an error naming `field`
-/// whose reason contains `says`.
-fn refused(edit: impl FnOnce(&mut Value), field: &str, says: &str) {
+#[test]
+fn format_1_is_read_and_written_expanded() {
+    let r = sample();
+    let expanded = r.to_expanded_value();
+    let text = expanded.to_string();
+    assert!(text.contains(r#""cuda_ipc_set":1"#), "{text}");
+    assert!(
+        text.contains(r#"["layer0.bias","f32",[256],0,262144,1024]"#),
+        "{text}"
+    );
+    assert_eq!(SetRecord::from_value(&expanded).unwrap(), r);
+    // Read as format 1, written as format 2.
+    assert_eq!(SetRecord::from_json(&text).unwrap().to_json(), r.to_json());
+    // The table is smaller than the arrays it replaces.
+    assert!(
+        r.to_json().len() < text.len(),
+        "{} vs {}",
+        r.to_json().len(),
+        text.len()
+    );
+}
+
+/// A hand-written table: count 1, then one entry.
+fn one_entry_table(
+    name: &[u8],
+    dtype: &[u8],
+    shape: &[u64],
+    chunk: u64,
+    offset: u64,
+    len: u64,
+) -> Vec<u8> {
+    fn put(b: &mut Vec<u8>, mut v: u64) {
+        while v >= 0x80 {
+            b.push((v & 0x7f) as u8 | 0x80);
+            v >>= 7;
+        }
+        b.push(v as u8);
+    }
+    let mut b = Vec::new();
+    put(&mut b, 1);
+    put(&mut b, name.len() as u64);
+    b.extend_from_slice(name);
+    put(&mut b, dtype.len() as u64);
+    b.extend_from_slice(dtype);
+    put(&mut b, shape.len() as u64);
+    for &d in shape {
+        put(&mut b, d);
+    }
+    for v in [chunk, offset, len] {
+        put(&mut b, v);
+    }
+    b
+}
+
+/// `bytes` decoded as a table fails naming `field`, with `says`.
+fn table_refused(bytes: &[u8], field: &str, says: &str) {
+    match decode_bytes(bytes).unwrap_err() {
+        cuda_ipc::Error::Descriptor { field: f, reason } => {
+            assert_eq!(f, field, "{reason}");
+            assert!(reason.contains(says), "{field}: {reason}");
+        }
+        other => panic!("not a field error: {other}"),
+    }
+}
+
+#[test]
+fn format_2_tables_are_strict() {
+    let good = one_entry_table(b"w", b"f32", &[2, 3], 0, 256, 24);
+    let e = &decode_bytes(&good).unwrap()[0];
+    assert_eq!(
+        (e.name.as_str(), e.dtype, e.shape.as_slice()),
+        ("w", Dtype::F32, &[2u64, 3][..])
+    );
+    assert_eq!((e.chunk, e.offset, e.len), (0, 256, 24));
+    assert_eq!(encode_bytes(std::slice::from_ref(e)), good);
+    // Cut anywhere: the field it ends in is named.
+    for cut in 0..good.len() {
+        let err = decode_bytes(&good[..cut]).unwrap_err().to_string();
+        assert!(err.contains("ends inside"), "cut at {cut}: {err}");
+    }
+    table_refused(
+        &[good.clone(), vec![0]].concat(),
+        "entries",
+        "1 bytes follow the last",
+    );
+    table_refused(&[0x81, 0x00], "entries", "shortest form");
+    table_refused(&[0xff; 10], "entries", "passes 64 bits");
+    table_refused(
+        &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02],
+        "entries",
+        "passes 64 bits",
+    );
+    table_refused(
+        &[0xa1, 0x8d, 0x06],
+        "entries",
+        "100001 entries is more than",
+    );
+    table_refused(
+        &one_entry_table(&[b'a'; 257], b"f32", &[], 0, 0, 4),
+        "entries[0].name",
+        "257 bytes is longer",
+    );
+    table_refused(
+        &one_entry_table(&[0xff, 0xfe], b"f32", &[], 0, 0, 4),
+        "entries[0].name",
+        "not UTF-8",
+    );
+    table_refused(
+        &one_entry_table(b"w", b"f128", &[], 0, 0, 16),
+        "entries[0].dtype",
+        "not one of",
+    );
+    table_refused(
+        &one_entry_table(b"w", &[b'x'; 17], &[], 0, 0, 16),
+        "entries[0].dtype",
+        "17 bytes is longer",
+    );
+    table_refused(
+        &one_entry_table(b"w", b"u8", &[1; 33], 0, 0, 1),
+        "entries[0].shape",
+        "33 dimensions",
+    );
+    // A count that promises more than the bytes hold allocates nothing
+    // first: it ends inside entry 1.
+    let mut lying = good.clone();
+    lying[0] = 0xa0;
+    lying.insert(1, 0x9c);
+    lying.insert(2, 0x01);
+    let err = decode_bytes(&lying).unwrap_err().to_string();
+    assert!(
+        err.contains("ends inside") || err.contains("entries["),
+        "{err}"
+    );
+    // In a record: not base64, and not a string.
+    refused_v2(
+        |v| v["entries"] = json!("not base64!"),
+        "entries",
+        "not base64",
+    );
+    refused_v2(
+        |v| v["entries"] = json!([["w", "f32", [1], 0, 0, 4]]),
+        "entries",
+        "expected the base64 entry table",
+    );
+}
+
+/// As `refused`, on the record in format 2.
+fn refused_v2(edit: impl FnOnce(&mut Value), field: &str, says: &str) {
     let mut v = sample().to_value();
+    edit(&mut v);
+    match SetRecord::from_value(&v).unwrap_err() {
+        cuda_ipc::Error::Descriptor { field: f, reason } => {
+            assert_eq!(f, field, "{reason}");
+            assert!(reason.contains(says), "{reason}");
+        }
+        other => panic!("not a field error: {other}"),
+    }
+}
+
+/// Applies `edit` to the sample's JSON in format 1 (each entry an array,
+/// so that one field can be edited) and expects an error naming `field`
+/// whose reason contains `says`. The checks after decoding are the same for
+/// both formats.
+fn refused(edit: impl FnOnce(&mut Value), field: &str, says: &str) {
+    let mut v = sample().to_expanded_value();
     edit(&mut v);
     let e = SetRecord::from_value(&v).unwrap_err();
     match &e {
@@ -93,9 +257,9 @@ fn refused(edit: impl FnOnce(&mut Value), field: &str, says: &str) {
 #[test]
 fn bad_records_are_refused_with_the_field_named() {
     refused(
-        |v| v["cuda_ipc_set"] = json!(2),
+        |v| v["cuda_ipc_set"] = json!(3),
         "cuda_ipc_set",
-        "set format 2 is not supported",
+        "set format 3 is not supported",
     );
     refused(|v| v["extra"] = json!(1), "extra", "unknown field");
     refused(
@@ -298,7 +462,7 @@ fn ten_thousand_entries() {
     assert_eq!(back.entries.len(), 10_000);
     assert_eq!(back, r);
     // One overlap among 10,000 is found, and named.
-    let mut v = r.to_value();
+    let mut v = r.to_expanded_value();
     v["entries"][9_999][4] = json!(1_248 * 16_384 + 4);
     let e = SetRecord::from_value(&v).map(drop).unwrap_err();
     assert!(e.to_string().contains("entries[9999].offset"), "{e}");
@@ -325,6 +489,27 @@ fn every_corpus_file_passes_the_fuzz_checks() {
             usize::from(std::str::from_utf8(&data).is_ok_and(|t| SetRecord::from_json(t).is_ok()));
     }
     assert!(decoded >= 2, "the seeds should hold valid records");
+}
+
+#[test]
+fn every_table_corpus_file_passes_the_fuzz_checks() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/set_table");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .collect();
+    files.sort();
+    assert!(files.len() >= 5, "only {} corpus files", files.len());
+    let decoded = files
+        .iter()
+        .filter(|f| {
+            let data = std::fs::read(f).unwrap();
+            fuzz_set_table::set_table(&data);
+            decode_bytes(&data).is_ok()
+        })
+        .count();
+    assert!(decoded >= 2, "the seeds should hold valid tables");
 }
 
 // ---------------------------------------------------------------------------
@@ -423,7 +608,7 @@ proptest! {
     fn entry_field_mutations_decode_or_fail_cleanly(
         r in record(), which in any::<prop::sample::Index>(), field in 0usize..6, value in any_json(),
     ) {
-        let mut v = r.to_value();
+        let mut v = r.to_expanded_value();
         let i = which.index(r.entries.len());
         let same = v["entries"][i][field] == value;
         v["entries"][i][field] = value;
@@ -458,6 +643,31 @@ proptest! {
         decodes_cleanly(&v);
     }
 
+    /// Bytes of format 2's table flipped, cut or inserted: never a panic;
+    /// what decodes re-encodes to the same bytes, and in a record it
+    /// validates or fails cleanly.
+    #[test]
+    fn table_mutations_decode_or_fail_cleanly(
+        r in record(),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4),
+    ) {
+        let mut bytes = encode_bytes(&r.entries);
+        for (at, byte, kind) in edits {
+            let i = at.index(bytes.len());
+            match kind {
+                0 => bytes[i] = byte,
+                1 => { bytes.remove(i); }
+                _ => bytes.insert(i, byte),
+            }
+        }
+        fuzz_set_table::set_table(&bytes);
+        if let Ok(entries) = decode_bytes(&bytes) {
+            let mut v = r.to_value();
+            v["entries"] = json!(base64_of(&encode_bytes(&entries)));
+            decodes_cleanly(&v);
+        }
+    }
+
     /// Bytes of the JSON text flipped, cut or duplicated: never a panic, and
     /// what decodes is valid and round-trips.
     #[test]
@@ -476,4 +686,10 @@ proptest! {
         }
         fuzz_set_record::set_record(&bytes);
     }
+}
+
+/// Standard base64 with padding, as format 2 carries its table.
+fn base64_of(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
