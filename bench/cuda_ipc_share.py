@@ -7,9 +7,13 @@ bench times the Rust side, printed as JSON lines like bench/torch_share.py:
   {"kind": "skip", "reason": ...}          no cuda_ipc (wheel not installed), no torch or no CUDA
   {"kind": "startup", "consumer_ms": ...}  the consumer's start (imports, CUDA, connect)
   {"kind": "result", "mode": "py_fresh", "size": BYTES, "warmup": W,
-   "samples_ms": [...], "verify_failures": N}
+   "samples_ms": [...], "verify_failures": N, "parts_ms": {...}}
   {"kind": "result", "mode": "py_set", "size": TOTAL_BYTES, "count": TENSORS,
-   "warmup": W, "samples_ms": [...], "verify_failures": N}
+   "warmup": W, "samples_ms": [...], "verify_failures": N, "parts_ms": {...}}
+
+  parts_ms: per kept sample, "publish" (the producer's call, from the clock's
+  start to its return) and "consumer" (from the consumer reading the request
+  to its clock stop: the attach and the tensors).
   {"kind": "error", "message": ...}
   {"kind": "done", "elapsed_s": ...}
 
@@ -66,6 +70,7 @@ def consumer_main(device, path):
     sub = cuda_ipc.Subscriber(path, device=device, timeout=30)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
+        t_recv = now_ns()
         req = json.loads(line)
         if req["op"] == "fresh":
             a = sub.attach_set(req["name"])
@@ -84,7 +89,7 @@ def consumer_main(device, path):
             bad = not (torch.equal(firsts, want) and torch.equal(lasts, want))
             del firsts, lasts
             sd.release()
-        print(json.dumps({"t_ns": t_ns, "bad": bad}), flush=True)
+        print(json.dumps({"t_ns": t_ns, "t_recv": t_recv, "bad": bad}), flush=True)
     sub.close()
 
 
@@ -115,6 +120,7 @@ class Consumer:
 
 def measure_fresh(torch, pub, consumer, size, warmup, reps, index):
     samples, failures = [], 0
+    parts = {"publish": [], "consumer": []}
     n = size // 4
     for i in range(warmup + reps):
         value = (index * 1000003 + i * 7919 + 1) % (2**31 - 1)
@@ -124,13 +130,21 @@ def measure_fresh(torch, pub, consumer, size, warmup, reps, index):
         name = "fresh-%d-%d" % (index, i)
         t0 = now_ns()
         pub.publish_set(name, [(name, buf, "i32", [n])])
+        t_pub = now_ns()
         ans = consumer.ask({"op": "fresh", "name": name, "value": value})
         pub.unpublish_set(name, timeout=ANSWER_TIMEOUT_S)
         del buf
         failures += bool(ans["bad"]) and i >= warmup
         if i >= warmup:
             samples.append((ans["t_ns"] - t0) / 1e6)
-    return samples, failures
+            keep_parts(parts, t0, t_pub, ans)
+    return samples, failures, parts
+
+
+def keep_parts(parts, t0, t_pub, ans):
+    """The producer's call and the consumer's work of one sample, ms."""
+    parts["publish"].append((t_pub - t0) / 1e6)
+    parts["consumer"].append((ans["t_ns"] - ans["t_recv"]) / 1e6)
 
 
 def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index):
@@ -138,6 +152,7 @@ def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index):
     with ci.torch.shareable(pub):
         tensors = {"w%d" % k: torch.empty(s // 4, dtype=torch.float32, device="cuda") for k, s in enumerate(sizes)}
     samples, failures = [], 0
+    parts = {"publish": [], "consumer": []}
     for i in range(warmup + reps):
         for k, t in enumerate(tensors.values()):
             t.fill_(sample_value(i, k))
@@ -145,14 +160,16 @@ def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index):
         name = "set-%d-%d" % (index, i)
         t0 = now_ns()
         pub.publish_state_dict(name, tensors)
+        t_pub = now_ns()
         ans = consumer.ask({"op": "set", "name": name, "sample": i})
         pub.unpublish(name, timeout=ANSWER_TIMEOUT_S)
         failures += bool(ans["bad"]) and i >= warmup
         if i >= warmup:
             samples.append((ans["t_ns"] - t0) / 1e6)
+            keep_parts(parts, t0, t_pub, ans)
     del tensors
-    torch.cuda.empty_cache()
-    return samples, failures
+    ci.torch.empty_cache(pub)
+    return samples, failures, parts
 
 
 def main():
@@ -195,13 +212,13 @@ def main():
         consumer.read()
         emit({"kind": "startup", "consumer_ms": (time.perf_counter() - t0) * 1e3})
         for index, (size, warmup, reps) in enumerate(plan):
-            samples, failures = measure_fresh(torch, pub, consumer, size, warmup, reps, index)
+            samples, failures, parts = measure_fresh(torch, pub, consumer, size, warmup, reps, index)
             emit({"kind": "result", "mode": "py_fresh", "size": size, "warmup": warmup,
-                  "samples_ms": samples, "verify_failures": failures})
+                  "samples_ms": samples, "verify_failures": failures, "parts_ms": parts})
         for index, (count, total, warmup, reps) in enumerate(sets):
-            samples, failures = measure_set(torch, cuda_ipc, pub, consumer, count, total, warmup, reps, index)
+            samples, failures, parts = measure_set(torch, cuda_ipc, pub, consumer, count, total, warmup, reps, index)
             emit({"kind": "result", "mode": "py_set", "size": total, "count": count, "warmup": warmup,
-                  "samples_ms": samples, "verify_failures": failures})
+                  "samples_ms": samples, "verify_failures": failures, "parts_ms": parts})
     except Exception as e:
         emit({"kind": "error", "message": "%s: %s" % (type(e).__name__, e)})
         traceback.print_exc()

@@ -59,6 +59,14 @@ pub struct TorchResult {
     pub samples_ms: Vec<f64>,
     /// Samples whose values did not match.
     pub verify_failures: u64,
+    /// Parts of each kept sample, ms, by name (`"parts_ms": {"publish":
+    /// [...], "consumer": [...]}`), where the script measures them.
+    pub parts: Vec<(String, Vec<f64>)>,
+}
+
+/// The numbers of `v`, a JSON list.
+fn numbers(v: &Value) -> Option<Vec<f64>> {
+    v.as_array()?.iter().map(Value::as_f64).collect()
 }
 
 /// Adds one line of the script's output to `run`.
@@ -79,10 +87,21 @@ pub fn parse_line(run: &mut TorchRun, line: &str) -> Result<(), String> {
         "skip" => run.skip = Some(need("reason")?.as_str().unwrap_or("").to_string()),
         "startup" => run.startup_ms = need("consumer_ms")?.as_f64(),
         "result" => {
-            let samples_ms = need("samples_ms")?
-                .as_array()
-                .and_then(|a| a.iter().map(Value::as_f64).collect::<Option<Vec<_>>>())
+            let samples_ms = numbers(&need("samples_ms")?)
                 .ok_or_else(|| format!("samples_ms is not a list of numbers: {line}"))?;
+            let parts = match v.get("parts_ms") {
+                None => Vec::new(),
+                Some(p) => p
+                    .as_object()
+                    .and_then(|m| {
+                        m.iter()
+                            .map(|(k, s)| Some((k.clone(), numbers(s)?)))
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .ok_or_else(|| {
+                        format!("parts_ms is not an object of lists of numbers: {line}")
+                    })?,
+            };
             run.results.push(TorchResult {
                 mode: need("mode")?.as_str().unwrap_or("").to_string(),
                 size: need("size")?
@@ -93,6 +112,7 @@ pub fn parse_line(run: &mut TorchRun, line: &str) -> Result<(), String> {
                 warmup: v["warmup"].as_u64().unwrap_or(0) as usize,
                 samples_ms,
                 verify_failures: v["verify_failures"].as_u64().unwrap_or(0),
+                parts,
             });
         }
         "error" => {
@@ -300,6 +320,9 @@ pub fn result_row(r: &TorchResult) -> Row {
     }
     if let Some(b) = r.extra_device_bytes {
         row = row.extra_device_bytes(b);
+    }
+    for (name, samples) in &r.parts {
+        row = row.part(name, samples);
     }
     if r.verify_failures > 0 {
         row.failed(format!(
@@ -564,6 +587,34 @@ some warning printed by a library
                 .iter()
                 .any(|n| n.contains("3100 ms") || n.contains("3101 ms"))
         );
+    }
+
+    #[test]
+    fn parts_become_the_rows_parts() {
+        let run = parse_all(
+            r#"{"kind": "result", "mode": "py_set", "size": 4096, "count": 2, "warmup": 0, "samples_ms": [3.0, 5.0], "parts_ms": {"publish": [1.0, 2.0], "consumer": [1.5, 2.5]}}"#,
+        )
+        .unwrap();
+        let r = &run.results[0];
+        assert_eq!(r.parts.len(), 2);
+        let row = result_row(r);
+        assert!(
+            (row.parts["publish"].p50 - 1.5).abs() < 1e-12,
+            "{:?}",
+            row.parts
+        );
+        assert!(
+            (row.parts["consumer"].p50 - 2.0).abs() < 1e-12,
+            "{:?}",
+            row.parts
+        );
+        for bad in [r#""parts_ms": [1.0]"#, r#""parts_ms": {"publish": ["x"]}"#] {
+            let line = format!(
+                r#"{{"kind": "result", "mode": "py_set", "size": 1, "samples_ms": [1.0], {bad}}}"#
+            );
+            let e = parse_all(&line).map(drop).unwrap_err();
+            assert!(e.contains("parts_ms"), "{e}");
+        }
     }
 
     #[test]
