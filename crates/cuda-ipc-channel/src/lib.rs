@@ -63,7 +63,9 @@ pub mod server;
 mod socket;
 pub mod wire;
 
-pub use client::{Attachment, Client, ClientConfig, Notice, RingAttachment, RingFrame, Update};
+pub use client::{
+    Attachment, Client, ClientConfig, DEFAULT_SPIN, Notice, RingAttachment, RingFrame, Update,
+};
 pub use deadline::deadline_in;
 pub use limits::{MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, validate_entry_name};
 pub use paths::{

@@ -330,12 +330,16 @@ pub(crate) fn recv_message(
     } else {
         None
     };
+    let spin_until = (!limits.spin.is_zero()).then(|| {
+        let end = started + limits.spin;
+        deadline.map_or(end, |d| d.min(end))
+    });
     read_exact(
         fd,
         &mut header,
         &mut fds,
         Part::Header,
-        (deadline, strict),
+        (deadline, strict, spin_until),
         started,
         &mut stall,
     )?;
@@ -353,7 +357,7 @@ pub(crate) fn recv_message(
         &mut payload,
         &mut fds,
         Part::Payload,
-        (deadline, strict),
+        (deadline, strict, None),
         started,
         &mut stall,
     )?;
@@ -385,6 +389,9 @@ pub(crate) struct RecvLimits {
     /// (else it gets [`STALL_TIMEOUT`] from its first byte). The connection
     /// is unusable after such a timeout.
     pub(crate) strict_deadline: bool,
+    /// How long a wait for a new message polls the socket before it sleeps
+    /// (`ClientConfig::spin`); never past the deadline.
+    pub(crate) spin: Duration,
 }
 
 impl RecvLimits {
@@ -393,6 +400,7 @@ impl RecvLimits {
     pub(crate) const ANY: RecvLimits = RecvLimits {
         max_payload: MAX_PAYLOAD,
         strict_deadline: false,
+        spin: Duration::ZERO,
     };
 
     /// What a client accepts from its server: any size, and the caller's
@@ -400,8 +408,13 @@ impl RecvLimits {
     pub(crate) const CLIENT: RecvLimits = RecvLimits {
         max_payload: MAX_PAYLOAD,
         strict_deadline: true,
+        spin: Duration::ZERO,
     };
 }
+
+/// Pause instructions between two polls of a spinning wait (about a
+/// microsecond), so that it does not make a system call back to back.
+const SPIN_PAUSES: u32 = 16;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Part {
@@ -416,7 +429,7 @@ fn read_exact(
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
     part: Part,
-    (deadline, strict): (Option<Instant>, Option<Instant>),
+    (deadline, strict, spin_until): (Option<Instant>, Option<Instant>, Option<Instant>),
     started: Instant,
     stall: &mut Option<Instant>,
 ) -> Result<(), ChannelError> {
@@ -476,6 +489,14 @@ fn read_exact(
             }
             Err(Errno::AGAIN) => {
                 let frame_begun = stall.is_some();
+                // Before the first byte, poll without sleeping for a while:
+                // a message that comes soon costs no wake-up.
+                if !frame_begun && spin_until.is_some_and(|s| Instant::now() < s) {
+                    for _ in 0..SPIN_PAUSES {
+                        std::hint::spin_loop();
+                    }
+                    continue;
+                }
                 let until = if frame_begun { *stall } else { deadline };
                 wait(fd, PollFlags::IN, until).map_err(|()| {
                     if frame_begun {

@@ -53,7 +53,9 @@ mod demux;
 mod types;
 
 use demux::{Dead, State};
-pub use types::{Attachment, ClientConfig, Notice, RingAttachment, RingFrame, Update};
+pub use types::{
+    Attachment, ClientConfig, DEFAULT_SPIN, Notice, RingAttachment, RingFrame, Update,
+};
 
 /// A connection to a channel server: the consumer's end.
 ///
@@ -71,6 +73,9 @@ pub struct Client {
     stream: UnixStream,
     server: Ucred,
     timeout: Duration,
+    /// How the reads of `wait_for` wait: `RecvLimits::CLIENT` with the
+    /// configured spin.
+    limits: RecvLimits,
     /// Serialises writers, so that messages never interleave.
     write: Mutex<()>,
     state: Mutex<State>,
@@ -211,6 +216,10 @@ impl Client {
             stream,
             server,
             timeout: config.timeout,
+            limits: RecvLimits {
+                spin: config.spin,
+                ..RecvLimits::CLIENT
+            },
             write: Mutex::new(()),
             state: Mutex::new(State::default()),
             filed: Condvar::new(),
@@ -599,7 +608,7 @@ impl Client {
             st.reading = true;
             drop(st);
             // Past the deadline this still takes messages that have arrived.
-            let received = recv_message(&self.stream, Some(deadline), RecvLimits::CLIENT);
+            let received = recv_message(&self.stream, Some(deadline), self.limits);
             drained = matches!(received, Err(ChannelError::Timeout { .. }));
             st = self.file(received);
         }

@@ -473,6 +473,8 @@ impl Server {
             recv_limits: RecvLimits {
                 max_payload: config.max_request_bytes.min(MAX_PAYLOAD),
                 strict_deadline: false,
+                // The server's threads wait for clients by poll(2): no spin.
+                spin: Duration::ZERO,
             },
             pid: own_pid(),
             state: Mutex::new(State::default()),

@@ -211,3 +211,65 @@ fn recv_frame_rejects_fd_mismatches() {
     );
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
 }
+
+/// A spinning wait: what arrives during the spin is read (descriptors
+/// too), a spin longer than the deadline still ends at the deadline, and a
+/// peer that goes away during the spin is seen at once.
+#[test]
+fn a_spinning_wait_reads_what_comes_and_keeps_its_deadline() {
+    let spin = RecvLimits {
+        spin: Duration::from_secs(2),
+        ..RecvLimits::CLIENT
+    };
+    let (a, b) = UnixStream::pair().unwrap();
+    let m = Message::Attached {
+        id: 7,
+        lease: 8,
+        meta: json!({"len": 3}).into(),
+        fds: 1,
+    };
+    let sender = {
+        let m = m.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            let fd = memfd_with(b"abc");
+            send_message(&a, &m, &[fd.as_fd()], None).unwrap();
+            a
+        })
+    };
+    let started = Instant::now();
+    let (got, fds) = recv_message(&b, Some(started + Duration::from_secs(10)), spin).unwrap();
+    assert_eq!(got, m);
+    assert_eq!(read_fd(&fds[0], 3), b"abc");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let a = sender.join().unwrap();
+
+    // Nothing comes: the deadline (50 ms) ends the spin (2 s).
+    let started = Instant::now();
+    let e = recv_message(&b, Some(started + Duration::from_millis(50)), spin).unwrap_err();
+    assert!(matches!(e, ChannelError::Timeout { .. }), "{e}");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(50) && waited < Duration::from_secs(1),
+        "{waited:?}"
+    );
+
+    // The peer goes during the spin: PeerGone, without waiting the spin out.
+    let closer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        drop(a);
+    });
+    let started = Instant::now();
+    let e = recv_message(&b, Some(started + Duration::from_secs(10)), spin).unwrap_err();
+    assert!(matches!(e, ChannelError::PeerGone), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    closer.join().unwrap();
+}

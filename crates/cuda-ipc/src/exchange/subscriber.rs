@@ -42,6 +42,11 @@ pub struct SubscriberConfig {
     pub sync: SyncMode,
     /// How many idle chunk mappings the subscriber keeps for reuse.
     pub mapping_budget: MappingBudget,
+    /// How long a wait for the publisher's next message (an answer, an
+    /// update, a ring frame) polls before it sleeps
+    /// ([`ClientConfig::spin`](crate::channel::ClientConfig::spin): 50 µs by
+    /// default, `Duration::ZERO` sleeps at once).
+    pub spin: Duration,
 }
 
 impl Default for SubscriberConfig {
@@ -51,11 +56,19 @@ impl Default for SubscriberConfig {
             allow_uids: Vec::new(),
             sync: SyncMode::Auto,
             mapping_budget: MappingBudget::default(),
+            spin: crate::channel::DEFAULT_SPIN,
         }
     }
 }
 
 impl SubscriberConfig {
+    /// How long a wait polls before it sleeps (see [`SubscriberConfig::spin`]).
+    #[must_use]
+    pub fn with_spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
+        self
+    }
+
     /// How long a request may take.
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
@@ -177,7 +190,9 @@ impl Subscriber {
         config: SubscriberConfig,
     ) -> Result<Self> {
         let path = endpoint.into().path()?;
-        let mut client_config = ClientConfig::default().with_timeout(config.timeout);
+        let mut client_config = ClientConfig::default()
+            .with_timeout(config.timeout)
+            .with_spin(config.spin);
         client_config.allowed_server_uids.extend(config.allow_uids);
         let client = Arc::new(Client::connect(path, client_config)?);
         Ok(Subscriber {
