@@ -64,7 +64,8 @@ mod socket;
 pub mod wire;
 
 pub use client::{
-    Attachment, Client, ClientConfig, DEFAULT_SPIN, Notice, RingAttachment, RingFrame, Update,
+    Attachment, Client, ClientConfig, DEFAULT_SPIN, Notice, RingAttachment, RingFrame, SPIN_ENV,
+    Update,
 };
 pub use deadline::deadline_in;
 pub use limits::{MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, validate_entry_name};

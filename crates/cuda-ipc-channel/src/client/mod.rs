@@ -54,7 +54,7 @@ mod types;
 
 use demux::{Dead, State};
 pub use types::{
-    Attachment, ClientConfig, DEFAULT_SPIN, Notice, RingAttachment, RingFrame, Update,
+    Attachment, ClientConfig, DEFAULT_SPIN, Notice, RingAttachment, RingFrame, SPIN_ENV, Update,
 };
 
 /// A connection to a channel server: the consumer's end.

@@ -21,7 +21,8 @@ pub struct ClientConfig {
     /// [`DEFAULT_SPIN`]. A message that arrives within it is read without a
     /// wake-up of the waiting thread (5-10 µs on a busy machine, more from a
     /// deep idle state). It costs CPU only while a wait lasts, at most this
-    /// long per wait; `Duration::ZERO` sleeps at once.
+    /// long per wait; `Duration::ZERO` sleeps at once. The environment
+    /// variable [`SPIN_ENV`] sets the default.
     pub spin: Duration,
 }
 
@@ -30,12 +31,38 @@ pub struct ClientConfig {
 /// a consumer that is already waiting are taken without a wake-up.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
+/// The environment variable that sets the default spin in microseconds
+/// (`0`: sleep at once), for programs that do not set it themselves.
+pub const SPIN_ENV: &str = "CUDA_IPC_SPIN_US";
+
+/// The longest spin [`SPIN_ENV`] may ask for.
+const MAX_ENV_SPIN_US: u64 = 1_000_000;
+
+/// The default spin: [`SPIN_ENV`] if it holds a number of microseconds up
+/// to a second, else [`DEFAULT_SPIN`].
+pub(crate) fn default_spin(env: Option<&str>) -> Duration {
+    let Some(text) = env else {
+        return DEFAULT_SPIN;
+    };
+    match text.trim().parse::<u64>() {
+        Ok(us) if us <= MAX_ENV_SPIN_US => Duration::from_micros(us),
+        _ => {
+            tracing::warn!(
+                "{SPIN_ENV}={text:?} is not a number of microseconds up to {MAX_ENV_SPIN_US}; \
+                 spinning {} µs",
+                DEFAULT_SPIN.as_micros()
+            );
+            DEFAULT_SPIN
+        }
+    }
+}
+
 impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
             timeout: Duration::from_secs(5),
             allowed_server_uids: vec![own_uid()],
-            spin: DEFAULT_SPIN,
+            spin: default_spin(std::env::var(SPIN_ENV).ok().as_deref()),
         }
     }
 }
@@ -132,4 +159,20 @@ pub struct RingFrame {
     pub seq: u64,
     /// The producer's notice.
     pub notice: Value,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_spin_comes_from_the_environment_within_limits() {
+        assert_eq!(default_spin(None), DEFAULT_SPIN);
+        assert_eq!(default_spin(Some("0")), Duration::ZERO);
+        assert_eq!(default_spin(Some(" 200 ")), Duration::from_micros(200));
+        assert_eq!(default_spin(Some("1000000")), Duration::from_secs(1));
+        for bad in ["", "-1", "1.5", "lots", "1000001", "18446744073709551616"] {
+            assert_eq!(default_spin(Some(bad)), DEFAULT_SPIN, "{bad:?}");
+        }
+    }
 }

@@ -45,7 +45,8 @@ pub struct SubscriberConfig {
     /// How long a wait for the publisher's next message (an answer, an
     /// update, a ring frame) polls before it sleeps
     /// ([`ClientConfig::spin`](crate::channel::ClientConfig::spin): 50 µs by
-    /// default, `Duration::ZERO` sleeps at once).
+    /// default, or `CUDA_IPC_SPIN_US` microseconds; `Duration::ZERO` sleeps
+    /// at once).
     pub spin: Duration,
 }
 
@@ -56,7 +57,7 @@ impl Default for SubscriberConfig {
             allow_uids: Vec::new(),
             sync: SyncMode::Auto,
             mapping_budget: MappingBudget::default(),
-            spin: crate::channel::DEFAULT_SPIN,
+            spin: crate::channel::ClientConfig::default().spin,
         }
     }
 }
