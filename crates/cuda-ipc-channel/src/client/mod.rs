@@ -73,8 +73,8 @@ pub struct Client {
     stream: UnixStream,
     server: Ucred,
     timeout: Duration,
-    /// How the reads of `wait_for` wait: `RecvLimits::CLIENT` with the
-    /// configured spin.
+    /// How answers and updates are waited for: `RecvLimits::CLIENT` with
+    /// the configured spin (ring frames are waited for without).
     limits: RecvLimits,
     /// Serialises writers, so that messages never interleave.
     write: Mutex<()>,
@@ -419,6 +419,7 @@ impl Client {
         self.wait_for(
             crate::deadline_in(timeout),
             "an update from the producer",
+            self.limits,
             |st| st.updates.pop_front(),
         )
     }
@@ -439,21 +440,31 @@ impl Client {
         if !lock(&self.state).rings.contains_key(&lease) {
             return Err(not_ring());
         }
-        self.wait_for(crate::deadline_in(timeout), "a ring frame", |st| {
-            let Some(q) = st.rings.get_mut(&lease) else {
-                return Some(Err(not_ring()));
-            };
-            if let Some(f) = q.frames.pop_front() {
-                Some(Ok(f))
-            } else if q.ended {
-                Some(Err(ChannelError::Unpublished {
-                    name: q.name.clone(),
-                    lease,
-                }))
-            } else {
-                None
-            }
-        })?
+        // Frames come in streams: a consumer that sleeps reads several at a
+        // wake-up, where one that spins takes them one by one. On the H200
+        // the 4 KiB ring rows of the one bench run with a spin were 20-25%
+        // below the runs without (another machine of the same kind), and
+        // the unloaded frame gained nothing, so ring waits sleep at once.
+        self.wait_for(
+            crate::deadline_in(timeout),
+            "a ring frame",
+            RecvLimits::CLIENT,
+            |st| {
+                let Some(q) = st.rings.get_mut(&lease) else {
+                    return Some(Err(not_ring()));
+                };
+                if let Some(f) = q.frames.pop_front() {
+                    Some(Ok(f))
+                } else if q.ended {
+                    Some(Err(ChannelError::Unpublished {
+                        name: q.name.clone(),
+                        lease,
+                    }))
+                } else {
+                    None
+                }
+            },
+        )?
     }
 
     /// Acknowledges a ring frame: this subscriber is done with `slot` as of
@@ -519,7 +530,7 @@ impl Client {
         p: &Pending<'_>,
         what: &str,
     ) -> Result<(Message, Vec<OwnedFd>), ChannelError> {
-        self.wait_for(p.deadline, what, |st| st.take_response(p.id))
+        self.wait_for(p.deadline, what, self.limits, |st| st.take_response(p.id))
     }
 
     /// Sends one message (without descriptors) within the request timeout.
@@ -570,6 +581,7 @@ impl Client {
         &self,
         deadline: Instant,
         what: &str,
+        limits: RecvLimits,
         mut take: impl FnMut(&mut State) -> Option<T>,
     ) -> Result<T, ChannelError> {
         let started = Instant::now();
@@ -608,7 +620,7 @@ impl Client {
             st.reading = true;
             drop(st);
             // Past the deadline this still takes messages that have arrived.
-            let received = recv_message(&self.stream, Some(deadline), self.limits);
+            let received = recv_message(&self.stream, Some(deadline), limits);
             drained = matches!(received, Err(ChannelError::Timeout { .. }));
             st = self.file(received);
         }

@@ -16,8 +16,9 @@ pub struct ClientConfig {
     pub timeout: Duration,
     /// The user ids the server may run as (`SO_PEERCRED`); default: only ours.
     pub allowed_server_uids: Vec<u32>,
-    /// How long a wait for the server's next message first polls the socket
-    /// without sleeping, before it sleeps in `poll(2)`; default
+    /// How long a wait for the server's answer or an update first polls the
+    /// socket without sleeping, before it sleeps in `poll(2)` (ring frames,
+    /// which come in streams, are waited for without a spin); default
     /// [`DEFAULT_SPIN`]. A message that arrives within it is read without a
     /// wake-up of the waiting thread (5-10 µs on a busy machine, more from a
     /// deep idle state). It costs CPU only while a wait lasts, at most this

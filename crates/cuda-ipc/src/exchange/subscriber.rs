@@ -42,8 +42,8 @@ pub struct SubscriberConfig {
     pub sync: SyncMode,
     /// How many idle chunk mappings the subscriber keeps for reuse.
     pub mapping_budget: MappingBudget,
-    /// How long a wait for the publisher's next message (an answer, an
-    /// update, a ring frame) polls before it sleeps
+    /// How long a wait for the publisher's answer or update polls before
+    /// it sleeps (ring frames are waited for without)
     /// ([`ClientConfig::spin`](crate::channel::ClientConfig::spin): 50 µs by
     /// default, or `CUDA_IPC_SPIN_US` microseconds; `Duration::ZERO` sleeps
     /// at once).
