@@ -471,45 +471,49 @@ fn ten_thousand_entries() {
 // ---------------------------------------------------------------------------
 // The fuzz corpus, replayed
 
-#[test]
-fn every_corpus_file_passes_the_fuzz_checks() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/set_record");
+/// Replays every file of `fuzz/corpus/<target>` through `check` (the fuzz
+/// target's properties); at least two must be valid (`is_valid`).
+fn replay(target: &str, check: fn(&[u8]), is_valid: fn(&[u8]) -> bool) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/corpus")
+        .join(target);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
         .filter(|p| p.is_file())
         .collect();
     files.sort();
-    assert!(files.len() >= 5, "only {} corpus files", files.len());
-    let mut decoded = 0;
-    for f in &files {
-        let data = std::fs::read(f).unwrap();
-        fuzz_set_record::set_record(&data);
-        decoded +=
-            usize::from(std::str::from_utf8(&data).is_ok_and(|t| SetRecord::from_json(t).is_ok()));
-    }
-    assert!(decoded >= 2, "the seeds should hold valid records");
-}
-
-#[test]
-fn every_table_corpus_file_passes_the_fuzz_checks() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/set_table");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    assert!(files.len() >= 5, "only {} corpus files", files.len());
+    assert!(
+        files.len() >= 5,
+        "only {} corpus files in {target}",
+        files.len()
+    );
     let decoded = files
         .iter()
         .filter(|f| {
             let data = std::fs::read(f).unwrap();
-            fuzz_set_table::set_table(&data);
-            decode_bytes(&data).is_ok()
+            check(&data);
+            is_valid(&data)
         })
         .count();
-    assert!(decoded >= 2, "the seeds should hold valid tables");
+    assert!(
+        decoded >= 2,
+        "the seeds of {target} should hold valid inputs"
+    );
+}
+
+#[test]
+fn every_corpus_file_passes_the_fuzz_checks() {
+    replay("set_record", fuzz_set_record::set_record, |data| {
+        std::str::from_utf8(data).is_ok_and(|t| SetRecord::from_json(t).is_ok())
+    });
+}
+
+#[test]
+fn every_table_corpus_file_passes_the_fuzz_checks() {
+    replay("set_table", fuzz_set_table::set_table, |data| {
+        decode_bytes(data).is_ok()
+    });
 }
 
 // ---------------------------------------------------------------------------
@@ -651,15 +655,7 @@ proptest! {
         r in record(),
         edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4),
     ) {
-        let mut bytes = encode_bytes(&r.entries);
-        for (at, byte, kind) in edits {
-            let i = at.index(bytes.len());
-            match kind {
-                0 => bytes[i] = byte,
-                1 => { bytes.remove(i); }
-                _ => bytes.insert(i, byte),
-            }
-        }
+        let bytes = edited(encode_bytes(&r.entries), &edits);
         fuzz_set_table::set_table(&bytes);
         if let Ok(entries) = decode_bytes(&bytes) {
             let mut v = r.to_value();
@@ -675,17 +671,29 @@ proptest! {
         r in record(),
         edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4),
     ) {
-        let mut bytes = r.to_json().into_bytes();
-        for (at, byte, kind) in edits {
-            let i = at.index(bytes.len());
-            match kind {
-                0 => bytes[i] = byte,
-                1 => { bytes.remove(i); }
-                _ => bytes.insert(i, byte),
-            }
-        }
+        let bytes = edited(r.to_json().into_bytes(), &edits);
         fuzz_set_record::set_record(&bytes);
     }
+}
+
+/// `bytes` with each edit applied: `(where, byte, kind)`, kind 0 replaces
+/// the byte there, 1 removes it, 2 inserts `byte` before it.
+fn edited(mut bytes: Vec<u8>, edits: &[(prop::sample::Index, u8, u8)]) -> Vec<u8> {
+    for &(at, byte, kind) in edits {
+        if bytes.is_empty() {
+            bytes.push(byte);
+            continue;
+        }
+        let i = at.index(bytes.len());
+        match kind {
+            0 => bytes[i] = byte,
+            1 => {
+                bytes.remove(i);
+            }
+            _ => bytes.insert(i, byte),
+        }
+    }
+    bytes
 }
 
 /// Standard base64 with padding, as format 2 carries its table.
