@@ -15,7 +15,7 @@ use them. ``cuda_ipc.torch.shareable(publisher)`` makes tensors in a
 publisher's arena (see :mod:`cuda_ipc.torch`). See docs/PYTHON.md.
 """
 
-from . import _core, dtypes, sets
+from . import _core, dtypes, errors, sets
 from .channel import Attachment, Frame, Published, Publisher, Ring, RingPublisher, Subscriber
 from .descriptor import FORMAT_VERSION, cuda_array_interface, descriptor_json, parse_descriptor, validate_descriptor
 from .errors import (
@@ -96,22 +96,5 @@ __all__ = [
     "dtypes",
     "sets",
     "FORMAT_VERSION",
-    "CudaIpcError",
-    "Unavailable",
-    "DriverNotFound",
-    "NoDevice",
-    "Unsupported",
-    "InvalidInput",
-    "DescriptorError",
-    "TorchRecordError",
-    "SameProcess",
-    "PeerGone",
-    "Timeout",
-    "Failed",
-    "DriverError",
-    "DriverUnavailable",
-    "DriverInvalidInput",
-    "DriverPeerGone",
-    "DriverTimeout",
-    "MissingDependency",
+    *errors.__all__,
 ]
