@@ -60,6 +60,14 @@ fn server(dir: &tempfile::TempDir) -> Server {
     Server::bind(ServerConfig::new(dir.path().join("s.sock"))).unwrap()
 }
 
+/// A server in a temporary folder (kept while the first value lives), a
+/// 1 MiB-chunk arena and an empty book.
+fn setup() -> (tempfile::TempDir, Server, Arena<MemChunks>, Book<MemChunks>) {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(&dir);
+    (dir, server, arena(), Book::default())
+}
+
 fn client(server: &Server) -> Client {
     Client::connect(server.path(), ClientConfig::default()).unwrap()
 }
@@ -80,10 +88,7 @@ fn record(n: usize) -> Value {
 
 #[test]
 fn chunk_descriptors_travel_once_per_subscriber_and_sets_carry_none() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = server(&dir);
-    let arena = arena();
-    let mut book = Book::default();
+    let (_dir, server, arena, mut book) = setup();
     // Three buffers over two chunks (each chunk holds 1 MiB).
     let a = arena.alloc(600 << 10).unwrap();
     let b = arena.alloc(300 << 10).unwrap();
@@ -134,10 +139,7 @@ fn chunk_descriptors_travel_once_per_subscriber_and_sets_carry_none() {
 
 #[test]
 fn large_records_travel_in_parts_that_rebuild_the_record() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = server(&dir);
-    let arena = arena();
-    let mut book = Book::default();
+    let (_dir, server, arena, mut book) = setup();
     let buf = arena.alloc(4096).unwrap();
     // About the size of a record of 10,000 buffers, with multibyte names.
     let big = json!({ SET_VERSION_KEY: 1, "entries": (0..10_000).map(|i| format!("layer{i}.wéight")).collect::<Vec<_>>() });
@@ -217,10 +219,7 @@ fn set_record(n: usize) -> SetRecord {
 
 #[test]
 fn set_records_of_1_to_10000_entries_come_back_whole_through_the_channel() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = server(&dir);
-    let arena = arena();
-    let mut book = Book::default();
+    let (_dir, server, arena, mut book) = setup();
     let buf = arena.alloc(4096).unwrap();
     let consumer = client(&server);
     for n in [1, 100, 1000, 10_000] {
@@ -274,10 +273,7 @@ fn split_utf8_cuts_at_character_boundaries() {
 
 #[test]
 fn ranges_come_back_after_release_and_unpublish_in_either_order() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = server(&dir);
-    let arena = arena();
-    let mut book = Book::default();
+    let (_dir, server, arena, mut book) = setup();
     let a = arena.alloc(4096).unwrap();
     book.publish(&server, &arena, "s", record(1), vec![a.lease()], None)
         .unwrap();
@@ -299,10 +295,7 @@ fn ranges_come_back_after_release_and_unpublish_in_either_order() {
 
 #[test]
 fn a_mapped_chunk_is_not_trimmed_until_its_consumer_lets_go() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = server(&dir);
-    let arena = arena();
-    let mut book = Book::default();
+    let (_dir, server, arena, mut book) = setup();
     let a = arena.alloc(4096).unwrap();
     book.publish(&server, &arena, "s", record(1), vec![a.lease()], None)
         .unwrap();
@@ -345,10 +338,7 @@ fn a_consumer_killed_while_holding_a_set_gives_its_ranges_back() {
         holder(&socket);
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let server = server(&dir);
-    let arena = arena();
-    let mut book = Book::default();
+    let (_dir, server, arena, mut book) = setup();
     let bufs: Vec<_> = [700 << 10, 700 << 10, 4096]
         .iter()
         .map(|n| arena.alloc(*n).unwrap())
@@ -423,10 +413,7 @@ fn set_fence(slots: &std::sync::Arc<std::sync::Mutex<sync::Slots>>) -> SetFence 
 
 #[test]
 fn a_set_fence_travels_beside_the_record_and_its_slot_outlives_the_last_lease() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = server(&dir);
-    let arena = arena();
-    let mut book = Book::default();
+    let (_dir, server, arena, mut book) = setup();
     let slots = sync::Slots::new(4);
     let a = arena.alloc(4096).unwrap();
     let fence = set_fence(&slots);
