@@ -2,8 +2,8 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python peer bench bench-full containers sets stress
-#                          (default: info tests soak demo cli exchange samples python)
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes peer bench bench-full containers sets stress
+#                          (default: info tests soak demo cli exchange samples python lifetimes)
 #
 # `tests` runs every GPU test but the 100,000-cycle soaks, which `soak` runs
 # (they take a minute or two). `sets` hands off weight sets through the CLI;
@@ -22,7 +22,7 @@ cli=$here/cuda-ipc
 logs=${LOGS:-$here/logs}
 mkdir -p "$logs"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info tests soak demo cli exchange samples python)
+[ ${#steps[@]} -eq 0 ] && steps=(info tests soak demo cli exchange samples python lifetimes)
 passed=0
 failed=0
 failures=()
@@ -338,6 +338,30 @@ step_python() {
   echo "PYTHON interop: $p passed, $f failed (exit $rc)"
   grep -E 'FAIL' "$log" | head -n 20
   if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then bad "python interop exited $rc: $(tail -n 3 "$log" | tr '\n' ' ')"; fi
+}
+
+# The lifetime checks from Python (python/tests/gpu_lifetimes.py): kept
+# tensors, closed mappings, DLPack, SIGSTOP, the chaos run.
+step_lifetimes() {
+  local script=$here/python/tests/gpu_lifetimes.py
+  if ! python3 -c 'import torch' 2>/dev/null; then
+    echo "SKIP  lifetimes: torch is not importable"
+    return
+  fi
+  if ! install_wheel; then
+    bad "lifetimes: $wheel_error"
+    return
+  fi
+  local log="$logs/python-lifetimes.log"
+  python3 "$script" --rounds "${LIFETIME_ROUNDS:-200}" >"$log" 2>&1
+  local rc=$?
+  local p f
+  p=$(grep -Eo '^[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
+  f=$(grep -Eo '[0-9]+ failed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
+  passed=$((passed + p))
+  failed=$((failed + f))
+  grep -E '^(PASS|FAIL)' "$log"
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then bad "python lifetimes exited $rc: $(tail -n 3 "$log" | tr '\n' ' ')"; fi
 }
 
 # The benches' rows from Python need the wheel; without it they are skipped

@@ -39,7 +39,7 @@ from .errors import (
     Unsupported,
 )
 from .export import Export, export_cupy, export_torch, torch_share_record
-from .mapping import Mapping, live_mappings, open
+from .mapping import Mapping, live_mappings, open, retiring, settle
 from .sets import ArenaBuffer, SetAttachment, StateDict
 from .torch_record import parse_storage_handle, record_to_descriptor, tensor_layout, validate_record
 
@@ -76,6 +76,8 @@ __all__ = [
     "open",
     "Mapping",
     "live_mappings",
+    "settle",
+    "retiring",
     "export_torch",
     "export_cupy",
     "torch_share_record",

@@ -5,7 +5,7 @@ from . import _core
 from . import dtypes as _dtypes
 from .errors import CudaIpcError, MissingDependency
 
-__all__ = ["open", "Mapping", "live_mappings"]
+__all__ = ["open", "Mapping", "live_mappings", "settle", "retiring"]
 
 
 _loaded = {}
@@ -41,8 +41,28 @@ def _cupy():
 
 def live_mappings():
     """How many mappings this process holds that are not unmapped yet
-    (mappings closed while views are alive count until the views die)."""
+    (mappings closed while views are alive count until the views die, and
+    until their release has run: see :func:`settle`)."""
     return _core.live_mappings()
+
+
+def settle(timeout=None):
+    """Waits up to ``timeout`` seconds (``None``: 10) until every release
+    this process retired has run; returns whether none is left.
+
+    Freeing a tensor, closing a mapping or dropping a state dict never
+    waits: the unmap and the lease's release run on a thread of the
+    library once the GPU work queued on the memory is done (a barrier over
+    the device's context, since PyTorch's and CuPy's streams are theirs).
+    Call this where a program must see that effect (memory back, the
+    publisher told) before it goes on."""
+    return _core.settle(timeout)
+
+
+def retiring():
+    """How many releases (unmaps, frees, lease releases) wait for their GPU
+    work or for the library's thread to run them."""
+    return _core.retiring()
 
 
 class Mapping:

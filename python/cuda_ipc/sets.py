@@ -427,9 +427,13 @@ def update_state_dict(pub, name, state_dict=None):
 
 def unpublish_set(pub, name, timeout=None):
     """:meth:`Publisher.unpublish_set`."""
-    pub._c.unpublish_set(name, timeout)
-    pub._sets.discard(name)
-    pub._state_dicts.pop(name, None)
+    try:
+        pub._c.unpublish_set(name, timeout)
+    finally:
+        # Hidden even when the wait timed out: the name is free again, and
+        # the set's memory stays until its last lease ends.
+        pub._sets.discard(name)
+        pub._state_dicts.pop(name, None)
 
 
 # --- the subscriber's side ------------------------------------------------------

@@ -190,12 +190,15 @@ class Worker:
             self.cupy.cuda.Device().synchronize()
 
     def _mem_free(self):
+        # Releases run on the library's thread: let them finish first.
+        self.ci.settle(10)
         return self.ci.mem_info(0)[0]
 
     def _empty_caches(self):
         import gc
 
         gc.collect()
+        self.ci.settle(10)
         self._sync()
         if self.torch is not None:
             self.torch.cuda.empty_cache()
@@ -395,6 +398,7 @@ class Worker:
             cp.cuda.Device().synchronize()
             del typed, words
         gc.collect()
+        ci.settle(10)
         live = ci.live_mappings()
         self._empty_caches()
         if live:
@@ -429,6 +433,7 @@ class Worker:
                 cp.cuda.Device().synchronize()
                 del a
         gc.collect()
+        ci.settle(10)
         live = ci.live_mappings()
         self._empty_caches()
         if live:
@@ -496,6 +501,7 @@ class Worker:
         import gc
 
         gc.collect()
+        self.ci.settle(10)
         live = self.ci.live_mappings()
         self._empty_caches()
         if live:
@@ -2337,6 +2343,7 @@ def _consume_values_n(self, descriptor, elems):
         self.torch.cuda.synchronize()
         del t
     gc.collect()
+    ci.settle(10)
     live = ci.live_mappings()
     self._empty_caches()
     if live:

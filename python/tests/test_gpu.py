@@ -93,6 +93,7 @@ class TorchRoundTrip(unittest.TestCase):
         finally:
             p.stdin.close()
             p.wait(60)
+        self.assertTrue(cuda_ipc.settle(10))
         self.assertEqual(cuda_ipc.live_mappings(), 0)
 
 

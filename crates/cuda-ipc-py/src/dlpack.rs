@@ -96,21 +96,34 @@ unsafe extern "C" fn delete_owner(managed: *mut DlManagedTensor) {
 
 const NAME: &CStr = c"dltensor";
 
+const USED_NAME: &CStr = c"used_dltensor";
+
 unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     // A consumer that took the tensor renamed the capsule to
-    // "used_dltensor" and owns it now; otherwise nobody did, and we free it.
-    // SAFETY: called by Python with a live capsule and the GIL held.
+    // "used_dltensor" and owns it now: nothing to do, and nothing to touch
+    // (an exception may be in flight while the capsule is collected; it
+    // must survive). Otherwise nobody took it, and we free it, keeping any
+    // exception in flight, as DLPack's reference deleter does.
+    // SAFETY: called by Python with a live capsule and the GIL held;
+    // `PyCapsule_IsValid` never sets an exception.
     unsafe {
-        if ffi::PyCapsule_IsValid(capsule, NAME.as_ptr()) == 1 {
-            let managed =
-                ffi::PyCapsule_GetPointer(capsule, NAME.as_ptr()).cast::<DlManagedTensor>();
-            if let Some(deleter) = (*managed).deleter {
-                deleter(managed);
-            }
-        } else {
-            // IsValid may have set an exception for the renamed capsule.
-            ffi::PyErr_Clear();
+        if ffi::PyCapsule_IsValid(capsule, USED_NAME.as_ptr()) == 1 {
+            return;
         }
+        let (mut ty, mut value, mut tb) = (
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        ffi::PyErr_Fetch(&raw mut ty, &raw mut value, &raw mut tb);
+        let managed = ffi::PyCapsule_GetPointer(capsule, NAME.as_ptr()).cast::<DlManagedTensor>();
+        if managed.is_null() {
+            // Neither name: not a capsule of ours to free.
+            ffi::PyErr_WriteUnraisable(capsule);
+        } else if let Some(deleter) = (*managed).deleter {
+            deleter(managed);
+        }
+        ffi::PyErr_Restore(ty, value, tb);
     }
 }
 

@@ -840,7 +840,9 @@ impl Attachment {
         };
         let sub = self.subscriber.clone();
         py.detach(move || -> Result<_> {
-            drop(keep);
+            if let Some(k) = keep {
+                k.release_now()?;
+            }
             sub.release(a)
         })
         .py()

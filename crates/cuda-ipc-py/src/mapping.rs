@@ -44,6 +44,36 @@ struct KeepInner {
     hold: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
+/// Runs every retired release that is due, waiting up to `timeout` seconds
+/// (`None`: 10) for their GPU work; returns whether none is left. Freeing a
+/// tensor or closing a mapping never waits: the unmap and the lease's
+/// release run on a thread of the library once the work queued on the
+/// memory has finished. Call this where a program must see the effect (the
+/// memory unmapped, the publisher told) before it goes on.
+#[pyfunction]
+#[pyo3(signature = (timeout=None))]
+fn settle(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+    let timeout = match timeout {
+        None => std::time::Duration::from_secs(10),
+        Some(t) if t.is_finite() && t >= 0.0 => std::time::Duration::from_secs_f64(t),
+        Some(t) => {
+            return Err(Error::InvalidArgument {
+                what: "timeout",
+                reason: format!("{t} is not a number of seconds (0 or more)"),
+            })
+            .py();
+        }
+    };
+    Ok(py.detach(|| cuda_ipc::reaper::settle(timeout)))
+}
+
+/// How many releases (unmaps, frees, lease releases) wait for their GPU
+/// work or for the library's thread to run them.
+#[pyfunction]
+fn retiring() -> usize {
+    cuda_ipc::reaper::retiring()
+}
+
 impl Keep {
     /// A hold on mapped memory (counted in `live_mappings`).
     pub(crate) fn new(buffer: MappedBuffer<u8>) -> Self {
@@ -55,6 +85,26 @@ impl Keep {
                 hold: Some(Box::new(buffer)),
             }),
         }
+    }
+
+    /// Lets go of this hold now, for an explicit release (which may wait,
+    /// without the GIL): when it is the last, the context's work is waited
+    /// for and the memory let go of here, so that what the caller releases
+    /// next (a lease) sees it gone. Otherwise the others keep it.
+    pub(crate) fn release_now(self) -> Result<()> {
+        let Ok(mut inner) = Arc::try_unwrap(self.inner) else {
+            return Ok(());
+        };
+        let waited = inner
+            .device
+            .context()
+            .synchronize()
+            .map_err(|e| cuda_ipc::error::from_cudarc("cuCtxSynchronize", e));
+        drop(inner.hold.take());
+        if std::mem::replace(&mut inner.live, false) {
+            LIVE.fetch_sub(1, Ordering::SeqCst);
+        }
+        waited
     }
 
     /// How many holds there are on this memory (this one included).
@@ -76,13 +126,25 @@ impl Keep {
 
 impl Drop for KeepInner {
     fn drop(&mut self) {
-        // The last holder: work any framework queued on the memory, on any
-        // stream of the context, must finish before it is let go.
-        let _ = self.device.context().synchronize();
-        drop(self.hold.take());
-        if self.live {
-            LIVE.fetch_sub(1, Ordering::SeqCst);
-        }
+        // The last holder. Work any framework queued on the memory, on any
+        // stream of the context (PyTorch's and CuPy's streams are not
+        // ours to know), must finish before it is let go: the release is
+        // retired until a barrier over the context has passed, on the
+        // library's thread. Never waits here, with or without the GIL.
+        let Some(hold) = self.hold.take() else {
+            return;
+        };
+        let live = self.live;
+        cuda_ipc::reaper::after_context(
+            self.device.context(),
+            "releasing memory handed to Python",
+            move || {
+                drop(hold);
+                if live {
+                    LIVE.fetch_sub(1, Ordering::SeqCst);
+                }
+            },
+        );
     }
 }
 
@@ -303,6 +365,12 @@ impl View {
 #[pyclass(module = "cuda_ipc._core", name = "Mapping", frozen)]
 pub(crate) struct PyMapping {
     keep: Mutex<Option<Keep>>,
+    /// Set once `__cuda_array_interface__` was read: whatever was built
+    /// from it (a CuPy array, a tensor) holds this object, not the memory,
+    /// so `close` leaves the memory to this object's own end.
+    cai_given: std::sync::atomic::AtomicBool,
+    /// The hold `close` kept for those consumers (dropped with the object).
+    closed_keep: Mutex<Option<Keep>>,
     layout: Layout,
     descriptor: String,
     mechanism: String,
@@ -319,6 +387,8 @@ impl PyMapping {
         PyMapping {
             layout: Layout::of(&buffer, d),
             keep: Mutex::new(Some(Keep::new(buffer))),
+            cai_given: std::sync::atomic::AtomicBool::new(false),
+            closed_keep: Mutex::new(None),
             descriptor: d.to_json(),
             mechanism,
             segments,
@@ -403,11 +473,14 @@ impl PyMapping {
         View::new(self.keep()?, self.layout.clone(), dtype, raw)
     }
 
-    /// The CUDA array interface (version 3). Objects built from it do not
-    /// keep the mapping alive: prefer `view()`, `as_torch()`, `as_cupy()`.
+    /// The CUDA array interface (version 3). Objects built from it hold
+    /// this object, not the memory: once it was read, `close()` leaves the
+    /// memory mapped until this object itself is gone (so an array or
+    /// tensor made from it never outlives the mapping).
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.keep()?;
+        self.cai_given.store(true, Ordering::SeqCst);
         cai_of(py, &self.layout, self.layout.dtype, false)
     }
 
@@ -430,14 +503,24 @@ impl PyMapping {
         (dlpack::DEVICE_CUDA, self.layout.ordinal)
     }
 
-    /// Lets go of this object's hold: unmapped now if no view is alive,
-    /// else when the last one dies. Safe to call twice.
+    /// Lets go of this object's hold: unmapped once no view, tensor or
+    /// array made from it is alive (and the GPU work queued on it is done).
+    /// If `__cuda_array_interface__` was read, what was built from it holds
+    /// this object instead of the memory, so the memory then stays until
+    /// this object is gone. Never waits. Safe to call twice.
     fn close(&self, py: Python<'_>) {
         let keep = self
             .keep
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
+        if self.cai_given.load(Ordering::SeqCst) {
+            *self
+                .closed_keep
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = keep;
+            return;
+        }
         py.detach(move || drop(keep));
     }
 
@@ -638,6 +721,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<View>()?;
     m.add_function(wrap_pyfunction!(open, m)?)?;
     m.add_function(wrap_pyfunction!(live_mappings, m)?)?;
+    m.add_function(wrap_pyfunction!(settle, m)?)?;
+    m.add_function(wrap_pyfunction!(retiring, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_array_interface, m)?)?;
     m.add_function(wrap_pyfunction!(device_uuid, m)?)?;
     m.add_function(wrap_pyfunction!(mem_info, m)?)?;

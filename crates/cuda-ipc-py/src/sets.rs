@@ -460,7 +460,10 @@ impl SetAttachment {
     /// The bytes of every entry together.
     #[getter]
     fn nbytes(&self) -> u64 {
-        self.entries.iter().map(|e| e.len).sum()
+        // Saturating: sizes come from the publisher.
+        self.entries
+            .iter()
+            .fold(0u64, |sum, e| sum.saturating_add(e.len))
     }
     /// Whether `release()` was called.
     #[getter]
@@ -593,7 +596,9 @@ impl SetAttachment {
         };
         let sub = self.subscriber.clone();
         py.detach(move || -> Result<()> {
-            drop(keep);
+            if let Some(k) = keep {
+                k.release_now()?;
+            }
             sub.release_set(set)
         })
         .py()

@@ -5,10 +5,27 @@
 //! Only this library makes mappings ([`Mapping`] is sealed), so a
 //! [`MappedBuffer`] always lies inside memory the driver mapped. Every view
 //! (clones, slices, casts) keeps the mapping alive, and a mapping records the
-//! streams its views were given ([`MappedBuffer::with_stream`]): before it is
-//! unmapped, every one of them is synchronised, so no queued work uses the
-//! range after it is gone. A view made by the exchange layer also holds its
-//! lease, which ends when the last view is gone.
+//! streams its views were given ([`MappedBuffer::with_stream`]): when the
+//! last reference goes, the unmap is retired to the [reaper](crate::reaper)
+//! until every one of them has finished the work queued so far, so no
+//! queued work uses the range after it is gone, and no drop waits. A view
+//! made by the exchange layer also holds its lease, which ends (the same
+//! way) when the last view is gone.
+//!
+//! A view can only be made from a mapping this process holds as a whole
+//! (`Arc<dyn Mapping>`, which [`LegacyMapping::open`](crate::LegacyMapping::open)
+//! and the other mechanisms' `open` return), or from another view, whose
+//! hold it inherits ([`MappedBuffer::slice`], [`MappedBuffer::cast`]). A
+//! view attached through the exchange lends out only `&dyn Mapping`, so no
+//! view can be made around its lease:
+//!
+//! ```compile_fail
+//! # fn f(a: cuda_ipc::exchange::Attachment<u8>) -> cuda_ipc::Result<()> {
+//! use cuda_ipc::MappedBuffer;
+//! // error: expected `Arc<dyn Mapping>`, found `&dyn Mapping`
+//! let unleased = MappedBuffer::<u8>::new(a.buffer().mapping().clone(), 0, 1)?;
+//! # Ok(()) }
+//! ```
 #![allow(unsafe_code)] // only `unsafe impl DeviceMemory`, justified there
 
 use std::fmt;
@@ -47,6 +64,25 @@ pub(crate) mod sealed {
             if !streams.iter().any(|s| s.cu_stream() == stream.cu_stream()) {
                 streams.push(stream.clone());
             }
+        }
+
+        /// The recorded streams.
+        pub(crate) fn snapshot(&self) -> Vec<Arc<CudaStream>> {
+            super::lock(&self.0).clone()
+        }
+
+        /// Retires `finish` to the [reaper](crate::reaper) until the work
+        /// queued so far on every recorded stream and on `also` has
+        /// finished. Never waits.
+        pub(crate) fn retire(
+            &self,
+            also: &Arc<CudaStream>,
+            what: &'static str,
+            finish: impl FnOnce() + Send + 'static,
+        ) {
+            let mut streams = self.snapshot();
+            streams.push(also.clone());
+            crate::reaper::after_streams(&streams, what, finish);
         }
 
         /// Waits for every recorded stream (they stay recorded, as views
@@ -236,22 +272,25 @@ impl<T: Pod> MappedBuffer<T> {
         self.offset
     }
 
-    /// The mapping underneath.
-    pub fn mapping(&self) -> &Arc<dyn Mapping> {
+    /// The mapping underneath (borrowed: a view that holds a lease lends
+    /// no way to make views without it).
+    pub fn mapping(&self) -> &dyn Mapping {
+        &*self.mapping
+    }
+
+    /// The mapping underneath, shared.
+    pub(crate) fn mapping_arc(&self) -> &Arc<dyn Mapping> {
         &self.mapping
     }
 
-    /// Uses `stream` (of the same device) for this view's copies and kernels.
-    ///
-    /// `stream` is first ordered after the view's current stream (an event
-    /// recorded there and waited on), so work queued before keeps its
-    /// order; the mapping waits for `stream` too before it is unmapped.
-    #[must_use]
-    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
-        crate::memory::order_after(&stream, &self.stream);
-        self.mapping.used_streams().record(&stream);
-        self.stream = stream;
-        self
+    /// Uses `stream` for this view's copies and kernels; see
+    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
+    /// and the errors. The mapping (and the lease) wait for `stream` too
+    /// before they go.
+    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
+        self.stream = crate::memory::switch_stream(self.mapping.device(), &self.stream, stream)?;
+        self.mapping.used_streams().record(&self.stream);
+        Ok(self)
     }
 
     /// Makes this view (and every view made from it) keep `hold` alive.

@@ -112,6 +112,19 @@ pub enum Error {
         views: usize,
     },
 
+    /// Something was asked to close while others still use it.
+    #[error(
+        "{what} is still used by {users} lease holder(s) (attachments, sets, rings or views of them); {then}"
+    )]
+    StillInUse {
+        /// What could not be closed.
+        what: &'static str,
+        /// How many hold it.
+        users: usize,
+        /// What to do.
+        then: &'static str,
+    },
+
     /// A driver call returned an error.
     #[error("{call} failed with {name} ({code}){}", hint_suffix(*.hint))]
     Driver {
@@ -238,6 +251,7 @@ impl Error {
             | Error::InvalidArgument { .. }
             | Error::OutOfBounds { .. }
             | Error::ViewsAlive { .. }
+            | Error::StillInUse { .. }
             | Error::Torch(_) => ErrorKind::InvalidInput,
             Error::Driver { call, result, .. } => driver_kind(call, *result),
             Error::Channel(e) => channel_kind(e.kind()),
@@ -405,7 +419,7 @@ pub(crate) fn driver_hint(call: &'static str, result: CUresult) -> Option<&'stat
 }
 
 /// Converts a cudarc driver error into ours, naming the call.
-pub(crate) fn from_cudarc(call: &'static str, err: cudarc::driver::DriverError) -> Error {
+pub fn from_cudarc(call: &'static str, err: cudarc::driver::DriverError) -> Error {
     driver_error(call, err.0)
 }
 

@@ -90,7 +90,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 use serde::{Deserialize, Serialize};
 
-use crate::buffer::Mapping;
+use crate::buffer::{Mapping, UsedStreams};
 use crate::descriptor::{Descriptor, Dtype, Mechanism};
 use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result, from_cudarc};
@@ -385,9 +385,9 @@ impl Drop for HostWords {
     fn drop(&mut self) {
         // Errors cannot be raised from drop: an unregister that fails leaves
         // pinned pages until the process exits, a failed unmap the same.
-        // Streams that still wait on a word must be done (the contract of
-        // `FenceMapping::wait`), so the device's stream is enough to wait for.
-        let _ = self.device.synchronize();
+        // The words are dropped only by the release a `Fence` or
+        // `FenceMapping` retired, after every stream that signalled or
+        // waited on them has finished (see their `Drop`).
         let _ = self.device.bind();
         // SAFETY: registered in `map`, unregistered once, then unmapped once.
         unsafe {
@@ -413,7 +413,10 @@ enum Words {
 /// alive.
 #[derive(Debug)]
 pub struct Fence {
-    words: Words,
+    /// Shared with the release retired at drop, which lets go of it.
+    words: Arc<Words>,
+    /// The streams signals were queued on, waited for before the words go.
+    streams: UsedStreams,
     count: u32,
     id: u64,
     last: Box<[AtomicU64]>,
@@ -443,7 +446,8 @@ impl Fence {
         }
         Ok(Fence {
             id: buffer.generation(),
-            words: Words::Device(buffer),
+            words: Arc::new(Words::Device(buffer)),
+            streams: UsedStreams::default(),
             count: words,
             last: (0..words).map(|_| AtomicU64::new(0)).collect(),
         })
@@ -465,7 +469,8 @@ impl Fence {
         // A new memfd reads as zeros.
         let host = HostWords::map(device, create_memfd(len)?, len)?;
         Ok(Fence {
-            words: Words::Host(host),
+            words: Arc::new(Words::Host(host)),
+            streams: UsedStreams::default(),
             count: words,
             id: next_host_id(),
             last: (0..words).map(|_| AtomicU64::new(0)).collect(),
@@ -485,12 +490,12 @@ impl Fence {
 
     /// Whether the words live in host memory ([`Fence::new_host`]).
     pub fn is_host(&self) -> bool {
-        matches!(self.words, Words::Host(_))
+        matches!(*self.words, Words::Host(_))
     }
 
     /// The mechanism a device block is shared with (`None` for host words).
     pub fn mechanism(&self) -> Option<Mechanism> {
-        match &self.words {
+        match &*self.words {
             Words::Device(b) => Some(b.mechanism()),
             Words::Host(_) => None,
         }
@@ -505,7 +510,7 @@ impl Fence {
     /// Exports the block: its [`FenceBlock`] and the file descriptors to
     /// hand over with it (none for legacy). Each call makes new descriptors.
     pub fn export(&self) -> Result<FenceExport> {
-        match &self.words {
+        match &*self.words {
             Words::Device(buffer) => {
                 let e = buffer.export_region(
                     0,
@@ -559,7 +564,7 @@ impl Fence {
     /// is broken) spends the number all the same: the next signal on the
     /// word must use a larger one.
     #[doc(alias = "cuStreamWriteValue64")]
-    pub fn signal(&self, stream: &CudaStream, word: u32, seq: u64) -> Result<()> {
+    pub fn signal(&self, stream: &Arc<CudaStream>, word: u32, seq: u64) -> Result<()> {
         check_word(word, self.count)?;
         check_seq(seq)?;
         let last = &self.last[word as usize];
@@ -573,13 +578,15 @@ impl Fence {
             )
         })?;
         self.device().bind()?;
-        let addr = match &self.words {
+        let addr = match &*self.words {
             Words::Device(b) => b.device_address(),
             Words::Host(h) => h.dptr,
         } + u64::from(word) * WORD;
+        self.streams.record(stream);
         // SAFETY: `addr` is an aligned word of this block, which stays
-        // mapped while any stream still uses it (dropping the block waits
-        // for the device); the stream is live (borrowed).
+        // mapped while any stream still uses it (the stream is recorded:
+        // dropping the block retires the words until it has finished); the
+        // stream is live (borrowed).
         unsafe { raw::write_value64(stream.cu_stream(), addr, seq) }
     }
 
@@ -593,7 +600,7 @@ impl Fence {
     /// if `word` is out of range.
     pub fn announce(&self, word: u32, value: u64) -> Result<()> {
         check_word(word, self.count)?;
-        match &self.words {
+        match &*self.words {
             Words::Host(h) => {
                 h.word(word).store(value, Ordering::Release);
                 Ok(())
@@ -609,7 +616,7 @@ impl Fence {
 
     /// The device this block belongs to.
     pub fn device(&self) -> &Device {
-        match &self.words {
+        match &*self.words {
             Words::Device(b) => b.device(),
             Words::Host(h) => &h.device,
         }
@@ -659,7 +666,10 @@ pub struct FenceExport {
 /// The consumer's side: a [`Fence`] block of another process, mapped.
 #[derive(Debug)]
 pub struct FenceMapping {
-    words: MappedWords,
+    /// Shared with the release retired at drop, which lets go of it.
+    words: Arc<MappedWords>,
+    /// The streams waits were queued on, waited for before the words go.
+    streams: UsedStreams,
     count: u32,
     id: u64,
 }
@@ -724,7 +734,8 @@ impl FenceMapping {
             }
         };
         Ok(FenceMapping {
-            words,
+            words: Arc::new(words),
+            streams: UsedStreams::default(),
             count: block.words,
             id: block.id(),
         })
@@ -742,7 +753,7 @@ impl FenceMapping {
 
     /// Whether the words live in host memory ([`Fence::new_host`]).
     pub fn is_host(&self) -> bool {
-        matches!(self.words, MappedWords::Host(_))
+        matches!(*self.words, MappedWords::Host(_))
     }
 
     /// Checks that `r` names a word of this block, and returns the word.
@@ -763,7 +774,7 @@ impl FenceMapping {
     /// The device address of `word`.
     fn addr(&self, word: u32) -> Result<u64> {
         check_word(word, self.count)?;
-        let base = match &self.words {
+        let base = match &*self.words {
             MappedWords::Device { base, .. } => *base,
             MappedWords::Host(h) => h.dptr,
         };
@@ -776,19 +787,19 @@ impl FenceMapping {
     /// If the producer dies before signalling, the stream waits until
     /// [`FenceMapping::abandon`] releases it; see the module's contract.
     #[doc(alias = "cuStreamWaitValue64")]
-    pub fn wait(&self, stream: &CudaStream, word: u32, seq: u64) -> Result<()> {
+    pub fn wait(&self, stream: &Arc<CudaStream>, word: u32, seq: u64) -> Result<()> {
         check_seq(seq)?;
         let addr = self.addr(word)?;
         self.device().bind()?;
+        self.streams.record(stream);
         // SAFETY: `addr` is an aligned word of this mapping, which stays
-        // mapped while `self` lives; callers must keep `self` until the
-        // stream has passed the wait (the exchange holds mappings for as
-        // long as their streams use them).
+        // mapped while `self` lives and, the stream being recorded, after
+        // `self` is dropped until the stream has passed the wait.
         unsafe { raw::wait_value64_geq(stream.cu_stream(), addr, seq) }
     }
 
     /// [`FenceMapping::wait`] for a reference received from the producer.
-    pub fn wait_ref(&self, stream: &CudaStream, r: &FenceRef) -> Result<()> {
+    pub fn wait_ref(&self, stream: &Arc<CudaStream>, r: &FenceRef) -> Result<()> {
         let word = self.resolve(r)?;
         self.wait(stream, word, r.seq)
     }
@@ -799,7 +810,7 @@ impl FenceMapping {
     /// when the deadline passes: the way out when the producer may be gone.
     pub fn wait_within(
         &self,
-        stream: &CudaStream,
+        stream: &Arc<CudaStream>,
         word: u32,
         seq: u64,
         timeout: Duration,
@@ -816,7 +827,7 @@ impl FenceMapping {
     #[doc(alias = "cuMemcpyDtoHAsync")]
     pub fn value(&self, word: u32) -> Result<u64> {
         let addr = self.addr(word)?;
-        let (mapping, host_stream) = match &self.words {
+        let (mapping, host_stream) = match &*self.words {
             MappedWords::Host(h) => return Ok(h.word(word).load(Ordering::Acquire)),
             MappedWords::Device {
                 mapping,
@@ -877,7 +888,7 @@ impl FenceMapping {
             None => (0, self.count),
         };
         let addr = self.addr(first)?;
-        let (mapping, host_stream) = match &self.words {
+        let (mapping, host_stream) = match &*self.words {
             MappedWords::Host(h) => {
                 for w in first..first + count {
                     h.word(w).store(ABANDONED, Ordering::Release);
@@ -903,7 +914,7 @@ impl FenceMapping {
 
     /// The device the block is mapped on.
     pub fn device(&self) -> &Device {
-        match &self.words {
+        match &*self.words {
             MappedWords::Device { mapping, .. } => mapping.device(),
             MappedWords::Host(h) => &h.device,
         }
@@ -912,12 +923,33 @@ impl FenceMapping {
 
 impl Drop for FenceMapping {
     fn drop(&mut self) {
-        // Our host stream's copies were all waited for. Streams of the
-        // caller that still wait on a word must be done before the mapping
-        // goes (the contract of `wait`); errors cannot be raised from drop.
-        if let MappedWords::Device { host_stream, .. } = &self.words {
-            let _ = host_stream.synchronize();
-        }
+        // Our host stream's copies were all waited for. The streams waits
+        // were queued on may still wait on a word (a producer that never
+        // signals keeps them waiting): the words are let go of once they
+        // have passed, by the reaper, never here.
+        let words = self.words.clone();
+        self.streams.retire(
+            self.device().stream(),
+            "unmapping a fence block",
+            move || crate::reaper::work_done(|| drop(words)),
+        );
+    }
+}
+
+impl Drop for Fence {
+    fn drop(&mut self) {
+        // Signals queued on the recorded streams write the words: they are
+        // let go of once those streams (and the block's own) have finished,
+        // by the reaper, never here.
+        let words = self.words.clone();
+        let own = match &*self.words {
+            Words::Device(b) => b.stream().clone(),
+            Words::Host(h) => h.device.stream().clone(),
+        };
+        self.streams
+            .retire(&own, "releasing a fence block", move || {
+                crate::reaper::work_done(|| drop(words));
+            });
     }
 }
 

@@ -175,12 +175,6 @@ pub struct LegacyBuffer {
     export: OnceLock<LegacyExport>,
 }
 
-// SAFETY: the buffer owns a device allocation, usable from any thread; the
-// context is bound before every driver call.
-unsafe impl Send for LegacyBuffer {}
-// SAFETY: as above; methods taking `&self` only read the address or issue driver calls.
-unsafe impl Sync for LegacyBuffer {}
-
 impl LegacyBuffer {
     /// Allocates `len` bytes (rounded up to 2 MiB underneath) on `device`.
     #[doc(alias = "cuMemAlloc")]
@@ -205,15 +199,12 @@ impl LegacyBuffer {
         })
     }
 
-    /// Uses `stream` (of the same device) for this buffer's copies and kernels.
-    #[must_use]
-    ///
-    /// `stream` is first ordered after the buffer's current stream (an event
-    /// recorded there and waited on), so work queued before keeps its order.
-    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
-        crate::memory::order_after(&stream, &self.stream);
-        self.stream = stream;
-        self
+    /// Uses `stream` for this buffer's copies and kernels; see
+    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
+    /// and the errors.
+    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
+        self.stream = crate::memory::switch_stream(&self.device, &self.stream, stream)?;
+        Ok(self)
     }
 
     /// The requested length in bytes.
@@ -287,12 +278,20 @@ impl Drop for LegacyBuffer {
             lock_exported().remove(&e.handle);
         }
         // Errors cannot be raised from drop. Queued work on our stream must
-        // finish before the memory goes; a failure to synchronise or free
-        // means the context is broken, and its teardown frees the memory.
-        let _ = self.device.bind();
-        let _ = self.stream.synchronize();
-        // SAFETY: allocated in `alloc`, freed once, after our stream's work.
-        let _ = unsafe { mem::free(self.ptr) };
+        // finish before the memory goes: the free is retired to the reaper
+        // until then (no wait here). A failure to free means the context is
+        // broken, and its teardown frees the memory.
+        let (device, ptr) = (self.device.clone(), self.ptr);
+        crate::reaper::after_streams(
+            [&self.stream, self.device.stream()],
+            "freeing a legacy buffer",
+            move || {
+                let _ = device.bind();
+                // SAFETY: allocated in `alloc`, freed once, after the work
+                // queued on its streams.
+                let _ = unsafe { mem::free(ptr) };
+            },
+        );
     }
 }
 
@@ -306,11 +305,6 @@ pub struct LegacyMapping {
     handle: IpcMemHandle,
     streams: UsedStreams,
 }
-
-// SAFETY: a mapping is a process-wide address range; driver calls bind the context first.
-unsafe impl Send for LegacyMapping {}
-// SAFETY: as above.
-unsafe impl Sync for LegacyMapping {}
 
 impl LegacyMapping {
     /// Opens `handle` on `device`.
@@ -396,16 +390,23 @@ impl Mapping for LegacyMapping {
 
 impl Drop for LegacyMapping {
     fn drop(&mut self) {
-        // Errors cannot be raised from drop; work queued on the device's
-        // stream and on every stream the views used is finished first so
-        // that nothing uses the range after it is closed. A failure leaves
-        // the mapping to the context's teardown.
-        let _ = self.device.bind();
-        let _ = self.streams.synchronize_all();
-        let _ = self.device.stream().synchronize();
-        // SAFETY: opened in `open`, closed once.
-        let _ = unsafe { ipc::close_mem_handle(self.base) };
-        tracing::debug!(base = self.base, "closed legacy handle");
+        // Errors cannot be raised from drop. The close is retired until the
+        // work queued on the device's stream and on every stream the views
+        // used has finished, so that nothing uses the range after it is
+        // closed (no wait here). A failure leaves the mapping to the
+        // context's teardown.
+        let (device, base) = (self.device.clone(), self.base);
+        self.streams.retire(
+            self.device.stream(),
+            "closing a legacy IPC mapping",
+            move || {
+                let _ = device.bind();
+                // SAFETY: opened in `open`, closed once, after every stream
+                // that used it has finished.
+                let _ = unsafe { ipc::close_mem_handle(base) };
+                tracing::debug!(base, "closed legacy handle");
+            },
+        );
     }
 }
 

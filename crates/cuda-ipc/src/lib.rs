@@ -63,6 +63,7 @@ pub mod legacy;
 mod mechanism;
 pub mod memory;
 pub mod pool;
+pub mod reaper;
 mod result;
 pub mod set;
 pub mod share;

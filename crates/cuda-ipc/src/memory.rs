@@ -302,18 +302,37 @@ pub fn order_streams<'a>(
     cudarc::driver::SyncOnDrop::Sync(Some(stream))
 }
 
-/// Orders `new` after the work queued so far on `old` (`new` waits on an
-/// event recorded on `old`), for `with_stream`: work queued before the
-/// switch stays ordered before work queued after it, and waiting for `new`
-/// (as `Drop` does) also waits for it. If the event can't be recorded or
-/// waited on, `old` is synchronised instead; if even that fails, the error
-/// is recorded in the context (as cudarc does), to surface at its next check.
-pub(crate) fn order_after(new: &Arc<CudaStream>, old: &Arc<CudaStream>) {
-    if new.cu_stream() == old.cu_stream() {
-        return;
+/// The one implementation of every memory type's `with_stream`: checks
+/// that `new` is a stream of `device`'s context, and orders it after the
+/// work queued so far on `current` (`new` waits on an event recorded on
+/// `current`), so that work queued before the switch stays ordered before
+/// work queued after it, and waiting for `new` (as a release does) also
+/// waits for it. Returns `new`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when `new` belongs to another context (another
+/// device, or a context that is not the device's primary one): the memory's
+/// address means nothing there. A driver error when the ordering event
+/// cannot be recorded or waited on.
+pub fn switch_stream(
+    device: &Device,
+    current: &Arc<CudaStream>,
+    new: Arc<CudaStream>,
+) -> Result<Arc<CudaStream>> {
+    if new.context().cu_ctx() != device.context().cu_ctx() {
+        return Err(Error::arg(
+            "stream",
+            format!(
+                "it belongs to another CUDA context than device {}'s primary context, where this \
+                 memory lives; make the stream with the device's context \
+                 (device.context().new_stream())",
+                device.ordinal()
+            ),
+        ));
     }
-    if let Err(e) = new.join(old) {
-        tracing::debug!(error = %e, "ordering a stream after another failed; synchronising instead");
-        old.context().record_err(old.synchronize());
+    if new.cu_stream() != current.cu_stream() {
+        new.join(current)
+            .map_err(|e| crate::error::from_cudarc("cuStreamWaitEvent", e))?;
     }
+    Ok(new)
 }

@@ -194,11 +194,6 @@ pub struct PoolBuffer {
     len: usize,
 }
 
-// SAFETY: owns a device allocation; calls bind the context first.
-unsafe impl Send for PoolBuffer {}
-// SAFETY: as above.
-unsafe impl Sync for PoolBuffer {}
-
 impl PoolBuffer {
     /// The 64 bytes another process needs, with the pool, to import this allocation.
     #[doc(alias = "cuMemPoolExportPointer")]
@@ -213,15 +208,12 @@ impl PoolBuffer {
         &self.pool
     }
 
-    /// Uses `stream` (of the same device) for this buffer's copies, kernels and free.
-    #[must_use]
-    ///
-    /// `stream` is first ordered after the buffer's current stream (an event
-    /// recorded there and waited on), so work queued before keeps its order.
-    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
-        crate::memory::order_after(&stream, &self.stream);
-        self.stream = stream;
-        self
+    /// Uses `stream` for this buffer's copies, kernels and free; see
+    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
+    /// and the errors.
+    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
+        self.stream = crate::memory::switch_stream(&self.pool.device, &self.stream, stream)?;
+        Ok(self)
     }
 
     /// The length in bytes.
@@ -270,6 +262,9 @@ impl Drop for PoolBuffer {
 pub struct ImportedPool {
     device: Device,
     pool: sys::CUmemoryPool,
+    /// A stream of its own on which imported pointers are freed and waited
+    /// for (nothing else queues there).
+    free_stream: Arc<CudaStream>,
 }
 
 // SAFETY: a pool handle is a process-wide driver object; calls bind the context first.
@@ -287,9 +282,18 @@ impl ImportedPool {
         let raw = pool::import_fd(fd.as_fd())?;
         // The driver did not take the descriptor.
         drop(fd);
+        let free_stream = match device.context().new_stream() {
+            Ok(s) => s,
+            Err(e) => {
+                // SAFETY: imported just above, not shared yet.
+                let _ = unsafe { pool::destroy(raw) };
+                return Err(crate::error::from_cudarc("cuStreamCreate", e));
+            }
+        };
         let imported = Arc::new(ImportedPool {
             device: device.clone(),
             pool: raw,
+            free_stream,
         });
         let ordinal = device.ordinal() as i32;
         // SAFETY: the pool is live (owned by `imported`).
@@ -372,11 +376,6 @@ pub struct PoolMapping {
     streams: UsedStreams,
 }
 
-// SAFETY: an imported pointer is a process-wide address; calls bind the context first.
-unsafe impl Send for PoolMapping {}
-// SAFETY: as above.
-unsafe impl Sync for PoolMapping {}
-
 impl Sealed for PoolMapping {
     fn used_streams(&self) -> &UsedStreams {
         &self.streams
@@ -400,20 +399,30 @@ impl Mapping for PoolMapping {
 
 impl Drop for PoolMapping {
     fn drop(&mut self) {
-        // Free before telling anyone we are done: the exporter may free its
-        // allocation as soon as our lease is released, so the free is
-        // completed here. Errors cannot be raised from drop.
-        let device = &self.pool.device;
-        let _ = device.bind();
-        // Work the views queued on other streams first, then the free on
-        // the device's stream, which is then waited for.
-        let _ = self.streams.synchronize_all();
-        let s = device.stream().cu_stream();
-        // SAFETY: imported in `import_pointer`, freed once, then waited for.
-        unsafe {
-            let _ = pool::free_async(self.ptr, s);
-            let _ = rstream::synchronize(s);
-        }
+        // The free is retired until every stream the views used has
+        // finished (no wait here). The driver asks that an importer's free
+        // completes before the exporter frees, and the exporter may free as
+        // soon as our lease is released: the lease's release runs after
+        // this step, which queues the free on the pool's own stream (no
+        // other work) and waits for it there. Errors cannot be raised from
+        // drop.
+        let pool = self.pool.clone();
+        let ptr = self.ptr;
+        self.streams.retire(
+            self.pool.device.stream(),
+            "freeing an imported pool pointer",
+            move || {
+                let _ = pool.device.bind();
+                let s = pool.free_stream.cu_stream();
+                // SAFETY: imported in `import_pointer`, freed once, after
+                // every stream that used it has finished; the free is
+                // waited for on a stream that holds nothing else.
+                unsafe {
+                    let _ = pool::free_async(ptr, s);
+                    let _ = rstream::synchronize(s);
+                }
+            },
+        );
     }
 }
 

@@ -178,15 +178,16 @@ impl SharedBuffer {
         self.byte_len() == 0
     }
 
-    /// Uses `stream` (of the same device) for this buffer's copies and kernels.
-    #[must_use]
-    pub fn with_stream(self, stream: Arc<CudaStream>) -> Self {
+    /// Uses `stream` for this buffer's copies and kernels; see
+    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
+    /// and the errors.
+    pub fn with_stream(self, stream: Arc<CudaStream>) -> Result<Self> {
         let allocation = match self.allocation {
-            Allocation::Legacy(b) => Allocation::Legacy(b.with_stream(stream)),
-            Allocation::Vmm(b) => Allocation::Vmm(b.with_stream(stream)),
-            Allocation::Pool(b) => Allocation::Pool(b.with_stream(stream)),
+            Allocation::Legacy(b) => Allocation::Legacy(b.with_stream(stream)?),
+            Allocation::Vmm(b) => Allocation::Vmm(b.with_stream(stream)?),
+            Allocation::Pool(b) => Allocation::Pool(b.with_stream(stream)?),
         };
-        SharedBuffer { allocation, ..self }
+        Ok(SharedBuffer { allocation, ..self })
     }
 
     /// Exports the whole buffer as bytes.

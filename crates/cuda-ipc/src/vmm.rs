@@ -116,12 +116,6 @@ pub struct VmmBuffer {
     types: ShareableTypes,
 }
 
-// SAFETY: the buffer owns a physical allocation and its mapping, usable from
-// any thread; every driver call binds the context first.
-unsafe impl Send for VmmBuffer {}
-// SAFETY: as above; `&self` methods only read fields or issue driver calls.
-unsafe impl Sync for VmmBuffer {}
-
 impl VmmBuffer {
     /// Allocates `len` bytes (rounded up to the granularity, 2 MiB on
     /// current GPUs) exportable as file descriptors.
@@ -173,15 +167,12 @@ impl VmmBuffer {
         })
     }
 
-    /// Uses `stream` (of the same device) for this buffer's copies and kernels.
-    #[must_use]
-    ///
-    /// `stream` is first ordered after the buffer's current stream (an event
-    /// recorded there and waited on), so work queued before keeps its order.
-    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Self {
-        crate::memory::order_after(&stream, &self.stream);
-        self.stream = stream;
-        self
+    /// Uses `stream` for this buffer's copies and kernels; see
+    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
+    /// and the errors.
+    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
+        self.stream = crate::memory::switch_stream(&self.device, &self.stream, stream)?;
+        Ok(self)
     }
 
     /// The requested length in bytes.
@@ -260,6 +251,17 @@ fn map_rw(
     map_segments_rw(&[handle], size, align, &[device])
 }
 
+/// The bytes of `count` segments of `segment` bytes each (sizes a peer
+/// sends: checked, never wrapped).
+fn segments_size(segment: u64, count: usize) -> Result<u64> {
+    segment.checked_mul(count as u64).ok_or_else(|| {
+        Error::arg(
+            "segments",
+            format!("{count} segments of {segment} bytes pass the 64-bit address space"),
+        )
+    })
+}
+
 /// Maps `handles`, each of `segment` bytes, back to back into one reserved
 /// range, read-write for `devices`; undoes everything on failure.
 fn map_segments_rw(
@@ -268,7 +270,7 @@ fn map_segments_rw(
     align: u64,
     devices: &[i32],
 ) -> Result<u64> {
-    let total = segment * handles.len() as u64;
+    let total = segments_size(segment, handles.len())?;
     let ptr = vmm::address_reserve(total, align)?;
     let mut mapped = 0;
     let result = (|| {
@@ -313,17 +315,26 @@ impl_cudarc_traits!(VmmBuffer, u8);
 
 impl Drop for VmmBuffer {
     fn drop(&mut self) {
-        // Errors cannot be raised from drop: our stream's work is finished
-        // first; if the context is broken its teardown frees everything.
-        let _ = self.device.bind();
-        let _ = self.stream.synchronize();
-        // SAFETY: mapped, reserved and created in `alloc_with`; undone once,
-        // in reverse order. Consumers' mappings keep the memory alive.
-        unsafe {
-            let _ = vmm::unmap(self.ptr, self.alloc_size);
-            let _ = vmm::address_free(self.ptr, self.alloc_size);
-            let _ = vmm::release(self.handle);
-        }
+        // Errors cannot be raised from drop. The unmap is retired until our
+        // stream's work has finished (no wait here); if the context is
+        // broken its teardown frees everything.
+        let (device, ptr, size, handle) =
+            (self.device.clone(), self.ptr, self.alloc_size, self.handle);
+        crate::reaper::after_streams(
+            [&self.stream, self.device.stream()],
+            "unmapping and releasing a VMM allocation",
+            move || {
+                let _ = device.bind();
+                // SAFETY: mapped, reserved and created in `alloc_with`;
+                // undone once, in reverse order, after the work queued on
+                // its streams. Consumers' mappings keep the memory alive.
+                unsafe {
+                    let _ = vmm::unmap(ptr, size);
+                    let _ = vmm::address_free(ptr, size);
+                    let _ = vmm::release(handle);
+                }
+            },
+        );
     }
 }
 
@@ -339,11 +350,6 @@ pub struct VmmMapping {
     mechanism: Mechanism,
     streams: UsedStreams,
 }
-
-// SAFETY: a mapping is a process-wide address range; calls bind the context first.
-unsafe impl Send for VmmMapping {}
-// SAFETY: as above.
-unsafe impl Sync for VmmMapping {}
 
 impl VmmMapping {
     /// Imports the allocation behind `fd` (of `size` bytes, the exporter's
@@ -468,7 +474,8 @@ impl VmmMapping {
         Ok(Arc::new(VmmMapping {
             device: device.clone(),
             ptr,
-            size: segment * handles.len() as u64,
+            // Checked by `map_segments_rw`, which succeeded.
+            size: segment.saturating_mul(handles.len() as u64),
             segment,
             mechanism,
             streams: UsedStreams::default(),
@@ -516,21 +523,42 @@ impl Mapping for VmmMapping {
 
 impl Drop for VmmMapping {
     fn drop(&mut self) {
-        // Errors cannot be raised from drop; the device's stream and every
-        // stream the views used are finished first so that nothing queued
-        // there uses the range after unmapping.
-        let _ = self.device.bind();
-        let _ = self.streams.synchronize_all();
-        let _ = self.device.stream().synchronize();
-        // SAFETY: mapped segment by segment and reserved in `map_imported`,
-        // undone once (cuMemUnmap takes whole mappings).
-        unsafe {
-            let mut at = self.ptr;
-            while at < self.ptr + self.size {
-                let _ = vmm::unmap(at, self.segment);
-                at += self.segment;
-            }
-            let _ = vmm::address_free(self.ptr, self.size);
-        }
+        // Errors cannot be raised from drop. The unmap is retired until the
+        // device's stream and every stream the views used have finished the
+        // work queued so far, so that nothing queued there uses the range
+        // after unmapping (no wait here).
+        let (device, ptr, size, segment) = (self.device.clone(), self.ptr, self.size, self.segment);
+        self.streams.retire(
+            self.device.stream(),
+            "unmapping an imported VMM allocation",
+            move || {
+                let _ = device.bind();
+                // SAFETY: mapped segment by segment and reserved in
+                // `map_imported`, undone once (cuMemUnmap takes whole
+                // mappings), after every stream that used it has finished.
+                unsafe {
+                    let mut at = ptr;
+                    while at < ptr + size {
+                        let _ = vmm::unmap(at, segment);
+                        at += segment;
+                    }
+                    let _ = vmm::address_free(ptr, size);
+                }
+            },
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_sizes_a_peer_sends_never_wrap() {
+        assert_eq!(segments_size(2 << 20, 3).unwrap(), 6 << 20);
+        let e = segments_size(1 << 40, 1 << 30).unwrap_err();
+        assert!(e.to_string().contains("64-bit address space"), "{e}");
+        assert!(segments_size(u64::MAX, 2).is_err());
+        assert_eq!(segments_size(u64::MAX, 1).unwrap(), u64::MAX);
     }
 }

@@ -55,6 +55,38 @@ fn sample() -> SetRecord {
 // Decoding and its errors
 
 #[test]
+fn a_record_with_a_key_twice_is_refused() {
+    let text = sample().to_json();
+    // The same key twice: a strict reader refuses, rather than take the last.
+    let twice = text.replacen(r#"{"arena":"#, r#"{"name":"other","arena":"#, 1);
+    assert_ne!(twice, text);
+    let e = SetRecord::from_json(&twice).unwrap_err();
+    assert!(e.to_string().contains("appears twice"), "{e}");
+}
+
+#[test]
+fn total_bytes_saturate_instead_of_wrapping() {
+    let mut r = sample();
+    for e in &mut r.entries {
+        e.len = u64::MAX / 2;
+    }
+    assert_eq!(r.total_bytes(), u64::MAX);
+}
+
+/// The buffer and mapping types are `Send + Sync` by their fields alone (no
+/// `unsafe impl`): a field added later that is not stops this from compiling.
+#[test]
+fn memory_types_are_send_and_sync_by_their_fields() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<cuda_ipc::LegacyBuffer>();
+    send_sync::<cuda_ipc::LegacyMapping>();
+    send_sync::<cuda_ipc::vmm::VmmBuffer>();
+    send_sync::<cuda_ipc::vmm::VmmMapping>();
+    send_sync::<cuda_ipc::pool::PoolBuffer>();
+    send_sync::<cuda_ipc::pool::PoolMapping>();
+}
+
+#[test]
 fn a_record_round_trips_through_json() {
     let r = sample();
     let text = r.to_json();

@@ -410,6 +410,25 @@ impl Client {
         }
     }
 
+    /// Releases a lease without waiting for the server's answer (which is
+    /// dropped when it comes): for a release from a drop or a background
+    /// thread, which must not wait on a peer. The send itself is bounded by
+    /// the request timeout. A connection that is gone has ended the lease
+    /// already: [`ChannelError::PeerGone`].
+    pub fn release_nowait(&self, lease: u64) -> Result<(), ChannelError> {
+        let id = {
+            let mut st = lock(&self.state);
+            if let Some(d) = &st.dead {
+                return Err(d.error());
+            }
+            st.rings.remove(&lease);
+            st.held.remove(&lease);
+            st.next_id()
+        };
+        // Nobody waits for `id`, so its answer is dropped when it comes.
+        self.send(&Message::Release { id, lease })
+    }
+
     /// The next update or unpublished notice for a leased entry, waiting up
     /// to `timeout` for one (`Duration::ZERO` polls: it returns a notice
     /// that has arrived, or [`ChannelError::Timeout`] at once). Notices

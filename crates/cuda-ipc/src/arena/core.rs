@@ -430,7 +430,10 @@ impl<B: ChunkBacking> Arena<B> {
     /// The size of the chunk to create for an allocation of `len` bytes.
     fn next_chunk_len(&self, core: &Core<B>, len: u64) -> Result<u64> {
         let o = &self.shared.options;
-        let grown = (core.chunk_bytes + core.pending).clamp(o.chunk_size, o.max_chunk_size);
+        let grown = core
+            .chunk_bytes
+            .saturating_add(core.pending)
+            .clamp(o.chunk_size, o.max_chunk_size);
         self.round_chunk(grown.max(len))
     }
 
@@ -446,11 +449,17 @@ impl<B: ChunkBacking> Arena<B> {
         let o = &self.shared.options;
         let mut idle = Vec::new();
         if let Some(limit) = o.limit {
-            if trim && core.chunk_bytes + core.pending + size > limit {
+            if trim
+                && core
+                    .chunk_bytes
+                    .saturating_add(core.pending)
+                    .saturating_add(size)
+                    > limit
+            {
                 idle = core.take_idle();
             }
-            let held = core.chunk_bytes + core.pending;
-            if held + size > limit {
+            let held = core.chunk_bytes.saturating_add(core.pending);
+            if held.saturating_add(size) > limit {
                 drop(core);
                 drop(idle);
                 return Err(Error::Unsupported {

@@ -1,11 +1,19 @@
 //! A lease held by every view of what it covers.
+//!
+//! The guard holds the connection that carries the lease (a strong
+//! reference to the channel client): a [`Subscriber`](super::Subscriber)
+//! dropped while views live leaves the connection open, and so the lease
+//! held, until the last view is gone. Its drop never waits: the release is
+//! retired to the [reaper](crate::reaper) until the streams the views used
+//! have finished, then the mappings are undone and the lease is given back
+//! without waiting for the publisher's answer.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 use crate::buffer::{Hold, Mapping};
-use crate::channel::{Client, Notice};
+use crate::channel::{ChannelError, Client, Notice};
 use crate::error::{Error, Result};
 
 use super::lock;
@@ -18,8 +26,9 @@ pub(super) type Pending = Mutex<HashMap<u64, VecDeque<Notice>>>;
 pub(super) struct LeaseGuard {
     lease: u64,
     name: String,
-    client: Weak<Client>,
-    pending: Weak<Pending>,
+    /// The connection: kept open while any view holds the lease.
+    client: Arc<Client>,
+    pending: Arc<Pending>,
     /// The mappings the lease covers, whose streams are waited for before
     /// the lease ends.
     mappings: Mutex<Vec<Arc<dyn Mapping>>>,
@@ -48,8 +57,8 @@ impl LeaseGuard {
         Arc::new(LeaseGuard {
             lease,
             name,
-            client: Arc::downgrade(client),
-            pending: Arc::downgrade(pending),
+            client: client.clone(),
+            pending: pending.clone(),
             mappings: Mutex::new(mappings),
             released: AtomicBool::new(false),
         })
@@ -71,10 +80,12 @@ impl LeaseGuard {
         Ok(())
     }
 
-    /// Ends the lease once: waits for the streams the views used, drops the
-    /// mappings (unmapped if no other lease shares them), then tells the
-    /// publisher. The lease is released even when a wait failed (the first
-    /// failure is returned).
+    /// Ends the lease now, waiting (an explicit release): waits for the
+    /// streams the views used, undoes the mappings (unless another lease
+    /// shares them), then tells the publisher and waits for its answer
+    /// (within the connection's timeout). The lease is released even when
+    /// a wait failed (the first failure is returned). A connection that is
+    /// gone has ended the lease already.
     pub(super) fn end(&self) -> Result<()> {
         if self.released.swap(true, Ordering::AcqRel) {
             return Ok(());
@@ -87,25 +98,39 @@ impl LeaseGuard {
                 waited = r;
             }
         }
-        drop(mappings);
-        if let Some(pending) = self.pending.upgrade() {
-            lock(&pending).remove(&self.lease);
+        crate::reaper::work_done(|| drop(mappings));
+        lock(&self.pending).remove(&self.lease);
+        match self.client.release(self.lease) {
+            Ok(()) | Err(ChannelError::PeerGone) => waited,
+            Err(e) => Err(e.into()),
         }
-        // Without the client the connection is closed, and the publisher
-        // has released the lease already.
-        if let Some(client) = self.client.upgrade() {
-            client.release(self.lease)?;
-        }
-        waited
     }
 }
 
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
-        // The last view is gone. Errors cannot be raised from drop.
-        if let Err(e) = self.end() {
-            tracing::warn!(lease = self.lease, name = %self.name, error = %e, "releasing a lease failed");
+        // The last view is gone. Nothing waits here: the release is retired
+        // until the streams the views used have finished the work queued so
+        // far; then the mappings are undone (they are done with, so at
+        // once) and the publisher is told, without waiting for its answer.
+        if self.released.load(Ordering::Acquire) {
+            return;
         }
+        let mappings = std::mem::take(&mut *lock(&self.mappings));
+        let mut streams = Vec::new();
+        for m in &mappings {
+            streams.extend(m.used_streams().snapshot());
+            streams.push(m.device().stream().clone());
+        }
+        let (client, pending, lease) = (self.client.clone(), self.pending.clone(), self.lease);
+        crate::reaper::after_streams(&streams, "releasing a lease", move || {
+            crate::reaper::work_done(|| drop(mappings));
+            lock(&pending).remove(&lease);
+            match client.release_nowait(lease) {
+                Ok(()) | Err(ChannelError::PeerGone) => {}
+                Err(e) => tracing::warn!(lease, error = %e, "releasing a lease failed"),
+            }
+        });
     }
 }
 
@@ -130,8 +155,20 @@ mod tests {
         (dir, server, client, lease)
     }
 
+    /// Waits up to 5 s for the server to hold no lease.
+    fn no_leases(server: &Server) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !server.leases().is_empty() {
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        true
+    }
+
     #[test]
-    fn the_last_view_releases_the_lease() {
+    fn the_last_view_releases_the_lease_without_waiting() {
         let (_dir, server, client, lease) = leased();
         let pending = Arc::new(Pending::default());
         lock(&pending).insert(lease, VecDeque::new());
@@ -139,13 +176,16 @@ mod tests {
         let views: Vec<_> = (0..3).map(|_| guard.clone()).collect();
         drop(guard);
         drop(views[..2].to_vec());
+        assert!(crate::reaper::settle(Duration::from_secs(5)));
         assert_eq!(server.leases().len(), 1, "a view is still alive");
         drop(views);
-        assert!(server.leases().is_empty(), "{:?}", server.leases());
+        assert!(crate::reaper::settle(Duration::from_secs(5)));
+        assert!(no_leases(&server), "{:?}", server.leases());
         assert!(
             lock(&pending).is_empty(),
             "notices of the lease are dropped"
         );
+        assert!(client.is_alive(), "the connection stays for the subscriber");
     }
 
     #[test]
@@ -164,26 +204,48 @@ mod tests {
         drop(view);
         guard.check_no_views(1).unwrap();
         guard.end().unwrap();
-        assert!(server.leases().is_empty());
+        assert!(
+            server.leases().is_empty(),
+            "an explicit release waits for the answer"
+        );
         // Ended once: the drop that follows does not release again.
         drop(guard);
+        assert!(crate::reaper::settle(Duration::from_secs(5)));
         assert!(client.is_alive());
     }
 
     #[test]
-    fn a_lease_outliving_its_client_ends_quietly() {
+    fn a_view_keeps_the_connection_after_the_subscriber_lets_go() {
         let (_dir, server, client, lease) = leased();
         let pending = Arc::new(Pending::default());
-        let guard = LeaseGuard::new(&client, &pending, lease, "x".into(), Vec::new());
+        let view = LeaseGuard::new(&client, &pending, lease, "x".into(), Vec::new());
+        // The subscriber's own references go; the view's lease must stay.
         drop(client);
         drop(pending);
-        guard.end().unwrap();
-        drop(guard);
-        // The server notices the closed connection on its own.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            server.leases().len(),
+            1,
+            "the lease ended with the subscriber"
+        );
+        drop(view);
+        assert!(crate::reaper::settle(Duration::from_secs(5)));
+        assert!(no_leases(&server), "{:?}", server.leases());
+    }
+
+    #[test]
+    fn a_view_dropped_after_the_publisher_is_gone_ends_quietly() {
+        let (_dir, server, client, lease) = leased();
+        let pending = Arc::new(Pending::default());
+        let view = LeaseGuard::new(&client, &pending, lease, "x".into(), Vec::new());
+        drop(server);
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !server.leases().is_empty() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
+        while client.is_alive() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
         }
-        assert!(server.leases().is_empty());
+        let t = Instant::now();
+        drop(view);
+        assert!(t.elapsed() < Duration::from_millis(50));
+        assert!(crate::reaper::settle(Duration::from_secs(5)));
     }
 }

@@ -157,7 +157,7 @@ impl Subscriber {
                 }
             }
         }
-        let mappings = slots.iter().map(|b| b.mapping().clone()).collect();
+        let mappings = slots.iter().map(|b| b.mapping_arc().clone()).collect();
         let guard = LeaseGuard::new(
             &self.client,
             &self.pending,
@@ -210,10 +210,16 @@ impl Subscriber {
     }
 
     /// Hands a frame's slot back to the producer, after the work queued on
-    /// its stream has finished.
+    /// every stream its views used (the frame's own, and any given with
+    /// `with_stream`) has finished.
     #[allow(clippy::needless_pass_by_value)] // taking the frame ends its use
     pub fn ack<T: Pod>(&self, ring: &RingSubscriber<T>, frame: RingFrame<'_, T>) -> Result<()> {
         frame.buffer.synchronize()?;
+        frame
+            .buffer
+            .mapping_arc()
+            .used_streams()
+            .synchronize_all()?;
         Ok(self.client.ack(ring.lease, index(frame.slot)?, frame.seq)?)
     }
 

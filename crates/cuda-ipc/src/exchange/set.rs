@@ -603,6 +603,25 @@ pub(super) struct CachedChunk {
     lease: u64,
 }
 
+impl CachedChunk {
+    /// Retires the chunk without waiting: unmapped once the streams that
+    /// used it have finished, then its lease released (no answer awaited).
+    pub(super) fn retire(self, client: &Arc<channel::Client>) {
+        let CachedChunk { mapping, lease } = self;
+        let mut streams = mapping.used_streams().snapshot();
+        streams.push(mapping.device().stream().clone());
+        let client = client.clone();
+        crate::reaper::after_streams(&streams, "unmapping an idle chunk", move || {
+            crate::reaper::work_done(|| drop(mapping));
+            if let Err(e) = client.release_nowait(lease)
+                && !matches!(e, ChannelError::PeerGone)
+            {
+                tracing::debug!(lease, error = %e, "releasing a chunk lease failed");
+            }
+        });
+    }
+}
+
 impl Held for CachedChunk {
     fn held(&self) -> bool {
         Arc::strong_count(&self.mapping) > 1
@@ -770,12 +789,14 @@ impl Subscriber {
         Ok(mapping)
     }
 
-    /// Unmaps evicted chunks and releases their leases, outside the cache's lock.
-    fn drop_chunks(&self, evicted: Vec<CachedChunk>) {
+    /// Unmaps evicted chunks and releases their leases, outside the cache's
+    /// lock (an explicit call: it waits for the streams that used them).
+    pub(super) fn drop_chunks(&self, evicted: Vec<CachedChunk>) {
         for c in evicted {
             lock(&self.pending).remove(&c.lease);
             let _ = c.mapping.used_streams().synchronize_all();
-            drop(c.mapping);
+            // Waited for: unmapped now, before the lease goes.
+            crate::reaper::work_done(|| drop(c.mapping));
             if self.client.is_alive()
                 && let Err(e) = self.client.release(c.lease)
             {

@@ -121,6 +121,19 @@ pub struct Subscriber {
     opens: std::sync::atomic::AtomicU64,
 }
 
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        // Cached chunks that nothing holds are let go of without waiting;
+        // those that views hold stay mapped (the views hold the mappings)
+        // and leased (the views' leases keep the connection open) until
+        // the views are gone.
+        let idle = lock(&self.chunks).drain_idle();
+        for c in idle {
+            c.retire(&self.client);
+        }
+    }
+}
+
 impl std::fmt::Debug for Subscriber {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Subscriber")
@@ -293,7 +306,7 @@ impl Subscriber {
 
     /// Makes `stream` wait for the publisher's latest work (at attach), with
     /// this subscriber's deadline; abandons a fence when the publisher is gone.
-    pub(super) fn wait_latest(&self, waiter: &Waiter, stream: &CudaStream) -> Result<()> {
+    pub(super) fn wait_latest(&self, waiter: &Waiter, stream: &Arc<CudaStream>) -> Result<()> {
         let client = self.client.clone();
         waiter.wait_latest(stream, &move || client.is_alive(), self.timeout)
     }
@@ -303,7 +316,7 @@ impl Subscriber {
     pub(super) fn wait_notice(
         &self,
         waiter: &Waiter,
-        stream: &CudaStream,
+        stream: &Arc<CudaStream>,
         data: &Value,
     ) -> Result<()> {
         let client = self.client.clone();
@@ -312,7 +325,12 @@ impl Subscriber {
 
     /// Makes `stream` wait (GPU-side, after a host-side deadline) until the
     /// fence reaches `seq`; abandons it when the publisher is gone.
-    pub(super) fn wait_fence(&self, waiter: &Waiter, stream: &CudaStream, seq: u64) -> Result<()> {
+    pub(super) fn wait_fence(
+        &self,
+        waiter: &Waiter,
+        stream: &Arc<CudaStream>,
+        seq: u64,
+    ) -> Result<()> {
         let client = self.client.clone();
         waiter.wait_seq(stream, seq, &move || client.is_alive(), self.timeout)
     }
@@ -370,7 +388,7 @@ impl Subscriber {
                     &self.pending,
                     a.lease,
                     a.name.clone(),
-                    vec![buffer.mapping().clone()],
+                    vec![buffer.mapping_arc().clone()],
                 );
                 Ok(Attachment {
                     lease: a.lease,
@@ -434,6 +452,37 @@ impl Subscriber {
             }
             .into()),
         }
+    }
+
+    /// Closes the connection now, after unmapping the cached chunks and
+    /// releasing their leases.
+    ///
+    /// Dropping a subscriber never cuts off what its views hold: the
+    /// connection (and every lease on it) then stays open until the last
+    /// view, attachment or set is gone. `close` is for a caller that wants
+    /// the connection gone now, and says so when it cannot be.
+    ///
+    /// # Errors
+    /// [`Error::StillInUse`] while attachments, sets, rings or views made
+    /// from them are alive (the subscriber is dropped all the same, and
+    /// its connection closes when the last of them goes).
+    pub fn close(self) -> Result<()> {
+        let users = |s: &Self| Arc::strong_count(&s.pending).saturating_sub(1);
+        if users(&self) > 0 {
+            // Releases already retired hold the book until they have run.
+            crate::reaper::settle(self.timeout);
+        }
+        let users = users(&self);
+        if users > 0 {
+            return Err(Error::StillInUse {
+                what: "the subscriber's connection",
+                users,
+                then: "drop them first; the connection closes when the last of them is gone",
+            });
+        }
+        let idle = lock(&self.chunks).drain_idle();
+        self.drop_chunks(idle);
+        Ok(())
     }
 
     /// Releases a lease now: waits for the work queued on every stream the

@@ -222,7 +222,7 @@ impl EntryFences {
 
     /// Signals entry `slot`'s next sequence number after the work queued on
     /// `stream`, and announces it.
-    pub(super) fn signal(&self, stream: &CudaStream, slot: u32) -> Result<u64> {
+    pub(super) fn signal(&self, stream: &Arc<CudaStream>, slot: u32) -> Result<u64> {
         let word = 2 * slot;
         let seq = self.fence.last_signalled(word)? + 1;
         self.fence.signal(stream, word, seq)?;
@@ -368,7 +368,7 @@ impl Waiter {
     /// event's last record, or the fence's announced sequence number.
     pub(super) fn wait_latest(
         &self,
-        stream: &CudaStream,
+        stream: &Arc<CudaStream>,
         alive: &dyn Fn() -> bool,
         timeout: Duration,
     ) -> Result<()> {
@@ -391,7 +391,7 @@ impl Waiter {
     /// notice names.
     pub(super) fn wait_update(
         &self,
-        stream: &CudaStream,
+        stream: &Arc<CudaStream>,
         data: &serde_json::Value,
         alive: &dyn Fn() -> bool,
         timeout: Duration,
@@ -412,7 +412,7 @@ impl Waiter {
     /// signalled; for an event, its last record.
     pub(super) fn wait_seq(
         &self,
-        stream: &CudaStream,
+        stream: &Arc<CudaStream>,
         seq: u64,
         alive: &dyn Fn() -> bool,
         timeout: Duration,

@@ -366,7 +366,9 @@ impl SetRecord {
 
     /// Parses and validates a set record from JSON text.
     pub fn from_json(text: &str) -> Result<Self> {
-        let value: Value = serde_json::from_str(text)
+        // The strict parser refuses duplicate keys, as for descriptors and
+        // share records: a record a peer sends has one reading.
+        let value: Value = crate::json::parse_strict(text)
             .map_err(|e| field_err("(document)", format!("not valid JSON: {e}")))?;
         Self::from_value(&value)
     }
@@ -656,9 +658,13 @@ impl SetRecord {
         self.chunks.iter().find(|c| c.id == id)
     }
 
-    /// The bytes of all entries together.
+    /// The bytes of all entries together (saturating: a record's entries
+    /// each lie inside a chunk, but tied entries may count the same bytes
+    /// twice, so the sum of a hostile record is bounded only by 64 bits).
     pub fn total_bytes(&self) -> u64 {
-        self.entries.iter().map(|e| e.len).sum()
+        self.entries
+            .iter()
+            .fold(0u64, |sum, e| sum.saturating_add(e.len))
     }
 
     /// A descriptor of entry `index` alone (its chunk's descriptor narrowed

@@ -166,12 +166,16 @@ impl Parent {
     }
 }
 
-/// Free device memory of device 0, in bytes.
+/// Free device memory of device 0, in bytes, once every release this
+/// process retired has run (drops never wait: the reaper unmaps and frees).
 pub fn free_memory(device: &cuda_ipc::Device) -> u64 {
+    assert!(cuda_ipc::reaper::settle(TIMEOUT), "releases still retiring");
     device.memory_info().expect("cuMemGetInfo").0
 }
 
-/// Open file descriptors of this process.
+/// Open file descriptors of this process, once every release this process
+/// retired has run.
 pub fn open_fds() -> usize {
+    assert!(cuda_ipc::reaper::settle(TIMEOUT), "releases still retiring");
     std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count)
 }

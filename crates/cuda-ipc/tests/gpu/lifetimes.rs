@@ -64,7 +64,7 @@ fn slow_writer() {
         let name = req["name"].as_str().unwrap();
         let a = sub.attach::<u32>(name).unwrap();
         let stream = device.context().new_stream().unwrap();
-        let view = a.buffer().clone().with_stream(stream);
+        let view = a.buffer().clone().with_stream(stream).unwrap();
         kernels::fill_u32(&view, WRITTEN, Speed::Slow).unwrap();
         let t = Instant::now();
         drop(view);

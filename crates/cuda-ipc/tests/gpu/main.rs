@@ -11,6 +11,7 @@ mod common;
 mod consumer;
 mod containers;
 mod exchange;
+mod kept;
 mod legacy;
 mod lifetimes;
 mod mechanisms;
