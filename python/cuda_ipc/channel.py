@@ -411,5 +411,8 @@ class Subscriber(_Owner):
         return r
 
     def close(self):
-        """Disconnects. Safe to call twice."""
+        """Lets go of this subscriber. Attachments, state dicts and tensors
+        still alive keep its connection (and their leases) until the last
+        of them is gone: the publisher never reuses memory they hold. Safe
+        to call twice."""
         self._c.close()

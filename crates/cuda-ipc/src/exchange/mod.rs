@@ -69,12 +69,26 @@
 //! container) waits on the fence instead.
 //!
 //! # Lifetimes
-//! Every attach is a lease held by the subscriber's connection, and by every
-//! view of the attached buffer (its clones, slices and casts): the lease is
-//! released when the last view drops, or by [`Subscriber::release`], which
-//! refuses while other views are alive ([`Error::ViewsAlive`](crate::Error::ViewsAlive)). Before the
-//! lease goes, the streams the views used are waited for, so the publisher
-//! never frees memory that queued work still uses. Rings work the same way.
+//! Every attach is a lease held by every view of the attached buffer (its
+//! clones, slices and casts; for a set, every view of every entry), and
+//! each lease holds the connection that carries it: dropping (or
+//! [closing](Subscriber::close)) a [`Subscriber`] while views live leaves the
+//! connection open, so the publisher keeps the memory, until the last view
+//! is gone. The lease is released when the last view drops, or by
+//! [`Subscriber::release`], which refuses while other views are alive
+//! ([`Error::ViewsAlive`](crate::Error::ViewsAlive)).
+//!
+//! **No drop waits.** Dropping the last view retires the release to the
+//! [`reaper`](crate::reaper): events are recorded on every stream the views
+//! used, and once they have passed, the mappings are undone and the
+//! publisher is told (without waiting for its answer). So the publisher
+//! never frees or reuses memory that queued work still uses, and a drop
+//! returns at once even while the GPU is busy or the publisher is stopped.
+//! [`reaper::settle`](crate::reaper::settle) waits for the retired releases
+//! where a program needs their effect. Explicit calls
+//! ([`Subscriber::release`], [`Subscriber::release_set`], [`Subscriber::close`])
+//! do wait, within the connection's timeout.
+//!
 //! [`Publisher::unpublish`] hides a buffer from new subscribers and waits
 //! (with a timeout) until its last lease is released before handing the
 //! buffer back to be freed. A subscriber that exits or is killed releases
