@@ -649,6 +649,44 @@ fn open_honours_size_and_offset_with_a_descriptor() {
 }
 
 #[test]
+fn open_checks_size_and_offset_before_the_driver() {
+    let words = "positive multiple of 4 and --offset";
+    let d = descriptor(16);
+    let d18 = descriptor(16)
+        .replace(r#""len":16"#, r#""len":18"#)
+        .replace(r#""dtype":"u32""#, r#""dtype":"u8""#);
+    for (args, exit, why) in [
+        (vec!["--handle", HANDLE, "--size", "3"], 2, words),
+        (vec!["--handle", HANDLE, "--size", "0"], 2, words),
+        (
+            vec!["--handle", HANDLE, "--size", "4096", "--offset", "3"],
+            2,
+            words,
+        ),
+        (
+            vec!["--handle", HANDLE, "--size", "4096", "--offset", "4"],
+            3,
+            "libcuda.so.1",
+        ),
+        (vec!["--descriptor", &d, "--size", "0"], 2, words),
+        (vec!["--descriptor", &d, "--size", "6"], 2, words),
+        (vec!["--descriptor", &d, "--offset", "2"], 2, words),
+        // The rest of an 18-byte region is not whole words: fine to map,
+        // not to check or fill.
+        (vec!["--descriptor", &d18], 3, "libcuda.so.1"),
+        (
+            vec!["--descriptor", &d18, "--expect-u32", "1"],
+            2,
+            "not a whole number of 32-bit words",
+        ),
+    ] {
+        let mut full = vec!["open"];
+        full.extend(args);
+        assert_error(&full, &cuda_ipc(&full), exit, why);
+    }
+}
+
+#[test]
 fn a_descriptor_on_standard_input_is_one_bounded_utf8_line() {
     let args = ["open", "--descriptor", "-"];
     let pretty = serde_json::to_string_pretty(
