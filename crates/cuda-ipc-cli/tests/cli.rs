@@ -2,73 +2,11 @@
 //! no-driver path. `CUDA_IPC_DISABLE_DRIVER` makes the no-driver path
 //! deterministic on GPU hosts too.
 
-use std::io::Write;
-use std::process::{Command, Output, Stdio};
+mod common;
 
-fn command(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_cuda-ipc"));
-    c.args(args).env("CUDA_IPC_DISABLE_DRIVER", "1");
-    c
-}
+use std::process::{Command, Stdio};
 
-fn cuda_ipc(args: &[&str]) -> Output {
-    command(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run cuda-ipc")
-}
-
-/// Runs cuda-ipc with `input` on its standard input (written from a thread,
-/// so that a command that stops reading early does not block the test);
-/// also returns how many bytes of the input it took before it exited.
-fn cuda_ipc_with_input(args: &[&str], input: Vec<u8>) -> (Output, usize) {
-    let mut child = command(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run cuda-ipc");
-    let mut stdin = child.stdin.take().unwrap();
-    let writer = std::thread::spawn(move || {
-        let mut written = 0;
-        for chunk in input.chunks(64 << 10) {
-            if stdin.write_all(chunk).is_err() {
-                break;
-            }
-            written += chunk.len();
-        }
-        written
-    });
-    let out = child.wait_with_output().expect("wait for cuda-ipc");
-    (out, writer.join().unwrap())
-}
-
-fn code(o: &Output) -> i32 {
-    o.status.code().expect("exited, not killed")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn assert_no_panic(o: &Output) {
-    let e = stderr(o);
-    assert!(!e.contains("panicked"), "cuda-ipc panicked: {e}");
-    assert_ne!(code(o), 101, "cuda-ipc panicked: {e}");
-    // No Rust `Debug` output: `Error: DriverNotFound { reason: .. }` and the like.
-    assert!(!e.contains(" { "), "Debug output: {e}");
-}
-
-/// Asserts one short error sentence on standard error, naming `why`, and the exit code.
-fn assert_error(args: &[&str], o: &Output, exit: i32, why: &str) {
-    assert_no_panic(o);
-    let e = stderr(o);
-    assert_eq!(code(o), exit, "{args:?}: {e}");
-    assert!(e.contains(why), "{args:?}: expected {why:?} in {e}");
-    assert!(e.len() < 1200, "{args:?}: {} bytes of error: {e}", e.len());
-}
-
-const HANDLE: &str = "abababababababababababababababababababababababababababababababababababababababababababababababababababababababababababababababab";
+use common::*;
 
 #[test]
 fn every_subcommand_has_help() {
@@ -284,13 +222,6 @@ fn a_descriptor_is_validated_before_the_driver_is_needed() {
     );
 }
 
-/// A valid descriptor (legacy, 16 bytes of u32) as one JSON line.
-fn descriptor(len: u64) -> String {
-    r#"{"cuda_ipc":1,"mechanism":"legacy","handle":"HANDLE","alloc_size":4096,"offset":0,"len":LEN,"dtype":"u32","device_uuid":"GPU-00000000-0000-0000-0000-000000000000","pid":1}"#
-        .replace("HANDLE", HANDLE)
-        .replace("LEN", &len.to_string())
-}
-
 #[test]
 fn durations_take_units_and_have_a_limit() {
     for (args, why) in [
@@ -450,56 +381,6 @@ fn info_prints_the_driver_error_once() {
     assert_eq!(code(&o), 3);
 }
 
-/// `cuda-ipc info --no-probe` with the driver enabled and `dir` first on
-/// the loader path.
-fn info_with_loader_path(dir: &std::path::Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cuda-ipc"))
-        .args(["info", "--no-probe"])
-        .env_remove("CUDA_IPC_DISABLE_DRIVER")
-        .env("LD_LIBRARY_PATH", dir)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
-}
-
-#[test]
-fn a_file_that_is_not_a_library_at_libcuda_s_name_is_not_loadable() {
-    let dir = tempfile::tempdir().unwrap();
-    let stray = dir.path().join("libcuda.so.1");
-    std::fs::write(&stray, b"not an ELF file").unwrap();
-    // The directory comes first on the loader path, so this holds on GPU hosts too.
-    let o = info_with_loader_path(dir.path());
-    assert_error(&["info"], &o, 3, "not a loadable library");
-    let e = stderr(&o);
-    assert!(
-        e.contains(&stray.display().to_string()),
-        "names the file: {e}"
-    );
-    assert!(e.contains("remove the stray file"), "{e}");
-    assert!(!e.contains("was found on the loader path"), "{e}");
-}
-
-#[test]
-fn a_machine_without_libcuda_is_not_told_about_a_stray_file() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = info_with_loader_path(dir.path());
-    assert_no_panic(&o);
-    let e = stderr(&o);
-    assert!(!e.contains("not a loadable library"), "{e}");
-    if e.contains("could not be loaded") {
-        assert_error(
-            &["info"],
-            &o,
-            3,
-            "no library named libcuda.so.1 (or libcuda.so) was found on the loader path",
-        );
-    } else {
-        eprintln!(
-            "libcuda loads on this machine: only the absence of the stray-file message is checked"
-        );
-    }
-}
-
 #[test]
 fn socket_paths_are_checked_before_the_driver() {
     let dir = tempfile::tempdir().unwrap();
@@ -646,44 +527,6 @@ fn open_honours_size_and_offset_with_a_descriptor() {
     // With a handle, --size is still required.
     let o = cuda_ipc(&["open", "--handle", HANDLE, "--offset", "8"]);
     assert_error(&["open"], &o, 2, "--size");
-}
-
-#[test]
-fn open_checks_size_and_offset_before_the_driver() {
-    let words = "positive multiple of 4 and --offset";
-    let d = descriptor(16);
-    let d18 = descriptor(16)
-        .replace(r#""len":16"#, r#""len":18"#)
-        .replace(r#""dtype":"u32""#, r#""dtype":"u8""#);
-    for (args, exit, why) in [
-        (vec!["--handle", HANDLE, "--size", "3"], 2, words),
-        (vec!["--handle", HANDLE, "--size", "0"], 2, words),
-        (
-            vec!["--handle", HANDLE, "--size", "4096", "--offset", "3"],
-            2,
-            words,
-        ),
-        (
-            vec!["--handle", HANDLE, "--size", "4096", "--offset", "4"],
-            3,
-            "libcuda.so.1",
-        ),
-        (vec!["--descriptor", &d, "--size", "0"], 2, words),
-        (vec!["--descriptor", &d, "--size", "6"], 2, words),
-        (vec!["--descriptor", &d, "--offset", "2"], 2, words),
-        // The rest of an 18-byte region is not whole words: fine to map,
-        // not to check or fill.
-        (vec!["--descriptor", &d18], 3, "libcuda.so.1"),
-        (
-            vec!["--descriptor", &d18, "--expect-u32", "1"],
-            2,
-            "not a whole number of 32-bit words",
-        ),
-    ] {
-        let mut full = vec!["open"];
-        full.extend(args);
-        assert_error(&full, &cuda_ipc(&full), exit, why);
-    }
 }
 
 #[test]
