@@ -330,6 +330,11 @@ step_python() {
   [ -n "${PYTHON_ONLY:-}" ] && only=(--only "$PYTHON_ONLY")
   python3 "$script" --cli "$cli" "${only[@]}" >"$log" 2>&1
   local rc=$?
+  if [ "$rc" -eq 77 ]; then
+    # The script found no driver, GPU or PyTorch and said so in one line.
+    echo "SKIP  python: $(tail -n 1 "$log")"
+    return
+  fi
   local p f
   p=$(grep -Eo '^[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
   f=$(grep -Eo '[0-9]+ failed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)

@@ -52,6 +52,7 @@ def tensor_layout(record):
 
 
 def parse_storage_handle(data):
-    """Decodes a storage handle (bytes): ``{"type": "c", "version", "handle"}``
-    or ``{"type": "e", "version", "pid", "segment_size", "kind", "handles"}``."""
-    return _core.parse_storage_handle(bytes(data))
+    """Decodes a storage handle (bytes, or their hex as a record holds them):
+    ``{"type": "c", "version", "handle"}`` or ``{"type": "e", "version",
+    "pid", "segment_size", "kind", "handles"}``."""
+    return _core.parse_storage_handle(data)

@@ -57,7 +57,9 @@ GPU work runs in worker processes (the script re-runs itself with
 ``--worker``); a worker that crashes or hangs fails only the case it was
 running and is restarted. The last line is ``N passed, M failed`` (skips
 are listed but not counted as failures); the exit status is 1 if anything
-failed.
+failed. On a machine without the driver, a GPU, PyTorch or the cuda_ipc
+package, it prints one line saying which and exits 77 (skipped) before
+any case runs.
 """
 
 import argparse
@@ -2355,8 +2357,35 @@ def _consume_values_n(self, descriptor, elems):
 Worker.op_consume_values_n = _consume_values_n
 
 
+# The exit status when the machine lacks what the checks need (no driver, no
+# GPU, no PyTorch, no cuda_ipc): skipped, not failed (automake's convention).
+EXIT_SKIPPED = 77
+
+
+def missing_requirement():
+    """What this machine lacks for the checks, as one sentence, or None."""
+    import importlib.util
+
+    try:
+        import cuda_ipc
+    except ImportError:
+        return ("the cuda_ipc package (with its extension module cuda_ipc._core) is not importable; "
+                "install the wheel (cd python && maturin build) or run `maturin develop` in python/")
+    try:
+        cuda_ipc.driver_version()
+        if cuda_ipc.device_count() == 0:
+            return "it needs an NVIDIA GPU, and the driver sees none"
+    except cuda_ipc.CudaIpcError as e:
+        return f"it needs the CUDA driver and a GPU: {e}"
+    if importlib.util.find_spec("torch") is None:
+        return "it needs PyTorch with CUDA (pip install torch), which is not installed"
+    return None
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog=f"Exit status: 0 all passed, 1 a case failed, {EXIT_SKIPPED} skipped "
+                                        "(no driver, GPU, PyTorch or cuda_ipc here; one line says which).")
     ap.add_argument("--cli", help="path to the cuda-ipc command (cases that need it are skipped without it)")
     ap.add_argument("--only", action="append", default=[], help="run only cases whose name contains this (repeatable: all must match)")
     ap.add_argument("--examples", help="folder with the Rust examples torch_consumer and torch_producer (default: examples/ next to --cli)")
@@ -2367,6 +2396,11 @@ def main():
     args = ap.parse_args()
     if args.worker:
         return worker_main(args.worker)
+    if not args.list:
+        missing = missing_requirement()
+        if missing:
+            print(f"gpu_interop: skipped: {missing}", flush=True)
+            return EXIT_SKIPPED
     if args.cli and not os.access(args.cli, os.X_OK):
         ap.error(f"--cli {args.cli} is not an executable file")
     if args.record_dir:

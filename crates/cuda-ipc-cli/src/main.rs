@@ -80,8 +80,15 @@ pub fn exit_code(e: &cuda_ipc::Error) -> u8 {
     }
 }
 
+/// Options that do something only with another one (see [`out::OnlyWith`]).
+const ONLY_WITH: &[out::OnlyWith] = &[
+    ("demo", "seconds", "stream"),
+    ("demo", "slots", "stream"),
+    ("demo", "frame_size", "stream"),
+];
+
 fn main() -> ExitCode {
-    let cli: Cli = match out::parse_args() {
+    let cli: Cli = match out::parse_args(ONLY_WITH) {
         Ok(cli) => cli,
         Err(code) => return code,
     };

@@ -82,12 +82,25 @@ pub fn clip(text: &str) -> String {
     format!("{head}... ({} more characters)", count - MAX_QUOTED)
 }
 
+/// An option that does something only together with another one, as clap
+/// ids: `(subcommand, option, the option it needs)`. Giving it without the
+/// other is a usage error instead of being ignored.
+pub type OnlyWith = (&'static str, &'static str, &'static str);
+
 /// Parses the command line. Help and version go to standard output through
 /// [`line`] (a failure to print them is an error, exit 4); usage errors go to
-/// standard error with long arguments cut short, exit 2.
-pub fn parse_args<P: clap::Parser>() -> Result<P, ExitCode> {
+/// standard error with long arguments cut short, exit 2. An option of
+/// `only_with` given without the option it needs is a usage error.
+pub fn parse_args<P: clap::Parser>(only_with: &[OnlyWith]) -> Result<P, ExitCode> {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    let mut err = match P::try_parse() {
+    let mut cmd = P::command();
+    let parsed = cmd
+        .try_get_matches_from_mut(std::env::args_os())
+        .and_then(|m| {
+            check_only_with(&mut cmd, &m, only_with)?;
+            P::from_arg_matches(&m).map_err(|e| e.format(&mut P::command()))
+        });
+    let mut err = match parsed {
         Ok(p) => return Ok(p),
         Err(e) => e,
     };
@@ -122,4 +135,39 @@ pub fn parse_args<P: clap::Parser>() -> Result<P, ExitCode> {
     }
     to_stderr(&err.render().to_string());
     Err(ExitCode::from(crate::EXIT_USAGE))
+}
+
+/// The usage error for the first rule of `rules` that the command line
+/// `m` breaks: an option given explicitly without the one it needs.
+fn check_only_with(
+    cmd: &mut clap::Command,
+    m: &clap::ArgMatches,
+    rules: &[OnlyWith],
+) -> Result<(), clap::Error> {
+    use clap::parser::ValueSource;
+    let Some((name, sub)) = m.subcommand() else {
+        return Ok(());
+    };
+    let given = |id: &str| sub.value_source(id) == Some(ValueSource::CommandLine);
+    let Some(&(_, option, needed)) = rules
+        .iter()
+        .find(|&&(s, option, needed)| s == name && given(option) && !given(needed))
+    else {
+        return Ok(());
+    };
+    let Some(sub_cmd) = cmd.find_subcommand_mut(name) else {
+        return Ok(());
+    };
+    let long = |id: &str| {
+        sub_cmd
+            .get_arguments()
+            .find(|a| a.get_id() == id)
+            .and_then(clap::Arg::get_long)
+            .map_or_else(|| id.to_owned(), |l| format!("--{l}"))
+    };
+    let (option, needed) = (long(option), long(needed));
+    Err(sub_cmd.error(
+        clap::error::ErrorKind::ArgumentConflict,
+        format!("{option} applies only with {needed}; add {needed}, or leave {option} out"),
+    ))
 }

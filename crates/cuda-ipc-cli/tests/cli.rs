@@ -2,73 +2,11 @@
 //! no-driver path. `CUDA_IPC_DISABLE_DRIVER` makes the no-driver path
 //! deterministic on GPU hosts too.
 
-use std::io::Write;
-use std::process::{Command, Output, Stdio};
+mod common;
 
-fn command(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_cuda-ipc"));
-    c.args(args).env("CUDA_IPC_DISABLE_DRIVER", "1");
-    c
-}
+use std::process::{Command, Stdio};
 
-fn cuda_ipc(args: &[&str]) -> Output {
-    command(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run cuda-ipc")
-}
-
-/// Runs cuda-ipc with `input` on its standard input (written from a thread,
-/// so that a command that stops reading early does not block the test);
-/// also returns how many bytes of the input it took before it exited.
-fn cuda_ipc_with_input(args: &[&str], input: Vec<u8>) -> (Output, usize) {
-    let mut child = command(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run cuda-ipc");
-    let mut stdin = child.stdin.take().unwrap();
-    let writer = std::thread::spawn(move || {
-        let mut written = 0;
-        for chunk in input.chunks(64 << 10) {
-            if stdin.write_all(chunk).is_err() {
-                break;
-            }
-            written += chunk.len();
-        }
-        written
-    });
-    let out = child.wait_with_output().expect("wait for cuda-ipc");
-    (out, writer.join().unwrap())
-}
-
-fn code(o: &Output) -> i32 {
-    o.status.code().expect("exited, not killed")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn assert_no_panic(o: &Output) {
-    let e = stderr(o);
-    assert!(!e.contains("panicked"), "cuda-ipc panicked: {e}");
-    assert_ne!(code(o), 101, "cuda-ipc panicked: {e}");
-    // No Rust `Debug` output: `Error: DriverNotFound { reason: .. }` and the like.
-    assert!(!e.contains(" { "), "Debug output: {e}");
-}
-
-/// Asserts one short error sentence on standard error, naming `why`, and the exit code.
-fn assert_error(args: &[&str], o: &Output, exit: i32, why: &str) {
-    assert_no_panic(o);
-    let e = stderr(o);
-    assert_eq!(code(o), exit, "{args:?}: {e}");
-    assert!(e.contains(why), "{args:?}: expected {why:?} in {e}");
-    assert!(e.len() < 1200, "{args:?}: {} bytes of error: {e}", e.len());
-}
-
-const HANDLE: &str = "abababababababababababababababababababababababababababababababababababababababababababababababababababababababababababababababab";
+use common::*;
 
 #[test]
 fn every_subcommand_has_help() {
@@ -284,13 +222,6 @@ fn a_descriptor_is_validated_before_the_driver_is_needed() {
     );
 }
 
-/// A valid descriptor (legacy, 16 bytes of u32) as one JSON line.
-fn descriptor(len: u64) -> String {
-    r#"{"cuda_ipc":1,"mechanism":"legacy","handle":"HANDLE","alloc_size":4096,"offset":0,"len":LEN,"dtype":"u32","device_uuid":"GPU-00000000-0000-0000-0000-000000000000","pid":1}"#
-        .replace("HANDLE", HANDLE)
-        .replace("LEN", &len.to_string())
-}
-
 #[test]
 fn durations_take_units_and_have_a_limit() {
     for (args, why) in [
@@ -448,28 +379,6 @@ fn info_prints_the_driver_error_once() {
         "{all}"
     );
     assert_eq!(code(&o), 3);
-}
-
-#[test]
-fn a_file_that_is_not_a_library_at_libcuda_s_name_is_not_loadable() {
-    let dir = tempfile::tempdir().unwrap();
-    for name in ["libcuda.so", "libcuda.so.1"] {
-        std::fs::write(dir.path().join(name), b"not an ELF file").unwrap();
-    }
-    // The directory comes first on the loader path, so this holds on GPU hosts too.
-    let o = Command::new(env!("CARGO_BIN_EXE_cuda-ipc"))
-        .args(["info", "--no-probe"])
-        .env_remove("CUDA_IPC_DISABLE_DRIVER")
-        .env("LD_LIBRARY_PATH", dir.path())
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert_error(&["info"], &o, 3, "not a loadable library");
-    assert!(
-        !stderr(&o).contains("was found on the loader path"),
-        "{}",
-        stderr(&o)
-    );
 }
 
 #[test]

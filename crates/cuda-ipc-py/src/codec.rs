@@ -11,7 +11,7 @@ use cuda_ipc::set::SetRecord;
 use cuda_ipc::torch::{SegmentHandles, ShareRecord, StorageHandle};
 use cuda_ipc::{Error, torch};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyString};
 
 use crate::errors::IntoPyResult;
 
@@ -136,16 +136,50 @@ pub(crate) fn tensor_layout<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py,
     Ok(out)
 }
 
-/// Decodes a storage handle (`storage._share_cuda_()[1]`, raw bytes):
-/// `{"type": "c", "version", "handle": bytes}` or `{"type": "e", "version",
-/// "pid", "segment_size", "kind": "fd" | "fabric", "handles": [...]}`.
+/// The bytes of a storage handle given as bytes, a bytearray, a memoryview
+/// (anything with the buffer protocol), or hex text (as a share record's
+/// `storage_handle` field holds it).
+fn storage_handle_bytes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(text) = obj.cast::<PyString>() {
+        let text = text.to_cow()?;
+        return hex::decode(text.trim())
+            .map_err(|e| {
+                Error::Torch(format!(
+                    "storage handle {}: the text is not hex ({e}); give the bytes of \
+                     `storage._share_cuda_()[1]` or their hex",
+                    cuda_ipc::units::shorten(&text, 40)
+                ))
+            })
+            .py();
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    if let Ok(b) = obj.cast::<PyByteArray>() {
+        return Ok(b.to_vec());
+    }
+    if obj.is_instance_of::<PyMemoryView>() {
+        let b = obj.call_method0("tobytes")?;
+        return Ok(b.cast::<PyBytes>()?.as_bytes().to_vec());
+    }
+    let kind = obj.get_type().name()?;
+    Err(Error::Torch(format!(
+        "a storage handle is bytes (`storage._share_cuda_()[1]`) or their hex, not a {kind}"
+    )))
+    .py()
+}
+
+/// Decodes a storage handle (`storage._share_cuda_()[1]`: bytes, or their
+/// hex): `{"type": "c", "version", "handle": bytes}` or `{"type": "e",
+/// "version", "pid", "segment_size", "kind": "fd" | "fabric", "handles": [...]}`.
 #[pyfunction]
 pub(crate) fn parse_storage_handle<'py>(
     py: Python<'py>,
-    data: &[u8],
+    data: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let data = storage_handle_bytes(data)?;
     let out = PyDict::new(py);
-    match StorageHandle::parse(data).py()? {
+    match StorageHandle::parse(&data).py()? {
         StorageHandle::CudaMalloc { version, handle } => {
             out.set_item("type", "c")?;
             out.set_item("version", version)?;

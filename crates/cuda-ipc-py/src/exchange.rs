@@ -213,11 +213,18 @@ impl PyPublisher {
     /// Binds the socket `endpoint` (a name under `$XDG_RUNTIME_DIR/cuda-ipc/`,
     /// or a path with a `/`) and starts serving buffers of device `device`.
     #[new]
-    #[pyo3(signature = (endpoint, *, device=0, allow_uids=Vec::new()))]
-    fn new(py: Python<'_>, endpoint: &str, device: usize, allow_uids: Vec<u32>) -> PyResult<Self> {
+    #[pyo3(signature = (endpoint, *, device=crate::args::Ordinal(0), allow_uids=Vec::new()))]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        device: crate::args::Ordinal,
+        allow_uids: Vec<crate::args::Uid>,
+    ) -> PyResult<Self> {
+        crate::args::check_endpoint(py, endpoint)?;
+        let allow_uids = crate::args::uids(allow_uids);
         let (publisher, dev) = py
             .detach(|| -> Result<_> {
-                let dev = crate::mapping::device(device)?;
+                let dev = crate::mapping::device(device.0)?;
                 let config = PublisherConfig::default().with_allow_uids(allow_uids);
                 let p = Publisher::bind(&dev, Endpoint::from(endpoint), config)?;
                 Ok((p, dev))
@@ -611,18 +618,20 @@ impl PySubscriber {
     /// Connects to the publisher at `endpoint` (a name or a path); requests
     /// time out after `timeout` seconds.
     #[new]
-    #[pyo3(signature = (endpoint, *, device=0, timeout=5.0, allow_uids=Vec::new()))]
+    #[pyo3(signature = (endpoint, *, device=crate::args::Ordinal(0), timeout=5.0, allow_uids=Vec::new()))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
-        device: usize,
+        device: crate::args::Ordinal,
         timeout: f64,
-        allow_uids: Vec<u32>,
+        allow_uids: Vec<crate::args::Uid>,
     ) -> PyResult<Self> {
         let timeout = duration(Some(timeout)).py()?;
+        crate::args::check_endpoint(py, endpoint)?;
+        let allow_uids = crate::args::uids(allow_uids);
         let (sub, dev) = py
             .detach(|| -> Result<_> {
-                let dev = crate::mapping::device(device)?;
+                let dev = crate::mapping::device(device.0)?;
                 let config = SubscriberConfig::default()
                     .with_timeout(timeout)
                     .with_allow_uids(allow_uids);

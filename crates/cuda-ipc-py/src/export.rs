@@ -120,14 +120,14 @@ impl Exported {
 /// an interprocess event recorded after the writes, goes into the
 /// descriptor for consumers to wait on.
 #[pyfunction]
-#[pyo3(signature = (ptr, dtype, shape, strides=None, *, device=0, event=None))]
+#[pyo3(signature = (ptr, dtype, shape, strides=None, *, device=crate::args::Ordinal(0), event=None))]
 fn export_memory(
     py: Python<'_>,
     ptr: u64,
     dtype: &str,
     shape: Vec<u64>,
     strides: Option<Vec<i64>>,
-    device: usize,
+    device: crate::args::Ordinal,
     event: Option<&[u8]>,
 ) -> PyResult<Exported> {
     let event = event
@@ -156,7 +156,7 @@ fn export_memory(
         .filter(|s| *s != row_major(&shape));
     let export = py
         .detach(|| -> Result<_> {
-            let dev = crate::mapping::device(device)?;
+            let dev = crate::mapping::device(device.0)?;
             let mut e = cuda_ipc::share::export_pointer(&dev, ptr, len, dt)?;
             if e.descriptor.mechanism().uses_fd() {
                 cuda_ipc::share::allow_fd_fetching()?;

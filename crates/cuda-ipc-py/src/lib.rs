@@ -5,6 +5,7 @@
 //! conversions. Built with maturin from python/pyproject.toml.
 
 mod alloc;
+mod args;
 mod codec;
 mod dlpack;
 mod errors;

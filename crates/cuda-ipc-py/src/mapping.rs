@@ -633,8 +633,9 @@ fn open_record(r: &ShareRecord, ordinal: Option<usize>) -> Result<PyMapping> {
 fn open(
     py: Python<'_>,
     descriptor: &Bound<'_, PyAny>,
-    device: Option<usize>,
+    device: Option<crate::args::Ordinal>,
 ) -> PyResult<PyMapping> {
+    let device = device.map(|d| d.0);
     let text = codec::document_text(descriptor, |reason| Error::Descriptor {
         field: "(document)".into(),
         reason,
@@ -697,16 +698,16 @@ fn live_mappings() -> usize {
 
 /// The UUID of CUDA device `ordinal` (`GPU-...`).
 #[pyfunction]
-#[pyo3(signature = (ordinal=0))]
-fn device_uuid(ordinal: usize) -> PyResult<String> {
-    Ok(device(ordinal).py()?.uuid().to_string())
+#[pyo3(signature = (ordinal=crate::args::Ordinal(0)))]
+fn device_uuid(ordinal: crate::args::Ordinal) -> PyResult<String> {
+    Ok(device(ordinal.0).py()?.uuid().to_string())
 }
 
 /// `(free, total)` bytes of device `ordinal`'s memory.
 #[pyfunction]
-#[pyo3(signature = (ordinal=0))]
-fn mem_info(ordinal: usize) -> PyResult<(u64, u64)> {
-    device(ordinal).py()?.memory_info().py()
+#[pyo3(signature = (ordinal=crate::args::Ordinal(0)))]
+fn mem_info(ordinal: crate::args::Ordinal) -> PyResult<(u64, u64)> {
+    device(ordinal.0).py()?.memory_info().py()
 }
 
 /// How many CUDA devices the driver sees.

@@ -29,14 +29,18 @@
 //! ```text
 //! cargo build --release --example torch_consumer
 //! ```
+//!
+//! Errors are one line on standard error; the exit code is 2 for bad input,
+//! 3 without a driver or device, 4 otherwise.
 
 use std::io::{BufRead, Read};
+use std::process::ExitCode;
 
 use cuda_ipc::descriptor::Source;
 use cuda_ipc::device::SystemInfo;
 use cuda_ipc::kernels;
 use cuda_ipc::torch::{self, ShareRecord};
-use cuda_ipc::{Descriptor, Device, DeviceMemory, Dtype, IpcEvent, share};
+use cuda_ipc::{Descriptor, Device, DeviceMemory, Dtype, Error, ErrorKind, IpcEvent, share};
 
 /// The descriptor in `line`: ours, or a PyTorch share record converted.
 fn descriptor_from(line: &str) -> Result<Descriptor, Box<dyn std::error::Error>> {
@@ -67,19 +71,44 @@ fn device_for(descriptor: &Descriptor) -> Result<Device, Box<dyn std::error::Err
     Ok(Device::open(caps.ordinal)?)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn bad_input(reason: String) -> Error {
+    Error::InvalidArgument {
+        what: "tensor",
+        reason,
+    }
+}
+
+fn main() -> ExitCode {
+    let Err(e) = run() else {
+        return ExitCode::SUCCESS;
+    };
+    eprintln!("torch_consumer: error: {e}");
+    let kind = e.downcast_ref::<Error>().map(Error::kind);
+    let bad_json = e.downcast_ref::<serde_json::Error>().is_some();
+    ExitCode::from(match kind {
+        Some(ErrorKind::InvalidInput) => 2,
+        None if bad_json => 2,
+        Some(ErrorKind::Unavailable) => 3,
+        _ => 4,
+    })
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut line = String::new();
     std::io::stdin().lock().read_line(&mut line)?;
     let descriptor = descriptor_from(line.trim())?;
     if !matches!(descriptor.dtype, Dtype::I32 | Dtype::U32) {
-        return Err(format!(
+        return Err(bad_input(format!(
             "this example transforms 32-bit integers; the tensor holds {}",
             descriptor.dtype
-        )
+        ))
         .into());
     }
     if descriptor.strides.is_some() {
-        return Err("this example needs a contiguous tensor (call .contiguous() first)".into());
+        return Err(bad_input(
+            "this example needs a contiguous tensor (call .contiguous() first)".into(),
+        )
+        .into());
     }
     let device = device_for(&descriptor)?;
     // Maps the memory (pidfd_getfd for fd mechanisms) and makes the

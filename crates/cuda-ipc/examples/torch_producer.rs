@@ -30,22 +30,54 @@
 //! ```text
 //! cargo build --release --example torch_producer
 //! ```
+//!
+//! Errors are one line on standard error; the exit code is 1 if a value was
+//! not `2x + 1`, 2 for bad input, 3 without a driver or device, 4 otherwise.
 
 use std::io::{BufRead, Read, Write};
+use std::process::ExitCode;
 
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
 use cuda_ipc::units::ByteSize;
-use cuda_ipc::{Device, DeviceMemory, Dtype, IpcEvent, IpcEventHandle, Mechanism};
+use cuda_ipc::{
+    Device, DeviceMemory, Dtype, Error, ErrorKind, IpcEvent, IpcEventHandle, Mechanism,
+};
 
 const PATTERN: Pattern = Pattern::ramp(1000, 1);
 const ROW: u64 = 1024;
 
-fn usage() -> String {
-    "usage: torch_producer [--size SIZE] [--mechanism auto|legacy|vmm|pool] [--device N]".into()
+const USAGE: &str =
+    "usage: torch_producer [--size SIZE] [--mechanism auto|legacy|vmm|pool] [--device N]";
+
+fn usage() -> Error {
+    bad_input(USAGE.into())
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn bad_input(reason: String) -> Error {
+    Error::InvalidArgument {
+        what: "arguments",
+        reason,
+    }
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("torch_producer: error: {e}");
+            ExitCode::from(match e.downcast_ref::<Error>().map(Error::kind) {
+                Some(ErrorKind::InvalidInput) => 2,
+                Some(ErrorKind::Unavailable) => 3,
+                _ => 4,
+            })
+        }
+    }
+}
+
+/// Runs the producer; `false` if a value was not `2x + 1`.
+fn run() -> Result<bool, Box<dyn std::error::Error>> {
     let mut size: u64 = 64 << 20;
     let mut mechanism: Option<Mechanism> = None;
     let mut ordinal = 0usize;
@@ -60,15 +92,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     m => Some(m.parse()?),
                 }
             }
-            "--device" => ordinal = value()?.parse()?,
-            _ => return Err(format!("unknown argument {a:?}; {}", usage()).into()),
+            "--device" => {
+                let v = value()?;
+                ordinal = v
+                    .parse()
+                    .map_err(|_| bad_input(format!("--device {v:?} is not a device ordinal")))?;
+            }
+            _ => return Err(bad_input(format!("unknown argument {a:?}; {USAGE}")).into()),
         }
     }
     let row_bytes = ROW * 4;
     if size == 0 || !size.is_multiple_of(row_bytes) {
-        return Err(format!(
+        return Err(bad_input(format!(
             "--size must be a positive multiple of {row_bytes} bytes (rows of {ROW} int32)"
-        )
+        ))
         .into());
     }
 
@@ -102,7 +139,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let done = IpcEvent::open(&device, handle)?;
     done.wait_on(buffer.stream())?;
     let words = size / 4;
-    match kernels::check_u32(&buffer, PATTERN.mapped(2, 1))? {
+    let bad = kernels::check_u32(&buffer, PATTERN.mapped(2, 1))?;
+    match bad {
         None => writeln!(out, "torch_producer: all {words} values are 2x + 1")?,
         Some(i) => writeln!(out, "torch_producer: value {i} is not 2x + 1")?,
     }
@@ -111,5 +149,5 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::io::stdin().lock().read_to_end(&mut Vec::new())?;
     drop(export);
     drop(buffer);
-    Ok(())
+    Ok(bad.is_none())
 }

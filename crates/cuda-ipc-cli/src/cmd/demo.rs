@@ -44,8 +44,9 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,
     /// Stream frames through a ring of buffers instead (a video or
-    /// inference pipeline) and report frames per second and latency.
-    #[arg(long)]
+    /// inference pipeline) and report frames per second and latency
+    /// (--frame-size, --slots and --seconds shape it; --size does not apply).
+    #[arg(long, conflicts_with = "size")]
     pub stream: bool,
     /// Hand off a set of this many buffers (--size bytes in all, sizes from
     /// a fixed seed) from an arena in one entry; a consumer process attaches

@@ -70,15 +70,28 @@ pub fn parse_count(s: &str) -> Result<usize, String> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MechanismArg(pub Option<cuda_ipc::Mechanism>);
 
-/// Parses a mechanism name (or `auto`) for clap.
+/// Parses a mechanism name (or `auto`), in any letter case, for clap.
 pub fn parse_mechanism(s: &str) -> Result<MechanismArg, String> {
-    if s == "auto" {
-        Ok(MechanismArg(None))
-    } else {
-        s.parse()
-            .map(|m| MechanismArg(Some(m)))
-            .map_err(|e: cuda_ipc::Error| format!("{e} (or auto)"))
+    match s.trim().to_ascii_lowercase().as_str() {
+        "auto" => Ok(MechanismArg(None)),
+        name => name.parse().map(|m| MechanismArg(Some(m))).map_err(|_| {
+            format!(
+                "{} is not one of auto, legacy, vmm, pool, fabric",
+                cuda_ipc::units::shorten(s, 40)
+            )
+        }),
     }
+}
+
+/// Parses a sync mode (`--sync`: auto, event, fence, host-fence), in any
+/// letter case, for clap.
+pub fn parse_sync(s: &str) -> Result<cuda_ipc::exchange::SyncMode, String> {
+    s.trim().to_ascii_lowercase().parse().map_err(|_| {
+        format!(
+            "{} is not one of auto, event, fence, host-fence",
+            cuda_ipc::units::shorten(s, 40)
+        )
+    })
 }
 
 /// Parses a duration with units (`10s`, `500ms`, `1m`; a number alone

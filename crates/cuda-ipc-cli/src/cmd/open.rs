@@ -56,7 +56,26 @@ enum Source {
     Handle(IpcMemHandle, u64, u64),
 }
 
+/// Checks `--size` and `--offset` as `export` does: the region holds 32-bit
+/// words, so a size given must be a positive multiple of 4 and the offset a
+/// multiple of 4.
+fn check_region(size: Option<u64>, offset: u64) -> Result<(), Error> {
+    let size_ok = size.is_none_or(|s| s > 0 && s.is_multiple_of(4));
+    if size_ok && offset.is_multiple_of(4) {
+        return Ok(());
+    }
+    let size = size.map_or_else(|| "the rest of the region".into(), |s| s.to_string());
+    Err(Error::InvalidArgument {
+        what: "size or offset",
+        reason: format!(
+            "the region holds 32-bit words, so --size ({size}) must be a positive multiple of 4 \
+             and --offset ({offset}) a multiple of 4"
+        ),
+    })
+}
+
 fn source(args: &Args) -> Result<Source, Error> {
+    check_region(args.size, args.offset)?;
     if let Some(handle) = args.handle {
         let size = args.size.unwrap_or_default();
         return Ok(Source::Handle(handle, args.offset, size));
@@ -83,6 +102,9 @@ fn source(args: &Args) -> Result<Source, Error> {
             ),
         });
     };
+    if args.expect_u32.is_some() || args.fill_u32.is_some() {
+        super::check_words(size, "region")?;
+    }
     Ok(Source::Descriptor(descriptor, args.offset, end))
 }
 
@@ -156,9 +178,6 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         "opened {} ({mechanism}) in {open_ms:.3} ms",
         super::human(len)
     );
-    if args.expect_u32.is_some() || args.fill_u32.is_some() {
-        super::check_words(len, "region")?;
-    }
     if let Some(want) = args.expect_u32 {
         if let Some(i) = kernels::check_u32(&buffer, Pattern::constant(want))? {
             let found: Vec<u32> = buffer.slice(i as usize * 4..i as usize * 4 + 4)?.to_vec()?;

@@ -67,8 +67,9 @@ pub struct AttachArgs {
     /// The buffer to attach to (default: the first one published).
     #[arg(long)]
     pub buffer: Option<String>,
-    /// Only list the published buffers.
-    #[arg(long)]
+    /// Only list the published buffers (maps nothing, so takes none of
+    /// --buffer, --set, --expect-u32, --fill-u32, --sync, --device).
+    #[arg(long, conflicts_with_all = ["buffer", "expect_u32", "fill_u32", "sync", "device"])]
     pub list: bool,
     /// Attach this set (as `serve --set` or `demo --set` publish it) and
     /// check every buffer's values (exit 1 on a mismatch).
@@ -84,8 +85,9 @@ pub struct AttachArgs {
     #[arg(long = "allow-uid", value_parser = super::parse_uid, allow_negative_numbers = true)]
     pub allow_uid: Vec<u32>,
     /// How to wait for the publisher's work: auto (its event where it
-    /// opens, else its fence), event, or fence.
-    #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<cuda_ipc::exchange::SyncMode>().map_err(|e| e.to_string()))]
+    /// opens, else its fence), event, fence (waited for on the GPU), or
+    /// host-fence (waited for by this process, no GPU wait operation).
+    #[arg(long, default_value = "auto", value_parser = super::parse_sync)]
     pub sync: cuda_ipc::exchange::SyncMode,
     /// Device ordinal.
     #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]

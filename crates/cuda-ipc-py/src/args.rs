@@ -1,0 +1,144 @@
+//! Arguments checked where they enter from Python, before anything is
+//! loaded or allocated, so that a bad one is an `InvalidInput` (a
+//! `CudaIpcError`, also a `ValueError`) with the library's kind of sentence,
+//! never pyo3's `OverflowError` or `TypeError`, and never "no driver" for a
+//! mistake the command-line tool reports as bad input (exit 2).
+
+use cuda_ipc::Error;
+use cuda_ipc::channel;
+use cuda_ipc::exchange::Endpoint;
+use pyo3::exceptions::PyOverflowError;
+use pyo3::prelude::*;
+use pyo3::types::PyBool;
+
+use crate::errors::to_py;
+
+/// A CUDA device ordinal (`device=`): a non-negative `int`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ordinal(pub usize);
+
+impl FromPyObject<'_, '_> for Ordinal {
+    type Error = PyErr;
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        whole(
+            obj,
+            "device",
+            "a device ordinal: 0, 1, ... (`cuda_ipc.device_count()` says how many)",
+        )
+        .map(Ordinal)
+    }
+}
+
+/// A user id (an element of `allow_uids=`): an `int` from 0 to 2**32 - 2.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Uid(pub u32);
+
+impl FromPyObject<'_, '_> for Uid {
+    type Error = PyErr;
+    fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+        let uid: u32 = whole(
+            obj,
+            "allow_uids",
+            "a user id: 0 to 4294967294 (`os.getuid()` gives yours)",
+        )?;
+        if uid == u32::MAX {
+            // (uid_t)-1 means "no user" to the kernel.
+            return Err(invalid(
+                obj.py(),
+                "allow_uids",
+                "4294967295 is (uid_t)-1, which names no user; expected a user id: 0 to \
+                 4294967294 (`os.getuid()` gives yours)"
+                    .into(),
+            ));
+        }
+        Ok(Uid(uid))
+    }
+}
+
+/// The user ids of `allow_uids=`.
+pub(crate) fn uids(list: Vec<Uid>) -> Vec<u32> {
+    list.into_iter().map(|u| u.0).collect()
+}
+
+/// Checks `endpoint` as the channel will read it (a path if it contains a
+/// `/`, else a name in the private socket directory): a name as `cuda-ipc
+/// serve --socket` and `attach --socket` check it.
+pub(crate) fn check_endpoint(py: Python<'_>, endpoint: &str) -> PyResult<()> {
+    if let Endpoint::Name(name) = Endpoint::from(endpoint)
+        && let Err(err) = channel::validate_socket_name(&name)
+    {
+        let reason = match err {
+            channel::ChannelError::InvalidName { reason, .. } => reason,
+            other => other.to_string(),
+        };
+        return Err(invalid(
+            py,
+            "endpoint",
+            format!(
+                "{} is not a socket name: {reason}; or give a path containing a /",
+                cuda_ipc::units::shorten(&name, 40)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The `InvalidInput` exception for argument `what`.
+fn invalid(py: Python<'_>, what: &'static str, reason: String) -> PyErr {
+    to_py(py, &Error::InvalidArgument { what, reason })
+}
+
+/// A whole number (an `int`, or anything with `__index__`) in `T`'s range;
+/// `expected` says what is accepted.
+fn whole<T: TryFrom<i64>>(
+    obj: Borrowed<'_, '_, PyAny>,
+    what: &'static str,
+    expected: &str,
+) -> PyResult<T> {
+    let py = obj.py();
+    let shown = || {
+        let repr = obj
+            .repr()
+            .map_or_else(|_| "the value".into(), |r| r.to_string());
+        match repr.char_indices().nth(40) {
+            Some((cut, _)) => format!("{}...", &repr[..cut]),
+            None => repr,
+        }
+    };
+    if obj.is_instance_of::<PyBool>() {
+        return Err(invalid(
+            py,
+            what,
+            format!("{} is a bool, not {expected}", shown()),
+        ));
+    }
+    let n = match obj.extract::<i64>() {
+        Ok(n) => n,
+        Err(e) if e.is_instance_of::<PyOverflowError>(py) => {
+            return Err(invalid(
+                py,
+                what,
+                format!("{} is too large; expected {expected}", shown()),
+            ));
+        }
+        Err(_) => {
+            let kind = obj
+                .get_type()
+                .name()
+                .map_or_else(|_| "value".into(), |n| n.to_string());
+            return Err(invalid(
+                py,
+                what,
+                format!("{} is a {kind}, not {expected}", shown()),
+            ));
+        }
+    };
+    if n < 0 {
+        return Err(invalid(
+            py,
+            what,
+            format!("{n} is negative; expected {expected}"),
+        ));
+    }
+    T::try_from(n).map_err(|_| invalid(py, what, format!("{n} is too large; expected {expected}")))
+}

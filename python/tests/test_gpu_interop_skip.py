@@ -1,0 +1,38 @@
+"""gpu_interop.py (the GPU checks) on a machine that cannot run them: one
+line saying what is missing and exit status 77 (skipped), not thousands of
+lines of tracebacks. No GPU: the driver is disabled."""
+
+import os
+import subprocess
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _path  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_interop.py")
+
+
+class WithoutADriver(unittest.TestCase):
+    def run_script(self, *args):
+        env = dict(os.environ, CUDA_IPC_DISABLE_DRIVER="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (_path.PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p))
+        return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120, env=env)
+
+    def test_one_line_and_exit_77(self):
+        out = self.run_script()
+        self.assertEqual(out.returncode, 77, out.stdout + out.stderr)
+        self.assertEqual(out.stderr, "")
+        lines = out.stdout.splitlines()
+        self.assertEqual(len(lines), 1, out.stdout)
+        self.assertTrue(lines[0].startswith("gpu_interop: skipped: it needs the CUDA driver and a GPU: "), lines[0])
+        self.assertIn("CUDA_IPC_DISABLE_DRIVER is set", lines[0])
+
+    def test_listing_the_cases_needs_no_gpu(self):
+        out = self.run_script("--list")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("example torch_consumer (Rust maps a PyTorch export)", out.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
