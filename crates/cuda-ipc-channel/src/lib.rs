@@ -73,7 +73,7 @@ pub use paths::{
     MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,
     validate_socket_name,
 };
-pub use server::{LeaseInfo, RingProducer, Server, ServerConfig};
+pub use server::{LatePolicy, LeaseInfo, RingProducer, Server, ServerConfig};
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};
 
@@ -249,6 +249,55 @@ pub enum ChannelError {
         lease: u64,
     },
 
+    /// This process ran out of file descriptors (`EMFILE`) while
+    /// receiving an answer's descriptors: the kernel dropped them. The
+    /// connection is still usable.
+    #[error(
+        "this process has run out of file descriptors (EMFILE: its open-file limit, ulimit -n, \
+         is {limit}), so the kernel could not give it the {expected} descriptor(s) of the \
+         server's {kind:?} answer; close descriptors this process no longer uses or raise the \
+         limit, then try again (the connection is still usable)"
+    )]
+    OutOfDescriptors {
+        /// The answer whose descriptors were lost.
+        kind: &'static str,
+        /// How many descriptors it carried.
+        expected: usize,
+        /// This process's soft `RLIMIT_NOFILE`.
+        limit: String,
+    },
+
+    /// The producer ended this ring subscription: the subscriber did not
+    /// ack in time, or the producer evicted it.
+    #[error("ring {name:?} (lease {lease}) ended for this subscriber: {reason}")]
+    Evicted {
+        /// The ring's name.
+        name: String,
+        /// The subscription's lease, which is over.
+        lease: u64,
+        /// The producer's reason.
+        reason: String,
+    },
+
+    /// The producer skipped this ring subscriber for acking late: frames up
+    /// to `stale_through` were withdrawn (their slots may be refilled), and
+    /// the next frame published is delivered as usual.
+    #[error(
+        "ring {name:?} (lease {lease}) skipped this subscriber: {reason}; frames up to \
+         {stale_through} were withdrawn, take the next one (and ack each frame within the \
+         producer's deadline)"
+    )]
+    Lagged {
+        /// The ring's name.
+        name: String,
+        /// The subscription's lease, which goes on.
+        lease: u64,
+        /// The last withdrawn frame.
+        stale_through: u64,
+        /// The producer's reason.
+        reason: String,
+    },
+
     /// The server was shut down.
     #[error("the channel server has been shut down; bind a new one to publish again")]
     ShutDown,
@@ -276,7 +325,9 @@ impl ChannelError {
             ChannelError::PeerGone
             | ChannelError::Refused { .. }
             | ChannelError::Remote { .. }
-            | ChannelError::Unpublished { .. } => ChannelErrorKind::Peer,
+            | ChannelError::Unpublished { .. }
+            | ChannelError::Evicted { .. }
+            | ChannelError::Lagged { .. } => ChannelErrorKind::Peer,
             ChannelError::Timeout { .. } => ChannelErrorKind::Timeout,
             ChannelError::Protocol { .. }
             | ChannelError::Wire(_)
@@ -287,6 +338,7 @@ impl ChannelError {
             ChannelError::Io { .. }
             | ChannelError::InsecureDirectory { .. }
             | ChannelError::Busy { .. }
+            | ChannelError::OutOfDescriptors { .. }
             | ChannelError::ShutDown => ChannelErrorKind::Failed,
         }
     }

@@ -17,10 +17,11 @@
 //! `MSG_DONTWAIT` and waits with `poll(2)` up to the deadline. A receive
 //! times out only while it waits for the *first* byte of a message, and then
 //! returns [`ChannelError::Timeout`] with the stream still in step. Once a
-//! message has begun, the rest must follow within the later of the deadline
-//! and [`STALL_TIMEOUT`] after its first byte; a peer that stops in the
-//! middle of a message is a protocol error, and the connection is unusable
-//! after it. Sends use `MSG_NOSIGNAL`: a closed peer is
+//! message has begun, the rest must follow within [`STALL_TIMEOUT`] of its
+//! first byte (however far the deadline for its start was: a server's idle
+//! deadline is minutes), or by the deadline itself with
+//! `RecvLimits::strict_deadline`; a peer that stops in the middle of a
+//! message is a protocol error, and the connection is unusable after it. Sends use `MSG_NOSIGNAL`: a closed peer is
 //! [`ChannelError::PeerGone`], never `SIGPIPE`.
 //!
 //! # References
@@ -325,6 +326,8 @@ pub(crate) fn recv_message(
 
     let mut header = [0u8; HEADER_LEN];
     let mut stall = None;
+    // Whether descriptors were lost because this process had no room.
+    let mut lost = false;
     let strict = if limits.strict_deadline {
         deadline
     } else {
@@ -342,6 +345,7 @@ pub(crate) fn recv_message(
         (deadline, strict, spin_until),
         started,
         &mut stall,
+        &mut lost,
     )?;
     let h = decode_header(&header)?;
     if h.len > limits.max_payload {
@@ -360,7 +364,21 @@ pub(crate) fn recv_message(
         (deadline, strict, None),
         started,
         &mut stall,
+        &mut lost,
     )?;
+    let message = Message::decode(&payload)?;
+    if lost && message.fd_count() == usize::from(h.fds) {
+        // The stream is still in step: the caller sees the shortfall
+        // (`fds.len() < message.fd_count()`) and reports it.
+        tracing::warn!(
+            kind = message.type_name(),
+            expected = h.fds,
+            received = fds.len(),
+            "this process is out of file descriptors (EMFILE): the kernel dropped descriptors \
+             it was sent"
+        );
+        return Ok((message, fds));
+    }
     if fds.len() != usize::from(h.fds) {
         return Err(WireError::FdCountMismatch {
             expected: usize::from(h.fds),
@@ -368,7 +386,6 @@ pub(crate) fn recv_message(
         }
         .into());
     }
-    let message = Message::decode(&payload)?;
     if message.fd_count() != fds.len() {
         return Err(ChannelError::protocol(format!(
             "a {:?} message announces {} file descriptors but its wire message carried {}",
@@ -386,7 +403,8 @@ pub(crate) struct RecvLimits {
     /// The longest payload accepted (at most [`MAX_PAYLOAD`]).
     pub(crate) max_payload: u32,
     /// Whether a message begun before the deadline must also end by it
-    /// (else it gets [`STALL_TIMEOUT`] from its first byte). The connection
+    /// (else it gets [`STALL_TIMEOUT`] from its first byte, whatever the
+    /// deadline). The connection
     /// is unusable after such a timeout.
     pub(crate) strict_deadline: bool,
     /// How long a wait for a new message polls the socket before it sleeps
@@ -432,6 +450,7 @@ fn read_exact(
     (deadline, strict, spin_until): (Option<Instant>, Option<Instant>, Option<Instant>),
     started: Instant,
     stall: &mut Option<Instant>,
+    lost: &mut bool,
 ) -> Result<(), ChannelError> {
     let mut got = 0usize;
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
@@ -453,7 +472,7 @@ fn read_exact(
         match result {
             Ok(msg) => {
                 if msg.flags.contains(ReturnFlags::CTRUNC) {
-                    return Err(WireError::FdsTruncated { max: MAX_FDS }.into());
+                    truncated(fd, lost)?;
                 }
                 if fds.len() > MAX_FDS {
                     return Err(WireError::TooManyFds {
@@ -482,7 +501,7 @@ fn read_exact(
                         // A message begun just before the deadline still gets
                         // a moment to arrive whole.
                         Some(d) => d.max(Instant::now() + STRICT_GRACE),
-                        None => later(deadline, Instant::now() + STALL_TIMEOUT),
+                        None => Instant::now() + STALL_TIMEOUT,
                     });
                 }
                 got += msg.bytes;
@@ -539,6 +558,19 @@ fn read_exact(
         }
     }
     Ok(())
+}
+
+/// Why the kernel truncated the descriptors of a message: more than
+/// [`MAX_FDS`] (an error), or this process is at its open-file limit and
+/// could not take them (`lost`; the message is still read whole).
+fn truncated(fd: BorrowedFd<'_>, lost: &mut bool) -> Result<(), ChannelError> {
+    match rustix::io::fcntl_dupfd_cloexec(fd, 0) {
+        Err(Errno::MFILE | Errno::NFILE) => {
+            *lost = true;
+            Ok(())
+        }
+        _ => Err(WireError::FdsTruncated { max: MAX_FDS }.into()),
+    }
 }
 
 /// How long a message begun right at a strict deadline may take to end.

@@ -489,6 +489,19 @@ pub enum Message {
         #[serde(default, skip_serializing_if = "Value::is_null")]
         details: Value,
     },
+    /// The producer stopped waiting for this subscriber's acks on a ring
+    /// (its ack deadline passed, or it evicted the subscriber): frames up to
+    /// `stale_through` are withdrawn, their slots may already be refilled.
+    RingLate {
+        /// The ring lease.
+        lease: u64,
+        /// Frames with a sequence number up to this one are withdrawn.
+        stale_through: u64,
+        /// Whether the subscription ended (else frames resume with the next one).
+        evicted: bool,
+        /// Why, for people.
+        reason: String,
+    },
 }
 
 impl Message {
@@ -512,6 +525,7 @@ impl Message {
         "unpublished",
         "pong",
         "error",
+        "ring_late",
     ];
 
     /// This message's `"type"` name.
@@ -535,6 +549,7 @@ impl Message {
             Message::Unpublished { .. } => "unpublished",
             Message::Pong { .. } => "pong",
             Message::Error { .. } => "error",
+            Message::RingLate { .. } => "ring_late",
         }
     }
 

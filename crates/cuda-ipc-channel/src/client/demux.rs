@@ -9,6 +9,10 @@ use crate::wire::{Message, WireError};
 
 use super::types::{Notice, RingFrame, Update};
 
+/// The code of the error filed for an answer whose descriptors this
+/// process could not take (`EMFILE`).
+pub(super) const OUT_OF_DESCRIPTORS: &str = "out_of_descriptors";
+
 /// Why a connection is over; turns back into an error for every later call.
 pub(super) enum Dead {
     Gone,
@@ -71,6 +75,26 @@ pub(super) struct RingQueue {
     pub(super) slots: u32,
     pub(super) frames: VecDeque<RingFrame>,
     pub(super) ended: bool,
+    /// Why the producer ended the subscription, if it did.
+    pub(super) evicted: Option<String>,
+    /// The producer skipped this subscriber: the last withdrawn frame and
+    /// why; reported once by `next_frame`.
+    pub(super) lagged: Option<(u64, String)>,
+}
+
+impl RingQueue {
+    /// The producer gave up on this subscriber's acks: withdraws the frames
+    /// up to `stale_through` (their slots may be refilled already) and
+    /// records why, for `next_frame` to report.
+    fn late(&mut self, stale_through: u64, evicted: bool, reason: String) {
+        self.frames.retain(|f| f.seq > stale_through);
+        if evicted {
+            self.ended = true;
+            self.evicted = Some(reason);
+        } else {
+            self.lagged = Some((stale_through, reason));
+        }
+    }
 }
 
 #[derive(Default)]
@@ -97,6 +121,14 @@ impl State {
         self.last_id
     }
 
+    /// Forgets a lease this client released: its ring queue, and the
+    /// notices about it not yet taken.
+    pub(super) fn forget(&mut self, lease: u64) {
+        self.rings.remove(&lease);
+        self.held.remove(&lease);
+        self.updates.retain(|u| u.lease != lease);
+    }
+
     pub(super) fn take_response(&mut self, id: u64) -> Option<(Message, Vec<OwnedFd>)> {
         let queue = self.responses.get_mut(&id)?;
         let r = queue.pop_front();
@@ -106,8 +138,31 @@ impl State {
         r
     }
 
+    /// Files the error for an answer whose descriptors the kernel dropped
+    /// because this process is at its open-file limit (see
+    /// `recv_message`); a lease it granted goes back.
+    fn descriptors_lost(&mut self, message: &Message) {
+        let (Message::Attached { id, lease, .. } | Message::RingSlot { id, lease, .. }) = message
+        else {
+            return;
+        };
+        if matches!(message, Message::Attached { .. }) {
+            self.orphans.push(*lease);
+        }
+        let error = Message::Error {
+            id: Some(*id),
+            code: OUT_OF_DESCRIPTORS.into(),
+            message: message.type_name().into(),
+            details: serde_json::json!({ "expected": message.fd_count() }),
+        };
+        self.dispatch(error, Vec::new());
+    }
+
     /// Files one message from the server where it belongs.
     pub(super) fn dispatch(&mut self, message: Message, fds: Vec<OwnedFd>) {
+        if fds.len() < message.fd_count() {
+            return self.descriptors_lost(&message);
+        }
         match message {
             Message::Update { lease, .. } | Message::Unpublished { lease, .. }
                 if !self.held.contains(&lease) && !self.rings.contains_key(&lease) =>
@@ -146,6 +201,16 @@ impl State {
                     });
                 }
             }
+            Message::RingLate {
+                lease,
+                stale_through,
+                evicted,
+                reason,
+            } => {
+                if let Some(q) = self.rings.get_mut(&lease) {
+                    q.late(stale_through, evicted, reason);
+                }
+            }
             Message::Unpublished { lease, name } => match self.rings.get_mut(&lease) {
                 Some(q) => q.ended = true,
                 None => self.updates.push_back(Update {
@@ -168,35 +233,7 @@ impl State {
             | Message::RingAttached { id, .. }
             | Message::RingSlot { id, .. }
             | Message::Pong { id }
-            | Message::Error { id: Some(id), .. } => {
-                let Some(ring_name) = self.waiting.get(&id) else {
-                    // Its caller gave up; a lease granted to it goes back.
-                    if let Message::Attached { lease, .. } | Message::RingAttached { lease, .. } =
-                        message
-                    {
-                        self.orphans.push(lease);
-                    }
-                    return;
-                };
-                if let Message::Attached { lease, .. } = &message {
-                    self.held.insert(*lease);
-                }
-                if let Message::RingAttached { lease, slots, .. } = &message {
-                    self.rings.insert(
-                        *lease,
-                        RingQueue {
-                            name: ring_name.clone().unwrap_or_default(),
-                            slots: *slots,
-                            frames: VecDeque::new(),
-                            ended: false,
-                        },
-                    );
-                }
-                self.responses
-                    .entry(id)
-                    .or_default()
-                    .push_back((message, fds));
-            }
+            | Message::Error { id: Some(id), .. } => self.file_response(id, message, fds),
             other => {
                 self.dead = Some(Dead::Protocol(format!(
                     "the server sent a {:?} message, which only clients send or which \
@@ -205,5 +242,72 @@ impl State {
                 )));
             }
         }
+    }
+
+    /// Files an answer to request `id` for its caller (or releases the
+    /// lease it grants when nobody waits for it any more).
+    fn file_response(&mut self, id: u64, message: Message, fds: Vec<OwnedFd>) {
+        let Some(ring_name) = self.waiting.get(&id) else {
+            // Its caller gave up; a lease granted to it goes back.
+            if let Message::Attached { lease, .. } | Message::RingAttached { lease, .. } = message {
+                self.orphans.push(lease);
+            }
+            return;
+        };
+        if let Message::Attached { lease, .. } = &message {
+            self.held.insert(*lease);
+        }
+        if let Message::RingAttached { lease, slots, .. } = &message {
+            self.rings.insert(
+                *lease,
+                RingQueue {
+                    name: ring_name.clone().unwrap_or_default(),
+                    slots: *slots,
+                    frames: VecDeque::new(),
+                    ended: false,
+                    evicted: None,
+                    lagged: None,
+                },
+            );
+        }
+        self.responses
+            .entry(id)
+            .or_default()
+            .push_back((message, fds));
+    }
+}
+
+/// The error for an answer of the wrong type: the server's error message, or
+/// a protocol violation.
+pub(super) fn unexpected(message: Message, expected: &str, name: &str) -> ChannelError {
+    match message {
+        Message::Error { code, .. } if code == "not_found" => {
+            ChannelError::NotFound { name: name.into() }
+        }
+        // Filed by this client (see `State::dispatch`), not sent by the server.
+        Message::Error {
+            code,
+            message,
+            details,
+            ..
+        } if code == OUT_OF_DESCRIPTORS => ChannelError::OutOfDescriptors {
+            kind: Message::TYPES
+                .iter()
+                .find(|t| **t == message)
+                .copied()
+                .unwrap_or("attached"),
+            expected: details
+                .get("expected")
+                .and_then(serde_json::Value::as_u64)
+                .unwrap_or(0) as usize,
+            limit: rustix::process::getrlimit(rustix::process::Resource::Nofile)
+                .current
+                .map_or_else(|| "unlimited".to_owned(), |n| n.to_string()),
+        },
+        Message::Error { code, message, .. } => ChannelError::Remote { code, message },
+        other => ChannelError::protocol(format!(
+            "expected a {expected:?} message from the server, got {:?}",
+            other.type_name()
+        )),
     }
 }

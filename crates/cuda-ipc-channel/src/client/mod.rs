@@ -30,8 +30,6 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rustix::io::Errno;
-use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType, connect, socket_with};
 use serde_json::Value;
 
 use super::limits::{MAX_RING_SLOTS, validate_entry_name};
@@ -49,10 +47,12 @@ const MAX_LATE_READS: usize = 64;
 /// The most entries [`Client::list`] collects.
 const MAX_LISTED_ENTRIES: usize = 1 << 16;
 
+mod connect;
 mod demux;
 mod types;
 
-use demux::{Dead, State};
+use connect::connect_socket;
+use demux::{Dead, State, unexpected};
 pub use types::{
     Attachment, ClientConfig, DEFAULT_SPIN, Notice, RingAttachment, RingFrame, SPIN_ENV, Update,
 };
@@ -367,6 +367,9 @@ impl Client {
                     ) if l == lease && slot as usize == i => {
                         slots.push((meta, fds));
                     }
+                    (error @ Message::Error { .. }, _) => {
+                        return Err(unexpected(error, "ring_slot", name));
+                    }
                     (other, _) => {
                         return Err(ChannelError::protocol(format!(
                             "expected slot {i} of ring {name:?}, got a {:?} message",
@@ -394,13 +397,17 @@ impl Client {
     /// Releases a lease (on an entry or a ring). The producer may reuse
     /// what the lease covered once every holder has released it.
     pub fn release(&self, lease: u64) -> Result<(), ChannelError> {
-        let p = self.request(|id| Message::Release { id, lease }, None)?;
-        let answer = self.response(&p, &format!("the answer to releasing lease {lease}"))?;
         {
             let mut st = lock(&self.state);
-            st.rings.remove(&lease);
-            st.held.remove(&lease);
+            // A subscription the producer ended is released already.
+            if st.rings.get(&lease).is_some_and(|q| q.evicted.is_some()) {
+                st.rings.remove(&lease);
+                return Ok(());
+            }
         }
+        let p = self.request(|id| Message::Release { id, lease }, None)?;
+        let answer = self.response(&p, &format!("the answer to releasing lease {lease}"))?;
+        lock(&self.state).forget(lease);
         match answer {
             (Message::Released { .. }, _) => Ok(()),
             (Message::Error { code, message, .. }, _) if code == "invalid_lease" => {
@@ -445,7 +452,10 @@ impl Client {
 
     /// The next frame of the ring subscribed with `lease`, waiting up to
     /// `timeout` for one (`Duration::ZERO` polls). After the producer unpublished the ring and every
-    /// earlier message was taken: [`ChannelError::Unpublished`].
+    /// earlier message was taken: [`ChannelError::Unpublished`]. When the
+    /// producer gave up on this subscriber's acks: [`ChannelError::Lagged`]
+    /// once (frames go on with the next one) or [`ChannelError::Evicted`]
+    /// (the subscription is over).
     pub fn next_frame(&self, lease: u64, timeout: Duration) -> Result<RingFrame, ChannelError> {
         let not_ring = || {
             ChannelError::arg(
@@ -473,8 +483,21 @@ impl Client {
                 let Some(q) = st.rings.get_mut(&lease) else {
                     return Some(Err(not_ring()));
                 };
-                if let Some(f) = q.frames.pop_front() {
+                if let Some((stale_through, reason)) = q.lagged.take() {
+                    Some(Err(ChannelError::Lagged {
+                        name: q.name.clone(),
+                        lease,
+                        stale_through,
+                        reason,
+                    }))
+                } else if let Some(f) = q.frames.pop_front() {
                     Some(Ok(f))
+                } else if let Some(reason) = &q.evicted {
+                    Some(Err(ChannelError::Evicted {
+                        name: q.name.clone(),
+                        lease,
+                        reason: reason.clone(),
+                    }))
                 } else if q.ended {
                     Some(Err(ChannelError::Unpublished {
                         name: q.name.clone(),
@@ -582,7 +605,7 @@ impl Client {
         for lease in leases {
             let id = {
                 let mut st = lock(&self.state);
-                st.rings.remove(&lease);
+                st.forget(lease);
                 if st.dead.is_some() {
                     return;
                 }
@@ -678,97 +701,5 @@ fn timeout(what: &str, started: Instant) -> ChannelError {
     ChannelError::Timeout {
         what: what.to_owned(),
         after: started.elapsed(),
-    }
-}
-
-/// The error for an answer of the wrong type: the server's error message, or
-/// a protocol violation.
-fn unexpected(message: Message, expected: &str, name: &str) -> ChannelError {
-    match message {
-        Message::Error { code, .. } if code == "not_found" => {
-            ChannelError::NotFound { name: name.into() }
-        }
-        Message::Error { code, message, .. } => ChannelError::Remote { code, message },
-        other => ChannelError::protocol(format!(
-            "expected a {expected:?} message from the server, got {:?}",
-            other.type_name()
-        )),
-    }
-}
-
-/// Connects a Unix stream socket without blocking past `deadline` (a
-/// listener with a full backlog makes `connect` wait).
-/// Why nobody answered at `path`, from what the path really is.
-fn refused_context(path: &Path) -> String {
-    let what = match rustix::fs::stat(path) {
-        Ok(st) => match rustix::fs::FileType::from_raw_mode(st.st_mode) {
-            rustix::fs::FileType::Socket => {
-                return format!(
-                    "nothing is listening on {}: it is a socket that no server serves (its \
-                     producer exited); start the producer",
-                    path.display()
-                );
-            }
-            rustix::fs::FileType::RegularFile => "a regular file",
-            rustix::fs::FileType::Directory => "a directory",
-            rustix::fs::FileType::Fifo => "a named pipe",
-            rustix::fs::FileType::CharacterDevice | rustix::fs::FileType::BlockDevice => "a device",
-            _ => "not a socket",
-        },
-        Err(_) => "not a socket",
-    };
-    format!(
-        "{} is {what}, not a channel socket; check the path (a producer creates the socket \
-         when it starts)",
-        path.display()
-    )
-}
-
-fn connect_socket(path: &Path, deadline: Instant) -> Result<UnixStream, ChannelError> {
-    let addr = SocketAddrUnix::new(path).map_err(|e| {
-        ChannelError::io(format!("{} is not a valid socket path", path.display()), e)
-    })?;
-    let fd = socket_with(
-        AddressFamily::UNIX,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-        None,
-    )
-    .map_err(|e| ChannelError::io("cannot create a Unix socket", e))?;
-    let started = Instant::now();
-    loop {
-        match connect(&fd, &addr) {
-            Ok(()) => return Ok(UnixStream::from(fd)),
-            Err(Errno::INTR) => {}
-            Err(Errno::AGAIN) => {
-                if Instant::now() >= deadline {
-                    return Err(ChannelError::Timeout {
-                        what: format!(
-                            "the server at {} to accept the connection (its backlog is full)",
-                            path.display()
-                        ),
-                        after: started.elapsed(),
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) => {
-                let context = match e {
-                    Errno::NOENT => format!(
-                        "no channel server at {}: the socket does not exist; start the \
-                         producer first, or check the path",
-                        path.display()
-                    ),
-                    Errno::CONNREFUSED | Errno::NOTSOCK => refused_context(path),
-                    Errno::ACCESS => format!(
-                        "permission denied connecting to {}: the socket or its directory \
-                         belongs to another user",
-                        path.display()
-                    ),
-                    _ => format!("cannot connect to {}", path.display()),
-                };
-                return Err(ChannelError::io(context, e));
-            }
-        }
     }
 }

@@ -36,21 +36,38 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 /// (`0`: sleep at once), for programs that do not set it themselves.
 pub const SPIN_ENV: &str = "CUDA_IPC_SPIN_US";
 
-/// The longest spin [`SPIN_ENV`] may ask for.
-const MAX_ENV_SPIN_US: u64 = 1_000_000;
+/// The longest spin [`SPIN_ENV`] may ask for (10 ms): a spin is a busy
+/// wait, and a longer one would turn every wait into one.
+const MAX_ENV_SPIN_US: u64 = 10_000;
 
-/// The default spin: [`SPIN_ENV`] if it holds a number of microseconds up
-/// to a second, else [`DEFAULT_SPIN`].
+/// The default spin: [`SPIN_ENV`] if it holds only decimal digits, a
+/// number of microseconds up to [`MAX_ENV_SPIN_US`], else [`DEFAULT_SPIN`]
+/// (with a warning saying why).
 pub(crate) fn default_spin(env: Option<&str>) -> Duration {
     let Some(text) = env else {
         return DEFAULT_SPIN;
     };
-    match text.trim().parse::<u64>() {
-        Ok(us) if us <= MAX_ENV_SPIN_US => Duration::from_micros(us),
-        _ => {
+    let digits = text.trim();
+    let parsed = if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+        digits.parse::<u64>().ok()
+    } else {
+        None
+    };
+    match parsed {
+        Some(us) if us <= MAX_ENV_SPIN_US => Duration::from_micros(us),
+        Some(us) => {
             tracing::warn!(
-                "{SPIN_ENV}={text:?} is not a number of microseconds up to {MAX_ENV_SPIN_US}; \
+                "{SPIN_ENV}={us} asks for a busy wait of {us} µs before every sleep, more than \
+                 the {MAX_ENV_SPIN_US} µs allowed (a longer spin turns waits into busy waits); \
                  spinning {} µs",
+                DEFAULT_SPIN.as_micros()
+            );
+            DEFAULT_SPIN
+        }
+        None => {
+            tracing::warn!(
+                "{SPIN_ENV}={text:?} is not a number of microseconds (digits only, 0 to \
+                 {MAX_ENV_SPIN_US}); spinning {} µs",
                 DEFAULT_SPIN.as_micros()
             );
             DEFAULT_SPIN
@@ -171,8 +188,17 @@ mod tests {
         assert_eq!(default_spin(None), DEFAULT_SPIN);
         assert_eq!(default_spin(Some("0")), Duration::ZERO);
         assert_eq!(default_spin(Some(" 200 ")), Duration::from_micros(200));
-        assert_eq!(default_spin(Some("1000000")), Duration::from_secs(1));
-        for bad in ["", "-1", "1.5", "lots", "1000001", "18446744073709551616"] {
+        assert_eq!(default_spin(Some("10000")), Duration::from_millis(10));
+        for bad in [
+            "",
+            "-1",
+            "+5",
+            "1.5",
+            "lots",
+            "10001",
+            "1000000",
+            "18446744073709551616",
+        ] {
             assert_eq!(default_spin(Some(bad)), DEFAULT_SPIN, "{bad:?}");
         }
     }

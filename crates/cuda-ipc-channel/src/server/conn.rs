@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rustix::net::{Shutdown, shutdown};
@@ -12,6 +12,7 @@ use crate::socket::{Ucred, encode_checked, send_bytes, try_send_bytes, unread_by
 use crate::wire::Message;
 use crate::{ChannelError, lock};
 
+use super::state::SlotSource;
 use super::{FINAL_SEND_TIMEOUT, error_frame};
 
 /// A connection's reader takes no new request while this many bytes of
@@ -35,8 +36,22 @@ pub(super) enum OutState {
     Closed,
 }
 
+/// The slot messages of a ring subscription still to send: made one at a
+/// time as the client takes them, so that a subscriber that does not read
+/// pins no more duplicated descriptors than one message carries.
+pub(super) struct SlotFeed {
+    /// The `attach_ring` request.
+    pub(super) id: u64,
+    pub(super) lease: u64,
+    pub(super) sources: Arc<[SlotSource]>,
+    /// The next slot to send.
+    pub(super) next: usize,
+}
+
 pub(super) struct Outbox {
     pub(super) queue: VecDeque<Outgoing>,
+    /// Ring subscriptions whose slot messages are still to be made.
+    pub(super) feed: VecDeque<SlotFeed>,
     pub(super) state: OutState,
     /// The writer thread is sending a message it took from the queue.
     pub(super) sending: bool,
@@ -53,6 +68,7 @@ impl Outbox {
     pub(super) fn new() -> Outbox {
         Outbox {
             queue: VecDeque::new(),
+            feed: VecDeque::new(),
             state: OutState::Open,
             sending: false,
             bytes: 0,
@@ -82,6 +98,8 @@ pub(super) struct Conn {
     pub(super) limits: ConnLimits,
     pub(super) out: Mutex<Outbox>,
     pub(super) out_ready: Condvar,
+    /// When the client last sent a request (or connected).
+    pub(super) active: Mutex<Instant>,
 }
 
 /// The request id a reply answers, for the error that replaces a reply
@@ -213,6 +231,34 @@ impl Conn {
         false
     }
 
+    /// How many of the descriptors we sent the client may still wait in
+    /// its receive queue: 0 once `SIOCOUTQ` says it has received (or, by
+    /// closing its socket, discarded) everything.
+    pub(super) fn unread_fds(&self) -> usize {
+        let mut out = lock(&self.out);
+        if out.unread_fds > 0 && unread_by_peer(&self.stream).is_ok_and(|n| n == 0) {
+            out.unread_fds = 0;
+        }
+        out.unread_fds
+    }
+
+    /// Whether the connection holds nothing in transit: nothing queued or
+    /// being sent, no slot messages to make, no descriptors unread.
+    pub(super) fn quiet(&self) -> bool {
+        let out = lock(&self.out);
+        out.queue.is_empty() && out.feed.is_empty() && !out.sending && out.unread_fds == 0
+    }
+
+    /// Queues the slot messages of a new ring subscription.
+    pub(super) fn feed(&self, feed: SlotFeed) {
+        let mut out = lock(&self.out);
+        if out.state == OutState::Open {
+            out.feed.push_back(feed);
+        }
+        drop(out);
+        self.out_ready.notify_all();
+    }
+
     /// Logs a failed send (unless the client simply went away) and stops
     /// the connection: a message may have been cut in half.
     pub(super) fn send_failed(&self, e: &ChannelError) {
@@ -231,6 +277,7 @@ impl Conn {
     pub(super) fn finish(&self, last: Option<Message>) {
         let mut out = lock(&self.out);
         out.queue.clear();
+        out.feed.clear();
         out.bytes = 0;
         out.fds = 0;
         if out.state == OutState::Open {
@@ -248,13 +295,17 @@ impl Conn {
 
     /// Waits until the client has room for the answer to another request:
     /// fewer than `limit` messages and [`WINDOW_BYTES`] bytes queued, and
-    /// none of our duplicated descriptors waiting for it; or the connection
+    /// none of our duplicated descriptors (nor slot messages to make)
+    /// waiting for it; or the connection
     /// stops. (A client that never reads is cut off by the writer's send
     /// timeout, which ends this wait.)
     pub(super) fn wait_for_room(&self, limit: usize) {
         let mut out = lock(&self.out);
         while out.state == OutState::Open
-            && (out.queue.len() >= limit || out.bytes >= WINDOW_BYTES || out.fds > 0)
+            && (out.queue.len() >= limit
+                || out.bytes >= WINDOW_BYTES
+                || out.fds > 0
+                || !out.feed.is_empty())
         {
             out = self
                 .out_ready
@@ -268,6 +319,7 @@ impl Conn {
     pub(super) fn abort(&self) {
         let mut out = lock(&self.out);
         out.queue.clear();
+        out.feed.clear();
         out.bytes = 0;
         out.fds = 0;
         out.state = OutState::Closed;
@@ -298,6 +350,54 @@ impl Conn {
         }
     }
 
+    /// The next slot message of a ring subscription, made now: its
+    /// descriptors duplicated, counted as queued. A duplication that fails
+    /// (this process is out of descriptors) answers the subscription with
+    /// an error instead, and its remaining slots are dropped.
+    fn next_slot(out: &mut Outbox) -> Option<Outgoing> {
+        let feed = out.feed.front_mut()?;
+        let (id, lease, i) = (feed.id, feed.lease, feed.next);
+        let source = &feed.sources[i];
+        feed.next += 1;
+        let dups: Result<Vec<OwnedFd>, std::io::Error> =
+            source.fds.iter().map(OwnedFd::try_clone).collect();
+        let message = match dups {
+            Ok(fds) => (
+                Message::RingSlot {
+                    id,
+                    lease,
+                    slot: i as u32,
+                    meta: source.meta.clone(),
+                    fds: fds.len() as u16,
+                },
+                fds,
+            ),
+            Err(e) => {
+                feed.next = feed.sources.len();
+                (
+                    error_frame(
+                        Some(id),
+                        "io",
+                        format!(
+                            "the server cannot duplicate the descriptors of slot {i} for this \
+                             subscription: {e}; try again later"
+                        ),
+                    ),
+                    Vec::new(),
+                )
+            }
+        };
+        if feed.next >= feed.sources.len() {
+            out.feed.pop_front();
+        }
+        let (message, fds) = message;
+        let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
+        let bytes = encode_checked(&message, &borrowed).ok()?;
+        out.bytes += bytes.len();
+        out.fds += fds.len();
+        Some(Outgoing { bytes, fds })
+    }
+
     /// The writer thread's loop.
     pub(super) fn write_loop(&self) {
         let send_timeout = self.limits.send_timeout;
@@ -305,6 +405,12 @@ impl Conn {
             let (next, draining) = {
                 let mut out = lock(&self.out);
                 loop {
+                    if out.state == OutState::Open
+                        && let Some(o) = Self::next_slot(&mut out)
+                    {
+                        out.sending = true;
+                        break (o, false);
+                    }
                     if let Some(o) = out.queue.pop_front() {
                         out.sending = true;
                         break (o, out.state == OutState::Draining);

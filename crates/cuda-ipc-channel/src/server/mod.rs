@@ -39,10 +39,10 @@ use rustix::net::{
 };
 use serde_json::Value;
 
-use super::limits::{MAX_META_BYTES, MAX_RING_SLOTS, validate_entry_name};
+use super::limits::{MAX_RING_SLOTS, validate_entry_name};
 use super::socket::RecvLimits;
 use super::wire::{EntryKind, MAX_FDS, MAX_PAYLOAD, Message};
-use super::{ChannelError, lock, own_pid, own_uid};
+use super::{ChannelError, lock, own_pid};
 
 /// A listing page stops growing at about this many bytes.
 const LISTING_PAGE_BYTES: usize = 512 * 1024;
@@ -65,171 +65,6 @@ const LISTEN_BACKLOG: i32 = 128;
 /// The longest path a Unix socket address holds (`sun_path` less its NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
-/// How a [`Server`] is set up.
-///
-/// Build it with [`ServerConfig::new`] (there is no `Default`: the socket
-/// path has none) and change what you need with the setters:
-/// `ServerConfig::new(path).with_allowed_uids([1000, 1001])`.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct ServerConfig {
-    /// The socket path (see [`default_socket_path`](super::default_socket_path)).
-    pub path: PathBuf,
-    /// The user ids allowed to connect (`SO_PEERCRED`); default: only ours.
-    pub allowed_uids: Vec<u32>,
-    /// How long a new connection has to send its `hello`; default 5 s.
-    pub handshake_timeout: Duration,
-    /// How long a client may leave a message unread before it is
-    /// disconnected; default 5 s.
-    pub send_timeout: Duration,
-    /// The most connections served at once; default 256.
-    pub max_connections: usize,
-    /// The most messages queued for one client before it is disconnected as
-    /// stuck; default 4096. Must exceed the slot count of every ring, since
-    /// a new subscriber is sent one message per slot at once.
-    pub max_queued_frames: usize,
-    /// The most bytes of replies and notices queued for one client before
-    /// it is disconnected as stuck; default 16 MiB. (A client that does not
-    /// read stops being served new requests long before: its requests wait
-    /// while 64 KiB of answers wait for it.)
-    pub max_queued_bytes: usize,
-    /// The most descriptors sent to one client that it has not received
-    /// yet; default and minimum [`MAX_FDS`] (one answer's worth).
-    /// Descriptors in flight count against the sending user's open-file
-    /// limit (`RLIMIT_NOFILE`) in the kernel, so this is what keeps clients
-    /// that do not read from exhausting it: at most this many per
-    /// connection, times [`max_connections_per_uid`](Self::max_connections_per_uid)
-    /// for one hostile user. Keep the server's soft limit (`ulimit -n`)
-    /// above that product.
-    pub max_unread_fds: usize,
-    /// The most connections of one user id at once; default 128.
-    pub max_connections_per_uid: usize,
-    /// The most connections of one process at once; default 64.
-    pub max_connections_per_pid: usize,
-    /// A connection that holds no lease and sends nothing for this long is
-    /// closed; default 15 minutes (long enough for a consumer that connects
-    /// early and attaches once its producer is ready, or between the
-    /// sections of a long benchmark). It frees what abandoned connections
-    /// hold; the per-uid and per-pid limits are what keep idle connections
-    /// from locking others out.
-    pub idle_timeout: Duration,
-    /// The most leases (entry leases and ring subscriptions) one connection
-    /// may hold; default 1024.
-    pub max_leases_per_connection: usize,
-    /// The longest request payload accepted, in bytes; default 4 KiB (the
-    /// longest valid request, an attach with a 256-byte name, is about 300).
-    pub max_request_bytes: u32,
-}
-
-impl ServerConfig {
-    /// The default configuration for a socket at `path`.
-    pub fn new(path: impl Into<PathBuf>) -> ServerConfig {
-        ServerConfig {
-            path: path.into(),
-            allowed_uids: vec![own_uid()],
-            handshake_timeout: Duration::from_secs(5),
-            send_timeout: Duration::from_secs(5),
-            max_connections: 256,
-            max_queued_frames: 4096,
-            max_queued_bytes: 16 << 20,
-            max_unread_fds: MAX_FDS,
-            max_connections_per_uid: 128,
-            max_connections_per_pid: 64,
-            idle_timeout: Duration::from_secs(15 * 60),
-            max_leases_per_connection: 1024,
-            max_request_bytes: 4096,
-        }
-    }
-
-    /// Sets the most bytes queued for one client before it is disconnected.
-    #[must_use]
-    pub fn with_max_queued_bytes(mut self, n: usize) -> Self {
-        self.max_queued_bytes = n;
-        self
-    }
-
-    /// Sets the most descriptors in flight to one client (at least
-    /// [`MAX_FDS`] is used).
-    #[must_use]
-    pub fn with_max_unread_fds(mut self, n: usize) -> Self {
-        self.max_unread_fds = n;
-        self
-    }
-
-    /// Sets the most connections of one user id.
-    #[must_use]
-    pub fn with_max_connections_per_uid(mut self, n: usize) -> Self {
-        self.max_connections_per_uid = n;
-        self
-    }
-
-    /// Sets the most connections of one process.
-    #[must_use]
-    pub fn with_max_connections_per_pid(mut self, n: usize) -> Self {
-        self.max_connections_per_pid = n;
-        self
-    }
-
-    /// Sets how long a connection without leases may stay silent.
-    #[must_use]
-    pub fn with_idle_timeout(mut self, timeout: Duration) -> Self {
-        self.idle_timeout = timeout;
-        self
-    }
-
-    /// Sets the most leases one connection may hold.
-    #[must_use]
-    pub fn with_max_leases_per_connection(mut self, n: usize) -> Self {
-        self.max_leases_per_connection = n;
-        self
-    }
-
-    /// Sets the longest request payload accepted (at most
-    /// [`MAX_PAYLOAD`]).
-    #[must_use]
-    pub fn with_max_request_bytes(mut self, n: u32) -> Self {
-        self.max_request_bytes = n;
-        self
-    }
-
-    /// Sets the user ids allowed to connect (replacing the default, ours).
-    #[must_use]
-    pub fn with_allowed_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
-        self.allowed_uids = uids.into_iter().collect();
-        self
-    }
-
-    /// Sets how long a new connection has to send its `hello`.
-    #[must_use]
-    pub fn with_handshake_timeout(mut self, timeout: Duration) -> Self {
-        self.handshake_timeout = timeout;
-        self
-    }
-
-    /// Sets how long a client may leave a reply unread before it is
-    /// disconnected.
-    #[must_use]
-    pub fn with_send_timeout(mut self, timeout: Duration) -> Self {
-        self.send_timeout = timeout;
-        self
-    }
-
-    /// Sets the most connections served at once.
-    #[must_use]
-    pub fn with_max_connections(mut self, n: usize) -> Self {
-        self.max_connections = n;
-        self
-    }
-
-    /// Sets the most replies queued for one client before it is
-    /// disconnected as stuck.
-    #[must_use]
-    pub fn with_max_queued_frames(mut self, n: usize) -> Self {
-        self.max_queued_frames = n;
-        self
-    }
-}
-
 /// One lease, as [`Server::leases`] reports it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -247,34 +82,6 @@ pub struct LeaseInfo {
     pub uid: u32,
 }
 
-/// The size of a value's JSON, refused above [`MAX_META_BYTES`].
-fn json_size(value: &Value, what: &'static str) -> Result<usize, ChannelError> {
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0 += buf.len();
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    // Writing a `Value` into a counter cannot fail.
-    let _ = serde_json::to_writer(&mut count, value);
-    if count.0 > MAX_META_BYTES {
-        return Err(ChannelError::arg(
-            what,
-            format!(
-                "its JSON is {} bytes, more than the limit of {MAX_META_BYTES}; put large data \
-                 in shared memory and describe it here",
-                count.0
-            ),
-        ));
-    }
-    Ok(count.0)
-}
-
 /// `n` copies of `value`: clones first, the value itself last.
 fn copies<T: Clone>(value: T, n: usize) -> impl Iterator<Item = T> {
     let mut value = Some(value);
@@ -285,16 +92,6 @@ fn copies<T: Clone>(value: T, n: usize) -> impl Iterator<Item = T> {
             value.clone()
         }
     })
-}
-
-fn check_fds(count: usize) -> Result<(), ChannelError> {
-    if count > MAX_FDS {
-        return Err(ChannelError::arg(
-            "file descriptors",
-            format!("an entry or slot carries at most {MAX_FDS} file descriptors, not {count}"),
-        ));
-    }
-    Ok(())
 }
 
 /// The error message for a request or a connection.
@@ -308,15 +105,20 @@ fn error_frame(id: Option<u64>, code: &str, message: impl Into<String>) -> Messa
 }
 
 mod accept;
+mod checks;
+mod config;
 mod conn;
 mod ring;
 mod session;
 mod state;
 
-use accept::{accept_loop, remove_stale_socket};
+use accept::{LogLimit, accept_loop, remove_stale_socket};
+use checks::{bound_socket, check_config, check_fds, json_size};
+pub use config::ServerConfig;
 use conn::Conn;
 pub use ring::RingProducer;
-use state::{Body, Entry, Ring, Slot, SlotState, State};
+pub use state::LatePolicy;
+use state::{Body, Entry, Ring, Slot, SlotSource, SlotState, State};
 
 struct Shared {
     path: PathBuf,
@@ -324,6 +126,7 @@ struct Shared {
     handshake_timeout: Duration,
     send_timeout: Duration,
     max_connections: usize,
+    reserved: usize,
     max_queued: usize,
     max_queued_bytes: usize,
     max_unread_fds: usize,
@@ -341,6 +144,11 @@ struct Shared {
     wake: OwnedFd,
     /// The connection threads, joined at shutdown.
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Log lines about refused, turned-away and evicted connections: at
+    /// most one a second each.
+    refusal_log: LogLimit,
+    busy_log: LogLimit,
+    evict_log: LogLimit,
 }
 
 /// A channel server: the producer's end.
@@ -381,6 +189,13 @@ impl std::fmt::Debug for Server {
 impl Server {
     /// Binds a server to `config.path` and starts serving.
     ///
+    /// First it makes sure this process's soft open-file limit
+    /// (`RLIMIT_NOFILE`, which the kernel also applies to the descriptors a
+    /// user has in flight) carries what the configuration lets clients
+    /// leave unread (see [`ServerConfig::max_unread_fds`]): it raises the
+    /// soft limit up to the hard one, or refuses with
+    /// [`ChannelError::InvalidArgument`] saying what to lower.
+    ///
     /// A socket file left at the path by a server that exited is removed
     /// (nothing accepts connections on it); if a server is listening there
     /// the result is [`ChannelError::Busy`]. Any other kind of file at the
@@ -391,18 +206,7 @@ impl Server {
     /// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html).
     pub fn bind(config: ServerConfig) -> Result<Server, ChannelError> {
         let path = config.path.clone();
-        if config.allowed_uids.is_empty() {
-            return Err(ChannelError::arg(
-                "allowed_uids",
-                "the list is empty, so no client could connect; list at least one user id",
-            ));
-        }
-        if config.max_connections == 0 || config.max_queued_frames == 0 {
-            return Err(ChannelError::arg(
-                "server limits",
-                "max_connections and max_queued_frames must be at least 1",
-            ));
-        }
+        check_config(&config)?;
         let len = path.as_os_str().len();
         if len == 0 || len > MAX_SOCKET_PATH {
             return Err(ChannelError::arg(
@@ -428,7 +232,8 @@ impl Server {
         .map_err(|e| ChannelError::io("cannot create a Unix socket", e))?;
         // Linux creates the socket file with the socket inode's mode less the
         // umask: narrowing it first closes the window before the chmod below.
-        let _ = rustix::fs::fchmod(&listener, Mode::from_raw_mode(0o600));
+        rustix::fs::fchmod(&listener, Mode::from_raw_mode(0o600))
+            .map_err(|e| ChannelError::io("cannot set the mode of the channel socket", e))?;
         match bind(&listener, &addr) {
             Ok(()) => {}
             Err(Errno::ADDRINUSE) => return Err(ChannelError::Busy { path }),
@@ -444,12 +249,11 @@ impl Server {
             let _ = rustix::fs::unlink(&path);
             e
         };
-        rustix::fs::chmod(&path, Mode::from_raw_mode(0o600))
-            .map_err(|e| ChannelError::io(format!("cannot set the mode of {}", path.display()), e))
-            .map_err(cleanup)?;
-        let st = rustix::fs::lstat(&path)
-            .map_err(|e| ChannelError::io(format!("cannot inspect {}", path.display()), e))
-            .map_err(cleanup)?;
+        // No chmod by path: the path could be swapped for a symlink between
+        // bind and chmod, and the chmod would follow it. The mode came from
+        // the fchmod above; check what the path holds now without following
+        // links.
+        let st = bound_socket(&path).map_err(cleanup)?;
         listen(&listener, LISTEN_BACKLOG)
             .map_err(|e| ChannelError::io(format!("cannot listen on {}", path.display()), e))
             .map_err(cleanup)?;
@@ -463,6 +267,7 @@ impl Server {
             handshake_timeout: config.handshake_timeout,
             send_timeout: config.send_timeout,
             max_connections: config.max_connections,
+            reserved: config.reserved_connections,
             max_queued: config.max_queued_frames,
             max_queued_bytes: config.max_queued_bytes,
             max_unread_fds: config.max_unread_fds.max(MAX_FDS),
@@ -481,6 +286,9 @@ impl Server {
             changed: Condvar::new(),
             wake,
             threads: Mutex::new(Vec::new()),
+            refusal_log: LogLimit::new(),
+            busy_log: LogLimit::new(),
+            evict_log: LogLimit::new(),
         });
         let accept_shared = Arc::clone(&shared);
         let accept = std::thread::Builder::new()
@@ -708,12 +516,14 @@ impl Server {
             check_fds(fds.len())?;
         }
         let count = slots.len();
-        let slots = slots
+        let sources: Arc<[SlotSource]> = slots
             .into_iter()
-            .map(|(meta, fds)| Slot {
-                meta,
-                fds,
+            .map(|(meta, fds)| SlotSource { meta, fds })
+            .collect();
+        let slots = (0..count)
+            .map(|_| Slot {
                 state: SlotState::Free,
+                sent_at: Instant::now(),
                 seq: 0,
                 pending: BTreeSet::new(),
             })
@@ -723,7 +533,9 @@ impl Server {
             meta,
             meta_bytes,
             Body::Ring(Ring {
+                sources,
                 slots,
+                ack_deadline: None,
                 next: 0,
                 seq: 0,
             }),
@@ -759,6 +571,7 @@ impl Server {
             st.names.clear();
             st.leases.clear();
             st.conns.clear();
+            st.lingering.clear();
             st.entries.clear();
         }
         self.shared.changed.notify_all();

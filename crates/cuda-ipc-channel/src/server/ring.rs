@@ -10,7 +10,17 @@ use crate::wire::Message;
 use crate::{ChannelError, lock};
 
 use super::conn::Conn;
-use super::state::{Body, Entry, Ring, SlotState, State};
+use super::state::{Body, Entry, LatePolicy, Ring, SlotState, State};
+
+/// Whether subscribers are late on the slot `acquire` waits for.
+enum Late {
+    /// They are: these leases, under this policy, past this deadline.
+    Now(Vec<u64>, LatePolicy, Duration),
+    /// They will be at this instant if they do not ack.
+    At(Instant),
+    /// No deadline applies.
+    Never,
+}
 use super::{LeaseInfo, Shared, copies, json_size};
 
 /// The producer's handle on a ring (see [`Server::create_ring`](crate::Server::create_ring)).
@@ -74,8 +84,13 @@ impl RingProducer {
     /// sent its last frame acked it or went away), marks it acquired and
     /// returns its index. `None` waits for ever; a timeout gives
     /// [`ChannelError::Timeout`].
+    ///
+    /// With an ack deadline ([`set_ack_deadline`](Self::set_ack_deadline)),
+    /// a subscriber that holds the slot past it is skipped or evicted, so
+    /// that one stuck subscriber cannot stop the ring.
     pub fn acquire(&self, timeout: Option<Duration>) -> Result<u32, ChannelError> {
         let deadline = timeout.map(crate::deadline_in);
+        let max_queued = self.shared.max_queued;
         let mut st = lock(&self.shared.state);
         loop {
             let got = self.with_ring(&mut st, |ring, _| {
@@ -84,24 +99,52 @@ impl RingProducer {
                 if slot.state == SlotState::Free {
                     slot.state = SlotState::Acquired;
                     ring.next = (i + 1) % ring.slots.len();
-                    Ok(i)
-                } else {
-                    Err(i)
+                    return Ok(i);
                 }
+                // The subscribers late on this slot, if its deadline passed;
+                // else when it will.
+                let late = match ring.ack_deadline {
+                    Some((limit, policy)) if slot.state == SlotState::InFlight => {
+                        let due = slot.sent_at + limit;
+                        if Instant::now() >= due {
+                            Late::Now(slot.pending.iter().copied().collect(), policy, limit)
+                        } else {
+                            Late::At(due)
+                        }
+                    }
+                    _ => Late::Never,
+                };
+                Err((i, late))
             })?;
-            let waiting_for = match got {
+            let (waiting_for, late) = match got {
                 Ok(i) => return Ok(i as u32),
-                Err(i) => i,
+                Err(x) => x,
             };
-            st = match deadline {
+            let mut wake = deadline;
+            match late {
+                Late::Now(leases, policy, limit) => {
+                    for lease in leases {
+                        let reason = format!(
+                            "this subscriber did not ack frame(s) of ring {:?} within the \
+                             producer's ack deadline of {limit:?}",
+                            self.name
+                        );
+                        tracing::info!(lease, ring = %self.name, ?policy, "{reason}");
+                        st.late_subscriber(lease, policy == LatePolicy::Evict, &reason, max_queued);
+                    }
+                    continue;
+                }
+                Late::At(due) => wake = Some(wake.map_or(due, |d| d.min(due))),
+                Late::Never => {}
+            }
+            st = match wake {
                 None => self
                     .shared
                     .changed
                     .wait(st)
                     .unwrap_or_else(std::sync::PoisonError::into_inner),
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
+                Some(w) => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
                         return Err(ChannelError::Timeout {
                             what: format!(
                                 "slot {waiting_for} of ring {:?} to be acknowledged by every \
@@ -111,6 +154,7 @@ impl RingProducer {
                             after: timeout.unwrap_or_default(),
                         });
                     }
+                    let left = w.saturating_duration_since(Instant::now());
                     self.shared
                         .changed
                         .wait_timeout(st, left)
@@ -119,6 +163,54 @@ impl RingProducer {
                 }
             };
         }
+    }
+
+    /// Sets how long a subscriber may keep a frame before acking it, and
+    /// what [`acquire`](Self::acquire) does with a subscriber that keeps it
+    /// longer: [`LatePolicy::Evict`] ends its subscription,
+    /// [`LatePolicy::Skip`] withdraws its frames and carries on (a
+    /// subscriber skipped twice without an ack between is evicted). Either
+    /// way the subscriber is told why. `None` (the default) waits for
+    /// every subscriber for ever.
+    pub fn set_ack_deadline(
+        &self,
+        deadline: Option<Duration>,
+        policy: LatePolicy,
+    ) -> Result<(), ChannelError> {
+        let mut st = lock(&self.shared.state);
+        self.with_ring(&mut st, |ring, _| {
+            ring.ack_deadline = deadline.map(|d| (d, policy));
+        })?;
+        drop(st);
+        // An acquire waiting now re-reads the deadline.
+        self.shared.changed.notify_all();
+        Ok(())
+    }
+
+    /// Ends the subscription `lease` now: its frames are withdrawn, the
+    /// slots it held are free, and the subscriber is told `reason` (its
+    /// `next_frame` returns [`ChannelError::Evicted`]).
+    pub fn evict(&self, lease: u64, reason: &str) -> Result<(), ChannelError> {
+        let max_queued = self.shared.max_queued;
+        let mut st = lock(&self.shared.state);
+        let subscribed = self.with_ring(&mut st, |_, leases| leases.contains(&lease))?;
+        if !subscribed {
+            return Err(ChannelError::arg(
+                "lease",
+                format!(
+                    "lease {lease} is not a subscription of ring {:?} (see subscribers())",
+                    self.name
+                ),
+            ));
+        }
+        let reason = format!(
+            "the producer of ring {:?} evicted this subscriber: {reason}",
+            self.name
+        );
+        st.late_subscriber(lease, true, &reason, max_queued);
+        drop(st);
+        self.shared.changed.notify_all();
+        Ok(())
     }
 
     /// Publishes an acquired slot: sends a frame with the next sequence
@@ -164,6 +256,7 @@ impl RingProducer {
         ring.seq += 1;
         let seq = ring.seq;
         s.seq = seq;
+        s.sent_at = Instant::now();
         s.pending.clear();
         let targets: Vec<(u64, &Arc<Conn>)> = subscribers
             .iter()

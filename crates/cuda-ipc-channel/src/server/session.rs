@@ -9,7 +9,7 @@ use crate::socket::recv_message;
 use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use crate::{ChannelError, lock};
 
-use super::conn::Conn;
+use super::conn::{Conn, SlotFeed};
 use super::state::{Body, SlotState, State};
 use super::{LISTING_PAGE_BYTES, RESPONSE_WINDOW, Shared, error_frame};
 use crate::limits::{MAX_ENTRY_NAME_LEN, validate_entry_name};
@@ -86,6 +86,7 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         let deadline = idle.then(|| crate::deadline_in(shared.idle_timeout));
         match recv_message(&conn.stream, deadline, shared.recv_limits) {
             Ok((message, fds)) => {
+                *lock(&conn.active) = std::time::Instant::now();
                 if !fds.is_empty() {
                     return Err(fatal(
                         conn,
@@ -153,7 +154,19 @@ impl Shared {
     /// Ends a connection's leases and forgets it.
     pub(super) fn disconnect(&self, conn: u64) {
         let mut st = lock(&self.state);
-        st.conns.remove(&conn);
+        if let Some(c) = st.conns.remove(&conn)
+            && c.unread_fds() > 0
+        {
+            // Its peer still has descriptors of ours to read: they count
+            // against our user's limit until it does, so the connection
+            // keeps counting too (see `State::lingering`).
+            tracing::debug!(
+                pid = c.cred.pid,
+                uid = c.cred.uid,
+                "a connection ended with descriptors unread; it counts until they are read"
+            );
+            st.lingering.push(c);
+        }
         let leases = st.by_conn.remove(&conn).unwrap_or_default();
         for lease in leases {
             st.end_lease(lease);
@@ -342,45 +355,27 @@ impl Shared {
             );
             return;
         };
-        let mut slots = Vec::with_capacity(ring.slots.len());
-        for slot in &ring.slots {
-            match dup_all(&slot.fds) {
-                Ok(c) => slots.push((slot.meta.clone(), c)),
-                Err(e) => {
-                    conn.push(
-                        error_frame(Some(id), "io", e.to_string()),
-                        Vec::new(),
-                        self.max_queued,
-                    );
-                    return;
-                }
-            }
-        }
+        let sources = Arc::clone(&ring.sources);
         let meta = Arc::clone(&entry.meta);
         let lease = st.grant_lease(eid, conn);
         conn.push(
             Message::RingAttached {
                 id,
                 lease,
-                slots: slots.len() as u32,
+                slots: sources.len() as u32,
                 meta,
             },
             Vec::new(),
             self.max_queued,
         );
-        for (i, (meta, fds)) in slots.into_iter().enumerate() {
-            conn.push(
-                Message::RingSlot {
-                    id,
-                    lease,
-                    slot: i as u32,
-                    meta,
-                    fds: fds.len() as u16,
-                },
-                fds,
-                self.max_queued,
-            );
-        }
+        // The slot messages are made by the writer as the client takes
+        // them (see `SlotFeed`): nothing is duplicated up front.
+        conn.feed(SlotFeed {
+            id,
+            lease,
+            sources,
+            next: 0,
+        });
     }
 
     pub(super) fn ack(&self, conn: &Conn, lease: u64, slot: u32, seq: u64) -> Result<(), Message> {
@@ -410,6 +405,9 @@ impl Shared {
             ));
         };
         if s.seq == seq && s.pending.remove(&lease) {
+            if let Some(l) = st.leases.get_mut(&lease) {
+                l.skips = 0;
+            }
             if s.pending.is_empty() && s.state == SlotState::InFlight {
                 s.state = SlotState::Free;
             }

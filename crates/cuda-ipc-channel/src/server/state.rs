@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
@@ -21,18 +22,46 @@ pub(super) enum SlotState {
     InFlight,
 }
 
-pub(super) struct Slot {
+/// What a subscriber is sent about a slot when it subscribes: fixed for the
+/// ring's life, shared with the connections still sending it.
+pub(super) struct SlotSource {
     pub(super) meta: Value,
     pub(super) fds: Vec<OwnedFd>,
+}
+
+pub(super) struct Slot {
     pub(super) state: SlotState,
+    /// When the slot's latest frame was published.
+    pub(super) sent_at: Instant,
     /// The sequence number of the slot's latest frame.
     pub(super) seq: u64,
     /// The leases that were sent the latest message and have not acked it.
     pub(super) pending: BTreeSet<u64>,
 }
 
+/// What the producer does with a subscriber that has not acked a frame
+/// within the ring's ack deadline (see
+/// [`RingProducer::set_ack_deadline`](super::RingProducer::set_ack_deadline)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LatePolicy {
+    /// End its subscription; it is told why
+    /// ([`ChannelError::Evicted`](crate::ChannelError::Evicted)).
+    Evict,
+    /// Withdraw the frames it holds and carry on without it; it is told
+    /// ([`ChannelError::Lagged`](crate::ChannelError::Lagged)) and resumes with
+    /// the next frame published. A subscriber that is skipped twice
+    /// without acking any frame in between is evicted.
+    Skip,
+}
+
 pub(super) struct Ring {
+    /// The slots' metadata and descriptors, sent to each new subscriber.
+    pub(super) sources: Arc<[SlotSource]>,
     pub(super) slots: Vec<Slot>,
+    /// How long a subscriber may take to ack a frame, and what happens
+    /// after; `None`: waits for ever.
+    pub(super) ack_deadline: Option<(Duration, LatePolicy)>,
     /// The slot `acquire` hands out next.
     pub(super) next: usize,
     /// The last sequence number used.
@@ -72,6 +101,9 @@ pub(super) struct Lease {
     pub(super) conn: u64,
     pub(super) pid: u32,
     pub(super) uid: u32,
+    /// Times this ring subscription was skipped for a late ack since its
+    /// last ack.
+    pub(super) skips: u32,
 }
 
 #[derive(Default)]
@@ -88,6 +120,12 @@ pub(super) struct State {
     /// its own.
     pub(super) by_conn: HashMap<u64, BTreeSet<u64>>,
     pub(super) conns: HashMap<u64, Arc<Conn>>,
+    /// Connections that ended while descriptors we sent were still in
+    /// their peer's receive queue: the kernel charges those to our user
+    /// until the peer reads them or closes its socket, so the connection
+    /// keeps counting against the connection limits (and its socket stays
+    /// open, to ask `SIOCOUTQ`) until then.
+    pub(super) lingering: Vec<Arc<Conn>>,
 }
 
 impl State {
@@ -116,9 +154,78 @@ impl State {
                 conn: conn.id,
                 pid: conn.cred.pid,
                 uid: conn.cred.uid,
+                skips: 0,
             },
         );
         lease
+    }
+
+    /// Drops the lingering connections whose peers have received (or
+    /// discarded, by closing) every descriptor we sent them.
+    pub(super) fn reap_lingering(&mut self) {
+        self.lingering.retain(|c| c.unread_fds() > 0);
+    }
+
+    /// Every connection that counts against the connection limits: those
+    /// served and those lingering.
+    pub(super) fn counted_conns(&self) -> impl Iterator<Item = &Arc<Conn>> {
+        self.conns.values().chain(self.lingering.iter())
+    }
+
+    /// A ring subscriber did not ack in time, or the producer evicts it:
+    /// withdraws its frames (freeing the slots only it held) and tells it
+    /// why; with `evict` (or a second skip without an ack between) ends its
+    /// lease. Returns whether the lease ended. The caller notifies waiters.
+    pub(super) fn late_subscriber(
+        &mut self,
+        lease: u64,
+        evict: bool,
+        reason: &str,
+        max_queued: usize,
+    ) -> bool {
+        let Some(l) = self.leases.get_mut(&lease) else {
+            return false;
+        };
+        l.skips += 1;
+        let evict = evict || l.skips > 1;
+        let (entry, conn) = (l.entry, l.conn);
+        let Some(Entry {
+            body: Body::Ring(ring),
+            ..
+        }) = self.entries.get_mut(&entry)
+        else {
+            return false;
+        };
+        for slot in &mut ring.slots {
+            if slot.pending.remove(&lease)
+                && slot.pending.is_empty()
+                && slot.state == SlotState::InFlight
+            {
+                slot.state = SlotState::Free;
+            }
+        }
+        let stale_through = ring.seq;
+        let reason = if evict && !reason.contains("evict") {
+            format!("{reason}; the subscription is ended (evicted)")
+        } else {
+            reason.to_owned()
+        };
+        if let Some(c) = self.conns.get(&conn) {
+            c.push(
+                Message::RingLate {
+                    lease,
+                    stale_through,
+                    evicted: evict,
+                    reason,
+                },
+                Vec::new(),
+                max_queued,
+            );
+        }
+        if evict {
+            self.end_lease(lease);
+        }
+        evict
     }
 
     /// Ends a lease; drops its entry if that was the last lease on an

@@ -82,6 +82,12 @@ fn type_names_match_serde_tags() {
             message: "m".into(),
             details: Value::Null,
         },
+        Message::RingLate {
+            lease: 1,
+            stale_through: 3,
+            evicted: false,
+            reason: "late".into(),
+        },
     ];
     assert_eq!(samples.len(), Message::TYPES.len());
     for (m, t) in samples.iter().zip(Message::TYPES) {
@@ -399,6 +405,14 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 code,
                 message,
                 details
+            }
+        ),
+        (any::<u64>(), any::<u64>(), any::<bool>(), name).prop_map(
+            |(lease, stale_through, evicted, reason)| Message::RingLate {
+                lease,
+                stale_through,
+                evicted,
+                reason
             }
         ),
     ]

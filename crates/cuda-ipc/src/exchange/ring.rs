@@ -98,6 +98,25 @@ impl RingPublisher {
     pub fn subscribers(&self) -> Vec<LeaseInfo> {
         self.producer.subscribers()
     }
+
+    /// Sets how long a subscriber may keep a frame before acking it, and
+    /// what [`acquire`](Self::acquire) does with one that keeps it longer:
+    /// cut it off or skip it (see
+    /// [`RingProducer::set_ack_deadline`](channel::RingProducer::set_ack_deadline)).
+    /// `None` (the default) waits for every subscriber for ever.
+    pub fn set_ack_deadline(
+        &self,
+        deadline: Option<Duration>,
+        policy: channel::LatePolicy,
+    ) -> Result<()> {
+        Ok(self.producer.set_ack_deadline(deadline, policy)?)
+    }
+
+    /// Ends the subscription `lease` now; the subscriber is told `reason`
+    /// (see [`RingProducer::evict`](channel::RingProducer::evict)).
+    pub fn evict(&self, lease: u64, reason: &str) -> Result<()> {
+        Ok(self.producer.evict(lease, reason)?)
+    }
 }
 
 /// A subscription to a ring: every slot mapped. Every slot's buffer, and

@@ -69,6 +69,12 @@ pub const SET_VERSION_KEY: &str = "cuda_ipc_set";
 /// The most entries a set record holds.
 pub const MAX_SET_ENTRIES: usize = 100_000;
 
+/// The longest set record's JSON text [`SetRecord::from_json`] parses (16
+/// MiB, 64 times what the channel carries as an entry's metadata): the
+/// size is checked before parsing, which takes about 20 times the text
+/// in memory.
+pub const MAX_SET_RECORD_BYTES: usize = 16 << 20;
+
 /// The most chunks a set record's table holds.
 pub const MAX_SET_CHUNKS: usize = 4096;
 
@@ -364,8 +370,18 @@ impl SetRecord {
         Ok(r)
     }
 
-    /// Parses and validates a set record from JSON text.
+    /// Parses and validates a set record from JSON text of at most
+    /// [`MAX_SET_RECORD_BYTES`]; a longer text is refused before it is parsed.
     pub fn from_json(text: &str) -> Result<Self> {
+        if text.len() > MAX_SET_RECORD_BYTES {
+            return Err(field_err(
+                "(document)",
+                format!(
+                    "{} bytes is longer than the {MAX_SET_RECORD_BYTES} a set record may have",
+                    text.len()
+                ),
+            ));
+        }
         // The strict parser refuses duplicate keys, as for descriptors and
         // share records: a record a peer sends has one reading.
         let value: Value = crate::json::parse_strict(text)

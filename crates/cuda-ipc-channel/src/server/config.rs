@@ -1,0 +1,193 @@
+//! How a server is set up: [`ServerConfig`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::own_uid;
+use crate::wire::MAX_FDS;
+
+#[allow(unused_imports)] // for the documentation's links
+use super::Server;
+
+/// How a [`Server`] is set up.
+///
+/// Build it with [`ServerConfig::new`] (there is no `Default`: the socket
+/// path has none) and change what you need with the setters:
+/// `ServerConfig::new(path).with_allowed_uids([1000, 1001])`.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ServerConfig {
+    /// The socket path (see [`default_socket_path`](super::default_socket_path)).
+    pub path: PathBuf,
+    /// The user ids allowed to connect (`SO_PEERCRED`); default: only ours.
+    pub allowed_uids: Vec<u32>,
+    /// How long a new connection has to send its `hello`; default 5 s.
+    pub handshake_timeout: Duration,
+    /// How long a client may leave a message unread before it is
+    /// disconnected; default 5 s.
+    pub send_timeout: Duration,
+    /// The most connections served at once; default 256. A connection
+    /// that ended while descriptors we sent it were still unread counts
+    /// until its process reads them or closes its socket (the kernel
+    /// charges them to our user until then).
+    pub max_connections: usize,
+    /// How many of [`max_connections`](Self::max_connections) are kept for
+    /// the server's own user: other users together get at most the rest;
+    /// default 32.
+    pub reserved_connections: usize,
+    /// The most messages queued for one client before it is disconnected as
+    /// stuck; default 4096. Must exceed the slot count of every ring, since
+    /// a new subscriber is sent one message per slot at once.
+    pub max_queued_frames: usize,
+    /// The most bytes of replies and notices queued for one client before
+    /// it is disconnected as stuck; default 16 MiB. (A client that does not
+    /// read stops being served new requests long before: its requests wait
+    /// while 64 KiB of answers wait for it.)
+    pub max_queued_bytes: usize,
+    /// The most descriptors sent to one client that it has not received
+    /// yet; default and minimum [`MAX_FDS`] (one answer's worth).
+    /// Descriptors in flight count against the sending user's open-file
+    /// limit (`RLIMIT_NOFILE`) in the kernel, so this is what keeps clients
+    /// that do not read from exhausting it: at most this many per
+    /// connection, connections that ended with descriptors unread
+    /// included, so at most this times
+    /// [`max_connections`](Self::max_connections) in all (4,096 at the
+    /// defaults). [`Server::bind`] raises the soft limit to carry that, or
+    /// refuses a configuration the hard limit cannot carry.
+    pub max_unread_fds: usize,
+    /// The most connections of one user id at once; default 128.
+    pub max_connections_per_uid: usize,
+    /// The most connections of one process at once; default 64.
+    pub max_connections_per_pid: usize,
+    /// A connection that holds no lease and sends nothing for this long is
+    /// closed; default 15 minutes (long enough for a consumer that connects
+    /// early and attaches once its producer is ready, or between the
+    /// sections of a long benchmark). It frees what abandoned connections
+    /// hold; the per-uid and per-pid limits are what keep idle connections
+    /// from locking others out. Once a message has begun it must end
+    /// within 5 s of its first byte, whatever this timeout.
+    pub idle_timeout: Duration,
+    /// The most leases (entry leases and ring subscriptions) one connection
+    /// may hold; default 1024.
+    pub max_leases_per_connection: usize,
+    /// The longest request payload accepted, in bytes; default 4 KiB (the
+    /// longest valid request, an attach with a 256-byte name, is about 300).
+    pub max_request_bytes: u32,
+}
+
+impl ServerConfig {
+    /// The default configuration for a socket at `path`.
+    pub fn new(path: impl Into<PathBuf>) -> ServerConfig {
+        ServerConfig {
+            path: path.into(),
+            allowed_uids: vec![own_uid()],
+            handshake_timeout: Duration::from_secs(5),
+            send_timeout: Duration::from_secs(5),
+            max_connections: 256,
+            reserved_connections: 32,
+            max_queued_frames: 4096,
+            max_queued_bytes: 16 << 20,
+            max_unread_fds: MAX_FDS,
+            max_connections_per_uid: 128,
+            max_connections_per_pid: 64,
+            idle_timeout: Duration::from_secs(15 * 60),
+            max_leases_per_connection: 1024,
+            max_request_bytes: 4096,
+        }
+    }
+
+    /// Sets the most bytes queued for one client before it is disconnected.
+    #[must_use]
+    pub fn with_max_queued_bytes(mut self, n: usize) -> Self {
+        self.max_queued_bytes = n;
+        self
+    }
+
+    /// Sets the most descriptors in flight to one client (at least
+    /// [`MAX_FDS`] is used).
+    #[must_use]
+    pub fn with_max_unread_fds(mut self, n: usize) -> Self {
+        self.max_unread_fds = n;
+        self
+    }
+
+    /// Sets the most connections of one user id.
+    #[must_use]
+    pub fn with_max_connections_per_uid(mut self, n: usize) -> Self {
+        self.max_connections_per_uid = n;
+        self
+    }
+
+    /// Sets the most connections of one process.
+    #[must_use]
+    pub fn with_max_connections_per_pid(mut self, n: usize) -> Self {
+        self.max_connections_per_pid = n;
+        self
+    }
+
+    /// Sets how long a connection without leases may stay silent.
+    #[must_use]
+    pub fn with_idle_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_timeout = timeout;
+        self
+    }
+
+    /// Sets the most leases one connection may hold.
+    #[must_use]
+    pub fn with_max_leases_per_connection(mut self, n: usize) -> Self {
+        self.max_leases_per_connection = n;
+        self
+    }
+
+    /// Sets the longest request payload accepted (at most
+    /// [`MAX_PAYLOAD`]).
+    #[must_use]
+    pub fn with_max_request_bytes(mut self, n: u32) -> Self {
+        self.max_request_bytes = n;
+        self
+    }
+
+    /// Sets the user ids allowed to connect (replacing the default, ours).
+    #[must_use]
+    pub fn with_allowed_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
+        self.allowed_uids = uids.into_iter().collect();
+        self
+    }
+
+    /// Sets how long a new connection has to send its `hello`.
+    #[must_use]
+    pub fn with_handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.handshake_timeout = timeout;
+        self
+    }
+
+    /// Sets how long a client may leave a reply unread before it is
+    /// disconnected.
+    #[must_use]
+    pub fn with_send_timeout(mut self, timeout: Duration) -> Self {
+        self.send_timeout = timeout;
+        self
+    }
+
+    /// Sets how many connections are kept for the server's own user.
+    #[must_use]
+    pub fn with_reserved_connections(mut self, n: usize) -> Self {
+        self.reserved_connections = n;
+        self
+    }
+
+    /// Sets the most connections served at once.
+    #[must_use]
+    pub fn with_max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// Sets the most replies queued for one client before it is
+    /// disconnected as stuck.
+    #[must_use]
+    pub fn with_max_queued_frames(mut self, n: usize) -> Self {
+        self.max_queued_frames = n;
+        self
+    }
+}
