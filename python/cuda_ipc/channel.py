@@ -199,6 +199,12 @@ class Publisher(_Owner):
         ``chunks_released``."""
         return self._c.arena_stats()
 
+    def reap(self):
+        """Lets go of the buffers of unpublished sets whose last lease has
+        ended (the publisher also does at each of its arena calls); returns
+        how many sets."""
+        return self._c.reap()
+
     def retired_sets(self):
         """Unpublished sets still leased by a subscriber."""
         return self._c.retired_sets()

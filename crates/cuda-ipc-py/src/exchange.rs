@@ -296,9 +296,19 @@ impl PyPublisher {
         // The library takes the buffer itself: take it out of the allocation
         // (which holds one reference), and put it back if views of it are
         // still alive.
-        let arc = lock(&allocation.buffer).take().ok_or_else(|| {
+        let mut arc = lock(&allocation.buffer).take().ok_or_else(|| {
             closed_error("allocation", "it was published; use the Published object")
         })?;
+        if Arc::strong_count(&arc) > 1 {
+            // Views dropped just before hand their hold back on the
+            // library's thread, after a barrier over the context: let
+            // those releases run first.
+            py.detach(|| cuda_ipc::reaper::settle(std::time::Duration::from_secs(10)));
+            arc = match Arc::try_unwrap(arc) {
+                Ok(b) => Arc::new(b),
+                Err(a) => a,
+            };
+        }
         let buffer = Arc::try_unwrap(arc).map_err(|arc| {
             *lock(&allocation.buffer) = Some(arc);
             closed_error(
@@ -429,6 +439,12 @@ impl PyPublisher {
     #[pyo3(signature = (name, timeout=None))]
     fn unpublish_set(&self, py: Python<'_>, name: &str, timeout: Option<f64>) -> PyResult<()> {
         crate::sets::unpublish_set(self, py, name, timeout)
+    }
+
+    /// Lets go of the buffers of unpublished sets whose last lease has
+    /// ended; returns how many sets.
+    fn reap(&self) -> PyResult<usize> {
+        Ok(self.get()?.reap())
     }
 
     /// Unpublished sets still leased by a subscriber.

@@ -218,10 +218,12 @@ pub fn after_context(
         } else {
             // No thread: synchronise here (the only wait left, and only
             // when the system refuses a thread).
-            let b = st.barriers.pop().expect("just pushed");
+            let taken = st.barriers.pop();
             drop(st);
-            let _ = b.ctx.synchronize();
-            run(b.what, b.finish);
+            if let Some(b) = taken {
+                let _ = b.ctx.synchronize();
+                run(b.what, b.finish);
+            }
             return;
         }
     }
@@ -253,12 +255,14 @@ fn park(p: Parked) {
             st.threads.events = true;
         } else {
             // No thread: wait here (only when the system refuses a thread).
-            let p = st.parked.pop().expect("just pushed");
+            let taken = st.parked.pop();
             drop(st);
-            for e in &p.events {
-                let _ = e.synchronize();
+            if let Some(p) = taken {
+                for e in &p.events {
+                    let _ = e.synchronize();
+                }
+                run(p.what, p.finish);
             }
-            run(p.what, p.finish);
             return;
         }
     }

@@ -18,6 +18,10 @@ use crate::error::{Error, Result};
 
 use super::lock;
 
+/// How long an explicit release waits for views already dropped to finish
+/// going before it refuses.
+const SETTLE_BEFORE_REFUSING: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Notices that arrived for a lease other than the one being waited on.
 pub(super) type Pending = Mutex<HashMap<u64, VecDeque<Notice>>>;
 
@@ -64,12 +68,20 @@ impl LeaseGuard {
         })
     }
 
-    /// Fails with [`Error::ViewsAlive`] when views other than `own` hold the lease.
+    /// Fails with [`Error::ViewsAlive`] when views other than `own` hold the
+    /// lease (an explicit release: it may wait). Views dropped just before
+    /// may still be on their way out (memory handed to PyTorch lets go of
+    /// them after a barrier on the reaper's thread): those are waited for,
+    /// within the reaper's settle time.
     pub(super) fn check_no_views(self: &Arc<Self>, own: usize) -> Result<()> {
         // Only views hold strong references, and new views are made only
         // from existing ones, so the count can't grow while we hold none
         // but `own`.
-        let views = Arc::strong_count(self).saturating_sub(own);
+        let mut views = Arc::strong_count(self).saturating_sub(own);
+        if views > 0 && crate::reaper::retiring() > 0 {
+            crate::reaper::settle(SETTLE_BEFORE_REFUSING);
+            views = Arc::strong_count(self).saturating_sub(own);
+        }
         if views > 0 {
             return Err(Error::ViewsAlive {
                 name: self.name.clone(),
