@@ -327,10 +327,14 @@ def case_chaos(path, rounds, seed=1):
     value = 1
     try:
         pub.call("publish", path=path, n=4, value=value)
-        # Every consumer process has its CUDA context before the count.
-        for c in cons:
-            c.call("attach", path=path, keep="none")
-            c.call("drop")
+        # Every consumer process has its CUDA context and the kernels its
+        # checks load (lazily, on first use) before each count.
+        def warm_all():
+            for c in cons:
+                c.call("attach", path=path, keep="dict")
+                c.call("check", want=float(value))
+                c.call("drop")
+        warm_all()
         start = pub.call("usage")
         held = [None] * len(cons)  # the value each consumer holds, or None
         kills = updates = republished = 0
@@ -378,9 +382,7 @@ def case_chaos(path, rounds, seed=1):
         while pub.call("reap")["retired"] and time.time() < deadline:
             time.sleep(0.05)
         pub.call("publish", path=path, n=4, value=value)
-        for c in cons:
-            c.call("attach", path=path, keep="none")
-            c.call("drop")
+        warm_all()
         end = pub.call("usage")
         assert end["fds"] == start["fds"], f"descriptors {start['fds']} -> {end['fds']}"
         assert end["mem"] == start["mem"], (f"free memory {start['mem']} -> {end['mem']}; "

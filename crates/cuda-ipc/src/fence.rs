@@ -45,6 +45,13 @@
 //!     from this side, which releases every queued wait. The data behind
 //!     an abandoned fence is whatever the producer left; the caller that
 //!     abandons must not use it.
+//! - **Dropping a block never waits, and never frees words a stream still
+//!   uses.** [`Fence::signal`] and [`FenceMapping::wait`] record the stream
+//!   they queue on; dropping the [`Fence`] or the [`FenceMapping`] retires
+//!   the words to the [reaper](crate::reaper) until every such stream has
+//!   passed the work queued so far. A wait that never ends (a producer that
+//!   died without signalling, and no [`FenceMapping::abandon`]) keeps the
+//!   words mapped, and the reaper logs it.
 //!
 //! # Where the words live
 //! - **Device words** ([`Fence::new`], the default): the block is device
