@@ -36,8 +36,8 @@ pub struct ServerConfig {
     /// default 32.
     pub reserved_connections: usize,
     /// The most messages queued for one client before it is disconnected as
-    /// stuck; default 4096. Must exceed the slot count of every ring, since
-    /// a new subscriber is sent one message per slot at once.
+    /// stuck; default 4096. (A new ring subscriber's slot messages are not
+    /// queued: they are made one at a time as it reads them.)
     pub max_queued_frames: usize,
     /// The most bytes of replies and notices queued for one client before
     /// it is disconnected as stuck; default 16 MiB. (A client that does not

@@ -108,6 +108,12 @@ fn cut_off_connections_keep_counting_until_their_descriptors_are_read() {
             );
         }
         held.extend(fresh);
+        // Cut off and no longer served (the reader threads saw the end).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while server.connection_count() > 0 {
+            assert!(Instant::now() < deadline, "cut-off connections still served");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
     assert_eq!(held.len(), per_pid, "connections admitted in 4 rounds");
     assert!(
