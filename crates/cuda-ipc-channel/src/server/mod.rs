@@ -309,7 +309,7 @@ impl Server {
         &self.shared.path
     }
 
-    /// Publishes an entry: `meta` (at most [`MAX_META_BYTES`] of JSON) and
+    /// Publishes an entry: `meta` (at most [`MAX_META_BYTES`](crate::MAX_META_BYTES) of JSON) and
     /// up to [`MAX_FDS`] file descriptors, which the server now owns.
     ///
     /// Fails with [`ChannelError::AlreadyExists`] if the name is published;
