@@ -1,9 +1,16 @@
 //! Measures what hostile clients cost a channel server: for each attack,
 //! 256 hostile connections (4 processes of 64), the server's resident
 //! memory and open descriptors above its baseline during the attack and
-//! after the attackers leave, and a legitimate client's attach latency
-//! (attach + release; the lowest median of 8 batches of 50) during the
-//! attack against unloaded, measured right before it.
+//! after the attackers leave, a legitimate client's attach latency
+//! (attach + release; the lowest median of 8 batches of 50) and ring
+//! subscription latency (attach_ring of a 64-slot ring + release; the
+//! lowest median of 16 batches of 10) during the attack against unloaded,
+//! measured right before it, and the frames a legitimate ring subscriber
+//! that acks every frame receives in half a second.
+//!
+//! The server publishes a 64-slot ring whose producer publishes a frame
+//! about every millisecond, with an ack deadline of 250 ms (subscribers
+//! that do not ack in time are evicted).
 //!
 //! ```text
 //! cargo run --release -p cuda-ipc-channel --example hostile_peers
@@ -24,8 +31,29 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cuda_ipc_channel::wire::{HEADER_LEN, Message, PROTOCOL_VERSION};
-use cuda_ipc_channel::{Client, ClientConfig, Server, ServerConfig};
+use cuda_ipc_channel::{Client, ClientConfig, LatePolicy, Server, ServerConfig};
 use serde_json::json;
+
+/// Prints a line to stdout; exits quietly when stdout is gone (`| head`),
+/// removing the measurement's directory first (the server and attackers
+/// exit when their stdin closes with us).
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if writeln!(std::io::stdout(), $($arg)*).is_err() {
+            if let Some(dir) = SCRATCH.lock().ok().and_then(|mut d| d.take()) {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+            std::process::exit(0);
+        }
+    }};
+}
+
+/// The measurement's directory, removed on a quiet early exit.
+static SCRATCH: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+
+/// The slots of the server's ring.
+const RING_SLOTS: usize = 64;
 
 const OTHER_UID: u32 = 65534;
 const PROCESSES: usize = 4;
@@ -45,6 +73,19 @@ const ATTACKS: &[(&str, &str)] = &[
         "leases",
         "takes leases up to its limit (reading every answer)",
     ),
+    (
+        "cut-off",
+        "leaves 17 attaches unread, is cut off, keeps its socket; reconnects once cut off",
+    ),
+    (
+        "ring-no-read",
+        "subscribes to the 64-slot ring and reads nothing",
+    ),
+    (
+        "ring-no-ack",
+        "subscribes to the ring, reads every frame, acks none",
+    ),
+    ("trickle", "sends a request one byte a second"),
 ];
 
 fn main() {
@@ -66,9 +107,29 @@ fn serve(path: &Path) {
     server
         .publish("e", json!({"len": 4}), vec![memfd(b"abcd"), memfd(b"efgh")])
         .expect("publish");
-    println!("READY");
+    let slots = (0..RING_SLOTS)
+        .map(|i| (json!({ "slot": i }), vec![memfd(&[i as u8; 16])]))
+        .collect();
+    let ring = server.create_ring("r", json!(null), slots).expect("ring");
+    ring.set_ack_deadline(Some(Duration::from_millis(250)), LatePolicy::Evict)
+        .expect("ack deadline");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let producer = {
+        let stop = std::sync::Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(slot) = ring.acquire(Some(Duration::from_millis(100))) {
+                    let _ = ring.publish(slot, json!(null));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    out!("READY");
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = producer.join();
 }
 
 fn memfd(bytes: &[u8]) -> OwnedFd {
@@ -118,7 +179,7 @@ fn attack(kind: &str, path: &Path) {
         };
         s.set_write_timeout(Some(Duration::from_millis(200))).ok();
         s.set_read_timeout(Some(Duration::from_secs(2))).ok();
-        if kind == "half-written" {
+        if kind == "half-written" || kind == "trickle" {
             let _ = s.write_all(&hello[..10]);
             conns.push(s);
             continue;
@@ -133,68 +194,158 @@ fn attack(kind: &str, path: &Path) {
     let admitted = conns.len();
     let threads: Vec<_> = conns
         .into_iter()
-        .map(|mut s| {
+        .map(|s| {
             let kind = kind.to_owned();
-            std::thread::spawn(move || {
-                match kind.as_str() {
-                    "no-read" => {
-                        for id in 0..400 {
-                            let m = frame(&Message::Attach {
-                                id,
-                                name: "e".into(),
-                            });
-                            if s.write_all(&m).is_err() {
-                                break;
-                            }
-                        }
-                    }
-                    "not-found" => {
-                        for id in 0..2000u64 {
-                            let m = frame(&Message::Attach {
-                                id,
-                                name: format!("{id:0>256}"),
-                            });
-                            if s.write_all(&m).is_err() {
-                                break;
-                            }
-                        }
-                    }
-                    "big-request" => {
-                        let mut m = header(1 << 20).to_vec();
-                        m.resize(HEADER_LEN + (1 << 20), b' ');
-                        let _ = s.write_all(&m);
-                    }
-                    "leases" => {
-                        for chunk in 0..(4096 / 64) as u64 {
-                            let batch: Vec<u8> = (0..64)
-                                .flat_map(|i| {
-                                    frame(&Message::Attach {
-                                        id: chunk * 64 + i,
-                                        name: "e".into(),
-                                    })
-                                })
-                                .collect();
-                            if s.write_all(&batch).is_err() {
-                                break;
-                            }
-                            for _ in 0..64 {
-                                if read_message(&mut s).is_none() {
-                                    break;
-                                }
-                            }
-                        }
-                    }
-                    _ => {}
-                }
-                s
-            })
+            let hello = hello.clone();
+            std::thread::spawn(move || assault(&kind, s, &hello))
         })
         .collect();
-    let conns: Vec<UnixStream> = threads.into_iter().filter_map(|t| t.join().ok()).collect();
-    println!("ATTACKING {admitted}");
+    let mut conns: Vec<UnixStream> = threads.into_iter().filter_map(|t| t.join().ok()).collect();
+    let mut admitted = admitted;
+    if kind == "cut-off" {
+        admitted += reconnect(path, &hello, &mut conns);
+    }
+    out!("ATTACKING {admitted}");
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
     drop(conns);
+}
+
+/// What one attacking connection does.
+fn assault(kind: &str, mut s: UnixStream, hello: &[u8]) -> UnixStream {
+    match kind {
+        "no-read" => {
+            for id in 0..400 {
+                let m = frame(&Message::Attach {
+                    id,
+                    name: "e".into(),
+                });
+                if s.write_all(&m).is_err() {
+                    break;
+                }
+            }
+        }
+        "not-found" => {
+            for id in 0..2000u64 {
+                let m = frame(&Message::Attach {
+                    id,
+                    name: format!("{id:0>256}"),
+                });
+                if s.write_all(&m).is_err() {
+                    break;
+                }
+            }
+        }
+        "big-request" => {
+            let mut m = header(1 << 20).to_vec();
+            m.resize(HEADER_LEN + (1 << 20), b' ');
+            let _ = s.write_all(&m);
+        }
+        "cut-off" => {
+            for id in 0..17 {
+                let m = frame(&Message::Attach {
+                    id,
+                    name: "e".into(),
+                });
+                if s.write_all(&m).is_err() {
+                    break;
+                }
+            }
+        }
+        "ring-no-read" => {
+            let m = frame(&Message::AttachRing {
+                id: 1,
+                name: "r".into(),
+            });
+            let _ = s.write_all(&m);
+        }
+        "ring-no-ack" => {
+            let m = frame(&Message::AttachRing {
+                id: 1,
+                name: "r".into(),
+            });
+            if s.write_all(&m).is_ok() {
+                // Reads every frame (and the slots) for as long
+                // as the connection lasts; acks nothing.
+                let mut reader = s.try_clone().expect("clone");
+                reader.set_read_timeout(None).ok();
+                std::thread::spawn(move || while read_message(&mut reader).is_some() {});
+            }
+        }
+        "trickle" => {
+            let mut t = s.try_clone().expect("clone");
+            let rest = hello[10..].to_vec();
+            std::thread::spawn(move || {
+                for b in rest.into_iter().cycle() {
+                    if t.write_all(&[b]).is_err() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            });
+        }
+        "leases" => {
+            for chunk in 0..(4096 / 64) as u64 {
+                let batch: Vec<u8> = (0..64)
+                    .flat_map(|i| {
+                        frame(&Message::Attach {
+                            id: chunk * 64 + i,
+                            name: "e".into(),
+                        })
+                    })
+                    .collect();
+                if s.write_all(&batch).is_err() {
+                    break;
+                }
+                for _ in 0..64 {
+                    if read_message(&mut s).is_none() {
+                        break;
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+    s
+}
+
+/// For the cut-off attack: waits to be cut off (the server's send
+/// timeout), keeps the sockets with their unread descriptors, and connects
+/// again; how many of the new connections were admitted.
+fn reconnect(path: &Path, hello: &[u8], conns: &mut Vec<UnixStream>) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(8);
+    for s in conns.iter() {
+        while !cut_off(s) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let mut admitted = 0;
+    for _ in 0..PER_PROCESS {
+        let Ok(mut s) = UnixStream::connect(path) else {
+            continue;
+        };
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok();
+        if s.write_all(hello).is_ok()
+            && let Some(Message::Welcome { .. }) = read_message(&mut s)
+        {
+            admitted += 1;
+            conns.push(s);
+        }
+    }
+    admitted
+}
+
+/// Whether the server has shut its side of `s`.
+fn cut_off(s: &UnixStream) -> bool {
+    let mut pfd = [rustix::event::PollFd::new(
+        s,
+        rustix::event::PollFlags::RDHUP,
+    )];
+    let zero = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    rustix::event::poll(&mut pfd, Some(&zero)).unwrap_or(0) > 0
 }
 
 fn spawn(
@@ -253,6 +404,72 @@ fn attach_latency(path: &Path) -> Result<f64, String> {
     Ok(best)
 }
 
+/// attach_ring of the 64-slot ring + release, in microseconds: the lowest
+/// median of 16 batches of 10, spread over a second.
+fn ring_latency(path: &Path) -> Result<f64, String> {
+    let client = Client::connect(path, ClientConfig::default()).map_err(|e| e.to_string())?;
+    let mut best = f64::INFINITY;
+    for _ in 0..16 {
+        std::thread::sleep(Duration::from_millis(60));
+        let mut times = Vec::new();
+        for _ in 0..10 {
+            let t = Instant::now();
+            let r = client.attach_ring("r").map_err(|e| e.to_string())?;
+            client.release(r.lease).map_err(|e| e.to_string())?;
+            times.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        times.sort_by(f64::total_cmp);
+        best = best.min(times[times.len() / 2]);
+    }
+    Ok(best)
+}
+
+/// The frames a subscriber that acks each one receives in half a second.
+fn ring_frames(path: &Path) -> Result<u64, String> {
+    let client = Client::connect(path, ClientConfig::default()).map_err(|e| e.to_string())?;
+    let r = client.attach_ring("r").map_err(|e| e.to_string())?;
+    let end = Instant::now() + Duration::from_millis(500);
+    let mut n = 0;
+    while Instant::now() < end {
+        match client.next_frame(r.lease, Duration::from_millis(100)) {
+            Ok(f) => {
+                client
+                    .ack(r.lease, f.slot, f.seq)
+                    .map_err(|e| e.to_string())?;
+                n += 1;
+            }
+            Err(e) if e.kind() == cuda_ipc_channel::ChannelErrorKind::Timeout => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    let _ = client.release(r.lease);
+    Ok(n)
+}
+
+/// The three legitimate measurements.
+struct Legit {
+    attach: Result<f64, String>,
+    ring: Result<f64, String>,
+    frames: Result<u64, String>,
+}
+
+fn legit(path: &Path) -> Legit {
+    Legit {
+        attach: attach_latency(path),
+        ring: ring_latency(path),
+        frames: ring_frames(path),
+    }
+}
+
+/// "during vs unloaded (ratio)" for one latency.
+fn versus(during: &Result<f64, String>, unloaded: &Result<f64, String>) -> String {
+    match (during, unloaded) {
+        (Ok(d), Ok(u)) => format!("{d:.0} vs {u:.0} us ({:.2}x)", d / u),
+        (Err(e), _) => format!("failed: {e}"),
+        (_, Err(e)) => format!("unloaded failed: {e}"),
+    }
+}
+
 fn measure() {
     let root = rustix::process::geteuid().is_root();
     let dir = tempfile::Builder::new()
@@ -260,6 +477,9 @@ fn measure() {
         .tempdir()
         .expect("tempdir");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    if let Ok(mut d) = SCRATCH.lock() {
+        *d = Some(dir.path().to_owned());
+    }
     // A copy of this program that the other user can run.
     let exe: PathBuf = dir.path().join("hostile_peers");
     std::fs::copy(std::env::current_exe().expect("exe"), &exe).expect("copy");
@@ -270,24 +490,36 @@ fn measure() {
     let (mut server, mut server_out) = spawn(&exe, &["--serve", path_s], false);
     assert_eq!(line(&mut server_out).trim(), "READY");
     let pid = server.id();
-    let unloaded = attach_latency(&path).expect("unloaded attach");
+    let warm = legit(&path);
     std::thread::sleep(Duration::from_millis(200));
     let (rss0, fds0) = (rss_kib(pid), fds(pid));
-    println!(
-        "attackers run as {}; server baseline {:.1} MiB RSS, {fds0} fds; unloaded attach + release {unloaded:.0} us",
+    out!(
+        "attackers run as {}; server baseline {:.1} MiB RSS, {fds0} fds; unloaded attach + \
+         release {}, ring subscription {}, ring frames in 0.5 s {}",
         if root { "uid 65534" } else { "this user" },
-        rss0 as f64 / 1024.0
+        rss0 as f64 / 1024.0,
+        warm.attach
+            .as_ref()
+            .map_or_else(Clone::clone, |u| format!("{u:.0} us")),
+        warm.ring
+            .as_ref()
+            .map_or_else(Clone::clone, |u| format!("{u:.0} us")),
+        warm.frames
+            .as_ref()
+            .map_or_else(Clone::clone, u64::to_string),
     );
-    println!();
-    println!(
-        "| attack ({} connections each) | admitted | server RSS above baseline | server fds above baseline | fds after the attackers left | legit attach + release, median | vs unloaded |",
+    out!();
+    out!(
+        "| attack ({} connections each) | admitted | server RSS above baseline, during / after | \
+         server fds above baseline, during / after | legit attach + release, median | legit \
+         ring subscription, median | legit ring frames in 0.5 s, during vs unloaded |",
         PROCESSES * PER_PROCESS
     );
-    println!("|---|---|---|---|---|---|---|");
+    out!("|---|---|---|---|---|---|---|");
     for (kind, what) in ATTACKS {
         // Unloaded again right before, so that both figures see the same
         // machine.
-        let unloaded = attach_latency(&path).expect("unloaded attach");
+        let unloaded = legit(&path);
         let mut attackers: Vec<_> = (0..PROCESSES)
             .map(|_| spawn(&exe, &["--attack", kind, path_s], root))
             .collect();
@@ -302,7 +534,7 @@ fn measure() {
             })
             .sum();
         std::thread::sleep(Duration::from_millis(500));
-        let during = attach_latency(&path);
+        let during = legit(&path);
         let (rss, fds_during) = (rss_kib(pid), fds(pid));
         for (mut child, _) in attackers.drain(..) {
             drop(child.stdin.take());
@@ -315,18 +547,19 @@ fn measure() {
             std::thread::sleep(Duration::from_millis(50));
             after = fds(pid);
         }
-        let (latency, ratio) = match &during {
-            Ok(us) => (
-                format!("{us:.0} us (unloaded {unloaded:.0} us)"),
-                format!("{:.2}x", us / unloaded),
-            ),
-            Err(e) => (format!("failed: {e}"), "-".into()),
+        let rss_after = rss_kib(pid);
+        let frames = match (&during.frames, &unloaded.frames) {
+            (Ok(d), Ok(u)) => format!("{d} vs {u}"),
+            (Err(e), _) | (_, Err(e)) => format!("failed: {e}"),
         };
-        println!(
-            "| {kind}: {what} | {admitted} | {:+.1} MiB | {:+} | {:+} | {latency} | {ratio} |",
+        out!(
+            "| {kind}: {what} | {admitted} | {:+.1} / {:+.1} MiB | {:+} / {:+} | {} | {} | {frames} |",
             (rss as f64 - rss0 as f64) / 1024.0,
+            (rss_after as f64 - rss0 as f64) / 1024.0,
             fds_during as i64 - fds0 as i64,
             after as i64 - fds0 as i64,
+            versus(&during.attach, &unloaded.attach),
+            versus(&during.ring, &unloaded.ring),
         );
     }
     drop(server.stdin.take());

@@ -17,7 +17,7 @@ use super::Server;
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ServerConfig {
-    /// The socket path (see [`default_socket_path`](super::default_socket_path)).
+    /// The socket path (see [`default_socket_path`](crate::default_socket_path)).
     pub path: PathBuf,
     /// The user ids allowed to connect (`SO_PEERCRED`); default: only ours.
     pub allowed_uids: Vec<u32>,
@@ -36,8 +36,8 @@ pub struct ServerConfig {
     /// default 32.
     pub reserved_connections: usize,
     /// The most messages queued for one client before it is disconnected as
-    /// stuck; default 4096. Must exceed the slot count of every ring, since
-    /// a new subscriber is sent one message per slot at once.
+    /// stuck; default 4096. (A new ring subscriber's slot messages are not
+    /// queued: they are made one at a time as it reads them.)
     pub max_queued_frames: usize,
     /// The most bytes of replies and notices queued for one client before
     /// it is disconnected as stuck; default 16 MiB. (A client that does not
@@ -55,7 +55,12 @@ pub struct ServerConfig {
     /// defaults). [`Server::bind`] raises the soft limit to carry that, or
     /// refuses a configuration the hard limit cannot carry.
     pub max_unread_fds: usize,
-    /// The most connections of one user id at once; default 128.
+    /// The most connections of one user id at once; default 128. At this
+    /// limit (and at [`max_connections`](Self::max_connections)), the
+    /// oldest connection of the user with the most connections that holds
+    /// no lease, has nothing in transit and was silent for a second is
+    /// closed with an `evicted` error to make room, so that idle
+    /// connections cannot lock anyone out.
     pub max_connections_per_uid: usize,
     /// The most connections of one process at once; default 64.
     pub max_connections_per_pid: usize,
@@ -140,7 +145,7 @@ impl ServerConfig {
     }
 
     /// Sets the longest request payload accepted (at most
-    /// [`MAX_PAYLOAD`]).
+    /// [`MAX_PAYLOAD`](crate::wire::MAX_PAYLOAD)).
     #[must_use]
     pub fn with_max_request_bytes(mut self, n: u32) -> Self {
         self.max_request_bytes = n;

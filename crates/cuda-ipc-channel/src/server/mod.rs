@@ -309,7 +309,7 @@ impl Server {
         &self.shared.path
     }
 
-    /// Publishes an entry: `meta` (at most [`MAX_META_BYTES`] of JSON) and
+    /// Publishes an entry: `meta` (at most [`MAX_META_BYTES`](crate::MAX_META_BYTES) of JSON) and
     /// up to [`MAX_FDS`] file descriptors, which the server now owns.
     ///
     /// Fails with [`ChannelError::AlreadyExists`] if the name is published;
@@ -480,7 +480,9 @@ impl Server {
     /// [`MAX_FDS`] descriptors, and returns the producer's handle.
     ///
     /// Subscribers attach with [`Client::attach_ring`](super::Client::attach_ring)
-    /// and receive every slot's metadata and descriptors once; afterwards
+    /// and receive every slot's metadata and descriptors once (each slot's
+    /// message is made as the subscriber takes the previous ones, so one
+    /// that does not read pins no more than one message's duplicates); afterwards
     /// only small [`RingFrame`](super::RingFrame) notices travel. Dropping
     /// the [`RingProducer`] unpublishes the ring.
     pub fn create_ring(
@@ -497,17 +499,6 @@ impl Server {
                 format!(
                     "a ring has 1 to {MAX_RING_SLOTS} slots, not {}",
                     slots.len()
-                ),
-            ));
-        }
-        if slots.len() >= self.shared.max_queued {
-            return Err(ChannelError::arg(
-                "slots",
-                format!(
-                    "a subscriber is sent one message per slot at once, and {} slots do not fit \
-                     in ServerConfig::max_queued_frames ({}); raise it or use fewer slots",
-                    slots.len(),
-                    self.shared.max_queued
                 ),
             ));
         }

@@ -107,7 +107,10 @@ impl RingProducer {
                     Some((limit, policy)) if slot.state == SlotState::InFlight => {
                         let due = slot.sent_at + limit;
                         if Instant::now() >= due {
-                            Late::Now(slot.pending.iter().copied().collect(), policy, limit)
+                            // The slot is free whatever happens to them.
+                            slot.state = SlotState::Free;
+                            let late = std::mem::take(&mut slot.pending);
+                            Late::Now(late.into_iter().collect(), policy, limit)
                         } else {
                             Late::At(due)
                         }

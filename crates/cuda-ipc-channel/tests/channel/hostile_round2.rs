@@ -50,11 +50,13 @@ fn try_raw_connect(path: &Path) -> Result<UnixStream, String> {
         protocol: 1,
         pid: std::process::id(),
     };
-    send_message(&s, &hello, &[], None).map_err(|e| e.to_string())?;
+    // A server that turns us away may close before the hello is sent; its
+    // reason is still there to read.
+    let sent = send_message(&s, &hello, &[], None);
     match recv_message(&s, Some(Instant::now() + Duration::from_secs(5))) {
-        Ok((Message::Welcome { .. }, _)) => Ok(s),
+        Ok((Message::Welcome { .. }, _)) if sent.is_ok() => Ok(s),
         Ok((Message::Error { message, .. }, _)) => Err(message),
-        other => Err(format!("{other:?}")),
+        other => Err(format!("{other:?} (hello: {sent:?})")),
     }
 }
 
@@ -108,6 +110,15 @@ fn cut_off_connections_keep_counting_until_their_descriptors_are_read() {
             );
         }
         held.extend(fresh);
+        // Cut off and no longer served (the reader threads saw the end).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while server.connection_count() > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "cut-off connections still served"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
     assert_eq!(held.len(), per_pid, "connections admitted in 4 rounds");
     assert!(
@@ -420,6 +431,55 @@ fn idle_connections_at_the_user_limit_make_room() {
     holder.release(lease.lease).unwrap();
 }
 
+/// Finding 8: other users cannot take the connections kept for the
+/// server's own user (at 2ac7df7 two other users holding 128 each filled
+/// the global 256). Needs root, to run the crowd as uid 65534.
+#[test]
+fn the_servers_own_user_keeps_its_reserved_connections() {
+    use std::os::unix::process::CommandExt;
+    if run_child_role() {
+        return;
+    }
+    let test = "hostile_round2::the_servers_own_user_keeps_its_reserved_connections";
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED {test}: running a child as uid 65534 needs root (CI runs as root)");
+        return;
+    }
+    let _serial = spawn_lock();
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = tmp_socket(&tmp, "reserve");
+    let own = rustix::process::geteuid().as_raw();
+    let _server = Server::bind(
+        ServerConfig::new(&path)
+            .with_allowed_uids([own, 65534])
+            .with_max_connections(8)
+            .with_reserved_connections(2),
+    )
+    .unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    // The other user must be able to run this executable.
+    let exe = tmp.path().join("crowd");
+    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut cmd = test_command(&exe, test);
+    cmd.env(CHILD_ENV, "crowd")
+        .env(PATH_ENV, &path)
+        .env(NAME_ENV, "8")
+        .current_dir(tmp.path())
+        .uid(65534)
+        .gid(65534);
+    let mut crowd = ChildProc::start(cmd).unwrap();
+    let admitted = crowd.after("CHILD-READY admitted=", Duration::from_secs(20));
+    assert_eq!(admitted, "6", "connections of uid 65534 admitted out of 8");
+    // The two kept for us are there.
+    let clients: Vec<Client> = (0..2).map(|_| quick_client(&path)).collect();
+    for c in &clients {
+        c.ping().unwrap();
+    }
+    crowd.finish(Duration::from_secs(10));
+}
+
 /// Finding 9: an answer whose descriptors this process cannot take
 /// (EMFILE) is reported as that, and the connection stays usable.
 #[test]
@@ -471,4 +531,83 @@ fn notices_for_a_released_lease_are_dropped() {
     client.release(a.lease).unwrap();
     let r = client.next_update(Duration::ZERO);
     assert!(matches!(r, Err(ChannelError::Timeout { .. })), "{r:?}");
+}
+
+/// The child roles of these tests (see `run_child_role`); whether `role`
+/// is one of them.
+pub(crate) fn child_role(role: &str, path: &Path, name: &str) -> bool {
+    match role {
+        // Bind a default server with a soft open-file limit of 1,024.
+        "rlimit" => {
+            use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+            let hard = getrlimit(Resource::Nofile).maximum;
+            setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(1024),
+                    maximum: hard,
+                },
+            )
+            .unwrap();
+            match Server::bind(ServerConfig::new(path)) {
+                Ok(_server) => println!(
+                    "CHILD-READY soft={}",
+                    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+                ),
+                Err(e) => println!("CHILD-READY error={e}"),
+            }
+        }
+        // Attach with no descriptor to spare, then again with some.
+        "emfile" => {
+            use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+            let client = quick_client(path);
+            let hard = getrlimit(Resource::Nofile).maximum;
+            setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(256),
+                    maximum: hard,
+                },
+            )
+            .unwrap();
+            let mut fillers = Vec::new();
+            while let Ok(f) = std::fs::File::open("/dev/null") {
+                fillers.push(f);
+            }
+            let e = client.attach(name).unwrap_err();
+            assert!(
+                matches!(e, ChannelError::OutOfDescriptors { expected: 2, .. }),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains("EMFILE"), "{e}");
+            drop(fillers);
+            // The connection is still usable, and the lost answer's lease
+            // went back.
+            let a = client.attach(name).unwrap();
+            assert_eq!(a.fds.len(), 2);
+            println!("CHILD-READY error={e}");
+        }
+        // Open up to `name` connections (a number) and hold them.
+        "crowd" => {
+            let mut held = Vec::new();
+            for _ in 0..name.parse::<usize>().unwrap() {
+                let Ok(s) = UnixStream::connect(path) else {
+                    continue;
+                };
+                let hello = Message::Hello {
+                    protocol: 1,
+                    pid: std::process::id(),
+                };
+                let _ = send_message(&s, &hello, &[], None);
+                let deadline = Some(Instant::now() + Duration::from_secs(5));
+                if let Ok((Message::Welcome { .. }, _)) = recv_message(&s, deadline) {
+                    held.push(s);
+                }
+            }
+            println!("CHILD-READY admitted={}", held.len());
+            wait_for_stdin_close();
+        }
+        _ => return false,
+    }
+    true
 }

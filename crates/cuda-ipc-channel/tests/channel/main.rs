@@ -131,57 +131,10 @@ fn run_child_role() -> bool {
             println!("CHILD-READY");
             wait_for_stdin_close();
         }
-        // Bind a default server with a soft open-file limit of 1,024.
-        "rlimit" => {
-            use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-            let hard = getrlimit(Resource::Nofile).maximum;
-            setrlimit(
-                Resource::Nofile,
-                Rlimit {
-                    current: Some(1024),
-                    maximum: hard,
-                },
-            )
-            .unwrap();
-            match Server::bind(ServerConfig::new(&path)) {
-                Ok(_server) => println!(
-                    "CHILD-READY soft={}",
-                    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
-                ),
-                Err(e) => println!("CHILD-READY error={e}"),
-            }
-        }
-        // Attach with no descriptor to spare, then again with some.
-        "emfile" => {
-            use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-            let client = quick_client(&path);
-            let hard = getrlimit(Resource::Nofile).maximum;
-            setrlimit(
-                Resource::Nofile,
-                Rlimit {
-                    current: Some(256),
-                    maximum: hard,
-                },
-            )
-            .unwrap();
-            let mut fillers = Vec::new();
-            while let Ok(f) = std::fs::File::open("/dev/null") {
-                fillers.push(f);
-            }
-            let e = client.attach(&name).unwrap_err();
-            assert!(
-                matches!(e, ChannelError::OutOfDescriptors { expected: 2, .. }),
-                "{e:?}"
-            );
-            assert!(e.to_string().contains("EMFILE"), "{e}");
-            drop(fillers);
-            // The connection is still usable, and the lost answer's lease
-            // went back.
-            let a = client.attach(&name).unwrap();
-            assert_eq!(a.fds.len(), 2);
-            println!("CHILD-READY error={e}");
-        }
-        other => panic!("unknown child role {other}"),
+        other => assert!(
+            hostile_round2::child_role(other, &path, &name),
+            "unknown child role {other}"
+        ),
     }
     true
 }
