@@ -54,6 +54,45 @@ fn sample() -> SetRecord {
 // ---------------------------------------------------------------------------
 // Decoding and its errors
 
+/// Found by the `set_record` fuzz target (2026-12-01): a chunk that starts
+/// at an odd byte of its allocation made a bf16 entry at an even offset in
+/// the chunk misaligned; the record was accepted, and its entry's
+/// descriptor then refused. The record is refused now.
+#[test]
+fn an_entry_misaligned_by_its_chunks_offset_is_refused() {
+    let odd = SetChunk::new(
+        3,
+        Descriptor::new(Source::Vmm { fd: 9 }, 4 * MIB, UUID, 4242)
+            .with_range(1, 4 * MIB - 1)
+            .with_generation(9),
+    );
+    let e = SetRecord::new(
+        "weights".into(),
+        ArenaId(1),
+        vec![odd],
+        vec![entry("w", Dtype::Bf16, &[1024], 3, 1024)],
+    )
+    .unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains("entries[0].offset"), "{text}");
+    assert!(text.contains("byte 1025 of chunk 3"), "{text}");
+    // Where the chunk's offset keeps the elements aligned, it is accepted.
+    let even = SetChunk::new(
+        3,
+        Descriptor::new(Source::Vmm { fd: 9 }, 4 * MIB, UUID, 4242)
+            .with_range(2, 4 * MIB - 2)
+            .with_generation(9),
+    );
+    let r = SetRecord::new(
+        "weights".into(),
+        ArenaId(1),
+        vec![even],
+        vec![entry("w", Dtype::Bf16, &[1024], 3, 1024)],
+    )
+    .unwrap();
+    r.entry_descriptor(0).unwrap();
+}
+
 #[test]
 fn a_record_with_a_key_twice_is_refused() {
     let text = sample().to_json();

@@ -643,12 +643,19 @@ impl SetRecord {
                 format!("{} is not the id of a chunk in the table", e.chunk),
             )
         })?;
-        if !e.offset.is_multiple_of(elem) {
+        // Aligned where the elements really start: the chunk's own offset
+        // in its allocation counts too.
+        let start = self.chunks[c].descriptor.offset.checked_add(e.offset);
+        if !start.is_some_and(|s| s.is_multiple_of(elem)) {
             return Err(field_err(
                 &at("offset"),
                 format!(
-                    "{} is not aligned to the {elem}-byte {} elements",
-                    e.offset, e.dtype
+                    "{} (byte {} of chunk {}'s allocation) is not aligned to the {elem}-byte {} \
+                     elements",
+                    e.offset,
+                    start.map_or_else(|| "past 2^64".to_string(), |s| s.to_string()),
+                    e.chunk,
+                    e.dtype
                 ),
             ));
         }
