@@ -311,62 +311,54 @@ install_wheel() {
   wheel_installed=1
 }
 
+# python_script NAME LOG SHOW COMMAND...: runs a Python GPU script that ends
+# with "N passed, M failed" (exit 77: skipped, its last line says why), adds
+# its counts, shows its lines that match SHOW, and fails when it exits
+# non-zero with no failure counted.
+python_script() {
+  local name=$1 log=$2 show=$3
+  shift 3
+  if ! python3 -c 'import torch' 2>/dev/null; then
+    echo "SKIP  $name: torch is not importable"
+    return
+  fi
+  if ! install_wheel; then
+    bad "$name: $wheel_error"
+    return
+  fi
+  "$@" >"$log" 2>&1
+  local rc=$?
+  if [ "$rc" -eq 77 ]; then
+    # The script found no driver, GPU or PyTorch and said so in one line.
+    echo "SKIP  $name: $(tail -n 1 "$log")"
+    return
+  fi
+  local p f
+  p=$(grep -Eo '^[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
+  f=$(grep -Eo '[0-9]+ failed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
+  passed=$((passed + p))
+  failed=$((failed + f))
+  echo "PYTHON $name: $p passed, $f failed (exit $rc)"
+  grep -E "$show" "$log" | head -n 20
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then bad "python $name exited $rc: $(tail -n 3 "$log" | tr '\n' ' ')"; fi
+}
+
 step_python() {
   local script=$here/python/tests/gpu_interop.py
   if [ ! -f "$script" ]; then
     echo "SKIP  python: no interop script in this bundle"
     return
   fi
-  if ! python3 -c 'import torch' 2>/dev/null; then
-    echo "SKIP  python: torch is not importable"
-    return
-  fi
-  local log="$logs/python-interop.log"
-  if ! install_wheel; then
-    bad "python: $wheel_error"
-    return
-  fi
   local only=()
   [ -n "${PYTHON_ONLY:-}" ] && only=(--only "$PYTHON_ONLY")
-  python3 "$script" --cli "$cli" "${only[@]}" >"$log" 2>&1
-  local rc=$?
-  if [ "$rc" -eq 77 ]; then
-    # The script found no driver, GPU or PyTorch and said so in one line.
-    echo "SKIP  python: $(tail -n 1 "$log")"
-    return
-  fi
-  local p f
-  p=$(grep -Eo '^[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
-  f=$(grep -Eo '[0-9]+ failed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
-  passed=$((passed + p))
-  failed=$((failed + f))
-  echo "PYTHON interop: $p passed, $f failed (exit $rc)"
-  grep -E 'FAIL' "$log" | head -n 20
-  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then bad "python interop exited $rc: $(tail -n 3 "$log" | tr '\n' ' ')"; fi
+  python_script interop "$logs/python-interop.log" 'FAIL' python3 "$script" --cli "$cli" "${only[@]}"
 }
 
 # The lifetime checks from Python (python/tests/gpu_lifetimes.py): kept
 # tensors, closed mappings, DLPack, SIGSTOP, the chaos run.
 step_lifetimes() {
-  local script=$here/python/tests/gpu_lifetimes.py
-  if ! python3 -c 'import torch' 2>/dev/null; then
-    echo "SKIP  lifetimes: torch is not importable"
-    return
-  fi
-  if ! install_wheel; then
-    bad "lifetimes: $wheel_error"
-    return
-  fi
-  local log="$logs/python-lifetimes.log"
-  python3 "$script" --rounds "${LIFETIME_ROUNDS:-200}" >"$log" 2>&1
-  local rc=$?
-  local p f
-  p=$(grep -Eo '^[0-9]+ passed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
-  f=$(grep -Eo '[0-9]+ failed' "$log" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
-  passed=$((passed + p))
-  failed=$((failed + f))
-  grep -E '^(PASS|FAIL)' "$log"
-  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then bad "python lifetimes exited $rc: $(tail -n 3 "$log" | tr '\n' ' ')"; fi
+  python_script lifetimes "$logs/python-lifetimes.log" '^(PASS|FAIL)' \
+    python3 "$here/python/tests/gpu_lifetimes.py" --rounds "${LIFETIME_ROUNDS:-200}"
 }
 
 # The benches' rows from Python need the wheel; without it they are skipped
