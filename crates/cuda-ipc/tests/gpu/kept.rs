@@ -217,6 +217,61 @@ fn a_fence_outlives_signals_queued_on_other_streams() {
     }
 }
 
+/// The consumer of `close_refuses_while_views_live`.
+fn closer() {
+    let parent = Parent::new();
+    let device = Device::open(0).unwrap();
+    let socket = PathBuf::from(std::env::var(SOCKET_ENV).unwrap());
+    let connect =
+        || Subscriber::connect(&device, socket.as_path(), SubscriberConfig::default()).unwrap();
+    let sub = connect();
+    let set = sub.attach_set("model").unwrap();
+    let kept = set.get::<u32>("w").unwrap();
+    drop(set);
+    let refused = match sub.close() {
+        Err(cuda_ipc::Error::StillInUse { users, .. }) => json!(users),
+        other => json!(format!("{other:?}")),
+    };
+    let still_reads = kept.to_vec::<u32>().unwrap().iter().all(|&x| x == 7);
+    drop(kept);
+    let sub = connect();
+    let set = sub.attach_set("model").unwrap();
+    drop(set);
+    let closed = sub.close().map_err(|e| e.to_string());
+    parent.send(&json!({ "refused": refused, "still_reads": still_reads, "closed": closed.is_ok() }));
+    parent.recv();
+}
+
+/// `Subscriber::close` refuses while a view lives (the subscriber is
+/// dropped all the same, its connection kept for the view), and closes at
+/// once when nothing is held.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn close_refuses_while_views_live() {
+    if role().as_deref() == Some("closer") {
+        return closer();
+    }
+    let device = Device::open(0).unwrap();
+    let (_dir, socket) = socket_dir();
+    let publisher = Publisher::bind(&device, socket.as_path(), PublisherConfig::default()).unwrap();
+    let w = publisher.alloc(MIB as u64).unwrap();
+    kernels::fill_u32(&w, Pattern::constant(7), Speed::Full).unwrap();
+    let shape = [(MIB / 4) as u64];
+    publisher
+        .publish_set("model", &[SetMember::new("w", Dtype::U32, &shape, &w)])
+        .unwrap();
+    let mut peer = Peer::spawn_with(&test_name!("close_refuses_while_views_live"), "closer", |c| {
+        c.env(SOCKET_ENV, &socket);
+    });
+    let r = peer.recv();
+    assert_eq!(r["refused"], 1, "{r}");
+    assert_eq!(r["still_reads"], true, "{r}");
+    assert_eq!(r["closed"], true, "{r}");
+    assert!(eventually(|| leases_on(&publisher, "model") == 0));
+    peer.send(&json!({ "exit": true }));
+    assert!(peer.finish());
+}
+
 /// The publisher of `drops_return_while_the_publisher_is_stopped`.
 fn stoppable_publisher() {
     let parent = Parent::new();
