@@ -111,8 +111,11 @@ impl LeaseGuard {
             }
         }
         crate::reaper::work_done(|| drop(mappings));
+        let released = self.client.release(self.lease);
+        // After the release: the client drops notices for a lease it no
+        // longer holds, so none can queue here again.
         lock(&self.pending).remove(&self.lease);
-        match self.client.release(self.lease) {
+        match released {
             Ok(()) | Err(ChannelError::PeerGone) => waited,
             Err(e) => Err(e.into()),
         }
@@ -137,8 +140,10 @@ impl Drop for LeaseGuard {
         let (client, pending, lease) = (self.client.clone(), self.pending.clone(), self.lease);
         crate::reaper::after_streams(&streams, "releasing a lease", move || {
             crate::reaper::work_done(|| drop(mappings));
+            let released = client.release_nowait(lease);
+            // After the release (see `end`).
             lock(&pending).remove(&lease);
-            match client.release_nowait(lease) {
+            match released {
                 Ok(()) | Err(ChannelError::PeerGone) => {}
                 Err(e) => tracing::warn!(lease, error = %e, "releasing a lease failed"),
             }
