@@ -20,9 +20,14 @@ The set record (``cuda_ipc::set::SetRecord``) is language neutral: Rust
 programs and ``cuda-ipc attach --set`` read sets published from Python, and
 Python attaches sets published by Rust (``cuda-ipc serve --set``).
 
-Element types: the 13 of :mod:`cuda_ipc.dtypes` (bool, the 8-64 bit
-integers, float16, bfloat16, float32, float64). Other PyTorch types
-(complex, float8, quantized) are refused with :class:`InvalidInput`.
+Element types: the 21 of :mod:`cuda_ipc.dtypes` (bool, the 8-64 bit
+integers, float16, bfloat16, float32, float64, the five float8 types,
+float4_e2m1fn_x2, complex64, complex128); each entry carries its type's
+name, and :meth:`Subscriber.attach_state_dict` gives the same torch dtype
+back. Other PyTorch types (the sub-byte uint1..uint7 and int1..int7,
+quantized types, complex32) are refused with :class:`InvalidInput` naming
+the type, before anything is allocated: publish such a tensor's bytes
+(``t.view(torch.uint8)``) and view them back after attaching.
 
 A set entry holds at least one byte; an empty tensor of a state dict (a
 dimension of 0) travels as a one-element entry named
@@ -98,7 +103,8 @@ def set_dtype(dtype, what="tensor"):
         known = ", ".join(d.torch for d in _dtypes.DTYPES)
         raise InvalidInput(
             f"{what} is {_dtypes.torch_name(dtype)}, which a set does not hold (it holds {known}); "
-            f"convert it first (t.to(torch.float32), or t.view(torch.int16) for raw bits)"
+            f"convert it first (t.to(torch.float32)), or publish its bytes: view it as uint8 "
+            f"(t.view(torch.uint8)) and view them back as {_dtypes.torch_name(dtype)} after attaching"
         )
     return dt
 
@@ -148,9 +154,9 @@ def parse_alias_entry_name(name):
 
 
 def _raw_name(name, raw):
-    if not raw:
-        return name
-    return {"bool": "u8", "u16": "i16", "u32": "i32", "u64": "i64"}.get(name, name)
+    """The descriptor name a ``raw`` view of ``name`` shows (bool -> u8,
+    u16 -> i16, f8e4m3fn -> u8, ...: the library's table)."""
+    return _dtypes.raw_name(name, raw)
 
 
 # --- the publisher's side -------------------------------------------------------
@@ -188,7 +194,7 @@ class ArenaBuffer:
         dt = _dtypes.lookup(dtype)
         if dt is None:
             raise InvalidInput(f"unknown dtype {dtype!r}; known: {', '.join(_dtypes.names())}")
-        return _as_cupy(lambda n, raw: self.view("i16" if raw and n == "bf16" else n, shape), dt.name, self.device)
+        return _as_cupy(lambda n, raw: self.view(_raw_name(n, raw), shape), dt.name, self.device)
 
     def __repr__(self):
         return repr(self._c)
