@@ -292,6 +292,17 @@ def _keep_apart(plan):
             end = stop if end is None else max(end, stop)
 
 
+def _copy_into(torch, dst, src):
+    """``dst.copy_(src)``; tensors of the fp8/fp4 types as their bytes
+    (uint8 views with the same shape and strides, which every PyTorch
+    copies, strided or not), as PyTorch implements few operations on them."""
+    dt = _dtypes.from_torch(dst.dtype)
+    if dt is not None and dt.name in _dtypes.BITS_ONLY:
+        dst.view(torch.uint8).copy_(src.view(torch.uint8))
+    else:
+        dst.copy_(src)
+
+
 def _round_up(n, unit=256):
     return (n + unit - 1) // unit * unit
 
@@ -358,7 +369,7 @@ def publish_state_dict(pub, name, state_dict):
                 buf = pub._c.arena_alloc(max(nbytes, dt.size))
                 if nbytes:
                     dst = _as_torch(lambda n, raw, b=buf, s=shape: b.view(_raw_name(n, raw), s), dt.name)
-                    dst.copy_(t)  # on the current stream; non-contiguous sources become contiguous
+                    _copy_into(torch, dst, t)  # on the current stream; non-contiguous sources become contiguous
                     copied += 1
                     copied_bytes += nbytes
                     first_copied = key if first_copied is None else first_copied
@@ -426,7 +437,7 @@ def update_state_dict(pub, name, state_dict=None):
                 dst = st.tensors[key]
                 if dst.numel() == 0 or (src.data_ptr() == dst.data_ptr() and src.is_contiguous()):
                     continue
-                dst.copy_(src)
+                _copy_into(torch, dst, src)
     # Waits for the copies queued above (every stream of the context).
     return pub._c.update_set(name)
 

@@ -151,7 +151,7 @@ fn checkpoint() -> SetRecord {
     let mut offset = 0;
     for (i, (d, ..)) in CHECKPOINT_TYPES.iter().enumerate() {
         let e = entry(&format!("layers.{i}.{}", d.name()), *d, &[3, 5], offset);
-        offset += (e.len + 255) / 256 * 256;
+        offset += e.len.next_multiple_of(256);
         entries.push(e);
     }
     entries.push(entry("norm.weight", Dtype::Bf16, &[7], offset));
