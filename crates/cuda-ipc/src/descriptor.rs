@@ -158,8 +158,9 @@ impl Dtype {
 
     /// The plain integer type of the same size whose values are this
     /// type's bits, for readers that cannot build the type itself: `u8`
-    /// for the one-byte types, the signed integer of the size for the
-    /// others (`bf16` -> `i16`, `u32` -> `i32`, `c64` -> `i64`). `None`
+    /// for the one-byte types but `i8` (itself), the signed integer of the
+    /// size for the others (`bf16` -> `i16`, `u32` -> `i32`, `c64` ->
+    /// `i64`). `None`
     /// for `c128`: no 16-byte integer type exists; read it as bytes.
     pub fn raw(self) -> Option<Dtype> {
         match self.size() {
