@@ -235,11 +235,9 @@ class Publisher(_Owner):
 
 
 def _raw_name(name, raw):
-    """The same-sized signed integer name for ``raw`` views of ring slots and
-    allocations (bool -> u8, u16 -> i16, ...)."""
-    if not raw:
-        return name
-    return {"bool": "u8", "u16": "i16", "u32": "i32", "u64": "i64"}.get(name, name)
+    """The descriptor name a ``raw`` view of ``name`` shows (bool -> u8,
+    u16 -> i16, f8e4m3fn -> u8, ...: the library's table)."""
+    return _dtypes.raw_name(name, raw)
 
 
 class RingPublisher(_Owner):

@@ -131,7 +131,9 @@ class Mapping:
         """A CuPy array over the mapped memory (no copy), on this mapping's
         device, with the descriptor's shape and strides; it keeps the mapping
         alive. ``dtype`` reinterprets the elements as another type of the
-        same size. bfloat16 needs ml_dtypes (else pass ``dtype="uint16"``)."""
+        same size. bfloat16 needs ml_dtypes (else pass ``dtype="uint16"``);
+        the fp8 and fp4 types come as their bits (uint8), complex as
+        complex."""
         return _as_cupy(self._m.view, self.dtype, self.device, dtype)
 
     def close(self):
@@ -147,6 +149,9 @@ class Mapping:
         return False
 
 
+_TORCH_RAW = frozenset(("bool", "u16", "u32", "u64")) | _dtypes.BITS_ONLY
+
+
 def _as_torch(view, own, dtype=None):
     """A torch tensor over ``view(name, raw)`` (a core view factory) through
     DLPack: the capsule's deleter keeps the memory until the tensor dies."""
@@ -155,9 +160,14 @@ def _as_torch(view, own, dtype=None):
     target = getattr(torch, dt.torch, None)
     if target is None:
         raise CudaIpcError(f"this PyTorch has no torch.{dt.torch}")
-    # Types every PyTorch reads from DLPack are handed over as they are;
-    # bool and the unsigned types wider than a byte as same-sized integers.
-    raw = dt.name in ("bool", "u16", "u32", "u64")
+    # Types every PyTorch reads from DLPack are handed over as they are
+    # (complex too: kDLComplex); bool and the unsigned types wider than a
+    # byte as same-sized integers; the fp8/fp4 types as uint8, viewed back
+    # below: their DLPack codes (10-17) are recent and a consumer that
+    # predates them refuses them, while viewing a uint8 tensor as
+    # torch.float8_e4m3fn (same element size) works in every PyTorch
+    # that has the type (2.11 included).
+    raw = dt.name in _TORCH_RAW
     # The capsule itself, not the object: torch.from_dlpack(obj) first asks
     # for torch's current stream and the device in Python (about 8 µs), for
     # a stream hand-shake that our views do not need (the memory is ready
@@ -174,6 +184,10 @@ def _as_cupy(view, own, device, dtype=None):
     interface; the array holds the view, which keeps the memory."""
     cupy = _cupy()
     dt = _target(own, dtype)
+    if dt.name in _dtypes.BITS_ONLY:
+        # CuPy has no fp8/fp4 types: their bits, as uint8.
+        with cupy.cuda.Device(device):
+            return cupy.asarray(view(dt.name, True))
     final = None
     if dt.name == "bf16":
         try:

@@ -20,9 +20,14 @@ The set record (``cuda_ipc::set::SetRecord``) is language neutral: Rust
 programs and ``cuda-ipc attach --set`` read sets published from Python, and
 Python attaches sets published by Rust (``cuda-ipc serve --set``).
 
-Element types: the 13 of :mod:`cuda_ipc.dtypes` (bool, the 8-64 bit
-integers, float16, bfloat16, float32, float64). Other PyTorch types
-(complex, float8, quantized) are refused with :class:`InvalidInput`.
+Element types: the 21 of :mod:`cuda_ipc.dtypes` (bool, the 8-64 bit
+integers, float16, bfloat16, float32, float64, the five float8 types,
+float4_e2m1fn_x2, complex64, complex128); each entry carries its type's
+name, and :meth:`Subscriber.attach_state_dict` gives the same torch dtype
+back. Other PyTorch types (the sub-byte uint1..uint7 and int1..int7,
+quantized types, complex32) are refused with :class:`InvalidInput` naming
+the type, before anything is allocated: publish such a tensor's bytes
+(``t.view(torch.uint8)``) and view them back after attaching.
 
 A set entry holds at least one byte; an empty tensor of a state dict (a
 dimension of 0) travels as a one-element entry named
@@ -98,7 +103,8 @@ def set_dtype(dtype, what="tensor"):
         known = ", ".join(d.torch for d in _dtypes.DTYPES)
         raise InvalidInput(
             f"{what} is {_dtypes.torch_name(dtype)}, which a set does not hold (it holds {known}); "
-            f"convert it first (t.to(torch.float32), or t.view(torch.int16) for raw bits)"
+            f"convert it first (t.to(torch.float32)), or publish its bytes: view it as uint8 "
+            f"(t.view(torch.uint8)) and view them back as {_dtypes.torch_name(dtype)} after attaching"
         )
     return dt
 
@@ -148,9 +154,9 @@ def parse_alias_entry_name(name):
 
 
 def _raw_name(name, raw):
-    if not raw:
-        return name
-    return {"bool": "u8", "u16": "i16", "u32": "i32", "u64": "i64"}.get(name, name)
+    """The descriptor name a ``raw`` view of ``name`` shows (bool -> u8,
+    u16 -> i16, f8e4m3fn -> u8, ...: the library's table)."""
+    return _dtypes.raw_name(name, raw)
 
 
 # --- the publisher's side -------------------------------------------------------
@@ -188,7 +194,7 @@ class ArenaBuffer:
         dt = _dtypes.lookup(dtype)
         if dt is None:
             raise InvalidInput(f"unknown dtype {dtype!r}; known: {', '.join(_dtypes.names())}")
-        return _as_cupy(lambda n, raw: self.view("i16" if raw and n == "bf16" else n, shape), dt.name, self.device)
+        return _as_cupy(lambda n, raw: self.view(_raw_name(n, raw), shape), dt.name, self.device)
 
     def __repr__(self):
         return repr(self._c)
@@ -286,6 +292,17 @@ def _keep_apart(plan):
             end = stop if end is None else max(end, stop)
 
 
+def _copy_into(torch, dst, src):
+    """``dst.copy_(src)``; tensors of the fp8/fp4 types as their bytes
+    (uint8 views with the same shape and strides, which every PyTorch
+    copies, strided or not), as PyTorch implements few operations on them."""
+    dt = _dtypes.from_torch(dst.dtype)
+    if dt is not None and dt.name in _dtypes.BITS_ONLY:
+        dst.view(torch.uint8).copy_(src.view(torch.uint8))
+    else:
+        dst.copy_(src)
+
+
 def _round_up(n, unit=256):
     return (n + unit - 1) // unit * unit
 
@@ -352,7 +369,7 @@ def publish_state_dict(pub, name, state_dict):
                 buf = pub._c.arena_alloc(max(nbytes, dt.size))
                 if nbytes:
                     dst = _as_torch(lambda n, raw, b=buf, s=shape: b.view(_raw_name(n, raw), s), dt.name)
-                    dst.copy_(t)  # on the current stream; non-contiguous sources become contiguous
+                    _copy_into(torch, dst, t)  # on the current stream; non-contiguous sources become contiguous
                     copied += 1
                     copied_bytes += nbytes
                     first_copied = key if first_copied is None else first_copied
@@ -420,7 +437,7 @@ def update_state_dict(pub, name, state_dict=None):
                 dst = st.tensors[key]
                 if dst.numel() == 0 or (src.data_ptr() == dst.data_ptr() and src.is_contiguous()):
                     continue
-                dst.copy_(src)
+                _copy_into(torch, dst, src)
     # Waits for the copies queued above (every stream of the context).
     return pub._c.update_set(name)
 

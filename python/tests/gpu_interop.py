@@ -46,6 +46,10 @@ Directions covered, each case independent (one failure hides nothing else):
   copied in, ``kill -9`` of a consumer holding the tensors, ``cuda-ipc
   serve --set`` attached from Python, a Python set attached by ``cuda-ipc
   attach --set``, and the example ``examples/python/weight_sync.py``.
+- ``dtypes`` (``gpu_dtypes.py``): a state dict of the float8 types,
+  ``float4_e2m1fn_x2``, complex64/128 and bfloat16 between two processes,
+  every byte compared, an update seen, a complex32 tensor refused before
+  anything is allocated; CuPy reading the fp8/fp4 entries as their bits.
 - ``alloc``: tensors born shareable (``cuda_ipc.torch.shareable``): a model
   built in a publisher's arena and published with no copy and no warning,
   checked byte for byte by another process; training steps in place seen
@@ -82,6 +86,8 @@ except ImportError:
     if PYTHON_DIR not in sys.path:
         sys.path.insert(0, PYTHON_DIR)
     sys.modules.pop("cuda_ipc", None)
+
+import gpu_dtypes  # noqa: E402 - next to this script (its directory is sys.path[0])
 
 MIB = 1 << 20
 
@@ -1105,6 +1111,9 @@ def _sets_wait_tied(self, case, version):
 for _name, _fn in list(globals().items()):
     if _name.startswith("_sets_"):
         setattr(Worker, "op_" + _name[1:], _fn)
+
+# Every dtype a checkpoint carries (fp8, fp4, complex): gpu_dtypes.py.
+gpu_dtypes.register(Worker)
 
 
 # --- alloc: tensors born shareable (cuda_ipc.torch.shareable) ----------------------
@@ -2282,6 +2291,7 @@ class Runner:
                     lambda: self.sets_cli2py(100)))
         out.append(("sets: Python publish_set 'weights' -> cuda-ipc attach --set", lambda: self.sets_py2cli(100)))
         out.append(("sets: example weight_sync.py --steps 100", lambda: self.sets_example(100)))
+        out.extend(gpu_dtypes.cases(self))
         out.append(("alloc: a model built in shareable() published with no copy, no warning; the consumer sees every value",
                     self.alloc_zero_copy))
         out.append(("alloc: training steps in place seen by the consumer after update_state_dict",

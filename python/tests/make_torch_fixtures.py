@@ -131,8 +131,13 @@ ok("c_v2_scalar_int64",
 ok("c_v2_bool_size_one_dim",
    record(c_handle(2), [16, 1], [1, 99], "bool", 32, tensor_offset=16),
    desc("legacy", 32, 16, 16, "bool", 1, [16, 1], handle=MEM.hex()))
+# The fp8, fp4 (two values a byte) and complex types travel under their names.
 for torch_name, ours, size in [("uint8", "u8", 1), ("int8", "i8", 1), ("int16", "i16", 2),
-                               ("uint16", "u16", 2), ("uint32", "u32", 4), ("uint64", "u64", 8)]:
+                               ("uint16", "u16", 2), ("uint32", "u32", 4), ("uint64", "u64", 8),
+                               ("float8_e4m3fn", "f8e4m3fn", 1), ("float8_e5m2", "f8e5m2", 1),
+                               ("float8_e4m3fnuz", "f8e4m3fnuz", 1), ("float8_e5m2fnuz", "f8e5m2fnuz", 1),
+                               ("float8_e8m0fnu", "f8e8m0fnu", 1), ("float4_e2m1fn_x2", "f4e2m1fnx2", 1),
+                               ("complex64", "c64", 8), ("complex128", "c128", 16)]:
     ok(f"c_v2_dtype_{torch_name}",
        record(c_handle(2), [10], [1], torch_name, 10 * size, event=False),
        desc("legacy", 10 * size, 0, 10 * size, ours, size, [10], event=False, handle=MEM.hex()))
@@ -204,9 +209,10 @@ bad("overlapping_stride_broadcast", variant(tensor_size=[3, 4], tensor_stride=[0
 bad("overlapping_stride_partial", variant(tensor_size=[2, 3], tensor_stride=[2, 1]), "overlapping")
 bad("empty_tensor", variant(tensor_size=[0, 4], tensor_stride=[4, 1]), "holds no elements")
 bad("tensor_past_storage", variant(tensor_offset=1), "the storage has 16 bytes")
-bad("unknown_dtype", variant(dtype="complex64"), "\"complex64\" cannot be shared")
+bad("unknown_dtype", variant(dtype="complex32"), "\"complex32\" cannot be shared")
 bad("prefixed_dtype", variant(dtype="torch.float32"), "without the torch. prefix")
-bad("float8_dtype", variant(dtype="float8_e4m3fn"), "cannot be shared")
+# Sub-byte types have no element type of their own: their bytes travel as uint8.
+bad("sub_byte_dtype", variant(dtype="uint4"), "view the tensor as uint8 first (t.view(torch.uint8))")
 bad("unknown_field", variant(colour="blue"), "`colour`: unknown field")
 bad("descriptor_not_record", dict(variant(), cuda_ipc=1), "not a PyTorch share record")
 bad("record_format_2", variant(torch_share=2), "record format 2")

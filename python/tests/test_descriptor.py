@@ -147,23 +147,27 @@ class ArrayInterface(unittest.TestCase):
 
 class DtypeTables(unittest.TestCase):
     def test_tables_agree(self):
-        self.assertEqual(len(dtypes.DTYPES), 13)
+        self.assertEqual(len(dtypes.DTYPES), 21)
         for dt in dtypes.DTYPES:
             self.assertIs(dtypes.by_name(dt.name), dt)
             self.assertIs(dtypes.from_torch(dt.torch), dt)
             self.assertIs(dtypes.from_numpy_name(dt.numpy), dt)
             self.assertIs(dtypes.lookup(dt.torch), dt)
             self.assertIs(dtypes.lookup("torch." + dt.torch), dt)
-            self.assertEqual(int(dt.raw_typestr[-1]), dt.size)
-            self.assertEqual(int(dt.typestr[-1]), dt.size)
+            self.assertEqual(int(dt.raw_typestr[2:]), dt.size)
+            self.assertEqual(int(dt.typestr[2:]), dt.size)
 
     def test_torch_names(self):
         expected = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
                     "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64",
-                    "bool": "bool", "uint16": "u16", "uint32": "u32", "uint64": "u64"}
+                    "bool": "bool", "uint16": "u16", "uint32": "u32", "uint64": "u64",
+                    "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "float8_e4m3fnuz": "f8e4m3fnuz",
+                    "float8_e5m2fnuz": "f8e5m2fnuz", "float8_e8m0fnu": "f8e8m0fnu",
+                    "float4_e2m1fn_x2": "f4e2m1fnx2", "complex64": "c64", "complex128": "c128"}
         for torch_name, ours in expected.items():
             self.assertEqual(dtypes.from_torch(torch_name).name, ours)
-        for bad in ("complex64", "float8_e4m3fn", "qint8"):
+        self.assertEqual(len(expected), len(dtypes.DTYPES))
+        for bad in ("complex32", "uint4", "qint8"):
             self.assertIsNone(dtypes.from_torch(bad))
 
 

@@ -92,7 +92,7 @@ class Hierarchy(unittest.TestCase):
         with self.assertRaisesRegex(cuda_ipc.CudaIpcError, "element sizes differ"):
             _target("f32", "f16")
         with self.assertRaisesRegex(cuda_ipc.CudaIpcError, "unknown dtype"):
-            _target("f32", "complex64")
+            _target("f32", "complex32")
 
 
 @unittest.skipUnless(_cli(), "the cuda-ipc command is not built (cargo build)")

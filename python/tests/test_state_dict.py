@@ -30,6 +30,9 @@ class Dtypes(unittest.TestCase):
             "bool": "bool", "uint8": "u8", "int8": "i8", "uint16": "u16", "int16": "i16",
             "uint32": "u32", "int32": "i32", "uint64": "u64", "int64": "i64",
             "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
+            "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "float8_e4m3fnuz": "f8e4m3fnuz",
+            "float8_e5m2fnuz": "f8e5m2fnuz", "float8_e8m0fnu": "f8e8m0fnu",
+            "float4_e2m1fn_x2": "f4e2m1fnx2", "complex64": "c64", "complex128": "c128",
         }
         for torch_name, name in want.items():
             with self.subTest(dtype=torch_name):
@@ -38,7 +41,7 @@ class Dtypes(unittest.TestCase):
         self.assertEqual(len(want), len(cuda_ipc.dtypes.DTYPES))
 
     def test_other_types_are_refused_saying_what_to_do(self):
-        for bad in ("complex64", "torch.complex128", "float8_e4m3fn", "qint8", "float"):
+        for bad in ("complex32", "torch.uint4", "int1", "qint8", "float"):
             with self.subTest(dtype=bad):
                 with self.assertRaises(cuda_ipc.InvalidInput) as cm:
                     sets.set_dtype(bad, "'layer.w'")
@@ -47,6 +50,7 @@ class Dtypes(unittest.TestCase):
                 self.assertIn("which a set does not hold", msg)
                 self.assertIn("bfloat16", msg)
                 self.assertIn("convert it first", msg)
+                self.assertIn("t.view(torch.uint8)", msg)
                 self.assertIsInstance(cm.exception, ValueError)
 
 
@@ -181,8 +185,8 @@ class PublishChecks(unittest.TestCase):
             p.publish_set("s", [("w", None, "f32")])
         self.assertIn("(name, buffer, dtype, shape)", str(cm.exception))
         with self.assertRaises(cuda_ipc.InvalidInput) as cm:
-            p.publish_set("s", [("w", None, "complex64", [4])])
-        self.assertIn("unknown dtype 'complex64'", str(cm.exception))
+            p.publish_set("s", [("w", None, "complex32", [4])])
+        self.assertIn("unknown dtype 'complex32'", str(cm.exception))
         self.assertEqual(p._c.calls, [])
         p.publish_set("s", [("w", None, "torch.bfloat16", (2, 3))])
         self.assertEqual(p._c.calls, [("publish_set", ("s", [("w", None, "bf16", [2, 3], 0)]))])

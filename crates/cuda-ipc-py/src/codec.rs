@@ -261,47 +261,90 @@ fn raw(hex_text: &str) -> Vec<u8> {
     hex::decode(hex_text).unwrap_or_default()
 }
 
-/// The NumPy name, the CUDA array interface type string, and a same-sized
-/// integer type (string and NumPy name) every consumer can build.
-fn numpy_names(d: Dtype) -> (&'static str, &'static str, &'static str, &'static str) {
+/// The NumPy name and the CUDA array interface type string of an element
+/// type. Types NumPy lacks have the name `ml_dtypes` gives them and a
+/// type string of raw bytes of their size (`|V1`, `<V2`), as CUDA array
+/// interface consumers read them; `float4_e2m1fn_x2` (two fp4 values a
+/// byte) is PyTorch's name: `ml_dtypes` has no packed fp4.
+fn numpy_of(d: Dtype) -> (&'static str, &'static str) {
     match d {
-        Dtype::Bool => ("bool", "|b1", "|u1", "uint8"),
-        Dtype::U8 => ("uint8", "|u1", "|u1", "uint8"),
-        Dtype::I8 => ("int8", "|i1", "|i1", "int8"),
-        Dtype::U16 => ("uint16", "<u2", "<i2", "int16"),
-        Dtype::I16 => ("int16", "<i2", "<i2", "int16"),
-        Dtype::U32 => ("uint32", "<u4", "<i4", "int32"),
-        Dtype::I32 => ("int32", "<i4", "<i4", "int32"),
-        Dtype::U64 => ("uint64", "<u8", "<i8", "int64"),
-        Dtype::I64 => ("int64", "<i8", "<i8", "int64"),
-        Dtype::F16 => ("float16", "<f2", "<i2", "int16"),
-        // No NumPy type string: two raw bytes.
-        Dtype::Bf16 => ("bfloat16", "<V2", "<i2", "int16"),
-        Dtype::F32 => ("float32", "<f4", "<i4", "int32"),
-        Dtype::F64 => ("float64", "<f8", "<i8", "int64"),
-        // A type added to the library later: its raw bytes.
-        other => match other.size() {
-            1 => ("uint8", "|u1", "|u1", "uint8"),
-            2 => ("int16", "<i2", "<i2", "int16"),
-            4 => ("int32", "<i4", "<i4", "int32"),
-            _ => ("int64", "<i8", "<i8", "int64"),
-        },
+        Dtype::Bool => ("bool", "|b1"),
+        Dtype::U8 => ("uint8", "|u1"),
+        Dtype::I8 => ("int8", "|i1"),
+        Dtype::U16 => ("uint16", "<u2"),
+        Dtype::I16 => ("int16", "<i2"),
+        Dtype::U32 => ("uint32", "<u4"),
+        Dtype::I32 => ("int32", "<i4"),
+        Dtype::U64 => ("uint64", "<u8"),
+        Dtype::I64 => ("int64", "<i8"),
+        Dtype::F16 => ("float16", "<f2"),
+        Dtype::Bf16 => ("bfloat16", "<V2"),
+        Dtype::F32 => ("float32", "<f4"),
+        Dtype::F64 => ("float64", "<f8"),
+        Dtype::F8E4m3fn => ("float8_e4m3fn", "|V1"),
+        Dtype::F8E5m2 => ("float8_e5m2", "|V1"),
+        Dtype::F8E4m3fnuz => ("float8_e4m3fnuz", "|V1"),
+        Dtype::F8E5m2fnuz => ("float8_e5m2fnuz", "|V1"),
+        Dtype::F8E8m0fnu => ("float8_e8m0fnu", "|V1"),
+        Dtype::F4E2m1fnX2 => ("float4_e2m1fn_x2", "|V1"),
+        Dtype::C64 => ("complex64", "<c8"),
+        Dtype::C128 => ("complex128", "<c16"),
+        // A type added to the library later: raw bytes under its own name.
+        other => (other.name(), bytes_typestr(other.size())),
     }
+}
+
+/// The type string of `size` raw bytes. Element sizes are 1, 2, 4, 8 or 16
+/// bytes (the library's tests/dtypes.rs holds it to that).
+fn bytes_typestr(size: u64) -> &'static str {
+    match size {
+        1 => "|V1",
+        2 => "<V2",
+        4 => "<V4",
+        8 => "<V8",
+        _ => "|V16",
+    }
+}
+
+/// The type a `raw` view shows: [`Dtype::raw`], the same-sized integer
+/// every consumer can build (`u8` for bool and the fp8/fp4 types); `c128`,
+/// which has no 16-byte integer, stays itself.
+pub(crate) fn raw_dtype(d: Dtype) -> Dtype {
+    d.raw().unwrap_or(d)
 }
 
 /// The CUDA array interface type string of an element type.
 pub(crate) fn typestr(d: Dtype) -> &'static str {
-    numpy_names(d).1
+    numpy_of(d).1
 }
 
-/// The same-sized integer type string of an element type.
+/// The type string of a `raw` view: the same-sized integer's, or raw bytes
+/// (`|V16` for `c128`).
 pub(crate) fn raw_typestr(d: Dtype) -> &'static str {
-    numpy_names(d).2
+    match d.raw() {
+        Some(r) => typestr(r),
+        None => bytes_typestr(d.size()),
+    }
+}
+
+/// The NumPy name of a `raw` view's elements (NumPy's name of raw bytes,
+/// `void128`, for `c128`).
+fn raw_numpy(d: Dtype) -> &'static str {
+    match (d.raw(), d.size()) {
+        (Some(r), _) => numpy_of(r).0,
+        (None, 1) => "void8",
+        (None, 2) => "void16",
+        (None, 4) => "void32",
+        (None, 8) => "void64",
+        (None, _) => "void128",
+    }
 }
 
 /// Every element type: `(name, torch, numpy, typestr, size, raw_typestr,
-/// raw_numpy)`, in the library's order.
+/// raw_numpy, raw)`, in the library's order; `raw` is the descriptor name
+/// of the type a `raw` view shows ([`raw_dtype`]).
 #[pyfunction]
+#[allow(clippy::type_complexity)] // one row of a table, read by position in Python
 pub(crate) fn dtype_table() -> Vec<(
     &'static str,
     &'static str,
@@ -310,19 +353,21 @@ pub(crate) fn dtype_table() -> Vec<(
     u64,
     &'static str,
     &'static str,
+    &'static str,
 )> {
     Dtype::ALL
         .iter()
         .map(|&d| {
-            let (numpy, ts, raw_ts, raw_np) = numpy_names(d);
+            let (numpy, ts) = numpy_of(d);
             (
                 d.name(),
                 torch::torch_dtype_name(d),
                 numpy,
                 ts,
                 d.size(),
-                raw_ts,
-                raw_np,
+                raw_typestr(d),
+                raw_numpy(d),
+                raw_dtype(d).name(),
             )
         })
         .collect()

@@ -49,30 +49,39 @@ struct DlManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
 }
 
-/// The DLPack type of a typestr-like element description.
+/// The DLPack type of an element type, or with `raw` of the same-sized
+/// integer a `raw` view shows ([`crate::codec::raw_dtype`]: `u8` for bool
+/// and the fp8/fp4 types, `i16` for bf16, ...; `c128` stays complex).
+///
+/// Type codes from DLPack 1.1's `DLDataTypeCode` (the values do not depend
+/// on the capsule's version): kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4,
+/// kDLComplex 5, kDLBool 6, kDLFloat8_e4m3fn 10, kDLFloat8_e4m3fnuz 11,
+/// kDLFloat8_e5m2 12, kDLFloat8_e5m2fnuz 13, kDLFloat8_e8m0fnu 14,
+/// kDLFloat4_e2m1fn 17. PyTorch's `float4_e2m1fn_x2` is kDLFloat4_e2m1fn
+/// with 4 bits and 2 lanes (as PyTorch's own DLPack export writes it).
+/// Consumers that predate the fp8/fp4 codes refuse them: read those types
+/// through a `raw` view.
 pub(crate) fn data_type(d: cuda_ipc::Dtype, raw: bool) -> DlDataType {
     use cuda_ipc::Dtype as D;
-    let bits = (d.size() * 8) as u8;
-    // kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLBool 6. `raw` gives a
-    // same-sized signed integer (for types a consumer may not build).
-    let code = if raw {
-        0
-    } else {
-        match d {
-            D::Bool => 6,
-            D::U8 | D::U16 | D::U32 | D::U64 => 1,
-            D::F16 | D::F32 | D::F64 => 2,
-            D::Bf16 => 4,
-            // The signed integers, and a type added to the library later
-            // (as same-sized integers).
-            _ => 0,
-        }
+    let d = if raw { crate::codec::raw_dtype(d) } else { d };
+    let bits = u8::try_from(d.size() * 8).unwrap_or(u8::MAX);
+    let (code, bits, lanes) = match d {
+        D::Bool => (6, bits, 1),
+        D::U8 | D::U16 | D::U32 | D::U64 => (1, bits, 1),
+        D::F16 | D::F32 | D::F64 => (2, bits, 1),
+        D::Bf16 => (4, bits, 1),
+        D::C64 | D::C128 => (5, bits, 1),
+        D::F8E4m3fn => (10, bits, 1),
+        D::F8E4m3fnuz => (11, bits, 1),
+        D::F8E5m2 => (12, bits, 1),
+        D::F8E5m2fnuz => (13, bits, 1),
+        D::F8E8m0fnu => (14, bits, 1),
+        D::F4E2m1fnX2 => (17, 4, 2),
+        // The signed integers, and a type added to the library later (as
+        // same-sized integers).
+        _ => (0, bits, 1),
     };
-    DlDataType {
-        code,
-        bits,
-        lanes: 1,
-    }
+    DlDataType { code, bits, lanes }
 }
 
 /// What the capsule's tensor owns: the structure itself first (its address

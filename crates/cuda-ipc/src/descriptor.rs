@@ -36,8 +36,29 @@ pub const FORMAT_VERSION: u64 = 1;
 pub const VERSION_KEY: &str = "cuda_ipc";
 
 /// The element type of shared memory.
+///
+/// | name | PyTorch | bytes | what it is |
+/// |---|---|---|---|
+/// | `bool` | `bool` | 1 | |
+/// | `u8` `i8` ... `u64` `i64` | `uint8` ... `int64` | 1-8 | integers |
+/// | `f16` `bf16` `f32` `f64` | `float16` `bfloat16` `float32` `float64` | 2-8 | floats |
+/// | `f8e4m3fn` | `float8_e4m3fn` | 1 | fp8, 4 exponent and 3 mantissa bits, no infinities |
+/// | `f8e5m2` | `float8_e5m2` | 1 | fp8, 5 exponent and 2 mantissa bits |
+/// | `f8e4m3fnuz` | `float8_e4m3fnuz` | 1 | fp8 e4m3, no infinities, no negative zero |
+/// | `f8e5m2fnuz` | `float8_e5m2fnuz` | 1 | fp8 e5m2, no infinities, no negative zero |
+/// | `f8e8m0fnu` | `float8_e8m0fnu` | 1 | an 8-bit power of two (MX block scales) |
+/// | `f4e2m1fnx2` | `float4_e2m1fn_x2` | 1 | two fp4 values packed in each byte |
+/// | `c64` | `complex64` | 8 | two `f32` (real, imaginary) |
+/// | `c128` | `complex128` | 16 | two `f64` (real, imaginary) |
+///
+/// The names follow the `f16`/`bf16` pattern: kind letter, bits, then the
+/// format's suffix without underscores. An element is what the shape
+/// counts: one byte (two fp4 values) for `f4e2m1fnx2`, as in PyTorch.
+/// Readers older than the fp8, fp4 and complex types refuse descriptors
+/// and set records that carry them (the name is unknown to them), naming
+/// the field.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[allow(missing_docs)] // the names say it
+#[allow(missing_docs)] // the names say it, the table above the rest
 #[non_exhaustive]
 pub enum Dtype {
     Bool,
@@ -53,11 +74,19 @@ pub enum Dtype {
     Bf16,
     F32,
     F64,
+    F8E4m3fn,
+    F8E5m2,
+    F8E4m3fnuz,
+    F8E5m2fnuz,
+    F8E8m0fnu,
+    F4E2m1fnX2,
+    C64,
+    C128,
 }
 
 impl Dtype {
     /// Every element type.
-    pub const ALL: [Dtype; 13] = [
+    pub const ALL: [Dtype; 21] = [
         Dtype::Bool,
         Dtype::U8,
         Dtype::I8,
@@ -71,6 +100,14 @@ impl Dtype {
         Dtype::Bf16,
         Dtype::F32,
         Dtype::F64,
+        Dtype::F8E4m3fn,
+        Dtype::F8E5m2,
+        Dtype::F8E4m3fnuz,
+        Dtype::F8E5m2fnuz,
+        Dtype::F8E8m0fnu,
+        Dtype::F4E2m1fnX2,
+        Dtype::C64,
+        Dtype::C128,
     ];
 
     /// The name in descriptors.
@@ -89,16 +126,53 @@ impl Dtype {
             Dtype::Bf16 => "bf16",
             Dtype::F32 => "f32",
             Dtype::F64 => "f64",
+            Dtype::F8E4m3fn => "f8e4m3fn",
+            Dtype::F8E5m2 => "f8e5m2",
+            Dtype::F8E4m3fnuz => "f8e4m3fnuz",
+            Dtype::F8E5m2fnuz => "f8e5m2fnuz",
+            Dtype::F8E8m0fnu => "f8e8m0fnu",
+            Dtype::F4E2m1fnX2 => "f4e2m1fnx2",
+            Dtype::C64 => "c64",
+            Dtype::C128 => "c128",
         }
     }
 
     /// Size of one element in bytes.
     pub fn size(self) -> u64 {
         match self {
-            Dtype::Bool | Dtype::U8 | Dtype::I8 => 1,
+            Dtype::Bool
+            | Dtype::U8
+            | Dtype::I8
+            | Dtype::F8E4m3fn
+            | Dtype::F8E5m2
+            | Dtype::F8E4m3fnuz
+            | Dtype::F8E5m2fnuz
+            | Dtype::F8E8m0fnu
+            | Dtype::F4E2m1fnX2 => 1,
             Dtype::U16 | Dtype::I16 | Dtype::F16 | Dtype::Bf16 => 2,
             Dtype::U32 | Dtype::I32 | Dtype::F32 => 4,
-            Dtype::U64 | Dtype::I64 | Dtype::F64 => 8,
+            Dtype::U64 | Dtype::I64 | Dtype::F64 | Dtype::C64 => 8,
+            Dtype::C128 => 16,
+        }
+    }
+
+    /// The plain integer type of the same size whose values are this
+    /// type's bits, for readers that cannot build the type itself: `u8`
+    /// for the one-byte types but `i8` (itself), the signed integer of the
+    /// size for the others (`bf16` -> `i16`, `u32` -> `i32`, `c64` ->
+    /// `i64`). `None`
+    /// for `c128`: no 16-byte integer type exists; read it as bytes.
+    pub fn raw(self) -> Option<Dtype> {
+        match self.size() {
+            1 => Some(if self == Dtype::I8 {
+                Dtype::I8
+            } else {
+                Dtype::U8
+            }),
+            2 => Some(Dtype::I16),
+            4 => Some(Dtype::I32),
+            8 => Some(Dtype::I64),
+            _ => None,
         }
     }
 }

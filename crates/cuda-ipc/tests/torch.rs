@@ -279,17 +279,42 @@ fn dtype_names_map_both_ways() {
         ("uint16", Dtype::U16),
         ("uint32", Dtype::U32),
         ("uint64", Dtype::U64),
+        ("float8_e4m3fn", Dtype::F8E4m3fn),
+        ("float8_e5m2", Dtype::F8E5m2),
+        ("float8_e4m3fnuz", Dtype::F8E4m3fnuz),
+        ("float8_e5m2fnuz", Dtype::F8E5m2fnuz),
+        ("float8_e8m0fnu", Dtype::F8E8m0fnu),
+        ("float4_e2m1fn_x2", Dtype::F4E2m1fnX2),
+        ("complex64", Dtype::C64),
+        ("complex128", Dtype::C128),
     ];
     assert_eq!(expected.len(), Dtype::ALL.len());
     for (name, d) in expected {
         assert_eq!(dtype_from_torch(name).unwrap(), d);
         assert_eq!(torch_dtype_name(d), name);
     }
-    for bad in ["complex64", "float8_e5m2", "qint8", "", "Float32", "f32"] {
+    for bad in ["complex32", "uint4", "int1", "qint8", "", "Float32", "f32"] {
         let e = dtype_from_torch(bad).unwrap_err();
         assert!(matches!(e, Error::Torch(_)), "{bad}");
-        assert!(e.to_string().contains("bfloat16"), "lists what works: {e}");
+        let text = e.to_string();
+        assert!(text.contains(&format!("{bad:?}")), "names the type: {text}");
+        assert!(
+            text.contains("bfloat16, float32"),
+            "lists what works: {text}"
+        );
+        assert!(text.contains("float8_e4m3fn"), "lists what works: {text}");
+        assert!(
+            text.contains("view the tensor as uint8 first (t.view(torch.uint8))"),
+            "says what to do: {text}"
+        );
     }
+    let e = dtype_from_torch("torch.float8_e5m2")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(r#"write "float8_e5m2", without the torch. prefix"#),
+        "{e}"
+    );
 }
 
 fn uuid() -> DeviceUuid {

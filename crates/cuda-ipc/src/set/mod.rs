@@ -31,6 +31,12 @@
 //!                                    ["layer0.bias","f32",[1024],0,4194304,4096]]}
 //! ```
 //!
+//! Entries carry their element type by name ([`Dtype`]: `f32`, `bf16`,
+//! `f8e4m3fn`, `f4e2m1fnx2`, `c64`, ...) in both formats. A record of
+//! the fp8, fp4 or complex types is refused by builds older than them
+//! (their decoder names the entry's `dtype` field); records written by
+//! older builds read unchanged.
+//!
 //! The optional `event` is one interprocess event for the whole set,
 //! recorded after the producer's writes; chunk descriptors carry none of
 //! their own.

@@ -14,7 +14,11 @@
 //! entry := name_len:uN name dtype_len:uN dtype ndims:uN dim:uN{ndims} chunk:uN offset:uN len:uN
 //! ```
 //!
-//! `dtype` is the element type's name (`f32`, `bf16`, ...). Decoding is
+//! `dtype` is the element type's name (`f32`, `bf16`, `f8e4m3fn`, `c64`,
+//! ...: [`Dtype`]), so a type added later needs no new format: records
+//! that carry it read in every build that knows the name, and builds
+//! older than the name (the fp8, fp4 and complex types came after format
+//! 2) refuse them with an error that names the entry's `dtype`. Decoding is
 //! strict: integers in their shortest form and within 64 bits, lengths
 //! within the limits of [`super`] before anything is read or allocated,
 //! no bytes after the last entry; errors name the entry and its field.

@@ -120,11 +120,22 @@ pub fn torch_dtype_name(dtype: Dtype) -> &'static str {
         Dtype::Bf16 => "bfloat16",
         Dtype::F32 => "float32",
         Dtype::F64 => "float64",
+        Dtype::F8E4m3fn => "float8_e4m3fn",
+        Dtype::F8E5m2 => "float8_e5m2",
+        Dtype::F8E4m3fnuz => "float8_e4m3fnuz",
+        Dtype::F8E5m2fnuz => "float8_e5m2fnuz",
+        Dtype::F8E8m0fnu => "float8_e8m0fnu",
+        Dtype::F4E2m1fnX2 => "float4_e2m1fn_x2",
+        Dtype::C64 => "complex64",
+        Dtype::C128 => "complex128",
     }
 }
 
 /// The element type of a PyTorch dtype name (`"float32"`, `"bfloat16"`,
-/// ...: `str(torch.float32)` without the `torch.` prefix).
+/// `"float8_e4m3fn"`, ...: `str(torch.float32)` without the `torch.`
+/// prefix). Types without a [`Dtype`] (the sub-byte `uint1`..`uint7` and
+/// `int1`..`int7`, quantized types, `complex32`) are refused, naming the
+/// type and saying to share its bytes as `uint8` instead.
 pub fn dtype_from_torch(name: &str) -> Result<Dtype> {
     if let Some(d) = Dtype::ALL
         .into_iter()
@@ -133,13 +144,19 @@ pub fn dtype_from_torch(name: &str) -> Result<Dtype> {
         return Ok(d);
     }
     let known: Vec<_> = Dtype::ALL.iter().map(|d| torch_dtype_name(*d)).collect();
-    let hint = if let Some(bare) = name.strip_prefix("torch.") {
-        format!(" (write {bare:?}, without the torch. prefix)")
+    let known = known.join(", ");
+    Err(torch_err(if let Some(bare) = name.strip_prefix("torch.") {
+        format!(
+            "dtype {name:?} cannot be shared (write {bare:?}, without the torch. prefix): \
+             the element types that can are {known}"
+        )
     } else {
-        String::new()
-    };
-    Err(torch_err(format!(
-        "dtype {name:?} cannot be shared{hint}: the element types that can are {}",
-        known.join(", ")
-    )))
+        // Sub-byte (uint1..uint7, int1..int7), quantized and other types
+        // travel as their bytes, which the reader views back.
+        format!(
+            "dtype {name:?} cannot be shared: the element types that can are {known}; to share \
+             its bytes, view the tensor as uint8 first (t.view(torch.uint8)) and view them back \
+             as the type after reading"
+        )
+    }))
 }

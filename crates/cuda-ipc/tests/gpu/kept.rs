@@ -238,7 +238,8 @@ fn closer() {
     let set = sub.attach_set("model").unwrap();
     drop(set);
     let closed = sub.close().map_err(|e| e.to_string());
-    parent.send(&json!({ "refused": refused, "still_reads": still_reads, "closed": closed.is_ok() }));
+    parent
+        .send(&json!({ "refused": refused, "still_reads": still_reads, "closed": closed.is_ok() }));
     parent.recv();
 }
 
@@ -260,9 +261,13 @@ fn close_refuses_while_views_live() {
     publisher
         .publish_set("model", &[SetMember::new("w", Dtype::U32, &shape, &w)])
         .unwrap();
-    let mut peer = Peer::spawn_with(&test_name!("close_refuses_while_views_live"), "closer", |c| {
-        c.env(SOCKET_ENV, &socket);
-    });
+    let mut peer = Peer::spawn_with(
+        &test_name!("close_refuses_while_views_live"),
+        "closer",
+        |c| {
+            c.env(SOCKET_ENV, &socket);
+        },
+    );
     let r = peer.recv();
     assert_eq!(r["refused"], 1, "{r}");
     assert_eq!(r["still_reads"], true, "{r}");
