@@ -44,6 +44,18 @@ class Arguments(unittest.TestCase):
                 self.assertInvalid(lambda: call("0"), "'0' is a str, not a device ordinal")
                 self.assertInvalid(lambda: call(True), "is a bool")
 
+    def test_set_entry_index(self):
+        from test_sets import SEEDS, seeds  # the fuzz target's valid set records
+        names = seeds("seed-valid")
+        if not names:
+            self.skipTest("no set record seeds in this checkout")
+        with open(os.path.join(SEEDS, names[0]), "rb") as f:
+            rec = cuda_ipc.sets.parse_set_record(f.read())
+        for bad, words in ((-1, ("invalid index: -1 is negative",)), (2 ** 70, ("is too large",)),
+                           ("0", ("is a str",)), (False, ("is a bool",))):
+            with self.subTest(index=bad):
+                self.assertInvalid(lambda: cuda_ipc.sets.set_entry_descriptor(rec, bad), *words)
+
     def test_allowed_user_ids(self):
         sock = os.path.join(tempfile.gettempdir(), "cuda-ipc-arguments-test.sock")
         for cls in (cuda_ipc.Publisher, cuda_ipc.Subscriber):

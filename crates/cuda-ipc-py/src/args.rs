@@ -55,6 +55,48 @@ impl FromPyObject<'_, '_> for Uid {
     }
 }
 
+/// A non-negative whole-number argument of a method, checked as
+/// [`Ordinal`] is: `$ty(pub $inner)` named `$what` in errors.
+macro_rules! whole_argument {
+    ($(#[$doc:meta])* $ty:ident($inner:ty), $what:literal, $expected:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug)]
+        pub(crate) struct $ty(pub $inner);
+
+        impl FromPyObject<'_, '_> for $ty {
+            type Error = PyErr;
+            fn extract(obj: Borrowed<'_, '_, PyAny>) -> PyResult<Self> {
+                whole(obj, $what, $expected).map($ty)
+            }
+        }
+    };
+}
+
+whole_argument!(
+    /// A size in bytes (`nbytes=`).
+    Nbytes(u64),
+    "nbytes",
+    "a size in bytes: 1 or more"
+);
+whole_argument!(
+    /// A ring's number of slots (`slots=`).
+    Slots(usize),
+    "slots",
+    "a number of slots: 1 or more"
+);
+whole_argument!(
+    /// A ring slot's size in bytes (`slot_bytes=`).
+    SlotBytes(usize),
+    "slot_bytes",
+    "a size in bytes: 1 or more"
+);
+whole_argument!(
+    /// An index into a set's entries (`index=`).
+    Index(usize),
+    "index",
+    "an entry index: 0, 1, ... (len(record[\"entries\"]) of them)"
+);
+
 /// The user ids of `allow_uids=`.
 pub(crate) fn uids(list: Vec<Uid>) -> Vec<u32> {
     list.into_iter().map(|u| u.0).collect()

@@ -247,8 +247,9 @@ pub(crate) fn parse_set_record<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'
 #[pyfunction]
 pub(crate) fn set_entry_descriptor<'py>(
     obj: &Bound<'py, PyAny>,
-    index: usize,
+    index: crate::args::Index,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let index = index.0;
     let text = document_text(obj, set_input)?;
     let d = SetRecord::from_json(&text)
         .and_then(|r| r.entry_descriptor(index))

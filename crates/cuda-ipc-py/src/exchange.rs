@@ -257,9 +257,18 @@ impl PyPublisher {
     fn alloc(
         &self,
         py: Python<'_>,
-        nbytes: usize,
+        nbytes: crate::args::Nbytes,
         mechanism: Option<&str>,
     ) -> PyResult<Allocation> {
+        let nbytes = usize::try_from(nbytes.0).map_err(|_| {
+            crate::errors::to_py(
+                py,
+                &Error::InvalidArgument {
+                    what: "nbytes",
+                    reason: format!("{} bytes is too large for this machine", nbytes.0),
+                },
+            )
+        })?;
         let m = self::mechanism(mechanism).py()?;
         let dev = self.device.clone();
         let buffer = py.detach(|| SharedBuffer::alloc(&dev, nbytes, m)).py()?;
@@ -377,14 +386,18 @@ impl PyPublisher {
     /// Allocates `nbytes` from this publisher's arena (no export: a new
     /// chunk, exported once, only when no chunk has room). Fill it through
     /// `view()`, then publish it in a set with `publish_set`.
-    fn arena_alloc(&self, py: Python<'_>, nbytes: u64) -> PyResult<crate::sets::ArenaBuffer> {
-        crate::sets::arena_alloc(self, py, nbytes)
+    fn arena_alloc(
+        &self,
+        py: Python<'_>,
+        nbytes: crate::args::Nbytes,
+    ) -> PyResult<crate::sets::ArenaBuffer> {
+        crate::sets::arena_alloc(self, py, nbytes.0)
     }
 
     /// Makes sure the arena has `nbytes` free, creating (and exporting) one
     /// chunk now if not; returns the bytes of chunks created.
-    fn arena_reserve(&self, py: Python<'_>, nbytes: u64) -> PyResult<u64> {
-        crate::sets::arena_reserve(self, py, nbytes)
+    fn arena_reserve(&self, py: Python<'_>, nbytes: crate::args::Nbytes) -> PyResult<u64> {
+        crate::sets::arena_reserve(self, py, nbytes.0)
     }
 
     /// The mechanism of the arena's chunks (`vmm`, `pool`, `legacy`, ...).
@@ -466,10 +479,11 @@ impl PyPublisher {
         &self,
         py: Python<'_>,
         name: &str,
-        slots: usize,
-        slot_bytes: usize,
+        slots: crate::args::Slots,
+        slot_bytes: crate::args::SlotBytes,
         mechanism: Option<&str>,
     ) -> PyResult<PyRingPublisher> {
+        let (slots, slot_bytes) = (slots.0, slot_bytes.0);
         let publisher = self.get()?;
         let m = self::mechanism(mechanism).py()?;
         let ring = py
