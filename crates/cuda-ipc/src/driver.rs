@@ -44,7 +44,7 @@ pub fn load() -> Result<DriverVersion> {
     }
     // SAFETY: `is_culib_present` just loaded it, so `culib` cannot reach its panic.
     let lib = unsafe { sys::culib() };
-    for symbol in crate::result::SYMBOLS.iter().chain(crate::fence::SYMBOLS) {
+    for symbol in crate::result::SYMBOLS {
         // SAFETY: we only look the symbol up; it is never called through this pointer.
         let found = unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_ok();
         if !found {
