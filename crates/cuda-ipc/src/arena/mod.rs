@@ -93,13 +93,14 @@ mod device;
 mod tests;
 
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
 
 pub use self::core::{Arena, ArenaBuffer, ArenaLease, ArenaStats, Chunk, ChunkInfo, ChunkPin};
 pub use self::device::{DeviceArena, DeviceArenaBuffer, DeviceChunk, DeviceChunks, SetMember};
+/// An arena's identity is part of the set record's vocabulary (records
+/// name the arena their chunks come from), so it lives in [`crate::set`].
+pub use crate::set::ArenaId;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -122,36 +123,6 @@ pub trait ChunkBacking: Send + Sync + 'static {
     /// The usable length of `chunk` in bytes: at least what
     /// [`ChunkBacking::create`] was asked for.
     fn chunk_len(chunk: &Self::Chunk) -> u64;
-}
-
-/// The identity of an arena, unique across processes in practice (random
-/// per arena), for consumers' mapping caches.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ArenaId(pub u64);
-
-impl ArenaId {
-    /// A new identity: random, never zero, distinct from every other made by
-    /// this process.
-    pub(crate) fn new() -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        // The standard library seeds every `RandomState` from the operating
-        // system's random source; the counter keeps ids of this process apart.
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let id = RandomState::new().hash_one((std::process::id(), n));
-        ArenaId(id.max(1))
-    }
-}
-
-impl fmt::Display for ArenaId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:016x}", self.0)
-    }
-}
-
-impl fmt::Debug for ArenaId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ArenaId({self})")
-    }
 }
 
 /// The identity of a chunk: its arena and an index the arena never reuses.

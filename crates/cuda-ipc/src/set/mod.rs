@@ -52,14 +52,46 @@
 //! set names it or not: see the security note of [`arena`](crate::arena).
 
 use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde_json::{Map, Value};
 
-use crate::arena::ArenaId;
 use crate::descriptor::{Descriptor, Dtype};
 use crate::error::{Error, Result};
 use crate::handle::IpcEventHandle;
 use crate::json::{Fields, kind_of};
+
+/// The identity of an arena, unique across processes in practice (random
+/// per arena), for consumers' mapping caches.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ArenaId(pub u64);
+
+impl ArenaId {
+    /// A new identity: random, never zero, distinct from every other made by
+    /// this process.
+    pub(crate) fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        // The standard library seeds every `RandomState` from the operating
+        // system's random source; the counter keeps ids of this process apart.
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let id = RandomState::new().hash_one((std::process::id(), n));
+        ArenaId(id.max(1))
+    }
+}
+
+impl fmt::Display for ArenaId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+impl fmt::Debug for ArenaId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ArenaId({self})")
+    }
+}
 
 pub mod table;
 
