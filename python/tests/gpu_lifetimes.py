@@ -412,15 +412,13 @@ def main():
     args = ap.parse_args()
     if args.worker:
         return worker_main()
-    try:
-        import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_interop import EXIT_SKIPPED, missing_requirement
 
-        import cuda_ipc  # noqa: F401
-        if not torch.cuda.is_available():
-            raise ImportError("torch sees no CUDA device")
-    except ImportError as e:
-        print(f"skipped: these checks need a CUDA GPU with torch and cuda_ipc ({e})")
-        return 77
+    missing = missing_requirement()
+    if missing:
+        print(f"gpu_lifetimes: skipped: {missing}", flush=True)
+        return EXIT_SKIPPED
     passed = failed = 0
     for name in CASES:
         if args.only and name != args.only:
