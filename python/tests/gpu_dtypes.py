@@ -29,6 +29,23 @@ BITS_ONLY = {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz
 SET = "ckpt"
 
 
+def republish_is_free(pub, shared):
+    """Publishing the tensors ``publish_state_dict`` returned (they live in
+    the arena) again, as "again": no warning, no copy, the same memory;
+    then unpublishes "again"."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = pub.publish_state_dict("again", shared)
+    if caught:
+        raise AssertionError(f"republishing the shared tensors warned: {caught[0].message}")
+    moved = [k for k in shared if shared[k].numel() and again[k].data_ptr() != shared[k].data_ptr()]
+    if moved:
+        raise AssertionError(f"republishing the shared tensors copied {len(moved)} of them, e.g. {moved[0]}")
+    pub.unpublish("again", timeout=10)
+
+
 def dt_spec():
     """(key, torch dtype name, shape, transposed) of the test state dict."""
     out = []
@@ -117,15 +134,7 @@ def _dtypes_publish(self, case):
     if len([w for w in caught if "copied" in str(w.message)]) != 1:
         raise AssertionError(f"expected one warning about the copies, got {[str(w.message) for w in caught]}")
     dt_check(torch, shared, 0, "the tensors publish_state_dict returned")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        again = pub.publish_state_dict("again", shared)
-    if caught:
-        raise AssertionError(f"republishing the shared tensors warned: {caught[0].message}")
-    moved = [k for k in shared if shared[k].numel() and again[k].data_ptr() != shared[k].data_ptr()]
-    if moved:
-        raise AssertionError(f"republishing the shared tensors copied {len(moved)} of them, e.g. {moved[0]}")
-    pub.unpublish("again", timeout=10)
+    republish_is_free(pub, shared)
     self.state[case] = dict(pub=pub, shared=shared, path=path, set=SET)
     return {"path": path, "mechanism": pub.arena_mechanism, "publish_ms": publish_ms}
 
