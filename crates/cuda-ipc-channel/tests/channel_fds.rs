@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 mod support;
 use support::wire::{encode, raw_connect, recv_message, send_bytes, send_message};
-use support::{memfd_with, read_fd};
+use support::{memfd_with, publish_two_fds, read_fd};
 
 use cuda_ipc_channel::wire::Message;
 use cuda_ipc_channel::{ChannelError, Client, ClientConfig, Server, ServerConfig};
@@ -129,13 +129,7 @@ fn no_descriptor_leaks() {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("fds.sock");
         let server = Server::bind(ServerConfig::new(&path)).unwrap();
-        server
-            .publish(
-                "e",
-                json!({"len": 4}),
-                vec![memfd_with(b"abcd"), memfd_with(b"efgh")],
-            )
-            .unwrap();
+        publish_two_fds(&server);
         let ring = server
             .create_ring(
                 "r",

@@ -27,13 +27,7 @@ fn a_client_that_never_reads_pins_few_descriptors() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, "pin");
     let server = Server::bind(ServerConfig::new(&path)).unwrap();
-    server
-        .publish(
-            "e",
-            json!({"len": 4}),
-            vec![memfd_with(b"abcd"), memfd_with(b"efgh")],
-        )
-        .unwrap();
+    publish_two_fds(&server);
     let raw = raw_connect(&path, true);
     let flood = {
         let raw = raw.try_clone().unwrap();

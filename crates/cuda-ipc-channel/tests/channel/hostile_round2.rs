@@ -77,13 +77,7 @@ fn cut_off_connections_keep_counting_until_their_descriptors_are_read() {
             .with_send_timeout(Duration::from_millis(200)),
     )
     .unwrap();
-    server
-        .publish(
-            "e",
-            json!({"len": 4}),
-            vec![memfd_with(b"abcd"), memfd_with(b"efgh")],
-        )
-        .unwrap();
+    publish_two_fds(&server);
     let mut held = Vec::new();
     let mut refusals = Vec::new();
     for _round in 0..4 {
@@ -233,17 +227,37 @@ fn frames_before(client: &Client, lease: u64, max: usize) -> (usize, ChannelErro
     panic!("more than {max} frames before the notice")
 }
 
+/// A server at `<tmp>/<name>.sock` with a ring "r" of `slots` slots whose
+/// producer gives subscribers `deadline_ms` to ack, then applies `policy`.
+fn ring_with_deadline(
+    name: &str,
+    slots: usize,
+    deadline_ms: u64,
+    policy: LatePolicy,
+) -> (
+    tempfile::TempDir,
+    PathBuf,
+    Server,
+    cuda_ipc_channel::RingProducer,
+) {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, name);
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    let producer = server
+        .create_ring("r", json!(null), ring_slots(slots))
+        .unwrap();
+    producer
+        .set_ack_deadline(Some(Duration::from_millis(deadline_ms)), policy)
+        .unwrap();
+    (tmp, path, server, producer)
+}
+
 /// Finding 2: a subscriber that never acks cannot stop the ring once the
 /// producer sets an ack deadline; with `Evict` it is cut off and told why.
 #[test]
 fn a_subscriber_that_never_acks_is_evicted_at_the_deadline() {
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp_socket(&tmp, "ring-evict");
-    let server = Server::bind(ServerConfig::new(&path)).unwrap();
-    let producer = server.create_ring("r", json!(null), ring_slots(4)).unwrap();
-    producer
-        .set_ack_deadline(Some(Duration::from_millis(200)), LatePolicy::Evict)
-        .unwrap();
+    let (_tmp, path, _server, producer) =
+        ring_with_deadline("ring-evict", 4, 200, LatePolicy::Evict);
     let laggard = quick_client(&path);
     let stuck = laggard.attach_ring("r").unwrap();
     // A good subscriber acks every frame.
@@ -286,13 +300,7 @@ fn a_subscriber_that_never_acks_is_evicted_at_the_deadline() {
 /// evict a subscriber at will.
 #[test]
 fn a_late_subscriber_is_skipped_then_catches_up_and_can_be_evicted() {
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp_socket(&tmp, "ring-skip");
-    let server = Server::bind(ServerConfig::new(&path)).unwrap();
-    let producer = server.create_ring("r", json!(null), ring_slots(2)).unwrap();
-    producer
-        .set_ack_deadline(Some(Duration::from_millis(100)), LatePolicy::Skip)
-        .unwrap();
+    let (_tmp, path, _server, producer) = ring_with_deadline("ring-skip", 2, 100, LatePolicy::Skip);
     let client = quick_client(&path);
     let sub = client.attach_ring("r").unwrap();
     for _ in 0..2 {
@@ -491,13 +499,7 @@ fn running_out_of_descriptors_is_reported_as_such() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, "emfile");
     let server = Server::bind(ServerConfig::new(&path)).unwrap();
-    server
-        .publish(
-            "e",
-            json!({"len": 4}),
-            vec![memfd_with(b"abcd"), memfd_with(b"efgh")],
-        )
-        .unwrap();
+    publish_two_fds(&server);
     let mut child = spawn_child(
         "hostile_round2::running_out_of_descriptors_is_reported_as_such",
         "emfile",

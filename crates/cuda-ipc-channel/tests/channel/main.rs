@@ -31,7 +31,7 @@ mod rings;
 use support::wire::{
     MAGIC, encode, json_frame, raw_connect, recv_message, send_bytes, send_message,
 };
-use support::{ChildProc, memfd_with, pattern, read_fd, test_command};
+use support::{ChildProc, memfd_with, pattern, publish_two_fds, read_fd, test_command};
 
 use cuda_ipc_channel::ChannelErrorKind as ErrorKind;
 use cuda_ipc_channel::wire::{HEADER_LEN, MAX_PAYLOAD, Message};

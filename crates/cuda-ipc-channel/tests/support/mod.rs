@@ -165,6 +165,18 @@ pub fn memfd_with(bytes: &[u8]) -> OwnedFd {
     fd
 }
 
+/// Publishes the entry `"e"` (metadata `{"len": 4}`) with two 4-byte memfds,
+/// `abcd` and `efgh`: what the descriptor tests attach.
+pub fn publish_two_fds(server: &cuda_ipc_channel::Server) {
+    server
+        .publish(
+            "e",
+            serde_json::json!({"len": 4}),
+            vec![memfd_with(b"abcd"), memfd_with(b"efgh")],
+        )
+        .unwrap();
+}
+
 /// Up to `len` bytes from the start of `fd` (fewer if the file is shorter).
 pub fn read_fd(fd: impl AsFd, len: usize) -> Vec<u8> {
     let mut buf = vec![0u8; len];
