@@ -16,6 +16,7 @@ import _path  # noqa: E402,F401
 import cuda_ipc  # noqa: E402
 from cuda_ipc import cuda_array_interface, dtypes, sets, validate_descriptor  # noqa: E402
 from cuda_ipc import mapping as _mapping  # noqa: E402
+from test_state_dict import _publisher  # noqa: E402
 
 # Written here by hand, independently of the extension's table:
 # (name, torch, numpy, typestr, size, raw_typestr, raw_numpy, raw).
@@ -211,21 +212,6 @@ class _StubTorch:
         raise AssertionError(f"publish_state_dict reached torch.{name} before refusing")
 
 
-class _StubCore:
-    """Stands in for _core.Publisher: records every call, allocates nothing."""
-
-    device = 0
-
-    def __init__(self):
-        self.calls = []
-
-    def __getattr__(self, name):
-        def call(*args):
-            self.calls.append(name)
-            return None
-        return call
-
-
 class RefusedBeforeAllocation(unittest.TestCase):
     def setUp(self):
         self.saved = _mapping._loaded.get("torch")
@@ -238,10 +224,8 @@ class RefusedBeforeAllocation(unittest.TestCase):
             _mapping._loaded["torch"] = self.saved
 
     def publisher(self):
-        p = cuda_ipc.Publisher.__new__(cuda_ipc.Publisher)
-        p._c = _StubCore()
-        p._sets, p._state_dicts = set(), {}
-        return p
+        # A publisher whose core records every call and allocates nothing.
+        return _publisher()
 
     def test_a_sub_byte_tensor_after_good_ones(self):
         for bad in ("uint4", "int1", "complex32"):
