@@ -91,7 +91,7 @@ struct Owner {
     managed: DlManagedTensor,
     shape: Vec<i64>,
     strides: Vec<i64>,
-    keep: Keep,
+    keep: Box<dyn std::any::Any + Send>,
 }
 
 unsafe extern "C" fn delete_owner(managed: *mut DlManagedTensor) {
@@ -147,6 +147,19 @@ pub(crate) fn capsule(
     shape: &[u64],
     strides: &[u64],
 ) -> PyResult<Py<PyAny>> {
+    owned_capsule(py, Box::new(keep), ptr, ordinal, dtype, shape, strides)
+}
+
+/// A `dltensor` capsule whose tensor owns `keep` (dropped by the deleter).
+fn owned_capsule(
+    py: Python<'_>,
+    keep: Box<dyn std::any::Any + Send>,
+    ptr: u64,
+    ordinal: usize,
+    dtype: DlDataType,
+    shape: &[u64],
+    strides: &[u64],
+) -> PyResult<Py<PyAny>> {
     let mut owner = Box::new(Owner {
         managed: DlManagedTensor {
             dl_tensor: DlTensor {
@@ -186,4 +199,71 @@ pub(crate) fn capsule(
     }
     // SAFETY: PyCapsule_New returned a new reference.
     Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
+}
+
+/// Capsules made by [`probe`] whose tensor was freed.
+static PROBES_FREED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts its drop in [`PROBES_FREED`].
+struct Probe;
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        PROBES_FREED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// For the package's tests (no GPU needed): a `dltensor` capsule over no
+/// memory (a null address, shape `(0,)`) made and destroyed exactly as the
+/// capsules of mapped memory are, whose tensor counts its free in
+/// `_dlpack_probes_freed()`.
+#[pyfunction]
+#[pyo3(name = "_dlpack_probe")]
+fn probe(py: Python<'_>) -> PyResult<Py<PyAny>> {
+    owned_capsule(
+        py,
+        Box::new(Probe),
+        0,
+        0,
+        data_type(cuda_ipc::Dtype::U8, false),
+        &[0],
+        &[1],
+    )
+}
+
+/// How many capsules of `_dlpack_probe()` had their tensor freed.
+#[pyfunction]
+#[pyo3(name = "_dlpack_probes_freed")]
+fn probes_freed() -> usize {
+    PROBES_FREED.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// For the package's tests: makes a probe capsule (renamed
+/// "used_dltensor" first when `consumed`, as a consumer does), sets an
+/// exception, lets the capsule go with the exception in flight, and says
+/// whether the exception survived (it is then cleared).
+#[pyfunction]
+#[pyo3(name = "_dlpack_probe_dropped_in_flight")]
+fn probe_dropped_in_flight(py: Python<'_>, consumed: bool) -> PyResult<bool> {
+    let capsule = probe(py)?;
+    // SAFETY: the GIL is held; `capsule` is a live capsule whose only
+    // reference is ours, given up by `drop` below; the names are static C
+    // strings; the exception set here is fetched back (or found gone).
+    unsafe {
+        if consumed && ffi::PyCapsule_SetName(capsule.as_ptr(), USED_NAME.as_ptr()) != 0 {
+            return Err(PyErr::fetch(py));
+        }
+        ffi::PyErr_SetString(ffi::PyExc_RuntimeError, c"in flight".as_ptr());
+        drop(capsule);
+        let survived = !ffi::PyErr_Occurred().is_null();
+        ffi::PyErr_Clear();
+        Ok(survived)
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(probe, m)?)?;
+    m.add_function(wrap_pyfunction!(probe_dropped_in_flight, m)?)?;
+    m.add_function(wrap_pyfunction!(probes_freed, m)?)?;
+    Ok(())
 }

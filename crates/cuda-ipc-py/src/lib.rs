@@ -46,5 +46,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sets::register(m)?;
     runs::register(m)?;
     alloc::register(m)?;
+    dlpack::register(m)?;
     Ok(())
 }
