@@ -46,6 +46,8 @@ pub(crate) mod sealed {
 
     use cudarc::driver::CudaStream;
 
+    use crate::memory::ForeignUse;
+
     /// Seals [`Mapping`](super::Mapping): only this crate makes mappings.
     pub trait Sealed {
         /// The streams views of this mapping queued work on.
@@ -53,14 +55,17 @@ pub(crate) mod sealed {
     }
 
     /// The streams a mapping's views were used with, synchronised before the
-    /// mapping is undone.
+    /// mapping is undone, and the views' uses on other streams.
     #[derive(Debug, Default)]
-    pub struct UsedStreams(std::sync::Mutex<Vec<Arc<CudaStream>>>);
+    pub struct UsedStreams {
+        streams: std::sync::Mutex<Vec<Arc<CudaStream>>>,
+        foreign: ForeignUse,
+    }
 
     impl UsedStreams {
         /// Notes that work may be queued through the mapping on `stream`.
         pub(crate) fn record(&self, stream: &Arc<CudaStream>) {
-            let mut streams = super::lock(&self.0);
+            let mut streams = super::lock(&self.streams);
             if !streams.iter().any(|s| s.cu_stream() == stream.cu_stream()) {
                 streams.push(stream.clone());
             }
@@ -68,11 +73,18 @@ pub(crate) mod sealed {
 
         /// The recorded streams.
         pub(crate) fn snapshot(&self) -> Vec<Arc<CudaStream>> {
-            super::lock(&self.0).clone()
+            super::lock(&self.streams).clone()
+        }
+
+        /// The views' uses on streams other than their own (shared by every
+        /// view of the mapping).
+        pub(crate) fn foreign(&self) -> &ForeignUse {
+            &self.foreign
         }
 
         /// Retires `finish` to the [reaper](crate::reaper) until the work
-        /// queued so far on every recorded stream and on `also` has
+        /// queued so far on every recorded stream and on `also` (or, after
+        /// uses on other streams, on every stream of `also`'s context) has
         /// finished. Never waits.
         pub(crate) fn retire(
             &self,
@@ -82,15 +94,19 @@ pub(crate) mod sealed {
         ) {
             let mut streams = self.snapshot();
             streams.push(also.clone());
-            crate::reaper::after_streams(&streams, what, finish);
+            self.foreign.retire(also.context(), &streams, what, finish);
         }
 
         /// Waits for every recorded stream (they stay recorded, as views
-        /// may still use them). Every stream is waited for even when one
-        /// fails; the first failure is returned (`Drop` logs it).
+        /// may still use them), and for the uses on other streams. Every
+        /// stream is waited for even when one fails; the first failure is
+        /// returned (`Drop` logs it).
         pub(crate) fn synchronize_all(&self) -> crate::error::Result<()> {
-            let streams = super::lock(&self.0).clone();
-            let mut first = Ok(());
+            let streams = self.snapshot();
+            let mut first = match streams.first() {
+                Some(s) => self.foreign.synchronize(s.context()),
+                None => Ok(()),
+            };
             for s in streams {
                 if let Err(e) = s.synchronize() {
                     tracing::warn!(error = %e, "waiting for a stream of a mapping failed");
@@ -105,6 +121,40 @@ pub(crate) mod sealed {
 }
 
 pub(crate) use sealed::UsedStreams;
+
+/// What the release of some mappings waits for: the work queued so far on
+/// every stream their views used and on their devices' streams or, after a
+/// use on another stream, on every stream of their context.
+pub(crate) enum UsesOf {
+    /// The streams.
+    Streams(Vec<Arc<CudaStream>>),
+    /// The whole context.
+    Context(Arc<cudarc::driver::CudaContext>),
+}
+
+impl UsesOf {
+    /// What `mappings`' release waits for.
+    pub(crate) fn mappings(mappings: &[Arc<dyn Mapping>]) -> Self {
+        let mut streams = Vec::new();
+        for m in mappings {
+            if m.used_streams().foreign().used() {
+                return UsesOf::Context(m.device().context().clone());
+            }
+            streams.extend(m.used_streams().snapshot());
+            streams.push(m.device().stream().clone());
+        }
+        UsesOf::Streams(streams)
+    }
+
+    /// Retires `finish` to the [reaper](crate::reaper) until that work has
+    /// finished. Never waits.
+    pub(crate) fn retire(self, what: &'static str, finish: impl FnOnce() + Send + 'static) {
+        match self {
+            UsesOf::Streams(streams) => crate::reaper::after_streams(&streams, what, finish),
+            UsesOf::Context(ctx) => crate::reaper::after_context(&ctx, what, finish),
+        }
+    }
+}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -288,7 +338,8 @@ impl<T: Pod> MappedBuffer<T> {
     /// and the errors. The mapping (and the lease) wait for `stream` too
     /// before they go.
     pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
-        self.stream = crate::memory::switch_stream(self.mapping.device(), &self.stream, stream)?;
+        let current = self.mapping.used_streams().foreign().order(&self.stream);
+        self.stream = crate::memory::switch_stream(self.mapping.device(), current, stream)?;
         self.mapping.used_streams().record(&self.stream);
         Ok(self)
     }
@@ -335,13 +386,16 @@ unsafe impl<T: Pod> DeviceMemory for MappedBuffer<T> {
         self.mapping.device()
     }
     fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        self.mapping.used_streams().foreign().order(&self.stream)
     }
     fn device_address(&self) -> u64 {
         self.mapping.base() + self.offset
     }
     fn byte_len(&self) -> usize {
         self.len * std::mem::size_of::<T>()
+    }
+    fn foreign_use(&self) -> Option<&crate::memory::ForeignUse> {
+        Some(self.mapping.used_streams().foreign())
     }
 }
 

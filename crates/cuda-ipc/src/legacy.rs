@@ -31,7 +31,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handle::IpcMemHandle;
 use crate::mechanism::Mechanism;
-use crate::memory::{DeviceMemory, impl_cudarc_traits};
+use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
 use crate::result::{ipc, mem};
 use crate::units::{MIB, round_up};
 
@@ -173,6 +173,7 @@ pub struct LegacyBuffer {
     len: usize,
     alloc_size: u64,
     export: OnceLock<LegacyExport>,
+    foreign: ForeignUse,
 }
 
 impl LegacyBuffer {
@@ -196,6 +197,7 @@ impl LegacyBuffer {
             len,
             alloc_size,
             export: OnceLock::new(),
+            foreign: ForeignUse::default(),
         })
     }
 
@@ -203,7 +205,8 @@ impl LegacyBuffer {
     /// [`switch_stream`](crate::memory::switch_stream) for the order kept
     /// and the errors.
     pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
-        self.stream = crate::memory::switch_stream(&self.device, &self.stream, stream)?;
+        let current = self.foreign.order(&self.stream);
+        self.stream = crate::memory::switch_stream(&self.device, current, stream)?;
         Ok(self)
     }
 
@@ -260,13 +263,16 @@ unsafe impl DeviceMemory for LegacyBuffer {
         &self.device
     }
     fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        self.foreign.order(&self.stream)
     }
     fn device_address(&self) -> u64 {
         self.ptr
     }
     fn byte_len(&self) -> usize {
         self.len
+    }
+    fn foreign_use(&self) -> Option<&ForeignUse> {
+        Some(&self.foreign)
     }
 }
 
@@ -282,7 +288,8 @@ impl Drop for LegacyBuffer {
         // until then (no wait here). A failure to free means the context is
         // broken, and its teardown frees the memory.
         let (device, ptr) = (self.device.clone(), self.ptr);
-        crate::reaper::after_streams(
+        self.foreign.retire(
+            self.device.context(),
             [&self.stream, self.device.stream()],
             "freeing a legacy buffer",
             move || {

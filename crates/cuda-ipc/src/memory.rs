@@ -9,10 +9,11 @@
 //! there and after any event that stream was made to wait on.
 #![allow(unsafe_code)]
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use bytemuck::Pod;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaEvent, CudaStream};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -55,6 +56,11 @@ pub unsafe trait DeviceMemory {
     fn device(&self) -> &Device;
 
     /// The stream our helpers queue work on for this memory.
+    ///
+    /// For the memory this crate makes, work queued on the returned stream
+    /// is ordered after every earlier use of the memory on other streams
+    /// (through cudarc's traits, or as the source of our copies): once such a use
+    /// happened, the stream is made to wait for it before it is returned.
     fn stream(&self) -> &Arc<CudaStream>;
 
     /// The address of the first byte, as a `CUdeviceptr`.
@@ -62,6 +68,14 @@ pub unsafe trait DeviceMemory {
 
     /// The length in bytes.
     fn byte_len(&self) -> usize;
+
+    /// The record of this memory's uses on streams other than its own, for
+    /// the memory this crate makes (`None`: uses on other streams are
+    /// waited for on the host instead).
+    #[doc(hidden)]
+    fn foreign_use(&self) -> Option<&ForeignUse> {
+        None
+    }
 
     /// Copies the whole memory into `dst` (whose length must match) after the
     /// work queued on [`DeviceMemory::stream`], and waits for the copy.
@@ -137,6 +151,9 @@ pub unsafe trait DeviceMemory {
     {
         check_len(src.byte_len(), self.byte_len())?;
         self.device().bind()?;
+        // `src` is used on our stream: ordered after its own work, and its
+        // release waits for the copy (on another device: the host waits).
+        let _src_use = order_streams(src, self.stream());
         // SAFETY: both ranges are live device memory of their devices' contexts.
         unsafe {
             mem::copy_peer_async(
@@ -189,6 +206,8 @@ pub unsafe trait DeviceMemory {
     {
         check_len(src.byte_len(), self.byte_len())?;
         self.device().bind()?;
+        // `src` is used on our stream (see `copy_from_peer`).
+        let _src_use = order_streams(src, self.stream());
         // SAFETY: both ranges are live device memory of this length.
         unsafe {
             mem::copy_dtod_async(
@@ -225,6 +244,9 @@ unsafe impl<M: DeviceMemory> DeviceMemory for Region<'_, M> {
     fn byte_len(&self) -> usize {
         self.len as usize
     }
+    fn foreign_use(&self) -> Option<&ForeignUse> {
+        self.of.foreign_use()
+    }
 }
 
 fn check_len(host: usize, device: usize) -> Result<()> {
@@ -245,9 +267,8 @@ fn check_len(host: usize, device: usize) -> Result<()> {
 /// be used with cudarc's copies.
 ///
 /// When cudarc asks for the pointer on another stream than the memory's
-/// own, that stream first waits for the memory's stream (an event), and it
-/// is synchronised when the returned guard drops, so later work on the
-/// memory's stream is ordered after it.
+/// own, that stream first waits for the memory's stream (an event), and the
+/// use is recorded in the memory's [`ForeignUse`] (see [`order_streams`]).
 macro_rules! impl_cudarc_traits {
     ($ty:ident $(<$t:ident>)?, $elem:ty) => {
         impl$(<$t: bytemuck::Pod>)? cudarc::driver::DeviceSlice<$elem> for $ty$(<$t>)? {
@@ -286,11 +307,22 @@ macro_rules! impl_cudarc_traits {
 }
 pub(crate) use impl_cudarc_traits;
 
-/// Orders `stream` after the memory's own stream and returns the guard that
-/// orders later work after `stream`'s use (see `impl_cudarc_traits`).
+/// Orders a use of `memory` on `stream` and returns the guard that ends it
+/// (cudarc's contract for `DevicePtr`):
+///
+/// - on the memory's own stream, nothing to do (its [`DeviceMemory::stream`]
+///   is already ordered after uses elsewhere);
+/// - on another stream of the same context, for memory of this crate,
+///   `stream` waits for the memory's stream (an event, no host wait), and
+///   the guard records the memory's [`ForeignUse`] event on `stream` when
+///   the use is queued: later work on the memory's stream waits for it, and
+///   the memory's release waits for its whole context;
+/// - otherwise (a stream of another context, memory a program made, or
+///   events that cudarc does not track), `stream` waits for the memory's
+///   stream and the guard synchronises `stream` on the host.
 #[doc(hidden)]
-pub fn order_streams<'a>(
-    memory: &impl DeviceMemory,
+pub fn order_streams<'a, M: DeviceMemory + ?Sized>(
+    memory: &'a M,
     stream: &'a CudaStream,
 ) -> cudarc::driver::SyncOnDrop<'a> {
     let own = memory.stream();
@@ -299,7 +331,92 @@ pub fn order_streams<'a>(
     }
     // Errors are recorded in the context, as cudarc itself does in these traits.
     stream.context().record_err(stream.join(own));
-    cudarc::driver::SyncOnDrop::Sync(Some(stream))
+    match memory.foreign_use().and_then(|f| f.begin(own, stream)) {
+        Some(event) => cudarc::driver::SyncOnDrop::Record(Some((event, stream))),
+        None => cudarc::driver::SyncOnDrop::Sync(Some(stream)),
+    }
+}
+
+/// Uses of a piece of memory on streams other than its own (cudarc's copies
+/// and launches given another stream, our copies from it): one event,
+/// recorded on the other stream after each such use.
+///
+/// Once a use happened, the memory's stream waits for the event whenever it
+/// is asked for (so work queued there is ordered after the use), each later
+/// use elsewhere waits for it too (so the event covers every use made one
+/// after another), and the memory's release waits for its whole context
+/// (so uses from several threads at once are covered as well). Memory never
+/// used elsewhere pays one atomic load.
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct ForeignUse {
+    event: OnceLock<CudaEvent>,
+    used: AtomicBool,
+}
+
+impl ForeignUse {
+    /// Whether the memory was used on another stream.
+    pub(crate) fn used(&self) -> bool {
+        self.used.load(Ordering::Acquire)
+    }
+
+    /// Makes `own` (the memory's stream) wait for the uses elsewhere so far,
+    /// and returns it.
+    pub(crate) fn order<'s>(&self, own: &'s Arc<CudaStream>) -> &'s Arc<CudaStream> {
+        if self.used()
+            && let Some(event) = self.event.get()
+        {
+            own.context().record_err(own.wait(event));
+        }
+        own
+    }
+
+    /// Starts a use on `stream` (which already waits for `own`): returns the
+    /// event the guard records there, or `None` when events cannot order it
+    /// (another context, or cudarc not recording events).
+    fn begin(&self, own: &CudaStream, stream: &CudaStream) -> Option<&CudaEvent> {
+        let ctx = stream.context();
+        if ctx.cu_ctx() != own.context().cu_ctx() || !ctx.is_managing_stream_synchronization() {
+            return None;
+        }
+        let event = if let Some(e) = self.event.get() {
+            e
+        } else {
+            let made = ctx.new_event(None).ok()?;
+            self.event.get_or_init(|| made)
+        };
+        if self.used.swap(true, Ordering::AcqRel) {
+            ctx.record_err(stream.wait(event));
+        }
+        Some(event)
+    }
+
+    /// Retires `finish` (see [`crate::reaper`]): after the work queued so far
+    /// on `streams` or, when the memory was used on other streams, on every
+    /// stream of `ctx`. Never waits.
+    pub(crate) fn retire<'s>(
+        &self,
+        ctx: &Arc<cudarc::driver::CudaContext>,
+        streams: impl IntoIterator<Item = &'s Arc<CudaStream>>,
+        what: &'static str,
+        finish: impl FnOnce() + Send + 'static,
+    ) {
+        if self.used() {
+            crate::reaper::after_context(ctx, what, finish);
+        } else {
+            crate::reaper::after_streams(streams, what, finish);
+        }
+    }
+
+    /// Waits for the uses elsewhere (an explicit wait: the whole context,
+    /// when there were any).
+    pub(crate) fn synchronize(&self, ctx: &Arc<cudarc::driver::CudaContext>) -> Result<()> {
+        if self.used() {
+            ctx.synchronize()
+                .map_err(|e| crate::error::from_cudarc("cuCtxSynchronize", e))?;
+        }
+        Ok(())
+    }
 }
 
 /// The one implementation of every memory type's `with_stream`: checks

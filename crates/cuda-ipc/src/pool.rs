@@ -29,7 +29,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handle::PoolPtrHandle;
 use crate::mechanism::Mechanism;
-use crate::memory::{DeviceMemory, impl_cudarc_traits};
+use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
 use crate::result::{mem, pool, stream as rstream};
 
 /// The largest pool allocation [`SharedPool::alloc`] makes for sharing.
@@ -131,6 +131,7 @@ impl SharedPool {
             stream,
             ptr,
             len,
+            foreign: ForeignUse::default(),
         })
     }
 
@@ -192,6 +193,7 @@ pub struct PoolBuffer {
     stream: Arc<CudaStream>,
     ptr: u64,
     len: usize,
+    foreign: ForeignUse,
 }
 
 impl PoolBuffer {
@@ -212,7 +214,8 @@ impl PoolBuffer {
     /// [`switch_stream`](crate::memory::switch_stream) for the order kept
     /// and the errors.
     pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
-        self.stream = crate::memory::switch_stream(&self.pool.device, &self.stream, stream)?;
+        let current = self.foreign.order(&self.stream);
+        self.stream = crate::memory::switch_stream(&self.pool.device, current, stream)?;
         Ok(self)
     }
 
@@ -234,13 +237,16 @@ unsafe impl DeviceMemory for PoolBuffer {
         &self.pool.device
     }
     fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        self.foreign.order(&self.stream)
     }
     fn device_address(&self) -> u64 {
         self.ptr
     }
     fn byte_len(&self) -> usize {
         self.len
+    }
+    fn foreign_use(&self) -> Option<&ForeignUse> {
+        Some(&self.foreign)
     }
 }
 
@@ -249,10 +255,25 @@ impl_cudarc_traits!(PoolBuffer, u8);
 impl Drop for PoolBuffer {
     fn drop(&mut self) {
         // Errors cannot be raised from drop. The free is ordered after the
-        // work queued on our stream.
-        let _ = self.pool.device.bind();
-        // SAFETY: allocated in `SharedPool::alloc`, freed once.
-        let _ = unsafe { pool::free_async(self.ptr, self.stream.cu_stream()) };
+        // work queued on our stream; after a use on other streams, it is
+        // retired until the whole context has finished the work queued so
+        // far (no wait here).
+        let (pool, stream, ptr) = (self.pool.clone(), self.stream.clone(), self.ptr);
+        let free = move || {
+            let _ = pool.device.bind();
+            // SAFETY: allocated in `SharedPool::alloc`, freed once, ordered
+            // after every use (the stream's, or the whole context's).
+            let _ = unsafe { pool::free_async(ptr, stream.cu_stream()) };
+        };
+        if self.foreign.used() {
+            crate::reaper::after_context(
+                self.pool.device.context(),
+                "freeing a pool allocation",
+                free,
+            );
+        } else {
+            free();
+        }
     }
 }
 

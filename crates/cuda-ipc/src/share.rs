@@ -303,6 +303,9 @@ unsafe impl DeviceMemory for SharedBuffer {
     fn byte_len(&self) -> usize {
         on_allocation!(self, b => b.byte_len())
     }
+    fn foreign_use(&self) -> Option<&crate::memory::ForeignUse> {
+        on_allocation!(self, b => b.foreign_use())
+    }
 }
 
 impl_cudarc_traits!(SharedBuffer, u8);

@@ -31,7 +31,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handle::FabricHandle;
 use crate::mechanism::Mechanism;
-use crate::memory::{DeviceMemory, impl_cudarc_traits};
+use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
 use crate::result::vmm::{self, HandleType};
 use crate::units::round_up;
 
@@ -114,6 +114,7 @@ pub struct VmmBuffer {
     alloc_size: u64,
     len: usize,
     types: ShareableTypes,
+    foreign: ForeignUse,
 }
 
 impl VmmBuffer {
@@ -164,6 +165,7 @@ impl VmmBuffer {
             alloc_size,
             len,
             types,
+            foreign: ForeignUse::default(),
         })
     }
 
@@ -171,7 +173,8 @@ impl VmmBuffer {
     /// [`switch_stream`](crate::memory::switch_stream) for the order kept
     /// and the errors.
     pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
-        self.stream = crate::memory::switch_stream(&self.device, &self.stream, stream)?;
+        let current = self.foreign.order(&self.stream);
+        self.stream = crate::memory::switch_stream(&self.device, current, stream)?;
         Ok(self)
     }
 
@@ -301,13 +304,16 @@ unsafe impl DeviceMemory for VmmBuffer {
         &self.device
     }
     fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        self.foreign.order(&self.stream)
     }
     fn device_address(&self) -> u64 {
         self.ptr
     }
     fn byte_len(&self) -> usize {
         self.len
+    }
+    fn foreign_use(&self) -> Option<&ForeignUse> {
+        Some(&self.foreign)
     }
 }
 
@@ -320,7 +326,8 @@ impl Drop for VmmBuffer {
         // broken its teardown frees everything.
         let (device, ptr, size, handle) =
             (self.device.clone(), self.ptr, self.alloc_size, self.handle);
-        crate::reaper::after_streams(
+        self.foreign.retire(
+            self.device.context(),
             [&self.stream, self.device.stream()],
             "unmapping and releasing a VMM allocation",
             move || {

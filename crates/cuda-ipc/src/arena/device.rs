@@ -141,6 +141,9 @@ unsafe impl DeviceMemory for DeviceArenaBuffer {
     fn byte_len(&self) -> usize {
         self.len() as usize
     }
+    fn foreign_use(&self) -> Option<&crate::memory::ForeignUse> {
+        self.chunk().backing().buffer.foreign_use()
+    }
 }
 
 impl_cudarc_traits!(DeviceArenaBuffer, u8);

@@ -132,13 +132,8 @@ impl Drop for LeaseGuard {
             return;
         }
         let mappings = std::mem::take(&mut *lock(&self.mappings));
-        let mut streams = Vec::new();
-        for m in &mappings {
-            streams.extend(m.used_streams().snapshot());
-            streams.push(m.device().stream().clone());
-        }
         let (client, pending, lease) = (self.client.clone(), self.pending.clone(), self.lease);
-        crate::reaper::after_streams(&streams, "releasing a lease", move || {
+        crate::buffer::UsesOf::mappings(&mappings).retire("releasing a lease", move || {
             crate::reaper::work_done(|| drop(mappings));
             let released = client.release_nowait(lease);
             // After the release (see `end`).

@@ -608,10 +608,9 @@ impl CachedChunk {
     /// used it have finished, then its lease released (no answer awaited).
     pub(super) fn retire(self, client: &Arc<channel::Client>) {
         let CachedChunk { mapping, lease } = self;
-        let mut streams = mapping.used_streams().snapshot();
-        streams.push(mapping.device().stream().clone());
         let client = client.clone();
-        crate::reaper::after_streams(&streams, "unmapping an idle chunk", move || {
+        let uses = crate::buffer::UsesOf::mappings(std::slice::from_ref(&mapping));
+        uses.retire("unmapping an idle chunk", move || {
             crate::reaper::work_done(|| drop(mapping));
             if let Err(e) = client.release_nowait(lease)
                 && !matches!(e, ChannelError::PeerGone)

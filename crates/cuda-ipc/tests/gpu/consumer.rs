@@ -92,7 +92,10 @@ pub fn serve() {
                 let n = mappings.len();
                 mappings.clear();
                 events.clear();
-                json!({ "closed": n })
+                // Drops retire the unmaps to the reaper: "closed" means
+                // unmapped, so the parent's memory counts see them done.
+                let settled = cuda_ipc::reaper::settle(std::time::Duration::from_secs(10));
+                json!({ "closed": n, "settled": settled })
             }
             "recheck" => {
                 let results: Vec<Value> = mappings

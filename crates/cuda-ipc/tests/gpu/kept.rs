@@ -348,3 +348,55 @@ fn drops_return_while_the_publisher_is_stopped() {
     peer.send(&json!({ "exit": true }));
     assert!(peer.finish());
 }
+
+/// Memory used on another stream through cudarc's traits is ordered with
+/// events, not host waits: the use returns while that stream is still busy,
+/// work on the memory's own stream sees its result, and the memory dropped
+/// right after such a use stays until the use has run (no fault, no wait).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn uses_on_other_streams_are_ordered_by_events() {
+    let device = Device::open(0).unwrap();
+    let other = device.context().new_stream().unwrap();
+    // Slow work ahead of every use on the other stream.
+    let slow = SharedBuffer::alloc(&device, 256 * MIB, None)
+        .unwrap()
+        .with_stream(other.clone())
+        .unwrap();
+    for mechanism in [
+        cuda_ipc::Mechanism::Legacy,
+        cuda_ipc::Mechanism::Vmm,
+        cuda_ipc::Mechanism::Pool,
+    ] {
+        let mut buf = SharedBuffer::alloc(&device, 16 * MIB, Some(mechanism)).unwrap();
+        kernels::fill_u32(&buf, Pattern::constant(7), Speed::Full).unwrap();
+        kernels::fill_u32(&slow, Pattern::constant(1), Speed::Slow).unwrap();
+        other.memset_zeros::<u8, _>(&mut buf).unwrap();
+        let behind = other.record_event(None).unwrap();
+        assert!(
+            !behind.is_complete(),
+            "{mechanism}: the use on another stream waited on the host"
+        );
+        let seen = buf.to_vec::<u32>().unwrap();
+        assert!(
+            seen.iter().all(|&x| x == 0),
+            "{mechanism}: the buffer's own stream read before the other stream's write"
+        );
+
+        kernels::fill_u32(&slow, Pattern::constant(2), Speed::Slow).unwrap();
+        other.memset_zeros::<u8, _>(&mut buf).unwrap();
+        let t = Instant::now();
+        drop(buf);
+        let dropped = t.elapsed();
+        assert!(
+            dropped < Duration::from_millis(20),
+            "{mechanism}: the drop waited {dropped:?}"
+        );
+        assert!(reaper::retiring() >= 1, "{mechanism}: nothing was retired");
+        other
+            .synchronize()
+            .unwrap_or_else(|e| panic!("{mechanism}: the use on another stream faulted: {e}"));
+        assert!(reaper::settle(Duration::from_secs(10)));
+    }
+    device.synchronize().unwrap();
+}
