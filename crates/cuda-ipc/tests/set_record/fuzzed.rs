@@ -1,0 +1,268 @@
+//! The fuzz corpora replayed, and property tests.
+
+use std::path::{Path, PathBuf};
+
+use cuda_ipc::arena::ArenaId;
+use cuda_ipc::descriptor::Dtype;
+use cuda_ipc::set::SetRecord;
+use cuda_ipc::set::table::{decode_bytes, encode_bytes};
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+use super::*;
+
+// ---------------------------------------------------------------------------
+// The fuzz corpus, replayed
+
+/// Replays every file of `fuzz/corpus/<target>` through `check` (the fuzz
+/// target's properties); at least two must be valid (`is_valid`).
+fn replay(target: &str, check: fn(&[u8]), is_valid: fn(&[u8]) -> bool) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/corpus")
+        .join(target);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .collect();
+    files.sort();
+    assert!(
+        files.len() >= 5,
+        "only {} corpus files in {target}",
+        files.len()
+    );
+    let decoded = files
+        .iter()
+        .filter(|f| {
+            let data = std::fs::read(f).unwrap();
+            check(&data);
+            is_valid(&data)
+        })
+        .count();
+    assert!(
+        decoded >= 2,
+        "the seeds of {target} should hold valid inputs"
+    );
+}
+
+#[test]
+fn every_corpus_file_passes_the_fuzz_checks() {
+    replay("set_record", fuzz_set_record::set_record, |data| {
+        std::str::from_utf8(data).is_ok_and(|t| SetRecord::from_json(t).is_ok())
+    });
+}
+
+#[test]
+fn every_table_corpus_file_passes_the_fuzz_checks() {
+    replay("set_table", fuzz_set_table::set_table, |data| {
+        decode_bytes(data).is_ok()
+    });
+}
+
+// ---------------------------------------------------------------------------
+// Properties
+
+fn dtype() -> impl Strategy<Value = Dtype> {
+    prop::sample::select(Dtype::ALL.to_vec())
+}
+
+/// Valid records: 1-4 chunks, entries placed one after another with gaps.
+fn record() -> impl Strategy<Value = SetRecord> {
+    (
+        1usize..4,
+        prop::collection::vec(
+            (
+                dtype(),
+                prop::collection::vec(1u64..12, 0..3),
+                0u64..300,
+                any::<prop::sample::Index>(),
+            ),
+            1..40,
+        ),
+        any::<u64>(),
+        prop::option::of(any::<[u8; 64]>()),
+    )
+        .prop_map(|(n, items, arena, event)| {
+            let n = n.min(items.len());
+            let chunks: Vec<_> = (0..n)
+                .map(|c| chunk(c as u64 * 2 + 1, 20 + c as i32, MIB))
+                .collect();
+            let mut cursor = vec![0u64; n];
+            let mut entries = Vec::new();
+            for (i, (dtype, shape, gap, which)) in items.into_iter().enumerate() {
+                // The first entries go one to each chunk so that none is unused.
+                let c = if i < n { i } else { which.index(n) };
+                let offset = (cursor[c] + gap).next_multiple_of(dtype.size());
+                let e = entry(&format!("t{i}"), dtype, &shape, chunks[c].id, offset);
+                cursor[c] = offset + e.len;
+                entries.push(e);
+            }
+            let mut r = SetRecord::new(format!("set{n}"), ArenaId(arena.max(1)), chunks, entries)
+                .expect("generated records are valid");
+            r.event = event.map(|b| cuda_ipc::handle::IpcEventHandle::from_bytes(&b).unwrap());
+            r
+        })
+}
+
+/// Decodes `v`: either an error that prints, or a record that validates and
+/// round-trips.
+fn decodes_cleanly(v: &Value) -> Option<SetRecord> {
+    match SetRecord::from_value(v) {
+        Ok(r) => {
+            r.validate().unwrap();
+            assert_eq!(SetRecord::from_json(&r.to_json()).unwrap(), r);
+            Some(r)
+        }
+        Err(e) => {
+            assert!(!e.to_string().is_empty());
+            None
+        }
+    }
+}
+
+fn any_json() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
+        (0u64..5_000_000).prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        (-1e6f64..1e6).prop_map(Value::from),
+        "[a-z0-9.]{0,12}".prop_map(Value::from),
+        prop::collection::vec(0u64..64, 0..4).prop_map(Value::from),
+        Just(json!({})),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn valid_records_round_trip(r in record()) {
+        let text = r.to_json();
+        let back = SetRecord::from_json(&text).unwrap();
+        prop_assert_eq!(&back, &r);
+        prop_assert_eq!(back.to_json(), text);
+        for i in 0..r.entries.len() {
+            let d = r.entry_descriptor(i).unwrap();
+            prop_assert_eq!(d.byte_len, r.entries[i].len);
+        }
+    }
+
+    /// Any entry field replaced by any JSON value: a valid record (equal to
+    /// the original where the value was the same) or a clean error.
+    #[test]
+    fn entry_field_mutations_decode_or_fail_cleanly(
+        r in record(), which in any::<prop::sample::Index>(), field in 0usize..6, value in any_json(),
+    ) {
+        let mut v = r.to_expanded_value();
+        let i = which.index(r.entries.len());
+        let same = v["entries"][i][field] == value;
+        v["entries"][i][field] = value;
+        let got = decodes_cleanly(&v);
+        if same {
+            prop_assert_eq!(got.as_ref(), Some(&r));
+        }
+    }
+
+    /// Any top-level, chunk or chunk-descriptor field replaced, added or removed.
+    #[test]
+    fn record_field_mutations_decode_or_fail_cleanly(
+        r in record(),
+        path in prop::sample::select(vec![
+            "cuda_ipc_set", "name", "arena", "event", "chunks", "entries", "unknown",
+            "c.id", "c.descriptor", "c.extra", "d.fd", "d.len", "d.alloc_size", "d.offset", "d.mechanism",
+            "d.pid", "d.generation", "d.dtype", "d.shape", "d.event", "d.handle",
+        ]),
+        value in prop::option::of(any_json()),
+    ) {
+        let mut v = r.to_value();
+        let (target, key) = match path.split_once('.') {
+            Some(("c", k)) => (&mut v["chunks"][0], k),
+            Some((_, k)) => (&mut v["chunks"][0]["descriptor"], k),
+            None => (&mut v, path),
+        };
+        let obj = target.as_object_mut().unwrap();
+        match value {
+            Some(x) => { obj.insert(key.to_string(), x); }
+            None => { obj.remove(key); }
+        }
+        decodes_cleanly(&v);
+    }
+
+    /// Bytes of format 2's table flipped, cut or inserted: never a panic;
+    /// what decodes re-encodes to the same bytes, and in a record it
+    /// validates or fails cleanly.
+    #[test]
+    fn table_mutations_decode_or_fail_cleanly(
+        r in record(),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4),
+    ) {
+        let bytes = edited(encode_bytes(&r.entries), &edits);
+        fuzz_set_table::set_table(&bytes);
+        if let Ok(entries) = decode_bytes(&bytes) {
+            let mut v = r.to_value();
+            v["entries"] = json!(base64_of(&encode_bytes(&entries)));
+            decodes_cleanly(&v);
+        }
+    }
+
+    /// Bytes of the JSON text flipped, cut or duplicated: never a panic, and
+    /// what decodes is valid and round-trips.
+    #[test]
+    fn text_mutations_decode_or_fail_cleanly(
+        r in record(),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4),
+    ) {
+        let bytes = edited(r.to_json().into_bytes(), &edits);
+        fuzz_set_record::set_record(&bytes);
+    }
+}
+
+/// `bytes` with each edit applied: `(where, byte, kind)`, kind 0 replaces
+/// the byte there, 1 removes it, 2 inserts `byte` before it.
+fn edited(mut bytes: Vec<u8>, edits: &[(prop::sample::Index, u8, u8)]) -> Vec<u8> {
+    for &(at, byte, kind) in edits {
+        if bytes.is_empty() {
+            bytes.push(byte);
+            continue;
+        }
+        let i = at.index(bytes.len());
+        match kind {
+            0 => bytes[i] = byte,
+            1 => {
+                bytes.remove(i);
+            }
+            _ => bytes.insert(i, byte),
+        }
+    }
+    bytes
+}
+
+/// Standard base64 with padding, as format 2 carries its table.
+fn base64_of(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// A record text longer than the limit is refused before it is parsed (a
+/// 96 MiB format-1 record once took 1.8 GB of memory to be refused).
+#[test]
+fn an_over_long_record_is_refused_before_parsing() {
+    use cuda_ipc::set::MAX_SET_RECORD_BYTES;
+    // Valid JSON that would parse into millions of values.
+    let mut text = String::with_capacity(MAX_SET_RECORD_BYTES + 16);
+    text.push('[');
+    while text.len() <= MAX_SET_RECORD_BYTES {
+        text.push_str("[1,2],");
+    }
+    text.push_str("[]]");
+    let started = std::time::Instant::now();
+    let e = SetRecord::from_json(&text).unwrap_err();
+    assert!(e.to_string().contains("longer than"), "{e}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_millis(50),
+        "{:?}",
+        started.elapsed()
+    );
+}
