@@ -5,7 +5,7 @@
 //! something.
 //!
 //! Kept apart from `lib.rs` so that the target, and the corpus replay in
-//! `crates/cuda-ipc/tests/set_record/fuzzed.rs`, include this one file.
+//! `crates/cuda-ipc/tests/set_record/main.rs`, include this one file.
 
 use cuda_ipc::set::table::{decode_bytes, encode_bytes};
 
