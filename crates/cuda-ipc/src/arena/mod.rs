@@ -89,6 +89,7 @@
 
 mod core;
 mod device;
+mod handles;
 #[cfg(test)]
 mod tests;
 
@@ -96,8 +97,9 @@ use std::fmt;
 
 use crate::error::{Error, Result};
 
-pub use self::core::{Arena, ArenaBuffer, ArenaLease, ArenaStats, Chunk, ChunkInfo, ChunkPin};
+pub use self::core::{Arena, Chunk};
 pub use self::device::{DeviceArena, DeviceArenaBuffer, DeviceChunk, DeviceChunks, SetMember};
+pub use self::handles::{ArenaBuffer, ArenaLease, ArenaStats, ChunkInfo, ChunkPin};
 /// An arena's identity is part of the set record's vocabulary (records
 /// name the arena their chunks come from), so it lives in [`crate::set`].
 pub use crate::set::ArenaId;
