@@ -1103,6 +1103,7 @@ mod tests {
             fabric: false,
             memory_pools: true,
             mempool_handle_types: 1,
+            mps: None,
         }
     }
 
