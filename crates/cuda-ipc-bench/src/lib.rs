@@ -33,6 +33,7 @@ use cuda_ipc::{Device, Error};
 
 mod args;
 pub mod lines;
+pub mod mps;
 pub mod namespaces;
 mod plan;
 mod plot;
