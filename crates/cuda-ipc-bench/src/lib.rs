@@ -133,6 +133,7 @@ fn new_report(plan: &Plan) -> Report {
         started_unix_s: unix_now(),
         elapsed_s: 0.0,
         sections: Vec::new(),
+        mps: None,
         targets: Vec::new(),
     }
 }
