@@ -238,6 +238,11 @@ impl PrivateDaemon {
         Ok(daemon)
     }
 
+    /// Its private folder (removed when it stops): room for files of the run.
+    pub fn folder(&self) -> &Path {
+        &self.root
+    }
+
     /// The pipe directory its clients must name in [`PIPE_VAR`].
     pub fn pipe_directory(&self) -> &Path {
         &self.pipe

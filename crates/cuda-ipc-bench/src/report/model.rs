@@ -434,11 +434,6 @@ impl Report {
         self.sections.iter().find(|s| s.id == id && !s.mps)
     }
 
-    /// The section `id` under MPS, in a `--mps` run.
-    pub fn section_under_mps(&self, id: SectionId) -> Option<&Section> {
-        self.sections.iter().find(|s| s.id == id && s.mps)
-    }
-
     /// The first measured row of section `id` matching the series, variant
     /// and count (any size).
     pub fn row_of_count(
