@@ -28,7 +28,8 @@ fn frame_pattern(seq: u64) -> Pattern {
     Pattern::ramp(seq as u32, 1)
 }
 
-pub fn run(args: &Args) -> Result<Outcome, Error> {
+/// Checks what needs no GPU: the ring's shape and `--mps`'s company.
+fn check_args(args: &Args) -> Result<(), Error> {
     if args.frame_size == 0 || !args.frame_size.is_multiple_of(4) || args.slots == 0 {
         return Err(Error::InvalidArgument {
             what: "stream",
@@ -47,6 +48,11 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
                 .into(),
         });
     }
+    Ok(())
+}
+
+pub fn run(args: &Args) -> Result<Outcome, Error> {
+    check_args(args)?;
     if args.mps && !args.under_mps {
         return run_under_mps();
     }
