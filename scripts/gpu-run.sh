@@ -2,7 +2,7 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes peer bench bench-full containers sets stress
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes peer bench bench-full containers sets stress mps
 #                          (default: info tests soak demo cli exchange samples python lifetimes)
 #
 # `tests` runs every GPU test but the 100,000-cycle soaks, which `soak` runs
@@ -266,6 +266,87 @@ step_sets() {
   local rc=$?
   [ "$rc" -eq 0 ] && ok "sets: serve --set exits 0 once every lease is released" || bad "sets: serve --set exited $rc: $(cat "$logs/serve-set.err")"
   rm -f "$fifo"
+}
+
+# Every mechanism under MPS: a private control daemon (its own pipe and log
+# folders, as `--mps` makes one; no GPU setting changed) for the demo, the
+# exchange and the streaming demo, then legacy IPC between an MPS client and
+# a process outside MPS both ways; then `demo --stream --mps` and
+# `bench --mps` with their own daemons, and no daemon left behind.
+step_mps() {
+  local control
+  control=$(command -v nvidia-cuda-mps-control)
+  if [ -z "$control" ]; then
+    echo "SKIP  mps: nvidia-cuda-mps-control is not on PATH"
+    return
+  fi
+  local root
+  root=$(mktemp -d /tmp/cuda-ipc-mps-run.XXXXXX)
+  mkdir -p "$root/pipe" "$root/log"
+  local mpsenv=(env CUDA_MPS_PIPE_DIRECTORY="$root/pipe" CUDA_MPS_LOG_DIRECTORY="$root/log")
+  local before
+  before=$(pgrep -c -x nvidia-cuda-mps || true)
+  if ! "${mpsenv[@]}" "$control" -d; then
+    bad "mps: the private control daemon did not start"
+    return
+  fi
+  for _ in $(seq 100); do [ -S "$root/pipe/control" ] && break; sleep 0.1; done
+  check "mps: info under the daemon" 0 "${mpsenv[@]}" "$cli" info --no-probe
+  grep -h "MPS" "$(log_of "mps: info under the daemon")"
+  if grep -q "go through an MPS server" "$(log_of "mps: info under the daemon")"; then
+    ok "mps: the driver says the contexts go through MPS"
+  else
+    bad "mps: the driver does not say the contexts go through MPS"
+  fi
+  local m
+  for m in legacy vmm pool; do
+    check "mps $m: demo --size 64MiB" 0 "${mpsenv[@]}" "$cli" demo --mechanism "$m" --size 64MiB
+    local fifo="$logs/stdin-mps-$m" sock="$logs/mps-$m.sock"
+    rm -f "$fifo" "$sock"
+    mkfifo "$fifo"
+    "${mpsenv[@]}" "$cli" serve --socket "$sock" --size 64MiB --fill-u32 0x4d5053 --buffers 1 --mechanism "$m" <"$fifo" >"$logs/mps-serve-$m.json" 2>"$logs/mps-serve-$m.err" &
+    local pid=$!
+    exec 5>"$fifo"
+    for _ in $(seq 100); do [ -s "$logs/mps-serve-$m.json" ] && break; sleep 0.1; done
+    check "mps $m: attach under MPS" 0 "${mpsenv[@]}" "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 0x4d5053 --fill-u32 0x11
+    check "mps $m: attach outside MPS from an MPS publisher" 0 "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 0x11
+    exec 5>&-
+    wait "$pid"
+    local rc=$?
+    [ "$rc" -eq 0 ] && ok "mps $m: serve exits 0" || bad "mps $m: serve exited $rc: $(cat "$logs/mps-serve-$m.err")"
+    rm -f "$fifo"
+  done
+  # Legacy handles between an MPS client and a process outside MPS, the
+  # other way round: exported outside, opened under MPS.
+  local fifo="$logs/stdin-mps-export"
+  rm -f "$fifo"
+  mkfifo "$fifo"
+  "$cli" export --size 2MiB --fill-u32 0x77 --mechanism legacy <"$fifo" >"$logs/mps-export.json" 2>"$logs/mps-export.err" &
+  local pid=$!
+  exec 5>"$fifo"
+  for _ in $(seq 100); do [ -s "$logs/mps-export.json" ] && break; sleep 0.1; done
+  check "mps legacy: open under MPS a handle exported outside" 0 "${mpsenv[@]}" "$cli" open --descriptor "$(head -n 1 "$logs/mps-export.json")" --expect-u32 0x77
+  exec 5>&-
+  wait "$pid"
+  rm -f "$fifo"
+  check "mps: demo --stream --frame-size 4KiB under the daemon" 0 "${mpsenv[@]}" "$cli" demo --stream --frame-size 4KiB --seconds 3
+  grep -E 'frames/s|latency|limited|OK|FAILED' "$(log_of "mps: demo --stream --frame-size 4KiB under the daemon")"
+  echo quit | "${mpsenv[@]}" "$control"
+  for _ in $(seq 100); do [ -S "$root/pipe/control" ] || break; sleep 0.1; done
+  rm -rf "$root"
+  # The CLI's own private daemons.
+  check "mps: demo --stream --mps" 0 "$cli" demo --stream --mps --frame-size 4KiB --seconds 3
+  grep -E 'MPS|frames/s|latency|limited|OK|FAILED' "$(log_of "mps: demo --stream --mps")"
+  check "mps: bench --quick --only ring,sync --mps" 0 "$cli" bench --quick --only ring,sync --mps --no-torch --json-out "$logs/bench-mps.json"
+  sed -n '/^MPS:/p;/Streaming ring/,/^Targets/p' "$(log_of "mps: bench --quick --only ring,sync --mps")"
+  sleep 1
+  local after
+  after=$(pgrep -c -x nvidia-cuda-mps || true)
+  if [ "$after" -le "$before" ]; then
+    ok "mps: no MPS daemon left behind ($after running, $before before)"
+  else
+    bad "mps: $((after - before)) MPS daemon(s) left behind: $(pgrep -a -f nvidia-cuda-mps | tr '\n' ' ')"
+  fi
 }
 
 # Long runs: subscribers killed at random points, and the million-cycle soak.

@@ -76,6 +76,30 @@ pub struct Args {
     /// cannot work there are skipped, saying why.
     #[arg(long, value_delimiter = ',', value_parser = Namespace::parse)]
     pub consumer_namespaces: Vec<Namespace>,
+    /// Run the sections twice: without MPS, then under a private MPS
+    /// control daemon (nvidia-cuda-mps-control with its own pipe and log
+    /// folders in a fresh temporary folder, for this run's processes only,
+    /// stopped at the end); the report shows both. Changes no GPU setting.
+    /// With --only ring,sync it compares hand-offs between two busy processes.
+    #[arg(long)]
+    pub mps: bool,
+    /// (internal) This process is the pass under MPS of a `--mps` run:
+    /// write the report as JSON to this file and print no table.
+    #[arg(long, hide = true)]
+    pub mps_pass: Option<PathBuf>,
+}
+
+/// Checks `--mps` against the other arguments.
+pub(crate) fn check_mps(args: &Args) -> Result<(), String> {
+    if args.mps && !args.consumer_namespaces.is_empty() {
+        return Err(
+            "--mps and --consumer-namespaces do not go together: an MPS client must reach the \
+             control daemon's pipe folder and share its IPC namespace, which new namespaces take \
+             away; measure them in two runs"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 /// Parses a mechanism the bench measures.

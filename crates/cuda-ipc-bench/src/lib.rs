@@ -33,6 +33,7 @@ use cuda_ipc::{Device, Error};
 
 mod args;
 pub mod lines;
+pub mod mps;
 pub mod namespaces;
 mod plan;
 mod plot;
@@ -132,6 +133,7 @@ fn new_report(plan: &Plan) -> Report {
         started_unix_s: unix_now(),
         elapsed_s: 0.0,
         sections: Vec::new(),
+        mps: None,
         targets: Vec::new(),
     }
 }
@@ -146,12 +148,19 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
     // input is exit 2 at once, not after the driver loads or the run ends.
     let plan = Plan::from_args(args)
         .and_then(|plan| args::check_paths(args).map(|()| plan))
+        .and_then(|plan| args::check_mps(args).map(|()| plan))
         .map_err(|reason| Error::InvalidArgument {
             what: "bench arguments",
             reason,
         })?;
     // Consumers in new namespaces that cannot be started: exit 3 now.
     plan.namespaces.check_allowed()?;
+    // The private MPS daemon before anything is measured: a missing
+    // program is exit 3 at once. Dropping it (any return, a panic) stops it.
+    let mut daemon = match (args.mps, &args.mps_pass) {
+        (true, None) => Some(mps::PrivateDaemon::start()?),
+        _ => None,
+    };
     raise_open_files_limit();
     let started = Instant::now();
     let mut report = new_report(&plan);
@@ -178,6 +187,49 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
         progress: &progress,
         peer: report.peer.clone(),
     };
+    run_sections(&ctx, &mut report);
+    if args.no_torch
+        && args
+            .only
+            .as_ref()
+            .is_none_or(|o| o.contains(&SectionId::Torch))
+    {
+        report
+            .sections
+            .push(Section::skipped(SectionId::Torch, "--no-torch"));
+    }
+    progress.finish();
+    drop(publisher);
+    if let Some(path) = &args.mps_pass {
+        // The pass under MPS of a `--mps` run: its parent prints.
+        report.mps = Some(report::MpsPass {
+            pipe_directory: std::env::var(mps::PIPE_VAR).unwrap_or_default(),
+            driver_says_mps: caps.mps,
+            error: None,
+        });
+        return std::fs::write(path, report.to_json()).map_err(|e| Error::Io {
+            context: format!("writing {}", path.display()),
+            source: e,
+        });
+    }
+    if let Some(d) = &mut daemon {
+        report.mps = Some(mps_pass(d, &plan, &mut report.sections));
+        if let Err(e) = d.stop()
+            && let Some(m) = &mut report.mps
+        {
+            m.error
+                .get_or_insert(format!("stopping the private MPS daemon: {e}"));
+        }
+    }
+    report.elapsed_s = started.elapsed().as_secs_f64();
+    report.evaluate();
+    print!("{}", report::render(&report));
+    write_outputs(&report, args)
+}
+
+/// Runs every section of the plan in this process, in order.
+fn run_sections(ctx: &sections::Ctx<'_>, report: &mut Report) {
+    let (plan, progress) = (ctx.plan, ctx.progress);
     for id in &plan.sections {
         if let Some(why) = plan.namespace_skip(*id) {
             progress.note(&format!("{} skipped: {why}", id.title()));
@@ -188,17 +240,17 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
         // A bug in one section must not cost the others: a panic becomes
         // the section's error (its message is also on standard error).
         let run_section = || match id {
-            SectionId::Fresh => sections::fresh(&ctx),
-            SectionId::Arena => sections::arena(&ctx),
-            SectionId::Cached => sections::cached(&ctx),
-            SectionId::Floor => sections::floor(&ctx),
-            SectionId::Bandwidth => sections::bandwidth(&ctx),
-            SectionId::Peer => sections::peer(&ctx),
-            SectionId::Ring => sections::ring(&ctx),
-            SectionId::Sync => sections::sync(&ctx),
-            SectionId::Scale => sections::scale(&ctx),
-            SectionId::Sets => sections::sets(&ctx),
-            SectionId::Torch => torch::section(&plan, &progress),
+            SectionId::Fresh => sections::fresh(ctx),
+            SectionId::Arena => sections::arena(ctx),
+            SectionId::Cached => sections::cached(ctx),
+            SectionId::Floor => sections::floor(ctx),
+            SectionId::Bandwidth => sections::bandwidth(ctx),
+            SectionId::Peer => sections::peer(ctx),
+            SectionId::Ring => sections::ring(ctx),
+            SectionId::Sync => sections::sync(ctx),
+            SectionId::Scale => sections::scale(ctx),
+            SectionId::Sets => sections::sets(ctx),
+            SectionId::Torch => torch::section(plan, progress),
         };
         let mut section = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run_section))
             .unwrap_or_else(|panic| {
@@ -220,22 +272,74 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
         }
         report.sections.push(section);
     }
-    if args.no_torch
-        && args
-            .only
-            .as_ref()
-            .is_none_or(|o| o.contains(&SectionId::Torch))
-    {
-        report
-            .sections
-            .push(Section::skipped(SectionId::Torch, "--no-torch"));
+}
+
+/// The pass under MPS: this executable again, with the same arguments,
+/// as a client of `daemon`; its sections are appended to `sections`,
+/// marked, or failed sections saying why there are none.
+fn mps_pass(
+    daemon: &mps::PrivateDaemon,
+    plan: &Plan,
+    sections: &mut Vec<Section>,
+) -> report::MpsPass {
+    let mut pass = report::MpsPass {
+        pipe_directory: daemon.pipe_directory().display().to_string(),
+        driver_says_mps: None,
+        error: None,
+    };
+    eprintln!(
+        "bench: the same sections again under a private MPS control daemon ({})",
+        pass.pipe_directory
+    );
+    let out = daemon.folder().join("pass.json");
+    let ran = std::env::current_exe()
+        .map_err(|e| format!("finding our own executable: {e}"))
+        .and_then(|exe| {
+            daemon
+                .command(exe)
+                .args(std::env::args_os().skip(1))
+                .arg("--mps-pass")
+                .arg(&out)
+                .stdin(std::process::Stdio::null())
+                .status()
+                .map_err(|e| format!("starting it: {e}"))
+        })
+        .and_then(|status| {
+            let text = std::fs::read_to_string(&out).map_err(|_| {
+                format!("it exited with {status} before writing its report (its error is above)")
+            })?;
+            serde_json::from_str::<Report>(&text).map_err(|e| format!("its report: {e}"))
+        });
+    match ran {
+        Ok(under) => {
+            pass.driver_says_mps = under.mps.and_then(|m| m.driver_says_mps);
+            if pass.driver_says_mps == Some(false) {
+                pass.error = Some(
+                    "the driver says the pass's processes did not go through MPS: its rows are \
+                     not MPS figures"
+                        .into(),
+                );
+            }
+            for mut s in under.sections {
+                if plan.sections.contains(&s.id) {
+                    s.mps = true;
+                    sections.push(s);
+                }
+            }
+        }
+        Err(why) => {
+            let why = format!("the pass under MPS failed: {why}");
+            for id in &plan.sections {
+                let mut s = Section::new(*id);
+                s.mps = true;
+                s.error = Some(why.clone());
+                s.finish();
+                sections.push(s);
+            }
+            pass.error = Some(why);
+        }
     }
-    progress.finish();
-    drop(publisher);
-    report.elapsed_s = started.elapsed().as_secs_f64();
-    report.evaluate();
-    print!("{}", report::render(&report));
-    write_outputs(&report, args)
+    pass
 }
 
 /// Writes the JSON and the plot if asked, and turns failed sections into

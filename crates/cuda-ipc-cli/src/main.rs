@@ -60,6 +60,9 @@ pub enum Outcome {
     Ok,
     /// The data did not match.
     Mismatch,
+    /// A child process that ran the command exited with this code (it
+    /// reported its own errors).
+    Exit(u8),
 }
 
 /// Exit code for a data mismatch.
@@ -85,6 +88,7 @@ const ONLY_WITH: &[out::OnlyWith] = &[
     ("demo", "seconds", "stream"),
     ("demo", "slots", "stream"),
     ("demo", "frame_size", "stream"),
+    ("demo", "mps", "stream"),
 ];
 
 fn main() -> ExitCode {
@@ -111,6 +115,7 @@ fn main() -> ExitCode {
     match result {
         Ok(Outcome::Ok) => ExitCode::SUCCESS,
         Ok(Outcome::Mismatch) => ExitCode::from(EXIT_MISMATCH),
+        Ok(Outcome::Exit(code)) => ExitCode::from(code),
         Err(e) => {
             out::report(&e);
             ExitCode::from(exit_code(&e))

@@ -127,3 +127,93 @@ fn consumer_namespaces_are_checked_before_the_driver() {
         "{err}"
     );
 }
+
+/// A stand-in `nvidia-cuda-mps-control` in `dir`/bin that records its calls
+/// in `dir`/record: `-d` makes the control entry, `quit` removes it.
+fn fake_mps_control(dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let record = dir.join("record");
+    let script = format!(
+        "#!/bin/sh\n\
+         echo \"call $* pipe=$CUDA_MPS_PIPE_DIRECTORY\" >> '{r}'\n\
+         if [ \"$1\" = -d ]; then touch \"$CUDA_MPS_PIPE_DIRECTORY/control\"; exit 0; fi\n\
+         read -r cmd; echo \"got $cmd\" >> '{r}'\n\
+         rm -f \"$CUDA_MPS_PIPE_DIRECTORY/control\"\n",
+        r = record.display()
+    );
+    let path = bin.join("nvidia-cuda-mps-control");
+    std::fs::write(&path, script).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::create_dir_all(dir.join("tmp")).unwrap();
+}
+
+/// `bench` with PATH holding only `dir`/bin (and the shell's folders) and
+/// TMPDIR `dir`/tmp.
+fn bench_in(dir: &std::path::Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cuda-ipc"))
+        .arg("bench")
+        .args(args)
+        .env("CUDA_IPC_DISABLE_DRIVER", "1")
+        .env(
+            "PATH",
+            format!("{}:/usr/bin:/bin", dir.join("bin").display()),
+        )
+        .env("TMPDIR", dir.join("tmp"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("run cuda-ipc")
+}
+
+#[test]
+fn mps_with_consumer_namespaces_is_refused() {
+    usage_error(
+        &["--quick", "--mps", "--consumer-namespaces", "pid"],
+        "--mps and --consumer-namespaces do not go together",
+    );
+}
+
+#[test]
+fn mps_without_the_control_program_says_what_to_install() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("bin")).unwrap();
+    std::fs::create_dir_all(dir.path().join("tmp")).unwrap();
+    let o = bench_in(dir.path(), &["--quick", "--mps"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("nvidia-cuda-mps-control") && err.contains("without --mps"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn an_mps_run_that_fails_later_stops_its_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    fake_mps_control(dir.path());
+    // The daemon starts, then the driver is missing: exit 3, daemon stopped.
+    let o = bench_in(dir.path(), &["--quick", "--mps"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    let record = std::fs::read_to_string(dir.path().join("record")).unwrap();
+    let mut lines = record.lines();
+    let start = lines.next().unwrap();
+    assert!(start.starts_with("call -d pipe="), "{record}");
+    assert!(
+        start.contains(&dir.path().join("tmp").display().to_string()),
+        "{record}"
+    );
+    assert!(record.contains("got quit"), "{record}");
+    // The watchdog has nothing left to do, and the folder is gone.
+    let t = std::time::Instant::now();
+    while std::fs::read_dir(dir.path().join("tmp"))
+        .unwrap()
+        .next()
+        .is_some()
+    {
+        assert!(t.elapsed().as_secs() < 10, "the private folder stayed");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -276,6 +276,11 @@ pub struct Capabilities {
     pub memory_pools: bool,
     /// Handle types memory pools can be shared with (bit 1: POSIX fd, bit 8: fabric).
     pub mempool_handle_types: i32,
+    /// Whether contexts this process creates on the device go through an MPS
+    /// server (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`): the driver decides when it
+    /// starts, from the MPS control daemon it reaches (`CUDA_MPS_PIPE_DIRECTORY`,
+    /// default `/tmp/nvidia-mps`). `None` where the driver does not report it.
+    pub mps: Option<bool>,
 }
 
 impl Capabilities {
@@ -310,6 +315,8 @@ impl Capabilities {
             fabric: flag(Attr::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)?,
             memory_pools: flag(Attr::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)?,
             mempool_handle_types: attr(Attr::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES)?,
+            // Drivers before CUDA 12.x do not know the attribute: unknown, not an error.
+            mps: flag(Attr::CU_DEVICE_ATTRIBUTE_MPS_ENABLED).ok(),
         })
     }
 }

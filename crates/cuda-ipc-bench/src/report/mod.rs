@@ -8,7 +8,9 @@ mod render;
 pub mod targets;
 #[cfg(test)]
 pub(crate) mod tests;
+#[cfg(test)]
+mod tests_mps;
 
 pub use format::human;
-pub use model::{DeviceInfo, PeerInfo, Report, Row, Section, SectionId, Status};
+pub use model::{DeviceInfo, MpsPass, PeerInfo, Report, Row, Section, SectionId, Status};
 pub use render::render;

@@ -261,6 +261,10 @@ pub struct Section {
     pub error: Option<String>,
     /// How long the section took, in seconds.
     pub seconds: f64,
+    /// Whether it ran under a private MPS control daemon (the second pass
+    /// of a `--mps` run); the same section without MPS comes first.
+    #[serde(skip_serializing_if = "std::ops::Not::not", default)]
+    pub mps: bool,
 }
 
 impl Section {
@@ -274,6 +278,7 @@ impl Section {
             notes: Vec::new(),
             error: None,
             seconds: 0.0,
+            mps: false,
         }
     }
 
@@ -308,6 +313,38 @@ impl Section {
     pub fn failed(&self) -> bool {
         self.status == Status::Failed
     }
+
+    /// Its name in a list: "ring", or "ring under MPS".
+    pub fn label(&self) -> String {
+        if self.mps {
+            format!("{} under MPS", self.id.name())
+        } else {
+            self.id.name().to_string()
+        }
+    }
+
+    /// Its heading: "Streaming ring", or "Streaming ring, under MPS".
+    pub fn title(&self) -> String {
+        if self.mps {
+            format!("{}, under MPS", self.id.title())
+        } else {
+            self.id.title().to_string()
+        }
+    }
+}
+
+/// The pass under MPS of a `--mps` run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MpsPass {
+    /// The private control daemon's pipe directory (gone after the run).
+    pub pipe_directory: String,
+    /// Whether the driver said the pass's contexts went through MPS
+    /// (`CU_DEVICE_ATTRIBUTE_MPS_ENABLED`; absent where it does not say).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub driver_says_mps: Option<bool>,
+    /// Why the pass, or stopping the daemon, failed.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub error: Option<String>,
 }
 
 pub(super) fn row_label(r: &Row) -> String {
@@ -381,16 +418,20 @@ pub struct Report {
     pub started_unix_s: f64,
     /// How long the run took, seconds.
     pub elapsed_s: f64,
-    /// The sections, in order.
+    /// The sections, in order (with `--mps`, those under MPS after the others).
     pub sections: Vec<Section>,
+    /// The pass under MPS, in a `--mps` run.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub mps: Option<MpsPass>,
     /// Every target and its verdict.
     pub targets: Vec<TargetCheck>,
 }
 
 impl Report {
-    /// The section `id`, if it is in the report.
+    /// The section `id` without MPS, if it is in the report (the targets
+    /// are checked against these).
     pub fn section(&self, id: SectionId) -> Option<&Section> {
-        self.sections.iter().find(|s| s.id == id)
+        self.sections.iter().find(|s| s.id == id && !s.mps)
     }
 
     /// The first measured row of section `id` matching the series, variant
@@ -439,12 +480,13 @@ impl Report {
         self.row(id, series, variant, size).and_then(Row::p50)
     }
 
-    /// The names of the sections that failed.
-    pub fn failed_sections(&self) -> Vec<&'static str> {
+    /// The names of the sections that failed ("ring under MPS" for one
+    /// under MPS).
+    pub fn failed_sections(&self) -> Vec<String> {
         self.sections
             .iter()
             .filter(|s| s.failed())
-            .map(|s| s.id.name())
+            .map(Section::label)
             .collect()
     }
 

@@ -672,6 +672,23 @@ fn render_header(r: &Report, out: &mut String) {
             r.consumer_command
         );
     }
+    if let Some(m) = &r.mps {
+        let driver = match m.driver_says_mps {
+            Some(true) => "; the driver confirmed its processes went through MPS",
+            Some(false) => "; the driver says its processes did NOT go through MPS",
+            None => "",
+        };
+        let _ = writeln!(
+            out,
+            "MPS: every section ran twice, first without MPS, then under a private MPS control \
+             daemon (pipe directory {}{driver}), marked \"under MPS\"; the targets use the runs \
+             without MPS",
+            m.pipe_directory
+        );
+        if let Some(e) = &m.error {
+            let _ = writeln!(out, "MPS: FAILED: {e}");
+        }
+    }
     if let Some(p) = &r.peer {
         let _ = writeln!(
             out,
@@ -703,7 +720,7 @@ fn render_sections(r: &Report, out: &mut String) {
             out,
             "[{}] {} ({:.1} s){status}",
             i + 1,
-            s.id.title(),
+            s.title(),
             s.seconds
         );
         if let Some(e) = &s.error {

@@ -213,6 +213,7 @@ pub(crate) fn synthetic() -> Report {
         consumer_command: String::new(),
         started_unix_s: 0.0,
         elapsed_s: 42.0,
+        mps: None,
         sections: vec![
             fresh, arena, cached, floor, bw, peer, ring, sync, scale, sets, torch,
         ],

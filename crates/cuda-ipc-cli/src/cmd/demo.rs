@@ -70,6 +70,15 @@ pub struct Args {
     /// the channel (a Unix socket). Needs root.
     #[arg(long, value_delimiter = ',', value_parser = Namespace::parse)]
     pub consumer_namespaces: Vec<Namespace>,
+    /// With --stream: run the producer and the consumer under a private MPS
+    /// control daemon (nvidia-cuda-mps-control with its own pipe and log
+    /// folders in a fresh temporary folder, for these two processes only),
+    /// stopped at the end. Changes no GPU setting.
+    #[arg(long)]
+    pub mps: bool,
+    /// (internal) This process is a client of the private daemon of `--mps`.
+    #[arg(long, hide = true)]
+    pub under_mps: bool,
 }
 
 /// Arguments of the hidden consumer.
@@ -239,7 +248,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         Outcome::Ok => outln!(
             "OK: both processes saw each other's writes ({words} values checked in each direction, no copy)"
         )?,
-        Outcome::Mismatch => outln!("FAILED: the data did not match")?,
+        Outcome::Mismatch | Outcome::Exit(_) => outln!("FAILED: the data did not match")?,
     }
     drop(export);
     drop(buffer);

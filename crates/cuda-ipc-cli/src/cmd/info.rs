@@ -161,6 +161,13 @@ fn print_device(caps: &Capabilities, probes: &Value) -> Result<(), Error> {
         yes(caps.vmm),
         yes(caps.memory_pools)
     )?;
+    match caps.mps {
+        Some(true) => outln!(
+            "  MPS: this process's contexts on this device go through an MPS server (the driver says so)"
+        )?,
+        Some(false) => outln!("  MPS: not in use for this process (the driver says so)")?,
+        None => {}
+    }
     for advice in device_advice(caps) {
         outln!("  note: {advice}")?;
     }
@@ -406,7 +413,10 @@ fn environment() -> Value {
                 .into(),
         );
     }
+    let mps = cuda_ipc_bench::mps::detect();
     json!({
+        "mps": mps,
+        "mps_text": mps.describe(),
         "uid": rustix::process::getuid().as_raw(),
         "pid": std::process::id(),
         "wsl": wsl,
@@ -459,6 +469,12 @@ fn print_environment(env: &Value) -> Result<(), Error> {
         })
         .unwrap_or_default();
     outln!("  namespaces: {}", namespaces.join(", "))?;
+    outln!("  MPS: {}", env["mps_text"].as_str().unwrap_or("?"))?;
+    outln!(
+        "  what MPS changes: {} (`cuda-ipc bench --mps` and `demo --stream --mps` measure it \
+         with a private daemon)",
+        cuda_ipc_bench::mps::WHAT_IT_CHANGES
+    )?;
     if let Some(notes) = env["notes"].as_array() {
         for n in notes {
             outln!("  {}", n.as_str().unwrap_or_default())?;

@@ -21,14 +21,15 @@ use super::{human, mono_ns};
 use crate::Outcome;
 use crate::out::outln;
 use cuda_ipc_bench::lines::LineReader;
+use cuda_ipc_bench::mps;
 
 /// The value of word `i` of frame `seq`.
 fn frame_pattern(seq: u64) -> Pattern {
     Pattern::ramp(seq as u32, 1)
 }
 
-pub fn run(args: &Args) -> Result<Outcome, Error> {
-    let namespaces = super::consumer_namespaces(&args.consumer_namespaces)?;
+/// Checks what needs no GPU: the ring's shape and `--mps`'s company.
+fn check_args(args: &Args) -> Result<(), Error> {
     if args.frame_size == 0 || !args.frame_size.is_multiple_of(4) || args.slots == 0 {
         return Err(Error::InvalidArgument {
             what: "stream",
@@ -38,7 +39,28 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             ),
         });
     }
+    if args.mps && !args.consumer_namespaces.is_empty() {
+        return Err(Error::InvalidArgument {
+            what: "stream",
+            reason: "--mps and --consumer-namespaces do not go together: an MPS client must \
+                     reach the control daemon's pipe folder and share its IPC namespace; run \
+                     them separately"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+pub fn run(args: &Args) -> Result<Outcome, Error> {
+    check_args(args)?;
+    if args.mps && !args.under_mps {
+        return run_under_mps();
+    }
+    let namespaces = super::consumer_namespaces(&args.consumer_namespaces)?;
     let device = Device::open(args.device)?;
+    // Whether this process's context goes through an MPS server: the
+    // driver decided when it started.
+    let mps = device.capabilities()?.mps;
     let publisher = Publisher::bind(
         &device,
         Endpoint::Name(format!("demo-{}", std::process::id())),
@@ -77,11 +99,25 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     if !namespaces.is_empty() {
         outln!("  the consumer runs in new namespaces: {namespaces}")?;
     }
+    if args.under_mps {
+        outln!(
+            "  both processes are clients of a private MPS control daemon ({}){}",
+            std::env::var(mps::PIPE_VAR).unwrap_or_default(),
+            match mps {
+                Some(false) => "; but the driver says this process is NOT under MPS",
+                _ => "",
+            }
+        )?;
+    }
     let started = Instant::now();
     let mut seq = 0u64;
+    // Time the producer spent waiting for a free buffer (the consumer's pace).
+    let mut waiting = Duration::ZERO;
     let produced = (|| -> Result<(), Error> {
         while started.elapsed() < args.seconds {
+            let asked = Instant::now();
             let (slot, buffer) = ring.acquire(Some(Duration::from_secs(10)))?;
+            waiting += asked.elapsed();
             let t_ns = mono_ns();
             kernels::fill_u32(buffer, frame_pattern(seq + 1), Speed::Full)?;
             let mut extra = serde_json::Map::new();
@@ -105,7 +141,74 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             reason: e.as_str().unwrap_or("failed").into(),
         });
     }
-    print_report(&report, seq, seconds, args.frame_size, status.success())
+    let outcome = print_report(&report, seq, seconds, args.frame_size, status.success())?;
+    outln!(
+        "  {}",
+        what_limits(waiting.as_secs_f64() / seconds.max(1e-9), mps)
+    )?;
+    Ok(outcome)
+}
+
+/// `--mps`: this demo again, both of its processes clients of a private
+/// MPS control daemon, stopped when it ends (a watchdog stops it if we are
+/// killed). Its exit code is the demo's.
+fn run_under_mps() -> Result<Outcome, Error> {
+    let mut daemon = mps::PrivateDaemon::start()?;
+    let exe = std::env::current_exe().map_err(|e| Error::Io {
+        context: "finding our own executable".into(),
+        source: e,
+    })?;
+    let status = daemon
+        .command(exe)
+        .args(std::env::args_os().skip(1))
+        .arg("--under-mps")
+        .stdin(Stdio::null())
+        .status()
+        .map_err(|e| Error::Io {
+            context: "starting the demo under MPS".into(),
+            source: e,
+        });
+    let stopped = daemon.stop();
+    let status = status?;
+    if let Err(e) = stopped {
+        return Err(Error::Io {
+            context: "--mps: stopping the private MPS control daemon".into(),
+            source: std::io::Error::other(e),
+        });
+    }
+    Ok(match status.code() {
+        Some(0) => Outcome::Ok,
+        Some(c) => Outcome::Exit(u8::try_from(c).unwrap_or(crate::EXIT_FAILED)),
+        None => Outcome::Exit(crate::EXIT_FAILED),
+    })
+}
+
+/// What limits the stream, from the share of the time the producer waited
+/// for a free buffer and whether its context goes through MPS.
+fn what_limits(waiting_share: f64, mps: Option<bool>) -> String {
+    let w = (waiting_share * 100.0).clamp(0.0, 100.0);
+    let side = if w >= 50.0 {
+        format!(
+            "the consumer: the producer waited for a free buffer {w:.0}% of the time while the \
+             consumer waited on each frame's event, checked the frame and acknowledged it"
+        )
+    } else {
+        format!(
+            "the producer: it spent {:.0}% of the time writing frames and publishing their \
+             notices, {w:.0}% waiting for a free buffer",
+            100.0 - w
+        )
+    };
+    let gpu = match mps {
+        Some(true) => "both processes are MPS clients, so no frame waits for a context switch",
+        Some(false) => {
+            "without MPS the two processes time-slice the GPU and frames wait for context \
+             switches; --mps runs both under a private MPS daemon (`cuda-ipc info` says whether \
+             one runs here)"
+        }
+        None => "the driver does not say whether MPS is in use (`cuda-ipc info`)",
+    };
+    format!("limited by {side}; {gpu}")
 }
 
 /// Prints the stream's figures; whether every frame arrived intact.
@@ -227,6 +330,24 @@ mod tests {
         assert_eq!(quantile(&v, 0.0).to_bits(), 1f64.to_bits());
         assert_eq!(quantile(&v, 1.0).to_bits(), 100f64.to_bits());
         assert!(quantile(&[], 0.5).is_nan());
+    }
+
+    #[test]
+    fn the_limit_names_the_slower_side_and_mps() {
+        let busy = what_limits(0.8, Some(false));
+        assert!(busy.starts_with("limited by the consumer"), "{busy}");
+        assert!(busy.contains("80%") && busy.contains("--mps"), "{busy}");
+        let fast = what_limits(0.1, Some(true));
+        assert!(
+            fast.starts_with("limited by the producer: it spent 90%"),
+            "{fast}"
+        );
+        assert!(
+            fast.contains("MPS clients") && !fast.contains("--mps"),
+            "{fast}"
+        );
+        assert!(what_limits(f64::NAN, None).contains("does not say"));
+        assert!(what_limits(3.0, None).contains("100%"));
     }
 
     #[test]
