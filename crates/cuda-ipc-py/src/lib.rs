@@ -14,6 +14,8 @@ mod export;
 mod mapping;
 mod runs;
 mod sets;
+mod state_dict;
+mod torch_c;
 
 use pyo3::prelude::*;
 
@@ -46,5 +48,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sets::register(m)?;
     runs::register(m)?;
     alloc::register(m)?;
+    torch_c::register(m)?;
+    state_dict::register(m)?;
     Ok(())
 }
