@@ -387,6 +387,24 @@ unsafe extern "C" fn delete_owner(managed: *mut ManagedVersioned) {
     }
 }
 
+/// The error a producer's function set, or one saying that it failed to
+/// `what` without setting one.
+fn framework_error(py: Python<'_>, what: &str) -> PyErr {
+    PyErr::take(py).unwrap_or_else(|| {
+        crate::errors::to_py(
+            py,
+            &Error::InvalidArgument {
+                what: "tensor",
+                reason: format!(
+                    "the framework's DLPack exchange API could not {what} and said nothing; \
+                     set {}=0 to use DLPack through Python instead",
+                    "CUDA_IPC_TORCH_C_API"
+                ),
+            },
+        )
+    })
+}
+
 /// Whether the element type travels to the framework as bytes and is
 /// viewed back (fp8 and fp4: consumers that predate their DLPack codes
 /// refuse them; `Tensor.view(dtype)` works on every PyTorch with the type).
@@ -430,7 +448,7 @@ impl TorchExchange {
             // SAFETY: `obj` is a live object of the API's tensor type (held by
             // the caller, GIL held); `t` is ours to fill.
             if unsafe { f(obj, &raw mut t) } != 0 {
-                return Err(PyErr::fetch(py));
+                return Err(framework_error(py, "describe the tensor"));
             }
             // SAFETY: the producer filled `t`; its arrays live until we
             // return to Python (we do not before copying them).
@@ -443,7 +461,7 @@ impl TorchExchange {
         let mut m: *mut ManagedVersioned = std::ptr::null_mut();
         // SAFETY: as above; `m` receives an owning pointer.
         if unsafe { f(obj, &raw mut m) } != 0 || m.is_null() {
-            return Err(PyErr::fetch(py));
+            return Err(framework_error(py, "describe the tensor"));
         }
         // SAFETY: `m` is a live managed tensor we own until its deleter.
         let meta = unsafe { decode(&(*m).dl_tensor) };
@@ -530,15 +548,8 @@ impl TorchExchange {
         // (the `theirs` reference) the call takes; the GIL is held.
         let rc = unsafe { to_py(raw, &raw mut out) };
         if rc != 0 || out.is_null() {
-            let err = PyErr::take(py).unwrap_or_else(|| {
-                crate::errors::to_py(
-                    py,
-                    &Error::InvalidArgument {
-                        what: "tensor",
-                        reason: "the framework made no tensor and set no error".to_owned(),
-                    },
-                )
-            });
+            let err = framework_error(py, "make the tensor");
+
             // No tensor was made, so the framework holds no reference: if it
             // did not call the deleter before failing, `theirs` is still
             // counted here and is freed now; otherwise it was freed there.
