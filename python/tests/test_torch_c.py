@@ -332,8 +332,21 @@ class Choice(unittest.TestCase):
 
     @unittest.skipIf(_has_torch(), "torch is installed here")
     def test_status_without_torch(self):
-        self.assertEqual(_torch_c.status(), (False, "torch is not installed"))
-        self.assertIsNone(_torch_c.exchange())
+        saved = _torch_c._use(None)
+        _torch_c._restore(None)  # not chosen yet
+        try:
+            self.assertEqual(_torch_c.status(), (False, "torch is not installed"))
+            self.assertIsNone(_torch_c.exchange())
+        finally:
+            _torch_c._restore(saved)
+
+    def test_a_test_can_force_either_path(self):
+        saved = _torch_c._use(None, "forced")
+        try:
+            self.assertEqual(_torch_c.status(), (False, "forced"))
+            self.assertIsNone(_torch_c.exchange())
+        finally:
+            _torch_c._restore(saved)
 
 
 if __name__ == "__main__":
