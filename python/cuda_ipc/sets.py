@@ -588,7 +588,9 @@ def attach_state_dict(core_attachment):
     """A :class:`StateDict` of the set ``core_attachment`` (a
     ``_core.SetAttachment``).
 
-    Each run of entries (one mapped chunk, one dtype: ``runs``) is imported
+    Where PyTorch has the DLPack C exchange API (2.10 and later), the
+    extension makes every tensor in one call (:mod:`cuda_ipc._torch_c`).
+    Otherwise each run of entries (one mapped chunk, one dtype: ``runs``) is imported
     once through DLPack and its entries are ``torch.as_strided`` views of
     it: a DLPack import costs about 10 µs in PyTorch, a view about 1 µs.
     The views share the run's storage, which holds the set's lease."""
