@@ -51,6 +51,7 @@ descriptor, which :func:`cuda_ipc.open` maps.
 import warnings
 
 from . import _core
+from . import _torch_c
 from . import dtypes as _dtypes
 from .errors import InvalidInput
 from .mapping import _as_cupy, _as_torch, _torch
@@ -310,10 +311,18 @@ def _round_up(n, unit=256):
 def publish_state_dict(pub, name, state_dict):
     """:meth:`Publisher.publish_state_dict`."""
     _check_name(name)
-    items = _check_items(state_dict)
     if name in pub._state_dicts:
         raise InvalidInput(f"{name!r} is published already; update it with update_state_dict, "
                            f"or unpublish it first")
+    if _torch_c.exchange() is not None:
+        # The same steps, in the extension (see cuda_ipc._torch_c).
+        tensors, record, copied, copied_bytes, first_copied = _torch_c.publish_state_dict(pub, name, state_dict)
+        pub._sets.add(name)
+        pub._state_dicts[name] = record
+        if copied:
+            warnings.warn(copy_warning(name, copied, copied_bytes, first_copied), stacklevel=3)
+        return tensors
+    items = _check_items(state_dict)
     torch = _torch()
     tensor_type = torch.Tensor
     containing = pub._c.arena_buffer_containing
@@ -413,7 +422,9 @@ def update_state_dict(pub, name, state_dict=None):
     st = pub._state_dicts.get(name)
     if st is None:
         raise InvalidInput(f"{name!r} was not published by this publisher's publish_state_dict")
-    if state_dict is not None:
+    if state_dict is not None and isinstance(st, _core.StateDictRecord):
+        _torch_c.update_copies(st, state_dict)
+    elif state_dict is not None:
         items = _check_items(state_dict)
         missing = [k for k in st.tensors if k not in state_dict]
         extra = [k for k, _ in items if k not in st.tensors]
@@ -577,10 +588,14 @@ def attach_state_dict(core_attachment):
     """A :class:`StateDict` of the set ``core_attachment`` (a
     ``_core.SetAttachment``).
 
-    Each run of entries (one mapped chunk, one dtype: ``runs``) is imported
+    Where PyTorch has the DLPack C exchange API (2.10 and later), the
+    extension makes every tensor in one call (:mod:`cuda_ipc._torch_c`).
+    Otherwise each run of entries (one mapped chunk, one dtype: ``runs``) is imported
     once through DLPack and its entries are ``torch.as_strided`` views of
     it: a DLPack import costs about 10 µs in PyTorch, a view about 1 µs.
     The views share the run's storage, which holds the set's lease."""
+    if _torch_c.exchange() is not None:
+        return _torch_c.attach_state_dict(core_attachment)
     a = SetAttachment(core_attachment)
     try:
         torch = _torch()

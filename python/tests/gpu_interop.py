@@ -50,6 +50,10 @@ Directions covered, each case independent (one failure hides nothing else):
   ``float4_e2m1fn_x2``, complex64/128 and bfloat16 between two processes,
   every byte compared, an update seen, a complex32 tensor refused before
   anything is allocated; CuPy reading the fp8/fp4 entries as their bits.
+- ``torch C API`` (``gpu_torch_c.py``): state dicts through PyTorch's DLPack
+  C exchange API and through the Python path (workers with
+  ``CUDA_IPC_TORCH_C_API=0``), every pairing of the two: mixed dtypes, tied,
+  0-d, empty and non-contiguous tensors, updates, a kept tensor's lease.
 - ``alloc``: tensors born shareable (``cuda_ipc.torch.shareable``): a model
   built in a publisher's arena and published with no copy and no warning,
   checked byte for byte by another process; training steps in place seen
@@ -88,6 +92,7 @@ except ImportError:
     sys.modules.pop("cuda_ipc", None)
 
 import gpu_dtypes  # noqa: E402 - next to this script (its directory is sys.path[0])
+import gpu_torch_c  # noqa: E402
 
 MIB = 1 << 20
 
@@ -1106,6 +1111,8 @@ for _name, _fn in list(globals().items()):
 
 # Every dtype a checkpoint carries (fp8, fp4, complex): gpu_dtypes.py.
 gpu_dtypes.register(Worker)
+# State dicts through PyTorch's DLPack C exchange API: gpu_torch_c.py.
+gpu_torch_c.register(Worker)
 
 
 # --- alloc: tensors born shareable (cuda_ipc.torch.shareable) ----------------------
@@ -1613,6 +1620,8 @@ class Runner:
             "b": WorkerProc("b", self.log_dir),
             "e": WorkerProc("e", self.log_dir, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
         }
+        for name, env in gpu_torch_c.WORKERS.items():
+            self.workers[name] = WorkerProc(name, self.log_dir, env)
         self.results = []
         self.counter = 0
 
@@ -2284,6 +2293,7 @@ class Runner:
         out.append(("sets: Python publish_set 'weights' -> cuda-ipc attach --set", lambda: self.sets_py2cli(100)))
         out.append(("sets: example weight_sync.py --steps 100", lambda: self.sets_example(100)))
         out.extend(gpu_dtypes.cases(self))
+        out.extend(gpu_torch_c.cases(self))
         out.append(("alloc: a model built in shareable() published with no copy, no warning; the consumer sees every value",
                     self.alloc_zero_copy))
         out.append(("alloc: training steps in place seen by the consumer after update_state_dict",

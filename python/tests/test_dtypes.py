@@ -16,6 +16,7 @@ import _path  # noqa: E402,F401
 import cuda_ipc  # noqa: E402
 from cuda_ipc import cuda_array_interface, dtypes, sets, validate_descriptor  # noqa: E402
 from cuda_ipc import mapping as _mapping  # noqa: E402
+from cuda_ipc import _torch_c  # noqa: E402
 from test_state_dict import _publisher  # noqa: E402
 
 # Written here by hand, independently of the extension's table:
@@ -216,8 +217,11 @@ class RefusedBeforeAllocation(unittest.TestCase):
     def setUp(self):
         self.saved = _mapping._loaded.get("torch")
         _mapping._loaded["torch"] = _StubTorch()
+        # The stand-in has no DLPack C exchange API: the Python path.
+        self.saved_choice = _torch_c._use(None, "a stand-in torch")
 
     def tearDown(self):
+        _torch_c._restore(self.saved_choice)
         if self.saved is None:
             _mapping._loaded.pop("torch", None)
         else:

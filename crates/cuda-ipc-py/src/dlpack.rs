@@ -18,28 +18,29 @@ use crate::mapping::Keep;
 pub(crate) const DEVICE_CUDA: i32 = 2;
 
 #[repr(C)]
-struct DlDevice {
-    device_type: i32,
-    device_id: i32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct DlDevice {
+    pub(crate) device_type: i32,
+    pub(crate) device_id: i32,
 }
 
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct DlDataType {
-    code: u8,
-    bits: u8,
-    lanes: u16,
+    pub(crate) code: u8,
+    pub(crate) bits: u8,
+    pub(crate) lanes: u16,
 }
 
 #[repr(C)]
-struct DlTensor {
-    data: *mut c_void,
-    device: DlDevice,
-    ndim: i32,
-    dtype: DlDataType,
-    shape: *mut i64,
-    strides: *mut i64,
-    byte_offset: u64,
+pub(crate) struct DlTensor {
+    pub(crate) data: *mut c_void,
+    pub(crate) device: DlDevice,
+    pub(crate) ndim: i32,
+    pub(crate) dtype: DlDataType,
+    pub(crate) shape: *mut i64,
+    pub(crate) strides: *mut i64,
+    pub(crate) byte_offset: u64,
 }
 
 #[repr(C)]

@@ -14,6 +14,8 @@ mod export;
 mod mapping;
 mod runs;
 mod sets;
+mod state_dict;
+mod torch_c;
 
 use pyo3::prelude::*;
 
@@ -47,5 +49,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     runs::register(m)?;
     alloc::register(m)?;
     dlpack::register(m)?;
+    torch_c::register(m)?;
+    state_dict::register(m)?;
     Ok(())
 }

@@ -73,7 +73,11 @@ impl ArenaRegistry {
 
     /// The live buffer that holds the `nbytes` bytes from device address
     /// `ptr`, and `ptr`'s offset in it.
-    fn containing(&self, ptr: u64, nbytes: u64) -> Option<(Arc<DeviceArenaBuffer>, u64)> {
+    pub(crate) fn containing(
+        &self,
+        ptr: u64,
+        nbytes: u64,
+    ) -> Option<(Arc<DeviceArenaBuffer>, u64)> {
         let r = lock(&self.inner);
         // Live buffers never overlap, so the first live one that starts at
         // or below `ptr` is the only one that can hold it; dead entries
@@ -160,11 +164,29 @@ impl ArenaBuffer {
     }
 }
 
-/// `Publisher.arena_alloc`.
-pub(crate) fn arena_alloc(p: &PyPublisher, py: Python<'_>, nbytes: u64) -> PyResult<ArenaBuffer> {
+impl ArenaBuffer {
+    /// The Python object of `buffer`, a buffer of `device`.
+    pub(crate) fn new(buffer: Arc<DeviceArenaBuffer>, device: Device) -> Self {
+        ArenaBuffer { buffer, device }
+    }
+}
+
+/// A new buffer of `nbytes` from `p`'s arena, registered (so that memory
+/// already in the arena is published without a copy).
+pub(crate) fn alloc_registered(
+    p: &PyPublisher,
+    py: Python<'_>,
+    nbytes: u64,
+) -> PyResult<Arc<DeviceArenaBuffer>> {
     let publisher = p.get()?;
     let buffer = Arc::new(py.detach(|| publisher.alloc(nbytes)).py()?);
     p.arena_buffers.insert(&buffer);
+    Ok(buffer)
+}
+
+/// `Publisher.arena_alloc`.
+pub(crate) fn arena_alloc(p: &PyPublisher, py: Python<'_>, nbytes: u64) -> PyResult<ArenaBuffer> {
+    let buffer = alloc_registered(p, py, nbytes)?;
     Ok(ArenaBuffer {
         buffer,
         device: p.device.clone(),
@@ -307,13 +329,13 @@ pub(crate) fn unpublish_set(
 // --- the subscriber -----------------------------------------------------------
 
 /// One entry of an attached set, as Python sees it.
-struct Entry {
-    name: String,
-    dtype: Dtype,
-    shape: Vec<u64>,
+pub(crate) struct Entry {
+    pub(crate) name: String,
+    pub(crate) dtype: Dtype,
+    pub(crate) shape: Vec<u64>,
     /// Device address of its first byte, in this process.
-    ptr: u64,
-    len: u64,
+    pub(crate) ptr: u64,
+    pub(crate) len: u64,
 }
 
 /// A set attached from a publisher: one lease, each chunk mapped once, and
@@ -321,18 +343,18 @@ struct Entry {
 /// ends at `release()`, or when this object and the last view are gone.
 #[pyclass(module = "cuda_ipc._core", frozen)]
 pub(crate) struct SetAttachment {
-    name: String,
+    pub(crate) name: String,
     lease: u64,
     uses_fence: bool,
-    ordinal: usize,
-    entries: Vec<Entry>,
+    pub(crate) ordinal: usize,
+    pub(crate) entries: Vec<Entry>,
     index: HashMap<String, usize>,
     /// The entries grouped for few DLPack imports (`runs`).
     runs: Vec<Run>,
     places: Vec<Option<Place>>,
     /// This object's own hold (views hold clones): a view of the first
     /// entry, which holds the lease and, through it, every chunk mapping.
-    keep: Mutex<Option<Keep>>,
+    pub(crate) keep: Mutex<Option<Keep>>,
     /// Shared with a `wait_update` in progress (never held locked while
     /// waiting).
     set: Mutex<Option<Arc<Attached>>>,

@@ -1,0 +1,706 @@
+//! State dicts through the DLPack C exchange API: one call publishes a
+//! state dict, one attaches it, one checks an update, each looping over the
+//! tensors here rather than in Python.
+//!
+//! The rules are those of `cuda_ipc.sets` (the path Python takes when the
+//! framework has no exchange API): a tied tensor (the same view of the same
+//! memory under two keys) is one entry and an alias entry
+//! (`.cuda-ipc/alias/<index>/<key>`); an empty tensor travels as a
+//! one-element entry named `.cuda-ipc/empty/<dims>/<key>`; a tensor already
+//! in the publisher's arena is published where it is, any other is copied
+//! into the arena (by Python's `copy_in`, on the framework's stream), as is
+//! one whose range overlaps another's. Python keeps the rarely taken paths
+//! (a refused dtype's message, the copies, empty tensors) and hands them in
+//! as functions.
+//!
+//! Lifetimes: every tensor made for a subscriber holds the set's lease and
+//! mappings ([`Keep`]) until its storage dies; the publisher's record holds
+//! the tensors it returned and the arena buffers of the set.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
+use cuda_ipc::descriptor::Dtype;
+use cuda_ipc::{Error, Result};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+
+use crate::errors::IntoPyResult;
+use crate::exchange::{PyPublisher, sync_context};
+use crate::mapping::closed_error;
+use crate::sets::{ArenaBuffer, SetAttachment, alloc_registered};
+use crate::torch_c::{TensorMeta, TorchExchange, as_bytes, contiguous_strides};
+
+/// Entry names under this prefix carry what an entry cannot hold as it is.
+const RESERVED: &str = ".cuda-ipc/";
+const EMPTY: &str = ".cuda-ipc/empty/";
+const ALIAS: &str = ".cuda-ipc/alias/";
+/// The longest entry name a set record takes.
+const MAX_NAME_BYTES: usize = 256;
+/// Arena buffers are placed at multiples of this.
+const ALIGN: u64 = 256;
+
+fn invalid(what: &'static str, reason: String) -> Error {
+    Error::InvalidArgument { what, reason }
+}
+
+fn repr(s: &str) -> String {
+    // Python's repr of a str for the messages (close enough: the keys of
+    // a state dict are printable).
+    if s.contains('\'') && !s.contains('"') {
+        format!("\"{s}\"")
+    } else {
+        format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"))
+    }
+}
+
+/// The entry name that carries the empty tensor `key` of `shape`.
+fn empty_name(key: &str, shape: &[i64]) -> String {
+    let dims: Vec<String> = shape.iter().map(i64::to_string).collect();
+    format!("{EMPTY}{}/{key}", dims.join("x"))
+}
+
+/// `(key, shape)` of an entry named by [`empty_name`].
+fn parse_empty(name: &str) -> Option<(&str, Vec<u64>)> {
+    let (dims, key) = name.strip_prefix(EMPTY)?.split_once('/')?;
+    if key.is_empty() {
+        return None;
+    }
+    let shape = dims
+        .split('x')
+        .map(|d| {
+            (!d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| d.parse::<u64>().ok())
+                .flatten()
+        })
+        .collect::<Option<Vec<u64>>>()?;
+    shape.contains(&0).then_some((key, shape))
+}
+
+/// `(index, key)` of an alias entry.
+fn parse_alias(name: &str) -> Option<(usize, &str)> {
+    let (index, key) = name.strip_prefix(ALIAS)?.split_once('/')?;
+    if key.is_empty() || index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((index.parse().ok()?, key))
+}
+
+/// `(key, value)` of every item of a state dict, after the checks that
+/// need no tensor (Python's `_check_items`).
+fn items<'py>(state_dict: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+    let py = state_dict.py();
+    let pairs: Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> =
+        if let Ok(d) = state_dict.cast::<PyDict>() {
+            d.iter().collect()
+        } else if state_dict.hasattr(intern!(py, "items"))? {
+            state_dict
+                .call_method0(intern!(py, "items"))?
+                .try_iter()?
+                .map(|kv| kv.and_then(|kv| kv.extract()))
+                .collect::<PyResult<_>>()?
+        } else {
+            return Err(invalid(
+                "state dict",
+                format!(
+                    "expected a state dict (a mapping of names to tensors), not {}",
+                    state_dict.get_type().name()?
+                ),
+            ))
+            .py();
+        };
+    if pairs.is_empty() {
+        return Err(invalid(
+            "state dict",
+            "the state dict is empty; a set holds at least one tensor".to_owned(),
+        ))
+        .py();
+    }
+    pairs
+        .into_iter()
+        .map(|(k, v)| {
+            let key = k
+                .cast::<PyString>()
+                .ok()
+                .map(|s| s.extract::<String>())
+                .transpose()?
+                .filter(|s| !s.is_empty());
+            let Some(key) = key else {
+                return Err(invalid(
+                    "state dict key",
+                    format!(
+                        "state dict keys must be non-empty strings, not {}",
+                        k.repr()?
+                    ),
+                ))
+                .py();
+            };
+            if key.starts_with(RESERVED) {
+                return Err(invalid(
+                    "state dict key",
+                    format!(
+                        "{}: keys starting with {} are reserved",
+                        repr(&key),
+                        repr(RESERVED)
+                    ),
+                ))
+                .py();
+            }
+            Ok((key, v))
+        })
+        .collect()
+}
+
+/// What Python hands in: the exchange API, the set's dtypes by torch dtype
+/// object, and the functions of the rare paths.
+struct Torch<'a, 'py> {
+    api: &'a TorchExchange,
+    /// torch dtype -> descriptor name.
+    dtypes: &'a Bound<'py, PyDict>,
+    /// `refuse(dtype, what)` raises `InvalidInput` for a dtype a set does
+    /// not hold.
+    refuse: &'a Bound<'py, PyAny>,
+}
+
+impl Torch<'_, '_> {
+    /// The tensor `t` of `key`: its torch dtype object, set dtype and layout.
+    fn read<'py>(
+        &self,
+        key: &str,
+        t: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyAny>, Dtype, TensorMeta)> {
+        let py = t.py();
+        if !t.is_instance(self.api.tensor_type(py))? {
+            return Err(invalid(
+                "state dict value",
+                format!(
+                    "{} is a {}, not a torch tensor",
+                    repr(key),
+                    t.get_type().name()?
+                ),
+            ))
+            .py();
+        }
+        let dtype = t.getattr(intern!(py, "dtype"))?;
+        let Some(name) = self.dtypes.get_item(&dtype)? else {
+            self.refuse.call1((&dtype, repr(key)))?;
+            return Err(invalid(
+                "dtype",
+                format!("{}: {dtype} is not held", repr(key)),
+            ))
+            .py();
+        };
+        let dt = crate::exchange::dtype(&name.extract::<String>()?).py()?;
+        Ok((dtype, dt, self.api.read(t)?))
+    }
+}
+
+/// One tensor of a state dict being published.
+struct Item<'py> {
+    key: String,
+    tensor: Bound<'py, PyAny>,
+    dtype_obj: Bound<'py, PyAny>,
+    dt: Dtype,
+    meta: TensorMeta,
+    nbytes: u64,
+    entry: String,
+    found: Option<(Arc<DeviceArenaBuffer>, u64)>,
+}
+
+/// Where each key of the state dict went: its item, or (with the key) the
+/// item it is tied to.
+enum Slot {
+    Item(usize),
+    Alias(usize, String),
+}
+
+fn check_entry_name(key: &str, entry: &str) -> Result<()> {
+    if entry.len() > MAX_NAME_BYTES {
+        return Err(invalid(
+            "state dict key",
+            format!(
+                "{}: the entry name is longer than the {MAX_NAME_BYTES} bytes a set takes",
+                repr(key)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Arena ranges found for different keys may overlap (slices of one
+/// storage); set entries cannot: each found range that overlaps one before
+/// it (by address) is copied instead.
+fn keep_apart(plan: &mut [Item<'_>]) {
+    let mut ranges: Vec<(u64, u64, usize)> = plan
+        .iter()
+        .enumerate()
+        .filter(|(_, it)| it.found.is_some())
+        .map(|(i, it)| (it.meta.ptr, it.meta.ptr.saturating_add(it.nbytes), i))
+        .collect();
+    ranges.sort_unstable();
+    let mut end: Option<u64> = None;
+    for (start, stop, i) in ranges {
+        match end {
+            Some(e) if start < e => plan[i].found = None,
+            _ => end = Some(end.map_or(stop, |e| e.max(stop))),
+        }
+    }
+}
+
+fn round_up(n: u64) -> u64 {
+    n.div_ceil(ALIGN).saturating_mul(ALIGN)
+}
+
+/// What a published state dict keeps: the tensors it returned (in the
+/// state dict's order, tied keys sharing one), their layouts, and the
+/// arena buffers of the set. `Publisher.update_state_dict` checks a new
+/// state dict against it (`changed`).
+#[pyclass(module = "cuda_ipc._core", frozen)]
+pub(crate) struct StateDictRecord {
+    keys: Vec<String>,
+    index: HashMap<String, usize>,
+    tensors: Vec<Py<PyAny>>,
+    dtypes: Vec<Py<PyAny>>,
+    shapes: Vec<Vec<i64>>,
+    ptrs: Vec<u64>,
+    _buffers: Vec<Arc<DeviceArenaBuffer>>,
+}
+
+#[pymethods]
+impl StateDictRecord {
+    /// The published tensors, `{key: tensor}` in the state dict's order.
+    #[getter]
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, t) in self.keys.iter().zip(&self.tensors) {
+            d.set_item(k, t)?;
+        }
+        Ok(d)
+    }
+
+    /// Checks `state_dict` against the published one (the same keys, each
+    /// tensor of the same dtype and shape) and returns `[(published,
+    /// new)]`, the tensors to copy: all but the empty ones and those that
+    /// are the published tensor's memory, contiguous.
+    fn changed<'py>(
+        &self,
+        state_dict: &Bound<'py, PyAny>,
+        api: &TorchExchange,
+        dtypes: &Bound<'py, PyDict>,
+        refuse: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let py = state_dict.py();
+        let given = items(state_dict)?;
+        let have: HashSet<&str> = given.iter().map(|(k, _)| k.as_str()).collect();
+        let missing: Vec<&String> = self
+            .keys
+            .iter()
+            .filter(|k| !have.contains(k.as_str()))
+            .collect();
+        let extra: Vec<&String> = given
+            .iter()
+            .map(|(k, _)| k)
+            .filter(|k| !self.index.contains_key(*k))
+            .collect();
+        if !missing.is_empty() || !extra.is_empty() {
+            let list = |v: &[&String]| {
+                let shown: Vec<String> = v.iter().take(5).map(|k| repr(k)).collect();
+                let more = if v.len() > 5 { " ..." } else { "" };
+                format!("[{}]{more}", shown.join(", "))
+            };
+            let mut parts = Vec::new();
+            if !missing.is_empty() {
+                parts.push(format!("missing {}", list(&missing)));
+            }
+            if !extra.is_empty() {
+                parts.push(format!("unknown {}", list(&extra)));
+            }
+            return Err(invalid(
+                "state dict",
+                format!(
+                    "the state dict does not have the keys of the published one: {}",
+                    parts.join("; ")
+                ),
+            ))
+            .py();
+        }
+        let torch = Torch {
+            api,
+            dtypes,
+            refuse,
+        };
+        let out = PyList::empty(py);
+        for (key, src) in &given {
+            let i = self.index[key.as_str()];
+            let (dtype, _, meta) = torch.read(key, src)?;
+            let dst_dtype = self.dtypes[i].bind(py);
+            if !dtype.is(dst_dtype) || meta.shape != self.shapes[i] {
+                return Err(invalid(
+                    "state dict value",
+                    format!(
+                        "{} is {dtype} {:?}; the published tensor is {dst_dtype} {:?}",
+                        repr(key),
+                        meta.shape,
+                        self.shapes[i]
+                    ),
+                ))
+                .py();
+            }
+            if meta.numel() == Some(0) || (meta.ptr == self.ptrs[i] && meta.is_contiguous()) {
+                continue;
+            }
+            out.append((self.tensors[i].bind(py), src))?;
+        }
+        Ok(out)
+    }
+}
+
+/// The tensors of `given`, read and checked, each where it goes: an item
+/// (with the arena buffer that holds it already, if one does) or a tie to
+/// an earlier item; nothing is allocated.
+fn plan_items<'py>(
+    p: &PyPublisher,
+    torch: &Torch<'_, 'py>,
+    given: Vec<(String, Bound<'py, PyAny>)>,
+) -> PyResult<(Vec<Item<'py>>, Vec<Slot>)> {
+    let ordinal = p.device.ordinal();
+    let mut plan: Vec<Item<'py>> = Vec::with_capacity(given.len());
+    let mut slots = Vec::with_capacity(given.len());
+    let mut first_at: HashMap<u64, Vec<usize>> = HashMap::new();
+    for (key, t) in given {
+        let (dtype_obj, dt, meta) = torch.read(&key, &t)?;
+        let nbytes = meta
+            .numel()
+            .and_then(|n| n.checked_mul(dt.size()))
+            .ok_or_else(|| invalid("tensor", format!("{}: its size overflows", repr(&key))))
+            .py()?;
+        let entry = if nbytes > 0 {
+            // The same view of the same memory (tied weights) is one entry
+            // and an alias; looked at only where two tensors start together.
+            let starting_here = first_at.entry(meta.ptr).or_default();
+            let same = starting_here.iter().copied().find(|&i| {
+                let o = &plan[i];
+                o.dt == dt && o.meta == meta
+            });
+            if let Some(i) = same {
+                slots.push(Slot::Alias(i, key));
+                continue;
+            }
+            starting_here.push(plan.len());
+            key.clone()
+        } else {
+            empty_name(&key, &meta.shape)
+        };
+        check_entry_name(&key, &entry).py()?;
+        // A tensor inside a buffer of this publisher's arena is published
+        // where it is.
+        let found = (nbytes > 0 && meta.on_cuda(ordinal) && meta.is_contiguous())
+            .then(|| p.arena_buffers.containing(meta.ptr, nbytes))
+            .flatten();
+        slots.push(Slot::Item(plan.len()));
+        plan.push(Item {
+            key,
+            tensor: t,
+            dtype_obj,
+            dt,
+            meta,
+            nbytes,
+            entry,
+            found,
+        });
+    }
+    keep_apart(&mut plan);
+    Ok((plan, slots))
+}
+
+/// A set member: entry name, buffer, dtype, shape, offset in the buffer.
+type Member = (String, Arc<DeviceArenaBuffer>, Dtype, Vec<u64>, u64);
+
+/// What placing the items made: the members, each item's tensor and
+/// address, and what was copied (count, bytes, the first key).
+struct Placed<'py> {
+    members: Vec<Member>,
+    made: Vec<Bound<'py, PyAny>>,
+    ptrs: Vec<u64>,
+    copied: usize,
+    copied_bytes: u64,
+    first_copied: Option<String>,
+}
+
+/// Gives every item and tie its set member: the arena buffer that holds it,
+/// or a new one it is copied into (`copy_in`), or for an empty tensor a
+/// new one of one element (`empty` makes the tensor returned).
+fn place<'py>(
+    p: &PyPublisher,
+    py: Python<'py>,
+    plan: &[Item<'py>],
+    slots: &[Slot],
+    copy_in: &Bound<'py, PyAny>,
+    empty: &Bound<'py, PyAny>,
+) -> PyResult<Placed<'py>> {
+    let aliases = slots
+        .iter()
+        .filter(|s| matches!(s, Slot::Alias(..)))
+        .count() as u64;
+    let need = plan
+        .iter()
+        .filter(|it| it.found.is_none())
+        .map(|it| round_up(it.nbytes.max(it.dt.size())))
+        .sum::<u64>()
+        + round_up(1) * aliases;
+    if need > 0 {
+        // One chunk for everything copied, when it fits one.
+        let publisher = p.get()?;
+        py.detach(|| publisher.arena()?.reserve(need)).py()?;
+    }
+    let mut out = Placed {
+        members: Vec::with_capacity(slots.len()),
+        made: Vec::with_capacity(plan.len()),
+        ptrs: Vec::with_capacity(plan.len()),
+        copied: 0,
+        copied_bytes: 0,
+        first_copied: None,
+    };
+    for it in plan {
+        let shape: Vec<u64> = it.meta.shape.iter().map(|&d| d as u64).collect();
+        let (buffer, offset, dst, ptr) = if let Some((b, offset)) = &it.found {
+            (b.clone(), *offset, it.tensor.clone(), it.meta.ptr)
+        } else {
+            let b = alloc_registered(p, py, it.nbytes.max(it.dt.size()))?;
+            let ptr = cuda_ipc::memory::DeviceMemory::device_address(&*b);
+            let dst = if it.nbytes > 0 {
+                let obj = Bound::new(py, ArenaBuffer::new(b.clone(), p.device.clone()))?;
+                out.copied += 1;
+                out.copied_bytes += it.nbytes;
+                out.first_copied.get_or_insert_with(|| it.key.clone());
+                copy_in.call1((obj, &it.tensor, it.dt.name(), shape.clone()))?
+            } else {
+                empty.call1((&it.tensor,))?
+            };
+            (b, 0, dst, ptr)
+        };
+        let member_shape = if it.nbytes > 0 { shape } else { vec![1] };
+        out.members
+            .push((it.entry.clone(), buffer, it.dt, member_shape, offset));
+        out.made.push(dst);
+        out.ptrs.push(ptr);
+    }
+    for slot in slots {
+        if let Slot::Alias(i, key) = slot {
+            let entry = format!("{ALIAS}{i}/{key}");
+            check_entry_name(key, &entry).py()?;
+            let b = alloc_registered(p, py, 1)?;
+            out.members.push((entry, b, Dtype::U8, vec![1], 0));
+        }
+    }
+    Ok(out)
+}
+
+/// `_core.publish_state_dict_c(publisher, name, state_dict, api, dtypes,
+/// refuse, copy_in, empty)`: publishes `state_dict` as the set `name`.
+///
+/// `dtypes` maps torch dtypes to descriptor names; `refuse(dtype, what)`
+/// raises for a dtype a set does not hold; `copy_in(buffer, tensor, dtype,
+/// shape)` copies a tensor into an `ArenaBuffer` and returns the copy;
+/// `empty(tensor)` returns a new empty tensor like it on the publisher's
+/// device. Returns `(tensors, record, copied, copied_bytes, first_copied)`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn publish_state_dict_c<'py>(
+    py: Python<'py>,
+    publisher: &Bound<'py, PyPublisher>,
+    name: &str,
+    state_dict: &Bound<'py, PyAny>,
+    api: &TorchExchange,
+    dtypes: &Bound<'py, PyDict>,
+    refuse: &Bound<'py, PyAny>,
+    copy_in: &Bound<'py, PyAny>,
+    empty: &Bound<'py, PyAny>,
+) -> PyResult<(
+    Bound<'py, PyDict>,
+    StateDictRecord,
+    usize,
+    u64,
+    Option<String>,
+)> {
+    let p = publisher.get();
+    let torch = Torch {
+        api,
+        dtypes,
+        refuse,
+    };
+    let (plan, slots) = plan_items(p, &torch, items(state_dict)?)?;
+    let placed = place(p, py, &plan, &slots, copy_in, empty)?;
+    let dev = p.device.clone();
+    let publisher_arc = p.get()?;
+    // Waits for the copies queued above (every stream of the context).
+    let members = py
+        .detach(move || -> Result<Vec<Member>> {
+            let m: Vec<SetMember<'_>> = placed
+                .members
+                .iter()
+                .map(|(n, b, d, s, o)| SetMember::new(n, *d, s, b).at(*o))
+                .collect();
+            sync_context(&dev)?;
+            publisher_arc.publish_set(name, &m)?;
+            drop(m);
+            Ok(placed.members)
+        })
+        .py()?;
+    // The returned dict and the record, in the state dict's order.
+    let out = PyDict::new(py);
+    let n = slots.len();
+    let mut record = StateDictRecord {
+        keys: Vec::with_capacity(n),
+        index: HashMap::with_capacity(n),
+        tensors: Vec::with_capacity(n),
+        dtypes: Vec::with_capacity(n),
+        shapes: Vec::with_capacity(n),
+        ptrs: Vec::with_capacity(n),
+        _buffers: members.into_iter().map(|m| m.1).collect(),
+    };
+    for slot in slots {
+        let (i, key) = match slot {
+            Slot::Item(i) => (i, plan[i].key.clone()),
+            Slot::Alias(i, key) => (i, key),
+        };
+        out.set_item(&key, &placed.made[i])?;
+        record.index.insert(key.clone(), record.keys.len());
+        record.keys.push(key);
+        record.tensors.push(placed.made[i].clone().unbind());
+        record.dtypes.push(plan[i].dtype_obj.clone().unbind());
+        record.shapes.push(plan[i].meta.shape.clone());
+        record.ptrs.push(placed.ptrs[i]);
+    }
+    Ok((
+        out,
+        record,
+        placed.copied,
+        placed.copied_bytes,
+        placed.first_copied,
+    ))
+}
+
+/// `_core.attach_state_dict_c(attachment, out, api, dtypes, empty)`: fills
+/// the dict `out` with a tensor of every entry of the set `attachment`
+/// (a `SetAttachment`), each holding its lease; tied keys get the same
+/// tensor, empty entries `empty(shape, dtype)`. `dtypes` maps descriptor
+/// names to torch dtypes (or, for a type this PyTorch lacks, its name).
+#[pyfunction]
+fn attach_state_dict_c(
+    attachment: &Bound<'_, SetAttachment>,
+    out: &Bound<'_, PyDict>,
+    api: &TorchExchange,
+    dtypes: &Bound<'_, PyDict>,
+    empty: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let py = attachment.py();
+    let a = attachment.get();
+    let keep = crate::exchange::lock(&a.keep)
+        .clone()
+        .ok_or_else(|| closed_error("set", "attach it again"))?;
+    let mut keys: Vec<Bound<'_, PyString>> = Vec::with_capacity(a.entries.len());
+    let view = intern!(py, "view");
+    for e in &a.entries {
+        let target = dtypes
+            .get_item(e.dtype.name())?
+            .ok_or_else(|| invalid("dtype", format!("unknown dtype {}", e.dtype.name())))
+            .py()?;
+        if let Ok(missing) = target.cast::<PyString>() {
+            return Err(invalid(
+                "dtype",
+                format!("this PyTorch has no torch.{missing}"),
+            ))
+            .py();
+        }
+        let special = e
+            .name
+            .starts_with(RESERVED)
+            .then(|| (parse_alias(&e.name), parse_empty(&e.name)));
+        let (key, value) = match special {
+            Some((Some((index, key)), _)) => {
+                let Some(first) = keys.get(index) else {
+                    return Err(invalid(
+                        "set entry",
+                        format!(
+                            "{}: {} is an alias of entry {index}, which is not before it",
+                            repr(&a.name),
+                            repr(key)
+                        ),
+                    ))
+                    .py();
+                };
+                let v = out
+                    .get_item(first)?
+                    .ok_or_else(|| invalid("set entry", format!("{} is gone", repr(key))))
+                    .py()?;
+                (PyString::new(py, key), v)
+            }
+            Some((None, Some((key, shape)))) => (
+                PyString::new(py, key),
+                empty.call1((PyTuple::new(py, shape)?, &target))?,
+            ),
+            _ => {
+                let count = e.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+                let fits = count
+                    .and_then(|c| c.checked_mul(e.dtype.size()))
+                    .is_some_and(|b| b <= e.len);
+                if !fits || e.shape.iter().any(|&d| i64::try_from(d).is_err()) {
+                    return Err(invalid(
+                        "set entry",
+                        format!(
+                            "{}: shape {:?} of {} does not fit in its {} bytes",
+                            repr(&e.name),
+                            e.shape,
+                            e.dtype,
+                            e.len
+                        ),
+                    ))
+                    .py();
+                }
+                let shape: Vec<i64> = e.shape.iter().map(|&d| d as i64).collect();
+                let strides = contiguous_strides(&shape);
+                let bytes = as_bytes(e.dtype);
+                let at = crate::torch_c::At {
+                    ptr: e.ptr,
+                    ordinal: a.ordinal,
+                    dtype: crate::dlpack::data_type(e.dtype, bytes),
+                    shape: &shape,
+                    strides: &strides,
+                };
+                let t = api.make(py, keep.clone(), &at)?;
+                let t = t.into_bound(py);
+                let t = if bytes {
+                    t.call_method1(view, (&target,))?
+                } else {
+                    t
+                };
+                (PyString::new(py, &e.name), t)
+            }
+        };
+        if out.contains(&key)? {
+            return Err(invalid(
+                "set entry",
+                format!(
+                    "{} holds {} twice",
+                    repr(&a.name),
+                    repr(&key.extract::<String>()?)
+                ),
+            ))
+            .py();
+        }
+        out.set_item(&key, value)?;
+        keys.push(key);
+    }
+    Ok(())
+}
+
+/// Registers the functions and `StateDictRecord`.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<StateDictRecord>()?;
+    m.add_function(wrap_pyfunction!(publish_state_dict_c, m)?)?;
+    m.add_function(wrap_pyfunction!(attach_state_dict_c, m)?)?;
+    Ok(())
+}
