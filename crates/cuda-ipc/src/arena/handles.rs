@@ -50,7 +50,7 @@ impl<B: ChunkBacking> Drop for Range<B> {
     }
 }
 
-/// A buffer allocated from an [`Arena`]: a view of a chunk (chunk, offset,
+/// A buffer allocated from an [`Arena`](super::Arena): a view of a chunk (chunk, offset,
 /// length), owned by the producer. Its range goes back to the arena when
 /// this is dropped **and** every [`ArenaLease`] on it has ended.
 pub struct ArenaBuffer<B: ChunkBacking> {
@@ -175,7 +175,7 @@ impl<B: ChunkBacking> Drop for ArenaLease<B> {
     }
 }
 
-/// Keeps a chunk out of [`Arena::trim`] while it lives: the exchange layer
+/// Keeps a chunk out of [`Arena::trim`](super::Arena::trim) while it lives: the exchange layer
 /// holds one per consumer that maps the chunk.
 pub struct ChunkPin<B: ChunkBacking> {
     pub(super) shared: Arc<Shared<B>>,
@@ -206,7 +206,7 @@ impl<B: ChunkBacking> Drop for ChunkPin<B> {
     }
 }
 
-/// One chunk's counts, from [`Arena::chunks`].
+/// One chunk's counts, from [`Arena::chunks`](super::Arena::chunks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ChunkInfo {
@@ -226,7 +226,7 @@ pub struct ChunkInfo {
     pub free: u64,
 }
 
-/// An arena's counts, from [`Arena::stats`].
+/// An arena's counts, from [`Arena::stats`](super::Arena::stats).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct ArenaStats {
@@ -234,7 +234,7 @@ pub struct ArenaStats {
     pub chunks: usize,
     /// Their bytes: the device memory the arena holds.
     pub chunk_bytes: u64,
-    /// Chunks with no range and no pin ([`Arena::trim`] would release them).
+    /// Chunks with no range and no pin ([`Arena::trim`](super::Arena::trim) would release them).
     pub idle_chunks: usize,
     /// Live ranges: buffers, and ranges whose buffer is dropped but leased.
     pub buffers: usize,

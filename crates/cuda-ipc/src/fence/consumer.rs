@@ -15,7 +15,7 @@ use crate::device::Device;
 use crate::error::{Error, Result, from_cudarc};
 use crate::result::{mem, stream as rstream, stream_mem as raw};
 
-/// The consumer's side: a [`Fence`] block of another process, mapped.
+/// The consumer's side: a [`Fence`](super::Fence) block of another process, mapped.
 #[derive(Debug)]
 pub struct FenceMapping {
     /// Shared with the release retired at drop, which lets go of it.
@@ -98,12 +98,12 @@ impl FenceMapping {
         self.count
     }
 
-    /// The block's identity ([`Fence::id`] in the producer).
+    /// The block's identity ([`Fence::id`](super::Fence::id) in the producer).
     pub fn id(&self) -> u64 {
         self.id
     }
 
-    /// Whether the words live in host memory ([`Fence::new_host`]).
+    /// Whether the words live in host memory ([`Fence::new_host`](super::Fence::new_host)).
     pub fn is_host(&self) -> bool {
         matches!(*self.words, MappedWords::Host(_))
     }

@@ -81,7 +81,7 @@
 //!
 //! # Wire form
 //! The block travels once as a [`FenceBlock`] (the number of words, and
-//! for device words the block's [`Descriptor`], for host words the memfd's
+//! for device words the block's [`Descriptor`](crate::descriptor::Descriptor), for host words the memfd's
 //! number and the exporter's pid; the file descriptors travel beside it); each
 //! publish names its word and sequence number with a small [`FenceRef`].
 //! Both are serde types decoded strictly, ready to be embedded in the
@@ -182,6 +182,7 @@ mod tests {
             fabric: false,
             memory_pools: true,
             mempool_handle_types: 1,
+            mps: None,
         }
     }
 

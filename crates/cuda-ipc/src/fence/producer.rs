@@ -179,7 +179,7 @@ impl Fence {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `word` is out of range, or `seq` is 0,
-    /// above [`MAX_SEQ`] or not above the word's previous signal (one
+    /// above [`MAX_SEQ`](super::MAX_SEQ) or not above the word's previous signal (one
     /// writer, increasing numbers). A driver error (the stream's context
     /// is broken) spends the number all the same: the next signal on the
     /// word must use a larger one.

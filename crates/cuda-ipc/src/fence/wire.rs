@@ -166,7 +166,7 @@ impl FenceBlock {
         self.words
     }
 
-    /// The block's identity ([`Fence::id`] in the producer).
+    /// The block's identity ([`Fence::id`](super::Fence::id) in the producer).
     pub fn id(&self) -> u64 {
         match &self.placement {
             Placement::Device(d) => d.generation.unwrap_or_default(),
