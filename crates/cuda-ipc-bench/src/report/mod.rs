@@ -8,6 +8,8 @@ mod render;
 pub mod targets;
 #[cfg(test)]
 pub(crate) mod tests;
+#[cfg(test)]
+mod tests_python;
 
 pub use format::human;
 pub use model::{DeviceInfo, PeerInfo, Report, Row, Section, SectionId, Status};
