@@ -10,6 +10,8 @@ bench times the Rust side, printed as JSON lines like bench/torch_share.py:
    "samples_ms": [...], "verify_failures": N, "parts_ms": {...}}
   {"kind": "result", "mode": "py_set", "size": TOTAL_BYTES, "count": TENSORS,
    "warmup": W, "samples_ms": [...], "verify_failures": N, "parts_ms": {...}}
+  {"kind": "result", "mode": "py_update", "size": TOTAL_BYTES, "count": TENSORS,
+   "warmup": W, "samples_ms": [...], "verify_failures": N, "parts_ms": {"update": [...]}}
 
   parts_ms: per kept sample, "publish" (the producer's call, from the clock's
   start to its return) and "consumer" (from the consumer reading the request
@@ -35,6 +37,16 @@ Method (one way, CLOCK_MONOTONIC in both processes):
             dict of torch tensors (event waited) and it reads the clock; then,
             not timed, it checks the first and last value of every tensor,
             releases and answers; the producer unpublishes.
+  py_update: after each py_set, the same tensors published once more and
+            held by the consumer (Subscriber.attach_state_dict, checked).
+            Each sample refills every tensor (not timed); the consumer says
+            it is waiting and calls StateDict.wait_update; the producer reads
+            the clock and calls Publisher.update_state_dict (no state dict:
+            what was written into the shared tensors); the consumer's
+            wait_update returns (the update's event waited for on the host)
+            and it reads the clock; then, not timed, it checks the first and
+            last value of every tensor and answers. parts_ms "update": the
+            producer's call.
 
 Usage: cuda_ipc_share.py --device 0 --plan SIZE:WARMUP:REPS[,...]
        cuda_ipc_share.py --device 0 --sets COUNT:TOTAL:WARMUP:REPS[,...]
@@ -68,6 +80,7 @@ def consumer_main(device, path):
 
     torch.cuda.set_device(device)
     sub = cuda_ipc.Subscriber(path, device=device, timeout=30)
+    held = None
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         t_recv = now_ns()
@@ -80,24 +93,47 @@ def consumer_main(device, path):
             bad = int(flat[0].item()) != req["value"] or int(flat[-1].item()) != req["value"]
             del t, flat
             a.release()
-        else:
+        elif req["op"] == "set":
             sd = sub.attach_state_dict(req["name"])
             t_ns = now_ns()
-            firsts = torch.stack([t.reshape(-1)[0] for t in sd.values()])
-            lasts = torch.stack([t.reshape(-1)[-1] for t in sd.values()])
-            want = torch.tensor([sample_value(req["sample"], k) for k in range(len(sd))], device=firsts.device)
-            bad = not (torch.equal(firsts, want) and torch.equal(lasts, want))
-            del firsts, lasts
+            bad = not values_match(torch, sd, req["sample"])
             sd.release()
+        elif req["op"] == "hold":
+            held = sub.attach_state_dict(req["name"])
+            t_ns = now_ns()
+            bad = not values_match(torch, held, req["sample"])
+        elif req["op"] == "await":
+            print(json.dumps({"waiting": True}), flush=True)
+            held.wait_update(timeout=ANSWER_TIMEOUT_S)
+            t_ns = now_ns()
+            bad = not values_match(torch, held, req["sample"])
+        else:  # "drop"
+            held.release()
+            held, t_ns, bad = None, now_ns(), False
         print(json.dumps({"t_ns": t_ns, "t_recv": t_recv, "bad": bad}), flush=True)
     sub.close()
 
 
+def values_match(torch, sd, sample):
+    """Whether the first and last value of every tensor of ``sd`` are those
+    of ``sample`` (sample_value; tensor k in the dict's order)."""
+    firsts = torch.stack([t.reshape(-1)[0] for t in sd.values()])
+    lasts = torch.stack([t.reshape(-1)[-1] for t in sd.values()])
+    want = torch.tensor([sample_value(sample, k) for k in range(len(sd))], device=firsts.device)
+    return torch.equal(firsts, want) and torch.equal(lasts, want)
+
+
 class Consumer:
-    def __init__(self, device, path):
-        self.p = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "--consumer", path,
-                                   "--device", str(device)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """A consumer process: ``script`` (this one by default) run with
+    ``--consumer PATH --device N`` and ``args``, asked one JSON line at a
+    time on its standard input, answering JSON lines on its standard
+    output. ``started_ns``: the clock just before it was started."""
+
+    def __init__(self, device, path, script=None, args=()):
+        script = os.path.abspath(script or __file__)
+        self.started_ns = now_ns()
+        self.p = subprocess.Popen([sys.executable, "-u", script, "--consumer", path, "--device", str(device)]
+                                  + list(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def read(self):
         line = self.p.stdout.readline()
@@ -116,6 +152,9 @@ class Consumer:
             self.p.wait(ANSWER_TIMEOUT_S)
         except Exception:
             self.p.kill()
+            self.p.wait()
+        finally:
+            self.p.stdout.close()
 
 
 def measure_fresh(torch, pub, consumer, size, warmup, reps, index):
@@ -147,16 +186,32 @@ def keep_parts(parts, t0, t_pub, ans):
     parts["consumer"].append((ans["t_ns"] - ans["t_recv"]) / 1e6)
 
 
+def fill(torch, tensors, sample):
+    """Every tensor k of ``tensors`` filled with sample_value(sample, k), finished."""
+    for k, t in enumerate(tensors.values()):
+        t.fill_(sample_value(sample, k))
+    torch.cuda.synchronize()
+
+
 def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index):
+    """The py_set samples and then the py_update samples of one weight set:
+    ``((samples, failures, parts), (samples, failures, parts))``."""
     sizes = weight_set_sizes(count, total)
     with ci.torch.shareable(pub):
         tensors = {"w%d" % k: torch.empty(s // 4, dtype=torch.float32, device="cuda") for k, s in enumerate(sizes)}
+    try:
+        return (measure_handoff(torch, pub, consumer, tensors, warmup, reps, index),
+                measure_update(torch, pub, consumer, tensors, warmup, reps, index))
+    finally:
+        del tensors
+        ci.torch.empty_cache(pub)
+
+
+def measure_handoff(torch, pub, consumer, tensors, warmup, reps, index):
     samples, failures = [], 0
     parts = {"publish": [], "consumer": []}
     for i in range(warmup + reps):
-        for k, t in enumerate(tensors.values()):
-            t.fill_(sample_value(i, k))
-        torch.cuda.synchronize()
+        fill(torch, tensors, i)
         name = "set-%d-%d" % (index, i)
         t0 = now_ns()
         pub.publish_state_dict(name, tensors)
@@ -167,8 +222,35 @@ def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index):
         if i >= warmup:
             samples.append((ans["t_ns"] - t0) / 1e6)
             keep_parts(parts, t0, t_pub, ans)
-    del tensors
-    ci.torch.empty_cache(pub)
+    return samples, failures, parts
+
+
+def measure_update(torch, pub, consumer, tensors, warmup, reps, index):
+    """Samples of update_state_dict -> wait_update of a state dict the
+    consumer holds (sample 0 published, then samples 1..)."""
+    samples, failures = [], 0
+    parts = {"update": []}
+    name = "held-%d" % index
+    fill(torch, tensors, 0)
+    pub.publish_state_dict(name, tensors)
+    try:
+        ans = consumer.ask({"op": "hold", "name": name, "sample": 0})
+        if ans["bad"]:
+            raise RuntimeError("the held state dict %s does not have the values published" % name)
+        for i in range(1, warmup + reps + 1):
+            fill(torch, tensors, i)
+            consumer.ask({"op": "await", "sample": i})
+            t0 = now_ns()
+            pub.update_state_dict(name)
+            t_upd = now_ns()
+            ans = consumer.read()
+            if i > warmup:
+                failures += bool(ans["bad"])
+                samples.append((ans["t_ns"] - t0) / 1e6)
+                parts["update"].append((t_upd - t0) / 1e6)
+        consumer.ask({"op": "drop"})
+    finally:
+        pub.unpublish(name, timeout=ANSWER_TIMEOUT_S)
     return samples, failures, parts
 
 
@@ -176,7 +258,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--plan", help="SIZE:WARMUP:REPS,... (py_fresh)")
-    ap.add_argument("--sets", help="COUNT:TOTAL:WARMUP:REPS,... (py_set)")
+    ap.add_argument("--sets", help="COUNT:TOTAL:WARMUP:REPS,... (py_set, then py_update)")
     ap.add_argument("--consumer", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.consumer:
@@ -216,9 +298,10 @@ def main():
             emit({"kind": "result", "mode": "py_fresh", "size": size, "warmup": warmup,
                   "samples_ms": samples, "verify_failures": failures, "parts_ms": parts})
         for index, (count, total, warmup, reps) in enumerate(sets):
-            samples, failures, parts = measure_set(torch, cuda_ipc, pub, consumer, count, total, warmup, reps, index)
-            emit({"kind": "result", "mode": "py_set", "size": total, "count": count, "warmup": warmup,
-                  "samples_ms": samples, "verify_failures": failures, "parts_ms": parts})
+            measured = measure_set(torch, cuda_ipc, pub, consumer, count, total, warmup, reps, index)
+            for mode, (samples, failures, parts) in zip(("py_set", "py_update"), measured):
+                emit({"kind": "result", "mode": mode, "size": total, "count": count, "warmup": warmup,
+                      "samples_ms": samples, "verify_failures": failures, "parts_ms": parts})
     except Exception as e:
         emit({"kind": "error", "message": "%s: %s" % (type(e).__name__, e)})
         traceback.print_exc()

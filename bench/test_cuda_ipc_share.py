@@ -70,5 +70,37 @@ class Script(unittest.TestCase):
         self.assertNotEqual(cuda_ipc_share.sample_value(1, 0), cuda_ipc_share.sample_value(2, 0))
 
 
+class ConsumerProcess(unittest.TestCase):
+    """The consumer helper that first_attach.py reuses, with a stand-in script."""
+
+    def test_a_stand_in_script_gets_its_arguments_and_answers(self):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "echo.py")
+            with open(script, "w") as f:
+                f.write("import json, sys\n"
+                        "print(json.dumps({'argv': sys.argv[1:]}), flush=True)\n"
+                        "for line in sys.stdin:\n"
+                        "    print(json.dumps({'got': json.loads(line)}), flush=True)\n")
+            before = cuda_ipc_share.now_ns()
+            c = cuda_ipc_share.Consumer(3, "/tmp/x.sock", script=script, args=["--extra"])
+            try:
+                self.assertGreaterEqual(c.started_ns, before)
+                self.assertEqual(c.read(), {"argv": ["--consumer", "/tmp/x.sock", "--device", "3", "--extra"]})
+                self.assertEqual(c.ask({"op": "x"}), {"got": {"op": "x"}})
+            finally:
+                c.close()
+            self.assertEqual(c.p.returncode, 0)
+
+    def test_a_consumer_that_exits_is_an_error(self):
+        c = cuda_ipc_share.Consumer(0, "/nonexistent.sock", script=os.devnull)
+        try:
+            with self.assertRaisesRegex(RuntimeError, "the consumer exited"):
+                c.read()
+        finally:
+            c.close()
+
+
 if __name__ == "__main__":
     unittest.main()

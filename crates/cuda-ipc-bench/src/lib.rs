@@ -32,6 +32,7 @@ use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig};
 use cuda_ipc::{Device, Error};
 
 mod args;
+mod first_attach;
 pub mod lines;
 pub mod mps;
 pub mod namespaces;

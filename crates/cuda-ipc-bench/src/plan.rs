@@ -14,7 +14,7 @@ const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
 /// The tensors of the weight sets.
-pub const SET_COUNTS: [u64; 2] = [100, 1000];
+pub const SET_COUNTS: [u64; 3] = [100, 1000, 10_000];
 /// Their total size in a full run.
 pub const SET_TOTAL: u64 = 4 * GIB;
 /// Their total size with `--quick`.
@@ -52,6 +52,10 @@ pub struct Plan {
     pub sets: Vec<(u64, u64)>,
     /// Samples per weight-set measurement.
     pub set_reps: Reps,
+    /// Fresh processes of the first attach of a model (sets section).
+    pub first_attach: Reps,
+    /// safetensors loads of the model, in the first kept processes.
+    pub first_attach_loads: usize,
     /// Samples up to 1 GiB.
     pub reps_small: Reps,
     /// Samples above 1 GiB.
@@ -183,6 +187,13 @@ fn pick_torch(
     }
 }
 
+/// The fresh processes of the first attach and the safetensors loads among
+/// them; not `--reps`, as each sample is a new process (a few seconds).
+fn first_attach_reps(quick: bool) -> (Reps, usize) {
+    let reps = if quick { 5 } else { 10 };
+    (Reps { warmup: 1, reps }, if quick { 3 } else { 5 })
+}
+
 impl Plan {
     /// The plan for `args`.
     pub fn from_args(args: &Args) -> Result<Plan, String> {
@@ -261,6 +272,8 @@ impl Plan {
                 warmup: if quick { 2 } else { 3 },
                 reps: if quick { 10 } else { 20 },
             }),
+            first_attach: first_attach_reps(quick).0,
+            first_attach_loads: first_attach_reps(quick).1,
             reps_small: pick(small),
             reps_large: pick(large),
             bandwidth_size: if quick { 256 * MIB } else { GIB },
@@ -330,8 +343,9 @@ impl Plan {
             .map(|id| match id {
                 SectionId::Fresh | SectionId::Cached => m * s,
                 SectionId::Arena => m * self.arena_sizes.len() as u64,
-                // ours and its update per set, then the PyTorch script
-                SectionId::Sets => 2 * self.sets.len() as u64 + 2,
+                // ours and its update per set, then the scripts of PyTorch,
+                // ours from Python and the first attach
+                SectionId::Sets => 2 * self.sets.len() as u64 + 3,
                 SectionId::Floor => 1 + floors * s,
                 SectionId::Bandwidth => m,
                 SectionId::Peer => 2 * m * s + m + floors * s,
@@ -431,11 +445,24 @@ mod tests {
         assert_eq!(f.torch, Ok(("python3".to_string(), None)));
         // one step per row
         // fresh, arena (sizes up to 1 GiB), cached, floor, bandwidth, ring,
-        // sync, scale, sets (ours and its update per set, then PyTorch and
-        // ours from Python), torch
-        assert_eq!(f.steps(), 12 + 9 + 12 + (1 + 8) + 3 + 3 + 10 + 5 + 6 + 1);
+        // sync, scale, sets (ours and its update per set, then PyTorch,
+        // ours from Python and the first attach), torch
+        assert_eq!(f.steps(), 12 + 9 + 12 + (1 + 8) + 3 + 3 + 10 + 5 + 9 + 1);
         assert_eq!(f.arena_sizes, vec![2 * MIB, 64 * MIB, GIB]);
-        assert_eq!(f.sets, vec![(100, 4 * GIB), (1000, 4 * GIB)]);
+        assert_eq!(
+            f.sets,
+            vec![(100, 4 * GIB), (1000, 4 * GIB), (10_000, 4 * GIB)]
+        );
+        assert_eq!(
+            (f.first_attach, f.first_attach_loads),
+            (
+                Reps {
+                    warmup: 1,
+                    reps: 10
+                },
+                5
+            )
+        );
         assert_eq!(
             f.set_reps,
             Reps {
@@ -444,7 +471,14 @@ mod tests {
             }
         );
         assert_eq!(q.arena_sizes, vec![2 * MIB, 64 * MIB]);
-        assert_eq!(q.sets, vec![(100, 256 * MIB), (1000, 256 * MIB)]);
+        assert_eq!(
+            q.sets,
+            vec![(100, 256 * MIB), (1000, 256 * MIB), (10_000, 256 * MIB)]
+        );
+        assert_eq!(
+            (q.first_attach, q.first_attach_loads),
+            (Reps { warmup: 1, reps: 5 }, 3)
+        );
         assert_eq!(
             q.set_reps,
             Reps {
@@ -526,7 +560,8 @@ mod tests {
         let p = plan(&["--only", "sets,arena", "--reps", "4"]);
         assert_eq!(p.sections, vec![SectionId::Arena, SectionId::Sets]);
         assert_eq!(p.set_reps, Reps { warmup: 3, reps: 4 });
-        assert_eq!(p.steps(), 3 * 3 + 2 * 2 + 2);
+        // arena: 3 mechanisms x 3 sizes; sets: ours and update x 3 sets, 3 scripts
+        assert_eq!(p.steps(), 3 * 3 + 2 * 3 + 3);
         let p = plan(&[
             "--only",
             "arena",

@@ -8,6 +8,7 @@
 //! - `{"kind": "startup", "consumer_ms": 3100.0}`: the consumer's start, CUDA included
 //! - `{"kind": "result", "mode": "fresh"|"repeat", "size": N, "warmup": W, "samples_ms": [...], "verify_failures": 0}`
 //! - `{"kind": "result", "mode": "set_list"|"set_bucket", "size": TOTAL, "count": TENSORS, "warmup": W, "samples_ms": [...], "verify_failures": 0, "extra_device_bytes": B}`
+//! - `{"kind": "note", "text": "..."}`: a note for the report
 //! - `{"kind": "error", "message": "..."}`
 //! - `{"kind": "done", "elapsed_s": 12.3}`
 //!
@@ -23,7 +24,7 @@ use serde_json::Value;
 
 use super::report::{Row, Section, SectionId};
 use super::{Plan, Progress};
-use crate::report::targets::PY_SERIES;
+use crate::report::targets::{FIRST_ATTACH, LOAD_FILE, PY_SERIES, SAFETENSORS_SERIES};
 
 /// What the script reported.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -40,6 +41,8 @@ pub struct TorchRun {
     pub error: Option<String>,
     /// Whether the script said it was done.
     pub done: bool,
+    /// Notes for the report (`note` lines).
+    pub notes: Vec<String>,
 }
 
 /// One measurement of the script.
@@ -62,6 +65,8 @@ pub struct TorchResult {
     /// Parts of each kept sample, ms, by name (`"parts_ms": {"publish":
     /// [...], "consumer": [...]}`), where the script measures them.
     pub parts: Vec<(String, Vec<f64>)>,
+    /// Why the script did not measure this one (`"skipped": "..."`).
+    pub skipped: Option<String>,
 }
 
 /// The numbers of `v`, a JSON list.
@@ -113,11 +118,15 @@ pub fn parse_line(run: &mut TorchRun, line: &str) -> Result<(), String> {
                 samples_ms,
                 verify_failures: v["verify_failures"].as_u64().unwrap_or(0),
                 parts,
+                skipped: v["skipped"].as_str().map(str::to_string),
             });
         }
         "error" => {
             run.error = Some(need("message")?.as_str().unwrap_or("").to_string());
         }
+        "note" => run
+            .notes
+            .push(need("text")?.as_str().unwrap_or("").to_string()),
         "done" => run.done = true,
         _ => {}
     }
@@ -302,13 +311,18 @@ pub fn run_script(
 }
 
 /// The row of one result: series "PyTorch", the mode as variant (the set
-/// modes as "list" and "bucket", with the count and the extra memory).
+/// modes as "list" and "bucket", with the count and the extra memory);
+/// the modes of the scripts of ours from Python in [`PY_SERIES`], and
+/// safetensors' load in [`SAFETENSORS_SERIES`].
 pub fn result_row(r: &TorchResult) -> Row {
     let (series, variant) = match r.mode.as_str() {
         "set_list" => ("PyTorch", "list"),
         "set_bucket" => ("PyTorch", "bucket"),
         "py_set" => (PY_SERIES, "set"),
+        "py_update" => (PY_SERIES, "update"),
         "py_fresh" => (PY_SERIES, "fresh"),
+        "py_first_attach" => (PY_SERIES, FIRST_ATTACH),
+        "safetensors_load" => (SAFETENSORS_SERIES, LOAD_FILE),
         other => ("PyTorch", other),
     };
     let mut row = Row::new(series, "ms")
@@ -323,6 +337,9 @@ pub fn result_row(r: &TorchResult) -> Row {
     }
     for (name, samples) in &r.parts {
         row = row.part(name, samples);
+    }
+    if let Some(why) = &r.skipped {
+        return row.skip(why.clone());
     }
     if r.verify_failures > 0 {
         row.failed(format!(
@@ -485,18 +502,10 @@ pub fn python_rows(plan: &Plan) -> (Vec<Row>, Vec<String>, Option<String>) {
             })
             .collect()
     };
-    let (python, script) = match &plan.torch {
-        Err(why) => return (skipped(why), Vec::new(), None),
-        Ok(t) => t,
-    };
-    let script = match find_script(script.as_deref()) {
-        Ok(s) => s.with_file_name(PY_SCRIPT),
+    let (python, script) = match sibling_script(plan, PY_SCRIPT) {
+        Ok(x) => x,
         Err(why) => return (skipped(&why), Vec::new(), None),
     };
-    if !script.is_file() {
-        let why = format!("{} not found", script.display());
-        return (skipped(&why), Vec::new(), None);
-    }
     let args = [
         "--plan".to_string(),
         plan_arg(plan),
@@ -513,22 +522,36 @@ pub fn python_rows(plan: &Plan) -> (Vec<Row>, Vec<String>, Option<String>) {
         Outcome::Failed(why, run) => (run, Some(why)),
     };
     let rows = run.results.iter().map(result_row).collect();
-    let notes = run
-        .hello
-        .as_ref()
-        .map(|h| {
-            let get = |k: &str| h[k].as_str().unwrap_or("?").to_string();
-            format!(
-                "ours from Python: cuda_ipc {} with PyTorch {}, Python {}, on {}.",
-                get("cuda_ipc"),
-                get("torch"),
-                get("python"),
-                get("device")
-            )
-        })
-        .into_iter()
-        .collect();
-    (rows, notes, error)
+    (rows, python_notes(&run), error)
+}
+
+/// The notes of a run of a script of ours from Python: its versions line,
+/// then its own notes.
+pub fn python_notes(run: &TorchRun) -> Vec<String> {
+    let versions = run.hello.as_ref().map(|h| {
+        let get = |k: &str| h[k].as_str().unwrap_or("?").to_string();
+        format!(
+            "ours from Python: cuda_ipc {} with PyTorch {}, Python {}, on {}.",
+            get("cuda_ipc"),
+            get("torch"),
+            get("python"),
+            get("device")
+        )
+    });
+    versions.into_iter().chain(run.notes.clone()).collect()
+}
+
+/// The interpreter and the script `name` of the folder of the PyTorch
+/// anchor's script (`bench/`), or why they cannot run (a skip: --no-torch,
+/// no such script).
+pub fn sibling_script<'a>(plan: &'a Plan, name: &str) -> Result<(&'a str, PathBuf), String> {
+    let (python, script) = plan.torch.as_ref().map_err(Clone::clone)?;
+    let script = find_script(script.as_deref())?.with_file_name(name);
+    if script.is_file() {
+        Ok((python.as_str(), script))
+    } else {
+        Err(format!("{} not found", script.display()))
+    }
 }
 
 #[cfg(test)]
@@ -850,11 +873,11 @@ sys.exit(1)
         assert_eq!((row.count, row.extra_device_bytes), (None, None));
         assert_eq!(
             sets_arg(&quick_plan(&[])),
-            "100:268435456:2:10,1000:268435456:2:10"
+            "100:268435456:2:10,1000:268435456:2:10,10000:268435456:2:10"
         );
         assert_eq!(
             sets_arg(&quick_plan(&["--reps", "3", "--warmup", "0"])),
-            "100:268435456:0:3,1000:268435456:0:3"
+            "100:268435456:0:3,1000:268435456:0:3,10000:268435456:0:3"
         );
     }
 
@@ -879,7 +902,8 @@ sys.exit(1)
     fn set_rows_from_a_stand_in_script() {
         let body = r#"
 import json, sys
-assert sys.argv[1:] == ["--device", "0", "--sets", "100:268435456:2:10,1000:268435456:2:10",
+assert sys.argv[1:] == ["--device", "0", "--sets",
+                        "100:268435456:2:10,1000:268435456:2:10,10000:268435456:2:10",
                         "--modes", "set_list,set_bucket"], sys.argv
 for line in [
     {"kind": "hello", "torch": "9.9", "cuda": "13.0", "device": "fake", "python": "3"},
@@ -912,7 +936,7 @@ for line in [
     #[test]
     fn set_rows_when_pytorch_does_not_run() {
         let (rows, notes, error) = set_rows(&quick_plan(&["--no-torch"]));
-        assert_eq!((rows.len(), notes.len(), error), (4, 0, None));
+        assert_eq!((rows.len(), notes.len(), error), (6, 0, None));
         assert!(
             rows.iter()
                 .all(|r| r.skipped.as_deref() == Some("PyTorch skipped: --no-torch"))
@@ -925,7 +949,9 @@ for line in [
                 ("list", 100),
                 ("bucket", 100),
                 ("list", 1000),
-                ("bucket", 1000)
+                ("bucket", 1000),
+                ("list", 10_000),
+                ("bucket", 10_000)
             ]
         );
         let body = "print('{\"kind\": \"skip\", \"reason\": \"PyTorch is not importable\"}')\n";

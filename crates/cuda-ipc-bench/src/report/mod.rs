@@ -10,6 +10,8 @@ pub mod targets;
 pub(crate) mod tests;
 #[cfg(test)]
 mod tests_mps;
+#[cfg(test)]
+mod tests_python;
 
 pub use format::human;
 pub use model::{DeviceInfo, MpsPass, PeerInfo, Report, Row, Section, SectionId, Status};

@@ -8,6 +8,9 @@ use super::model::{Report, Row, Section, SectionId, Status, row_label};
 use super::targets::{self, Verdict};
 use crate::stats::Stats;
 
+mod sets;
+use sets::render_sets;
+
 fn opt_ms(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), fmt_ms)
 }
@@ -231,85 +234,6 @@ fn render_arena(r: &Report, s: &Section, out: &mut String) {
         },
         out,
     );
-}
-
-/// A byte count for the extra-memory column.
-fn bytes(b: Option<u64>) -> String {
-    b.map_or_else(
-        || "-".into(),
-        |b| if b == 0 { "0".into() } else { human(b) },
-    )
-}
-
-fn render_sets(r: &Report, s: &Section, out: &mut String) {
-    let mut counts: Vec<u64> = s.rows.iter().filter_map(|row| row.count).collect();
-    counts.sort_unstable();
-    counts.dedup();
-    let order = ["set", "update", "list", "bucket"];
-    let rank = |row: &Row| {
-        let v = row.variant.as_deref().unwrap_or("");
-        order.iter().position(|o| *o == v).unwrap_or(order.len())
-    };
-    let mut t = Table::new(&[
-        "contender",
-        "tensors",
-        "size",
-        "n",
-        "p50",
-        "p90",
-        "p99",
-        "extra",
-        "target",
-        "it/ours",
-    ])
-    .left_aligned(1);
-    for count in counts {
-        let mut rows: Vec<&Row> = s
-            .rows
-            .iter()
-            .filter(|row| row.count == Some(count))
-            .collect();
-        rows.sort_by_key(|row| rank(row));
-        let ours = r
-            .row_of_count(SectionId::Sets, "ours", "set", count)
-            .and_then(Row::p50);
-        for row in rows {
-            if problem_line(&mut t, row, &label(row)) {
-                continue;
-            }
-            let p50 = row.p50();
-            let is_ours = row.series == "ours";
-            let target = match (row.variant.as_deref(), count) {
-                (Some("set"), targets::SET_SMALL) => {
-                    verdict_cell(p50, |v| v <= targets::SET_SMALL_P50_MS)
-                }
-                (Some("set"), targets::SET_LARGE) => {
-                    verdict_cell(p50, |v| v <= targets::SET_LARGE_P50_MS)
-                }
-                (Some("update"), _) => verdict_cell(p50, |v| v <= targets::SET_UPDATE_P50_MS),
-                _ => String::new(),
-            };
-            t.row(vec![
-                format!("{} {}", row.series, row.variant.as_deref().unwrap_or("")),
-                count.to_string(),
-                row.size.map_or_else(|| "-".into(), human),
-                n(row),
-                stat(row, |s| s.p50),
-                stat(row, |s| s.p90),
-                stat(row, |s| s.p99),
-                bytes(row.extra_device_bytes),
-                target,
-                if is_ours {
-                    String::new()
-                } else {
-                    ratio(p50.zip(ours).map(|(t, o)| t / o))
-                },
-            ]);
-        }
-    }
-    if !s.rows.is_empty() {
-        t.render(out);
-    }
 }
 
 fn render_cached(r: &Report, s: &Section, out: &mut String) {

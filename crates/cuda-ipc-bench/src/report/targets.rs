@@ -4,7 +4,10 @@
 use serde::{Deserialize, Serialize};
 
 use super::format::{fmt_ms, human};
-use super::model::{Report, Row, Section, SectionId, Status};
+use super::model::{Report, Row, SectionId, Status};
+
+mod python;
+pub use python::*;
 
 /// Cached hand-off median, ms, at every size and mechanism.
 pub const CACHED_P50_MS: f64 = 0.010;
@@ -20,13 +23,15 @@ pub const SET_LARGE_P50_MS: f64 = 1.0;
 pub const SET_LIST_SPEEDUP: f64 = 50.0;
 /// PyTorch's flattened bucket p50 / ours, large set.
 pub const SET_BUCKET_SPEEDUP: f64 = 6.0;
-/// The large weight set handed off from Python (`bench/cuda_ipc_share.py`:
-/// publish_state_dict to attach_state_dict), median, ms.
-pub const PY_SET_LARGE_P50_MS: f64 = 2.0;
-/// The large weight set from Python p50 / the same set from Rust.
-pub const PY_RUST_RATIO: f64 = 2.0;
 /// The series of the Python rows.
 pub const PY_SERIES: &str = "ours from Python";
+/// The variant of the row of a fresh process's first attach of a model
+/// (`bench/first_attach.py`).
+pub const FIRST_ATTACH: &str = "first attach";
+/// The series of safetensors' load of the same model.
+pub const SAFETENSORS_SERIES: &str = "safetensors";
+/// Its variant.
+pub const LOAD_FILE: &str = "load_file";
 /// The small weight set's tensors.
 pub const SET_SMALL: u64 = 100;
 /// Its hand-off median, ms.
@@ -85,7 +90,7 @@ pub struct TargetCheck {
     pub verdict: Verdict,
 }
 
-fn check(
+pub(super) fn check(
     id: String,
     what: String,
     target: String,
@@ -344,7 +349,7 @@ fn torch_targets(r: &Report, out: &mut Vec<TargetCheck>) {
 }
 
 /// Why a target that needs PyTorch has no figure.
-fn torch_missing(r: &Report) -> &'static str {
+pub(super) fn torch_missing(r: &Report) -> &'static str {
     match r.section(SectionId::Torch).map(|s| s.status) {
         Some(Status::Skipped) | None => "PyTorch skipped",
         _ => "not measured",
@@ -352,7 +357,7 @@ fn torch_missing(r: &Report) -> &'static str {
 }
 
 /// Why a row has no figure: its failure, its skip, or that it is missing.
-fn why_missing(row: Option<&Row>) -> &'static str {
+pub(super) fn why_missing(row: Option<&Row>) -> &'static str {
     match row {
         Some(r) if r.error.is_some() => "failed",
         Some(r) if r.skipped.is_some() => "not measured (skipped)",
@@ -406,39 +411,6 @@ fn arena_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     }
 }
 
-/// The Python rows' checks against the large set's Rust row (`row`, whose
-/// p50 is `ours`).
-fn python_targets(s: &Section, row: &Row, ours: Option<f64>, out: &mut Vec<TargetCheck>) {
-    let count = row.count.unwrap_or(SET_LARGE);
-    let total = row.size.map_or_else(|| "?".into(), human);
-    let py_row = s.rows.iter().find(|x| {
-        x.series == PY_SERIES && x.variant.as_deref() == Some("set") && x.count == Some(count)
-    });
-    let py = py_row.filter(|x| x.error.is_none()).and_then(Row::p50);
-    out.push(check(
-        format!("python-set/{count}"),
-        format!("weight set from Python p50, {count} tensors / {total}"),
-        format!("<= {PY_SET_LARGE_P50_MS:.0} ms"),
-        py,
-        |v| format!("{} ms", fmt_ms(v)),
-        |v| v <= PY_SET_LARGE_P50_MS,
-        why_missing(py_row),
-    ));
-    out.push(check(
-        format!("python/rust/{count}"),
-        format!("weight set, {count} tensors: from Python p50 / from Rust p50"),
-        format!("<= {PY_RUST_RATIO:.0}x"),
-        py.zip(ours).map(|(p, o)| p / o),
-        |v| format!("{v:.1}x"),
-        |v| v <= PY_RUST_RATIO,
-        if ours.is_none() {
-            why_missing(Some(row))
-        } else {
-            why_missing(py_row)
-        },
-    ));
-}
-
 fn set_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     let Some(s) = r
         .section(SectionId::Sets)
@@ -488,7 +460,6 @@ fn set_targets(r: &Report, out: &mut Vec<TargetCheck>) {
                     },
                 ));
             }
-            python_targets(s, row, ours, out);
             out.push(check(
                 format!("sets-memory/{count}"),
                 format!("weight set, {count} tensors: extra device memory of ours"),
@@ -502,6 +473,7 @@ fn set_targets(r: &Report, out: &mut Vec<TargetCheck>) {
             ));
         }
     }
+    python::targets(r, s, out);
     for row in s
         .rows
         .iter()
