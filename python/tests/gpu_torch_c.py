@@ -62,8 +62,11 @@ def tc_check(torch, got, n, version, what):
     """Every tensor of `got` is tc_make's, byte for byte; the tied pair is
     one tensor."""
     want = tc_make(torch, n, version)
-    if list(got) != list(want):
-        raise AssertionError(f"{what}: keys {list(got)[:4]}..., expected {list(want)[:4]}...")
+    # The set's order is the set's own (entries sorted by name), not the
+    # dict's insertion order: the keys are compared as sets.
+    if set(got) != set(want):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        raise AssertionError(f"{what}: keys missing {missing[:4]}, unexpected {extra[:4]}")
     for key, w in want.items():
         g = got[key]
         if g.dtype != w.dtype or tuple(g.shape) != tuple(w.shape):
