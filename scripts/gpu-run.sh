@@ -273,6 +273,11 @@ step_sets() {
 # exchange and the streaming demo, then legacy IPC between an MPS client and
 # a process outside MPS both ways; then `demo --stream --mps` and
 # `bench --mps` with their own daemons, and no daemon left behind.
+# mps_daemons: the MPS control daemons running, one "PID STAT COMMAND" line
+# each; exited ones not yet reaped (STAT Z: a daemon forks away from its
+# starter, and a container's PID 1 may never reap it) are not running.
+mps_daemons() { ps -eo pid=,stat=,comm= | awk '$2 !~ /^Z/ && $3 == "nvidia-cuda-mps"'; }
+
 step_mps() {
   local control
   control=$(command -v nvidia-cuda-mps-control)
@@ -285,7 +290,7 @@ step_mps() {
   mkdir -p "$root/pipe" "$root/log"
   local mpsenv=(env CUDA_MPS_PIPE_DIRECTORY="$root/pipe" CUDA_MPS_LOG_DIRECTORY="$root/log")
   local before
-  before=$(pgrep -c -x nvidia-cuda-mps || true)
+  before=$(mps_daemons | wc -l)
   if ! "${mpsenv[@]}" "$control" -d; then
     bad "mps: the private control daemon did not start"
     return
@@ -341,11 +346,11 @@ step_mps() {
   sed -n '/^MPS:/p;/Streaming ring/,/^Targets/p' "$(log_of "mps: bench --quick --only ring,sync --mps")"
   sleep 1
   local after
-  after=$(pgrep -c -x nvidia-cuda-mps || true)
+  after=$(mps_daemons | wc -l)
   if [ "$after" -le "$before" ]; then
     ok "mps: no MPS daemon left behind ($after running, $before before)"
   else
-    bad "mps: $((after - before)) MPS daemon(s) left behind: $(pgrep -a -f nvidia-cuda-mps | tr '\n' ' ')"
+    bad "mps: $((after - before)) MPS daemon(s) left behind: $(mps_daemons | tr '\n' ' ')"
   fi
 }
 

@@ -119,8 +119,8 @@ pub fn detect_in(dir: &Path, from_environment: bool) -> Detected {
         Ok(m) if !m.file_type().is_socket() => ControlState::Unreachable {
             why: "it is not a socket".into(),
         },
-        Ok(_) => match std::os::unix::net::UnixStream::connect(&control) {
-            Ok(_) => ControlState::Reachable,
+        Ok(_) => match answers(&control) {
+            Ok(()) => ControlState::Reachable,
             Err(e) => ControlState::Unreachable { why: e.to_string() },
         },
     };
@@ -128,6 +128,20 @@ pub fn detect_in(dir: &Path, from_environment: bool) -> Detected {
         pipe_directory: dir.to_path_buf(),
         from_environment,
         control: state,
+    }
+}
+
+/// Whether a process listens on the Unix socket `control`: a stream
+/// connection is made and closed at once, nothing sent. The MPS control
+/// daemon's socket is not a stream socket: connecting to it as one fails
+/// with `EPROTOTYPE`, which the kernel reports only when a socket is bound
+/// there (a socket whose process is gone refuses the connection), so that
+/// counts as an answer.
+fn answers(control: &Path) -> std::io::Result<()> {
+    match std::os::unix::net::UnixStream::connect(control) {
+        Ok(_) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::PROTOTYPE.raw_os_error()) => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
@@ -391,7 +405,7 @@ impl PrivateDaemon {
             return Err(format!("quit exited with {}{}", out.0, out.1));
         }
         let waited = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&control).is_ok() {
+        while answers(&control).is_ok() {
             if waited.elapsed() > STOP_TIMEOUT {
                 return Err(format!(
                     "it still answers at {} {STOP_TIMEOUT:?} after quit",

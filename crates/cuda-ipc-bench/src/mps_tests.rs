@@ -278,3 +278,25 @@ fn detects_no_daemon_a_stale_socket_and_a_live_one() {
     let v = serde_json::to_value(&d).unwrap();
     assert_eq!(v["control"]["state"], "unreachable");
 }
+
+/// The MPS control daemon listens on a socket that is not a stream socket
+/// (the H200's answered a stream connection with EPROTOTYPE): a live one
+/// of another type is found, and stays unreachable once its process is gone.
+#[test]
+fn detects_a_live_control_socket_of_another_type() {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketType, bind, listen, socket};
+    let s = Scratch::new("seqpacket");
+    let dir = s.0.join("pipe");
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = socket(AddressFamily::UNIX, SocketType::SEQPACKET, None).unwrap();
+    bind(&sock, &SocketAddrUnix::new(dir.join("control")).unwrap()).unwrap();
+    listen(&sock, 4).unwrap();
+    let d = detect_in(&dir, true);
+    assert_eq!(d.control, ControlState::Reachable, "{d:?}");
+    drop(sock);
+    let d = detect_in(&dir, true);
+    assert!(
+        matches!(d.control, ControlState::Unreachable { .. }),
+        "{d:?}"
+    );
+}
