@@ -101,6 +101,7 @@ mod lease;
 mod publisher;
 mod ring;
 mod set;
+mod set_attach;
 mod subscriber;
 mod sync;
 mod wire;
@@ -114,7 +115,8 @@ use crate::error::Result;
 pub use budget::MappingBudget;
 pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber};
-pub use set::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, SetAttachment, Sharing, chunk_entry_name};
+pub use set::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, Sharing, chunk_entry_name};
+pub use set_attach::SetAttachment;
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
 pub use sync::SyncMode;
 

@@ -9,6 +9,9 @@ use rustix::fs::{MemfdFlags, ftruncate, memfd_create};
 
 use super::*;
 use crate::channel::{Client, ClientConfig, ServerConfig};
+use crate::exchange::set_attach::read_record;
+use crate::set::SetEntry;
+use crate::set::SetRecord;
 
 /// Chunks of host memory in memfds: what a chunk entry carries, without a GPU.
 struct MemChunks;

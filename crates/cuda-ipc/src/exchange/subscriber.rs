@@ -23,7 +23,7 @@ use crate::share;
 
 use super::budget::MappingBudget;
 use super::lease::{LeaseGuard, Pending};
-use super::set::ChunkCache;
+use super::set_attach::ChunkCache;
 use super::sync::{self, SyncMode, Waiter};
 use super::wire::EntryMeta;
 use super::{Endpoint, lock};

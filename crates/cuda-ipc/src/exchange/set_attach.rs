@@ -1,0 +1,459 @@
+//! The subscriber's side of weight sets: reading a set's record, the
+//! chunk mappings it keeps, and attaching.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytemuck::Pod;
+use serde_json::Value;
+
+use crate::arena::ChunkId;
+use crate::buffer::{MappedBuffer, Mapping};
+use crate::channel::{self, ChannelError, Notice};
+use crate::error::{Error, Result};
+use crate::set::{SetEntry, SetRecord};
+use crate::share;
+
+use super::budget::{Held, LruCache};
+use super::lease::LeaseGuard;
+use super::lock;
+use super::subscriber::{Attachment, Subscriber};
+use super::sync::{self, Waiter};
+use super::wire::EntryMeta;
+
+use super::set::{MAX_PARTS, PARTS_KEY, SET_PART_BYTES, chunk_entry_name, is_set_meta};
+
+/// Reads a set entry's record (from its parts when it came in parts).
+pub(super) fn read_record(client: &channel::Client, meta: &Value) -> Result<SetRecord> {
+    let Some(parts) = meta.get(PARTS_KEY) else {
+        return SetRecord::from_value(meta);
+    };
+    let parts = parts.as_array().ok_or_else(|| Error::Descriptor {
+        field: PARTS_KEY.into(),
+        reason: "expected an array of entry names".into(),
+    })?;
+    if parts.len() > MAX_PARTS {
+        return Err(Error::Descriptor {
+            field: PARTS_KEY.into(),
+            reason: format!(
+                "{} parts is more than the {MAX_PARTS} a set record takes",
+                parts.len()
+            ),
+        });
+    }
+    let mut text = String::new();
+    for p in parts {
+        let name = p.as_str().ok_or_else(|| Error::Descriptor {
+            field: PARTS_KEY.into(),
+            reason: format!("expected an entry name, found {p}"),
+        })?;
+        let a = client.attach(name)?;
+        let _ = client.release(a.lease);
+        let piece =
+            a.meta
+                .get("text")
+                .and_then(Value::as_str)
+                .ok_or_else(|| Error::Descriptor {
+                    field: format!("{name}.text"),
+                    reason: "a set record part carries its text".into(),
+                })?;
+        text.push_str(piece);
+        if text.len() > MAX_PARTS * SET_PART_BYTES {
+            return Err(Error::Descriptor {
+                field: PARTS_KEY.into(),
+                reason: format!(
+                    "the parts pass the {} bytes a set record takes",
+                    MAX_PARTS * SET_PART_BYTES
+                ),
+            });
+        }
+    }
+    SetRecord::from_json(&text)
+}
+
+/// A chunk mapping in the subscriber's cache, with the lease on the chunk's
+/// hidden entry that tells the publisher it is mapped.
+pub(super) struct CachedChunk {
+    mapping: Arc<dyn Mapping>,
+    lease: u64,
+}
+
+impl CachedChunk {
+    /// Retires the chunk without waiting: unmapped once the streams that
+    /// used it have finished, then its lease released (no answer awaited).
+    pub(super) fn retire(self, client: &Arc<channel::Client>) {
+        let CachedChunk { mapping, lease } = self;
+        let client = client.clone();
+        let uses = crate::buffer::UsesOf::mappings(std::slice::from_ref(&mapping));
+        uses.retire("unmapping an idle chunk", move || {
+            crate::reaper::work_done(|| drop(mapping));
+            if let Err(e) = client.release_nowait(lease)
+                && !matches!(e, ChannelError::PeerGone)
+            {
+                tracing::debug!(lease, error = %e, "releasing a chunk lease failed");
+            }
+        });
+    }
+}
+
+impl Held for CachedChunk {
+    fn held(&self) -> bool {
+        Arc::strong_count(&self.mapping) > 1
+    }
+}
+
+/// The subscriber's cache of chunk mappings.
+pub(super) type ChunkCache = LruCache<ChunkId, CachedChunk>;
+
+/// A set attached from a publisher: one lease for the whole set, every chunk
+/// mapped once, typed views of its buffers by name or index. The set and
+/// every view made from it hold the lease; [`Subscriber::release_set`] (or
+/// dropping the set and its views) releases it.
+#[derive(Debug)]
+pub struct SetAttachment {
+    record: SetRecord,
+    lease: u64,
+    guard: Arc<LeaseGuard>,
+    waiter: Waiter,
+    mappings: HashMap<u64, Arc<dyn Mapping>>,
+    index: HashMap<String, usize>,
+}
+
+impl SetAttachment {
+    /// The set's name.
+    pub fn name(&self) -> &str {
+        &self.record.name
+    }
+
+    /// The lease id.
+    pub fn lease(&self) -> u64 {
+        self.lease
+    }
+
+    /// Whether this set waits on the publisher's fence (rather than its
+    /// event).
+    pub fn uses_fence(&self) -> bool {
+        self.waiter.is_fence()
+    }
+
+    /// The set record the publisher sent.
+    pub fn record(&self) -> &SetRecord {
+        &self.record
+    }
+
+    /// The number of buffers.
+    pub fn len(&self) -> usize {
+        self.record.entries.len()
+    }
+
+    /// Never true: a set has at least one buffer.
+    pub fn is_empty(&self) -> bool {
+        self.record.entries.is_empty()
+    }
+
+    /// The buffers' entries (name, dtype, shape, place), in the producer's order.
+    pub fn entries(&self) -> &[SetEntry] {
+        &self.record.entries
+    }
+
+    /// The index of the buffer called `name`.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
+    /// A view of the buffer called `name` as elements of `T`.
+    pub fn get<T: Pod>(&self, name: &str) -> Result<MappedBuffer<T>> {
+        let i = self.position(name).ok_or_else(|| {
+            Error::arg(
+                "set entry",
+                format!("{:?} has no buffer called {name:?}", self.record.name),
+            )
+        })?;
+        self.view(i)
+    }
+
+    /// A view of buffer `index` as elements of `T` (its stream waits on the
+    /// set's event or fence, as every view on this device shares the stream).
+    pub fn view<T: Pod>(&self, index: usize) -> Result<MappedBuffer<T>> {
+        let e = self.record.entries.get(index).ok_or_else(|| {
+            Error::arg(
+                "set entry",
+                format!("index {index} is past the set's {} buffers", self.len()),
+            )
+        })?;
+        let size = std::mem::size_of::<T>() as u64;
+        if size != e.dtype.size() && size != 1 {
+            return Err(Error::arg(
+                "set entry",
+                format!(
+                    "{:?} holds {} ({}-byte elements), not {}-byte {}",
+                    e.name,
+                    e.dtype,
+                    e.dtype.size(),
+                    size,
+                    std::any::type_name::<T>()
+                ),
+            ));
+        }
+        let (mapping, base) = self.place(e.chunk)?;
+        Ok(
+            MappedBuffer::<T>::from_bytes(mapping, base + e.offset, e.len)?
+                .hold(self.guard.clone()),
+        )
+    }
+
+    fn place(&self, chunk: u64) -> Result<(Arc<dyn Mapping>, u64)> {
+        let mapping = self.mappings.get(&chunk).cloned();
+        let base = self.record.chunk(chunk).map(|c| c.descriptor.offset);
+        match (mapping, base) {
+            (Some(m), Some(b)) => Ok((m, b)),
+            _ => Err(Error::arg(
+                "set entry",
+                format!("chunk {chunk} is not in the set's table"),
+            )),
+        }
+    }
+}
+
+impl Subscriber {
+    /// The mapping of chunk `id` of a set: from the cache, or mapped now
+    /// from the chunk's hidden entry (the only time its file descriptors
+    /// travel to this subscriber).
+    fn chunk_mapping(&self, record: &SetRecord, index: u64) -> Result<Arc<dyn Mapping>> {
+        let id = ChunkId {
+            arena: record.arena,
+            index,
+        };
+        if let Some(c) = lock(&self.chunks).get(&id) {
+            return Ok(c.mapping.clone());
+        }
+        let want = record.chunk(index).ok_or_else(|| {
+            Error::arg("set record", format!("chunk {index} is not in its table"))
+        })?;
+        let a = self.client.attach(&chunk_entry_name(id))?;
+        let opened = EntryMeta::decode(&a.meta).and_then(|d| {
+            if d.source != want.descriptor.source || d.byte_len != want.descriptor.byte_len {
+                return Err(Error::Descriptor {
+                    field: "chunks".into(),
+                    reason: format!(
+                        "the publisher's chunk {id} is not the memory the set record names"
+                    ),
+                });
+            }
+            let len = d.alloc_size;
+            Ok((share::open_mapping(&self.device, &d, a.fds)?, len))
+        });
+        let (mapping, len) = match opened {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = self.client.release(a.lease);
+                return Err(e);
+            }
+        };
+        self.count_open();
+        let evicted = lock(&self.chunks).insert(
+            id,
+            CachedChunk {
+                mapping: mapping.clone(),
+                lease: a.lease,
+            },
+            len,
+        );
+        self.drop_chunks(evicted);
+        Ok(mapping)
+    }
+
+    /// Unmaps evicted chunks and releases their leases, outside the cache's
+    /// lock (an explicit call: it waits for the streams that used them).
+    pub(super) fn drop_chunks(&self, evicted: Vec<CachedChunk>) {
+        for c in evicted {
+            lock(&self.pending).remove(&c.lease);
+            let _ = c.mapping.used_streams().synchronize_all();
+            // Waited for: unmapped now, before the lease goes.
+            crate::reaper::work_done(|| drop(c.mapping));
+            if self.client.is_alive()
+                && let Err(e) = self.client.release(c.lease)
+            {
+                tracing::debug!(lease = c.lease, error = %e, "releasing a chunk lease failed");
+            }
+        }
+    }
+
+    /// Opens an attached set entry: its record, every chunk (mapped once),
+    /// the lease guard, the event or fence waited on (per the subscriber's
+    /// [`SyncMode`](super::SyncMode)).
+    fn open_set(&self, a: channel::Attachment) -> Result<SetAttachment> {
+        let channel::Attachment {
+            lease,
+            name,
+            mut meta,
+            mut fds,
+            ..
+        } = a;
+        let opened = (|| {
+            let fence = sync::take_set_fence(&mut meta)?;
+            let record = read_record(&self.client, &meta)?;
+            let waiter = self.waiter(record.event, fence, &mut fds, "a published set")?;
+            let mut mappings = HashMap::with_capacity(record.chunks.len());
+            for c in &record.chunks {
+                mappings.insert(c.id, self.chunk_mapping(&record, c.id)?);
+            }
+            self.wait_latest(&waiter, self.device.stream())?;
+            Ok((record, waiter, mappings))
+        })();
+        let (record, waiter, mappings) = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = self.client.release(lease);
+                return Err(e);
+            }
+        };
+        let guard = LeaseGuard::new(
+            &self.client,
+            &self.pending,
+            lease,
+            name,
+            mappings.values().cloned().collect(),
+        );
+        let index = record
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.name.clone(), i))
+            .collect();
+        Ok(SetAttachment {
+            record,
+            lease,
+            guard,
+            waiter,
+            mappings,
+            index,
+        })
+    }
+
+    /// Attaches the set published as `name`: one lease for the whole set,
+    /// each of its chunks mapped once (reusing the chunks this subscriber
+    /// has mapped already: then the hand-off is one message), and the
+    /// device stream made to wait on the set's event.
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn attach_set(&self, name: &str) -> Result<SetAttachment> {
+        let a = self.client.attach(name)?;
+        if !is_set_meta(&a.meta) {
+            let _ = self.client.release(a.lease);
+            return Err(Error::arg(
+                "set",
+                format!(
+                    "{name:?} is a single buffer, not a set; attach it with Subscriber::attach"
+                ),
+            ));
+        }
+        self.open_set(a)
+    }
+
+    /// Opens an arena buffer published with [`Publisher::publish_buffer`]
+    /// (a set of one) as an [`Attachment`].
+    pub(super) fn attach_arena_buffer<T: Pod>(
+        &self,
+        a: channel::Attachment,
+    ) -> Result<Attachment<T>> {
+        let set = self.open_set(a)?;
+        if set.len() != 1 {
+            return Err(Error::arg(
+                "attach",
+                format!(
+                    "{:?} is a set of {} buffers; attach it with Subscriber::attach_set",
+                    set.name(),
+                    set.len()
+                ),
+            ));
+        }
+        let descriptor = set.record.entry_descriptor(0)?;
+        let buffer = set.view::<T>(0)?;
+        Ok(Attachment::from_parts(
+            set.lease,
+            set.record.name.clone(),
+            set.guard.clone(),
+            buffer,
+            set.waiter.clone(),
+            descriptor,
+        ))
+    }
+
+    /// Waits up to `timeout` for the publisher's next update of `set`, then
+    /// makes the device stream wait on the event recorded or the fence
+    /// signalled with it (a fence wait has this subscriber's deadline and
+    /// fails with [`ChannelError::PeerGone`] if the publisher goes). Returns
+    /// the update's version; [`ChannelError::Unpublished`] when the publisher
+    /// wants the set back (release it).
+    pub fn wait_set_update(&self, set: &SetAttachment, timeout: Duration) -> Result<u64> {
+        let deadline = crate::channel::deadline_in(timeout);
+        let notice = loop {
+            if let Some(n) = lock(&self.pending)
+                .get_mut(&set.lease)
+                .and_then(std::collections::VecDeque::pop_front)
+            {
+                break n;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let u = self.client.next_update(left)?;
+            if u.lease == set.lease {
+                break u.notice;
+            }
+            lock(&self.pending)
+                .entry(u.lease)
+                .or_default()
+                .push_back(u.notice);
+        };
+        match notice {
+            Notice::Updated {
+                generation: version,
+                data,
+            } => {
+                self.wait_notice(&set.waiter, self.device.stream(), &data)?;
+                Ok(version)
+            }
+            Notice::Unpublished => Err(ChannelError::Unpublished {
+                name: set.record.name.clone(),
+                lease: set.lease,
+            }
+            .into()),
+            other => Err(ChannelError::Protocol {
+                reason: format!("a notice this version does not know: {other:?}"),
+            }
+            .into()),
+        }
+    }
+
+    /// Releases a set as a whole: waits for the work queued on the streams
+    /// its views used, then tells the publisher. Its chunks stay mapped in
+    /// the cache for the next set, within the mapping budget.
+    ///
+    /// # Errors
+    /// [`Error::ViewsAlive`] while views of its buffers are alive: the lease
+    /// then stays until the last of them drops.
+    pub fn release_set(&self, set: SetAttachment) -> Result<()> {
+        let SetAttachment {
+            guard, mappings, ..
+        } = set;
+        drop(mappings);
+        guard.check_no_views(1)?;
+        let r = guard.end();
+        drop(guard);
+        let evicted = lock(&self.chunks).evict();
+        self.drop_chunks(evicted);
+        r
+    }
+
+    /// Unmaps every cached chunk that no set or buffer holds, and tells the
+    /// publisher (so that it may trim them).
+    pub fn drop_idle_mappings(&self) {
+        let idle = lock(&self.chunks).drain_idle();
+        self.drop_chunks(idle);
+    }
+
+    /// Cached chunk mappings and their bytes.
+    pub fn cached_mappings(&self) -> (usize, u64) {
+        lock(&self.chunks).usage()
+    }
+}
