@@ -259,16 +259,7 @@ impl<T: Pod> MappedBuffer<T> {
         let bytes = (len as u64)
             .checked_mul(size)
             .ok_or_else(|| Error::arg("length", format!("{len} elements overflow")))?;
-        if offset
-            .checked_add(bytes)
-            .is_none_or(|end| end > mapping.size())
-        {
-            return Err(Error::OutOfBounds {
-                offset,
-                len: bytes,
-                size: mapping.size(),
-            });
-        }
+        Error::check_range(offset, bytes, mapping.size())?;
         let align = std::mem::align_of::<T>() as u64;
         if !(mapping.base() + offset).is_multiple_of(align) {
             return Err(Error::arg(

@@ -496,11 +496,7 @@ impl Descriptor {
                 ),
             ));
         }
-        if self
-            .offset
-            .checked_add(self.byte_len)
-            .is_none_or(|end| end > self.alloc_size)
-        {
+        if !crate::error::in_bounds(self.offset, self.byte_len, self.alloc_size) {
             return Err(field_err(
                 "len",
                 format!(

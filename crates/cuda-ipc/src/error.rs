@@ -290,6 +290,22 @@ impl Error {
             reason: reason.into(),
         }
     }
+
+    /// [`Error::OutOfBounds`] unless `len` bytes at `offset` lie inside
+    /// `size` bytes (the one range check of the crate: see [`in_bounds`]).
+    pub(crate) fn check_range(offset: u64, len: u64, size: u64) -> Result<()> {
+        if in_bounds(offset, len, size) {
+            Ok(())
+        } else {
+            Err(Error::OutOfBounds { offset, len, size })
+        }
+    }
+}
+
+/// Whether `len` bytes starting at `offset` end inside `size` bytes (an
+/// offset and length whose sum overflows do not).
+pub(crate) fn in_bounds(offset: u64, len: u64, size: u64) -> bool {
+    offset.checked_add(len).is_some_and(|end| end <= size)
 }
 
 /// The crate's class of a channel error.
@@ -554,5 +570,22 @@ mod tests {
     fn versions_display() {
         assert_eq!(DriverVersion(13000).to_string(), "13.0");
         assert_eq!(DriverVersion(12090).to_string(), "12.9");
+    }
+
+    #[test]
+    fn the_range_check_takes_the_end_and_refuses_overflow() {
+        assert!(in_bounds(0, 0, 0));
+        assert!(in_bounds(4, 4, 8), "a range may end at the end");
+        assert!(!in_bounds(5, 4, 8));
+        assert!(!in_bounds(u64::MAX, 2, u64::MAX), "offset + len overflows");
+        assert!(matches!(
+            Error::check_range(6, 4, 8),
+            Err(Error::OutOfBounds {
+                offset: 6,
+                len: 4,
+                size: 8
+            })
+        ));
+        assert!(Error::check_range(0, 8, 8).is_ok());
     }
 }

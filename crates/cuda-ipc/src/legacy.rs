@@ -121,9 +121,7 @@ pub fn export_pointer(device: &Device, ptr: u64, len: u64) -> Result<LegacyExpor
     device.bind()?;
     let (base, size) = mem::address_range(ptr)?;
     let offset = ptr - base;
-    if offset.checked_add(len).is_none_or(|end| end > size) {
-        return Err(Error::OutOfBounds { offset, len, size });
-    }
+    Error::check_range(offset, len, size)?;
     let capable = mem::pointer_attribute_u32(
         ptr,
         sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
@@ -237,16 +235,7 @@ impl LegacyBuffer {
 
     /// Exports `len` bytes starting `offset` bytes into the buffer.
     pub fn export_range(&self, offset: u64, len: u64) -> Result<LegacyExport> {
-        if offset
-            .checked_add(len)
-            .is_none_or(|end| end > self.len as u64)
-        {
-            return Err(Error::OutOfBounds {
-                offset,
-                len,
-                size: self.len as u64,
-            });
-        }
+        Error::check_range(offset, len, self.len as u64)?;
         let whole = self.export()?;
         Ok(LegacyExport {
             offset,

@@ -180,16 +180,7 @@ pub unsafe trait DeviceMemory {
     where
         Self: Sized,
     {
-        if offset
-            .checked_add(len)
-            .is_none_or(|end| end > self.byte_len() as u64)
-        {
-            return Err(Error::OutOfBounds {
-                offset,
-                len,
-                size: self.byte_len() as u64,
-            });
-        }
+        Error::check_range(offset, len, self.byte_len() as u64)?;
         Ok(Region {
             of: self,
             offset,

@@ -206,16 +206,7 @@ impl SharedBuffer {
         dtype: Dtype,
         shape: Option<Vec<u64>>,
     ) -> Result<Export> {
-        if offset
-            .checked_add(len)
-            .is_none_or(|end| end > self.byte_len() as u64)
-        {
-            return Err(Error::OutOfBounds {
-                offset,
-                len,
-                size: self.byte_len() as u64,
-            });
-        }
+        Error::check_range(offset, len, self.byte_len() as u64)?;
         let device = self.device();
         let (source, alloc_size, base_offset, fds) = match &self.allocation {
             Allocation::Legacy(b) => {
