@@ -254,6 +254,27 @@ def measure_update(torch, pub, consumer, tensors, warmup, reps, index):
     return samples, failures, parts
 
 
+def import_on_device(device):
+    """cuda_ipc and torch, imported, with CUDA device `device` made
+    current; or None after emitting the skip record that says which is
+    missing (the caller then exits 0)."""
+    try:
+        import cuda_ipc
+    except ImportError as e:
+        emit({"kind": "skip", "reason": "cuda_ipc is not importable (%s); pip install the wheel" % e})
+        return None
+    try:
+        import torch
+    except ImportError as e:
+        emit({"kind": "skip", "reason": "torch is not importable (%s)" % e})
+        return None
+    if not torch.cuda.is_available() or device >= torch.cuda.device_count():
+        emit({"kind": "skip", "reason": "PyTorch sees no CUDA device %d" % device})
+        return None
+    torch.cuda.set_device(device)
+    return cuda_ipc, torch
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", type=int, default=0)
@@ -270,20 +291,10 @@ def main():
         emit({"kind": "error", "message": str(e)})
         return 2
     started = time.time()
-    try:
-        import cuda_ipc
-    except ImportError as e:
-        emit({"kind": "skip", "reason": "cuda_ipc is not importable (%s); pip install the wheel" % e})
+    imported = import_on_device(args.device)
+    if imported is None:
         return 0
-    try:
-        import torch
-    except ImportError as e:
-        emit({"kind": "skip", "reason": "torch is not importable (%s)" % e})
-        return 0
-    if not torch.cuda.is_available() or args.device >= torch.cuda.device_count():
-        emit({"kind": "skip", "reason": "PyTorch sees no CUDA device %d" % args.device})
-        return 0
-    torch.cuda.set_device(args.device)
+    cuda_ipc, torch = imported
     emit({"kind": "hello", "cuda_ipc": cuda_ipc.__version__, "torch": torch.__version__,
           "device": torch.cuda.get_device_name(args.device), "python": sys.version.split()[0]})
     path = os.path.join(tempfile.mkdtemp(prefix="cuda-ipc-bench-py-"), "p.sock")

@@ -62,7 +62,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_ipc_share import Consumer  # noqa: E402
+from cuda_ipc_share import Consumer, import_on_device  # noqa: E402
 from torch_share import emit, now_ns  # noqa: E402
 
 # A Qwen2 architecture sized to about 2.19 billion parameters: 4.37 GB in
@@ -347,20 +347,10 @@ def main():
         emit({"kind": "error", "message": str(e)})
         return 2
     started = time.time()
-    try:
-        import cuda_ipc
-    except ImportError as e:
-        emit({"kind": "skip", "reason": "cuda_ipc is not importable (%s); pip install the wheel" % e})
+    imported = import_on_device(args.device)
+    if imported is None:
         return 0
-    try:
-        import torch
-    except ImportError as e:
-        emit({"kind": "skip", "reason": "torch is not importable (%s)" % e})
-        return 0
-    if not torch.cuda.is_available() or args.device >= torch.cuda.device_count():
-        emit({"kind": "skip", "reason": "PyTorch sees no CUDA device %d" % args.device})
-        return 0
-    torch.cuda.set_device(args.device)
+    cuda_ipc, torch = imported
     versions = {}
     for name in ("transformers", "safetensors"):
         try:
