@@ -475,11 +475,20 @@ class SetAttachment:
     when this object and the last view are gone (also when this process
     exits or is killed)."""
 
-    __slots__ = ("_c", "_entries", "__weakref__")
+    __slots__ = ("_c", "_entry_list", "__weakref__")
 
     def __init__(self, core):
         self._c = core
-        self._entries = core.entries
+        # Built on first use: attaching a state dict through the C exchange
+        # API never needs the per-entry tuples (one Python tuple per tensor).
+        self._entry_list = None
+
+    @property
+    def _entries(self):
+        entries = self._entry_list
+        if entries is None:
+            entries = self._entry_list = self._c.entries
+        return entries
 
     name = property(lambda self: self._c.name, doc="The set's name.")
     lease = property(lambda self: self._c.lease, doc="The lease id.")

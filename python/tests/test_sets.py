@@ -146,5 +146,31 @@ def _count(shape):
 
 
 
+
+class LazyEntries(unittest.TestCase):
+    """A SetAttachment builds its per-entry tuples on first use only (the C
+    exchange API's attach never asks for them), once."""
+
+    class Core:
+        def __init__(self):
+            self.asked = 0
+
+        @property
+        def entries(self):
+            self.asked += 1
+            return [("w", "float32", (2,), 0x1000, 8), ("b", "float32", (), 0x1100, 4)]
+
+    def test_entries_are_read_once_and_only_when_used(self):
+        from cuda_ipc.sets import SetAttachment
+
+        core = self.Core()
+        a = SetAttachment(core)
+        self.assertEqual(core.asked, 0)
+        self.assertEqual(len(a), 2)
+        self.assertEqual(a.names, ["w", "b"])
+        self.assertEqual(a.entries[1][0], "b")
+        self.assertEqual(core.asked, 1)
+
+
 if __name__ == "__main__":
     unittest.main()
