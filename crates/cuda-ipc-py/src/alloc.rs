@@ -46,8 +46,8 @@ use cuda_ipc::memory::DeviceMemory;
 use cuda_ipc::{Error, Result};
 use pyo3::prelude::*;
 
-use crate::errors::IntoPyResult;
-use crate::exchange::{PyPublisher, lock, sync_context};
+use crate::errors::{IntoPyResult, lock};
+use crate::exchange::{PyPublisher, sync_context};
 use crate::sets::ArenaRegistry;
 
 /// The exported names, for `CUDAPluggableAllocator(path, ALLOC, FREE)`.

@@ -13,7 +13,7 @@
 //! or an update is received, the host waits for the publisher's event, so
 //! any stream may read at once.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cuda_ipc::descriptor::{Descriptor, Dtype, Mechanism};
@@ -30,12 +30,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::codec;
-use crate::errors::IntoPyResult;
-use crate::mapping::{Keep, Layout, View, closed_error};
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
+use crate::errors::{IntoPyResult, closed_error, lock};
+use crate::keep::{Keep, take_for_release};
+use crate::mapping::{Layout, View};
 
 /// A timeout in seconds; `None` is a year (a wait without end, that a
 /// deadline computation cannot overflow).
@@ -911,48 +908,6 @@ struct HeldFrame {
     // Declared before `ring`: dropped first, while what it borrows lives.
     frame: RingFrame<'static, u8>,
     ring: Arc<RingSubscriber<u8>>,
-}
-
-/// Takes what an explicit `release()` ends out of its owner: `None` if it
-/// was released already; an error, with the owner left as it was, while
-/// views made from it are alive (the lease then ends with the last of
-/// them) or while another thread waits on it.
-pub(crate) fn take_for_release<T>(
-    slot: &Mutex<Option<Arc<T>>>,
-    keep: &Mutex<Option<Keep>>,
-    name: &str,
-    lease: u64,
-    what: &str,
-) -> PyResult<Option<(Option<Keep>, T)>> {
-    let mut guard = lock(slot);
-    let Some(shared) = guard.take() else {
-        return Ok(None);
-    };
-    let mut own = lock(keep);
-    let views = own.as_ref().map_or(0, |k| k.holders().saturating_sub(1));
-    if views > 0 {
-        *guard = Some(shared);
-        return Err(Error::ViewsAlive {
-            name: name.to_owned(),
-            lease,
-            views,
-        })
-        .py();
-    }
-    match Arc::try_unwrap(shared) {
-        Ok(t) => Ok(Some((own.take(), t))),
-        Err(shared) => {
-            *guard = Some(shared);
-            Err(Error::InvalidArgument {
-                what: "release",
-                reason: format!(
-                    "another thread is waiting for an update of this {what}; release it after \
-                     that wait returns"
-                ),
-            })
-            .py()
-        }
-    }
 }
 
 /// The next frame of `ring`, held with the subscription it borrows.

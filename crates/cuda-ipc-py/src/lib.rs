@@ -11,6 +11,7 @@ mod dlpack;
 mod errors;
 mod exchange;
 mod export;
+mod keep;
 mod mapping;
 mod runs;
 mod sets;

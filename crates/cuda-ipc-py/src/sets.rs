@@ -28,11 +28,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::codec;
-use crate::errors::IntoPyResult;
-use crate::exchange::{
-    PyPublisher, PySubscriber, duration, layout, lock, sync_context, take_for_release,
-};
-use crate::mapping::{Keep, Layout, View, closed_error};
+use crate::errors::{IntoPyResult, closed_error, lock};
+use crate::exchange::{PyPublisher, PySubscriber, duration, layout, sync_context};
+use crate::keep::{Keep, take_for_release};
+use crate::mapping::{Layout, View};
 use crate::runs::{self, Place, Placed, Run};
 
 // --- the publisher ------------------------------------------------------------

@@ -27,9 +27,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
-use crate::errors::IntoPyResult;
+use crate::errors::{IntoPyResult, closed_error};
 use crate::exchange::{PyPublisher, sync_context};
-use crate::mapping::closed_error;
 use crate::sets::{ArenaBuffer, SetAttachment, alloc_registered};
 use crate::torch_c::{TensorMeta, TorchExchange, as_bytes, contiguous_strides};
 
@@ -598,7 +597,7 @@ fn attach_state_dict_c(
 ) -> PyResult<()> {
     let py = attachment.py();
     let a = attachment.get();
-    let keep = crate::exchange::lock(&a.keep)
+    let keep = crate::errors::lock(&a.keep)
         .clone()
         .ok_or_else(|| closed_error("set", "attach it again"))?;
     let mut keys: Vec<Bound<'_, PyString>> = Vec::with_capacity(a.entries.len());

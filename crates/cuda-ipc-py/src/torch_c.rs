@@ -33,7 +33,7 @@ use pyo3::types::PyType;
 
 use crate::dlpack::{DEVICE_CUDA, DlDataType, DlDevice, DlTensor};
 use crate::errors::IntoPyResult;
-use crate::mapping::Keep;
+use crate::keep::Keep;
 
 /// The capsule's name, from the DLPack header.
 const CAPSULE_NAME: &CStr = c"dlpack_exchange_api";
