@@ -16,7 +16,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cuda_ipc::descriptor::{Descriptor, Dtype, Mechanism};
+use cuda_ipc::descriptor::Descriptor;
 use cuda_ipc::device::Device;
 use cuda_ipc::exchange::{
     Attachment as Attached, Endpoint, Publisher, PublisherConfig, RingFrame, RingPublisher,
@@ -29,62 +29,11 @@ use pyo3::exceptions::PyStopIteration;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use crate::args::duration;
 use crate::codec;
 use crate::errors::{IntoPyResult, closed_error, lock};
 use crate::keep::{Keep, take_for_release};
-use crate::mapping::{Layout, View};
-
-/// A timeout in seconds; `None` is a year (a wait without end, that a
-/// deadline computation cannot overflow).
-pub(crate) fn duration(seconds: Option<f64>) -> Result<Duration> {
-    match seconds {
-        None => Ok(Duration::from_secs(365 * 86_400)),
-        Some(s) if s.is_finite() && (0.0..=1e9).contains(&s) => Ok(Duration::from_secs_f64(s)),
-        Some(s) => Err(Error::InvalidArgument {
-            what: "timeout",
-            reason: format!("{s} is not a number of seconds between 0 and 1e9"),
-        }),
-    }
-}
-
-fn mechanism(name: Option<&str>) -> Result<Option<Mechanism>> {
-    name.filter(|n| *n != "auto").map(str::parse).transpose()
-}
-
-pub(crate) fn dtype(name: &str) -> Result<Dtype> {
-    let name = name.strip_prefix("torch.").unwrap_or(name);
-    name.parse::<Dtype>()
-        .or_else(|_| cuda_ipc::torch::dtype_from_torch(name))
-}
-
-/// The layout of `len` bytes at `ptr` as `dtype` with `shape` (default:
-/// one dimension of every whole element).
-pub(crate) fn layout(
-    ptr: u64,
-    len: u64,
-    ordinal: usize,
-    dtype_name: &str,
-    shape: Option<Vec<u64>>,
-) -> Result<Layout> {
-    let dt = dtype(dtype_name)?;
-    let shape = shape.unwrap_or_else(|| vec![len / dt.size()]);
-    let bytes = shape
-        .iter()
-        .try_fold(dt.size(), |a, &d| a.checked_mul(d))
-        .filter(|&b| b <= len)
-        .ok_or_else(|| Error::InvalidArgument {
-            what: "shape",
-            reason: format!("{shape:?} of {dt} does not fit in the {len} bytes of the buffer"),
-        })?;
-    Ok(Layout {
-        ptr,
-        len: bytes,
-        dtype: dt,
-        shape,
-        strides: None,
-        ordinal,
-    })
-}
+use crate::mapping::{Layout, View, layout};
 
 /// Waits for every stream of `device`'s context (PyTorch's and CuPy's
 /// included).
@@ -266,7 +215,7 @@ impl PyPublisher {
                 },
             )
         })?;
-        let m = self::mechanism(mechanism).py()?;
+        let m = crate::args::mechanism(mechanism).py()?;
         let dev = self.device.clone();
         let buffer = py.detach(|| SharedBuffer::alloc(&dev, nbytes, m)).py()?;
         Ok(Allocation {
@@ -287,7 +236,7 @@ impl PyPublisher {
         shape: Option<Vec<u64>>,
     ) -> PyResult<Published> {
         let publisher = self.get()?;
-        let dt = self::dtype(dtype).py()?;
+        let dt = crate::args::dtype(dtype).py()?;
         let l = {
             let arc = allocation.get()?;
             layout(
@@ -482,7 +431,7 @@ impl PyPublisher {
     ) -> PyResult<PyRingPublisher> {
         let (slots, slot_bytes) = (slots.0, slot_bytes.0);
         let publisher = self.get()?;
-        let m = self::mechanism(mechanism).py()?;
+        let m = crate::args::mechanism(mechanism).py()?;
         let ring = py
             .detach(|| publisher.ring(name, slots, slot_bytes, m))
             .py()?;

@@ -15,6 +15,7 @@ use cuda_ipc::{Error, Result};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use crate::args::dtype;
 use crate::codec;
 use crate::dlpack;
 use crate::errors::{IntoPyResult, closed_error};
@@ -123,6 +124,35 @@ impl Layout {
         }
         out
     }
+}
+
+/// The layout of `len` bytes at `ptr` as `dtype` with `shape` (default:
+/// one dimension of every whole element).
+pub(crate) fn layout(
+    ptr: u64,
+    len: u64,
+    ordinal: usize,
+    dtype_name: &str,
+    shape: Option<Vec<u64>>,
+) -> Result<Layout> {
+    let dt = dtype(dtype_name)?;
+    let shape = shape.unwrap_or_else(|| vec![len / dt.size()]);
+    let bytes = shape
+        .iter()
+        .try_fold(dt.size(), |a, &d| a.checked_mul(d))
+        .filter(|&b| b <= len)
+        .ok_or_else(|| Error::InvalidArgument {
+            what: "shape",
+            reason: format!("{shape:?} of {dt} does not fit in the {len} bytes of the buffer"),
+        })?;
+    Ok(Layout {
+        ptr,
+        len: bytes,
+        dtype: dt,
+        shape,
+        strides: None,
+        ordinal,
+    })
 }
 
 /// The element type a view shows: `dtype` (a descriptor, NumPy or PyTorch

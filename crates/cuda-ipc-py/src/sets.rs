@@ -27,11 +27,12 @@ use cuda_ipc::{Error, Result};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use crate::args::duration;
 use crate::codec;
 use crate::errors::{IntoPyResult, closed_error, lock};
-use crate::exchange::{PyPublisher, PySubscriber, duration, layout, sync_context};
+use crate::exchange::{PyPublisher, PySubscriber, sync_context};
 use crate::keep::{Keep, take_for_release};
-use crate::mapping::{Layout, View};
+use crate::mapping::{Layout, View, layout};
 use crate::runs::{self, Place, Placed, Run};
 
 // --- the publisher ------------------------------------------------------------
@@ -293,7 +294,7 @@ pub(crate) fn publish_set(
 
 /// The element type of member `index`, or an error that names the member.
 fn member_dtype(index: usize, member: &str, name: &str) -> Result<Dtype> {
-    crate::exchange::dtype(name).map_err(|_| Error::InvalidArgument {
+    crate::args::dtype(name).map_err(|_| Error::InvalidArgument {
         what: "set member dtype",
         reason: format!(
             "member {index} ({member:?}) has the unknown dtype {name:?}; a set holds {}",

@@ -191,7 +191,7 @@ impl Torch<'_, '_> {
             ))
             .py();
         };
-        let dt = crate::exchange::dtype(&name.extract::<String>()?).py()?;
+        let dt = crate::args::dtype(&name.extract::<String>()?).py()?;
         Ok((dtype, dt, self.api.read(t)?))
     }
 }

@@ -281,7 +281,7 @@ impl TorchExchange {
         shape: Vec<i64>,
         strides: Vec<i64>,
     ) -> PyResult<Py<PyAny>> {
-        let dt = crate::exchange::dtype(dtype).py()?;
+        let dt = crate::args::dtype(dtype).py()?;
         let at = At {
             ptr,
             ordinal,
