@@ -47,8 +47,7 @@ use cuda_ipc::{Error, Result};
 use pyo3::prelude::*;
 
 use crate::errors::{IntoPyResult, lock};
-use crate::exchange::{PyPublisher, sync_context};
-use crate::sets::ArenaRegistry;
+use crate::peers::{ArenaRegistry, PyPublisher, sync_context};
 
 /// The exported names, for `CUDAPluggableAllocator(path, ALLOC, FREE)`.
 const ALLOC_SYMBOL: &str = "cuda_ipc_torch_alloc";

@@ -34,18 +34,7 @@ use crate::codec;
 use crate::errors::{IntoPyResult, closed_error, lock};
 use crate::keep::{Keep, take_for_release};
 use crate::mapping::{Layout, View, layout};
-
-/// Waits for every stream of `device`'s context (PyTorch's and CuPy's
-/// included).
-pub(crate) fn sync_context(device: &Device) -> Result<()> {
-    device
-        .context()
-        .synchronize()
-        .map_err(|e| Error::Unsupported {
-            what: "synchronising the context",
-            why: e.to_string(),
-        })
-}
+use crate::peers::{PyPublisher, PySubscriber, sync_context};
 
 // --- the publisher ------------------------------------------------------------
 
@@ -133,24 +122,6 @@ impl Published {
             dtype,
             raw,
         )
-    }
-}
-
-/// Serves device buffers by name to subscribers in other processes.
-#[pyclass(module = "cuda_ipc._core", name = "Publisher", frozen)]
-pub(crate) struct PyPublisher {
-    inner: Mutex<Option<Arc<Publisher>>>,
-    pub(crate) device: Device,
-    path: String,
-    /// The arena buffers allocated through this object, by address.
-    pub(crate) arena_buffers: Arc<crate::sets::ArenaRegistry>,
-}
-
-impl PyPublisher {
-    pub(crate) fn get(&self) -> PyResult<Arc<Publisher>> {
-        lock(&self.inner)
-            .clone()
-            .ok_or_else(|| closed_error("publisher", "make a new Publisher"))
     }
 }
 
@@ -573,21 +544,6 @@ impl PyRingPublisher {
 }
 
 // --- the subscriber -----------------------------------------------------------
-
-/// Connects to a publisher and maps what it publishes.
-#[pyclass(module = "cuda_ipc._core", name = "Subscriber", frozen)]
-pub(crate) struct PySubscriber {
-    inner: Mutex<Option<Arc<Subscriber>>>,
-    pub(crate) device: Device,
-}
-
-impl PySubscriber {
-    pub(crate) fn get(&self) -> PyResult<Arc<Subscriber>> {
-        lock(&self.inner)
-            .clone()
-            .ok_or_else(|| closed_error("subscriber", "make a new Subscriber"))
-    }
-}
 
 #[pymethods]
 impl PySubscriber {

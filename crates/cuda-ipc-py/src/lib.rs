@@ -13,6 +13,7 @@ mod exchange;
 mod export;
 mod keep;
 mod mapping;
+mod peers;
 mod runs;
 mod sets;
 mod state_dict;

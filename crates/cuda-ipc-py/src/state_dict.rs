@@ -28,7 +28,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::errors::{IntoPyResult, closed_error};
-use crate::exchange::{PyPublisher, sync_context};
+use crate::peers::{PyPublisher, sync_context};
 use crate::sets::{ArenaBuffer, SetAttachment, alloc_registered};
 use crate::torch_c::{TensorMeta, TorchExchange, as_bytes, contiguous_strides};
 
