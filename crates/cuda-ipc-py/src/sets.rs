@@ -10,7 +10,7 @@
 //! them as well, so the lease ends at `release()`, or when the attachment
 //! and the last view are gone (or the process exits).
 //!
-//! Synchronisation is the channel's (see `exchange.rs`): publishing and
+//! Synchronisation is the channel's (see `exchange`): publishing and
 //! updating wait for the work queued on the whole context first; attaching
 //! and receiving an update wait on the host for the publisher's event or
 //! fence, so every stream may read at once.
