@@ -46,9 +46,8 @@ use cuda_ipc::memory::DeviceMemory;
 use cuda_ipc::{Error, Result};
 use pyo3::prelude::*;
 
-use crate::errors::IntoPyResult;
-use crate::exchange::{PyPublisher, lock, sync_context};
-use crate::sets::ArenaRegistry;
+use crate::errors::{IntoPyResult, lock};
+use crate::peers::{ArenaRegistry, PyPublisher, sync_context};
 
 /// The exported names, for `CUDAPluggableAllocator(path, ALLOC, FREE)`.
 const ALLOC_SYMBOL: &str = "cuda_ipc_torch_alloc";

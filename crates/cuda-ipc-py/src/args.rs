@@ -4,9 +4,12 @@
 //! never pyo3's `OverflowError` or `TypeError`, and never "no driver" for a
 //! mistake the command-line tool reports as bad input (exit 2).
 
-use cuda_ipc::Error;
+use std::time::Duration;
+
 use cuda_ipc::channel;
+use cuda_ipc::descriptor::{Dtype, Mechanism};
 use cuda_ipc::exchange::Endpoint;
+use cuda_ipc::{Error, Result};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
 use pyo3::types::PyBool;
@@ -183,4 +186,30 @@ fn whole<T: TryFrom<i64>>(
         ));
     }
     T::try_from(n).map_err(|_| invalid(py, what, format!("{n} is too large; expected {expected}")))
+}
+
+/// A timeout in seconds; `None` is a year (a wait without end, that a
+/// deadline computation cannot overflow).
+pub(crate) fn duration(seconds: Option<f64>) -> Result<Duration> {
+    match seconds {
+        None => Ok(Duration::from_secs(365 * 86_400)),
+        Some(s) if s.is_finite() && (0.0..=1e9).contains(&s) => Ok(Duration::from_secs_f64(s)),
+        Some(s) => Err(Error::InvalidArgument {
+            what: "timeout",
+            reason: format!("{s} is not a number of seconds between 0 and 1e9"),
+        }),
+    }
+}
+
+/// A sharing mechanism by name; `None` or `auto`: the best here.
+pub(crate) fn mechanism(name: Option<&str>) -> Result<Option<Mechanism>> {
+    name.filter(|n| *n != "auto").map(str::parse).transpose()
+}
+
+/// An element type by its descriptor, NumPy or PyTorch name (`torch.`
+/// prefix allowed).
+pub(crate) fn dtype(name: &str) -> Result<Dtype> {
+    let name = name.strip_prefix("torch.").unwrap_or(name);
+    name.parse::<Dtype>()
+        .or_else(|_| cuda_ipc::torch::dtype_from_torch(name))
 }

@@ -2,7 +2,7 @@
 //! reads): the C structures and the capsule that hands a mapped view to
 //! PyTorch, CuPy, JAX or NumPy-like libraries without a copy.
 //!
-//! The capsule's tensor owns a [`crate::mapping::Keep`]: the mapping (and
+//! The capsule's tensor owns a [`crate::keep::Keep`]: the mapping (and
 //! the lease, for memory attached over the channel) lives until the
 //! consumer calls the deleter, that is until its last tensor view is gone.
 #![allow(unsafe_code)]
@@ -12,7 +12,7 @@ use std::ffi::{CStr, c_void};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use crate::mapping::Keep;
+use crate::keep::Keep;
 
 /// `kDLCUDA`.
 pub(crate) const DEVICE_CUDA: i32 = 2;

@@ -6,6 +6,8 @@
 //! message is the error's one sentence, the same the command-line tool
 //! prints after `cuda-ipc: error:`.
 
+use std::sync::{Mutex, PoisonError};
+
 use cuda_ipc::{Error, ErrorKind};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -114,4 +116,23 @@ impl<T> IntoPyResult<T> for cuda_ipc::Result<T> {
     fn py(self) -> PyResult<T> {
         self.map_err(|e| Python::attach(|py| to_py(py, &e)))
     }
+}
+
+/// A mutex's guard; a poisoned mutex (a panic while it was held) is used
+/// as it is.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The error for a use of a closed object.
+pub(crate) fn closed_error(what: &'static str, then: &str) -> PyErr {
+    Python::attach(|py| {
+        to_py(
+            py,
+            &Error::InvalidArgument {
+                what,
+                reason: format!("it is closed or released; {then}"),
+            },
+        )
+    })
 }

@@ -2,8 +2,8 @@
 //! Python object with `__cuda_array_interface__` and DLPack.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::Ordering;
+use std::sync::{Mutex, OnceLock};
 
 use cuda_ipc::buffer::MappedBuffer;
 use cuda_ipc::descriptor::{Descriptor, Dtype};
@@ -15,34 +15,11 @@ use cuda_ipc::{Error, Result};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use crate::args::dtype;
 use crate::codec;
 use crate::dlpack;
-use crate::errors::IntoPyResult;
-
-/// Mappings of this process not unmapped yet.
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-/// A hold on device memory: the mapping (and the lease, for memory
-/// attached over the channel) or the published buffer stays while any
-/// `Keep` of it lives. Mapping objects and every DLPack capsule or
-/// CUDA-array-interface view hold one.
-#[derive(Clone)]
-pub(crate) struct Keep {
-    inner: Arc<KeepInner>,
-}
-
-impl std::fmt::Debug for Keep {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Keep").finish_non_exhaustive()
-    }
-}
-
-struct KeepInner {
-    device: Device,
-    /// Counted in `live_mappings`.
-    live: bool,
-    hold: Option<Box<dyn std::any::Any + Send + Sync>>,
-}
+use crate::errors::{IntoPyResult, closed_error};
+use crate::keep::{Keep, LIVE};
 
 /// Runs every retired release that is due, waiting up to `timeout` seconds
 /// (`None`: 10) for their GPU work; returns whether none is left. Freeing a
@@ -72,80 +49,6 @@ fn settle(py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
 #[pyfunction]
 fn retiring() -> usize {
     cuda_ipc::reaper::retiring()
-}
-
-impl Keep {
-    /// A hold on mapped memory (counted in `live_mappings`).
-    pub(crate) fn new(buffer: MappedBuffer<u8>) -> Self {
-        LIVE.fetch_add(1, Ordering::SeqCst);
-        Keep {
-            inner: Arc::new(KeepInner {
-                device: buffer.mapping().device().clone(),
-                live: true,
-                hold: Some(Box::new(buffer)),
-            }),
-        }
-    }
-
-    /// Lets go of this hold now, for an explicit release (which may wait,
-    /// without the GIL): when it is the last, the context's work is waited
-    /// for and the memory let go of here, so that what the caller releases
-    /// next (a lease) sees it gone. Otherwise the others keep it.
-    pub(crate) fn release_now(self) -> Result<()> {
-        let Ok(mut inner) = Arc::try_unwrap(self.inner) else {
-            return Ok(());
-        };
-        let waited = inner
-            .device
-            .context()
-            .synchronize()
-            .map_err(|e| cuda_ipc::error::from_cudarc("cuCtxSynchronize", e));
-        drop(inner.hold.take());
-        if std::mem::replace(&mut inner.live, false) {
-            LIVE.fetch_sub(1, Ordering::SeqCst);
-        }
-        waited
-    }
-
-    /// How many holds there are on this memory (this one included).
-    pub(crate) fn holders(&self) -> usize {
-        Arc::strong_count(&self.inner)
-    }
-
-    /// A hold on anything else that owns device memory of `device`.
-    pub(crate) fn other(device: Device, hold: impl std::any::Any + Send + Sync) -> Self {
-        Keep {
-            inner: Arc::new(KeepInner {
-                device,
-                live: false,
-                hold: Some(Box::new(hold)),
-            }),
-        }
-    }
-}
-
-impl Drop for KeepInner {
-    fn drop(&mut self) {
-        // The last holder. Work any framework queued on the memory, on any
-        // stream of the context (PyTorch's and CuPy's streams are not
-        // ours to know), must finish before it is let go: the release is
-        // retired until a barrier over the context has passed, on the
-        // library's thread. Never waits here, with or without the GIL.
-        let Some(hold) = self.hold.take() else {
-            return;
-        };
-        let live = self.live;
-        cuda_ipc::reaper::after_context(
-            self.device.context(),
-            "releasing memory handed to Python",
-            move || {
-                drop(hold);
-                if live {
-                    LIVE.fetch_sub(1, Ordering::SeqCst);
-                }
-            },
-        );
-    }
 }
 
 /// The devices this process opened, by ordinal (a context each).
@@ -221,6 +124,35 @@ impl Layout {
         }
         out
     }
+}
+
+/// The layout of `len` bytes at `ptr` as `dtype` with `shape` (default:
+/// one dimension of every whole element).
+pub(crate) fn layout(
+    ptr: u64,
+    len: u64,
+    ordinal: usize,
+    dtype_name: &str,
+    shape: Option<Vec<u64>>,
+) -> Result<Layout> {
+    let dt = dtype(dtype_name)?;
+    let shape = shape.unwrap_or_else(|| vec![len / dt.size()]);
+    let bytes = shape
+        .iter()
+        .try_fold(dt.size(), |a, &d| a.checked_mul(d))
+        .filter(|&b| b <= len)
+        .ok_or_else(|| Error::InvalidArgument {
+            what: "shape",
+            reason: format!("{shape:?} of {dt} does not fit in the {len} bytes of the buffer"),
+        })?;
+    Ok(Layout {
+        ptr,
+        len: bytes,
+        dtype: dt,
+        shape,
+        strides: None,
+        ordinal,
+    })
 }
 
 /// The element type a view shows: `dtype` (a descriptor, NumPy or PyTorch
@@ -549,19 +481,6 @@ impl PyMapping {
             self.layout.ordinal
         )
     }
-}
-
-/// The error for a use of a closed object.
-pub(crate) fn closed_error(what: &'static str, then: &str) -> PyErr {
-    Python::attach(|py| {
-        crate::errors::to_py(
-            py,
-            &Error::InvalidArgument {
-                what,
-                reason: format!("it is closed or released; {then}"),
-            },
-        )
-    })
 }
 
 /// Opens a descriptor: maps it and waits for the exporter's event.

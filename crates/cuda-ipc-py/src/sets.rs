@@ -10,13 +10,13 @@
 //! them as well, so the lease ends at `release()`, or when the attachment
 //! and the last view are gone (or the process exits).
 //!
-//! Synchronisation is the channel's (see `exchange.rs`): publishing and
+//! Synchronisation is the channel's (see `exchange`): publishing and
 //! updating wait for the work queued on the whole context first; attaching
 //! and receiving an update wait on the host for the publisher's event or
 //! fence, so every stream may read at once.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, Weak};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
 use cuda_ipc::descriptor::Dtype;
@@ -27,71 +27,15 @@ use cuda_ipc::{Error, Result};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use crate::args::duration;
 use crate::codec;
-use crate::errors::IntoPyResult;
-use crate::exchange::{
-    PyPublisher, PySubscriber, duration, layout, lock, sync_context, take_for_release,
-};
-use crate::mapping::{Keep, Layout, View, closed_error};
+use crate::errors::{IntoPyResult, closed_error, lock};
+use crate::keep::{Keep, take_for_release};
+use crate::mapping::{Layout, View, layout};
+use crate::peers::{PyPublisher, PySubscriber, sync_context};
 use crate::runs::{self, Place, Placed, Run};
 
 // --- the publisher ------------------------------------------------------------
-
-/// The arena buffers a publisher object allocated, by device address, so
-/// that memory already in the arena is published without a copy. Holds no
-/// buffer alive: an entry whose buffer is gone does not match.
-#[derive(Default)]
-pub(crate) struct ArenaRegistry {
-    inner: Mutex<Registry>,
-}
-
-#[derive(Default)]
-struct Registry {
-    by_ptr: BTreeMap<u64, Weak<DeviceArenaBuffer>>,
-    /// Dead entries are swept when the table reaches this size.
-    sweep_at: usize,
-}
-
-impl ArenaRegistry {
-    pub(crate) fn insert(&self, buffer: &Arc<DeviceArenaBuffer>) {
-        let mut r = lock(&self.inner);
-        r.by_ptr
-            .insert(buffer.device_address(), Arc::downgrade(buffer));
-        if r.by_ptr.len() >= r.sweep_at {
-            r.by_ptr.retain(|_, w| w.strong_count() > 0);
-            r.sweep_at = (r.by_ptr.len() * 2).max(64);
-        }
-    }
-
-    fn find(&self, ptr: u64, nbytes: u64) -> Option<Arc<DeviceArenaBuffer>> {
-        lock(&self.inner)
-            .by_ptr
-            .get(&ptr)?
-            .upgrade()
-            .filter(|b| b.len() >= nbytes)
-    }
-
-    /// The live buffer that holds the `nbytes` bytes from device address
-    /// `ptr`, and `ptr`'s offset in it.
-    pub(crate) fn containing(
-        &self,
-        ptr: u64,
-        nbytes: u64,
-    ) -> Option<(Arc<DeviceArenaBuffer>, u64)> {
-        let r = lock(&self.inner);
-        // Live buffers never overlap, so the first live one that starts at
-        // or below `ptr` is the only one that can hold it; dead entries
-        // (their ranges may since have been handed out again) are skipped.
-        let buffer = r
-            .by_ptr
-            .range(..=ptr)
-            .rev()
-            .find_map(|(_, w)| w.upgrade())?;
-        let offset = ptr - buffer.device_address();
-        let end = offset.checked_add(nbytes)?;
-        (end <= buffer.len()).then_some((buffer, offset))
-    }
-}
 
 /// A buffer of a publisher's arena: fill it through `view()`, then publish
 /// it as a member of a set (`Publisher.publish_set`). The buffer lives while
@@ -294,7 +238,7 @@ pub(crate) fn publish_set(
 
 /// The element type of member `index`, or an error that names the member.
 fn member_dtype(index: usize, member: &str, name: &str) -> Result<Dtype> {
-    crate::exchange::dtype(name).map_err(|_| Error::InvalidArgument {
+    crate::args::dtype(name).map_err(|_| Error::InvalidArgument {
         what: "set member dtype",
         reason: format!(
             "member {index} ({member:?}) has the unknown dtype {name:?}; a set holds {}",

@@ -33,7 +33,7 @@ use pyo3::types::PyType;
 
 use crate::dlpack::{DEVICE_CUDA, DlDataType, DlDevice, DlTensor};
 use crate::errors::IntoPyResult;
-use crate::mapping::Keep;
+use crate::keep::Keep;
 
 /// The capsule's name, from the DLPack header.
 const CAPSULE_NAME: &CStr = c"dlpack_exchange_api";
@@ -281,7 +281,7 @@ impl TorchExchange {
         shape: Vec<i64>,
         strides: Vec<i64>,
     ) -> PyResult<Py<PyAny>> {
-        let dt = crate::exchange::dtype(dtype).py()?;
+        let dt = crate::args::dtype(dtype).py()?;
         let at = At {
             ptr,
             ordinal,

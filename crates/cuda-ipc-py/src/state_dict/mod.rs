@@ -17,76 +17,29 @@
 //! mappings ([`Keep`]) until its storage dies; the publisher's record holds
 //! the tensors it returned and the arena buffers of the set.
 
+mod names;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use cuda_ipc::Result;
 use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
 use cuda_ipc::descriptor::Dtype;
-use cuda_ipc::{Error, Result};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
-use crate::errors::IntoPyResult;
-use crate::exchange::{PyPublisher, sync_context};
-use crate::mapping::closed_error;
+use crate::errors::{IntoPyResult, closed_error};
+use crate::peers::{PyPublisher, sync_context};
 use crate::sets::{ArenaBuffer, SetAttachment, alloc_registered};
 use crate::torch_c::{TensorMeta, TorchExchange, as_bytes, contiguous_strides};
 
-/// Entry names under this prefix carry what an entry cannot hold as it is.
-const RESERVED: &str = ".cuda-ipc/";
-const EMPTY: &str = ".cuda-ipc/empty/";
-const ALIAS: &str = ".cuda-ipc/alias/";
-/// The longest entry name a set record takes.
-const MAX_NAME_BYTES: usize = 256;
+use names::{
+    ALIAS, RESERVED, check_entry_name, empty_name, invalid, parse_alias, parse_empty, repr,
+};
+
 /// Arena buffers are placed at multiples of this.
 const ALIGN: u64 = 256;
-
-fn invalid(what: &'static str, reason: String) -> Error {
-    Error::InvalidArgument { what, reason }
-}
-
-fn repr(s: &str) -> String {
-    // Python's repr of a str for the messages (close enough: the keys of
-    // a state dict are printable).
-    if s.contains('\'') && !s.contains('"') {
-        format!("\"{s}\"")
-    } else {
-        format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"))
-    }
-}
-
-/// The entry name that carries the empty tensor `key` of `shape`.
-fn empty_name(key: &str, shape: &[i64]) -> String {
-    let dims: Vec<String> = shape.iter().map(i64::to_string).collect();
-    format!("{EMPTY}{}/{key}", dims.join("x"))
-}
-
-/// `(key, shape)` of an entry named by [`empty_name`].
-fn parse_empty(name: &str) -> Option<(&str, Vec<u64>)> {
-    let (dims, key) = name.strip_prefix(EMPTY)?.split_once('/')?;
-    if key.is_empty() {
-        return None;
-    }
-    let shape = dims
-        .split('x')
-        .map(|d| {
-            (!d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
-                .then(|| d.parse::<u64>().ok())
-                .flatten()
-        })
-        .collect::<Option<Vec<u64>>>()?;
-    shape.contains(&0).then_some((key, shape))
-}
-
-/// `(index, key)` of an alias entry.
-fn parse_alias(name: &str) -> Option<(usize, &str)> {
-    let (index, key) = name.strip_prefix(ALIAS)?.split_once('/')?;
-    if key.is_empty() || index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    Some((index.parse().ok()?, key))
-}
 
 /// `(key, value)` of every item of a state dict, after the checks that
 /// need no tensor (Python's `_check_items`).
@@ -192,7 +145,7 @@ impl Torch<'_, '_> {
             ))
             .py();
         };
-        let dt = crate::exchange::dtype(&name.extract::<String>()?).py()?;
+        let dt = crate::args::dtype(&name.extract::<String>()?).py()?;
         Ok((dtype, dt, self.api.read(t)?))
     }
 }
@@ -214,19 +167,6 @@ struct Item<'py> {
 enum Slot {
     Item(usize),
     Alias(usize, String),
-}
-
-fn check_entry_name(key: &str, entry: &str) -> Result<()> {
-    if entry.len() > MAX_NAME_BYTES {
-        return Err(invalid(
-            "state dict key",
-            format!(
-                "{}: the entry name is longer than the {MAX_NAME_BYTES} bytes a set takes",
-                repr(key)
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// Arena ranges found for different keys may overlap (slices of one
@@ -598,7 +538,7 @@ fn attach_state_dict_c(
 ) -> PyResult<()> {
     let py = attachment.py();
     let a = attachment.get();
-    let keep = crate::exchange::lock(&a.keep)
+    let keep = crate::errors::lock(&a.keep)
         .clone()
         .ok_or_else(|| closed_error("set", "attach it again"))?;
     let mut keys: Vec<Bound<'_, PyString>> = Vec::with_capacity(a.entries.len());

@@ -1,0 +1,145 @@
+//! The subscriber's methods: `Subscriber` (list, attach, attach sets and
+//! rings, close).
+
+use std::sync::{Arc, Mutex};
+
+use cuda_ipc::Result;
+use cuda_ipc::exchange::{Endpoint, Subscriber, SubscriberConfig};
+use cuda_ipc::memory::DeviceMemory;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use super::attachment::Attachment;
+use super::rings::{Ring, RingShared};
+use crate::args::duration;
+use crate::errors::{IntoPyResult, lock};
+use crate::keep::Keep;
+use crate::mapping::Layout;
+use crate::peers::PySubscriber;
+
+#[pymethods]
+impl PySubscriber {
+    /// Connects to the publisher at `endpoint` (a name or a path); requests
+    /// time out after `timeout` seconds.
+    #[new]
+    #[pyo3(signature = (endpoint, *, device=crate::args::Ordinal(0), timeout=5.0, allow_uids=Vec::new()))]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        device: crate::args::Ordinal,
+        timeout: f64,
+        allow_uids: Vec<crate::args::Uid>,
+    ) -> PyResult<Self> {
+        let timeout = duration(Some(timeout)).py()?;
+        crate::args::check_endpoint(py, endpoint)?;
+        let allow_uids = crate::args::uids(allow_uids);
+        let (sub, dev) = py
+            .detach(|| -> Result<_> {
+                let dev = crate::mapping::device(device.0)?;
+                let config = SubscriberConfig::default()
+                    .with_timeout(timeout)
+                    .with_allow_uids(allow_uids);
+                Ok((
+                    Subscriber::connect(&dev, Endpoint::from(endpoint), config)?,
+                    dev,
+                ))
+            })
+            .py()?;
+        Ok(PySubscriber {
+            inner: Mutex::new(Some(Arc::new(sub))),
+            device: dev,
+        })
+    }
+
+    /// The names published now.
+    fn list(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let s = self.get()?;
+        py.detach(|| s.list()).py()
+    }
+
+    /// Whether the publisher is still there (does not block).
+    fn is_alive(&self) -> PyResult<bool> {
+        Ok(self.get()?.is_alive())
+    }
+
+    /// How many mappings this subscriber opened (cache misses).
+    #[getter]
+    fn opens(&self) -> PyResult<u64> {
+        Ok(self.get()?.opens())
+    }
+
+    /// Attaches to the buffer published as `name`: a lease, the memory
+    /// mapped, the publisher's event waited for.
+    fn attach(&self, py: Python<'_>, name: &str) -> PyResult<Attachment> {
+        let sub = self.get()?;
+        let attached = py
+            .detach(|| -> Result<_> {
+                let a = sub.attach::<u8>(name)?;
+                a.buffer().synchronize()?;
+                Ok(a)
+            })
+            .py()?;
+        let d = attached.descriptor().clone();
+        let layout = Layout::of(attached.buffer(), &d);
+        Ok(Attachment {
+            name: attached.name().to_owned(),
+            lease: attached.lease(),
+            keep: Mutex::new(Some(Keep::new(attached.buffer().clone()))),
+            attached: Mutex::new(Some(Arc::new(attached))),
+            subscriber: sub,
+            layout,
+            descriptor: d,
+        })
+    }
+
+    /// Attaches the set published as `name`: one lease for the whole set,
+    /// each chunk mapped once, the publisher's event (or fence) waited for.
+    fn attach_set(&self, py: Python<'_>, name: &str) -> PyResult<crate::sets::SetAttachment> {
+        crate::sets::attach_set(self, py, name)
+    }
+
+    /// Unmaps the cached arena chunks that no set or buffer holds any more
+    /// (so that the publisher may trim them).
+    fn drop_idle_mappings(&self, py: Python<'_>) -> PyResult<()> {
+        let s = self.get()?;
+        py.detach(|| s.drop_idle_mappings());
+        Ok(())
+    }
+
+    /// `(count, bytes)` of the arena chunks this subscriber keeps mapped.
+    fn cached_mappings(&self) -> PyResult<(usize, u64)> {
+        Ok(self.get()?.cached_mappings())
+    }
+
+    /// Subscribes to the ring `name` (every slot mapped once).
+    fn attach_ring(&self, py: Python<'_>, name: &str) -> PyResult<Ring> {
+        let sub = self.get()?;
+        let ring = py.detach(|| sub.attach_ring::<u8>(name)).py()?;
+        Ok(Ring {
+            shared: Arc::new(RingShared {
+                subscriber: sub,
+                ring: Mutex::new(Some(Arc::new(ring))),
+            }),
+            name: name.to_owned(),
+            device: self.device.clone(),
+            timeout: Mutex::new(None),
+        })
+    }
+
+    /// Disconnects (leases still held by attachments or tensors end when
+    /// they die). Safe to call twice.
+    fn close(&self, py: Python<'_>) {
+        let s = lock(&self.inner).take();
+        py.detach(move || drop(s));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+}

@@ -1,0 +1,118 @@
+//! The Python objects of the exchange's two peers, `Publisher` and
+//! `Subscriber`: what each holds, for the modules that bind to them
+//! (`exchange` for their own methods, `sets` for arenas and sets, `alloc`
+//! for the torch allocator, `state_dict`), and the synchronisation of the
+//! context that precedes every publish and update (see `exchange`).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, Weak};
+
+use cuda_ipc::arena::DeviceArenaBuffer;
+use cuda_ipc::device::Device;
+use cuda_ipc::exchange::{Publisher, Subscriber};
+use cuda_ipc::memory::DeviceMemory;
+use cuda_ipc::{Error, Result};
+use pyo3::prelude::*;
+
+use crate::errors::{closed_error, lock};
+
+/// Waits for every stream of `device`'s context (PyTorch's and CuPy's
+/// included).
+pub(crate) fn sync_context(device: &Device) -> Result<()> {
+    device
+        .context()
+        .synchronize()
+        .map_err(|e| Error::Unsupported {
+            what: "synchronising the context",
+            why: e.to_string(),
+        })
+}
+
+/// Serves device buffers by name to subscribers in other processes.
+#[pyclass(module = "cuda_ipc._core", name = "Publisher", frozen)]
+pub(crate) struct PyPublisher {
+    pub(crate) inner: Mutex<Option<Arc<Publisher>>>,
+    pub(crate) device: Device,
+    pub(crate) path: String,
+    /// The arena buffers allocated through this object, by address.
+    pub(crate) arena_buffers: Arc<ArenaRegistry>,
+}
+
+impl PyPublisher {
+    pub(crate) fn get(&self) -> PyResult<Arc<Publisher>> {
+        lock(&self.inner)
+            .clone()
+            .ok_or_else(|| closed_error("publisher", "make a new Publisher"))
+    }
+}
+
+/// The arena buffers a publisher object allocated, by device address, so
+/// that memory already in the arena is published without a copy. Holds no
+/// buffer alive: an entry whose buffer is gone does not match.
+#[derive(Default)]
+pub(crate) struct ArenaRegistry {
+    inner: Mutex<Registry>,
+}
+
+#[derive(Default)]
+struct Registry {
+    by_ptr: BTreeMap<u64, Weak<DeviceArenaBuffer>>,
+    /// Dead entries are swept when the table reaches this size.
+    sweep_at: usize,
+}
+
+impl ArenaRegistry {
+    pub(crate) fn insert(&self, buffer: &Arc<DeviceArenaBuffer>) {
+        let mut r = lock(&self.inner);
+        r.by_ptr
+            .insert(buffer.device_address(), Arc::downgrade(buffer));
+        if r.by_ptr.len() >= r.sweep_at {
+            r.by_ptr.retain(|_, w| w.strong_count() > 0);
+            r.sweep_at = (r.by_ptr.len() * 2).max(64);
+        }
+    }
+
+    pub(crate) fn find(&self, ptr: u64, nbytes: u64) -> Option<Arc<DeviceArenaBuffer>> {
+        lock(&self.inner)
+            .by_ptr
+            .get(&ptr)?
+            .upgrade()
+            .filter(|b| b.len() >= nbytes)
+    }
+
+    /// The live buffer that holds the `nbytes` bytes from device address
+    /// `ptr`, and `ptr`'s offset in it.
+    pub(crate) fn containing(
+        &self,
+        ptr: u64,
+        nbytes: u64,
+    ) -> Option<(Arc<DeviceArenaBuffer>, u64)> {
+        let r = lock(&self.inner);
+        // Live buffers never overlap, so the first live one that starts at
+        // or below `ptr` is the only one that can hold it; dead entries
+        // (their ranges may since have been handed out again) are skipped.
+        let buffer = r
+            .by_ptr
+            .range(..=ptr)
+            .rev()
+            .find_map(|(_, w)| w.upgrade())?;
+        let offset = ptr - buffer.device_address();
+        let end = offset.checked_add(nbytes)?;
+        (end <= buffer.len()).then_some((buffer, offset))
+    }
+}
+
+/// Connects to a publisher and maps what it publishes.
+#[pyclass(module = "cuda_ipc._core", name = "Subscriber", frozen)]
+pub(crate) struct PySubscriber {
+    pub(crate) inner: Mutex<Option<Arc<Subscriber>>>,
+    pub(crate) device: Device,
+}
+
+impl PySubscriber {
+    pub(crate) fn get(&self) -> PyResult<Arc<Subscriber>> {
+        lock(&self.inner)
+            .clone()
+            .ok_or_else(|| closed_error("subscriber", "make a new Subscriber"))
+    }
+}
