@@ -8,7 +8,7 @@ Publisher::
     with cuda_ipc.Publisher("weights") as pub:
         p = pub.publish("w", tensor)          # copied once into shareable memory
         w = p.as_torch()                      # the shared tensor: update it in place
-        w.add_(1); pub.update("w")            # subscribers see generation 1
+        w.add_(1); pub.update("w")            # subscribers see version 1
 
 Subscriber (another process)::
 
@@ -131,7 +131,7 @@ class Publisher(_Owner):
 
     def update(self, name):
         """Tells subscribers of ``name`` that new contents are ready; returns
-        the generation (from 1)."""
+        the version (from 1)."""
         return self._c.update(name)
 
     def unpublish(self, name, timeout=None):
@@ -306,7 +306,7 @@ class Attachment(_Owner):
         return _as_cupy(self._c.view, self.dtype, self.device, dtype)
 
     def wait_update(self, timeout=None):
-        """Waits for the publisher's next update; returns its generation.
+        """Waits for the publisher's next update; returns its version.
         Raises PeerGone when the publisher is gone or takes the buffer back."""
         return self._c.wait_update(timeout)
 

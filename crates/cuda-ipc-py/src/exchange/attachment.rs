@@ -93,7 +93,7 @@ impl Attachment {
         View::new(keep, self.layout.clone(), dtype, raw)
     }
     /// Waits up to `timeout` seconds (`None`: for ever) for the publisher's
-    /// next update, then for its event. Returns the update's generation.
+    /// next update, then for its event. Returns the update's version.
     #[pyo3(signature = (timeout=None))]
     fn wait_update(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
         let t = duration(timeout).py()?;
@@ -102,9 +102,9 @@ impl Attachment {
             .ok_or_else(|| closed_error("attachment", "attach again"))?;
         let sub = &self.subscriber;
         py.detach(|| -> Result<_> {
-            let generation = sub.wait_update(&a, t)?;
+            let version = sub.wait_update(&a, t)?;
             a.buffer().synchronize()?;
-            Ok(generation)
+            Ok(version)
         })
         .py()
     }

@@ -245,7 +245,7 @@ impl PyPublisher {
     }
 
     /// Tells the subscribers of `name` that new contents are ready (after
-    /// the work queued so far on this device). Returns the generation.
+    /// the work queued so far on this device). Returns the version (from 1).
     fn update(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
         let publisher = self.get()?;
         let dev = self.device.clone();
