@@ -4,8 +4,8 @@
 use std::fmt::Write as _;
 
 use super::format::{fmt_ms, human};
-use super::model::{Report, Row, Section, SectionId, Status, row_label};
-use super::targets::{self, Verdict};
+use super::model::{Report, Row, Section, SectionId, Status, Verdict, row_label};
+use super::targets;
 use crate::stats::Stats;
 
 mod sets;
