@@ -31,7 +31,7 @@ enum Command {
     Info(cmd::info::Args),
     /// Run a producer and a consumer process that share a buffer, and check
     /// the data both ways.
-    Demo(cmd::demo::Args),
+    Demo(cmd::demo_args::Args),
     /// Allocate and fill a buffer, print its descriptor, and keep it alive
     /// until standard input ends.
     Export(cmd::export::Args),
@@ -45,7 +45,7 @@ enum Command {
     Bench(cuda_ipc_bench::Args),
     /// (internal) The consumer side of `demo`.
     #[command(name = "__demo-consumer", hide = true)]
-    DemoConsumer(cmd::demo::ConsumerArgs),
+    DemoConsumer(cmd::demo_args::ConsumerArgs),
     /// (internal) Opens a legacy handle for `info`'s probe.
     #[command(name = "__probe-open", hide = true)]
     ProbeOpen(cmd::info::ProbeOpenArgs),

@@ -7,7 +7,6 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use super::format::human;
-use super::targets::{TargetCheck, evaluate};
 use crate::stats::Stats;
 
 /// The sections of a run, in the order they run and print.
@@ -385,6 +384,35 @@ pub struct PeerInfo {
     pub access_supported: bool,
 }
 
+/// Whether a target was met.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Met.
+    Pass,
+    /// Measured and not met.
+    Miss,
+    /// Nothing to compare (the section failed or was skipped).
+    NotMeasured,
+}
+
+/// One target checked against the measurements.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TargetCheck {
+    /// A stable id, for example "cached/vmm/2MiB".
+    pub id: String,
+    /// What is compared, in words.
+    pub what: String,
+    /// The target, for example "<= 0.020 ms".
+    pub target: String,
+    /// The measured figure.
+    pub measured: Option<f64>,
+    /// The measured figure as printed, or why there is none.
+    pub shown: String,
+    /// The verdict.
+    pub verdict: Verdict,
+}
+
 /// A whole run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Report {
@@ -488,11 +516,6 @@ impl Report {
             .filter(|s| s.failed())
             .map(Section::label)
             .collect()
-    }
-
-    /// Checks every target against the measurements and stores the verdicts.
-    pub fn evaluate(&mut self) {
-        self.targets = evaluate(self);
     }
 
     /// The report as pretty JSON.

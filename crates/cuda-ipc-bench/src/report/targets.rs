@@ -1,10 +1,8 @@
 //! The targets a run is held to, and the verdict on each from the
 //! measurements. Pure data; no GPU.
 
-use serde::{Deserialize, Serialize};
-
 use super::format::{fmt_ms, human};
-use super::model::{Report, Row, SectionId, Status};
+use super::model::{Report, Row, SectionId, Status, TargetCheck, Verdict};
 
 mod python;
 pub use python::*;
@@ -60,35 +58,6 @@ pub const TORCH_SIZE: u64 = 64 << 20;
 pub const QUICK_SECONDS: f64 = 180.0;
 /// Run time of a full run, seconds.
 pub const FULL_SECONDS: f64 = 480.0;
-
-/// Whether a target was met.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Verdict {
-    /// Met.
-    Pass,
-    /// Measured and not met.
-    Miss,
-    /// Nothing to compare (the section failed or was skipped).
-    NotMeasured,
-}
-
-/// One target checked against the measurements.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TargetCheck {
-    /// A stable id, for example "cached/vmm/2MiB".
-    pub id: String,
-    /// What is compared, in words.
-    pub what: String,
-    /// The target, for example "<= 0.020 ms".
-    pub target: String,
-    /// The measured figure.
-    pub measured: Option<f64>,
-    /// The measured figure as printed, or why there is none.
-    pub shown: String,
-    /// The verdict.
-    pub verdict: Verdict,
-}
 
 pub(super) fn check(
     id: String,
@@ -529,4 +498,11 @@ pub fn evaluate(r: &Report) -> Vec<TargetCheck> {
         "",
     ));
     out
+}
+
+impl Report {
+    /// Checks every target against the measurements and stores the verdicts.
+    pub fn evaluate(&mut self) {
+        self.targets = evaluate(self);
+    }
 }

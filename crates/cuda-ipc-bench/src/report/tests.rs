@@ -1,7 +1,7 @@
 //! The report's model, targets and table, checked on synthetic runs.
 
 use super::format::fmt_ms;
-use super::targets::Verdict;
+use super::model::Verdict;
 use super::*;
 
 fn lat(series: &str, size: u64, samples: &[f64]) -> Row {

@@ -1,11 +1,9 @@
 //! The targets and the table of ours from Python: weight sets, their
 //! update, and a fresh process's first attach against safetensors.
 
-use super::model::{Report, Row, SectionId};
+use super::model::{Report, Row, SectionId, TargetCheck, Verdict};
 use super::render::render;
-use super::targets::{
-    FIRST_ATTACH, LOAD_FILE, PY_SERIES, SAFETENSORS_SERIES, TargetCheck, Verdict,
-};
+use super::targets::{FIRST_ATTACH, LOAD_FILE, PY_SERIES, SAFETENSORS_SERIES};
 use super::tests::{synthetic, verdict};
 
 /// A row of the sets section: 256 MiB as the synthetic report's sets.

@@ -23,7 +23,7 @@ pub use peer::peer;
 pub use ring::ring;
 pub use scale::scale;
 pub use sets::sets;
-pub use sync::{SYNC_STEPS, consume_ring, sync};
+pub use sync::sync;
 
 use std::time::{Duration, Instant};
 

@@ -9,19 +9,19 @@
 //! synchronize), and one that waits on the fence from the host only
 //! (`SyncMode::HostFence`: no stream operation per frame).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use cuda_ipc::event::IpcEvent;
-use cuda_ipc::exchange::Subscriber;
 use cuda_ipc::fence::Fence;
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{DeviceMemory, Error, Mechanism};
 use serde_json::{Value, json};
 
 use crate::namespaces::ConsumerNamespaces;
-use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns, send_line};
+use crate::proto::{REQUEST_TIMEOUT, Worker, failure};
 use crate::report::{Row, Section, SectionId, human};
-use crate::worker::RingTally;
+
+use crate::plan::{MODES, RING_RUNS, SYNC_BATCH, SYNC_STEPS};
 
 use super::cached::cached_row;
 use super::ring::{RING_PACE, ring_rows, run_frames};
@@ -31,25 +31,8 @@ use super::{Ctx, allocate};
 pub const SYNC_FRAME: u64 = 4096;
 /// The ring's slots.
 const SLOTS: usize = 64;
-/// Frames per synchronize in the batched rows.
-pub const SYNC_BATCH: u64 = 8;
 /// Every this many frames under load, the consumer checks one.
 const VERIFY_EVERY: u64 = 1024;
-/// How long the consumer waits for a frame.
-const WAIT: Duration = Duration::from_secs(30);
-/// The ways a consumer waits, as `SyncMode` names.
-const MODES: [&str; 3] = ["event", "fence", "host-fence"];
-/// The ring runs: sync mode and frames per synchronize.
-const RING_RUNS: [(&str, u64); 5] = [
-    ("event", 1),
-    ("fence", 1),
-    ("event", SYNC_BATCH),
-    ("fence", SYNC_BATCH),
-    ("host-fence", 1),
-];
-/// Progress steps: the cached rows, the ring runs, the two floors.
-pub const SYNC_STEPS: u64 = MODES.len() as u64 + RING_RUNS.len() as u64 + 2;
-
 /// The series of a row: the sync mode, with the batch when it is not 1.
 pub(crate) fn series(mode: &str, batch: u64) -> String {
     if batch > 1 {
@@ -88,66 +71,6 @@ impl SyncConsumer {
         }
         Ok(self.worker.as_mut().expect("started above"))
     }
-}
-
-/// The consumer's side of a ring run (the worker's `sync_ring` request):
-/// takes up to `batch` frames under load (a paced or the stop frame ends a
-/// batch early), synchronizes once per batch, then checks and acks them.
-/// Answers as the worker's `ring` request does, plus whether it waited on
-/// fences.
-pub fn consume_ring(
-    sub: &Subscriber,
-    r: &Value,
-    out: &mut impl std::io::Write,
-) -> Result<Value, Error> {
-    let name = r["name"]
-        .as_str()
-        .ok_or_else(|| failure("sync_ring", "the request has no \"name\""))?;
-    let batch = get_u64(r, "batch")?.max(1);
-    let verify_every = get_u64(r, "verify_every")?.max(1);
-    let ring = sub.attach_ring::<u32>(name)?;
-    send_line(
-        out,
-        &json!({ "subscribed": true, "fence": ring.uses_fences() }),
-    )?;
-    let mut tally = RingTally::new(verify_every);
-    let result = (|| -> Result<(), Error> {
-        loop {
-            let mut taken = Vec::with_capacity(batch as usize);
-            let mut stop = false;
-            while (taken.len() as u64) < batch {
-                let frame = sub.next_frame(&ring, WAIT)?;
-                let flag = |k: &str| frame.notice.get(k);
-                stop = flag("stop").and_then(Value::as_bool) == Some(true);
-                let is_paced = flag("p").and_then(Value::as_u64) == Some(1);
-                taken.push(frame);
-                if stop || is_paced {
-                    break;
-                }
-            }
-            // One synchronize for the batch: the first waits for the GPU,
-            // the others find their streams idle.
-            for f in &taken {
-                f.buffer.synchronize()?;
-            }
-            let t = mono_ns();
-            for frame in taken {
-                if frame.notice.get("stop").and_then(Value::as_bool) == Some(true) {
-                    sub.ack(&ring, frame)?;
-                    continue;
-                }
-                tally.record(&frame, t)?;
-                sub.ack(&ring, frame)?;
-            }
-            if stop {
-                return Ok(());
-            }
-        }
-    })();
-    let released = sub.release_ring(ring);
-    result?;
-    released?;
-    Ok(tally.answer())
 }
 
 /// Whether the consumer's answer at subscribing says it waits the way

@@ -7,13 +7,20 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rustix::net::{Shutdown, shutdown};
+use serde_json::Value;
 
 use crate::socket::{Ucred, encode_checked, send_bytes, try_send_bytes, unread_by_peer};
 use crate::wire::Message;
 use crate::{ChannelError, lock};
 
-use super::state::SlotSource;
 use super::{FINAL_SEND_TIMEOUT, error_frame};
+
+/// What a subscriber is sent about a slot when it subscribes: fixed for the
+/// ring's life, shared with the connections still sending it.
+pub(super) struct SlotSource {
+    pub(super) meta: Value,
+    pub(super) fds: Vec<OwnedFd>,
+}
 
 /// A connection's reader takes no new request while this many bytes of
 /// answers wait to be sent to it.

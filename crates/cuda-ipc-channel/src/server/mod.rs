@@ -116,9 +116,10 @@ use accept::{LogLimit, accept_loop, remove_stale_socket};
 use checks::{bound_socket, check_config, check_fds, json_size};
 pub use config::ServerConfig;
 use conn::Conn;
+use conn::SlotSource;
 pub use ring::RingProducer;
 pub use state::LatePolicy;
-use state::{Body, Entry, Ring, Slot, SlotSource, SlotState, State};
+use state::{Body, Entry, Ring, Slot, SlotState, State};
 
 struct Shared {
     path: PathBuf,

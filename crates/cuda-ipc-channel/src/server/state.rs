@@ -10,7 +10,7 @@ use serde_json::Value;
 use crate::wire::{EntryKind, Message};
 
 use super::LeaseInfo;
-use super::conn::Conn;
+use super::conn::{Conn, SlotSource};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SlotState {
@@ -20,13 +20,6 @@ pub(super) enum SlotState {
     Acquired,
     /// Published; waiting for the subscribers in `pending`.
     InFlight,
-}
-
-/// What a subscriber is sent about a slot when it subscribes: fixed for the
-/// ring's life, shared with the connections still sending it.
-pub(super) struct SlotSource {
-    pub(super) meta: Value,
-    pub(super) fds: Vec<OwnedFd>,
 }
 
 pub(super) struct Slot {

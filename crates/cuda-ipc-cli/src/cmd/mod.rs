@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod demo;
+pub mod demo_args;
 pub mod export;
 pub mod info;
 pub mod open;

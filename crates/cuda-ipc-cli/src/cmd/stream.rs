@@ -16,7 +16,7 @@ use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{Device, Error, channel::ChannelError};
 use serde_json::{Value, json};
 
-use super::demo::Args;
+use super::demo_args::Args;
 use super::{human, mono_ns};
 use crate::Outcome;
 use crate::out::outln;

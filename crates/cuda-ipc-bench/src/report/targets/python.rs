@@ -5,10 +5,10 @@
 //! safetensors' load of it.
 
 use super::super::format::{fmt_ms, human};
-use super::super::model::{Report, Row, Section};
+use super::super::model::{Report, Row, Section, TargetCheck};
 use super::{
-    FIRST_ATTACH, LOAD_FILE, PY_SERIES, SAFETENSORS_SERIES, SET_LARGE, TargetCheck, check,
-    torch_missing, why_missing,
+    FIRST_ATTACH, LOAD_FILE, PY_SERIES, SAFETENSORS_SERIES, SET_LARGE, check, torch_missing,
+    why_missing,
 };
 
 /// The large weight set from Python (`publish_state_dict` →
