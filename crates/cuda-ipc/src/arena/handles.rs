@@ -3,52 +3,10 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
-use super::core::{Chunk, Shared, Slot};
+use super::state::{Chunk, Range, Shared};
 use super::{BufferView, ChunkBacking, ChunkId};
-
-/// A range of a chunk, alive while the producer's buffer or a lease holds it.
-pub(super) struct Range<B: ChunkBacking> {
-    pub(super) shared: Arc<Shared<B>>,
-    pub(super) chunk: Arc<Chunk<B>>,
-    pub(super) slot: Slot,
-    pub(super) offset: u64,
-    pub(super) len: u64,
-    /// Bytes the range takes in its chunk (whole units).
-    pub(super) bytes: u64,
-    /// Leases alive on this range; changed only under the arena's lock.
-    pub(super) leases: AtomicUsize,
-    /// Whether the producer's buffer is alive; changed only under the lock.
-    pub(super) producer: AtomicBool,
-}
-
-impl<B: ChunkBacking> Range<B> {
-    fn view(&self) -> BufferView {
-        BufferView {
-            chunk: self.chunk.id,
-            offset: self.offset,
-            len: self.len,
-        }
-    }
-}
-
-impl<B: ChunkBacking> Drop for Range<B> {
-    fn drop(&mut self) {
-        // The last holder is gone: the range goes back to its chunk, which
-        // is still in the table (a chunk with a range is never trimmed).
-        let mut core = self.shared.lock();
-        core.requested -= self.len;
-        if let Some(state) = core.chunks.get_mut(&self.chunk.id.index) {
-            match self.slot {
-                Slot::Range(a) => state.allocator.free(a),
-                Slot::Whole => state.whole = false,
-            }
-            state.buffers -= 1;
-            state.used -= self.bytes;
-        }
-    }
-}
 
 /// A buffer allocated from an [`Arena`](super::Arena): a view of a chunk (chunk, offset,
 /// length), owned by the producer. Its range goes back to the arena when

@@ -90,6 +90,7 @@
 mod core;
 mod device;
 mod handles;
+mod state;
 #[cfg(test)]
 mod tests;
 
@@ -97,9 +98,10 @@ use std::fmt;
 
 use crate::error::{Error, Result};
 
-pub use self::core::{Arena, Chunk};
+pub use self::core::Arena;
 pub use self::device::{DeviceArena, DeviceArenaBuffer, DeviceChunk, DeviceChunks, SetMember};
 pub use self::handles::{ArenaBuffer, ArenaLease, ArenaStats, ChunkInfo, ChunkPin};
+pub use self::state::Chunk;
 /// An arena's identity is part of the set record's vocabulary (records
 /// name the arena their chunks come from), so it lives in [`crate::set`].
 pub use crate::set::ArenaId;
