@@ -97,11 +97,13 @@
 //! [`Subscriber::is_alive`] polls for it.
 
 mod budget;
+mod chunk_cache;
 mod lease;
 mod publisher;
 mod ring;
 mod set;
 mod set_attach;
+mod set_book;
 mod subscriber;
 mod sync;
 mod wire;
@@ -115,8 +117,8 @@ use crate::error::Result;
 pub use budget::MappingBudget;
 pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber};
-pub use set::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, Sharing, chunk_entry_name};
 pub use set_attach::SetAttachment;
+pub use set_book::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, Sharing, chunk_entry_name};
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
 pub use sync::SyncMode;
 

@@ -17,8 +17,9 @@ use crate::memory::DeviceMemory;
 use crate::share::SharedBuffer;
 
 use super::ring::RingPublisher;
-use super::set::{PublisherArena, Sharing};
-use super::sync::{self, EntryFences, FenceMeta};
+use super::set_book::{PublisherArena, Sharing};
+use super::sync::{self, EntryFences};
+use super::wire::FenceMeta;
 use super::wire::{self, EntryMeta, RingMeta, UpdateNotice};
 use super::{Endpoint, lock};
 

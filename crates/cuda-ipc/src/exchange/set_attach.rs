@@ -15,14 +15,14 @@ use crate::error::{Error, Result};
 use crate::set::{SetEntry, SetRecord};
 use crate::share;
 
-use super::budget::{Held, LruCache};
 use super::lease::LeaseGuard;
 use super::lock;
 use super::subscriber::{Attachment, Subscriber};
 use super::sync::{self, Waiter};
 use super::wire::EntryMeta;
 
-use super::set::{MAX_PARTS, PARTS_KEY, SET_PART_BYTES, chunk_entry_name, is_set_meta};
+use super::chunk_cache::CachedChunk;
+use super::set_book::{MAX_PARTS, PARTS_KEY, SET_PART_BYTES, chunk_entry_name, is_set_meta};
 
 /// Reads a set entry's record (from its parts when it came in parts).
 pub(super) fn read_record(client: &channel::Client, meta: &Value) -> Result<SetRecord> {
@@ -71,40 +71,6 @@ pub(super) fn read_record(client: &channel::Client, meta: &Value) -> Result<SetR
     }
     SetRecord::from_json(&text)
 }
-
-/// A chunk mapping in the subscriber's cache, with the lease on the chunk's
-/// hidden entry that tells the publisher it is mapped.
-pub(super) struct CachedChunk {
-    mapping: Arc<dyn Mapping>,
-    lease: u64,
-}
-
-impl CachedChunk {
-    /// Retires the chunk without waiting: unmapped once the streams that
-    /// used it have finished, then its lease released (no answer awaited).
-    pub(super) fn retire(self, client: &Arc<channel::Client>) {
-        let CachedChunk { mapping, lease } = self;
-        let client = client.clone();
-        let uses = crate::buffer::UsesOf::mappings(std::slice::from_ref(&mapping));
-        uses.retire("unmapping an idle chunk", move || {
-            crate::reaper::work_done(|| drop(mapping));
-            if let Err(e) = client.release_nowait(lease)
-                && !matches!(e, ChannelError::PeerGone)
-            {
-                tracing::debug!(lease, error = %e, "releasing a chunk lease failed");
-            }
-        });
-    }
-}
-
-impl Held for CachedChunk {
-    fn held(&self) -> bool {
-        Arc::strong_count(&self.mapping) > 1
-    }
-}
-
-/// The subscriber's cache of chunk mappings.
-pub(super) type ChunkCache = LruCache<ChunkId, CachedChunk>;
 
 /// A set attached from a publisher: one lease for the whole set, every chunk
 /// mapped once, typed views of its buffers by name or index. The set and

@@ -9,6 +9,8 @@ use rustix::fs::{MemfdFlags, ftruncate, memfd_create};
 
 use super::*;
 use crate::channel::{Client, ClientConfig, ServerConfig};
+use crate::descriptor::Dtype;
+use crate::exchange::lock;
 use crate::exchange::set_attach::read_record;
 use crate::set::SetEntry;
 use crate::set::SetRecord;
@@ -360,7 +362,7 @@ fn a_consumer_killed_while_holding_a_set_gives_its_ranges_back() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "exchange::set::tests::a_consumer_killed_while_holding_a_set_gives_its_ranges_back",
+            "exchange::set_book::tests::a_consumer_killed_while_holding_a_set_gives_its_ranges_back",
             "--nocapture",
         ])
         .env(CHILD_ENV, server.path())
@@ -403,7 +405,7 @@ fn set_fence(slots: &std::sync::Arc<std::sync::Mutex<sync::Slots>>) -> SetFence 
     let s = slot.slot();
     let fd = memfd_create("cuda-ipc-test-fence", MemfdFlags::CLOEXEC).unwrap();
     SetFence {
-        meta: sync::FenceMeta {
+        meta: crate::exchange::wire::FenceMeta {
             block: crate::fence::FenceBlock::host(0, 42, 9, 16).unwrap(),
             fd: 0,
             word: 2 * s,

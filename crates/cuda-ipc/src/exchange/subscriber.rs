@@ -22,8 +22,8 @@ use crate::memory::DeviceMemory;
 use crate::share;
 
 use super::budget::MappingBudget;
+use super::chunk_cache::ChunkCache;
 use super::lease::{LeaseGuard, Pending};
-use super::set_attach::ChunkCache;
 use super::sync::{self, SyncMode, Waiter};
 use super::wire::EntryMeta;
 use super::{Endpoint, lock};
@@ -231,7 +231,7 @@ impl Subscriber {
             .list()?
             .into_iter()
             .map(|e| e.name)
-            .filter(|n| !n.starts_with(super::set::HIDDEN_ENTRY_PREFIX))
+            .filter(|n| !n.starts_with(super::set_book::HIDDEN_ENTRY_PREFIX))
             .collect())
     }
 
@@ -261,7 +261,7 @@ impl Subscriber {
     }
 
     /// The fence block `meta` names, mapped once per subscriber.
-    fn fence(&self, meta: &sync::FenceMeta, fd: OwnedFd) -> Result<Arc<FenceMapping>> {
+    fn fence(&self, meta: &super::wire::FenceMeta, fd: OwnedFd) -> Result<Arc<FenceMapping>> {
         let mut fences = lock(&self.fences);
         if let Some(f) = fences.get(&meta.block.id()) {
             return Ok(f.clone());
@@ -278,7 +278,7 @@ impl Subscriber {
     pub(super) fn waiter(
         &self,
         handle: Option<IpcEventHandle>,
-        fence: Option<sync::FenceMeta>,
+        fence: Option<super::wire::FenceMeta>,
         fds: &mut Vec<OwnedFd>,
         what: &str,
     ) -> Result<Waiter> {
@@ -378,7 +378,7 @@ impl Subscriber {
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn attach<T: Pod>(&self, name: &str) -> Result<Attachment<T>> {
         let a = self.client.attach(name)?;
-        if super::set::is_set_meta(&a.meta) {
+        if super::set_book::is_set_meta(&a.meta) {
             return self.attach_arena_buffer(a);
         }
         match self.open_descriptor::<T>(&a.meta, a.fds) {

@@ -48,10 +48,10 @@ use crate::channel::ChannelError;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::IpcEvent;
-use crate::fence::{Fence, FenceBlock, FenceMapping};
+use crate::fence::{Fence, FenceMapping};
 
 use super::lock;
-use super::wire::UpdateNotice;
+use super::wire::{FenceMeta, UpdateNotice};
 
 /// How a subscriber's streams wait for the publisher's work.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -93,24 +93,6 @@ impl std::str::FromStr for SyncMode {
             )),
         }
     }
-}
-
-/// What an entry's or slot's metadata says about its fence: the block (its
-/// file descriptor is `fds[fd]` of the entry's), the word to wait on and
-/// the word that announces what to wait for.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct FenceMeta {
-    /// The block.
-    pub(super) block: FenceBlock,
-    /// The index of the block's file descriptor among the entry's.
-    pub(super) fd: usize,
-    /// The word the device signals.
-    pub(super) word: u32,
-    /// The word announcing the last sequence number queued; `None` for ring
-    /// slots (each frame's notice says it).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(super) announce: Option<u32>,
 }
 
 /// The publisher's fence block for entries: two words per entry.
@@ -510,6 +492,7 @@ pub(super) fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fence::FenceBlock;
 
     #[test]
     fn sync_modes_parse_and_serialise() {

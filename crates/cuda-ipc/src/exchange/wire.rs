@@ -8,9 +8,8 @@ use serde_json::{Map, Value};
 
 use crate::descriptor::Descriptor;
 use crate::error::{Error, Result};
+use crate::fence::FenceBlock;
 use crate::handle::IpcEventHandle;
-
-use super::sync::FenceMeta;
 
 /// The metadata of a published buffer, or of one slot of a ring.
 #[derive(Debug, Serialize, Deserialize)]
@@ -100,6 +99,24 @@ impl FrameNotice {
 pub(super) fn to_value(record: &impl Serialize) -> Result<Value> {
     serde_json::to_value(record)
         .map_err(|e| Error::arg("exchange record", format!("cannot be written as JSON: {e}")))
+}
+
+/// What an entry's or slot's metadata says about its fence: the block (its
+/// file descriptor is `fds[fd]` of the entry's), the word to wait on and
+/// the word that announces what to wait for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FenceMeta {
+    /// The block.
+    pub(super) block: FenceBlock,
+    /// The index of the block's file descriptor among the entry's.
+    pub(super) fd: usize,
+    /// The word the device signals.
+    pub(super) word: u32,
+    /// The word announcing the last sequence number queued; `None` for ring
+    /// slots (each frame's notice says it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) announce: Option<u32>,
 }
 
 #[cfg(test)]

@@ -1,0 +1,44 @@
+//! The chunk mappings a subscriber keeps between attaches, each with the
+//! lease that tells the publisher it is mapped.
+
+use std::sync::Arc;
+
+use crate::arena::ChunkId;
+use crate::buffer::Mapping;
+use crate::channel::{self, ChannelError};
+
+use super::budget::{Held, LruCache};
+
+/// A chunk mapping in the subscriber's cache, with the lease on the chunk's
+/// hidden entry that tells the publisher it is mapped.
+pub(super) struct CachedChunk {
+    pub(super) mapping: Arc<dyn Mapping>,
+    pub(super) lease: u64,
+}
+
+impl CachedChunk {
+    /// Retires the chunk without waiting: unmapped once the streams that
+    /// used it have finished, then its lease released (no answer awaited).
+    pub(super) fn retire(self, client: &Arc<channel::Client>) {
+        let CachedChunk { mapping, lease } = self;
+        let client = client.clone();
+        let uses = crate::buffer::UsesOf::mappings(std::slice::from_ref(&mapping));
+        uses.retire("unmapping an idle chunk", move || {
+            crate::reaper::work_done(|| drop(mapping));
+            if let Err(e) = client.release_nowait(lease)
+                && !matches!(e, ChannelError::PeerGone)
+            {
+                tracing::debug!(lease, error = %e, "releasing a chunk lease failed");
+            }
+        });
+    }
+}
+
+impl Held for CachedChunk {
+    fn held(&self) -> bool {
+        Arc::strong_count(&self.mapping) > 1
+    }
+}
+
+/// The subscriber's cache of chunk mappings.
+pub(super) type ChunkCache = LruCache<ChunkId, CachedChunk>;

@@ -1,0 +1,362 @@
+//! What a publisher keeps about its sets: how it shares memory, the book
+//! of sets published and retired, the arena behind them, and the names of
+//! their hidden entries.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, OnceLock};
+
+use serde_json::{Value, json};
+
+use crate::arena::{
+    Arena, ArenaLease, ArenaOptions, Chunk, ChunkBacking, ChunkId, ChunkPin, DeviceArena,
+    DeviceChunk, DeviceChunks,
+};
+use crate::channel::{ChannelError, Server};
+use crate::descriptor::Mechanism;
+use crate::error::{Error, Result};
+use crate::set::SET_VERSION_KEY;
+
+use super::sync::{self, FenceSlot, SetFence};
+use super::wire::{self, EntryMeta};
+
+/// How a [`Publisher`](super::Publisher) shares memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Sharing {
+    /// Buffers come from one arena per publisher ([`Publisher::alloc`](super::Publisher::alloc)):
+    /// chunks exported once, hand-offs with no export. A consumer that maps
+    /// a chunk can read every buffer in it.
+    Arena {
+        /// The chunks' mechanism (`None`: auto, VMM where VMM file
+        /// descriptors work, else pool or legacy).
+        mechanism: Option<Mechanism>,
+        /// Chunk sizes, alignment, limit.
+        options: ArenaOptions,
+    },
+    /// No arena: every buffer is its own allocation, exported when it is
+    /// published ([`Publisher::publish`](super::Publisher::publish)); a consumer maps only what it is
+    /// handed.
+    Isolated,
+}
+
+impl Default for Sharing {
+    /// `auto`: an arena of the best mechanism, with the default options.
+    fn default() -> Self {
+        Sharing::auto()
+    }
+}
+
+impl Sharing {
+    /// An arena of the best mechanism the device supports, default options.
+    pub fn auto() -> Self {
+        Sharing::Arena {
+            mechanism: None,
+            options: ArenaOptions::default(),
+        }
+    }
+
+    /// An arena whose chunks use `mechanism`, default options.
+    pub fn arena(mechanism: Mechanism) -> Self {
+        Sharing::Arena {
+            mechanism: Some(mechanism),
+            options: ArenaOptions::default(),
+        }
+    }
+}
+
+/// Set records longer than this (bytes of JSON) travel in parts.
+pub const SET_PART_BYTES: usize = 96 * 1024;
+
+/// The most parts a set record travels in (96 MiB of JSON, far more than
+/// the most entries a record holds take).
+pub(super) const MAX_PARTS: usize = 1024;
+
+/// The key of a set entry's metadata that lists the parts of its record.
+pub(super) const PARTS_KEY: &str = "cuda_ipc_set_parts";
+
+/// The prefix of the hidden entries a publisher makes for its arena.
+pub const HIDDEN_ENTRY_PREFIX: &str = ".cuda-ipc/";
+
+/// The hidden entry that carries a chunk's descriptor and descriptors.
+pub fn chunk_entry_name(id: ChunkId) -> String {
+    format!("{HIDDEN_ENTRY_PREFIX}chunk/{}/{}", id.arena, id.index)
+}
+
+/// Whether an entry's metadata is a set record (or the parts of one).
+pub(super) fn is_set_meta(meta: &Value) -> bool {
+    meta.get(SET_VERSION_KEY).is_some() || meta.get(PARTS_KEY).is_some()
+}
+
+/// A chunk that can be published as a hidden entry: its metadata and
+/// copies of its file descriptors (no new export).
+pub(super) trait ChunkEntry {
+    fn entry(&self) -> Result<(Value, Vec<OwnedFd>)>;
+}
+
+impl ChunkEntry for DeviceChunk {
+    fn entry(&self) -> Result<(Value, Vec<OwnedFd>)> {
+        let fds = self
+            .fds()
+            .iter()
+            .map(|fd| {
+                fd.try_clone()
+                    .map_err(|e| Error::arg("chunk descriptor", format!("cannot dup: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((wire::to_value(&EntryMeta::new(self.descriptor()))?, fds))
+    }
+}
+
+struct Published<B: ChunkBacking> {
+    leases: Vec<ArenaLease<B>>,
+    chunks: Vec<Arc<Chunk<B>>>,
+    parts: Vec<String>,
+    /// The set's fence slot, if it has one.
+    fence: Option<FenceSlot>,
+}
+
+/// What stays alive after an entry is unpublished, until its last lease ends.
+struct Retired<B: ChunkBacking> {
+    names: Vec<String>,
+    _leases: Vec<ArenaLease<B>>,
+    _pin: Option<ChunkPin<B>>,
+    _fence: Option<FenceSlot>,
+}
+
+/// The publisher's bookkeeping of arena entries: which chunks are published
+/// as hidden entries, which sets hold which leases, what waits for its last
+/// consumer. Generic over the backing so that it runs without a GPU.
+pub(super) struct Book<B: ChunkBacking> {
+    sets: HashMap<String, Published<B>>,
+    chunks: HashMap<u64, ChunkPin<B>>,
+    retired: Vec<Retired<B>>,
+    parts: u64,
+}
+
+impl<B: ChunkBacking> Default for Book<B> {
+    fn default() -> Self {
+        Book {
+            sets: HashMap::new(),
+            chunks: HashMap::new(),
+            retired: Vec::new(),
+            parts: 0,
+        }
+    }
+}
+
+impl<B: ChunkBacking> Book<B>
+where
+    B::Chunk: ChunkEntry,
+{
+    /// Publishes `chunk` as a hidden entry unless it is already.
+    fn ensure_chunk(&mut self, server: &Server, arena: &Arena<B>, chunk: &Chunk<B>) -> Result<()> {
+        let id = chunk.id();
+        if self.chunks.contains_key(&id.index) {
+            return Ok(());
+        }
+        let pin = arena.pin(id)?;
+        let (meta, fds) = chunk.backing().entry()?;
+        server.publish(&chunk_entry_name(id), meta, fds)?;
+        self.chunks.insert(id.index, pin);
+        Ok(())
+    }
+
+    /// Publishes a set record under `name`, holding `leases` (and the
+    /// fence's slot) while it is published and leased. The fence, if any,
+    /// travels beside the record: its metadata under
+    /// [`SET_FENCE_KEY`](sync::SET_FENCE_KEY), its file descriptor as the
+    /// entry's only one.
+    pub(super) fn publish(
+        &mut self,
+        server: &Server,
+        arena: &Arena<B>,
+        name: &str,
+        record: Value,
+        leases: Vec<ArenaLease<B>>,
+        fence: Option<SetFence>,
+    ) -> Result<()> {
+        self.reap(server);
+        if self.sets.contains_key(name) {
+            return Err(ChannelError::AlreadyExists { name: name.into() }.into());
+        }
+        let mut chunks: Vec<Arc<Chunk<B>>> = Vec::new();
+        for l in &leases {
+            if !chunks.iter().any(|c| c.id() == l.chunk().id()) {
+                chunks.push(l.chunk().clone());
+            }
+        }
+        for c in &chunks {
+            self.ensure_chunk(server, arena, c)?;
+        }
+        let text = record.to_string();
+        let mut parts: Vec<String> = Vec::new();
+        let mut meta = if text.len() <= SET_PART_BYTES {
+            record
+        } else {
+            self.parts += 1;
+            let pieces = split_utf8(&text, SET_PART_BYTES);
+            for (i, piece) in pieces.iter().enumerate() {
+                let part = format!(
+                    "{HIDDEN_ENTRY_PREFIX}set-part/{}/{}/{i}",
+                    arena.id(),
+                    self.parts
+                );
+                if let Err(e) = server.publish(&part, json!({ "text": piece }), Vec::new()) {
+                    for p in &parts {
+                        let _ = server.unpublish(p);
+                    }
+                    return Err(e.into());
+                }
+                parts.push(part);
+            }
+            json!({ PARTS_KEY: parts, "bytes": text.len() })
+        };
+        let (fds, fence) = match fence {
+            Some(f) => {
+                if let Err(e) = sync::add_set_fence(&mut meta, &f.meta) {
+                    for p in &parts {
+                        let _ = server.unpublish(p);
+                    }
+                    return Err(e);
+                }
+                (vec![f.fd], Some(f.slot))
+            }
+            None => (Vec::new(), None),
+        };
+        if let Err(e) = server.publish(name, meta, fds) {
+            for p in &parts {
+                let _ = server.unpublish(p);
+            }
+            return Err(e.into());
+        }
+        self.sets.insert(
+            name.to_owned(),
+            Published {
+                leases,
+                chunks,
+                parts,
+                fence,
+            },
+        );
+        Ok(())
+    }
+
+    /// The fence slot of a published set, if it has one.
+    pub(super) fn fence_slot(&self, name: &str) -> Option<u32> {
+        self.sets
+            .get(name)
+            .and_then(|s| s.fence.as_ref())
+            .map(FenceSlot::slot)
+    }
+
+    /// The chunks of a published set, for recording its event.
+    pub(super) fn chunks_of(&self, name: &str) -> Option<Vec<Arc<Chunk<B>>>> {
+        self.sets.get(name).map(|s| s.chunks.clone())
+    }
+
+    /// Whether `name` is a set (or arena buffer) of this book.
+    pub(super) fn contains(&self, name: &str) -> bool {
+        self.sets.contains_key(name)
+    }
+
+    /// Unpublishes a set: no new attaches; its leases stay until its last
+    /// consumer's lease ends.
+    pub(super) fn unpublish(&mut self, server: &Server, name: &str) -> Result<()> {
+        let set = self
+            .sets
+            .remove(name)
+            .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        let mut names = vec![name.to_owned()];
+        let r = server.unpublish(name);
+        for p in set.parts {
+            let _ = server.unpublish(&p);
+            names.push(p);
+        }
+        self.retired.push(Retired {
+            names,
+            _leases: set.leases,
+            _pin: None,
+            _fence: set.fence,
+        });
+        self.reap(server);
+        Ok(r?)
+    }
+
+    /// Drops what waited for consumers whose leases have all ended; returns
+    /// how many retired entries were let go.
+    pub(super) fn reap(&mut self, server: &Server) -> usize {
+        let before = self.retired.len();
+        self.retired
+            .retain(|r| r.names.iter().any(|n| server.lease_count(n) > 0));
+        before - self.retired.len()
+    }
+
+    /// Unpublishes the hidden entries of chunks that hold no buffer, then
+    /// trims the arena: a chunk goes when no consumer maps it any more.
+    pub(super) fn trim(&mut self, server: &Server, arena: &Arena<B>) -> u64 {
+        let idle: Vec<u64> = arena
+            .chunks()
+            .into_iter()
+            .filter(|c| c.buffers == 0)
+            .map(|c| c.id.index)
+            .collect();
+        for index in idle {
+            if let Some(pin) = self.chunks.remove(&index) {
+                let name = chunk_entry_name(pin.chunk().id());
+                let _ = server.unpublish(&name);
+                self.retired.push(Retired {
+                    names: vec![name],
+                    _leases: Vec::new(),
+                    _pin: Some(pin),
+                    _fence: None,
+                });
+            }
+        }
+        self.reap(server);
+        arena.trim()
+    }
+
+    /// Entries waiting for their last consumer.
+    pub(super) fn retired(&self) -> usize {
+        self.retired.len()
+    }
+}
+
+/// `text` in pieces of at most `max` bytes, cut at character boundaries.
+pub(super) fn split_utf8(text: &str, max: usize) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        let mut cut = max.min(rest.len());
+        while !rest.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let (a, b) = rest.split_at(cut);
+        out.push(a);
+        rest = b;
+    }
+    out
+}
+
+/// The arena side of a [`Publisher`](super::Publisher): its arena (made at the first use) and
+/// the bookkeeping of what it published from it.
+pub(super) struct PublisherArena {
+    pub(super) sharing: Sharing,
+    pub(super) arena: OnceLock<DeviceArena>,
+    pub(super) book: std::sync::Mutex<Book<DeviceChunks>>,
+}
+
+impl PublisherArena {
+    pub(super) fn new(sharing: Sharing) -> Self {
+        PublisherArena {
+            sharing,
+            arena: OnceLock::new(),
+            book: std::sync::Mutex::new(Book::default()),
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "set_tests.rs"]
+mod tests;
