@@ -47,6 +47,7 @@
 
 pub mod arena;
 pub mod buffer;
+pub mod checkpoint;
 pub mod container;
 pub mod descriptor;
 pub mod device;
