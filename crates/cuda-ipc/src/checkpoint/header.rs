@@ -128,7 +128,7 @@ impl FileHeader {
                 metadata = strings(file, entry)?;
                 continue;
             }
-            tensors.push(tensor(file, name, entry, data_start)?);
+            tensors.push(tensor(file, name, entry, data_start, data_len)?);
         }
         check_offsets(file, &mut tensors, data_start, data_len)?;
         // The crate's own reading of the same header, which must agree.
@@ -172,7 +172,13 @@ fn strings(file: &Path, entry: &Value) -> Result<BTreeMap<String, String>> {
 }
 
 /// One tensor's entry, its byte count checked against its type and shape.
-fn tensor(file: &Path, name: &str, entry: &Value, data_start: u64) -> Result<TensorEntry> {
+fn tensor(
+    file: &Path,
+    name: &str,
+    entry: &Value,
+    data_start: u64,
+    data_len: u64,
+) -> Result<TensorEntry> {
     let field = || format!("tensor {}", shorten(name, 80));
     let info = TensorInfo::deserialize(entry).map_err(|e| {
         err(
@@ -187,6 +193,17 @@ fn tensor(file: &Path, name: &str, entry: &Value, data_start: u64) -> Result<Ten
             file,
             field(),
             format!("data_offsets [{start}, {end}] end before they start"),
+        ));
+    }
+    if end > data_len {
+        return Err(err(
+            file,
+            field(),
+            format!(
+                "data_offsets [{start}, {end}] run past the end of the file (its data \
+                 section holds {data_len} bytes): the file is cut short or the header \
+                 is wrong"
+            ),
         ));
     }
     let bits = info
@@ -244,17 +261,6 @@ fn check_offsets(
     for t in tensors.iter() {
         let (start, end) = rel(t);
         let field = format!("tensor {}", shorten(&t.name, 80));
-        if end > data_len {
-            return Err(err(
-                file,
-                field,
-                format!(
-                    "data_offsets [{start}, {end}] run past the end of the file (its data \
-                     section holds {data_len} bytes): the file is cut short or the header \
-                     is wrong"
-                ),
-            ));
-        }
         if start < at {
             let other = previous.map_or(String::new(), |p| {
                 let (ps, pe) = rel(p);

@@ -9,7 +9,7 @@
 //!   strictly and read by the `safetensors` crate); tensor bytes are read
 //!   from the page cache when asked for ([`Checkpoint::bytes`],
 //!   [`Checkpoint::read`]).
-//! - The element types are this crate's [`Dtype`](crate::Dtype): every
+//! - The element types are this crate's [`Dtype`]: every
 //!   safetensors type has one except the 6-bit floats (table in [`dtype`]).
 //!   A type that cannot be carried is refused when the checkpoint is
 //!   opened, naming the tensor and the type, before anything is allocated.
@@ -25,7 +25,7 @@
 //!   checkpoint: in one shard, and in the index's `weight_map` pointing at
 //!   that shard.
 //! - **Validation** is strict and every error is an
-//!   [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file and
+//!   [`Error::Checkpoint`] naming the file and
 //!   the field: a missing shard, a name in two shards, a `weight_map` entry
 //!   that its shard's header lacks (or a header tensor the index does not
 //!   map there), overlapping, gapped or out-of-file data offsets, a header
