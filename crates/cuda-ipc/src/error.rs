@@ -210,6 +210,19 @@ pub enum Error {
         size: u64,
     },
 
+    /// A checkpoint file (a `.safetensors` file or a sharded checkpoint's
+    /// index) was malformed or inconsistent with the others.
+    #[error("checkpoint {}: {field}: {reason}", .file.display())]
+    Checkpoint {
+        /// The file that was wrong.
+        file: std::path::PathBuf,
+        /// The field or part of the file, for example `weight_map` or
+        /// `header` or a tensor's name.
+        field: String,
+        /// What was wrong with it, and what to do.
+        reason: String,
+    },
+
     /// A PyTorch sharing record was malformed or of an unsupported kind.
     #[error("PyTorch share record: {0}")]
     Torch(String),
@@ -252,6 +265,7 @@ impl Error {
             | Error::OutOfBounds { .. }
             | Error::ViewsAlive { .. }
             | Error::StillInUse { .. }
+            | Error::Checkpoint { .. }
             | Error::Torch(_) => ErrorKind::InvalidInput,
             Error::Driver { call, result, .. } => driver_kind(call, *result),
             Error::Channel(e) => channel_kind(e.kind()),

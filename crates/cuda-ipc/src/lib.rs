@@ -28,6 +28,7 @@
 //! | `cuda-ipc`: [`device`], [`legacy`], [`vmm`], [`pool`], [`event`], [`buffer`], [`fence`] | owning types, released in `Drop` | [`LegacyBuffer`] / [`vmm::VmmBuffer`] / [`pool::PoolBuffer`] own an allocation; [`LegacyMapping`] / [`vmm::VmmMapping`] / [`pool::PoolMapping`] own a mapping of another process's allocation (sealed [`Mapping`]); [`MappedBuffer`] is a typed view holding its mapping and, when attached through the exchange, its lease; [`IpcEvent`] owns an event; [`fence::Fence`] owns shared sequence words |
 //! | `cuda-ipc`: [`share`], [`descriptor`], [`torch`], [`set`] | one API over the mechanisms; plain-data records | [`share::SharedBuffer`] owns an allocation of any mechanism; [`Descriptor`], [`set::SetRecord`] and [`torch::ShareRecord`] are strictly decoded, language-neutral records that own nothing |
 //! | `cuda-ipc`: [`arena`] | sub-allocation of chunks exported once | [`arena::Arena`] owns its chunks; an [`arena::ArenaBuffer`] owns a range until it and every lease on it are gone |
+//! | `cuda-ipc`: [`checkpoint`] | safetensors checkpoints read and planned for loading, no CUDA | [`checkpoint::Checkpoint`] owns read-only maps of its files; [`checkpoint::Plan`] is plain data |
 //! | `cuda-ipc-channel`, re-exported as [`channel`] | Unix-socket exchange, no CUDA | the server owns entries, leases and rings; the client owns its connection; file descriptors travel as `OwnedFd` |
 //! | `cuda-ipc`: [`exchange`] | publishers and subscribers | [`exchange::Publisher`] owns what it published until every lease ends; [`exchange::Subscriber`] owns its connection, its mapping cache and its leases |
 //! | `cuda-ipc-bench` | the benchmark, no `unsafe` | its consumer processes; the driver floor it compares against is [`floor`] |
@@ -47,6 +48,7 @@
 
 pub mod arena;
 pub mod buffer;
+pub mod checkpoint;
 pub mod container;
 pub mod descriptor;
 pub mod device;

@@ -186,12 +186,17 @@ impl Default for ArenaOptions {
         ArenaOptions {
             chunk_size: 256 * MIB,
             max_chunk_size: 2 * GIB,
-            alignment: 256,
+            alignment: DEFAULT_ALIGNMENT,
             limit: None,
             max_buffers_per_chunk: 16 * 1024,
         }
     }
 }
+
+/// The default alignment of a buffer's offset in its chunk
+/// ([`ArenaOptions::alignment`]): 256 bytes, what the driver gives
+/// `cudaMalloc` allocations and what vectorised kernels expect.
+pub const DEFAULT_ALIGNMENT: u64 = 256;
 
 /// The largest `max_buffers_per_chunk`: the allocator counts its nodes
 /// (two per buffer, one more per chunk) in 32 bits.

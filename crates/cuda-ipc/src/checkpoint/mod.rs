@@ -1,0 +1,118 @@
+//! Checkpoints: safetensors files read for loading onto the GPU.
+//!
+//! The reader and the planner of the checkpoint loader, with no CUDA call:
+//!
+//! - [`Checkpoint::open`] opens a single `.safetensors` file, a Hugging Face
+//!   sharded checkpoint (its `model.safetensors.index.json`, [`ShardIndex`]),
+//!   or a directory holding either. Each file is mapped read-only
+//!   (`memmap2`) and only its header is read ([`FileHeader`], checked
+//!   strictly and read by the `safetensors` crate); tensor bytes are read
+//!   from the page cache when asked for ([`Checkpoint::bytes`],
+//!   [`Checkpoint::read`]).
+//! - The element types are this crate's [`Dtype`]: every
+//!   safetensors type has one except the 6-bit floats (table in [`dtype`]).
+//!   A type that cannot be carried is refused when the checkpoint is
+//!   opened, naming the tensor and the type, before anything is allocated.
+//! - [`Plan`] lays the tensors out in arena-style chunks (each tensor at a
+//!   multiple of [`DEFAULT_ALIGNMENT`](crate::arena::DEFAULT_ALIGNMENT) by
+//!   default, as the arena places buffers) and splits the copy into
+//!   staging pieces of a bounded size assigned round-robin to streams:
+//!   each piece is a file range and the place in a chunk it goes to, and
+//!   the pieces cover every tensor byte exactly once.
+//!
+//! # The contract
+//! - **Names** are the file's, byte for byte. A name appears once in a
+//!   checkpoint: in one shard, and in the index's `weight_map` pointing at
+//!   that shard.
+//! - **Validation** is strict and every error is an
+//!   [`Error::Checkpoint`] naming the file and
+//!   the field: a missing shard, a name in two shards, a `weight_map` entry
+//!   that its shard's header lacks (or a header tensor the index does not
+//!   map there), overlapping, gapped or out-of-file data offsets, a header
+//!   larger than [`MAX_HEADER_BYTES`], a shard path that leaves the
+//!   checkpoint's directory, a file that is not safetensors.
+//! - **Files must not change while open.** The maps are read-only, and a
+//!   file truncated or rewritten while a [`Checkpoint`] maps it makes a
+//!   later read fault (`SIGBUS`) or see the new bytes, as with every
+//!   reader over a map (safetensors' own, PyTorch's). Write checkpoints to
+//!   a new file and rename it, as Hugging Face's tools do.
+//! - **Threads.** A [`Checkpoint`] is `Send + Sync`: copies on several
+//!   threads read its maps at once.
+//!
+//! ```no_run
+//! use cuda_ipc::checkpoint::{Checkpoint, PlanOptions};
+//!
+//! # fn main() -> cuda_ipc::Result<()> {
+//! let ckpt = Checkpoint::open("/models/qwen2")?;
+//! let plan = ckpt.plan(&PlanOptions::default())?;
+//! println!(
+//!     "{} tensors, {} bytes in {} chunks, {} pieces",
+//!     ckpt.tensors().len(),
+//!     plan.total_bytes(),
+//!     plan.chunks().len(),
+//!     plan.pieces().len()
+//! );
+//! for piece in plan.pieces() {
+//!     let bytes = ckpt.read(piece.file, piece.file_offset, piece.len)?;
+//!     // ... copy `bytes` into chunk `piece.chunk` at `piece.chunk_offset`
+//!     // on stream `piece.stream`.
+//! #   let _ = bytes;
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod dtype;
+mod header;
+mod index;
+mod open;
+mod plan;
+
+use std::ops::Range;
+use std::path::Path;
+
+pub use header::{FileHeader, MAX_HEADER_BYTES};
+pub use index::{MAX_INDEX_BYTES, ShardIndex};
+pub use open::{Checkpoint, CheckpointFile, INDEX_NAME, SINGLE_NAME};
+pub use plan::{Chunk, MAX_PIECES, Piece, Placement, Plan, PlanOptions};
+
+use crate::descriptor::Dtype;
+use crate::error::Error;
+
+/// One tensor of a checkpoint: where its bytes are and what they are.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorEntry {
+    /// The name, as in the file.
+    pub name: String,
+    /// The element type.
+    pub dtype: Dtype,
+    /// Dimensions, in elements of `dtype` (for `f4e2m1fnx2`, bytes of two
+    /// values: the file's last dimension halved).
+    pub shape: Vec<u64>,
+    /// Which file of the checkpoint holds the bytes (an index into
+    /// [`Checkpoint::files`]).
+    pub file: usize,
+    /// The bytes, as offsets in that file (not in its data section).
+    pub range: Range<u64>,
+}
+
+impl TensorEntry {
+    /// The tensor's length in bytes.
+    pub fn len(&self) -> u64 {
+        self.range.end.saturating_sub(self.range.start)
+    }
+
+    /// Whether the tensor has no bytes (a dimension of 0).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// An [`Error::Checkpoint`].
+pub(crate) fn err(file: &Path, field: impl Into<String>, reason: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        file: file.to_path_buf(),
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
