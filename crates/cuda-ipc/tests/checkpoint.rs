@@ -16,10 +16,13 @@ use safetensors::Dtype as St;
 use safetensors::tensor::TensorView;
 use serde_json::json;
 
+#[path = "support/corpus.rs"]
+mod corpus;
 #[path = "../../../fuzz/src/checkpoint_header.rs"]
 mod fuzz_checkpoint_header;
 #[path = "../../../fuzz/src/checkpoint_index.rs"]
 mod fuzz_checkpoint_index;
+use corpus::replay;
 
 // ---------------------------------------------------------------------------
 // Writing checkpoints
@@ -612,35 +615,6 @@ fn a_header_parses_from_bytes_as_from_a_file() {
 
 // ---------------------------------------------------------------------------
 // The fuzz corpora, replayed
-
-fn replay(target: &str, check: fn(&[u8]), is_valid: fn(&[u8]) -> bool) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fuzz/corpus")
-        .join(target);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    assert!(
-        files.len() >= 5,
-        "only {} corpus files in {target}",
-        files.len()
-    );
-    let valid = files
-        .iter()
-        .filter(|f| {
-            // A fuzzer running on the corpus replaces files as it shrinks them.
-            let Ok(data) = std::fs::read(f) else {
-                return false;
-            };
-            check(&data);
-            is_valid(&data)
-        })
-        .count();
-    assert!(valid >= 2, "the seeds of {target} should hold valid inputs");
-}
 
 #[test]
 fn every_index_corpus_file_passes_the_fuzz_checks() {

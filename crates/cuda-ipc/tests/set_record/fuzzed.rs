@@ -1,7 +1,5 @@
 //! The fuzz corpora replayed, and property tests.
 
-use std::path::{Path, PathBuf};
-
 use cuda_ipc::arena::ArenaId;
 use cuda_ipc::descriptor::Dtype;
 use cuda_ipc::set::SetRecord;
@@ -9,41 +7,11 @@ use cuda_ipc::set::table::{decode_bytes, encode_bytes};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
+use super::corpus::replay;
 use super::*;
 
 // ---------------------------------------------------------------------------
 // The fuzz corpus, replayed
-
-/// Replays every file of `fuzz/corpus/<target>` through `check` (the fuzz
-/// target's properties); at least two must be valid (`is_valid`).
-fn replay(target: &str, check: fn(&[u8]), is_valid: fn(&[u8]) -> bool) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fuzz/corpus")
-        .join(target);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    assert!(
-        files.len() >= 5,
-        "only {} corpus files in {target}",
-        files.len()
-    );
-    let decoded = files
-        .iter()
-        .filter(|f| {
-            let data = std::fs::read(f).unwrap();
-            check(&data);
-            is_valid(&data)
-        })
-        .count();
-    assert!(
-        decoded >= 2,
-        "the seeds of {target} should hold valid inputs"
-    );
-}
 
 #[test]
 fn every_corpus_file_passes_the_fuzz_checks() {

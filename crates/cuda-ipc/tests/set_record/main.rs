@@ -15,6 +15,8 @@ mod fuzz_set_record;
 #[path = "../../../../fuzz/src/set_table.rs"]
 mod fuzz_set_table;
 
+#[path = "../support/corpus.rs"]
+mod corpus;
 mod decoding;
 mod fuzzed;
 
