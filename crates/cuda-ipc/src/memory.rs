@@ -141,9 +141,11 @@ pub unsafe trait DeviceMemory {
         }
     }
 
-    /// Queues a copy of all of `src`, which lives on another device, into
-    /// this memory on [`DeviceMemory::stream`] (`cuMemcpyPeerAsync`; the
-    /// lengths must match). Does not wait.
+    /// Copies all of `src`, which lives on another device, into this memory
+    /// on [`DeviceMemory::stream`] (`cuMemcpyPeerAsync`; the lengths must
+    /// match), after the work queued on `src`'s stream. Waits for the copy:
+    /// `src`'s context cannot record that its memory is still being read, so
+    /// `src` may be dropped as soon as this returns.
     #[doc(alias = "cuMemcpyPeerAsync")]
     fn copy_from_peer(&self, src: &impl DeviceMemory) -> Result<()>
     where
@@ -189,7 +191,11 @@ pub unsafe trait DeviceMemory {
     }
 
     /// Queues a device-to-device copy of all of `src` into this memory on
-    /// [`DeviceMemory::stream`] (the lengths must match). Does not wait.
+    /// [`DeviceMemory::stream`] (the lengths must match), after the work
+    /// queued on `src`'s stream. For memory of this crate on the same device
+    /// it does not wait: the copy counts as a use of `src` on this stream,
+    /// which `src`'s own stream and its release wait for. Memory a program
+    /// made, or on another context, is waited for before this returns.
     #[doc(alias = "cuMemcpyDtoDAsync")]
     fn copy_from_device(&self, src: &impl DeviceMemory) -> Result<()>
     where
