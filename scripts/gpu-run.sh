@@ -2,11 +2,13 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes peer bench bench-full containers sets stress mps
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes peer bench bench-full containers sets checkpoint stress mps
 #                          (default: info tests soak demo cli exchange samples python lifetimes)
 #
 # `tests` runs every GPU test but the 100,000-cycle soaks, which `soak` runs
 # (they take a minute or two). `sets` hands off weight sets through the CLI;
+# `checkpoint` serves a safetensors checkpoint written there with python3 +
+# safetensors + torch and checks every byte from another process;
 # `stress` kills 200 subscribers (CHAOS_ROUNDS) and runs the exchange soak for
 # 1,000,000 cycles (SOAK_CYCLES), about ten minutes. PYTHON_ONLY=WORD runs only the Python interop
 # cases whose name contains WORD. `peer` and the benches use two GPUs
@@ -265,6 +267,58 @@ step_sets() {
   wait "$pid"
   local rc=$?
   [ "$rc" -eq 0 ] && ok "sets: serve --set exits 0 once every lease is released" || bad "sets: serve --set exited $rc: $(cat "$logs/serve-set.err")"
+  rm -f "$fifo"
+}
+
+# serve --checkpoint: a sharded checkpoint of several dtypes written with
+# python3 + safetensors (+ torch), loaded on 2 streams through 1 MiB
+# staging buffers and published as one set; attach --set --checkpoint
+# compares every byte with the files; a consumer of the wrong checkpoint
+# exits 1; a bad path exits 2.
+step_checkpoint() {
+  local dir="$logs/ckpt" fifo="$logs/stdin-serve-ckpt" sock="$logs/serve-ckpt.sock"
+  rm -rf "$dir" "$fifo" "$sock"
+  mkdir -p "$dir/other"
+  if ! python3 - "$dir" >"$logs/ckpt-write.log" 2>&1 <<'PY'
+import json, sys, torch
+from safetensors.torch import save_file
+d = sys.argv[1]
+torch.manual_seed(0)
+shards = [
+    {"model.embed_tokens.weight": torch.randn(4096, 512).to(torch.bfloat16),
+     "model.norm.weight": torch.randn(512), "model.step": torch.tensor(7, dtype=torch.int64)},
+    {"layers.0.q.weight": torch.randn(1024, 512).to(torch.float8_e4m3fn),
+     "layers.0.k.weight": torch.randint(-128, 127, (333, 77), dtype=torch.int8),
+     "layers.0.mask": torch.rand(1001) > 0.5},
+    {"lm_head.weight": torch.randn(3000, 512).to(torch.float16)},
+]
+wm = {}
+for i, t in enumerate(shards):
+    name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(t, f"{d}/{name}", metadata={"format": "pt"})
+    wm.update({k: name for k in t})
+json.dump({"metadata": {"total_size": 0}, "weight_map": wm}, open(f"{d}/model.safetensors.index.json", "w"))
+save_file({"model.norm.weight": torch.randn(512)}, f"{d}/other/model.safetensors")
+PY
+  then
+    bad "checkpoint: writing the checkpoint with python3 + safetensors failed: $(tail -n 2 "$logs/ckpt-write.log" | tr '\n' ' ')"
+    return
+  fi
+  mkfifo "$fifo"
+  "$cli" serve --socket "$sock" --checkpoint "$dir" --name model --streams 2 --staging 1MiB <"$fifo" >"$logs/serve-ckpt.json" 2>"$logs/serve-ckpt.err" &
+  local pid=$!
+  exec 6>"$fifo"
+  for _ in $(seq 300); do [ -s "$logs/serve-ckpt.json" ] && break; sleep 0.1; done
+  cat "$logs/serve-ckpt.json" "$logs/serve-ckpt.err"
+  check "checkpoint: attach --set model --checkpoint (every byte)" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir"
+  check "checkpoint: a second consumer reads the same set" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir/model.safetensors.index.json"
+  check "checkpoint: another checkpoint does not match (exit 1)" 1 "$cli" attach --socket "$sock" --set model --checkpoint "$dir/other"
+  grep -hE 'attached|mismatch' "$logs"/checkpoint__*.log | head -n 4
+  exec 6>&-
+  wait "$pid"
+  local rc=$?
+  [ "$rc" -eq 0 ] && ok "checkpoint: serve --checkpoint exits 0 once every lease is released" || bad "checkpoint: serve --checkpoint exited $rc: $(cat "$logs/serve-ckpt.err")"
+  check "checkpoint: a missing checkpoint exits 2" 2 "$cli" serve --socket "$logs/none.sock" --checkpoint "$dir/nope.safetensors"
   rm -f "$fifo"
 }
 

@@ -89,6 +89,9 @@ const ONLY_WITH: &[out::OnlyWith] = &[
     ("demo", "slots", "stream"),
     ("demo", "frame_size", "stream"),
     ("demo", "mps", "stream"),
+    ("serve", "name", "checkpoint"),
+    ("serve", "streams", "checkpoint"),
+    ("serve", "staging", "checkpoint"),
 ];
 
 fn main() -> ExitCode {
@@ -106,8 +109,14 @@ fn main() -> ExitCode {
         Command::Bench(a) => {
             cuda_ipc_bench::run(&a, &|a, b| link::between(a, b).to_string()).map(|()| Outcome::Ok)
         }
-        Command::Serve(a) => cmd::serve::serve(&a),
-        Command::Attach(a) => cmd::serve::attach(&a),
+        Command::Serve(a) => match &a.checkpoint {
+            Some(path) => cmd::checkpoint::serve(&a, path),
+            None => cmd::serve::serve(&a),
+        },
+        Command::Attach(a) => match (&a.set, &a.checkpoint) {
+            (Some(set), Some(path)) => cmd::checkpoint::attach(&a, set, path),
+            _ => cmd::serve::attach(&a),
+        },
         Command::DemoConsumer(a) => cmd::demo::consumer(&a),
         Command::ProbeOpen(a) => cmd::info::probe_open(&a),
         Command::BenchWorker(a) => cuda_ipc_bench::worker(&a).map(|()| Outcome::Ok),

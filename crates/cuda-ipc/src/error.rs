@@ -223,6 +223,20 @@ pub enum Error {
         reason: String,
     },
 
+    /// Loading a checkpoint's tensor onto the device failed: the file and
+    /// the tensor, and what failed (a driver call, usually). Its
+    /// [`kind`](Error::kind) is the cause's.
+    #[error("loading tensor {tensor} of {}: {source}", .file.display())]
+    Load {
+        /// The checkpoint file the tensor is read from.
+        file: std::path::PathBuf,
+        /// The tensor's name, as in the file.
+        tensor: String,
+        /// What failed.
+        #[source]
+        source: Box<Error>,
+    },
+
     /// A PyTorch sharing record was malformed or of an unsupported kind.
     #[error("PyTorch share record: {0}")]
     Torch(String),
@@ -270,6 +284,7 @@ impl Error {
             Error::Driver { call, result, .. } => driver_kind(call, *result),
             Error::Channel(e) => channel_kind(e.kind()),
             Error::Io { .. } => ErrorKind::Failed,
+            Error::Load { source, .. } => source.kind(),
         }
     }
 
@@ -277,6 +292,7 @@ impl Error {
     pub fn driver_code(&self) -> Option<i32> {
         match self {
             Error::Driver { code, .. } => Some(*code),
+            Error::Load { source, .. } => source.driver_code(),
             _ => None,
         }
     }
@@ -285,6 +301,7 @@ impl Error {
     pub fn driver_result(&self) -> Option<CUresult> {
         match self {
             Error::Driver { result, .. } => Some(*result),
+            Error::Load { source, .. } => source.driver_result(),
             _ => None,
         }
     }

@@ -62,6 +62,7 @@ pub mod handle;
 mod json;
 pub mod kernels;
 pub mod legacy;
+pub mod loader;
 mod mechanism;
 pub mod memory;
 pub mod pool;

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod checkpoint;
 pub mod demo;
 pub mod demo_args;
 pub mod export;

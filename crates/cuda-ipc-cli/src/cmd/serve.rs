@@ -30,10 +30,10 @@ pub struct ServeArgs {
     #[arg(long, default_value = "cuda-ipc")]
     pub socket: String,
     /// Size of each buffer (4096, 64MiB, 1GiB, ...).
-    #[arg(long, value_parser = super::parse_size, allow_negative_numbers = true)]
-    pub size: u64,
+    #[arg(long, value_parser = super::parse_size, allow_negative_numbers = true, required_unless_present = "checkpoint")]
+    pub size: Option<u64>,
     /// Fill every 32-bit word with this value (decimal or 0x hex).
-    #[arg(long, value_parser = super::parse_value, allow_negative_numbers = true, required_unless_present = "set")]
+    #[arg(long, value_parser = super::parse_value, allow_negative_numbers = true, required_unless_present_any = ["set", "checkpoint"])]
     pub fill_u32: Option<u32>,
     /// How many buffers to publish (named buf0, buf1, ...).
     #[arg(long, default_value_t = 1, value_parser = super::parse_count, allow_negative_numbers = true)]
@@ -43,6 +43,21 @@ pub struct ServeArgs {
     /// seed), each filled with its own ramp that `attach --set` checks.
     #[arg(long, value_parser = super::parse_count, allow_negative_numbers = true, conflicts_with_all = ["fill_u32", "buffers"])]
     pub set: Option<usize>,
+    /// Load this safetensors checkpoint (a .safetensors file, a sharded
+    /// checkpoint's model.safetensors.index.json, or a model directory)
+    /// onto the device and publish its tensors as one set (see --name).
+    #[arg(long, conflicts_with_all = ["size", "fill_u32", "buffers", "set"])]
+    pub checkpoint: Option<PathBuf>,
+    /// The set name a --checkpoint is published under.
+    #[arg(long, default_value = "model")]
+    pub name: String,
+    /// Streams the --checkpoint copies run on (1 to 1024).
+    #[arg(long, default_value_t = 4, value_parser = super::parse_count, allow_negative_numbers = true)]
+    pub streams: usize,
+    /// The size of each page-locked staging buffer of a --checkpoint load
+    /// (two per stream; the largest single copy).
+    #[arg(long, default_value = "64MiB", value_parser = super::parse_size, allow_negative_numbers = true)]
+    pub staging: u64,
     /// How to share: auto, legacy, vmm, pool or fabric.
     #[arg(long, value_parser = super::parse_mechanism, default_value = "auto")]
     pub mechanism: super::MechanismArg,
@@ -75,6 +90,11 @@ pub struct AttachArgs {
     /// check every buffer's values (exit 1 on a mismatch).
     #[arg(long, conflicts_with_all = ["buffer", "list", "expect_u32", "fill_u32"])]
     pub set: Option<String>,
+    /// With --set: compare every tensor of the set, byte for byte, with
+    /// this safetensors checkpoint (as `serve --checkpoint` publishes it)
+    /// instead of checking ramps (exit 1 on a difference).
+    #[arg(long, requires = "set")]
+    pub checkpoint: Option<PathBuf>,
     /// Check that every 32-bit word equals this value (exit 1 on the first mismatch).
     #[arg(long, value_parser = super::parse_value, allow_negative_numbers = true)]
     pub expect_u32: Option<u32>,
@@ -99,7 +119,7 @@ const MAX_SOCKET_PATH: usize = 107;
 
 /// Which side is about to use a socket path.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Side {
+pub enum Side {
     /// `serve`: binds a new socket there.
     Serve,
     /// `attach`: connects to a socket that must be there.
@@ -110,7 +130,7 @@ enum Side {
 /// loaded: an empty or bad name, a path too long for a socket, or a file or
 /// directory where the socket should be is bad input (exit 2), and a missing
 /// socket for `attach` says that nothing serves there.
-fn socket_path(socket: &str, side: Side) -> Result<PathBuf, Error> {
+pub fn socket_path(socket: &str, side: Side) -> Result<PathBuf, Error> {
     let bad = |reason: String| Error::InvalidArgument {
         what: "--socket",
         reason,
@@ -246,8 +266,17 @@ pub fn arena_sharing(mechanism: super::MechanismArg) -> Sharing {
     }
 }
 
+/// `--size`, which clap requires unless `--checkpoint` is given.
+fn size_of(args: &ServeArgs) -> Result<u64, Error> {
+    args.size.ok_or_else(|| Error::InvalidArgument {
+        what: "--size",
+        reason: "it is required (unless --checkpoint is given)".into(),
+    })
+}
+
 fn serve_set(args: &ServeArgs, n: usize) -> Result<Outcome, Error> {
-    let sizes = set_sizes(n, args.size)?;
+    let size = size_of(args)?;
+    let sizes = set_sizes(n, size)?;
     let path = socket_path(&args.socket, Side::Serve)?;
     let device = Device::open(args.device)?;
     let config = PublisherConfig::default()
@@ -260,7 +289,7 @@ fn serve_set(args: &ServeArgs, n: usize) -> Result<Outcome, Error> {
         "set": SET_NAME,
         "buffers": n,
         "mechanism": publisher.arena()?.backing().mechanism().name(),
-        "size": args.size,
+        "size": size,
         "pid": std::process::id(),
     });
     outln!("{line}")?;
@@ -275,12 +304,13 @@ pub fn serve(args: &ServeArgs) -> Result<Outcome, Error> {
     if let Some(n) = args.set {
         return serve_set(args, n);
     }
-    if args.size == 0 || !args.size.is_multiple_of(4) || args.buffers == 0 {
+    let size = size_of(args)?;
+    if size == 0 || !size.is_multiple_of(4) || args.buffers == 0 {
         return Err(Error::InvalidArgument {
             what: "size or buffers",
             reason: format!(
                 "--size ({}) must be a positive multiple of 4 and --buffers ({}) at least 1",
-                args.size, args.buffers
+                size, args.buffers
             ),
         });
     }
@@ -292,17 +322,17 @@ pub fn serve(args: &ServeArgs) -> Result<Outcome, Error> {
     let mut mechanism = None;
     for i in 0..args.buffers {
         let fill = args.fill_u32.unwrap_or_default(); // required without --set
-        let buffer = super::alloc_filled(&device, args.size, args.mechanism, fill)?;
+        let buffer = super::alloc_filled(&device, size, args.mechanism, fill)?;
         mechanism = Some(buffer.mechanism());
         let name = format!("buf{i}");
-        publisher.publish(&name, buffer, Dtype::U32, Some(vec![args.size / 4]))?;
+        publisher.publish(&name, buffer, Dtype::U32, Some(vec![size / 4]))?;
         names.push(name);
     }
     let line = json!({
         "socket": publisher.path(),
         "buffers": names,
         "mechanism": mechanism.map(cuda_ipc::Mechanism::name),
-        "size": args.size,
+        "size": size,
         "pid": std::process::id(),
     });
     outln!("{line}")?;

@@ -92,6 +92,29 @@ pub(crate) unsafe fn copy_htod_async(
     })
 }
 
+/// `cuMemHostAlloc` with no flags: `len` bytes of page-locked host memory
+/// for this context, which asynchronous copies read without a bounce.
+#[doc(alias = "cuMemHostAlloc")]
+pub(crate) fn host_alloc(len: usize) -> Result<*mut c_void> {
+    let mut p = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    check("cuMemHostAlloc", unsafe {
+        sys::cuMemHostAlloc(&raw mut p, len, 0)
+    })?;
+    Ok(p)
+}
+
+/// `cuMemFreeHost`.
+///
+/// # Safety
+/// `ptr` must come from [`host_alloc`], freed once, and no queued work may
+/// still use it.
+#[doc(alias = "cuMemFreeHost")]
+pub(crate) unsafe fn host_free(ptr: *mut c_void) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr) })
+}
+
 /// `cuMemcpyDtoDAsync_v2`.
 ///
 /// # Safety

@@ -104,6 +104,9 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemHostGetDevicePointer_v2",
+    // Page-locked staging buffers (the checkpoint loader).
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
 ];
 
 /// Driver-wide calls.

@@ -7,6 +7,7 @@
 
 mod arena_sets;
 mod chaos;
+mod checkpoint_load;
 mod common;
 mod consumer;
 mod containers;

@@ -1,0 +1,222 @@
+//! `cuda-ipc serve --checkpoint` and `cuda-ipc attach --set --checkpoint`:
+//! a safetensors checkpoint loaded onto the device and published as one
+//! set, and a consumer that compares the set with the file byte for byte.
+
+use std::path::Path;
+use std::time::Instant;
+
+use cuda_ipc::checkpoint::{Checkpoint, Plan, PlanOptions};
+use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
+use cuda_ipc::loader::{LoadedCheckpoint, load_checkpoint};
+use cuda_ipc::units::shorten;
+use cuda_ipc::{Device, DeviceMemory, Error};
+use serde_json::json;
+
+use super::serve::{AttachArgs, ServeArgs, Side, arena_sharing, socket_path};
+use crate::Outcome;
+use crate::out::{errln, outln};
+
+/// The checkpoint and its plan, checked before the driver is touched: a
+/// bad path, a file that is not a checkpoint, an empty checkpoint, bad
+/// load options or a bad set name is bad input (exit 2).
+pub fn open_checked(args: &ServeArgs, path: &Path) -> Result<(Checkpoint, Plan), Error> {
+    check_set_name(&args.name)?;
+    let options = PlanOptions::default()
+        .with_streams(args.streams)
+        .with_piece_size(args.staging);
+    options.validate().map_err(|e| Error::InvalidArgument {
+        what: "--streams or --staging",
+        reason: e.to_string(),
+    })?;
+    let ckpt = open_nonempty(path)?;
+    let plan = ckpt.plan(&options)?;
+    Ok((ckpt, plan))
+}
+
+/// The checkpoint at `path`, refused if it holds no tensor (no set has
+/// none).
+fn open_nonempty(path: &Path) -> Result<Checkpoint, Error> {
+    let ckpt = Checkpoint::open(path)?;
+    if ckpt.tensors().is_empty() {
+        return Err(Error::Checkpoint {
+            file: ckpt.path().to_path_buf(),
+            field: "tensors".into(),
+            reason: "it holds no tensor, so there is no set to publish or compare".into(),
+        });
+    }
+    Ok(ckpt)
+}
+
+/// A set name the publisher will accept (and that `attach --list` shows).
+fn check_set_name(name: &str) -> Result<(), Error> {
+    let reason = match cuda_ipc::channel::validate_entry_name(name) {
+        Err(cuda_ipc::channel::ChannelError::InvalidName { reason, .. }) => reason,
+        Err(e) => e.to_string(),
+        Ok(()) if name.starts_with(cuda_ipc::exchange::HIDDEN_ENTRY_PREFIX) => format!(
+            "names starting with {:?} are the publisher's own",
+            cuda_ipc::exchange::HIDDEN_ENTRY_PREFIX
+        ),
+        Ok(()) => return Ok(()),
+    };
+    Err(Error::InvalidArgument {
+        what: "--name",
+        reason: format!("{}: {reason}", shorten(name, 40)),
+    })
+}
+
+/// A progress bar on standard error (drawn only on a terminal).
+fn progress_bar() -> indicatif::ProgressBar {
+    let bar =
+        indicatif::ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::stderr());
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "loading {bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+    ) {
+        bar.set_style(style);
+    }
+    bar
+}
+
+/// `serve --checkpoint PATH`.
+pub fn serve(args: &ServeArgs, path: &Path) -> Result<Outcome, Error> {
+    let (ckpt, plan) = open_checked(args, path)?;
+    let socket = socket_path(&args.socket, Side::Serve)?;
+    let device = Device::open(args.device)?;
+    let config = PublisherConfig::default()
+        .with_allow_uids(args.allow_uid.iter().copied())
+        .with_sharing(arena_sharing(args.mechanism));
+    let publisher = Publisher::bind(&device, Endpoint::Path(socket), config)?;
+    let bar = progress_bar();
+    let loaded = load_checkpoint(&publisher, &ckpt, plan.options(), &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    let loaded = loaded?;
+    loaded.publish(&publisher, &args.name)?;
+    report(args, &publisher, &ckpt, &loaded)?;
+    super::wait_for_stdin_end()?;
+    publisher.unpublish_set(&args.name, Some(args.release_timeout))?;
+    drop(loaded);
+    publisher.trim()?;
+    Ok(Outcome::Ok)
+}
+
+/// The JSON line on standard output (what was published, for scripts)
+/// and a sentence on standard error.
+fn report(
+    args: &ServeArgs,
+    publisher: &Publisher,
+    ckpt: &Checkpoint,
+    loaded: &LoadedCheckpoint,
+) -> Result<(), Error> {
+    let r = loaded.report();
+    let line = json!({
+        "socket": publisher.path(),
+        "set": args.name,
+        "checkpoint": ckpt.path(),
+        "files": r.files,
+        "tensors": r.tensors,
+        "bytes": r.payload_bytes,
+        "allocated": r.allocated_bytes,
+        "streams": r.streams,
+        "pieces": r.pieces,
+        "load_s": r.elapsed.as_secs_f64(),
+        "gb_per_s": r.gb_per_s(),
+        "mechanism": publisher.arena()?.backing().mechanism().name(),
+        "pid": std::process::id(),
+    });
+    outln!("{line}")?;
+    errln!(
+        "cuda-ipc: loaded {} tensors ({}) from {} file(s) in {:.3} s ({:.2} GB/s, {} streams); \
+         published set {}",
+        r.tensors,
+        super::human(r.payload_bytes),
+        r.files,
+        r.elapsed.as_secs_f64(),
+        r.gb_per_s(),
+        r.streams,
+        args.name
+    );
+    Ok(())
+}
+
+/// `attach --set NAME --checkpoint PATH`: every tensor of the set against
+/// the file, byte for byte, and the same names, dtypes and shapes.
+pub fn attach(args: &AttachArgs, set: &str, path: &Path) -> Result<Outcome, Error> {
+    let ckpt = open_nonempty(path)?;
+    let socket = socket_path(&args.socket, Side::Attach)?;
+    let device = Device::open(args.device)?;
+    let config = SubscriberConfig::default()
+        .with_allow_uids(args.allow_uid.iter().copied())
+        .with_sync(args.sync);
+    let subscriber = Subscriber::connect(&device, Endpoint::Path(socket), config)?;
+    let started = Instant::now();
+    let attached = subscriber.attach_set(set)?;
+    // Every view of the set shares the stream that waited on the event.
+    if let Some(first) = (0..attached.len()).find(|&i| attached.entries()[i].len > 0) {
+        attached.view::<u8>(first)?.synchronize()?;
+    }
+    let ms = super::ms_since(started);
+    let t = Instant::now();
+    let verdict = compare(&attached, &ckpt);
+    let check_ms = super::ms_since(t);
+    let bytes = attached.record().total_bytes();
+    let n = attached.len();
+    subscriber.release_set(attached)?;
+    if let Some(why) = verdict? {
+        errln!("cuda-ipc: mismatch: set {set}: {why}");
+        return Ok(Outcome::Mismatch);
+    }
+    outln!(
+        "attached set {set}: {n} tensors, {} in {ms:.3} ms; every byte matches {} (checked in {check_ms:.3} ms)",
+        super::human(bytes),
+        ckpt.path().display()
+    )?;
+    Ok(Outcome::Ok)
+}
+
+/// The first difference between the set and the checkpoint, if any.
+fn compare(
+    set: &cuda_ipc::exchange::SetAttachment,
+    ckpt: &Checkpoint,
+) -> Result<Option<String>, Error> {
+    if set.len() != ckpt.tensors().len() {
+        return Ok(Some(format!(
+            "{} tensors, the checkpoint has {}",
+            set.len(),
+            ckpt.tensors().len()
+        )));
+    }
+    for (i, entry) in set.entries().iter().enumerate() {
+        let name = shorten(&entry.name, 80);
+        let Some(t) = ckpt.tensor(&entry.name) else {
+            return Ok(Some(format!("{name} is not in the checkpoint")));
+        };
+        if t.dtype != entry.dtype || t.shape != entry.shape {
+            return Ok(Some(format!(
+                "{name} is {} {:?}, the checkpoint's is {} {:?}",
+                entry.dtype, entry.shape, t.dtype, t.shape
+            )));
+        }
+        let want = ckpt.bytes(t)?;
+        let got: Vec<u8> = if want.is_empty() {
+            Vec::new()
+        } else {
+            set.view::<u8>(i)?.to_vec()?
+        };
+        if let Some(at) = got.iter().zip(want).position(|(a, b)| a != b) {
+            return Ok(Some(format!(
+                "byte {at} of {name} is {:#04x}, the file's is {:#04x}",
+                got[at], want[at]
+            )));
+        }
+        if got.len() != want.len() {
+            return Ok(Some(format!(
+                "{name} has {} bytes, the file's {}",
+                got.len(),
+                want.len()
+            )));
+        }
+    }
+    Ok(None)
+}

@@ -1,0 +1,143 @@
+//! `serve --checkpoint` and `attach --set --checkpoint` without a GPU: the
+//! options, and a bad path or checkpoint refused (exit 2) before the driver
+//! is loaded; a good checkpoint gets as far as the driver (exit 3 here).
+
+mod common;
+
+use std::path::Path;
+
+use common::{assert_error, cuda_ipc};
+
+/// A safetensors file of one f32 tensor `w` of shape [2] (no padding).
+fn write_checkpoint(path: &Path) {
+    let header = br#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn a_bad_checkpoint_is_refused_before_the_driver() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.safetensors");
+    let junk = dir.path().join("junk.safetensors");
+    std::fs::write(&junk, b"not a checkpoint at all").unwrap();
+    let empty_dir = dir.path().join("empty");
+    std::fs::create_dir(&empty_dir).unwrap();
+    let index = dir.path().join("model.safetensors.index.json");
+    std::fs::write(
+        &index,
+        br#"{"weight_map":{"w":"model-00001-of-00002.safetensors"}}"#,
+    )
+    .unwrap();
+    let no_tensor = dir.path().join("none.safetensors");
+    let header = br#"{"__metadata__":{"format":"pt"}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    std::fs::write(&no_tensor, bytes).unwrap();
+    for (path, why) in [
+        (&missing, "missing.safetensors"),
+        (&junk, "junk.safetensors"),
+        (&empty_dir, "empty"),
+        (&index, "model-00001-of-00002.safetensors"),
+        (&no_tensor, "holds no tensor"),
+    ] {
+        let p = path.to_str().unwrap();
+        let args = ["serve", "--checkpoint", p];
+        assert_error(&args, &cuda_ipc(&args), 2, why);
+        let args = ["attach", "--set", "model", "--checkpoint", p];
+        assert_error(&args, &cuda_ipc(&args), 2, why);
+    }
+}
+
+#[test]
+fn a_good_checkpoint_gets_as_far_as_the_driver() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write_checkpoint(&file);
+    let sock = dir.path().join("s.sock");
+    let (f, d, s) = (
+        file.to_str().unwrap(),
+        dir.path().to_str().unwrap(),
+        sock.to_str().unwrap(),
+    );
+    for args in [
+        vec!["serve", "--checkpoint", f, "--socket", s],
+        vec!["serve", "--checkpoint", d, "--socket", s, "--name", "m"],
+        vec![
+            "serve",
+            "--checkpoint",
+            f,
+            "--socket",
+            s,
+            "--streams",
+            "2",
+            "--staging",
+            "4KiB",
+        ],
+    ] {
+        assert_error(&args, &cuda_ipc(&args), 3, "libcuda.so.1");
+    }
+}
+
+#[test]
+fn load_options_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write_checkpoint(&file);
+    let f = file.to_str().unwrap();
+    for (extra, exit, why) in [
+        (vec!["--streams", "0"], 2, "0 is not from 1 to 1024"),
+        (vec!["--streams", "2000"], 2, "2000 is not from 1 to 1024"),
+        (vec!["--staging", "0"], 2, "at least one byte"),
+        (vec!["--staging", "lots"], 2, "lots"),
+        (vec!["--name", ""], 2, "must not be empty"),
+        (vec!["--name", "a\nb"], 2, "control character"),
+        (vec!["--size", "4096"], 2, "cannot be used with"),
+        (vec!["--set", "3"], 2, "cannot be used with"),
+        (vec!["--fill-u32", "1"], 2, "cannot be used with"),
+    ] {
+        let mut args = vec!["serve", "--checkpoint", f];
+        args.extend(extra);
+        assert_error(&args, &cuda_ipc(&args), exit, why);
+    }
+}
+
+#[test]
+fn checkpoint_options_need_a_checkpoint() {
+    for (args, why) in [
+        (
+            vec!["serve", "--size", "4096", "--fill-u32", "1", "--name", "m"],
+            "--name applies only with --checkpoint",
+        ),
+        (
+            vec![
+                "serve",
+                "--size",
+                "4096",
+                "--fill-u32",
+                "1",
+                "--streams",
+                "2",
+            ],
+            "--streams applies only with --checkpoint",
+        ),
+        (
+            vec![
+                "serve",
+                "--size",
+                "4096",
+                "--fill-u32",
+                "1",
+                "--staging",
+                "1MiB",
+            ],
+            "--staging applies only with --checkpoint",
+        ),
+        (vec!["serve"], "--size"),
+        (vec!["attach", "--checkpoint", "/m"], "--set"),
+    ] {
+        assert_error(&args, &cuda_ipc(&args), 2, why);
+    }
+}
