@@ -633,3 +633,31 @@ fn every_header_corpus_file_passes_the_fuzz_checks() {
         |d| FileHeader::parse(Path::new("h.safetensors"), d).is_ok(),
     );
 }
+
+/// A checkpoint holding an empty tensor opens (it is a valid file), but is
+/// refused for loading before anything is allocated, naming the tensor;
+/// one without is publishable.
+#[test]
+fn an_empty_tensor_is_refused_before_loading() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    write(
+        &path,
+        &[
+            ("w", St::F32, vec![3, 4]),
+            ("layers.0.empty", St::F16, vec![0, 4]),
+        ],
+        1,
+    );
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let e = cuda_ipc::loader::check_publishable(&ckpt).unwrap_err();
+    assert_eq!(e.kind(), cuda_ipc::ErrorKind::InvalidInput, "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("layers.0.empty") && text.contains("no element"),
+        "{text}"
+    );
+    write(&path, &[("w", St::F32, vec![3, 4])], 1);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    cuda_ipc::loader::check_publishable(&ckpt).unwrap();
+}

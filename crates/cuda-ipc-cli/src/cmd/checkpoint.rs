@@ -33,17 +33,11 @@ pub fn open_checked(args: &ServeArgs, path: &Path) -> Result<(Checkpoint, Plan),
     Ok((ckpt, plan))
 }
 
-/// The checkpoint at `path`, refused if it holds no tensor (no set has
-/// none).
+/// The checkpoint at `path`, refused if it cannot be one set (no tensor,
+/// or an empty one: [`cuda_ipc::loader::check_publishable`]).
 fn open_nonempty(path: &Path) -> Result<Checkpoint, Error> {
     let ckpt = Checkpoint::open(path)?;
-    if ckpt.tensors().is_empty() {
-        return Err(Error::Checkpoint {
-            file: ckpt.path().to_path_buf(),
-            field: "tensors".into(),
-            reason: "it holds no tensor, so there is no set to publish or compare".into(),
-        });
-    }
+    cuda_ipc::loader::check_publishable(&ckpt)?;
     Ok(ckpt)
 }
 

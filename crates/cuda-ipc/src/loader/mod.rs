@@ -144,6 +144,40 @@ impl LoadedCheckpoint {
     }
 }
 
+/// Refuses, before anything is allocated, a checkpoint that cannot be
+/// published as one set: one with no tensor, or with an empty tensor (a
+/// dimension of 0: a set's entries hold at least one byte, and the entry
+/// names that carry empty tensors for Python's state dicts are not part of
+/// the set record Rust reads).
+///
+/// # Errors
+/// [`Error::Checkpoint`] naming the checkpoint and the tensor.
+pub fn check_publishable(ckpt: &Checkpoint) -> Result<()> {
+    let refuse = |field: String, reason: String| Error::Checkpoint {
+        file: ckpt.path().to_path_buf(),
+        field,
+        reason,
+    };
+    if ckpt.tensors().is_empty() {
+        return Err(refuse(
+            "tensors".into(),
+            "it holds no tensor, so there is no set to publish or compare".into(),
+        ));
+    }
+    if let Some(t) = ckpt.tensors().iter().find(|t| t.shape.contains(&0)) {
+        return Err(refuse(
+            t.name.clone(),
+            format!(
+                "the tensor has no element (shape {:?}), and a set cannot carry an empty \
+                 tensor; drop it from the checkpoint (or publish the state dict from Python, \
+                 which carries empty tensors)",
+                t.shape
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Copies `ckpt` into `publisher`'s arena following its plan with
 /// `options` (see the module docs), calling `progress(done, total)` with
 /// bytes of tensors as copies finish. Returns once every copy has finished.
@@ -158,6 +192,7 @@ pub fn load_checkpoint(
     options: &PlanOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<LoadedCheckpoint> {
+    check_publishable(ckpt)?;
     let plan = ckpt.plan(options)?;
     let arena = publisher.arena()?;
     let device = arena.backing().device().clone();
