@@ -39,14 +39,14 @@ use cudarc::driver::CudaStream;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mechanism::Mechanism;
-use crate::memory::{DeviceMemory, impl_cudarc_traits};
+use crate::memory::{DeviceMemory, UsesOf, impl_cudarc_traits};
 
 pub(crate) mod sealed {
     use std::sync::Arc;
 
     use cudarc::driver::CudaStream;
 
-    use crate::memory::ForeignUse;
+    use crate::memory::{ForeignUse, UsesOf};
 
     /// Seals [`Mapping`](super::Mapping): only this crate makes mappings.
     pub trait Sealed {
@@ -82,19 +82,24 @@ pub(crate) mod sealed {
             &self.foreign
         }
 
+        /// What the mapping's release waits for: the work queued so far on
+        /// every recorded stream and on `also` or, after uses on other
+        /// streams, on every stream of `also`'s context.
+        pub(crate) fn uses(&self, also: &Arc<CudaStream>) -> UsesOf {
+            let mut streams = self.snapshot();
+            streams.push(also.clone());
+            self.foreign.uses(also.context(), &streams)
+        }
+
         /// Retires `finish` to the [reaper](crate::reaper) until the work
-        /// queued so far on every recorded stream and on `also` (or, after
-        /// uses on other streams, on every stream of `also`'s context) has
-        /// finished. Never waits.
+        /// [`UsedStreams::uses`] names has finished. Never waits.
         pub(crate) fn retire(
             &self,
             also: &Arc<CudaStream>,
             what: &'static str,
             finish: impl FnOnce() + Send + 'static,
         ) {
-            let mut streams = self.snapshot();
-            streams.push(also.clone());
-            self.foreign.retire(also.context(), &streams, what, finish);
+            self.uses(also).retire(what, finish);
         }
 
         /// Waits for every recorded stream (they stay recorded, as views
@@ -122,38 +127,14 @@ pub(crate) mod sealed {
 
 pub(crate) use sealed::UsedStreams;
 
-/// What the release of some mappings waits for: the work queued so far on
-/// every stream their views used and on their devices' streams or, after a
-/// use on another stream, on every stream of their context.
-pub(crate) enum UsesOf {
-    /// The streams.
-    Streams(Vec<Arc<CudaStream>>),
-    /// The whole context.
-    Context(Arc<cudarc::driver::CudaContext>),
-}
-
-impl UsesOf {
-    /// What `mappings`' release waits for.
-    pub(crate) fn mappings(mappings: &[Arc<dyn Mapping>]) -> Self {
-        let mut streams = Vec::new();
-        for m in mappings {
-            if m.used_streams().foreign().used() {
-                return UsesOf::Context(m.device().context().clone());
-            }
-            streams.extend(m.used_streams().snapshot());
-            streams.push(m.device().stream().clone());
-        }
-        UsesOf::Streams(streams)
-    }
-
-    /// Retires `finish` to the [reaper](crate::reaper) until that work has
-    /// finished. Never waits.
-    pub(crate) fn retire(self, what: &'static str, finish: impl FnOnce() + Send + 'static) {
-        match self {
-            UsesOf::Streams(streams) => crate::reaper::after_streams(&streams, what, finish),
-            UsesOf::Context(ctx) => crate::reaper::after_context(&ctx, what, finish),
-        }
-    }
+/// What the release of `mappings` waits for (each mapping's
+/// [`UsedStreams::uses`] together).
+pub(crate) fn uses_of(mappings: &[Arc<dyn Mapping>]) -> UsesOf {
+    mappings
+        .iter()
+        .map(|m| m.used_streams().uses(m.device().stream()))
+        .reduce(UsesOf::merge)
+        .unwrap_or(UsesOf::Streams(Vec::new()))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -277,17 +277,14 @@ impl Drop for LegacyBuffer {
         // until then (no wait here). A failure to free means the context is
         // broken, and its teardown frees the memory.
         let (device, ptr) = (self.device.clone(), self.ptr);
-        self.foreign.retire(
-            self.device.context(),
-            [&self.stream, self.device.stream()],
-            "freeing a legacy buffer",
-            move || {
+        self.foreign
+            .uses(self.device.context(), [&self.stream, self.device.stream()])
+            .retire("freeing a legacy buffer", move || {
                 let _ = device.bind();
                 // SAFETY: allocated in `alloc`, freed once, after the work
                 // queued on its streams.
                 let _ = unsafe { mem::free(ptr) };
-            },
-        );
+            });
     }
 }
 

@@ -334,6 +334,36 @@ pub fn order_streams<'a, M: DeviceMemory + ?Sized>(
     }
 }
 
+/// What a release waits for before it runs (see [`ForeignUse::uses`]).
+pub(crate) enum UsesOf {
+    /// The work queued so far on these streams.
+    Streams(Vec<Arc<CudaStream>>),
+    /// The work queued so far on every stream of the context.
+    Context(Arc<cudarc::driver::CudaContext>),
+}
+
+impl UsesOf {
+    /// What a release of both waits for.
+    pub(crate) fn merge(self, other: UsesOf) -> UsesOf {
+        match (self, other) {
+            (UsesOf::Context(c), _) | (_, UsesOf::Context(c)) => UsesOf::Context(c),
+            (UsesOf::Streams(mut a), UsesOf::Streams(b)) => {
+                a.extend(b);
+                UsesOf::Streams(a)
+            }
+        }
+    }
+
+    /// Retires `finish` to the [reaper](crate::reaper) until that work has
+    /// finished. Never waits.
+    pub(crate) fn retire(self, what: &'static str, finish: impl FnOnce() + Send + 'static) {
+        match self {
+            UsesOf::Streams(streams) => crate::reaper::after_streams(&streams, what, finish),
+            UsesOf::Context(ctx) => crate::reaper::after_context(&ctx, what, finish),
+        }
+    }
+}
+
 /// Uses of a piece of memory on streams other than its own (cudarc's copies
 /// and launches given another stream, our copies from it): one event,
 /// recorded on the other stream after each such use.
@@ -388,20 +418,18 @@ impl ForeignUse {
         Some(event)
     }
 
-    /// Retires `finish` (see [`crate::reaper`]): after the work queued so far
-    /// on `streams` or, when the memory was used on other streams, on every
-    /// stream of `ctx`. Never waits.
-    pub(crate) fn retire<'s>(
+    /// What the memory's release waits for: the work queued so far on
+    /// `streams` or, when the memory was used on other streams, on every
+    /// stream of `ctx`.
+    pub(crate) fn uses<'s>(
         &self,
         ctx: &Arc<cudarc::driver::CudaContext>,
         streams: impl IntoIterator<Item = &'s Arc<CudaStream>>,
-        what: &'static str,
-        finish: impl FnOnce() + Send + 'static,
-    ) {
+    ) -> UsesOf {
         if self.used() {
-            crate::reaper::after_context(ctx, what, finish);
+            UsesOf::Context(ctx.clone())
         } else {
-            crate::reaper::after_streams(streams, what, finish);
+            UsesOf::Streams(streams.into_iter().cloned().collect())
         }
     }
 

@@ -326,11 +326,9 @@ impl Drop for VmmBuffer {
         // broken its teardown frees everything.
         let (device, ptr, size, handle) =
             (self.device.clone(), self.ptr, self.alloc_size, self.handle);
-        self.foreign.retire(
-            self.device.context(),
-            [&self.stream, self.device.stream()],
-            "unmapping and releasing a VMM allocation",
-            move || {
+        self.foreign
+            .uses(self.device.context(), [&self.stream, self.device.stream()])
+            .retire("unmapping and releasing a VMM allocation", move || {
                 let _ = device.bind();
                 // SAFETY: mapped, reserved and created in `alloc_with`;
                 // undone once, in reverse order, after the work queued on
@@ -340,8 +338,7 @@ impl Drop for VmmBuffer {
                     let _ = vmm::address_free(ptr, size);
                     let _ = vmm::release(handle);
                 }
-            },
-        );
+            });
     }
 }
 

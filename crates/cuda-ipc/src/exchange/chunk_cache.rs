@@ -22,7 +22,7 @@ impl CachedChunk {
     pub(super) fn retire(self, client: &Arc<channel::Client>) {
         let CachedChunk { mapping, lease } = self;
         let client = client.clone();
-        let uses = crate::buffer::UsesOf::mappings(std::slice::from_ref(&mapping));
+        let uses = mapping.used_streams().uses(mapping.device().stream());
         uses.retire("unmapping an idle chunk", move || {
             crate::reaper::work_done(|| drop(mapping));
             if let Err(e) = client.release_nowait(lease)

@@ -133,7 +133,7 @@ impl Drop for LeaseGuard {
         }
         let mappings = std::mem::take(&mut *lock(&self.mappings));
         let (client, pending, lease) = (self.client.clone(), self.pending.clone(), self.lease);
-        crate::buffer::UsesOf::mappings(&mappings).retire("releasing a lease", move || {
+        crate::buffer::uses_of(&mappings).retire("releasing a lease", move || {
             crate::reaper::work_done(|| drop(mappings));
             let released = client.release_nowait(lease);
             // After the release (see `end`).
