@@ -7,43 +7,45 @@
 
 Directions covered, each case independent (one failure hides nothing else):
 
-- ``py2cli``: PyTorch (and CuPy) export tensors of every dtype both share,
-  at non-zero offsets, 1-D to 4-D, transposed and strided; ``cuda-ipc open
-  --expect-u32 V --fill-u32 W`` maps each in a separate process, checks
-  every word and writes; the exporter then checks, byte by byte, that
-  exactly the exported range changed, and that its memory is released
-  (``torch.cuda.memory_allocated`` / the CuPy pool) once it closes the
-  export.
-- ``cli2py``: ``cuda-ipc export --mechanism legacy|vmm|pool`` (at an
-  offset); a Python process maps it with ``cuda_ipc.open(...).as_torch()``
-  and ``.as_cupy()``, checks every word, writes; ``cuda-ipc open
-  --expect-u32`` verifies the write.
-- ``py2py``: PyTorch exports, CuPy (and PyTorch) in another process map and
-  compare element by element with values computed independently, write;
-  the exporter checks every element inside and outside the view. And CuPy
-  exports to PyTorch.
-- ``expandable``: PyTorch with ``expandable_segments:True`` (storage handle
-  ``'e'``): one segment gives a vmm descriptor (checked with the CLI), several
-  give a PyTorch share record (mapped by ``cuda_ipc.open``).
-- ``memory``: a 256 MiB tensor and array: device free memory
-  (``cuMemGetInfo``) comes back after the consumer is done and the exporter
-  closes.
-- ``example``: the Rust examples ``torch_consumer`` (maps a PyTorch export,
-  transforms it, answers with an event) and ``torch_producer`` (exports to
-  PyTorch, waits on PyTorch's event, checks), when ``--examples`` (default:
-  ``examples/`` next to ``--cli``) has them.
-- ``errors``: opening memory whose exporter exited, one's own handle, or a
-  bogus handle raises ``CudaIpcError``, never crashes.
-- ``channel``: the exchange channel from Python, with every mechanism:
-  a Python ``Publisher`` attached by ``cuda-ipc attach`` (checks and
-  writes every word), ``cuda-ipc serve`` attached by a Python
+- ``py2cli`` (``gpu_mechanisms.py``): PyTorch (and CuPy) export tensors of
+  every dtype both share, at non-zero offsets, 1-D to 4-D, transposed and
+  strided; ``cuda-ipc open --expect-u32 V --fill-u32 W`` maps each in a
+  separate process, checks every word and writes; the exporter then checks,
+  byte by byte, that exactly the exported range changed, and that its memory
+  is released (``torch.cuda.memory_allocated`` / the CuPy pool) once it
+  closes the export.
+- ``cli2py`` (``gpu_mechanisms.py``): ``cuda-ipc export --mechanism
+  legacy|vmm|pool`` (at an offset); a Python process maps it with
+  ``cuda_ipc.open(...).as_torch()`` and ``.as_cupy()``, checks every word,
+  writes; ``cuda-ipc open --expect-u32`` verifies the write.
+- ``py2py`` (``gpu_mechanisms.py``): PyTorch exports, CuPy (and PyTorch) in
+  another process map and compare element by element with values computed
+  independently, write; the exporter checks every element inside and outside
+  the view. And CuPy exports to PyTorch.
+- ``expandable`` (``gpu_mechanisms.py``): PyTorch with
+  ``expandable_segments:True`` (storage handle ``'e'``): one segment gives a
+  vmm descriptor (checked with the CLI), several give a PyTorch share record
+  (mapped by ``cuda_ipc.open``).
+- ``memory`` (``gpu_mechanisms.py``): a 256 MiB tensor and array: device
+  free memory (``cuMemGetInfo``) comes back after the consumer is done and
+  the exporter closes.
+- ``example`` (``gpu_examples.py``): the Rust examples ``torch_consumer``
+  (maps a PyTorch export, transforms it, answers with an event) and
+  ``torch_producer`` (exports to PyTorch, waits on PyTorch's event, checks),
+  when ``--examples`` (default: ``examples/`` next to ``--cli``) has them.
+- ``errors`` (``gpu_mechanisms.py``): opening memory whose exporter exited,
+  one's own handle, or a bogus handle raises ``CudaIpcError``, never
+  crashes.
+- ``channel`` (``gpu_channel.py``): the exchange channel from Python, with
+  every mechanism: a Python ``Publisher`` attached by ``cuda-ipc attach``
+  (checks and writes every word), ``cuda-ipc serve`` attached by a Python
   ``Subscriber``, Python to Python with updates (``wait_update``) and a
   ring; a lease that follows the tensors made from an attachment, and
   ``kill -9`` of a consumer holding tensors ending its leases.
-- ``sets``: state dicts over arena sets: 1,000 tensors of mixed sizes and
-  dtypes (0-d, empty and transposed ones too) published by one Python
-  process and checked value by value in another, updates in place and
-  copied in, ``kill -9`` of a consumer holding the tensors, ``cuda-ipc
+- ``sets`` (``gpu_sets.py``): state dicts over arena sets: 1,000 tensors of
+  mixed sizes and dtypes (0-d, empty and transposed ones too) published by
+  one Python process and checked value by value in another, updates in place
+  and copied in, ``kill -9`` of a consumer holding the tensors, ``cuda-ipc
   serve --set`` attached from Python, a Python set attached by ``cuda-ipc
   attach --set``, and the example ``examples/python/weight_sync.py``.
 - ``dtypes`` (``gpu_dtypes.py``): a state dict of the float8 types,
@@ -54,12 +56,21 @@ Directions covered, each case independent (one failure hides nothing else):
   C exchange API and through the Python path (workers with
   ``CUDA_IPC_TORCH_C_API=0``), every pairing of the two: mixed dtypes, tied,
   0-d, empty and non-contiguous tensors, updates, a kept tensor's lease.
-- ``alloc``: tensors born shareable (``cuda_ipc.torch.shareable``): a model
-  built in a publisher's arena and published with no copy and no warning,
-  checked byte for byte by another process; training steps in place seen
-  after ``update_state_dict``; freed tensors giving their segments back to
-  the arena; a closed publisher's tensors staying valid; an allocation
-  larger than the GPU raising torch's ``OutOfMemoryError``.
+- ``alloc`` (``gpu_alloc.py``): tensors born shareable
+  (``cuda_ipc.torch.shareable``): a model built in a publisher's arena and
+  published with no copy and no warning, checked byte for byte by another
+  process; training steps in place seen after ``update_state_dict``; freed
+  tensors giving their segments back to the arena; a closed publisher's
+  tensors staying valid; an allocation larger than the GPU raising torch's
+  ``OutOfMemoryError``.
+
+This script is the one to run. Each area's module (named above, next to
+it; ``record``, for ``--record-dir``, is in ``gpu_mechanisms.py``) holds
+the area's worker ops and ``Runner`` methods; this script assembles the
+``Worker`` and the ``Runner``, lists every case in order
+(``Runner.cases``) and runs them. ``gpu_harness.py`` holds what the
+modules share: the worker's base, the worker processes, the ``cuda-ipc``
+command.
 
 GPU work runs in worker processes (the script re-runs itself with
 ``--worker``); a worker that crashes or hangs fails only the case it was
@@ -73,17 +84,13 @@ any case runs.
 import argparse
 import json
 import os
-import queue
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 
 # The modules of the cases lie next to this script (its directory is sys.path[0]).
-from gpu_harness import (MIB, PYTHON_DIR, CaseError, Cli, Skip, WorkerBase, WorkerProc, _compare, _finish, _has,
-                         _package_parent, _readline, signed32)
+from gpu_harness import MIB, PYTHON_DIR, CaseError, Cli, Skip, WorkerBase, WorkerProc
 
 try:
     import cuda_ipc._core  # an installed build (a wheel on PYTHONPATH, pip install ./python)
@@ -93,14 +100,14 @@ except ImportError:
         sys.path.insert(0, PYTHON_DIR)
     sys.modules.pop("cuda_ipc", None)
 
-import gpu_dtypes  # noqa: E402 - next to this script (its directory is sys.path[0])
-import gpu_torch_c  # noqa: E402
 import gpu_alloc  # noqa: E402
-import gpu_sets  # noqa: E402
 import gpu_channel  # noqa: E402
+import gpu_dtypes  # noqa: E402
 import gpu_examples  # noqa: E402
 import gpu_mechanisms  # noqa: E402
-from gpu_mechanisms import CLI_LAYOUTS, CUPY_DTYPES, LAYOUTS, TORCH_DTYPES, values_np  # noqa: E402
+import gpu_sets  # noqa: E402
+import gpu_torch_c  # noqa: E402
+from gpu_mechanisms import CLI_LAYOUTS, CUPY_DTYPES, LAYOUTS, TORCH_DTYPES  # noqa: E402
 
 
 # =============================================================================
@@ -114,18 +121,14 @@ class Worker(gpu_mechanisms.MechanismOps, gpu_examples.ExampleOps, WorkerBase):
     importable) and has its helpers; the cases' modules add theirs."""
 
 
-# The channel's ops (op_chan_*): gpu_channel.py.
+# The channel (op_chan_*): gpu_channel.py.
 gpu_channel.register(Worker)
-
-
 # State dicts over arena sets (op_sets_*): gpu_sets.py.
 gpu_sets.register(Worker)
 # Every dtype a checkpoint carries (fp8, fp4, complex): gpu_dtypes.py.
 gpu_dtypes.register(Worker)
 # State dicts through PyTorch's DLPack C exchange API: gpu_torch_c.py.
 gpu_torch_c.register(Worker)
-
-
 # Tensors born shareable (op_alloc_*): gpu_alloc.py.
 gpu_alloc.register(Worker)
 
@@ -160,7 +163,11 @@ def worker_main(name):
 # =============================================================================
 
 
-class Runner(gpu_mechanisms.MechanismCases, gpu_channel.ChannelCases, gpu_sets.SetsCases, gpu_alloc.AllocCases, gpu_examples.ExampleCases):
+class Runner(gpu_mechanisms.MechanismCases, gpu_channel.ChannelCases, gpu_sets.SetsCases, gpu_alloc.AllocCases,
+             gpu_examples.ExampleCases):
+    """The cases (their methods come from the modules of gpu_interop's
+    layout; :meth:`cases` lists them all, in order) and their run."""
+
     def __init__(self, args):
         self.args = args
         self.cli = Cli(args.cli)
