@@ -15,7 +15,7 @@ method ``_sets_close``.
 import os
 import tempfile
 
-from gpu_harness import MIB, CaseError
+from gpu_harness import MIB, CaseError, register_ops
 
 
 # --- the worker side -------------------------------------------------------------
@@ -256,9 +256,7 @@ def _alloc_oom(self):
 
 def register(worker_cls):
     """Adds the worker ops (``op_alloc_*``) to gpu_interop's Worker."""
-    for name, fn in list(globals().items()):
-        if name.startswith("_alloc_"):
-            setattr(worker_cls, "op_" + name[1:], fn)
+    register_ops(worker_cls, globals(), "_alloc_")
 
 
 class AllocCases:

@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 
-from gpu_harness import MIB, CaseError, Skip, _finish, signed32
+from gpu_harness import MIB, CaseError, Skip, _finish, register_ops, signed32
 
 
 def _chan_publish(self, case, mechanism, nbytes, fill):
@@ -230,9 +230,7 @@ def _chan_ring_consume(self, path, frames):
 
 def register(worker_cls):
     """Adds the worker ops (``op_chan_*``) to gpu_interop's Worker."""
-    for name, fn in list(globals().items()):
-        if name.startswith("_chan_"):
-            setattr(worker_cls, "op_" + name[1:], fn)
+    register_ops(worker_cls, globals(), "_chan_")
 
 
 class ChannelCases:

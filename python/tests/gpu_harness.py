@@ -5,7 +5,8 @@ GPU host runs gpu_interop.py.
 - The worker side: :class:`WorkerBase`, how a worker process starts (numpy,
   cuda_ipc, and torch and CuPy when importable), its helpers and the ops
   ``hello`` and ``drop``; gpu_interop.py's ``Worker`` adds the ops of every
-  module. ``signed32``, ``_has`` and ``_compare`` for the ops.
+  module (``register_ops``). ``signed32``, ``_has`` and ``_compare`` for
+  the ops.
 - The parent side: :class:`WorkerProc` (a worker process: gpu_interop.py
   run with ``--worker NAME``, restarted when it dies), :class:`Cli` and
   :class:`CliExport` (the ``cuda-ipc`` command), ``_readline`` and
@@ -30,6 +31,15 @@ MIB = 1 << 20
 
 def signed32(v):
     return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def register_ops(worker_cls, functions, prefix):
+    """Adds each function of `functions` (a module's globals()) whose name
+    starts with `prefix` to `worker_cls` as an op: ``_chan_check`` becomes
+    ``op_chan_check``."""
+    for name, fn in list(functions.items()):
+        if name.startswith(prefix):
+            setattr(worker_cls, "op_" + name[1:], fn)
 
 
 # =============================================================================

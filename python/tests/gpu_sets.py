@@ -20,7 +20,7 @@ import tempfile
 import time
 
 import gpu_dtypes
-from gpu_harness import MIB, PYTHON_DIR, CaseError, Skip, _finish, _package_parent, _readline
+from gpu_harness import MIB, PYTHON_DIR, CaseError, Skip, _finish, _package_parent, _readline, register_ops
 
 
 # --- the worker side -------------------------------------------------------------
@@ -383,9 +383,7 @@ def _sets_wait_tied(self, case, version):
 
 def register(worker_cls):
     """Adds the worker ops (``op_sets_*``) to gpu_interop's Worker."""
-    for name, fn in list(globals().items()):
-        if name.startswith("_sets_"):
-            setattr(worker_cls, "op_" + name[1:], fn)
+    register_ops(worker_cls, globals(), "_sets_")
 
 
 class SetsCases:
