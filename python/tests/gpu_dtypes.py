@@ -20,6 +20,8 @@ import os
 import tempfile
 import time
 
+from gpu_harness import register_ops
+
 # The torch dtypes of the state dict; bfloat16 stands for the types sets
 # held before.
 CHECKPOINT = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
@@ -199,9 +201,7 @@ def _dtypes_cupy(self, case, path, version):
 
 def register(worker_cls):
     """Adds the worker ops (``op_dtypes_*``) to gpu_interop's Worker."""
-    for name, fn in list(globals().items()):
-        if name.startswith("_dtypes_"):
-            setattr(worker_cls, "op_" + name[1:], fn)
+    register_ops(worker_cls, globals(), "_dtypes_")
 
 
 def state_dict_case(runner):

@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import gpu_dtypes
+from gpu_harness import register_ops
 
 SET = "tc"
 # The dtypes of the numbered tensors, in turn.
@@ -187,9 +188,7 @@ def _at_least(version, major, minor):
 
 def register(worker_cls):
     """Adds the worker ops (``op_tc_*``) to gpu_interop's Worker."""
-    for name, fn in list(globals().items()):
-        if name.startswith("_tc_"):
-            setattr(worker_cls, "op_" + name[1:], fn)
+    register_ops(worker_cls, globals(), "_tc_")
 
 
 def pair_case(runner, pub_worker, sub_worker, n):
