@@ -2,7 +2,7 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes peer bench bench-full containers sets checkpoint stress mps
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes peer bench bench-full containers sets checkpoint load stress mps
 #                          (default: info tests soak demo cli exchange samples python lifetimes)
 #
 # `tests` runs every GPU test but the 100,000-cycle soaks, which `soak` runs
@@ -320,6 +320,49 @@ PY
   [ "$rc" -eq 0 ] && ok "checkpoint: serve --checkpoint exits 0 once every lease is released" || bad "checkpoint: serve --checkpoint exited $rc: $(cat "$logs/serve-ckpt.err")"
   check "checkpoint: a missing checkpoint exits 2" 2 "$cli" serve --socket "$logs/none.sock" --checkpoint "$dir/nope.safetensors"
   rm -f "$fifo"
+}
+
+# Loading a 4.37 GB checkpoint from the page cache (issue 26's loader
+# target, 20 GB/s): bench/load_checkpoint.py writes the Qwen2-shaped bf16
+# model of first_attach.py as a sharded checkpoint in $LOAD_DIR (default
+# /tmp/cuda-ipc-load; not in the logs) and times its anchor,
+# safetensors.torch.load_file of every shard onto the device; then `serve
+# --checkpoint` loads it with several stream counts and staging sizes, the
+# defaults last (each a new process; the JSON line's load_s covers the
+# device chunks, the staging buffers and the copies; LOAD_CONFIGS overrides
+# the list, STREAMS:STAGING each), and one load with the defaults is read
+# back byte for byte by `attach --set --checkpoint`.
+step_load() {
+  local dir=${LOAD_DIR:-/tmp/cuda-ipc-load} fifo="$logs/stdin-serve-load" sock="$logs/serve-load.sock"
+  rm -rf "$dir" "$fifo" "$sock"
+  if ! python3 "$here/bench/load_checkpoint.py" --dir "$dir" --reps 3 >"$logs/load-anchor.json" 2>"$logs/load-anchor.err"; then
+    bad "load: writing the checkpoint or the safetensors anchor failed: $(tail -n 2 "$logs/load-anchor.err" "$logs/load-anchor.json" | tr '\n' ' ')"
+    return
+  fi
+  cat "$logs/load-anchor.json"
+  if grep -q '"kind": "skip"' "$logs/load-anchor.json"; then
+    echo "SKIP  load: $(grep -o '"reason": "[^"]*"' "$logs/load-anchor.json")"
+    return
+  fi
+  local cfg streams staging
+  for cfg in ${LOAD_CONFIGS:-4:64MiB 4:16MiB 2:8MiB 4:8MiB 8:8MiB 4:4MiB 8:4MiB 16:4MiB 8:2MiB 4:8MiB}; do
+    streams=${cfg%%:*} staging=${cfg#*:}
+    check "load: serve --checkpoint, $streams streams, $staging staging" 0 \
+      "$cli" serve --socket "$sock" --checkpoint "$dir" --name model --streams "$streams" --staging "$staging" </dev/null
+    grep -h '"gb_per_s"' "$(log_of "load: serve --checkpoint, $streams streams, $staging staging")" | tail -n 1
+  done
+  mkfifo "$fifo"
+  "$cli" serve --socket "$sock" --checkpoint "$dir" --name model <"$fifo" >"$logs/serve-load.json" 2>"$logs/serve-load.err" &
+  local pid=$!
+  exec 7>"$fifo"
+  for _ in $(seq 600); do [ -s "$logs/serve-load.json" ] && break; sleep 0.1; done
+  check "load: attach --set model --checkpoint (every byte of 4.37 GB)" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir"
+  grep -hE 'attached|mismatch' "$(log_of "load: attach --set model --checkpoint (every byte of 4.37 GB)")" | head -n 2
+  exec 7>&-
+  wait "$pid"
+  local rc=$?
+  [ "$rc" -eq 0 ] && ok "load: serve --checkpoint exits 0 once the lease is released" || bad "load: serve --checkpoint exited $rc: $(cat "$logs/serve-load.err")"
+  rm -rf "$fifo" "$dir"
 }
 
 # Every mechanism under MPS: a private control daemon (its own pipe and log

@@ -56,7 +56,7 @@ pub struct ServeArgs {
     pub streams: usize,
     /// The size of each page-locked staging buffer of a --checkpoint load
     /// (two per stream; the largest single copy).
-    #[arg(long, default_value = "64MiB", value_parser = super::parse_size, allow_negative_numbers = true)]
+    #[arg(long, default_value = "8MiB", value_parser = super::parse_size, allow_negative_numbers = true)]
     pub staging: u64,
     /// How to share: auto, legacy, vmm, pool or fabric.
     #[arg(long, value_parser = super::parse_mechanism, default_value = "auto")]

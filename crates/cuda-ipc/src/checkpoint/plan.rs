@@ -40,7 +40,9 @@ pub struct PlanOptions {
     /// Default [`DEFAULT_ALIGNMENT`], the arena's.
     pub alignment: u64,
     /// The largest piece of a copy (the size of one staging buffer).
-    /// Default 64 MiB.
+    /// Default 8 MiB: pinning a staging buffer costs about as much as
+    /// copying its bytes, so small ones load faster (measured on the H200,
+    /// `docs/SERVICE.md`).
     pub piece_size: u64,
     /// How many streams the pieces are spread over, round-robin (1 to
     /// 1,024). Default 4.
@@ -52,7 +54,7 @@ impl Default for PlanOptions {
         PlanOptions {
             chunk_size: ArenaOptions::default().max_chunk_size,
             alignment: DEFAULT_ALIGNMENT,
-            piece_size: 64 * MIB,
+            piece_size: 8 * MIB,
             streams: 4,
         }
     }
@@ -107,7 +109,7 @@ impl PlanOptions {
         if self.piece_size == 0 {
             return Err(Error::arg(
                 "plan piece size",
-                "must be at least one byte (64 MiB suits a staging buffer)",
+                "must be at least one byte (8 MiB suits a staging buffer)",
             ));
         }
         if self.streams == 0 || self.streams > MAX_STREAMS {

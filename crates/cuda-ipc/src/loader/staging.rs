@@ -141,25 +141,18 @@ pub(super) fn copy_stream(
     job.device.bind()?;
     let len = usize::try_from(staging_len(job.plan, &steps))
         .map_err(|_| Error::arg("staging size", "larger than this machine's address space"))?;
-    let mut slots = Vec::with_capacity(slots_used(&steps));
-    let mut made = Ok(());
-    for _ in 0..slots_used(&steps) {
-        match Staging::new(job.device, len) {
-            Ok(s) => slots.push(s),
-            Err(e) => {
-                made = Err(e);
-                break;
-            }
-        }
-    }
-    let copied = made.and_then(|()| copy_steps(job, stream, &steps, &mut slots, done));
+    // Each buffer is page-locked at its first use, so that pinning the
+    // second overlaps the first one's copy (pinning costs about as much
+    // as copying the same bytes).
+    let mut slots: Vec<Option<Staging>> = (0..slots_used(&steps)).map(|_| None).collect();
+    let copied = copy_steps(job, stream, &steps, &mut slots, len, done);
     // Whatever happened, the copies queued so far read the buffers.
     let synced = stream
         .synchronize()
         .map_err(|e| from_cudarc("cuStreamSynchronize", e));
-    let outstanding: u64 = slots.iter().map(|s| s.queued).sum();
+    let outstanding: u64 = slots.iter().flatten().map(|s| s.queued).sum();
     let mut freed = Ok(());
-    for s in slots {
+    for s in slots.into_iter().flatten() {
         if synced.is_ok() {
             freed = freed.and(s.free());
         } else {
@@ -179,7 +172,8 @@ fn copy_steps(
     job: &Job<'_>,
     stream: &Arc<CudaStream>,
     steps: &[Step],
-    slots: &mut [Staging],
+    slots: &mut [Option<Staging>],
+    len: usize,
     done: &Sender<u64>,
 ) -> Result<()> {
     for step in steps {
@@ -187,7 +181,10 @@ fn copy_steps(
             return Ok(()); // another stream failed and reports it
         }
         let piece = &job.plan.pieces()[step.piece];
-        let slot = &mut slots[step.slot];
+        let slot = match &mut slots[step.slot] {
+            Some(slot) => slot,
+            empty => empty.insert(Staging::new(job.device, len)?),
+        };
         copy_piece(job, stream, piece, slot, step.after.is_some(), done)
             .map_err(|e| job.name(piece, e))?;
     }
