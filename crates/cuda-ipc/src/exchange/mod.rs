@@ -104,6 +104,7 @@ mod ring;
 mod set;
 mod set_attach;
 mod set_book;
+mod set_order;
 mod subscriber;
 mod sync;
 mod wire;
