@@ -220,6 +220,57 @@ class PublishChecks(unittest.TestCase):
         self.assertEqual((p._sets, p._state_dicts), (set(), {}))
 
 
+class _Untouchable:
+    """A published tensor (or a mapping of them) that fails the test if
+    anything looks at it: an update without a state dict must not."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"an update looked at a tensor ({name})")
+
+    def __getitem__(self, key):
+        raise AssertionError(f"an update looked up tensor {key!r}")
+
+    def __iter__(self):
+        raise AssertionError("an update walked the tensors")
+
+    def __len__(self):
+        raise AssertionError("an update counted the tensors")
+
+
+class UpdatesCostOneCall(unittest.TestCase):
+    """An update without a state dict, and a wait for one, are one call
+    into the extension each (which waits without the GIL), whatever the
+    number of tensors: no Python loop, no tensor looked at."""
+
+    def test_update_state_dict_without_a_state_dict(self):
+        p = _publisher()
+        p._state_dicts["model"] = sets._PublishedStateDict(_Untouchable(), _Untouchable())
+        p.update_state_dict("model")
+        p.update_state_dict("model", None)
+        self.assertEqual(p._c.calls, [("update_set", ("model",))] * 2)
+
+    def test_wait_update_of_a_state_dict_and_of_a_set(self):
+        class Core:
+            calls = []
+
+            def wait_update(self, timeout):
+                self.calls.append(("wait_update", timeout))
+                return 4
+
+            def __getattr__(self, name):
+                raise AssertionError(f"a wait looked at the set ({name})")
+
+        core = Core()
+        a = sets.SetAttachment(core)
+        sd = sets.StateDict(a, {})
+        # Tensors the wait must not touch (a dict's own storage is not
+        # reachable through Python attribute access, so a stand-in value).
+        dict.__setitem__(sd, "w", _Untouchable())
+        self.assertEqual(sd.wait_update(1.5), 4)
+        self.assertEqual(a.wait_update(), 4)
+        self.assertEqual(core.calls, [("wait_update", 1.5), ("wait_update", None)])
+
+
 class _StubSet:
     """Stands in for a SetAttachment: release fails while views are held."""
 

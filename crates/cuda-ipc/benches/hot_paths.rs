@@ -3,7 +3,9 @@
 //! the channel's round trips over a Unix socket (ping, attach + release of
 //! an entry with a memfd, a whole publish-attach-release-unpublish cycle,
 //! an update notice), and a weight set's record (encoding, decoding with
-//! its checks, and through the channel) at 100 and 1,000 tensors. Server
+//! its checks, and through the channel) at 100 and 1,000 tensors, and the
+//! channel's share of a set's update at 100, 1,000 and 10,000 tensors (which
+//! should not depend on the number). Server
 //! and client run in this one process, on separate threads, over a real
 //! socket.
 //!
@@ -190,7 +192,9 @@ fn set_record(n: u64) -> SetRecord {
 }
 
 mod sets {
-    use super::{Bencher, SetRecord, black_box, pair, set_record};
+    use cuda_ipc::exchange::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES};
+
+    use super::{Bencher, Duration, Notice, SetRecord, black_box, pair, set_record};
 
     /// The record as JSON text: what `publish_set` sends.
     #[divan::bench(args = [100, 1000])]
@@ -220,5 +224,49 @@ mod sets {
             client.release(a.lease).unwrap();
             back
         });
+    }
+
+    /// The channel's share of `Publisher::update_set` for a set of `n`
+    /// tensors held by a consumer: the notice (the fence's sequence number,
+    /// as the publisher sends it) from `Server::update` until
+    /// `Client::next_update` returns. The set is published as a publisher
+    /// does: its record as the entry's metadata or, past
+    /// [`SET_PART_BYTES`], in parts (entries of their own) that the entry
+    /// lists; the notice carries none of it.
+    #[divan::bench(args = [100, 1000, 10_000])]
+    fn update_notice(bencher: Bencher, n: u64) {
+        let (server, client) = pair();
+        let text = set_record(n).to_json();
+        let meta = if text.len() <= SET_PART_BYTES {
+            serde_json::from_str(&text).unwrap()
+        } else {
+            let parts: Vec<String> = text
+                .as_bytes()
+                .chunks(SET_PART_BYTES)
+                .enumerate()
+                .map(|(i, piece)| {
+                    let name = format!("{HIDDEN_ENTRY_PREFIX}set-part/bench/{i}");
+                    // The record is ASCII: every cut is a character boundary.
+                    let piece = std::str::from_utf8(piece).unwrap();
+                    server
+                        .publish(&name, serde_json::json!({ "text": piece }), vec![])
+                        .unwrap();
+                    name
+                })
+                .collect();
+            serde_json::json!({ "cuda_ipc_set_parts": parts, "bytes": text.len() })
+        };
+        server.publish("weights", meta, vec![]).unwrap();
+        let a = client.attach("weights").unwrap();
+        let mut seq = 0u64;
+        bencher.bench_local(|| {
+            seq += 1;
+            server
+                .update("weights", serde_json::json!({ "fence_seq": seq }))
+                .unwrap();
+            let u = client.next_update(Duration::from_secs(5)).unwrap();
+            assert!(matches!(u.notice, Notice::Updated { .. }));
+        });
+        client.release(a.lease).unwrap();
     }
 }

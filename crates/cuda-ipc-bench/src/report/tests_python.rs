@@ -268,3 +268,45 @@ fn the_table_holds_the_python_rows_with_their_targets() {
     assert!(has("from Python p50 / from Rust p50", "MISS"));
     assert!(has("update_state_dict -> wait_update from Python", "PASS"));
 }
+
+#[test]
+fn update_rows_show_the_producers_own_call_at_every_set_size() {
+    let mut r = synthetic();
+    // The synthetic update rows carry no part: replaced by rows that do.
+    sets(&mut r).retain(|row| row.variant.as_deref() != Some("update"));
+    sets(&mut r).extend([100, 1000, 10_000].into_iter().flat_map(|n| {
+        [
+            row("ours", "update", n, &[0.03, 0.03]).part("update", &[0.006, 0.007]),
+            row(PY_SERIES, "update", n, &[0.05]).part("update", &[0.02]),
+        ]
+    }));
+    r.evaluate();
+    let text = render(&r);
+    let sets: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.contains("Weight sets"))
+        .take_while(|l| !l.trim_start().starts_with('*'))
+        .collect();
+    for n in ["100", "1000", "10000"] {
+        for (start, call) in [
+            ("ours update", "Publisher::update_set"),
+            ("ours from Python update", "Publisher.update_state_dict"),
+        ] {
+            let i = sets
+                .iter()
+                .position(|l| l.trim_start().starts_with(start) && l.contains(&format!(" {n} ")))
+                .unwrap_or_else(|| panic!("no {start} {n} in {sets:?}"));
+            assert!(
+                sets[i + 1].contains(&format!("the producer's {call}: p50 0.0")),
+                "{:?}",
+                sets[i + 1]
+            );
+        }
+    }
+    // A row without the part gets no line.
+    let plain = sets
+        .iter()
+        .position(|l| l.trim_start().starts_with("ours set") && l.contains(" 100 "))
+        .unwrap();
+    assert!(!sets[plain + 1].contains("the producer's"), "{sets:?}");
+}

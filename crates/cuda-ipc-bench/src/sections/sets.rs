@@ -311,7 +311,9 @@ pub(crate) fn notes(plan: &Plan) -> Vec<String> {
          kept in the consumer's cache). extra = device memory in use (cuMemGetInfo, all \
          processes) after the hand-off minus before it. ours update: the consumer holds the \
          set and waits; the clock from just before Publisher::update_set (one event for the \
-         set, one notice) to Subscriber::wait_set_update returning and the stream synchronised."
+         set, one notice) to Subscriber::wait_set_update returning and the stream synchronised. \
+         The line under an update row (from Rust and from Python) is the producer's call alone, \
+         whose cost should not grow with the number of tensors."
             .into(),
         "ours from Python (bench/cuda_ipc_share.py, the installed cuda_ipc wheel, two Python \
          processes): set = the clock from just before Publisher.publish_state_dict of the \

@@ -42,6 +42,12 @@
 //! file descriptors travel once per subscriber, in a frame of their own (at
 //! most 16 per frame, one chunk per frame).
 //!
+//! An update of a set ([`Publisher::update_set`]) costs the same whatever
+//! the set's size: one event recorded and one fence signalled after the
+//! set's streams, and one notice per subscriber, carrying no part of the
+//! record. What it needs of the set (its distinct chunks, their streams,
+//! its fence slot) is worked out once, when the set is published.
+//!
 //! A set record larger than [`SET_PART_BYTES`] travels in several parts,
 //! hidden entries of its own, one message each (a set of 10,000 buffers
 //! takes a few).
@@ -104,6 +110,7 @@ mod ring;
 mod set;
 mod set_attach;
 mod set_book;
+mod set_order;
 mod subscriber;
 mod sync;
 mod wire;

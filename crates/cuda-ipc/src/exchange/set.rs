@@ -3,15 +3,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::arena::{Arena, Chunk, DeviceArena, DeviceArenaBuffer, DeviceChunks, SetMember};
+use crate::arena::{Arena, DeviceArena, DeviceArenaBuffer, DeviceChunks, SetMember};
 use crate::channel::ChannelError;
 use crate::descriptor::Dtype;
 use crate::error::{Error, Result};
-use crate::memory::DeviceMemory;
 
 use super::lock;
 use super::publisher::Publisher;
 use super::set_book::Sharing;
+use super::set_order::{SetHold, SetOrder};
 use super::sync::SetFence;
 use super::wire::{self, UpdateNotice};
 
@@ -78,22 +78,18 @@ impl Publisher {
     /// Publishes `members`, buffers of this publisher's arena, as one set
     /// called `name`: one entry, one event recorded and one fence signalled
     /// (see [`SyncMode`](super::SyncMode)) after the work queued on the
-    /// members' streams, no driver export.
+    /// members' streams, no driver export. What later updates need (the
+    /// set's distinct chunks and their streams, its fence slot) is worked
+    /// out here, once.
     #[tracing::instrument(level = "debug", skip(self, members), fields(members = members.len()))]
     pub fn publish_set(&self, name: &str, members: &[SetMember<'_>]) -> Result<()> {
         let arena = self.arena()?;
         let mut record = arena.describe_set(name, members.iter().copied())?;
         record.event = Some(self.event_handle);
-        let mut chunks: Vec<&Arc<Chunk<DeviceChunks>>> = Vec::new();
-        for m in members {
-            if !chunks.iter().any(|c| c.id() == m.buffer.chunk().id()) {
-                chunks.push(m.buffer.chunk());
-            }
-        }
-        let stream = self.record_after(chunks.iter().copied())?;
+        let hold = SetHold::new(members.iter().map(|m| m.buffer.lease()).collect());
+        let stream = self.record_after(hold.order())?;
         let fence = self.set_fence(&stream)?;
-        let leases = members.iter().map(|m| m.buffer.lease()).collect();
-        lock(&self.arena.book).publish(&self.server, arena, name, record.to_value(), leases, fence)
+        lock(&self.arena.book).publish(&self.server, arena, name, record.to_value(), hold, fence)
     }
 
     /// Takes a fence slot for a new set and signals it after the work queued
@@ -114,22 +110,18 @@ impl Publisher {
     }
 
     /// Records the publisher's event after the work queued on the streams
-    /// of `chunks` (joined into the first, which it returns).
-    fn record_after<'a>(
+    /// of a set's chunks, each ordered first after its chunks' uses on
+    /// other streams (joined into the first stream, which it returns). Its
+    /// cost grows with the set's distinct streams (one per device for an
+    /// arena) and chunks (an atomic load each), not with its buffers.
+    fn record_after(
         &self,
-        chunks: impl Iterator<Item = &'a Arc<Chunk<DeviceChunks>>>,
+        order: &SetOrder<DeviceChunks>,
     ) -> Result<Arc<cudarc::driver::CudaStream>> {
-        let mut streams: Vec<&Arc<cudarc::driver::CudaStream>> = Vec::new();
-        for c in chunks {
-            let s = c.backing().buffer().stream();
-            if !streams.iter().any(|o| Arc::ptr_eq(o, s)) {
-                streams.push(s);
-            }
-        }
-        let Some(first) = streams.first() else {
+        let Some((first, others)) = order.ordered_streams().split_first() else {
             return Err(Error::arg("set", "it has no buffer, so nothing to record"));
         };
-        for other in &streams[1..] {
+        for other in others {
             first.join(other).map_err(|e| {
                 Error::arg("stream", format!("cannot order the set's streams: {e}"))
             })?;
@@ -142,16 +134,18 @@ impl Publisher {
     /// contents are ready, written in place: one event recorded and one
     /// fence signalled for the whole set, one notice per subscriber.
     /// Returns the update's version, from 1.
+    ///
+    /// Its cost does not depend on the set's size: the set's chunks, their
+    /// streams and its fence slot were worked out when it was published
+    /// (see [`publish_set`](Self::publish_set)); no member, lease or record
+    /// entry is visited here, and the notice carries only the fence's
+    /// sequence number.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn update_set(&self, name: &str) -> Result<u64> {
-        let (chunks, slot) = {
-            let book = lock(&self.arena.book);
-            let chunks = book
-                .chunks_of(name)
-                .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
-            (chunks, book.fence_slot(name))
-        };
-        let stream = self.record_after(chunks.iter())?;
+        let (order, slot) = lock(&self.arena.book)
+            .update_of(name)
+            .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        let stream = self.record_after(&order)?;
         let fence_seq = match (&self.fences, slot) {
             (Some(f), Some(slot)) => Some(lock(f).signal(&stream, slot)?),
             _ => None,

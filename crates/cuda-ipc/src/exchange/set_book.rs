@@ -17,6 +17,7 @@ use crate::descriptor::Mechanism;
 use crate::error::{Error, Result};
 use crate::set::SET_VERSION_KEY;
 
+use super::set_order::{ChunkStream, SetHold, SetOrder};
 use super::sync::{self, FenceSlot, SetFence};
 use super::wire::{self, EntryMeta};
 
@@ -108,9 +109,13 @@ impl ChunkEntry for DeviceChunk {
     }
 }
 
-struct Published<B: ChunkBacking> {
+struct Published<B: ChunkBacking>
+where
+    B::Chunk: ChunkStream,
+{
     leases: Vec<ArenaLease<B>>,
-    chunks: Vec<Arc<Chunk<B>>>,
+    /// What an update records the set's event after, worked out at publish.
+    order: Arc<SetOrder<B>>,
     parts: Vec<String>,
     /// The set's fence slot, if it has one.
     fence: Option<FenceSlot>,
@@ -127,14 +132,20 @@ struct Retired<B: ChunkBacking> {
 /// The publisher's bookkeeping of arena entries: which chunks are published
 /// as hidden entries, which sets hold which leases, what waits for its last
 /// consumer. Generic over the backing so that it runs without a GPU.
-pub(super) struct Book<B: ChunkBacking> {
+pub(super) struct Book<B: ChunkBacking>
+where
+    B::Chunk: ChunkStream,
+{
     sets: HashMap<String, Published<B>>,
     chunks: HashMap<u64, ChunkPin<B>>,
     retired: Vec<Retired<B>>,
     parts: u64,
 }
 
-impl<B: ChunkBacking> Default for Book<B> {
+impl<B: ChunkBacking> Default for Book<B>
+where
+    B::Chunk: ChunkStream,
+{
     fn default() -> Self {
         Book {
             sets: HashMap::new(),
@@ -147,7 +158,7 @@ impl<B: ChunkBacking> Default for Book<B> {
 
 impl<B: ChunkBacking> Book<B>
 where
-    B::Chunk: ChunkEntry,
+    B::Chunk: ChunkEntry + ChunkStream,
 {
     /// Publishes `chunk` as a hidden entry unless it is already.
     fn ensure_chunk(&mut self, server: &Server, arena: &Arena<B>, chunk: &Chunk<B>) -> Result<()> {
@@ -162,8 +173,9 @@ where
         Ok(())
     }
 
-    /// Publishes a set record under `name`, holding `leases` (and the
-    /// fence's slot) while it is published and leased. The fence, if any,
+    /// Publishes a set record under `name`, holding `hold` (the members'
+    /// leases, and the set's order that its updates use) and the fence's
+    /// slot while it is published and leased. The fence, if any,
     /// travels beside the record: its metadata under
     /// [`SET_FENCE_KEY`](sync::SET_FENCE_KEY), its file descriptor as the
     /// entry's only one.
@@ -173,20 +185,15 @@ where
         arena: &Arena<B>,
         name: &str,
         record: Value,
-        leases: Vec<ArenaLease<B>>,
+        hold: SetHold<B>,
         fence: Option<SetFence>,
     ) -> Result<()> {
         self.reap(server);
         if self.sets.contains_key(name) {
             return Err(ChannelError::AlreadyExists { name: name.into() }.into());
         }
-        let mut chunks: Vec<Arc<Chunk<B>>> = Vec::new();
-        for l in &leases {
-            if !chunks.iter().any(|c| c.id() == l.chunk().id()) {
-                chunks.push(l.chunk().clone());
-            }
-        }
-        for c in &chunks {
+        let SetHold { leases, order } = hold;
+        for c in order.chunks() {
             self.ensure_chunk(server, arena, c)?;
         }
         let text = record.to_string();
@@ -234,7 +241,7 @@ where
             name.to_owned(),
             Published {
                 leases,
-                chunks,
+                order,
                 parts,
                 fence,
             },
@@ -242,17 +249,13 @@ where
         Ok(())
     }
 
-    /// The fence slot of a published set, if it has one.
-    pub(super) fn fence_slot(&self, name: &str) -> Option<u32> {
+    /// What an update of the published set `name` needs: its order (what
+    /// its event is recorded after) and its fence slot, if it has one. One
+    /// lookup and one reference count, whatever the set's size.
+    pub(super) fn update_of(&self, name: &str) -> Option<(Arc<SetOrder<B>>, Option<u32>)> {
         self.sets
             .get(name)
-            .and_then(|s| s.fence.as_ref())
-            .map(FenceSlot::slot)
-    }
-
-    /// The chunks of a published set, for recording its event.
-    pub(super) fn chunks_of(&self, name: &str) -> Option<Vec<Arc<Chunk<B>>>> {
-        self.sets.get(name).map(|s| s.chunks.clone())
+            .map(|s| (Arc::clone(&s.order), s.fence.as_ref().map(FenceSlot::slot)))
     }
 
     /// Whether `name` is a set (or arena buffer) of this book.
@@ -360,3 +363,7 @@ impl PublisherArena {
 #[cfg(test)]
 #[path = "set_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "set_order_tests.rs"]
+mod order_tests;

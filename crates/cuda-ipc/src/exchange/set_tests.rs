@@ -3,6 +3,7 @@
 //! killed while it holds a set is a real child process.
 
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::fs::{MemfdFlags, ftruncate, memfd_create};
@@ -12,15 +13,46 @@ use crate::channel::{Client, ClientConfig, ServerConfig};
 use crate::descriptor::Dtype;
 use crate::exchange::lock;
 use crate::exchange::set_attach::read_record;
+use crate::exchange::set_order::{ChunkStream, SetHold};
 use crate::set::SetEntry;
 use crate::set::SetRecord;
 
-/// Chunks of host memory in memfds: what a chunk entry carries, without a GPU.
-struct MemChunks;
+/// Chunks of host memory in memfds: what a chunk entry carries, without a
+/// GPU. Chunk `i` gets lane `i % lanes` as its stream.
+pub(super) struct MemChunks {
+    pub(super) lanes: Vec<Arc<Lane>>,
+    made: AtomicUsize,
+}
 
-struct MemChunk {
+impl MemChunks {
+    /// Chunks over `lanes` stand-in streams (at least one).
+    pub(super) fn new(lanes: usize) -> Self {
+        MemChunks {
+            lanes: (0..lanes.max(1))
+                .map(|_| Arc::new(Lane::default()))
+                .collect(),
+            made: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// A stand-in for a CUDA stream: counts how often a chunk was asked for it
+/// (each ask is where a device chunk orders its uses on other streams).
+#[derive(Debug, Default)]
+pub(super) struct Lane {
+    pub(super) asked: AtomicUsize,
+}
+
+impl Lane {
+    pub(super) fn asked(&self) -> usize {
+        self.asked.load(Ordering::Relaxed)
+    }
+}
+
+pub(super) struct MemChunk {
     fd: OwnedFd,
     len: u64,
+    lane: Arc<Lane>,
 }
 
 impl ChunkBacking for MemChunks {
@@ -32,11 +64,26 @@ impl ChunkBacking for MemChunks {
         let fd = memfd_create("cuda-ipc-test-chunk", MemfdFlags::CLOEXEC)
             .map_err(|e| Error::arg("memfd", e.to_string()))?;
         ftruncate(&fd, len).map_err(|e| Error::arg("memfd", e.to_string()))?;
-        Ok(MemChunk { fd, len })
+        let i = self.made.fetch_add(1, Ordering::Relaxed);
+        let lane = self.lanes[i % self.lanes.len()].clone();
+        Ok(MemChunk { fd, len, lane })
     }
     fn chunk_len(chunk: &MemChunk) -> u64 {
         chunk.len
     }
+}
+
+impl ChunkStream for MemChunk {
+    type Stream = Lane;
+    fn stream(&self) -> &Arc<Lane> {
+        self.lane.asked.fetch_add(1, Ordering::Relaxed);
+        &self.lane
+    }
+}
+
+/// What the book holds for a set of `leases`.
+pub(super) fn hold(leases: Vec<ArenaLease<MemChunks>>) -> SetHold<MemChunks> {
+    SetHold::new(leases)
 }
 
 impl ChunkEntry for MemChunk {
@@ -49,9 +96,10 @@ impl ChunkEntry for MemChunk {
     }
 }
 
-fn arena() -> Arena<MemChunks> {
+/// An arena of 1 MiB chunks over `lanes` stand-in streams.
+pub(super) fn arena_on(lanes: usize) -> Arena<MemChunks> {
     Arena::new(
-        MemChunks,
+        MemChunks::new(lanes),
         ArenaOptions {
             chunk_size: 1 << 20,
             max_chunk_size: 1 << 20,
@@ -61,19 +109,23 @@ fn arena() -> Arena<MemChunks> {
     .unwrap()
 }
 
-fn server(dir: &tempfile::TempDir) -> Server {
+fn arena() -> Arena<MemChunks> {
+    arena_on(1)
+}
+
+pub(super) fn server(dir: &tempfile::TempDir) -> Server {
     Server::bind(ServerConfig::new(dir.path().join("s.sock"))).unwrap()
 }
 
 /// A server in a temporary folder (kept while the first value lives), a
 /// 1 MiB-chunk arena and an empty book.
-fn setup() -> (tempfile::TempDir, Server, Arena<MemChunks>, Book<MemChunks>) {
+pub(super) fn setup() -> (tempfile::TempDir, Server, Arena<MemChunks>, Book<MemChunks>) {
     let dir = tempfile::tempdir().unwrap();
     let server = server(&dir);
     (dir, server, arena(), Book::default())
 }
 
-fn client(server: &Server) -> Client {
+pub(super) fn client(server: &Server) -> Client {
     Client::connect(server.path(), ClientConfig::default()).unwrap()
 }
 
@@ -87,7 +139,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 
 /// A record's stand-in: the set entry's metadata is whatever JSON the
 /// publisher built (the set record's own decoder is tested in `set`).
-fn record(n: usize) -> Value {
+pub(super) fn record(n: usize) -> Value {
     json!({ SET_VERSION_KEY: 1, "entries": (0..n).map(|i| format!("w{i}")).collect::<Vec<_>>() })
 }
 
@@ -101,7 +153,7 @@ fn chunk_descriptors_travel_once_per_subscriber_and_sets_carry_none() {
     assert_eq!(a.chunk().id(), b.chunk().id());
     assert_ne!(a.chunk().id(), c.chunk().id());
     let leases = vec![a.lease(), b.lease(), c.lease()];
-    book.publish(&server, &arena, "weights", record(3), leases, None)
+    book.publish(&server, &arena, "weights", record(3), hold(leases), None)
         .unwrap();
     // One hidden entry per chunk, published once.
     let names: Vec<String> = client(&server)
@@ -119,13 +171,20 @@ fn chunk_descriptors_travel_once_per_subscriber_and_sets_carry_none() {
         &arena,
         "weights2",
         record(1),
-        vec![b.lease()],
+        hold(vec![b.lease()]),
         None,
     )
     .unwrap();
     assert_eq!(client(&server).list().unwrap().len(), 4);
     assert!(matches!(
-        book.publish(&server, &arena, "weights", record(1), vec![b.lease()], None),
+        book.publish(
+            &server,
+            &arena,
+            "weights",
+            record(1),
+            hold(vec![b.lease()]),
+            None
+        ),
         Err(Error::Channel(ChannelError::AlreadyExists { .. }))
     ));
 
@@ -148,8 +207,15 @@ fn large_records_travel_in_parts_that_rebuild_the_record() {
     let buf = arena.alloc(4096).unwrap();
     // About the size of a record of 10,000 buffers, with multibyte names.
     let big = json!({ SET_VERSION_KEY: 1, "entries": (0..10_000).map(|i| format!("layer{i}.wéight")).collect::<Vec<_>>() });
-    book.publish(&server, &arena, "big", big.clone(), vec![buf.lease()], None)
-        .unwrap();
+    book.publish(
+        &server,
+        &arena,
+        "big",
+        big.clone(),
+        hold(vec![buf.lease()]),
+        None,
+    )
+    .unwrap();
     let consumer = client(&server);
     let a = consumer.attach("big").unwrap();
     assert!(is_set_meta(&a.meta));
@@ -235,7 +301,7 @@ fn set_records_of_1_to_10000_entries_come_back_whole_through_the_channel() {
             &arena,
             &name,
             record.to_value(),
-            vec![buf.lease()],
+            hold(vec![buf.lease()]),
             None,
         )
         .unwrap();
@@ -280,7 +346,7 @@ fn split_utf8_cuts_at_character_boundaries() {
 fn ranges_come_back_after_release_and_unpublish_in_either_order() {
     let (_dir, server, arena, mut book) = setup();
     let a = arena.alloc(4096).unwrap();
-    book.publish(&server, &arena, "s", record(1), vec![a.lease()], None)
+    book.publish(&server, &arena, "s", record(1), hold(vec![a.lease()]), None)
         .unwrap();
     let consumer = client(&server);
     let lease = consumer.attach("s").unwrap().lease;
@@ -302,7 +368,7 @@ fn ranges_come_back_after_release_and_unpublish_in_either_order() {
 fn a_mapped_chunk_is_not_trimmed_until_its_consumer_lets_go() {
     let (_dir, server, arena, mut book) = setup();
     let a = arena.alloc(4096).unwrap();
-    book.publish(&server, &arena, "s", record(1), vec![a.lease()], None)
+    book.publish(&server, &arena, "s", record(1), hold(vec![a.lease()]), None)
         .unwrap();
     let consumer = client(&server);
     let chunk = consumer.attach(&chunk_entry_name(a.chunk().id())).unwrap();
@@ -355,7 +421,7 @@ fn a_consumer_killed_while_holding_a_set_gives_its_ranges_back() {
         &arena,
         "weights",
         rec,
-        bufs.iter().map(ArenaBuffer::lease).collect(),
+        hold(bufs.iter().map(ArenaBuffer::lease).collect()),
         None,
     )
     .unwrap();
@@ -428,12 +494,13 @@ fn a_set_fence_travels_beside_the_record_and_its_slot_outlives_the_last_lease() 
         &arena,
         "s",
         record(1),
-        vec![a.lease()],
+        hold(vec![a.lease()]),
         Some(fence),
     )
     .unwrap();
-    assert_eq!(book.fence_slot("s"), Some(word / 2));
-    assert_eq!(book.fence_slot("nope"), None);
+    let slot_of = |book: &Book<MemChunks>, name| book.update_of(name).and_then(|(_, slot)| slot);
+    assert_eq!(slot_of(&book, "s"), Some(word / 2));
+    assert_eq!(slot_of(&book, "nope"), None);
     // A large record (in parts) carries its fence beside the parts too.
     let b = arena.alloc(4096).unwrap();
     let big = json!({ SET_VERSION_KEY: 1, "pad": "x".repeat(SET_PART_BYTES + 10) });
@@ -442,7 +509,7 @@ fn a_set_fence_travels_beside_the_record_and_its_slot_outlives_the_last_lease() 
         &arena,
         "big",
         big.clone(),
-        vec![b.lease()],
+        hold(vec![b.lease()]),
         Some(set_fence(&slots)),
     )
     .unwrap();

@@ -122,7 +122,7 @@ pub(super) fn render_sets(r: &Report, s: &Section, out: &mut String) {
                     ratio(p50.zip(ours).map(|(t, o)| t / o))
                 },
             ]);
-            if let Some(line) = first_attach_parts(row) {
+            if let Some(line) = first_attach_parts(row).or_else(|| update_part(row)) {
                 t.line(line);
             }
         }
@@ -130,6 +130,27 @@ pub(super) fn render_sets(r: &Report, s: &Section, out: &mut String) {
     if !s.rows.is_empty() {
         t.render(out);
     }
+}
+
+/// The producer's own call in an update row (its part `update`: from
+/// Rust `Publisher::update_set`, from Python `update_state_dict`), as a
+/// line under it: what an update costs the publisher at each set size,
+/// apart from the consumer's wait.
+fn update_part(row: &Row) -> Option<String> {
+    if row.variant.as_deref() != Some("update") {
+        return None;
+    }
+    let call = match row.series.as_str() {
+        "ours" => "Publisher::update_set",
+        targets::PY_SERIES => "Publisher.update_state_dict",
+        _ => return None,
+    };
+    let s = row.parts.get("update")?;
+    Some(format!(
+        "  the producer's {call}: p50 {} ms, p99 {} ms",
+        fmt_ms(s.p50),
+        fmt_ms(s.p99)
+    ))
 }
 
 /// The parts of a first attach row, as a line under it.
