@@ -72,6 +72,43 @@ impl FromStr for Mechanism {
     }
 }
 
+impl Mechanism {
+    /// Whether memory shared with this mechanism can be mapped with
+    /// `access`: read-write always; read-only only with the VMM mechanisms
+    /// (vmm, fabric).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for read-only legacy memory
+    /// (`cuIpcOpenMemHandle` has no access flags: an opened handle is always
+    /// read-write, so the protection could not be kept) and read-only pool
+    /// memory (the driver has `cuMemPoolSetAccess` with a read-only flag,
+    /// but this build has not tried it on an imported pool and refuses
+    /// rather than promise it); both name the vmm mechanism as the way.
+    pub fn check_access(self, access: Access) -> Result<()> {
+        let why = match (self, access) {
+            (_, Access::ReadWrite) | (Mechanism::Vmm | Mechanism::Fabric, Access::ReadOnly) => {
+                return Ok(());
+            }
+            (Mechanism::Legacy, _) => {
+                "cuIpcOpenMemHandle has no access flags: a legacy handle always opens read-write, \
+                 so the protection cannot be kept"
+            }
+            (Mechanism::Pool, _) => {
+                "cuMemPoolSetAccess on an imported pool has not been tried read-only by this \
+                 build, so it refuses rather than promise a protection it has not seen work"
+            }
+        };
+        Err(Error::Unsupported {
+            what: "read-only mappings",
+            why: format!(
+                "the memory is shared with the {self} mechanism, and {why}; share it with the \
+                 vmm mechanism (an arena of vmm chunks: Sharing::arena(Mechanism::Vmm), \
+                 `--mechanism vmm`) to map it read-only"
+            ),
+        })
+    }
+}
+
 /// What a reader may do through its mapping of another process's memory:
 /// read and write (the default), or only read. A read-only mapping is made
 /// with `cuMemSetAccess(CU_MEM_ACCESS_FLAGS_PROT_READ)`, which only the
@@ -144,5 +181,24 @@ mod tests {
         assert!(!Access::read_only_if(false).is_read_only());
         assert_eq!(ReadOnly.to_string(), "read-only");
         assert_eq!(ReadWrite.to_string(), "read-write");
+    }
+
+    #[test]
+    fn read_only_is_refused_where_it_cannot_be_kept() {
+        for m in Mechanism::ALL {
+            m.check_access(Access::ReadWrite).unwrap();
+        }
+        Mechanism::Vmm.check_access(Access::ReadOnly).unwrap();
+        Mechanism::Fabric.check_access(Access::ReadOnly).unwrap();
+        for (m, says) in [
+            (Mechanism::Legacy, "cuIpcOpenMemHandle has no access flags"),
+            (Mechanism::Pool, "cuMemPoolSetAccess"),
+        ] {
+            let e = m.check_access(Access::ReadOnly).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains(says), "{text}");
+            assert!(text.contains("vmm mechanism"), "{text}");
+            assert_eq!(e.kind(), crate::ErrorKind::Unavailable, "{text}");
+        }
     }
 }

@@ -494,7 +494,7 @@ pub fn open_mapping(
 ///
 /// # Errors
 /// [`Error::Unsupported`] for a read-only mapping of legacy or pool memory
-/// (see [`check_access`]), before anything is opened.
+/// (see [`Mechanism::check_access`]), before anything is opened.
 #[tracing::instrument(level = "debug", skip_all, fields(mechanism = %descriptor.mechanism(), pid = descriptor.pid, len = descriptor.byte_len, %access))]
 pub fn open_mapping_with(
     device: &Device,
@@ -503,7 +503,7 @@ pub fn open_mapping_with(
     access: Access,
 ) -> Result<Arc<dyn Mapping>> {
     descriptor.validate()?;
-    check_access(descriptor.mechanism(), access)?;
+    descriptor.mechanism().check_access(access)?;
     let mut fds = fds.into_iter();
     let mut take_fd = |number: i32| -> Result<OwnedFd> {
         match fds.next() {
@@ -542,40 +542,6 @@ pub fn open_mapping_with(
     })
 }
 
-/// Whether memory shared with `mechanism` can be mapped with `access`:
-/// read-write always; read-only only for the VMM mechanisms (vmm, fabric).
-///
-/// # Errors
-/// [`Error::Unsupported`] for read-only legacy memory (`cuIpcOpenMemHandle`
-/// has no access flags: an opened handle is always read-write, so the
-/// protection could not be kept) and read-only pool memory (the driver has
-/// `cuMemPoolSetAccess` with a read-only flag, but this build has not tried
-/// it on an imported pool and refuses rather than promise it); both name
-/// the vmm mechanism as the way.
-pub fn check_access(mechanism: Mechanism, access: Access) -> Result<()> {
-    let why = match (mechanism, access) {
-        (_, Access::ReadWrite) | (Mechanism::Vmm | Mechanism::Fabric, Access::ReadOnly) => {
-            return Ok(());
-        }
-        (Mechanism::Legacy, _) => {
-            "cuIpcOpenMemHandle has no access flags: a legacy handle always opens read-write, \
-             so the protection cannot be kept"
-        }
-        (Mechanism::Pool, _) => {
-            "cuMemPoolSetAccess on an imported pool has not been tried read-only by this build, \
-             so it refuses rather than promise a protection it has not seen work"
-        }
-    };
-    Err(Error::Unsupported {
-        what: "read-only mappings",
-        why: format!(
-            "the memory is shared with the {mechanism} mechanism, and {why}; share it with the \
-             vmm mechanism (an arena of vmm chunks: Sharing::arena(Mechanism::Vmm), \
-             `--mechanism vmm`) to map it read-only"
-        ),
-    })
-}
-
 /// Maps the exported bytes of a descriptor as a buffer of `T` and, if the
 /// descriptor carries an event, makes the buffer's stream wait on it.
 ///
@@ -604,28 +570,4 @@ pub fn open<T: Pod>(
         event.wait_on(buffer.stream())?;
     }
     Ok(buffer)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn read_only_is_refused_where_it_cannot_be_kept() {
-        for m in Mechanism::ALL {
-            check_access(m, Access::ReadWrite).unwrap();
-        }
-        check_access(Mechanism::Vmm, Access::ReadOnly).unwrap();
-        check_access(Mechanism::Fabric, Access::ReadOnly).unwrap();
-        for (m, says) in [
-            (Mechanism::Legacy, "cuIpcOpenMemHandle has no access flags"),
-            (Mechanism::Pool, "cuMemPoolSetAccess"),
-        ] {
-            let e = check_access(m, Access::ReadOnly).unwrap_err();
-            let text = e.to_string();
-            assert!(text.contains(says), "{text}");
-            assert!(text.contains("vmm mechanism"), "{text}");
-            assert_eq!(e.kind(), crate::ErrorKind::Unavailable, "{text}");
-        }
-    }
 }
