@@ -85,27 +85,33 @@ impl Mechanism {
     /// but this build has not tried it on an imported pool and refuses
     /// rather than promise it); both name the vmm mechanism as the way.
     pub fn check_access(self, access: Access) -> Result<()> {
-        let why = match (self, access) {
-            (_, Access::ReadWrite) | (Mechanism::Vmm | Mechanism::Fabric, Access::ReadOnly) => {
-                return Ok(());
-            }
-            (Mechanism::Legacy, _) => {
-                "cuIpcOpenMemHandle has no access flags: a legacy handle always opens read-write, \
-                 so the protection cannot be kept"
-            }
-            (Mechanism::Pool, _) => {
-                "cuMemPoolSetAccess on an imported pool has not been tried read-only by this \
-                 build, so it refuses rather than promise a protection it has not seen work"
-            }
-        };
-        Err(Error::Unsupported {
-            what: "read-only mappings",
-            why: format!(
-                "the memory is shared with the {self} mechanism, and {why}; share it with the \
-                 vmm mechanism (an arena of vmm chunks: Sharing::arena(Mechanism::Vmm), \
-                 `--mechanism vmm`) to map it read-only"
+        match (access, self.why_not_read_only()) {
+            (Access::ReadOnly, Some(why)) => Err(Error::Unsupported {
+                what: "mapping memory read-only",
+                why: format!(
+                    "the memory is shared with the {self} mechanism, and {why}; share it with \
+                     the vmm mechanism (an arena of vmm chunks: Sharing::arena(Mechanism::Vmm), \
+                     `--mechanism vmm`) to map it read-only"
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Why memory of this mechanism cannot be mapped read-only (`None`:
+    /// it can).
+    pub(crate) fn why_not_read_only(self) -> Option<&'static str> {
+        match self {
+            Mechanism::Vmm | Mechanism::Fabric => None,
+            Mechanism::Legacy => Some(
+                "cuIpcOpenMemHandle has no access flags: a legacy handle always opens \
+                 read-write, so the protection cannot be kept",
             ),
-        })
+            Mechanism::Pool => Some(
+                "cuMemPoolSetAccess on an imported pool has not been tried read-only by this \
+                 build, so it refuses rather than promise a protection it has not seen work",
+            ),
+        }
     }
 }
 

@@ -13,7 +13,6 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::IpcEvent;
 use crate::handle::IpcEventHandle;
-use crate::mechanism::Access;
 use crate::memory::DeviceMemory;
 use crate::share::SharedBuffer;
 
@@ -90,7 +89,7 @@ impl PublisherConfig {
     /// [`Error::InvalidArgument`] for read-only readers with
     /// [`Sharing::Isolated`] (no set record to carry the policy) or with
     /// an arena of legacy or pool chunks, which cannot be mapped read-only
-    /// ([`Mechanism::check_access`]).
+    /// (see [`Mechanism::check_access`]).
     pub fn validate(&self) -> Result<()> {
         if !self.read_only_readers {
             return Ok(());
@@ -104,12 +103,17 @@ impl PublisherConfig {
             )),
             Sharing::Arena {
                 mechanism: Some(m), ..
-            } => m.check_access(Access::ReadOnly).map_err(|e| {
-                Error::arg(
+            } => match m.why_not_read_only() {
+                None => Ok(()),
+                Some(why) => Err(Error::arg(
                     "read-only readers",
-                    format!("the arena's chunks cannot be mapped read-only: {e}"),
-                )
-            }),
+                    format!(
+                        "an arena of {m} chunks cannot be mapped read-only: {why}; use an arena \
+                         of vmm chunks (Sharing::arena(Mechanism::Vmm) or auto; `--mechanism \
+                         vmm` or auto)"
+                    ),
+                )),
+            },
             Sharing::Arena {
                 mechanism: None, ..
             } => Ok(()),
