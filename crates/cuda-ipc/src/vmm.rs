@@ -22,10 +22,12 @@
 //! An importer may map the memory read-only ([`Access::ReadOnly`], with
 //! [`VmmMapping::import_fd_with`] or [`VmmMapping::import_fabric_with`]):
 //! `cuMemSetAccess` then grants `CU_MEM_ACCESS_FLAGS_PROT_READ` only, so a
-//! kernel or copy that writes through the mapping fails (the driver reports
-//! an invalid access, which may surface later, at a synchronisation, and
-//! leaves the importer's context unusable) and the exporter's bytes do not
-//! change. [`Mapping::read_only`] tells every view. This guards against
+//! kernel or copy that writes through the mapping is an invalid access and
+//! the exporter's bytes do not change. How the failure shows is the
+//! driver's: most likely `CUDA_ERROR_ILLEGAL_ADDRESS` at a later
+//! synchronisation, which leaves the importer's context unusable (not yet
+//! seen on a GPU by this crate's tests: `tests/gpu/read_only.rs` has not
+//! run). [`Mapping::read_only`] tells every view. This guards against
 //! mistakes, not malice: whoever holds the file descriptor can import it
 //! again read-write.
 #![allow(unsafe_code)]
