@@ -38,9 +38,9 @@ pub struct PublisherConfig {
     /// each exported on its own ([`Sharing::Isolated`]).
     pub sharing: Sharing,
     /// Readers map every set and arena buffer read-only
-    /// ([`Access::ReadOnly`]): the set record says so, and a subscriber maps
-    /// it so whatever it asked for (off by default; see
-    /// [`PublisherConfig::with_read_only_readers`]).
+    /// ([`Access::ReadOnly`](crate::Access::ReadOnly)): the set record says
+    /// so, and a subscriber maps it so whatever it asked for (off by
+    /// default; see [`PublisherConfig::with_read_only_readers`]).
     pub read_only_readers: bool,
 }
 
