@@ -274,7 +274,8 @@ step_sets() {
 # python3 + safetensors (+ torch), loaded on 2 streams through 1 MiB
 # staging buffers and published as one set; attach --set --checkpoint
 # compares every byte with the files; a consumer of the wrong checkpoint
-# exits 1; a bad path exits 2.
+# exits 1; a bad path exits 2; served again --read-only, a reader maps it
+# read-only and still reads every byte.
 step_checkpoint() {
   local dir="$logs/ckpt" fifo="$logs/stdin-serve-ckpt" sock="$logs/serve-ckpt.sock"
   rm -rf "$dir" "$fifo" "$sock"
@@ -319,6 +320,20 @@ PY
   local rc=$?
   [ "$rc" -eq 0 ] && ok "checkpoint: serve --checkpoint exits 0 once every lease is released" || bad "checkpoint: serve --checkpoint exited $rc: $(cat "$logs/serve-ckpt.err")"
   check "checkpoint: a missing checkpoint exits 2" 2 "$cli" serve --socket "$logs/none.sock" --checkpoint "$dir/nope.safetensors"
+  # serve --read-only: readers map the set read-only; every byte still reads.
+  rm -f "$sock"
+  "$cli" serve --socket "$sock" --checkpoint "$dir" --name model --read-only <"$fifo" >"$logs/serve-ckpt-ro.json" 2>"$logs/serve-ckpt-ro.err" &
+  pid=$!
+  exec 6>"$fifo"
+  for _ in $(seq 300); do [ -s "$logs/serve-ckpt-ro.json" ] && break; sleep 0.1; done
+  local name="checkpoint: serve --read-only, attach --set --checkpoint reads every byte read-only"
+  check "$name" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir"
+  grep -q '(read-only)' "$(log_of "$name")" && ok "checkpoint: the reader says it mapped the set read-only" \
+    || bad "checkpoint: the reader of a --read-only set did not say read-only: $(tail -n 1 "$(log_of "$name")")"
+  exec 6>&-
+  wait "$pid"
+  rc=$?
+  [ "$rc" -eq 0 ] && ok "checkpoint: serve --checkpoint --read-only exits 0 once every lease is released" || bad "checkpoint: serve --checkpoint --read-only exited $rc: $(cat "$logs/serve-ckpt-ro.err")"
   rm -f "$fifo"
 }
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Writes the hand-made seeds of fuzz targets `set_record` and `set_table`
 into fuzz/corpus/set_record/ and fuzz/corpus/set_table/: valid set records
-of each mechanism in formats 1 and 2 and near-valid ones that each break one
-rule; entry tables of format 2, valid and broken."""
+of each mechanism in formats 1 and 2 (and with the read-only policy) and
+near-valid ones that each break one rule; entry tables of format 2, valid
+and broken."""
 import base64
 import json
 import os
@@ -71,6 +72,11 @@ def main():
     with_event = record("vmm")
     with_event["event"] = "0f" * 64
     seeds["valid-event"] = with_event
+    read_only = record("vmm")
+    read_only["read_only"] = True
+    seeds["valid-read-only"] = read_only
+    seeds["valid-v2-read-only"] = format2(read_only)
+    seeds["valid-v2-fabric-read-only"] = dict(format2(record("fabric")), read_only=True)
 
     def broken(name, edit):
         r = record("vmm")
@@ -88,6 +94,13 @@ def main():
     broken("len-mismatch", lambda r: r["entries"][1].__setitem__(5, 1028))
     broken("unused-chunk", lambda r: r["chunks"].append(chunk(5, "vmm", 3)))
     broken("chunk-event", lambda r: r["chunks"][0]["descriptor"].__setitem__("event", "ab" * 64))
+    broken("read-only-not-bool", lambda r: r.__setitem__("read_only", 1))
+    legacy = record("legacy")
+    legacy["read_only"] = True
+    seeds["read-only-legacy"] = legacy
+    pool = format2(record("pool"))
+    pool["read_only"] = True
+    seeds["read-only-pool"] = pool
     v2 = format2(record("vmm"))
     v2["entries"] = v2["entries"][:-4]
     seeds["v2-cut-table"] = v2

@@ -25,6 +25,16 @@ Sets (many buffers of the publisher's arena in one entry) and whole state
 dicts: :meth:`Publisher.publish_state_dict`, :meth:`Subscriber.attach_state_dict`
 and the lower-level :meth:`Publisher.alloc` / :meth:`Publisher.publish_set` /
 :meth:`Subscriber.attach_set`; see :mod:`cuda_ipc.sets`.
+
+Read-only readers: ``Publisher(..., read_only_readers=True)`` makes every
+reader map its sets read-only, and a subscriber may ask for read-only itself
+(``Subscriber(..., read_only=True)``, or ``attach_set(name, read_only=True)``
+and ``attach_state_dict(name, read_only=True)``). A kernel that writes
+through a read-only mapping fails (CUDA reports an illegal address, which
+leaves that process's CUDA context unusable) and the publisher's bytes do
+not change. Only VMM memory can be mapped read-only: legacy and pool memory
+are refused with :class:`Unavailable`. It guards against mistakes, not a
+hostile reader.
 """
 
 from . import _core
@@ -88,10 +98,14 @@ class Publisher(_Owner):
 
     ``endpoint`` is a name (a socket under ``$XDG_RUNTIME_DIR/cuda-ipc/``)
     or a path containing ``/``; ``allow_uids`` lets other users connect.
+    With ``read_only_readers``, readers map every set and state dict
+    read-only (the arena is then made of vmm chunks); :meth:`publish` and
+    :meth:`ring`, which have no set record to carry that, are refused.
     """
 
-    def __init__(self, endpoint, *, device=0, allow_uids=()):
-        super().__init__(_core.Publisher(str(endpoint), device=device, allow_uids=list(allow_uids)))
+    def __init__(self, endpoint, *, device=0, allow_uids=(), read_only_readers=False):
+        super().__init__(_core.Publisher(str(endpoint), device=device, allow_uids=list(allow_uids),
+                                         read_only_readers=bool(read_only_readers)))
         self._sets = set()
         self._state_dicts = {}
         self._torch_pool = None  # cuda_ipc.torch.pool(self), made on first use
@@ -99,6 +113,8 @@ class Publisher(_Owner):
 
     path = property(lambda self: self._c.path, doc="The socket path.")
     device = property(lambda self: self._c.device, doc="The CUDA device ordinal.")
+    read_only_readers = property(lambda self: self._c.read_only_readers,
+                                 doc="Whether readers map what this publisher publishes read-only.")
 
     def publish(self, name, source=None, *, shape=None, dtype=None, mechanism=None):
         """Publishes ``name``: a copy of ``source`` (a torch tensor, or any
@@ -293,6 +309,8 @@ class Attachment(_Owner):
     mechanism = property(lambda self: self._c.mechanism)
     descriptor = property(lambda self: self._c.descriptor)
     released = property(lambda self: self._c.released)
+    read_only = property(lambda self: self._c.read_only,
+                         doc="Whether the buffer is mapped read-only: writing through it fails.")
 
     def view(self, dtype=None, raw=False):
         return self._c.view(dtype, raw)
@@ -370,11 +388,13 @@ class Ring(_Owner):
 
 class Subscriber(_Owner):
     """Connects to a publisher (a name or a socket path) and attaches to
-    what it publishes; requests time out after ``timeout`` seconds."""
+    what it publishes; requests time out after ``timeout`` seconds. With
+    ``read_only``, everything it attaches is mapped read-only (VMM memory
+    only; see the module documentation)."""
 
-    def __init__(self, endpoint, *, device=0, timeout=5.0, allow_uids=()):
+    def __init__(self, endpoint, *, device=0, timeout=5.0, allow_uids=(), read_only=False):
         super().__init__(_core.Subscriber(str(endpoint), device=device, timeout=timeout,
-                                          allow_uids=list(allow_uids)))
+                                          allow_uids=list(allow_uids), read_only=bool(read_only)))
 
     def list(self):
         """The names published now."""
@@ -390,15 +410,20 @@ class Subscriber(_Owner):
         """Attaches to ``name``; returns an :class:`Attachment`."""
         return Attachment(self._c.attach(name))
 
-    def attach_set(self, name):
-        """Attaches the set ``name``; returns a :class:`cuda_ipc.sets.SetAttachment`."""
-        return _sets.SetAttachment(self._c.attach_set(name))
+    def attach_set(self, name, *, read_only=False):
+        """Attaches the set ``name``; returns a :class:`cuda_ipc.sets.SetAttachment`.
+        With ``read_only`` its chunks are mapped read-only (as they are
+        anyway when the publisher has ``read_only_readers``)."""
+        return _sets.SetAttachment(self._c.attach_set(name, read_only=bool(read_only)))
 
-    def attach_state_dict(self, name):
+    def attach_state_dict(self, name, *, read_only=False):
         """Attaches the set ``name`` as a :class:`cuda_ipc.sets.StateDict`:
         a dict of zero-copy torch tensors (dtypes and shapes as published)
-        with ``wait_update`` and ``release``."""
-        return _sets.attach_state_dict(self._c.attach_set(name))
+        with ``wait_update`` and ``release``. With ``read_only`` the
+        tensors' memory is mapped read-only: a kernel that writes to them
+        fails and the publisher's bytes do not change (``sd.read_only``
+        says how it was mapped; the tensors themselves carry no flag)."""
+        return _sets.attach_state_dict(self._c.attach_set(name, read_only=bool(read_only)))
 
     def drop_idle_mappings(self):
         """Unmaps the cached arena chunks that no set holds any more."""

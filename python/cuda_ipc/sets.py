@@ -16,6 +16,11 @@ Subscriber (an inference server, another process)::
     model.load_state_dict(sd, assign=True)
     sd.wait_update(timeout=30)                   # the next update is visible to every stream
 
+A publisher made with ``read_only_readers=True`` (or a subscriber that asks,
+``attach_state_dict("model", read_only=True)``) maps the tensors read-only:
+a kernel writing to them fails and the publisher's bytes do not change
+(``sd.read_only``; VMM memory only).
+
 The set record (``cuda_ipc::set::SetRecord``) is language neutral: Rust
 programs and ``cuda-ipc attach --set`` read sets published from Python, and
 Python attaches sets published by Rust (``cuda-ipc serve --set``).
@@ -496,6 +501,8 @@ class SetAttachment:
     nbytes = property(lambda self: self._c.nbytes, doc="The bytes of every entry together.")
     released = property(lambda self: self._c.released, doc="Whether release() was called.")
     uses_fence = property(lambda self: self._c.uses_fence, doc="Whether updates wait on a fence.")
+    read_only = property(lambda self: self._c.read_only,
+                         doc="Whether the chunks are mapped read-only: writing through any view fails.")
     record = property(lambda self: self._c.record, doc="The set record the publisher sent.")
 
     @property
@@ -575,6 +582,9 @@ class StateDict(dict):
 
     name = property(lambda self: self.attachment.name, doc="The set's name.")
     lease = property(lambda self: self.attachment.lease, doc="The lease id.")
+    read_only = property(lambda self: self.attachment.read_only,
+                         doc="Whether the tensors' memory is mapped read-only: a kernel that "
+                             "writes to them fails (torch does not know: the tensors carry no flag).")
 
     def wait_update(self, timeout=None):
         """Waits for the publisher's next update; returns its version."""

@@ -66,6 +66,28 @@ class Arguments(unittest.TestCase):
                 self.assertInvalid(lambda: cls(sock, allow_uids=[2 ** 32 - 1]), "names no user")
                 self.assertInvalid(lambda: cls(sock, allow_uids=[1.5]), "is a float")
 
+    def test_read_only_options(self):
+        """``read_only_readers`` (publisher), ``read_only`` (subscriber, and
+        per attach): keyword-only, and a good one gets as far as the driver."""
+        import inspect
+        from cuda_ipc import channel
+        for fn, name in ((channel.Publisher.__init__, "read_only_readers"),
+                         (channel.Subscriber.__init__, "read_only"),
+                         (channel.Subscriber.attach_set, "read_only"),
+                         (channel.Subscriber.attach_state_dict, "read_only")):
+            with self.subTest(fn=fn.__qualname__):
+                p = inspect.signature(fn).parameters[name]
+                self.assertEqual(p.kind, inspect.Parameter.KEYWORD_ONLY)
+                self.assertIs(p.default, False)
+        if cuda_ipc.driver_available():
+            self.skipTest("a driver is here: the no-driver path is not this machine's")
+        sock = os.path.join(tempfile.gettempdir(), "cuda-ipc-arguments-test.sock")
+        for make in (lambda: cuda_ipc.Publisher(sock, read_only_readers=True),
+                     lambda: cuda_ipc.Subscriber(sock, read_only=True)):
+            with self.assertRaises(cuda_ipc.Unavailable) as cm:
+                make()
+            self.assertIn("libcuda", str(cm.exception))
+
     def test_a_bad_socket_name_is_bad_input_as_in_the_cli(self):
         # Checked before the driver: bad input even where the driver is missing.
         for cls in (cuda_ipc.Publisher, cuda_ipc.Subscriber):

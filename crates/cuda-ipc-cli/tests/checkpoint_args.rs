@@ -1,6 +1,7 @@
 //! `serve --checkpoint` and `attach --set --checkpoint` without a GPU: the
-//! options, and a bad path or checkpoint refused (exit 2) before the driver
-//! is loaded; a good checkpoint gets as far as the driver (exit 3 here).
+//! options (`--read-only` too), and a bad path, checkpoint or option refused
+//! (exit 2) before the driver is loaded; a good checkpoint gets as far as
+//! the driver (exit 3 here).
 
 mod common;
 
@@ -139,5 +140,75 @@ fn checkpoint_options_need_a_checkpoint() {
         (vec!["attach", "--checkpoint", "/m"], "--set"),
     ] {
         assert_error(&args, &cuda_ipc(&args), 2, why);
+    }
+}
+
+/// `serve --read-only` (readers map the set read-only) and `attach
+/// --read-only`: checked before the driver; a vmm or auto arena gets as
+/// far as the driver.
+#[test]
+fn read_only_is_checked_before_the_driver() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write_checkpoint(&file);
+    let sock = dir.path().join("s.sock");
+    let (f, s) = (file.to_str().unwrap(), sock.to_str().unwrap());
+    for mechanism in ["legacy", "pool"] {
+        for mut args in [
+            vec!["serve", "--checkpoint", f],
+            vec!["serve", "--set", "3", "--size", "64MiB"],
+        ] {
+            args.extend(["--read-only", "--mechanism", mechanism, "--socket", s]);
+            let o = cuda_ipc(&args);
+            assert_error(&args, &o, 2, &format!("an arena of {mechanism} chunks"));
+            assert_error(&args, &o, 2, "--mechanism vmm");
+        }
+    }
+    for args in [
+        vec!["serve", "--checkpoint", f, "--read-only", "--socket", s],
+        vec![
+            "serve",
+            "--checkpoint",
+            f,
+            "--read-only",
+            "--mechanism",
+            "vmm",
+            "--socket",
+            s,
+        ],
+        vec![
+            "serve",
+            "--set",
+            "3",
+            "--size",
+            "64MiB",
+            "--read-only",
+            "--socket",
+            s,
+        ],
+    ] {
+        assert_error(&args, &cuda_ipc(&args), 3, "libcuda.so.1");
+    }
+    for (args, why) in [
+        (
+            vec!["serve", "--size", "4096", "--fill-u32", "1", "--read-only"],
+            "--read-only: it applies to sets",
+        ),
+        (
+            vec!["attach", "--read-only", "--fill-u32", "1"],
+            "cannot be used with",
+        ),
+        (
+            vec!["attach", "--read-only", "--list"],
+            "cannot be used with",
+        ),
+    ] {
+        assert_error(&args, &cuda_ipc(&args), 2, why);
+    }
+    for sub in ["serve", "attach"] {
+        let o = cuda_ipc(&[sub, "--help"]);
+        let help = String::from_utf8_lossy(&o.stdout);
+        assert!(help.contains("--read-only"), "{sub}: {help}");
+        assert!(help.contains("read-only"), "{sub}: {help}");
     }
 }

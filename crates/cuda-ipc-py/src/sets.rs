@@ -290,6 +290,8 @@ pub(crate) struct SetAttachment {
     pub(crate) name: String,
     lease: u64,
     uses_fence: bool,
+    /// Whether the chunks are mapped read-only.
+    read_only: bool,
     pub(crate) ordinal: usize,
     pub(crate) entries: Vec<Entry>,
     index: HashMap<String, usize>,
@@ -305,12 +307,22 @@ pub(crate) struct SetAttachment {
     subscriber: Arc<cuda_ipc::exchange::Subscriber>,
 }
 
-/// `Subscriber.attach_set`.
-pub(crate) fn attach_set(s: &PySubscriber, py: Python<'_>, name: &str) -> PyResult<SetAttachment> {
+/// `Subscriber.attach_set`: read-only when `read_only`, else as the
+/// subscriber maps (read-only all the same where the publisher asks).
+pub(crate) fn attach_set(
+    s: &PySubscriber,
+    py: Python<'_>,
+    name: &str,
+    read_only: bool,
+) -> PyResult<SetAttachment> {
     let sub = s.get()?;
     let (set, first, entries, runs, places) = py
         .detach(|| -> Result<_> {
-            let set = sub.attach_set(name)?;
+            let set = if read_only {
+                sub.attach_set_with(name, cuda_ipc::Access::ReadOnly)?
+            } else {
+                sub.attach_set(name)?
+            };
             // Every view of the set shares the device stream that waited on
             // the publisher's event or fence.
             let first = set.view::<u8>(0)?;
@@ -350,6 +362,7 @@ pub(crate) fn attach_set(s: &PySubscriber, py: Python<'_>, name: &str) -> PyResu
         name: set.name().to_owned(),
         lease: set.lease(),
         uses_fence: set.uses_fence(),
+        read_only: set.read_only(),
         ordinal: s.device.ordinal(),
         entries,
         index,
@@ -417,6 +430,13 @@ impl SetAttachment {
     #[getter]
     fn uses_fence(&self) -> bool {
         self.uses_fence
+    }
+    /// Whether the set is mapped read-only (asked for at attach, or the
+    /// publisher serves it to read-only readers): writing through any of
+    /// its tensors or views fails.
+    #[getter]
+    fn read_only(&self) -> bool {
+        self.read_only
     }
     /// The CUDA device ordinal.
     #[getter]

@@ -183,6 +183,12 @@ pub trait Mapping: sealed::Sealed + Send + Sync + fmt::Debug {
     fn size(&self) -> u64;
     /// How it was shared.
     fn mechanism(&self) -> Mechanism;
+    /// Whether it is mapped read-only (`CU_MEM_ACCESS_FLAGS_PROT_READ`): a
+    /// kernel or copy that writes through it fails. False unless the
+    /// mapping says otherwise (only VMM mappings can be read-only).
+    fn read_only(&self) -> bool {
+        false
+    }
 }
 
 /// A typed view of `len` elements of `T` inside a [`Mapping`], with the
@@ -298,6 +304,12 @@ impl<T: Pod> MappedBuffer<T> {
     /// no way to make views without it).
     pub fn mapping(&self) -> &dyn Mapping {
         &*self.mapping
+    }
+
+    /// Whether the memory is mapped read-only ([`Mapping::read_only`]):
+    /// writing through this view (a kernel, a copy into it) fails.
+    pub fn read_only(&self) -> bool {
+        self.mapping.read_only()
     }
 
     /// The mapping underneath, shared.

@@ -85,6 +85,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use event::IpcEvent;
 pub use handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
 pub use legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
+pub use mechanism::Access;
 pub use memory::DeviceMemory;
 
 /// The README's examples, compiled as doc tests.

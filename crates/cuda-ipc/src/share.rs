@@ -28,6 +28,7 @@ use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result};
 use crate::event::IpcEvent;
 use crate::legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
+use crate::mechanism::Access;
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 use crate::pool::{ImportedPool, PoolBuffer, SharedPool};
 use crate::vmm::{ShareableTypes, VmmBuffer, VmmMapping};
@@ -478,13 +479,31 @@ pub fn device_for(descriptor: &Descriptor) -> Result<Device> {
 /// Maps the whole allocation a descriptor names. `fds` are the descriptors
 /// that travelled with it (over the channel); when empty for an fd
 /// mechanism, they are fetched from the exporter with `pidfd_getfd`.
-#[tracing::instrument(level = "debug", skip_all, fields(mechanism = %descriptor.mechanism(), pid = descriptor.pid, len = descriptor.byte_len))]
 pub fn open_mapping(
     device: &Device,
     descriptor: &Descriptor,
     fds: Vec<OwnedFd>,
 ) -> Result<Arc<dyn Mapping>> {
+    open_mapping_with(device, descriptor, fds, Access::ReadWrite)
+}
+
+/// As [`open_mapping`], with `access`: [`Access::ReadOnly`] maps VMM
+/// memory (the vmm and fabric mechanisms) with
+/// `CU_MEM_ACCESS_FLAGS_PROT_READ`, so that writes through the mapping fail
+/// ([`Mapping::read_only`] says so).
+///
+/// # Errors
+/// [`Error::Unsupported`] for a read-only mapping of legacy or pool memory
+/// (see [`Mechanism::check_access`]), before anything is opened.
+#[tracing::instrument(level = "debug", skip_all, fields(mechanism = %descriptor.mechanism(), pid = descriptor.pid, len = descriptor.byte_len, %access))]
+pub fn open_mapping_with(
+    device: &Device,
+    descriptor: &Descriptor,
+    fds: Vec<OwnedFd>,
+    access: Access,
+) -> Result<Arc<dyn Mapping>> {
     descriptor.validate()?;
+    descriptor.mechanism().check_access(access)?;
     let mut fds = fds.into_iter();
     let mut take_fd = |number: i32| -> Result<OwnedFd> {
         match fds.next() {
@@ -505,15 +524,16 @@ pub fn open_mapping(
             } else {
                 crate::device::ordinal_of(descriptor.device_uuid)?
             };
-            VmmMapping::import_fd_for(
+            VmmMapping::import_fd_with(
                 device,
                 take_fd(fd)?,
                 descriptor.alloc_size,
                 owner.as_slice(),
+                access,
             )?
         }
         Source::Fabric { handle } => {
-            VmmMapping::import_fabric(device, handle, descriptor.alloc_size)?
+            VmmMapping::import_fabric_with(device, handle, descriptor.alloc_size, access)?
         }
         Source::Pool { fd, ptr } => {
             let pool = ImportedPool::import(device, take_fd(fd)?)?;

@@ -17,6 +17,19 @@
 //! - Each mapping keeps the physical memory alive until it is unmapped, even
 //!   after the exporter released it: dropping the exporter's [`VmmBuffer`]
 //!   does not pull memory from under a consumer.
+//!
+//! # Read-only mappings
+//! An importer may map the memory read-only ([`Access::ReadOnly`], with
+//! [`VmmMapping::import_fd_with`] or [`VmmMapping::import_fabric_with`]):
+//! `cuMemSetAccess` then grants `CU_MEM_ACCESS_FLAGS_PROT_READ` only, so a
+//! kernel or copy that writes through the mapping is an invalid access and
+//! the exporter's bytes do not change. How the failure shows is the
+//! driver's: most likely `CUDA_ERROR_ILLEGAL_ADDRESS` at a later
+//! synchronisation, which leaves the importer's context unusable (not yet
+//! seen on a GPU by this crate's tests: `tests/gpu/read_only.rs` has not
+//! run). [`Mapping::read_only`] tells every view. This guards against
+//! mistakes, not malice: whoever holds the file descriptor can import it
+//! again read-write.
 #![allow(unsafe_code)]
 
 use std::os::fd::{AsFd, OwnedFd};
@@ -30,7 +43,7 @@ use crate::buffer::{Mapping, UsedStreams};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handle::FabricHandle;
-use crate::mechanism::Mechanism;
+use crate::mechanism::{Access, Mechanism};
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
 use crate::result::vmm::{self, HandleType};
 use crate::units::round_up;
@@ -251,7 +264,7 @@ fn map_rw(
     align: u64,
     device: i32,
 ) -> Result<u64> {
-    map_segments_rw(&[handle], size, align, &[device])
+    map_segments(&[handle], size, align, &[device], Access::ReadWrite)
 }
 
 /// The bytes of `count` segments of `segment` bytes each (sizes a peer
@@ -266,12 +279,13 @@ fn segments_size(segment: u64, count: usize) -> Result<u64> {
 }
 
 /// Maps `handles`, each of `segment` bytes, back to back into one reserved
-/// range, read-write for `devices`; undoes everything on failure.
-fn map_segments_rw(
+/// range, with `access` for `devices`; undoes everything on failure.
+fn map_segments(
     handles: &[sys::CUmemGenericAllocationHandle],
     segment: u64,
     align: u64,
     devices: &[i32],
+    access: Access,
 ) -> Result<u64> {
     let total = segments_size(segment, handles.len())?;
     let ptr = vmm::address_reserve(total, align)?;
@@ -283,7 +297,7 @@ fn map_segments_rw(
             mapped += 1;
         }
         // SAFETY: the whole range is mapped.
-        unsafe { vmm::set_access_rw(ptr, total, devices) }
+        unsafe { set_access(ptr, total, devices, access) }
     })();
     if let Err(e) = result {
         for i in 0..mapped {
@@ -295,6 +309,20 @@ fn map_segments_rw(
         return Err(e);
     }
     Ok(ptr)
+}
+
+/// `cuMemSetAccess` with `access` for `devices`.
+///
+/// # Safety
+/// The range must be mapped.
+unsafe fn set_access(ptr: u64, size: u64, devices: &[i32], access: Access) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match access {
+            Access::ReadWrite => vmm::set_access_rw(ptr, size, devices),
+            Access::ReadOnly => vmm::set_access_ro(ptr, size, devices),
+        }
+    }
 }
 
 // SAFETY: the allocation is owned by the value and freed in its `Drop`,
@@ -352,6 +380,8 @@ pub struct VmmMapping {
     /// Each imported allocation is mapped as one segment of this size.
     segment: u64,
     mechanism: Mechanism,
+    /// What the mapping grants: read-write, or read only.
+    access: Access,
     streams: UsedStreams,
 }
 
@@ -367,7 +397,7 @@ impl VmmMapping {
     /// back to back (PyTorch's expandable segments share memory this way).
     /// Closes every descriptor.
     pub fn import_segments(device: &Device, fds: Vec<OwnedFd>, segment: u64) -> Result<Arc<Self>> {
-        Self::import_segments_for(device, fds, segment, &[])
+        Self::import_segments_for(device, fds, segment, &[], Access::ReadWrite)
     }
 
     /// As [`VmmMapping::import_fd`], granting read-write access to the
@@ -380,7 +410,22 @@ impl VmmMapping {
         size: u64,
         also: &[usize],
     ) -> Result<Arc<Self>> {
-        Self::import_segments_for(device, vec![fd], size, also)
+        Self::import_fd_with(device, fd, size, also, Access::ReadWrite)
+    }
+
+    /// As [`VmmMapping::import_fd_for`], granting `access` (to `device` and
+    /// to `also` alike): with [`Access::ReadOnly`] a kernel or copy that
+    /// writes through the mapping fails and the exporter's bytes do not
+    /// change (see the module's "Read-only mappings").
+    #[doc(alias = "cuMemSetAccess")]
+    pub fn import_fd_with(
+        device: &Device,
+        fd: OwnedFd,
+        size: u64,
+        also: &[usize],
+        access: Access,
+    ) -> Result<Arc<Self>> {
+        Self::import_segments_for(device, vec![fd], size, also, access)
     }
 
     fn import_segments_for(
@@ -388,6 +433,7 @@ impl VmmMapping {
         fds: Vec<OwnedFd>,
         segment: u64,
         also: &[usize],
+        access: Access,
     ) -> Result<Arc<Self>> {
         if fds.is_empty() || segment == 0 {
             return Err(Error::arg(
@@ -425,12 +471,31 @@ impl VmmMapping {
                 devices.push(ordinal as i32);
             }
         }
-        Self::map_imported(device, &handles, segment, gran, &devices, Mechanism::Vmm)
+        Self::map_imported(
+            device,
+            &handles,
+            segment,
+            gran,
+            &devices,
+            (Mechanism::Vmm, access),
+        )
     }
 
     /// Imports a fabric handle of `size` bytes and maps it read-write on `device`.
     #[doc(alias = "cuMemImportFromShareableHandle")]
     pub fn import_fabric(device: &Device, handle: FabricHandle, size: u64) -> Result<Arc<Self>> {
+        Self::import_fabric_with(device, handle, size, Access::ReadWrite)
+    }
+
+    /// As [`VmmMapping::import_fabric`], granting `access` (see
+    /// [`VmmMapping::import_fd_with`]).
+    #[doc(alias = "cuMemSetAccess")]
+    pub fn import_fabric_with(
+        device: &Device,
+        handle: FabricHandle,
+        size: u64,
+        access: Access,
+    ) -> Result<Arc<Self>> {
         if handle.is_zero() {
             return Err(Error::InvalidHandle {
                 what: FabricHandle::WHAT,
@@ -456,11 +521,11 @@ impl VmmMapping {
             size,
             gran,
             &[device.ordinal() as i32],
-            Mechanism::Fabric,
+            (Mechanism::Fabric, access),
         )
     }
 
-    /// Maps `handles` back to back, read-write for `devices` (ordinals,
+    /// Maps `handles` back to back, with `access` for `devices` (ordinals,
     /// `device` first), and releases the handles.
     fn map_imported(
         device: &Device,
@@ -468,9 +533,9 @@ impl VmmMapping {
         segment: u64,
         gran: u64,
         devices: &[i32],
-        mechanism: Mechanism,
+        (mechanism, access): (Mechanism, Access),
     ) -> Result<Arc<Self>> {
-        let mapped = map_segments_rw(handles, segment, gran, devices);
+        let mapped = map_segments(handles, segment, gran, devices, access);
         // The mapping keeps the physical memory alive: release our handles
         // whether or not mapping worked.
         release_all(handles);
@@ -478,21 +543,28 @@ impl VmmMapping {
         Ok(Arc::new(VmmMapping {
             device: device.clone(),
             ptr,
-            // Checked by `map_segments_rw`, which succeeded.
+            // Checked by `map_segments`, which succeeded.
             size: segment.saturating_mul(handles.len() as u64),
             segment,
             mechanism,
+            access,
             streams: UsedStreams::default(),
         }))
     }
 
-    /// Grants `peer` read-write access to this mapping too (another device
-    /// of this process, with peer access to the memory's device).
+    /// Grants `peer` this mapping's access too (another device of this
+    /// process, with peer access to the memory's device): read-write, or
+    /// read only for a read-only mapping.
     #[doc(alias = "cuMemSetAccess")]
     pub fn grant_access(&self, peer: &Device) -> Result<()> {
         self.device.bind()?;
         // SAFETY: the range is mapped for as long as `self` lives.
-        unsafe { vmm::set_access_rw(self.ptr, self.size, &[peer.ordinal() as i32]) }
+        unsafe { set_access(self.ptr, self.size, &[peer.ordinal() as i32], self.access) }
+    }
+
+    /// What the mapping grants: read-write, or read only.
+    pub fn access(&self) -> Access {
+        self.access
     }
 }
 
@@ -522,6 +594,9 @@ impl Mapping for VmmMapping {
     }
     fn mechanism(&self) -> Mechanism {
         self.mechanism
+    }
+    fn read_only(&self) -> bool {
+        self.access.is_read_only()
     }
 }
 

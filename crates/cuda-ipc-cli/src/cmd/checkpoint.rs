@@ -6,13 +6,15 @@ use std::path::Path;
 use std::time::Instant;
 
 use cuda_ipc::checkpoint::{Checkpoint, Plan, PlanOptions};
-use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
+use cuda_ipc::exchange::{Endpoint, Publisher, Subscriber};
 use cuda_ipc::loader::{LoadedCheckpoint, load_checkpoint};
 use cuda_ipc::units::shorten;
 use cuda_ipc::{Device, DeviceMemory, Error};
 use serde_json::json;
 
-use super::serve::{AttachArgs, ServeArgs, Side, arena_sharing, socket_path};
+use super::serve::{
+    AttachArgs, ServeArgs, Side, access_word, publisher_config, socket_path, subscriber_config,
+};
 use crate::Outcome;
 use crate::out::{errln, outln};
 
@@ -74,10 +76,8 @@ fn progress_bar() -> indicatif::ProgressBar {
 pub fn serve(args: &ServeArgs, path: &Path) -> Result<Outcome, Error> {
     let (ckpt, plan) = open_checked(args, path)?;
     let socket = socket_path(&args.socket, Side::Serve)?;
+    let config = publisher_config(args)?;
     let device = Device::open(args.device)?;
-    let config = PublisherConfig::default()
-        .with_allow_uids(args.allow_uid.iter().copied())
-        .with_sharing(arena_sharing(args.mechanism));
     let publisher = Publisher::bind(&device, Endpoint::Path(socket), config)?;
     let bar = progress_bar();
     let loaded = load_checkpoint(&publisher, &ckpt, plan.options(), &mut |done, total| {
@@ -117,19 +117,25 @@ fn report(
         "load_s": r.elapsed.as_secs_f64(),
         "gb_per_s": r.gb_per_s(),
         "mechanism": publisher.arena()?.backing().mechanism().name(),
+        "read_only": publisher.read_only_readers(),
         "pid": std::process::id(),
     });
     outln!("{line}")?;
     errln!(
         "cuda-ipc: loaded {} tensors ({}) from {} file(s) in {:.3} s ({:.2} GB/s, {} streams); \
-         published set {}",
+         published set {}{}",
         r.tensors,
         super::human(r.payload_bytes),
         r.files,
         r.elapsed.as_secs_f64(),
         r.gb_per_s(),
         r.streams,
-        args.name
+        args.name,
+        if publisher.read_only_readers() {
+            " (readers map it read-only)"
+        } else {
+            ""
+        }
     );
     Ok(())
 }
@@ -140,9 +146,7 @@ pub fn attach(args: &AttachArgs, set: &str, path: &Path) -> Result<Outcome, Erro
     let ckpt = open_nonempty(path)?;
     let socket = socket_path(&args.socket, Side::Attach)?;
     let device = Device::open(args.device)?;
-    let config = SubscriberConfig::default()
-        .with_allow_uids(args.allow_uid.iter().copied())
-        .with_sync(args.sync);
+    let config = subscriber_config(args);
     let subscriber = Subscriber::connect(&device, Endpoint::Path(socket), config)?;
     let started = Instant::now();
     let attached = subscriber.attach_set(set)?;
@@ -156,13 +160,14 @@ pub fn attach(args: &AttachArgs, set: &str, path: &Path) -> Result<Outcome, Erro
     let check_ms = super::ms_since(t);
     let bytes = attached.record().total_bytes();
     let n = attached.len();
+    let access = access_word(attached.read_only());
     subscriber.release_set(attached)?;
     if let Some(why) = verdict? {
         errln!("cuda-ipc: mismatch: set {set}: {why}");
         return Ok(Outcome::Mismatch);
     }
     outln!(
-        "attached set {set}: {n} tensors, {} in {ms:.3} ms; every byte matches {} (checked in {check_ms:.3} ms)",
+        "attached set {set}: {n} tensors, {} ({access}) in {ms:.3} ms; every byte matches {} (checked in {check_ms:.3} ms)",
         super::human(bytes),
         ckpt.path().display()
     )?;

@@ -14,7 +14,7 @@ use cuda_ipc::exchange::{
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::set;
 use cuda_ipc::units::shorten;
-use cuda_ipc::{Device, DeviceMemory, Dtype, Error};
+use cuda_ipc::{Access, Device, DeviceMemory, Dtype, Error};
 use rustix::fs::FileType;
 use rustix::io::Errno;
 use serde_json::json;
@@ -61,6 +61,13 @@ pub struct ServeArgs {
     /// How to share: auto, legacy, vmm, pool or fabric.
     #[arg(long, value_parser = super::parse_mechanism, default_value = "auto")]
     pub mechanism: super::MechanismArg,
+    /// Readers map the published set read-only (with --set or
+    /// --checkpoint): a reader's kernel or copy that writes through its
+    /// mapping fails and the published bytes do not change. Needs vmm
+    /// chunks (auto then uses vmm; legacy and pool are refused). A guard
+    /// against mistakes, not against a hostile reader of an allowed uid.
+    #[arg(long)]
+    pub read_only: bool,
     /// Also let this user id connect (repeatable); by default only our own.
     #[arg(long = "allow-uid", value_parser = super::parse_uid, allow_negative_numbers = true)]
     pub allow_uid: Vec<u32>,
@@ -109,9 +116,40 @@ pub struct AttachArgs {
     /// host-fence (waited for by this process, no GPU wait operation).
     #[arg(long, default_value = "auto", value_parser = super::parse_sync)]
     pub sync: cuda_ipc::exchange::SyncMode,
+    /// Map read-only (vmm memory only; legacy and pool memory are
+    /// refused): writing through the mapping fails. A set whose publisher
+    /// serves it --read-only is mapped read-only without this.
+    #[arg(long, conflicts_with_all = ["fill_u32", "list"])]
+    pub read_only: bool,
     /// Device ordinal.
     #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,
+}
+
+/// The publisher's configuration for `serve` (`--allow-uid`, `--read-only`
+/// and the arena of `--mechanism`), checked before the driver is loaded:
+/// `--read-only` with `--mechanism legacy` or `pool` is bad input (exit 2).
+pub fn publisher_config(args: &ServeArgs) -> Result<PublisherConfig, Error> {
+    let config = PublisherConfig::default()
+        .with_allow_uids(args.allow_uid.iter().copied())
+        .with_sharing(arena_sharing(args.mechanism))
+        .with_read_only_readers(args.read_only);
+    config.validate()?;
+    Ok(config)
+}
+
+/// The subscriber's configuration for `attach` (`--allow-uid`, `--sync`,
+/// `--read-only`).
+pub fn subscriber_config(args: &AttachArgs) -> SubscriberConfig {
+    SubscriberConfig::default()
+        .with_allow_uids(args.allow_uid.iter().copied())
+        .with_sync(args.sync)
+        .with_access(Access::read_only_if(args.read_only))
+}
+
+/// How a mapping is mapped, for reports: `read-only` or `read-write`.
+pub fn access_word(read_only: bool) -> &'static str {
+    Access::read_only_if(read_only).name()
 }
 
 /// The longest path a Unix socket address holds (`sun_path` less its NUL).
@@ -278,10 +316,8 @@ fn serve_set(args: &ServeArgs, n: usize) -> Result<Outcome, Error> {
     let size = size_of(args)?;
     let sizes = set_sizes(n, size)?;
     let path = socket_path(&args.socket, Side::Serve)?;
+    let config = publisher_config(args)?;
     let device = Device::open(args.device)?;
-    let config = PublisherConfig::default()
-        .with_allow_uids(args.allow_uid.iter().copied())
-        .with_sharing(arena_sharing(args.mechanism));
     let publisher = Publisher::bind(&device, Endpoint::Path(path), config)?;
     let buffers = publish_set(&publisher, &sizes)?;
     let line = json!({
@@ -289,6 +325,7 @@ fn serve_set(args: &ServeArgs, n: usize) -> Result<Outcome, Error> {
         "set": SET_NAME,
         "buffers": n,
         "mechanism": publisher.arena()?.backing().mechanism().name(),
+        "read_only": publisher.read_only_readers(),
         "size": size,
         "pid": std::process::id(),
     });
@@ -303,6 +340,15 @@ fn serve_set(args: &ServeArgs, n: usize) -> Result<Outcome, Error> {
 pub fn serve(args: &ServeArgs) -> Result<Outcome, Error> {
     if let Some(n) = args.set {
         return serve_set(args, n);
+    }
+    if args.read_only {
+        return Err(Error::InvalidArgument {
+            what: "--read-only",
+            reason: "it applies to sets (--set or --checkpoint), whose record carries it; \
+                     buffers published one by one are mapped as each reader asks \
+                     (`attach --read-only`)"
+                .into(),
+        });
     }
     let size = size_of(args)?;
     if size == 0 || !size.is_multiple_of(4) || args.buffers == 0 {
@@ -375,9 +421,7 @@ pub fn attach(args: &AttachArgs) -> Result<Outcome, Error> {
         return list(&path, &args.allow_uid);
     }
     let device = Device::open(args.device)?;
-    let config = SubscriberConfig::default()
-        .with_allow_uids(args.allow_uid.iter().copied())
-        .with_sync(args.sync);
+    let config = subscriber_config(args);
     let subscriber = Subscriber::connect(&device, Endpoint::Path(path), config)?;
     if let Some(set) = &args.set {
         return attach_set(&subscriber, set);
@@ -400,15 +444,26 @@ pub fn attach(args: &AttachArgs) -> Result<Outcome, Error> {
     let ms = super::ms_since(started);
     let len = buffer.byte_len() as u64;
     let mut report = format!(
-        "attached {name}: {} ({}, synchronised with the publisher's {}) in {ms:.3} ms",
+        "attached {name}: {} ({}, {}, synchronised with the publisher's {}) in {ms:.3} ms",
         super::human(len),
         attached.descriptor().mechanism(),
+        access_word(attached.read_only()),
         if attached.uses_fence() {
             "fence"
         } else {
             "event"
         }
     );
+    if args.fill_u32.is_some() && attached.read_only() {
+        subscriber.release(attached)?;
+        return Err(Error::InvalidArgument {
+            what: "--fill-u32",
+            reason: format!(
+                "{name} is mapped read-only (its publisher serves it --read-only), so it cannot \
+                 be filled; attach it without --fill-u32"
+            ),
+        });
+    }
     if args.expect_u32.is_some() || args.fill_u32.is_some() {
         super::check_words(len, "buffer")?;
     }
@@ -462,9 +517,10 @@ pub fn attach_set(subscriber: &Subscriber, name: &str) -> Result<Outcome, Error>
     let check_ms = super::ms_since(t);
     let bytes = set.record().total_bytes();
     let n = set.len();
+    let access = access_word(set.read_only());
     subscriber.release_set(set)?;
     outln!(
-        "attached set {name}: {n} buffers, {} in {ms:.3} ms; every value of every buffer checked in {check_ms:.3} ms",
+        "attached set {name}: {n} buffers, {} ({access}) in {ms:.3} ms; every value of every buffer checked in {check_ms:.3} ms",
         super::human(bytes)
     )?;
     Ok(Outcome::Ok)

@@ -30,6 +30,8 @@ pub(super) struct Attachment {
     pub(super) subscriber: Arc<Subscriber>,
     pub(super) layout: Layout,
     pub(super) descriptor: Descriptor,
+    /// Whether the buffer is mapped read-only.
+    pub(super) read_only: bool,
 }
 
 #[pymethods]
@@ -73,6 +75,13 @@ impl Attachment {
     #[getter]
     fn mechanism(&self) -> &'static str {
         self.descriptor.mechanism().name()
+    }
+    /// Whether the buffer is mapped read-only (the subscriber's
+    /// `read_only`, or an arena buffer whose publisher serves it to
+    /// read-only readers): writing through it fails.
+    #[getter]
+    fn read_only(&self) -> bool {
+        self.read_only
     }
     /// The descriptor the publisher sent.
     #[getter]

@@ -110,20 +110,27 @@ impl Published {
 impl PyPublisher {
     /// Binds the socket `endpoint` (a name under `$XDG_RUNTIME_DIR/cuda-ipc/`,
     /// or a path with a `/`) and starts serving buffers of device `device`.
+    /// With `read_only_readers`, readers map every set and arena buffer
+    /// read-only (the arena's chunks are then vmm memory; `publish` and
+    /// `ring` are refused).
     #[new]
-    #[pyo3(signature = (endpoint, *, device=crate::args::Ordinal(0), allow_uids=Vec::new()))]
+    #[pyo3(signature = (endpoint, *, device=crate::args::Ordinal(0), allow_uids=Vec::new(), read_only_readers=false))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
         device: crate::args::Ordinal,
         allow_uids: Vec<crate::args::Uid>,
+        read_only_readers: bool,
     ) -> PyResult<Self> {
         crate::args::check_endpoint(py, endpoint)?;
         let allow_uids = crate::args::uids(allow_uids);
+        let config = PublisherConfig::default()
+            .with_allow_uids(allow_uids)
+            .with_read_only_readers(read_only_readers);
+        config.validate().py()?;
         let (publisher, dev) = py
             .detach(|| -> Result<_> {
                 let dev = crate::mapping::device(device.0)?;
-                let config = PublisherConfig::default().with_allow_uids(allow_uids);
                 let p = Publisher::bind(&dev, Endpoint::from(endpoint), config)?;
                 Ok((p, dev))
             })
@@ -141,6 +148,12 @@ impl PyPublisher {
     #[getter]
     fn path(&self) -> &str {
         &self.path
+    }
+
+    /// Whether readers map what this publisher publishes read-only.
+    #[getter]
+    fn read_only_readers(&self) -> PyResult<bool> {
+        Ok(self.get()?.read_only_readers())
     }
 
     /// The device ordinal.

@@ -3,9 +3,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use cuda_ipc::Result;
 use cuda_ipc::exchange::{Endpoint, Subscriber, SubscriberConfig};
 use cuda_ipc::memory::DeviceMemory;
+use cuda_ipc::{Access, Result};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -20,15 +20,17 @@ use crate::peers::PySubscriber;
 #[pymethods]
 impl PySubscriber {
     /// Connects to the publisher at `endpoint` (a name or a path); requests
-    /// time out after `timeout` seconds.
+    /// time out after `timeout` seconds. With `read_only`, everything this
+    /// subscriber attaches is mapped read-only (VMM memory only).
     #[new]
-    #[pyo3(signature = (endpoint, *, device=crate::args::Ordinal(0), timeout=5.0, allow_uids=Vec::new()))]
+    #[pyo3(signature = (endpoint, *, device=crate::args::Ordinal(0), timeout=5.0, allow_uids=Vec::new(), read_only=false))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
         device: crate::args::Ordinal,
         timeout: f64,
         allow_uids: Vec<crate::args::Uid>,
+        read_only: bool,
     ) -> PyResult<Self> {
         let timeout = duration(Some(timeout)).py()?;
         crate::args::check_endpoint(py, endpoint)?;
@@ -38,7 +40,8 @@ impl PySubscriber {
                 let dev = crate::mapping::device(device.0)?;
                 let config = SubscriberConfig::default()
                     .with_timeout(timeout)
-                    .with_allow_uids(allow_uids);
+                    .with_allow_uids(allow_uids)
+                    .with_access(Access::read_only_if(read_only));
                 Ok((
                     Subscriber::connect(&dev, Endpoint::from(endpoint), config)?,
                     dev,
@@ -81,6 +84,7 @@ impl PySubscriber {
             .py()?;
         let d = attached.descriptor().clone();
         let layout = Layout::of(attached.buffer(), &d);
+        let read_only = attached.read_only();
         Ok(Attachment {
             name: attached.name().to_owned(),
             lease: attached.lease(),
@@ -89,13 +93,22 @@ impl PySubscriber {
             subscriber: sub,
             layout,
             descriptor: d,
+            read_only,
         })
     }
 
     /// Attaches the set published as `name`: one lease for the whole set,
     /// each chunk mapped once, the publisher's event (or fence) waited for.
-    fn attach_set(&self, py: Python<'_>, name: &str) -> PyResult<crate::sets::SetAttachment> {
-        crate::sets::attach_set(self, py, name)
+    /// With `read_only` (or when the publisher serves the set to read-only
+    /// readers) the chunks are mapped read-only: VMM memory only.
+    #[pyo3(signature = (name, *, read_only=false))]
+    fn attach_set(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        read_only: bool,
+    ) -> PyResult<crate::sets::SetAttachment> {
+        crate::sets::attach_set(self, py, name, read_only)
     }
 
     /// Unmaps the cached arena chunks that no set or buffer holds any more

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use crate::arena::ChunkId;
 use crate::buffer::Mapping;
 use crate::channel::{self, ChannelError};
+use crate::mechanism::Access;
 
 use super::budget::{Held, LruCache};
 
@@ -40,5 +41,10 @@ impl Held for CachedChunk {
     }
 }
 
+/// The key of a cached chunk mapping: the chunk and the access it was mapped
+/// with, so that a read-only and a read-write mapping of one chunk are two
+/// entries (each with its own lease), never one handed out for the other.
+pub(super) type ChunkKey = (ChunkId, Access);
+
 /// The subscriber's cache of chunk mappings.
-pub(super) type ChunkCache = LruCache<ChunkId, CachedChunk>;
+pub(super) type ChunkCache = LruCache<ChunkKey, CachedChunk>;

@@ -60,6 +60,26 @@
 //! [`ArenaBuffer`](crate::arena::ArenaBuffer)s too. The publisher checks
 //! for ended leases at each of its arena calls and at [`Publisher::reap`].
 //!
+//! # Read-only readers
+//! A publisher bound with [`PublisherConfig::with_read_only_readers`] puts
+//! `read_only` in the record of every set and arena buffer it publishes,
+//! from an arena of vmm chunks; every subscriber then maps their chunks
+//! read-only (`cuMemSetAccess` with `CU_MEM_ACCESS_FLAGS_PROT_READ`), so a
+//! kernel or copy that writes through them fails and the publisher's bytes
+//! do not change. A subscriber may also ask for read-only itself, for all
+//! it attaches ([`SubscriberConfig::with_access`]) or for one set
+//! ([`Subscriber::attach_set_with`]). [`SetAttachment::read_only`],
+//! [`Attachment::read_only`] and each view's
+//! [`MappedBuffer::read_only`](crate::MappedBuffer::read_only) say how it
+//! is mapped. A read-only and a read-write mapping of one chunk are cached
+//! apart. Only VMM memory can be mapped read-only: a publisher with
+//! read-only readers refuses legacy and pool arenas, isolated buffers
+//! ([`Publisher::publish`]) and rings, and a read-only attach of legacy or
+//! pool memory is [`Error::Unsupported`](crate::Error::Unsupported). It
+//! guards against mistakes, not malice: a reader holds the chunks' file
+//! descriptors and could map them again read-write (the hidden chunk
+//! entries carry no policy of their own).
+//!
 //! # Synchronisation
 //! The publisher records one interprocess event after the writes queued on
 //! a buffer's stream at every [`Publisher::publish`] and
@@ -114,6 +134,9 @@ mod set_order;
 mod subscriber;
 mod sync;
 mod wire;
+
+#[cfg(test)]
+mod read_only_tests;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};

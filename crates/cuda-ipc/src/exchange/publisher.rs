@@ -37,6 +37,11 @@ pub struct PublisherConfig {
     /// How buffers are shared: from an arena (the default, `auto`) or
     /// each exported on its own ([`Sharing::Isolated`]).
     pub sharing: Sharing,
+    /// Readers map every set and arena buffer read-only
+    /// ([`Access::ReadOnly`](crate::Access::ReadOnly)): the set record says
+    /// so, and a subscriber maps it so whatever it asked for (off by
+    /// default; see [`PublisherConfig::with_read_only_readers`]).
+    pub read_only_readers: bool,
 }
 
 impl PublisherConfig {
@@ -61,6 +66,59 @@ impl PublisherConfig {
         self.sharing = sharing;
         self
     }
+
+    /// Makes readers map what this publisher publishes read-only (`true`)
+    /// or as they ask (`false`, the default). Read-only readers are a
+    /// policy of sets and arena buffers, whose record carries it, from an
+    /// arena of vmm chunks (an `auto` arena then uses vmm): a reader's
+    /// kernel or copy that writes through its mapping fails, and the
+    /// publisher's bytes do not change. Not for [`Publisher::publish`] or
+    /// [`Publisher::ring`], which refuse while it is on. A guard against
+    /// mistakes, not malice: a reader holds the chunks' file descriptors and
+    /// could import them again read-write.
+    #[must_use]
+    pub fn with_read_only_readers(mut self, on: bool) -> Self {
+        self.read_only_readers = on;
+        self
+    }
+
+    /// Checks that the options go together (no driver needed; [`Publisher::bind`]
+    /// calls it first).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for read-only readers with
+    /// [`Sharing::Isolated`] (no set record to carry the policy) or with
+    /// an arena of legacy or pool chunks, which cannot be mapped read-only
+    /// (see [`Mechanism::check_access`]).
+    pub fn validate(&self) -> Result<()> {
+        if !self.read_only_readers {
+            return Ok(());
+        }
+        match &self.sharing {
+            Sharing::Isolated => Err(Error::arg(
+                "read-only readers",
+                "they are a policy of sets, which come from the publisher's arena, but this \
+                 publisher is configured isolated (no arena); configure Sharing::Arena with the \
+                 vmm mechanism, or leave read_only_readers off",
+            )),
+            Sharing::Arena {
+                mechanism: Some(m), ..
+            } => match m.why_not_read_only() {
+                None => Ok(()),
+                Some(why) => Err(Error::arg(
+                    "read-only readers",
+                    format!(
+                        "an arena of {m} chunks cannot be mapped read-only: {why}; use an arena \
+                         of vmm chunks (Sharing::arena(Mechanism::Vmm) or auto; `--mechanism \
+                         vmm` or auto)"
+                    ),
+                )),
+            },
+            Sharing::Arena {
+                mechanism: None, ..
+            } => Ok(()),
+        }
+    }
 }
 
 /// The meta of an entry: the descriptor (which carries the event handle)
@@ -84,6 +142,8 @@ pub struct Publisher {
     entries: Mutex<HashMap<String, PublishedBuffer>>,
     pub(super) fences: Option<Mutex<EntryFences>>,
     pub(super) arena: PublisherArena,
+    /// Readers map read-only ([`PublisherConfig::read_only_readers`]).
+    pub(super) read_only_readers: bool,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -97,11 +157,15 @@ impl std::fmt::Debug for Publisher {
 impl Publisher {
     /// Binds the socket (mode 0600, in a 0700 directory for names) and
     /// starts serving.
+    ///
+    /// # Errors
+    /// [`PublisherConfig::validate`]'s, before anything else.
     pub fn bind(
         device: &Device,
         endpoint: impl Into<Endpoint>,
         config: PublisherConfig,
     ) -> Result<Self> {
+        config.validate()?;
         let path = endpoint.into().path()?;
         let mut server_config = ServerConfig::new(path);
         for uid in config.allow_uids.iter().copied() {
@@ -126,7 +190,31 @@ impl Publisher {
             entries: Mutex::new(HashMap::new()),
             fences,
             arena: PublisherArena::new(config.sharing),
+            read_only_readers: config.read_only_readers,
         })
+    }
+
+    /// Whether readers map what this publisher publishes read-only
+    /// ([`PublisherConfig::with_read_only_readers`]).
+    pub fn read_only_readers(&self) -> bool {
+        self.read_only_readers
+    }
+
+    /// Refuses `what` (a way of publishing without a set record) while
+    /// readers must map read-only.
+    fn refuse_without_record(&self, what: &str) -> Result<()> {
+        if self.read_only_readers {
+            return Err(Error::arg(
+                "read-only readers",
+                format!(
+                    "this publisher's readers map read-only, a policy only sets carry; {what} \
+                     has no set record to carry it: publish from the arena \
+                     (Publisher::publish_buffer, Publisher::publish_set), or bind a publisher \
+                     without read_only_readers"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The socket path subscribers connect to.
@@ -142,6 +230,10 @@ impl Publisher {
     /// Publishes `buffer` under `name` as elements of `dtype` (with an
     /// optional shape). An event is recorded after the work queued so far on
     /// the buffer's stream; subscribers wait on it before they read.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a publisher with read-only readers
+    /// (see [`PublisherConfig::with_read_only_readers`]).
     #[tracing::instrument(level = "debug", skip(self, buffer, shape), fields(mechanism = %buffer.mechanism(), len = buffer.byte_len()))]
     pub fn publish(
         &self,
@@ -150,6 +242,7 @@ impl Publisher {
         dtype: Dtype,
         shape: Option<Vec<u64>>,
     ) -> Result<Arc<SharedBuffer>> {
+        self.refuse_without_record("Publisher::publish")?;
         let buffer = Arc::new(buffer);
         let export = buffer.export_region(0, buffer.byte_len() as u64, dtype, shape)?;
         self.event.record(buffer.stream())?;
@@ -273,6 +366,7 @@ impl Publisher {
         slot_bytes: usize,
         mechanism: Option<Mechanism>,
     ) -> Result<RingPublisher> {
+        self.refuse_without_record("a ring")?;
         let mut buffers = Vec::with_capacity(slots);
         let mut metas = Vec::with_capacity(slots);
         let fence = if self.fences.is_some() {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::arena::{Arena, DeviceArena, DeviceArenaBuffer, DeviceChunks, SetMember};
 use crate::channel::ChannelError;
-use crate::descriptor::Dtype;
+use crate::descriptor::{Dtype, Mechanism};
 use crate::error::{Error, Result};
 
 use super::lock;
@@ -34,10 +34,20 @@ impl Publisher {
                  Publisher::publish, or configure Sharing::Arena",
             ));
         };
-        let arena = Arena::new(
-            DeviceChunks::new(&self.device, *mechanism)?,
-            options.clone(),
-        )?;
+        // Readers that map read-only need vmm chunks: `auto` picks vmm then.
+        let chunks = match (mechanism, self.read_only_readers) {
+            (None, true) => DeviceChunks::new(&self.device, Some(Mechanism::Vmm)).map_err(|e| {
+                Error::Unsupported {
+                    what: "read-only readers",
+                    why: format!(
+                        "they need an arena of vmm chunks, and this device cannot make them \
+                         ({e}); bind without read_only_readers"
+                    ),
+                }
+            })?,
+            _ => DeviceChunks::new(&self.device, *mechanism)?,
+        };
+        let arena = Arena::new(chunks, options.clone())?;
         let _ = self.arena.arena.set(arena);
         self.arena
             .arena
@@ -80,12 +90,14 @@ impl Publisher {
     /// (see [`SyncMode`](super::SyncMode)) after the work queued on the
     /// members' streams, no driver export. What later updates need (the
     /// set's distinct chunks and their streams, its fence slot) is worked
-    /// out here, once.
+    /// out here, once. The record carries the publisher's
+    /// [read-only policy](super::PublisherConfig::with_read_only_readers).
     #[tracing::instrument(level = "debug", skip(self, members), fields(members = members.len()))]
     pub fn publish_set(&self, name: &str, members: &[SetMember<'_>]) -> Result<()> {
         let arena = self.arena()?;
         let mut record = arena.describe_set(name, members.iter().copied())?;
         record.event = Some(self.event_handle);
+        record.read_only = self.read_only_readers;
         let hold = SetHold::new(members.iter().map(|m| m.buffer.lease()).collect());
         let stream = self.record_after(hold.order())?;
         let fence = self.set_fence(&stream)?;

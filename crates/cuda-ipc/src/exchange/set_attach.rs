@@ -12,6 +12,7 @@ use crate::arena::ChunkId;
 use crate::buffer::{MappedBuffer, Mapping};
 use crate::channel::{self, ChannelError, Notice};
 use crate::error::{Error, Result};
+use crate::mechanism::Access;
 use crate::set::{SetEntry, SetRecord};
 use crate::share;
 
@@ -72,6 +73,12 @@ pub(super) fn read_record(client: &channel::Client, meta: &Value) -> Result<SetR
     SetRecord::from_json(&text)
 }
 
+/// How a set's chunks are mapped: `asked` (the subscriber's wish), made
+/// read-only when the publisher's record asks for read-only readers.
+pub(super) fn set_access(record: &SetRecord, asked: Access) -> Access {
+    asked.and(Access::read_only_if(record.read_only))
+}
+
 /// A set attached from a publisher: one lease for the whole set, every chunk
 /// mapped once, typed views of its buffers by name or index. The set and
 /// every view made from it hold the lease; [`Subscriber::release_set`] (or
@@ -79,6 +86,8 @@ pub(super) fn read_record(client: &channel::Client, meta: &Value) -> Result<SetR
 #[derive(Debug)]
 pub struct SetAttachment {
     record: SetRecord,
+    /// How every chunk of the set is mapped.
+    access: Access,
     lease: u64,
     guard: Arc<LeaseGuard>,
     waiter: Waiter,
@@ -101,6 +110,18 @@ impl SetAttachment {
     /// event).
     pub fn uses_fence(&self) -> bool {
         self.waiter.is_fence()
+    }
+
+    /// How the set's chunks are mapped: read-only when the subscriber asked
+    /// for it or the publisher's record does.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// Whether the set is mapped read-only: writing through any of its
+    /// views fails (each view says so too, [`MappedBuffer::read_only`]).
+    pub fn read_only(&self) -> bool {
+        self.access.is_read_only()
     }
 
     /// The set record the publisher sent.
@@ -183,15 +204,20 @@ impl SetAttachment {
 }
 
 impl Subscriber {
-    /// The mapping of chunk `id` of a set: from the cache, or mapped now
-    /// from the chunk's hidden entry (the only time its file descriptors
-    /// travel to this subscriber).
-    fn chunk_mapping(&self, record: &SetRecord, index: u64) -> Result<Arc<dyn Mapping>> {
+    /// The mapping of chunk `id` of a set with `access`: from the cache, or
+    /// mapped now from the chunk's hidden entry (the only time its file
+    /// descriptors travel to this subscriber for that access).
+    fn chunk_mapping(
+        &self,
+        record: &SetRecord,
+        index: u64,
+        access: Access,
+    ) -> Result<Arc<dyn Mapping>> {
         let id = ChunkId {
             arena: record.arena,
             index,
         };
-        if let Some(c) = lock(&self.chunks).get(&id) {
+        if let Some(c) = lock(&self.chunks).get(&(id, access)) {
             return Ok(c.mapping.clone());
         }
         let want = record.chunk(index).ok_or_else(|| {
@@ -208,7 +234,10 @@ impl Subscriber {
                 });
             }
             let len = d.alloc_size;
-            Ok((share::open_mapping(&self.device, &d, a.fds)?, len))
+            Ok((
+                share::open_mapping_with(&self.device, &d, a.fds, access)?,
+                len,
+            ))
         });
         let (mapping, len) = match opened {
             Ok(m) => m,
@@ -219,7 +248,7 @@ impl Subscriber {
         };
         self.count_open();
         let evicted = lock(&self.chunks).insert(
-            id,
+            (id, access),
             CachedChunk {
                 mapping: mapping.clone(),
                 lease: a.lease,
@@ -246,10 +275,11 @@ impl Subscriber {
         }
     }
 
-    /// Opens an attached set entry: its record, every chunk (mapped once),
-    /// the lease guard, the event or fence waited on (per the subscriber's
+    /// Opens an attached set entry: its record, every chunk (mapped once,
+    /// with `asked` or read-only where the record says so), the lease
+    /// guard, the event or fence waited on (per the subscriber's
     /// [`SyncMode`](super::SyncMode)).
-    fn open_set(&self, a: channel::Attachment) -> Result<SetAttachment> {
+    fn open_set(&self, a: channel::Attachment, asked: Access) -> Result<SetAttachment> {
         let channel::Attachment {
             lease,
             name,
@@ -260,15 +290,16 @@ impl Subscriber {
         let opened = (|| {
             let fence = sync::take_set_fence(&mut meta)?;
             let record = read_record(&self.client, &meta)?;
+            let access = set_access(&record, asked);
             let waiter = self.waiter(record.event, fence, &mut fds, "a published set")?;
             let mut mappings = HashMap::with_capacity(record.chunks.len());
             for c in &record.chunks {
-                mappings.insert(c.id, self.chunk_mapping(&record, c.id)?);
+                mappings.insert(c.id, self.chunk_mapping(&record, c.id, access)?);
             }
             self.wait_latest(&waiter, self.device.stream())?;
-            Ok((record, waiter, mappings))
+            Ok((record, access, waiter, mappings))
         })();
-        let (record, waiter, mappings) = match opened {
+        let (record, access, waiter, mappings) = match opened {
             Ok(o) => o,
             Err(e) => {
                 let _ = self.client.release(lease);
@@ -290,6 +321,7 @@ impl Subscriber {
             .collect();
         Ok(SetAttachment {
             record,
+            access,
             lease,
             guard,
             waiter,
@@ -301,9 +333,24 @@ impl Subscriber {
     /// Attaches the set published as `name`: one lease for the whole set,
     /// each of its chunks mapped once (reusing the chunks this subscriber
     /// has mapped already: then the hand-off is one message), and the
-    /// device stream made to wait on the set's event.
+    /// device stream made to wait on the set's event. The chunks are mapped
+    /// with the subscriber's [access](super::SubscriberConfig::access), or
+    /// read-only where the publisher asks for read-only readers.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn attach_set(&self, name: &str) -> Result<SetAttachment> {
+        self.attach_set_with(name, self.access)
+    }
+
+    /// As [`Subscriber::attach_set`], mapping with `access` instead of the
+    /// subscriber's own (still read-only where the publisher asks for it).
+    /// A read-only and a read-write attach of one set map its chunks
+    /// twice: the two mappings are cached apart, never one for the other.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a read-only attach of a set whose chunks
+    /// are legacy or pool memory (only VMM memory can be mapped read-only).
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn attach_set_with(&self, name: &str, access: Access) -> Result<SetAttachment> {
         let a = self.client.attach(name)?;
         if !is_set_meta(&a.meta) {
             let _ = self.client.release(a.lease);
@@ -314,7 +361,7 @@ impl Subscriber {
                 ),
             ));
         }
-        self.open_set(a)
+        self.open_set(a, access)
     }
 
     /// Opens an arena buffer published with [`Publisher::publish_buffer`]
@@ -323,7 +370,7 @@ impl Subscriber {
         &self,
         a: channel::Attachment,
     ) -> Result<Attachment<T>> {
-        let set = self.open_set(a)?;
+        let set = self.open_set(a, self.access)?;
         if set.len() != 1 {
             return Err(Error::arg(
                 "attach",

@@ -560,3 +560,41 @@ fn read_record_text(consumer: &Client, meta: &Value) -> String {
     }
     text
 }
+
+/// The publisher's read-only policy travels in the record, in one message
+/// and in parts, and makes the subscriber map read-only whatever it asked.
+#[test]
+fn the_read_only_policy_comes_back_with_the_record() {
+    use crate::exchange::set_attach::set_access;
+    use crate::mechanism::Access;
+    let (_dir, server, arena, mut book) = setup();
+    let buf = arena.alloc(4096).unwrap();
+    let consumer = client(&server);
+    for n in [2, 10_000] {
+        let mut record = set_record(n);
+        record.read_only = true;
+        let name = format!("ro{n}");
+        book.publish(
+            &server,
+            &arena,
+            &name,
+            record.to_value(),
+            vec![buf.lease()],
+            None,
+        )
+        .unwrap();
+        let a = consumer.attach(&name).unwrap();
+        assert_eq!(a.meta.get(PARTS_KEY).is_some(), n == 10_000, "{n}");
+        let back = read_record(&consumer, &a.meta).unwrap();
+        assert!(back.read_only, "{n}");
+        assert_eq!(back, record);
+        assert_eq!(set_access(&back, Access::ReadWrite), Access::ReadOnly);
+        assert_eq!(set_access(&back, Access::ReadOnly), Access::ReadOnly);
+        consumer.release(a.lease).unwrap();
+        book.unpublish(&server, &name).unwrap();
+    }
+    // Without the policy, the subscriber's wish decides.
+    let plain = set_record(2);
+    assert_eq!(set_access(&plain, Access::ReadWrite), Access::ReadWrite);
+    assert_eq!(set_access(&plain, Access::ReadOnly), Access::ReadOnly);
+}

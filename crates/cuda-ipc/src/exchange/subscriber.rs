@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::event::IpcEvent;
 use crate::fence::FenceMapping;
 use crate::handle::IpcEventHandle;
+use crate::mechanism::Access;
 use crate::memory::DeviceMemory;
 use crate::share;
 
@@ -48,6 +49,12 @@ pub struct SubscriberConfig {
     /// default, or `CUDA_IPC_SPIN_US` microseconds; `Duration::ZERO` sleeps
     /// at once).
     pub spin: Duration,
+    /// How this subscriber maps what it attaches ([`Access::ReadWrite`] by
+    /// default). [`Access::ReadOnly`] maps every buffer, set and ring slot
+    /// read-only (only VMM memory can be: legacy and pool memory are then
+    /// refused with [`Error::Unsupported`]); a set whose publisher asks for
+    /// read-only readers is mapped read-only whatever this says.
+    pub access: Access,
 }
 
 impl Default for SubscriberConfig {
@@ -58,6 +65,7 @@ impl Default for SubscriberConfig {
             sync: SyncMode::Auto,
             mapping_budget: MappingBudget::default(),
             spin: crate::channel::ClientConfig::default().spin,
+            access: Access::ReadWrite,
         }
     }
 }
@@ -84,6 +92,14 @@ impl SubscriberConfig {
         self
     }
 
+    /// How this subscriber maps what it attaches (see
+    /// [`SubscriberConfig::access`]).
+    #[must_use]
+    pub fn with_access(mut self, access: Access) -> Self {
+        self.access = access;
+        self
+    }
+
     /// How streams wait for the publisher's work (see [`SyncMode`]).
     #[must_use]
     pub fn with_sync(mut self, sync: SyncMode) -> Self {
@@ -101,9 +117,10 @@ impl SubscriberConfig {
     }
 }
 
-/// Cache key of a mapping: the exporter and its allocation's generation
-/// (never the address, which a freed allocation gives to the next one).
-type CacheKey = (u32, u64);
+/// Cache key of a mapping: the exporter, its allocation's generation (never
+/// the address, which a freed allocation gives to the next one) and the
+/// access (a read-only and a read-write mapping are never shared).
+type CacheKey = (u32, u64, Access);
 
 /// Connects to a [`Publisher`](super::Publisher) and maps what it publishes.
 pub struct Subscriber {
@@ -117,6 +134,8 @@ pub struct Subscriber {
     fences: Mutex<HashMap<u64, Arc<FenceMapping>>>,
     sync: SyncMode,
     timeout: Duration,
+    /// How attaches map, unless a set's publisher asks for read-only.
+    pub(super) access: Access,
     pub(super) pending: Arc<Pending>,
     opens: std::sync::atomic::AtomicU64,
 }
@@ -194,6 +213,12 @@ impl<T: Pod> Attachment<T> {
     pub fn uses_fence(&self) -> bool {
         self.waiter.is_fence()
     }
+    /// Whether the buffer is mapped read-only (the subscriber's
+    /// [`SubscriberConfig::access`], or an arena buffer whose publisher
+    /// asks for read-only readers): writing through it fails.
+    pub fn read_only(&self) -> bool {
+        self.buffer.read_only()
+    }
 }
 
 impl Subscriber {
@@ -217,6 +242,7 @@ impl Subscriber {
             fences: Mutex::new(HashMap::new()),
             sync: config.sync,
             timeout: config.timeout,
+            access: config.access,
             pending: Arc::new(Mutex::new(HashMap::new())),
             opens: std::sync::atomic::AtomicU64::new(0),
             chunks: Mutex::new(ChunkCache::new(config.mapping_budget)),
@@ -340,13 +366,15 @@ impl Subscriber {
         descriptor: &Descriptor,
         fds: Vec<std::os::fd::OwnedFd>,
     ) -> Result<Arc<dyn Mapping>> {
-        let key = descriptor.generation.map(|g| (descriptor.pid, g));
+        let key = descriptor
+            .generation
+            .map(|g| (descriptor.pid, g, self.access));
         if let Some(key) = key
             && let Some(m) = lock(&self.cache).get(&key).and_then(Weak::upgrade)
         {
             return Ok(m);
         }
-        let m = share::open_mapping(&self.device, descriptor, fds)?;
+        let m = share::open_mapping_with(&self.device, descriptor, fds, self.access)?;
         self.opens
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Some(key) = key {

@@ -176,7 +176,32 @@ pub(crate) unsafe fn unmap(ptr: u64, size: u64) -> Result<()> {
 /// # Safety
 /// The range must be mapped.
 pub(crate) unsafe fn set_access_rw(ptr: u64, size: u64, devices: &[i32]) -> Result<()> {
-    let descs: Vec<sys::CUmemAccessDesc> = devices.iter().map(|d| access_rw(*d)).collect();
+    // SAFETY: the caller's contract.
+    unsafe { set_access(ptr, size, devices, access_rw) }
+}
+
+/// `cuMemSetAccess`, read-only for each listed device
+/// (`CU_MEM_ACCESS_FLAGS_PROT_READ`): a kernel or copy that writes through
+/// the range then fails.
+///
+/// # Safety
+/// The range must be mapped.
+pub(crate) unsafe fn set_access_ro(ptr: u64, size: u64, devices: &[i32]) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { set_access(ptr, size, devices, access_ro) }
+}
+
+/// `cuMemSetAccess` with the descriptor `desc` makes for each device.
+///
+/// # Safety
+/// The range must be mapped.
+unsafe fn set_access(
+    ptr: u64,
+    size: u64,
+    devices: &[i32],
+    desc: fn(i32) -> sys::CUmemAccessDesc,
+) -> Result<()> {
+    let descs: Vec<sys::CUmemAccessDesc> = devices.iter().map(|d| desc(*d)).collect();
     // SAFETY: `descs` lives for the call; the caller's contract for the range.
     check("cuMemSetAccess", unsafe {
         sys::cuMemSetAccess(ptr, size as usize, descs.as_ptr(), descs.len())
@@ -185,11 +210,47 @@ pub(crate) unsafe fn set_access_rw(ptr: u64, size: u64, devices: &[i32]) -> Resu
 
 /// A read-write access descriptor for `device`.
 pub(crate) fn access_rw(device: i32) -> sys::CUmemAccessDesc {
+    access_desc(
+        device,
+        sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    )
+}
+
+/// A read-only access descriptor for `device`.
+pub(crate) fn access_ro(device: i32) -> sys::CUmemAccessDesc {
+    access_desc(
+        device,
+        sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+    )
+}
+
+fn access_desc(device: i32, flags: sys::CUmemAccess_flags) -> sys::CUmemAccessDesc {
     sys::CUmemAccessDesc {
         location: sys::CUmemLocation {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
             id: device,
         },
-        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        flags,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_descriptors_carry_the_flag_asked_for() {
+        let ro = access_ro(3);
+        assert_eq!(
+            ro.flags,
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ
+        );
+        assert_eq!(ro.location.id, 3);
+        let rw = access_rw(1);
+        assert_eq!(
+            rw.flags,
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        );
+        assert_eq!(rw.location.id, 1);
     }
 }

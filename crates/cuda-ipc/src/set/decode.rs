@@ -15,6 +15,7 @@ pub(super) const FIELDS: &[&str] = &[
     "chunks",
     "entries",
     "event",
+    "read_only",
 ];
 pub(super) const CHUNK_FIELDS: &[&str] = &["id", "descriptor"];
 pub(super) const ENTRY_FIELDS: [&str; 6] = ["name", "dtype", "shape", "chunk", "offset", "len"];

@@ -41,12 +41,21 @@
 //! recorded after the producer's writes; chunk descriptors carry none of
 //! their own.
 //!
+//! The optional `read_only` (a boolean, `false` when absent) is the
+//! publisher's policy that readers map the set's chunks read-only
+//! ([`Access::ReadOnly`](crate::Access)); a subscriber then maps them so
+//! whatever it asked for. It is written only when true, so records of
+//! publishers that do not ask for it read unchanged by older builds, and an
+//! older build refuses a record that asks for it (an unknown field) rather
+//! than map it read-write.
+//!
 //! Decoding is strict: unknown fields and versions, wrong types, duplicate
 //! chunks or names, entries that overlap, pass the end of their chunk, are
 //! misaligned for their element type or whose length disagrees with their
-//! shape, chunks of different devices, processes or mechanisms, and chunks
-//! no entry uses are all errors ([`Error::Descriptor`]) that name the field
-//! (`entries[17].offset`).
+//! shape, chunks of different devices, processes or mechanisms, chunks no
+//! entry uses, and `read_only` on chunks whose mechanism cannot be mapped
+//! read-only (legacy, pool) are all errors ([`Error::Descriptor`]) that name
+//! the field (`entries[17].offset`).
 //!
 //! A consumer that maps a chunk can read every buffer in it, whether the
 //! set names it or not: see the security note of [`arena`](crate::arena).
@@ -173,6 +182,9 @@ pub struct SetRecord {
     pub entries: Vec<SetEntry>,
     /// An interprocess event recorded after the producer's writes, if any.
     pub event: Option<IpcEventHandle>,
+    /// Whether readers must map the set's chunks read-only (the
+    /// publisher's policy; `read_only` in JSON, written only when true).
+    pub read_only: bool,
 }
 
 impl SetChunk {
@@ -219,6 +231,7 @@ impl SetRecord {
             chunks,
             entries,
             event: None,
+            read_only: false,
         };
         r.validate()?;
         Ok(r)
@@ -319,6 +332,7 @@ impl SetRecord {
             chunks,
             entries,
             event: f.opt_parsed("event")?,
+            read_only: f.bool("read_only", false)?,
         };
         r.validate()?;
         Ok(r)
@@ -332,6 +346,13 @@ impl SetRecord {
             return Err(field_err("arena", "must not be zero"));
         }
         let chunks = self.validate_chunks()?;
+        if self.read_only {
+            // Every chunk has chunks[0]'s mechanism (checked above).
+            let mechanism = self.chunks[0].descriptor.mechanism();
+            mechanism
+                .check_access(crate::mechanism::Access::ReadOnly)
+                .map_err(|e| field_err("read_only", e.to_string()))?;
+        }
         self.validate_entries(&chunks)
     }
 
@@ -629,6 +650,9 @@ impl SetRecord {
         m.insert("entries".into(), entries);
         if let Some(e) = self.event {
             m.insert("event".into(), e.to_hex().into());
+        }
+        if self.read_only {
+            m.insert("read_only".into(), true.into());
         }
         Value::Object(m)
     }

@@ -108,6 +108,18 @@ impl Peer {
         serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad message {line:?}: {e}"))
     }
 
+    /// The child's next message within `timeout`, or `None` when the child
+    /// exited (or closed its standard output) first or the time passed.
+    pub fn try_recv_within(&self, timeout: Duration) -> Option<Value> {
+        let line = self.rx.recv_timeout(timeout).ok()?;
+        Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad message {line:?}: {e}")))
+    }
+
+    /// Whether the child has exited, and its exit status if so.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// Closes the child's stdin and waits for it; returns whether it succeeded.
     pub fn finish(mut self) -> bool {
         drop(self.stdin.take());

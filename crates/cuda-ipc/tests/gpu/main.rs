@@ -17,6 +17,7 @@ mod legacy;
 mod lifetimes;
 mod mechanisms;
 mod peer;
+mod read_only;
 mod set_fences;
 
 /// The full name of test `name` in module `module` (for `--exact`).

@@ -495,3 +495,97 @@ fn ten_thousand_entries() {
     let e = SetRecord::from_value(&v).map(drop).unwrap_err();
     assert!(e.to_string().contains("entries[9999].offset"), "{e}");
 }
+
+// ---------------------------------------------------------------------------
+// The publisher's read-only policy
+
+/// `sample()` with its chunks' memory named by `source(n)` instead.
+fn sample_of(source: impl Fn(u8) -> Source) -> SetRecord {
+    let mut r = sample();
+    for (n, c) in r.chunks.iter_mut().enumerate() {
+        c.descriptor.source = source(n as u8 + 1);
+    }
+    r
+}
+
+#[test]
+fn read_only_is_written_only_when_asked_for_and_read_back() {
+    use cuda_ipc::handle::{FabricHandle, IpcMemHandle, PoolPtrHandle};
+    let plain = sample();
+    assert!(!plain.read_only);
+    // Not asked for: not written, so older readers read the record as before.
+    assert!(
+        !plain.to_json().contains("read_only"),
+        "{}",
+        plain.to_json()
+    );
+    assert!(plain.to_expanded_value().get("read_only").is_none());
+    let mut r = sample();
+    r.read_only = true;
+    r.validate().unwrap();
+    let text = r.to_json();
+    assert!(text.contains(r#""read_only":true"#), "{text}");
+    let back = SetRecord::from_json(&text).unwrap();
+    assert!(back.read_only);
+    assert_eq!(back, r);
+    assert_eq!(back.to_json(), text);
+    assert_eq!(SetRecord::from_value(&r.to_expanded_value()).unwrap(), r);
+    // An old record (no field), an explicit false and null all read as false.
+    for value in [None, Some(json!(false)), Some(Value::Null)] {
+        let mut v = plain.to_value();
+        if let Some(x) = value.clone() {
+            v["read_only"] = x;
+        }
+        let got = SetRecord::from_value(&v).unwrap();
+        assert!(!got.read_only, "{value:?}");
+        assert_eq!(got, plain);
+    }
+    // Fabric memory is VMM memory: it can be mapped read-only too.
+    let mut fabric = sample_of(|n| Source::Fabric {
+        handle: FabricHandle::new([n; 64]),
+    });
+    fabric.read_only = true;
+    fabric.validate().unwrap();
+    assert_eq!(SetRecord::from_json(&fabric.to_json()).unwrap(), fabric);
+    // Legacy and pool memory cannot be: such a record is refused, naming the field.
+    for (mechanism, source) in [
+        (
+            "legacy",
+            Box::new(|n| Source::Legacy {
+                handle: IpcMemHandle::new([n; 64]),
+            }) as Box<dyn Fn(u8) -> Source>,
+        ),
+        (
+            "pool",
+            Box::new(|n| Source::Pool {
+                fd: i32::from(n) + 20,
+                ptr: PoolPtrHandle::new([n; 64]),
+            }),
+        ),
+    ] {
+        let mut r = sample_of(source);
+        r.validate().unwrap();
+        let mut v = r.to_value();
+        v["read_only"] = json!(true);
+        let e = SetRecord::from_value(&v).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(&e, cuda_ipc::Error::Descriptor { field, .. } if field == "read_only"),
+            "{text}"
+        );
+        assert!(text.contains(mechanism) && text.contains("vmm"), "{text}");
+        r.read_only = true;
+        assert!(r.validate().is_err(), "{mechanism}");
+    }
+}
+
+#[test]
+fn a_read_only_that_is_not_a_boolean_is_refused() {
+    for bad in [json!(1), json!("true"), json!([true]), json!({})] {
+        refused(
+            |v| v["read_only"] = bad.clone(),
+            "read_only",
+            "expected true or false",
+        );
+    }
+}

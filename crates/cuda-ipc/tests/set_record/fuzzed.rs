@@ -27,6 +27,36 @@ fn every_table_corpus_file_passes_the_fuzz_checks() {
     });
 }
 
+/// The seeds of the read-only policy say what their names say: the valid
+/// ones decode with `read_only` set, the others are refused naming it.
+#[test]
+fn the_read_only_seeds_decode_as_named() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/set_record");
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+    for name in [
+        "seed-valid-read-only",
+        "seed-valid-v2-read-only",
+        "seed-valid-v2-fabric-read-only",
+    ] {
+        assert!(
+            SetRecord::from_json(&read(name)).unwrap().read_only,
+            "{name}"
+        );
+    }
+    for name in [
+        "seed-read-only-legacy",
+        "seed-read-only-pool",
+        "seed-read-only-not-bool",
+    ] {
+        match SetRecord::from_json(&read(name)) {
+            Err(cuda_ipc::Error::Descriptor { field, .. }) => {
+                assert_eq!(field, "read_only", "{name}");
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Properties
 
@@ -34,7 +64,8 @@ fn dtype() -> impl Strategy<Value = Dtype> {
     prop::sample::select(Dtype::ALL.to_vec())
 }
 
-/// Valid records: 1-4 chunks, entries placed one after another with gaps.
+/// Valid records: 1-4 chunks, entries placed one after another with gaps,
+/// with or without an event and the read-only policy.
 fn record() -> impl Strategy<Value = SetRecord> {
     (
         1usize..4,
@@ -49,8 +80,9 @@ fn record() -> impl Strategy<Value = SetRecord> {
         ),
         any::<u64>(),
         prop::option::of(any::<[u8; 64]>()),
+        any::<bool>(),
     )
-        .prop_map(|(n, items, arena, event)| {
+        .prop_map(|(n, items, arena, event, read_only)| {
             let n = n.min(items.len());
             let chunks: Vec<_> = (0..n)
                 .map(|c| chunk(c as u64 * 2 + 1, 20 + c as i32, MIB))
@@ -68,6 +100,8 @@ fn record() -> impl Strategy<Value = SetRecord> {
             let mut r = SetRecord::new(format!("set{n}"), ArenaId(arena.max(1)), chunks, entries)
                 .expect("generated records are valid");
             r.event = event.map(|b| cuda_ipc::handle::IpcEventHandle::from_bytes(&b).unwrap());
+            // The chunks are vmm memory, which may be mapped read-only.
+            r.read_only = read_only;
             r
         })
 }
@@ -138,7 +172,7 @@ proptest! {
     fn record_field_mutations_decode_or_fail_cleanly(
         r in record(),
         path in prop::sample::select(vec![
-            "cuda_ipc_set", "name", "arena", "event", "chunks", "entries", "unknown",
+            "cuda_ipc_set", "name", "arena", "event", "chunks", "entries", "read_only", "unknown",
             "c.id", "c.descriptor", "c.extra", "d.fd", "d.len", "d.alloc_size", "d.offset", "d.mechanism",
             "d.pid", "d.generation", "d.dtype", "d.shape", "d.event", "d.handle",
         ]),
