@@ -579,7 +579,7 @@ fn the_read_only_policy_comes_back_with_the_record() {
             &arena,
             &name,
             record.to_value(),
-            vec![buf.lease()],
+            hold(vec![buf.lease()]),
             None,
         )
         .unwrap();
