@@ -360,7 +360,7 @@ step_load() {
     return
   fi
   local cfg streams staging
-  for cfg in ${LOAD_CONFIGS:-4:64MiB 4:16MiB 2:8MiB 4:8MiB 8:8MiB 4:4MiB 8:4MiB 16:4MiB 8:2MiB 4:8MiB}; do
+  for cfg in ${LOAD_CONFIGS:-4:64MiB 4:8MiB 4:2MiB 8:4MiB 16:2MiB 8:1MiB 8:2MiB}; do
     streams=${cfg%%:*} staging=${cfg#*:}
     check "load: serve --checkpoint, $streams streams, $staging staging" 0 \
       "$cli" serve --socket "$sock" --checkpoint "$dir" --name model --streams "$streams" --staging "$staging" </dev/null

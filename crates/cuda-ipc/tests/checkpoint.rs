@@ -334,7 +334,10 @@ fn tensor_bytes_are_not_read_when_the_checkpoint_opens() {
     assert!(started.elapsed().as_secs_f64() < 2.0);
     assert_eq!(ckpt.payload_bytes(), 1 << 30);
     let plan = ckpt.plan(&PlanOptions::default()).unwrap();
-    assert_eq!(plan.pieces().len(), (1 << 30) / (8 << 20)); // 8 MiB pieces by default
+    assert_eq!(
+        plan.pieces().len() as u64,
+        (1 << 30) / PlanOptions::default().piece_size
+    );
 }
 
 // ---------------------------------------------------------------------------

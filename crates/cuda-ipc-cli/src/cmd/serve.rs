@@ -52,11 +52,11 @@ pub struct ServeArgs {
     #[arg(long, default_value = "model")]
     pub name: String,
     /// Streams the --checkpoint copies run on (1 to 1024).
-    #[arg(long, default_value_t = 4, value_parser = super::parse_count, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 8, value_parser = super::parse_count, allow_negative_numbers = true)]
     pub streams: usize,
     /// The size of each page-locked staging buffer of a --checkpoint load
     /// (two per stream; the largest single copy).
-    #[arg(long, default_value = "8MiB", value_parser = super::parse_size, allow_negative_numbers = true)]
+    #[arg(long, default_value = "2MiB", value_parser = super::parse_size, allow_negative_numbers = true)]
     pub staging: u64,
     /// How to share: auto, legacy, vmm, pool or fabric.
     #[arg(long, value_parser = super::parse_mechanism, default_value = "auto")]
