@@ -24,10 +24,12 @@
 //! `cuMemSetAccess` then grants `CU_MEM_ACCESS_FLAGS_PROT_READ` only, so a
 //! kernel or copy that writes through the mapping is an invalid access and
 //! the exporter's bytes do not change. How the failure shows is the
-//! driver's: most likely `CUDA_ERROR_ILLEGAL_ADDRESS` at a later
-//! synchronisation, which leaves the importer's context unusable (not yet
-//! seen on a GPU by this crate's tests: `tests/gpu/read_only.rs` has not
-//! run). [`Mapping::read_only`] tells every view. This guards against
+//! driver's; on an H200 with driver 580 (`tests/gpu/read_only.rs`) a
+//! host-to-device copy into it is refused by the call
+//! (`CUDA_ERROR_INVALID_VALUE`, the context still usable) and a kernel that
+//! writes through it faults (`CUDA_ERROR_ILLEGAL_ADDRESS` at the next
+//! synchronisation, the importer's context lost).
+//! [`Mapping::read_only`] tells every view. This guards against
 //! mistakes, not malice: whoever holds the file descriptor can import it
 //! again read-write.
 #![allow(unsafe_code)]
