@@ -103,6 +103,7 @@ impl fmt::Debug for ArenaId {
 }
 
 mod decode;
+pub mod names;
 pub mod table;
 mod weights;
 
@@ -214,6 +215,13 @@ impl SetEntry {
             offset,
             len,
         }
+    }
+
+    /// What the entry stands for: an ordinary tensor, a tensor tied to an
+    /// earlier entry, or an empty tensor ([`names`]).
+    #[must_use]
+    pub fn role(&self) -> names::EntryRole<'_> {
+        names::EntryRole::of(&self.name)
     }
 }
 
