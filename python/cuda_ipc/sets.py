@@ -77,13 +77,14 @@ __all__ = [
 ]
 
 # Entry names under this prefix carry what a set entry cannot hold as it
-# is; state dict keys may not start with it.
-RESERVED_PREFIX = ".cuda-ipc/"
-EMPTY_PREFIX = RESERVED_PREFIX + "empty/"
-ALIAS_PREFIX = RESERVED_PREFIX + "alias/"
+# is (tied and empty tensors); state dict keys may not start with it. The
+# names are made and read by the library (cuda_ipc::set::names) only.
+RESERVED_PREFIX = _core.RESERVED_PREFIX
+EMPTY_PREFIX = _core.EMPTY_PREFIX
+ALIAS_PREFIX = _core.ALIAS_PREFIX
 
 # The longest entry name a set record takes (cuda_ipc::set::MAX_SET_NAME_LEN).
-MAX_NAME_BYTES = 256
+MAX_NAME_BYTES = _core.MAX_SET_NAME_LEN
 
 
 def parse_set_record(record):
@@ -118,45 +119,32 @@ def set_dtype(dtype, what="tensor"):
 def empty_entry_name(key, shape):
     """The entry name that carries the empty tensor ``key`` of ``shape``."""
     dims = [int(d) for d in shape]
-    if 0 not in dims:
+    name = _core.empty_entry_name(key, dims) if all(d >= 0 for d in dims) else None
+    if name is None:
         raise InvalidInput(f"{key!r}: shape {dims} is not empty")
-    return f"{EMPTY_PREFIX}{'x'.join(str(d) for d in dims)}/{key}"
+    return name
 
 
 def parse_empty_entry_name(name):
     """``(key, shape)`` for an entry made by :func:`empty_entry_name`, else
     ``None``."""
-    if not name.startswith(EMPTY_PREFIX):
-        return None
-    dims, sep, key = name[len(EMPTY_PREFIX):].partition("/")
-    if not sep or not key:
-        return None
-    try:
-        shape = tuple(int(d) for d in dims.split("x"))
-    except ValueError:
-        return None
-    if any(d < 0 for d in shape) or 0 not in shape:
-        return None
-    return key, shape
+    role = _core.entry_role(name)
+    return (role[1], role[2]) if role[0] == "empty" else None
 
 
 def alias_entry_name(index, key):
     """The entry name that says ``key`` is the same tensor as entry
     ``index`` of the set."""
-    if not isinstance(index, int) or index < 0:
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
         raise InvalidInput(f"{key!r}: an alias names an entry by its index, not {index!r}")
-    return f"{ALIAS_PREFIX}{index}/{key}"
+    return _core.alias_entry_name(index, key)
 
 
 def parse_alias_entry_name(name):
     """``(index, key)`` for an entry made by :func:`alias_entry_name`, else
     ``None``."""
-    if not name.startswith(ALIAS_PREFIX):
-        return None
-    index, sep, key = name[len(ALIAS_PREFIX):].partition("/")
-    if not sep or not key or not index.isdigit():
-        return None
-    return int(index), key
+    role = _core.entry_role(name)
+    return (role[1], role[2]) if role[0] == "alias" else None
 
 
 def _raw_name(name, raw):

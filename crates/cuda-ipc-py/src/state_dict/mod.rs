@@ -34,9 +34,7 @@ use crate::peers::{PyPublisher, sync_context};
 use crate::sets::{ArenaBuffer, SetAttachment, alloc_registered};
 use crate::torch_c::{TensorMeta, TorchExchange, as_bytes, contiguous_strides};
 
-use names::{
-    ALIAS, RESERVED, check_entry_name, empty_name, invalid, parse_alias, parse_empty, repr,
-};
+use names::{EntryRole, RESERVED, alias_entry_name, check_entry_name, empty_name, invalid, repr};
 
 /// Arena buffers are placed at multiples of this.
 const ALIGN: u64 = 256;
@@ -331,7 +329,7 @@ fn plan_items<'py>(
             starting_here.push(plan.len());
             key.clone()
         } else {
-            empty_name(&key, &meta.shape)
+            empty_name(&key, &meta.shape).py()?
         };
         check_entry_name(&key, &entry).py()?;
         // A tensor inside a buffer of this publisher's arena is published
@@ -429,7 +427,7 @@ fn place<'py>(
     }
     for slot in slots {
         if let Slot::Alias(i, key) = slot {
-            let entry = format!("{ALIAS}{i}/{key}");
+            let entry = alias_entry_name(*i, key);
             check_entry_name(key, &entry).py()?;
             let b = alloc_registered(p, py, 1)?;
             out.members.push((entry, b, Dtype::U8, vec![1], 0));
@@ -555,12 +553,8 @@ fn attach_state_dict_c(
             ))
             .py();
         }
-        let special = e
-            .name
-            .starts_with(RESERVED)
-            .then(|| (parse_alias(&e.name), parse_empty(&e.name)));
-        let (key, value) = match special {
-            Some((Some((index, key)), _)) => {
+        let (key, value) = match EntryRole::of(&e.name) {
+            EntryRole::Alias { index, key } => {
                 let Some(first) = keys.get(index) else {
                     return Err(invalid(
                         "set entry",
@@ -578,11 +572,11 @@ fn attach_state_dict_c(
                     .py()?;
                 (PyString::new(py, key), v)
             }
-            Some((None, Some((key, shape)))) => (
+            EntryRole::Empty { key, shape } => (
                 PyString::new(py, key),
                 empty.call1((PyTuple::new(py, shape)?, &target))?,
             ),
-            _ => {
+            EntryRole::Tensor { .. } => {
                 let count = e.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
                 let fits = count
                     .and_then(|c| c.checked_mul(e.dtype.size()))
@@ -642,5 +636,5 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StateDictRecord>()?;
     m.add_function(wrap_pyfunction!(publish_state_dict_c, m)?)?;
     m.add_function(wrap_pyfunction!(attach_state_dict_c, m)?)?;
-    Ok(())
+    names::register(m)
 }
