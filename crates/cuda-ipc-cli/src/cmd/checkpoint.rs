@@ -8,6 +8,8 @@ use std::time::Instant;
 use cuda_ipc::checkpoint::{Checkpoint, Plan, PlanOptions};
 use cuda_ipc::exchange::{Endpoint, Publisher, Subscriber};
 use cuda_ipc::loader::{LoadedCheckpoint, load_checkpoint};
+use cuda_ipc::set::SetEntry;
+use cuda_ipc::set::names::EntryRole;
 use cuda_ipc::units::shorten;
 use cuda_ipc::{Device, DeviceMemory, Error};
 use serde_json::json;
@@ -179,29 +181,56 @@ fn compare(
     set: &cuda_ipc::exchange::SetAttachment,
     ckpt: &Checkpoint,
 ) -> Result<Option<String>, Error> {
-    if set.len() != ckpt.tensors().len() {
+    compare_entries(set.entries(), |j| set.view::<u8>(j)?.to_vec(), ckpt)
+}
+
+/// The first difference between the set of `entries`, whose bytes
+/// `bytes(index)` reads, and the checkpoint, if any.
+fn compare_entries(
+    entries: &[SetEntry],
+    bytes: impl Fn(usize) -> Result<Vec<u8>, Error>,
+    ckpt: &Checkpoint,
+) -> Result<Option<String>, Error> {
+    if entries.len() != ckpt.tensors().len() {
         return Ok(Some(format!(
             "{} tensors, the checkpoint has {}",
-            set.len(),
+            entries.len(),
             ckpt.tensors().len()
         )));
     }
-    for (i, entry) in set.entries().iter().enumerate() {
-        let name = shorten(&entry.name, 80);
-        let Some(t) = ckpt.tensor(&entry.name) else {
+    for (i, entry) in entries.iter().enumerate() {
+        // A tied or empty tensor travels under a reserved name
+        // (`cuda_ipc::set::names`): its key, and where its bytes are.
+        let role = entry.role();
+        let name = shorten(role.key(), 80);
+        let Some(t) = ckpt.tensor(role.key()) else {
             return Ok(Some(format!("{name} is not in the checkpoint")));
         };
-        if t.dtype != entry.dtype || t.shape != entry.shape {
+        let (source, dtype, shape) = match role {
+            EntryRole::Tensor { .. } => (Some(i), entry.dtype, entry.shape.clone()),
+            EntryRole::Alias { index, .. } => {
+                let tied = entries
+                    .get(index)
+                    .filter(|e| index < i && matches!(e.role(), EntryRole::Tensor { .. }));
+                let Some(tied) = tied else {
+                    return Ok(Some(format!(
+                        "{name} is tied to entry {index}, which is not an ordinary entry before it"
+                    )));
+                };
+                (Some(index), tied.dtype, tied.shape.clone())
+            }
+            EntryRole::Empty { shape, .. } => (None, entry.dtype, shape),
+        };
+        if t.dtype != dtype || t.shape != shape {
             return Ok(Some(format!(
-                "{name} is {} {:?}, the checkpoint's is {} {:?}",
-                entry.dtype, entry.shape, t.dtype, t.shape
+                "{name} is {dtype} {shape:?}, the checkpoint's is {} {:?}",
+                t.dtype, t.shape
             )));
         }
         let want = ckpt.bytes(t)?;
-        let got: Vec<u8> = if want.is_empty() {
-            Vec::new()
-        } else {
-            set.view::<u8>(i)?.to_vec()?
+        let got: Vec<u8> = match source {
+            Some(j) if !want.is_empty() => bytes(j)?,
+            _ => Vec::new(),
         };
         if let Some(at) = got.iter().zip(want).position(|(a, b)| a != b) {
             return Ok(Some(format!(
@@ -218,4 +247,102 @@ fn compare(
         }
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use cuda_ipc::descriptor::Dtype;
+    use cuda_ipc::set::SetEntry;
+    use cuda_ipc::set::names::{alias_entry_name, empty_entry_name};
+
+    use super::{Checkpoint, compare_entries};
+
+    /// A safetensors file of `w` (f32 [2, 2]: bytes 0..16) and `e` (an
+    /// empty f32 [0, 3]), written by hand.
+    fn checkpoint(dir: &std::path::Path) -> Checkpoint {
+        let header = serde_json::json!({
+            "w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+            "e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [16, 16]},
+        })
+        .to_string();
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend(0u8..16);
+        let path = dir.join("model.safetensors");
+        std::fs::write(&path, bytes).unwrap();
+        Checkpoint::open(&path).unwrap()
+    }
+
+    fn entry(name: String, dtype: Dtype, shape: Vec<u64>, len: u64) -> SetEntry {
+        SetEntry::new(name, dtype, shape, 1, 0, len)
+    }
+
+    #[test]
+    fn tied_and_empty_entries_are_read_as_their_tensors() {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = checkpoint(dir.path());
+        let good: Vec<u8> = (0u8..16).collect();
+        let entries = vec![
+            entry("w".into(), Dtype::F32, vec![2, 2], 16),
+            entry(
+                empty_entry_name("e", &[0, 3]).unwrap(),
+                Dtype::F32,
+                vec![1],
+                4,
+            ),
+        ];
+        let read = |j: usize| -> Result<Vec<u8>, cuda_ipc::Error> {
+            assert_eq!(j, 0, "only the ordinary entry has bytes to read");
+            Ok(good.clone())
+        };
+        assert_eq!(compare_entries(&entries, read, &ckpt).unwrap(), None);
+
+        // A byte that differs is named.
+        let mut bad = good.clone();
+        bad[5] ^= 1;
+        let why = compare_entries(&entries, |_| Ok(bad.clone()), &ckpt)
+            .unwrap()
+            .unwrap();
+        assert!(why.contains("byte 5 of \"w\""), "{why}");
+
+        // The empty tensor's shape is the one its name carries.
+        let wrong = vec![
+            entries[0].clone(),
+            entry(
+                empty_entry_name("e", &[0, 4]).unwrap(),
+                Dtype::F32,
+                vec![1],
+                4,
+            ),
+        ];
+        let why = compare_entries(&wrong, |_| Ok(good.clone()), &ckpt)
+            .unwrap()
+            .unwrap();
+        assert!(why.contains("\"e\" is f32 [0, 4]"), "{why}");
+    }
+
+    #[test]
+    fn a_tied_entry_reads_the_bytes_of_the_entry_it_names() {
+        let dir = tempfile::tempdir().unwrap();
+        // The checkpoint has w and e; a set that ties e to w is compared
+        // as w's dtype, shape and bytes, which e's are not.
+        let ckpt = checkpoint(dir.path());
+        let entries = vec![
+            entry("w".into(), Dtype::F32, vec![2, 2], 16),
+            entry(alias_entry_name(0, "e"), Dtype::U8, vec![1], 1),
+        ];
+        let read = |_: usize| -> Result<Vec<u8>, cuda_ipc::Error> { Ok((0u8..16).collect()) };
+        let why = compare_entries(&entries, read, &ckpt).unwrap().unwrap();
+        assert!(
+            why.contains("\"e\" is f32 [2, 2], the checkpoint's is f32 [0, 3]"),
+            "{why}"
+        );
+        // An alias of an entry after it, or of itself, is refused.
+        let entries = vec![
+            entry(alias_entry_name(1, "w"), Dtype::U8, vec![1], 1),
+            entry("e".into(), Dtype::F32, vec![0, 3], 0),
+        ];
+        let why = compare_entries(&entries, read, &ckpt).unwrap().unwrap();
+        assert!(why.contains("\"w\" is tied to entry 1"), "{why}");
+    }
 }
