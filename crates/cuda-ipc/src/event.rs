@@ -17,7 +17,7 @@ use cudarc::driver::{CudaStream, sys};
 use crate::device::Device;
 use crate::error::Result;
 use crate::handle::IpcEventHandle;
-use crate::result::{event, ipc, stream};
+use crate::driver::result::{event, ipc, stream};
 
 /// How long [`IpcEvent::wait_on`] polls an event that has not completed
 /// before it queues a wait on the device: long enough for a short kernel

@@ -45,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::event::IpcEvent;
 use crate::handle::IpcMemHandle;
 use crate::memory::DeviceMemory;
-use crate::result::{event, ipc, mem, stream, vmm};
+use crate::driver::result::{event, ipc, mem, stream, vmm};
 use crate::vmm::VmmBuffer;
 
 /// Waits for the most recent record of `event` before the next work on

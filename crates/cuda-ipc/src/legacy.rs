@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::handle::IpcMemHandle;
 use crate::mechanism::Mechanism;
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
-use crate::result::{ipc, mem};
+use crate::driver::result::{ipc, mem};
 use crate::units::{MIB, round_up};
 
 /// Our allocations are rounded up to this, NVIDIA's advice for IPC.

@@ -67,7 +67,6 @@ mod mechanism;
 pub mod memory;
 pub mod pool;
 pub mod reaper;
-mod result;
 pub mod set;
 pub mod share;
 pub mod torch;

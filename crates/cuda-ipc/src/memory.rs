@@ -17,7 +17,7 @@ use cudarc::driver::{CudaEvent, CudaStream};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::result::{mem, stream as rstream};
+use crate::driver::result::{mem, stream as rstream};
 
 /// Device memory this process can use: owned, exported or mapped.
 ///

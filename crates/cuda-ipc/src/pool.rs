@@ -30,7 +30,7 @@ use crate::error::{Error, Result};
 use crate::handle::PoolPtrHandle;
 use crate::mechanism::Mechanism;
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
-use crate::result::{mem, pool, stream as rstream};
+use crate::driver::result::{mem, pool, stream as rstream};
 
 /// The largest pool allocation [`SharedPool::alloc`] makes for sharing.
 ///

@@ -47,7 +47,7 @@ use crate::error::{Error, Result};
 use crate::handle::FabricHandle;
 use crate::mechanism::{Access, Mechanism};
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
-use crate::result::vmm::{self, HandleType};
+use crate::driver::result::vmm::{self, HandleType};
 use crate::units::round_up;
 
 /// The handle types a VMM allocation can be exported as.
@@ -246,7 +246,7 @@ pub(crate) fn export_existing(device: &Device, ptr: u64) -> Result<(OwnedFd, u64
             "the memory at {ptr:#x} is neither from cuMemAlloc, nor from a memory pool, nor a VMM allocation ({e})"
         ),
     })?;
-    let range = crate::result::mem::address_range(ptr);
+    let range = crate::driver::result::mem::address_range(ptr);
     let fd = vmm::export_fd(handle);
     // SAFETY: retained above, released once; the mapping keeps the memory.
     let _ = unsafe { vmm::release(handle) };

@@ -13,7 +13,7 @@ use super::{ABANDONED, WORD, check_seq, check_support, check_word};
 use crate::buffer::{Mapping, UsedStreams};
 use crate::device::Device;
 use crate::error::{Error, Result, from_cudarc};
-use crate::result::{mem, stream as rstream, stream_mem as raw};
+use crate::driver::result::{mem, stream as rstream, stream_mem as raw};
 
 /// The consumer's side: a [`Fence`](super::Fence) block of another process, mapped.
 #[derive(Debug)]

@@ -90,7 +90,7 @@
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::result::device as dev;
+use crate::driver::result::device as dev;
 
 mod consumer;
 mod host;

@@ -14,7 +14,7 @@ use crate::descriptor::{Dtype, Mechanism};
 use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result};
 use crate::memory::DeviceMemory;
-use crate::result::{mem, stream as rstream, stream_mem as raw};
+use crate::driver::result::{mem, stream as rstream, stream_mem as raw};
 use crate::share::SharedBuffer;
 
 /// Where a block's words are.
