@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, sys};
 
-use crate::error::{DriverVersion, Error, Result, from_cudarc};
 use crate::driver::result::device::{self as dev, Attr};
+use crate::error::{DriverVersion, Error, Result, from_cudarc};
 
 /// A CUDA device made ready for sharing: the driver loaded, the device's
 /// primary context retained, and a non-blocking stream for our work.

@@ -41,11 +41,11 @@ use cudarc::driver::CudaStream;
 use cudarc::driver::sys;
 
 use crate::device::Device;
+use crate::driver::result::{event, ipc, mem, stream, vmm};
 use crate::error::{Error, Result};
-use crate::event::IpcEvent;
 use crate::handle::IpcMemHandle;
 use crate::memory::DeviceMemory;
-use crate::driver::result::{event, ipc, mem, stream, vmm};
+use crate::sync::event::IpcEvent;
 use crate::vmm::VmmBuffer;
 
 /// Waits for the most recent record of `event` before the next work on

@@ -54,7 +54,6 @@ pub mod descriptor;
 pub mod device;
 pub mod driver;
 pub mod error;
-pub mod event;
 pub mod exchange;
 pub mod fence;
 pub mod floor;
@@ -66,9 +65,9 @@ pub mod loader;
 mod mechanism;
 pub mod memory;
 pub mod pool;
-pub mod reaper;
 pub mod set;
 pub mod share;
+pub mod sync;
 pub mod torch;
 pub mod units;
 pub mod vmm;
@@ -81,11 +80,13 @@ pub use cudarc;
 pub use descriptor::{Descriptor, Dtype, Mechanism};
 pub use device::Device;
 pub use error::{Error, ErrorKind, Result};
-pub use event::IpcEvent;
 pub use handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
 pub use legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 pub use mechanism::Access;
 pub use memory::DeviceMemory;
+pub use sync::event::IpcEvent;
+/// The ordering layer's modules, also at the crate root.
+pub use sync::{event, reaper};
 
 /// The README's examples, compiled as doc tests.
 #[cfg(doctest)]

@@ -16,8 +16,8 @@ use bytemuck::Pod;
 use cudarc::driver::{CudaEvent, CudaStream};
 
 use crate::device::Device;
-use crate::error::{Error, Result};
 use crate::driver::result::{mem, stream as rstream};
+use crate::error::{Error, Result};
 
 /// Device memory this process can use: owned, exported or mapped.
 ///
@@ -354,12 +354,12 @@ impl UsesOf {
         }
     }
 
-    /// Retires `finish` to the [reaper](crate::reaper) until that work has
+    /// Retires `finish` to the [reaper](crate::sync::reaper) until that work has
     /// finished. Never waits.
     pub(crate) fn retire(self, what: &'static str, finish: impl FnOnce() + Send + 'static) {
         match self {
-            UsesOf::Streams(streams) => crate::reaper::after_streams(&streams, what, finish),
-            UsesOf::Context(ctx) => crate::reaper::after_context(&ctx, what, finish),
+            UsesOf::Streams(streams) => crate::sync::reaper::after_streams(&streams, what, finish),
+            UsesOf::Context(ctx) => crate::sync::reaper::after_context(&ctx, what, finish),
         }
     }
 }

@@ -26,11 +26,11 @@ use crate::buffer::{MappedBuffer, Mapping};
 use crate::descriptor::{Descriptor, Dtype, Mechanism, Source};
 use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result};
-use crate::event::IpcEvent;
 use crate::legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 use crate::mechanism::Access;
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 use crate::pool::{ImportedPool, PoolBuffer, SharedPool};
+use crate::sync::event::IpcEvent;
 use crate::vmm::{ShareableTypes, VmmBuffer, VmmMapping};
 
 /// Numbers allocations of this process, so that an address reused for a new

@@ -43,11 +43,11 @@ use cudarc::driver::{CudaStream, sys};
 use crate::buffer::sealed::Sealed;
 use crate::buffer::{Mapping, UsedStreams};
 use crate::device::Device;
+use crate::driver::result::vmm::{self, HandleType};
 use crate::error::{Error, Result};
 use crate::handle::FabricHandle;
 use crate::mechanism::{Access, Mechanism};
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
-use crate::driver::result::vmm::{self, HandleType};
 use crate::units::round_up;
 
 /// The handle types a VMM allocation can be exported as.

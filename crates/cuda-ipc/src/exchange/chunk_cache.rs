@@ -25,7 +25,7 @@ impl CachedChunk {
         let client = client.clone();
         let uses = mapping.used_streams().uses(mapping.device().stream());
         uses.retire("unmapping an idle chunk", move || {
-            crate::reaper::work_done(|| drop(mapping));
+            crate::sync::reaper::work_done(|| drop(mapping));
             if let Err(e) = client.release_nowait(lease)
                 && !matches!(e, ChannelError::PeerGone)
             {

@@ -11,11 +11,11 @@ use serde_json::Value;
 use crate::buffer::MappedBuffer;
 use crate::channel::{self, LeaseInfo};
 use crate::error::{Error, Result};
-use crate::event::IpcEvent;
 use crate::fence::Fence;
 use crate::handle::IpcEventHandle;
 use crate::memory::DeviceMemory;
 use crate::share::SharedBuffer;
+use crate::sync::event::IpcEvent;
 
 use super::Subscriber;
 use super::lease::LeaseGuard;

@@ -266,7 +266,7 @@ impl Subscriber {
             lock(&self.pending).remove(&c.lease);
             let _ = c.mapping.used_streams().synchronize_all();
             // Waited for: unmapped now, before the lease goes.
-            crate::reaper::work_done(|| drop(c.mapping));
+            crate::sync::reaper::work_done(|| drop(c.mapping));
             if self.client.is_alive()
                 && let Err(e) = self.client.release(c.lease)
             {

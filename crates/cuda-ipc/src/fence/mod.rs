@@ -48,7 +48,7 @@
 //! - **Dropping a block never waits, and never frees words a stream still
 //!   uses.** [`Fence::signal`] and [`FenceMapping::wait`] record the stream
 //!   they queue on; dropping the [`Fence`] or the [`FenceMapping`] retires
-//!   the words to the [reaper](crate::reaper) until every such stream has
+//!   the words to the [reaper](crate::sync::reaper) until every such stream has
 //!   passed the work queued so far. A wait that never ends (a producer that
 //!   died without signalling, and no [`FenceMapping::abandon`]) keeps the
 //!   words mapped, and the reaper logs it.
@@ -89,8 +89,8 @@
 #![allow(unsafe_code)]
 
 use crate::device::Device;
-use crate::error::{Error, Result};
 use crate::driver::result::device as dev;
+use crate::error::{Error, Result};
 
 mod consumer;
 mod host;

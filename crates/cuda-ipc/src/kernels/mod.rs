@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex, Weak};
 use cudarc::driver::{CudaContext, sys};
 
 use crate::device::Device;
+use crate::driver::result::{mem, module};
 use crate::error::{Error, Result};
 use crate::memory::DeviceMemory;
-use crate::driver::result::{mem, module};
 
 const PTX: &str = concat!(include_str!("kernels.ptx"), "\0");
 
