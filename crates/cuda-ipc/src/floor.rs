@@ -45,8 +45,8 @@ use crate::driver::result::{event, ipc, mem, stream, vmm};
 use crate::error::{Error, Result};
 use crate::handle::IpcMemHandle;
 use crate::memory::DeviceMemory;
+use crate::memory::vmm::VmmBuffer;
 use crate::sync::event::IpcEvent;
-use crate::vmm::VmmBuffer;
 
 /// Waits for the most recent record of `event` before the next work on
 /// `device`'s stream, and for that stream: `cuEventQuery`; unless complete,

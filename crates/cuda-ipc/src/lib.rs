@@ -47,7 +47,6 @@
 #![warn(missing_docs)]
 
 pub mod arena;
-pub mod buffer;
 pub mod checkpoint;
 pub mod container;
 pub mod descriptor;
@@ -60,17 +59,14 @@ pub mod floor;
 pub mod handle;
 mod json;
 pub mod kernels;
-pub mod legacy;
 pub mod loader;
 mod mechanism;
 pub mod memory;
-pub mod pool;
 pub mod set;
 pub mod share;
 pub mod sync;
 pub mod torch;
 pub mod units;
-pub mod vmm;
 
 pub use buffer::{MappedBuffer, Mapping};
 /// The exchange channel (the `cuda-ipc-channel` crate, which has no CUDA dependency).
@@ -84,6 +80,8 @@ pub use handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
 pub use legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 pub use mechanism::Access;
 pub use memory::DeviceMemory;
+/// The memory layer's modules, also at the crate root.
+pub use memory::{buffer, legacy, pool, vmm};
 pub use sync::event::IpcEvent;
 /// The ordering layer's modules, also at the crate root.
 pub use sync::{event, reaper};

@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use crate::arena::ChunkId;
-use crate::buffer::Mapping;
 use crate::channel::{self, ChannelError};
 use crate::mechanism::Access;
+use crate::memory::buffer::Mapping;
 
 use super::budget::{Held, LruCache};
 

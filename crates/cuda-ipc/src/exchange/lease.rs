@@ -12,9 +12,9 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::buffer::{Hold, Mapping};
 use crate::channel::{ChannelError, Client, Notice};
 use crate::error::{Error, Result};
+use crate::memory::buffer::{Hold, Mapping};
 
 use super::lock;
 
@@ -133,7 +133,7 @@ impl Drop for LeaseGuard {
         }
         let mappings = std::mem::take(&mut *lock(&self.mappings));
         let (client, pending, lease) = (self.client.clone(), self.pending.clone(), self.lease);
-        crate::buffer::uses_of(&mappings).retire("releasing a lease", move || {
+        crate::memory::buffer::uses_of(&mappings).retire("releasing a lease", move || {
             crate::sync::reaper::work_done(|| drop(mappings));
             let released = client.release_nowait(lease);
             // After the release (see `end`).

@@ -9,10 +9,10 @@ use bytemuck::Pod;
 use serde_json::Value;
 
 use crate::arena::ChunkId;
-use crate::buffer::{MappedBuffer, Mapping};
 use crate::channel::{self, ChannelError, Notice};
 use crate::error::{Error, Result};
 use crate::mechanism::Access;
+use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::set::{SetEntry, SetRecord};
 use crate::share;
 

@@ -10,7 +10,6 @@ use bytemuck::Pod;
 use cudarc::driver::CudaStream;
 use serde_json::Value;
 
-use crate::buffer::{MappedBuffer, Mapping};
 use crate::channel::{ChannelError, Client, ClientConfig, Notice};
 use crate::descriptor::Descriptor;
 use crate::device::Device;
@@ -19,6 +18,7 @@ use crate::fence::FenceMapping;
 use crate::handle::IpcEventHandle;
 use crate::mechanism::Access;
 use crate::memory::DeviceMemory;
+use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::share;
 use crate::sync::event::IpcEvent;
 

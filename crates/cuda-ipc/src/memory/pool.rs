@@ -23,13 +23,13 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, sys};
 
-use crate::buffer::sealed::Sealed;
-use crate::buffer::{Mapping, UsedStreams};
 use crate::device::Device;
 use crate::driver::result::{mem, pool, stream as rstream};
 use crate::error::{Error, Result};
 use crate::handle::PoolPtrHandle;
 use crate::mechanism::Mechanism;
+use crate::memory::buffer::sealed::Sealed;
+use crate::memory::buffer::{Mapping, UsedStreams};
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
 
 /// The largest pool allocation [`SharedPool::alloc`] makes for sharing.

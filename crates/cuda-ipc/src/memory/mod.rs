@@ -1,3 +1,35 @@
+//! The memory layer: device memory of every mechanism, owned or mapped.
+//!
+//! - [`legacy`]: legacy IPC handles (`cuIpcGetMemHandle`), [`LegacyBuffer`]
+//!   and [`LegacyMapping`];
+//! - [`vmm`]: VMM allocations (`cuMemCreate`) shared as file descriptors or
+//!   fabric handles, [`VmmBuffer`] and [`VmmMapping`];
+//! - [`pool`]: stream-ordered memory pools, [`PoolBuffer`] and
+//!   [`PoolMapping`];
+//! - [`buffer`]: the sealed [`Mapping`] over all three, and the typed view
+//!   [`MappedBuffer`];
+//! - this module: [`DeviceMemory`], what every piece of memory offers.
+//!
+//! The folder imports the driver layer, [`device`](crate::device), the
+//! [reaper](crate::sync::reaper) (drops retire their unmaps and frees there),
+//! and the plain-data modules ([`handle`](crate::handle),
+//! [`units`](crate::units), [`error`](crate::error), the mechanism word);
+//! never [`share`](crate::share), the descriptor or anything above them.
+//! Within it, the mechanisms import [`buffer`] and this module, and
+//! [`buffer`] imports this module. Its modules are also reachable at the
+//! crate root, as `cuda_ipc::legacy`, `cuda_ipc::vmm`, `cuda_ipc::pool` and
+//! `cuda_ipc::buffer`.
+//!
+//! [`LegacyBuffer`]: legacy::LegacyBuffer
+//! [`LegacyMapping`]: legacy::LegacyMapping
+//! [`VmmBuffer`]: vmm::VmmBuffer
+//! [`VmmMapping`]: vmm::VmmMapping
+//! [`PoolBuffer`]: pool::PoolBuffer
+//! [`PoolMapping`]: pool::PoolMapping
+//! [`Mapping`]: buffer::Mapping
+//! [`MappedBuffer`]: buffer::MappedBuffer
+//!
+//! # Device memory
 //! What every piece of device memory in this crate offers, exported or
 //! mapped: its address, its length, its device and stream, and copies to and
 //! from the host.
@@ -18,6 +50,11 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use crate::device::Device;
 use crate::driver::result::{mem, stream as rstream};
 use crate::error::{Error, Result};
+
+pub mod buffer;
+pub mod legacy;
+pub mod pool;
+pub mod vmm;
 
 /// Device memory this process can use: owned, exported or mapped.
 ///

@@ -40,13 +40,13 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaStream, sys};
 
-use crate::buffer::sealed::Sealed;
-use crate::buffer::{Mapping, UsedStreams};
 use crate::device::Device;
 use crate::driver::result::vmm::{self, HandleType};
 use crate::error::{Error, Result};
 use crate::handle::FabricHandle;
 use crate::mechanism::{Access, Mechanism};
+use crate::memory::buffer::sealed::Sealed;
+use crate::memory::buffer::{Mapping, UsedStreams};
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
 use crate::units::round_up;
 

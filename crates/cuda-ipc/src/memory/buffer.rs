@@ -151,9 +151,9 @@ pub(crate) trait Hold: Send + Sync + fmt::Debug {}
 ///
 /// `base()..base() + size()` is device memory mapped on `device()` for as
 /// long as the value lives. The trait is sealed: the mappings are
-/// [`LegacyMapping`](crate::legacy::LegacyMapping),
-/// [`VmmMapping`](crate::vmm::VmmMapping) and
-/// [`PoolMapping`](crate::pool::PoolMapping), so a [`MappedBuffer`] can't be
+/// [`LegacyMapping`](crate::memory::legacy::LegacyMapping),
+/// [`VmmMapping`](crate::memory::vmm::VmmMapping) and
+/// [`PoolMapping`](crate::memory::pool::PoolMapping), so a [`MappedBuffer`] can't be
 /// built over an arbitrary address:
 ///
 /// ```compile_fail
