@@ -86,6 +86,17 @@
 //! publish names its word and sequence number with a small [`FenceRef`].
 //! Both are serde types decoded strictly, ready to be embedded in the
 //! exchange's messages.
+//!
+//! # Layer
+//! The fence orders work like the events of [`sync`](crate::sync), but it
+//! is not in that folder: device words are a
+//! [`SharedBuffer`](crate::share::SharedBuffer), opened with
+//! [`share::open_mapping`](crate::share::open_mapping), and `share` itself
+//! waits on events from `sync`, so a folder holding both would import
+//! `share` and be imported by it. The fence sits above `share` (and below
+//! the [`exchange`](crate::exchange), which uses it); its raw calls
+//! (`cuStreamWriteValue64`, `cuStreamWaitValue64`, host registration) are in
+//! the driver layer's `result::stream_mem`.
 #![allow(unsafe_code)]
 
 use crate::device::Device;
