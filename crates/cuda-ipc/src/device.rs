@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, sys};
 
+use crate::driver::result::device::{self as dev, Attr};
 use crate::error::{DriverVersion, Error, Result, from_cudarc};
-use crate::result::device::{self as dev, Attr};
 
 /// A CUDA device made ready for sharing: the driver loaded, the device's
 /// primary context retained, and a non-blocking stream for our work.
@@ -99,7 +99,7 @@ impl Device {
     #[doc(alias = "cuMemGetInfo")]
     pub fn memory_info(&self) -> Result<(u64, u64)> {
         self.bind()?;
-        crate::result::mem::info()
+        crate::driver::result::mem::info()
     }
 
     /// Lets this device's context read and write `peer`'s memory directly
@@ -144,7 +144,7 @@ impl Device {
             });
         }
         self.bind()?;
-        crate::result::context::enable_peer_access(peer.inner.ctx.cu_ctx())
+        crate::driver::result::context::enable_peer_access(peer.inner.ctx.cu_ctx())
     }
 
     /// What this device can share.

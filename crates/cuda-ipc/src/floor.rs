@@ -41,12 +41,12 @@ use cudarc::driver::CudaStream;
 use cudarc::driver::sys;
 
 use crate::device::Device;
+use crate::driver::result::{event, ipc, mem, stream, vmm};
 use crate::error::{Error, Result};
-use crate::event::IpcEvent;
 use crate::handle::IpcMemHandle;
 use crate::memory::DeviceMemory;
-use crate::result::{event, ipc, mem, stream, vmm};
-use crate::vmm::VmmBuffer;
+use crate::memory::vmm::VmmBuffer;
+use crate::sync::event::IpcEvent;
 
 /// Waits for the most recent record of `event` before the next work on
 /// `device`'s stream, and for that stream: `cuEventQuery`; unless complete,

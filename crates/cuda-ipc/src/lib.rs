@@ -19,20 +19,30 @@
 //!
 //! # Crates and layers
 //! Imports go one way, down this list; the compiler enforces the crate
-//! boundaries, and each layer below names what it owns.
+//! boundaries, and `tests/layers.rs` the order of this crate's modules (a
+//! folder is one layer; no module imports one listed below it).
 //!
-//! | crate | layer | what it owns |
+//! | crate, folder or module | layer | what it owns |
 //! |---|---|---|
 //! | `cudarc` (dependency) | generated driver bindings | nothing: raw symbols, loaded at run time |
-//! | `cuda-ipc` (this crate), private `result` | one checked function per driver call | nothing: each call returns `Result` and names the C function |
-//! | `cuda-ipc`: [`device`], [`legacy`], [`vmm`], [`pool`], [`event`], [`buffer`], [`fence`] | owning types, released in `Drop` | [`LegacyBuffer`] / [`vmm::VmmBuffer`] / [`pool::PoolBuffer`] own an allocation; [`LegacyMapping`] / [`vmm::VmmMapping`] / [`pool::PoolMapping`] own a mapping of another process's allocation (sealed [`Mapping`]); [`MappedBuffer`] is a typed view holding its mapping and, when attached through the exchange, its lease; [`IpcEvent`] owns an event; [`fence::Fence`] owns shared sequence words |
-//! | `cuda-ipc`: [`share`], [`descriptor`], [`torch`], [`set`] | one API over the mechanisms; plain-data records | [`share::SharedBuffer`] owns an allocation of any mechanism; [`Descriptor`], [`set::SetRecord`] and [`torch::ShareRecord`] are strictly decoded, language-neutral records that own nothing |
-//! | `cuda-ipc`: [`arena`] | sub-allocation of chunks exported once | [`arena::Arena`] owns its chunks; an [`arena::ArenaBuffer`] owns a range until it and every lease on it are gone |
+//! | `cuda-ipc`: [`error`], [`units`], [`handle`], the mechanism word, [`container`] | plain data, no driver calls | [`Error`] keeps the C call and the raw code; [`IpcMemHandle`] and the other handles are 64-byte `Copy` values |
+//! | `cuda-ipc`: [`driver`] (`driver/`, with the private `driver/result/`) | loading the driver; one checked function per driver call, the fence's included | nothing: each call returns `Result` and names the C function |
+//! | `cuda-ipc`: [`device`] | the device, its primary context and stream | [`Device`] holds the context |
+//! | `cuda-ipc`: [`sync`] (`sync/`: [`event`], [`reaper`]) | ordering between processes; drops that never wait | [`IpcEvent`] owns an event; the reaper owns what drops retired until its work is done |
+//! | `cuda-ipc`: [`memory`] (`memory/`: [`legacy`], [`vmm`], [`pool`], [`buffer`]), [`kernels`] | owning types of every mechanism, released in `Drop` | [`LegacyBuffer`] / [`vmm::VmmBuffer`] / [`pool::PoolBuffer`] own an allocation; [`LegacyMapping`] / [`vmm::VmmMapping`] / [`pool::PoolMapping`] own a mapping of another process's allocation (sealed [`Mapping`]); [`MappedBuffer`] is a typed view holding its mapping and, when attached through the exchange, its lease |
+//! | `cuda-ipc`: [`descriptor`], [`torch`], [`set`] | plain-data records | [`Descriptor`], [`set::SetRecord`] and [`torch::ShareRecord`] are strictly decoded, language-neutral records that own nothing |
+//! | `cuda-ipc`: [`share`] | one API over the mechanisms | [`share::SharedBuffer`] owns an allocation of any mechanism |
+//! | `cuda-ipc`: [`fence`], [`arena`], [`floor`] | built on `share` | [`fence::Fence`] owns shared sequence words; [`arena::Arena`] owns its chunks, and an [`arena::ArenaBuffer`] a range until it and every lease on it are gone; [`floor`] is the driver floor the benchmark compares against |
 //! | `cuda-ipc`: [`checkpoint`] | safetensors checkpoints read and planned for loading, no CUDA | [`checkpoint::Checkpoint`] owns read-only maps of its files; [`checkpoint::Plan`] is plain data |
 //! | `cuda-ipc-channel`, re-exported as [`channel`] | Unix-socket exchange, no CUDA | the server owns entries, leases and rings; the client owns its connection; file descriptors travel as `OwnedFd` |
 //! | `cuda-ipc`: [`exchange`] | publishers and subscribers | [`exchange::Publisher`] owns what it published until every lease ends; [`exchange::Subscriber`] owns its connection, its mapping cache and its leases |
-//! | `cuda-ipc-bench` | the benchmark, no `unsafe` | its consumer processes; the driver floor it compares against is [`floor`] |
+//! | `cuda-ipc`: [`loader`] | checkpoints loaded and published as sets | [`loader::load_checkpoint`] owns its streams and page-locked staging buffers for the length of a load |
+//! | `cuda-ipc-bench` | the benchmark, no `unsafe` | its consumer processes |
 //! | `cuda-ipc-cli` (the `cuda-ipc` command) | a thin front, no `unsafe` | nothing of its own: every command calls the library |
+//!
+//! The modules of [`memory`] and [`sync`] are also re-exported at the crate
+//! root (`cuda_ipc::legacy`, `cuda_ipc::event`, ...), where they were before
+//! the folders.
 //!
 //! `unsafe` lives only in the modules that call the driver or the kernel
 //! (each with `#![allow(unsafe_code)]` and a `// SAFETY:` comment on every
@@ -47,32 +57,26 @@
 #![warn(missing_docs)]
 
 pub mod arena;
-pub mod buffer;
 pub mod checkpoint;
 pub mod container;
 pub mod descriptor;
 pub mod device;
 pub mod driver;
 pub mod error;
-pub mod event;
 pub mod exchange;
 pub mod fence;
 pub mod floor;
 pub mod handle;
 mod json;
 pub mod kernels;
-pub mod legacy;
 pub mod loader;
 mod mechanism;
 pub mod memory;
-pub mod pool;
-pub mod reaper;
-mod result;
 pub mod set;
 pub mod share;
+pub mod sync;
 pub mod torch;
 pub mod units;
-pub mod vmm;
 
 pub use buffer::{MappedBuffer, Mapping};
 /// The exchange channel (the `cuda-ipc-channel` crate, which has no CUDA dependency).
@@ -82,11 +86,15 @@ pub use cudarc;
 pub use descriptor::{Descriptor, Dtype, Mechanism};
 pub use device::Device;
 pub use error::{Error, ErrorKind, Result};
-pub use event::IpcEvent;
 pub use handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
 pub use legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 pub use mechanism::Access;
 pub use memory::DeviceMemory;
+/// The memory layer's modules, also at the crate root.
+pub use memory::{buffer, legacy, pool, vmm};
+pub use sync::event::IpcEvent;
+/// The ordering layer's modules, also at the crate root.
+pub use sync::{event, reaper};
 
 /// The README's examples, compiled as doc tests.
 #[cfg(doctest)]

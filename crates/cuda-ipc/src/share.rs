@@ -22,16 +22,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytemuck::Pod;
 use cudarc::driver::CudaStream;
 
-use crate::buffer::{MappedBuffer, Mapping};
 use crate::descriptor::{Descriptor, Dtype, Mechanism, Source};
 use crate::device::{Capabilities, Device};
 use crate::error::{Error, Result};
-use crate::event::IpcEvent;
-use crate::legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 use crate::mechanism::Access;
+use crate::memory::buffer::{MappedBuffer, Mapping};
+use crate::memory::legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
+use crate::memory::pool::{ImportedPool, PoolBuffer, SharedPool};
+use crate::memory::vmm::{ShareableTypes, VmmBuffer, VmmMapping};
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
-use crate::pool::{ImportedPool, PoolBuffer, SharedPool};
-use crate::vmm::{ShareableTypes, VmmBuffer, VmmMapping};
+use crate::sync::event::IpcEvent;
 
 /// Numbers allocations of this process, so that an address reused for a new
 /// allocation never looks like the old one to a consumer's cache.
@@ -341,13 +341,13 @@ pub fn export_pointer(device: &Device, ptr: u64, len: u64, dtype: Dtype) -> Resu
         event: None,
         generation: Some(next_generation()),
     };
-    let (d, fds) = match crate::legacy::export_pointer(device, ptr, len) {
+    let (d, fds) = match crate::memory::legacy::export_pointer(device, ptr, len) {
         Ok(e) => (
             descriptor(Source::Legacy { handle: e.handle }, e.alloc_size, e.offset),
             Vec::new(),
         ),
         Err(Error::StreamOrdered { .. }) => {
-            let (fd, data, base, size) = crate::pool::export_existing(device, ptr)?;
+            let (fd, data, base, size) = crate::memory::pool::export_existing(device, ptr)?;
             (
                 descriptor(
                     Source::Pool {
@@ -361,7 +361,7 @@ pub fn export_pointer(device: &Device, ptr: u64, len: u64, dtype: Dtype) -> Resu
             )
         }
         Err(Error::Unsupported { .. }) => {
-            let (fd, base, size) = crate::vmm::export_existing(device, ptr)?;
+            let (fd, base, size) = crate::memory::vmm::export_existing(device, ptr)?;
             (
                 descriptor(Source::Vmm { fd: fd.as_raw_fd() }, size, ptr - base),
                 vec![fd],

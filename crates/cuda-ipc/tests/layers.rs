@@ -34,16 +34,16 @@ fn circle(edges: &BTreeMap<String, BTreeSet<String>>, from: &str) -> Option<Vec<
     walk(edges, from, from, &mut path, &mut BTreeSet::new()).then_some(path)
 }
 
-/// The import circles among the modules of crate source folder `src`, at
-/// every level: among the modules directly under `src` (a folder with all
-/// it holds counting as one module), and likewise among the submodules of
-/// every module folder. A circle is named by the folder it lies in and its
-/// members, in import order. Paths are read from the code: `crate::`,
-/// `super::` and `self::` paths, `use` trees included, and a name that a
-/// module brings in with `use` counts as the module it names (so a
-/// re-export cannot hide an import). Test modules are left out.
+/// The imports among the modules of crate source folder `src`, at every
+/// level, by folder (the crate root is the empty path): among the modules
+/// directly under `src` (a folder with all it holds counting as one
+/// module), and likewise among the submodules of every module folder.
+/// Paths are read from the code: `crate::`, `super::` and `self::` paths,
+/// `use` trees included, and a name that a module brings in with `use`
+/// counts as the module it names (so a re-export cannot hide an import).
+/// Test modules are left out.
 #[allow(clippy::too_many_lines)] // one reading of the folder, in its steps
-fn circles_under(src: &Path) -> Vec<String> {
+fn imports_under(src: &Path) -> Edges {
     /// The module path of a file under `src` (`report/targets.rs` ->
     /// `report::targets`, `sections/mod.rs` -> `sections`).
     fn module_path(rel: &Path) -> Vec<String> {
@@ -234,7 +234,7 @@ fn circles_under(src: &Path) -> Vec<String> {
     }
     // The edges at every level: from the module holding the importing file
     // to the module holding the imported item, in the folder both share.
-    let mut edges: BTreeMap<Vec<String>, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    let mut edges = Edges::new();
     for (me, target) in &uses {
         let mut target: Vec<String> = target
             .iter()
@@ -263,6 +263,17 @@ fn circles_under(src: &Path) -> Vec<String> {
                 .insert(target[shared].clone());
         }
     }
+    edges
+}
+
+/// The imports of one crate: by folder, each module's imported modules.
+type Edges = BTreeMap<Vec<String>, BTreeMap<String, BTreeSet<String>>>;
+
+/// The import circles among the modules of crate source folder `src`, at
+/// every level (see [`imports_under`]). A circle is named by the folder it
+/// lies in and its members, in import order.
+fn circles_under(src: &Path) -> Vec<String> {
+    let edges = imports_under(src);
     let mut found = Vec::new();
     for (folder, level) in &edges {
         if let Some(path) = level.keys().find_map(|m| circle(level, m)) {
@@ -297,6 +308,58 @@ fn circles_of(name: Option<&str>) -> Vec<String> {
 fn the_core_has_no_import_circle() {
     let found = circles_of(None);
     assert!(found.is_empty(), "import circles: {found:#?}");
+}
+
+/// The core's top-level modules and folders, lowest layer first, as the
+/// crate docs and the README list them: each imports only modules before it.
+const CORE_ORDER: [&str; 21] = [
+    "error",
+    "units",
+    "json",
+    "handle",
+    "mechanism",
+    "container",
+    "driver",
+    "device",
+    "sync",
+    "memory",
+    "kernels",
+    "descriptor",
+    "torch",
+    "set",
+    "share",
+    "fence",
+    "arena",
+    "floor",
+    "checkpoint",
+    "exchange",
+    "loader",
+];
+
+/// The core's folders are its layers: no top-level module imports one that
+/// [`CORE_ORDER`] puts above it, and every top-level module has its place.
+#[test]
+fn the_core_imports_only_lower_layers() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let place = |m: &str| CORE_ORDER.iter().position(|o| *o == m);
+    let mut wrong = Vec::new();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+        let module = path.is_dir() || path.extension().is_some_and(|e| e == "rs");
+        if module && name != "lib" && place(&name).is_none() {
+            wrong.push(format!("{name} is not in CORE_ORDER"));
+        }
+    }
+    let edges = imports_under(&src);
+    for (from, to) in edges.get(&Vec::new()).into_iter().flatten() {
+        for to in to {
+            if place(to) >= place(from) {
+                wrong.push(format!("{from} imports {to}, a layer above it"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
 }
 
 #[test]

@@ -11,10 +11,10 @@ use super::{Arena, ArenaBuffer, ChunkBacking, MIB};
 use crate::descriptor::{Descriptor, Dtype, Mechanism};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::memory::vmm::{self, ShareableTypes};
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
 use crate::set::{SetChunk, SetEntry, SetRecord};
 use crate::share::{self, Export, SharedBuffer};
-use crate::vmm::{self, ShareableTypes};
 
 /// An arena of device memory.
 pub type DeviceArena = Arena<DeviceChunks>;

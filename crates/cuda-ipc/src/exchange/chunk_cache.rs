@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use crate::arena::ChunkId;
-use crate::buffer::Mapping;
 use crate::channel::{self, ChannelError};
 use crate::mechanism::Access;
+use crate::memory::buffer::Mapping;
 
 use super::budget::{Held, LruCache};
 
@@ -25,7 +25,7 @@ impl CachedChunk {
         let client = client.clone();
         let uses = mapping.used_streams().uses(mapping.device().stream());
         uses.retire("unmapping an idle chunk", move || {
-            crate::reaper::work_done(|| drop(mapping));
+            crate::sync::reaper::work_done(|| drop(mapping));
             if let Err(e) = client.release_nowait(lease)
                 && !matches!(e, ChannelError::PeerGone)
             {

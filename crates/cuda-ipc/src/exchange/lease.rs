@@ -4,7 +4,7 @@
 //! reference to the channel client): a [`Subscriber`](super::Subscriber)
 //! dropped while views live leaves the connection open, and so the lease
 //! held, until the last view is gone. Its drop never waits: the release is
-//! retired to the [reaper](crate::reaper) until the streams the views used
+//! retired to the [reaper](crate::sync::reaper) until the streams the views used
 //! have finished, then the mappings are undone and the lease is given back
 //! without waiting for the publisher's answer.
 
@@ -12,9 +12,9 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::buffer::{Hold, Mapping};
 use crate::channel::{ChannelError, Client, Notice};
 use crate::error::{Error, Result};
+use crate::memory::buffer::{Hold, Mapping};
 
 use super::lock;
 
@@ -78,8 +78,8 @@ impl LeaseGuard {
         // from existing ones, so the count can't grow while we hold none
         // but `own`.
         let mut views = Arc::strong_count(self).saturating_sub(own);
-        if views > 0 && crate::reaper::retiring() > 0 {
-            crate::reaper::settle(SETTLE_BEFORE_REFUSING);
+        if views > 0 && crate::sync::reaper::retiring() > 0 {
+            crate::sync::reaper::settle(SETTLE_BEFORE_REFUSING);
             views = Arc::strong_count(self).saturating_sub(own);
         }
         if views > 0 {
@@ -110,7 +110,7 @@ impl LeaseGuard {
                 waited = r;
             }
         }
-        crate::reaper::work_done(|| drop(mappings));
+        crate::sync::reaper::work_done(|| drop(mappings));
         let released = self.client.release(self.lease);
         // After the release: the client drops notices for a lease it no
         // longer holds, so none can queue here again.
@@ -133,8 +133,8 @@ impl Drop for LeaseGuard {
         }
         let mappings = std::mem::take(&mut *lock(&self.mappings));
         let (client, pending, lease) = (self.client.clone(), self.pending.clone(), self.lease);
-        crate::buffer::uses_of(&mappings).retire("releasing a lease", move || {
-            crate::reaper::work_done(|| drop(mappings));
+        crate::memory::buffer::uses_of(&mappings).retire("releasing a lease", move || {
+            crate::sync::reaper::work_done(|| drop(mappings));
             let released = client.release_nowait(lease);
             // After the release (see `end`).
             lock(&pending).remove(&lease);
@@ -188,10 +188,10 @@ mod tests {
         let views: Vec<_> = (0..3).map(|_| guard.clone()).collect();
         drop(guard);
         drop(views[..2].to_vec());
-        assert!(crate::reaper::settle(Duration::from_secs(5)));
+        assert!(crate::sync::reaper::settle(Duration::from_secs(5)));
         assert_eq!(server.leases().len(), 1, "a view is still alive");
         drop(views);
-        assert!(crate::reaper::settle(Duration::from_secs(5)));
+        assert!(crate::sync::reaper::settle(Duration::from_secs(5)));
         assert!(no_leases(&server), "{:?}", server.leases());
         assert!(
             lock(&pending).is_empty(),
@@ -222,7 +222,7 @@ mod tests {
         );
         // Ended once: the drop that follows does not release again.
         drop(guard);
-        assert!(crate::reaper::settle(Duration::from_secs(5)));
+        assert!(crate::sync::reaper::settle(Duration::from_secs(5)));
         assert!(client.is_alive());
     }
 
@@ -241,7 +241,7 @@ mod tests {
             "the lease ended with the subscriber"
         );
         drop(view);
-        assert!(crate::reaper::settle(Duration::from_secs(5)));
+        assert!(crate::sync::reaper::settle(Duration::from_secs(5)));
         assert!(no_leases(&server), "{:?}", server.leases());
     }
 
@@ -258,6 +258,6 @@ mod tests {
         let t = Instant::now();
         drop(view);
         assert!(t.elapsed() < Duration::from_millis(50));
-        assert!(crate::reaper::settle(Duration::from_secs(5)));
+        assert!(crate::sync::reaper::settle(Duration::from_secs(5)));
     }
 }

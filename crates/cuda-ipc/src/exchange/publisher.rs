@@ -11,10 +11,10 @@ use crate::channel::{ChannelError, LeaseInfo, Server, ServerConfig};
 use crate::descriptor::{Descriptor, Dtype, Mechanism};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::event::IpcEvent;
 use crate::handle::IpcEventHandle;
 use crate::memory::DeviceMemory;
 use crate::share::SharedBuffer;
+use crate::sync::event::IpcEvent;
 
 use super::ring::RingPublisher;
 use super::set_book::{PublisherArena, Sharing};

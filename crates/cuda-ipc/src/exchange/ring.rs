@@ -8,14 +8,14 @@ use std::time::Duration;
 use bytemuck::Pod;
 use serde_json::Value;
 
-use crate::buffer::MappedBuffer;
 use crate::channel::{self, LeaseInfo};
 use crate::error::{Error, Result};
-use crate::event::IpcEvent;
 use crate::fence::Fence;
 use crate::handle::IpcEventHandle;
 use crate::memory::DeviceMemory;
+use crate::memory::buffer::MappedBuffer;
 use crate::share::SharedBuffer;
+use crate::sync::event::IpcEvent;
 
 use super::Subscriber;
 use super::lease::LeaseGuard;

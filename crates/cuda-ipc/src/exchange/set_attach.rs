@@ -9,10 +9,10 @@ use bytemuck::Pod;
 use serde_json::Value;
 
 use crate::arena::ChunkId;
-use crate::buffer::{MappedBuffer, Mapping};
 use crate::channel::{self, ChannelError, Notice};
 use crate::error::{Error, Result};
 use crate::mechanism::Access;
+use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::set::{SetEntry, SetRecord};
 use crate::share;
 
@@ -266,7 +266,7 @@ impl Subscriber {
             lock(&self.pending).remove(&c.lease);
             let _ = c.mapping.used_streams().synchronize_all();
             // Waited for: unmapped now, before the lease goes.
-            crate::reaper::work_done(|| drop(c.mapping));
+            crate::sync::reaper::work_done(|| drop(c.mapping));
             if self.client.is_alive()
                 && let Err(e) = self.client.release(c.lease)
             {

@@ -10,10 +10,10 @@ use cudarc::driver::CudaStream;
 use super::host::{HostWords, check_memfd, host_len};
 use super::wire::{FenceBlock, FenceRef, Placement};
 use super::{ABANDONED, WORD, check_seq, check_support, check_word};
-use crate::buffer::{Mapping, UsedStreams};
 use crate::device::Device;
+use crate::driver::result::{mem, stream as rstream, stream_mem as raw};
 use crate::error::{Error, Result, from_cudarc};
-use crate::result::{mem, stream as rstream, stream_mem as raw};
+use crate::memory::buffer::{Mapping, UsedStreams};
 
 /// The consumer's side: a [`Fence`](super::Fence) block of another process, mapped.
 #[derive(Debug)]
@@ -283,7 +283,7 @@ impl Drop for FenceMapping {
         self.streams.retire(
             self.device().stream(),
             "unmapping a fence block",
-            move || crate::reaper::work_done(|| drop(words)),
+            move || crate::sync::reaper::work_done(|| drop(words)),
         );
     }
 }

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::WORD;
 use crate::device::Device;
+use crate::driver::result::stream_mem as raw;
 use crate::error::{Error, Result};
-use crate::result::stream_mem as raw;
 
 /// Numbers host blocks of this process; mixed with the pid, and with bit 39
 /// set so that no host block shares an identity with a device block

@@ -48,7 +48,7 @@
 //! - **Dropping a block never waits, and never frees words a stream still
 //!   uses.** [`Fence::signal`] and [`FenceMapping::wait`] record the stream
 //!   they queue on; dropping the [`Fence`] or the [`FenceMapping`] retires
-//!   the words to the [reaper](crate::reaper) until every such stream has
+//!   the words to the [reaper](crate::sync::reaper) until every such stream has
 //!   passed the work queued so far. A wait that never ends (a producer that
 //!   died without signalling, and no [`FenceMapping::abandon`]) keeps the
 //!   words mapped, and the reaper logs it.
@@ -86,11 +86,22 @@
 //! publish names its word and sequence number with a small [`FenceRef`].
 //! Both are serde types decoded strictly, ready to be embedded in the
 //! exchange's messages.
+//!
+//! # Layer
+//! The fence orders work like the events of [`sync`](crate::sync), but it
+//! is not in that folder: device words are a
+//! [`SharedBuffer`](crate::share::SharedBuffer), opened with
+//! [`share::open_mapping`](crate::share::open_mapping), and `share` itself
+//! waits on events from `sync`, so a folder holding both would import
+//! `share` and be imported by it. The fence sits above `share` (and below
+//! the [`exchange`](crate::exchange), which uses it); its raw calls
+//! (`cuStreamWriteValue64`, `cuStreamWaitValue64`, host registration) are in
+//! the driver layer's `result::stream_mem`.
 #![allow(unsafe_code)]
 
 use crate::device::Device;
+use crate::driver::result::device as dev;
 use crate::error::{Error, Result};
-use crate::result::device as dev;
 
 mod consumer;
 mod host;

@@ -9,12 +9,12 @@ use cudarc::driver::CudaStream;
 use super::host::{HostWords, create_memfd, host_len, next_host_id};
 use super::wire::{FenceBlock, FenceRef};
 use super::{MAX_WORDS, WORD, check_seq, check_support, check_word};
-use crate::buffer::UsedStreams;
 use crate::descriptor::{Dtype, Mechanism};
 use crate::device::{Capabilities, Device};
+use crate::driver::result::{mem, stream as rstream, stream_mem as raw};
 use crate::error::{Error, Result};
 use crate::memory::DeviceMemory;
-use crate::result::{mem, stream as rstream, stream_mem as raw};
+use crate::memory::buffer::UsedStreams;
 use crate::share::SharedBuffer;
 
 /// Where a block's words are.
@@ -298,7 +298,7 @@ impl Drop for Fence {
         };
         self.streams
             .retire(&own, "releasing a fence block", move || {
-                crate::reaper::work_done(|| drop(words));
+                crate::sync::reaper::work_done(|| drop(words));
             });
     }
 }

@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex, Weak};
 use cudarc::driver::{CudaContext, sys};
 
 use crate::device::Device;
+use crate::driver::result::{mem, module};
 use crate::error::{Error, Result};
 use crate::memory::DeviceMemory;
-use crate::result::{mem, module};
 
 const PTX: &str = concat!(include_str!("kernels.ptx"), "\0");
 
@@ -284,7 +284,7 @@ pub fn check_u32(memory: &(impl DeviceMemory + ?Sized), pattern: Pattern) -> Res
         mem::set_d32_async(*scratch, u32::MAX, 2, s)?;
         module::launch(k.check, grid, block, s, &mut params)?;
         mem::copy_dtoh_async((&raw mut first_bad).cast(), *scratch, 8, s)?;
-        crate::result::stream::synchronize(s)?;
+        crate::driver::result::stream::synchronize(s)?;
     }
     Ok((first_bad != u64::MAX).then_some(first_bad))
 }

@@ -14,8 +14,8 @@ use cudarc::driver::{CudaEvent, CudaStream};
 use super::schedule::{Step, slots_used, staging_len, stream_steps};
 use crate::checkpoint::{Checkpoint, Piece, Plan};
 use crate::device::Device;
+use crate::driver::result::mem;
 use crate::error::{Error, Result, from_cudarc};
-use crate::result::mem;
 
 /// One page-locked staging buffer and the event recorded after the last
 /// copy that read it.

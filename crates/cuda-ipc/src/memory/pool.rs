@@ -23,14 +23,14 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, sys};
 
-use crate::buffer::sealed::Sealed;
-use crate::buffer::{Mapping, UsedStreams};
 use crate::device::Device;
+use crate::driver::result::{mem, pool, stream as rstream};
 use crate::error::{Error, Result};
 use crate::handle::PoolPtrHandle;
 use crate::mechanism::Mechanism;
+use crate::memory::buffer::sealed::Sealed;
+use crate::memory::buffer::{Mapping, UsedStreams};
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
-use crate::result::{mem, pool, stream as rstream};
 
 /// The largest pool allocation [`SharedPool::alloc`] makes for sharing.
 ///
@@ -266,7 +266,7 @@ impl Drop for PoolBuffer {
             let _ = unsafe { pool::free_async(ptr, stream.cu_stream()) };
         };
         if self.foreign.used() {
-            crate::reaper::after_context(
+            crate::sync::reaper::after_context(
                 self.pool.device.context(),
                 "freeing a pool allocation",
                 free,

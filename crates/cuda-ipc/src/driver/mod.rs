@@ -1,5 +1,20 @@
-//! Loading the CUDA driver: the one fallible entry point.
+//! The driver layer: loading the CUDA driver, the one fallible entry point,
+//! and every raw driver call.
 //!
+//! Everything in this folder sits on cudarc's generated bindings and
+//! imports nothing from the crate but [`error`](crate::error) and
+//! [`handle`](crate::handle) (the 64-byte tokens some calls take and return).
+//! It is the only place that calls `cudarc::driver::sys`:
+//!
+//! - this module loads the library and checks its symbols;
+//! - `result` (private to the crate) has one checked function per C call,
+//!   grouped by area, the fence's stream memory operations included.
+//!
+//! The owning types above ([`device`](crate::device),
+//! [`memory`](crate::memory), [`sync`](crate::sync)) call `result`; nothing
+//! here imports them.
+//!
+//! # Loading
 //! The driver library (`libcuda.so.1`) is loaded at run time. A missing
 //! library, a driver older than CUDA 13.0, a library that lacks one of the
 //! functions we call, or a machine with no device is an [`Error`] with a
@@ -16,6 +31,8 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 
 use crate::error::{DriverVersion, Error, Result};
+
+pub(crate) mod result;
 
 /// The oldest driver API version we accept: the bindings are CUDA 13.0's.
 pub const REQUIRED: DriverVersion = DriverVersion(13000);
@@ -44,7 +61,7 @@ pub fn load() -> Result<DriverVersion> {
     }
     // SAFETY: `is_culib_present` just loaded it, so `culib` cannot reach its panic.
     let lib = unsafe { sys::culib() };
-    for symbol in crate::result::SYMBOLS {
+    for symbol in result::SYMBOLS {
         // SAFETY: we only look the symbol up; it is never called through this pointer.
         let found = unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_ok();
         if !found {
@@ -55,7 +72,7 @@ pub fn load() -> Result<DriverVersion> {
             });
         }
     }
-    let version = DriverVersion(crate::result::driver::version()?);
+    let version = DriverVersion(result::driver::version()?);
     if version < REQUIRED {
         return Err(Error::DriverTooOld {
             found: version,
@@ -198,7 +215,7 @@ fn find_library(
 #[doc(alias = "cuInit")]
 pub fn init() -> Result<DriverVersion> {
     let version = load()?;
-    match crate::result::driver::init() {
+    match result::driver::init() {
         Ok(()) => Ok(version),
         Err(e) if e.driver_result() == Some(sys::CUresult::CUDA_ERROR_NO_DEVICE) => {
             Err(Error::NoDevice {
@@ -214,7 +231,7 @@ pub fn init() -> Result<DriverVersion> {
 #[doc(alias = "cuDeviceGetCount")]
 pub fn device_count() -> Result<usize> {
     init()?;
-    crate::result::device::count()
+    result::device::count()
 }
 
 #[cfg(test)]

@@ -25,14 +25,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaStream, sys};
 
-use crate::buffer::sealed::Sealed;
-use crate::buffer::{MappedBuffer, Mapping, UsedStreams};
 use crate::device::Device;
+use crate::driver::result::{ipc, mem};
 use crate::error::{Error, Result};
 use crate::handle::IpcMemHandle;
 use crate::mechanism::Mechanism;
+use crate::memory::buffer::sealed::Sealed;
+use crate::memory::buffer::{MappedBuffer, Mapping, UsedStreams};
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
-use crate::result::{ipc, mem};
 use crate::units::{MIB, round_up};
 
 /// Our allocations are rounded up to this, NVIDIA's advice for IPC.

@@ -1,3 +1,35 @@
+//! The memory layer: device memory of every mechanism, owned or mapped.
+//!
+//! - [`legacy`]: legacy IPC handles (`cuIpcGetMemHandle`), [`LegacyBuffer`]
+//!   and [`LegacyMapping`];
+//! - [`vmm`]: VMM allocations (`cuMemCreate`) shared as file descriptors or
+//!   fabric handles, [`VmmBuffer`] and [`VmmMapping`];
+//! - [`pool`]: stream-ordered memory pools, [`PoolBuffer`] and
+//!   [`PoolMapping`];
+//! - [`buffer`]: the sealed [`Mapping`] over all three, and the typed view
+//!   [`MappedBuffer`];
+//! - this module: [`DeviceMemory`], what every piece of memory offers.
+//!
+//! The folder imports the driver layer, [`device`](crate::device), the
+//! [reaper](crate::sync::reaper) (drops retire their unmaps and frees there),
+//! and the plain-data modules ([`handle`](crate::handle),
+//! [`units`](crate::units), [`error`](crate::error), the mechanism word);
+//! never [`share`](crate::share), the descriptor or anything above them.
+//! Within it, the mechanisms import [`buffer`] and this module, and
+//! [`buffer`] imports this module. Its modules are also reachable at the
+//! crate root, as `cuda_ipc::legacy`, `cuda_ipc::vmm`, `cuda_ipc::pool` and
+//! `cuda_ipc::buffer`.
+//!
+//! [`LegacyBuffer`]: legacy::LegacyBuffer
+//! [`LegacyMapping`]: legacy::LegacyMapping
+//! [`VmmBuffer`]: vmm::VmmBuffer
+//! [`VmmMapping`]: vmm::VmmMapping
+//! [`PoolBuffer`]: pool::PoolBuffer
+//! [`PoolMapping`]: pool::PoolMapping
+//! [`Mapping`]: buffer::Mapping
+//! [`MappedBuffer`]: buffer::MappedBuffer
+//!
+//! # Device memory
 //! What every piece of device memory in this crate offers, exported or
 //! mapped: its address, its length, its device and stream, and copies to and
 //! from the host.
@@ -16,8 +48,13 @@ use bytemuck::Pod;
 use cudarc::driver::{CudaEvent, CudaStream};
 
 use crate::device::Device;
+use crate::driver::result::{mem, stream as rstream};
 use crate::error::{Error, Result};
-use crate::result::{mem, stream as rstream};
+
+pub mod buffer;
+pub mod legacy;
+pub mod pool;
+pub mod vmm;
 
 /// Device memory this process can use: owned, exported or mapped.
 ///
@@ -354,12 +391,12 @@ impl UsesOf {
         }
     }
 
-    /// Retires `finish` to the [reaper](crate::reaper) until that work has
+    /// Retires `finish` to the [reaper](crate::sync::reaper) until that work has
     /// finished. Never waits.
     pub(crate) fn retire(self, what: &'static str, finish: impl FnOnce() + Send + 'static) {
         match self {
-            UsesOf::Streams(streams) => crate::reaper::after_streams(&streams, what, finish),
-            UsesOf::Context(ctx) => crate::reaper::after_context(&ctx, what, finish),
+            UsesOf::Streams(streams) => crate::sync::reaper::after_streams(&streams, what, finish),
+            UsesOf::Context(ctx) => crate::sync::reaper::after_context(&ctx, what, finish),
         }
     }
 }

@@ -40,14 +40,14 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaStream, sys};
 
-use crate::buffer::sealed::Sealed;
-use crate::buffer::{Mapping, UsedStreams};
 use crate::device::Device;
+use crate::driver::result::vmm::{self, HandleType};
 use crate::error::{Error, Result};
 use crate::handle::FabricHandle;
 use crate::mechanism::{Access, Mechanism};
+use crate::memory::buffer::sealed::Sealed;
+use crate::memory::buffer::{Mapping, UsedStreams};
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
-use crate::result::vmm::{self, HandleType};
 use crate::units::round_up;
 
 /// The handle types a VMM allocation can be exported as.
@@ -246,7 +246,7 @@ pub(crate) fn export_existing(device: &Device, ptr: u64) -> Result<(OwnedFd, u64
             "the memory at {ptr:#x} is neither from cuMemAlloc, nor from a memory pool, nor a VMM allocation ({e})"
         ),
     })?;
-    let range = crate::result::mem::address_range(ptr);
+    let range = crate::driver::result::mem::address_range(ptr);
     let fd = vmm::export_fd(handle);
     // SAFETY: retained above, released once; the mapping keeps the memory.
     let _ = unsafe { vmm::release(handle) };

@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaStream, sys};
 
 use crate::device::Device;
+use crate::driver::result::{event, ipc, stream};
 use crate::error::Result;
 use crate::handle::IpcEventHandle;
-use crate::result::{event, ipc, stream};
 
 /// How long [`IpcEvent::wait_on`] polls an event that has not completed
 /// before it queues a wait on the device: long enough for a short kernel
