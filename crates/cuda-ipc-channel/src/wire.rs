@@ -448,8 +448,12 @@ pub enum Message {
         lease: u64,
         /// The entry's name.
         name: String,
-        /// The entry's update counter, from 1.
-        generation: u64,
+        /// The entry's version: its update counter, from 1.
+        ///
+        /// The wire key stays `"generation"` (protocol version 1), so that
+        /// peers built before the field was renamed still understand it.
+        #[serde(rename = "generation")]
+        version: u64,
         /// The producer's notice.
         notice: Value,
     },

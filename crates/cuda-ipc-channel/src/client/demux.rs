@@ -175,13 +175,13 @@ impl State {
             Message::Update {
                 lease,
                 name,
-                generation,
+                version,
                 notice,
             } => self.updates.push_back(Update {
                 lease,
                 name,
                 notice: Notice::Updated {
-                    generation,
+                    version,
                     data: notice,
                 },
             }),

@@ -143,8 +143,9 @@ pub struct RingAttachment {
 pub enum Notice {
     /// The producer called [`Server::update`](crate::Server::update).
     Updated {
-        /// The entry's update counter, from 1, without gaps.
-        generation: u64,
+        /// The entry's version: its update counter, from 1, without gaps
+        /// (not an allocation's generation, which is its identity).
+        version: u64,
         /// The producer's notice.
         data: Value,
     },

@@ -320,7 +320,7 @@ impl Server {
         validate_entry_name(name)?;
         check_fds(fds.len())?;
         let meta_bytes = json_size(&meta, "meta")?;
-        self.insert(name, meta, meta_bytes, Body::Plain { fds, generation: 0 })?;
+        self.insert(name, meta, meta_bytes, Body::Plain { fds, version: 0 })?;
         Ok(())
     }
 
@@ -357,8 +357,8 @@ impl Server {
     }
 
     /// Sends `notice` to every client holding a lease on `name`, as an
-    /// [`Update`](super::Update) with the entry's next generation (from 1),
-    /// which it returns. Never blocks on clients.
+    /// [`Update`](super::Update) with the entry's next version (its update
+    /// counter, from 1), which it returns. Never blocks on clients.
     pub fn update(&self, name: &str, notice: Value) -> Result<u64, ChannelError> {
         json_size(&notice, "notice")?;
         let mut st = lock(&self.shared.state);
@@ -373,14 +373,14 @@ impl Server {
         let Some(entry) = st.entries.get_mut(&id) else {
             return Err(ChannelError::NotFound { name: name.into() });
         };
-        let Body::Plain { generation, .. } = &mut entry.body else {
+        let Body::Plain { version, .. } = &mut entry.body else {
             return Err(ChannelError::arg(
                 "entry",
                 format!("{name:?} is a ring; publish its frames with RingProducer::publish"),
             ));
         };
-        *generation += 1;
-        let generation = *generation;
+        *version += 1;
+        let version = *version;
         let holders: Vec<(u64, &Arc<Conn>)> = entry
             .leases
             .iter()
@@ -391,14 +391,14 @@ impl Server {
                 Message::Update {
                     lease: *lease,
                     name: name.into(),
-                    generation,
+                    version,
                     notice,
                 },
                 Vec::new(),
                 self.shared.max_queued,
             );
         }
-        Ok(generation)
+        Ok(version)
     }
 
     /// Unpublishes an entry or ring: no new attaches; every lease holder

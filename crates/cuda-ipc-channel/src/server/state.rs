@@ -62,7 +62,11 @@ pub(super) struct Ring {
 }
 
 pub(super) enum Body {
-    Plain { fds: Vec<OwnedFd>, generation: u64 },
+    Plain {
+        fds: Vec<OwnedFd>,
+        /// The entry's version: how many updates it has had.
+        version: u64,
+    },
     Ring(Ring),
 }
 

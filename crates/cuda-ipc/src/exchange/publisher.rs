@@ -306,8 +306,7 @@ impl Publisher {
 
     /// Tells every subscriber of `name` that new contents are ready: records
     /// the event after the work queued on the buffer's stream, then notifies.
-    /// Returns the update's version: the count of updates of `name`, from 1
-    /// (the wire's notice calls it `generation`).
+    /// Returns the update's version: the count of updates of `name`, from 1.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn update(&self, name: &str) -> Result<u64> {
         if self.is_arena_entry(name) {

@@ -462,11 +462,7 @@ impl Subscriber {
 
     fn apply<T: Pod>(&self, attached: &Attachment<T>, notice: &Notice) -> Result<u64> {
         match notice {
-            // The channel's notice calls the update counter `generation` on the wire.
-            Notice::Updated {
-                generation: version,
-                data,
-            } => {
+            Notice::Updated { version, data } => {
                 self.wait_notice(&attached.waiter, attached.buffer.stream(), data)?;
                 Ok(*version)
             }
