@@ -64,7 +64,7 @@ mod socket;
 pub mod wire;
 
 pub use client::{
-    Attachment, Client, ClientConfig, DEFAULT_SPIN, Notice, RingAttachment, RingFrame, SPIN_ENV,
+    Attachment, Client, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, RingAttachment, SPIN_ENV,
     Update,
 };
 pub use deadline::deadline_in;

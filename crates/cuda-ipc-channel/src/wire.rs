@@ -457,7 +457,8 @@ pub enum Message {
         /// The producer's notice.
         notice: Value,
     },
-    /// The producer filled a ring slot.
+    /// The producer filled a ring slot; the client reads it as a
+    /// [`FrameNotice`](crate::FrameNotice).
     RingFrame {
         /// The ring lease.
         lease: u64,

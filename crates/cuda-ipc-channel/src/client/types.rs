@@ -166,10 +166,13 @@ pub struct Update {
     pub notice: Notice,
 }
 
-/// A frame of a ring: the producer filled `slot` (see [`Client::next_frame`](super::Client::next_frame)).
+/// The notice that the producer filled ring slot `slot` (see
+/// [`Client::next_frame`](super::Client::next_frame)): the ring's
+/// counterpart of [`Update`]. It carries no memory; the core's
+/// `cuda_ipc::exchange::RingFrame` is the mapped frame built from it.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
-pub struct RingFrame {
+pub struct FrameNotice {
     /// The ring lease.
     pub lease: u64,
     /// The slot the producer filled.

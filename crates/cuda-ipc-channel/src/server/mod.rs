@@ -484,7 +484,7 @@ impl Server {
     /// and receive every slot's metadata and descriptors once (each slot's
     /// message is made as the subscriber takes the previous ones, so one
     /// that does not read pins no more than one message's duplicates); afterwards
-    /// only small [`RingFrame`](super::RingFrame) notices travel. Dropping
+    /// only small [`FrameNotice`](super::FrameNotice)s travel. Dropping
     /// the [`RingProducer`] unpublishes the ring.
     pub fn create_ring(
         &self,

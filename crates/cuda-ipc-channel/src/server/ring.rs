@@ -28,7 +28,7 @@ use super::{LeaseInfo, Shared, copies, json_size};
 /// The cycle: [`acquire`](Self::acquire) a slot (blocks while it is in use),
 /// fill what the slot's descriptors refer to, then
 /// [`publish`](Self::publish) it with a notice; every subscriber gets a
-/// [`RingFrame`](crate::RingFrame) and acks it when done. Slots are handed
+/// [`FrameNotice`](crate::FrameNotice) and acks it when done. Slots are handed
 /// out in order `0, 1, …, n-1, 0, …`. Dropping the handle unpublishes the
 /// ring.
 pub struct RingProducer {

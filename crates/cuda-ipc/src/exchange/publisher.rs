@@ -20,7 +20,7 @@ use super::ring::RingPublisher;
 use super::set_book::{PublisherArena, Sharing};
 use super::sync::{self, EntryFences};
 use super::wire::FenceMeta;
-use super::wire::{self, EntryMeta, RingMeta, UpdateNotice};
+use super::wire::{self, EntryMeta, RingMeta, UpdateBody};
 use super::{Endpoint, lock};
 
 /// How a [`Publisher`] serves: `PublisherConfig::default()`, adjusted with
@@ -323,7 +323,7 @@ impl Publisher {
         };
         Ok(self
             .server
-            .update(name, wire::to_value(&UpdateNotice { fence_seq })?)?)
+            .update(name, wire::to_value(&UpdateBody { fence_seq })?)?)
     }
 
     /// The buffer published under `name`.

@@ -20,7 +20,7 @@ use crate::sync::event::IpcEvent;
 use super::Subscriber;
 use super::lease::LeaseGuard;
 use super::sync::Waiter;
-use super::wire::{self, FrameNotice};
+use super::wire::{self, FrameBody};
 
 /// The producer's side of a ring of buffers with back-pressure.
 pub struct RingPublisher {
@@ -81,7 +81,7 @@ impl RingPublisher {
         // These fields are ours: a producer's field of that name can't replace them.
         extra.remove("event");
         extra.remove("fence_seq");
-        let notice = wire::to_value(&FrameNotice {
+        let notice = wire::to_value(&FrameBody {
             event: self.event_handle,
             fence_seq,
             extra,
@@ -143,7 +143,9 @@ impl<T: Pod> RingSubscriber<T> {
     }
 }
 
-/// One received frame of a ring.
+/// One received frame of a ring: the slot's mapped buffer, ready to read,
+/// made from the channel's [`FrameNotice`](channel::FrameNotice) (which
+/// only says which slot was filled).
 #[derive(Debug)]
 #[must_use = "acknowledge the frame with Subscriber::ack so the producer can reuse the slot"]
 #[non_exhaustive]
@@ -207,7 +209,7 @@ impl Subscriber {
                 format!("slot {} of {}", f.slot, ring.slots.len()),
             )
         })?;
-        let notice = FrameNotice::decode(&f.notice)?;
+        let notice = FrameBody::decode(&f.notice)?;
         match (&ring.waiters[index::<usize, _>(f.slot)?], notice.fence_seq) {
             (waiter @ Waiter::Fence { .. }, Some(seq)) => {
                 self.wait_fence(waiter, buffer.stream(), seq)?;
