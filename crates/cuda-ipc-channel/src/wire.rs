@@ -424,7 +424,8 @@ pub enum Message {
         id: u64,
         /// The new lease.
         lease: u64,
-        /// The number of slots.
+        /// The number of slots (the wire's key for what the API calls a
+        /// slot count).
         slots: u32,
         /// The ring's metadata (shared with the server's entry, not copied).
         meta: Arc<Value>,

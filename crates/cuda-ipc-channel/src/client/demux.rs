@@ -72,7 +72,7 @@ impl Dead {
 
 pub(super) struct RingQueue {
     pub(super) name: String,
-    pub(super) slots: u32,
+    pub(super) slot_count: u32,
     pub(super) frames: VecDeque<FrameNotice>,
     pub(super) ended: bool,
     /// Why the producer ended the subscription, if it did.
@@ -262,7 +262,7 @@ impl State {
                 *lease,
                 RingQueue {
                     name: ring_name.clone().unwrap_or_default(),
-                    slots: *slots,
+                    slot_count: *slots,
                     frames: VecDeque::new(),
                     ended: false,
                     evicted: None,

@@ -159,12 +159,12 @@ impl Client {
                         format!("lease {lease} is not a ring subscription of this client"),
                     ));
                 }
-                Some(q) if slot >= q.slots => {
+                Some(q) if slot >= q.slot_count => {
                     return Err(ChannelError::arg(
                         "slot",
                         format!(
                             "ring {:?} has {} slots, there is no slot {slot}",
-                            q.name, q.slots
+                            q.name, q.slot_count
                         ),
                     ));
                 }

@@ -133,7 +133,8 @@ pub struct RingAttachment {
     pub name: String,
     /// The ring's metadata.
     pub meta: Value,
-    /// Each slot's metadata and descriptors, by slot index.
+    /// Each slot's metadata and descriptors, by slot index (so
+    /// `slots.len()` is the ring's slot count).
     pub slots: Vec<(Value, Vec<OwnedFd>)>,
 }
 

@@ -536,7 +536,7 @@ impl Server {
             shared: Arc::clone(&self.shared),
             entry: id,
             name: name.into(),
-            slots: count,
+            slot_count: count,
         })
     }
 

@@ -35,14 +35,14 @@ pub struct RingProducer {
     pub(super) shared: Arc<Shared>,
     pub(super) entry: u64,
     pub(super) name: String,
-    pub(super) slots: usize,
+    pub(super) slot_count: usize,
 }
 
 impl std::fmt::Debug for RingProducer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RingProducer")
             .field("name", &self.name)
-            .field("slots", &self.slots)
+            .field("slot_count", &self.slot_count)
             .finish_non_exhaustive()
     }
 }
@@ -53,9 +53,10 @@ impl RingProducer {
         &self.name
     }
 
-    /// The number of slots.
-    pub fn slot_count(&self) -> u32 {
-        self.slots as u32
+    /// The number of slots (as [`Vec::len`]; a slot's index is a `u32`
+    /// below it).
+    pub fn slot_count(&self) -> usize {
+        self.slot_count
     }
 
     /// Runs `f` on the ring, if it is still published.

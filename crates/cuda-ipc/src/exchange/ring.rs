@@ -89,7 +89,7 @@ impl RingPublisher {
         Ok(self.producer.publish(index(slot)?, notice)?)
     }
 
-    /// The number of slots.
+    /// The number of slots (a slot's index is a `u32` below it).
     pub fn slot_count(&self) -> usize {
         self.buffers.len()
     }
@@ -131,7 +131,7 @@ pub struct RingSubscriber<T> {
 }
 
 impl<T: Pod> RingSubscriber<T> {
-    /// The number of slots.
+    /// The number of slots (a slot's index is a `u32` below it).
     pub fn slot_count(&self) -> usize {
         self.slots.len()
     }
