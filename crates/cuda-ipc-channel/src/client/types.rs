@@ -109,6 +109,10 @@ impl ClientConfig {
 }
 
 /// A lease on a plain entry, with the entry's metadata and descriptors.
+///
+/// Layers: this is the channel's view, raw descriptors and JSON (no CUDA).
+/// The core's `cuda_ipc::exchange::Attachment<T>` is made from one: it
+/// imports the descriptors and holds the mapped buffer and this lease.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct Attachment {
@@ -123,6 +127,11 @@ pub struct Attachment {
 }
 
 /// A subscription to a ring, with every slot's metadata and descriptors.
+///
+/// Layers: this is the channel's view, raw descriptors and JSON (no CUDA);
+/// the name pairs it with [`Attachment`]. The core's
+/// `cuda_ipc::exchange::RingSubscriber<T>` is made from one: it maps every
+/// slot and holds this lease.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct RingAttachment {

@@ -5,7 +5,7 @@
 //! [`Server::bind`] starts one accept thread. Each admitted connection gets
 //! a reader thread, which answers requests, and a writer thread, the only
 //! one that writes to the socket: requests, [`Server::update`] and
-//! [`RingProducer::publish`] only queue frames for it, so a slow or stuck
+//! [`ServerRing::publish`] only queue frames for it, so a slow or stuck
 //! client never blocks the producer or other clients. A client that leaves
 //! more than [`ServerConfig::max_queued_frames`] messages unread, or does not
 //! read for [`ServerConfig::send_timeout`], is disconnected.
@@ -14,7 +14,7 @@
 //! A lease is held by a connection. When the connection ends for any reason
 //! (release, close, crash, `SIGKILL`, a malformed message), all its leases and
 //! ring subscriptions end at once and waiters
-//! ([`Server::wait_released`], [`RingProducer::acquire`]) wake up.
+//! ([`Server::wait_released`], [`ServerRing::acquire`]) wake up.
 //!
 //! # File descriptors
 //! [`Server::publish`] and [`Server::create_ring`] take ownership of the
@@ -117,7 +117,7 @@ use checks::{bound_socket, check_config, check_fds, json_size};
 pub use config::ServerConfig;
 use conn::Conn;
 use conn::SlotSource;
-pub use ring::RingProducer;
+pub use ring::ServerRing;
 pub use state::LatePolicy;
 use state::{Body, Entry, Ring, Slot, SlotState, State};
 
@@ -376,7 +376,7 @@ impl Server {
         let Body::Plain { version, .. } = &mut entry.body else {
             return Err(ChannelError::arg(
                 "entry",
-                format!("{name:?} is a ring; publish its frames with RingProducer::publish"),
+                format!("{name:?} is a ring; publish its frames with ServerRing::publish"),
             ));
         };
         *version += 1;
@@ -485,13 +485,13 @@ impl Server {
     /// message is made as the subscriber takes the previous ones, so one
     /// that does not read pins no more than one message's duplicates); afterwards
     /// only small [`FrameNotice`](super::FrameNotice)s travel. Dropping
-    /// the [`RingProducer`] unpublishes the ring.
+    /// the [`ServerRing`] unpublishes the ring.
     pub fn create_ring(
         &self,
         name: &str,
         meta: Value,
         slots: Vec<(Value, Vec<OwnedFd>)>,
-    ) -> Result<RingProducer, ChannelError> {
+    ) -> Result<ServerRing, ChannelError> {
         validate_entry_name(name)?;
         let meta_bytes = json_size(&meta, "meta")?;
         if slots.is_empty() || slots.len() > MAX_RING_SLOTS {
@@ -532,7 +532,7 @@ impl Server {
                 seq: 0,
             }),
         )?;
-        Ok(RingProducer {
+        Ok(ServerRing {
             shared: Arc::clone(&self.shared),
             entry: id,
             name: name.into(),

@@ -31,23 +31,27 @@ use super::{LeaseInfo, Shared, copies, json_size};
 /// [`FrameNotice`](crate::FrameNotice) and acks it when done. Slots are handed
 /// out in order `0, 1, …, n-1, 0, …`. Dropping the handle unpublishes the
 /// ring.
-pub struct RingProducer {
+///
+/// Layers: this is the channel's side of a ring, descriptors and JSON
+/// notices only (no CUDA). The core's `cuda_ipc::exchange::RingPublisher`
+/// wraps one, adding the slots' buffers, the ring's event and its fence.
+pub struct ServerRing {
     pub(super) shared: Arc<Shared>,
     pub(super) entry: u64,
     pub(super) name: String,
     pub(super) slot_count: usize,
 }
 
-impl std::fmt::Debug for RingProducer {
+impl std::fmt::Debug for ServerRing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RingProducer")
+        f.debug_struct("ServerRing")
             .field("name", &self.name)
             .field("slot_count", &self.slot_count)
             .finish_non_exhaustive()
     }
 }
 
-impl RingProducer {
+impl ServerRing {
     /// The ring's name.
     pub fn name(&self) -> &str {
         &self.name
@@ -324,7 +328,7 @@ impl RingProducer {
     }
 }
 
-impl Drop for RingProducer {
+impl Drop for ServerRing {
     fn drop(&mut self) {
         let mut st = lock(&self.shared.state);
         st.unpublish(self.entry, self.shared.max_queued);

@@ -34,7 +34,7 @@ pub(super) struct Slot {
 
 /// What the producer does with a subscriber that has not acked a frame
 /// within the ring's ack deadline (see
-/// [`RingProducer::set_ack_deadline`](super::RingProducer::set_ack_deadline)).
+/// [`ServerRing::set_ack_deadline`](super::ServerRing::set_ack_deadline)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum LatePolicy {

@@ -7,7 +7,7 @@ fn handles_can_be_shared_between_threads() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<Server>();
     send_sync::<Client>();
-    send_sync::<cuda_ipc_channel::RingProducer>();
+    send_sync::<cuda_ipc_channel::ServerRing>();
     send_sync::<ChannelError>();
 }
 

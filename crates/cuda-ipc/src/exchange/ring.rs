@@ -23,8 +23,12 @@ use super::sync::Waiter;
 use super::wire::{self, FrameBody};
 
 /// The producer's side of a ring of buffers with back-pressure.
+///
+/// Layers: it wraps the channel's [`ServerRing`](channel::ServerRing)
+/// (slots as descriptors, frames as JSON notices) and adds the CUDA side:
+/// each slot's buffer, the event recorded per frame and the fence.
 pub struct RingPublisher {
-    pub(super) producer: channel::RingProducer,
+    pub(super) producer: channel::ServerRing,
     pub(super) buffers: Vec<SharedBuffer>,
     pub(super) event: IpcEvent,
     pub(super) event_handle: IpcEventHandle,
@@ -102,7 +106,7 @@ impl RingPublisher {
     /// Sets how long a subscriber may keep a frame before acking it, and
     /// what [`acquire`](Self::acquire) does with one that keeps it longer:
     /// cut it off or skip it (see
-    /// [`RingProducer::set_ack_deadline`](channel::RingProducer::set_ack_deadline)).
+    /// [`ServerRing::set_ack_deadline`](channel::ServerRing::set_ack_deadline)).
     /// `None` (the default) waits for every subscriber for ever.
     pub fn set_ack_deadline(
         &self,
@@ -113,7 +117,7 @@ impl RingPublisher {
     }
 
     /// Ends the subscription `lease` now; the subscriber is told `reason`
-    /// (see [`RingProducer::evict`](channel::RingProducer::evict)).
+    /// (see [`ServerRing::evict`](channel::ServerRing::evict)).
     pub fn evict(&self, lease: u64, reason: &str) -> Result<()> {
         Ok(self.producer.evict(lease, reason)?)
     }
@@ -121,6 +125,10 @@ impl RingPublisher {
 
 /// A subscription to a ring: every slot mapped. Every slot's buffer, and
 /// every view made from one, holds the subscription's lease.
+///
+/// Layers: made from the channel's
+/// [`RingAttachment`](channel::RingAttachment) (the lease and each slot's
+/// descriptors) by [`Subscriber::attach_ring`], which maps every slot.
 #[derive(Debug)]
 pub struct RingSubscriber<T> {
     lease: u64,

@@ -163,6 +163,10 @@ impl std::fmt::Debug for Subscriber {
 
 /// A buffer attached from a publisher: a lease and a typed mapping. The
 /// buffer and every view made from it hold the lease.
+///
+/// Layers: made from the channel's [`Attachment`](crate::channel::Attachment)
+/// (the lease, the metadata and raw descriptors) by importing the
+/// descriptors; the same word, one layer up.
 #[derive(Debug)]
 pub struct Attachment<T> {
     lease: u64,
