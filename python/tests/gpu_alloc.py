@@ -89,8 +89,8 @@ def _alloc_train(self, case, steps):
     moved = [k for k, t in sd.items() if t.data_ptr() != ptrs[k]]
     if moved:
         raise AssertionError(f"training moved {len(moved)} tensors out of the arena, e.g. {moved[0]}")
-    generation = s["pub"].update_state_dict("weights")
-    return {"generation": generation, "digests": alloc_digests(self.np, torch, sd), "loss": float(loss)}
+    version = s["pub"].update_state_dict("weights")
+    return {"version": version, "digests": alloc_digests(self.np, torch, sd), "loss": float(loss)}
 
 
 def _alloc_attach(self, case, path, digests):
@@ -116,7 +116,7 @@ def _alloc_wait(self, case, digests, timeout=60.0):
     s = self.state[case]
     g = s["sd"].wait_update(timeout)
     _alloc_compare(self.np, self.torch, s["sd"], digests, f"the state dict after update {g}")
-    return {"generation": g}
+    return {"version": g}
 
 
 def _alloc_freed_space(self):
@@ -297,9 +297,9 @@ class AllocCases:
             b.call("alloc_attach", case=case, path=r["path"], digests=r["digests"], timeout=300)
             for _ in range(rounds):
                 t = a.call("alloc_train", case=case, steps=steps, timeout=120)
-                got = b.call("alloc_wait", case=case, digests=t["digests"], timeout=120)["generation"]
-                if got != t["generation"]:
-                    raise CaseError(f"the publisher says version {t['generation']}, the subscriber {got}")
+                got = b.call("alloc_wait", case=case, digests=t["digests"], timeout=120)["version"]
+                if got != t["version"]:
+                    raise CaseError(f"the publisher says version {t['version']}, the subscriber {got}")
             b.call("sets_release_sd", case=case)
             a.call("sets_leases", case=case, want=0)
         except BaseException:

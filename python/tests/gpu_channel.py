@@ -53,7 +53,7 @@ def _chan_update(self, case, value):
     t = self.state[case]["published"].as_torch()
     t.fill_(value)
     del t
-    return {"generation": self.state[case]["pub"].update("x")}
+    return {"version": self.state[case]["pub"].update("x")}
 
 
 def _chan_leases(self, case, want, timeout=5.0):
@@ -135,7 +135,7 @@ def _chan_wait(self, case, expect, timeout=10.0):
     t = s["t"]
     if not bool((t == expect).all().item()):
         raise AssertionError(f"after update {g}, x is not all {expect}")
-    return {"generation": g}
+    return {"version": g}
 
 
 def _chan_drop(self, case, what):
@@ -294,10 +294,10 @@ class ChannelCases:
         try:
             b.call("chan_subscribe", case=case, path=r["path"])
             for k in (1, 2, 3):
-                g = a.call("chan_update", case=case, value=k)["generation"]
-                got = b.call("chan_wait", case=case, expect=k)["generation"]
+                g = a.call("chan_update", case=case, value=k)["version"]
+                got = b.call("chan_wait", case=case, expect=k)["version"]
                 if got != g:
-                    raise CaseError(f"update {k}: the publisher says generation {g}, the subscriber {got}")
+                    raise CaseError(f"update {k}: the publisher says version {g}, the subscriber {got}")
             b.call("chan_drop", case=case, what="all")
             a.call("chan_leases", case=case, want=0)
         except BaseException:

@@ -144,7 +144,7 @@ def _dtypes_publish(self, case):
 def _dtypes_update(self, case, version):
     """Copies dt_make(version) in (transposed fp8/fp4 sources too)."""
     s = self.state[case]
-    return {"generation": s["pub"].update_state_dict(SET, dt_make(self.torch, version))}
+    return {"version": s["pub"].update_state_dict(SET, dt_make(self.torch, version))}
 
 
 def _dtypes_attach(self, case, path, version):
@@ -171,7 +171,7 @@ def _dtypes_wait(self, case, version):
     s = self.state[case]
     g = s["sd"].wait_update(30)
     dt_check(self.torch, s["sd"], version, f"the state dict after update {g}")
-    return {"generation": g}
+    return {"version": g}
 
 
 def _dtypes_cupy(self, case, path, version):
@@ -212,8 +212,8 @@ def state_dict_case(runner):
     r = a.call("dtypes_publish", case=case, timeout=300)
     try:
         got = b.call("dtypes_attach", case=case, path=r["path"], version=0, timeout=300)
-        g = a.call("dtypes_update", case=case, version=1, timeout=120)["generation"]
-        w = b.call("dtypes_wait", case=case, version=1, timeout=120)["generation"]
+        g = a.call("dtypes_update", case=case, version=1, timeout=120)["version"]
+        w = b.call("dtypes_wait", case=case, version=1, timeout=120)["version"]
         if g != w:
             raise AssertionError(f"the publisher says version {g}, the subscriber {w}")
         b.call("sets_release_sd", case=case)

@@ -130,8 +130,8 @@ def _sets_update_sd(self, case, version, mode):
         with torch.no_grad():
             for key, t in s["shared"].items():
                 t.copy_(new[key])
-        return {"generation": s["pub"].update_state_dict("model")}
-    return {"generation": s["pub"].update_state_dict("model", new)}
+        return {"version": s["pub"].update_state_dict("model")}
+    return {"version": s["pub"].update_state_dict("model", new)}
 
 
 def _sets_attach_sd(self, case, path, n, version, hold="state_dict"):
@@ -162,7 +162,7 @@ def _sets_wait_sd(self, case, version, timeout=30.0):
     s = self.state[case]
     g = s["sd"].wait_update(timeout)
     sd_check(self.torch, s["sd"], s["n"], version, f"the state dict after update {g}")
-    return {"generation": g}
+    return {"version": g}
 
 
 def _sets_release_sd(self, case):
@@ -351,7 +351,7 @@ def _sets_update_tied(self, case, version):
     with torch.no_grad():
         for k, t in s["shared"].items():
             t.copy_(new[k])
-    return {"generation": s["pub"].update_state_dict("tied")}
+    return {"version": s["pub"].update_state_dict("tied")}
 
 
 def _sets_attach_tied(self, case, path):
@@ -378,7 +378,7 @@ def _sets_wait_tied(self, case, version):
     for k, t in want.items():
         if not torch.equal(s["sd"][k], t):
             raise AssertionError(f"after update {g}: {k} differs")
-    return {"generation": g}
+    return {"version": g}
 
 
 def register(worker_cls):
@@ -431,8 +431,8 @@ class SetsCases:
         try:
             b.call("sets_attach_sd", case=case, path=r["path"], n=n, version=0, timeout=300)
             for version, mode in ((1, "inplace"), (2, "copy"), (3, "inplace")):
-                g = a.call("sets_update_sd", case=case, version=version, mode=mode, timeout=120)["generation"]
-                got = b.call("sets_wait_sd", case=case, version=version, timeout=120)["generation"]
+                g = a.call("sets_update_sd", case=case, version=version, mode=mode, timeout=120)["version"]
+                got = b.call("sets_wait_sd", case=case, version=version, timeout=120)["version"]
                 if got != g:
                     raise CaseError(f"update {version} ({mode}): the publisher says version {g}, the subscriber {got}")
             b.call("sets_release_sd", case=case)

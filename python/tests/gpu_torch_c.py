@@ -141,7 +141,7 @@ def _tc_update(self, case, version, mode):
         src = new
     t0 = time.perf_counter()
     g = s["pub"].update_state_dict(SET, src)
-    return {"generation": g, "ms": (time.perf_counter() - t0) * 1e3}
+    return {"version": g, "ms": (time.perf_counter() - t0) * 1e3}
 
 
 def _tc_wait(self, case, version):
@@ -150,7 +150,7 @@ def _tc_wait(self, case, version):
     g = s["sd"].wait_update(30)
     ms = (time.perf_counter() - t0) * 1e3
     tc_check(self.torch, s["sd"], s["n"], version, f"the state dict after update {g}")
-    return {"generation": g, "ms": ms}
+    return {"version": g, "ms": ms}
 
 
 def _tc_release(self, case):
@@ -208,9 +208,9 @@ def pair_case(runner, pub_worker, sub_worker, n):
         for version, mode in ((1, "inplace"), (2, "copy")):
             u = a.call("tc_update", case=case, version=version, mode=mode, timeout=120)
             w = b.call("tc_wait", case=case, version=version, timeout=120)
-            if u["generation"] != w["generation"]:
-                raise AssertionError(f"update {version}: the publisher says {u['generation']}, "
-                                     f"the subscriber {w['generation']}")
+            if u["version"] != w["version"]:
+                raise AssertionError(f"update {version}: the publisher says {u['version']}, "
+                                     f"the subscriber {w['version']}")
             updates.append(f"{mode} {u['ms']:.2f} ms")
         b.call("tc_release", case=case)
         a.call("sets_leases", case=case, want=1, name=SET)

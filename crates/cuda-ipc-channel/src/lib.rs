@@ -64,7 +64,7 @@ mod socket;
 pub mod wire;
 
 pub use client::{
-    Attachment, Client, ClientConfig, DEFAULT_SPIN, Notice, RingAttachment, RingFrame, SPIN_ENV,
+    Attachment, Client, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, RingAttachment, SPIN_ENV,
     Update,
 };
 pub use deadline::deadline_in;
@@ -73,7 +73,7 @@ pub use paths::{
     MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,
     validate_socket_name,
 };
-pub use server::{LatePolicy, LeaseInfo, RingProducer, Server, ServerConfig};
+pub use server::{LatePolicy, LeaseInfo, Server, ServerConfig, ServerRing};
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};
 

@@ -424,7 +424,8 @@ pub enum Message {
         id: u64,
         /// The new lease.
         lease: u64,
-        /// The number of slots.
+        /// The number of slots (the wire's key for what the API calls a
+        /// slot count).
         slots: u32,
         /// The ring's metadata (shared with the server's entry, not copied).
         meta: Arc<Value>,
@@ -448,12 +449,17 @@ pub enum Message {
         lease: u64,
         /// The entry's name.
         name: String,
-        /// The entry's update counter, from 1.
-        generation: u64,
+        /// The entry's version: its update counter, from 1.
+        ///
+        /// The wire key stays `"generation"` (protocol version 1), so that
+        /// peers built before the field was renamed still understand it.
+        #[serde(rename = "generation")]
+        version: u64,
         /// The producer's notice.
         notice: Value,
     },
-    /// The producer filled a ring slot.
+    /// The producer filled a ring slot; the client reads it as a
+    /// [`FrameNotice`](crate::FrameNotice).
     RingFrame {
         /// The ring lease.
         lease: u64,

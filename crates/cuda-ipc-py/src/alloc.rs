@@ -254,9 +254,9 @@ fn shareable_error() -> Option<String> {
 /// The segments the allocator holds now, and their bytes.
 #[pyfunction]
 fn shareable_segments() -> (usize, u64) {
-    lock(&LIVE)
-        .as_ref()
-        .map_or((0, 0), |l| (l.len(), l.values().map(|b| b.len()).sum()))
+    lock(&LIVE).as_ref().map_or((0, 0), |l| {
+        (l.len(), l.values().map(|b| b.byte_len()).sum())
+    })
 }
 
 /// Whether a publisher is active on device `ordinal`.

@@ -77,7 +77,7 @@ impl ArenaRegistry {
             .by_ptr
             .get(&ptr)?
             .upgrade()
-            .filter(|b| b.len() >= nbytes)
+            .filter(|b| b.byte_len() >= nbytes)
     }
 
     /// The live buffer that holds the `nbytes` bytes from device address
@@ -98,7 +98,7 @@ impl ArenaRegistry {
             .find_map(|(_, w)| w.upgrade())?;
         let offset = ptr - buffer.device_address();
         let end = offset.checked_add(nbytes)?;
-        (end <= buffer.len()).then_some((buffer, offset))
+        (end <= buffer.byte_len()).then_some((buffer, offset))
     }
 }
 

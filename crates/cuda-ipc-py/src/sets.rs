@@ -56,7 +56,7 @@ impl ArenaBuffer {
     /// Length in bytes, as asked for.
     #[getter]
     fn nbytes(&self) -> u64 {
-        self.buffer.len()
+        self.buffer.byte_len()
     }
     /// Bytes from the start of its chunk.
     #[getter]
@@ -83,7 +83,7 @@ impl ArenaBuffer {
     fn view(&self, dtype: &str, shape: Option<Vec<u64>>) -> PyResult<View> {
         let l = layout(
             self.buffer.device_address(),
-            self.buffer.len(),
+            self.buffer.byte_len(),
             self.device.ordinal(),
             dtype,
             shape,
@@ -99,7 +99,7 @@ impl ArenaBuffer {
     fn __repr__(&self) -> String {
         format!(
             "<cuda_ipc.ArenaBuffer {} bytes at 0x{:x} (chunk {}, offset {}) on cuda:{}>",
-            self.buffer.len(),
+            self.buffer.byte_len(),
             self.buffer.device_address(),
             self.buffer.chunk().id().index,
             self.buffer.offset(),

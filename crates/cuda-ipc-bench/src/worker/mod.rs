@@ -402,7 +402,7 @@ impl State {
             .ok_or_else(|| failure("await", format!("{name:?} is not held")))?;
         let sub = self.sub()?;
         send_line(out, &json!({ "waiting": true }))?;
-        let generation = sub.wait_update(a, WAIT)?;
+        let version = sub.wait_update(a, WAIT)?;
         a.buffer().synchronize()?;
         let t_done = mono_ns();
         let checked = Instant::now();
@@ -412,7 +412,7 @@ impl State {
         Ok(json!({
             "t_recv": t_recv,
             "t_done": t_done,
-            "generation": generation,
+            "version": version,
             "verify_ms": checked.elapsed().as_secs_f64() * 1e3,
         }))
     }

@@ -7,7 +7,7 @@ use std::os::fd::OwnedFd;
 use crate::ChannelError;
 use crate::wire::{Message, WireError};
 
-use super::types::{Notice, RingFrame, Update};
+use super::types::{FrameNotice, Notice, Update};
 
 /// The code of the error filed for an answer whose descriptors this
 /// process could not take (`EMFILE`).
@@ -72,8 +72,8 @@ impl Dead {
 
 pub(super) struct RingQueue {
     pub(super) name: String,
-    pub(super) slots: u32,
-    pub(super) frames: VecDeque<RingFrame>,
+    pub(super) slot_count: u32,
+    pub(super) frames: VecDeque<FrameNotice>,
     pub(super) ended: bool,
     /// Why the producer ended the subscription, if it did.
     pub(super) evicted: Option<String>,
@@ -175,13 +175,13 @@ impl State {
             Message::Update {
                 lease,
                 name,
-                generation,
+                version,
                 notice,
             } => self.updates.push_back(Update {
                 lease,
                 name,
                 notice: Notice::Updated {
-                    generation,
+                    version,
                     data: notice,
                 },
             }),
@@ -193,7 +193,7 @@ impl State {
             } => {
                 // Frames for a released ring are dropped.
                 if let Some(q) = self.rings.get_mut(&lease) {
-                    q.frames.push_back(RingFrame {
+                    q.frames.push_back(FrameNotice {
                         lease,
                         slot,
                         seq,
@@ -262,7 +262,7 @@ impl State {
                 *lease,
                 RingQueue {
                     name: ring_name.clone().unwrap_or_default(),
-                    slots: *slots,
+                    slot_count: *slots,
                     frames: VecDeque::new(),
                     ended: false,
                     evicted: None,

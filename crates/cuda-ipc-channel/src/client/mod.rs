@@ -55,7 +55,7 @@ mod types;
 use connect::connect_socket;
 use demux::{Dead, State, unexpected};
 pub use types::{
-    Attachment, ClientConfig, DEFAULT_SPIN, Notice, RingAttachment, RingFrame, SPIN_ENV, Update,
+    Attachment, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, RingAttachment, SPIN_ENV, Update,
 };
 
 /// A connection to a channel server: the consumer's end.

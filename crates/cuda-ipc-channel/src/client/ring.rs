@@ -10,7 +10,7 @@ use crate::wire::Message;
 use crate::{ChannelError, lock};
 
 use super::demux::unexpected;
-use super::{Client, RingAttachment, RingFrame};
+use super::{Client, FrameNotice, RingAttachment};
 
 impl Client {
     /// Subscribes to a ring: takes a lease and receives every slot's
@@ -89,7 +89,7 @@ impl Client {
     /// producer gave up on this subscriber's acks: [`ChannelError::Lagged`]
     /// once (frames go on with the next one) or [`ChannelError::Evicted`]
     /// (the subscription is over).
-    pub fn next_frame(&self, lease: u64, timeout: Duration) -> Result<RingFrame, ChannelError> {
+    pub fn next_frame(&self, lease: u64, timeout: Duration) -> Result<FrameNotice, ChannelError> {
         let not_ring = || {
             ChannelError::arg(
                 "lease",
@@ -159,12 +159,12 @@ impl Client {
                         format!("lease {lease} is not a ring subscription of this client"),
                     ));
                 }
-                Some(q) if slot >= q.slots => {
+                Some(q) if slot >= q.slot_count => {
                     return Err(ChannelError::arg(
                         "slot",
                         format!(
                             "ring {:?} has {} slots, there is no slot {slot}",
-                            q.name, q.slots
+                            q.name, q.slot_count
                         ),
                     ));
                 }

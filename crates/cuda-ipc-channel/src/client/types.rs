@@ -109,6 +109,10 @@ impl ClientConfig {
 }
 
 /// A lease on a plain entry, with the entry's metadata and descriptors.
+///
+/// Layers: this is the channel's view, raw descriptors and JSON (no CUDA).
+/// The core's `cuda_ipc::exchange::Attachment<T>` is made from one: it
+/// imports the descriptors and holds the mapped buffer and this lease.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct Attachment {
@@ -123,6 +127,11 @@ pub struct Attachment {
 }
 
 /// A subscription to a ring, with every slot's metadata and descriptors.
+///
+/// Layers: this is the channel's view, raw descriptors and JSON (no CUDA);
+/// the name pairs it with [`Attachment`]. The core's
+/// `cuda_ipc::exchange::RingSubscriber<T>` is made from one: it maps every
+/// slot and holds this lease.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct RingAttachment {
@@ -133,7 +142,8 @@ pub struct RingAttachment {
     pub name: String,
     /// The ring's metadata.
     pub meta: Value,
-    /// Each slot's metadata and descriptors, by slot index.
+    /// Each slot's metadata and descriptors, by slot index (so
+    /// `slots.len()` is the ring's slot count).
     pub slots: Vec<(Value, Vec<OwnedFd>)>,
 }
 
@@ -143,8 +153,9 @@ pub struct RingAttachment {
 pub enum Notice {
     /// The producer called [`Server::update`](crate::Server::update).
     Updated {
-        /// The entry's update counter, from 1, without gaps.
-        generation: u64,
+        /// The entry's version: its update counter, from 1, without gaps
+        /// (not an allocation's generation, which is its identity).
+        version: u64,
         /// The producer's notice.
         data: Value,
     },
@@ -165,10 +176,13 @@ pub struct Update {
     pub notice: Notice,
 }
 
-/// A frame of a ring: the producer filled `slot` (see [`Client::next_frame`](super::Client::next_frame)).
+/// The notice that the producer filled ring slot `slot` (see
+/// [`Client::next_frame`](super::Client::next_frame)): the ring's
+/// counterpart of [`Update`]. It carries no memory; the core's
+/// `cuda_ipc::exchange::RingFrame` is the mapped frame built from it.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
-pub struct RingFrame {
+pub struct FrameNotice {
     /// The ring lease.
     pub lease: u64,
     /// The slot the producer filled.

@@ -5,7 +5,7 @@
 //! [`Server::bind`] starts one accept thread. Each admitted connection gets
 //! a reader thread, which answers requests, and a writer thread, the only
 //! one that writes to the socket: requests, [`Server::update`] and
-//! [`RingProducer::publish`] only queue frames for it, so a slow or stuck
+//! [`ServerRing::publish`] only queue frames for it, so a slow or stuck
 //! client never blocks the producer or other clients. A client that leaves
 //! more than [`ServerConfig::max_queued_frames`] messages unread, or does not
 //! read for [`ServerConfig::send_timeout`], is disconnected.
@@ -14,7 +14,7 @@
 //! A lease is held by a connection. When the connection ends for any reason
 //! (release, close, crash, `SIGKILL`, a malformed message), all its leases and
 //! ring subscriptions end at once and waiters
-//! ([`Server::wait_released`], [`RingProducer::acquire`]) wake up.
+//! ([`Server::wait_released`], [`ServerRing::acquire`]) wake up.
 //!
 //! # File descriptors
 //! [`Server::publish`] and [`Server::create_ring`] take ownership of the
@@ -117,7 +117,7 @@ use checks::{bound_socket, check_config, check_fds, json_size};
 pub use config::ServerConfig;
 use conn::Conn;
 use conn::SlotSource;
-pub use ring::RingProducer;
+pub use ring::ServerRing;
 pub use state::LatePolicy;
 use state::{Body, Entry, Ring, Slot, SlotState, State};
 
@@ -320,7 +320,7 @@ impl Server {
         validate_entry_name(name)?;
         check_fds(fds.len())?;
         let meta_bytes = json_size(&meta, "meta")?;
-        self.insert(name, meta, meta_bytes, Body::Plain { fds, generation: 0 })?;
+        self.insert(name, meta, meta_bytes, Body::Plain { fds, version: 0 })?;
         Ok(())
     }
 
@@ -357,8 +357,8 @@ impl Server {
     }
 
     /// Sends `notice` to every client holding a lease on `name`, as an
-    /// [`Update`](super::Update) with the entry's next generation (from 1),
-    /// which it returns. Never blocks on clients.
+    /// [`Update`](super::Update) with the entry's next version (its update
+    /// counter, from 1), which it returns. Never blocks on clients.
     pub fn update(&self, name: &str, notice: Value) -> Result<u64, ChannelError> {
         json_size(&notice, "notice")?;
         let mut st = lock(&self.shared.state);
@@ -373,14 +373,14 @@ impl Server {
         let Some(entry) = st.entries.get_mut(&id) else {
             return Err(ChannelError::NotFound { name: name.into() });
         };
-        let Body::Plain { generation, .. } = &mut entry.body else {
+        let Body::Plain { version, .. } = &mut entry.body else {
             return Err(ChannelError::arg(
                 "entry",
-                format!("{name:?} is a ring; publish its frames with RingProducer::publish"),
+                format!("{name:?} is a ring; publish its frames with ServerRing::publish"),
             ));
         };
-        *generation += 1;
-        let generation = *generation;
+        *version += 1;
+        let version = *version;
         let holders: Vec<(u64, &Arc<Conn>)> = entry
             .leases
             .iter()
@@ -391,14 +391,14 @@ impl Server {
                 Message::Update {
                     lease: *lease,
                     name: name.into(),
-                    generation,
+                    version,
                     notice,
                 },
                 Vec::new(),
                 self.shared.max_queued,
             );
         }
-        Ok(generation)
+        Ok(version)
     }
 
     /// Unpublishes an entry or ring: no new attaches; every lease holder
@@ -484,14 +484,14 @@ impl Server {
     /// and receive every slot's metadata and descriptors once (each slot's
     /// message is made as the subscriber takes the previous ones, so one
     /// that does not read pins no more than one message's duplicates); afterwards
-    /// only small [`RingFrame`](super::RingFrame) notices travel. Dropping
-    /// the [`RingProducer`] unpublishes the ring.
+    /// only small [`FrameNotice`](super::FrameNotice)s travel. Dropping
+    /// the [`ServerRing`] unpublishes the ring.
     pub fn create_ring(
         &self,
         name: &str,
         meta: Value,
         slots: Vec<(Value, Vec<OwnedFd>)>,
-    ) -> Result<RingProducer, ChannelError> {
+    ) -> Result<ServerRing, ChannelError> {
         validate_entry_name(name)?;
         let meta_bytes = json_size(&meta, "meta")?;
         if slots.is_empty() || slots.len() > MAX_RING_SLOTS {
@@ -532,11 +532,11 @@ impl Server {
                 seq: 0,
             }),
         )?;
-        Ok(RingProducer {
+        Ok(ServerRing {
             shared: Arc::clone(&self.shared),
             entry: id,
             name: name.into(),
-            slots: count,
+            slot_count: count,
         })
     }
 

@@ -28,34 +28,39 @@ use super::{LeaseInfo, Shared, copies, json_size};
 /// The cycle: [`acquire`](Self::acquire) a slot (blocks while it is in use),
 /// fill what the slot's descriptors refer to, then
 /// [`publish`](Self::publish) it with a notice; every subscriber gets a
-/// [`RingFrame`](crate::RingFrame) and acks it when done. Slots are handed
+/// [`FrameNotice`](crate::FrameNotice) and acks it when done. Slots are handed
 /// out in order `0, 1, …, n-1, 0, …`. Dropping the handle unpublishes the
 /// ring.
-pub struct RingProducer {
+///
+/// Layers: this is the channel's side of a ring, descriptors and JSON
+/// notices only (no CUDA). The core's `cuda_ipc::exchange::RingPublisher`
+/// wraps one, adding the slots' buffers, the ring's event and its fence.
+pub struct ServerRing {
     pub(super) shared: Arc<Shared>,
     pub(super) entry: u64,
     pub(super) name: String,
-    pub(super) slots: usize,
+    pub(super) slot_count: usize,
 }
 
-impl std::fmt::Debug for RingProducer {
+impl std::fmt::Debug for ServerRing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RingProducer")
+        f.debug_struct("ServerRing")
             .field("name", &self.name)
-            .field("slots", &self.slots)
+            .field("slot_count", &self.slot_count)
             .finish_non_exhaustive()
     }
 }
 
-impl RingProducer {
+impl ServerRing {
     /// The ring's name.
     pub fn name(&self) -> &str {
         &self.name
     }
 
-    /// The number of slots.
-    pub fn slot_count(&self) -> u32 {
-        self.slots as u32
+    /// The number of slots (as [`Vec::len`]; a slot's index is a `u32`
+    /// below it).
+    pub fn slot_count(&self) -> usize {
+        self.slot_count
     }
 
     /// Runs `f` on the ring, if it is still published.
@@ -323,7 +328,7 @@ impl RingProducer {
     }
 }
 
-impl Drop for RingProducer {
+impl Drop for ServerRing {
     fn drop(&mut self) {
         let mut st = lock(&self.shared.state);
         st.unpublish(self.entry, self.shared.max_queued);

@@ -34,7 +34,7 @@ pub(super) struct Slot {
 
 /// What the producer does with a subscriber that has not acked a frame
 /// within the ring's ack deadline (see
-/// [`RingProducer::set_ack_deadline`](super::RingProducer::set_ack_deadline)).
+/// [`ServerRing::set_ack_deadline`](super::ServerRing::set_ack_deadline)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum LatePolicy {
@@ -62,7 +62,11 @@ pub(super) struct Ring {
 }
 
 pub(super) enum Body {
-    Plain { fds: Vec<OwnedFd>, generation: u64 },
+    Plain {
+        fds: Vec<OwnedFd>,
+        /// The entry's version: how many updates it has had.
+        version: u64,
+    },
     Ring(Ring),
 }
 

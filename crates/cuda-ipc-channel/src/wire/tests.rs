@@ -62,7 +62,7 @@ fn type_names_match_serde_tags() {
         Message::Update {
             lease: 1,
             name: "a".into(),
-            generation: 1,
+            version: 1,
             notice: json!([]),
         },
         Message::RingFrame {
@@ -200,6 +200,22 @@ fn messages_round_trip_and_match_the_documented_json() {
         details: json!({"uid": 5}),
     };
     assert_eq!(Message::decode(&e.encode()).unwrap(), e);
+    // An update's version travels under its protocol-1 key, "generation".
+    let u = Message::Update {
+        lease: 3,
+        name: "w".into(),
+        version: 2,
+        notice: json!(null),
+    };
+    assert_eq!(
+        serde_json::from_slice::<Value>(&u.encode()).unwrap(),
+        json!({"type": "update", "lease": 3, "name": "w", "generation": 2, "notice": null})
+    );
+    assert_eq!(
+        Message::decode(br#"{"type":"update","lease":3,"name":"w","generation":2,"notice":null}"#)
+            .unwrap(),
+        u
+    );
     // Optional fields may be left out.
     assert_eq!(
         Message::decode(br#"{"type":"list","id":1}"#).unwrap(),
@@ -382,10 +398,10 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 fds
             }),
         (any::<u64>(), name, any::<u64>(), arb_json()).prop_map(
-            |(lease, name, generation, notice)| Message::Update {
+            |(lease, name, version, notice)| Message::Update {
                 lease,
                 name,
-                generation,
+                version,
                 notice
             }
         ),

@@ -7,7 +7,7 @@ fn handles_can_be_shared_between_threads() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<Server>();
     send_sync::<Client>();
-    send_sync::<cuda_ipc_channel::RingProducer>();
+    send_sync::<cuda_ipc_channel::ServerRing>();
     send_sync::<ChannelError>();
 }
 
@@ -339,7 +339,7 @@ fn frames_larger_than_the_socket_buffer_arrive_whole_and_in_order() {
         assert_eq!(
             u.notice,
             Notice::Updated {
-                generation: i as u64 + 1,
+                version: i as u64 + 1,
                 data: json!(blob(*c))
             },
             "update {i}"
@@ -358,7 +358,7 @@ fn updates_reach_every_holder_in_order() {
     let server = Server::bind(ServerConfig::new(&path)).unwrap();
     server.publish("frame", json!(null), vec![]).unwrap();
     server.publish("other", json!(null), vec![]).unwrap();
-    // No holders yet: the generation still counts.
+    // No holders yet: the version still counts.
     assert_eq!(server.update("frame", json!("early")).unwrap(), 1);
 
     let clients: Vec<Client> = (0..3).map(|_| quick_client(&path)).collect();
@@ -386,7 +386,7 @@ fn updates_reach_every_holder_in_order() {
             assert_eq!(
                 u.notice,
                 Notice::Updated {
-                    generation: i + 2,
+                    version: i + 2,
                     data: json!({"i": i})
                 }
             );
@@ -463,7 +463,7 @@ fn one_client_serves_several_threads() {
         assert_eq!(
             u.notice,
             Notice::Updated {
-                generation: i as u64 + 1,
+                version: i as u64 + 1,
                 data: json!(i)
             }
         );

@@ -195,7 +195,7 @@ fn a_trickling_server_cannot_hold_a_call_past_its_deadline() {
             &Message::Update {
                 lease: 1,
                 name: "e".into(),
-                generation: 1,
+                version: 1,
                 notice: json!(null),
             },
             0,
@@ -231,11 +231,11 @@ fn a_chattering_server_cannot_hold_a_call_past_its_deadline() {
     let path = tmp_socket(&tmp, "chatter");
     let _server = fake_server(&path, |s| {
         // Notices back to back, for as long as the client listens.
-        for generation in 1.. {
+        for version in 1.. {
             let update = Message::Update {
                 lease: 1,
                 name: "e".into(),
-                generation,
+                version,
                 notice: json!(null),
             };
             if send_message(&s, &update, &[], None).is_err() {
@@ -264,11 +264,11 @@ fn notices_for_leases_not_held_are_dropped() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, "notices");
     let server = fake_server(&path, |s| {
-        for generation in 1..=2000 {
+        for version in 1..=2000 {
             let update = Message::Update {
                 lease: 999,
                 name: "not-yours".into(),
-                generation,
+                version,
                 notice: json!({"pad": "p".repeat(100)}),
             };
             send_message(&s, &update, &[], None).unwrap();

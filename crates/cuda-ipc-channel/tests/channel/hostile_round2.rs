@@ -238,7 +238,7 @@ fn ring_with_deadline(
     tempfile::TempDir,
     PathBuf,
     Server,
-    cuda_ipc_channel::RingProducer,
+    cuda_ipc_channel::ServerRing,
 ) {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, name);

@@ -123,7 +123,7 @@ pub(crate) const SCENARIOS: [Scenario; 5] = [
 /// every slot's memfd.
 pub(crate) struct Producer {
     pub(crate) server: Server,
-    pub(crate) ring: RingProducer,
+    pub(crate) ring: ServerRing,
     pub(crate) slot_fds: Vec<OwnedFd>,
     pub(crate) stamp: u64,
 }

@@ -47,7 +47,7 @@ use support::wire::{encode, recv_message, send_message};
 
 use cuda_ipc_channel::wire::{Message, PROTOCOL_VERSION};
 use cuda_ipc_channel::{
-    ChannelError, Client, ClientConfig, LeaseInfo, Notice, RingProducer, Server, ServerConfig,
+    ChannelError, Client, ClientConfig, LeaseInfo, Notice, Server, ServerConfig, ServerRing,
 };
 use serde_json::json;
 

@@ -139,7 +139,8 @@ unsafe impl DeviceMemory for DeviceArenaBuffer {
         self.chunk().backing().buffer.device_address() + self.offset()
     }
     fn byte_len(&self) -> usize {
-        self.len() as usize
+        // The inherent `ArenaBuffer::byte_len` (a u64), the same count.
+        ArenaBuffer::byte_len(self) as usize
     }
     fn foreign_use(&self) -> Option<&crate::memory::ForeignUse> {
         self.chunk().backing().buffer.foreign_use()
@@ -157,7 +158,7 @@ impl DeviceArenaBuffer {
         let chunk = self.chunk().backing().descriptor();
         let d = Descriptor {
             offset: chunk.offset + self.offset(),
-            byte_len: self.len(),
+            byte_len: self.byte_len(),
             dtype,
             shape,
             strides: None,
@@ -282,7 +283,7 @@ impl DeviceArena {
                     format!("{:?} is a buffer of another arena", m.name),
                 ));
             }
-            let len = member_len(m.name, m.dtype, m.shape, m.offset, m.buffer.len())?;
+            let len = member_len(m.name, m.dtype, m.shape, m.offset, m.buffer.byte_len())?;
             chunks
                 .entry(chunk.id().index)
                 .or_insert_with(|| chunk.backing().descriptor().clone());

@@ -33,7 +33,7 @@ impl<B: ChunkBacking> ArenaBuffer<B> {
     }
 
     /// The length in bytes, as asked for.
-    pub fn len(&self) -> u64 {
+    pub fn byte_len(&self) -> u64 {
         self.range.len
     }
 

@@ -30,7 +30,7 @@ impl<B: ChunkBacking> Chunk<B> {
     }
 
     /// The chunk's usable length in bytes.
-    pub fn len(&self) -> u64 {
+    pub fn byte_len(&self) -> u64 {
         self.len
     }
 

@@ -83,8 +83,8 @@ fn buffers_are_aligned_views_of_their_chunk() {
         let bufs: Vec<_> = (1..40).map(|i| a.alloc(i * 37).unwrap()).collect();
         for b in &bufs {
             assert!(b.offset().is_multiple_of(alignment), "{b:?}");
-            assert!(b.reserved_len() >= b.len());
-            assert!(b.offset() + b.reserved_len() <= b.chunk().len());
+            assert!(b.reserved_len() >= b.byte_len());
+            assert!(b.offset() + b.reserved_len() <= b.chunk().byte_len());
             assert_eq!(b.view().chunk.arena, a.id());
         }
         if alignment <= 256 {
@@ -132,7 +132,7 @@ fn chunks_outlive_the_arena_handle_while_buffers_live() {
     drop(a);
     drop(b);
     assert_eq!(backing.live.load(Ordering::SeqCst), 1);
-    assert_eq!(lease.chunk().len(), 64 * KIB);
+    assert_eq!(lease.chunk().byte_len(), 64 * KIB);
     drop(lease);
     assert_eq!(backing.live.load(Ordering::SeqCst), 0);
 }
@@ -351,7 +351,7 @@ impl Model {
                 let before = self.arena.stats();
                 match self.arena.alloc(len) {
                     Ok(b) => {
-                        assert!(b.len() == len && b.reserved_len() >= len);
+                        assert!(b.byte_len() == len && b.reserved_len() >= len);
                         let after = self.arena.stats();
                         if before.chunks == 0 {
                             assert_eq!(
@@ -429,14 +429,14 @@ impl Model {
         let o = self.arena.options();
         let grown = before.chunk_bytes.clamp(o.chunk_size, o.max_chunk_size);
         let want = grown
-            .max(b.len())
+            .max(b.byte_len())
             .next_multiple_of(GRANULE)
             .next_multiple_of(self.alignment);
         assert_eq!(
-            b.chunk().len(),
+            b.chunk().byte_len(),
             want,
             "growth from {before:?} for {} bytes",
-            b.len()
+            b.byte_len()
         );
     }
 
@@ -446,7 +446,7 @@ impl Model {
         let mut ranges: BTreeMap<(u64, u64), (u64, u64, bool, usize)> = BTreeMap::new();
         for b in &self.buffers {
             let e = ranges.entry((b.view().chunk.index, b.offset())).or_insert((
-                b.len(),
+                b.byte_len(),
                 b.reserved_len(),
                 false,
                 0,

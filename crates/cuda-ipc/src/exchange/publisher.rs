@@ -20,7 +20,7 @@ use super::ring::RingPublisher;
 use super::set_book::{PublisherArena, Sharing};
 use super::sync::{self, EntryFences};
 use super::wire::FenceMeta;
-use super::wire::{self, EntryMeta, RingMeta, UpdateNotice};
+use super::wire::{self, EntryMeta, RingMeta, UpdateBody};
 use super::{Endpoint, lock};
 
 /// How a [`Publisher`] serves: `PublisherConfig::default()`, adjusted with
@@ -306,8 +306,7 @@ impl Publisher {
 
     /// Tells every subscriber of `name` that new contents are ready: records
     /// the event after the work queued on the buffer's stream, then notifies.
-    /// Returns the update's version: the count of updates of `name`, from 1
-    /// (the wire's notice calls it `generation`).
+    /// Returns the update's version: the count of updates of `name`, from 1.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn update(&self, name: &str) -> Result<u64> {
         if self.is_arena_entry(name) {
@@ -324,7 +323,7 @@ impl Publisher {
         };
         Ok(self
             .server
-            .update(name, wire::to_value(&UpdateNotice { fence_seq })?)?)
+            .update(name, wire::to_value(&UpdateBody { fence_seq })?)?)
     }
 
     /// The buffer published under `name`.

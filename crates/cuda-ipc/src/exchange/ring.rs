@@ -20,11 +20,15 @@ use crate::sync::event::IpcEvent;
 use super::Subscriber;
 use super::lease::LeaseGuard;
 use super::sync::Waiter;
-use super::wire::{self, FrameNotice};
+use super::wire::{self, FrameBody};
 
 /// The producer's side of a ring of buffers with back-pressure.
+///
+/// Layers: it wraps the channel's [`ServerRing`](channel::ServerRing)
+/// (slots as descriptors, frames as JSON notices) and adds the CUDA side:
+/// each slot's buffer, the event recorded per frame and the fence.
 pub struct RingPublisher {
-    pub(super) producer: channel::RingProducer,
+    pub(super) producer: channel::ServerRing,
     pub(super) buffers: Vec<SharedBuffer>,
     pub(super) event: IpcEvent,
     pub(super) event_handle: IpcEventHandle,
@@ -81,7 +85,7 @@ impl RingPublisher {
         // These fields are ours: a producer's field of that name can't replace them.
         extra.remove("event");
         extra.remove("fence_seq");
-        let notice = wire::to_value(&FrameNotice {
+        let notice = wire::to_value(&FrameBody {
             event: self.event_handle,
             fence_seq,
             extra,
@@ -89,7 +93,7 @@ impl RingPublisher {
         Ok(self.producer.publish(index(slot)?, notice)?)
     }
 
-    /// The number of slots.
+    /// The number of slots (a slot's index is a `u32` below it).
     pub fn slot_count(&self) -> usize {
         self.buffers.len()
     }
@@ -102,7 +106,7 @@ impl RingPublisher {
     /// Sets how long a subscriber may keep a frame before acking it, and
     /// what [`acquire`](Self::acquire) does with one that keeps it longer:
     /// cut it off or skip it (see
-    /// [`RingProducer::set_ack_deadline`](channel::RingProducer::set_ack_deadline)).
+    /// [`ServerRing::set_ack_deadline`](channel::ServerRing::set_ack_deadline)).
     /// `None` (the default) waits for every subscriber for ever.
     pub fn set_ack_deadline(
         &self,
@@ -113,7 +117,7 @@ impl RingPublisher {
     }
 
     /// Ends the subscription `lease` now; the subscriber is told `reason`
-    /// (see [`RingProducer::evict`](channel::RingProducer::evict)).
+    /// (see [`ServerRing::evict`](channel::ServerRing::evict)).
     pub fn evict(&self, lease: u64, reason: &str) -> Result<()> {
         Ok(self.producer.evict(lease, reason)?)
     }
@@ -121,6 +125,10 @@ impl RingPublisher {
 
 /// A subscription to a ring: every slot mapped. Every slot's buffer, and
 /// every view made from one, holds the subscription's lease.
+///
+/// Layers: made from the channel's
+/// [`RingAttachment`](channel::RingAttachment) (the lease and each slot's
+/// descriptors) by [`Subscriber::attach_ring`], which maps every slot.
 #[derive(Debug)]
 pub struct RingSubscriber<T> {
     lease: u64,
@@ -131,7 +139,7 @@ pub struct RingSubscriber<T> {
 }
 
 impl<T: Pod> RingSubscriber<T> {
-    /// The number of slots.
+    /// The number of slots (a slot's index is a `u32` below it).
     pub fn slot_count(&self) -> usize {
         self.slots.len()
     }
@@ -143,7 +151,9 @@ impl<T: Pod> RingSubscriber<T> {
     }
 }
 
-/// One received frame of a ring.
+/// One received frame of a ring: the slot's mapped buffer, ready to read,
+/// made from the channel's [`FrameNotice`](channel::FrameNotice) (which
+/// only says which slot was filled).
 #[derive(Debug)]
 #[must_use = "acknowledge the frame with Subscriber::ack so the producer can reuse the slot"]
 #[non_exhaustive]
@@ -207,7 +217,7 @@ impl Subscriber {
                 format!("slot {} of {}", f.slot, ring.slots.len()),
             )
         })?;
-        let notice = FrameNotice::decode(&f.notice)?;
+        let notice = FrameBody::decode(&f.notice)?;
         match (&ring.waiters[index::<usize, _>(f.slot)?], notice.fence_seq) {
             (waiter @ Waiter::Fence { .. }, Some(seq)) => {
                 self.wait_fence(waiter, buffer.stream(), seq)?;

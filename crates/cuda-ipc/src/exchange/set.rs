@@ -13,7 +13,7 @@ use super::publisher::Publisher;
 use super::set_book::Sharing;
 use super::set_order::{SetHold, SetOrder};
 use super::sync::SetFence;
-use super::wire::{self, UpdateNotice};
+use super::wire::{self, UpdateBody};
 
 impl Publisher {
     /// This publisher's arena, made at the first call (no chunk is
@@ -164,7 +164,7 @@ impl Publisher {
         };
         Ok(self
             .server
-            .update(name, wire::to_value(&UpdateNotice { fence_seq })?)?)
+            .update(name, wire::to_value(&UpdateBody { fence_seq })?)?)
     }
 
     /// Whether `name` was published from the arena (a set or an arena buffer).

@@ -419,10 +419,7 @@ impl Subscriber {
                 .push_back(u.notice);
         };
         match notice {
-            Notice::Updated {
-                generation: version,
-                data,
-            } => {
+            Notice::Updated { version, data } => {
                 self.wait_notice(&set.waiter, self.device.stream(), &data)?;
                 Ok(version)
             }

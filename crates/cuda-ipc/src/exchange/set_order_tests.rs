@@ -205,8 +205,8 @@ fn an_update_notice_carries_the_fence_number_only_whatever_the_record() {
     let u = consumer.next_update(Duration::from_secs(5)).unwrap();
     assert_eq!(u.lease, set.lease);
     match u.notice {
-        crate::channel::Notice::Updated { generation, data } => {
-            assert_eq!(generation, 1);
+        crate::channel::Notice::Updated { version, data } => {
+            assert_eq!(version, 1);
             assert_eq!(data, notice, "the notice is what the publisher sent");
         }
         other => panic!("{other:?}"),

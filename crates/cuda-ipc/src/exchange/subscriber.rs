@@ -163,6 +163,10 @@ impl std::fmt::Debug for Subscriber {
 
 /// A buffer attached from a publisher: a lease and a typed mapping. The
 /// buffer and every view made from it hold the lease.
+///
+/// Layers: made from the channel's [`Attachment`](crate::channel::Attachment)
+/// (the lease, the metadata and raw descriptors) by importing the
+/// descriptors; the same word, one layer up.
 #[derive(Debug)]
 pub struct Attachment<T> {
     lease: u64,
@@ -462,11 +466,7 @@ impl Subscriber {
 
     fn apply<T: Pod>(&self, attached: &Attachment<T>, notice: &Notice) -> Result<u64> {
         match notice {
-            // The channel's notice calls the update counter `generation` on the wire.
-            Notice::Updated {
-                generation: version,
-                data,
-            } => {
+            Notice::Updated { version, data } => {
                 self.wait_notice(&attached.waiter, attached.buffer.stream(), data)?;
                 Ok(*version)
             }

@@ -51,7 +51,7 @@ use crate::fence::{Fence, FenceMapping};
 use crate::sync::event::IpcEvent;
 
 use super::lock;
-use super::wire::{FenceMeta, UpdateNotice};
+use super::wire::{FenceMeta, UpdateBody};
 
 /// How a subscriber's streams wait for the publisher's work.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -443,7 +443,7 @@ impl Waiter {
 
 /// The fence sequence number an update notice's `data` carries.
 fn update_seq(data: &serde_json::Value) -> Result<Option<u64>> {
-    UpdateNotice::deserialize(data)
+    UpdateBody::deserialize(data)
         .map(|n| n.fence_seq)
         .map_err(|e| Error::arg("update notice", e.to_string()))
 }

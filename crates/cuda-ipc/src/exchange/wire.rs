@@ -60,19 +60,21 @@ pub(super) struct RingMeta {
     pub(super) slot_bytes: usize,
 }
 
-/// The notice of an update: nothing beyond the channel's own fields (the
-/// event to wait on is the publisher's, named by the descriptor).
+/// The body of an update's notice (the channel's `Notice::Updated::data`):
+/// nothing beyond the channel's own fields (the event to wait on is the
+/// publisher's, named by the descriptor).
 #[derive(Debug, Default, Serialize, Deserialize)]
-pub(super) struct UpdateNotice {
+pub(super) struct UpdateBody {
     /// The sequence number the entry's fence word reaches after the update.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) fence_seq: Option<u64>,
 }
 
-/// The notice of a ring frame: the producer's extra fields and the event
-/// recorded after the slot was written.
+/// The body of a ring frame's notice (the channel's `FrameNotice::notice`):
+/// the producer's extra fields and the event recorded after the slot was
+/// written.
 #[derive(Debug, Serialize, Deserialize)]
-pub(super) struct FrameNotice {
+pub(super) struct FrameBody {
     /// The ring's interprocess event, as hex.
     pub(super) event: IpcEventHandle,
     /// The sequence number the slot's fence word reaches with this frame.
@@ -83,10 +85,10 @@ pub(super) struct FrameNotice {
     pub(super) extra: Map<String, Value>,
 }
 
-impl FrameNotice {
+impl FrameBody {
     /// Decodes a frame's notice.
     pub(super) fn decode(notice: &Value) -> Result<Self> {
-        FrameNotice::deserialize(notice).map_err(|e| {
+        FrameBody::deserialize(notice).map_err(|e| {
             Error::arg(
                 "ring frame",
                 format!("the frame's notice has no valid event: {e}"),
@@ -129,7 +131,7 @@ mod tests {
         let event = IpcEventHandle::from_bytes(&[7; 64]).unwrap();
         let mut extra = Map::new();
         extra.insert("stamp".into(), json!(42));
-        let v = to_value(&FrameNotice {
+        let v = to_value(&FrameBody {
             event,
             fence_seq: Some(9),
             extra,
@@ -138,7 +140,7 @@ mod tests {
         assert_eq!(v["fence_seq"], 9);
         assert_eq!(v["stamp"], 42);
         assert_eq!(v["event"], event.to_hex());
-        let back = FrameNotice::decode(&v).unwrap();
+        let back = FrameBody::decode(&v).unwrap();
         assert_eq!(back.event, event);
         assert_eq!(back.extra["stamp"], 42);
         assert_eq!(back.fence_seq, Some(9));
@@ -147,13 +149,13 @@ mod tests {
 
     #[test]
     fn bad_records_say_what_is_wrong() {
-        let e = FrameNotice::decode(&json!({ "stamp": 1 })).unwrap_err();
+        let e = FrameBody::decode(&json!({ "stamp": 1 })).unwrap_err();
         assert!(e.to_string().contains("event"), "{e}");
-        let e = FrameNotice::decode(&json!({ "event": "zz" })).unwrap_err();
+        let e = FrameBody::decode(&json!({ "event": "zz" })).unwrap_err();
         assert!(e.to_string().contains("ring frame"), "{e}");
         let e = EntryMeta::decode(&json!({ "descriptr": {} })).unwrap_err();
         assert!(e.to_string().contains("descriptor"), "{e}");
-        assert_eq!(to_value(&UpdateNotice::default()).unwrap(), json!({}));
+        assert_eq!(to_value(&UpdateBody::default()).unwrap(), json!({}));
         assert_eq!(
             to_value(&RingMeta { slot_bytes: 4096 }).unwrap(),
             json!({ "slot_bytes": 4096 })

@@ -249,7 +249,7 @@ fn copy_all(
         plan,
         chunks: buffers
             .iter()
-            .map(|b| (b.device_address(), b.len()))
+            .map(|b| (b.device_address(), b.byte_len()))
             .collect(),
         abort: AtomicBool::new(false),
     };

@@ -285,7 +285,8 @@ impl<T: Pod> MappedBuffer<T> {
         Self::new(mapping, offset, (bytes / size) as usize)
     }
 
-    /// The number of elements.
+    /// The number of elements of `T`, as a slice counts (the length in
+    /// bytes is [`DeviceMemory::byte_len`]).
     pub fn len(&self) -> usize {
         self.len
     }

@@ -14,7 +14,7 @@ use cuda_ipc::exchange::{
     Attachment, Publisher, PublisherConfig, SetAttachment, Subscriber, SubscriberConfig, SyncMode,
 };
 use cuda_ipc::kernels::{self, Pattern, Speed};
-use cuda_ipc::{Device, DeviceMemory, Dtype};
+use cuda_ipc::{Device, Dtype};
 use serde_json::{Value, json};
 
 use super::common::{Parent, Peer, role};
@@ -130,7 +130,7 @@ fn sets_with(device: &Device, socket: &Path, spawn: impl FnOnce() -> Peer) -> Re
         .map(|i| publisher.alloc(4096 * (1 + (i as u64 * 37) % 256)).unwrap())
         .collect();
     let names: Vec<String> = (0..BUFFERS).map(|i| format!("layer{i}.weight")).collect();
-    let shapes: Vec<[u64; 1]> = buffers.iter().map(|b| [b.byte_len() as u64 / 4]).collect();
+    let shapes: Vec<[u64; 1]> = buffers.iter().map(|b| [b.byte_len() / 4]).collect();
     let fill = |base: u32| {
         for (i, b) in buffers.iter().enumerate() {
             kernels::fill_u32(b, pattern(base, i), Speed::Full).unwrap();
