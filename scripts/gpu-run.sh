@@ -50,6 +50,36 @@ check() {
   fi
 }
 
+# bg_start TAG TRIES COMMAND...: runs COMMAND (an export or a serve) in the
+# background, its standard input a fifo held open here until bg_stop, its
+# standard output in $logs/TAG.json and its standard error in $logs/TAG.err;
+# waits up to TRIES tenths of a second for its first line. One at a time.
+bg_tag= bg_fifo= bg_pid=
+bg_start() {
+  bg_tag=$1
+  local tries=$2
+  shift 2
+  bg_fifo="$logs/stdin-$bg_tag"
+  rm -f "$bg_fifo"
+  mkfifo "$bg_fifo"
+  "$@" <"$bg_fifo" >"$logs/$bg_tag.json" 2>"$logs/$bg_tag.err" &
+  bg_pid=$!
+  exec 9>"$bg_fifo"
+  for _ in $(seq "$tries"); do [ -s "$logs/$bg_tag.json" ] && break; sleep 0.1; done
+}
+
+# bg_stop [PASS_NAME FAIL_WHAT]: ends the command's standard input and waits
+# for it; with names, PASS_NAME when it exited 0, else FAIL "FAIL_WHAT
+# exited N: its standard error".
+bg_stop() {
+  exec 9>&-
+  wait "$bg_pid"
+  local rc=$?
+  rm -f "$bg_fifo"
+  [ $# -eq 0 ] && return 0
+  [ "$rc" -eq 0 ] && ok "$1" || bad "$2 exited $rc: $(cat "$logs/$bg_tag.err")"
+}
+
 step_info() {
   check "info" 0 "$cli" info
   "$cli" info --json >"$logs/info.json" 2>&1
@@ -99,23 +129,13 @@ step_demo() {
 # The export/open contract, per mechanism, at an offset.
 step_cli() {
   for m in legacy vmm pool; do
-    local fifo="$logs/stdin-$m"
-    rm -f "$fifo"
-    mkfifo "$fifo"
-    "$cli" export --size 3MiB --offset 1MiB --fill-u32 0x12345678 --mechanism "$m" <"$fifo" >"$logs/export-$m.json" 2>"$logs/export-$m.err" &
-    local pid=$!
-    exec 9>"$fifo"
-    for _ in $(seq 100); do [ -s "$logs/export-$m.json" ] && break; sleep 0.1; done
+    bg_start "export-$m" 100 "$cli" export --size 3MiB --offset 1MiB --fill-u32 0x12345678 --mechanism "$m"
     local d
     d=$(head -n 1 "$logs/export-$m.json")
     check "cli $m: open --expect-u32 at offset 1MiB" 0 "$cli" open --descriptor "$d" --expect-u32 0x12345678 --fill-u32 0x9
     check "cli $m: the consumer's fill is seen" 0 "$cli" open --descriptor "$d" --expect-u32 9
     check "cli $m: a wrong value exits 1" 1 "$cli" open --descriptor "$d" --expect-u32 0x12345678
-    exec 9>&-
-    wait "$pid"
-    local rc=$?
-    [ "$rc" -eq 0 ] && ok "cli $m: export exits 0 at end of stdin" || bad "cli $m: export exited $rc: $(cat "$logs/export-$m.err")"
-    rm -f "$fifo"
+    bg_stop "cli $m: export exits 0 at end of stdin" "cli $m: export"
   done
   check "cli: a malformed descriptor exits 2" 2 "$cli" open --descriptor '{"cuda_ipc":1}'
   check "cli: a random legacy handle exits 2" 2 "$cli" open --handle "$(printf 'ab%.0s' $(seq 64))" --size 4096
@@ -127,22 +147,14 @@ step_cli() {
 
 # serve/attach over the channel, and the streaming demo.
 step_exchange() {
-  local fifo="$logs/stdin-serve" sock="$logs/serve.sock"
-  rm -f "$fifo" "$sock"
-  mkfifo "$fifo"
-  "$cli" serve --socket "$sock" --size 64MiB --fill-u32 0xFEED --buffers 2 <"$fifo" >"$logs/serve.json" 2>"$logs/serve.err" &
-  local pid=$!
-  exec 8>"$fifo"
-  for _ in $(seq 100); do [ -s "$logs/serve.json" ] && break; sleep 0.1; done
+  local sock="$logs/serve.sock"
+  rm -f "$sock"
+  bg_start serve 100 "$cli" serve --socket "$sock" --size 64MiB --fill-u32 0xFEED --buffers 2
   check "exchange: attach --expect-u32, then fill" 0 "$cli" attach --socket "$sock" --buffer buf1 --expect-u32 0xFEED --fill-u32 0xBEEF
   check "exchange: the fill is seen by the next subscriber" 0 "$cli" attach --socket "$sock" --buffer buf1 --expect-u32 0xBEEF
   check "exchange: a wrong value exits 1" 1 "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 1
   check "exchange: an unknown buffer exits 2" 2 "$cli" attach --socket "$sock" --buffer nope
-  exec 8>&-
-  wait "$pid"
-  local rc=$?
-  [ "$rc" -eq 0 ] && ok "exchange: serve exits 0 once every lease is released" || bad "exchange: serve exited $rc: $(cat "$logs/serve.err")"
-  rm -f "$fifo"
+  bg_stop "exchange: serve exits 0 once every lease is released" "exchange: serve"
   for size in 4KiB 1MiB 64MiB; do
     check "demo --stream --frame-size $size" 0 "$cli" demo --stream --frame-size "$size" --seconds 3
     grep -E 'frames/s|latency|OK|FAILED' "$logs/demo_--stream_--frame-size_$size.log"
@@ -163,13 +175,9 @@ step_containers() {
   local m value=0
   for m in legacy vmm pool; do
     value=$((value + 0x1000))
-    local fifo="$logs/stdin-ns-$m" sock="$logs/ns-$m.sock"
-    rm -f "$fifo" "$sock"
-    mkfifo "$fifo"
-    "$cli" serve --socket "$sock" --size 64MiB --fill-u32 "$value" --buffers 1 --mechanism "$m" <"$fifo" >"$logs/ns-serve-$m.json" 2>"$logs/ns-serve-$m.err" &
-    local pid=$!
-    exec 7>"$fifo"
-    for _ in $(seq 100); do [ -s "$logs/ns-serve-$m.json" ] && break; sleep 0.1; done
+    local sock="$logs/ns-$m.sock"
+    rm -f "$sock"
+    bg_start "ns-serve-$m" 100 "$cli" serve --socket "$sock" --size 64MiB --fill-u32 "$value" --buffers 1 --mechanism "$m"
     check "containers $m: attach in a new PID namespace" 0 \
       unshare --pid --fork --mount-proc "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 "$value" --fill-u32 $((value + 1))
     check "containers $m: attach in a new PID + IPC namespace sees the fill" 0 \
@@ -181,11 +189,7 @@ step_containers() {
       unshare --pid --fork --mount-proc "$cli" attach --socket "$sock" --buffer buf0 --sync fence --expect-u32 $((value + 3)) --fill-u32 $((value + 4))
     check "containers $m: attach in a new user namespace (root mapped to ours)" 0 \
       unshare --user --map-root-user "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 $((value + 4)) --fill-u32 $((value + 5))
-    exec 7>&-
-    wait "$pid"
-    local rc=$?
-    [ "$rc" -eq 0 ] && ok "containers $m: serve exits 0 once every lease is released" || bad "containers $m: serve exited $rc: $(cat "$logs/ns-serve-$m.err")"
-    rm -f "$fifo"
+    bg_stop "containers $m: serve exits 0 once every lease is released" "containers $m: serve"
   done
   # A new PID namespace that still sees the parent's /proc: the driver
   # does not start there (cuInit: CUDA_ERROR_OPERATING_SYSTEM on driver
@@ -222,13 +226,7 @@ step_containers() {
   else
     bad "containers: bench-ns.json does not say \"consumer_namespaces\": [\"pid\", \"ipc\"]"
   fi
-  local fifo="$logs/stdin-ns-export"
-  rm -f "$fifo"
-  mkfifo "$fifo"
-  "$cli" export --size 2MiB --fill-u32 0x77 --mechanism vmm <"$fifo" >"$logs/ns-export.json" 2>"$logs/ns-export.err" &
-  local pid=$!
-  exec 7>"$fifo"
-  for _ in $(seq 100); do [ -s "$logs/ns-export.json" ] && break; sleep 0.1; done
+  bg_start ns-export 100 "$cli" export --size 2MiB --fill-u32 0x77 --mechanism vmm
   local d
   d=$(head -n 1 "$logs/ns-export.json")
   check "containers: open --descriptor of a vmm export in a new PID namespace exits 3" 3 \
@@ -242,9 +240,7 @@ step_containers() {
   uuid=$(printf '%s' "$d" | grep -o '"device_uuid":"[^"]*"' | cut -d'"' -f4)
   check "containers: open --descriptor with CUDA_VISIBLE_DEVICES=$uuid finds the GPU by UUID" 0 \
     env CUDA_VISIBLE_DEVICES="$uuid" "$cli" open --descriptor "$d" --expect-u32 0x77
-  exec 7>&-
-  wait "$pid"
-  rm -f "$fifo"
+  bg_stop
 }
 
 # Weight sets through the CLI: 1,000 buffers (4 GiB) in one hand-off, and
@@ -252,22 +248,14 @@ step_containers() {
 step_sets() {
   check "sets: demo --set 1000 --size 4GiB" 0 "$cli" demo --set 1000 --size 4GiB
   grep -E 'set|attached|OK|FAILED' "$logs/sets__demo_--set_1000_--size_4GiB.log" | head -n 12
-  local fifo="$logs/stdin-serve-set" sock="$logs/serve-set.sock"
-  rm -f "$fifo" "$sock"
-  mkfifo "$fifo"
-  "$cli" serve --socket "$sock" --size 1GiB --set 100 <"$fifo" >"$logs/serve-set.json" 2>"$logs/serve-set.err" &
-  local pid=$!
-  exec 6>"$fifo"
-  for _ in $(seq 100); do [ -s "$logs/serve-set.json" ] && break; sleep 0.1; done
+  local sock="$logs/serve-set.sock"
+  rm -f "$sock"
+  bg_start serve-set 100 "$cli" serve --socket "$sock" --size 1GiB --set 100
   check "sets: attach --set weights (100 buffers, 1 GiB)" 0 "$cli" attach --socket "$sock" --set weights
   check "sets: a second consumer attaches the same set" 0 "$cli" attach --socket "$sock" --set weights
   check "sets: an unknown set exits 2" 2 "$cli" attach --socket "$sock" --set nope
   grep -hE 'attached|checked|OK' "$logs"/sets__attach_--set_weights*.log | head -n 4
-  exec 6>&-
-  wait "$pid"
-  local rc=$?
-  [ "$rc" -eq 0 ] && ok "sets: serve --set exits 0 once every lease is released" || bad "sets: serve --set exited $rc: $(cat "$logs/serve-set.err")"
-  rm -f "$fifo"
+  bg_stop "sets: serve --set exits 0 once every lease is released" "sets: serve --set"
 }
 
 # serve --checkpoint: a sharded checkpoint of several dtypes written with
@@ -277,8 +265,8 @@ step_sets() {
 # exits 1; a bad path exits 2; served again --read-only, a reader maps it
 # read-only and still reads every byte.
 step_checkpoint() {
-  local dir="$logs/ckpt" fifo="$logs/stdin-serve-ckpt" sock="$logs/serve-ckpt.sock"
-  rm -rf "$dir" "$fifo" "$sock"
+  local dir="$logs/ckpt" sock="$logs/serve-ckpt.sock"
+  rm -rf "$dir" "$sock"
   mkdir -p "$dir/other"
   if ! python3 - "$dir" >"$logs/ckpt-write.log" 2>&1 <<'PY'
 import json, sys, torch
@@ -305,36 +293,22 @@ PY
     bad "checkpoint: writing the checkpoint with python3 + safetensors failed: $(tail -n 2 "$logs/ckpt-write.log" | tr '\n' ' ')"
     return
   fi
-  mkfifo "$fifo"
-  "$cli" serve --socket "$sock" --checkpoint "$dir" --name model --streams 2 --staging 1MiB <"$fifo" >"$logs/serve-ckpt.json" 2>"$logs/serve-ckpt.err" &
-  local pid=$!
-  exec 6>"$fifo"
-  for _ in $(seq 300); do [ -s "$logs/serve-ckpt.json" ] && break; sleep 0.1; done
+  bg_start serve-ckpt 300 "$cli" serve --socket "$sock" --checkpoint "$dir" --name model --streams 2 --staging 1MiB
   cat "$logs/serve-ckpt.json" "$logs/serve-ckpt.err"
   check "checkpoint: attach --set model --checkpoint (every byte)" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir"
   check "checkpoint: a second consumer reads the same set" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir/model.safetensors.index.json"
   check "checkpoint: another checkpoint does not match (exit 1)" 1 "$cli" attach --socket "$sock" --set model --checkpoint "$dir/other"
   grep -hE 'attached|mismatch' "$logs"/checkpoint__*.log | head -n 4
-  exec 6>&-
-  wait "$pid"
-  local rc=$?
-  [ "$rc" -eq 0 ] && ok "checkpoint: serve --checkpoint exits 0 once every lease is released" || bad "checkpoint: serve --checkpoint exited $rc: $(cat "$logs/serve-ckpt.err")"
+  bg_stop "checkpoint: serve --checkpoint exits 0 once every lease is released" "checkpoint: serve --checkpoint"
   check "checkpoint: a missing checkpoint exits 2" 2 "$cli" serve --socket "$logs/none.sock" --checkpoint "$dir/nope.safetensors"
   # serve --read-only: readers map the set read-only; every byte still reads.
   rm -f "$sock"
-  "$cli" serve --socket "$sock" --checkpoint "$dir" --name model --read-only <"$fifo" >"$logs/serve-ckpt-ro.json" 2>"$logs/serve-ckpt-ro.err" &
-  pid=$!
-  exec 6>"$fifo"
-  for _ in $(seq 300); do [ -s "$logs/serve-ckpt-ro.json" ] && break; sleep 0.1; done
+  bg_start serve-ckpt-ro 300 "$cli" serve --socket "$sock" --checkpoint "$dir" --name model --read-only
   local name="checkpoint: serve --read-only, attach --set --checkpoint reads every byte read-only"
   check "$name" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir"
   grep -q '(read-only)' "$(log_of "$name")" && ok "checkpoint: the reader says it mapped the set read-only" \
     || bad "checkpoint: the reader of a --read-only set did not say read-only: $(tail -n 1 "$(log_of "$name")")"
-  exec 6>&-
-  wait "$pid"
-  rc=$?
-  [ "$rc" -eq 0 ] && ok "checkpoint: serve --checkpoint --read-only exits 0 once every lease is released" || bad "checkpoint: serve --checkpoint --read-only exited $rc: $(cat "$logs/serve-ckpt-ro.err")"
-  rm -f "$fifo"
+  bg_stop "checkpoint: serve --checkpoint --read-only exits 0 once every lease is released" "checkpoint: serve --checkpoint --read-only"
 }
 
 # Loading a 4.37 GB checkpoint from the page cache (issue 26's loader
@@ -348,8 +322,8 @@ PY
 # the list, STREAMS:STAGING each), and one load with the defaults is read
 # back byte for byte by `attach --set --checkpoint`.
 step_load() {
-  local dir=${LOAD_DIR:-/tmp/cuda-ipc-load} fifo="$logs/stdin-serve-load" sock="$logs/serve-load.sock"
-  rm -rf "$dir" "$fifo" "$sock"
+  local dir=${LOAD_DIR:-/tmp/cuda-ipc-load} sock="$logs/serve-load.sock"
+  rm -rf "$dir" "$sock"
   if ! python3 "$here/bench/load_checkpoint.py" --dir "$dir" --reps 3 >"$logs/load-anchor.json" 2>"$logs/load-anchor.err"; then
     bad "load: writing the checkpoint or the safetensors anchor failed: $(tail -n 2 "$logs/load-anchor.err" "$logs/load-anchor.json" | tr '\n' ' ')"
     return
@@ -366,18 +340,11 @@ step_load() {
       "$cli" serve --socket "$sock" --checkpoint "$dir" --name model --streams "$streams" --staging "$staging" </dev/null
     grep -h '"gb_per_s"' "$(log_of "load: serve --checkpoint, $streams streams, $staging staging")" | tail -n 1
   done
-  mkfifo "$fifo"
-  "$cli" serve --socket "$sock" --checkpoint "$dir" --name model <"$fifo" >"$logs/serve-load.json" 2>"$logs/serve-load.err" &
-  local pid=$!
-  exec 7>"$fifo"
-  for _ in $(seq 600); do [ -s "$logs/serve-load.json" ] && break; sleep 0.1; done
+  bg_start serve-load 600 "$cli" serve --socket "$sock" --checkpoint "$dir" --name model
   check "load: attach --set model --checkpoint (every byte of 4.37 GB)" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir"
   grep -hE 'attached|mismatch' "$(log_of "load: attach --set model --checkpoint (every byte of 4.37 GB)")" | head -n 2
-  exec 7>&-
-  wait "$pid"
-  local rc=$?
-  [ "$rc" -eq 0 ] && ok "load: serve --checkpoint exits 0 once the lease is released" || bad "load: serve --checkpoint exited $rc: $(cat "$logs/serve-load.err")"
-  rm -rf "$fifo" "$dir"
+  bg_stop "load: serve --checkpoint exits 0 once the lease is released" "load: serve --checkpoint"
+  rm -rf "$dir"
 }
 
 # Every mechanism under MPS: a private control daemon (its own pipe and log
@@ -418,34 +385,18 @@ step_mps() {
   local m
   for m in legacy vmm pool; do
     check "mps $m: demo --size 64MiB" 0 "${mpsenv[@]}" "$cli" demo --mechanism "$m" --size 64MiB
-    local fifo="$logs/stdin-mps-$m" sock="$logs/mps-$m.sock"
-    rm -f "$fifo" "$sock"
-    mkfifo "$fifo"
-    "${mpsenv[@]}" "$cli" serve --socket "$sock" --size 64MiB --fill-u32 0x4d5053 --buffers 1 --mechanism "$m" <"$fifo" >"$logs/mps-serve-$m.json" 2>"$logs/mps-serve-$m.err" &
-    local pid=$!
-    exec 5>"$fifo"
-    for _ in $(seq 100); do [ -s "$logs/mps-serve-$m.json" ] && break; sleep 0.1; done
+    local sock="$logs/mps-$m.sock"
+    rm -f "$sock"
+    bg_start "mps-serve-$m" 100 "${mpsenv[@]}" "$cli" serve --socket "$sock" --size 64MiB --fill-u32 0x4d5053 --buffers 1 --mechanism "$m"
     check "mps $m: attach under MPS" 0 "${mpsenv[@]}" "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 0x4d5053 --fill-u32 0x11
     check "mps $m: attach outside MPS from an MPS publisher" 0 "$cli" attach --socket "$sock" --buffer buf0 --expect-u32 0x11
-    exec 5>&-
-    wait "$pid"
-    local rc=$?
-    [ "$rc" -eq 0 ] && ok "mps $m: serve exits 0" || bad "mps $m: serve exited $rc: $(cat "$logs/mps-serve-$m.err")"
-    rm -f "$fifo"
+    bg_stop "mps $m: serve exits 0" "mps $m: serve"
   done
   # Legacy handles between an MPS client and a process outside MPS, the
   # other way round: exported outside, opened under MPS.
-  local fifo="$logs/stdin-mps-export"
-  rm -f "$fifo"
-  mkfifo "$fifo"
-  "$cli" export --size 2MiB --fill-u32 0x77 --mechanism legacy <"$fifo" >"$logs/mps-export.json" 2>"$logs/mps-export.err" &
-  local pid=$!
-  exec 5>"$fifo"
-  for _ in $(seq 100); do [ -s "$logs/mps-export.json" ] && break; sleep 0.1; done
+  bg_start mps-export 100 "$cli" export --size 2MiB --fill-u32 0x77 --mechanism legacy
   check "mps legacy: open under MPS a handle exported outside" 0 "${mpsenv[@]}" "$cli" open --descriptor "$(head -n 1 "$logs/mps-export.json")" --expect-u32 0x77
-  exec 5>&-
-  wait "$pid"
-  rm -f "$fifo"
+  bg_stop
   check "mps: demo --stream --frame-size 4KiB under the daemon" 0 "${mpsenv[@]}" "$cli" demo --stream --frame-size 4KiB --seconds 3
   grep -E 'frames/s|latency|limited|OK|FAILED' "$(log_of "mps: demo --stream --frame-size 4KiB under the daemon")"
   echo quit | "${mpsenv[@]}" "$control"
