@@ -639,15 +639,14 @@ def _special_entry(a, i, entry, dtype, keys, tensors, torch, device):
     """``(key, tensor)`` of entry ``i``, whose name starts with
     RESERVED_PREFIX: an alias of an earlier entry, or an empty tensor; any
     other such name is an ordinary entry."""
-    alias = parse_alias_entry_name(entry)
-    if alias is not None:
-        index, key = alias
+    role = _core.entry_role(entry)
+    if role[0] == "alias":
+        _, index, key = role
         if index >= len(keys):
             raise InvalidInput(f"{a.name!r}: {key!r} is an alias of entry {index}, which is not before it")
         return key, tensors[keys[index]]
-    empty = parse_empty_entry_name(entry)
-    if empty is not None:
-        key, shape = empty
+    if role[0] == "empty":
+        _, key, shape = role
         dt = _dtypes.by_name(dtype)
         target = getattr(torch, dt.torch, None)
         if target is None:
