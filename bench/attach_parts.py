@@ -10,6 +10,8 @@ extension's per-tensor work is held against. JSON lines:
   {"kind": "parts", "count": N, "reps": R, "ms": {PART: [samples]}}
   {"kind": "floor", "count": N, "ms": {WAY: median}}
   {"kind": "profile", "top": [[function, calls, cumulative ms], ...]}
+  {"kind": "publish", "count": N, "reps": R, "ms": {"publish": [...], "unpublish": [...]},
+   "median": {...}}
   {"kind": "skip", "reason": ...} / {"kind": "error", "message": ...}
 
 Parts (consumer, time.perf_counter_ns): `attach_set` (the Rust
@@ -21,7 +23,16 @@ every tensor and the dict), `release`; `total` their sum. Floors: COUNT
 capsule (PyTorch's own DLPack import). `profile`: cProfile of one attach's
 Python side, the functions with the largest cumulative time.
 
+Publisher (time.perf_counter_ns, after the consumer is done): `publish`,
+`Publisher.publish_state_dict` of the same COUNT tensors (in the arena
+already: nothing is copied) under a new name each time, and `unpublish`
+of it (no consumer holds it); PUBLISH_REPS samples after 2 thrown away.
+`--publish-only` skips the consumer, so that a profiler (`perf record -g
+-- python3 attach_parts.py --publish-only --publish-reps 500`) sees the
+publish alone.
+
 Usage: attach_parts.py [--count 1000] [--total 268435456] [--reps 20] [--device 0]
+                       [--publish-reps 20] [--publish-only]
        (CUDA_IPC_TORCH_C_API=0 takes the Python path)
 """
 
@@ -116,12 +127,32 @@ def consumer(path, device, reps, count):
     sub.close()
 
 
+def publish_parts(pub, tensors, reps):
+    """Times ``reps`` publishes and unpublishes of ``tensors`` (2 more
+    thrown away first); emits the publish line."""
+    parts = {"publish": [], "unpublish": []}
+    for i in range(reps + 2):
+        name = "%s-again-%d" % (SET, i)
+        t0 = time.perf_counter_ns()
+        pub.publish_state_dict(name, tensors)
+        t1 = time.perf_counter_ns()
+        pub.unpublish(name, timeout=30)
+        t2 = time.perf_counter_ns()
+        if i >= 2:
+            parts["publish"].append(round(ms(t0, t1), 4))
+            parts["unpublish"].append(round(ms(t1, t2), 4))
+    emit({"kind": "publish", "count": len(tensors), "reps": reps, "ms": parts,
+          "median": {k: median(v) for k, v in parts.items()}})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--total", type=int, default=256 << 20)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--publish-reps", type=int, default=20)
+    ap.add_argument("--publish-only", action="store_true", help="time the publisher only (for a profiler)")
     ap.add_argument("--consumer", help=argparse.SUPPRESS)
     args = ap.parse_args()
     try:
@@ -144,11 +175,15 @@ def main():
             tensors = {"w%d" % k: torch.ones(s // 4, device="cuda")
                        for k, s in enumerate(weight_set_sizes(args.count, args.total))}
         torch.cuda.synchronize()
-        pub.publish_state_dict(SET, tensors)
-        rc = subprocess.call([sys.executable, "-u", os.path.abspath(__file__), "--consumer", path,
-                              "--device", str(args.device), "--reps", str(args.reps),
-                              "--count", str(args.count)])
-        pub.unpublish(SET, timeout=30)
+        rc = 0
+        if not args.publish_only:
+            pub.publish_state_dict(SET, tensors)
+            rc = subprocess.call([sys.executable, "-u", os.path.abspath(__file__), "--consumer", path,
+                                  "--device", str(args.device), "--reps", str(args.reps),
+                                  "--count", str(args.count)])
+            pub.unpublish(SET, timeout=30)
+        if args.publish_reps > 0:
+            publish_parts(pub, tensors, args.publish_reps)
         del tensors
     except Exception as e:
         emit({"kind": "error", "message": "%s: %s" % (type(e).__name__, e)})
