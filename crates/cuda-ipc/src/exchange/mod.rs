@@ -131,6 +131,7 @@ mod set;
 mod set_attach;
 mod set_book;
 mod set_order;
+mod sleep;
 mod subscriber;
 mod sync;
 mod wire;
@@ -149,6 +150,7 @@ pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber};
 pub use set_attach::SetAttachment;
 pub use set_book::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, Sharing, chunk_entry_name};
+pub use sleep::Slept;
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
 pub use sync::SyncMode;
 

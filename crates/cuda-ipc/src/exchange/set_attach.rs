@@ -18,7 +18,7 @@ use crate::share;
 
 use super::lease::LeaseGuard;
 use super::lock;
-use super::subscriber::{Attachment, Subscriber};
+use super::subscriber::{Attachment, Subscriber, awake};
 use super::sync::{self, Waiter};
 use super::wire::EntryMeta;
 
@@ -218,7 +218,7 @@ impl Subscriber {
             index,
         };
         if let Some(c) = lock(&self.chunks).get(&(id, access)) {
-            return Ok(c.mapping.clone());
+            return awake(c.mapping.clone());
         }
         let want = record.chunk(index).ok_or_else(|| {
             Error::arg("set record", format!("chunk {index} is not in its table"))
@@ -246,7 +246,7 @@ impl Subscriber {
                 return Err(e);
             }
         };
-        self.count_open();
+        self.opened(&mapping);
         let evicted = lock(&self.chunks).insert(
             (id, access),
             CachedChunk {

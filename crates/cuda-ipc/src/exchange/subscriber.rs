@@ -122,6 +122,18 @@ impl SubscriberConfig {
 /// access (a read-only and a read-write mapping are never shared).
 type CacheKey = (u32, u64, Access);
 
+/// `mapping`, unless it sleeps: a new attach does not hand out memory
+/// that faults.
+pub(super) fn awake(mapping: Arc<dyn Mapping>) -> Result<Arc<dyn Mapping>> {
+    if mapping.asleep() {
+        return Err(Error::arg(
+            "attach",
+            "the subscriber sleeps (Subscriber::sleep): call wake() before attaching again",
+        ));
+    }
+    Ok(mapping)
+}
+
 /// Connects to a [`Publisher`](super::Publisher) and maps what it publishes.
 pub struct Subscriber {
     /// Cached chunk mappings, unmapped before the connection (and with it
@@ -138,6 +150,8 @@ pub struct Subscriber {
     pub(super) access: Access,
     pub(super) pending: Arc<Pending>,
     opens: std::sync::atomic::AtomicU64,
+    /// Every mapping opened, while it lives: what a sleep unmaps.
+    pub(super) live: Mutex<Vec<Weak<dyn Mapping>>>,
 }
 
 impl Drop for Subscriber {
@@ -249,6 +263,7 @@ impl Subscriber {
             access: config.access,
             pending: Arc::new(Mutex::new(HashMap::new())),
             opens: std::sync::atomic::AtomicU64::new(0),
+            live: Mutex::new(Vec::new()),
             chunks: Mutex::new(ChunkCache::new(config.mapping_budget)),
         })
     }
@@ -275,9 +290,13 @@ impl Subscriber {
         self.opens.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    pub(super) fn count_open(&self) {
+    /// Counts a mapping just opened and notes it for [`Subscriber::sleep`].
+    pub(super) fn opened(&self, mapping: &Arc<dyn Mapping>) {
         self.opens
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut live = lock(&self.live);
+        live.retain(|w| w.strong_count() > 0);
+        live.push(Arc::downgrade(mapping));
     }
 
     pub(super) fn event(&self, handle: IpcEventHandle) -> Result<Arc<IpcEvent>> {
@@ -376,11 +395,10 @@ impl Subscriber {
         if let Some(key) = key
             && let Some(m) = lock(&self.cache).get(&key).and_then(Weak::upgrade)
         {
-            return Ok(m);
+            return awake(m);
         }
         let m = share::open_mapping_with(&self.device, descriptor, fds, self.access)?;
-        self.opens
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.opened(&m);
         if let Some(key) = key {
             let mut cache = lock(&self.cache);
             cache.retain(|_, w| w.strong_count() > 0);

@@ -137,7 +137,7 @@ pub(crate) fn uses_of(mappings: &[Arc<dyn Mapping>]) -> UsesOf {
         .unwrap_or(UsesOf::Streams(Vec::new()))
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
@@ -187,6 +187,31 @@ pub trait Mapping: sealed::Sealed + Send + Sync + fmt::Debug {
     /// kernel or copy that writes through it fails. False unless the
     /// mapping says otherwise (only VMM mappings can be read-only).
     fn read_only(&self) -> bool {
+        false
+    }
+    /// Unmaps the memory but keeps its address range reserved (nothing
+    /// else can be mapped there), after the work queued through it has
+    /// finished; [`wake`](Mapping::wake) maps it again at the same
+    /// addresses. Only VMM and fabric mappings can sleep: the others are
+    /// [`Error::Unsupported`]. See [`VmmMapping::sleep`](crate::memory::vmm::VmmMapping::sleep).
+    fn sleep(&self) -> Result<()> {
+        Err(Error::Unsupported {
+            what: "sleeping a mapping",
+            why: format!(
+                "a {} mapping cannot be mapped again at the same addresses; only vmm (and fabric) \
+                 mappings sleep and wake",
+                self.mechanism()
+            ),
+        })
+    }
+    /// Maps a sleeping mapping again at the same addresses; does nothing
+    /// to one that is awake.
+    fn wake(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Whether it sleeps: its addresses are reserved but not mapped, and
+    /// any access through them faults until [`wake`](Mapping::wake).
+    fn asleep(&self) -> bool {
         false
     }
 }

@@ -55,6 +55,7 @@ pub mod buffer;
 pub mod legacy;
 pub mod pool;
 pub mod vmm;
+mod vmm_sleep;
 
 /// Device memory this process can use: owned, exported or mapped.
 ///

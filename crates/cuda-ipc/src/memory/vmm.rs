@@ -35,7 +35,7 @@
 #![allow(unsafe_code)]
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaStream, sys};
@@ -46,7 +46,7 @@ use crate::error::{Error, Result};
 use crate::handle::FabricHandle;
 use crate::mechanism::{Access, Mechanism};
 use crate::memory::buffer::sealed::Sealed;
-use crate::memory::buffer::{Mapping, UsedStreams};
+use crate::memory::buffer::{Mapping, UsedStreams, lock};
 use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
 use crate::units::round_up;
 
@@ -317,7 +317,12 @@ fn map_segments(
 ///
 /// # Safety
 /// The range must be mapped.
-unsafe fn set_access(ptr: u64, size: u64, devices: &[i32], access: Access) -> Result<()> {
+pub(super) unsafe fn set_access(
+    ptr: u64,
+    size: u64,
+    devices: &[i32],
+    access: Access,
+) -> Result<()> {
     // SAFETY: the caller's contract.
     unsafe {
         match access {
@@ -373,18 +378,34 @@ impl Drop for VmmBuffer {
 }
 
 /// Memory of another process's VMM allocation, imported and mapped here.
-/// Unmapped (and its address range freed) on drop.
+/// Unmapped (and its address range freed) on drop. It can
+/// [sleep](VmmMapping::sleep) (unmapped, its address range kept) and
+/// [wake](VmmMapping::wake) (mapped again at the same addresses).
 #[derive(Debug)]
 pub struct VmmMapping {
-    device: Device,
-    ptr: u64,
-    size: u64,
+    pub(super) device: Device,
+    pub(super) ptr: u64,
+    pub(super) size: u64,
     /// Each imported allocation is mapped as one segment of this size.
-    segment: u64,
+    pub(super) segment: u64,
     mechanism: Mechanism,
     /// What the mapping grants: read-write, or read only.
-    access: Access,
-    streams: UsedStreams,
+    pub(super) access: Access,
+    pub(super) streams: UsedStreams,
+    /// The imported allocations, one per segment, kept so that a wake can
+    /// map them again; released on drop, after the unmap.
+    pub(super) handles: Vec<sys::CUmemGenericAllocationHandle>,
+    /// Whether it sleeps, and the devices granted access (applied again
+    /// on wake).
+    pub(super) state: Mutex<SleepState>,
+}
+
+/// A mapping's sleep state: whether its segments are unmapped, and the
+/// devices (ordinals) its access is granted to.
+#[derive(Debug)]
+pub(super) struct SleepState {
+    pub(super) asleep: bool,
+    pub(super) devices: Vec<i32>,
 }
 
 impl VmmMapping {
@@ -475,10 +496,10 @@ impl VmmMapping {
         }
         Self::map_imported(
             device,
-            &handles,
+            handles,
             segment,
             gran,
-            &devices,
+            devices,
             (Mechanism::Vmm, access),
         )
     }
@@ -519,29 +540,33 @@ impl VmmMapping {
         let h = vmm::import_fabric(handle).map_err(|e| fabric_unavailable(&e).unwrap_or(e))?;
         Self::map_imported(
             device,
-            &[h],
+            vec![h],
             size,
             gran,
-            &[device.ordinal() as i32],
+            vec![device.ordinal() as i32],
             (Mechanism::Fabric, access),
         )
     }
 
     /// Maps `handles` back to back, with `access` for `devices` (ordinals,
-    /// `device` first), and releases the handles.
+    /// `device` first). The mapping keeps the handles (a wake maps them
+    /// again) and releases them on drop; they are released here if mapping
+    /// fails.
     fn map_imported(
         device: &Device,
-        handles: &[sys::CUmemGenericAllocationHandle],
+        handles: Vec<sys::CUmemGenericAllocationHandle>,
         segment: u64,
         gran: u64,
-        devices: &[i32],
+        devices: Vec<i32>,
         (mechanism, access): (Mechanism, Access),
     ) -> Result<Arc<Self>> {
-        let mapped = map_segments(handles, segment, gran, devices, access);
-        // The mapping keeps the physical memory alive: release our handles
-        // whether or not mapping worked.
-        release_all(handles);
-        let ptr = mapped?;
+        let ptr = match map_segments(&handles, segment, gran, &devices, access) {
+            Ok(ptr) => ptr,
+            Err(e) => {
+                release_all(&handles);
+                return Err(e);
+            }
+        };
         Ok(Arc::new(VmmMapping {
             device: device.clone(),
             ptr,
@@ -551,6 +576,11 @@ impl VmmMapping {
             mechanism,
             access,
             streams: UsedStreams::default(),
+            handles,
+            state: Mutex::new(SleepState {
+                asleep: false,
+                devices,
+            }),
         }))
     }
 
@@ -558,10 +588,20 @@ impl VmmMapping {
     /// process, with peer access to the memory's device): read-write, or
     /// read only for a read-only mapping.
     #[doc(alias = "cuMemSetAccess")]
+    /// While the mapping sleeps, the grant is noted and applied on wake.
     pub fn grant_access(&self, peer: &Device) -> Result<()> {
-        self.device.bind()?;
-        // SAFETY: the range is mapped for as long as `self` lives.
-        unsafe { set_access(self.ptr, self.size, &[peer.ordinal() as i32], self.access) }
+        let ordinal = peer.ordinal() as i32;
+        let mut state = lock(&self.state);
+        if !state.asleep {
+            self.device.bind()?;
+            // SAFETY: the range is mapped (it is awake, and the state's lock
+            // keeps a sleep out).
+            unsafe { set_access(self.ptr, self.size, &[ordinal], self.access) }?;
+        }
+        if !state.devices.contains(&ordinal) {
+            state.devices.push(ordinal);
+        }
+        Ok(())
     }
 
     /// What the mapping grants: read-write, or read only.
@@ -570,7 +610,7 @@ impl VmmMapping {
     }
 }
 
-fn release_all(handles: &[sys::CUmemGenericAllocationHandle]) {
+pub(super) fn release_all(handles: &[sys::CUmemGenericAllocationHandle]) {
     for h in handles {
         // SAFETY: each was imported once and is released once; errors mean
         // the handle is already gone.
@@ -600,6 +640,15 @@ impl Mapping for VmmMapping {
     fn read_only(&self) -> bool {
         self.access.is_read_only()
     }
+    fn sleep(&self) -> Result<()> {
+        VmmMapping::sleep(self)
+    }
+    fn wake(&self) -> Result<()> {
+        VmmMapping::wake(self)
+    }
+    fn asleep(&self) -> bool {
+        VmmMapping::asleep(self)
+    }
 }
 
 impl Drop for VmmMapping {
@@ -609,22 +658,28 @@ impl Drop for VmmMapping {
         // work queued so far, so that nothing queued there uses the range
         // after unmapping (no wait here).
         let (device, ptr, size, segment) = (self.device.clone(), self.ptr, self.size, self.segment);
+        let asleep = lock(&self.state).asleep;
+        let handles = std::mem::take(&mut self.handles);
         self.streams.retire(
             self.device.stream(),
             "unmapping an imported VMM allocation",
             move || {
                 let _ = device.bind();
-                // SAFETY: mapped segment by segment and reserved in
-                // `map_imported`, undone once (cuMemUnmap takes whole
-                // mappings), after every stream that used it has finished.
+                // SAFETY: reserved in `map_imported` and, unless asleep,
+                // mapped segment by segment; undone once (cuMemUnmap takes
+                // whole mappings), after every stream that used it has
+                // finished; the handles are released last, once.
                 unsafe {
-                    let mut at = ptr;
-                    while at < ptr + size {
-                        let _ = vmm::unmap(at, segment);
-                        at += segment;
+                    if !asleep {
+                        let mut at = ptr;
+                        while at < ptr + size {
+                            let _ = vmm::unmap(at, segment);
+                            at += segment;
+                        }
                     }
                     let _ = vmm::address_free(ptr, size);
                 }
+                release_all(&handles);
             },
         );
     }

@@ -19,6 +19,7 @@ mod mechanisms;
 mod peer;
 mod read_only;
 mod set_fences;
+mod sleep;
 
 /// The full name of test `name` in module `module` (for `--exact`).
 #[macro_export]
