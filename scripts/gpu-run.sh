@@ -2,8 +2,8 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes peer bench bench-full containers sets checkpoint load stress mps
-#                          (default: info tests soak demo cli exchange samples python lifetimes)
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes sleep peer bench bench-full containers sets checkpoint load stress mps
+#                          (default: info tests soak demo cli exchange samples python lifetimes sleep)
 #
 # `tests` runs every GPU test but the 100,000-cycle soaks, which `soak` runs
 # (they take a minute or two). `sets` hands off weight sets through the CLI;
@@ -24,7 +24,7 @@ cli=$here/cuda-ipc
 logs=${LOGS:-$here/logs}
 mkdir -p "$logs"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info tests soak demo cli exchange samples python lifetimes)
+[ ${#steps[@]} -eq 0 ] && steps=(info tests soak demo cli exchange samples python lifetimes sleep)
 passed=0
 failed=0
 failures=()
@@ -508,6 +508,14 @@ step_python() {
 step_lifetimes() {
   python_script lifetimes "$logs/python-lifetimes.log" '^(PASS|FAIL)' \
     python3 "$here/python/tests/gpu_lifetimes.py" --rounds "${LIFETIME_ROUNDS:-200}"
+}
+
+# Sleep and wake from Python (python/tests/gpu_sleep.py): a CUDA graph
+# captured over attached tensors replays after a sleep and a wake, at the
+# same addresses, reading what the publisher wrote meanwhile.
+step_sleep() {
+  python_script sleep "$logs/python-sleep.log" '^(PASS|FAIL)|^wake of' \
+    python3 "$here/python/tests/gpu_sleep.py" --mib "${SLEEP_MIB:-64}"
 }
 
 # The benches' rows from Python need the wheel; without it they are skipped

@@ -433,6 +433,24 @@ class Subscriber(_Owner):
         """``(count, bytes)`` of the arena chunks kept mapped."""
         return self._c.cached_mappings()
 
+    def sleep(self):
+        """Unmaps everything this subscriber holds, keeping the addresses
+        (reserved, so nothing else lands there) and the leases; waits first
+        for every stream of the device (PyTorch's too). Until :meth:`wake`,
+        its tensors point at unmapped memory: a kernel that touches them
+        faults, and an attach that would hand out sleeping memory raises.
+        VMM memory only (legacy or pool mappings: ``Unsupported``, nothing
+        unmapped). Returns ``(mappings, bytes)`` put to sleep."""
+        return self._c.sleep()
+
+    def wake(self):
+        """Maps everything :meth:`sleep` unmapped again at the same
+        addresses (CUDA graphs captured over the tensors stay valid).
+        Returns ``(mappings, bytes)`` woken."""
+        return self._c.wake()
+
+    asleep = property(lambda self: self._c.asleep, doc="Whether any of its mappings sleeps.")
+
     def attach_ring(self, name, timeout=None):
         """Subscribes to the ring ``name``; returns a :class:`Ring`."""
         r = Ring(self._c.attach_ring(name))

@@ -1,4 +1,4 @@
-"""gpu_interop.py and gpu_lifetimes.py (the GPU checks) on a machine that
+"""gpu_interop.py, gpu_lifetimes.py and gpu_sleep.py (the GPU checks) on a machine that
 cannot run them: one line saying what is missing and exit status 77
 (skipped), not thousands of lines of tracebacks. No GPU: the driver is
 disabled."""
@@ -38,6 +38,14 @@ class WithoutADriver(unittest.TestCase):
         self.assertEqual(len(lines), 1, out.stdout)
         self.assertTrue(lines[0].startswith("gpu_lifetimes: skipped: it needs the CUDA driver and a GPU: "),
                         lines[0])
+
+    def test_the_sleep_check_says_so_too(self):
+        out = self.run_script(script=os.path.join(HERE, "gpu_sleep.py"))
+        self.assertEqual(out.returncode, 77, out.stdout + out.stderr)
+        self.assertEqual(out.stderr, "")
+        lines = out.stdout.splitlines()
+        self.assertEqual(len(lines), 1, out.stdout)
+        self.assertTrue(lines[0].startswith("gpu_sleep: skipped: it needs the CUDA driver and a GPU: "), lines[0])
 
     def test_listing_the_cases_needs_no_gpu(self):
         out = self.run_script("--list")

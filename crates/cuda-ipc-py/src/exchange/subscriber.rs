@@ -124,6 +124,28 @@ impl PySubscriber {
         Ok(self.get()?.cached_mappings())
     }
 
+    /// Unmaps every mapping, keeping addresses and leases; `(mappings,
+    /// bytes)` put to sleep.
+    fn sleep(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
+        let s = self.get()?;
+        let done = py.detach(|| s.sleep()).py()?;
+        Ok((done.mappings, done.bytes))
+    }
+
+    /// Maps every sleeping mapping again at its addresses; `(mappings,
+    /// bytes)` woken.
+    fn wake(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
+        let s = self.get()?;
+        let done = py.detach(|| s.wake()).py()?;
+        Ok((done.mappings, done.bytes))
+    }
+
+    /// Whether any of its mappings sleeps.
+    #[getter]
+    fn asleep(&self) -> PyResult<bool> {
+        Ok(self.get()?.asleep())
+    }
+
     /// Subscribes to the ring `name` (every slot mapped once).
     fn attach_ring(&self, py: Python<'_>, name: &str) -> PyResult<Ring> {
         let sub = self.get()?;
