@@ -13,7 +13,7 @@ in fresh processes. JSON lines:
   {"kind": "result", "mode": "service_model", "size": B, "count": KEYS, "warmup": W,
    "samples_ms": [...], "verify_failures": N,
    "parts_ms": {"meta": [...], "connect": [...], "attach": [...], "assign": [...],
-                "generate": [...]}}
+                "sleep": [...], "wake": [...], "generate": [...]}}
   {"kind": "result", "mode": "readers_at_once", "readers": R, "samples_ms": [...],
    "single_ms": MS, "verify_failures": N}
   {"kind": "result", "mode": "from_pretrained", "size": B, "samples_ms": [...],
@@ -34,7 +34,9 @@ Method (CLOCK_MONOTONIC in every process):
       the service's event waited for) to after
       `model.load_state_dict(sd, assign=True)` and `tie_weights()`
       (`assign`): the model is on the GPU and usable. Then, not timed:
-      every parameter's sum against the pattern (float64, exact), and a
+      every parameter's sum against the pattern (float64, exact); then
+      `Subscriber.sleep()` and `wake()` (`sleep`, `wake`: every mapping
+      unmapped and mapped again at the same addresses), and a
       greedy `generate` of 4 tokens (`generate`, timed apart; the weights
       are the test pattern, so the tokens mean nothing: the check is that
       the model runs on the service's memory).
@@ -155,6 +157,14 @@ def child_main(device, sock):
                 "ms": (t_done - t0) / 1e6, "read_only": bool(sd.read_only),
                 "bad": param_failures(torch, model, req["expect"])})
     if req.get("generate"):
+        # Sleep and wake (issue 26's wake target), then generate on the
+        # memory mapped again at the same addresses.
+        t_sleep = now_ns()
+        sub.sleep()
+        t_wake = now_ns()
+        sub.wake()
+        t_woke = now_ns()
+        ans["sleep"], ans["wake"] = (t_wake - t_sleep) / 1e6, (t_woke - t_wake) / 1e6
         ans["generate"], ans["new_tokens"] = generate(torch, model, device)
     print(json.dumps(ans), flush=True)
     # The model's parameters hold the lease; it ends with this process.
@@ -222,8 +232,8 @@ def run(args, torch, folder, sock):
             raise RuntimeError("cuda-ipc load exited %d: %s" % (code, " | ".join(out)))
         expect = args.expect
         base = {"name": SET_NAME, "dir": args.dir, "expect": expect}
-        single = {"samples": [], "failures": 0, "parts": {p: [] for p in
-                                                          ("meta", "connect", "attach", "assign", "generate")}}
+        parts = ("meta", "connect", "attach", "assign", "sleep", "wake", "generate")
+        single = {"samples": [], "failures": 0, "parts": {p: [] for p in parts}}
         for i in range(warmup + reps):
             c = Consumer(args.device, sock, script=__file__)
             try:
