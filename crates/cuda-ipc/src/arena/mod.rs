@@ -155,7 +155,7 @@ pub struct BufferView {
     /// Bytes from the start of the chunk to the buffer's first byte.
     pub offset: u64,
     /// The buffer's length in bytes.
-    pub len: u64,
+    pub byte_len: u64,
 }
 
 /// How an [`Arena`] sizes, aligns and limits its chunks.

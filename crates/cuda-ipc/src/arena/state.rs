@@ -220,7 +220,7 @@ impl<B: ChunkBacking> Range<B> {
         BufferView {
             chunk: self.chunk.id,
             offset: self.offset,
-            len: self.len,
+            byte_len: self.len,
         }
     }
 }

@@ -457,12 +457,12 @@ impl Model {
         for l in &self.leases {
             let v = l.view();
             let e = ranges.entry((v.chunk.index, v.offset)).or_insert((
-                v.len,
-                v.len.next_multiple_of(self.alignment),
+                v.byte_len,
+                v.byte_len.next_multiple_of(self.alignment),
                 false,
                 0,
             ));
-            assert_eq!(e.0, v.len, "a lease and a buffer disagree on a range");
+            assert_eq!(e.0, v.byte_len, "a lease and a buffer disagree on a range");
             e.3 += 1;
         }
         let chunks: BTreeMap<u64, ChunkInfo> = self

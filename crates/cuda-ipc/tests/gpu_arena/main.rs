@@ -179,8 +179,8 @@ fn every_chunk_mechanism_hands_off_sets_and_keeps_leased_memory() {
             let v = f.view();
             assert!(
                 v.chunk != view.chunk
-                    || v.offset >= view.offset + view.len
-                    || v.offset + v.len <= view.offset,
+                    || v.offset >= view.offset + view.byte_len
+                    || v.offset + v.byte_len <= view.offset,
                 "{m}: a leased range was handed out again"
             );
             kernels::fill_u32(f, Pattern::constant(0xDEAD_0000 + k as u32), Speed::Full).unwrap();
