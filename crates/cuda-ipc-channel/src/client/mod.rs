@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::limits::validate_entry_name;
+use super::notices::{NoticePath, is_notice};
 use super::socket::{RecvLimits, Ucred, peer_closed, peer_credentials, recv_message, send_message};
 use super::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use super::{ChannelError, Side, lock, own_pid, own_uid};
@@ -50,12 +51,15 @@ const MAX_LISTED_ENTRIES: usize = 1 << 16;
 mod connect;
 mod demux;
 mod ring;
+mod shm;
 mod types;
 
 use connect::connect_socket;
 use demux::{Dead, State, unexpected};
+use shm::{Batch, ClientShm};
 pub use types::{
-    Attachment, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, RingAttachment, SPIN_ENV, Update,
+    Attachment, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, NoticeStats, RingAttachment,
+    SPIN_ENV, Update,
 };
 
 /// A connection to a channel server: the consumer's end.
@@ -83,6 +87,9 @@ pub struct Client {
     /// Signalled when a message was filed, the reader stepped down, or the
     /// connection died.
     filed: Condvar,
+    /// The shared-memory rings, when the server granted them (see
+    /// [`notices`](crate::notices)).
+    shm: Option<ClientShm>,
 }
 
 impl std::fmt::Debug for Client {
@@ -150,13 +157,21 @@ impl Client {
             &Message::Hello {
                 protocol: PROTOCOL_VERSION,
                 pid: own_pid(),
+                shm_notices: config.notices == NoticePath::Shm,
             },
             &[],
             Some(deadline),
         );
         // Even if the hello could not be sent, the server may have said why.
-        match recv_message(&stream, Some(deadline), RecvLimits::CLIENT) {
-            Ok((Message::Welcome { protocol, .. }, _)) => {
+        let shm = match recv_message(&stream, Some(deadline), RecvLimits::CLIENT) {
+            Ok((
+                Message::Welcome {
+                    protocol,
+                    shm_notices,
+                    ..
+                },
+                fds,
+            )) => {
                 hello?;
                 if protocol != PROTOCOL_VERSION {
                     return Err(ChannelError::protocol(format!(
@@ -164,6 +179,7 @@ impl Client {
                          {PROTOCOL_VERSION}; use the same cuda-ipc version on both sides"
                     )));
                 }
+                ClientShm::granted(config.notices == NoticePath::Shm, shm_notices, fds)?
             }
             Ok((
                 Message::Error {
@@ -175,23 +191,7 @@ impl Client {
                 _,
             )) => {
                 if code == "refused" {
-                    return Err(ChannelError::Refused {
-                        by: Side::Server,
-                        uid: details
-                            .get("uid")
-                            .and_then(Value::as_u64)
-                            .map_or_else(own_uid, |u| u as u32),
-                        allowed: details
-                            .get("allowed")
-                            .and_then(Value::as_array)
-                            .map(|a| {
-                                a.iter()
-                                    .filter_map(Value::as_u64)
-                                    .map(|u| u as u32)
-                                    .collect()
-                            })
-                            .unwrap_or_default(),
-                    });
+                    return Err(refused_by_server(&details));
                 }
                 return Err(ChannelError::Remote { code, message });
             }
@@ -212,7 +212,7 @@ impl Client {
                 hello?;
                 return Err(e);
             }
-        }
+        };
         Ok(Client {
             stream,
             server,
@@ -224,6 +224,7 @@ impl Client {
             write: Mutex::new(()),
             state: Mutex::new(State::default()),
             filed: Condvar::new(),
+            shm,
         })
     }
 
@@ -237,6 +238,18 @@ impl Client {
     /// The server's credentials (`SO_PEERCRED`).
     pub fn server_credentials(&self) -> Ucred {
         self.server
+    }
+
+    /// How this client's notices and acks travel (agreed in the handshake,
+    /// see [`notices`](crate::notices)) and how many took each path.
+    pub fn notice_stats(&self) -> NoticeStats {
+        let mut stats = lock(&self.state).stats;
+        stats.path = if self.shm.is_some() {
+            NoticePath::Shm
+        } else {
+            NoticePath::Socket
+        };
+        stats
     }
 
     /// Whether the connection is still up, without waiting and without
@@ -503,24 +516,42 @@ impl Client {
             st.reading = true;
             drop(st);
             // Past the deadline this still takes messages that have arrived.
-            let received = recv_message(&self.stream, Some(deadline), limits);
-            drained = matches!(received, Err(ChannelError::Timeout { .. }));
+            let received = match &self.shm {
+                Some(shm) => self.receive_shm(shm, deadline, limits),
+                None => match recv_message(&self.stream, Some(deadline), limits) {
+                    Ok((m, fds)) => Batch {
+                        messages: vec![(m, fds, false)],
+                        error: None,
+                    },
+                    Err(e) => Batch {
+                        messages: Vec::new(),
+                        error: Some(e),
+                    },
+                },
+            };
+            drained = matches!(received.error, Some(ChannelError::Timeout { .. }));
             st = self.file(received);
         }
     }
 
     /// Files what the reader received, steps down as reader, and wakes
     /// the other waiters.
-    fn file(
-        &self,
-        received: Result<(Message, Vec<OwnedFd>), ChannelError>,
-    ) -> MutexGuard<'_, State> {
+    fn file(&self, received: Batch) -> MutexGuard<'_, State> {
         let mut st = lock(&self.state);
         st.reading = false;
-        match received {
-            Ok((message, fds)) => st.dispatch(message, fds),
-            Err(ChannelError::Timeout { .. }) => {}
-            Err(e) => {
+        for (message, fds, via_ring) in received.messages {
+            if is_notice(&message) {
+                if via_ring {
+                    st.stats.shm_notices += 1;
+                } else {
+                    st.stats.socket_notices += 1;
+                }
+            }
+            st.dispatch(message, fds);
+        }
+        match received.error {
+            None | Some(ChannelError::Timeout { .. }) => {}
+            Some(e) => {
                 if st.dead.is_none() {
                     st.dead = Some(Dead::from_error(e));
                 }
@@ -534,6 +565,27 @@ impl Client {
         drop(st);
         self.release_quietly(orphans);
         lock(&self.state)
+    }
+}
+
+/// The error for the server's refusal, from its details (`uid`, `allowed`).
+fn refused_by_server(details: &Value) -> ChannelError {
+    ChannelError::Refused {
+        by: Side::Server,
+        uid: details
+            .get("uid")
+            .and_then(Value::as_u64)
+            .map_or_else(own_uid, |u| u as u32),
+        allowed: details
+            .get("allowed")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_u64)
+                    .map(|u| u as u32)
+                    .collect()
+            })
+            .unwrap_or_default(),
     }
 }
 

@@ -136,6 +136,8 @@ struct Shared {
     idle_timeout: Duration,
     max_leases: usize,
     recv_limits: RecvLimits,
+    /// Whether clients that ask get notices through shared memory.
+    notices: crate::NoticePath,
     pid: u32,
     state: Mutex<State>,
     /// Signalled whenever a lease ends, a slot is acked, or an entry is
@@ -282,6 +284,7 @@ impl Server {
                 // The server's threads wait for clients by poll(2): no spin.
                 spin: Duration::ZERO,
             },
+            notices: config.notices,
             pid: own_pid(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
