@@ -184,7 +184,7 @@ const SPIN_PAUSES: u32 = 16;
 
 /// While spinning, the other descriptor is polled once every this many looks
 /// at the ring (a `poll(2)` costs far more than a look).
-const POLL_EVERY: u32 = 32;
+const POLL_EVERY: u32 = 4;
 
 impl Receiver {
     pub(crate) fn new(map: Arc<Mapping>, ring: usize, capacity: usize, wake: OwnedFd) -> Receiver {
