@@ -72,13 +72,11 @@ impl std::fmt::Debug for Sender {
 
 impl Sender {
     pub(crate) fn new(map: Arc<Mapping>, ring: usize, capacity: usize, wake: OwnedFd) -> Sender {
-        let ring = RingView::new(map, ring, capacity);
-        // A new area's counters are zero; an opener starts where they are
-        // (zero too, unless the peer wrote them: then the first check fails).
-        let head = ring.field(W_HEAD).load(Ordering::Acquire);
+        // An area is split once, new: its counters start at zero (if the
+        // peer wrote others, the first check against them fails).
         Sender {
-            ring,
-            head,
+            ring: RingView::new(map, ring, capacity),
+            head: 0,
             wake,
             wakes: 0,
         }
@@ -188,11 +186,9 @@ const POLL_EVERY: u32 = 4;
 
 impl Receiver {
     pub(crate) fn new(map: Arc<Mapping>, ring: usize, capacity: usize, wake: OwnedFd) -> Receiver {
-        let ring = RingView::new(map, ring, capacity);
-        let tail = ring.field(W_TAIL).load(Ordering::Acquire);
         Receiver {
-            ring,
-            tail,
+            ring: RingView::new(map, ring, capacity),
+            tail: 0,
             wake,
             sleeps: 0,
         }

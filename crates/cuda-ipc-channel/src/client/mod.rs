@@ -8,6 +8,9 @@
 //! [`Client::next_frame`]. When the server process dies, the kernel closes
 //! its end of the socket, and every call (including one already waiting)
 //! returns [`ChannelError::PeerGone`] at once.
+//! With shared-memory notices (see [`notices`](crate::notices)) a waiting
+//! thread spins on the notice ring and the socket, then sleeps in `poll(2)`
+//! on the ring's eventfd and the socket together, so this still holds.
 //!
 //! # Threads
 //! A `Client` is `Send` and `Sync`. Several threads may wait on it at once:

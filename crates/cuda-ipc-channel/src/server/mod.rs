@@ -9,6 +9,10 @@
 //! client never blocks the producer or other clients. A client that leaves
 //! more than [`ServerConfig::max_queued_frames`] messages unread, or does not
 //! read for [`ServerConfig::send_timeout`], is disconnected.
+//! Notices to a client that asked for shared memory go into its ring
+//! instead, from the calling thread, when nothing waits for the socket
+//! (see [`notices`](crate::notices)); its reader thread polls the socket
+//! and the eventfd of the client's ack ring together.
 //!
 //! # Leases
 //! A lease is held by a connection. When the connection ends for any reason
