@@ -63,7 +63,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use cuda_ipc_shm::{Area, Receiver, Sender, Side, check_eventfd, new_eventfd};
 
 use crate::ChannelError;
-use crate::wire::{HEADER_LEN, Message, decode_header};
+use crate::wire::{HEADER_LEN, Message, WireError, decode_header};
 
 /// The environment variable that chooses the default [`NoticePath`]:
 /// `socket` keeps notices on the socket, `shm` (or unset) uses shared
@@ -124,8 +124,12 @@ pub(crate) fn encode_record(after: u64, wire: &[u8]) -> Vec<u8> {
 }
 
 /// Decodes a record copied out of the ring: its count and its message,
-/// checked as a message from the socket (and carrying no descriptors).
-pub(crate) fn decode_record(record: &[u8]) -> Result<(u64, Message), ChannelError> {
+/// checked as a message from the socket would be (a payload of at most
+/// `max_payload` bytes, no descriptors).
+pub(crate) fn decode_record(
+    record: &[u8],
+    max_payload: u32,
+) -> Result<(u64, Message), ChannelError> {
     let Some((count, wire)) = record.split_first_chunk::<8>() else {
         return Err(ChannelError::protocol(format!(
             "a shared-memory record of {} bytes is shorter than its 8-byte count",
@@ -133,6 +137,13 @@ pub(crate) fn decode_record(record: &[u8]) -> Result<(u64, Message), ChannelErro
         )));
     };
     let header = decode_header(wire)?;
+    if header.len > max_payload {
+        return Err(WireError::PayloadTooLarge {
+            len: u64::from(header.len),
+            max: max_payload,
+        }
+        .into());
+    }
     if header.fds != 0 {
         return Err(ChannelError::protocol(
             "a shared-memory record announces file descriptors",
@@ -196,7 +207,7 @@ pub(crate) fn shm_error(e: cuda_ipc_shm::ShmError) -> ChannelError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::encode_message;
+    use crate::wire::{MAX_PAYLOAD, encode_message};
     use proptest::prelude::*;
 
     #[test]
@@ -207,22 +218,28 @@ mod tests {
             seq: 9,
         };
         let record = encode_record(42, &encode_message(&m, 0).unwrap());
-        assert_eq!(decode_record(&record).unwrap(), (42, m));
+        assert_eq!(decode_record(&record, MAX_PAYLOAD).unwrap(), (42, m));
     }
 
     #[test]
     fn short_or_inconsistent_records_are_errors() {
         let m = Message::Ping { id: 1 };
         let wire = encode_message(&m, 0).unwrap();
-        assert!(decode_record(&[1, 2, 3]).is_err());
+        assert!(decode_record(&[1, 2, 3], MAX_PAYLOAD).is_err());
         let mut cut = encode_record(0, &wire);
         cut.pop();
-        assert!(decode_record(&cut).is_err());
+        assert!(decode_record(&cut, MAX_PAYLOAD).is_err());
         let mut long = encode_record(0, &wire);
         long.push(b' ');
-        assert!(decode_record(&long).is_err());
+        assert!(decode_record(&long, MAX_PAYLOAD).is_err());
         let with_fds = encode_record(0, &encode_message(&m, 2).unwrap());
-        assert!(decode_record(&with_fds).is_err());
+        assert!(decode_record(&with_fds, MAX_PAYLOAD).is_err());
+        let ok = encode_record(0, &wire);
+        let e = decode_record(&ok, 4).unwrap_err();
+        assert!(
+            e.to_string().contains("exceeds the limit of 4 bytes"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -236,7 +253,7 @@ mod tests {
     proptest! {
         #[test]
         fn random_records_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
-            let _ = decode_record(&bytes);
+            let _ = decode_record(&bytes, MAX_PAYLOAD);
         }
 
         #[test]
@@ -248,7 +265,7 @@ mod tests {
                 &crate::wire::Header::json(payload.len() as u32, 0),
             ));
             record.extend_from_slice(&payload);
-            let _ = decode_record(&record);
+            let _ = decode_record(&record, MAX_PAYLOAD);
         }
     }
 }

@@ -66,7 +66,7 @@ impl NoticeReader {
         if !self.rx.recv(&mut self.buf).map_err(shm_error)? {
             return Ok(None);
         }
-        let (after, message) = decode_record(&self.buf)?;
+        let (after, message) = decode_record(&self.buf, crate::MAX_PAYLOAD)?;
         if !is_notice(&message) {
             return Err(ChannelError::protocol(format!(
                 "a {:?} message came through the shared-memory ring, which carries only notices",

@@ -192,7 +192,7 @@ fn take_acks(
             Ok(false) => break,
             Err(e) => return Err(fatal(conn, &shm_error(e))),
         }
-        match decode_record(record) {
+        match decode_record(record, shared.recv_limits.max_payload) {
             Ok((_, Message::Ack { lease, slot, seq })) => shared.ack(conn, lease, slot, seq)?,
             Ok((_, other)) => {
                 return Err(fatal(
