@@ -139,11 +139,32 @@ impl Client {
     /// whether the socket is missing or stale), [`ChannelError::Timeout`]
     /// if the server does not answer within [`ClientConfig::timeout`].
     ///
+    /// A server built before shared-memory notices existed refuses a hello
+    /// that asks for them; the client then connects again without asking
+    /// (see [`notices`](crate::notices)).
+    ///
     /// # References
     /// [connect(2)](https://man7.org/linux/man-pages/man2/connect.2.html),
     /// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html) (`SO_PEERCRED`).
     pub fn connect(path: impl AsRef<Path>, config: ClientConfig) -> Result<Client, ChannelError> {
         let path = path.as_ref();
+        let asked = config.notices == NoticePath::Shm;
+        match Client::connect_once(path, config.clone()) {
+            Err(ChannelError::Remote { code, message })
+                if asked && code == "malformed_frame" && message.contains("shm_notices") =>
+            {
+                tracing::info!(
+                    path = %path.display(),
+                    "the server does not know shared-memory notices; connecting again with \
+                     notices on the socket"
+                );
+                Client::connect_once(path, config.with_notices(NoticePath::Socket))
+            }
+            other => other,
+        }
+    }
+
+    fn connect_once(path: &Path, config: ClientConfig) -> Result<Client, ChannelError> {
         let started = Instant::now();
         let deadline = crate::deadline_in(config.timeout);
         let stream = connect_socket(path, deadline)?;

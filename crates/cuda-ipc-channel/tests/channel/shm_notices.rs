@@ -379,3 +379,51 @@ fn a_killed_shm_client_ends_its_lease_at_once() {
         killed.elapsed()
     );
 }
+
+/// A server built before shared-memory notices refuses a hello with the
+/// new field (its decoding is strict); the client connects again without
+/// it and gets its notices on the socket.
+#[test]
+fn a_server_that_predates_shm_notices_gets_a_plain_hello() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "old-server");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let old_server = std::thread::spawn(move || {
+        let mut hellos = Vec::new();
+        for _ in 0..2 {
+            let (s, _) = listener.accept().unwrap();
+            let (hello, _) =
+                recv_message(&s, Some(Instant::now() + Duration::from_secs(5))).unwrap();
+            let Message::Hello { shm_notices, .. } = hello else {
+                panic!("{hello:?}");
+            };
+            hellos.push(shm_notices);
+            let answer = if shm_notices {
+                // What a server of protocol 1 without the field answers.
+                Message::Error {
+                    id: None,
+                    code: "malformed_frame".into(),
+                    message: "malformed message on the wire: malformed \"hello\" message: \
+                              unknown field `shm_notices`, expected `protocol` or `pid`"
+                        .into(),
+                    details: Value::Null,
+                }
+            } else {
+                Message::Welcome {
+                    protocol: 1,
+                    pid: std::process::id(),
+                    shm_notices: None,
+                }
+            };
+            send_message(&s, &answer, &[], None).unwrap();
+            if !shm_notices {
+                return (hellos, s);
+            }
+        }
+        panic!("the client did not come back without the field");
+    });
+    let client = client_with(&path, NoticePath::Shm);
+    let (hellos, _s) = old_server.join().unwrap();
+    assert_eq!(hellos, [true, false]);
+    assert_eq!(client.notice_stats().path, NoticePath::Socket);
+}
