@@ -57,6 +57,14 @@
 //! comes from the environment variable [`NOTICES_ENV`]
 //! (`CUDA_IPC_NOTICES=socket` keeps every notice on the socket, as before
 //! this path existed). Either side saying no keeps the socket.
+//!
+//! # Older peers
+//! The request is an optional field of the `hello` (`shm_notices`), the
+//! grant one of the `welcome`; neither is sent when it would say no. A
+//! client of an older build never asks. A server of an older build refuses
+//! the field (its decoding is strict) with a `malformed_frame` error
+//! naming it, and [`Client::connect`](crate::Client::connect) then
+//! connects again without asking.
 
 use std::os::fd::{AsFd, OwnedFd};
 
