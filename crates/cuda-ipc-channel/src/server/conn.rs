@@ -96,11 +96,11 @@ impl Outbox {
     /// Puts a notice (`bytes`, a wire message) in the client's ring, if it
     /// has one with room: whether it went.
     fn ring(&mut self, bytes: &[u8]) -> Result<bool, ChannelError> {
+        let Some(tx) = self.shm.as_mut() else {
+            return Ok(false);
+        };
         let record = encode_record(self.pushed, bytes);
-        match self.shm.as_mut() {
-            Some(tx) => tx.send(&record).map_err(crate::notices::shm_error),
-            None => Ok(false),
-        }
+        tx.send(&record).map_err(crate::notices::shm_error)
     }
 
     /// Whether nothing waits to be written to the socket: every message
