@@ -171,6 +171,7 @@ fn attack(kind: &str, path: &Path) {
     let hello = frame(&Message::Hello {
         protocol: PROTOCOL_VERSION,
         pid: std::process::id(),
+        shm_notices: false,
     });
     let mut conns = Vec::new();
     for _ in 0..PER_PROCESS {

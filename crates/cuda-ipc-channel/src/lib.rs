@@ -19,6 +19,9 @@
 //!   UTF-8 JSON payload, together a *wire message*);
 //! - `socket` (private): sending and receiving wire messages with file
 //!   descriptors, with a deadline on every wait, and peer credentials;
+//! - [`notices`]: the path notices and acks take, the socket or a
+//!   shared-memory ring per connection (the default), and the order rule
+//!   that keeps the two in step;
 //! - [`server`] and [`client`]: the two ends.
 //!
 //! # Security
@@ -51,6 +54,8 @@
 //! Every fallible function returns [`ChannelError`]; it converts into the
 //! `cuda_ipc::Error` with `?`.
 
+#![deny(unsafe_code)]
+
 use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -58,17 +63,21 @@ use std::time::Duration;
 pub mod client;
 mod deadline;
 mod limits;
+pub mod notices;
 mod paths;
 pub mod server;
+// `SO_PEERCRED` and `SIOCOUTQ`, which rustix does not wrap: the crate's only unsafe code.
+#[allow(unsafe_code)]
 mod socket;
 pub mod wire;
 
 pub use client::{
-    Attachment, Client, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, RingAttachment, SPIN_ENV,
-    Update,
+    Attachment, Client, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, NoticeStats,
+    RingAttachment, SPIN_ENV, Update,
 };
 pub use deadline::deadline_in;
 pub use limits::{MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, validate_entry_name};
+pub use notices::{NOTICE_RING_BYTES, NOTICES_ENV, NoticePath};
 pub use paths::{
     MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,
     validate_socket_name,

@@ -337,6 +337,10 @@ pub enum Message {
         protocol: u16,
         /// The client's process id (informational; the server trusts `SO_PEERCRED`).
         pid: u32,
+        /// Whether the client asks for notices through shared memory (see
+        /// `crate::notices`); absent means no.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        shm_notices: bool,
     },
     /// Asks for the published entries, in name order, starting after
     /// `after` (for the next page of a long listing).
@@ -391,6 +395,12 @@ pub enum Message {
         protocol: u16,
         /// The server's process id (informational).
         pid: u32,
+        /// When the server grants notices through shared memory: the
+        /// capacity of each ring in bytes. The memfd, then the eventfd the
+        /// client sleeps on, then the one the server sleeps on come with the
+        /// message.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shm_notices: Option<u32>,
     },
     /// A page of published entries.
     Listing {
@@ -577,6 +587,10 @@ impl Message {
     pub fn fd_count(&self) -> usize {
         match self {
             Message::Attached { fds, .. } | Message::RingSlot { fds, .. } => usize::from(*fds),
+            Message::Welcome {
+                shm_notices: Some(_),
+                ..
+            } => 3,
             _ => 0,
         }
     }

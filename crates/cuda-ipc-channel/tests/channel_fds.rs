@@ -76,6 +76,7 @@ fn flood_is_throttled(server: &Server, path: &std::path::Path, steady: usize) {
     let hello = Message::Hello {
         protocol: 1,
         pid: std::process::id(),
+        shm_notices: false,
     };
     send_message(&raw, &hello, &[], None).unwrap();
     assert!(matches!(

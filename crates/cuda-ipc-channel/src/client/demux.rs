@@ -113,6 +113,9 @@ pub(super) struct State {
     /// Leases granted to requests whose callers gave up: to release.
     pub(super) orphans: Vec<u64>,
     pub(super) dead: Option<Dead>,
+    /// Notices and acks by path (the path itself is filled in by
+    /// `Client::notice_stats`).
+    pub(super) stats: super::NoticeStats,
 }
 
 impl State {

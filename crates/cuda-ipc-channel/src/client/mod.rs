@@ -8,6 +8,9 @@
 //! [`Client::next_frame`]. When the server process dies, the kernel closes
 //! its end of the socket, and every call (including one already waiting)
 //! returns [`ChannelError::PeerGone`] at once.
+//! With shared-memory notices (see [`notices`](crate::notices)) a waiting
+//! thread spins on the notice ring and the socket, then sleeps in `poll(2)`
+//! on the ring's eventfd and the socket together, so this still holds.
 //!
 //! # Threads
 //! A `Client` is `Send` and `Sync`. Several threads may wait on it at once:
@@ -33,6 +36,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::limits::validate_entry_name;
+use super::notices::{NoticePath, is_notice};
 use super::socket::{RecvLimits, Ucred, peer_closed, peer_credentials, recv_message, send_message};
 use super::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use super::{ChannelError, Side, lock, own_pid, own_uid};
@@ -50,12 +54,15 @@ const MAX_LISTED_ENTRIES: usize = 1 << 16;
 mod connect;
 mod demux;
 mod ring;
+mod shm;
 mod types;
 
 use connect::connect_socket;
 use demux::{Dead, State, unexpected};
+use shm::{Batch, ClientShm};
 pub use types::{
-    Attachment, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, RingAttachment, SPIN_ENV, Update,
+    Attachment, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, NoticeStats, RingAttachment,
+    SPIN_ENV, Update,
 };
 
 /// A connection to a channel server: the consumer's end.
@@ -83,6 +90,9 @@ pub struct Client {
     /// Signalled when a message was filed, the reader stepped down, or the
     /// connection died.
     filed: Condvar,
+    /// The shared-memory rings, when the server granted them (see
+    /// [`notices`](crate::notices)).
+    shm: Option<ClientShm>,
 }
 
 impl std::fmt::Debug for Client {
@@ -129,11 +139,32 @@ impl Client {
     /// whether the socket is missing or stale), [`ChannelError::Timeout`]
     /// if the server does not answer within [`ClientConfig::timeout`].
     ///
+    /// A server built before shared-memory notices existed refuses a hello
+    /// that asks for them; the client then connects again without asking
+    /// (see [`notices`](crate::notices)).
+    ///
     /// # References
     /// [connect(2)](https://man7.org/linux/man-pages/man2/connect.2.html),
     /// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html) (`SO_PEERCRED`).
     pub fn connect(path: impl AsRef<Path>, config: ClientConfig) -> Result<Client, ChannelError> {
         let path = path.as_ref();
+        let asked = config.notices == NoticePath::Shm;
+        match Client::connect_once(path, config.clone()) {
+            Err(ChannelError::Remote { code, message })
+                if asked && code == "malformed_frame" && message.contains("shm_notices") =>
+            {
+                tracing::info!(
+                    path = %path.display(),
+                    "the server does not know shared-memory notices; connecting again with \
+                     notices on the socket"
+                );
+                Client::connect_once(path, config.with_notices(NoticePath::Socket))
+            }
+            other => other,
+        }
+    }
+
+    fn connect_once(path: &Path, config: ClientConfig) -> Result<Client, ChannelError> {
         let started = Instant::now();
         let deadline = crate::deadline_in(config.timeout);
         let stream = connect_socket(path, deadline)?;
@@ -150,13 +181,21 @@ impl Client {
             &Message::Hello {
                 protocol: PROTOCOL_VERSION,
                 pid: own_pid(),
+                shm_notices: config.notices == NoticePath::Shm,
             },
             &[],
             Some(deadline),
         );
         // Even if the hello could not be sent, the server may have said why.
-        match recv_message(&stream, Some(deadline), RecvLimits::CLIENT) {
-            Ok((Message::Welcome { protocol, .. }, _)) => {
+        let shm = match recv_message(&stream, Some(deadline), RecvLimits::CLIENT) {
+            Ok((
+                Message::Welcome {
+                    protocol,
+                    shm_notices,
+                    ..
+                },
+                fds,
+            )) => {
                 hello?;
                 if protocol != PROTOCOL_VERSION {
                     return Err(ChannelError::protocol(format!(
@@ -164,6 +203,7 @@ impl Client {
                          {PROTOCOL_VERSION}; use the same cuda-ipc version on both sides"
                     )));
                 }
+                ClientShm::granted(config.notices == NoticePath::Shm, shm_notices, fds)?
             }
             Ok((
                 Message::Error {
@@ -175,23 +215,7 @@ impl Client {
                 _,
             )) => {
                 if code == "refused" {
-                    return Err(ChannelError::Refused {
-                        by: Side::Server,
-                        uid: details
-                            .get("uid")
-                            .and_then(Value::as_u64)
-                            .map_or_else(own_uid, |u| u as u32),
-                        allowed: details
-                            .get("allowed")
-                            .and_then(Value::as_array)
-                            .map(|a| {
-                                a.iter()
-                                    .filter_map(Value::as_u64)
-                                    .map(|u| u as u32)
-                                    .collect()
-                            })
-                            .unwrap_or_default(),
-                    });
+                    return Err(refused_by_server(&details));
                 }
                 return Err(ChannelError::Remote { code, message });
             }
@@ -212,7 +236,7 @@ impl Client {
                 hello?;
                 return Err(e);
             }
-        }
+        };
         Ok(Client {
             stream,
             server,
@@ -224,6 +248,7 @@ impl Client {
             write: Mutex::new(()),
             state: Mutex::new(State::default()),
             filed: Condvar::new(),
+            shm,
         })
     }
 
@@ -237,6 +262,18 @@ impl Client {
     /// The server's credentials (`SO_PEERCRED`).
     pub fn server_credentials(&self) -> Ucred {
         self.server
+    }
+
+    /// How this client's notices and acks travel (agreed in the handshake,
+    /// see [`notices`](crate::notices)) and how many took each path.
+    pub fn notice_stats(&self) -> NoticeStats {
+        let mut stats = lock(&self.state).stats;
+        stats.path = if self.shm.is_some() {
+            NoticePath::Shm
+        } else {
+            NoticePath::Socket
+        };
+        stats
     }
 
     /// Whether the connection is still up, without waiting and without
@@ -503,24 +540,42 @@ impl Client {
             st.reading = true;
             drop(st);
             // Past the deadline this still takes messages that have arrived.
-            let received = recv_message(&self.stream, Some(deadline), limits);
-            drained = matches!(received, Err(ChannelError::Timeout { .. }));
+            let received = match &self.shm {
+                Some(shm) => self.receive_shm(shm, deadline, limits),
+                None => match recv_message(&self.stream, Some(deadline), limits) {
+                    Ok((m, fds)) => Batch {
+                        messages: vec![(m, fds, false)],
+                        error: None,
+                    },
+                    Err(e) => Batch {
+                        messages: Vec::new(),
+                        error: Some(e),
+                    },
+                },
+            };
+            drained = matches!(received.error, Some(ChannelError::Timeout { .. }));
             st = self.file(received);
         }
     }
 
     /// Files what the reader received, steps down as reader, and wakes
     /// the other waiters.
-    fn file(
-        &self,
-        received: Result<(Message, Vec<OwnedFd>), ChannelError>,
-    ) -> MutexGuard<'_, State> {
+    fn file(&self, received: Batch) -> MutexGuard<'_, State> {
         let mut st = lock(&self.state);
         st.reading = false;
-        match received {
-            Ok((message, fds)) => st.dispatch(message, fds),
-            Err(ChannelError::Timeout { .. }) => {}
-            Err(e) => {
+        for (message, fds, via_ring) in received.messages {
+            if is_notice(&message) {
+                if via_ring {
+                    st.stats.shm_notices += 1;
+                } else {
+                    st.stats.socket_notices += 1;
+                }
+            }
+            st.dispatch(message, fds);
+        }
+        match received.error {
+            None | Some(ChannelError::Timeout { .. }) => {}
+            Some(e) => {
                 if st.dead.is_none() {
                     st.dead = Some(Dead::from_error(e));
                 }
@@ -534,6 +589,27 @@ impl Client {
         drop(st);
         self.release_quietly(orphans);
         lock(&self.state)
+    }
+}
+
+/// The error for the server's refusal, from its details (`uid`, `allowed`).
+fn refused_by_server(details: &Value) -> ChannelError {
+    ChannelError::Refused {
+        by: Side::Server,
+        uid: details
+            .get("uid")
+            .and_then(Value::as_u64)
+            .map_or_else(own_uid, |u| u as u32),
+        allowed: details
+            .get("allowed")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_u64)
+                    .map(|u| u as u32)
+                    .collect()
+            })
+            .unwrap_or_default(),
     }
 }
 

@@ -171,6 +171,30 @@ impl Client {
                 Some(_) => {}
             }
         }
-        self.send(&Message::Ack { lease, slot, seq })
+        let ack = Message::Ack { lease, slot, seq };
+        if let Some(shm) = &self.shm {
+            match shm.ack(&ack) {
+                Ok(true) => {
+                    lock(&self.state).stats.shm_acks += 1;
+                    return Ok(());
+                }
+                // The ring is full: the socket (acks need no order).
+                Ok(false) => {}
+                Err(e) => {
+                    let mut st = lock(&self.state);
+                    if st.dead.is_none() {
+                        st.dead = Some(super::demux::Dead::from_error(ChannelError::protocol(
+                            e.to_string(),
+                        )));
+                    }
+                    drop(st);
+                    self.filed.notify_all();
+                    return Err(e);
+                }
+            }
+        }
+        self.send(&ack)?;
+        lock(&self.state).stats.socket_acks += 1;
+        Ok(())
     }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::notices::{NoticePath, notice_path_from_env};
 use crate::own_uid;
 
 /// How a [`Client`](super::Client) connects.
@@ -25,6 +26,11 @@ pub struct ClientConfig {
     /// long per wait; `Duration::ZERO` sleeps at once. The environment
     /// variable [`SPIN_ENV`] sets the default.
     pub spin: Duration,
+    /// Whether to ask the server for notices (updates, ring frames) and
+    /// acks through shared memory (see [`notices`](crate::notices));
+    /// default from [`NOTICES_ENV`](crate::NOTICES_ENV), else
+    /// [`NoticePath::Shm`]. The server may say no.
+    pub notices: NoticePath,
 }
 
 /// How long a client polls for a message before it sleeps: about the
@@ -81,6 +87,7 @@ impl Default for ClientConfig {
             timeout: Duration::from_secs(5),
             allowed_server_uids: vec![own_uid()],
             spin: default_spin(std::env::var(SPIN_ENV).ok().as_deref()),
+            notices: notice_path_from_env(),
         }
     }
 }
@@ -100,12 +107,38 @@ impl ClientConfig {
         self
     }
 
+    /// Sets how notices and acks travel (see [`ClientConfig::notices`]).
+    #[must_use]
+    pub fn with_notices(mut self, path: NoticePath) -> Self {
+        self.notices = path;
+        self
+    }
+
     /// Sets the user ids the server may run as (replacing the default, ours).
     #[must_use]
     pub fn with_allowed_server_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
         self.allowed_server_uids = uids.into_iter().collect();
         self
     }
+}
+
+/// Which path a client's notices and acks took (see
+/// [`Client::notice_stats`](super::Client::notice_stats)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct NoticeStats {
+    /// The path agreed in the handshake.
+    pub path: NoticePath,
+    /// Notices (updates, ring frames, unpublished and late notices)
+    /// received through shared memory.
+    pub shm_notices: u64,
+    /// Notices received on the socket (all of them on the socket path; on
+    /// the shared-memory path, those that did not fit in the ring).
+    pub socket_notices: u64,
+    /// Acks sent through shared memory.
+    pub shm_acks: u64,
+    /// Acks sent on the socket.
+    pub socket_acks: u64,
 }
 
 /// A lease on a plain entry, with the entry's metadata and descriptors.

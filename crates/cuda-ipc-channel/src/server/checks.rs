@@ -91,8 +91,15 @@ pub(super) fn ensure_fd_limit(config: &ServerConfig) -> Result<(), ChannelError>
     use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
     let per_conn = config.max_unread_fds.max(MAX_FDS) as u64;
     let in_flight = per_conn.saturating_mul(config.max_connections as u64);
+    // Each connection's socket, and with shared-memory notices its two
+    // eventfds (the memfd is closed once sent: the mapping keeps it).
+    let own = if config.notices == crate::NoticePath::Shm {
+        3
+    } else {
+        1
+    };
     let need = in_flight
-        .saturating_add(config.max_connections as u64)
+        .saturating_add(own * config.max_connections as u64)
         .saturating_add(FD_HEADROOM);
     let limit = getrlimit(Resource::Nofile);
     // `None` is unlimited.

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::notices::{NoticePath, notice_path_from_env};
 use crate::own_uid;
 use crate::wire::MAX_FDS;
 
@@ -78,6 +79,10 @@ pub struct ServerConfig {
     /// The longest request payload accepted, in bytes; default 4 KiB (the
     /// longest valid request, an attach with a 256-byte name, is about 300).
     pub max_request_bytes: u32,
+    /// How notices and acks travel to clients that ask for shared memory
+    /// (see [`notices`](crate::notices)); default from
+    /// [`NOTICES_ENV`](crate::NOTICES_ENV), else [`NoticePath::Shm`].
+    pub notices: NoticePath,
 }
 
 impl ServerConfig {
@@ -98,6 +103,7 @@ impl ServerConfig {
             idle_timeout: Duration::from_secs(15 * 60),
             max_leases_per_connection: 1024,
             max_request_bytes: 4096,
+            notices: notice_path_from_env(),
         }
     }
 
@@ -193,6 +199,13 @@ impl ServerConfig {
     #[must_use]
     pub fn with_max_queued_frames(mut self, n: usize) -> Self {
         self.max_queued_frames = n;
+        self
+    }
+
+    /// Sets how notices and acks travel (see [`ServerConfig::notices`]).
+    #[must_use]
+    pub fn with_notices(mut self, path: NoticePath) -> Self {
+        self.notices = path;
         self
     }
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use rustix::net::{Shutdown, shutdown};
 use serde_json::Value;
 
+use crate::notices::{encode_record, is_notice};
 use crate::socket::{Ucred, encode_checked, send_bytes, try_send_bytes, unread_by_peer};
 use crate::wire::Message;
 use crate::{ChannelError, lock};
@@ -69,6 +70,12 @@ pub(super) struct Outbox {
     /// Descriptors sent since the client was last seen to have received
     /// everything.
     pub(super) unread_fds: usize,
+    /// Socket messages put in the stream so far (queued, sent, or made
+    /// from the feed): the count a shared-memory record carries (see
+    /// [`notices`](crate::notices)).
+    pub(super) pushed: u64,
+    /// The ring that carries notices to the client, when it asked for it.
+    pub(super) shm: Option<cuda_ipc_shm::Sender>,
 }
 
 impl Outbox {
@@ -81,7 +88,25 @@ impl Outbox {
             bytes: 0,
             fds: 0,
             unread_fds: 0,
+            pushed: 0,
+            shm: None,
         }
+    }
+
+    /// Puts a notice (`bytes`, a wire message) in the client's ring, if it
+    /// has one with room: whether it went.
+    fn ring(&mut self, bytes: &[u8]) -> Result<bool, ChannelError> {
+        let Some(tx) = self.shm.as_mut() else {
+            return Ok(false);
+        };
+        let record = encode_record(self.pushed, bytes);
+        tx.send(&record).map_err(crate::notices::shm_error)
+    }
+
+    /// Whether nothing waits to be written to the socket: every message
+    /// counted in `pushed` is in the kernel's hands.
+    fn flushed(&self) -> bool {
+        self.queue.is_empty() && !self.sending && self.feed.is_empty()
     }
 }
 
@@ -134,12 +159,13 @@ impl Conn {
     // Callers build the message for this call; it is theirs no longer.
     #[allow(clippy::needless_pass_by_value)]
     pub(super) fn push(&self, message: Message, fds: Vec<OwnedFd>, _max_queued: usize) -> bool {
+        let notice = fds.is_empty() && is_notice(&message);
         let encoded = {
             let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
             encode_checked(&message, &borrowed)
         };
-        let (bytes, fds) = match encoded {
-            Ok(bytes) => (bytes, fds),
+        let (bytes, fds, notice) = match encoded {
+            Ok(bytes) => (bytes, fds, notice),
             Err(ChannelError::Wire(e)) => {
                 tracing::warn!(
                     pid = self.cred.pid,
@@ -156,7 +182,7 @@ impl Conn {
                     ),
                 );
                 match encode_checked(&error, &[]) {
-                    Ok(bytes) => (bytes, Vec::new()),
+                    Ok(bytes) => (bytes, Vec::new(), false),
                     Err(e) => {
                         self.send_failed(&e);
                         return false;
@@ -172,6 +198,21 @@ impl Conn {
         if out.state != OutState::Open {
             return false;
         }
+        // Through the ring only once every earlier socket message is in
+        // the kernel's hands, with their count (see `crate::notices`).
+        if notice && out.flushed() {
+            match out.ring(&bytes) {
+                Ok(true) => return true,
+                // No ring, full, or too long: the socket, in order.
+                Ok(false) => {}
+                Err(e) => {
+                    drop(out);
+                    self.send_failed(&e);
+                    return false;
+                }
+            }
+        }
+        out.pushed += 1;
         if out.queue.is_empty() && !out.sending && self.fd_room(&mut out, fds.len()) {
             // Under the lock, so that no other message can start meanwhile.
             let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
@@ -292,6 +333,7 @@ impl Conn {
             out.bytes = 0;
             out.fds = 0;
             if let Some(bytes) = last.and_then(|m| encode_checked(&m, &[]).ok()) {
+                out.pushed += 1;
                 out.queue.push_back(Outgoing {
                     bytes,
                     fds: Vec::new(),
@@ -424,7 +466,13 @@ impl Conn {
         };
         out.bytes += bytes.len();
         out.fds += fds.len();
+        out.pushed += 1;
         Some(Outgoing { bytes, fds })
+    }
+
+    /// Sends notices through `ring` from now on (see `crate::notices`).
+    pub(super) fn set_notice_ring(&self, ring: cuda_ipc_shm::Sender) {
+        lock(&self.out).shm = Some(ring);
     }
 
     /// The writer thread's loop.

@@ -9,6 +9,10 @@
 //! client never blocks the producer or other clients. A client that leaves
 //! more than [`ServerConfig::max_queued_frames`] messages unread, or does not
 //! read for [`ServerConfig::send_timeout`], is disconnected.
+//! Notices to a client that asked for shared memory go into its ring
+//! instead, from the calling thread, when nothing waits for the socket
+//! (see [`notices`](crate::notices)); its reader thread polls the socket
+//! and the eventfd of the client's ack ring together.
 //!
 //! # Leases
 //! A lease is held by a connection. When the connection ends for any reason
@@ -136,6 +140,8 @@ struct Shared {
     idle_timeout: Duration,
     max_leases: usize,
     recv_limits: RecvLimits,
+    /// Whether clients that ask get notices through shared memory.
+    notices: crate::NoticePath,
     pid: u32,
     state: Mutex<State>,
     /// Signalled whenever a lease ends, a slot is acked, or an entry is
@@ -282,6 +288,7 @@ impl Server {
                 // The server's threads wait for clients by poll(2): no spin.
                 spin: Duration::ZERO,
             },
+            notices: config.notices,
             pid: own_pid(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),

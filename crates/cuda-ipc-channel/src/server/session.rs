@@ -1,10 +1,14 @@
 //! One connection's session: the handshake and the request handlers.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
+use std::time::Duration;
+
+use cuda_ipc_shm::{Ready, Receiver};
 
 use rustix::net::{Shutdown, shutdown};
 
+use crate::notices::{NOTICE_RING_BYTES, NoticePath, decode_record, server_rings, shm_error};
 use crate::socket::recv_message;
 use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use crate::{ChannelError, lock};
@@ -39,12 +43,58 @@ pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
     tracing::debug!(pid = conn.cred.pid, "channel client disconnected");
 }
 
+/// Answers the hello, with the shared-memory rings if the client asked
+/// for them (and we grant them), and returns the ring acks come through.
+fn welcome(shared: &Shared, conn: &Conn, shm_notices: bool) -> Option<Receiver> {
+    let rings = (shm_notices && shared.notices == NoticePath::Shm)
+        .then(|| {
+            server_rings()
+                .inspect_err(|e| {
+                    tracing::warn!(
+                        pid = conn.cred.pid,
+                        error = %e,
+                        "cannot set up shared-memory notices; this client gets them on \
+                         the socket"
+                    );
+                })
+                .ok()
+        })
+        .flatten();
+    let (fds, ends) = match rings {
+        Some((fds, tx, rx)) => (fds, Some((tx, rx))),
+        None => (Vec::new(), None),
+    };
+    conn.push(
+        Message::Welcome {
+            protocol: PROTOCOL_VERSION,
+            pid: shared.pid,
+            shm_notices: ends.as_ref().map(|_| NOTICE_RING_BYTES as u32),
+        },
+        fds,
+        shared.max_queued,
+    );
+    ends.map(|(tx, rx)| {
+        conn.set_notice_ring(tx);
+        rx
+    })
+}
+
 /// Serves one connection until it ends. `Err` carries the error message to
 /// send before closing.
 pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     let deadline = crate::deadline_in(shared.handshake_timeout);
+    // The ring the client acks through, when it asked for one.
+    let mut acks: Option<Receiver>;
+    let mut record = Vec::new();
     match recv_message(&conn.stream, Some(deadline), shared.recv_limits) {
-        Ok((Message::Hello { protocol, .. }, fds)) if fds.is_empty() => {
+        Ok((
+            Message::Hello {
+                protocol,
+                shm_notices,
+                ..
+            },
+            fds,
+        )) if fds.is_empty() => {
             if protocol != PROTOCOL_VERSION {
                 return Err(error_frame(
                     None,
@@ -55,14 +105,7 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
                     ),
                 ));
             }
-            conn.push(
-                Message::Welcome {
-                    protocol: PROTOCOL_VERSION,
-                    pid: shared.pid,
-                },
-                Vec::new(),
-                shared.max_queued,
-            );
+            acks = welcome(shared, conn, shm_notices);
         }
         Ok((message, fds)) => {
             return Err(fatal(
@@ -84,6 +127,22 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         // A connection that holds nothing may stay silent only so long.
         let idle = lock(&shared.state).leases_of(conn.id) == 0;
         let deadline = idle.then(|| crate::deadline_in(shared.idle_timeout));
+        if let Some(rx) = acks.as_mut() {
+            // Acks first: an ack sent before a release is applied before it.
+            if take_acks(shared, conn, rx, &mut record)? {
+                *lock(&conn.active) = std::time::Instant::now();
+            }
+            match rx.wait(Duration::ZERO, deadline, Some(conn.stream.as_fd())) {
+                Ok(Ready::Ring) => continue,
+                // The socket has a message (or hung up), or the idle
+                // deadline passed: the receive below tells which.
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(pid = conn.cred.pid, error = %e, "channel connection failed");
+                    return Ok(());
+                }
+            }
+        }
         match recv_message(&conn.stream, deadline, shared.recv_limits) {
             Ok((message, fds)) => {
                 *lock(&conn.active) = std::time::Instant::now();
@@ -115,6 +174,40 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
             Err(e) => return end_of_session(conn, &e),
         }
     }
+}
+
+/// Applies the acks waiting in the ring (at most a ring's worth, so that a
+/// client writing as fast as we read cannot hold the reader); whether
+/// there were any. Anything but a well-formed ack ends the connection.
+fn take_acks(
+    shared: &Shared,
+    conn: &Conn,
+    rx: &mut Receiver,
+    record: &mut Vec<u8>,
+) -> Result<bool, Message> {
+    let mut any = false;
+    for _ in 0..NOTICE_RING_BYTES / 8 {
+        match rx.recv(record) {
+            Ok(true) => any = true,
+            Ok(false) => break,
+            Err(e) => return Err(fatal(conn, &shm_error(e))),
+        }
+        match decode_record(record, shared.recv_limits.max_payload) {
+            Ok((_, Message::Ack { lease, slot, seq })) => shared.ack(conn, lease, slot, seq)?,
+            Ok((_, other)) => {
+                return Err(fatal(
+                    conn,
+                    &ChannelError::protocol(format!(
+                        "a {:?} message came through the shared-memory ring, which carries \
+                         only acks",
+                        other.type_name()
+                    )),
+                ));
+            }
+            Err(e) => return Err(fatal(conn, &e)),
+        }
+    }
+    Ok(any)
 }
 
 /// Classifies a receive error: a quiet end, or an error message to send.

@@ -13,6 +13,7 @@ fn type_names_match_serde_tags() {
         Message::Hello {
             protocol: 1,
             pid: 1,
+            shm_notices: true,
         },
         Message::List { id: 1, after: None },
         Message::Attach {
@@ -33,6 +34,7 @@ fn type_names_match_serde_tags() {
         Message::Welcome {
             protocol: 1,
             pid: 1,
+            shm_notices: None,
         },
         Message::Listing {
             id: 1,
@@ -332,10 +334,18 @@ fn arb_json() -> impl Strategy<Value = Value> {
     })
 }
 
+// One arm per message type.
+#[allow(clippy::too_many_lines)]
 fn arb_message() -> impl Strategy<Value = Message> {
     let name = ".{0,16}";
     prop_oneof![
-        (any::<u16>(), any::<u32>()).prop_map(|(protocol, pid)| Message::Hello { protocol, pid }),
+        (any::<u16>(), any::<u32>(), any::<bool>()).prop_map(|(protocol, pid, shm_notices)| {
+            Message::Hello {
+                protocol,
+                pid,
+                shm_notices,
+            }
+        }),
         (any::<u64>(), prop::option::of(name)).prop_map(|(id, after)| Message::List { id, after }),
         (any::<u64>(), name).prop_map(|(id, name)| Message::Attach { id, name }),
         (any::<u64>(), any::<u64>()).prop_map(|(id, lease)| Message::Release { id, lease }),
@@ -346,7 +356,13 @@ fn arb_message() -> impl Strategy<Value = Message> {
             seq
         }),
         any::<u64>().prop_map(|id| Message::Ping { id }),
-        (any::<u16>(), any::<u32>()).prop_map(|(protocol, pid)| Message::Welcome { protocol, pid }),
+        (any::<u16>(), any::<u32>(), prop::option::of(any::<u32>())).prop_map(
+            |(protocol, pid, shm_notices)| Message::Welcome {
+                protocol,
+                pid,
+                shm_notices,
+            }
+        ),
         (
             any::<u64>(),
             prop::collection::vec(

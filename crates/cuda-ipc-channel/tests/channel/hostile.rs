@@ -168,6 +168,7 @@ fn fake_server(
         let welcome = Message::Welcome {
             protocol: 1,
             pid: std::process::id(),
+            shm_notices: None,
         };
         send_message(&s, &welcome, &[], deadline).unwrap();
         then(s);

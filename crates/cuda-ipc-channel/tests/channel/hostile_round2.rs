@@ -49,6 +49,7 @@ fn try_raw_connect(path: &Path) -> Result<UnixStream, String> {
     let hello = Message::Hello {
         protocol: 1,
         pid: std::process::id(),
+        shm_notices: false,
     };
     // A server that turns us away may close before the hello is sent; its
     // reason is still there to read.
@@ -599,6 +600,7 @@ pub(crate) fn child_role(role: &str, path: &Path, name: &str) -> bool {
                 let hello = Message::Hello {
                     protocol: 1,
                     pid: std::process::id(),
+                    shm_notices: false,
                 };
                 let _ = send_message(&s, &hello, &[], None);
                 let deadline = Some(Instant::now() + Duration::from_secs(5));

@@ -27,6 +27,7 @@ mod hostile_round2;
 mod peers;
 mod processes;
 mod rings;
+mod shm_notices;
 
 use support::wire::{
     MAGIC, encode, json_frame, raw_connect, recv_message, send_bytes, send_message,

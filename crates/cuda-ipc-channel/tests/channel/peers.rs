@@ -243,6 +243,7 @@ fn malformed_frames_get_an_error_and_a_close_and_the_server_carries_on() {
                 &Message::Hello {
                     protocol: 1,
                     pid: 1,
+                    shm_notices: false,
                 }
                 .encode(),
                 0,
@@ -257,6 +258,7 @@ fn malformed_frames_get_an_error_and_a_close_and_the_server_carries_on() {
                 &Message::Hello {
                     protocol: 9,
                     pid: 1,
+                    shm_notices: false,
                 }
                 .encode(),
                 0,

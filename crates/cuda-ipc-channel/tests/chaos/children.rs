@@ -139,6 +139,7 @@ pub(crate) fn half_frame(path: &Path, arg: &str) {
     let hello = Message::Hello {
         protocol: PROTOCOL_VERSION,
         pid: std::process::id(),
+        shm_notices: false,
     };
     let frame = if after_handshake {
         send_message(&s, &hello, &[], None).unwrap();

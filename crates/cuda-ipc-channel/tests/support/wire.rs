@@ -98,6 +98,7 @@ pub fn hello(s: &UnixStream) {
     let hello = Message::Hello {
         protocol: PROTOCOL_VERSION,
         pid: std::process::id(),
+        shm_notices: false,
     };
     send_message(s, &hello, &[], None).unwrap();
     let (m, _) = recv_message(s, Some(Instant::now() + Duration::from_secs(5))).unwrap();

@@ -1,0 +1,279 @@
+//! Notices through shared memory: which path notices take, and the
+//! records that carry them.
+//!
+//! After the handshake, a client that asks for it (and a server that
+//! grants it) moves the traffic that needs no descriptors off the socket:
+//! the server's notices ([`Message::Update`], [`Message::RingFrame`],
+//! [`Message::Unpublished`], [`Message::RingLate`]) and the client's
+//! [`Message::Ack`]s travel through two single-producer single-consumer
+//! rings in a memfd that the server creates, seals and sends with its
+//! `welcome` (see the `cuda_ipc_shm` crate), with an eventfd per
+//! direction to wake a sleeper. The socket stays for requests, answers,
+//! descriptors and liveness: a waiting client polls its eventfd and the
+//! socket together, so a server that dies wakes it at once, and the
+//! server's reader polls the socket and its eventfd, so a client that dies
+//! is noticed at once too.
+//!
+//! # Records
+//! A record is an 8-byte little-endian count (below), then a whole wire
+//! message (header and JSON payload) without descriptors, exactly as it
+//! would go on the socket. The reader copies a record out of shared memory
+//! before it decodes it, and checks it like a message from the socket.
+//!
+//! # Order
+//! A notice must not overtake a socket message it depends on (an
+//! `attached` answer, then an update for that lease), nor be overtaken by
+//! one sent after it. Both ends count the socket messages of the
+//! connection (the `welcome` is the first). The server puts a notice in
+//! the ring only when nothing waits to be written to the socket (nothing
+//! queued, being sent or still to be made from a ring subscription), so
+//! every socket message sent before it is already in the client's receive
+//! queue; the record carries the count of those messages. The client
+//! takes a record only once it has received that many socket messages,
+//! and before it files socket message `n` it files every record counted
+//! below `n`. So the client sees the server's messages in the order the
+//! server sent them, whatever path each took.
+//!
+//! # Overflow
+//! A notice that does not fit (the ring is full because the client does
+//! not read, or the notice is longer than the ring's largest record) goes
+//! on the socket instead, in order by the rule above, and the socket's
+//! limits for a slow client apply to it as before
+//! ([`ServerConfig::max_queued_frames`](crate::ServerConfig::max_queued_frames),
+//! [`ServerConfig::send_timeout`](crate::ServerConfig::send_timeout)).
+//! An ack that does not fit goes on the socket; acks need no order (an ack
+//! for a lease already released is ignored).
+//!
+//! # Hostile peers
+//! A client can write anything into its own memfd; the server never trusts
+//! it: a ring whose counters or records are inconsistent, a record that
+//! is not a well-formed `ack`, or a consumer's tail that cannot be, ends
+//! that client's connection (and only that one's). The memfd is sealed
+//! against shrinking, so a client cannot make the server fault.
+//!
+//! # Turning it off
+//! [`ClientConfig::notices`](crate::ClientConfig::notices) and
+//! [`ServerConfig::notices`](crate::ServerConfig::notices), whose default
+//! comes from the environment variable [`NOTICES_ENV`]
+//! (`CUDA_IPC_NOTICES=socket` keeps every notice on the socket, as before
+//! this path existed). Either side saying no keeps the socket.
+//!
+//! # Older peers
+//! The request is an optional field of the `hello` (`shm_notices`), the
+//! grant one of the `welcome`; neither is sent when it would say no. A
+//! client of an older build never asks. A server of an older build refuses
+//! the field (its decoding is strict) with a `malformed_frame` error
+//! naming it, and [`Client::connect`](crate::Client::connect) then
+//! connects again without asking.
+
+use std::os::fd::{AsFd, OwnedFd};
+
+use cuda_ipc_shm::{Area, Receiver, Sender, Side, check_eventfd, new_eventfd};
+
+use crate::ChannelError;
+use crate::wire::{HEADER_LEN, Message, WireError, decode_header};
+
+/// The environment variable that chooses the default [`NoticePath`]:
+/// `socket` keeps notices on the socket, `shm` (or unset) uses shared
+/// memory when the peer agrees.
+pub const NOTICES_ENV: &str = "CUDA_IPC_NOTICES";
+
+/// The capacity of each of a connection's two rings, in bytes (64 KiB).
+pub const NOTICE_RING_BYTES: usize = cuda_ipc_shm::DEFAULT_CAPACITY;
+
+/// How notices and acks travel between a server and a client.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum NoticePath {
+    /// Through the shared-memory rings, when both sides agree (the default).
+    #[default]
+    Shm,
+    /// On the socket, as every other message.
+    Socket,
+}
+
+/// The default notice path: [`NOTICES_ENV`] if set to `socket` or `shm`,
+/// else [`NoticePath::Shm`] (with a warning for any other value).
+pub(crate) fn default_notice_path(env: Option<&str>) -> NoticePath {
+    match env.map(str::trim) {
+        None | Some("" | "shm") => NoticePath::Shm,
+        Some("socket") => NoticePath::Socket,
+        Some(other) => {
+            tracing::warn!(
+                "{NOTICES_ENV}={other:?} is neither \"socket\" nor \"shm\"; using shared memory"
+            );
+            NoticePath::Shm
+        }
+    }
+}
+
+/// The default notice path from the environment.
+pub(crate) fn notice_path_from_env() -> NoticePath {
+    default_notice_path(std::env::var(NOTICES_ENV).ok().as_deref())
+}
+
+/// Whether the server sends this message through the ring when it can.
+pub(crate) fn is_notice(message: &Message) -> bool {
+    matches!(
+        message,
+        Message::Update { .. }
+            | Message::RingFrame { .. }
+            | Message::Unpublished { .. }
+            | Message::RingLate { .. }
+    )
+}
+
+/// A record: the socket message count, then an encoded wire message.
+pub(crate) fn encode_record(after: u64, wire: &[u8]) -> Vec<u8> {
+    let mut record = Vec::with_capacity(8 + wire.len());
+    record.extend_from_slice(&after.to_le_bytes());
+    record.extend_from_slice(wire);
+    record
+}
+
+/// Decodes a record copied out of the ring: its count and its message,
+/// checked as a message from the socket would be (a payload of at most
+/// `max_payload` bytes, no descriptors).
+pub(crate) fn decode_record(
+    record: &[u8],
+    max_payload: u32,
+) -> Result<(u64, Message), ChannelError> {
+    let Some((count, wire)) = record.split_first_chunk::<8>() else {
+        return Err(ChannelError::protocol(format!(
+            "a shared-memory record of {} bytes is shorter than its 8-byte count",
+            record.len()
+        )));
+    };
+    let header = decode_header(wire)?;
+    if header.len > max_payload {
+        return Err(WireError::PayloadTooLarge {
+            len: u64::from(header.len),
+            max: max_payload,
+        }
+        .into());
+    }
+    if header.fds != 0 {
+        return Err(ChannelError::protocol(
+            "a shared-memory record announces file descriptors",
+        ));
+    }
+    let payload = &wire[HEADER_LEN..];
+    if payload.len() != header.len as usize {
+        return Err(ChannelError::protocol(format!(
+            "a shared-memory record's header announces {} payload bytes, it holds {}",
+            header.len,
+            payload.len()
+        )));
+    }
+    Ok((u64::from_le_bytes(*count), Message::decode(payload)?))
+}
+
+/// The server's end of a new connection's rings: the descriptors for the
+/// `welcome` (the memfd, the eventfd the client sleeps on, the one the
+/// server sleeps on), the notice sender and the ack receiver.
+pub(crate) fn server_rings() -> Result<(Vec<OwnedFd>, Sender, Receiver), ChannelError> {
+    let (area, memfd) = Area::create(NOTICE_RING_BYTES).map_err(shm_error)?;
+    let to_client = new_eventfd().map_err(shm_error)?;
+    let to_server = new_eventfd().map_err(shm_error)?;
+    let dup = |fd: &OwnedFd| {
+        fd.try_clone()
+            .map_err(|e| ChannelError::io("cannot duplicate an eventfd", e))
+    };
+    let fds = vec![memfd, dup(&to_client)?, dup(&to_server)?];
+    let (tx, rx) = area.split(Side::Creator, to_client, to_server);
+    Ok((fds, tx, rx))
+}
+
+/// The client's end of the rings the server granted with `capacity`
+/// bytes each and sent `fds` for: checks and maps the memfd (its seals
+/// and size, so that the server cannot make us fault) and returns the ack
+/// sender and the notice receiver.
+pub(crate) fn client_rings(
+    fds: Vec<OwnedFd>,
+    capacity: u32,
+) -> Result<(Sender, Receiver), ChannelError> {
+    let Ok([memfd, to_client, to_server]) = <[OwnedFd; 3]>::try_from(fds) else {
+        return Err(ChannelError::protocol(
+            "the server granted shared-memory notices without a memfd and two eventfds",
+        ));
+    };
+    let area = Area::open(&memfd, capacity as usize).map_err(shm_error)?;
+    for fd in [&to_client, &to_server] {
+        check_eventfd(fd.as_fd()).map_err(shm_error)?;
+    }
+    Ok(area.split(Side::Opener, to_server, to_client))
+}
+
+/// A ring error as the channel reports it.
+pub(crate) fn shm_error(e: cuda_ipc_shm::ShmError) -> ChannelError {
+    match e {
+        cuda_ipc_shm::ShmError::Io { context, source } => ChannelError::io(context, source),
+        other => ChannelError::protocol(other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{MAX_PAYLOAD, encode_message};
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_record_carries_its_count_and_message() {
+        let m = Message::Ack {
+            lease: 3,
+            slot: 1,
+            seq: 9,
+        };
+        let record = encode_record(42, &encode_message(&m, 0).unwrap());
+        assert_eq!(decode_record(&record, MAX_PAYLOAD).unwrap(), (42, m));
+    }
+
+    #[test]
+    fn short_or_inconsistent_records_are_errors() {
+        let m = Message::Ping { id: 1 };
+        let wire = encode_message(&m, 0).unwrap();
+        assert!(decode_record(&[1, 2, 3], MAX_PAYLOAD).is_err());
+        let mut cut = encode_record(0, &wire);
+        cut.pop();
+        assert!(decode_record(&cut, MAX_PAYLOAD).is_err());
+        let mut long = encode_record(0, &wire);
+        long.push(b' ');
+        assert!(decode_record(&long, MAX_PAYLOAD).is_err());
+        let with_fds = encode_record(0, &encode_message(&m, 2).unwrap());
+        assert!(decode_record(&with_fds, MAX_PAYLOAD).is_err());
+        let ok = encode_record(0, &wire);
+        let e = decode_record(&ok, 4).unwrap_err();
+        assert!(
+            e.to_string().contains("exceeds the limit of 4 bytes"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_environment_chooses_the_path() {
+        assert_eq!(default_notice_path(None), NoticePath::Shm);
+        assert_eq!(default_notice_path(Some("socket")), NoticePath::Socket);
+        assert_eq!(default_notice_path(Some(" shm ")), NoticePath::Shm);
+        assert_eq!(default_notice_path(Some("carrier pigeon")), NoticePath::Shm);
+    }
+
+    proptest! {
+        #[test]
+        fn random_records_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode_record(&bytes, MAX_PAYLOAD);
+        }
+
+        #[test]
+        fn random_payloads_behind_a_valid_header_never_panic(
+            payload in prop::collection::vec(any::<u8>(), 0..200),
+        ) {
+            let mut record = 7u64.to_le_bytes().to_vec();
+            record.extend_from_slice(&crate::wire::encode_header(
+                &crate::wire::Header::json(payload.len() as u32, 0),
+            ));
+            record.extend_from_slice(&payload);
+            let _ = decode_record(&record, MAX_PAYLOAD);
+        }
+    }
+}

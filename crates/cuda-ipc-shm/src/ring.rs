@@ -1,0 +1,354 @@
+//! The two ends of a ring: [`Sender`] (the producer) and [`Receiver`]
+//! (the consumer), and the consumer's wait.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::io::Errno;
+
+use crate::map::Mapping;
+use crate::{HEADER_BYTES, ShmError, W_HEAD, W_SLEEPING, W_TAIL};
+
+/// One ring of a mapping: where its header and data words are.
+struct RingView {
+    map: Arc<Mapping>,
+    /// The first word of the header.
+    header: usize,
+    /// The first word of the data area.
+    data: usize,
+    /// Data bytes (a power of two, checked when the area was mapped).
+    capacity: u64,
+}
+
+impl RingView {
+    fn new(map: Arc<Mapping>, ring: usize, capacity: usize) -> RingView {
+        let header = ring * (HEADER_BYTES + capacity) / 8;
+        RingView {
+            map,
+            header,
+            data: header + HEADER_BYTES / 8,
+            capacity: capacity as u64,
+        }
+    }
+
+    fn field(&self, word: usize) -> &AtomicU64 {
+        &self.map.words()[self.header + word]
+    }
+
+    /// The data word at byte position `pos` (any value: it wraps).
+    fn data_word(&self, pos: u64) -> &AtomicU64 {
+        let index = ((pos / 8) % (self.capacity / 8)) as usize;
+        &self.map.words()[self.data + index]
+    }
+}
+
+/// Bytes a record of `len` bytes takes in the ring: its length word and
+/// its bytes rounded up to whole words.
+fn record_bytes(len: usize) -> u64 {
+    8 + (len as u64).div_ceil(8) * 8
+}
+
+/// The producer's end of a ring. Not `Clone`: one producer per ring.
+pub struct Sender {
+    ring: RingView,
+    /// Bytes written so far: our own copy, never read back.
+    head: u64,
+    /// Written when the consumer sleeps.
+    wake: OwnedFd,
+    wakes: u64,
+}
+
+impl std::fmt::Debug for Sender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sender")
+            .field("head", &self.head)
+            .field("wakes", &self.wakes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sender {
+    pub(crate) fn new(map: Arc<Mapping>, ring: usize, capacity: usize, wake: OwnedFd) -> Sender {
+        // An area is split once, new: its counters start at zero (if the
+        // peer wrote others, the first check against them fails).
+        Sender {
+            ring: RingView::new(map, ring, capacity),
+            head: 0,
+            wake,
+            wakes: 0,
+        }
+    }
+
+    /// The longest record this ring takes, in bytes.
+    pub fn max_record(&self) -> usize {
+        self.ring.capacity as usize - 8
+    }
+
+    /// How many times this sender wrote the eventfd (the consumer slept).
+    pub fn wakes(&self) -> u64 {
+        self.wakes
+    }
+
+    /// Appends one record and wakes the consumer if it sleeps. `Ok(false)`
+    /// when it does not fit now (the ring is full, or the record is longer
+    /// than [`max_record`](Self::max_record)): nothing was written.
+    /// [`ShmError::Corrupt`] when the consumer's tail is impossible.
+    pub fn send(&mut self, record: &[u8]) -> Result<bool, ShmError> {
+        let need = record_bytes(record.len());
+        if need > self.ring.capacity {
+            return Ok(false);
+        }
+        let tail = self.ring.field(W_TAIL).load(Ordering::Acquire);
+        let used = self.head.wrapping_sub(tail);
+        if used > self.ring.capacity || !tail.is_multiple_of(8) {
+            return Err(ShmError::Corrupt {
+                reason: format!(
+                    "the consumer's tail {tail} is not within {} bytes below the head {}",
+                    self.ring.capacity, self.head
+                ),
+            });
+        }
+        if need > self.ring.capacity - used {
+            return Ok(false);
+        }
+        let mut pos = self.head;
+        self.ring
+            .data_word(pos)
+            .store(record.len() as u64, Ordering::Relaxed);
+        for chunk in record.chunks(8) {
+            pos += 8;
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.ring
+                .data_word(pos)
+                .store(u64::from_le_bytes(word), Ordering::Relaxed);
+        }
+        self.head = self.head.wrapping_add(need);
+        self.ring.field(W_HEAD).store(self.head, Ordering::Release);
+        // Pairs with the fence in `Receiver::wait`: either it sees the new
+        // head, or we see its flag.
+        fence(Ordering::SeqCst);
+        if self.ring.field(W_SLEEPING).load(Ordering::Relaxed) != 0 {
+            self.wake_peer();
+        }
+        Ok(true)
+    }
+
+    /// Writes the eventfd. A full counter (`EAGAIN`) already wakes the
+    /// consumer; other errors mean the peer's end is gone, which its
+    /// socket reports.
+    fn wake_peer(&mut self) {
+        self.wakes += 1;
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+}
+
+/// What [`Receiver::wait`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Ready {
+    /// The ring has data (or what claims to be: [`Receiver::recv`] checks).
+    Ring,
+    /// The other descriptor is readable, hung up or failed.
+    Other,
+    /// The deadline passed.
+    Timeout,
+}
+
+/// The consumer's end of a ring. Not `Clone`: one consumer per ring.
+pub struct Receiver {
+    ring: RingView,
+    /// Bytes read so far: our own copy, never read back.
+    tail: u64,
+    /// The eventfd the producer writes when we sleep.
+    wake: OwnedFd,
+    sleeps: u64,
+}
+
+impl std::fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receiver")
+            .field("tail", &self.tail)
+            .field("sleeps", &self.sleeps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Pause instructions between two looks at the ring while spinning.
+const SPIN_PAUSES: u32 = 16;
+
+/// While spinning, the other descriptor is polled once every this many looks
+/// at the ring (a `poll(2)` costs far more than a look).
+const POLL_EVERY: u32 = 4;
+
+impl Receiver {
+    pub(crate) fn new(map: Arc<Mapping>, ring: usize, capacity: usize, wake: OwnedFd) -> Receiver {
+        Receiver {
+            ring: RingView::new(map, ring, capacity),
+            tail: 0,
+            wake,
+            sleeps: 0,
+        }
+    }
+
+    /// How many times this receiver slept in `poll(2)`.
+    pub fn sleeps(&self) -> u64 {
+        self.sleeps
+    }
+
+    /// The eventfd this receiver sleeps on, for callers that poll it
+    /// themselves.
+    pub fn wake_fd(&self) -> BorrowedFd<'_> {
+        self.wake.as_fd()
+    }
+
+    /// Whether the producer's head differs from our tail: a record to
+    /// read, or a corruption that [`recv`](Self::recv) reports.
+    pub fn has_data(&self) -> bool {
+        self.ring.field(W_HEAD).load(Ordering::Acquire) != self.tail
+    }
+
+    /// Takes the next record into `out` (replacing its contents):
+    /// `Ok(true)` if there was one, `Ok(false)` if the ring is empty.
+    /// The record is copied out of shared memory before this returns, and
+    /// its space given back to the producer.
+    pub fn recv(&mut self, out: &mut Vec<u8>) -> Result<bool, ShmError> {
+        // The head is loaded once: everything below is checked against
+        // this value and the private tail.
+        let head = self.ring.field(W_HEAD).load(Ordering::Acquire);
+        let used = head.wrapping_sub(self.tail);
+        if used == 0 {
+            return Ok(false);
+        }
+        let corrupt = |reason: String| Err(ShmError::Corrupt { reason });
+        if used > self.ring.capacity || !used.is_multiple_of(8) {
+            return corrupt(format!(
+                "the producer's head {head} is not a whole number of words within {} bytes \
+                 above the tail {}",
+                self.ring.capacity, self.tail
+            ));
+        }
+        let len = self.ring.data_word(self.tail).load(Ordering::Relaxed);
+        let avail = used - 8;
+        if len > avail {
+            return corrupt(format!(
+                "a record claims {len} bytes, but only {avail} were written"
+            ));
+        }
+        let len = len as usize;
+        out.clear();
+        out.reserve(len);
+        let mut pos = self.tail;
+        let mut left = len;
+        while left > 0 {
+            pos += 8;
+            let word = self
+                .ring
+                .data_word(pos)
+                .load(Ordering::Relaxed)
+                .to_le_bytes();
+            let n = left.min(8);
+            out.extend_from_slice(&word[..n]);
+            left -= n;
+        }
+        self.tail = self.tail.wrapping_add(record_bytes(len));
+        self.ring.field(W_TAIL).store(self.tail, Ordering::Release);
+        Ok(true)
+    }
+
+    /// Waits until the ring has data, `other` (the socket) is readable or
+    /// hung up, or `deadline` passes: first by spinning for up to `spin`
+    /// (looking at the ring, and now and then polling `other`), then by
+    /// setting the sleeping flag, looking once more, and sleeping in
+    /// `poll(2)` on the eventfd and `other`. A zero spin sleeps at once; a
+    /// deadline already past still reports what is ready now.
+    ///
+    /// # References
+    /// [poll(2)](https://man7.org/linux/man-pages/man2/poll.2.html),
+    /// [eventfd(2)](https://man7.org/linux/man-pages/man2/eventfd.2.html).
+    pub fn wait(
+        &mut self,
+        spin: Duration,
+        deadline: Option<Instant>,
+        other: Option<BorrowedFd<'_>>,
+    ) -> Result<Ready, ShmError> {
+        if self.has_data() {
+            return Ok(Ready::Ring);
+        }
+        if !spin.is_zero() {
+            let end = Instant::now() + spin;
+            let end = deadline.map_or(end, |d| d.min(end));
+            let mut looks = 0u32;
+            while Instant::now() < end {
+                for _ in 0..SPIN_PAUSES {
+                    std::hint::spin_loop();
+                }
+                if self.has_data() {
+                    return Ok(Ready::Ring);
+                }
+                looks += 1;
+                if looks.is_multiple_of(POLL_EVERY) && other.is_some_and(ready_now) {
+                    return Ok(Ready::Other);
+                }
+            }
+        }
+        let flag = self.ring.field(W_SLEEPING);
+        loop {
+            flag.store(1, Ordering::Relaxed);
+            // Pairs with the fence in `Sender::send`.
+            fence(Ordering::SeqCst);
+            if self.has_data() {
+                flag.store(0, Ordering::Relaxed);
+                return Ok(Ready::Ring);
+            }
+            let timeout = deadline.map(|d| {
+                Timespec::try_from(d.saturating_duration_since(Instant::now())).unwrap_or(
+                    Timespec {
+                        tv_sec: i64::MAX,
+                        tv_nsec: 0,
+                    },
+                )
+            });
+            let mut fds = vec![PollFd::new(&self.wake, PollFlags::IN)];
+            if let Some(o) = other {
+                fds.push(PollFd::from_borrowed_fd(o, PollFlags::IN));
+            }
+            self.sleeps += 1;
+            let polled = poll(&mut fds, timeout.as_ref());
+            flag.store(0, Ordering::Relaxed);
+            let woke = fds[0].revents().contains(PollFlags::IN);
+            let other_ready = fds.get(1).is_some_and(|f| !f.revents().is_empty());
+            drop(fds);
+            match polled {
+                Ok(_) | Err(Errno::INTR) => {}
+                Err(e) => return Err(ShmError::io("poll on the ring's eventfd failed", e)),
+            }
+            if woke {
+                let mut buf = [0u8; 8];
+                let _ = rustix::io::read(&self.wake, &mut buf);
+            }
+            if other_ready {
+                return Ok(Ready::Other);
+            }
+            if self.has_data() {
+                return Ok(Ready::Ring);
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(Ready::Timeout);
+            }
+        }
+    }
+}
+
+/// Whether `fd` is readable, hung up or failed now.
+fn ready_now(fd: BorrowedFd<'_>) -> bool {
+    let mut p = [PollFd::from_borrowed_fd(fd, PollFlags::IN)];
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut p, Some(&zero)), Ok(n) if n > 0)
+}

@@ -1,0 +1,317 @@
+//! Unit tests: the record encoding, two mappings of one memfd, hostile
+//! writes into the area, and the wake-up logic with threads.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+
+use super::*;
+
+/// Both ends of an area mapped twice (as two processes would): the
+/// creator's sender and receiver, the opener's, and the memfd.
+struct Pair {
+    creator: (Sender, Receiver),
+    opener: (Sender, Receiver),
+    memfd: OwnedFd,
+}
+
+fn pair(capacity: usize) -> Pair {
+    let (area, memfd) = Area::create(capacity).unwrap();
+    let theirs = Area::open(&memfd, capacity).unwrap();
+    let (to_opener, to_creator) = (new_eventfd().unwrap(), new_eventfd().unwrap());
+    let creator = area.split(
+        Side::Creator,
+        to_opener.try_clone().unwrap(),
+        to_creator.try_clone().unwrap(),
+    );
+    let opener = theirs.split(Side::Opener, to_creator, to_opener);
+    Pair {
+        creator,
+        opener,
+        memfd,
+    }
+}
+
+fn record(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|k| (i * 31 + k) as u8).collect()
+}
+
+#[test]
+fn records_cross_between_two_mappings_both_ways() {
+    let mut p = pair(MIN_CAPACITY);
+    let mut buf = Vec::new();
+    for i in 0..2000 {
+        let r = record(i, i % 97);
+        assert!(p.creator.0.send(&r).unwrap());
+        assert!(p.opener.1.recv(&mut buf).unwrap());
+        assert_eq!(buf, r);
+        assert!(p.opener.0.send(&r).unwrap());
+        assert!(p.creator.1.recv(&mut buf).unwrap());
+        assert_eq!(buf, r);
+    }
+    assert!(!p.opener.1.recv(&mut buf).unwrap());
+    assert!(!p.creator.1.recv(&mut buf).unwrap());
+}
+
+#[test]
+fn a_full_ring_refuses_and_takes_again_once_read() {
+    let mut p = pair(MIN_CAPACITY);
+    let r = record(1, 100);
+    // 8 + 104 bytes a record.
+    let fits = MIN_CAPACITY / 112;
+    for _ in 0..fits {
+        assert!(p.creator.0.send(&r).unwrap());
+    }
+    assert!(!p.creator.0.send(&r).unwrap(), "a full ring took a record");
+    let mut buf = Vec::new();
+    assert!(p.opener.1.recv(&mut buf).unwrap());
+    assert!(p.creator.0.send(&r).unwrap());
+    let too_long = vec![0u8; MIN_CAPACITY - 7];
+    assert!(!p.opener.0.send(&too_long).unwrap());
+    assert!(p.opener.0.send(&too_long[..MIN_CAPACITY - 8]).unwrap());
+    assert!(p.creator.1.recv(&mut buf).unwrap());
+    assert_eq!(buf.len(), MIN_CAPACITY - 8);
+}
+
+#[test]
+fn open_checks_capacity_size_seals_and_headers() {
+    assert!(Area::create(5000).is_err());
+    assert!(Area::create(MIN_CAPACITY / 2).is_err());
+    let (_area, memfd) = Area::create(MIN_CAPACITY).unwrap();
+    assert!(matches!(
+        Area::open(&memfd, 2 * MIN_CAPACITY),
+        Err(ShmError::BadArea { .. })
+    ));
+    // A memfd without seals (it could shrink under us): refused.
+    let plain = rustix::fs::memfd_create("plain", MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&plain, area_len(MIN_CAPACITY) as u64).unwrap();
+    let e = Area::open(&plain, MIN_CAPACITY).unwrap_err();
+    assert!(e.to_string().contains("seal"), "{e}");
+    // The creator's seals hold: the peer cannot shrink it.
+    assert!(rustix::fs::ftruncate(&memfd, 0).is_err());
+    // A bad magic.
+    rustix::io::pwrite(&memfd, b"garbage!", 0).unwrap();
+    assert!(matches!(
+        Area::open(&memfd, MIN_CAPACITY),
+        Err(ShmError::BadArea { .. })
+    ));
+}
+
+#[test]
+fn an_impossible_head_or_tail_is_corrupt() {
+    let mut p = pair(MIN_CAPACITY);
+    let mut buf = Vec::new();
+    // Ring 0's head, written by a hostile creator, far past the tail.
+    rustix::io::pwrite(&p.memfd, &u64::MAX.to_le_bytes(), 64).unwrap();
+    assert!(matches!(
+        p.opener.1.recv(&mut buf),
+        Err(ShmError::Corrupt { .. })
+    ));
+    // Ring 0's tail, written by a hostile opener, ahead of the head.
+    rustix::io::pwrite(&p.memfd, &8u64.to_le_bytes(), 128).unwrap();
+    assert!(matches!(
+        p.creator.0.send(b"x"),
+        Err(ShmError::Corrupt { .. })
+    ));
+}
+
+#[test]
+fn a_record_longer_than_what_was_written_is_corrupt() {
+    let mut p = pair(MIN_CAPACITY);
+    assert!(p.creator.0.send(b"12345678").unwrap());
+    // The length word of the first record (ring 0's data starts at 256).
+    rustix::io::pwrite(&p.memfd, &9u64.to_le_bytes(), 256).unwrap();
+    let mut buf = Vec::new();
+    let e = p.opener.1.recv(&mut buf).unwrap_err();
+    assert!(e.to_string().contains("claims 9 bytes"), "{e}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Any sequence of sends and receives through a small ring gives the
+    /// records back in order, and a send is refused only when full.
+    #[test]
+    fn the_ring_is_a_fifo(ops in prop::collection::vec((any::<bool>(), 0usize..600), 1..400)) {
+        let mut p = pair(MIN_CAPACITY);
+        let mut model = std::collections::VecDeque::new();
+        let mut used = 0usize;
+        let mut buf = Vec::new();
+        for (i, (send, len)) in ops.into_iter().enumerate() {
+            if send {
+                let r = record(i, len);
+                let need = 8 + len.div_ceil(8) * 8;
+                let took = p.creator.0.send(&r).unwrap();
+                prop_assert_eq!(took, used + need <= MIN_CAPACITY);
+                if took {
+                    used += need;
+                    model.push_back(r);
+                }
+            } else {
+                let got = p.opener.1.recv(&mut buf).unwrap();
+                match model.pop_front() {
+                    Some(r) => {
+                        prop_assert!(got);
+                        used -= 8 + r.len().div_ceil(8) * 8;
+                        prop_assert_eq!(&buf, &r);
+                    }
+                    None => prop_assert!(!got),
+                }
+            }
+        }
+    }
+
+    /// Random bytes written anywhere in the area, at any time, give
+    /// records or errors, never a panic or a hang (each call returns, and
+    /// a receiver reads at most a ring's worth before it is empty or
+    /// broken).
+    #[test]
+    fn hostile_writes_give_errors_never_panics(
+        before in 0usize..40,
+        writes in prop::collection::vec((0usize..2 * (HEADER_BYTES + MIN_CAPACITY), prop::collection::vec(any::<u8>(), 1..64)), 1..20),
+    ) {
+        let mut p = pair(MIN_CAPACITY);
+        for i in 0..before {
+            let _ = p.creator.0.send(&record(i, i * 7));
+            let _ = p.opener.0.send(&record(i, i * 5));
+        }
+        let len = area_len(MIN_CAPACITY);
+        for (at, bytes) in writes {
+            let n = bytes.len().min(len - at);
+            rustix::io::pwrite(&p.memfd, &bytes[..n], at as u64).unwrap();
+        }
+        let mut buf = Vec::new();
+        for rx in [&mut p.opener.1, &mut p.creator.1] {
+            for _ in 0..=MIN_CAPACITY / 8 {
+                match rx.recv(&mut buf) {
+                    Ok(true) => prop_assert!(buf.len() <= MIN_CAPACITY - 8),
+                    Ok(false) | Err(_) => break,
+                }
+            }
+            let w = rx.wait(Duration::ZERO, Some(Instant::now()), None);
+            prop_assert!(w.is_ok());
+        }
+        for tx in [&mut p.creator.0, &mut p.opener.0] {
+            let _ = tx.send(b"after the scribbles");
+        }
+    }
+}
+
+#[test]
+fn a_sleeping_consumer_is_woken_by_the_eventfd() {
+    let Pair {
+        creator: (mut tx, _),
+        opener: (_, mut rx),
+        memfd: _memfd,
+    } = pair(MIN_CAPACITY);
+    let t = std::thread::spawn(move || {
+        let started = Instant::now();
+        let r = rx.wait(
+            Duration::ZERO,
+            Some(Instant::now() + Duration::from_secs(10)),
+            None,
+        );
+        let mut buf = Vec::new();
+        assert!(rx.recv(&mut buf).unwrap());
+        (r.unwrap(), started.elapsed(), rx.sleeps(), buf)
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(tx.send(b"wake up").unwrap());
+    let (ready, took, sleeps, buf) = t.join().unwrap();
+    assert_eq!(ready, Ready::Ring);
+    assert!(took < Duration::from_secs(5), "woke after {took:?}");
+    assert!(sleeps >= 1);
+    assert_eq!(tx.wakes(), 1, "the producer wrote the eventfd once");
+    assert_eq!(buf, b"wake up");
+}
+
+#[test]
+fn a_spinning_consumer_needs_no_wake_up() {
+    let Pair {
+        creator: (mut tx, _),
+        opener: (_, mut rx),
+        memfd: _memfd,
+    } = pair(MIN_CAPACITY);
+    let (go_tx, go_rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        go_tx.send(()).unwrap();
+        let r = rx.wait(Duration::from_secs(5), None, None).unwrap();
+        (r, rx.sleeps())
+    });
+    go_rx.recv().unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(tx.send(b"x").unwrap());
+    let (r, sleeps) = t.join().unwrap();
+    assert_eq!(r, Ready::Ring);
+    assert_eq!(sleeps, 0);
+    assert_eq!(tx.wakes(), 0, "no system call on the hot path");
+}
+
+#[test]
+fn a_consumer_wakes_when_the_other_descriptor_hangs_up_and_times_out_otherwise() {
+    let Pair {
+        opener: (_, mut rx),
+        memfd: _memfd,
+        ..
+    } = pair(MIN_CAPACITY);
+    let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+    let started = Instant::now();
+    let r = rx
+        .wait(
+            Duration::ZERO,
+            Some(Instant::now() + Duration::from_millis(50)),
+            Some(a.as_fd()),
+        )
+        .unwrap();
+    assert_eq!(r, Ready::Timeout);
+    assert!(started.elapsed() >= Duration::from_millis(50));
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        drop(b);
+    });
+    let started = Instant::now();
+    let r = rx
+        .wait(
+            Duration::from_micros(20),
+            Some(Instant::now() + Duration::from_secs(10)),
+            Some(a.as_fd()),
+        )
+        .unwrap();
+    killer.join().unwrap();
+    assert_eq!(r, Ready::Other);
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn many_records_stream_between_threads() {
+    let Pair {
+        creator: (mut tx, _),
+        opener: (_, mut rx),
+        memfd: _memfd,
+    } = pair(MIN_CAPACITY);
+    let n = 20_000;
+    let t = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        for i in 0..n {
+            loop {
+                if rx.recv(&mut buf).unwrap() {
+                    break;
+                }
+                let deadline = Some(Instant::now() + Duration::from_secs(10));
+                assert_ne!(
+                    rx.wait(Duration::from_micros(5), deadline, None).unwrap(),
+                    Ready::Timeout
+                );
+            }
+            assert_eq!(buf, record(i, i % 200));
+        }
+    });
+    for i in 0..n {
+        let r = record(i, i % 200);
+        while !tx.send(&r).unwrap() {
+            std::thread::yield_now();
+        }
+    }
+    t.join().unwrap();
+}
