@@ -73,7 +73,9 @@ pub use paths::{
     MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,
     validate_socket_name,
 };
-pub use server::{LatePolicy, LeaseInfo, Server, ServerConfig, ServerRing};
+pub use server::{
+    CallContext, CallError, CallHandler, LatePolicy, LeaseInfo, Server, ServerConfig, ServerRing,
+};
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};
 

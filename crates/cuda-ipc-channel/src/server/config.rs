@@ -6,6 +6,8 @@ use std::time::Duration;
 use crate::own_uid;
 use crate::wire::MAX_FDS;
 
+use super::CallHandler;
+
 #[allow(unused_imports)] // for the documentation's links
 use super::Server;
 
@@ -78,6 +80,10 @@ pub struct ServerConfig {
     /// The longest request payload accepted, in bytes; default 4 KiB (the
     /// longest valid request, an attach with a 256-byte name, is about 300).
     pub max_request_bytes: u32,
+    /// Answers clients' calls ([`Message::Call`](crate::Message::Call));
+    /// default none: every call is refused with the error `no_handler`.
+    /// See also [`Server::set_call_handler`].
+    pub call_handler: Option<CallHandler>,
 }
 
 impl ServerConfig {
@@ -98,6 +104,7 @@ impl ServerConfig {
             idle_timeout: Duration::from_secs(15 * 60),
             max_leases_per_connection: 1024,
             max_request_bytes: 4096,
+            call_handler: None,
         }
     }
 
@@ -185,6 +192,13 @@ impl ServerConfig {
     #[must_use]
     pub fn with_max_connections(mut self, n: usize) -> Self {
         self.max_connections = n;
+        self
+    }
+
+    /// Sets the handler that answers calls (see [`CallHandler`]).
+    #[must_use]
+    pub fn with_call_handler(mut self, handler: CallHandler) -> Self {
+        self.call_handler = Some(handler);
         self
     }
 
