@@ -7,6 +7,8 @@ pub mod export;
 pub mod info;
 pub mod open;
 pub mod serve;
+pub mod service;
+pub mod service_client;
 pub mod stream;
 
 use std::ffi::OsStr;
