@@ -272,6 +272,17 @@ impl Service {
         if let Err(e) = inner.publisher.trim() {
             tracing::debug!(error = %e, "trim at shutdown");
         }
+        // A call still running holds the service: let it finish here, so
+        // that the publisher is never dropped on a connection thread (its
+        // shutdown joins those threads).
+        let calls = Instant::now();
+        while Arc::strong_count(&self.inner) > 1 && calls.elapsed() < CALLS_AT_SHUTDOWN {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if Arc::strong_count(&self.inner) > 1 {
+            tracing::warn!("a call is still running at shutdown; the publisher is left to exit");
+            std::mem::forget(Arc::clone(&self.inner));
+        }
         ShutdownReport {
             dropped,
             held_at_timeout: held,
@@ -279,6 +290,9 @@ impl Service {
         }
     }
 }
+
+/// How long [`Service::shutdown`] waits for calls still running (a load).
+const CALLS_AT_SHUTDOWN: Duration = Duration::from_secs(60);
 
 /// A library error as a caller sees it.
 fn call_error(code: &str, e: &Error) -> CallError {
