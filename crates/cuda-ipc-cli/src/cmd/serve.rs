@@ -91,7 +91,7 @@ pub struct ServeArgs {
     pub quota: Option<u64>,
     /// With --service: the quota of one uid instead of --quota, as
     /// UID=BYTES (repeatable: 1000=40GiB).
-    #[arg(long = "quota-uid", value_name = "UID=BYTES", value_parser = super::service::parse_quota_uid)]
+    #[arg(long = "quota-uid", value_name = "UID=BYTES", value_parser = super::parse_quota_uid)]
     pub quota_uid: Vec<(u32, u64)>,
     /// With --service: on SIGTERM or SIGINT, wait this long for readers to
     /// release their leases before dropping every set anyway (30s, 2m; a

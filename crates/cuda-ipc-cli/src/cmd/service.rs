@@ -16,19 +16,6 @@ use super::serve::{ServeArgs, Side, socket_path};
 use crate::Outcome;
 use crate::out::{errln, outln};
 
-/// Parses `--quota-uid UID=BYTES` for clap.
-pub fn parse_quota_uid(s: &str) -> Result<(u32, u64), String> {
-    let shown = cuda_ipc::units::shorten(s, 40);
-    let Some((uid, bytes)) = s.split_once('=') else {
-        return Err(format!(
-            "{shown} is not UID=BYTES; write for example 1000=40GiB"
-        ));
-    };
-    let uid = super::parse_uid(uid)?;
-    let bytes = super::parse_size(bytes)?;
-    Ok((uid, bytes))
-}
-
 /// The quotas of `--quota` and `--quota-uid`, checked before the driver: a
 /// uid given twice is bad input (exit 2).
 pub fn quotas(args: &ServeArgs) -> Result<Quotas, Error> {
@@ -146,24 +133,4 @@ fn print_report(r: &ShutdownReport) -> Result<(), Error> {
         r.dropped.len()
     );
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_quota_uid;
-
-    #[test]
-    fn quota_uids_are_uid_equals_bytes() {
-        assert_eq!(parse_quota_uid("1000=1GiB"), Ok((1000, 1 << 30)));
-        assert_eq!(parse_quota_uid("0=4096"), Ok((0, 4096)));
-        for (bad, why) in [
-            ("1000", "not UID=BYTES"),
-            ("x=1GiB", "not a user id"),
-            ("-1=1GiB", "negative"),
-            ("1000=lots", "lots"),
-        ] {
-            let e = parse_quota_uid(bad).unwrap_err();
-            assert!(e.contains(why), "{bad}: {e}");
-        }
-    }
 }
