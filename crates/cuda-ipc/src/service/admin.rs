@@ -14,8 +14,8 @@
 //! Decoding is strict both ways: an unknown field, a missing one or one of
 //! the wrong type is an error naming it ([`decode`]). Refusals travel as
 //! channel errors whose code is [`CatalogError::code`](super::CatalogError::code)
-//! or one of `bad_request`, `checkpoint`, `load_failed`, `not_allowed`,
-//! `unknown_method`.
+//! or one of `bad_request`, `checkpoint`, `not_readable`, `load_failed`,
+//! `not_allowed`, `unknown_method`.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};

@@ -15,13 +15,17 @@
 //! a reader's lease ends with its connection; a loader's exit changes
 //! nothing. The service loads a checkpoint itself, from a path, as its own
 //! uid ([`loader::load_checkpoint`](crate::loader::load_checkpoint)), so
-//! the file must be readable by that uid.
+//! the file must be readable by that uid; for a caller of another uid,
+//! only files it owns or anyone may read (`not_readable` otherwise: a
+//! caller cannot have the service read for it what it could not read
+//! itself).
 //!
 //! # Threads
 //! Calls run on the channel's connection threads: a load holds up only the
 //! connection that asked for it. The catalog is behind one lock, never held
 //! across a load or a wait.
 
+mod access;
 pub mod admin;
 pub mod catalog;
 
@@ -384,6 +388,15 @@ impl Inner {
         }
         let path = PathBuf::from(&r.path);
         let ckpt = Checkpoint::open(&path).map_err(|e| call_error("checkpoint", &e))?;
+        let service_uid = locked(&self.catalog).service_uid();
+        access::check_readable_by(
+            uid,
+            service_uid,
+            ckpt.files()
+                .iter()
+                .map(crate::checkpoint::CheckpointFile::path),
+        )
+        .map_err(|m| CallError::new("not_readable", m))?;
         crate::loader::check_publishable(&ckpt).map_err(|e| call_error("checkpoint", &e))?;
         let plan = ckpt
             .plan(&options)
