@@ -153,3 +153,14 @@ proptest! {
         prop_assert_eq!(validate_method(&m).is_ok(), ok);
     }
 }
+
+#[test]
+fn a_call_longer_than_the_request_limit_ends_only_its_connection() {
+    let (_dir, server, client) = pair(Some(CallHandler::new(|_, _, b| Ok(b.clone()))));
+    let big = json!("a".repeat(5000)); // over the default 4 KiB request limit
+    assert!(client.call("echo", &big).is_err());
+    assert!(!client.is_alive() || client.ping().is_err());
+    // Other clients are served as before.
+    let other = Client::connect(server.path(), ClientConfig::default()).unwrap();
+    assert_eq!(other.call("echo", &json!([1])).unwrap(), json!([1]));
+}
