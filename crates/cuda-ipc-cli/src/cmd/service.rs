@@ -32,14 +32,19 @@ pub fn quotas(args: &ServeArgs) -> Result<Quotas, Error> {
     Ok(q)
 }
 
-/// Sets a flag on SIGTERM and SIGINT, so that the service stops cleanly.
+/// Sets a flag on SIGTERM and SIGINT, so that the service stops cleanly; a
+/// second one, while it stops, ends the process at once (exit 1).
 fn stop_flag() -> Result<Arc<AtomicBool>, Error> {
     let flag = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        signal_hook::flag::register(signal, Arc::clone(&flag)).map_err(|e| Error::Io {
+        let io = |e| Error::Io {
             context: format!("cannot handle signal {signal}"),
             source: e,
-        })?;
+        };
+        // The exit first: it checks the flag before the second handler sets it.
+        signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&flag))
+            .map_err(io)?;
+        signal_hook::flag::register(signal, Arc::clone(&flag)).map_err(io)?;
     }
     Ok(flag)
 }
@@ -83,7 +88,8 @@ pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
     }
     let leases = service.stats().leases;
     errln!(
-        "cuda-ipc: stopping: no more loads; waiting up to {:.1} s for {leases} reader lease(s)",
+        "cuda-ipc: stopping: no more loads; waiting up to {:.1} s for {leases} reader lease(s) \
+         (a second SIGTERM or Ctrl-C exits at once)",
         args.grace.as_secs_f64()
     );
     let report = service.shutdown(args.grace);

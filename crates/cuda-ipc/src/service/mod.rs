@@ -386,6 +386,18 @@ impl Inner {
         if locked(&self.catalog).is_stopping() {
             return Err(refused(&CatalogError::Stopping));
         }
+        // A set of this name dropped with force lives on while readers hold it.
+        let held = self.holders(&r.set);
+        if !held.is_empty() && locked(&self.catalog).get(&r.set).is_none() {
+            return Err(CallError::new(
+                "leased",
+                format!(
+                    "a dropped set {:?} is still held by {}; the name is free once they release                      it (or exit); or choose another name",
+                    r.set,
+                    catalog::holders_text(&held)
+                ),
+            ));
+        }
         let path = PathBuf::from(&r.path);
         let ckpt = Checkpoint::open(&path).map_err(|e| call_error("checkpoint", &e))?;
         let service_uid = locked(&self.catalog).service_uid();
