@@ -42,7 +42,8 @@ pub struct LoadArgs {
     /// The safetensors checkpoint: a .safetensors file, a sharded
     /// checkpoint's model.safetensors.index.json, or a model directory. The
     /// service opens it itself, as its own user: that user must be able to
-    /// read it.
+    /// read it, and a caller of another user may load only files it owns
+    /// or anyone may read.
     pub path: PathBuf,
     /// Streams the copies run on (1 to 1024; default: the loader's, 8).
     #[arg(long, value_parser = super::parse_count, allow_negative_numbers = true)]
@@ -50,7 +51,8 @@ pub struct LoadArgs {
     /// The size of each page-locked staging buffer (default: the loader's, 2MiB).
     #[arg(long, value_parser = super::parse_size, allow_negative_numbers = true)]
     pub staging: Option<u64>,
-    /// How long to wait for the load (10m, 90s; a number alone counts seconds).
+    /// How long to wait for the load (10m, 90s; a number alone counts
+    /// seconds). The service finishes a load this gives up on: `ls` shows it.
     #[arg(long, value_parser = super::parse_duration, default_value = "10m", allow_negative_numbers = true)]
     pub timeout: Duration,
 }
