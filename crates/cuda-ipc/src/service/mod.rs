@@ -28,26 +28,23 @@
 mod access;
 pub mod admin;
 pub mod catalog;
+mod dispatch;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
-
-use crate::channel::{CallContext, CallError, CallHandler};
+use crate::channel::{CallError, CallHandler};
 use crate::checkpoint::{Checkpoint, PlanOptions};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::exchange::{Endpoint, Publisher, PublisherConfig};
 use crate::loader::{LoadedCheckpoint, load_checkpoint};
 
-use admin::{
-    DropAnswer, DropRequest, LoadAnswer, LoadRequest, LsAnswer, LsRequest, Request, SetRow,
-    ShutdownAnswer, ShutdownRequest, StatsAnswer, StatsRequest, decode, encode,
-};
+use admin::{DropAnswer, DropRequest, LoadAnswer, LoadRequest, LsAnswer, SetRow, StatsAnswer};
 pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsage};
+use dispatch::{Ops, bad_request};
 
 /// How a [`Service`] runs: `ServiceConfig::default()` and the `with_`
 /// methods.
@@ -161,7 +158,7 @@ impl Service {
                 let Some(inner) = weak.upgrade() else {
                     return Err(CallError::new("stopping", "the service is stopping"));
                 };
-                inner.handle(ctx, method, body)
+                dispatch::dispatch(&*inner, ctx.peer.uid, method, body)
             })));
         tracing::info!(path = %inner.publisher.path().display(), "service serving");
         Ok(Service { inner })
@@ -303,62 +300,11 @@ fn call_error(code: &str, e: &Error) -> CallError {
     CallError::new(code, e.to_string())
 }
 
-fn bad_request(message: String) -> CallError {
-    CallError::new("bad_request", message)
-}
-
 fn refused(e: &CatalogError) -> CallError {
     CallError::new(e.code(), e.to_string())
 }
 
 impl Inner {
-    fn handle(
-        &self,
-        ctx: &CallContext,
-        method: &str,
-        body: &Value,
-    ) -> std::result::Result<Value, CallError> {
-        let uid = ctx.peer.uid;
-        match method {
-            LoadRequest::METHOD => {
-                let r: LoadRequest = decode(method, body).map_err(bad_request)?;
-                self.load(uid, &r).map(|a| encode(&a))
-            }
-            LsRequest::METHOD => {
-                let _: LsRequest = decode(method, body).map_err(bad_request)?;
-                Ok(encode(&self.ls()))
-            }
-            StatsRequest::METHOD => {
-                let _: StatsRequest = decode(method, body).map_err(bad_request)?;
-                Ok(encode(&self.stats()))
-            }
-            DropRequest::METHOD => {
-                let r: DropRequest = decode(method, body).map_err(bad_request)?;
-                self.drop_set(uid, &r).map(|a| encode(&a))
-            }
-            ShutdownRequest::METHOD => {
-                let _: ShutdownRequest = decode(method, body).map_err(bad_request)?;
-                let service = locked(&self.catalog).service_uid();
-                if uid != service {
-                    return Err(CallError::new(
-                        "not_allowed",
-                        format!("only the service's uid ({service}) may stop it, not uid {uid}"),
-                    ));
-                }
-                *locked(&self.stop_asked) = true;
-                self.stop_cv.notify_all();
-                Ok(encode(&ShutdownAnswer { stopping: true }))
-            }
-            other => Err(CallError::new(
-                "unknown_method",
-                format!(
-                    "the service has no method {other:?}; it has {}",
-                    admin::METHODS.join(", ")
-                ),
-            )),
-        }
-    }
-
     fn holders(&self, name: &str) -> Vec<Holder> {
         self.publisher
             .leases()
@@ -370,7 +316,9 @@ impl Inner {
             })
             .collect()
     }
+}
 
+impl Ops for Inner {
     fn load(&self, uid: u32, r: &LoadRequest) -> std::result::Result<LoadAnswer, CallError> {
         r.validate().map_err(bad_request)?;
         let mut options = self.load_defaults.clone();
@@ -531,5 +479,14 @@ impl Inner {
             bytes: info.map_or(0, |i| i.bytes),
             held_by: holders,
         })
+    }
+
+    fn service_uid(&self) -> u32 {
+        locked(&self.catalog).service_uid()
+    }
+
+    fn ask_stop(&self) {
+        *locked(&self.stop_asked) = true;
+        self.stop_cv.notify_all();
     }
 }
