@@ -29,6 +29,7 @@ mod access;
 pub mod admin;
 pub mod catalog;
 mod dispatch;
+mod stop;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -227,43 +228,7 @@ impl Service {
     pub fn shutdown(self, grace: Duration) -> ShutdownReport {
         let inner = &self.inner;
         locked(&inner.catalog).stop();
-        let started = Instant::now();
-        let mut hidden = BTreeSet::new();
-        let held = loop {
-            // Loads admitted before the stop may still commit: hide those too.
-            let names: Vec<String> = locked(&inner.catalog)
-                .sets()
-                .map(|s| s.name.clone())
-                .collect();
-            for name in names {
-                if hidden.insert(name.clone())
-                    && let Err(e) = inner.publisher.unpublish_set(&name, None)
-                {
-                    tracing::warn!(set = %name, error = %e, "cannot hide a set at shutdown");
-                }
-            }
-            let loading = locked(&inner.catalog).loads_in_progress();
-            let held: Vec<(String, Holder)> = inner
-                .publisher
-                .leases()
-                .into_iter()
-                .filter(|l| hidden.contains(&l.name))
-                .map(|l| {
-                    (
-                        l.name,
-                        Holder {
-                            pid: l.pid,
-                            uid: l.uid,
-                        },
-                    )
-                })
-                .collect();
-            if (held.is_empty() && loading == 0) || started.elapsed() >= grace {
-                break held;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let waited = started.elapsed();
+        let (held, waited) = stop::wait_for_readers(&**inner, grace, Duration::from_millis(20));
         let mut catalog = locked(&inner.catalog);
         let names: Vec<String> = catalog.sets().map(|s| s.name.clone()).collect();
         let dropped: Vec<SetInfo> = names.iter().filter_map(|n| catalog.remove(n)).collect();
@@ -488,5 +453,39 @@ impl Ops for Inner {
     fn ask_stop(&self) {
         *locked(&self.stop_asked) = true;
         self.stop_cv.notify_all();
+    }
+}
+
+impl stop::Stopping for Inner {
+    fn set_names(&self) -> Vec<String> {
+        locked(&self.catalog)
+            .sets()
+            .map(|s| s.name.clone())
+            .collect()
+    }
+
+    fn hide(&self, name: &str) {
+        if let Err(e) = self.publisher.unpublish_set(name, None) {
+            tracing::warn!(set = %name, error = %e, "cannot hide a set at shutdown");
+        }
+    }
+
+    fn holders_of(&self, names: &BTreeSet<String>) -> Vec<(String, Holder)> {
+        self.publisher
+            .leases()
+            .into_iter()
+            .filter(|l| names.contains(&l.name))
+            .map(|l| {
+                let holder = Holder {
+                    pid: l.pid,
+                    uid: l.uid,
+                };
+                (l.name, holder)
+            })
+            .collect()
+    }
+
+    fn loads_in_progress(&self) -> usize {
+        locked(&self.catalog).loads_in_progress()
     }
 }
