@@ -13,6 +13,10 @@
 //! A *ring* ([`Server::create_ring`]) is a fixed set of slots that the
 //! producer fills in turn, with back-pressure: a slot is reused only when
 //! every subscriber that was sent it has acknowledged it or gone away.
+//! A server may also answer *calls* ([`Client::call`]: a method name and a
+//! JSON body) through its [`CallHandler`], which sees the caller's
+//! credentials; a service built on the channel (`cuda-ipc serve
+//! --service`) speaks its admin protocol that way.
 //!
 //! # Layers
 //! - [`wire`]: the wire format, pure functions (a 16-byte header and a
@@ -82,7 +86,9 @@ pub use paths::{
     MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,
     validate_socket_name,
 };
-pub use server::{LatePolicy, LeaseInfo, Server, ServerConfig, ServerRing};
+pub use server::{
+    CallContext, CallError, CallHandler, LatePolicy, LeaseInfo, Server, ServerConfig, ServerRing,
+};
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};
 

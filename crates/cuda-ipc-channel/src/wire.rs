@@ -518,6 +518,27 @@ pub enum Message {
         /// Why, for people.
         reason: String,
     },
+
+    // ---- both ways: calls to the server's handler ----
+    /// Client to server: calls `method` of the server's call handler
+    /// (`server::CallHandler`) with `body`; answered by a
+    /// [`Reply`](Self::Reply) or an [`Error`](Self::Error) with the same
+    /// `id`. Carries no descriptors.
+    Call {
+        /// The request id.
+        id: u64,
+        /// The method: 1 to 64 of `a-z`, `0-9`, `_`, `.`.
+        method: String,
+        /// The method's arguments.
+        body: Value,
+    },
+    /// Server to client: the answer to a [`Call`](Self::Call).
+    Reply {
+        /// The request id.
+        id: u64,
+        /// The method's answer.
+        body: Value,
+    },
 }
 
 impl Message {
@@ -542,6 +563,8 @@ impl Message {
         "pong",
         "error",
         "ring_late",
+        "call",
+        "reply",
     ];
 
     /// This message's `"type"` name.
@@ -566,6 +589,8 @@ impl Message {
             Message::Pong { .. } => "pong",
             Message::Error { .. } => "error",
             Message::RingLate { .. } => "ring_late",
+            Message::Call { .. } => "call",
+            Message::Reply { .. } => "reply",
         }
     }
 
@@ -580,6 +605,7 @@ impl Message {
                 | Message::AttachRing { .. }
                 | Message::Ack { .. }
                 | Message::Ping { .. }
+                | Message::Call { .. }
         )
     }
 

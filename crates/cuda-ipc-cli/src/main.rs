@@ -41,6 +41,14 @@ enum Command {
     Serve(cmd::serve::ServeArgs),
     /// Attach to a buffer a `serve` (or any publisher) publishes, check it, optionally fill it.
     Attach(cmd::serve::AttachArgs),
+    /// Have a service (`serve --service`) load a safetensors checkpoint as a set.
+    Load(cmd::service_client::LoadArgs),
+    /// List the sets a service holds: bytes, tensors, version, owner, readers.
+    Ls(cmd::service_client::ListArgs),
+    /// Show a service's use per uid against its quotas, and the device's memory.
+    Stats(cmd::service_client::ListArgs),
+    /// Drop a set a service holds (its owner's uid or the service's).
+    Drop(cmd::service_client::DropArgs),
     /// Measure hand-off latency and bandwidth against the driver's floor and PyTorch.
     Bench(cuda_ipc_bench::Args),
     /// (internal) The consumer side of `demo`.
@@ -92,6 +100,9 @@ const ONLY_WITH: &[out::OnlyWith] = &[
     ("serve", "name", "checkpoint"),
     ("serve", "streams", "checkpoint"),
     ("serve", "staging", "checkpoint"),
+    ("serve", "quota", "service"),
+    ("serve", "quota_uid", "service"),
+    ("serve", "grace", "service"),
 ];
 
 fn main() -> ExitCode {
@@ -109,10 +120,15 @@ fn main() -> ExitCode {
         Command::Bench(a) => {
             cuda_ipc_bench::run(&a, &|a, b| link::between(a, b).to_string()).map(|()| Outcome::Ok)
         }
-        Command::Serve(a) => match &a.checkpoint {
-            Some(path) => cmd::checkpoint::serve(&a, path),
-            None => cmd::serve::serve(&a),
+        Command::Serve(a) => match (&a.service, &a.checkpoint) {
+            (Some(name), _) => cmd::service::serve(&a, name),
+            (None, Some(path)) => cmd::checkpoint::serve(&a, path),
+            (None, None) => cmd::serve::serve(&a),
         },
+        Command::Load(a) => cmd::service_client::load(&a),
+        Command::Ls(a) => cmd::service_client::ls(&a),
+        Command::Stats(a) => cmd::service_client::stats(&a),
+        Command::Drop(a) => cmd::service_client::drop_set(&a),
         Command::Attach(a) => match (&a.set, &a.checkpoint) {
             (Some(set), Some(path)) => cmd::checkpoint::attach(&a, set, path),
             _ => cmd::serve::attach(&a),

@@ -37,6 +37,7 @@
 //! | `cuda-ipc-channel`, re-exported as [`channel`] | Unix-socket exchange, no CUDA | the server owns entries, leases and rings; the client owns its connection; file descriptors travel as `OwnedFd` |
 //! | `cuda-ipc`: [`exchange`] | publishers and subscribers | [`exchange::Publisher`] owns what it published until every lease ends; [`exchange::Subscriber`] owns its connection, its mapping cache and its leases |
 //! | `cuda-ipc`: [`loader`] | checkpoints loaded and published as sets | [`loader::load_checkpoint`] owns its streams and page-locked staging buffers for the length of a load |
+//! | `cuda-ipc`: [`service`] | the weight service: a publisher that owns what it loads, a catalog with per-uid quotas, an admin protocol of channel calls | [`service::Service`] owns its publisher, every set it loaded and the catalog until it is shut down |
 //! | `cuda-ipc-bench` | the benchmark, no `unsafe` | its consumer processes |
 //! | `cuda-ipc-cli` (the `cuda-ipc` command) | a thin front, no `unsafe` | nothing of its own: every command calls the library |
 //!
@@ -72,6 +73,7 @@ pub mod kernels;
 pub mod loader;
 mod mechanism;
 pub mod memory;
+pub mod service;
 pub mod set;
 pub mod share;
 pub mod sync;

@@ -236,6 +236,7 @@ impl State {
             | Message::RingAttached { id, .. }
             | Message::RingSlot { id, .. }
             | Message::Pong { id }
+            | Message::Reply { id, .. }
             | Message::Error { id: Some(id), .. } => self.file_response(id, message, fds),
             other => {
                 self.dead = Some(Dead::Protocol(format!(

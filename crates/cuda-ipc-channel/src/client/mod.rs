@@ -51,6 +51,7 @@ const MAX_LATE_READS: usize = 64;
 /// The most entries [`Client::list`] collects.
 const MAX_LISTED_ENTRIES: usize = 1 << 16;
 
+mod call;
 mod connect;
 mod demux;
 mod ring;

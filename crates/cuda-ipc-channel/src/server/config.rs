@@ -7,6 +7,8 @@ use crate::notices::{NoticePath, notice_path_from_env};
 use crate::own_uid;
 use crate::wire::MAX_FDS;
 
+use super::CallHandler;
+
 #[allow(unused_imports)] // for the documentation's links
 use super::Server;
 
@@ -83,6 +85,10 @@ pub struct ServerConfig {
     /// (see [`notices`](crate::notices)); default from
     /// [`NOTICES_ENV`](crate::NOTICES_ENV), else [`NoticePath::Shm`].
     pub notices: NoticePath,
+    /// Answers clients' calls ([`Message::Call`](crate::Message::Call));
+    /// default none: every call is refused with the error `no_handler`.
+    /// See also [`Server::set_call_handler`].
+    pub call_handler: Option<CallHandler>,
 }
 
 impl ServerConfig {
@@ -104,6 +110,7 @@ impl ServerConfig {
             max_leases_per_connection: 1024,
             max_request_bytes: 4096,
             notices: notice_path_from_env(),
+            call_handler: None,
         }
     }
 
@@ -191,6 +198,13 @@ impl ServerConfig {
     #[must_use]
     pub fn with_max_connections(mut self, n: usize) -> Self {
         self.max_connections = n;
+        self
+    }
+
+    /// Sets the handler that answers calls (see [`CallHandler`]).
+    #[must_use]
+    pub fn with_call_handler(mut self, handler: CallHandler) -> Self {
+        self.call_handler = Some(handler);
         self
     }
 

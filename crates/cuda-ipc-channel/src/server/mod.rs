@@ -109,6 +109,7 @@ fn error_frame(id: Option<u64>, code: &str, message: impl Into<String>) -> Messa
 }
 
 mod accept;
+mod call;
 mod checks;
 mod config;
 mod conn;
@@ -117,6 +118,7 @@ mod session;
 mod state;
 
 use accept::{LogLimit, accept_loop, remove_stale_socket};
+pub use call::{CallContext, CallError, CallFn, CallHandler, MAX_METHOD_LEN, validate_method};
 use checks::{bound_socket, check_config, check_fds, json_size};
 pub use config::ServerConfig;
 use conn::Conn;
@@ -156,6 +158,8 @@ struct Shared {
     refusal_log: LogLimit,
     busy_log: LogLimit,
     evict_log: LogLimit,
+    /// Answers [`Message::Call`]s (`None`: every call is refused).
+    call_handler: Mutex<Option<CallHandler>>,
 }
 
 /// A channel server: the producer's end.
@@ -297,6 +301,7 @@ impl Server {
             refusal_log: LogLimit::new(),
             busy_log: LogLimit::new(),
             evict_log: LogLimit::new(),
+            call_handler: Mutex::new(config.call_handler),
         });
         let accept_shared = Arc::clone(&shared);
         let accept = std::thread::Builder::new()

@@ -304,6 +304,7 @@ impl Shared {
                 }
             }
             Message::Ack { lease, slot, seq } => self.ack(conn, lease, slot, seq)?,
+            Message::Call { id, method, body } => self.call(conn, id, &method, &body),
             Message::Hello { .. } => {
                 return Err(fatal(
                     conn,

@@ -90,6 +90,15 @@ fn type_names_match_serde_tags() {
             evicted: false,
             reason: "late".into(),
         },
+        Message::Call {
+            id: 1,
+            method: "ls".into(),
+            body: json!({}),
+        },
+        Message::Reply {
+            id: 1,
+            body: json!({"sets": []}),
+        },
     ];
     assert_eq!(samples.len(), Message::TYPES.len());
     for (m, t) in samples.iter().zip(Message::TYPES) {
@@ -447,6 +456,18 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 reason
             }
         ),
+        arb_call_or_reply(),
+    ]
+}
+
+fn arb_call_or_reply() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        (any::<u64>(), ".{0,16}", arb_json()).prop_map(|(id, method, body)| Message::Call {
+            id,
+            method,
+            body
+        }),
+        (any::<u64>(), arb_json()).prop_map(|(id, body)| Message::Reply { id, body }),
     ]
 }
 
@@ -470,6 +491,8 @@ fn arb_message_like() -> impl Strategy<Value = String> {
         Just("code"),
         Just("message"),
         Just("entries"),
+        Just("method"),
+        Just("body"),
         Just("x"),
     ];
     let value = prop_oneof![
@@ -573,4 +596,37 @@ fn fuzz_corpora_round_trip_through_the_encoders() {
             ),
         }
     }
+}
+
+#[test]
+fn calls_and_replies_match_the_documented_json_and_are_strict() {
+    let call = Message::Call {
+        id: 4,
+        method: "drop".into(),
+        body: json!({"set": "model", "force": false}),
+    };
+    assert_eq!(
+        serde_json::from_slice::<Value>(&call.encode()).unwrap(),
+        json!({"type": "call", "id": 4, "method": "drop", "body": {"set": "model", "force": false}})
+    );
+    assert!(call.is_client_message());
+    assert_eq!(call.fd_count(), 0);
+    let reply = Message::Reply {
+        id: 4,
+        body: json!({"dropped": "model"}),
+    };
+    assert!(!reply.is_client_message());
+    assert_eq!(Message::decode(&reply.encode()).unwrap(), reply);
+    // A body is required (null is one), and nothing else may come along.
+    let missing = Message::decode(br#"{"type":"call","id":1,"method":"ls"}"#).unwrap_err();
+    assert!(
+        matches!(&missing, WireError::InvalidMessage { kind, reason } if kind == "call" && reason.contains("body")),
+        "{missing:?}"
+    );
+    assert!(Message::decode(br#"{"type":"call","id":1,"method":"ls","body":null}"#).is_ok());
+    let extra = Message::decode(br#"{"type":"reply","id":1,"body":{},"fds":1}"#).unwrap_err();
+    assert!(
+        matches!(&extra, WireError::InvalidMessage { reason, .. } if reason.contains("unknown field")),
+        "{extra:?}"
+    );
 }

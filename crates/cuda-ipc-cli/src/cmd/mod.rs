@@ -7,6 +7,8 @@ pub mod export;
 pub mod info;
 pub mod open;
 pub mod serve;
+pub mod service;
+pub mod service_client;
 pub mod stream;
 
 use std::ffi::OsStr;
@@ -61,6 +63,19 @@ pub fn parse_device(s: &str) -> Result<usize, String> {
 /// Parses a user id (`--allow-uid`) for clap.
 pub fn parse_uid(s: &str) -> Result<u32, String> {
     parse_whole(s, "a user id", "1000 (`id -u` prints yours)")
+}
+
+/// Parses `--quota-uid UID=BYTES` for clap.
+pub fn parse_quota_uid(s: &str) -> Result<(u32, u64), String> {
+    let shown = cuda_ipc::units::shorten(s, 40);
+    let Some((uid, bytes)) = s.split_once('=') else {
+        return Err(format!(
+            "{shown} is not UID=BYTES; write for example 1000=40GiB"
+        ));
+    };
+    let uid = parse_uid(uid)?;
+    let bytes = parse_size(bytes)?;
+    Ok((uid, bytes))
 }
 
 /// Parses a count of things (`--buffers`, `--slots`) for clap.
@@ -201,4 +216,24 @@ pub fn mono_ns() -> u64 {
 /// A byte count in binary units for people.
 pub fn human(n: u64) -> String {
     cuda_ipc::units::ByteSize(n).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_quota_uid;
+
+    #[test]
+    fn quota_uids_are_uid_equals_bytes() {
+        assert_eq!(parse_quota_uid("1000=1GiB"), Ok((1000, 1 << 30)));
+        assert_eq!(parse_quota_uid("0=4096"), Ok((0, 4096)));
+        for (bad, why) in [
+            ("1000", "not UID=BYTES"),
+            ("x=1GiB", "not a user id"),
+            ("-1=1GiB", "negative"),
+            ("1000=lots", "lots"),
+        ] {
+            let e = parse_quota_uid(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
 }

@@ -30,10 +30,10 @@ pub struct ServeArgs {
     #[arg(long, default_value = "cuda-ipc")]
     pub socket: String,
     /// Size of each buffer (4096, 64MiB, 1GiB, ...).
-    #[arg(long, value_parser = super::parse_size, allow_negative_numbers = true, required_unless_present = "checkpoint")]
+    #[arg(long, value_parser = super::parse_size, allow_negative_numbers = true, required_unless_present_any = ["checkpoint", "service"])]
     pub size: Option<u64>,
     /// Fill every 32-bit word with this value (decimal or 0x hex).
-    #[arg(long, value_parser = super::parse_value, allow_negative_numbers = true, required_unless_present_any = ["set", "checkpoint"])]
+    #[arg(long, value_parser = super::parse_value, allow_negative_numbers = true, required_unless_present_any = ["set", "checkpoint", "service"])]
     pub fill_u32: Option<u32>,
     /// How many buffers to publish (named buf0, buf1, ...).
     #[arg(long, default_value_t = 1, value_parser = super::parse_count, allow_negative_numbers = true)]
@@ -75,6 +75,29 @@ pub struct ServeArgs {
     /// (10s, 500ms, 1m; a number alone counts seconds).
     #[arg(long, value_parser = super::parse_duration, default_value = "10s", allow_negative_numbers = true)]
     pub release_timeout: Duration,
+    /// Run as the weight service on this socket (a name in the private
+    /// socket directory, default cuda-ipc, or a path): a long-running
+    /// process that owns what `cuda-ipc load` loads into it and serves it
+    /// as read-only sets (`attach --set`), keeps it when any client exits,
+    /// counts it against per-uid quotas (`--quota`, `--quota-uid`), and
+    /// stops on SIGTERM or SIGINT (see `--grace`). Standard input is not
+    /// read. See `ls`, `stats`, `drop`.
+    #[arg(long, value_name = "NAME", num_args = 0..=1, default_missing_value = "cuda-ipc", conflicts_with_all = ["socket", "size", "fill_u32", "buffers", "set", "checkpoint", "read_only"])]
+    pub service: Option<String>,
+    /// With --service: the bytes each uid may hold (64GiB, ...; default: no
+    /// limit). A load that would pass it is refused, naming used, quota and
+    /// asked.
+    #[arg(long, value_parser = super::parse_size, allow_negative_numbers = true)]
+    pub quota: Option<u64>,
+    /// With --service: the quota of one uid instead of --quota, as
+    /// UID=BYTES (repeatable: 1000=40GiB).
+    #[arg(long = "quota-uid", value_name = "UID=BYTES", value_parser = super::parse_quota_uid)]
+    pub quota_uid: Vec<(u32, u64)>,
+    /// With --service: on SIGTERM or SIGINT, wait this long for readers to
+    /// release their leases before dropping every set anyway (30s, 2m; a
+    /// number alone counts seconds).
+    #[arg(long, value_parser = super::parse_duration, default_value = "30s", allow_negative_numbers = true)]
+    pub grace: Duration,
     /// Device ordinal.
     #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,

@@ -60,7 +60,7 @@ fn write(path: &Path, specs: &[Spec], seed: u8) -> BTreeMap<String, Vec<u8>> {
 /// A three-shard checkpoint of many dtypes (a scalar among them) and its
 /// index; the bytes of every tensor. (An empty tensor is refused before
 /// loading: `tests/checkpoint.rs`.)
-fn sharded(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+pub(super) fn sharded(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     let shards: [(&[Spec], u8); 3] = [
         (
             &[

@@ -18,6 +18,7 @@ mod lifetimes;
 mod mechanisms;
 mod peer;
 mod read_only;
+mod service;
 mod set_fences;
 mod sleep;
 

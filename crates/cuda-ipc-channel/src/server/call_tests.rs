@@ -1,0 +1,166 @@
+//! Calls over a real socket: answers, errors, no handler, a panicking
+//! handler, method names, a handler set after binding.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+use super::{CallError, CallHandler, MAX_METHOD_LEN, validate_method};
+use crate::{ChannelError, Client, ClientConfig, Server, ServerConfig, own_uid};
+
+fn pair(handler: Option<CallHandler>) -> (tempfile::TempDir, Server, Client) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = ServerConfig::new(dir.path().join("s.sock"));
+    config.call_handler = handler;
+    let server = Server::bind(config).unwrap();
+    let client = Client::connect(
+        server.path(),
+        ClientConfig::default().with_timeout(Duration::from_secs(5)),
+    )
+    .unwrap();
+    (dir, server, client)
+}
+
+fn remote(e: ChannelError) -> (String, String) {
+    match e {
+        ChannelError::Remote { code, message } => (code, message),
+        other => panic!("expected a remote error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_call_is_answered_by_the_handler_with_the_callers_credentials() {
+    let handler = CallHandler::new(|ctx, method, body| match method {
+        "echo" => Ok(json!({"body": body, "uid": ctx.peer.uid, "pid": ctx.peer.pid})),
+        "refuse" => Err(CallError::new("quota", "over quota").with_details(json!({"used": 1}))),
+        other => Err(CallError::new(
+            "unknown_method",
+            format!("no method {other}"),
+        )),
+    });
+    let (_dir, _server, client) = pair(Some(handler));
+    let answer = client.call("echo", &json!({"a": [1, 2]})).unwrap();
+    assert_eq!(answer["body"], json!({"a": [1, 2]}));
+    assert_eq!(answer["uid"], json!(own_uid()));
+    assert_eq!(answer["pid"], json!(std::process::id()));
+
+    let (code, message) = remote(client.call("refuse", &Value::Null).unwrap_err());
+    assert_eq!((code.as_str(), message.as_str()), ("quota", "over quota"));
+    let (code, _) = remote(client.call("nope", &Value::Null).unwrap_err());
+    assert_eq!(code, "unknown_method");
+    // The connection goes on after errors.
+    assert!(client.call("echo", &json!(1)).is_ok());
+    client.ping().unwrap();
+}
+
+#[test]
+fn a_server_without_a_handler_says_so_and_keeps_the_connection() {
+    let (_dir, server, client) = pair(None);
+    let (code, message) = remote(client.call("ls", &json!({})).unwrap_err());
+    assert_eq!(code, "no_handler");
+    assert!(message.contains("cuda-ipc serve --service"), "{message}");
+    client.ping().unwrap();
+
+    // A handler set later answers (and can be removed again).
+    server.set_call_handler(Some(CallHandler::new(|_, _, _| Ok(json!("late")))));
+    assert_eq!(client.call("ls", &json!({})).unwrap(), json!("late"));
+    server.set_call_handler(None);
+    let (code, _) = remote(client.call("ls", &json!({})).unwrap_err());
+    assert_eq!(code, "no_handler");
+}
+
+#[test]
+fn a_panicking_handler_answers_internal_and_the_server_goes_on() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&calls);
+    let handler = CallHandler::new(move |_, method, _| {
+        seen.fetch_add(1, Ordering::SeqCst);
+        assert!(method != "boom", "the handler's own bug");
+        Ok(json!(true))
+    });
+    let (_dir, _server, client) = pair(Some(handler));
+    let (code, message) = remote(client.call("boom", &Value::Null).unwrap_err());
+    assert_eq!(code, "internal");
+    assert!(message.contains("boom"), "{message}");
+    assert_eq!(client.call("fine", &Value::Null).unwrap(), json!(true));
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn method_names_are_checked_on_both_sides() {
+    let (_dir, _server, client) = pair(Some(CallHandler::new(|_, _, _| Ok(Value::Null))));
+    for bad in ["", "LS", "a b", "ls/x", "é"] {
+        let e = client.call(bad, &Value::Null).unwrap_err();
+        assert!(
+            matches!(e, ChannelError::InvalidArgument { .. }),
+            "{bad:?}: {e:?}"
+        );
+    }
+    let long = "a".repeat(MAX_METHOD_LEN + 1);
+    assert!(client.call(&long, &Value::Null).is_err());
+    assert!(
+        client
+            .call(&"a".repeat(MAX_METHOD_LEN), &Value::Null)
+            .is_ok()
+    );
+    assert!(client.call("service.ls_2", &Value::Null).is_ok());
+}
+
+#[test]
+fn a_slow_call_waits_as_long_as_the_caller_allows() {
+    let handler = CallHandler::new(|_, _, _| {
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(json!("done"))
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let server =
+        Server::bind(ServerConfig::new(dir.path().join("s.sock")).with_call_handler(handler))
+            .unwrap();
+    let client = Client::connect(
+        server.path(),
+        ClientConfig::default().with_timeout(Duration::from_millis(50)),
+    )
+    .unwrap();
+    let e = client.call("slow", &Value::Null).unwrap_err();
+    assert!(matches!(e, ChannelError::Timeout { .. }), "{e:?}");
+    // The late answer to the first call is dropped; the next one is waited for.
+    assert_eq!(
+        client
+            .call_within("slow", &Value::Null, Duration::from_secs(5))
+            .unwrap(),
+        json!("done")
+    );
+}
+
+#[test]
+fn an_answer_too_long_for_the_wire_is_an_error_for_that_call() {
+    let handler = CallHandler::new(|_, _, _| Ok(json!("x".repeat(2 << 20))));
+    let (_dir, _server, client) = pair(Some(handler));
+    let (code, _) = remote(client.call("big", &Value::Null).unwrap_err());
+    assert_eq!(code, "reply_too_large");
+    client.ping().unwrap();
+}
+
+proptest! {
+    #[test]
+    fn validate_method_accepts_exactly_the_documented_names(m in "[a-zA-Z0-9_. /-]{0,70}") {
+        let ok = !m.is_empty()
+            && m.len() <= MAX_METHOD_LEN
+            && m.chars().all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_' | '.'));
+        prop_assert_eq!(validate_method(&m).is_ok(), ok);
+    }
+}
+
+#[test]
+fn a_call_longer_than_the_request_limit_ends_only_its_connection() {
+    let (_dir, server, client) = pair(Some(CallHandler::new(|_, _, b| Ok(b.clone()))));
+    let big = json!("a".repeat(5000)); // over the default 4 KiB request limit
+    assert!(client.call("echo", &big).is_err());
+    assert!(!client.is_alive() || client.ping().is_err());
+    // Other clients are served as before.
+    let other = Client::connect(server.path(), ClientConfig::default()).unwrap();
+    assert_eq!(other.call("echo", &json!([1])).unwrap(), json!([1]));
+}

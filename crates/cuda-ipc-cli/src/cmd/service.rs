@@ -1,0 +1,142 @@
+//! `cuda-ipc serve --service`: the weight service (issue 26), a
+//! long-running process that owns what it loads and serves it as read-only
+//! sets until SIGTERM or SIGINT; and its clients `load`, `ls`, `stats` and
+//! `drop` (see `service_client.rs`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use cuda_ipc::exchange::Endpoint;
+use cuda_ipc::service::{Quotas, Service, ServiceConfig, ShutdownReport};
+use cuda_ipc::{Device, Error};
+use serde_json::json;
+
+use super::serve::{ServeArgs, Side, socket_path};
+use crate::Outcome;
+use crate::out::{errln, outln};
+
+/// The quotas of `--quota` and `--quota-uid`, checked before the driver: a
+/// uid given twice is bad input (exit 2).
+pub fn quotas(args: &ServeArgs) -> Result<Quotas, Error> {
+    let mut q = Quotas::unlimited().with_default(args.quota);
+    for &(uid, bytes) in &args.quota_uid {
+        if q.per_uid.contains_key(&uid) {
+            return Err(Error::InvalidArgument {
+                what: "--quota-uid",
+                reason: format!("uid {uid} is given twice; give each uid once"),
+            });
+        }
+        q = q.with_uid(uid, bytes);
+    }
+    Ok(q)
+}
+
+/// Sets a flag on SIGTERM and SIGINT, so that the service stops cleanly; a
+/// second one, while it stops, ends the process at once (exit 1).
+fn stop_flag() -> Result<Arc<AtomicBool>, Error> {
+    let flag = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        let io = |e| Error::Io {
+            context: format!("cannot handle signal {signal}"),
+            source: e,
+        };
+        // The exit first: it checks the flag before the second handler sets it.
+        signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&flag))
+            .map_err(io)?;
+        signal_hook::flag::register(signal, Arc::clone(&flag)).map_err(io)?;
+    }
+    Ok(flag)
+}
+
+/// `serve --service [NAME]`.
+pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
+    let path = socket_path(name, Side::Serve)?;
+    let quotas = quotas(args)?;
+    let stop = stop_flag()?;
+    let device = Device::open(args.device)?;
+    let config = ServiceConfig::default()
+        .with_quotas(quotas.clone())
+        .with_allow_uids(args.allow_uid.iter().copied());
+    let service = Service::start(&device, Endpoint::Path(path), config)?;
+    let per_uid: serde_json::Map<String, serde_json::Value> = quotas
+        .per_uid
+        .iter()
+        .map(|(uid, b)| (uid.to_string(), json!(b)))
+        .collect();
+    let line = json!({
+        "socket": service.path(),
+        "service": true,
+        "quota": quotas.default,
+        "quota_uid": per_uid,
+        "grace_s": args.grace.as_secs_f64(),
+        "read_only": true,
+        "pid": std::process::id(),
+    });
+    outln!("{line}")?;
+    errln!(
+        "cuda-ipc: service serving on {} (pid {}); load with `cuda-ipc load --service {name} \
+         --set NAME PATH`; stop with SIGTERM (kill {}) or Ctrl-C",
+        service.path().display(),
+        std::process::id(),
+        std::process::id()
+    );
+    while !stop.load(Ordering::SeqCst) {
+        if service.wait_for_shutdown_call(Duration::from_millis(100)) {
+            break;
+        }
+    }
+    let leases = service.stats().leases;
+    errln!(
+        "cuda-ipc: stopping: no more loads; waiting up to {:.1} s for {leases} reader lease(s) \
+         (a second SIGTERM or Ctrl-C exits at once)",
+        args.grace.as_secs_f64()
+    );
+    let report = service.shutdown(args.grace);
+    print_report(&report)?;
+    Ok(Outcome::Ok)
+}
+
+/// What the service dropped, as a JSON line on standard output and
+/// sentences on standard error.
+fn print_report(r: &ShutdownReport) -> Result<(), Error> {
+    let dropped: Vec<serde_json::Value> = r
+        .dropped
+        .iter()
+        .map(|s| {
+            json!({"set": s.name, "bytes": s.bytes, "version": s.version, "owner_uid": s.owner_uid})
+        })
+        .collect();
+    let held: Vec<serde_json::Value> = r
+        .held_at_timeout
+        .iter()
+        .map(|(set, h)| json!({"set": set, "pid": h.pid, "uid": h.uid}))
+        .collect();
+    outln!(
+        "{}",
+        json!({
+            "stopped": true,
+            "dropped": dropped,
+            "held_at_timeout": held,
+            "waited_s": r.waited.as_secs_f64(),
+        })
+    )?;
+    for (set, h) in &r.held_at_timeout {
+        errln!("cuda-ipc: reader {h} still held set {set} when the grace ran out");
+    }
+    for s in &r.dropped {
+        errln!(
+            "cuda-ipc: dropped set {} (version {}, {}, uid {})",
+            s.name,
+            s.version,
+            super::human(s.bytes),
+            s.owner_uid
+        );
+    }
+    errln!(
+        "cuda-ipc: service stopped after waiting {:.3} s for readers; dropped {} set(s)",
+        r.waited.as_secs_f64(),
+        r.dropped.len()
+    );
+    Ok(())
+}

@@ -1,0 +1,335 @@
+//! The service's admin protocol: its methods (channel calls,
+//! [`Client::call`](crate::channel::Client::call)) and their JSON bodies,
+//! shared by the service and its clients (`cuda-ipc load`, `ls`, `stats`,
+//! `drop`).
+//!
+//! | method | request | answer | who |
+//! |---|---|---|---|
+//! | `load` | [`LoadRequest`] | [`LoadAnswer`] | any allowed uid (its quota) |
+//! | `ls` | [`LsRequest`] | [`LsAnswer`] | any allowed uid |
+//! | `stats` | [`StatsRequest`] | [`StatsAnswer`] | any allowed uid |
+//! | `drop` | [`DropRequest`] | [`DropAnswer`] | the set's owner uid, the service's uid |
+//! | `shutdown` | [`ShutdownRequest`] | [`ShutdownAnswer`] | the service's uid |
+//!
+//! Decoding is strict both ways: an unknown field, a missing one or one of
+//! the wrong type is an error naming it ([`decode`]). Refusals travel as
+//! channel errors whose code is [`CatalogError::code`](super::CatalogError::code)
+//! or one of `bad_request`, `checkpoint`, `not_readable`, `load_failed`,
+//! `not_allowed`, `unknown_method`.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::catalog::{Holder, UidUsage};
+
+/// The longest checkpoint path a load request carries, in bytes (a request
+/// must fit in the channel's 4 KiB).
+pub const MAX_PATH_LEN: usize = 2048;
+
+/// A request of the admin protocol: its method and its answer's type.
+pub trait Request: Serialize + DeserializeOwned {
+    /// The method's name on the channel.
+    const METHOD: &'static str;
+    /// What the service answers.
+    type Answer: Serialize + DeserializeOwned;
+}
+
+/// Decodes a body strictly (a JSON object of exactly the type's fields),
+/// naming the method and the field at fault.
+///
+/// # Errors
+/// A sentence naming `what` and serde's reason.
+pub fn decode<T: DeserializeOwned>(what: &str, body: &Value) -> Result<T, String> {
+    if !body.is_object() {
+        return Err(format!(
+            "a malformed {what} body: expected a JSON object, found {}",
+            match body {
+                Value::Null => "null",
+                Value::Bool(_) => "a boolean",
+                Value::Number(_) => "a number",
+                Value::String(_) => "a string",
+                Value::Array(_) => "an array",
+                Value::Object(_) => "an object",
+            }
+        ));
+    }
+    T::deserialize(body).map_err(|e| format!("a malformed {what} body: {e}"))
+}
+
+/// Encodes a body.
+///
+/// # Panics
+/// Never: these types have string keys and no custom `Serialize`.
+pub fn encode<T: Serialize>(body: &T) -> Value {
+    serde_json::to_value(body).expect("an admin body always encodes")
+}
+
+/// `load`: the service loads a safetensors checkpoint (a file, a sharded
+/// checkpoint's index or a directory) from `path` itself, as its own uid,
+/// and holds it as set `set`, counted against the caller's quota.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct LoadRequest {
+    /// The set's name.
+    pub set: String,
+    /// The checkpoint, an absolute path (the service's working directory
+    /// is not the caller's).
+    pub path: String,
+    /// Streams the copies run on (default: the loader's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub streams: Option<usize>,
+    /// The size of each staging buffer in bytes (default: the loader's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staging: Option<u64>,
+}
+
+impl LoadRequest {
+    /// A load of `path` into set `set` with the loader's defaults.
+    pub fn new(set: impl Into<String>, path: impl Into<String>) -> LoadRequest {
+        LoadRequest {
+            set: set.into(),
+            path: path.into(),
+            streams: None,
+            staging: None,
+        }
+    }
+
+    /// The same request on `streams` streams with staging buffers of
+    /// `staging` bytes (`None`: the loader's default).
+    #[must_use]
+    pub fn with_copies(mut self, streams: Option<usize>, staging: Option<u64>) -> LoadRequest {
+        self.streams = streams;
+        self.staging = staging;
+        self
+    }
+
+    /// Checks what needs no file: the set name (a channel entry name not of
+    /// the publisher's reserved prefix) and the path (absolute, at most
+    /// [`MAX_PATH_LEN`] bytes).
+    ///
+    /// # Errors
+    /// A sentence naming the field.
+    pub fn validate(&self) -> Result<(), String> {
+        validate_set_name(&self.set)?;
+        if !self.path.starts_with('/') {
+            return Err(format!(
+                "path {:?} is not absolute; the service resolves paths in its own working \
+                 directory, so send an absolute one",
+                crate::units::shorten(&self.path, 80)
+            ));
+        }
+        if self.path.len() > MAX_PATH_LEN {
+            return Err(format!(
+                "path is {} bytes long, more than {MAX_PATH_LEN}",
+                self.path.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Checks a set name: a channel entry name, not of the publisher's
+/// reserved prefix.
+///
+/// # Errors
+/// A sentence naming the set.
+pub fn validate_set_name(set: &str) -> Result<(), String> {
+    crate::channel::validate_entry_name(set).map_err(|e| format!("set name: {e}"))?;
+    if set.starts_with(crate::exchange::HIDDEN_ENTRY_PREFIX) {
+        return Err(format!(
+            "set name {set:?}: names starting with {:?} are the publisher's own",
+            crate::exchange::HIDDEN_ENTRY_PREFIX
+        ));
+    }
+    Ok(())
+}
+
+impl Request for LoadRequest {
+    const METHOD: &'static str = "load";
+    type Answer = LoadAnswer;
+}
+
+/// What a load did.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct LoadAnswer {
+    /// The set's name.
+    pub set: String,
+    /// Its version.
+    pub version: u64,
+    /// The checkpoint, as the service opened it.
+    pub path: String,
+    /// Files read.
+    pub files: usize,
+    /// Tensors loaded.
+    pub tensors: usize,
+    /// Bytes of tensors copied.
+    pub bytes: u64,
+    /// Device bytes held (counted against the quota).
+    pub allocated: u64,
+    /// Streams copied on.
+    pub streams: usize,
+    /// Seconds from the first allocation to the last copy.
+    pub load_s: f64,
+    /// Bytes of tensors per second, in GB/s (10^9 bytes).
+    pub gb_per_s: f64,
+}
+
+/// `ls`: what the service holds. The body is `{}`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LsRequest {}
+
+impl Request for LsRequest {
+    const METHOD: &'static str = "ls";
+    type Answer = LsAnswer;
+}
+
+/// One set, as `ls` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct SetRow {
+    /// The name.
+    pub name: String,
+    /// Device bytes held.
+    pub bytes: u64,
+    /// Bytes of tensors.
+    pub payload_bytes: u64,
+    /// Tensors.
+    pub tensors: usize,
+    /// Its version.
+    pub version: u64,
+    /// The uid that loaded it.
+    pub owner_uid: u32,
+    /// The checkpoint it came from.
+    pub loaded_from: String,
+    /// When it was loaded, in seconds since the Unix epoch.
+    pub created_unix: u64,
+    /// The readers holding leases on it, one per lease.
+    pub leases: Vec<Holder>,
+}
+
+/// The answer to `ls`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct LsAnswer {
+    /// Every set, in name order.
+    pub sets: Vec<SetRow>,
+}
+
+/// `stats`: per-uid use, totals, the device's memory. The body is `{}`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatsRequest {}
+
+impl Request for StatsRequest {
+    const METHOD: &'static str = "stats";
+    type Answer = StatsAnswer;
+}
+
+/// The answer to `stats`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct StatsAnswer {
+    /// The service's process id.
+    pub pid: u32,
+    /// The service's uid.
+    pub service_uid: u32,
+    /// The quota of a uid without an override (`None`: no limit).
+    pub default_quota: Option<u64>,
+    /// Each uid that holds a set, is loading one or has its own quota.
+    pub uids: Vec<UidUsage>,
+    /// How many sets.
+    pub sets: usize,
+    /// Device bytes of every set.
+    pub total_bytes: u64,
+    /// Loads in progress.
+    pub loads_in_progress: usize,
+    /// Leases readers hold on sets.
+    pub leases: usize,
+    /// Free device memory in bytes (`cuMemGetInfo`), if it could be read.
+    pub device_free: Option<u64>,
+    /// Total device memory in bytes, if it could be read.
+    pub device_total: Option<u64>,
+    /// Whether the service is stopping.
+    pub stopping: bool,
+}
+
+/// `drop`: forget a set and give its memory back once no reader maps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct DropRequest {
+    /// The set.
+    pub set: String,
+    /// Drop it even while readers hold leases (they keep what they
+    /// mapped; the memory goes when they let go).
+    #[serde(default)]
+    pub force: bool,
+}
+
+impl DropRequest {
+    /// A drop of `set`, forced or not.
+    pub fn new(set: impl Into<String>, force: bool) -> DropRequest {
+        DropRequest {
+            set: set.into(),
+            force,
+        }
+    }
+}
+
+impl Request for DropRequest {
+    const METHOD: &'static str = "drop";
+    type Answer = DropAnswer;
+}
+
+/// What a drop did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct DropAnswer {
+    /// The set.
+    pub set: String,
+    /// Device bytes it held.
+    pub bytes: u64,
+    /// The readers that still held it (a forced drop).
+    pub held_by: Vec<Holder>,
+}
+
+/// `shutdown`: the service stops as on SIGTERM. The body is `{}`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownRequest {}
+
+impl Request for ShutdownRequest {
+    const METHOD: &'static str = "shutdown";
+    type Answer = ShutdownAnswer;
+}
+
+/// The answer to `shutdown`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct ShutdownAnswer {
+    /// Always true: the service is stopping.
+    pub stopping: bool,
+}
+
+/// Every method, in the table's order.
+pub const METHODS: [&str; 5] = [
+    LoadRequest::METHOD,
+    LsRequest::METHOD,
+    StatsRequest::METHOD,
+    DropRequest::METHOD,
+    ShutdownRequest::METHOD,
+];
+
+#[cfg(test)]
+#[path = "admin_tests.rs"]
+mod tests;

@@ -1,0 +1,161 @@
+//! The admin bodies: the documented JSON, round trips, strict decoding.
+
+use proptest::prelude::*;
+use serde_json::json;
+
+use super::*;
+use crate::service::catalog::{Holder, UidUsage};
+
+#[test]
+fn load_bodies_match_the_documented_json() {
+    let r = LoadRequest::new("model", "/data/m.safetensors");
+    assert_eq!(
+        encode(&r),
+        json!({"set": "model", "path": "/data/m.safetensors"})
+    );
+    let r = r.with_copies(Some(8), Some(2 << 20));
+    assert_eq!(
+        encode(&r),
+        json!({"set": "model", "path": "/data/m.safetensors", "streams": 8, "staging": 2_097_152})
+    );
+    assert_eq!(decode::<LoadRequest>("load", &encode(&r)).unwrap(), r);
+    let a = LoadAnswer {
+        set: "model".into(),
+        version: 1,
+        path: "/data/m.safetensors".into(),
+        files: 1,
+        tensors: 3,
+        bytes: 100,
+        allocated: 768,
+        streams: 8,
+        load_s: 0.5,
+        gb_per_s: 2e-7,
+    };
+    assert_eq!(decode::<LoadAnswer>("load", &encode(&a)).unwrap(), a);
+}
+
+#[test]
+fn decoding_is_strict_and_names_the_field() {
+    let e =
+        decode::<LoadRequest>("load", &json!({"set": "m", "path": "/p", "mode": "w"})).unwrap_err();
+    assert!(
+        e.contains("unknown field `mode`") && e.contains("load"),
+        "{e}"
+    );
+    let e = decode::<LoadRequest>("load", &json!({"set": "m"})).unwrap_err();
+    assert!(e.contains("path"), "{e}");
+    let e = decode::<DropRequest>("drop", &json!({"set": 5})).unwrap_err();
+    assert!(e.contains("invalid type"), "{e}");
+    assert!(decode::<LsRequest>("ls", &json!({"all": true})).is_err());
+    assert!(decode::<LsRequest>("ls", &json!([])).is_err());
+    assert_eq!(decode::<LsRequest>("ls", &json!({})).unwrap(), LsRequest {});
+    // force defaults to false.
+    assert_eq!(
+        decode::<DropRequest>("drop", &json!({"set": "m"})).unwrap(),
+        DropRequest::new("m", false)
+    );
+    let e = decode::<StatsAnswer>("stats", &json!({"pid": 1})).unwrap_err();
+    assert!(e.contains("missing field"), "{e}");
+}
+
+#[test]
+fn load_requests_are_checked_before_any_file_is_opened() {
+    assert!(LoadRequest::new("model", "/m").validate().is_ok());
+    let e = LoadRequest::new("model", "m.safetensors")
+        .validate()
+        .unwrap_err();
+    assert!(e.contains("not absolute"), "{e}");
+    let e = LoadRequest::new("", "/m").validate().unwrap_err();
+    assert!(e.contains("set name"), "{e}");
+    let hidden = format!("{}x", crate::exchange::HIDDEN_ENTRY_PREFIX);
+    assert!(LoadRequest::new(hidden, "/m").validate().is_err());
+    let long = format!("/{}", "a".repeat(MAX_PATH_LEN));
+    assert!(LoadRequest::new("m", long).validate().is_err());
+}
+
+#[test]
+fn answers_round_trip() {
+    let holder = Holder { pid: 7, uid: 1000 };
+    let ls = LsAnswer {
+        sets: vec![SetRow {
+            name: "m".into(),
+            bytes: 512,
+            payload_bytes: 100,
+            tensors: 2,
+            version: 3,
+            owner_uid: 1000,
+            loaded_from: "/m".into(),
+            created_unix: 1,
+            leases: vec![holder],
+        }],
+    };
+    assert_eq!(decode::<LsAnswer>("ls", &encode(&ls)).unwrap(), ls);
+    let stats = StatsAnswer {
+        pid: 1,
+        service_uid: 1000,
+        default_quota: None,
+        uids: vec![UidUsage {
+            uid: 1000,
+            used: 512,
+            reserved: 0,
+            quota: Some(1 << 30),
+            sets: 1,
+        }],
+        sets: 1,
+        total_bytes: 512,
+        loads_in_progress: 0,
+        leases: 1,
+        device_free: Some(1),
+        device_total: None,
+        stopping: false,
+    };
+    assert_eq!(
+        decode::<StatsAnswer>("stats", &encode(&stats)).unwrap(),
+        stats
+    );
+    let dropped = DropAnswer {
+        set: "m".into(),
+        bytes: 512,
+        held_by: vec![holder],
+    };
+    assert_eq!(
+        decode::<DropAnswer>("drop", &encode(&dropped)).unwrap(),
+        dropped
+    );
+    let stop = ShutdownAnswer { stopping: true };
+    assert_eq!(
+        decode::<ShutdownAnswer>("shutdown", &encode(&stop)).unwrap(),
+        stop
+    );
+}
+
+#[test]
+fn method_names_are_valid_channel_methods() {
+    for m in METHODS {
+        crate::channel::server::validate_method(m).unwrap();
+    }
+}
+
+proptest! {
+    #[test]
+    fn load_requests_round_trip(
+        set in ".{0,20}",
+        path in ".{0,40}",
+        streams in prop::option::of(any::<usize>()),
+        staging in prop::option::of(any::<u64>()),
+    ) {
+        let r = LoadRequest::new(set, path).with_copies(streams, staging);
+        prop_assert_eq!(decode::<LoadRequest>("load", &encode(&r)).unwrap(), r);
+    }
+
+    #[test]
+    fn decode_never_panics(body in prop_oneof![
+        Just(json!(null)), Just(json!({})), Just(json!({"set": "m", "force": 1})),
+        ".{0,20}".prop_map(|s| json!({"set": s, "path": s})),
+        any::<u64>().prop_map(|n| json!({"set": "m", "path": "/p", "streams": n})),
+    ]) {
+        let _ = decode::<LoadRequest>("load", &body);
+        let _ = decode::<DropRequest>("drop", &body);
+        let _ = decode::<LsRequest>("ls", &body);
+    }
+}

@@ -1,0 +1,184 @@
+//! The service's call handler without the GPU: a call's method and body
+//! decoded strictly and routed to the service's operations ([`Ops`]), the
+//! caller's uid checked where a method needs it, the answer encoded.
+
+use serde_json::Value;
+
+use crate::channel::CallError;
+
+use super::admin::{
+    self, DropAnswer, DropRequest, LoadAnswer, LoadRequest, LsAnswer, LsRequest, Request,
+    ShutdownAnswer, ShutdownRequest, StatsAnswer, StatsRequest, decode, encode,
+};
+
+/// What the service does for each method.
+pub(super) trait Ops {
+    fn load(&self, uid: u32, request: &LoadRequest) -> Result<LoadAnswer, CallError>;
+    fn ls(&self) -> LsAnswer;
+    fn stats(&self) -> StatsAnswer;
+    fn drop_set(&self, uid: u32, request: &DropRequest) -> Result<DropAnswer, CallError>;
+    /// The uid the service runs as.
+    fn service_uid(&self) -> u32;
+    /// Asks the service to stop (as SIGTERM does).
+    fn ask_stop(&self);
+}
+
+/// The error for a body that does not decode.
+pub(super) fn bad_request(message: String) -> CallError {
+    CallError::new("bad_request", message)
+}
+
+/// Answers one call of a caller of `uid`.
+pub(super) fn dispatch(
+    ops: &impl Ops,
+    uid: u32,
+    method: &str,
+    body: &Value,
+) -> Result<Value, CallError> {
+    match method {
+        LoadRequest::METHOD => {
+            let r: LoadRequest = decode(method, body).map_err(bad_request)?;
+            ops.load(uid, &r).map(|a| encode(&a))
+        }
+        LsRequest::METHOD => {
+            let _: LsRequest = decode(method, body).map_err(bad_request)?;
+            Ok(encode(&ops.ls()))
+        }
+        StatsRequest::METHOD => {
+            let _: StatsRequest = decode(method, body).map_err(bad_request)?;
+            Ok(encode(&ops.stats()))
+        }
+        DropRequest::METHOD => {
+            let r: DropRequest = decode(method, body).map_err(bad_request)?;
+            ops.drop_set(uid, &r).map(|a| encode(&a))
+        }
+        ShutdownRequest::METHOD => {
+            let _: ShutdownRequest = decode(method, body).map_err(bad_request)?;
+            let service = ops.service_uid();
+            if uid != service {
+                return Err(CallError::new(
+                    "not_allowed",
+                    format!("only the service's uid ({service}) may stop it, not uid {uid}"),
+                ));
+            }
+            ops.ask_stop();
+            Ok(encode(&ShutdownAnswer { stopping: true }))
+        }
+        other => Err(CallError::new(
+            "unknown_method",
+            format!(
+                "the service has no method {other:?}; it has {}",
+                admin::METHODS.join(", ")
+            ),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::service::catalog::Holder;
+
+    /// Records what it was asked; answers fixed values.
+    #[derive(Default)]
+    struct Fake {
+        asked: RefCell<Vec<String>>,
+    }
+
+    impl Ops for Fake {
+        fn load(&self, uid: u32, r: &LoadRequest) -> Result<LoadAnswer, CallError> {
+            self.asked
+                .borrow_mut()
+                .push(format!("load {uid} {}", r.set));
+            Err(CallError::new("over_quota", "no room"))
+        }
+        fn ls(&self) -> LsAnswer {
+            self.asked.borrow_mut().push("ls".into());
+            admin::decode("ls", &json!({"sets": []})).unwrap()
+        }
+        fn stats(&self) -> StatsAnswer {
+            self.asked.borrow_mut().push("stats".into());
+            admin::decode(
+                "stats",
+                &json!({"pid": 1, "service_uid": 5, "default_quota": null, "uids": [],
+                        "sets": 0, "total_bytes": 0, "loads_in_progress": 0, "leases": 0,
+                        "device_free": null, "device_total": null, "stopping": false}),
+            )
+            .unwrap()
+        }
+        fn drop_set(&self, uid: u32, r: &DropRequest) -> Result<DropAnswer, CallError> {
+            self.asked
+                .borrow_mut()
+                .push(format!("drop {uid} {} {}", r.set, r.force));
+            admin::decode(
+                "drop",
+                &json!({"set": r.set, "bytes": 7, "held_by": [Holder { pid: 1, uid: 2 }]}),
+            )
+            .map_err(bad_request)
+        }
+        fn service_uid(&self) -> u32 {
+            5
+        }
+        fn ask_stop(&self) {
+            self.asked.borrow_mut().push("stop".into());
+        }
+    }
+
+    #[test]
+    fn calls_are_decoded_strictly_and_routed_with_the_callers_uid() {
+        let f = Fake::default();
+        assert_eq!(
+            dispatch(&f, 9, "ls", &json!({})).unwrap(),
+            json!({"sets": []})
+        );
+        assert_eq!(
+            dispatch(&f, 9, "stats", &json!({})).unwrap()["service_uid"],
+            5
+        );
+        let e = dispatch(&f, 9, "load", &json!({"set": "m", "path": "/m"})).unwrap_err();
+        assert_eq!(e.code, "over_quota");
+        let a = dispatch(&f, 9, "drop", &json!({"set": "m", "force": true})).unwrap();
+        assert_eq!(a["bytes"], 7);
+        assert_eq!(
+            *f.asked.borrow(),
+            ["ls", "stats", "load 9 m", "drop 9 m true"]
+        );
+
+        // Malformed bodies never reach the operations.
+        for (method, body) in [
+            ("ls", json!(null)),
+            ("ls", json!({"x": 1})),
+            ("load", json!({"set": "m"})),
+            ("drop", json!({"set": "m", "force": "yes"})),
+            ("shutdown", json!([])),
+        ] {
+            let e = dispatch(&f, 9, method, &body).unwrap_err();
+            assert_eq!(e.code, "bad_request", "{method} {body}: {}", e.message);
+            assert!(e.message.contains(method), "{}", e.message);
+        }
+        assert_eq!(f.asked.borrow().len(), 4);
+
+        let e = dispatch(&f, 9, "sleep", &json!({})).unwrap_err();
+        assert_eq!(e.code, "unknown_method");
+        assert!(
+            e.message.contains("load, ls, stats, drop, shutdown"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn only_the_service_uid_may_stop_it() {
+        let f = Fake::default();
+        let e = dispatch(&f, 9, "shutdown", &json!({})).unwrap_err();
+        assert_eq!(e.code, "not_allowed");
+        assert!(f.asked.borrow().is_empty());
+        let a = dispatch(&f, 5, "shutdown", &json!({})).unwrap();
+        assert_eq!(a, json!({"stopping": true}));
+        assert_eq!(*f.asked.borrow(), ["stop"]);
+    }
+}

@@ -1,0 +1,491 @@
+//! The weight service (`cuda-ipc serve --service`, issue 26): a long-running
+//! [`Publisher`] that owns what it loads, serves it as sets by name, and
+//! keeps it when any client exits or is killed.
+//!
+//! - [`catalog`]: the bookkeeping, no GPU: sets by name, per-uid quotas in
+//!   bytes, the rules for loading and dropping.
+//! - [`admin`]: the methods clients call over the channel and their
+//!   bodies, shared with `cuda-ipc load`, `ls`, `stats` and `drop`.
+//! - [`Service`]: a publisher with read-only readers, the catalog, and the
+//!   channel's call handler that answers the methods.
+//!
+//! Readers attach the sets as any publisher's
+//! ([`Subscriber::attach_set`](crate::exchange::Subscriber::attach_set),
+//! `cuda-ipc attach --set`), read-only. A set's memory is the service's:
+//! a reader's lease ends with its connection; a loader's exit changes
+//! nothing. The service loads a checkpoint itself, from a path, as its own
+//! uid ([`loader::load_checkpoint`](crate::loader::load_checkpoint)), so
+//! the file must be readable by that uid; for a caller of another uid,
+//! only files it owns or anyone may read (`not_readable` otherwise: a
+//! caller cannot have the service read for it what it could not read
+//! itself).
+//!
+//! # Threads
+//! Calls run on the channel's connection threads: a load holds up only the
+//! connection that asked for it. The catalog is behind one lock, never held
+//! across a load or a wait.
+
+mod access;
+pub mod admin;
+pub mod catalog;
+mod dispatch;
+mod stop;
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use crate::channel::{CallError, CallHandler};
+use crate::checkpoint::{Checkpoint, PlanOptions};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::exchange::{Endpoint, Publisher, PublisherConfig};
+use crate::loader::{LoadedCheckpoint, load_checkpoint};
+
+use admin::{DropAnswer, DropRequest, LoadAnswer, LoadRequest, LsAnswer, SetRow, StatsAnswer};
+pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsage};
+use dispatch::{Ops, bad_request};
+
+/// How a [`Service`] runs: `ServiceConfig::default()` and the `with_`
+/// methods.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct ServiceConfig {
+    /// Quotas in bytes (default: no limit).
+    pub quotas: Quotas,
+    /// User ids allowed to connect besides the service's own.
+    pub allow_uids: Vec<u32>,
+    /// The loader's options when a load asks for none (streams, staging).
+    pub load: PlanOptions,
+}
+
+impl ServiceConfig {
+    /// Sets the quotas.
+    #[must_use]
+    pub fn with_quotas(mut self, quotas: Quotas) -> Self {
+        self.quotas = quotas;
+        self
+    }
+
+    /// Lets these user ids connect too.
+    #[must_use]
+    pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
+        self.allow_uids.extend(uids);
+        self
+    }
+
+    /// Sets the loader's default options.
+    #[must_use]
+    pub fn with_load_options(mut self, options: PlanOptions) -> Self {
+        self.load = options;
+        self
+    }
+}
+
+/// What [`Service::shutdown`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// Every set dropped, in name order.
+    pub dropped: Vec<SetInfo>,
+    /// The readers that still held leases when the grace ran out, by set.
+    pub held_at_timeout: Vec<(String, Holder)>,
+    /// How long it waited for readers.
+    pub waited: Duration,
+}
+
+struct Inner {
+    publisher: Publisher,
+    device: Device,
+    load_defaults: PlanOptions,
+    catalog: Mutex<Catalog>,
+    /// The loaded buffers of each set, kept until it is dropped.
+    held: Mutex<HashMap<String, LoadedCheckpoint>>,
+    /// Set by the `shutdown` method.
+    stop_asked: Mutex<bool>,
+    stop_cv: Condvar,
+}
+
+/// The weight service (see the module docs).
+pub struct Service {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Service")
+            .field("path", &self.path())
+            .finish_non_exhaustive()
+    }
+}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Service {
+    /// Binds the service's socket on `device` and starts answering calls:
+    /// a [`Publisher`] with read-only readers (an arena of vmm chunks).
+    ///
+    /// # Errors
+    /// The loader options' ([`PlanOptions::validate`]) and
+    /// [`Publisher::bind`]'s.
+    pub fn start(
+        device: &Device,
+        endpoint: impl Into<Endpoint>,
+        config: ServiceConfig,
+    ) -> Result<Service> {
+        config.load.validate()?;
+        let publisher_config = PublisherConfig::default()
+            .with_read_only_readers(true)
+            .with_allow_uids(config.allow_uids.iter().copied());
+        let publisher = Publisher::bind(device, endpoint, publisher_config)?;
+        let uid = rustix::process::geteuid().as_raw();
+        let inner = Arc::new(Inner {
+            publisher,
+            device: device.clone(),
+            load_defaults: config.load,
+            catalog: Mutex::new(Catalog::new(uid, config.quotas)),
+            held: Mutex::new(HashMap::new()),
+            stop_asked: Mutex::new(false),
+            stop_cv: Condvar::new(),
+        });
+        let weak: Weak<Inner> = Arc::downgrade(&inner);
+        inner
+            .publisher
+            .server()
+            .set_call_handler(Some(CallHandler::new(move |ctx, method, body| {
+                let Some(inner) = weak.upgrade() else {
+                    return Err(CallError::new("stopping", "the service is stopping"));
+                };
+                dispatch::dispatch(&*inner, ctx.peer.uid, method, body)
+            })));
+        tracing::info!(path = %inner.publisher.path().display(), "service serving");
+        Ok(Service { inner })
+    }
+
+    /// The socket path clients connect to.
+    pub fn path(&self) -> &Path {
+        self.inner.publisher.path()
+    }
+
+    /// The publisher underneath.
+    pub fn publisher(&self) -> &Publisher {
+        &self.inner.publisher
+    }
+
+    /// Loads a checkpoint for `uid` (what the `load` method does).
+    ///
+    /// # Errors
+    /// The refusals of [`CatalogError`] and the loader's, as the caller
+    /// sees them.
+    pub fn load(
+        &self,
+        uid: u32,
+        request: &LoadRequest,
+    ) -> std::result::Result<LoadAnswer, CallError> {
+        self.inner.load(uid, request)
+    }
+
+    /// What the service holds (the `ls` method).
+    pub fn ls(&self) -> LsAnswer {
+        self.inner.ls()
+    }
+
+    /// Per-uid use and totals (the `stats` method).
+    pub fn stats(&self) -> StatsAnswer {
+        self.inner.stats()
+    }
+
+    /// Drops a set for `caller` (the `drop` method).
+    ///
+    /// # Errors
+    /// The refusals of [`Catalog::check_drop`].
+    pub fn drop_set(
+        &self,
+        caller: u32,
+        request: &DropRequest,
+    ) -> std::result::Result<DropAnswer, CallError> {
+        self.inner.drop_set(caller, request)
+    }
+
+    /// Waits up to `timeout` for a `shutdown` call; returns whether one came.
+    pub fn wait_for_shutdown_call(&self, timeout: Duration) -> bool {
+        let asked = locked(&self.inner.stop_asked);
+        let (asked, _) = self
+            .inner
+            .stop_cv
+            .wait_timeout_while(asked, timeout, |a| !*a)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *asked
+    }
+
+    /// Stops: loads nothing more, hides every set from new readers (its
+    /// readers get an `Unpublished` notice), waits up to `grace` for the
+    /// readers' leases to end, then drops every set and gives the memory
+    /// back. Readers still holding leases then keep what they mapped.
+    pub fn shutdown(self, grace: Duration) -> ShutdownReport {
+        let inner = &self.inner;
+        locked(&inner.catalog).stop();
+        let (held, waited) = stop::wait_for_readers(&**inner, grace, Duration::from_millis(20));
+        let mut catalog = locked(&inner.catalog);
+        let names: Vec<String> = catalog.sets().map(|s| s.name.clone()).collect();
+        let dropped: Vec<SetInfo> = names.iter().filter_map(|n| catalog.remove(n)).collect();
+        drop(catalog);
+        locked(&inner.held).clear();
+        inner.publisher.reap();
+        if let Err(e) = inner.publisher.trim() {
+            tracing::debug!(error = %e, "trim at shutdown");
+        }
+        // A call still running holds the service: let it finish here, so
+        // that the publisher is never dropped on a connection thread (its
+        // shutdown joins those threads).
+        let calls = Instant::now();
+        while Arc::strong_count(&self.inner) > 1 && calls.elapsed() < CALLS_AT_SHUTDOWN {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if Arc::strong_count(&self.inner) > 1 {
+            tracing::warn!("a call is still running at shutdown; the publisher is left to exit");
+            std::mem::forget(Arc::clone(&self.inner));
+        }
+        ShutdownReport {
+            dropped,
+            held_at_timeout: held,
+            waited,
+        }
+    }
+}
+
+/// How long [`Service::shutdown`] waits for calls still running (a load).
+const CALLS_AT_SHUTDOWN: Duration = Duration::from_secs(60);
+
+/// A library error as a caller sees it.
+fn call_error(code: &str, e: &Error) -> CallError {
+    CallError::new(code, e.to_string())
+}
+
+fn refused(e: &CatalogError) -> CallError {
+    CallError::new(e.code(), e.to_string())
+}
+
+impl Inner {
+    fn holders(&self, name: &str) -> Vec<Holder> {
+        self.publisher
+            .leases()
+            .into_iter()
+            .filter(|l| l.name == name)
+            .map(|l| Holder {
+                pid: l.pid,
+                uid: l.uid,
+            })
+            .collect()
+    }
+}
+
+impl Ops for Inner {
+    fn load(&self, uid: u32, r: &LoadRequest) -> std::result::Result<LoadAnswer, CallError> {
+        r.validate().map_err(bad_request)?;
+        let mut options = self.load_defaults.clone();
+        if let Some(s) = r.streams {
+            options = options.with_streams(s);
+        }
+        if let Some(s) = r.staging {
+            options = options.with_piece_size(s);
+        }
+        options
+            .validate()
+            .map_err(|e| bad_request(format!("streams or staging: {e}")))?;
+        if locked(&self.catalog).is_stopping() {
+            return Err(refused(&CatalogError::Stopping));
+        }
+        // A set of this name dropped with force lives on while readers hold it.
+        let held = self.holders(&r.set);
+        if !held.is_empty() && locked(&self.catalog).get(&r.set).is_none() {
+            return Err(CallError::new(
+                "leased",
+                format!(
+                    "a dropped set {:?} is still held by {}; the name is free once they release                      it (or exit); or choose another name",
+                    r.set,
+                    catalog::holders_text(&held)
+                ),
+            ));
+        }
+        let path = PathBuf::from(&r.path);
+        let ckpt = Checkpoint::open(&path).map_err(|e| call_error("checkpoint", &e))?;
+        let service_uid = locked(&self.catalog).service_uid();
+        access::check_readable_by(
+            uid,
+            service_uid,
+            ckpt.files()
+                .iter()
+                .map(crate::checkpoint::CheckpointFile::path),
+        )
+        .map_err(|m| CallError::new("not_readable", m))?;
+        crate::loader::check_publishable(&ckpt).map_err(|e| call_error("checkpoint", &e))?;
+        let plan = ckpt
+            .plan(&options)
+            .map_err(|e| call_error("checkpoint", &e))?;
+        let ticket = locked(&self.catalog)
+            .admit(uid, &r.set, plan.total_bytes())
+            .map_err(|e| refused(&e))?;
+        tracing::info!(set = %r.set, uid, path = %path.display(), bytes = plan.total_bytes(), "loading");
+        let loaded = load_checkpoint(&self.publisher, &ckpt, plan.options(), &mut |_, _| {})
+            .and_then(|l| l.publish(&self.publisher, &r.set).map(|()| l));
+        let loaded = match loaded {
+            Ok(l) => l,
+            Err(e) => {
+                locked(&self.catalog).cancel(ticket);
+                self.publisher.reap();
+                return Err(call_error("load_failed", &e));
+            }
+        };
+        let report = loaded.report().clone();
+        let info = locked(&self.catalog)
+            .commit(
+                ticket,
+                Loaded::new(
+                    report.payload_bytes,
+                    report.tensors,
+                    ckpt.path().display().to_string(),
+                ),
+            )
+            .clone();
+        locked(&self.held).insert(r.set.clone(), loaded);
+        tracing::info!(set = %r.set, uid, version = info.version, s = report.elapsed.as_secs_f64(), "loaded");
+        Ok(LoadAnswer {
+            set: info.name,
+            version: info.version,
+            path: info.loaded_from,
+            files: report.files,
+            tensors: report.tensors,
+            bytes: report.payload_bytes,
+            allocated: info.bytes,
+            streams: report.streams,
+            load_s: report.elapsed.as_secs_f64(),
+            gb_per_s: report.gb_per_s(),
+        })
+    }
+
+    fn ls(&self) -> LsAnswer {
+        let leases = self.publisher.leases();
+        let catalog = locked(&self.catalog);
+        LsAnswer {
+            sets: catalog
+                .sets()
+                .map(|s| SetRow {
+                    name: s.name.clone(),
+                    bytes: s.bytes,
+                    payload_bytes: s.payload_bytes,
+                    tensors: s.tensors,
+                    version: s.version,
+                    owner_uid: s.owner_uid,
+                    loaded_from: s.loaded_from.clone(),
+                    created_unix: s.created_unix,
+                    leases: leases
+                        .iter()
+                        .filter(|l| l.name == s.name)
+                        .map(|l| Holder {
+                            pid: l.pid,
+                            uid: l.uid,
+                        })
+                        .collect(),
+                })
+                .collect(),
+        }
+    }
+
+    fn stats(&self) -> StatsAnswer {
+        let memory = self.device.memory_info().ok();
+        let catalog = locked(&self.catalog);
+        let names: BTreeSet<&str> = catalog.sets().map(|s| s.name.as_str()).collect();
+        let leases = self
+            .publisher
+            .leases()
+            .iter()
+            .filter(|l| names.contains(l.name.as_str()))
+            .count();
+        StatsAnswer {
+            pid: std::process::id(),
+            service_uid: catalog.service_uid(),
+            default_quota: catalog.quotas().default,
+            uids: catalog.usage(),
+            sets: catalog.sets().count(),
+            total_bytes: catalog.total_bytes(),
+            loads_in_progress: catalog.loads_in_progress(),
+            leases,
+            device_free: memory.map(|m| m.0),
+            device_total: memory.map(|m| m.1),
+            stopping: catalog.is_stopping(),
+        }
+    }
+
+    fn drop_set(&self, caller: u32, r: &DropRequest) -> std::result::Result<DropAnswer, CallError> {
+        let holders = self.holders(&r.set);
+        let mut catalog = locked(&self.catalog);
+        catalog
+            .check_drop(caller, &r.set, &holders, r.force)
+            .map_err(|e| refused(&e))?;
+        // Hidden first, so that no new reader attaches; forgotten after.
+        self.publisher
+            .unpublish_set(&r.set, None)
+            .map_err(|e| call_error("drop_failed", &e))?;
+        let info = catalog.remove(&r.set);
+        drop(catalog);
+        let loaded = locked(&self.held).remove(&r.set);
+        drop(loaded);
+        self.publisher.reap();
+        if let Err(e) = self.publisher.trim() {
+            tracing::debug!(error = %e, "trim after a drop");
+        }
+        tracing::info!(set = %r.set, caller, forced = !holders.is_empty(), "dropped");
+        Ok(DropAnswer {
+            set: r.set.clone(),
+            bytes: info.map_or(0, |i| i.bytes),
+            held_by: holders,
+        })
+    }
+
+    fn service_uid(&self) -> u32 {
+        locked(&self.catalog).service_uid()
+    }
+
+    fn ask_stop(&self) {
+        *locked(&self.stop_asked) = true;
+        self.stop_cv.notify_all();
+    }
+}
+
+impl stop::Stopping for Inner {
+    fn set_names(&self) -> Vec<String> {
+        locked(&self.catalog)
+            .sets()
+            .map(|s| s.name.clone())
+            .collect()
+    }
+
+    fn hide(&self, name: &str) {
+        if let Err(e) = self.publisher.unpublish_set(name, None) {
+            tracing::warn!(set = %name, error = %e, "cannot hide a set at shutdown");
+        }
+    }
+
+    fn holders_of(&self, names: &BTreeSet<String>) -> Vec<(String, Holder)> {
+        self.publisher
+            .leases()
+            .into_iter()
+            .filter(|l| names.contains(&l.name))
+            .map(|l| {
+                let holder = Holder {
+                    pid: l.pid,
+                    uid: l.uid,
+                };
+                (l.name, holder)
+            })
+            .collect()
+    }
+
+    fn loads_in_progress(&self) -> usize {
+        locked(&self.catalog).loads_in_progress()
+    }
+}
