@@ -177,7 +177,7 @@ class Service:
     def __init__(self, cli, sock, log, device):
         self.log_path = log
         self.log = open(log, "w")
-        self.p = subprocess.Popen([cli, "serve", "--service", "--socket", sock, "--device", str(device)],
+        self.p = subprocess.Popen([cli, "serve", "--service", sock, "--device", str(device)],
                                   stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(sock):
@@ -225,7 +225,7 @@ def run(args, torch, folder, sock):
     shapes, ties, _ = model_shapes(torch)
     svc = Service(args.cli, sock, os.path.join(folder, "service.log"), args.device)
     try:
-        secs, code, out = run_cli(args.cli, ["load", "--socket", sock, "--set", SET_NAME, args.dir],
+        secs, code, out = run_cli(args.cli, ["load", "--service", sock, "--set", SET_NAME, args.dir],
                                   LOAD_TIMEOUT_S)
         emit({"kind": "loaded", "seconds": round(secs, 3), "exit": code, "output": out})
         if code != 0:

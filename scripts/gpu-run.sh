@@ -2,7 +2,7 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes sleep peer bench bench-full containers sets checkpoint load service stress mps
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes sleep peer bench bench-full containers sets checkpoint load service service_model stress mps
 #                          (default: info tests soak demo cli exchange samples python lifetimes sleep)
 #
 # `tests` runs every GPU test but the 100,000-cycle soaks, which `soak` runs
@@ -428,6 +428,47 @@ step_load() {
   grep -hE 'attached|mismatch' "$(log_of "load: attach --set model --checkpoint (every byte of 4.37 GB)")" | head -n 2
   bg_stop "load: serve --checkpoint exits 0 once the lease is released" "load: serve --checkpoint"
   rm -rf "$dir"
+}
+
+# A transformers model from the weight service (issue 26's targets):
+# bench/service_model.py writes the 4.37 GB Qwen2-shaped checkpoint with
+# its config.json, has `serve --service` load it (`cuda-ipc load`), and
+# times fresh processes that build the model on the meta device, attach
+# read-only, assign and generate (sleep and wake too), 8 readers at once,
+# and transformers' from_pretrained as the anchor. SERVICE_MODEL_REPS
+# (WARMUP:REPS, default 1:5) and SERVICE_MODEL_DIR (default a temporary
+# folder) override.
+step_service_model() {
+  if ! install_wheel; then
+    bad "service-model: $wheel_error"
+    return
+  fi
+  local dir=()
+  [ -n "${SERVICE_MODEL_DIR:-}" ] && dir=(--dir "$SERVICE_MODEL_DIR")
+  python3 "$here/bench/service_model.py" --cli "$cli" --reps "${SERVICE_MODEL_REPS:-1:5}" "${dir[@]}" \
+    >"$logs/service-model.json" 2>"$logs/service-model.err"
+  local rc=$?
+  grep -E '"kind": "(skip|error|loaded|stopped)"' "$logs/service-model.json" | cut -c1-600
+  python3 - "$logs/service-model.json" <<'PY'
+import json, sys
+med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("kind") != "result":
+        continue
+    parts = {k: med(v) for k, v in r.get("parts_ms", {}).items()}
+    print("RESULT %s: p50 %s ms of %s, max %s, failures %s, parts p50 %s%s" % (
+        r["mode"], med(r["samples_ms"]), r["samples_ms"] and len(r["samples_ms"]), max(r["samples_ms"] or [0]),
+        r.get("verify_failures"), json.dumps(parts), " single %s ms" % r["single_ms"] if "single_ms" in r else ""))
+PY
+  if [ "$rc" -eq 0 ] && ! grep -q '"verify_failures": [1-9]' "$logs/service-model.json" \
+     && grep -q '"kind": "done"' "$logs/service-model.json"; then
+    ok "service-model: a transformers model from the service in fresh processes, every parameter checked"
+  elif grep -q '"kind": "skip"' "$logs/service-model.json"; then
+    echo "SKIP  service-model: $(grep -o '"reason": "[^"]*"' "$logs/service-model.json")"
+  else
+    bad "service-model: exit $rc, $(tail -n 3 "$logs/service-model.err" | tr '\n' ' ')"
+  fi
 }
 
 # Every mechanism under MPS: a private control daemon (its own pipe and log
