@@ -2,7 +2,7 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::Instant;
 
 use cuda_ipc_shm::{Ready, Receiver};
 
@@ -10,6 +10,7 @@ use rustix::net::{Shutdown, shutdown};
 
 use crate::notices::{NOTICE_RING_BYTES, NoticePath, decode_record, server_rings, shm_error};
 use crate::socket::recv_message;
+use crate::spin::Backoff;
 use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use crate::{ChannelError, lock};
 
@@ -86,6 +87,7 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     // The ring the client acks through, when it asked for one.
     let mut acks: Option<Receiver>;
     let mut record = Vec::new();
+    let mut backoff = Backoff::default();
     match recv_message(&conn.stream, Some(deadline), shared.recv_limits) {
         Ok((
             Message::Hello {
@@ -127,12 +129,22 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         // A connection that holds nothing may stay silent only so long.
         let idle = lock(&shared.state).leases_of(conn.id) == 0;
         let deadline = idle.then(|| crate::deadline_in(shared.idle_timeout));
+        // Every wait here follows a message from the client (the hello, a
+        // request, acks): it polls for up to `shared.spin` before it
+        // sleeps, so that a message following closely is taken without a
+        // wake-up; a silent client costs at most one spin, and one whose
+        // messages do not come within the spin soon costs none (`Backoff`).
+        let mut limits = shared.recv_limits;
+        let spin = backoff.next(shared.spin);
+        let began = Instant::now();
         if let Some(rx) = acks.as_mut() {
             // Acks first: an ack sent before a release is applied before it.
             if take_acks(shared, conn, rx, &mut record)? {
-                *lock(&conn.active) = std::time::Instant::now();
+                *lock(&conn.active) = Instant::now();
             }
-            match rx.wait(Duration::ZERO, deadline, Some(conn.stream.as_fd())) {
+            let ready = rx.wait(spin, deadline, Some(conn.stream.as_fd()));
+            backoff.record(spin, began.elapsed());
+            match ready {
                 Ok(Ready::Ring) => continue,
                 // The socket has a message (or hung up), or the idle
                 // deadline passed: the receive below tells which.
@@ -142,10 +154,16 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
                     return Ok(());
                 }
             }
+        } else {
+            limits.spin = spin;
         }
-        match recv_message(&conn.stream, deadline, shared.recv_limits) {
+        let received = recv_message(&conn.stream, deadline, limits);
+        if acks.is_none() {
+            backoff.record(spin, began.elapsed());
+        }
+        match received {
             Ok((message, fds)) => {
-                *lock(&conn.active) = std::time::Instant::now();
+                *lock(&conn.active) = Instant::now();
                 if !fds.is_empty() {
                     return Err(fatal(
                         conn,
