@@ -122,6 +122,62 @@ fn the_reader_spins_only_after_messages_that_come_close_together_or_not_at_all()
     }
     // One test, so that no other test's connection threads are counted.
     a_server_that_does_not_spin_answers_as_before(tmp.path());
+    a_producer_spins_for_acks_within_its_budget(tmp.path());
+}
+
+/// The CPU time this thread has used.
+fn thread_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// `ServerRing::acquire` spins for an ack before it sleeps: it keeps its
+/// deadline, and a subscriber that acks long after costs the producer
+/// little CPU (the spin backs off).
+fn a_producer_spins_for_acks_within_its_budget(tmp: &Path) {
+    for path in [NoticePath::Shm, NoticePath::Socket] {
+        let (server, client, _) = pair(tmp, &format!("acquire-{path:?}"), path, SPIN);
+        let ring = server
+            .create_ring("r", json!({}), vec![(json!({}), vec![])])
+            .unwrap();
+        let sub = client.attach_ring("r").unwrap();
+        // A slot held by a subscriber that does not ack: the timeout holds
+        // though it is shorter than the spin.
+        let slot = ring.acquire(None).unwrap();
+        ring.publish(slot, json!(0)).unwrap();
+        let f = client
+            .next_frame(sub.lease, Duration::from_secs(5))
+            .unwrap();
+        let t = Instant::now();
+        let e = ring.acquire(Some(Duration::from_millis(2))).unwrap_err();
+        assert!(e.to_string().contains("acknowledged"), "{e}");
+        assert!(t.elapsed() < SPIN, "{path:?}: took {:?}", t.elapsed());
+        client.ack(sub.lease, f.slot, f.seq).unwrap();
+
+        // A subscriber that acks 20 ms after each frame: every spin misses.
+        let subscriber = std::thread::spawn(move || {
+            for _ in 0..50 {
+                let f = client
+                    .next_frame(sub.lease, Duration::from_secs(5))
+                    .unwrap();
+                std::thread::sleep(Duration::from_millis(20));
+                client.ack(sub.lease, f.slot, f.seq).unwrap();
+            }
+        });
+        let before = thread_cpu();
+        for i in 0..50 {
+            let slot = ring.acquire(Some(Duration::from_secs(5))).unwrap();
+            ring.publish(slot, json!(i)).unwrap();
+        }
+        ring.acquire(Some(Duration::from_secs(5))).unwrap();
+        let used = thread_cpu().saturating_sub(before);
+        subscriber.join().unwrap();
+        // Without backing off: 50 spins of 10 ms, 500 ms.
+        assert!(
+            used <= Duration::from_millis(250),
+            "{path:?}: the producer used {used:?} of CPU for 50 frames acked 20 ms late"
+        );
+    }
 }
 
 fn a_server_that_does_not_spin_answers_as_before(tmp: &Path) {

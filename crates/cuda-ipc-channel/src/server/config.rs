@@ -107,7 +107,11 @@ pub struct ServerConfig {
     /// client whose messages come far apart (or that shares the reader's
     /// core and cannot run while it spins) soon costs at most one spin in
     /// 64 messages; a spin that catches a message turns it back on.
-    /// `Duration::ZERO` sleeps at once, as before this setting existed.
+    /// The same spin, with its own back-off, is how long
+    /// [`ServerRing::acquire`](crate::ServerRing::acquire) waits for an
+    /// ack before it sleeps (on the producer's thread, at most once per
+    /// call). `Duration::ZERO` sleeps at once, as before this setting
+    /// existed.
     pub spin: Duration,
     /// Answers clients' calls ([`Message::Call`](crate::Message::Call));
     /// default none: every call is refused with the error `no_handler`.

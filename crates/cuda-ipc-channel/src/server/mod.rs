@@ -155,6 +155,10 @@ struct Shared {
     /// Signalled whenever a lease ends, a slot is acked, or an entry is
     /// unpublished, and at shutdown.
     changed: Condvar,
+    /// Acks that freed a subscriber's hold on a slot, counted: what a
+    /// producer's [`ServerRing::acquire`] spins on before it waits on
+    /// `changed`.
+    acks: std::sync::atomic::AtomicU64,
     /// Wakes the accept thread at shutdown.
     wake: OwnedFd,
     /// The connection threads, joined at shutdown.
@@ -303,6 +307,7 @@ impl Server {
             pid: own_pid(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
+            acks: std::sync::atomic::AtomicU64::new(0),
             wake,
             threads: Mutex::new(Vec::new()),
             refusal_log: LogLimit::new(),
@@ -556,6 +561,7 @@ impl Server {
             entry: id,
             name: name.into(),
             slot_count: count,
+            backoff: Mutex::new(crate::spin::Backoff::default()),
         })
     }
 

@@ -524,6 +524,8 @@ impl Shared {
                 s.state = SlotState::Free;
             }
             drop(guard);
+            // A producer spinning in `acquire` sees this without a wake-up.
+            self.acks.fetch_add(1, std::sync::atomic::Ordering::Release);
             self.changed.notify_all();
         }
         Ok(())
