@@ -17,7 +17,9 @@
 //!   `next_frame` and `ack`, until `acquire` returns the slot again.
 //!
 //! Each row also gives the process's CPU time per operation (both sides,
-//! `CLOCK_PROCESS_CPUTIME_ID`), the price of the spins.
+//! `CLOCK_PROCESS_CPUTIME_ID`), the price of the spins, and its threads'
+//! sleeps per operation (voluntary context switches, `getrusage`): each
+//! is a thread wake-up on the path, or a spin that gave up.
 //!
 //! Run with `cargo run --release -p cuda-ipc-channel --example
 //! handoff_latency [iterations per batch] [batches]`. The configurations take turns batch by
@@ -58,15 +60,42 @@ impl Setup {
     }
 }
 
-/// The samples of one batch (ns) and the process CPU time it took (ns).
+/// The samples of one batch (ns), the process CPU time it took (ns) and
+/// the times a thread of the process went to sleep meanwhile.
 struct Batch {
     ns: Vec<u64>,
     cpu: u64,
+    sleeps: u64,
 }
 
-fn cpu_now() -> u64 {
+/// The process's CPU time (ns) and its threads' voluntary context
+/// switches (each a sleep, so each a wake-up to come), those of threads
+/// that ended included.
+fn cpu_now() -> (u64, u64) {
     let t = clock_gettime(ClockId::ProcessCPUTime);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a whole `rusage` into the pointer we own;
+    // zeroed is a valid `rusage` whatever it does.
+    #[allow(unsafe_code)]
+    let usage = unsafe {
+        libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr());
+        usage.assume_init()
+    };
+    (
+        t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64,
+        usage.ru_nvcsw as u64,
+    )
+}
+
+/// A batch's samples, with what the process used since `start`, less
+/// `paused` ns of CPU (the program's own busy waits).
+fn batch(ns: Vec<u64>, start: (u64, u64), paused: u64, share: u64) -> Batch {
+    let (cpu, sleeps) = cpu_now();
+    Batch {
+        ns,
+        cpu: (cpu - start.0).saturating_sub(paused) / share,
+        sleeps: (sleeps - start.1) / share,
+    }
 }
 
 fn pause(d: Duration) {
@@ -89,18 +118,15 @@ fn requests(setup: Setup, n: usize, sock: &std::path::Path) -> Result<[Batch; 3]
     server.publish("e", json!({"bytes": 4096}), vec![memfd()])?;
     let client = setup.client(sock)?;
     let mut ping = Vec::with_capacity(n);
-    let cpu = cpu_now();
+    let start = cpu_now();
     for _ in 0..n {
         let t = Instant::now();
         client.ping()?;
         ping.push(t.elapsed().as_nanos() as u64);
     }
-    let ping = Batch {
-        ns: ping,
-        cpu: cpu_now() - cpu,
-    };
+    let ping = batch(ping, start, 0, 1);
     let (mut attach, mut release) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    let cpu = cpu_now();
+    let start = cpu_now();
     for _ in 0..n {
         pause(Duration::from_micros(100));
         let t = Instant::now();
@@ -111,19 +137,16 @@ fn requests(setup: Setup, n: usize, sock: &std::path::Path) -> Result<[Batch; 3]
         attach.push((t1 - t).as_nanos() as u64);
         release.push((t2 - t1).as_nanos() as u64);
     }
-    // The pauses spin too: count half the pair's CPU to each, less the pause.
-    let pair_cpu = (cpu_now() - cpu).saturating_sub(n as u64 * 100_000) / 2;
-    Ok([
-        ping,
-        Batch {
-            ns: attach,
-            cpu: pair_cpu,
-        },
-        Batch {
-            ns: release,
-            cpu: pair_cpu,
-        },
-    ])
+    // The pauses spin too: half the pair's CPU and sleeps to each, less
+    // the pauses.
+    let paused = n as u64 * 100_000;
+    let attach = batch(attach, start, paused, 2);
+    let release = Batch {
+        ns: release,
+        cpu: attach.cpu,
+        sleeps: attach.sleeps,
+    };
+    Ok([ping, attach, release])
 }
 
 fn updates(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
@@ -133,7 +156,7 @@ fn updates(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, Chan
     client.attach("e")?;
     let base = Instant::now();
     let taken = Arc::new(AtomicU64::new(0));
-    let cpu = cpu_now();
+    let start = cpu_now();
     let reader = {
         let taken = Arc::clone(&taken);
         std::thread::spawn(move || -> Result<Vec<u64>, ChannelError> {
@@ -160,11 +183,9 @@ fn updates(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, Chan
         server.update("e", json!(base.elapsed().as_nanos() as u64))?;
     }
     let ns = reader.join().expect("the reader thread panicked")?;
-    // The producer's waits are busy loops of this program's own: not counted.
-    Ok(Batch {
-        ns,
-        cpu: cpu_now() - cpu,
-    })
+    // The producer's waits are busy loops of this program's own: its CPU
+    // is counted (at least the 20 µs pauses).
+    Ok(batch(ns, start, 0, 1))
 }
 
 fn frames(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
@@ -172,7 +193,7 @@ fn frames(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, Chann
     let ring = server.create_ring("r", json!({}), vec![(json!({}), vec![])])?;
     let client = setup.client(sock)?;
     let sub = client.attach_ring("r")?;
-    let cpu = cpu_now();
+    let start = cpu_now();
     let subscriber = std::thread::spawn(move || -> Result<(), ChannelError> {
         for _ in 0..n {
             let f = client.next_frame(sub.lease, Duration::from_secs(10))?;
@@ -189,10 +210,7 @@ fn frames(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, Chann
         ns.push(t0.elapsed().as_nanos() as u64);
     }
     subscriber.join().expect("the subscriber thread panicked")?;
-    Ok(Batch {
-        ns,
-        cpu: cpu_now() - cpu,
-    })
+    Ok(batch(ns, start, 0, 1))
 }
 
 fn percentile(sorted: &[u64], p: f64) -> f64 {
@@ -205,24 +223,26 @@ fn percentile(sorted: &[u64], p: f64) -> f64 {
 fn report(what: &str, setup: Setup, batches: &mut [Batch]) {
     let mut all = Vec::new();
     let mut p50s = Vec::new();
-    let (mut cpu, mut ops) = (0u64, 0u64);
+    let (mut cpu, mut sleeps, mut ops) = (0u64, 0u64, 0u64);
     for b in batches.iter_mut() {
         b.ns.sort_unstable();
         p50s.push(percentile(&b.ns, 0.5));
         all.extend_from_slice(&b.ns);
         cpu += b.cpu;
+        sleeps += b.sleeps;
         ops += b.ns.len() as u64;
     }
     all.sort_unstable();
     p50s.sort_by(f64::total_cmp);
     println!(
-        "| {what} | {} | {:.1} | {:.1} | {:.1}-{:.1} | {:.1} |",
+        "| {what} | {} | {:.1} | {:.1} | {:.1}-{:.1} | {:.1} | {:.2} |",
         setup.name(),
         percentile(&all, 0.5),
         percentile(&all, 0.9),
         p50s[0],
         p50s[p50s.len() - 1],
         cpu as f64 / ops.max(1) as f64 / 1000.0,
+        sleeps as f64 / ops.max(1) as f64,
     );
 }
 
@@ -257,8 +277,10 @@ fn main() -> Result<(), ChannelError> {
          process; p50/p90 over all batches, then the range of the batch p50s (µs)\n",
         setups.len()
     );
-    println!("| operation | configuration | p50 µs | p90 µs | batch p50s µs | CPU µs/op |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| operation | configuration | p50 µs | p90 µs | batch p50s µs | CPU µs/op | sleeps/op |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     // [setup][row][batch]
     let mut rows: Vec<[Vec<Batch>; 5]> = setups.iter().map(|_| Default::default()).collect();
     for b in 0..batches {
