@@ -8,7 +8,7 @@ use cuda_ipc_shm::{Ready, Receiver};
 
 use rustix::net::{Shutdown, shutdown};
 
-use crate::notices::{NOTICE_RING_BYTES, NoticePath, decode_record, server_rings, shm_error};
+use crate::notices::{NOTICE_RING_BYTES, NoticePath, decode_ack_record, server_rings, shm_error};
 use crate::socket::recv_message;
 use crate::spin::Backoff;
 use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
@@ -210,7 +210,7 @@ fn take_acks(
             Ok(false) => break,
             Err(e) => return Err(fatal(conn, &shm_error(e))),
         }
-        match decode_record(record, shared.recv_limits.max_payload) {
+        match decode_ack_record(record, shared.recv_limits.max_payload) {
             Ok((_, Message::Ack { lease, slot, seq })) => shared.ack(conn, lease, slot, seq)?,
             Ok((_, other)) => {
                 return Err(fatal(
