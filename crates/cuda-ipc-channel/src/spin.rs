@@ -1,7 +1,11 @@
 //! Spins: how long a waiting thread polls before it sleeps, and the
 //! environment variables that set them.
 
-use std::time::Duration;
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
 /// The longest spin an environment variable may ask for (10 ms): a spin is a busy
 /// wait, and a longer one would turn every wait into one.
@@ -94,9 +98,122 @@ impl Backoff {
     }
 }
 
+/// How many threads may spin at once, server-wide: however many
+/// connections its clients open and however they time their messages,
+/// the readers' spins take at most this many cores; a reader that finds
+/// every place taken sleeps at once, as without a spin.
+#[derive(Debug)]
+pub(crate) struct Spinners {
+    busy: AtomicUsize,
+    max: usize,
+}
+
+/// A place among the [`Spinners`], given back when dropped.
+pub(crate) struct SpinSlot<'a>(&'a AtomicUsize);
+
+impl Drop for SpinSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl Spinners {
+    /// At most `max` spinning at once.
+    pub(crate) fn new(max: usize) -> Spinners {
+        Spinners {
+            busy: AtomicUsize::new(0),
+            max,
+        }
+    }
+
+    /// A quarter of this machine's cores (at least one).
+    pub(crate) fn for_this_machine() -> Spinners {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        Spinners::new((cores / 4).max(1))
+    }
+
+    /// A place to spin in, if one is free.
+    pub(crate) fn try_enter(&self) -> Option<SpinSlot<'_>> {
+        let mut busy = self.busy.load(Ordering::Relaxed);
+        loop {
+            if busy >= self.max {
+                return None;
+            }
+            match self.busy.compare_exchange_weak(
+                busy,
+                busy + 1,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(SpinSlot(&self.busy)),
+                Err(now) => busy = now,
+            }
+        }
+    }
+}
+
+/// Pause instructions between two polls of a spin (about a microsecond
+/// with the `poll(2)` call), so that it does not call the kernel back to
+/// back.
+const SPIN_PAUSES: u32 = 16;
+
+/// Polls `fd` without sleeping until it is readable (or hung up, or
+/// failed) or `end`: whether it became so.
+///
+/// # References
+/// [poll(2)](https://man7.org/linux/man-pages/man2/poll.2.html).
+pub(crate) fn spin_until_readable(fd: BorrowedFd<'_>, end: Instant) -> bool {
+    let zero = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    loop {
+        let mut p = [PollFd::from_borrowed_fd(fd, PollFlags::IN)];
+        if matches!(poll(&mut p, Some(&zero)), Ok(n) if n > 0) {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        for _ in 0..SPIN_PAUSES {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_more_than_the_limit_spin_at_once() {
+        let s = Spinners::new(2);
+        let a = s.try_enter().unwrap();
+        let b = s.try_enter().unwrap();
+        assert!(s.try_enter().is_none());
+        drop(a);
+        let c = s.try_enter().unwrap();
+        assert!(s.try_enter().is_none());
+        drop((b, c));
+        assert!(s.try_enter().is_some());
+        assert!(Spinners::for_this_machine().max >= 1);
+    }
+
+    #[test]
+    fn a_spin_sees_a_readable_socket_and_keeps_its_end() {
+        use std::io::Write;
+        use std::os::fd::AsFd;
+        let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let t = Instant::now();
+        assert!(!spin_until_readable(
+            b.as_fd(),
+            t + Duration::from_millis(2)
+        ));
+        assert!(t.elapsed() >= Duration::from_millis(2));
+        a.write_all(b"x").unwrap();
+        assert!(spin_until_readable(b.as_fd(), Instant::now()));
+        drop(a);
+    }
 
     const SPIN: Duration = Duration::from_micros(50);
 

@@ -106,7 +106,12 @@ pub struct ServerConfig {
     /// reader sleeps at once for the next 1, 3, 7, ... up to 63 waits, so a
     /// client whose messages come far apart (or that shares the reader's
     /// core and cannot run while it spins) soon costs at most one spin in
-    /// 64 messages; a spin that catches a message turns it back on.
+    /// 64 messages; a spin that catches a message turns it back on. No
+    /// more readers spin at once than a quarter of the machine's cores
+    /// (at least one); a reader that finds them all spinning sleeps at
+    /// once, so however many connections clients open and however they
+    /// time their messages, the readers' spins take at most that many
+    /// cores.
     /// The same spin, with its own back-off, is how long
     /// [`ServerRing::acquire`](crate::ServerRing::acquire) waits for an
     /// ack before it sleeps (on the producer's thread, at most once per

@@ -150,6 +150,8 @@ struct Shared {
     notices: crate::NoticePath,
     /// How long a reader polls after a message before it sleeps.
     spin: Duration,
+    /// How many readers may spin at once.
+    spinners: crate::spin::Spinners,
     pid: u32,
     state: Mutex<State>,
     /// Signalled whenever a lease ends, a slot is acked, or an entry is
@@ -299,11 +301,12 @@ impl Server {
             recv_limits: RecvLimits {
                 max_payload: config.max_request_bytes.min(MAX_PAYLOAD),
                 strict_deadline: false,
-                // The session spins after a message (`Shared::spin`), not here.
+                // The session spins after a message (`session::spin`), not here.
                 spin: Duration::ZERO,
             },
             notices: config.notices,
             spin: config.spin,
+            spinners: crate::spin::Spinners::for_this_machine(),
             pid: own_pid(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),

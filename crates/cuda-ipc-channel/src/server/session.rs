@@ -2,7 +2,7 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cuda_ipc_shm::{Ready, Receiver};
 
@@ -10,7 +10,7 @@ use rustix::net::{Shutdown, shutdown};
 
 use crate::notices::{NOTICE_RING_BYTES, NoticePath, decode_ack_record, server_rings, shm_error};
 use crate::socket::recv_message;
-use crate::spin::Backoff;
+use crate::spin::{Backoff, spin_until_readable};
 use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use crate::{ChannelError, lock};
 
@@ -129,22 +129,15 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         // A connection that holds nothing may stay silent only so long.
         let idle = lock(&shared.state).leases_of(conn.id) == 0;
         let deadline = idle.then(|| crate::deadline_in(shared.idle_timeout));
-        // Every wait here follows a message from the client (the hello, a
-        // request, acks): it polls for up to `shared.spin` before it
-        // sleeps, so that a message following closely is taken without a
-        // wake-up; a silent client costs at most one spin, and one whose
-        // messages do not come within the spin soon costs none (`Backoff`).
-        let mut limits = shared.recv_limits;
-        let spin = backoff.next(shared.spin);
-        let began = Instant::now();
         if let Some(rx) = acks.as_mut() {
             // Acks first: an ack sent before a release is applied before it.
             if take_acks(shared, conn, rx, &mut record)? {
                 *lock(&conn.active) = Instant::now();
             }
-            let ready = rx.wait(spin, deadline, Some(conn.stream.as_fd()));
-            backoff.record(spin, began.elapsed());
-            match ready {
+        }
+        spin(shared, conn, acks.as_mut(), &mut backoff, deadline);
+        if let Some(rx) = acks.as_mut() {
+            match rx.wait(Duration::ZERO, deadline, Some(conn.stream.as_fd())) {
                 Ok(Ready::Ring) => continue,
                 // The socket has a message (or hung up), or the idle
                 // deadline passed: the receive below tells which.
@@ -154,14 +147,8 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
                     return Ok(());
                 }
             }
-        } else {
-            limits.spin = spin;
         }
-        let received = recv_message(&conn.stream, deadline, limits);
-        if acks.is_none() {
-            backoff.record(spin, began.elapsed());
-        }
-        match received {
+        match recv_message(&conn.stream, deadline, shared.recv_limits) {
             Ok((message, fds)) => {
                 *lock(&conn.active) = Instant::now();
                 if !fds.is_empty() {
@@ -192,6 +179,42 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
             Err(e) => return end_of_session(conn, &e),
         }
     }
+}
+
+/// Every wait for the client's next message follows one (the hello, a
+/// request, acks): it first polls without sleeping for up to
+/// `shared.spin`, so that a message following closely is taken without a
+/// wake-up. A silent client costs at most one spin; one whose messages do
+/// not come within the spin soon costs one in 64 waits ([`Backoff`]); and
+/// no more readers spin at once than [`Spinners`](crate::spin::Spinners) allows (the others
+/// sleep at once), so clients cannot make the server spin on more cores
+/// than that. Returns when something came or the spin is over; the wait
+/// proper follows.
+fn spin(
+    shared: &Shared,
+    conn: &Conn,
+    acks: Option<&mut Receiver>,
+    backoff: &mut Backoff,
+    deadline: Option<Instant>,
+) {
+    let budget = backoff.next(shared.spin);
+    if budget.is_zero() {
+        return;
+    }
+    let Some(_slot) = shared.spinners.try_enter() else {
+        return;
+    };
+    let began = Instant::now();
+    let end = deadline.map_or(began + budget, |d| d.min(began + budget));
+    let caught = match acks {
+        Some(rx) => matches!(
+            rx.wait(budget, Some(end), Some(conn.stream.as_fd())),
+            Ok(Ready::Ring | Ready::Other)
+        ),
+        None => spin_until_readable(conn.stream.as_fd(), end),
+    };
+    // A spin cut short by the idle deadline caught nothing.
+    backoff.record(budget, if caught { began.elapsed() } else { budget });
 }
 
 /// Applies the acks waiting in the ring (at most a ring's worth, so that a
