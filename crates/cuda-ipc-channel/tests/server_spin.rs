@@ -123,6 +123,29 @@ fn the_reader_spins_only_after_messages_that_come_close_together_or_not_at_all()
     // One test, so that no other test's connection threads are counted.
     a_server_that_does_not_spin_answers_as_before(tmp.path());
     a_producer_spins_for_acks_within_its_budget(tmp.path());
+    a_client_that_dies_during_a_spin_is_noticed_at_once(tmp.path());
+}
+
+/// A spinning reader notices a client that goes away as a sleeping one
+/// does: at once, not when its spin ends.
+fn a_client_that_dies_during_a_spin_is_noticed_at_once(tmp: &Path) {
+    let long = Duration::from_secs(2);
+    for path in [NoticePath::Shm, NoticePath::Socket] {
+        let (server, client, _) = pair(tmp, &format!("dies-{path:?}"), path, long);
+        client.attach("e").unwrap();
+        client.ping().unwrap();
+        // The reader spins now, for up to two seconds.
+        let t = Instant::now();
+        drop(client);
+        server
+            .wait_released("e", Some(Duration::from_secs(10)))
+            .unwrap();
+        assert!(
+            t.elapsed() < long / 4,
+            "{path:?}: the lease ended {:?} after the client went away",
+            t.elapsed()
+        );
+    }
 }
 
 /// The CPU time this thread has used.
