@@ -73,6 +73,7 @@ pub mod server;
 // `SO_PEERCRED` and `SIOCOUTQ`, which rustix does not wrap: the crate's only unsafe code.
 #[allow(unsafe_code)]
 mod socket;
+mod spin;
 pub mod wire;
 
 pub use client::{
@@ -87,7 +88,8 @@ pub use paths::{
     validate_socket_name,
 };
 pub use server::{
-    CallContext, CallError, CallHandler, LatePolicy, LeaseInfo, Server, ServerConfig, ServerRing,
+    CallContext, CallError, CallHandler, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo,
+    SERVER_SPIN_ENV, Server, ServerConfig, ServerRing,
 };
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};
