@@ -56,7 +56,13 @@ fn notices_and_acks_go_through_shared_memory() {
     ring.acquire(Some(Duration::from_secs(5))).unwrap();
     let stats = client.notice_stats();
     assert_eq!(stats.path, NoticePath::Shm);
-    assert_eq!((stats.shm_notices, stats.socket_notices), (70, 0));
+    // Every notice once, by one path or the other. A notice takes the
+    // socket (in order) when the server's writer thread has not yet
+    // finished with the message before it, which a loaded machine can
+    // stretch to many notices (seen in CI: 15 of 70); on an idle one all
+    // 70 take the ring. The ring must have carried some of them.
+    assert_eq!(stats.shm_notices + stats.socket_notices, 70, "{stats:?}");
+    assert!(stats.shm_notices > 0, "no notice took the ring: {stats:?}");
     assert_eq!((stats.shm_acks, stats.socket_acks), (20, 0));
     client.release(a.lease).unwrap();
 }
