@@ -87,7 +87,8 @@ pub use paths::{
     validate_socket_name,
 };
 pub use server::{
-    CallContext, CallError, CallHandler, LatePolicy, LeaseInfo, Server, ServerConfig, ServerRing,
+    CallContext, CallError, CallHandler, LatePolicy, LeaseInfo, Replaced, Server, ServerConfig,
+    ServerRing,
 };
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};

@@ -266,6 +266,7 @@ impl Shared {
         }
         drop(st);
         self.changed.notify_all();
+        self.connection_closed(conn);
     }
 
     /// Answers one request. `Err` ends the connection with that message.
