@@ -237,4 +237,12 @@ fn a_replaced_entry_tells_its_holders_and_lives_until_they_release_it() {
         .unwrap();
     assert_eq!(r3.told, 0);
     assert_eq!(client.attach("w").unwrap().meta, json!({"v": 4}));
+    // Unlisted entries are attached by name only.
+    let hidden = format!("{}stage/abc", crate::UNLISTED_ENTRY_PREFIX);
+    server
+        .publish(&hidden, json!({"s": 1}), Vec::new())
+        .unwrap();
+    let names: Vec<String> = client.list().unwrap().into_iter().map(|e| e.name).collect();
+    assert_eq!(names, ["w"]);
+    assert_eq!(client.attach(&hidden).unwrap().meta, json!({"s": 1}));
 }

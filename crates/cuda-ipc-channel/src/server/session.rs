@@ -336,6 +336,9 @@ impl Shared {
             let Some(e) = st.entries.get(eid) else {
                 continue;
             };
+            if name.starts_with(crate::UNLISTED_ENTRY_PREFIX) {
+                continue;
+            }
             // JSON escaping at most sextuples a name.
             let cost = e.meta_bytes + 6 * name.len() + 64;
             if !entries.is_empty() && size + cost > LISTING_PAGE_BYTES {
