@@ -266,7 +266,8 @@ where
     /// Publishes a set record under `name` in place of the set published
     /// there (see [`Server::replace`]): its holders get `notice` as an
     /// update and keep it until they release it, then its leases go; new
-    /// attaches get the new record. The record must fit in one part.
+    /// attaches get the new record.
+    #[allow(clippy::too_many_arguments)] // publish's arguments and the notice
     pub(super) fn replace(
         &mut self,
         server: &Server,

@@ -62,7 +62,7 @@ pub fn holders_text(holders: &[Holder]) -> String {
 #[path = "catalog_write.rs"]
 mod write;
 
-pub use write::{Committed, RetiredVersion, Staged, WriteSession, Writer};
+pub use write::{Committed, RetiredVersion, Staged, WriteSession, WriterId};
 
 /// One set the service holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -281,11 +281,10 @@ impl CatalogError {
             CatalogError::Exists { .. } => "exists",
             CatalogError::Loading { .. } => "loading",
             CatalogError::NotFound { .. } => "not_found",
-            CatalogError::NotOwner { .. } => "not_owner",
+            CatalogError::NotOwner { .. } | CatalogError::NotWriter { .. } => "not_owner",
             CatalogError::Leased { .. } => "leased",
             CatalogError::Stopping => "stopping",
             CatalogError::Writing { .. } => "writing",
-            CatalogError::NotWriter { .. } => "not_owner",
             CatalogError::NotWriting { .. } => "not_writing",
         }
     }

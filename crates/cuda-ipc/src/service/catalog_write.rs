@@ -8,7 +8,7 @@ use super::{Catalog, CatalogError, Holder, SetInfo};
 
 /// Who writes: the caller's credentials and its connection (the lock).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Writer {
+pub struct WriterId {
     /// The writer's process id.
     pub pid: u32,
     /// The writer's user id.
@@ -17,7 +17,7 @@ pub struct Writer {
     pub connection: u64,
 }
 
-impl Writer {
+impl WriterId {
     /// The writer as a holder (pid, uid).
     pub fn holder(&self) -> Holder {
         Holder {
@@ -45,7 +45,7 @@ pub struct WriteSession {
     /// The set.
     pub set: String,
     /// Who writes.
-    pub writer: Writer,
+    pub writer: WriterId,
     /// The uid its bytes count against: the set's owner (for a new set,
     /// the writer).
     pub owner_uid: u32,
@@ -115,7 +115,7 @@ impl Catalog {
     /// owner.
     pub fn open_write(
         &mut self,
-        writer: Writer,
+        writer: WriterId,
         name: &str,
         staging: String,
         staged: Staged,

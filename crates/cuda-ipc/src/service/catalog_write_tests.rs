@@ -11,8 +11,8 @@ use super::*;
 
 const SERVICE: u32 = 500;
 
-fn w(pid: u32, uid: u32, connection: u64) -> Writer {
-    Writer {
+fn w(pid: u32, uid: u32, connection: u64) -> WriterId {
+    WriterId {
         pid,
         uid,
         connection,
@@ -241,14 +241,13 @@ proptest! {
                 Op::Open { conn, uid, name, bytes, creates } => {
                     let name = format!("s{name}");
                     let usage = c.usage();
-                    let r = c.open_write(w(conn as u32, uid, conn), &name, format!(".s/{conn}"), staged(bytes), creates).map(Clone::clone);
-                    match r {
-                        Ok(s) => {
-                            prop_assert!(!sessions.contains_key(&name));
-                            prop_assert_eq!(creates, !sets.contains_key(&name));
-                            sessions.insert(name, (conn, s.owner_uid, bytes));
-                        }
-                        Err(_) => prop_assert_eq!(c.usage(), usage),
+                    let r = c.open_write(w(conn as u32, uid, conn), &name, format!(".s/{conn}"), staged(bytes), creates).cloned();
+                    if let Ok(s) = r {
+                        prop_assert!(!sessions.contains_key(&name));
+                        prop_assert_eq!(creates, !sets.contains_key(&name));
+                        sessions.insert(name, (conn, s.owner_uid, bytes));
+                    } else {
+                        prop_assert_eq!(c.usage(), usage);
                     }
                 }
                 Op::Commit { conn, name } => {
@@ -302,10 +301,10 @@ proptest! {
             }
             // Versions change only by a commit.
             for (name, version) in before {
-                if committed.as_deref() != Some(name.as_str()) {
-                    if let Some(s) = c.get(&name) {
-                        prop_assert_eq!(s.version, version);
-                    }
+                if committed.as_deref() != Some(name.as_str())
+                    && let Some(s) = c.get(&name)
+                {
+                    prop_assert_eq!(s.version, version);
                 }
             }
             // One writer per set, as the model says.

@@ -11,7 +11,7 @@ use super::admin::{
     LoadAnswer, LoadRequest, LsAnswer, LsRequest, OpenWriteAnswer, OpenWriteRequest, Request,
     ShutdownAnswer, ShutdownRequest, StatsAnswer, StatsRequest, decode, encode,
 };
-use super::catalog::Writer;
+use super::catalog::WriterId;
 
 /// What the service does for each method.
 pub(super) trait Ops {
@@ -26,13 +26,13 @@ pub(super) trait Ops {
     /// Opens a write session for `caller` (its connection is the lock).
     fn open_write(
         &self,
-        caller: Writer,
+        caller: WriterId,
         request: &OpenWriteRequest,
     ) -> Result<OpenWriteAnswer, CallError>;
     /// Commits the session `caller`'s connection holds.
-    fn commit(&self, caller: Writer, request: &CommitRequest) -> Result<CommitAnswer, CallError>;
+    fn commit(&self, caller: WriterId, request: &CommitRequest) -> Result<CommitAnswer, CallError>;
     /// Aborts the session `caller`'s connection holds.
-    fn abort(&self, caller: Writer, request: &AbortRequest) -> Result<AbortAnswer, CallError>;
+    fn abort(&self, caller: WriterId, request: &AbortRequest) -> Result<AbortAnswer, CallError>;
 }
 
 /// The error for a body that does not decode.
@@ -43,7 +43,7 @@ pub(super) fn bad_request(message: String) -> CallError {
 /// Answers one call of `caller` (its credentials and connection).
 pub(super) fn dispatch(
     ops: &impl Ops,
-    caller: Writer,
+    caller: WriterId,
     method: &str,
     body: &Value,
 ) -> Result<Value, CallError> {
@@ -156,7 +156,7 @@ mod tests {
         }
         fn open_write(
             &self,
-            c: Writer,
+            c: WriterId,
             r: &OpenWriteRequest,
         ) -> Result<OpenWriteAnswer, CallError> {
             self.asked.borrow_mut().push(format!(
@@ -175,14 +175,14 @@ mod tests {
             )
             .map_err(bad_request)
         }
-        fn commit(&self, c: Writer, r: &CommitRequest) -> Result<CommitAnswer, CallError> {
+        fn commit(&self, c: WriterId, r: &CommitRequest) -> Result<CommitAnswer, CallError> {
             self.asked.borrow_mut().push(format!(
                 "commit {} {} {}",
                 c.connection, r.set, r.layout_hash
             ));
             Err(CallError::new("layout_mismatch", "no"))
         }
-        fn abort(&self, c: Writer, r: &AbortRequest) -> Result<AbortAnswer, CallError> {
+        fn abort(&self, c: WriterId, r: &AbortRequest) -> Result<AbortAnswer, CallError> {
             self.asked
                 .borrow_mut()
                 .push(format!("abort {} {}", c.connection, r.set));
@@ -193,8 +193,8 @@ mod tests {
         }
     }
 
-    fn caller(uid: u32) -> Writer {
-        Writer {
+    fn caller(uid: u32) -> WriterId {
+        WriterId {
             pid: 77,
             uid,
             connection: 3,

@@ -8,6 +8,10 @@
 //!   bodies, shared with `cuda-ipc load`, `ls`, `stats` and `drop`.
 //! - [`Service`]: a publisher with read-only readers, the catalog, and the
 //!   channel's call handler that answers the methods.
+//! - [`Writer`]: a writer's session, from its side: open, write into the
+//!   staging version mapped read-write, commit or abort (the service's
+//!   side is described in its `write` module: one writer per set, a second
+//!   copy while it writes, readers moved by an update notice).
 //!
 //! Readers attach the sets as any publisher's
 //! ([`Subscriber::attach_set`](crate::exchange::Subscriber::attach_set),
@@ -32,6 +36,7 @@ mod dispatch;
 pub mod layout;
 mod stop;
 mod write;
+mod writer;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -50,9 +55,10 @@ use admin::{
     LoadRequest, LsAnswer, OpenWriteAnswer, OpenWriteRequest, SetRow, SetState, StatsAnswer,
     WriterRow,
 };
-pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsage, Writer};
+pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsage, WriterId};
 use dispatch::{Ops, bad_request};
 use layout::Tensor;
+pub use writer::Writer;
 
 /// How a [`Service`] runs: `ServiceConfig::default()` and the `with_`
 /// methods.
@@ -207,7 +213,7 @@ impl Service {
             let Some(inner) = weak.upgrade() else {
                 return Err(CallError::new("stopping", "the service is stopping"));
             };
-            let caller = Writer {
+            let caller = WriterId {
                 pid: ctx.peer.pid,
                 uid: ctx.peer.uid,
                 connection: ctx.connection,
@@ -568,7 +574,7 @@ impl Ops for Inner {
 
     fn open_write(
         &self,
-        caller: Writer,
+        caller: WriterId,
         r: &OpenWriteRequest,
     ) -> std::result::Result<OpenWriteAnswer, CallError> {
         Inner::open_write(self, caller, r)
@@ -576,7 +582,7 @@ impl Ops for Inner {
 
     fn commit(
         &self,
-        caller: Writer,
+        caller: WriterId,
         r: &CommitRequest,
     ) -> std::result::Result<CommitAnswer, CallError> {
         Inner::commit(self, caller, r)
@@ -584,7 +590,7 @@ impl Ops for Inner {
 
     fn abort(
         &self,
-        caller: Writer,
+        caller: WriterId,
         r: &AbortRequest,
     ) -> std::result::Result<AbortAnswer, CallError> {
         Inner::abort(self, caller, r)

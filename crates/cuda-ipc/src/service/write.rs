@@ -1,4 +1,4 @@
-//! Writer sessions in the service (issue 26 item 3): `open_write`,
+//! WriterId sessions in the service (issue 26 item 3): `open_write`,
 //! `commit`, `abort`, and the writer's connection closing.
 //!
 //! A session's staging version is a second copy of the set: one arena
@@ -33,7 +33,7 @@ use crate::mechanism::Access;
 use super::admin::{
     AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, OpenWriteAnswer, OpenWriteRequest,
 };
-use super::catalog::{self, CatalogError, Staged, Writer};
+use super::catalog::{self, CatalogError, Staged, WriterId};
 use super::layout::{self, Tensor};
 use super::{Held, Inner, locked, refused};
 
@@ -52,7 +52,11 @@ fn staging_name() -> Result<String, CallError> {
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut bytes))
         .map_err(|e| CallError::new("write_failed", format!("cannot read /dev/urandom: {e}")))?;
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let hex = bytes.iter().fold(String::with_capacity(32), |mut h, b| {
+        use std::fmt::Write as _;
+        let _ = write!(h, "{b:02x}");
+        h
+    });
     Ok(format!("{UNLISTED_ENTRY_PREFIX}stage/{hex}"))
 }
 
@@ -71,28 +75,28 @@ fn members<'a>(tensors: &'a [Tensor], buffers: &'a [DeviceArenaBuffer]) -> Vec<S
 impl Inner {
     pub(super) fn open_write(
         &self,
-        caller: Writer,
+        caller: WriterId,
         r: &OpenWriteRequest,
     ) -> Result<OpenWriteAnswer, CallError> {
         self.sweep_retired();
-        let tensors = match &r.layout {
-            Some(specs) => layout::check(specs).map_err(super::bad_request)?,
-            None => match locked(&self.held).get(&r.set) {
-                Some(held) => held.tensors.clone(),
-                None => {
-                    let catalog = locked(&self.catalog);
-                    return Err(refused(&match catalog.writing(&r.set) {
-                        Some(w) => CatalogError::Writing {
-                            name: r.set.clone(),
-                            pid: w.writer.pid,
-                            uid: w.writer.uid,
-                        },
-                        None => CatalogError::NotFound {
-                            name: r.set.clone(),
-                        },
-                    }));
-                }
-            },
+        let tensors = if let Some(specs) = &r.layout {
+            layout::check(specs).map_err(super::bad_request)?
+        } else {
+            let held = locked(&self.held).get(&r.set).map(|h| h.tensors.clone());
+            let Some(tensors) = held else {
+                let catalog = locked(&self.catalog);
+                return Err(refused(&match catalog.writing(&r.set) {
+                    Some(w) => CatalogError::Writing {
+                        name: r.set.clone(),
+                        pid: w.writer.pid,
+                        uid: w.writer.uid,
+                    },
+                    None => CatalogError::NotFound {
+                        name: r.set.clone(),
+                    },
+                }));
+            };
+            tensors
         };
         let creates = r.layout.is_some();
         if creates {
@@ -191,7 +195,7 @@ impl Inner {
 
     pub(super) fn commit(
         &self,
-        caller: Writer,
+        caller: WriterId,
         r: &CommitRequest,
     ) -> Result<CommitAnswer, CallError> {
         let mut staging = locked(&self.staging);
@@ -254,7 +258,11 @@ impl Inner {
         })
     }
 
-    pub(super) fn abort(&self, caller: Writer, r: &AbortRequest) -> Result<AbortAnswer, CallError> {
+    pub(super) fn abort(
+        &self,
+        caller: WriterId,
+        r: &AbortRequest,
+    ) -> Result<AbortAnswer, CallError> {
         let session = locked(&self.catalog)
             .abort_write(caller.connection, &r.set)
             .map_err(|e| refused(&e))?;
