@@ -508,6 +508,7 @@ impl Ops for Inner {
     }
 
     fn stats(&self) -> StatsAnswer {
+        self.sweep_retired();
         let memory = self.device.memory_info().ok();
         let catalog = locked(&self.catalog);
         let names: BTreeSet<&str> = catalog.sets().map(|s| s.name.as_str()).collect();
