@@ -455,3 +455,7 @@ mod tests;
 #[cfg(test)]
 #[path = "set_order_tests.rs"]
 mod order_tests;
+
+#[cfg(test)]
+#[path = "set_replace_tests.rs"]
+mod replace_tests;
