@@ -41,6 +41,9 @@ from .errors import CudaIpcError, InvalidInput
 
 __all__ = ["Reader", "Writer", "load", "ls", "stats", "drop", "call"]
 
+# How long a writer's calls wait: open_write allocates the staging version.
+_WRITE_TIMEOUT = 120.0
+
 
 def _name(what, value):
     if not isinstance(value, str) or not value:
@@ -179,7 +182,7 @@ class Writer:
         body = {"set": self.set}
         if self._layout is not None:
             body["layout"] = self._layout
-        self.opened = self.subscriber.call("open_write", body)
+        self.opened = self.subscriber.call("open_write", body, _WRITE_TIMEOUT)
         try:
             self.state_dict = self.subscriber.attach_state_dict(self.opened["staging"])
         except BaseException:
@@ -221,14 +224,18 @@ class Writer:
 
     def _end(self, method, body=None):
         self._done = True
-        return self.subscriber.call(method, body or {"set": self.set})
+        return self.subscriber.call(method, body or {"set": self.set}, _WRITE_TIMEOUT)
 
     def close(self):
         """Disconnects; a session still open ends as an abort."""
         self.subscriber.close()
 
     def __enter__(self):
-        self.open()
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb):

@@ -22,6 +22,8 @@
 //! process exiting or being killed) aborts the write, and readers stay on
 //! the last committed version.
 
+use std::time::Duration;
+
 use crate::error::{Error, Result};
 use crate::exchange::{SetAttachment, Subscriber};
 use crate::mechanism::Access;
@@ -32,9 +34,14 @@ use super::admin::{
 };
 use super::layout::layout_hash;
 
+/// How long a writer's calls wait: an `open_write` allocates the staging
+/// version (device memory, possibly new chunks), longer than a plain
+/// request's timeout.
+const WRITE_CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// Calls a service method on `subscriber`'s connection.
 fn call<R: Request>(subscriber: &Subscriber, request: &R) -> Result<R::Answer> {
-    let answer = subscriber.call(R::METHOD, &encode(request), None)?;
+    let answer = subscriber.call(R::METHOD, &encode(request), Some(WRITE_CALL_TIMEOUT))?;
     decode(R::METHOD, &answer).map_err(|e| Error::arg("service answer", e))
 }
 
