@@ -253,10 +253,17 @@ fn writers_commit_versions_one_at_a_time_and_a_killed_writer_changes_nothing() {
     drop(late);
     drop(reading);
 
-    // A new writer may take the set again.
-    let w = Writer::open(&parent_sub, SET, None).unwrap();
-    assert_eq!(w.opened().version, 3);
-    w.abort().unwrap();
+    // A new writer may take the set again: the version the killed one
+    // would have made is given again.
+    let mut fourth = spawn(&test, "writer", &socket, 4);
+    let opened = fourth.recv();
+    assert_ok!(&opened, "the fourth writer");
+    assert_eq!(opened["version"], 3);
+    fourth.send(&json!("commit"));
+    assert_ok!(&fourth.recv(), "the fourth commit");
+    drop(fourth);
+    assert_eq!(service.ls().sets[0].version, 3);
+    drop(parent_sub);
     let report = service.shutdown(Duration::from_secs(5));
     assert_eq!(report.dropped.len(), 1);
 }
