@@ -138,6 +138,14 @@ fn spawn(test: &str, role: &str, socket: &Path, seed: u32) -> Peer {
     })
 }
 
+/// Tells writer `peer` to commit; its answer.
+fn commit(peer: &mut Peer, what: &str) -> Value {
+    peer.send(&json!("commit"));
+    let done = peer.recv();
+    assert_ok!(&done, "{what}");
+    done
+}
+
 fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
     let started = Instant::now();
     while !done() {
@@ -170,10 +178,7 @@ fn writers_commit_versions_one_at_a_time_and_a_killed_writer_changes_nothing() {
         opened["staging_read_only"], false,
         "the writer maps read-write"
     );
-    first.send(&json!("commit"));
-    let done = first.recv();
-    assert_ok!(&done, "the first commit");
-    assert_eq!(done["version"], 1);
+    assert_eq!(commit(&mut first, "the first commit")["version"], 1);
     drop(first);
     let one_version = service.ls().sets[0].bytes;
 
@@ -217,9 +222,7 @@ fn writers_commit_versions_one_at_a_time_and_a_killed_writer_changes_nothing() {
     assert_ok!(&reading.recv(), "the reader during the write");
 
     // The commit tells the reader, which moves to version 2 by attaching again.
-    second.send(&json!("commit"));
-    let done = second.recv();
-    assert_ok!(&done, "the second commit");
+    let done = commit(&mut second, "the second commit");
     assert_eq!(done["version"], 2);
     assert_eq!(done["told"], 1);
     reading.send(&json!({"seed": 2, "update": true}));
@@ -259,8 +262,7 @@ fn writers_commit_versions_one_at_a_time_and_a_killed_writer_changes_nothing() {
     let opened = fourth.recv();
     assert_ok!(&opened, "the fourth writer");
     assert_eq!(opened["version"], 3);
-    fourth.send(&json!("commit"));
-    assert_ok!(&fourth.recv(), "the fourth commit");
+    commit(&mut fourth, "the fourth commit");
     drop(fourth);
     assert_eq!(service.ls().sets[0].version, 3);
     drop(parent_sub);
