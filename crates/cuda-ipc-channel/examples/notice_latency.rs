@@ -9,8 +9,10 @@
 //!   20 µs after the client took the last one.
 //! - *frame round trip*: a one-slot ring; `ServerRing::publish`, the
 //!   client's `next_frame` and `ack`, until `acquire` returns the slot
-//!   again. Ring waits sleep at once (no spin), so each trip has three
-//!   wake-ups on either path.
+//!   again. The subscriber's ring waits sleep at once (no spin); the
+//!   server's reader and the producer's `acquire` spin for
+//!   `ServerConfig::spin` (50 µs) first, so a trip has one to three
+//!   wake-ups (see the `handoff_latency` example, which counts them).
 //!
 //! Run with `cargo run --release -p cuda-ipc-channel --example
 //! notice_latency [iterations per batch]`. The numbers depend on the machine and its

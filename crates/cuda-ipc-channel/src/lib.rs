@@ -73,6 +73,7 @@ pub mod server;
 // `SO_PEERCRED` and `SIOCOUTQ`, which rustix does not wrap: the crate's only unsafe code.
 #[allow(unsafe_code)]
 mod socket;
+mod spin;
 pub mod wire;
 
 pub use client::{
@@ -89,8 +90,8 @@ pub use paths::{
     validate_socket_name,
 };
 pub use server::{
-    CallContext, CallError, CallHandler, LatePolicy, LeaseInfo, Replaced, Server, ServerConfig,
-    ServerRing,
+    CallContext, CallError, CallHandler, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo, Replaced,
+    SERVER_SPIN_ENV, Server, ServerConfig, ServerRing,
 };
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};

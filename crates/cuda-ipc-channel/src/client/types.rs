@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use crate::notices::{NoticePath, notice_path_from_env};
 use crate::own_uid;
+use crate::spin::spin_from_env;
 
 /// How a [`Client`](super::Client) connects.
 #[derive(Clone, Debug)]
@@ -42,43 +43,11 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 /// (`0`: sleep at once), for programs that do not set it themselves.
 pub const SPIN_ENV: &str = "CUDA_IPC_SPIN_US";
 
-/// The longest spin [`SPIN_ENV`] may ask for (10 ms): a spin is a busy
-/// wait, and a longer one would turn every wait into one.
-const MAX_ENV_SPIN_US: u64 = 10_000;
-
 /// The default spin: [`SPIN_ENV`] if it holds only decimal digits, a
-/// number of microseconds up to [`MAX_ENV_SPIN_US`], else [`DEFAULT_SPIN`]
+/// number of microseconds up to 10,000 (10 ms), else [`DEFAULT_SPIN`]
 /// (with a warning saying why).
 pub(crate) fn default_spin(env: Option<&str>) -> Duration {
-    let Some(text) = env else {
-        return DEFAULT_SPIN;
-    };
-    let digits = text.trim();
-    let parsed = if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
-        digits.parse::<u64>().ok()
-    } else {
-        None
-    };
-    match parsed {
-        Some(us) if us <= MAX_ENV_SPIN_US => Duration::from_micros(us),
-        Some(us) => {
-            tracing::warn!(
-                "{SPIN_ENV}={us} asks for a busy wait of {us} µs before every sleep, more than \
-                 the {MAX_ENV_SPIN_US} µs allowed (a longer spin turns waits into busy waits); \
-                 spinning {} µs",
-                DEFAULT_SPIN.as_micros()
-            );
-            DEFAULT_SPIN
-        }
-        None => {
-            tracing::warn!(
-                "{SPIN_ENV}={text:?} is not a number of microseconds (digits only, 0 to \
-                 {MAX_ENV_SPIN_US}); spinning {} µs",
-                DEFAULT_SPIN.as_micros()
-            );
-            DEFAULT_SPIN
-        }
-    }
+    spin_from_env(SPIN_ENV, env, DEFAULT_SPIN)
 }
 
 impl Default for ClientConfig {

@@ -4,6 +4,15 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::notices::{NoticePath, notice_path_from_env};
+use crate::spin::spin_from_env;
+
+/// How long a connection's reader polls for the client's next message
+/// after one it received, before it sleeps (see [`ServerConfig::spin`]).
+pub const DEFAULT_SERVER_SPIN: Duration = Duration::from_micros(50);
+
+/// The environment variable that sets the server's default spin in
+/// microseconds (`0`: sleep at once; at most 10,000).
+pub const SERVER_SPIN_ENV: &str = "CUDA_IPC_SERVER_SPIN_US";
 use crate::own_uid;
 use crate::wire::MAX_FDS;
 
@@ -85,6 +94,30 @@ pub struct ServerConfig {
     /// (see [`notices`](crate::notices)); default from
     /// [`NOTICES_ENV`](crate::NOTICES_ENV), else [`NoticePath::Shm`].
     pub notices: NoticePath,
+    /// How long a connection's reader thread polls for the client's next
+    /// request (or ack) after it received one, before it sleeps in
+    /// `poll(2)`; default [`DEFAULT_SERVER_SPIN`], or the environment
+    /// variable [`SERVER_SPIN_ENV`]. A request that comes within it is
+    /// answered without a wake-up of the reader (a request that follows
+    /// another, such as the attach after a release). The spin follows
+    /// only a received message: a connection that sends nothing costs no
+    /// CPU, and each message the client sends costs at most this long of
+    /// busy waiting. After three spins in a row that caught nothing, the
+    /// reader sleeps at once for the next 1, 3, 7, ... up to 63 waits, so a
+    /// client whose messages come far apart (or that shares the reader's
+    /// core and cannot run while it spins) soon costs at most one spin in
+    /// 64 messages; a spin that catches a message turns it back on. No
+    /// more readers spin at once than a quarter of the machine's cores
+    /// (at least one); a reader that finds them all spinning sleeps at
+    /// once, so however many connections clients open and however they
+    /// time their messages, the readers' spins take at most that many
+    /// cores.
+    /// The same spin, with its own back-off, is how long
+    /// [`ServerRing::acquire`](crate::ServerRing::acquire) waits for an
+    /// ack before it sleeps (on the producer's thread, at most once per
+    /// call). `Duration::ZERO` sleeps at once, as before this setting
+    /// existed.
+    pub spin: Duration,
     /// Answers clients' calls ([`Message::Call`](crate::Message::Call));
     /// default none: every call is refused with the error `no_handler`.
     /// See also [`Server::set_call_handler`].
@@ -110,6 +143,11 @@ impl ServerConfig {
             max_leases_per_connection: 1024,
             max_request_bytes: 4096,
             notices: notice_path_from_env(),
+            spin: spin_from_env(
+                SERVER_SPIN_ENV,
+                std::env::var(SERVER_SPIN_ENV).ok().as_deref(),
+                DEFAULT_SERVER_SPIN,
+            ),
             call_handler: None,
         }
     }
@@ -213,6 +251,14 @@ impl ServerConfig {
     #[must_use]
     pub fn with_max_queued_frames(mut self, n: usize) -> Self {
         self.max_queued_frames = n;
+        self
+    }
+
+    /// Sets how long a connection's reader polls for the next request
+    /// before it sleeps (see [`ServerConfig::spin`]).
+    #[must_use]
+    pub fn with_spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
         self
     }
 

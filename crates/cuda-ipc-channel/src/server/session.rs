@@ -2,14 +2,15 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cuda_ipc_shm::{Ready, Receiver};
 
 use rustix::net::{Shutdown, shutdown};
 
-use crate::notices::{NOTICE_RING_BYTES, NoticePath, decode_record, server_rings, shm_error};
+use crate::notices::{NOTICE_RING_BYTES, NoticePath, decode_ack_record, server_rings, shm_error};
 use crate::socket::recv_message;
+use crate::spin::{Backoff, spin_until_readable};
 use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use crate::{ChannelError, lock};
 
@@ -86,6 +87,7 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     // The ring the client acks through, when it asked for one.
     let mut acks: Option<Receiver>;
     let mut record = Vec::new();
+    let mut backoff = Backoff::default();
     match recv_message(&conn.stream, Some(deadline), shared.recv_limits) {
         Ok((
             Message::Hello {
@@ -130,8 +132,11 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         if let Some(rx) = acks.as_mut() {
             // Acks first: an ack sent before a release is applied before it.
             if take_acks(shared, conn, rx, &mut record)? {
-                *lock(&conn.active) = std::time::Instant::now();
+                *lock(&conn.active) = Instant::now();
             }
+        }
+        spin(shared, conn, acks.as_mut(), &mut backoff, deadline);
+        if let Some(rx) = acks.as_mut() {
             match rx.wait(Duration::ZERO, deadline, Some(conn.stream.as_fd())) {
                 Ok(Ready::Ring) => continue,
                 // The socket has a message (or hung up), or the idle
@@ -145,7 +150,7 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         }
         match recv_message(&conn.stream, deadline, shared.recv_limits) {
             Ok((message, fds)) => {
-                *lock(&conn.active) = std::time::Instant::now();
+                *lock(&conn.active) = Instant::now();
                 if !fds.is_empty() {
                     return Err(fatal(
                         conn,
@@ -176,6 +181,42 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     }
 }
 
+/// Every wait for the client's next message follows one (the hello, a
+/// request, acks): it first polls without sleeping for up to
+/// `shared.spin`, so that a message following closely is taken without a
+/// wake-up. A silent client costs at most one spin; one whose messages do
+/// not come within the spin soon costs one in 64 waits ([`Backoff`]); and
+/// no more readers spin at once than [`Spinners`](crate::spin::Spinners) allows (the others
+/// sleep at once), so clients cannot make the server spin on more cores
+/// than that. Returns when something came or the spin is over; the wait
+/// proper follows.
+fn spin(
+    shared: &Shared,
+    conn: &Conn,
+    acks: Option<&mut Receiver>,
+    backoff: &mut Backoff,
+    deadline: Option<Instant>,
+) {
+    let budget = backoff.next(shared.spin);
+    if budget.is_zero() {
+        return;
+    }
+    let Some(_slot) = shared.spinners.try_enter() else {
+        return;
+    };
+    let began = Instant::now();
+    let end = deadline.map_or(began + budget, |d| d.min(began + budget));
+    let caught = match acks {
+        Some(rx) => matches!(
+            rx.wait(budget, Some(end), Some(conn.stream.as_fd())),
+            Ok(Ready::Ring | Ready::Other)
+        ),
+        None => spin_until_readable(conn.stream.as_fd(), end),
+    };
+    // A spin cut short by the idle deadline caught nothing.
+    backoff.record(budget, if caught { began.elapsed() } else { budget });
+}
+
 /// Applies the acks waiting in the ring (at most a ring's worth, so that a
 /// client writing as fast as we read cannot hold the reader); whether
 /// there were any. Anything but a well-formed ack ends the connection.
@@ -192,7 +233,7 @@ fn take_acks(
             Ok(false) => break,
             Err(e) => return Err(fatal(conn, &shm_error(e))),
         }
-        match decode_record(record, shared.recv_limits.max_payload) {
+        match decode_ack_record(record, shared.recv_limits.max_payload) {
             Ok((_, Message::Ack { lease, slot, seq })) => shared.ack(conn, lease, slot, seq)?,
             Ok((_, other)) => {
                 return Err(fatal(
@@ -510,6 +551,8 @@ impl Shared {
                 s.state = SlotState::Free;
             }
             drop(guard);
+            // A producer spinning in `acquire` sees this without a wake-up.
+            self.acks.fetch_add(1, std::sync::atomic::Ordering::Release);
             self.changed.notify_all();
         }
         Ok(())

@@ -44,7 +44,7 @@ pub enum WireError {
         found: u16,
     },
 
-    /// The payload is longer than [`MAX_PAYLOAD`](crate::MAX_PAYLOAD).
+    /// The payload is longer than [`MAX_PAYLOAD`](super::MAX_PAYLOAD).
     #[error("a payload of {len} bytes exceeds the limit of {max} bytes")]
     PayloadTooLarge {
         /// The payload length.
@@ -53,7 +53,7 @@ pub enum WireError {
         max: u32,
     },
 
-    /// The message announces or carries more than [`MAX_FDS`](crate::MAX_FDS) descriptors.
+    /// The message announces or carries more than [`MAX_FDS`](super::MAX_FDS) descriptors.
     #[error("the message carries {count} file descriptors, more than the limit of {max}")]
     TooManyFds {
         /// How many.

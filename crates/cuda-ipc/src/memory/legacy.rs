@@ -22,8 +22,8 @@ use std::collections::HashSet;
 use std::ops::BitOr;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use cudarc::driver::sys;
 use cudarc::driver::sys::CUresult;
-use cudarc::driver::{CudaStream, sys};
 
 use crate::device::Device;
 use crate::driver::result::{ipc, mem};
@@ -32,7 +32,7 @@ use crate::handle::IpcMemHandle;
 use crate::mechanism::Mechanism;
 use crate::memory::buffer::sealed::Sealed;
 use crate::memory::buffer::{MappedBuffer, Mapping, UsedStreams};
-use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
+use crate::memory::owned::{Owned, owned_buffer};
 use crate::units::{MIB, round_up};
 
 /// Our allocations are rounded up to this, NVIDIA's advice for IPC.
@@ -165,13 +165,9 @@ pub fn export_pointer(device: &Device, ptr: u64, len: u64) -> Result<LegacyExpor
 /// any other allocation, ready to export with a legacy handle.
 #[derive(Debug)]
 pub struct LegacyBuffer {
-    device: Device,
-    stream: Arc<CudaStream>,
-    ptr: u64,
-    len: usize,
+    core: Owned,
     alloc_size: u64,
     export: OnceLock<LegacyExport>,
-    foreign: ForeignUse,
 }
 
 impl LegacyBuffer {
@@ -189,33 +185,10 @@ impl LegacyBuffer {
         device.bind()?;
         let ptr = mem::alloc(alloc_size as usize)?;
         Ok(LegacyBuffer {
-            device: device.clone(),
-            stream: device.stream().clone(),
-            ptr,
-            len,
+            core: Owned::new(device, ptr, len),
             alloc_size,
             export: OnceLock::new(),
-            foreign: ForeignUse::default(),
         })
-    }
-
-    /// Uses `stream` for this buffer's copies and kernels; see
-    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
-    /// and the errors.
-    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
-        let current = self.foreign.order(&self.stream);
-        self.stream = crate::memory::switch_stream(&self.device, current, stream)?;
-        Ok(self)
-    }
-
-    /// The requested length in bytes.
-    pub fn byte_len(&self) -> usize {
-        self.len
-    }
-
-    /// Always false: empty buffers are refused at allocation.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// The size of the underlying allocation (a multiple of 2 MiB).
@@ -229,13 +202,13 @@ impl LegacyBuffer {
         if let Some(e) = self.export.get() {
             return Ok(*e);
         }
-        let e = export_pointer(&self.device, self.ptr, self.len as u64)?;
+        let e = export_pointer(&self.core.device, self.core.ptr, self.core.len as u64)?;
         Ok(*self.export.get_or_init(|| e))
     }
 
     /// Exports `len` bytes starting `offset` bytes into the buffer.
     pub fn export_range(&self, offset: u64, len: u64) -> Result<LegacyExport> {
-        Error::check_range(offset, len, self.len as u64)?;
+        Error::check_range(offset, len, self.core.len as u64)?;
         let whole = self.export()?;
         Ok(LegacyExport {
             offset,
@@ -246,26 +219,17 @@ impl LegacyBuffer {
 }
 
 // SAFETY: the allocation is owned by the value and freed in its `Drop`,
-// after its stream has finished; the accessors return fixed fields.
-unsafe impl DeviceMemory for LegacyBuffer {
-    fn device(&self) -> &Device {
-        &self.device
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.foreign.order(&self.stream)
-    }
-    fn device_address(&self) -> u64 {
-        self.ptr
-    }
-    fn byte_len(&self) -> usize {
-        self.len
-    }
-    fn foreign_use(&self) -> Option<&ForeignUse> {
-        Some(&self.foreign)
-    }
+// after its stream has finished; the accessors return the core's fixed
+// fields.
+owned_buffer! {
+    unsafe LegacyBuffer;
+    /// Uses `stream` for this buffer's copies and kernels; see
+    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
+    /// and the errors.
+    with_stream;
+    /// The requested length in bytes.
+    byte_len;
 }
-
-impl_cudarc_traits!(LegacyBuffer, u8);
 
 impl Drop for LegacyBuffer {
     fn drop(&mut self) {
@@ -276,15 +240,13 @@ impl Drop for LegacyBuffer {
         // finish before the memory goes: the free is retired to the reaper
         // until then (no wait here). A failure to free means the context is
         // broken, and its teardown frees the memory.
-        let (device, ptr) = (self.device.clone(), self.ptr);
-        self.foreign
-            .uses(self.device.context(), [&self.stream, self.device.stream()])
-            .retire("freeing a legacy buffer", move || {
-                let _ = device.bind();
-                // SAFETY: allocated in `alloc`, freed once, after the work
-                // queued on its streams.
-                let _ = unsafe { mem::free(ptr) };
-            });
+        let (device, ptr) = (self.core.device.clone(), self.core.ptr);
+        self.core.retire("freeing a legacy buffer", move || {
+            let _ = device.bind();
+            // SAFETY: allocated in `alloc`, freed once, after the work
+            // queued on its streams.
+            let _ = unsafe { mem::free(ptr) };
+        });
     }
 }
 

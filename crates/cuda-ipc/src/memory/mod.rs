@@ -8,6 +8,7 @@
 //!   [`PoolMapping`];
 //! - [`buffer`]: the sealed [`Mapping`] over all three, and the typed view
 //!   [`MappedBuffer`];
+//! - `owned` (private): what the three owned buffers share, written once;
 //! - this module: [`DeviceMemory`], what every piece of memory offers.
 //!
 //! The folder imports the driver layer, [`device`](crate::device), the
@@ -15,8 +16,8 @@
 //! and the plain-data modules ([`handle`](crate::handle),
 //! [`units`](crate::units), [`error`](crate::error), the mechanism word);
 //! never [`share`](crate::share), the descriptor or anything above them.
-//! Within it, the mechanisms import [`buffer`] and this module, and
-//! [`buffer`] imports this module. Its modules are also reachable at the
+//! Within it, the mechanisms import [`buffer`], `owned` and this module,
+//! and [`buffer`] and `owned` import this module. Its modules are also reachable at the
 //! crate root, as `cuda_ipc::legacy`, `cuda_ipc::vmm`, `cuda_ipc::pool` and
 //! `cuda_ipc::buffer`.
 //!
@@ -53,6 +54,7 @@ use crate::error::{Error, Result};
 
 pub mod buffer;
 pub mod legacy;
+mod owned;
 pub mod pool;
 pub mod vmm;
 mod vmm_sleep;
@@ -189,22 +191,19 @@ pub unsafe trait DeviceMemory {
     where
         Self: Sized,
     {
-        check_len(src.byte_len(), self.byte_len())?;
-        self.device().bind()?;
-        // `src` is used on our stream: ordered after its own work, and its
-        // release waits for the copy (on another device: the host waits).
-        let _src_use = order_streams(src, self.stream());
-        // SAFETY: both ranges are live device memory of their devices' contexts.
-        unsafe {
-            mem::copy_peer_async(
-                self.device_address(),
-                self.device().context().cu_ctx(),
-                src.device_address(),
-                src.device().context().cu_ctx(),
-                self.byte_len(),
-                self.stream().cu_stream(),
-            )
-        }
+        copy_in(self, src, || {
+            // SAFETY: both ranges are live device memory of their devices' contexts.
+            unsafe {
+                mem::copy_peer_async(
+                    self.device_address(),
+                    self.device().context().cu_ctx(),
+                    src.device_address(),
+                    src.device().context().cu_ctx(),
+                    self.byte_len(),
+                    self.stream().cu_stream(),
+                )
+            }
+        })
     }
 
     /// Waits until the work queued on [`DeviceMemory::stream`] is done.
@@ -239,19 +238,17 @@ pub unsafe trait DeviceMemory {
     where
         Self: Sized,
     {
-        check_len(src.byte_len(), self.byte_len())?;
-        self.device().bind()?;
-        // `src` is used on our stream (see `copy_from_peer`).
-        let _src_use = order_streams(src, self.stream());
-        // SAFETY: both ranges are live device memory of this length.
-        unsafe {
-            mem::copy_dtod_async(
-                self.device_address(),
-                src.device_address(),
-                self.byte_len(),
-                self.stream().cu_stream(),
-            )
-        }
+        copy_in(self, src, || {
+            // SAFETY: both ranges are live device memory of this length.
+            unsafe {
+                mem::copy_dtod_async(
+                    self.device_address(),
+                    src.device_address(),
+                    self.byte_len(),
+                    self.stream().cu_stream(),
+                )
+            }
+        })
     }
 }
 
@@ -282,6 +279,22 @@ unsafe impl<M: DeviceMemory> DeviceMemory for Region<'_, M> {
     fn foreign_use(&self) -> Option<&ForeignUse> {
         self.of.foreign_use()
     }
+}
+
+/// What every copy from device memory `src` into `dst` does around the
+/// copy that `queue` queues on `dst`'s stream: the lengths must match, and
+/// `src` is used on `dst`'s stream while it queues, ordered after `src`'s
+/// own work, and its release waits for the copy (on another device: the
+/// host waits).
+fn copy_in<D: DeviceMemory, S: DeviceMemory>(
+    dst: &D,
+    src: &S,
+    queue: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    check_len(src.byte_len(), dst.byte_len())?;
+    dst.device().bind()?;
+    let _src_use = order_streams(src, dst.stream());
+    queue()
 }
 
 fn check_len(host: usize, device: usize) -> Result<()> {

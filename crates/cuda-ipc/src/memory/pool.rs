@@ -30,7 +30,7 @@ use crate::handle::PoolPtrHandle;
 use crate::mechanism::Mechanism;
 use crate::memory::buffer::sealed::Sealed;
 use crate::memory::buffer::{Mapping, UsedStreams};
-use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
+use crate::memory::owned::{Owned, owned_buffer};
 
 /// The largest pool allocation [`SharedPool::alloc`] makes for sharing.
 ///
@@ -128,10 +128,7 @@ impl SharedPool {
         }
         Ok(PoolBuffer {
             pool: self.clone(),
-            stream,
-            ptr,
-            len,
-            foreign: ForeignUse::default(),
+            core: Owned::new(&self.device, ptr, len),
         })
     }
 
@@ -189,11 +186,10 @@ pub(crate) fn export_existing(
 /// One allocation from a [`SharedPool`]. Freed (stream-ordered) on drop.
 #[derive(Debug)]
 pub struct PoolBuffer {
+    // Before `core`: the pool goes before the stream the free was queued on,
+    // as when the stream was a field of its own after it.
     pool: Arc<SharedPool>,
-    stream: Arc<CudaStream>,
-    ptr: u64,
-    len: usize,
-    foreign: ForeignUse,
+    core: Owned,
 }
 
 impl PoolBuffer {
@@ -202,55 +198,27 @@ impl PoolBuffer {
     pub fn export(&self) -> Result<PoolPtrHandle> {
         self.pool.ensure_shared()?;
         self.pool.device.bind()?;
-        pool::export_pointer(self.ptr)
+        pool::export_pointer(self.core.ptr)
     }
 
     /// The pool it came from.
     pub fn pool(&self) -> &Arc<SharedPool> {
         &self.pool
     }
-
-    /// Uses `stream` for this buffer's copies, kernels and free; see
-    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
-    /// and the errors.
-    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
-        let current = self.foreign.order(&self.stream);
-        self.stream = crate::memory::switch_stream(&self.pool.device, current, stream)?;
-        Ok(self)
-    }
-
-    /// The length in bytes.
-    pub fn byte_len(&self) -> usize {
-        self.len
-    }
-
-    /// Always false: empty buffers are refused at allocation.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 // SAFETY: the allocation is owned by the value and freed in its `Drop`,
-// after its stream has finished; the accessors return fixed fields.
-unsafe impl DeviceMemory for PoolBuffer {
-    fn device(&self) -> &Device {
-        &self.pool.device
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.foreign.order(&self.stream)
-    }
-    fn device_address(&self) -> u64 {
-        self.ptr
-    }
-    fn byte_len(&self) -> usize {
-        self.len
-    }
-    fn foreign_use(&self) -> Option<&ForeignUse> {
-        Some(&self.foreign)
-    }
+// after its stream has finished; the accessors return the core's fixed
+// fields (its device is the pool's).
+owned_buffer! {
+    unsafe PoolBuffer;
+    /// Uses `stream` for this buffer's copies, kernels and free; see
+    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
+    /// and the errors.
+    with_stream;
+    /// The length in bytes.
+    byte_len;
 }
-
-impl_cudarc_traits!(PoolBuffer, u8);
 
 impl Drop for PoolBuffer {
     fn drop(&mut self) {
@@ -258,14 +226,18 @@ impl Drop for PoolBuffer {
         // work queued on our stream; after a use on other streams, it is
         // retired until the whole context has finished the work queued so
         // far (no wait here).
-        let (pool, stream, ptr) = (self.pool.clone(), self.stream.clone(), self.ptr);
+        let (pool, stream, ptr) = (
+            self.pool.clone(),
+            self.core.own_stream().clone(),
+            self.core.ptr,
+        );
         let free = move || {
             let _ = pool.device.bind();
             // SAFETY: allocated in `SharedPool::alloc`, freed once, ordered
             // after every use (the stream's, or the whole context's).
             let _ = unsafe { pool::free_async(ptr, stream.cu_stream()) };
         };
-        if self.foreign.used() {
+        if self.core.foreign().used() {
             crate::sync::reaper::after_context(
                 self.pool.device.context(),
                 "freeing a pool allocation",

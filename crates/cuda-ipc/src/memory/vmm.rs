@@ -37,8 +37,8 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
+use cudarc::driver::sys;
 use cudarc::driver::sys::CUresult;
-use cudarc::driver::{CudaStream, sys};
 
 use crate::device::Device;
 use crate::driver::result::vmm::{self, HandleType};
@@ -47,7 +47,7 @@ use crate::handle::FabricHandle;
 use crate::mechanism::{Access, Mechanism};
 use crate::memory::buffer::sealed::Sealed;
 use crate::memory::buffer::{Mapping, UsedStreams, lock};
-use crate::memory::{DeviceMemory, ForeignUse, impl_cudarc_traits};
+use crate::memory::owned::{Owned, owned_buffer};
 use crate::units::round_up;
 
 /// The handle types a VMM allocation can be exported as.
@@ -122,14 +122,10 @@ pub fn granularity(device: &Device, types: ShareableTypes) -> Result<u64> {
 /// process and exportable as file descriptors (and fabric handles).
 #[derive(Debug)]
 pub struct VmmBuffer {
-    device: Device,
-    stream: Arc<CudaStream>,
+    core: Owned,
     handle: sys::CUmemGenericAllocationHandle,
-    ptr: u64,
     alloc_size: u64,
-    len: usize,
     types: ShareableTypes,
-    foreign: ForeignUse,
 }
 
 impl VmmBuffer {
@@ -173,34 +169,11 @@ impl VmmBuffer {
             }
         };
         Ok(VmmBuffer {
-            device: device.clone(),
-            stream: device.stream().clone(),
+            core: Owned::new(device, ptr, len),
             handle,
-            ptr,
             alloc_size,
-            len,
             types,
-            foreign: ForeignUse::default(),
         })
-    }
-
-    /// Uses `stream` for this buffer's copies and kernels; see
-    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
-    /// and the errors.
-    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
-        let current = self.foreign.order(&self.stream);
-        self.stream = crate::memory::switch_stream(&self.device, current, stream)?;
-        Ok(self)
-    }
-
-    /// The requested length in bytes.
-    pub fn byte_len(&self) -> usize {
-        self.len
-    }
-
-    /// Always false: empty buffers are refused at allocation.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// The size of the physical allocation (a multiple of the granularity).
@@ -217,7 +190,7 @@ impl VmmBuffer {
                 "this buffer was allocated without the file descriptor handle type",
             ));
         }
-        self.device.bind()?;
+        self.core.device.bind()?;
         vmm::export_fd(self.handle)
     }
 
@@ -230,7 +203,7 @@ impl VmmBuffer {
                 "this buffer was allocated without the fabric handle type; use VmmBuffer::alloc_with(.., ShareableTypes::FD_AND_FABRIC)",
             ));
         }
-        self.device.bind()?;
+        self.core.device.bind()?;
         vmm::export_fabric(self.handle).map_err(|e| fabric_unavailable(&e).unwrap_or(e))
     }
 }
@@ -333,36 +306,30 @@ pub(super) unsafe fn set_access(
 }
 
 // SAFETY: the allocation is owned by the value and freed in its `Drop`,
-// after its stream has finished; the accessors return fixed fields.
-unsafe impl DeviceMemory for VmmBuffer {
-    fn device(&self) -> &Device {
-        &self.device
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.foreign.order(&self.stream)
-    }
-    fn device_address(&self) -> u64 {
-        self.ptr
-    }
-    fn byte_len(&self) -> usize {
-        self.len
-    }
-    fn foreign_use(&self) -> Option<&ForeignUse> {
-        Some(&self.foreign)
-    }
+// after its stream has finished; the accessors return the core's fixed
+// fields.
+owned_buffer! {
+    unsafe VmmBuffer;
+    /// Uses `stream` for this buffer's copies and kernels; see
+    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
+    /// and the errors.
+    with_stream;
+    /// The requested length in bytes.
+    byte_len;
 }
-
-impl_cudarc_traits!(VmmBuffer, u8);
 
 impl Drop for VmmBuffer {
     fn drop(&mut self) {
         // Errors cannot be raised from drop. The unmap is retired until our
         // stream's work has finished (no wait here); if the context is
         // broken its teardown frees everything.
-        let (device, ptr, size, handle) =
-            (self.device.clone(), self.ptr, self.alloc_size, self.handle);
-        self.foreign
-            .uses(self.device.context(), [&self.stream, self.device.stream()])
+        let (device, ptr, size, handle) = (
+            self.core.device.clone(),
+            self.core.ptr,
+            self.alloc_size,
+            self.handle,
+        );
+        self.core
             .retire("unmapping and releasing a VMM allocation", move || {
                 let _ = device.bind();
                 // SAFETY: mapped, reserved and created in `alloc_with`;

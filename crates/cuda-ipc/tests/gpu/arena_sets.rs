@@ -20,7 +20,7 @@ use cuda_ipc::set::weight_sizes;
 use cuda_ipc::{Device, DeviceMemory, Dtype, Mechanism};
 use serde_json::{Value, json};
 
-use super::common::{Parent, Peer, free_memory, open_fds, role};
+use super::common::{Parent, Peer, free_memory, open_fds};
 use crate::test_name;
 
 const MIB: u64 = 1 << 20;
@@ -212,11 +212,7 @@ fn subscriber() {
 }
 
 fn child_or(f: impl FnOnce()) {
-    match role().as_deref() {
-        Some("subscriber") => subscriber(),
-        Some(other) => panic!("unknown role {other}"),
-        None => f(),
-    }
+    super::common::child_or("subscriber", subscriber, f);
 }
 
 fn ask(p: &mut Peer, req: &Value) -> Value {

@@ -28,6 +28,17 @@ pub fn role() -> Option<String> {
     std::env::var(ROLE_ENV).ok()
 }
 
+/// Runs `child` in a child started as `name` ([`Peer::spawn`]), else
+/// `test` (the test itself, in the parent); a child of another role is a
+/// mistake of the test.
+pub fn child_or(name: &str, child: impl FnOnce(), test: impl FnOnce()) {
+    match role() {
+        Some(r) if r == name => child(),
+        Some(other) => panic!("unknown role {other}"),
+        None => test(),
+    }
+}
+
 /// A child process running `test` in `role`.
 pub struct Peer {
     child: Child,

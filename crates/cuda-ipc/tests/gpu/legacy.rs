@@ -7,18 +7,14 @@ use cuda_ipc::{
 };
 use serde_json::{Value, json};
 
-use super::common::{Peer, role};
+use super::common::Peer;
 use super::consumer::{self, pattern_json};
 use crate::{assert_ok, test_name};
 
 const MIB: usize = 1 << 20;
 
 fn child_or(f: impl FnOnce()) {
-    match role().as_deref() {
-        Some("consumer") => consumer::serve(),
-        Some(other) => panic!("unknown role {other}"),
-        None => f(),
-    }
+    super::common::child_or("consumer", consumer::serve, f);
 }
 
 /// Producer writes, consumer checks and transforms, producer checks the

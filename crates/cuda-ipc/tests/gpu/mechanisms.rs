@@ -9,7 +9,7 @@ use cuda_ipc::share::{self, SharedBuffer};
 use cuda_ipc::{Device, DeviceMemory, Dtype, Error, ErrorKind, IpcEvent, Mechanism};
 use serde_json::json;
 
-use super::common::{Peer, free_memory, open_fds, role};
+use super::common::{Peer, free_memory, open_fds};
 use super::consumer::{self, pattern_json};
 use crate::{assert_ok, test_name};
 
@@ -17,11 +17,7 @@ const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
 fn child_or(f: impl FnOnce()) {
-    match role().as_deref() {
-        Some("consumer") => consumer::serve(),
-        Some(other) => panic!("unknown role {other}"),
-        None => f(),
-    }
+    super::common::child_or("consumer", consumer::serve, f);
 }
 
 /// Parent exports `size` bytes at `offset` with `m`; the child maps, checks,

@@ -26,7 +26,7 @@ use cuda_ipc::share::SharedBuffer;
 use cuda_ipc::{Access, Device, DeviceMemory, Dtype, Error, Mechanism};
 use serde_json::{Value, json};
 
-use super::common::{Parent, Peer, TIMEOUT, role};
+use super::common::{Parent, Peer, TIMEOUT};
 use crate::test_name;
 
 const MIB: u64 = 1 << 20;
@@ -207,11 +207,7 @@ fn reader() {
 }
 
 fn child_or(f: impl FnOnce()) {
-    match role().as_deref() {
-        Some("reader") => reader(),
-        Some(other) => panic!("unknown role {other}"),
-        None => f(),
-    }
+    super::common::child_or("reader", reader, f);
 }
 
 /// A reader child on `socket`, its subscriber mapping with `access` (`ro` or `rw`).

@@ -17,7 +17,7 @@ use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{Device, Dtype};
 use serde_json::{Value, json};
 
-use super::common::{Parent, Peer, role};
+use super::common::{Parent, Peer};
 use super::containers::{unshare_refused, wrapper};
 use crate::test_name;
 
@@ -107,11 +107,7 @@ fn subscriber() {
 }
 
 fn child_or(f: impl FnOnce()) {
-    match role().as_deref() {
-        Some("subscriber") => subscriber(),
-        Some(other) => panic!("unknown role {other}"),
-        None => f(),
-    }
+    super::common::child_or("subscriber", subscriber, f);
 }
 
 fn ask(peer: &mut Peer, req: &Value) -> Value {

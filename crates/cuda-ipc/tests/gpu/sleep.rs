@@ -17,7 +17,7 @@ use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{Device, DeviceMemory, Dtype, Mechanism};
 use serde_json::{Value, json};
 
-use super::common::{Parent, Peer, role};
+use super::common::{Parent, Peer};
 use crate::test_name;
 
 const MIB: u64 = 1 << 20;
@@ -124,11 +124,7 @@ fn reader() {
 }
 
 fn child_or(f: impl FnOnce()) {
-    match role().as_deref() {
-        Some("reader") => reader(),
-        Some(other) => panic!("unknown role {other}"),
-        None => f(),
-    }
+    super::common::child_or("reader", reader, f);
 }
 
 fn ask(p: &mut Peer, req: &Value) -> Value {

@@ -1,0 +1,312 @@
+//! The channel's share of a hand-off on the CPU alone, with the server's
+//! reader spin off and on ([`ServerConfig::spin`]), on both notice paths.
+//! Server and client run in this one process, on separate threads, as two
+//! processes would (every message crosses the kernel or the shared
+//! mapping the same way).
+//!
+//! Rows (each sample is one operation, timed by the client):
+//! - *ping*: `Client::ping`, back to back.
+//! - *attach (lone)*: `Client::attach` of a plain entry with one memfd,
+//!   100 µs after the last request (longer than the default spin, so the
+//!   server's reader is asleep when it comes).
+//! - *release (follows)*: `Client::release` of that lease, sent as soon as
+//!   the attach's answer came (the server's reader may still be spinning).
+//! - *update one-way*: `Server::update` to `Client::next_update`, the next
+//!   update 20 µs after the client took the last one.
+//! - *frame round trip*: a one-slot ring, `publish`, the client's
+//!   `next_frame` and `ack`, until `acquire` returns the slot again.
+//!
+//! Each row also gives the process's CPU time per operation (both sides,
+//! `CLOCK_PROCESS_CPUTIME_ID`), the price of the spins, and its threads'
+//! sleeps per operation (voluntary context switches, `getrusage`): each
+//! is a thread wake-up on the path, or a spin that gave up.
+//!
+//! Run with `cargo run --release -p cuda-ipc-channel --example
+//! handoff_latency [iterations per batch] [batches]`. The configurations take turns batch by
+//! batch; compare them within one run.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use cuda_ipc_channel::{
+    ChannelError, Client, ClientConfig, Notice, NoticePath, Server, ServerConfig,
+};
+use rustix::time::{ClockId, clock_gettime};
+use serde_json::json;
+
+/// One configuration: the notice path and the server's spin.
+#[derive(Clone, Copy)]
+struct Setup {
+    path: NoticePath,
+    spin: Duration,
+}
+
+impl Setup {
+    fn name(self) -> String {
+        format!("{:?}, server spin {} µs", self.path, self.spin.as_micros())
+    }
+
+    fn server(self, sock: &std::path::Path) -> Result<Server, ChannelError> {
+        Server::bind(
+            ServerConfig::new(sock)
+                .with_notices(self.path)
+                .with_spin(self.spin),
+        )
+    }
+
+    fn client(self, sock: &std::path::Path) -> Result<Client, ChannelError> {
+        Client::connect(sock, ClientConfig::default().with_notices(self.path))
+    }
+}
+
+/// The samples of one batch (ns), the process CPU time it took (ns) and
+/// the times a thread of the process went to sleep meanwhile.
+struct Batch {
+    ns: Vec<u64>,
+    cpu: u64,
+    sleeps: u64,
+}
+
+/// The process's CPU time (ns) and its threads' voluntary context
+/// switches (each a sleep, so each a wake-up to come), those of threads
+/// that ended included.
+fn cpu_now() -> (u64, u64) {
+    let t = clock_gettime(ClockId::ProcessCPUTime);
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a whole `rusage` into the pointer we own;
+    // zeroed is a valid `rusage` whatever it does.
+    #[allow(unsafe_code)]
+    let usage = unsafe {
+        libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr());
+        usage.assume_init()
+    };
+    (
+        t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64,
+        usage.ru_nvcsw as u64,
+    )
+}
+
+/// A batch's samples, with what the process used since `start`, less
+/// `paused` ns of CPU (the program's own busy waits).
+fn batch(ns: Vec<u64>, start: (u64, u64), paused: u64, share: u64) -> Batch {
+    let (cpu, sleeps) = cpu_now();
+    Batch {
+        ns,
+        cpu: (cpu - start.0).saturating_sub(paused) / share,
+        sleeps: (sleeps - start.1) / share,
+    }
+}
+
+fn pause(d: Duration) {
+    let since = Instant::now();
+    while since.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
+fn memfd() -> std::os::fd::OwnedFd {
+    let fd =
+        rustix::fs::memfd_create("handoff", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd_create");
+    rustix::fs::ftruncate(&fd, 4096).expect("ftruncate");
+    fd
+}
+
+/// Ping, then attach and release: three rows from one connection.
+fn requests(setup: Setup, n: usize, sock: &std::path::Path) -> Result<[Batch; 3], ChannelError> {
+    let server = setup.server(sock)?;
+    server.publish("e", json!({"bytes": 4096}), vec![memfd()])?;
+    let client = setup.client(sock)?;
+    let mut ping = Vec::with_capacity(n);
+    let start = cpu_now();
+    for _ in 0..n {
+        let t = Instant::now();
+        client.ping()?;
+        ping.push(t.elapsed().as_nanos() as u64);
+    }
+    let ping = batch(ping, start, 0, 1);
+    let (mut attach, mut release) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let start = cpu_now();
+    for _ in 0..n {
+        pause(Duration::from_micros(100));
+        let t = Instant::now();
+        let a = client.attach("e")?;
+        let t1 = Instant::now();
+        client.release(a.lease)?;
+        let t2 = Instant::now();
+        attach.push((t1 - t).as_nanos() as u64);
+        release.push((t2 - t1).as_nanos() as u64);
+    }
+    // The pauses spin too: half the pair's CPU and sleeps to each, less
+    // the pauses.
+    let paused = n as u64 * 100_000;
+    let attach = batch(attach, start, paused, 2);
+    let release = Batch {
+        ns: release,
+        cpu: attach.cpu,
+        sleeps: attach.sleeps,
+    };
+    Ok([ping, attach, release])
+}
+
+fn updates(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
+    let server = setup.server(sock)?;
+    server.publish("e", json!({}), vec![])?;
+    let client = setup.client(sock)?;
+    client.attach("e")?;
+    let base = Instant::now();
+    let taken = Arc::new(AtomicU64::new(0));
+    let start = cpu_now();
+    let reader = {
+        let taken = Arc::clone(&taken);
+        std::thread::spawn(move || -> Result<Vec<u64>, ChannelError> {
+            let mut lat = Vec::with_capacity(n);
+            for _ in 0..n {
+                let u = client.next_update(Duration::from_secs(10))?;
+                let now = base.elapsed().as_nanos() as u64;
+                if let Notice::Updated { data, .. } = u.notice {
+                    lat.push(now.saturating_sub(data.as_u64().unwrap_or(now)));
+                }
+                taken.store(now, Ordering::Release);
+            }
+            Ok(lat)
+        })
+    };
+    for i in 0..n {
+        if i > 0 {
+            while taken.load(Ordering::Acquire) == 0 {
+                std::hint::spin_loop();
+            }
+        }
+        pause(Duration::from_micros(20));
+        taken.store(0, Ordering::Release);
+        server.update("e", json!(base.elapsed().as_nanos() as u64))?;
+    }
+    let ns = reader.join().expect("the reader thread panicked")?;
+    // The producer's waits are busy loops of this program's own: its CPU
+    // is counted (at least the 20 µs pauses).
+    Ok(batch(ns, start, 0, 1))
+}
+
+fn frames(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
+    let server = setup.server(sock)?;
+    let ring = server.create_ring("r", json!({}), vec![(json!({}), vec![])])?;
+    let client = setup.client(sock)?;
+    let sub = client.attach_ring("r")?;
+    let start = cpu_now();
+    let subscriber = std::thread::spawn(move || -> Result<(), ChannelError> {
+        for _ in 0..n {
+            let f = client.next_frame(sub.lease, Duration::from_secs(10))?;
+            client.ack(sub.lease, f.slot, f.seq)?;
+        }
+        Ok(())
+    });
+    let mut ns = Vec::with_capacity(n);
+    let mut slot = ring.acquire(None)?;
+    for i in 0..n {
+        let t0 = Instant::now();
+        ring.publish(slot, json!(i))?;
+        slot = ring.acquire(Some(Duration::from_secs(10)))?;
+        ns.push(t0.elapsed().as_nanos() as u64);
+    }
+    subscriber.join().expect("the subscriber thread panicked")?;
+    Ok(batch(ns, start, 0, 1))
+}
+
+fn percentile(sorted: &[u64], p: f64) -> f64 {
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i] as f64 / 1000.0
+}
+
+/// A row: p50 and p90 over all batches together, the spread of the batch
+/// p50s, and CPU µs per operation.
+fn report(what: &str, setup: Setup, batches: &mut [Batch]) {
+    let mut all = Vec::new();
+    let mut p50s = Vec::new();
+    let (mut cpu, mut sleeps, mut ops) = (0u64, 0u64, 0u64);
+    for b in batches.iter_mut() {
+        b.ns.sort_unstable();
+        p50s.push(percentile(&b.ns, 0.5));
+        all.extend_from_slice(&b.ns);
+        cpu += b.cpu;
+        sleeps += b.sleeps;
+        ops += b.ns.len() as u64;
+    }
+    all.sort_unstable();
+    p50s.sort_by(f64::total_cmp);
+    println!(
+        "| {what} | {} | {:.1} | {:.1} | {:.1}-{:.1} | {:.1} | {:.2} |",
+        setup.name(),
+        percentile(&all, 0.5),
+        percentile(&all, 0.9),
+        p50s[0],
+        p50s[p50s.len() - 1],
+        cpu as f64 / ops.max(1) as f64 / 1000.0,
+        sleeps as f64 / ops.max(1) as f64,
+    );
+}
+
+fn main() -> Result<(), ChannelError> {
+    let mut args = std::env::args().skip(1);
+    let n: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2_000);
+    let batches: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(5);
+    let dir = tempfile::tempdir().map_err(|e| ChannelError::Io {
+        context: "cannot make a temporary directory".into(),
+        source: e,
+    })?;
+    let setups = [
+        Setup {
+            path: NoticePath::Socket,
+            spin: Duration::ZERO,
+        },
+        Setup {
+            path: NoticePath::Socket,
+            spin: cuda_ipc_channel::DEFAULT_SERVER_SPIN,
+        },
+        Setup {
+            path: NoticePath::Shm,
+            spin: Duration::ZERO,
+        },
+        Setup {
+            path: NoticePath::Shm,
+            spin: cuda_ipc_channel::DEFAULT_SERVER_SPIN,
+        },
+    ];
+    println!(
+        "{batches} batches of {n} per row, the {} configurations taking turns; CPU only, one \
+         process; p50/p90 over all batches, then the range of the batch p50s (µs)\n",
+        setups.len()
+    );
+    println!(
+        "| operation | configuration | p50 µs | p90 µs | batch p50s µs | CPU µs/op | sleeps/op |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    // [setup][row][batch]
+    let mut rows: Vec<[Vec<Batch>; 5]> = setups.iter().map(|_| Default::default()).collect();
+    for b in 0..batches {
+        for (i, setup) in setups.iter().enumerate() {
+            let sock = dir.path().join(format!("s{b}-{i}.sock"));
+            let [ping, attach, release] = requests(*setup, n, &sock)?;
+            rows[i][0].push(ping);
+            rows[i][1].push(attach);
+            rows[i][2].push(release);
+            let sock = dir.path().join(format!("u{b}-{i}.sock"));
+            rows[i][3].push(updates(*setup, n, &sock)?);
+            let sock = dir.path().join(format!("f{b}-{i}.sock"));
+            rows[i][4].push(frames(*setup, n, &sock)?);
+        }
+    }
+    let names = [
+        "ping",
+        "attach (lone)",
+        "release (follows)",
+        "update one-way",
+        "frame round trip",
+    ];
+    for (r, name) in names.iter().enumerate() {
+        for (i, setup) in setups.iter().enumerate() {
+            report(name, *setup, &mut rows[i][r]);
+        }
+    }
+    Ok(())
+}
