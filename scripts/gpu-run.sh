@@ -320,9 +320,18 @@ PY
 # stays), `ls`, `stats`, `attach --set --checkpoint` (every byte, mapped
 # read-only), a second load over the quota refused, `drop`, a load again,
 # then SIGTERM: the service exits 0 and says what it dropped, and `ls`
-# then finds no service.
+# then finds no service. Writer sessions first: tests/gpu/service_write.rs
+# and examples/python/service_trainer.py (needs torch).
 step_service() {
   run_tests "-service" service::
+  # Writer sessions: the GPU test, then the Python trainer and reader.
+  run_tests "-service-write" service_write::
+  if install_wheel; then
+    check "service: examples/python/service_trainer.py (versions committed, a reader follows by content)" 0 \
+      python3 "$here/examples/python/service_trainer.py" --cli "$cli" --steps 20
+  else
+    bad "service: the trainer example: $wheel_error"
+  fi
   local dir="$logs/svc-ckpt" sock="$logs/svc.sock"
   rm -rf "$dir" "$sock"
   mkdir -p "$dir"

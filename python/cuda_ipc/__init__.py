@@ -33,6 +33,7 @@ from .errors import (
     NoDevice,
     PeerGone,
     SameProcess,
+    ServiceError,
     Timeout,
     TorchRecordError,
     Unavailable,
@@ -41,6 +42,7 @@ from .errors import (
 from .export import Export, export_cupy, export_torch, torch_share_record
 from .mapping import Mapping, live_mappings, open, retiring, settle
 from .sets import ArenaBuffer, SetAttachment, StateDict
+from . import service
 from .torch_record import parse_storage_handle, record_to_descriptor, tensor_layout, validate_record
 
 __version__ = _core.__version__
@@ -97,6 +99,7 @@ __all__ = [
     "mem_info",
     "dtypes",
     "sets",
+    "service",
     "FORMAT_VERSION",
     *errors.__all__,
 ]

@@ -40,7 +40,7 @@ hostile reader.
 from . import _core
 from . import dtypes as _dtypes
 from . import sets as _sets
-from .errors import CudaIpcError
+from .errors import CudaIpcError, InvalidInput
 from .mapping import _as_cupy, _as_torch, _torch
 
 __all__ = ["Publisher", "Subscriber", "Published", "Attachment", "RingPublisher", "Ring", "Frame"]
@@ -399,6 +399,19 @@ class Subscriber(_Owner):
     def list(self):
         """The names published now."""
         return self._c.list()
+
+    def call(self, method, body=None, timeout=None):
+        """Calls ``method`` of the publisher's call handler (a service's,
+        :mod:`cuda_ipc.service`) with ``body`` (a dict) on this
+        subscriber's connection; returns the answer (a dict). What the
+        call makes the connection hold (a write session) ends with it."""
+        import json
+
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            raise InvalidInput(f"body must be a dict, not {type(body).__name__}")
+        return json.loads(self._c.call(method, json.dumps(body), timeout))
 
     def is_alive(self):
         """Whether the publisher is still there."""

@@ -21,6 +21,7 @@ subclass for its kind) with ``call``, ``code``, ``name`` and ``hint``.
     │   ├── SameProcess         opening one's own legacy handle
     │   └── DriverInvalidInput  (also DriverError)
     ├── PeerGone                the other process exited or refused
+    │   ├── ServiceError        a service (or publisher) refused a request: ``code``
     │   └── DriverPeerGone      (also DriverError)
     ├── Timeout                 (also TimeoutError)
     │   └── DriverTimeout       (also DriverError)
@@ -40,6 +41,7 @@ __all__ = [
     "TorchRecordError",
     "SameProcess",
     "PeerGone",
+    "ServiceError",
     "Timeout",
     "Failed",
     "DriverError",
@@ -114,6 +116,15 @@ class PeerGone(CudaIpcError):
     """The other process is gone, or refused us."""
 
     kind = "peer"
+
+
+class ServiceError(PeerGone):
+    """The other side answered a request with a refusal: ``code`` is its
+    machine-readable reason (a weight service's ``over_quota``,
+    ``writing``, ``not_found``, ``leased``, ``layout_mismatch``, ...; a
+    publisher's ``not_found``, ``wrong_kind``), the message says what to
+    do. Still a :class:`PeerGone` (the kind ``"peer"``), as before it had a
+    class of its own."""
 
 
 class Timeout(CudaIpcError, TimeoutError):

@@ -486,6 +486,8 @@ class SetAttachment:
     name = property(lambda self: self._c.name, doc="The set's name.")
     lease = property(lambda self: self._c.lease, doc="The lease id.")
     device = property(lambda self: self._c.device, doc="The CUDA device ordinal.")
+    layout_hash = property(lambda self: self._c.layout_hash,
+                           doc="The layout hash of its entries, as a weight service's commit names it.")
     nbytes = property(lambda self: self._c.nbytes, doc="The bytes of every entry together.")
     released = property(lambda self: self._c.released, doc="Whether release() was called.")
     uses_fence = property(lambda self: self._c.uses_fence, doc="Whether updates wait on a fence.")

@@ -81,14 +81,16 @@ pub use client::{
     RingAttachment, SPIN_ENV, Update,
 };
 pub use deadline::deadline_in;
-pub use limits::{MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, validate_entry_name};
+pub use limits::{
+    MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, UNLISTED_ENTRY_PREFIX, validate_entry_name,
+};
 pub use notices::{NOTICE_RING_BYTES, NOTICES_ENV, NoticePath};
 pub use paths::{
     MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,
     validate_socket_name,
 };
 pub use server::{
-    CallContext, CallError, CallHandler, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo,
+    CallContext, CallError, CallHandler, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo, Replaced,
     SERVER_SPIN_ENV, Server, ServerConfig, ServerRing,
 };
 pub use socket::{Ucred, peer_credentials};

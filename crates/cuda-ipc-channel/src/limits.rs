@@ -8,6 +8,11 @@ use crate::ChannelError;
 /// every message fits on the wire.
 pub const MAX_META_BYTES: usize = 256 * 1024;
 
+/// Entries whose names start with this are left out of listings
+/// ([`Client::list`](crate::Client::list)): they are attached only by those
+/// told the name (a writer's staging set, under an unguessable name).
+pub const UNLISTED_ENTRY_PREFIX: &str = ".cuda-ipc/unlisted/";
+
 /// The longest entry name, in bytes.
 pub const MAX_ENTRY_NAME_LEN: usize = 256;
 

@@ -154,6 +154,12 @@ fn stand_in(dir: &std::path::Path) -> (Server, Asked) {
                 "tensors": 3, "version": 2, "owner_uid": uid,
                 "loaded_from": "/m/model.safetensors", "created_unix": 1,
                 "leases": [{"pid": 4242, "uid": uid}]
+            }, {
+                "name": "trained", "bytes": 512, "payload_bytes": 400,
+                "tensors": 2, "version": 1, "owner_uid": uid,
+                "loaded_from": "written by pid 5151 (uid 0)", "created_unix": 1,
+                "leases": [], "state": "writing",
+                "writer": {"pid": 5151, "uid": uid, "version": 2, "bytes": 512}
             }]})),
             "stats" => Ok(json!({
                 "pid": 7, "service_uid": uid, "default_quota": 2_147_483_648_u64,
@@ -212,6 +218,8 @@ fn the_clients_speak_the_admin_protocol() {
     let out = stdout(&o);
     assert!(out.contains("SET") && out.contains("model"), "{out}");
     assert!(out.contains("1MiB") && out.contains("pid 4242"), "{out}");
+    assert!(out.contains("committed"), "{out}");
+    assert!(out.contains("writing v2 (pid 5151"), "{out}");
 
     let o = cuda_ipc(&["ls", "--service", &s, "--json"]);
     let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();

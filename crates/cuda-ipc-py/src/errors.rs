@@ -57,6 +57,10 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             attrs.push(("reason", reason.into_pyobject(py)?.into_any().unbind()));
             "DescriptorError"
         }
+        Error::Channel(cuda_ipc::channel::ChannelError::Remote { code, .. }) => {
+            attrs.push(("code", code.into_pyobject(py)?.into_any().unbind()));
+            "ServiceError"
+        }
         Error::Torch(reason) => {
             attrs.push(("reason", reason.into_pyobject(py)?.into_any().unbind()));
             "TorchRecordError"

@@ -15,6 +15,7 @@ mod keep;
 mod mapping;
 mod peers;
 mod runs;
+mod service;
 mod sets;
 mod state_dict;
 mod torch_c;
@@ -53,5 +54,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     dlpack::register(m)?;
     torch_c::register(m)?;
     state_dict::register(m)?;
+    service::register(m)?;
     Ok(())
 }

@@ -297,6 +297,8 @@ pub(crate) struct SetAttachment {
     index: HashMap<String, usize>,
     /// The entries grouped for few DLPack imports (`runs`).
     runs: Vec<Run>,
+    /// The layout hash of its entries (what a service writer commits).
+    layout_hash: String,
     places: Vec<Option<Place>>,
     /// This object's own hold (views hold clones): a view of the first
     /// entry, which holds the lease and, through it, every chunk mapping.
@@ -358,7 +360,9 @@ pub(crate) fn attach_set(
         .enumerate()
         .map(|(i, e)| (e.name.clone(), i))
         .collect();
+    let layout_hash = cuda_ipc::service::layout::layout_hash(set.entries());
     Ok(SetAttachment {
+        layout_hash,
         name: set.name().to_owned(),
         lease: set.lease(),
         uses_fence: set.uses_fence(),
@@ -424,6 +428,12 @@ impl SetAttachment {
     #[getter]
     fn lease(&self) -> u64 {
         self.lease
+    }
+    /// The layout hash of its entries (names, dtypes, shapes, places), as
+    /// a service's `commit` names it.
+    #[getter]
+    fn layout_hash(&self) -> &str {
+        &self.layout_hash
     }
     /// Whether updates are waited for through the publisher's fence (else
     /// its event).

@@ -97,17 +97,33 @@ impl CallError {
 /// error.
 pub type CallFn = dyn Fn(&CallContext, &str, &Value) -> Result<Value, CallError> + Send + Sync;
 
+/// What a handler runs when a connection closes: its
+/// [`CallContext::connection`].
+pub type ClosedFn = dyn Fn(u64) + Send + Sync;
+
 /// The server's answerer of [`Message::Call`]s (see the module docs). A
 /// server without one answers every call with the error `no_handler`.
 #[derive(Clone)]
-pub struct CallHandler(Arc<CallFn>);
+pub struct CallHandler(Arc<CallFn>, Option<Arc<ClosedFn>>);
 
 impl CallHandler {
     /// A handler that runs `f` for every call.
     pub fn new(
         f: impl Fn(&CallContext, &str, &Value) -> Result<Value, CallError> + Send + Sync + 'static,
     ) -> CallHandler {
-        CallHandler(Arc::new(f))
+        CallHandler(Arc::new(f), None)
+    }
+
+    /// The same handler, also running `closed` with a connection's id once
+    /// the connection has ended (the client closed it, exited or was
+    /// killed, or the server closed it) and its leases with it: what a
+    /// call made a connection hold (a lock) can be let go there. It runs
+    /// for every connection, called or not, on the thread that ended it,
+    /// and must not block.
+    #[must_use]
+    pub fn on_close(mut self, closed: impl Fn(u64) + Send + Sync + 'static) -> CallHandler {
+        self.1 = Some(Arc::new(closed));
+        self
     }
 }
 
@@ -129,6 +145,16 @@ impl Server {
 }
 
 impl Shared {
+    /// Tells the call handler that connection `conn` ended.
+    pub(super) fn connection_closed(&self, conn: u64) {
+        let closed = lock(&self.call_handler).as_ref().and_then(|h| h.1.clone());
+        if let Some(closed) = closed
+            && catch_unwind(AssertUnwindSafe(|| closed(conn))).is_err()
+        {
+            tracing::error!(conn, "a call handler's close hook panicked");
+        }
+    }
+
     /// Answers one call.
     pub(super) fn call(&self, conn: &Conn, id: u64, method: &str, body: &Value) {
         let answer = self.answer(conn, id, method, body);

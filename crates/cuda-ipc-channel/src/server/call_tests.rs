@@ -164,3 +164,85 @@ fn a_call_longer_than_the_request_limit_ends_only_its_connection() {
     let other = Client::connect(server.path(), ClientConfig::default()).unwrap();
     assert_eq!(other.call("echo", &json!([1])).unwrap(), json!([1]));
 }
+
+#[test]
+fn the_close_hook_hears_each_connection_that_ends_with_its_id() {
+    let closed = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::new(AtomicU64::new(0));
+    let (c, s) = (Arc::clone(&closed), Arc::clone(&seen));
+    let handler = CallHandler::new(move |ctx, _, _| {
+        s.store(ctx.connection, Ordering::SeqCst);
+        Ok(json!(ctx.connection))
+    })
+    .on_close(move |conn| c.lock().unwrap().push(conn));
+    let (_dir, server, client) = pair(Some(handler));
+    let id = client.call("who", &json!({})).unwrap();
+    assert_eq!(id, json!(seen.load(Ordering::SeqCst)));
+    assert!(closed.lock().unwrap().is_empty());
+    drop(client);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while closed.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        closed
+            .lock()
+            .unwrap()
+            .contains(&seen.load(Ordering::SeqCst)),
+        "{:?}",
+        closed.lock().unwrap()
+    );
+    assert_eq!(server.connection_count(), 0);
+}
+
+#[test]
+fn a_replaced_entry_tells_its_holders_and_lives_until_they_release_it() {
+    let (_dir, server, client) = pair(None);
+    assert!(matches!(
+        server.replace("w", json!({"v": 2}), Vec::new(), json!({})),
+        Err(ChannelError::NotFound { .. })
+    ));
+    server.publish("w", json!({"v": 1}), Vec::new()).unwrap();
+    let old = client.attach("w").unwrap();
+    assert_eq!(old.meta, json!({"v": 1}));
+    let r = server
+        .replace("w", json!({"v": 2}), Vec::new(), json!({"seq": 7}))
+        .unwrap();
+    assert_eq!((r.version, r.told), (1, 1));
+    let u = client.next_update(Duration::from_secs(5)).unwrap();
+    assert_eq!(u.lease, old.lease);
+    match u.notice {
+        crate::Notice::Updated { version, data } => {
+            assert_eq!((version, data), (1, json!({"seq": 7})));
+        }
+        other => panic!("expected an update, got {other:?}"),
+    }
+    // New attaches get the new entry; the old one lives while leased.
+    let new = client.attach("w").unwrap();
+    assert_eq!(new.meta, json!({"v": 2}));
+    assert_eq!(server.entry_lease_count(r.old_entry), 1);
+    assert_eq!(server.entry_lease_count(r.new_entry), 1);
+    assert_eq!(server.lease_count("w"), 2);
+    client.release(old.lease).unwrap();
+    assert_eq!(server.entry_lease_count(r.old_entry), 0);
+    assert_eq!(server.lease_count("w"), 1);
+    // A replace with no holder drops the old entry at once.
+    let r2 = server
+        .replace("w", json!({"v": 3}), Vec::new(), json!({}))
+        .unwrap();
+    assert_eq!(r2.told, 1);
+    client.release(new.lease).unwrap();
+    let r3 = server
+        .replace("w", json!({"v": 4}), Vec::new(), json!({}))
+        .unwrap();
+    assert_eq!(r3.told, 0);
+    assert_eq!(client.attach("w").unwrap().meta, json!({"v": 4}));
+    // Unlisted entries are attached by name only.
+    let hidden = format!("{}stage/abc", crate::UNLISTED_ENTRY_PREFIX);
+    server
+        .publish(&hidden, json!({"s": 1}), Vec::new())
+        .unwrap();
+    let names: Vec<String> = client.list().unwrap().into_iter().map(|e| e.name).collect();
+    assert_eq!(names, ["w"]);
+    assert_eq!(client.attach(&hidden).unwrap().meta, json!({"s": 1}));
+}

@@ -117,16 +117,20 @@ mod call;
 mod checks;
 mod config;
 mod conn;
+mod replace;
 mod ring;
 mod session;
 mod state;
 
 use accept::{LogLimit, accept_loop, remove_stale_socket};
-pub use call::{CallContext, CallError, CallFn, CallHandler, MAX_METHOD_LEN, validate_method};
+pub use call::{
+    CallContext, CallError, CallFn, CallHandler, ClosedFn, MAX_METHOD_LEN, validate_method,
+};
 use checks::{bound_socket, check_config, check_fds, json_size};
 pub use config::{DEFAULT_SERVER_SPIN, SERVER_SPIN_ENV, ServerConfig};
 use conn::Conn;
 use conn::SlotSource;
+pub use replace::Replaced;
 pub use ring::ServerRing;
 pub use state::LatePolicy;
 use state::{Body, Entry, Ring, Slot, SlotState, State};

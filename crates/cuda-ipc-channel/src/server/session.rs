@@ -307,6 +307,7 @@ impl Shared {
         }
         drop(st);
         self.changed.notify_all();
+        self.connection_closed(conn);
     }
 
     /// Answers one request. `Err` ends the connection with that message.
@@ -376,6 +377,9 @@ impl Shared {
             let Some(e) = st.entries.get(eid) else {
                 continue;
             };
+            if name.starts_with(crate::UNLISTED_ENTRY_PREFIX) {
+                continue;
+            }
             // JSON escaping at most sextuples a name.
             let cost = e.meta_bytes + 6 * name.len() + 64;
             if !entries.is_empty() && size + cost > LISTING_PAGE_BYTES {

@@ -213,13 +213,14 @@ pub fn ls(args: &ListArgs) -> Result<Outcome, Error> {
         return Ok(Outcome::Ok);
     }
     outln!(
-        "{:<24} {:>12} {:>8} {:>8} {:>8} {:>7}  READERS",
+        "{:<24} {:>12} {:>8} {:>8} {:>8} {:>7}  {:<28} READERS",
         "SET",
         "BYTES",
         "TENSORS",
         "VERSION",
         "OWNER",
-        "LEASES"
+        "LEASES",
+        "STATE"
     )?;
     for s in &a.sets {
         let readers = if s.leases.is_empty() {
@@ -227,8 +228,12 @@ pub fn ls(args: &ListArgs) -> Result<Outcome, Error> {
         } else {
             holders_text(&s.leases)
         };
+        let state = match &s.writer {
+            Some(w) => format!("writing v{} (pid {}, uid {})", w.version, w.pid, w.uid),
+            None => "committed".to_owned(),
+        };
         outln!(
-            "{:<24} {:>12} {:>8} {:>8} {:>8} {:>7}  {readers}",
+            "{:<24} {:>12} {:>8} {:>8} {:>8} {:>7}  {state:<28} {readers}",
             s.name,
             super::human(s.bytes),
             s.tensors,

@@ -60,6 +60,24 @@ impl PySubscriber {
         py.detach(|| s.list()).py()
     }
 
+    /// Calls `method` of the publisher's call handler (a service's) with
+    /// `body_json` on this subscriber's connection, waiting up to `timeout`
+    /// seconds (`None`: the subscriber's timeout); the answer as JSON text.
+    #[pyo3(signature = (method, body_json, timeout=None))]
+    fn call(
+        &self,
+        py: Python<'_>,
+        method: &str,
+        body_json: &str,
+        timeout: Option<f64>,
+    ) -> PyResult<String> {
+        let s = self.get()?;
+        let timeout = timeout.map(|t| duration(Some(t))).transpose().py()?;
+        let body = crate::service::body(body_json).py()?;
+        py.detach(|| s.call(method, &body, timeout).map(|v| v.to_string()))
+            .py()
+    }
+
     /// Whether the publisher is still there (does not block).
     fn is_alive(&self) -> PyResult<bool> {
         Ok(self.get()?.is_alive())

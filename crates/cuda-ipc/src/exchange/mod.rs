@@ -130,6 +130,7 @@ mod ring;
 mod set;
 mod set_attach;
 mod set_book;
+mod set_commit;
 mod set_order;
 mod sleep;
 mod subscriber;

@@ -42,9 +42,21 @@ pub struct PublisherConfig {
     /// so, and a subscriber maps it so whatever it asked for (off by
     /// default; see [`PublisherConfig::with_read_only_readers`]).
     pub read_only_readers: bool,
+    /// The longest request a client may send, in bytes (`None`: the
+    /// channel's default, 4 KiB; a service that takes layouts in calls
+    /// needs more).
+    pub max_request_bytes: Option<u32>,
 }
 
 impl PublisherConfig {
+    /// Accepts requests (calls' bodies) of up to `bytes` bytes (at most the
+    /// channel's message limit, 1 MiB).
+    #[must_use]
+    pub fn with_max_request_bytes(mut self, bytes: u32) -> Self {
+        self.max_request_bytes = Some(bytes);
+        self
+    }
+
     /// Lets processes of these user ids connect too, besides our own.
     #[must_use]
     pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
@@ -168,6 +180,9 @@ impl Publisher {
         config.validate()?;
         let path = endpoint.into().path()?;
         let mut server_config = ServerConfig::new(path);
+        if let Some(n) = config.max_request_bytes {
+            server_config = server_config.with_max_request_bytes(n);
+        }
         for uid in config.allow_uids.iter().copied() {
             if !server_config.allowed_uids.contains(&uid) {
                 server_config.allowed_uids.push(uid);

@@ -94,10 +94,22 @@ impl Publisher {
     /// [read-only policy](super::PublisherConfig::with_read_only_readers).
     #[tracing::instrument(level = "debug", skip(self, members), fields(members = members.len()))]
     pub fn publish_set(&self, name: &str, members: &[SetMember<'_>]) -> Result<()> {
+        self.publish_set_as(name, members, self.read_only_readers)
+    }
+
+    /// [`publish_set`](Self::publish_set) with the record's `read_only`
+    /// given (the policy's exception, see
+    /// [`publish_set_with`](Self::publish_set_with)).
+    pub(super) fn publish_set_as(
+        &self,
+        name: &str,
+        members: &[SetMember<'_>],
+        read_only: bool,
+    ) -> Result<()> {
         let arena = self.arena()?;
         let mut record = arena.describe_set(name, members.iter().copied())?;
         record.event = Some(self.event_handle);
-        record.read_only = self.read_only_readers;
+        record.read_only = read_only;
         let hold = SetHold::new(members.iter().map(|m| m.buffer.lease()).collect());
         let stream = self.record_after(hold.order())?;
         let fence = self.set_fence(&stream)?;
@@ -107,7 +119,10 @@ impl Publisher {
     /// Takes a fence slot for a new set and signals it after the work queued
     /// on `stream`; `None` when this publisher has no fences (or no free
     /// slot: the set then goes with its event only).
-    fn set_fence(&self, stream: &Arc<cudarc::driver::CudaStream>) -> Result<Option<SetFence>> {
+    pub(super) fn set_fence(
+        &self,
+        stream: &Arc<cudarc::driver::CudaStream>,
+    ) -> Result<Option<SetFence>> {
         let Some(fences) = &self.fences else {
             return Ok(None);
         };
@@ -126,7 +141,7 @@ impl Publisher {
     /// other streams (joined into the first stream, which it returns). Its
     /// cost grows with the set's distinct streams (one per device for an
     /// arena) and chunks (an atomic load each), not with its buffers.
-    fn record_after(
+    pub(super) fn record_after(
         &self,
         order: &SetOrder<DeviceChunks>,
     ) -> Result<Arc<cudarc::driver::CudaStream>> {

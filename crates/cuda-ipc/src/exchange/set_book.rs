@@ -124,6 +124,9 @@ where
 /// What stays alive after an entry is unpublished, until its last lease ends.
 struct Retired<B: ChunkBacking> {
     names: Vec<String>,
+    /// The entry by id, when its name lives on in a newer entry (a set
+    /// replaced by [`Book::replace`]).
+    entry: Option<u64>,
     _leases: Vec<ArenaLease<B>>,
     _pin: Option<ChunkPin<B>>,
     _fence: Option<FenceSlot>,
@@ -196,29 +199,7 @@ where
         for c in order.chunks() {
             self.ensure_chunk(server, arena, c)?;
         }
-        let text = record.to_string();
-        let mut parts: Vec<String> = Vec::new();
-        let mut meta = if text.len() <= SET_PART_BYTES {
-            record
-        } else {
-            self.parts += 1;
-            let pieces = split_utf8(&text, SET_PART_BYTES);
-            for (i, piece) in pieces.iter().enumerate() {
-                let part = format!(
-                    "{HIDDEN_ENTRY_PREFIX}set-part/{}/{}/{i}",
-                    arena.id(),
-                    self.parts
-                );
-                if let Err(e) = server.publish(&part, json!({ "text": piece }), Vec::new()) {
-                    for p in &parts {
-                        let _ = server.unpublish(p);
-                    }
-                    return Err(e.into());
-                }
-                parts.push(part);
-            }
-            json!({ PARTS_KEY: parts, "bytes": text.len() })
-        };
+        let (mut meta, parts) = self.publish_parts(server, arena, record)?;
         let (fds, fence) = match fence {
             Some(f) => {
                 if let Err(e) = sync::add_set_fence(&mut meta, &f.meta) {
@@ -247,6 +228,109 @@ where
             },
         );
         Ok(())
+    }
+
+    /// The metadata of a set entry for `record`: the record itself, or,
+    /// when it is longer than [`SET_PART_BYTES`], the list of its parts,
+    /// published here as hidden entries (returned too).
+    fn publish_parts(
+        &mut self,
+        server: &Server,
+        arena: &Arena<B>,
+        record: Value,
+    ) -> Result<(Value, Vec<String>)> {
+        let text = record.to_string();
+        if text.len() <= SET_PART_BYTES {
+            return Ok((record, Vec::new()));
+        }
+        let mut parts: Vec<String> = Vec::new();
+        self.parts += 1;
+        let pieces = split_utf8(&text, SET_PART_BYTES);
+        for (i, piece) in pieces.iter().enumerate() {
+            let part = format!(
+                "{HIDDEN_ENTRY_PREFIX}set-part/{}/{}/{i}",
+                arena.id(),
+                self.parts
+            );
+            if let Err(e) = server.publish(&part, json!({ "text": piece }), Vec::new()) {
+                for p in &parts {
+                    let _ = server.unpublish(p);
+                }
+                return Err(e.into());
+            }
+            parts.push(part);
+        }
+        Ok((json!({ PARTS_KEY: parts, "bytes": text.len() }), parts))
+    }
+
+    /// Publishes a set record under `name` in place of the set published
+    /// there (see [`Server::replace`]): its holders get `notice` as an
+    /// update and keep it until they release it, then its leases go; new
+    /// attaches get the new record.
+    #[allow(clippy::too_many_arguments)] // publish's arguments and the notice
+    pub(super) fn replace(
+        &mut self,
+        server: &Server,
+        arena: &Arena<B>,
+        name: &str,
+        record: Value,
+        hold: SetHold<B>,
+        fence: Option<SetFence>,
+        notice: Value,
+    ) -> Result<crate::channel::Replaced> {
+        self.reap(server);
+        let Some(old) = self.sets.remove(name) else {
+            return Err(ChannelError::NotFound { name: name.into() }.into());
+        };
+        let SetHold { leases, order } = hold;
+        let (fds, slot, fence_meta) = match fence {
+            Some(f) => (vec![f.fd], Some(f.slot), Some(f.meta)),
+            None => (Vec::new(), None, None),
+        };
+        let mut parts = Vec::new();
+        let replaced = order
+            .chunks()
+            .iter()
+            .try_for_each(|c| self.ensure_chunk(server, arena, c))
+            .and_then(|()| {
+                let (mut meta, p) = self.publish_parts(server, arena, record)?;
+                parts = p;
+                if let Some(f) = &fence_meta {
+                    sync::add_set_fence(&mut meta, f)?;
+                }
+                Ok(server.replace(name, meta, fds, notice)?)
+            });
+        let replaced = match replaced {
+            Ok(r) => r,
+            Err(e) => {
+                for p in &parts {
+                    let _ = server.unpublish(p);
+                }
+                self.sets.insert(name.to_owned(), old);
+                return Err(e);
+            }
+        };
+        for p in &old.parts {
+            let _ = server.unpublish(p);
+        }
+        self.retired.push(Retired {
+            names: old.parts,
+            entry: Some(replaced.old_entry),
+            _leases: old.leases,
+            _pin: None,
+            _fence: old.fence,
+        });
+        self.sets.insert(
+            name.to_owned(),
+            Published {
+                leases,
+                order,
+                parts,
+                fence: slot,
+            },
+        );
+        self.reap(server);
+        Ok(replaced)
     }
 
     /// What an update of the published set `name` needs: its order (what
@@ -278,6 +362,7 @@ where
         }
         self.retired.push(Retired {
             names,
+            entry: None,
             _leases: set.leases,
             _pin: None,
             _fence: set.fence,
@@ -290,8 +375,10 @@ where
     /// how many retired entries were let go.
     pub(super) fn reap(&mut self, server: &Server) -> usize {
         let before = self.retired.len();
-        self.retired
-            .retain(|r| r.names.iter().any(|n| server.lease_count(n) > 0));
+        self.retired.retain(|r| {
+            r.entry.is_some_and(|id| server.entry_lease_count(id) > 0)
+                || r.names.iter().any(|n| server.lease_count(n) > 0)
+        });
         before - self.retired.len()
     }
 
@@ -310,6 +397,7 @@ where
                 let _ = server.unpublish(&name);
                 self.retired.push(Retired {
                     names: vec![name],
+                    entry: None,
                     _leases: Vec::new(),
                     _pin: Some(pin),
                     _fence: None,
@@ -367,3 +455,7 @@ mod tests;
 #[cfg(test)]
 #[path = "set_order_tests.rs"]
 mod order_tests;
+
+#[cfg(test)]
+#[path = "set_replace_tests.rs"]
+mod replace_tests;

@@ -47,8 +47,8 @@ impl Subscriber {
     }
 
     /// Unmaps every mapping this subscriber holds, keeping their address
-    /// ranges and leases (what sleeps, and what a sleeping subscriber
-    /// refuses: `docs/SERVICE.md`); blocks until the work
+    /// ranges and leases (its tensors then point at unmapped addresses: run
+    /// no work on them until [`Subscriber::wake`]); blocks until the work
     /// queued through them has finished. Mappings that already sleep are
     /// left as they are. Refused, before anything is unmapped, when a
     /// mapping cannot sleep (legacy IPC or pool memory: [`Error::Unsupported`]).

@@ -280,6 +280,31 @@ impl Subscriber {
             .collect())
     }
 
+    /// Calls `method` of the publisher's call handler (a service's, see
+    /// [`crate::service::admin`]) with `body` on this subscriber's
+    /// connection, waiting up to `timeout` (`None`: the subscriber's
+    /// timeout). What a call makes the connection hold (a service's write
+    /// lock) ends with it.
+    ///
+    /// # Errors
+    /// [`ChannelError::Remote`](crate::channel::ChannelError::Remote) with
+    /// the handler's code and message; the connection's errors.
+    pub fn call(
+        &self,
+        method: &str,
+        body: &serde_json::Value,
+        timeout: Option<Duration>,
+    ) -> Result<serde_json::Value> {
+        Ok(self
+            .client
+            .call_within(method, body, timeout.unwrap_or(self.timeout))?)
+    }
+
+    /// The device this subscriber maps on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// Whether the publisher is still there (does not block).
     pub fn is_alive(&self) -> bool {
         self.client.is_alive()

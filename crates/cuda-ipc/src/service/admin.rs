@@ -10,12 +10,15 @@
 //! | `stats` | [`StatsRequest`] | [`StatsAnswer`] | any allowed uid |
 //! | `drop` | [`DropRequest`] | [`DropAnswer`] | the set's owner uid, the service's uid |
 //! | `shutdown` | [`ShutdownRequest`] | [`ShutdownAnswer`] | the service's uid |
+//! | `open_write` | [`OpenWriteRequest`] | [`OpenWriteAnswer`] | the set's owner uid, the service's; any allowed uid for a new set |
+//! | `commit` | [`CommitRequest`] | [`CommitAnswer`] | the connection that opened the write |
+//! | `abort` | [`AbortRequest`] | [`AbortAnswer`] | the connection that opened the write |
 //!
 //! Decoding is strict both ways: an unknown field, a missing one or one of
 //! the wrong type is an error naming it ([`decode`]). Refusals travel as
 //! channel errors whose code is [`CatalogError::code`](super::CatalogError::code)
 //! or one of `bad_request`, `checkpoint`, `not_readable`, `load_failed`,
-//! `not_allowed`, `unknown_method`.
+//! `not_allowed`, `unknown_method`, `layout_mismatch`, `write_failed`.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -211,6 +214,40 @@ pub struct SetRow {
     pub created_unix: u64,
     /// The readers holding leases on it, one per lease.
     pub leases: Vec<Holder>,
+    /// `committed`, or `writing` while a writer holds it (absent in
+    /// answers of services without writers: `committed`).
+    #[serde(default)]
+    pub state: SetState,
+    /// The writer holding it, and the version it writes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writer: Option<WriterRow>,
+}
+
+/// Whether a set is being written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SetState {
+    /// Its current version is committed; no writer.
+    #[default]
+    Committed,
+    /// A writer fills its next version (readers read the current one; a
+    /// new set has none yet: version 0).
+    Writing,
+}
+
+/// A set's writer, as `ls` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct WriterRow {
+    /// The writer's process id.
+    pub pid: u32,
+    /// Its uid.
+    pub uid: u32,
+    /// The version it writes.
+    pub version: u64,
+    /// Device bytes of its staging version.
+    pub bytes: u64,
 }
 
 /// The answer to `ls`.
@@ -321,13 +358,180 @@ pub struct ShutdownAnswer {
     pub stopping: bool,
 }
 
+/// One tensor of a layout: what a writer gives for a new set.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct TensorSpec {
+    /// Its name in the set (a state dict's key).
+    pub name: String,
+    /// Its type, as a descriptor names it (`bf16`, `f32`, `f8e4m3fn`, ...).
+    pub dtype: String,
+    /// Its shape, in elements; no dimension of 0.
+    pub shape: Vec<u64>,
+}
+
+impl TensorSpec {
+    /// A tensor `name` of `dtype` and `shape`.
+    pub fn new(name: impl Into<String>, dtype: crate::Dtype, shape: Vec<u64>) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            dtype: dtype.to_string(),
+            shape,
+        }
+    }
+}
+
+/// `open_write`: open a write session on a set (one writer at a time; the
+/// caller's connection is the lock). For an existing set give no layout:
+/// the staging version has its layout (names, dtypes, shapes) and
+/// undefined contents, so the writer writes every byte. For a new set
+/// give the layout.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct OpenWriteRequest {
+    /// The set.
+    pub set: String,
+    /// The tensors of a new set, in order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<Vec<TensorSpec>>,
+}
+
+impl OpenWriteRequest {
+    /// A write of a new version of the existing set `set`.
+    pub fn existing(set: impl Into<String>) -> OpenWriteRequest {
+        OpenWriteRequest {
+            set: set.into(),
+            layout: None,
+        }
+    }
+
+    /// A write of a new set `set` with these tensors.
+    pub fn new_set(set: impl Into<String>, layout: Vec<TensorSpec>) -> OpenWriteRequest {
+        OpenWriteRequest {
+            set: set.into(),
+            layout: Some(layout),
+        }
+    }
+}
+
+impl Request for OpenWriteRequest {
+    const METHOD: &'static str = "open_write";
+    type Answer = OpenWriteAnswer;
+}
+
+/// What `open_write` opened.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct OpenWriteAnswer {
+    /// The set.
+    pub set: String,
+    /// The version a commit makes current.
+    pub version: u64,
+    /// The hidden entry of the staging version: attach it read-write
+    /// ([`Subscriber::attach_set_with`](crate::exchange::Subscriber::attach_set_with));
+    /// told only to the writer, left out of listings.
+    pub staging: String,
+    /// Its tensors.
+    pub tensors: usize,
+    /// Bytes of tensors.
+    pub payload_bytes: u64,
+    /// Device bytes, counted against the set owner's quota.
+    pub bytes: u64,
+    /// The staging version's layout hash, which the commit must name
+    /// ([`layout_hash`](super::layout::layout_hash)).
+    pub layout_hash: String,
+    /// Whether the set is new.
+    pub creates: bool,
+}
+
+/// `commit`: make the staging version current, after the writer's work on
+/// it has finished. `layout_hash` is the one of the staging version the
+/// writer attached.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct CommitRequest {
+    /// The set.
+    pub set: String,
+    /// The staging version's layout hash, as the writer saw it.
+    pub layout_hash: String,
+}
+
+impl CommitRequest {
+    /// A commit of `set` whose staging version has `layout_hash`.
+    pub fn new(set: impl Into<String>, layout_hash: impl Into<String>) -> CommitRequest {
+        CommitRequest {
+            set: set.into(),
+            layout_hash: layout_hash.into(),
+        }
+    }
+}
+
+impl Request for CommitRequest {
+    const METHOD: &'static str = "commit";
+    type Answer = CommitAnswer;
+}
+
+/// What a commit did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct CommitAnswer {
+    /// The set.
+    pub set: String,
+    /// Its version now.
+    pub version: u64,
+    /// The version it replaced, kept until its readers let go.
+    pub retired_version: Option<u64>,
+    /// Readers of the replaced version told (an update notice each).
+    pub readers_told: usize,
+}
+
+/// `abort`: discard the staging version; the current one stays.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct AbortRequest {
+    /// The set.
+    pub set: String,
+}
+
+impl AbortRequest {
+    /// An abort of the write of `set`.
+    pub fn new(set: impl Into<String>) -> AbortRequest {
+        AbortRequest { set: set.into() }
+    }
+}
+
+impl Request for AbortRequest {
+    const METHOD: &'static str = "abort";
+    type Answer = AbortAnswer;
+}
+
+/// What an abort discarded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct AbortAnswer {
+    /// The set.
+    pub set: String,
+    /// The version that was not committed.
+    pub version: u64,
+}
+
 /// Every method, in the table's order.
-pub const METHODS: [&str; 5] = [
+pub const METHODS: [&str; 8] = [
     LoadRequest::METHOD,
     LsRequest::METHOD,
     StatsRequest::METHOD,
     DropRequest::METHOD,
     ShutdownRequest::METHOD,
+    OpenWriteRequest::METHOD,
+    CommitRequest::METHOD,
+    AbortRequest::METHOD,
 ];
 
 #[cfg(test)]

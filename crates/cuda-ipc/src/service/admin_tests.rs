@@ -87,9 +87,24 @@ fn answers_round_trip() {
             loaded_from: "/m".into(),
             created_unix: 1,
             leases: vec![holder],
+            state: SetState::Writing,
+            writer: Some(WriterRow {
+                pid: 8,
+                uid: 1000,
+                version: 4,
+                bytes: 512,
+            }),
         }],
     };
     assert_eq!(decode::<LsAnswer>("ls", &encode(&ls)).unwrap(), ls);
+    assert_eq!(encode(&ls)["sets"][0]["state"], "writing");
+    // A row of a service without writers reads as committed.
+    let mut row = encode(&ls)["sets"][0].clone();
+    let obj = row.as_object_mut().unwrap();
+    obj.remove("state");
+    obj.remove("writer");
+    let old: SetRow = decode("ls", &row).unwrap();
+    assert_eq!((old.state, old.writer), (SetState::Committed, None));
     let stats = StatsAnswer {
         pid: 1,
         service_uid: 1000,
@@ -158,4 +173,78 @@ proptest! {
         let _ = decode::<DropRequest>("drop", &body);
         let _ = decode::<LsRequest>("ls", &body);
     }
+}
+
+#[test]
+fn write_bodies_match_the_documented_json_and_are_strict() {
+    let r = OpenWriteRequest::existing("model");
+    assert_eq!(encode(&r), json!({"set": "model"}));
+    let r = OpenWriteRequest::new_set(
+        "model",
+        vec![TensorSpec::new("w", crate::Dtype::Bf16, vec![2, 3])],
+    );
+    assert_eq!(
+        encode(&r),
+        json!({"set": "model", "layout": [{"name": "w", "dtype": "bf16", "shape": [2, 3]}]})
+    );
+    assert_eq!(
+        decode::<OpenWriteRequest>("open_write", &encode(&r)).unwrap(),
+        r
+    );
+    let c = CommitRequest::new("model", "00ff");
+    assert_eq!(encode(&c), json!({"set": "model", "layout_hash": "00ff"}));
+    assert_eq!(encode(&AbortRequest::new("m")), json!({"set": "m"}));
+    for (method, body) in [
+        ("open_write", json!({"set": "m", "mode": "w"})),
+        (
+            "open_write",
+            json!({"set": "m", "layout": [{"name": "w", "dtype": "f32", "shape": [1], "offset": 0}]}),
+        ),
+        (
+            "open_write",
+            json!({"set": "m", "layout": [{"name": "w", "shape": [1]}]}),
+        ),
+        (
+            "open_write",
+            json!({"set": "m", "layout": [{"name": "w", "dtype": "f32", "shape": [-1]}]}),
+        ),
+    ] {
+        assert!(decode::<OpenWriteRequest>(method, &body).is_err(), "{body}");
+    }
+    assert!(decode::<CommitRequest>("commit", &json!({"set": "m"})).is_err());
+    assert!(
+        decode::<CommitRequest>("commit", &json!({"set": "m", "layout_hash": "a", "v": 1}))
+            .is_err()
+    );
+    assert!(decode::<AbortRequest>("abort", &json!({})).is_err());
+    let a = OpenWriteAnswer {
+        set: "m".into(),
+        version: 2,
+        staging: ".cuda-ipc/unlisted/stage/ab".into(),
+        tensors: 1,
+        payload_bytes: 12,
+        bytes: 256,
+        layout_hash: "0123456789abcdef".into(),
+        creates: false,
+    };
+    assert_eq!(
+        decode::<OpenWriteAnswer>("open_write", &encode(&a)).unwrap(),
+        a
+    );
+    let a = CommitAnswer {
+        set: "m".into(),
+        version: 2,
+        retired_version: Some(1),
+        readers_told: 3,
+    };
+    assert_eq!(
+        encode(&a),
+        json!({"set": "m", "version": 2, "retired_version": 1, "readers_told": 3})
+    );
+    assert_eq!(decode::<CommitAnswer>("commit", &encode(&a)).unwrap(), a);
+    let a = AbortAnswer {
+        set: "m".into(),
+        version: 2,
+    };
+    assert_eq!(decode::<AbortAnswer>("abort", &encode(&a)).unwrap(), a);
 }

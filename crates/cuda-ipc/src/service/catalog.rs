@@ -15,6 +15,16 @@
 //! A set may be dropped by its owner's uid and by the service's own uid;
 //! while readers hold leases on it only with `force`, and the refusal names
 //! the holders.
+//!
+//! # Writing
+//! One writer at a time per set ([`Catalog::open_write`]): its staging
+//! version's bytes are reserved against the set owner's quota (a new set's
+//! owner is its writer) until it commits ([`Catalog::commit_write`]: the
+//! staging version becomes current as the next version, and the one it
+//! replaces is kept, and counted, as a retired version until its last reader
+//! lets go, [`Catalog::release_retired`]) or is aborted
+//! ([`Catalog::abort_write`], or [`Catalog::writer_gone`] when the writer's
+//! connection closes). A second writer is refused, naming the first.
 
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -48,6 +58,11 @@ pub fn holders_text(holders: &[Holder]) -> String {
         shown.join(", ")
     }
 }
+
+#[path = "catalog_write.rs"]
+mod write;
+
+pub use write::{Committed, RetiredVersion, Staged, WriteSession, WriterId};
 
 /// One set the service holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -215,6 +230,47 @@ pub enum CatalogError {
     /// The service is stopping.
     #[error("the service is stopping (SIGTERM): it loads nothing more")]
     Stopping,
+    /// A writer holds the set.
+    #[error(
+        "set {name:?} is being written by pid {pid} (uid {uid}); one writer at a time: wait for \
+         it to commit or abort (or exit)"
+    )]
+    Writing {
+        /// The name.
+        name: String,
+        /// The writer's process id.
+        pid: u32,
+        /// The writer's uid.
+        uid: u32,
+    },
+    /// Writing another uid's set.
+    #[error(
+        "set {name:?} belongs to uid {owner}: only that uid and the service's (uid {service}) may \
+         write it, not uid {caller}"
+    )]
+    NotWriter {
+        /// The name.
+        name: String,
+        /// Its owner.
+        owner: u32,
+        /// The service's uid.
+        service: u32,
+        /// Who asked.
+        caller: u32,
+    },
+    /// A commit or abort from a connection that holds no write session on
+    /// the set.
+    #[error(
+        "this connection holds no write session on set {name:?}{}; open one first (open_write), \
+         from the same connection",
+        match holder { Some(h) => format!(" (it is held by {h})"), None => String::new() }
+    )]
+    NotWriting {
+        /// The name.
+        name: String,
+        /// The writer that holds it, if another does.
+        holder: Option<Holder>,
+    },
 }
 
 impl CatalogError {
@@ -225,9 +281,11 @@ impl CatalogError {
             CatalogError::Exists { .. } => "exists",
             CatalogError::Loading { .. } => "loading",
             CatalogError::NotFound { .. } => "not_found",
-            CatalogError::NotOwner { .. } => "not_owner",
+            CatalogError::NotOwner { .. } | CatalogError::NotWriter { .. } => "not_owner",
             CatalogError::Leased { .. } => "leased",
             CatalogError::Stopping => "stopping",
+            CatalogError::Writing { .. } => "writing",
+            CatalogError::NotWriting { .. } => "not_writing",
         }
     }
 }
@@ -279,6 +337,10 @@ pub struct Catalog {
     loading: BTreeMap<String, (u32, u64)>,
     /// The last version given to each name.
     versions: BTreeMap<String, u64>,
+    /// Write sessions by set name.
+    writing: BTreeMap<String, WriteSession>,
+    /// Versions replaced by a commit that readers still hold.
+    retired: Vec<RetiredVersion>,
     stopping: bool,
 }
 
@@ -291,6 +353,8 @@ impl Catalog {
             sets: BTreeMap::new(),
             loading: BTreeMap::new(),
             versions: BTreeMap::new(),
+            writing: BTreeMap::new(),
+            retired: Vec::new(),
             stopping: false,
         }
     }
@@ -305,21 +369,52 @@ impl Catalog {
         &self.quotas
     }
 
-    /// Bytes of `uid`'s sets and of its loads in progress.
+    /// Bytes of `uid`'s sets (current and retired versions), and of its
+    /// loads in progress and write sessions' staging versions.
     fn usage_of(&self, uid: u32) -> (u64, u64) {
         let used = self
             .sets
             .values()
             .filter(|s| s.owner_uid == uid)
             .map(|s| s.bytes)
+            .chain(
+                self.retired
+                    .iter()
+                    .filter(|r| r.owner_uid == uid)
+                    .map(|r| r.bytes),
+            )
             .sum();
         let reserved = self
             .loading
             .values()
             .filter(|(u, _)| *u == uid)
             .map(|(_, b)| *b)
+            .chain(
+                self.writing
+                    .values()
+                    .filter(|w| w.owner_uid == uid)
+                    .map(|w| w.bytes),
+            )
             .sum();
         (used, reserved)
+    }
+
+    /// Refuses `uid` `bytes` more when they would pass its quota.
+    fn check_quota(&self, uid: u32, bytes: u64) -> Result<(), CatalogError> {
+        if let Some(quota) = self.quotas.of(uid) {
+            let (used, reserved) = self.usage_of(uid);
+            let total = used.saturating_add(reserved).saturating_add(bytes);
+            if total > quota {
+                return Err(CatalogError::OverQuota {
+                    uid,
+                    used,
+                    reserved,
+                    quota,
+                    asked: bytes,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Admits a load of `bytes` bytes into set `name` for `uid` and reserves
@@ -345,19 +440,10 @@ impl Catalog {
                 uid,
             });
         }
-        if let Some(quota) = self.quotas.of(uid) {
-            let (used, reserved) = self.usage_of(uid);
-            let total = used.saturating_add(reserved).saturating_add(bytes);
-            if total > quota {
-                return Err(CatalogError::OverQuota {
-                    uid,
-                    used,
-                    reserved,
-                    quota,
-                    asked: bytes,
-                });
-            }
+        if let Some(w) = self.writing.get(name) {
+            return Err(w.refusal());
         }
+        self.check_quota(uid, bytes)?;
         self.loading.insert(name.into(), (uid, bytes));
         Ok(Ticket {
             name: name.into(),
@@ -405,7 +491,9 @@ impl Catalog {
     ///
     /// # Errors
     /// [`CatalogError::NotFound`], [`CatalogError::NotOwner`],
-    /// [`CatalogError::Leased`] (without `force`), in that order.
+    /// [`CatalogError::Writing`] and [`CatalogError::Leased`] (without
+    /// `force`; a forced drop of a set being written aborts the writer's
+    /// session, [`Catalog::abort_any`]), in that order.
     pub fn check_drop(
         &self,
         caller: u32,
@@ -423,6 +511,11 @@ impl Catalog {
                 service: self.service_uid,
                 caller,
             });
+        }
+        if let Some(w) = self.writing.get(name)
+            && !force
+        {
+            return Err(w.refusal());
         }
         if !holders.is_empty() && !force {
             let mut holders = holders.to_vec();
@@ -465,6 +558,8 @@ impl Catalog {
             .values()
             .map(|s| s.owner_uid)
             .chain(self.loading.values().map(|(u, _)| *u))
+            .chain(self.writing.values().map(|w| w.owner_uid))
+            .chain(self.retired.iter().map(|r| r.owner_uid))
             .chain(self.quotas.per_uid.keys().copied())
             .collect();
         uids.sort_unstable();
@@ -483,7 +578,7 @@ impl Catalog {
             .collect()
     }
 
-    /// Bytes of every set.
+    /// Bytes of every set's current version.
     pub fn total_bytes(&self) -> u64 {
         self.sets.values().map(|s| s.bytes).sum()
     }

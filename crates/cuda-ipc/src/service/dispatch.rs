@@ -7,9 +7,11 @@ use serde_json::Value;
 use crate::channel::CallError;
 
 use super::admin::{
-    self, DropAnswer, DropRequest, LoadAnswer, LoadRequest, LsAnswer, LsRequest, Request,
+    self, AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, DropAnswer, DropRequest,
+    LoadAnswer, LoadRequest, LsAnswer, LsRequest, OpenWriteAnswer, OpenWriteRequest, Request,
     ShutdownAnswer, ShutdownRequest, StatsAnswer, StatsRequest, decode, encode,
 };
+use super::catalog::WriterId;
 
 /// What the service does for each method.
 pub(super) trait Ops {
@@ -21,6 +23,16 @@ pub(super) trait Ops {
     fn service_uid(&self) -> u32;
     /// Asks the service to stop (as SIGTERM does).
     fn ask_stop(&self);
+    /// Opens a write session for `caller` (its connection is the lock).
+    fn open_write(
+        &self,
+        caller: WriterId,
+        request: &OpenWriteRequest,
+    ) -> Result<OpenWriteAnswer, CallError>;
+    /// Commits the session `caller`'s connection holds.
+    fn commit(&self, caller: WriterId, request: &CommitRequest) -> Result<CommitAnswer, CallError>;
+    /// Aborts the session `caller`'s connection holds.
+    fn abort(&self, caller: WriterId, request: &AbortRequest) -> Result<AbortAnswer, CallError>;
 }
 
 /// The error for a body that does not decode.
@@ -28,13 +40,14 @@ pub(super) fn bad_request(message: String) -> CallError {
     CallError::new("bad_request", message)
 }
 
-/// Answers one call of a caller of `uid`.
+/// Answers one call of `caller` (its credentials and connection).
 pub(super) fn dispatch(
     ops: &impl Ops,
-    uid: u32,
+    caller: WriterId,
     method: &str,
     body: &Value,
 ) -> Result<Value, CallError> {
+    let uid = caller.uid;
     match method {
         LoadRequest::METHOD => {
             let r: LoadRequest = decode(method, body).map_err(bad_request)?;
@@ -63,6 +76,21 @@ pub(super) fn dispatch(
             }
             ops.ask_stop();
             Ok(encode(&ShutdownAnswer { stopping: true }))
+        }
+        OpenWriteRequest::METHOD => {
+            let r: OpenWriteRequest = decode(method, body).map_err(bad_request)?;
+            admin::validate_set_name(&r.set).map_err(bad_request)?;
+            ops.open_write(caller, &r).map(|a| encode(&a))
+        }
+        CommitRequest::METHOD => {
+            let r: CommitRequest = decode(method, body).map_err(bad_request)?;
+            admin::validate_set_name(&r.set).map_err(bad_request)?;
+            ops.commit(caller, &r).map(|a| encode(&a))
+        }
+        AbortRequest::METHOD => {
+            let r: AbortRequest = decode(method, body).map_err(bad_request)?;
+            admin::validate_set_name(&r.set).map_err(bad_request)?;
+            ops.abort(caller, &r).map(|a| encode(&a))
         }
         other => Err(CallError::new(
             "unknown_method",
@@ -126,22 +154,123 @@ mod tests {
         fn ask_stop(&self) {
             self.asked.borrow_mut().push("stop".into());
         }
+        fn open_write(
+            &self,
+            c: WriterId,
+            r: &OpenWriteRequest,
+        ) -> Result<OpenWriteAnswer, CallError> {
+            self.asked.borrow_mut().push(format!(
+                "open_write {} {} {} {} {}",
+                c.pid,
+                c.uid,
+                c.connection,
+                r.set,
+                r.layout.as_ref().map_or(0, Vec::len)
+            ));
+            admin::decode(
+                "open_write",
+                &json!({"set": r.set, "version": 2, "staging": ".cuda-ipc/unlisted/stage/x",
+                        "tensors": 1, "payload_bytes": 4, "bytes": 256,
+                        "layout_hash": "00", "creates": false}),
+            )
+            .map_err(bad_request)
+        }
+        fn commit(&self, c: WriterId, r: &CommitRequest) -> Result<CommitAnswer, CallError> {
+            self.asked.borrow_mut().push(format!(
+                "commit {} {} {}",
+                c.connection, r.set, r.layout_hash
+            ));
+            Err(CallError::new("layout_mismatch", "no"))
+        }
+        fn abort(&self, c: WriterId, r: &AbortRequest) -> Result<AbortAnswer, CallError> {
+            self.asked
+                .borrow_mut()
+                .push(format!("abort {} {}", c.connection, r.set));
+            Ok(AbortAnswer {
+                set: r.set.clone(),
+                version: 2,
+            })
+        }
+    }
+
+    fn caller(uid: u32) -> WriterId {
+        WriterId {
+            pid: 77,
+            uid,
+            connection: 3,
+        }
+    }
+
+    #[test]
+    fn write_calls_are_decoded_strictly_and_routed_with_the_callers_connection() {
+        let f = Fake::default();
+        let a = dispatch(&f, caller(9), "open_write", &json!({"set": "m"})).unwrap();
+        assert_eq!(a["version"], 2);
+        let layout = json!([{"name": "w", "dtype": "bf16", "shape": [2, 3]}]);
+        dispatch(
+            &f,
+            caller(9),
+            "open_write",
+            &json!({"set": "n", "layout": layout}),
+        )
+        .unwrap();
+        let e = dispatch(
+            &f,
+            caller(9),
+            "commit",
+            &json!({"set": "m", "layout_hash": "ab"}),
+        )
+        .unwrap_err();
+        assert_eq!(e.code, "layout_mismatch");
+        let a = dispatch(&f, caller(9), "abort", &json!({"set": "m"})).unwrap();
+        assert_eq!(a, json!({"set": "m", "version": 2}));
+        assert_eq!(
+            *f.asked.borrow(),
+            [
+                "open_write 77 9 3 m 0",
+                "open_write 77 9 3 n 1",
+                "commit 3 m ab",
+                "abort 3 m"
+            ]
+        );
+        for (method, body) in [
+            ("open_write", json!({})),
+            ("open_write", json!({"set": "m", "layout": {}})),
+            (
+                "open_write",
+                json!({"set": "m", "layout": [{"name": "w", "dtype": "f32"}]}),
+            ),
+            (
+                "open_write",
+                json!({"set": "m", "layout": [{"name": "w", "dtype": "f32", "shape": [1], "x": 1}]}),
+            ),
+            ("open_write", json!({"set": ".cuda-ipc/unlisted/stage/x"})),
+            ("open_write", json!({"set": ""})),
+            ("commit", json!({"set": "m"})),
+            ("commit", json!({"set": "m", "layout_hash": 5})),
+            ("abort", json!({"set": "m", "force": true})),
+            ("abort", json!("m")),
+        ] {
+            let e = dispatch(&f, caller(9), method, &body).unwrap_err();
+            assert_eq!(e.code, "bad_request", "{method} {body}: {}", e.message);
+        }
+        assert_eq!(f.asked.borrow().len(), 4);
     }
 
     #[test]
     fn calls_are_decoded_strictly_and_routed_with_the_callers_uid() {
         let f = Fake::default();
         assert_eq!(
-            dispatch(&f, 9, "ls", &json!({})).unwrap(),
+            dispatch(&f, caller(9), "ls", &json!({})).unwrap(),
             json!({"sets": []})
         );
         assert_eq!(
-            dispatch(&f, 9, "stats", &json!({})).unwrap()["service_uid"],
+            dispatch(&f, caller(9), "stats", &json!({})).unwrap()["service_uid"],
             5
         );
-        let e = dispatch(&f, 9, "load", &json!({"set": "m", "path": "/m"})).unwrap_err();
+        let e = dispatch(&f, caller(9), "load", &json!({"set": "m", "path": "/m"})).unwrap_err();
         assert_eq!(e.code, "over_quota");
-        let a = dispatch(&f, 9, "drop", &json!({"set": "m", "force": true})).unwrap();
+        let a = dispatch(&f, caller(9), "drop", &json!({"set": "m", "force": true})).unwrap();
         assert_eq!(a["bytes"], 7);
         assert_eq!(
             *f.asked.borrow(),
@@ -156,13 +285,13 @@ mod tests {
             ("drop", json!({"set": "m", "force": "yes"})),
             ("shutdown", json!([])),
         ] {
-            let e = dispatch(&f, 9, method, &body).unwrap_err();
+            let e = dispatch(&f, caller(9), method, &body).unwrap_err();
             assert_eq!(e.code, "bad_request", "{method} {body}: {}", e.message);
             assert!(e.message.contains(method), "{}", e.message);
         }
         assert_eq!(f.asked.borrow().len(), 4);
 
-        let e = dispatch(&f, 9, "sleep", &json!({})).unwrap_err();
+        let e = dispatch(&f, caller(9), "sleep", &json!({})).unwrap_err();
         assert_eq!(e.code, "unknown_method");
         assert!(
             e.message.contains("load, ls, stats, drop, shutdown"),
@@ -174,10 +303,10 @@ mod tests {
     #[test]
     fn only_the_service_uid_may_stop_it() {
         let f = Fake::default();
-        let e = dispatch(&f, 9, "shutdown", &json!({})).unwrap_err();
+        let e = dispatch(&f, caller(9), "shutdown", &json!({})).unwrap_err();
         assert_eq!(e.code, "not_allowed");
         assert!(f.asked.borrow().is_empty());
-        let a = dispatch(&f, 5, "shutdown", &json!({})).unwrap();
+        let a = dispatch(&f, caller(5), "shutdown", &json!({})).unwrap();
         assert_eq!(a, json!({"stopping": true}));
         assert_eq!(*f.asked.borrow(), ["stop"]);
     }

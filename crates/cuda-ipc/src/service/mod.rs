@@ -8,6 +8,10 @@
 //!   bodies, shared with `cuda-ipc load`, `ls`, `stats` and `drop`.
 //! - [`Service`]: a publisher with read-only readers, the catalog, and the
 //!   channel's call handler that answers the methods.
+//! - [`Writer`]: a writer's session, from its side: open, write into the
+//!   staging version mapped read-write, commit or abort (the service's
+//!   side is described in its `write` module: one writer per set, a second
+//!   copy while it writes, readers moved by an update notice).
 //!
 //! Readers attach the sets as any publisher's
 //! ([`Subscriber::attach_set`](crate::exchange::Subscriber::attach_set),
@@ -29,7 +33,10 @@ mod access;
 pub mod admin;
 pub mod catalog;
 mod dispatch;
+pub mod layout;
 mod stop;
+mod write;
+mod writer;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -43,9 +50,15 @@ use crate::error::{Error, Result};
 use crate::exchange::{Endpoint, Publisher, PublisherConfig};
 use crate::loader::{LoadedCheckpoint, load_checkpoint};
 
-use admin::{DropAnswer, DropRequest, LoadAnswer, LoadRequest, LsAnswer, SetRow, StatsAnswer};
-pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsage};
+use admin::{
+    AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, DropAnswer, DropRequest, LoadAnswer,
+    LoadRequest, LsAnswer, OpenWriteAnswer, OpenWriteRequest, SetRow, SetState, StatsAnswer,
+    WriterRow,
+};
+pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsage, WriterId};
 use dispatch::{Ops, bad_request};
+use layout::Tensor;
+pub use writer::Writer;
 
 /// How a [`Service`] runs: `ServiceConfig::default()` and the `with_`
 /// methods.
@@ -95,13 +108,53 @@ pub struct ShutdownReport {
     pub waited: Duration,
 }
 
+/// The buffers of a set's current version, kept until it is dropped or
+/// replaced, and its layout (what a write session copies).
+struct Held {
+    tensors: Vec<Tensor>,
+    _buffers: HeldBuffers,
+}
+
+/// Kept for their `Drop`: a version's ranges go back to the arena with them.
+#[allow(dead_code)]
+enum HeldBuffers {
+    Loaded(LoadedCheckpoint),
+    Written(Vec<crate::arena::DeviceArenaBuffer>),
+}
+
+impl Held {
+    fn loaded(loaded: LoadedCheckpoint) -> Held {
+        Held {
+            tensors: write::tensors_of(&loaded),
+            _buffers: HeldBuffers::Loaded(loaded),
+        }
+    }
+
+    fn written(tensors: Vec<Tensor>, buffers: Vec<crate::arena::DeviceArenaBuffer>) -> Held {
+        Held {
+            tensors,
+            _buffers: HeldBuffers::Written(buffers),
+        }
+    }
+}
+
+/// The largest call body the service accepts: a new set's layout travels
+/// in `open_write` (the channel's message limit, 1 MiB).
+const MAX_CALL_BYTES: u32 = crate::channel::MAX_PAYLOAD;
+
 struct Inner {
     publisher: Publisher,
     device: Device,
     load_defaults: PlanOptions,
     catalog: Mutex<Catalog>,
-    /// The loaded buffers of each set, kept until it is dropped.
-    held: Mutex<HashMap<String, LoadedCheckpoint>>,
+    /// The current version of each set, kept until it is dropped or
+    /// replaced.
+    held: Mutex<HashMap<String, Held>>,
+    /// The staging versions of write sessions, by set.
+    staging: Mutex<HashMap<String, write::Staging>>,
+    /// Versions replaced by a commit: (set, version, its channel entry),
+    /// until their last reader lets go.
+    retired: Mutex<Vec<(String, u64, u64)>>,
     /// Set by the `shutdown` method.
     stop_asked: Mutex<bool>,
     stop_cv: Condvar,
@@ -139,6 +192,7 @@ impl Service {
         config.load.validate()?;
         let publisher_config = PublisherConfig::default()
             .with_read_only_readers(true)
+            .with_max_request_bytes(MAX_CALL_BYTES)
             .with_allow_uids(config.allow_uids.iter().copied());
         let publisher = Publisher::bind(device, endpoint, publisher_config)?;
         let uid = rustix::process::geteuid().as_raw();
@@ -148,19 +202,30 @@ impl Service {
             load_defaults: config.load,
             catalog: Mutex::new(Catalog::new(uid, config.quotas)),
             held: Mutex::new(HashMap::new()),
+            staging: Mutex::new(HashMap::new()),
+            retired: Mutex::new(Vec::new()),
             stop_asked: Mutex::new(false),
             stop_cv: Condvar::new(),
         });
         let weak: Weak<Inner> = Arc::downgrade(&inner);
-        inner
-            .publisher
-            .server()
-            .set_call_handler(Some(CallHandler::new(move |ctx, method, body| {
-                let Some(inner) = weak.upgrade() else {
-                    return Err(CallError::new("stopping", "the service is stopping"));
-                };
-                dispatch::dispatch(&*inner, ctx.peer.uid, method, body)
-            })));
+        let closed = Weak::clone(&weak);
+        let handler = CallHandler::new(move |ctx, method, body| {
+            let Some(inner) = weak.upgrade() else {
+                return Err(CallError::new("stopping", "the service is stopping"));
+            };
+            let caller = WriterId {
+                pid: ctx.peer.pid,
+                uid: ctx.peer.uid,
+                connection: ctx.connection,
+            };
+            dispatch::dispatch(&*inner, caller, method, body)
+        })
+        .on_close(move |connection| {
+            if let Some(inner) = closed.upgrade() {
+                inner.connection_closed(connection);
+            }
+        });
+        inner.publisher.server().set_call_handler(Some(handler));
         tracing::info!(path = %inner.publisher.path().display(), "service serving");
         Ok(Service { inner })
     }
@@ -228,6 +293,14 @@ impl Service {
     pub fn shutdown(self, grace: Duration) -> ShutdownReport {
         let inner = &self.inner;
         locked(&inner.catalog).stop();
+        let sessions: Vec<(String, String)> = locked(&inner.catalog)
+            .write_sessions()
+            .map(|s| (s.set.clone(), s.staging.clone()))
+            .collect();
+        for (set, entry) in sessions {
+            locked(&inner.catalog).abort_any(&set);
+            inner.discard_staging(&set, &entry);
+        }
         let (held, waited) = stop::wait_for_readers(&**inner, grace, Duration::from_millis(20));
         let mut catalog = locked(&inner.catalog);
         let names: Vec<String> = catalog.sets().map(|s| s.name.clone()).collect();
@@ -351,7 +424,7 @@ impl Ops for Inner {
                 ),
             )
             .clone();
-        locked(&self.held).insert(r.set.clone(), loaded);
+        locked(&self.held).insert(r.set.clone(), Held::loaded(loaded));
         tracing::info!(set = %r.set, uid, version = info.version, s = report.elapsed.as_secs_f64(), "loaded");
         Ok(LoadAnswer {
             set: info.name,
@@ -368,12 +441,46 @@ impl Ops for Inner {
     }
 
     fn ls(&self) -> LsAnswer {
+        self.sweep_retired();
         let leases = self.publisher.leases();
         let catalog = locked(&self.catalog);
-        LsAnswer {
-            sets: catalog
-                .sets()
-                .map(|s| SetRow {
+        let writer = |name: &str| {
+            catalog.writing(name).map(|w| WriterRow {
+                pid: w.writer.pid,
+                uid: w.writer.uid,
+                version: w.version,
+                bytes: w.bytes,
+            })
+        };
+        let state = |w: &Option<WriterRow>| {
+            if w.is_some() {
+                SetState::Writing
+            } else {
+                SetState::Committed
+            }
+        };
+        // Sets being written for the first time have no version yet.
+        let new_sets = catalog.write_sessions().filter(|w| w.creates).map(|w| {
+            let row = writer(&w.set);
+            SetRow {
+                name: w.set.clone(),
+                bytes: 0,
+                payload_bytes: 0,
+                tensors: w.staged.tensors,
+                version: 0,
+                owner_uid: w.owner_uid,
+                loaded_from: String::new(),
+                created_unix: 0,
+                leases: Vec::new(),
+                state: state(&row),
+                writer: row,
+            }
+        });
+        let mut sets: Vec<SetRow> = catalog
+            .sets()
+            .map(|s| {
+                let row = writer(&s.name);
+                SetRow {
                     name: s.name.clone(),
                     bytes: s.bytes,
                     payload_bytes: s.payload_bytes,
@@ -390,12 +497,18 @@ impl Ops for Inner {
                             uid: l.uid,
                         })
                         .collect(),
-                })
-                .collect(),
-        }
+                    state: state(&row),
+                    writer: row,
+                }
+            })
+            .chain(new_sets)
+            .collect();
+        sets.sort_by(|a, b| a.name.cmp(&b.name));
+        LsAnswer { sets }
     }
 
     fn stats(&self) -> StatsAnswer {
+        self.sweep_retired();
         let memory = self.device.memory_info().ok();
         let catalog = locked(&self.catalog);
         let names: BTreeSet<&str> = catalog.sets().map(|s| s.name.as_str()).collect();
@@ -426,12 +539,17 @@ impl Ops for Inner {
         catalog
             .check_drop(caller, &r.set, &holders, r.force)
             .map_err(|e| refused(&e))?;
+        // A forced drop of a set being written ends the write.
+        let session = catalog.abort_any(&r.set);
         // Hidden first, so that no new reader attaches; forgotten after.
         self.publisher
             .unpublish_set(&r.set, None)
             .map_err(|e| call_error("drop_failed", &e))?;
         let info = catalog.remove(&r.set);
         drop(catalog);
+        if let Some(s) = session {
+            self.discard_staging(&s.set, &s.staging);
+        }
         let loaded = locked(&self.held).remove(&r.set);
         drop(loaded);
         self.publisher.reap();
@@ -453,6 +571,30 @@ impl Ops for Inner {
     fn ask_stop(&self) {
         *locked(&self.stop_asked) = true;
         self.stop_cv.notify_all();
+    }
+
+    fn open_write(
+        &self,
+        caller: WriterId,
+        r: &OpenWriteRequest,
+    ) -> std::result::Result<OpenWriteAnswer, CallError> {
+        Inner::open_write(self, caller, r)
+    }
+
+    fn commit(
+        &self,
+        caller: WriterId,
+        r: &CommitRequest,
+    ) -> std::result::Result<CommitAnswer, CallError> {
+        Inner::commit(self, caller, r)
+    }
+
+    fn abort(
+        &self,
+        caller: WriterId,
+        r: &AbortRequest,
+    ) -> std::result::Result<AbortAnswer, CallError> {
+        Inner::abort(self, caller, r)
     }
 }
 

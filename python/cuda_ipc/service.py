@@ -1,0 +1,285 @@
+"""The weight service from Python (``cuda-ipc serve --service``): readers,
+writers and the admin functions.
+
+A service owns the device memory of its sets; readers map them read-only,
+one writer per set at a time writes a new version and commits it.
+
+::
+
+    from cuda_ipc import service
+
+    service.load("weights", "/models/qwen", set="model")   # the service loads it
+    with service.Reader("weights") as reader:
+        sd = reader.attach_state_dict("model")               # read-only tensors
+        model.load_state_dict(sd, assign=True)
+
+    # A trainer: writes every tensor of the next version, then commits.
+    with service.Writer("weights", "model") as w:
+        for name, t in w.state_dict.items():
+            t.copy_(trained[name])
+    # leaving the block commits; an exception aborts (readers never see it)
+
+Readers move to a new version when they ask: ``sd.wait_update()`` returns
+when a writer commits; attach the set again for the new version and
+release the old one. A writer's session is its connection: a writer that
+exits or is killed aborts, and readers stay on the last committed version.
+A writer's staging version starts with undefined contents: write every
+byte. Every error is a :class:`cuda_ipc.errors.CudaIpcError`; the
+service's refusals are :class:`cuda_ipc.errors.ServiceError` with a
+``code`` (``writing``, naming the writer that holds the set;
+``over_quota``; ``not_found``; ``leased``; ...).
+
+Not yet run on a GPU (see docs/SERVICE.md).
+"""
+
+import json
+import os
+
+from . import _core
+from .channel import Subscriber
+from .errors import CudaIpcError, InvalidInput
+
+__all__ = ["Reader", "Writer", "load", "ls", "stats", "drop", "call"]
+
+# How long a writer's calls wait: open_write allocates the staging version.
+_WRITE_TIMEOUT = 120.0
+
+
+def _name(what, value):
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(f"{what} must be a non-empty string, not {value!r}")
+    return value
+
+
+def _service(service):
+    if isinstance(service, os.PathLike):
+        service = os.fspath(service)
+    return _name("service", service)
+
+
+def call(service, method, body=None, *, timeout=5.0, allow_uids=()):
+    """Calls ``method`` of the service ``service`` (a name or a socket
+    path) with ``body`` (a dict; ``{}`` by default) on a connection of its
+    own; returns the answer (a dict)."""
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise InvalidInput(f"body must be a dict, not {type(body).__name__}")
+    text = _core.service_call(_service(service), _name("method", method), json.dumps(body),
+                              timeout=timeout, allow_uids=list(allow_uids))
+    return json.loads(text)
+
+
+def load(service, path, *, set="model", streams=None, staging=None, timeout=600.0, allow_uids=()):
+    """Has the service load the safetensors checkpoint at ``path`` (a file,
+    a sharded checkpoint's index or a directory, made absolute here) as
+    set ``set``, counted against the caller's quota; returns the answer
+    (``version``, ``tensors``, ``bytes``, ``load_s``, ``gb_per_s``, ...)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    path = os.path.abspath(_name("path", path))
+    body = {"set": _name("set", set), "path": path}
+    if streams is not None:
+        body["streams"] = _count("streams", streams)
+    if staging is not None:
+        body["staging"] = _count("staging", staging)
+    return call(service, "load", body, timeout=timeout, allow_uids=allow_uids)
+
+
+def _count(what, n):
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise InvalidInput(f"{what} must be a positive int, not {n!r}")
+    return n
+
+
+def ls(service, *, timeout=5.0, allow_uids=()):
+    """The sets the service holds: a list of dicts (``name``, ``bytes``,
+    ``version``, ``owner_uid``, ``leases``, ``state`` (``committed`` or
+    ``writing``), ``writer``, ...)."""
+    return call(service, "ls", {}, timeout=timeout, allow_uids=allow_uids)["sets"]
+
+
+def stats(service, *, timeout=5.0, allow_uids=()):
+    """Per-uid use against quotas, totals and the device's memory (a dict)."""
+    return call(service, "stats", {}, timeout=timeout, allow_uids=allow_uids)
+
+
+def drop(service, set, force=False, *, timeout=5.0, allow_uids=()):
+    """Drops set ``set`` (refused while readers hold it, unless ``force``:
+    they keep what they mapped); returns the answer."""
+    if not isinstance(force, bool):
+        raise InvalidInput(f"force must be a bool, not {force!r}")
+    return call(service, "drop", {"set": _name("set", set), "force": force},
+                timeout=timeout, allow_uids=allow_uids)
+
+
+class Reader:
+    """A reader of the service ``service``: a :class:`cuda_ipc.Subscriber`
+    that maps everything read-only (a kernel that writes to the tensors
+    fails; the service's bytes do not change)."""
+
+    def __init__(self, service, *, device=0, timeout=5.0, allow_uids=()):
+        self.subscriber = Subscriber(_service(service), device=device, timeout=timeout,
+                                     allow_uids=allow_uids, read_only=True)
+
+    def attach_state_dict(self, set):
+        """The current version of set ``set`` as a
+        :class:`cuda_ipc.sets.StateDict` of read-only tensors;
+        ``wait_update()`` on it returns when a writer commits a new one."""
+        return self.subscriber.attach_state_dict(_name("set", set), read_only=True)
+
+    def sleep(self):
+        """Unmaps everything, keeping the addresses (see
+        :meth:`cuda_ipc.Subscriber.sleep`)."""
+        return self.subscriber.sleep()
+
+    def wake(self):
+        """Maps everything again at the same addresses."""
+        return self.subscriber.wake()
+
+    asleep = property(lambda self: self.subscriber.asleep, doc="Whether it sleeps.")
+
+    def close(self):
+        """Disconnects (tensors still alive keep their leases)."""
+        self.subscriber.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class Writer:
+    """A write session on set ``set`` of the service ``service``, as a
+    context manager: entering opens it (one writer per set: another
+    writer's session is refused, ``ServiceError`` with code ``writing``
+    naming it) and attaches the staging version read-write as
+    :attr:`state_dict`; leaving commits, or aborts on an exception.
+
+    For an existing set the staging version has its layout; for a new set
+    give ``layout``: a dict of name to a tensor (its dtype and shape are
+    taken) or to ``(dtype, shape)`` (a descriptor or PyTorch dtype name).
+    The staging contents start undefined: write every tensor (``copy_``,
+    ``load_state_dict``)."""
+
+    def __init__(self, service, set, *, layout=None, device=0, timeout=5.0, allow_uids=()):
+        self.set = _name("set", set)
+        self._layout = _layout(layout) if layout is not None else None
+        self._device = device
+        self.subscriber = Subscriber(_service(service), device=device, timeout=timeout,
+                                     allow_uids=allow_uids)
+        self.opened = None
+        self.state_dict = None
+        self._done = False
+
+    def open(self):
+        """Opens the session and attaches the staging version; returns its
+        state dict."""
+        if self.opened is not None:
+            raise InvalidInput(f"the write of {self.set!r} is open already")
+        body = {"set": self.set}
+        if self._layout is not None:
+            body["layout"] = self._layout
+        self.opened = self.subscriber.call("open_write", body, _WRITE_TIMEOUT)
+        try:
+            self.state_dict = self.subscriber.attach_state_dict(self.opened["staging"])
+        except BaseException:
+            self._end("abort")
+            raise
+        return self.state_dict
+
+    version = property(lambda self: self.opened and self.opened["version"],
+                       doc="The version a commit makes (``None`` before :meth:`open`).")
+
+    def commit(self):
+        """Waits for every stream of the device (PyTorch's too), lets go of
+        the staging tensors and commits: readers get an update and new
+        attaches get this version. Returns the answer (``version``,
+        ``retired_version``, ``readers_told``)."""
+        if self.state_dict is None:
+            raise InvalidInput(f"the write of {self.set!r} is not open")
+        _synchronize(self._device)
+        body = {"set": self.set, "layout_hash": self.state_dict.attachment.layout_hash}
+        self._let_go()
+        return self._end("commit", body)
+
+    def abort(self):
+        """Discards the staging version; readers stay on the current one."""
+        if self.opened is None:
+            raise InvalidInput(f"the write of {self.set!r} is not open")
+        self._let_go()
+        return self._end("abort")
+
+    def _let_go(self):
+        sd, self.state_dict = self.state_dict, None
+        if sd is not None:
+            try:
+                sd.release()
+            except CudaIpcError:
+                # Tensors of it live on (a model's after assign=True): the
+                # mapping stays until they go; they must not be written.
+                pass
+
+    def _end(self, method, body=None):
+        self._done = True
+        return self.subscriber.call(method, body or {"set": self.set}, _WRITE_TIMEOUT)
+
+    def close(self):
+        """Disconnects; a session still open ends as an abort."""
+        self.subscriber.close()
+
+    def __enter__(self):
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if not self._done and self.opened is not None:
+                if exc_type is None:
+                    self.commit()
+                else:
+                    self.abort()
+        finally:
+            self.close()
+        return False
+
+
+def _layout(layout):
+    """A new set's layout as the service takes it: a list of ``{name,
+    dtype, shape}``."""
+    from . import dtypes as _dtypes
+
+    if not isinstance(layout, dict) or not layout:
+        raise InvalidInput("layout must be a non-empty dict of name to a tensor or (dtype, shape)")
+    out = []
+    for name, spec in layout.items():
+        _name("a layout's tensor name", name)
+        if hasattr(spec, "dtype") and hasattr(spec, "shape"):
+            dtype, shape = spec.dtype, tuple(spec.shape)
+        elif isinstance(spec, (tuple, list)) and len(spec) == 2:
+            dtype, shape = spec
+        else:
+            raise InvalidInput(f"layout[{name!r}] must be a tensor or (dtype, shape), not {spec!r}")
+        d = _dtypes.lookup(dtype)
+        if d is None:
+            raise InvalidInput(f"layout[{name!r}]: unknown dtype {dtype!r}")
+        if isinstance(shape, int) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                             for n in shape):
+            raise InvalidInput(f"layout[{name!r}]: shape must be positive ints, not {shape!r}")
+        out.append({"name": name, "dtype": d.name, "shape": [int(n) for n in shape]})
+    return out
+
+
+def _synchronize(device):
+    """Waits for PyTorch's streams on ``device`` if PyTorch is loaded."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)

@@ -1,0 +1,101 @@
+"""cuda_ipc.service without a GPU: argument checks before anything is
+sent, layouts as the service takes them, and a missing service's error
+(a CudaIpcError, never a crash)."""
+
+import os
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _path  # noqa: E402,F401
+
+import cuda_ipc  # noqa: E402
+from cuda_ipc import service  # noqa: E402
+from cuda_ipc.errors import CudaIpcError, InvalidInput, PeerGone, ServiceError  # noqa: E402
+
+
+class Arguments(unittest.TestCase):
+    def test_bad_arguments_are_refused_before_anything_is_sent(self):
+        for call in (
+            lambda: service.ls(""),
+            lambda: service.ls(5),
+            lambda: service.stats(None),
+            lambda: service.load("svc", ""),
+            lambda: service.load("svc", "/m", set=""),
+            lambda: service.load("svc", "/m", streams=0),
+            lambda: service.load("svc", "/m", streams=True),
+            lambda: service.load("svc", "/m", staging=-1),
+            lambda: service.drop("svc", ""),
+            lambda: service.drop("svc", "m", force="yes"),
+            lambda: service.call("svc", "ls", [1]),
+            lambda: service.call("svc", "", {}),
+            lambda: service.Writer("svc", ""),
+            lambda: service.Writer("svc", "m", layout={}),
+            lambda: service.Reader("svc").attach_state_dict(""),
+        ):
+            with self.subTest(call=call):
+                with self.assertRaises(CudaIpcError) as c:
+                    call()
+                # Argument checks come first: an InvalidInput (a missing
+                # driver or service only for the Reader, which connects).
+                if not isinstance(c.exception, InvalidInput):
+                    self.assertIsInstance(c.exception, CudaIpcError)
+
+    def test_a_bad_service_name_is_invalid_input(self):
+        with self.assertRaises(InvalidInput):
+            service.ls("bad name!")
+
+    def test_layouts_are_given_as_the_service_takes_them(self):
+        got = service._layout({"w": ("bf16", (2, 3)), "b": ("float32", [4])})
+        self.assertEqual(got, [{"name": "w", "dtype": "bf16", "shape": [2, 3]},
+                               {"name": "b", "dtype": "f32", "shape": [4]}])
+
+        class FakeTensor:
+            dtype = "torch.float16"
+            shape = (5,)
+
+        self.assertEqual(service._layout({"t": FakeTensor()}),
+                         [{"name": "t", "dtype": "f16", "shape": [5]}])
+        for bad in ({}, [("w", ("f32", [1]))], {"w": ("nope", [1])}, {"w": ("f32", [0])},
+                    {"w": ("f32", 3)}, {"w": ("f32", [True])}, {"w": 5}, {"": ("f32", [1])}):
+            with self.subTest(layout=bad):
+                with self.assertRaises(InvalidInput):
+                    service._layout(bad)
+
+
+class MissingService(unittest.TestCase):
+    def test_a_missing_service_is_a_cuda_ipc_error_naming_it(self):
+        name = f"no-such-service-{os.getpid()}"
+        for call in (lambda: service.ls(name), lambda: service.stats(name),
+                     lambda: service.drop(name, "m"), lambda: service.load(name, "/m")):
+            with self.subTest(call=call):
+                with self.assertRaises(CudaIpcError) as c:
+                    call()
+                self.assertNotIsInstance(c.exception, InvalidInput)
+        with tempfile.TemporaryDirectory() as d:
+            with self.assertRaises(CudaIpcError) as c:
+                service.ls(os.path.join(d, "svc.sock"))
+            self.assertIn("svc.sock", str(c.exception))
+
+    def test_a_reader_or_writer_of_a_missing_service_raises_a_cuda_ipc_error(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "svc.sock")
+            with self.assertRaises(CudaIpcError):
+                service.Reader(path)
+            with self.assertRaises(CudaIpcError):
+                with service.Writer(path, "m"):
+                    pass
+
+
+class Errors(unittest.TestCase):
+    def test_service_refusals_are_peer_errors_with_a_code(self):
+        self.assertTrue(issubclass(ServiceError, PeerGone))
+        self.assertTrue(issubclass(ServiceError, CudaIpcError))
+        self.assertIs(cuda_ipc.ServiceError, ServiceError)
+        self.assertIn("ServiceError", cuda_ipc.__all__)
+        self.assertIn("service", cuda_ipc.__all__)
+
+
+if __name__ == "__main__":
+    unittest.main()
