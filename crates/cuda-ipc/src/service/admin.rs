@@ -18,7 +18,8 @@
 //! the wrong type is an error naming it ([`decode`]). Refusals travel as
 //! channel errors whose code is [`CatalogError::code`](super::CatalogError::code)
 //! or one of `bad_request`, `checkpoint`, `not_readable`, `load_failed`,
-//! `not_allowed`, `unknown_method`, `layout_mismatch`, `write_failed`.
+//! `not_allowed`, `unknown_method`, `layout_mismatch`, `write_failed`
+//! (the catalog's include `too_many_writes`).
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
