@@ -215,6 +215,7 @@ class Chaos:
 
     def check_values(self, r, at_least, what):
         """`r` (an attach's answer) holds one committed version, complete."""
+        assert "refused" not in r, f"{what}: refused: {r}"
         vals = r["values"]
         assert r["tensors"] == TENSORS, f"{what}: {r['tensors']} tensors, not {TENSORS}"
         assert len(vals) == 1, f"{what}: tensors hold several values {vals[:8]}: a version seen incomplete"
@@ -359,12 +360,12 @@ def fds_of(pid):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def settle(what, probe, want, deadline_s=30.0):
-    """Polls `probe` until it returns `want` or the deadline passes; returns
-    the last value."""
+def settle(probe, good, deadline_s=30.0):
+    """Polls `probe` until `good(value)` or the deadline passes; returns the
+    last value."""
     end = time.monotonic() + deadline_s
     got = probe()
-    while got != want and time.monotonic() < end:
+    while not good(got) and time.monotonic() < end:
         time.sleep(0.2)
         got = probe()
     return got
@@ -394,13 +395,14 @@ def run(cli, rounds, seed, mem_slack_mib, report):
         # context and the arena's first chunks have been made once.
         chaos.write("commit")
         chaos.attach(0, "hold")
-        chaos.readers[0][0].stop()
-        chaos.readers[0] = None
-        settle("leases", lambda: svc.stats(sock)["leases"], 0)
+        # No client process (and no CUDA context of one) while counting.
+        chaos.everyone_gone()
+        settle(lambda: svc.stats(sock)["leases"], lambda n: n == 0)
         svc.drop(sock, SET)
         chaos.exists = False
         time.sleep(1.0)
         start = usage(svc, sock)
+        time.sleep(0.5)  # the stats call's connection closes in the service
         start_fds = fds_of(pid)
         report(True, "warm-up", f"service pid {pid}: {start_fds} descriptors, {start['device_free']} bytes free")
         chaos.write("commit")
@@ -413,8 +415,9 @@ def run(cli, rounds, seed, mem_slack_mib, report):
                f"{json.dumps(chaos.counts, sort_keys=True)}")
 
         chaos.everyone_gone()
-        got = settle("sessions", lambda: [(s["state"], len(s["leases"])) for s in svc.ls(sock)
-                                          if s["name"] == SET and (s["state"] != "committed" or s["leases"])], [])
+        got = settle(lambda: [(s["state"], len(s["leases"])) for s in svc.ls(sock)
+                              if s["name"] == SET and (s["state"] != "committed" or s["leases"])],
+                     lambda rows: rows == [])
         report(got == [], "clients gone", "no writer and no lease left" if got == [] else f"still {got}")
         if chaos.exists is not True:
             chaos.write("commit")  # the set was dropped last, or a killed commit left it unknown
@@ -427,16 +430,20 @@ def run(cli, rounds, seed, mem_slack_mib, report):
         rows = [s for s in svc.ls(sock) if s["name"] == SET]
         report(len(rows) == 1 and rows[0]["version"] == v and rows[0]["state"] == "committed",
                "the set at the end", f"version {v} complete (every tensor holds {v}); ls: {rows}")
-        settle("leases", lambda: svc.stats(sock)["leases"], 0)
+        settle(lambda: svc.stats(sock)["leases"], lambda n: n == 0)
         svc.drop(sock, SET)
-        end = settle("memory", lambda: usage(svc, sock), start)
-        same = {k: v for k, v in end.items() if k != "device_free"} == \
-            {k: v for k, v in start.items() if k != "device_free"}
+        chaos.everyone_gone()
         slack = mem_slack_mib << 20
-        free_back = end["device_free"] is not None and abs(end["device_free"] - start["device_free"]) <= slack
-        report(same and free_back, "device memory back",
+
+        def back(u):
+            same = {k: v for k, v in u.items() if k != "device_free"} == \
+                {k: v for k, v in start.items() if k != "device_free"}
+            return same and u["device_free"] is not None and abs(u["device_free"] - start["device_free"]) <= slack
+
+        end = settle(lambda: usage(svc, sock), back)
+        report(back(end), "device memory back",
                f"start {start}, end {end} (free memory may differ by {mem_slack_mib} MiB)")
-        end_fds = settle("descriptors", lambda: fds_of(pid), start_fds)
+        end_fds = settle(lambda: fds_of(pid), lambda n: n == start_fds)
         report(end_fds == start_fds, "descriptors back", f"{start_fds} at the start, {end_fds} at the end")
     finally:
         chaos.everyone_gone()
