@@ -141,6 +141,11 @@ step_service_containers() {
   fi
   # Readable by the service of uid 65534 (it opens the files itself).
   chmod -R a+rX "$dir"
+  # The command where other uids can run it (the bundle may sit in a
+  # directory only root can enter).
+  local other_cli="$root/cuda-ipc"
+  cp "$cli" "$other_cli"
+  chmod 755 "$other_cli"
   local private_shm='mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"'
 
   # Part 1: the service in the host's namespaces, as root.
@@ -179,7 +184,7 @@ step_service_containers() {
   chmod 755 "$sockdir"
   sock="$sockdir/svc.sock"
   bg_start svc-other-uid 300 env HOME="$sockdir" setpriv --reuid=65534 --regid=65534 --clear-groups \
-    "$cli" serve --service "$sock" --allow-uid 0 --grace 3s
+    "$other_cli" serve --service "$sock" --allow-uid 0 --grace 3s
   if ! grep -q '"socket"' "$logs/svc-other-uid.json"; then
     bad "service_containers: serve --service as uid 65534 did not start: $(tail -n 3 "$logs/svc-other-uid.err" | tr '\n' ' ')"
     bg_term
@@ -214,13 +219,13 @@ step_service_containers() {
   chmod 666 "$sock"
   name="service_containers: a client of uid 65533 (not allowed) is refused"
   check "$name" 4 setpriv --reuid=65533 --regid=65533 --clear-groups \
-    "$cli" ls --service "$sock" --allow-uid 65534
+    "$other_cli" ls --service "$sock" --allow-uid 65534
   grep -q 'runs as uid 65533, which is not among the server' "$(log_of "$name")" \
     && ok "service_containers: the refusal names uid 65533 and the allowed uids" \
     || bad "service_containers: the refusal of uid 65533 is not clear: $(tail -n 2 "$(log_of "$name")" | tr '\n' ' ' | cut -c1-300)"
   # Expected: exit 4 too for a reader (attach) of uid 65533; nothing mapped.
   check "service_containers: a reader of uid 65533 is refused" 4 setpriv --reuid=65533 --regid=65533 --clear-groups \
-    env HOME=/tmp "$cli" attach --socket "$sock" --allow-uid 65534 --set model --checkpoint "$dir"
+    env HOME=/tmp "$other_cli" attach --socket "$sock" --allow-uid 65534 --set model --checkpoint "$dir"
   # Expected: exit 0: root owns the set it loaded, so it may drop it.
   check "service_containers: root drops its set in the service of uid 65534" 0 \
     "$cli" drop --service "$sock" --allow-uid 65534 model
