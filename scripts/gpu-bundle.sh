@@ -8,7 +8,7 @@
 #
 # The folder holds the release CLI, the release GPU test executables, the
 # examples, the Python wheel (wheels/) and its GPU script, the benchmark scripts and
-# run.sh, which runs them all and prints a summary. Binaries are built here
+# run.sh (with gpu-run-service.sh, which it sources), which runs them all and prints a summary. Binaries are built here
 # (glibc 2.36) and run on newer hosts (the H200 machine has glibc 2.39).
 set -euo pipefail
 
@@ -69,6 +69,7 @@ mkdir -p "$out/wheels"
 mkdir -p "$out/examples/python"
 cp examples/python/*.py "$out/examples/python/"
 cp scripts/gpu-run.sh "$out/run.sh"
+cp scripts/gpu-run-service.sh "$out/gpu-run-service.sh"
 chmod +x "$out/run.sh"
 strip --strip-debug "$out/cuda-ipc" "$out"/tests/* "$out"/examples/* 2>/dev/null || true
 du -sh "$out" >&2

@@ -2,7 +2,7 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes sleep peer bench bench-full containers sets checkpoint load service service_model stress mps
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes sleep peer bench bench-full containers sets checkpoint load service service_containers service_chaos service_model stress mps
 #                          (default: info tests soak demo cli exchange samples python lifetimes sleep)
 #
 # `tests` runs every GPU test but the 100,000-cycle soaks, which `soak` runs
@@ -11,6 +11,11 @@
 # safetensors + torch and checks every byte from another process;
 # `service` runs the weight service (`serve --service`): its GPU tests and
 # the CLI flow (load, ls, stats, attach, quota, drop, SIGTERM);
+# `service_containers` (root) reads a service's sets from new PID, IPC,
+# mount and user namespaces and through a service of another uid
+# (`--allow-uid`); `service_chaos` kills writers and readers of a service
+# at random points (SERVICE_CHAOS_ROUNDS, default 200; the service steps
+# are in gpu-run-service.sh, sourced from next to this script);
 # `stress` kills 200 subscribers (CHAOS_ROUNDS) and runs the exchange soak for
 # 1,000,000 cycles (SOAK_CYCLES), about ten minutes. PYTHON_ONLY=WORD runs only the Python interop
 # cases whose name contains WORD. `peer` and the benches use two GPUs
@@ -313,96 +318,6 @@ PY
   bg_stop "checkpoint: serve --checkpoint --read-only exits 0 once every lease is released" "checkpoint: serve --checkpoint --read-only"
 }
 
-# The weight service (serve --service, issue 26): the GPU tests of
-# tests/gpu/service.rs, then the CLI flow on a small checkpoint written with
-# python3 alone (four dtypes, two shards and an index): a service with a
-# quota that fits one load, `load` (the loading process exits, the set
-# stays), `ls`, `stats`, `attach --set --checkpoint` (every byte, mapped
-# read-only), a second load over the quota refused, `drop`, a load again,
-# then SIGTERM: the service exits 0 and says what it dropped, and `ls`
-# then finds no service. Writer sessions first: tests/gpu/service_write.rs
-# and examples/python/service_trainer.py (needs torch).
-step_service() {
-  run_tests "-service" service::
-  # Writer sessions: the GPU test, then the Python trainer and reader.
-  run_tests "-service-write" service_write::
-  if install_wheel; then
-    check "service: examples/python/service_trainer.py (versions committed, a reader follows by content)" 0 \
-      python3 "$here/examples/python/service_trainer.py" --cli "$cli" --steps 20
-  else
-    bad "service: the trainer example: $wheel_error"
-  fi
-  local dir="$logs/svc-ckpt" sock="$logs/svc.sock"
-  rm -rf "$dir" "$sock"
-  mkdir -p "$dir"
-  if ! python3 - "$dir" >"$logs/svc-ckpt-write.log" 2>&1 <<'PY'
-import json, os, struct, sys
-d = sys.argv[1]
-def save(path, tensors):
-    header, blobs, at = {"__metadata__": {"format": "pt"}}, [], 0
-    for name, dtype, shape, size in tensors:
-        data = os.urandom(size)
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + size]}
-        blobs.append(data)
-        at += size
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-shards = [
-    [("embed.weight", "BF16", [1024, 512], 1024 * 512 * 2), ("norm.weight", "F32", [512], 2048)],
-    [("layers.0.q.weight", "F8_E4M3", [777, 512], 777 * 512), ("layers.0.k.weight", "I8", [333, 77], 333 * 77),
-     ("lm_head.weight", "F16", [1000, 512], 1000 * 512 * 2)],
-]
-wm = {}
-for i, t in enumerate(shards):
-    name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    save(f"{d}/{name}", t)
-    wm.update({n[0]: name for n in t})
-json.dump({"metadata": {"total_size": 0}, "weight_map": wm}, open(f"{d}/model.safetensors.index.json", "w"))
-PY
-  then
-    bad "service: writing the checkpoint with python3 failed: $(tail -n 2 "$logs/svc-ckpt-write.log" | tr '\n' ' ')"
-    return
-  fi
-  # Room for one load of the checkpoint (its bytes and the tensors' alignment), not two.
-  local bytes quota
-  bytes=$(cat "$dir"/*.safetensors | wc -c)
-  quota=$((bytes * 3 / 2))
-  bg_start svc 300 "$cli" serve --service "$sock" --quota "$quota" --grace 3s
-  cat "$logs/svc.json" "$logs/svc.err"
-  check "service: load (the loading process exits; the set stays)" 0 "$cli" load --service "$sock" --set model "$dir"
-  cat "$(log_of "service: load (the loading process exits; the set stays)")"
-  check "service: ls" 0 "$cli" ls --service "$sock"
-  grep -q '^model ' "$(log_of "service: ls")" && ok "service: ls lists the set after its loader exited" \
-    || bad "service: ls does not list the set: $(tail -n 2 "$(log_of "service: ls")" | tr '\n' ' ')"
-  local name="service: attach --set model --checkpoint (every byte, read-only)"
-  check "$name" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir"
-  grep -q '(read-only)' "$(log_of "$name")" && ok "service: the reader mapped the set read-only" \
-    || bad "service: the reader did not say read-only: $(tail -n 1 "$(log_of "$name")")"
-  name="service: a second load over the quota is refused (exit 4)"
-  check "$name" 4 "$cli" load --service "$sock" --set model2 "$dir"
-  grep -q 'quota' "$(log_of "$name")" && ok "service: the refusal names the quota" \
-    || bad "service: the over-quota refusal does not name the quota: $(tail -n 1 "$(log_of "$name")")"
-  check "service: stats" 0 "$cli" stats --service "$sock"
-  cat "$(log_of "service: stats")"
-  check "service: drop model" 0 "$cli" drop --service "$sock" model
-  check "service: load again after the drop" 0 "$cli" load --service "$sock" --set model "$dir"
-  check "service: a second reader reads every byte" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir"
-  kill -TERM "$bg_pid"
-  exec 9>&-
-  wait "$bg_pid"
-  local rc=$?
-  rm -f "$bg_fifo"
-  cat "$logs/svc.err"
-  if [ "$rc" -eq 0 ] && grep -q 'dropped set model' "$logs/svc.err"; then
-    ok "service: SIGTERM stops it (exit 0), saying what it dropped"
-  else
-    bad "service: after SIGTERM it exited $rc: $(tail -n 3 "$logs/svc.err" | tr '\n' ' ')"
-  fi
-  check "service: ls of a stopped service exits 4 and says how to start one" 4 "$cli" ls --service "$sock"
-}
-
 # Loading a 4.37 GB checkpoint from the page cache (issue 26's loader
 # target, 20 GB/s): bench/load_checkpoint.py writes the Qwen2-shaped bf16
 # model of first_attach.py as a sharded checkpoint in $LOAD_DIR (default
@@ -693,6 +608,10 @@ step_bench-full() {
   tail -n 100 "$logs/bench.log"
   [ -n "${OUT:-}" ] && cp "$logs/bench.json" "$logs/bench.svg" "$OUT/" 2>/dev/null
 }
+
+# The weight service's steps (service, service_containers, service_chaos).
+# shellcheck source=scripts/gpu-run-service.sh
+. "$here/gpu-run-service.sh"
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU   /'
 for s in "${steps[@]}"; do

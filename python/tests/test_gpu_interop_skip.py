@@ -1,4 +1,4 @@
-"""gpu_interop.py, gpu_lifetimes.py and gpu_sleep.py (the GPU checks) on a machine that
+"""gpu_interop.py, gpu_lifetimes.py, gpu_sleep.py and gpu_service_chaos.py (the GPU checks) on a machine that
 cannot run them: one line saying what is missing and exit status 77
 (skipped), not thousands of lines of tracebacks. No GPU: the driver is
 disabled."""
@@ -46,6 +46,16 @@ class WithoutADriver(unittest.TestCase):
         lines = out.stdout.splitlines()
         self.assertEqual(len(lines), 1, out.stdout)
         self.assertTrue(lines[0].startswith("gpu_sleep: skipped: it needs the CUDA driver and a GPU: "), lines[0])
+
+    def test_the_service_chaos_run_says_so_too(self):
+        out = self.run_script("--cli", "/nonexistent/cuda-ipc", "--rounds", "1",
+                              script=os.path.join(HERE, "gpu_service_chaos.py"))
+        self.assertEqual(out.returncode, 77, out.stdout + out.stderr)
+        self.assertEqual(out.stderr, "")
+        lines = out.stdout.splitlines()
+        self.assertEqual(len(lines), 1, out.stdout)
+        self.assertTrue(lines[0].startswith("gpu_service_chaos: skipped: it needs the CUDA driver and a GPU: "),
+                        lines[0])
 
     def test_listing_the_cases_needs_no_gpu(self):
         out = self.run_script("--list")

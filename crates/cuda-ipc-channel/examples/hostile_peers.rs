@@ -19,7 +19,11 @@
 //! The server runs in a child process with the default configuration. Run
 //! as root, the attackers run as another user (uid 65534, which the server
 //! also allows), the way a hostile peer on a shared machine would; else as
-//! this user. Prints a Markdown table.
+//! this user. Prints a Markdown table. `HOSTILE_ONLY=calls` (a list of
+//! attack names, comma-separated) runs only those.
+//!
+//! The server answers calls as a weight service refuses them: each call's
+//! body quoted back in a `not_found` error.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::OwnedFd;
@@ -31,7 +35,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cuda_ipc_channel::wire::{HEADER_LEN, Message, PROTOCOL_VERSION};
-use cuda_ipc_channel::{Client, ClientConfig, LatePolicy, Server, ServerConfig};
+use cuda_ipc_channel::{
+    CallError, CallHandler, Client, ClientConfig, LatePolicy, Server, ServerConfig,
+};
 use serde_json::json;
 
 /// Prints a line to stdout; exits quietly when stdout is gone (`| head`),
@@ -86,6 +92,10 @@ const ATTACKS: &[(&str, &str)] = &[
         "subscribes to the ring, reads every frame, acks none",
     ),
     ("trickle", "sends a request one byte a second"),
+    (
+        "calls",
+        "sends 2,000 calls naming missing 256-byte sets (a service's refusal each), reads nothing",
+    ),
 ];
 
 fn main() {
@@ -102,6 +112,12 @@ fn main() {
 fn serve(path: &Path) {
     let mut config = ServerConfig::new(path);
     config.allowed_uids.push(OTHER_UID);
+    config.call_handler = Some(CallHandler::new(|_, method, body| {
+        Err(CallError::new(
+            "not_found",
+            format!("{method}: the service holds no set {body}"),
+        ))
+    }));
     let server = Server::bind(config).expect("bind");
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).expect("chmod");
     server
@@ -212,47 +228,41 @@ fn attack(kind: &str, path: &Path) {
     drop(conns);
 }
 
+/// Sends `n` messages made by `message` (ids 0 to n - 1) until one cannot
+/// be written, reading nothing.
+fn send_all(s: &mut UnixStream, n: u64, message: impl Fn(u64) -> Message) {
+    for id in 0..n {
+        if s.write_all(&frame(&message(id))).is_err() {
+            break;
+        }
+    }
+}
+
 /// What one attacking connection does.
 fn assault(kind: &str, mut s: UnixStream, hello: &[u8]) -> UnixStream {
     match kind {
-        "no-read" => {
-            for id in 0..400 {
-                let m = frame(&Message::Attach {
-                    id,
-                    name: "e".into(),
-                });
-                if s.write_all(&m).is_err() {
-                    break;
-                }
-            }
-        }
-        "not-found" => {
-            for id in 0..2000u64 {
-                let m = frame(&Message::Attach {
-                    id,
-                    name: format!("{id:0>256}"),
-                });
-                if s.write_all(&m).is_err() {
-                    break;
-                }
-            }
-        }
+        "no-read" => send_all(&mut s, 400, |id| Message::Attach {
+            id,
+            name: "e".into(),
+        }),
+        "not-found" => send_all(&mut s, 2000, |id| Message::Attach {
+            id,
+            name: format!("{id:0>256}"),
+        }),
         "big-request" => {
             let mut m = header(1 << 20).to_vec();
             m.resize(HEADER_LEN + (1 << 20), b' ');
             let _ = s.write_all(&m);
         }
-        "cut-off" => {
-            for id in 0..17 {
-                let m = frame(&Message::Attach {
-                    id,
-                    name: "e".into(),
-                });
-                if s.write_all(&m).is_err() {
-                    break;
-                }
-            }
-        }
+        "calls" => send_all(&mut s, 2000, |id| Message::Call {
+            id,
+            method: "drop".into(),
+            body: json!({ "set": format!("{id:0>256}") }),
+        }),
+        "cut-off" => send_all(&mut s, 17, |id| Message::Attach {
+            id,
+            name: "e".into(),
+        }),
         "ring-no-read" => {
             let m = frame(&Message::AttachRing {
                 id: 1,
@@ -517,7 +527,14 @@ fn measure() {
         PROCESSES * PER_PROCESS
     );
     out!("|---|---|---|---|---|---|---|");
+    let only = std::env::var("HOSTILE_ONLY").ok();
     for (kind, what) in ATTACKS {
+        if only
+            .as_deref()
+            .is_some_and(|o| !o.split(',').any(|k| k == *kind))
+        {
+            continue;
+        }
         // Unloaded again right before, so that both figures see the same
         // machine.
         let unloaded = legit(&path);

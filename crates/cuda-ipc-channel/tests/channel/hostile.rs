@@ -349,3 +349,101 @@ fn leases_per_connection_are_capped() {
         .wait_released("e", Some(Duration::from_secs(5)))
         .unwrap();
 }
+
+/// Calls from raw peers (a service's admin methods travel as calls): a
+/// call that brings descriptors and one whose body is not JSON (a NaN)
+/// end their connection before the handler sees them; a peer that floods
+/// calls with long answers and reads none is paced (the server takes no
+/// more of its requests than a window of answers), and gets every answer,
+/// in order, once it reads. Other clients are served throughout.
+#[test]
+fn hostile_calls_end_or_pace_only_their_own_connection() {
+    use cuda_ipc_channel::CallHandler;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "calls");
+    let seen = Arc::new(Mutex::new(0usize));
+    let counter = Arc::clone(&seen);
+    let mut config = ServerConfig::new(&path);
+    config.call_handler = Some(CallHandler::new(move |_, method, body| {
+        *counter.lock().unwrap() += 1;
+        Ok(if method == "big" {
+            json!("b".repeat(60_000))
+        } else {
+            body.clone()
+        })
+    }));
+    let _server = Server::bind(config).unwrap();
+    let ended = |raw: &UnixStream, what: &str| {
+        // An error naming the fault may come first; then the end.
+        let deadline = Some(Instant::now() + Duration::from_secs(5));
+        let mut said = String::new();
+        loop {
+            match recv_message(raw, deadline) {
+                Ok((Message::Error { code, message, .. }, _)) => {
+                    said = format!("{code}: {message}");
+                }
+                Ok((other, _)) => panic!("{what}: answered {other:?}"),
+                Err(ChannelError::PeerGone) => return said,
+                Err(e) => panic!("{what}: the connection did not end: {e}"),
+            }
+        }
+    };
+
+    let raw = raw_connect(&path, true);
+    let call = Message::Call {
+        id: 1,
+        method: "echo".into(),
+        body: json!({"set": "m"}),
+    };
+    let fd = memfd_with(b"abcd");
+    send_message(&raw, &call, &[fd.as_fd()], None).unwrap();
+    let said = ended(&raw, "a call with a descriptor");
+    assert!(said.contains("file descriptors"), "{said}");
+
+    let raw = raw_connect(&path, true);
+    let not_json = br#"{"type":"call","id":2,"method":"echo","body":{"streams":NaN}}"#;
+    send_bytes(&raw, &json_frame(not_json, 0), &[], None).unwrap();
+    ended(&raw, "a call that is not JSON");
+    assert_eq!(*seen.lock().unwrap(), 0, "the handler saw a hostile call");
+
+    // Calls of 60 KB answers, sent without reading any: the server stops
+    // reading the peer's requests once a window of answers waits (so the
+    // peer's sends block), and answers every request it took once the peer
+    // reads.
+    let raw = raw_connect(&path, true);
+    let mut sent = 0;
+    for id in 0..2000 {
+        let call = Message::Call {
+            id,
+            method: "big".into(),
+            body: json!({}),
+        };
+        let deadline = Some(Instant::now() + Duration::from_millis(300));
+        if send_message(&raw, &call, &[], deadline).is_err() {
+            break;
+        }
+        sent += 1;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let taken = *seen.lock().unwrap();
+    eprintln!("sent {sent}, handler saw {taken}");
+    assert!(
+        sent < 2000,
+        "the server read every request of a peer that reads nothing"
+    );
+    let steady = quick_client(&path);
+    assert_eq!(steady.call("echo", &json!([1])).unwrap(), json!([1]));
+    let mut answers = 0;
+    let deadline = Some(Instant::now() + Duration::from_secs(20));
+    while answers < sent {
+        match recv_message(&raw, deadline) {
+            Ok((Message::Reply { id, .. }, _)) => {
+                assert_eq!(id, answers, "answers out of order");
+                answers += 1;
+            }
+            other => panic!("after {answers} of {sent} answers: {other:?}"),
+        }
+    }
+    assert_eq!(steady.call("echo", &json!([2])).unwrap(), json!([2]));
+}

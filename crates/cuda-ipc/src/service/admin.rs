@@ -18,7 +18,8 @@
 //! the wrong type is an error naming it ([`decode`]). Refusals travel as
 //! channel errors whose code is [`CatalogError::code`](super::CatalogError::code)
 //! or one of `bad_request`, `checkpoint`, `not_readable`, `load_failed`,
-//! `not_allowed`, `unknown_method`, `layout_mismatch`, `write_failed`.
+//! `not_allowed`, `unknown_method`, `layout_mismatch`, `write_failed`
+//! (the catalog's include `too_many_writes`).
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -394,8 +395,28 @@ pub struct OpenWriteRequest {
     /// The set.
     pub set: String,
     /// The tensors of a new set, in order.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "layout_objects"
+    )]
     pub layout: Option<Vec<TensorSpec>>,
+}
+
+/// A layout whose entries are JSON objects: serde alone would also build
+/// a [`TensorSpec`] from an array of its fields in order, which the
+/// protocol does not have.
+fn layout_objects<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<Vec<TensorSpec>>, D::Error> {
+    let raw: Option<Vec<serde_json::Map<String, Value>>> = Option::deserialize(d)?;
+    raw.map(|entries| {
+        entries
+            .into_iter()
+            .map(|m| TensorSpec::deserialize(Value::Object(m)).map_err(serde::de::Error::custom))
+            .collect()
+    })
+    .transpose()
 }
 
 impl OpenWriteRequest {

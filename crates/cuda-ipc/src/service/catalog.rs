@@ -62,7 +62,10 @@ pub fn holders_text(holders: &[Holder]) -> String {
 #[path = "catalog_write.rs"]
 mod write;
 
-pub use write::{Committed, RetiredVersion, Staged, WriteSession, WriterId};
+pub use write::{
+    Committed, MAX_WRITES_PER_CONNECTION, MAX_WRITES_PER_UID, RetiredVersion, Staged, WriteSession,
+    WriterId,
+};
 
 /// One set the service holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -271,6 +274,19 @@ pub enum CatalogError {
         /// The writer that holds it, if another does.
         holder: Option<Holder>,
     },
+    /// A connection or a uid holds as many write sessions as it may.
+    #[error(
+        "{what} already holds {held} write session(s), the most it may ({limit}); commit or \
+         abort one first"
+    )]
+    TooManyWrites {
+        /// `this connection` or `uid N`.
+        what: String,
+        /// Sessions it holds.
+        held: usize,
+        /// The limit.
+        limit: usize,
+    },
 }
 
 impl CatalogError {
@@ -286,6 +302,7 @@ impl CatalogError {
             CatalogError::Stopping => "stopping",
             CatalogError::Writing { .. } => "writing",
             CatalogError::NotWriting { .. } => "not_writing",
+            CatalogError::TooManyWrites { .. } => "too_many_writes",
         }
     }
 }

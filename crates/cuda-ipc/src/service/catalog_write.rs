@@ -6,6 +6,15 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::{Catalog, CatalogError, Holder, SetInfo};
 
+/// The most write sessions one connection may hold at once (each is a
+/// staging version in device memory, counted against a quota that may be
+/// unlimited).
+pub const MAX_WRITES_PER_CONNECTION: usize = 16;
+
+/// The most write sessions one uid may hold at once, over all its
+/// connections.
+pub const MAX_WRITES_PER_UID: usize = 64;
+
 /// Who writes: the caller's credentials and its connection (the lock).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct WriterId {
@@ -107,7 +116,8 @@ impl Catalog {
     /// # Errors
     /// In this order: [`CatalogError::Stopping`]; [`CatalogError::Writing`]
     /// (naming the writer that holds the set; also for the same
-    /// connection); [`CatalogError::Loading`]; for an existing set
+    /// connection); [`CatalogError::Loading`]; [`CatalogError::TooManyWrites`]
+    /// (the caller's connection or uid at its limit); for an existing set
     /// [`CatalogError::NotWriter`] (only its owner's uid and the service's
     /// may write it) or [`CatalogError::Exists`] when `creates`; for a
     /// missing one [`CatalogError::NotFound`] unless `creates`; then
@@ -133,6 +143,7 @@ impl Catalog {
                 uid,
             });
         }
+        self.check_write_caps(writer)?;
         let owner_uid = match (self.sets.get(name), creates) {
             (Some(s), false) => {
                 if writer.uid != s.owner_uid && writer.uid != self.service_uid {
@@ -168,6 +179,36 @@ impl Catalog {
             creates,
         };
         Ok(self.writing.entry(name.into()).or_insert(session))
+    }
+
+    /// Refuses a new session to a connection or a uid at its limit
+    /// ([`MAX_WRITES_PER_CONNECTION`], [`MAX_WRITES_PER_UID`]).
+    fn check_write_caps(&self, writer: WriterId) -> Result<(), CatalogError> {
+        let of_connection = self
+            .writing
+            .values()
+            .filter(|w| w.writer.connection == writer.connection)
+            .count();
+        if of_connection >= MAX_WRITES_PER_CONNECTION {
+            return Err(CatalogError::TooManyWrites {
+                what: "this connection".into(),
+                held: of_connection,
+                limit: MAX_WRITES_PER_CONNECTION,
+            });
+        }
+        let of_uid = self
+            .writing
+            .values()
+            .filter(|w| w.writer.uid == writer.uid)
+            .count();
+        if of_uid >= MAX_WRITES_PER_UID {
+            return Err(CatalogError::TooManyWrites {
+                what: format!("uid {}", writer.uid),
+                held: of_uid,
+                limit: MAX_WRITES_PER_UID,
+            });
+        }
+        Ok(())
     }
 
     /// The session on `name` if `connection` holds it.

@@ -147,6 +147,42 @@ fn new_sets_other_uids_quotas_and_stopping_are_checked() {
 }
 
 #[test]
+fn a_connection_and_a_uid_hold_a_bounded_number_of_sessions() {
+    let mut c = Catalog::new(SERVICE, Quotas::unlimited());
+    let open = |c: &mut Catalog, writer: WriterId, i: usize| {
+        c.open_write(writer, &format!("s{i}"), format!("e{i}"), staged(256), true)
+            .map(|_| ())
+    };
+    for i in 0..MAX_WRITES_PER_CONNECTION {
+        open(&mut c, w(1, 7, 1), i).unwrap();
+    }
+    let e = open(&mut c, w(1, 7, 1), 1000).unwrap_err();
+    assert_eq!(e.code(), "too_many_writes");
+    assert!(
+        e.to_string().contains("this connection already holds 16"),
+        "{e}"
+    );
+    assert!(c.writing("s1000").is_none());
+    // Other connections of the uid, up to the uid's limit.
+    let mut i = MAX_WRITES_PER_CONNECTION;
+    let mut conn = 2;
+    while i < MAX_WRITES_PER_UID {
+        if open(&mut c, w(1, 7, conn), i).is_err() {
+            conn += 1;
+            continue;
+        }
+        i += 1;
+    }
+    let e = open(&mut c, w(1, 7, conn + 1), 2000).unwrap_err();
+    assert_eq!(e.code(), "too_many_writes");
+    assert!(e.to_string().contains("uid 7 already holds 64"), "{e}");
+    // Another uid is not held back; an abort makes room.
+    open(&mut c, w(2, 8, 99), 3000).unwrap();
+    c.abort_write(1, "s0").unwrap();
+    open(&mut c, w(1, 7, 1), 4000).unwrap();
+}
+
+#[test]
 fn a_closed_connection_ends_only_its_own_sessions() {
     let mut c = Catalog::new(SERVICE, Quotas::unlimited());
     for (i, name) in ["a", "b", "c"].iter().enumerate() {

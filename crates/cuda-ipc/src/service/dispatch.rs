@@ -1,6 +1,14 @@
 //! The service's call handler without the GPU: a call's method and body
 //! decoded strictly and routed to the service's operations ([`Ops`]), the
 //! caller's uid checked where a method needs it, the answer encoded.
+//!
+//! What needs no state is checked here, before any operation runs: the
+//! body's fields and types, set names, a load's path, a new set's layout.
+//! Every refusal's message is bounded ([`MAX_ERROR_MESSAGE_BYTES`]), so
+//! that a body that quotes a huge string back (a name, a field, a value of
+//! the wrong type) is answered with its own code, not `reply_too_large`.
+
+use std::fmt::Write as _;
 
 use serde_json::Value;
 
@@ -35,9 +43,27 @@ pub(super) trait Ops {
     fn abort(&self, caller: WriterId, request: &AbortRequest) -> Result<AbortAnswer, CallError>;
 }
 
+/// The longest message of a refusal, in bytes; longer ones are cut (at a
+/// character boundary) and say how long they were.
+pub(super) const MAX_ERROR_MESSAGE_BYTES: usize = 2048;
+
 /// The error for a body that does not decode.
 pub(super) fn bad_request(message: String) -> CallError {
     CallError::new("bad_request", message)
+}
+
+/// `e` with its message cut to [`MAX_ERROR_MESSAGE_BYTES`].
+fn bounded(mut e: CallError) -> CallError {
+    if e.message.len() > MAX_ERROR_MESSAGE_BYTES {
+        let total = e.message.len();
+        let mut cut = MAX_ERROR_MESSAGE_BYTES;
+        while !e.message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        e.message.truncate(cut);
+        let _ = write!(e.message, "... (cut: {total} bytes in all)");
+    }
+    e
 }
 
 /// Answers one call of `caller` (its credentials and connection).
@@ -47,10 +73,15 @@ pub(super) fn dispatch(
     method: &str,
     body: &Value,
 ) -> Result<Value, CallError> {
+    route(ops, caller, method, body).map_err(bounded)
+}
+
+fn route(ops: &impl Ops, caller: WriterId, method: &str, body: &Value) -> Result<Value, CallError> {
     let uid = caller.uid;
     match method {
         LoadRequest::METHOD => {
             let r: LoadRequest = decode(method, body).map_err(bad_request)?;
+            r.validate().map_err(bad_request)?;
             ops.load(uid, &r).map(|a| encode(&a))
         }
         LsRequest::METHOD => {
@@ -63,6 +94,7 @@ pub(super) fn dispatch(
         }
         DropRequest::METHOD => {
             let r: DropRequest = decode(method, body).map_err(bad_request)?;
+            admin::validate_set_name(&r.set).map_err(bad_request)?;
             ops.drop_set(uid, &r).map(|a| encode(&a))
         }
         ShutdownRequest::METHOD => {
@@ -80,11 +112,21 @@ pub(super) fn dispatch(
         OpenWriteRequest::METHOD => {
             let r: OpenWriteRequest = decode(method, body).map_err(bad_request)?;
             admin::validate_set_name(&r.set).map_err(bad_request)?;
+            if let Some(specs) = &r.layout {
+                super::layout::check(specs).map_err(bad_request)?;
+            }
             ops.open_write(caller, &r).map(|a| encode(&a))
         }
         CommitRequest::METHOD => {
             let r: CommitRequest = decode(method, body).map_err(bad_request)?;
             admin::validate_set_name(&r.set).map_err(bad_request)?;
+            if r.layout_hash.len() != 16 || !r.layout_hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(bad_request(format!(
+                    "layout_hash must be the 16 hex digits the open_write answer named, not {} \
+                     bytes",
+                    r.layout_hash.len()
+                )));
+            }
             ops.commit(caller, &r).map(|a| encode(&a))
         }
         AbortRequest::METHOD => {
@@ -218,7 +260,7 @@ mod tests {
             &f,
             caller(9),
             "commit",
-            &json!({"set": "m", "layout_hash": "ab"}),
+            &json!({"set": "m", "layout_hash": "00000000000000ab"}),
         )
         .unwrap_err();
         assert_eq!(e.code, "layout_mismatch");
@@ -229,7 +271,7 @@ mod tests {
             [
                 "open_write 77 9 3 m 0",
                 "open_write 77 9 3 n 1",
-                "commit 3 m ab",
+                "commit 3 m 00000000000000ab",
                 "abort 3 m"
             ]
         );

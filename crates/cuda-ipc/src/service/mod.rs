@@ -33,6 +33,8 @@ mod access;
 pub mod admin;
 pub mod catalog;
 mod dispatch;
+#[cfg(test)]
+mod hostile_tests;
 pub mod layout;
 mod stop;
 mod write;
