@@ -164,8 +164,8 @@ pub(crate) fn decode_ack_record(
 }
 
 /// A shared-memory record decoded by both of the channel's readers: the
-/// client's ([`decode_record`]) and the server's ack reader with its fast
-/// path ([`decode_ack_record`]), with a payload limit of `max_payload`
+/// client's (`decode_record`) and the server's ack reader with its fast
+/// path (`decode_ack_record`), with a payload limit of `max_payload`
 /// bytes. For the `notice_record` fuzz target and the tests that replay its
 /// corpus, which check that the two always agree; not part of the API.
 #[doc(hidden)]
