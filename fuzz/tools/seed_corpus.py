@@ -125,6 +125,31 @@ def frames():
         "not-json": "{type:ping}",
         "not-utf8": b'{"type":"attach","id":1,"name":"\xff"}',
         "array": "[]",
+        # Shared-memory notices asked for and granted, and their ring_late.
+        "hello-shm": '{"type":"hello","protocol":1,"pid":42,"shm_notices":true}',
+        "hello-shm-false": '{"type":"hello","protocol":1,"pid":42,"shm_notices":false}',
+        "welcome-shm": '{"type":"welcome","protocol":1,"pid":7,"shm_notices":65536}',
+        "welcome-shm-null": '{"type":"welcome","protocol":1,"pid":7,"shm_notices":null}',
+        "ring_late": '{"type":"ring_late","lease":10,"stale_through":4,"evicted":true,"reason":"slow"}',
+        # Calls and replies: each admin method, and method names and bodies
+        # at and past the limits (1 to 64 of a-z, 0-9, _ and .).
+        "call-stats": '{"type":"call","id":4,"method":"stats","body":{}}',
+        "call-drop": '{"type":"call","id":5,"method":"drop","body":{"set":"model","force":true}}',
+        "call-shutdown": '{"type":"call","id":6,"method":"shutdown","body":{}}',
+        "call-load-copies": '{"type":"call","id":7,"method":"load","body":{"set":"m","path":"/p",'
+                            '"streams":8,"staging":2097152}}',
+        "call-dotted": '{"type":"call","id":8,"method":"set.open_write","body":[1,"x",null]}',
+        "call-method-64": '{"type":"call","id":9,"method":"' + "a" * 64 + '","body":null}',
+        "call-method-65": '{"type":"call","id":9,"method":"' + "a" * 65 + '","body":null}',
+        "call-method-empty": '{"type":"call","id":9,"method":"","body":{}}',
+        "call-method-upper": '{"type":"call","id":9,"method":"Load","body":{}}',
+        "call-method-space": '{"type":"call","id":9,"method":"lo ad","body":{}}',
+        "call-no-body": '{"type":"call","id":9,"method":"ls"}',
+        "call-id-max": '{"type":"call","id":18446744073709551615,"method":"ls","body":{}}',
+        "reply-null": '{"type":"reply","id":3,"body":null}',
+        "reply-float": '{"type":"reply","id":3,"body":{"load_s":0.1,"gb_per_s":1.7976931348623157e308}}',
+        "reply-nested": '{"type":"reply","id":3,"body":{"sets":[{"leases":[{"pid":1,"uid":2}]}]}}',
+        "reply-no-id": '{"type":"reply","body":{}}',
     }
     for name, p in near.items():
         write("frame_message", name, p)

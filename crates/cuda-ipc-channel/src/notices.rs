@@ -163,6 +163,22 @@ pub(crate) fn decode_ack_record(
     Ok((count, Message::decode(payload)?))
 }
 
+/// A shared-memory record decoded by both of the channel's readers: the
+/// client's (`decode_record`) and the server's ack reader with its fast
+/// path (`decode_ack_record`), with a payload limit of `max_payload`
+/// bytes. For the `notice_record` fuzz target and the tests that replay its
+/// corpus, which check that the two always agree; not part of the API.
+#[doc(hidden)]
+pub fn decode_record_both_ways(
+    record: &[u8],
+    max_payload: u32,
+) -> [Result<(u64, Message), ChannelError>; 2] {
+    [
+        decode_record(record, max_payload),
+        decode_ack_record(record, max_payload),
+    ]
+}
+
 /// The fields of an ack payload in exactly the form `Message::encode`
 /// writes, else `None`.
 fn plain_ack(payload: &[u8]) -> Option<(u64, u32, u64)> {

@@ -2,8 +2,9 @@
 //!
 //! - Every file of the fuzz corpora (`fuzz/corpus/<target>/`) is replayed
 //!   through the same checks the fuzz targets run (`fuzz/src/lib.rs`,
-//!   included here), so a plain `cargo test` keeps what fuzzing found as
-//!   regression tests.
+//!   `admin_body.rs` and `notice_record.rs`, included here; `shm_ring`'s
+//!   corpus is replayed by the `cuda-ipc-shm` crate's `tests/fuzzed.rs`),
+//!   so a plain `cargo test` keeps what fuzzing found as regression tests.
 //! - Inputs that broke a decoder, found by fuzzing, each as a named test.
 //! - Property tests (proptest) that no other test file has: sizes and
 //!   32-bit values (`units`), device UUIDs, near-miss handles of every
@@ -23,8 +24,14 @@ use cuda_ipc::units::{ByteSize, parse_u32};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
+#[path = "support/corpus.rs"]
+mod corpus;
+#[path = "../../../fuzz/src/admin_body.rs"]
+mod fuzz_admin_body;
 #[path = "../../../fuzz/src/lib.rs"]
 mod fuzz_checks;
+#[path = "../../../fuzz/src/notice_record.rs"]
+mod fuzz_notice_record;
 
 // ---------------------------------------------------------------------------
 // The fuzz corpora, replayed
@@ -73,6 +80,28 @@ fn every_fuzz_corpus_file_passes_its_checks() {
         failures.join("\n")
     );
     println!("replayed {total} corpus files");
+}
+
+/// `fuzz/notice_record`: the records of the channel's shared-memory rings,
+/// read by the client's decoder and by the server's ack reader (its fast
+/// path), which must agree.
+#[test]
+fn the_notice_record_corpus_passes_its_checks() {
+    corpus::replay(
+        "notice_record",
+        fuzz_notice_record::notice_record,
+        fuzz_notice_record::is_valid,
+    );
+}
+
+/// `fuzz/admin_body`: every admin method's request and answer bodies.
+#[test]
+fn the_admin_body_corpus_passes_its_checks() {
+    corpus::replay(
+        "admin_body",
+        fuzz_admin_body::admin_body,
+        fuzz_admin_body::is_valid,
+    );
 }
 
 // ---------------------------------------------------------------------------

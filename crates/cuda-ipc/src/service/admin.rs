@@ -555,6 +555,48 @@ pub const METHODS: [&str; 8] = [
     AbortRequest::METHOD,
 ];
 
+/// One method's bodies, with the types erased: its name, and its request's
+/// and its answer's decoders, each of which decodes a body strictly (as
+/// [`decode`] does) and encodes what it got again (as [`encode`] does).
+#[derive(Clone, Copy, Debug)]
+pub struct MethodBodies {
+    /// The method's name on the channel.
+    pub method: &'static str,
+    /// Decodes a request body and encodes it again.
+    pub request: fn(&Value) -> Result<Value, String>,
+    /// Decodes an answer body and encodes it again.
+    pub answer: fn(&Value) -> Result<Value, String>,
+}
+
+fn request_body<R: Request>(body: &Value) -> Result<Value, String> {
+    decode::<R>(R::METHOD, body).map(|r| encode(&r))
+}
+
+fn answer_body<R: Request>(body: &Value) -> Result<Value, String> {
+    decode::<R::Answer>(&format!("{} answer", R::METHOD), body).map(|a| encode(&a))
+}
+
+const fn bodies<R: Request>() -> MethodBodies {
+    MethodBodies {
+        method: R::METHOD,
+        request: request_body::<R>,
+        answer: answer_body::<R>,
+    }
+}
+
+/// Every method with its bodies, in [`METHODS`]'s order (a unit test
+/// checks that they list the same methods): what checks every method's
+/// decoding (the `admin_body` fuzz target, the tests that replay its
+/// corpus) iterates over, so that a method listed here is checked without
+/// changing them.
+pub const BODIES: [MethodBodies; 5] = [
+    bodies::<LoadRequest>(),
+    bodies::<LsRequest>(),
+    bodies::<StatsRequest>(),
+    bodies::<DropRequest>(),
+    bodies::<ShutdownRequest>(),
+];
+
 #[cfg(test)]
 #[path = "admin_tests.rs"]
 mod tests;

@@ -151,6 +151,20 @@ fn method_names_are_valid_channel_methods() {
     }
 }
 
+#[test]
+fn bodies_list_every_method_in_order() {
+    let listed: Vec<&str> = BODIES.iter().map(|b| b.method).collect();
+    assert_eq!(listed, METHODS, "add the new method to BODIES too");
+    for b in BODIES {
+        let err = (b.request)(&json!(null)).unwrap_err();
+        assert!(err.contains(b.method), "{err}");
+        let err = (b.answer)(&json!([])).unwrap_err();
+        assert!(err.contains(&format!("{} answer", b.method)), "{err}");
+    }
+    let load = (BODIES[0].request)(&json!({"set": "m", "path": "/p", "staging": null})).unwrap();
+    assert_eq!(load, json!({"set": "m", "path": "/p"}));
+}
+
 proptest! {
     #[test]
     fn load_requests_round_trip(
