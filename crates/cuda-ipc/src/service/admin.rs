@@ -589,12 +589,15 @@ const fn bodies<R: Request>() -> MethodBodies {
 /// decoding (the `admin_body` fuzz target, the tests that replay its
 /// corpus) iterates over, so that a method listed here is checked without
 /// changing them.
-pub const BODIES: [MethodBodies; 5] = [
+pub const BODIES: [MethodBodies; 8] = [
     bodies::<LoadRequest>(),
     bodies::<LsRequest>(),
     bodies::<StatsRequest>(),
     bodies::<DropRequest>(),
     bodies::<ShutdownRequest>(),
+    bodies::<OpenWriteRequest>(),
+    bodies::<CommitRequest>(),
+    bodies::<AbortRequest>(),
 ];
 
 #[cfg(test)]
