@@ -394,13 +394,7 @@ impl Server {
         json_size(&notice, "notice")?;
         let mut st = lock(&self.shared.state);
         let st = &mut *st;
-        if st.closed {
-            return Err(ChannelError::ShutDown);
-        }
-        let id = *st
-            .names
-            .get(name)
-            .ok_or_else(|| ChannelError::NotFound { name: name.into() })?;
+        let id = st.published_id(name)?;
         let Some(entry) = st.entries.get_mut(&id) else {
             return Err(ChannelError::NotFound { name: name.into() });
         };
@@ -437,13 +431,7 @@ impl Server {
     /// dropped when its last lease is released (at once if there is none).
     pub fn unpublish(&self, name: &str) -> Result<(), ChannelError> {
         let mut st = lock(&self.shared.state);
-        if st.closed {
-            return Err(ChannelError::ShutDown);
-        }
-        let id = *st
-            .names
-            .get(name)
-            .ok_or_else(|| ChannelError::NotFound { name: name.into() })?;
+        let id = st.published_id(name)?;
         st.unpublish(id, self.shared.max_queued);
         drop(st);
         self.shared.changed.notify_all();

@@ -54,13 +54,7 @@ impl Server {
         json_size(&notice, "notice")?;
         let mut guard = lock(&self.shared.state);
         let st = &mut *guard;
-        if st.closed {
-            return Err(ChannelError::ShutDown);
-        }
-        let old_id = *st
-            .names
-            .get(name)
-            .ok_or_else(|| ChannelError::NotFound { name: name.into() })?;
+        let old_id = st.published_id(name)?;
         let new_id = st.new_id();
         st.entries.insert(
             new_id,

@@ -131,6 +131,18 @@ impl State {
         self.by_conn.get(&conn).map_or(0, BTreeSet::len)
     }
 
+    /// The id of the entry published as `name`: refused once the server
+    /// is shut down, and for a name nothing is published under.
+    pub(super) fn published_id(&self, name: &str) -> Result<u64, crate::ChannelError> {
+        if self.closed {
+            return Err(crate::ChannelError::ShutDown);
+        }
+        self.names
+            .get(name)
+            .copied()
+            .ok_or_else(|| crate::ChannelError::NotFound { name: name.into() })
+    }
+
     pub(super) fn new_id(&mut self) -> u64 {
         self.last_id += 1;
         self.last_id
