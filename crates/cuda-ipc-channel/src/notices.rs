@@ -71,7 +71,10 @@
 //! client of an older build never asks. A server of an older build refuses
 //! the field (its decoding is strict) with a `malformed_frame` error
 //! naming it, and [`Client::connect`](crate::Client::connect) then
-//! connects again without asking.
+//! connects again without asking. The binary records are not negotiated:
+//! a peer built with shared-memory notices but before the binary form
+//! (2026-12-01, never released) refuses them as a bad magic and ends the
+//! connection; such a peer must run with `CUDA_IPC_NOTICES=socket`.
 
 use std::os::fd::{AsFd, OwnedFd};
 
