@@ -1,9 +1,11 @@
 //! The properties of fuzz target `notice_record` (a record read out of the
 //! channel's shared-memory rings: an 8-byte count, then a wire header and
-//! its JSON payload): the client's decoder and the server's ack reader,
+//! its JSON payload, or a tag byte and the binary fields of an ack, a ring
+//! frame or an update): the client's decoder and the server's ack reader,
 //! whose fast path skips the JSON decoder for acks in this build's exact
 //! form, agree on every input (the same message and count, or the same
-//! error); nothing panics; what decodes, framed again, decodes the same.
+//! error); nothing panics; what decodes, framed again in either form
+//! (binary where the message has one, JSON), decodes the same.
 //!
 //! Each input is tried twice: as a whole record, and as the payload of a
 //! record with a valid count and header (so that the fuzzer reaches the
@@ -12,7 +14,7 @@
 //! Kept apart from `lib.rs` so that the target, and the corpus replay in
 //! `crates/cuda-ipc/tests/decoders.rs`, include this one file.
 
-use cuda_ipc::channel::notices::decode_record_both_ways;
+use cuda_ipc::channel::notices::{binary_record_both_ways, decode_record_both_ways};
 use cuda_ipc::channel::wire::{MAX_PAYLOAD, Message};
 
 /// `b"CIPC"`, version 1, kind 1 (JSON), `len`, no descriptors.
@@ -46,6 +48,18 @@ fn agree(record: &[u8]) -> Option<(u64, Message)> {
     }
 }
 
+/// A decoded message framed again in both forms: each must decode to it.
+fn reframed(count: u64, m: &Message) {
+    let [binary, json] = binary_record_both_ways(count, m);
+    for r in [binary, json].into_iter().flatten() {
+        assert_eq!(
+            agree(&r),
+            Some((count, m.clone())),
+            "the message framed again decodes otherwise"
+        );
+    }
+}
+
 /// The checks of the shared-memory record decoders on arbitrary bytes;
 /// panics if a property fails.
 pub fn notice_record(data: &[u8]) {
@@ -58,17 +72,19 @@ pub fn notice_record(data: &[u8]) {
         let again = agree(&record(count, &m.encode()));
         assert_eq!(
             again,
-            Some((count, m)),
+            Some((count, m.clone())),
             "the message framed again decodes otherwise"
         );
+        reframed(count, &m);
     }
     if let Some((count, m)) = agree(&record(7, data)) {
         assert_eq!(count, 7);
         assert_eq!(
-            Message::decode(data).ok(),
-            Some(m),
+            Message::decode(data).ok().as_ref(),
+            Some(&m),
             "a record decodes unlike its payload"
         );
+        reframed(count, &m);
     }
 }
 

@@ -61,6 +61,40 @@ notices = {
     "payload-ack-unicode-escape": '{"type":"\\u0061ck","lease":3,"slot":1,"seq":9}',
     "payload-ping": '{"type":"ping","id":1}',
 }
+
+
+def binary(count, tag, *fields, rest=b""):
+    # A binary record: the count, a tag byte, then fields as (format, value).
+    out = struct.pack("<QB", count, tag)
+    for fmt, v in fields:
+        out += struct.pack("<" + fmt, v)
+    return out + (rest.encode() if isinstance(rest, str) else rest)
+
+
+def bin_update(count, lease, version, name, notice, length=None):
+    n = name.encode() if isinstance(name, str) else name
+    return binary(count, 0xA3, ("Q", lease), ("Q", version), ("I", len(n) if length is None else length), rest=n + notice.encode())
+
+
+notices.update({
+    "binary-ack": binary(42, 0xA1, ("Q", 3), ("I", 1), ("Q", 9)),
+    "binary-ack-max": binary(MAX, 0xA1, ("Q", MAX), ("I", 2**32 - 1), ("Q", MAX)),
+    "binary-ack-trailing": binary(1, 0xA1, ("Q", 3), ("I", 1), ("Q", 9), rest=b"\0"),
+    "binary-ack-short": binary(1, 0xA1, ("Q", 3), ("I", 1)),
+    "binary-ring-frame": binary(5, 0xA2, ("Q", 10), ("I", 1), ("Q", 2), rest="null"),
+    "binary-ring-frame-meta": binary(5, 0xA2, ("Q", 10), ("I", 1), ("Q", 2), rest='{"bytes":4096,"shape":[2,3],"t":1.5}'),
+    "binary-ring-frame-no-notice": binary(5, 0xA2, ("Q", 10), ("I", 1), ("Q", 2)),
+    "binary-ring-frame-two-values": binary(5, 0xA2, ("Q", 10), ("I", 1), ("Q", 2), rest="1 2"),
+    "binary-update": bin_update(5, 9, 1, "weights", '{"step":1}'),
+    "binary-update-empty-name": bin_update(5, 9, 1, "", "null"),
+    "binary-update-unicode": bin_update(5, 9, 1, "w\u00e9ights", '"\\u00e9"'),
+    "binary-update-bad-utf8": bin_update(5, 9, 1, b"w\xffights", "null"),
+    "binary-update-name-too-long": bin_update(5, 9, 1, "weights", "null", length=1000),
+    "binary-update-name-huge": bin_update(5, 9, 1, "weights", "null", length=2**32 - 1),
+    "binary-update-deep": bin_update(5, 9, 1, "weights", "[" * 200 + "]" * 200),
+    "binary-unknown-tag": binary(5, 0xA4, ("Q", 10)),
+    "binary-tag-only": binary(5, 0xA3),
+})
 for name, data in notices.items():
     write("notice_record", name, data)
 

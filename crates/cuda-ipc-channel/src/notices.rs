@@ -15,10 +15,14 @@
 //! is noticed at once too.
 //!
 //! # Records
-//! A record is an 8-byte little-endian count (below), then a whole wire
-//! message (header and JSON payload) without descriptors, exactly as it
-//! would go on the socket. The reader copies a record out of shared memory
-//! before it decodes it, and checks it like a message from the socket.
+//! A record is an 8-byte little-endian count (below), then either a whole
+//! wire message (header and JSON payload) without descriptors, exactly as
+//! it would go on the socket, or, for the hot messages (updates, ring
+//! frames and acks), a tag byte and their fields in binary, only the
+//! producer's notice staying JSON (the layout is in `notices/binary.rs`).
+//! Readers take both forms; this build writes the binary one where there
+//! is one. The reader copies a record out of shared memory before it
+//! decodes it, and checks it like a message from the socket.
 //! The server reads an ack in exactly the form this build writes it
 //! without the JSON decoder; any other bytes go to the decoder, which
 //! alone decides what is valid (see `decode_ack_record`).
@@ -67,7 +71,10 @@
 //! client of an older build never asks. A server of an older build refuses
 //! the field (its decoding is strict) with a `malformed_frame` error
 //! naming it, and [`Client::connect`](crate::Client::connect) then
-//! connects again without asking.
+//! connects again without asking. The binary records are not negotiated:
+//! a peer built with shared-memory notices but before the binary form
+//! (2026-12-01, never released) refuses them as a bad magic and ends the
+//! connection; such a peer must run with `CUDA_IPC_NOTICES=socket`.
 
 use std::os::fd::{AsFd, OwnedFd};
 
@@ -75,6 +82,10 @@ use cuda_ipc_shm::{Area, Receiver, Sender, Side, check_eventfd, new_eventfd};
 
 use crate::ChannelError;
 use crate::wire::{HEADER_LEN, Message, WireError, decode_header};
+
+mod binary;
+
+pub(crate) use binary::encode_binary_record;
 
 /// The environment variable that chooses the default [`NoticePath`]:
 /// `socket` keeps notices on the socket, `shm` (or unset) uses shared
@@ -141,8 +152,19 @@ pub(crate) fn decode_record(
     record: &[u8],
     max_payload: u32,
 ) -> Result<(u64, Message), ChannelError> {
+    if let Some(decoded) = binary_record(record, max_payload) {
+        return decoded;
+    }
     let (count, payload) = record_payload(record, max_payload)?;
     Ok((count, Message::decode(payload)?))
+}
+
+/// A record in binary form, decoded; `None` if it is not one (its first
+/// byte after the count is no binary tag).
+fn binary_record(record: &[u8], max_payload: u32) -> Option<Result<(u64, Message), ChannelError>> {
+    let (count, body) = record.split_first_chunk::<8>()?;
+    let decoded = binary::decode_binary(body, max_payload)?;
+    Some(decoded.map(|m| (u64::from_le_bytes(*count), m)))
 }
 
 /// Decodes a record from the ack ring as [`decode_record`] does, an ack
@@ -156,6 +178,9 @@ pub(crate) fn decode_ack_record(
     record: &[u8],
     max_payload: u32,
 ) -> Result<(u64, Message), ChannelError> {
+    if let Some(decoded) = binary_record(record, max_payload) {
+        return decoded;
+    }
     let (count, payload) = record_payload(record, max_payload)?;
     if let Some((lease, slot, seq)) = plain_ack(payload) {
         return Ok((count, Message::Ack { lease, slot, seq }));
@@ -166,8 +191,11 @@ pub(crate) fn decode_ack_record(
 /// A shared-memory record decoded by both of the channel's readers: the
 /// client's (`decode_record`) and the server's ack reader with its fast
 /// path (`decode_ack_record`), with a payload limit of `max_payload`
-/// bytes. For the `notice_record` fuzz target and the tests that replay its
-/// corpus, which check that the two always agree; not part of the API.
+/// bytes. Both take a record in either form, JSON or binary. For the
+/// `notice_record` fuzz target and the tests that replay its corpus, which
+/// check that the two always agree (and, with
+/// [`binary_record_both_ways`], that the binary and JSON forms of a message
+/// decode to it); not part of the API.
 #[doc(hidden)]
 pub fn decode_record_both_ways(
     record: &[u8],
@@ -176,6 +204,20 @@ pub fn decode_record_both_ways(
     [
         decode_record(record, max_payload),
         decode_ack_record(record, max_payload),
+    ]
+}
+
+/// The record of `message` after `after` socket messages in both forms:
+/// binary, if the message has one (an ack, a ring frame or an update), and
+/// JSON (a wire message without descriptors), if it fits in one. For the
+/// `notice_record` fuzz target; not part of the API.
+#[doc(hidden)]
+pub fn binary_record_both_ways(after: u64, message: &Message) -> [Option<Vec<u8>>; 2] {
+    [
+        encode_binary_record(after, message),
+        crate::wire::encode_message(message, 0)
+            .ok()
+            .map(|wire| encode_record(after, &wire)),
     ]
 }
 

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use cuda_ipc_shm::{Ready, Receiver, Sender};
 
-use crate::notices::{client_rings, decode_record, encode_record, is_notice, shm_error};
+use crate::notices::{
+    client_rings, decode_record, encode_binary_record, encode_record, is_notice, shm_error,
+};
 use crate::socket::{RecvLimits, recv_message};
 use crate::wire::{Message, encode_message};
 use crate::{ChannelError, lock};
@@ -178,7 +180,10 @@ impl ClientShm {
     /// Sends an ack through the ring: `Ok(true)` if it went, `Ok(false)` if
     /// the ring has no room (send it on the socket).
     pub(super) fn ack(&self, ack: &Message) -> Result<bool, ChannelError> {
-        let record = encode_record(0, &encode_message(ack, 0)?);
+        let record = match encode_binary_record(0, ack) {
+            Some(record) => record,
+            None => encode_record(0, &encode_message(ack, 0)?),
+        };
         lock(&self.acks).send(&record).map_err(shm_error)
     }
 

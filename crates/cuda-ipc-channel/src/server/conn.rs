@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use rustix::net::{Shutdown, shutdown};
 use serde_json::Value;
 
-use crate::notices::{encode_record, is_notice};
+use crate::notices::{encode_binary_record, encode_record, is_notice};
 use crate::socket::{Ucred, encode_checked, send_bytes, try_send_bytes, unread_by_peer};
 use crate::wire::Message;
 use crate::{ChannelError, lock};
@@ -93,6 +93,20 @@ impl Outbox {
         }
     }
 
+    /// Puts a notice already in binary form (`record`, its count still to
+    /// be written) in the client's ring, if the connection is open, has a
+    /// ring with room, and nothing waits for the socket: whether it went.
+    fn ring_binary_locked(&mut self, mut record: Vec<u8>) -> Result<bool, ChannelError> {
+        if self.state != OutState::Open || !self.flushed() {
+            return Ok(false);
+        }
+        let Some(tx) = self.shm.as_mut() else {
+            return Ok(false);
+        };
+        record[..8].copy_from_slice(&self.pushed.to_le_bytes());
+        tx.send(&record).map_err(crate::notices::shm_error)
+    }
+
     /// Puts a notice (`bytes`, a wire message) in the client's ring, if it
     /// has one with room: whether it went.
     fn ring(&mut self, bytes: &[u8]) -> Result<bool, ChannelError> {
@@ -150,6 +164,26 @@ fn request_id(message: &Message) -> Option<u64> {
 }
 
 impl Conn {
+    /// Sends a notice through the client's ring in binary form, if it has
+    /// one (see [`Outbox::ring_binary_locked`]): `Some(true)` if it went,
+    /// `Some(false)` if the connection failed, `None` if it must go on the
+    /// socket (then `notice` is cleared if the ring was tried: what did not
+    /// fit in binary goes as JSON on the socket, not in the ring).
+    fn ring_binary(&self, message: &Message, notice: &mut bool) -> Option<bool> {
+        let record = encode_binary_record(0, message)?;
+        *notice = false;
+        let mut out = lock(&self.out);
+        match out.ring_binary_locked(record) {
+            Ok(true) => Some(true),
+            Ok(false) => None,
+            Err(e) => {
+                drop(out);
+                self.send_failed(&e);
+                Some(false)
+            }
+        }
+    }
+
     /// Sends a message: at once from the calling thread when nothing is
     /// queued or being sent and the socket takes it without waiting (no
     /// thread hop), else through the writer thread's queue. A client with
@@ -158,8 +192,13 @@ impl Conn {
     /// replaced by an error answering the same request.
     // Callers build the message for this call; it is theirs no longer.
     #[allow(clippy::needless_pass_by_value)]
+    // One path per outcome, in order; splitting it would spread the lock.
+    #[allow(clippy::too_many_lines)]
     pub(super) fn push(&self, message: Message, fds: Vec<OwnedFd>, _max_queued: usize) -> bool {
-        let notice = fds.is_empty() && is_notice(&message);
+        let mut notice = fds.is_empty() && is_notice(&message);
+        if notice && let Some(sent) = self.ring_binary(&message, &mut notice) {
+            return sent;
+        }
         let encoded = {
             let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
             encode_checked(&message, &borrowed)
