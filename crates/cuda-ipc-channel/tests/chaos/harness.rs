@@ -70,6 +70,26 @@ pub(crate) fn open_fds() -> usize {
 /// Waits (up to 5 s) for the count of open descriptors to come back to
 /// `expected`: a server thread closes a dead client's socket, and a reader
 /// thread a dead child's pipe, a moment after the death is noticed.
+/// The number of open descriptors once it has stopped changing (the same
+/// for 100 ms; at most 5 s): a baseline taken while a connection's
+/// descriptors are still being closed would count them (a run once
+/// counted one more at its baseline than after its first round).
+pub(crate) fn stable_fds() -> usize {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut last = open_fds();
+    let mut since = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(5));
+        let n = open_fds();
+        if n != last {
+            last = n;
+            since = Instant::now();
+        } else if since.elapsed() >= Duration::from_millis(100) || Instant::now() >= deadline {
+            return n;
+        }
+    }
+}
+
 pub(crate) fn settle_fds(expected: usize) -> usize {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {

@@ -112,7 +112,7 @@ fn consumers_killed_at_random_points() {
     }
     let expected = p.server.leases();
     assert_eq!(expected.len(), 2 * SURVIVORS, "{expected:?}");
-    let baseline = settle_fds(open_fds());
+    let baseline = stable_fds();
 
     let rounds = CONSUMER_ROUNDS * scale();
     let mut counts: HashMap<Scenario, usize> = HashMap::new();
@@ -242,7 +242,7 @@ fn producers_killed_at_random_points() {
     // The same path every round: each new producer replaces the socket
     // file its killed predecessor left behind.
     let path = tmp.path().join("producer.sock");
-    let baseline = settle_fds(open_fds());
+    let baseline = stable_fds();
     let rounds = PRODUCER_ROUNDS * scale();
     let mut slowest = Duration::ZERO;
     let mut early_kills = 0;
