@@ -102,6 +102,31 @@ fn copies<T: Clone>(value: T, n: usize) -> impl Iterator<Item = T> {
     })
 }
 
+impl Server {
+    /// Sends `notice` as version `version` of entry `name` to every
+    /// `(lease, connection)` of `holders` (never blocking on a client).
+    fn send_updates<C: AsRef<Conn>>(
+        &self,
+        holders: &[(u64, C)],
+        name: &str,
+        version: u64,
+        notice: Value,
+    ) {
+        for ((lease, conn), notice) in holders.iter().zip(copies(notice, holders.len())) {
+            conn.as_ref().push(
+                Message::Update {
+                    lease: *lease,
+                    name: name.into(),
+                    version,
+                    notice,
+                },
+                Vec::new(),
+                self.shared.max_queued,
+            );
+        }
+    }
+}
+
 /// The error message for a request or a connection.
 fn error_frame(id: Option<u64>, code: &str, message: impl Into<String>) -> Message {
     Message::Error {
@@ -411,18 +436,7 @@ impl Server {
             .iter()
             .filter_map(|lease| Some((*lease, st.conns.get(&st.leases.get(lease)?.conn)?)))
             .collect();
-        for ((lease, conn), notice) in holders.iter().zip(copies(notice, holders.len())) {
-            conn.push(
-                Message::Update {
-                    lease: *lease,
-                    name: name.into(),
-                    version,
-                    notice,
-                },
-                Vec::new(),
-                self.shared.max_queued,
-            );
-        }
+        self.send_updates(&holders, name, version, notice);
         Ok(version)
     }
 

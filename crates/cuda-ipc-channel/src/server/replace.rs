@@ -10,11 +10,10 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use crate::wire::Message;
 use crate::{ChannelError, lock, validate_entry_name};
 
 use super::state::{Body, Entry};
-use super::{Server, check_fds, copies, json_size};
+use super::{Server, check_fds, json_size};
 
 /// What [`Server::replace`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,18 +90,7 @@ impl Server {
             st.entries.remove(&old_id);
         }
         let told = holders.len();
-        for ((lease, conn), notice) in holders.iter().zip(copies(notice, told)) {
-            conn.push(
-                Message::Update {
-                    lease: *lease,
-                    name: name.into(),
-                    version,
-                    notice,
-                },
-                Vec::new(),
-                self.shared.max_queued,
-            );
-        }
+        self.send_updates(&holders, name, version, notice);
         drop(guard);
         self.shared.changed.notify_all();
         Ok(Replaced {
