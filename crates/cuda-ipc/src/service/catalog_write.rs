@@ -332,6 +332,28 @@ impl Catalog {
         self.writing.get(name)
     }
 
+    /// Why a write of `name` without a layout cannot start when the service
+    /// knows no layout for it: another writer creates it
+    /// ([`CatalogError::Writing`]), or there is no such set.
+    pub(crate) fn no_layout(&self, name: &str) -> CatalogError {
+        self.writing(name).map_or_else(
+            || CatalogError::NotFound { name: name.into() },
+            WriteSession::refusal,
+        )
+    }
+
+    /// Refuses ([`CatalogError::NotWriting`], naming the holder if any)
+    /// unless connection `connection` holds the write session of `name`.
+    pub(crate) fn check_writer(&self, name: &str, connection: u64) -> Result<(), CatalogError> {
+        match self.writing(name) {
+            Some(w) if w.writer.connection == connection => Ok(()),
+            other => Err(CatalogError::NotWriting {
+                name: name.into(),
+                holder: other.map(|w| w.writer.holder()),
+            }),
+        }
+    }
+
     /// Every open session, in set name order.
     pub fn write_sessions(&self) -> impl Iterator<Item = &WriteSession> {
         self.writing.values()

@@ -27,7 +27,7 @@ use super::admin::{
     LoadRequest, LsAnswer, OpenWriteAnswer, OpenWriteRequest, SetRow, SetState, StatsAnswer,
 };
 use super::catalog::{
-    Catalog, CatalogError, MAX_WRITES_PER_CONNECTION, MAX_WRITES_PER_UID, Quotas, Staged, WriterId,
+    Catalog, MAX_WRITES_PER_CONNECTION, MAX_WRITES_PER_UID, Quotas, Staged, WriterId,
 };
 use super::dispatch::{self, MAX_ERROR_MESSAGE_BYTES, Ops, bad_request};
 use super::layout::{self, Tensor};
@@ -153,17 +153,7 @@ impl Ops for Books {
             layout::check(specs).map_err(bad_request)?
         } else {
             let Some(t) = locked(&self.layouts).get(&r.set).cloned() else {
-                let catalog = locked(&self.catalog);
-                return Err(refused(&match catalog.writing(&r.set) {
-                    Some(w) => CatalogError::Writing {
-                        name: r.set.clone(),
-                        pid: w.writer.pid,
-                        uid: w.writer.uid,
-                    },
-                    None => CatalogError::NotFound {
-                        name: r.set.clone(),
-                    },
-                }));
+                return Err(refused(&locked(&self.catalog).no_layout(&r.set)));
             };
             t
         };
@@ -194,15 +184,9 @@ impl Ops for Books {
 
     fn commit(&self, caller: WriterId, r: &CommitRequest) -> Result<CommitAnswer, CallError> {
         let mut catalog = locked(&self.catalog);
-        match catalog.writing(&r.set) {
-            Some(w) if w.writer.connection == caller.connection => {}
-            other => {
-                return Err(refused(&CatalogError::NotWriting {
-                    name: r.set.clone(),
-                    holder: other.map(|w| w.writer.holder()),
-                }));
-            }
-        }
+        catalog
+            .check_writer(&r.set, caller.connection)
+            .map_err(|e| refused(&e))?;
         let mut staging = locked(&self.staging);
         let Some((tensors, hash)) = staging.get(&r.set).cloned() else {
             return Err(CallError::new("not_writing", "no staging version"));

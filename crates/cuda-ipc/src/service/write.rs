@@ -33,7 +33,7 @@ use crate::mechanism::Access;
 use super::admin::{
     AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, OpenWriteAnswer, OpenWriteRequest,
 };
-use super::catalog::{self, CatalogError, Staged, WriterId};
+use super::catalog::{self, Staged, WriterId};
 use super::layout::{self, Tensor};
 use super::{Held, Inner, locked, refused};
 
@@ -84,17 +84,7 @@ impl Inner {
         } else {
             let held = locked(&self.held).get(&r.set).map(|h| h.tensors.clone());
             let Some(tensors) = held else {
-                let catalog = locked(&self.catalog);
-                return Err(refused(&match catalog.writing(&r.set) {
-                    Some(w) => CatalogError::Writing {
-                        name: r.set.clone(),
-                        pid: w.writer.pid,
-                        uid: w.writer.uid,
-                    },
-                    None => CatalogError::NotFound {
-                        name: r.set.clone(),
-                    },
-                }));
+                return Err(refused(&locked(&self.catalog).no_layout(&r.set)));
             };
             tensors
         };
@@ -201,15 +191,9 @@ impl Inner {
         let mut staging = locked(&self.staging);
         {
             let catalog = locked(&self.catalog);
-            match catalog.writing(&r.set) {
-                Some(w) if w.writer.connection == caller.connection => {}
-                other => {
-                    return Err(refused(&CatalogError::NotWriting {
-                        name: r.set.clone(),
-                        holder: other.map(|w| w.writer.holder()),
-                    }));
-                }
-            }
+            catalog
+                .check_writer(&r.set, caller.connection)
+                .map_err(|e| refused(&e))?;
         }
         let Some(stage) = staging.get(&r.set) else {
             return Err(CallError::new(
