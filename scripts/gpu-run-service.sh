@@ -56,7 +56,8 @@ bg_term() {
 # read-only), a second load over the quota refused, `drop`, a load again,
 # then SIGTERM: the service exits 0 and says what it dropped, and `ls`
 # then finds no service. Writer sessions first: tests/gpu/service_write.rs
-# and examples/python/service_trainer.py (needs torch).
+# and examples/python/service_trainer.py (needs torch); then
+# examples/python/service_generate.py (needs transformers).
 step_service() {
   run_tests "-service" service::
   # Writer sessions: the GPU test, then the Python trainer and reader.
@@ -64,6 +65,9 @@ step_service() {
   if install_wheel; then
     check "service: examples/python/service_trainer.py (versions committed, a reader follows by content)" 0 \
       python3 "$here/examples/python/service_trainer.py" --cli "$cli" --steps 20
+    check "service: examples/python/service_generate.py (a fresh process generates from the service's read-only weights)" 0 \
+      python3 "$here/examples/python/service_generate.py" --cli "$cli" --tokens 8
+    tail -n 1 "$(log_of "service: examples/python/service_generate.py (a fresh process generates from the service's read-only weights)")"
   else
     bad "service: the trainer example: $wheel_error"
   fi

@@ -17,7 +17,7 @@ block): the write is aborted and the reader still sees the last version.
 Finally the service is stopped with SIGTERM and must exit 0.
 
 Exit status 0 when every version matched; 1 with a message otherwise.
-Needs PyTorch and a CUDA GPU. Not yet run on a GPU.
+Needs PyTorch and a CUDA GPU.
 """
 
 import argparse
