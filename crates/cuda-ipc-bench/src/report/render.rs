@@ -249,7 +249,7 @@ fn render_cached(r: &Report, s: &Section, out: &mut String) {
             let ours = row.p50();
             vec![
                 match ours {
-                    Some(v) if v <= targets::CACHED_P50_MS => "PASS".into(),
+                    Some(v) if v <= targets::cached_limit(row.size.unwrap_or(0)) => "PASS".into(),
                     Some(_) => "MISS".into(),
                     None => "-".into(),
                 },

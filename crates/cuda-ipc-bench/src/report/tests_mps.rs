@@ -2,6 +2,7 @@
 //! labelled in the table, the header and the failures; targets from the
 //! runs without MPS.
 
+use super::model::Verdict;
 use super::tests::synthetic;
 use super::*;
 
@@ -55,7 +56,14 @@ fn sections_under_mps_are_labelled_in_the_table() {
         .find(|s| s.id == SectionId::Ring && s.mps)
         .unwrap();
     assert!(!ring.mps && under.mps);
-    assert_eq!(r.targets, plain.targets);
+    // The targets of the runs without MPS are the plain run's; the pass
+    // under MPS adds its own, after them.
+    let (mps, others): (Vec<_>, Vec<_>) = r.targets.iter().partition(|t| t.id.starts_with("mps/"));
+    assert_eq!(
+        others.into_iter().cloned().collect::<Vec<_>>(),
+        plain.targets
+    );
+    assert!(!mps.is_empty() && plain.targets.iter().all(|t| !t.id.starts_with("mps/")));
     let first = text.find("Streaming ring (").unwrap();
     assert!(first < text.find("Streaming ring, under MPS").unwrap());
 }
@@ -99,4 +107,56 @@ fn mps_is_in_the_json_only_when_used() {
     // And it reads back the same (the parent reads the pass's report).
     let back: Report = serde_json::from_str(&r.to_json()).unwrap();
     assert_eq!(back, r);
+}
+
+#[test]
+fn the_ring_under_mps_is_held_to_its_rate_and_to_the_floor_under_mps() {
+    // Under MPS the synthetic ring does 123,456 x 5 = 617,280 frames/s
+    // (over 150,000: met) and its floor 232,000 x 5: 1.88x (over 1.25x:
+    // missed).
+    let r = with_mps(5.0);
+    let get = |id: &str| {
+        r.targets
+            .iter()
+            .find(|t| t.id == id)
+            .unwrap_or_else(|| panic!("no target {id} in {:#?}", r.targets))
+    };
+    let rate = get("mps/ring/vmm/4KiB");
+    assert_eq!(rate.verdict, Verdict::Pass);
+    assert_eq!(rate.measured, Some(617_280.0));
+    let floor = get("mps/floor/vmm");
+    assert_eq!(floor.verdict, Verdict::Miss);
+    assert!((floor.measured.unwrap() - 232_000.0 / 123_456.0).abs() < 1e-9);
+    // At the plain run's rates the ring under MPS misses its rate; with
+    // the floor under MPS at the ring's rate, the ratio is met.
+    let mut slow = with_mps(1.0);
+    for s in slow
+        .sections
+        .iter_mut()
+        .filter(|s| s.mps && s.id == SectionId::Sync)
+    {
+        for row in &mut s.rows {
+            if row.series == targets::SYNC_FLOOR_SERIES {
+                row.value = Some(123_456.0 * 1.2);
+            }
+        }
+    }
+    slow.evaluate();
+    let verdict = |id: &str| slow.targets.iter().find(|t| t.id == id).unwrap().verdict;
+    assert_eq!(verdict("mps/ring/vmm/4KiB"), Verdict::Miss);
+    assert_eq!(verdict("mps/floor/vmm"), Verdict::Pass);
+}
+
+#[test]
+fn a_run_without_its_pass_under_mps_has_no_mps_targets() {
+    let mut r = with_mps(5.0);
+    r.sections.retain(|s| !s.mps);
+    r.evaluate();
+    assert!(r.targets.iter().all(|t| !t.id.starts_with("mps/")));
+    // A pass under MPS without its sync section: the ratio is not measured.
+    let mut r = with_mps(5.0);
+    r.sections.retain(|s| !(s.mps && s.id == SectionId::Sync));
+    r.evaluate();
+    let floor = r.targets.iter().find(|t| t.id == "mps/floor/vmm").unwrap();
+    assert_eq!(floor.verdict, Verdict::NotMeasured);
 }

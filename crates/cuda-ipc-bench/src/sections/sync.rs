@@ -43,7 +43,7 @@ pub(crate) fn series(mode: &str, batch: u64) -> String {
 }
 
 /// The floor's series.
-pub(crate) const FLOOR_SERIES: &str = "floor: fill + signal";
+pub(crate) const FLOOR_SERIES: &str = crate::report::targets::SYNC_FLOOR_SERIES;
 /// The floor with the producer's whole per-frame GPU work.
 pub(crate) const FLOOR_ALL_SERIES: &str = "floor: fill + record + signal";
 

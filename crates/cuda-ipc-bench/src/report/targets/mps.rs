@@ -1,0 +1,74 @@
+//! The targets of a `--mps` run's pass under MPS (issue 25): the ring of
+//! 4 KiB frames under MPS against a fixed rate and against the producer's
+//! own floor (fill + signal) under MPS, measured in the same pass.
+
+use super::super::model::{Report, Row, Section, SectionId, Status, TargetCheck};
+use super::{SYNC_FLOOR_SERIES, check};
+
+/// Frames per second through a ring of 4 KiB frames under MPS.
+pub const MPS_RING_FPS_4K: f64 = 150_000.0;
+/// The ring's time per frame under MPS over the producer's floor's (fill
+/// + signal) under MPS.
+pub const MPS_FLOOR_RATIO: f64 = 1.25;
+
+/// The pass under MPS of section `id`, when it ran.
+fn under_mps(r: &Report, id: SectionId) -> Option<&Section> {
+    r.sections
+        .iter()
+        .find(|s| s.id == id && s.mps && s.status != Status::Skipped)
+}
+
+/// The targets of the pass under MPS; none when the run had no such pass.
+pub(super) fn targets(r: &Report, out: &mut Vec<TargetCheck>) {
+    let Some(ring) = under_mps(r, SectionId::Ring) else {
+        return;
+    };
+    let floor = under_mps(r, SectionId::Sync)
+        .and_then(|s| {
+            s.rows.iter().find(|row| {
+                row.series == SYNC_FLOOR_SERIES && row.size == Some(4096) && row.error.is_none()
+            })
+        })
+        .and_then(|row| row.value);
+    let rows: Vec<&Row> = ring
+        .rows
+        .iter()
+        .filter(|row| row.variant.as_deref() == Some("load") && row.size == Some(4096))
+        .collect();
+    for row in rows {
+        let fps = row.value.filter(|_| row.error.is_none());
+        let missing = if row.error.is_some() {
+            "failed"
+        } else {
+            "not measured"
+        };
+        out.push(check(
+            format!("mps/ring/{}/4KiB", row.series),
+            format!(
+                "ring frames per second under MPS, 4 KiB frames, {}",
+                row.series
+            ),
+            format!(">= {MPS_RING_FPS_4K:.0}/s"),
+            fps,
+            |v| format!("{v:.0}/s"),
+            |v| v >= MPS_RING_FPS_4K,
+            missing,
+        ));
+        out.push(check(
+            format!("mps/floor/{}", row.series),
+            format!(
+                "ring under MPS, {} / the producer's floor under MPS (fill + signal): time per frame",
+                row.series
+            ),
+            format!("<= {MPS_FLOOR_RATIO:.2}x"),
+            floor.zip(fps).map(|(f, v)| f / v),
+            |v| format!("{v:.2}x"),
+            |v| v <= MPS_FLOOR_RATIO,
+            if fps.is_none() {
+                missing
+            } else {
+                "not measured (no floor under MPS)"
+            },
+        ));
+    }
+}
