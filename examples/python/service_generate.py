@@ -28,12 +28,13 @@ import argparse
 import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+
+from service_trainer import find_cli  # the example next to this one
 
 SET_NAME = "model"
 
@@ -124,17 +125,6 @@ def fresh_process(socket, folder, device, tokens):
     del model, have, sd
     reader.close()
     return 0
-
-
-def find_cli(given):
-    if given:
-        return given
-    here = os.path.dirname(os.path.abspath(__file__))
-    for profile in ("release", "debug"):
-        path = os.path.join(here, "..", "..", "target", profile, "cuda-ipc")
-        if os.access(path, os.X_OK):
-            return path
-    return shutil.which("cuda-ipc") or sys.exit("no cuda-ipc command: build it (cargo build --release) or pass --cli")
 
 
 def main():
