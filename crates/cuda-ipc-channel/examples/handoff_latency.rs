@@ -15,6 +15,13 @@
 //!   update 20 µs after the client took the last one.
 //! - *frame round trip*: a one-slot ring, `publish`, the client's
 //!   `next_frame` and `ack`, until `acquire` returns the slot again.
+//! - *fresh hand-off*: the bench's fresh hand-off without the GPU:
+//!   `Server::publish` of a new entry (one memfd), its name written into
+//!   a pipe that a consumer thread sleeps on, and that thread's
+//!   `Client::attach` answered; from before the publish to the answer.
+//!   The next one comes 100 µs after the consumer said it released. With
+//!   publish kicks ([`ServerConfig::publish_kick`]) the publish wakes the
+//!   connection's reader while the consumer wakes, not after.
 //!
 //! Each row also gives the process's CPU time per operation (both sides,
 //! `CLOCK_PROCESS_CPUTIME_ID`), the price of the spins, and its threads'
@@ -35,23 +42,31 @@ use cuda_ipc_channel::{
 use rustix::time::{ClockId, clock_gettime};
 use serde_json::json;
 
-/// One configuration: the notice path and the server's spin.
+/// One configuration: the notice path, the server's spin and whether a
+/// publish kicks readers.
 #[derive(Clone, Copy)]
 struct Setup {
     path: NoticePath,
     spin: Duration,
+    kick: bool,
 }
 
 impl Setup {
     fn name(self) -> String {
-        format!("{:?}, server spin {} µs", self.path, self.spin.as_micros())
+        format!(
+            "{:?}, server spin {} µs{}",
+            self.path,
+            self.spin.as_micros(),
+            if self.kick { ", publish kicks" } else { "" }
+        )
     }
 
     fn server(self, sock: &std::path::Path) -> Result<Server, ChannelError> {
         Server::bind(
             ServerConfig::new(sock)
                 .with_notices(self.path)
-                .with_spin(self.spin),
+                .with_spin(self.spin)
+                .with_publish_kick(self.kick),
         )
     }
 
@@ -213,6 +228,72 @@ fn frames(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, Chann
     Ok(batch(ns, start, 0, 1))
 }
 
+fn io(context: &str) -> impl FnOnce(rustix::io::Errno) -> ChannelError + '_ {
+    move |e| ChannelError::Io {
+        context: context.into(),
+        source: e.into(),
+    }
+}
+
+/// Reads exactly 8 bytes (a blocking read: the thread sleeps).
+fn read_word(fd: &std::os::fd::OwnedFd) -> Result<u64, ChannelError> {
+    let mut b = [0u8; 8];
+    let mut got = 0;
+    while got < 8 {
+        let n = rustix::io::read(fd, &mut b[got..]).map_err(io("cannot read the pipe"))?;
+        if n == 0 {
+            return Err(ChannelError::PeerGone);
+        }
+        got += n;
+    }
+    Ok(u64::from_ne_bytes(b))
+}
+
+fn write_word(fd: &std::os::fd::OwnedFd, v: u64) -> Result<(), ChannelError> {
+    let n = rustix::io::write(fd, &v.to_ne_bytes()).map_err(io("cannot write the pipe"))?;
+    assert_eq!(n, 8, "a pipe write of 8 bytes is whole");
+    Ok(())
+}
+
+/// Publish, the name through a pipe to a sleeping consumer thread, its
+/// attach answered (see the module's documentation).
+fn fresh(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
+    let server = setup.server(sock)?;
+    let client = setup.client(sock)?;
+    // The consumer has attached before, as the bench's has.
+    server.publish("warm", json!({}), vec![memfd()])?;
+    let a = client.attach("warm")?;
+    client.release(a.lease)?;
+    let (tell_rx, tell_tx) = rustix::pipe::pipe().map_err(io("cannot make a pipe"))?;
+    let (done_rx, done_tx) = rustix::pipe::pipe().map_err(io("cannot make a pipe"))?;
+    let base = Instant::now();
+    let start = cpu_now();
+    let consumer = std::thread::spawn(move || -> Result<Vec<u64>, ChannelError> {
+        let mut ns = Vec::with_capacity(n);
+        for i in 0..n {
+            let t0 = read_word(&tell_rx)?;
+            let a = client.attach(&format!("f{i}"))?;
+            ns.push((base.elapsed().as_nanos() as u64).saturating_sub(t0));
+            client.release(a.lease)?;
+            write_word(&done_tx, 1)?;
+        }
+        Ok(ns)
+    });
+    for i in 0..n {
+        let fd = memfd();
+        let name = format!("f{i}");
+        pause(Duration::from_micros(100));
+        let t0 = base.elapsed().as_nanos() as u64;
+        server.publish(&name, json!({"bytes": 4096}), vec![fd])?;
+        write_word(&tell_tx, t0)?;
+        read_word(&done_rx)?;
+        server.unpublish(&name)?;
+    }
+    let ns = consumer.join().expect("the consumer thread panicked")?;
+    // The pauses spin: less them.
+    Ok(batch(ns, start, n as u64 * 100_000, 1))
+}
+
 fn percentile(sorted: &[u64], p: f64) -> f64 {
     let i = ((sorted.len() - 1) as f64 * p).round() as usize;
     sorted[i] as f64 / 1000.0
@@ -254,23 +335,14 @@ fn main() -> Result<(), ChannelError> {
         context: "cannot make a temporary directory".into(),
         source: e,
     })?;
+    let spin = cuda_ipc_channel::DEFAULT_SERVER_SPIN;
+    let setup = |path, spin, kick| Setup { path, spin, kick };
     let setups = [
-        Setup {
-            path: NoticePath::Socket,
-            spin: Duration::ZERO,
-        },
-        Setup {
-            path: NoticePath::Socket,
-            spin: cuda_ipc_channel::DEFAULT_SERVER_SPIN,
-        },
-        Setup {
-            path: NoticePath::Shm,
-            spin: Duration::ZERO,
-        },
-        Setup {
-            path: NoticePath::Shm,
-            spin: cuda_ipc_channel::DEFAULT_SERVER_SPIN,
-        },
+        setup(NoticePath::Socket, Duration::ZERO, false),
+        setup(NoticePath::Socket, spin, false),
+        setup(NoticePath::Shm, Duration::ZERO, false),
+        setup(NoticePath::Shm, spin, false),
+        setup(NoticePath::Shm, spin, true),
     ];
     println!(
         "{batches} batches of {n} per row, the {} configurations taking turns; CPU only, one \
@@ -282,7 +354,7 @@ fn main() -> Result<(), ChannelError> {
     );
     println!("|---|---|---|---|---|---|---|");
     // [setup][row][batch]
-    let mut rows: Vec<[Vec<Batch>; 5]> = setups.iter().map(|_| Default::default()).collect();
+    let mut rows: Vec<[Vec<Batch>; 6]> = setups.iter().map(|_| Default::default()).collect();
     for b in 0..batches {
         for (i, setup) in setups.iter().enumerate() {
             let sock = dir.path().join(format!("s{b}-{i}.sock"));
@@ -294,6 +366,8 @@ fn main() -> Result<(), ChannelError> {
             rows[i][3].push(updates(*setup, n, &sock)?);
             let sock = dir.path().join(format!("f{b}-{i}.sock"));
             rows[i][4].push(frames(*setup, n, &sock)?);
+            let sock = dir.path().join(format!("h{b}-{i}.sock"));
+            rows[i][5].push(fresh(*setup, n, &sock)?);
         }
     }
     let names = [
@@ -302,6 +376,7 @@ fn main() -> Result<(), ChannelError> {
         "release (follows)",
         "update one-way",
         "frame round trip",
+        "fresh hand-off",
     ];
     for (r, name) in names.iter().enumerate() {
         for (i, setup) in setups.iter().enumerate() {

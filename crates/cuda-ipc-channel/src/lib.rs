@@ -91,7 +91,7 @@ pub use paths::{
 };
 pub use server::{
     CallContext, CallError, CallHandler, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo, Replaced,
-    SERVER_SPIN_ENV, Server, ServerConfig, ServerRing,
+    SERVER_KICK_ENV, SERVER_SPIN_ENV, Server, ServerConfig, ServerRing,
 };
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};

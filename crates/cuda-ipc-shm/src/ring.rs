@@ -3,7 +3,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
@@ -156,6 +156,33 @@ pub enum Ready {
     Other,
     /// The deadline passed.
     Timeout,
+    /// A [`Kicker`] of this receiver kicked it while it slept (the ring
+    /// may be empty).
+    Kicked,
+}
+
+/// Wakes a [`Receiver`] sleeping in [`Receiver::wait`] from this process,
+/// without a record: its `wait` returns [`Ready::Kicked`]. For a consumer
+/// that should stop sleeping because something is about to come by
+/// another way (a reader told that a request is likely, so that it spins
+/// instead). A kick while the receiver is not asleep is kept for its next
+/// sleep, which then returns at once; kicks do not add up.
+#[derive(Debug)]
+pub struct Kicker {
+    kicked: Arc<AtomicBool>,
+    /// A descriptor of the receiver's eventfd.
+    wake: OwnedFd,
+}
+
+impl Kicker {
+    /// Kicks the receiver (an eventfd write when no kick is pending).
+    pub fn kick(&self) {
+        if !self.kicked.swap(true, Ordering::AcqRel) {
+            // A full counter already wakes the receiver; a failed write
+            // means it is gone.
+            let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+        }
+    }
 }
 
 /// The consumer's end of a ring. Not `Clone`: one consumer per ring.
@@ -166,6 +193,8 @@ pub struct Receiver {
     /// The eventfd the producer writes when we sleep.
     wake: OwnedFd,
     sleeps: u64,
+    /// Set by a [`Kicker`], taken by a sleeping `wait`.
+    kicked: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Receiver {
@@ -191,7 +220,25 @@ impl Receiver {
             tail: 0,
             wake,
             sleeps: 0,
+            kicked: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// A [`Kicker`] of this receiver, for another thread of this process.
+    pub fn kicker(&self) -> Result<Kicker, ShmError> {
+        let wake = self
+            .wake
+            .try_clone()
+            .map_err(|e| ShmError::io("cannot duplicate the ring's eventfd", e))?;
+        Ok(Kicker {
+            kicked: Arc::clone(&self.kicked),
+            wake,
+        })
+    }
+
+    /// Takes a pending kick.
+    fn take_kick(&self) -> bool {
+        self.kicked.load(Ordering::Relaxed) && self.kicked.swap(false, Ordering::AcqRel)
     }
 
     /// How many times this receiver slept in `poll(2)`.
@@ -264,7 +311,10 @@ impl Receiver {
     /// (looking at the ring, and now and then polling `other`), then by
     /// setting the sleeping flag, looking once more, and sleeping in
     /// `poll(2)` on the eventfd and `other`. A zero spin sleeps at once; a
-    /// deadline already past still reports what is ready now.
+    /// deadline already past still reports what is ready now. A kick
+    /// ([`Kicker`]) pending when it would sleep, or coming while it
+    /// sleeps, ends the wait with [`Ready::Kicked`]; a spin takes a kick
+    /// pending when it begins (it is awake already).
     ///
     /// # References
     /// [poll(2)](https://man7.org/linux/man-pages/man2/poll.2.html),
@@ -279,6 +329,7 @@ impl Receiver {
             return Ok(Ready::Ring);
         }
         if !spin.is_zero() {
+            self.take_kick();
             let end = Instant::now() + spin;
             let end = deadline.map_or(end, |d| d.min(end));
             let mut looks = 0u32;
@@ -303,6 +354,10 @@ impl Receiver {
             if self.has_data() {
                 flag.store(0, Ordering::Relaxed);
                 return Ok(Ready::Ring);
+            }
+            if self.take_kick() {
+                flag.store(0, Ordering::Relaxed);
+                return Ok(Ready::Kicked);
             }
             let timeout = deadline.map(|d| {
                 Timespec::try_from(d.saturating_duration_since(Instant::now())).unwrap_or(
@@ -335,6 +390,9 @@ impl Receiver {
             }
             if self.has_data() {
                 return Ok(Ready::Ring);
+            }
+            if self.take_kick() {
+                return Ok(Ready::Kicked);
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(Ready::Timeout);

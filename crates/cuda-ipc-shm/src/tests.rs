@@ -315,3 +315,77 @@ fn many_records_stream_between_threads() {
     }
     t.join().unwrap();
 }
+
+#[test]
+fn a_kick_ends_a_sleeping_wait_without_a_record() {
+    let Pair {
+        creator: (mut tx, _),
+        opener: (_, mut rx),
+        memfd: _memfd,
+    } = pair(MIN_CAPACITY);
+    let kicker = rx.kicker().unwrap();
+    let (go_tx, go_rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        go_tx.send(()).unwrap();
+        let deadline = Some(Instant::now() + Duration::from_secs(10));
+        let started = Instant::now();
+        let r = rx.wait(Duration::ZERO, deadline, None).unwrap();
+        (r, started.elapsed(), rx)
+    });
+    go_rx.recv().unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    kicker.kick();
+    let (r, took, mut rx) = t.join().unwrap();
+    assert_eq!(r, Ready::Kicked);
+    assert!(
+        took >= Duration::from_millis(20) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    assert_eq!(rx.sleeps(), 1);
+    // The kick was taken: the next sleep times out.
+    let deadline = Some(Instant::now() + Duration::from_millis(30));
+    assert_eq!(
+        rx.wait(Duration::ZERO, deadline, None).unwrap(),
+        Ready::Timeout
+    );
+    // A record and a kick together: the record first, the kick at the
+    // next sleep (kicks do not add up: two are one).
+    kicker.kick();
+    kicker.kick();
+    assert!(tx.send(b"r").unwrap());
+    let deadline = Some(Instant::now() + Duration::from_secs(1));
+    assert_eq!(
+        rx.wait(Duration::ZERO, deadline, None).unwrap(),
+        Ready::Ring
+    );
+    let mut buf = Vec::new();
+    assert!(rx.recv(&mut buf).unwrap());
+    assert_eq!(
+        rx.wait(Duration::ZERO, deadline, None).unwrap(),
+        Ready::Kicked
+    );
+    let deadline = Some(Instant::now() + Duration::from_millis(30));
+    assert_eq!(
+        rx.wait(Duration::ZERO, deadline, None).unwrap(),
+        Ready::Timeout
+    );
+}
+
+#[test]
+fn a_spin_takes_a_pending_kick() {
+    let Pair {
+        opener: (_, mut rx),
+        memfd: _memfd,
+        ..
+    } = pair(MIN_CAPACITY);
+    let kicker = rx.kicker().unwrap();
+    kicker.kick();
+    // Pending when a wait with a spin begins: the spin is the wake-up it
+    // asked for, so the wait runs to its deadline.
+    let deadline = Some(Instant::now() + Duration::from_millis(40));
+    let r = rx.wait(Duration::from_micros(200), deadline, None).unwrap();
+    assert_eq!(r, Ready::Timeout);
+    // A kicker outlives its receiver harmlessly.
+    drop(rx);
+    kicker.kick();
+}

@@ -3,7 +3,7 @@
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, poll};
@@ -338,6 +338,8 @@ pub(super) fn admit(shared: &Arc<Shared>, stream: UnixStream) {
             out: Mutex::new(Outbox::new()),
             out_ready: Condvar::new(),
             active: Mutex::new(Instant::now()),
+            kicker: OnceLock::new(),
+            last_attach: Mutex::new(None),
         });
         st.conns.insert(id, Arc::clone(&conn));
         conn

@@ -13,6 +13,28 @@ pub const DEFAULT_SERVER_SPIN: Duration = Duration::from_micros(50);
 /// The environment variable that sets the server's default spin in
 /// microseconds (`0`: sleep at once; at most 10,000).
 pub const SERVER_SPIN_ENV: &str = "CUDA_IPC_SERVER_SPIN_US";
+
+/// The environment variable that sets whether a publish kicks the readers
+/// of recent attachers (see [`ServerConfig::publish_kick`]): `0` off, `1`
+/// on (the default).
+pub const SERVER_KICK_ENV: &str = "CUDA_IPC_SERVER_KICK";
+
+/// [`ServerConfig::publish_kick`]'s default: on, unless
+/// [`SERVER_KICK_ENV`] (passed as `env`) is `0`. Any other value than `0`
+/// or `1` is named in a warning and ignored.
+pub(crate) fn kick_from_env(env: Option<&str>) -> bool {
+    match env.map(str::trim) {
+        None | Some("1") => true,
+        Some("0") => false,
+        Some(other) => {
+            tracing::warn!(
+                "{SERVER_KICK_ENV}={other:?} is neither 0 nor 1; kicking readers on publish \
+                 (the default)"
+            );
+            true
+        }
+    }
+}
 use crate::own_uid;
 use crate::wire::MAX_FDS;
 
@@ -118,6 +140,20 @@ pub struct ServerConfig {
     /// call). `Duration::ZERO` sleeps at once, as before this setting
     /// existed.
     pub spin: Duration,
+    /// Whether a publish kicks the readers of the connections that
+    /// attached something in the last second (most recent first, no more
+    /// than may spin at once) into their spin, so that an attach of what
+    /// was just published, which usually comes a few microseconds later
+    /// (once its consumer has been told), finds its reader awake: the
+    /// reader's wake-up then happens while the consumer's does, not after
+    /// it. Only readers of connections with shared-memory notices can be
+    /// kicked (the kick is a write to their ring's eventfd, from the
+    /// publishing thread, about a microsecond each); a kicked reader's
+    /// spin is a spin like any other, with the same back-off and cap on
+    /// spinning readers, so kicks that are not followed by requests soon
+    /// cost nothing. Off when [`spin`](Self::spin) is zero. Default on,
+    /// or the environment variable [`SERVER_KICK_ENV`].
+    pub publish_kick: bool,
     /// Answers clients' calls ([`Message::Call`](crate::Message::Call));
     /// default none: every call is refused with the error `no_handler`.
     /// See also [`Server::set_call_handler`].
@@ -148,6 +184,7 @@ impl ServerConfig {
                 std::env::var(SERVER_SPIN_ENV).ok().as_deref(),
                 DEFAULT_SERVER_SPIN,
             ),
+            publish_kick: kick_from_env(std::env::var(SERVER_KICK_ENV).ok().as_deref()),
             call_handler: None,
         }
     }
@@ -259,6 +296,14 @@ impl ServerConfig {
     #[must_use]
     pub fn with_spin(mut self, spin: Duration) -> Self {
         self.spin = spin;
+        self
+    }
+
+    /// Sets whether a publish kicks the readers of recent attachers (see
+    /// [`ServerConfig::publish_kick`]).
+    #[must_use]
+    pub fn with_publish_kick(mut self, on: bool) -> Self {
+        self.publish_kick = on;
         self
     }
 

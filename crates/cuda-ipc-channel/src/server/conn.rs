@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use rustix::net::{Shutdown, shutdown};
@@ -14,7 +14,8 @@ use crate::socket::{Ucred, encode_checked, send_bytes, try_send_bytes, unread_by
 use crate::wire::Message;
 use crate::{ChannelError, lock};
 
-use super::{FINAL_SEND_TIMEOUT, error_frame};
+use super::state::State;
+use super::{FINAL_SEND_TIMEOUT, Shared, error_frame};
 
 /// What a subscriber is sent about a slot when it subscribes: fixed for the
 /// ring's life, shared with the connections still sending it.
@@ -146,6 +147,13 @@ pub(super) struct Conn {
     pub(super) out_ready: Condvar,
     /// When the client last sent a request (or connected).
     pub(super) active: Mutex<Instant>,
+    /// Wakes the reader into its spin ([`ServerConfig::publish_kick`]):
+    /// set at the hello for connections with shared-memory notices.
+    ///
+    /// [`ServerConfig::publish_kick`]: super::ServerConfig::publish_kick
+    pub(super) kicker: OnceLock<cuda_ipc_shm::Kicker>,
+    /// When the client last asked to attach an entry.
+    pub(super) last_attach: Mutex<Option<Instant>>,
 }
 
 /// The request id a reply answers, for the error that replaces a reply
@@ -164,6 +172,28 @@ fn request_id(message: &Message) -> Option<u64> {
 }
 
 impl Conn {
+    /// Kicks the reader into its spin, if it can be kicked.
+    pub(super) fn kick(&self) {
+        if let Some(k) = self.kicker.get() {
+            k.kick();
+        }
+    }
+
+    /// Whether its reader can be kicked.
+    pub(super) fn kickable(&self) -> bool {
+        self.kicker.get().is_some()
+    }
+
+    /// When the client last asked to attach an entry.
+    pub(super) fn last_attach(&self) -> Option<Instant> {
+        *lock(&self.last_attach)
+    }
+
+    /// Notes an attach request now.
+    pub(super) fn note_attach(&self) {
+        *lock(&self.last_attach) = Some(Instant::now());
+    }
+
     /// Sends a notice through the client's ring in binary form, if it has
     /// one (see [`Outbox::ring_binary_locked`]): `Some(true)` if it went,
     /// `Some(false)` if the connection failed, `None` if it must go on the
@@ -573,5 +603,36 @@ impl Conn {
             // `next` drops here: our duplicates of the descriptors close; the
             // client has its own.
         }
+    }
+}
+
+/// How recent a connection's last attach must be for a publish to kick
+/// its reader ([`ServerConfig::publish_kick`]).
+const KICK_RECENT: Duration = Duration::from_secs(1);
+
+impl Shared {
+    /// The connections whose readers a publish kicks: those that can be
+    /// kicked and attached within [`KICK_RECENT`], most recent first, no
+    /// more than may spin at once. None when kicks are off.
+    pub(super) fn readers_to_kick(&self, st: &State) -> Vec<Arc<Conn>> {
+        if !self.publish_kick {
+            return Vec::new();
+        }
+        let now = Instant::now();
+        let mut recent: Vec<(Instant, &Arc<Conn>)> = st
+            .conns
+            .values()
+            .filter_map(|c| {
+                let at = c.last_attach()?;
+                (c.kickable() && now.saturating_duration_since(at) <= KICK_RECENT)
+                    .then_some((at, c))
+            })
+            .collect();
+        recent.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+        recent
+            .into_iter()
+            .take(self.spinners.max())
+            .map(|(_, c)| Arc::clone(c))
+            .collect()
     }
 }

@@ -16,7 +16,10 @@
 //! it receives, a reader polls without sleeping for up to
 //! [`ServerConfig::spin`] (50 µs by default, backing off when its spins
 //! catch nothing), so that a request following closely is answered
-//! without a thread wake-up.
+//! without a thread wake-up; and a publish kicks the readers of the
+//! connections that attached in the last second into that spin
+//! ([`ServerConfig::publish_kick`]), so that the attach of what was just
+//! published finds its reader awake.
 //!
 //! # Leases
 //! A lease is held by a connection. When the connection ends for any reason
@@ -142,6 +145,8 @@ mod call;
 mod checks;
 mod config;
 mod conn;
+#[cfg(test)]
+mod kick_tests;
 mod replace;
 mod ring;
 mod session;
@@ -152,7 +157,7 @@ pub use call::{
     CallContext, CallError, CallFn, CallHandler, ClosedFn, MAX_METHOD_LEN, validate_method,
 };
 use checks::{bound_socket, check_config, check_fds, json_size};
-pub use config::{DEFAULT_SERVER_SPIN, SERVER_SPIN_ENV, ServerConfig};
+pub use config::{DEFAULT_SERVER_SPIN, SERVER_KICK_ENV, SERVER_SPIN_ENV, ServerConfig};
 use conn::Conn;
 use conn::SlotSource;
 pub use replace::Replaced;
@@ -181,6 +186,8 @@ struct Shared {
     spin: Duration,
     /// How many readers may spin at once.
     spinners: crate::spin::Spinners,
+    /// Whether a publish kicks the readers of recent attachers.
+    publish_kick: bool,
     pid: u32,
     state: Mutex<State>,
     /// Signalled whenever a lease ends, a slot is acked, or an entry is
@@ -336,6 +343,7 @@ impl Server {
             notices: config.notices,
             spin: config.spin,
             spinners: crate::spin::Spinners::for_this_machine(),
+            publish_kick: config.publish_kick && !config.spin.is_zero(),
             pid: own_pid(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
@@ -409,6 +417,11 @@ impl Server {
             },
         );
         st.names.insert(name.into(), id);
+        let kick = self.shared.readers_to_kick(&st);
+        drop(st);
+        for conn in kick {
+            conn.kick();
+        }
         Ok(id)
     }
 

@@ -76,6 +76,13 @@ fn welcome(shared: &Shared, conn: &Conn, shm_notices: bool) -> Option<Receiver> 
     );
     ends.map(|(tx, rx)| {
         conn.set_notice_ring(tx);
+        match rx.kicker() {
+            Ok(k) => {
+                let _ = conn.kicker.set(k);
+            }
+            // Without it this reader only misses publish kicks.
+            Err(e) => tracing::debug!(error = %e, "cannot make a kicker for this reader"),
+        }
         rx
     })
 }
@@ -138,7 +145,8 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         spin(shared, conn, acks.as_mut(), &mut backoff, deadline);
         if let Some(rx) = acks.as_mut() {
             match rx.wait(Duration::ZERO, deadline, Some(conn.stream.as_fd())) {
-                Ok(Ready::Ring) => continue,
+                // A publish kicked us: spin for the attach that may follow.
+                Ok(Ready::Ring | Ready::Kicked) => continue,
                 // The socket has a message (or hung up), or the idle
                 // deadline passed: the receive below tells which.
                 Ok(_) => {}
@@ -327,7 +335,10 @@ impl Shared {
                 after: Some(after),
             } if after.len() > MAX_ENTRY_NAME_LEN => reply(invalid_name(id, &after)),
             Message::List { id, after } => reply(self.listing(id, after.as_deref())),
-            Message::Attach { id, name } => self.attach(conn, id, &name),
+            Message::Attach { id, name } => {
+                conn.note_attach();
+                self.attach(conn, id, &name);
+            }
             Message::AttachRing { id, name } => self.attach_ring(conn, id, &name),
             Message::Release { id, lease } => {
                 let mut st = lock(&self.state);
