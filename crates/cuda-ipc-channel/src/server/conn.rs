@@ -14,8 +14,7 @@ use crate::socket::{Ucred, encode_checked, send_bytes, try_send_bytes, unread_by
 use crate::wire::Message;
 use crate::{ChannelError, lock};
 
-use super::state::State;
-use super::{FINAL_SEND_TIMEOUT, Shared, error_frame};
+use super::{FINAL_SEND_TIMEOUT, error_frame};
 
 /// What a subscriber is sent about a slot when it subscribes: fixed for the
 /// ring's life, shared with the connections still sending it.
@@ -603,36 +602,5 @@ impl Conn {
             // `next` drops here: our duplicates of the descriptors close; the
             // client has its own.
         }
-    }
-}
-
-/// How recent a connection's last attach must be for a publish to kick
-/// its reader ([`ServerConfig::publish_kick`]).
-const KICK_RECENT: Duration = Duration::from_secs(1);
-
-impl Shared {
-    /// The connections whose readers a publish kicks: those that can be
-    /// kicked and attached within [`KICK_RECENT`], most recent first, no
-    /// more than may spin at once. None when kicks are off.
-    pub(super) fn readers_to_kick(&self, st: &State) -> Vec<Arc<Conn>> {
-        if !self.publish_kick {
-            return Vec::new();
-        }
-        let now = Instant::now();
-        let mut recent: Vec<(Instant, &Arc<Conn>)> = st
-            .conns
-            .values()
-            .filter_map(|c| {
-                let at = c.last_attach()?;
-                (c.kickable() && now.saturating_duration_since(at) <= KICK_RECENT)
-                    .then_some((at, c))
-            })
-            .collect();
-        recent.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
-        recent
-            .into_iter()
-            .take(self.spinners.max())
-            .map(|(_, c)| Arc::clone(c))
-            .collect()
     }
 }

@@ -210,6 +210,17 @@ struct Shared {
     call_handler: Mutex<Option<CallHandler>>,
 }
 
+impl Shared {
+    /// The readers a publish kicks now (none when kicks are off).
+    fn readers_to_kick(&self, st: &State) -> Vec<Arc<Conn>> {
+        if self.publish_kick {
+            st.readers_to_kick(self.spinners.max())
+        } else {
+            Vec::new()
+        }
+    }
+}
+
 /// A channel server: the producer's end.
 ///
 /// Bind it to a socket path, publish entries and rings, and drop it (or call

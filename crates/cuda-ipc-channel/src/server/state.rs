@@ -315,3 +315,31 @@ impl State {
         })
     }
 }
+
+/// How recent a connection's last attach must be for a publish to kick
+/// its reader ([`ServerConfig::publish_kick`](super::ServerConfig::publish_kick)).
+const KICK_RECENT: Duration = Duration::from_secs(1);
+
+impl State {
+    /// The connections whose readers a publish kicks: those that can be
+    /// kicked and attached within [`KICK_RECENT`], most recent first, at
+    /// most `max` (as many as may spin at once).
+    pub(super) fn readers_to_kick(&self, max: usize) -> Vec<Arc<Conn>> {
+        let now = Instant::now();
+        let mut recent: Vec<(Instant, &Arc<Conn>)> = self
+            .conns
+            .values()
+            .filter_map(|c| {
+                let at = c.last_attach()?;
+                (c.kickable() && now.saturating_duration_since(at) <= KICK_RECENT)
+                    .then_some((at, c))
+            })
+            .collect();
+        recent.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+        recent
+            .into_iter()
+            .take(max)
+            .map(|(_, c)| Arc::clone(c))
+            .collect()
+    }
+}
