@@ -170,8 +170,8 @@ pub enum Ready {
 #[derive(Debug)]
 pub struct Kicker {
     kicked: Arc<AtomicBool>,
-    /// A descriptor of the receiver's eventfd.
-    wake: OwnedFd,
+    /// The receiver's eventfd (shared: no descriptor of its own).
+    wake: Arc<OwnedFd>,
 }
 
 impl Kicker {
@@ -180,7 +180,7 @@ impl Kicker {
         if !self.kicked.swap(true, Ordering::AcqRel) {
             // A full counter already wakes the receiver; a failed write
             // means it is gone.
-            let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+            let _ = rustix::io::write(&*self.wake, &1u64.to_ne_bytes());
         }
     }
 }
@@ -190,8 +190,9 @@ pub struct Receiver {
     ring: RingView,
     /// Bytes read so far: our own copy, never read back.
     tail: u64,
-    /// The eventfd the producer writes when we sleep.
-    wake: OwnedFd,
+    /// The eventfd the producer writes when we sleep (shared with our
+    /// kickers).
+    wake: Arc<OwnedFd>,
     sleeps: u64,
     /// Set by a [`Kicker`], taken by a sleeping `wait`.
     kicked: Arc<AtomicBool>,
@@ -218,22 +219,20 @@ impl Receiver {
         Receiver {
             ring: RingView::new(map, ring, capacity),
             tail: 0,
-            wake,
+            wake: Arc::new(wake),
             sleeps: 0,
             kicked: Arc::new(AtomicBool::new(false)),
         }
     }
 
     /// A [`Kicker`] of this receiver, for another thread of this process.
-    pub fn kicker(&self) -> Result<Kicker, ShmError> {
-        let wake = self
-            .wake
-            .try_clone()
-            .map_err(|e| ShmError::io("cannot duplicate the ring's eventfd", e))?;
-        Ok(Kicker {
+    /// It shares the receiver's eventfd (no new descriptor) and keeps it
+    /// open while it lives.
+    pub fn kicker(&self) -> Kicker {
+        Kicker {
             kicked: Arc::clone(&self.kicked),
-            wake,
-        })
+            wake: Arc::clone(&self.wake),
+        }
     }
 
     /// Takes a pending kick.
@@ -367,7 +366,7 @@ impl Receiver {
                     },
                 )
             });
-            let mut fds = vec![PollFd::new(&self.wake, PollFlags::IN)];
+            let mut fds = vec![PollFd::new(&*self.wake, PollFlags::IN)];
             if let Some(o) = other {
                 fds.push(PollFd::from_borrowed_fd(o, PollFlags::IN));
             }
@@ -383,7 +382,7 @@ impl Receiver {
             }
             if woke {
                 let mut buf = [0u8; 8];
-                let _ = rustix::io::read(&self.wake, &mut buf);
+                let _ = rustix::io::read(&*self.wake, &mut buf);
             }
             if other_ready {
                 return Ok(Ready::Other);

@@ -323,7 +323,7 @@ fn a_kick_ends_a_sleeping_wait_without_a_record() {
         opener: (_, mut rx),
         memfd: _memfd,
     } = pair(MIN_CAPACITY);
-    let kicker = rx.kicker().unwrap();
+    let kicker = rx.kicker();
     let (go_tx, go_rx) = std::sync::mpsc::channel();
     let t = std::thread::spawn(move || {
         go_tx.send(()).unwrap();
@@ -378,7 +378,7 @@ fn a_spin_takes_a_pending_kick() {
         memfd: _memfd,
         ..
     } = pair(MIN_CAPACITY);
-    let kicker = rx.kicker().unwrap();
+    let kicker = rx.kicker();
     kicker.kick();
     // Pending when a wait with a spin begins: the spin is the wake-up it
     // asked for, so the wait runs to its deadline.

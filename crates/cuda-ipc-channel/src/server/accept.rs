@@ -339,7 +339,7 @@ pub(super) fn admit(shared: &Arc<Shared>, stream: UnixStream) {
             out_ready: Condvar::new(),
             active: Mutex::new(Instant::now()),
             kicker: OnceLock::new(),
-            last_attach: Mutex::new(None),
+            last_attach: std::sync::atomic::AtomicU64::new(0),
         });
         st.conns.insert(id, Arc::clone(&conn));
         conn

@@ -3,6 +3,7 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -151,8 +152,16 @@ pub(super) struct Conn {
     ///
     /// [`ServerConfig::publish_kick`]: super::ServerConfig::publish_kick
     pub(super) kicker: OnceLock<cuda_ipc_shm::Kicker>,
-    /// When the client last asked to attach an entry.
-    pub(super) last_attach: Mutex<Option<Instant>>,
+    /// When the client last asked to attach an entry: nanoseconds since
+    /// [`epoch`] plus one, 0 for never (read without a lock by every
+    /// publish).
+    pub(super) last_attach: AtomicU64,
+}
+
+/// The instant [`Conn::last_attach`] counts from.
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
 }
 
 /// The request id a reply answers, for the error that replaces a reply
@@ -185,12 +194,16 @@ impl Conn {
 
     /// When the client last asked to attach an entry.
     pub(super) fn last_attach(&self) -> Option<Instant> {
-        *lock(&self.last_attach)
+        match self.last_attach.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(epoch() + Duration::from_nanos(n - 1)),
+        }
     }
 
     /// Notes an attach request now.
     pub(super) fn note_attach(&self) {
-        *lock(&self.last_attach) = Some(Instant::now());
+        let since = u64::try_from(epoch().elapsed().as_nanos()).unwrap_or(u64::MAX - 1);
+        self.last_attach.store(since + 1, Ordering::Relaxed);
     }
 
     /// Sends a notice through the client's ring in binary form, if it has

@@ -76,13 +76,7 @@ fn welcome(shared: &Shared, conn: &Conn, shm_notices: bool) -> Option<Receiver> 
     );
     ends.map(|(tx, rx)| {
         conn.set_notice_ring(tx);
-        match rx.kicker() {
-            Ok(k) => {
-                let _ = conn.kicker.set(k);
-            }
-            // Without it this reader only misses publish kicks.
-            Err(e) => tracing::debug!(error = %e, "cannot make a kicker for this reader"),
-        }
+        let _ = conn.kicker.set(rx.kicker());
         rx
     })
 }
