@@ -242,6 +242,56 @@ fn ring_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     }
 }
 
+/// What a ring row of 4 KiB frames is held to: a frame rate, and its time
+/// per frame over the producer's floor's (fill + signal).
+pub(super) struct RingGoals<'a> {
+    /// The targets' ids start with it (`sync`, `mps`).
+    pub(super) prefix: &'a str,
+    /// Where the ring ran, in the targets' text (`""`, `" under MPS"`).
+    pub(super) under: &'a str,
+    /// Frames per second, at least.
+    pub(super) fps: f64,
+    /// The floor's frames per second over the ring's, at most.
+    pub(super) ratio: f64,
+}
+
+impl RingGoals<'_> {
+    /// The two targets of `row` against the producer's `floor` (frames per
+    /// second); `missing`: why the rate, then the ratio, has no figure.
+    pub(super) fn check(
+        &self,
+        out: &mut Vec<TargetCheck>,
+        row: &Row,
+        floor: Option<f64>,
+        missing: [&str; 2],
+    ) {
+        let (under, series) = (self.under, &row.series);
+        let fps = row.value.filter(|_| row.error.is_none());
+        let (goal, ratio) = (self.fps, self.ratio);
+        out.push(check(
+            format!("{}/ring/{series}/4KiB", self.prefix),
+            format!("ring frames per second{under}, 4 KiB frames, {series}"),
+            format!(">= {goal:.0}/s"),
+            fps,
+            |v| format!("{v:.0}/s"),
+            |v| v >= goal,
+            missing[0],
+        ));
+        out.push(check(
+            format!("{}/floor/{series}", self.prefix),
+            format!(
+                "ring{under} with {series} / the producer's floor{under} (fill + signal): time per \
+                 frame"
+            ),
+            format!("<= {ratio}x"),
+            floor.zip(fps).map(|(f, v)| f / v),
+            |v| format!("{v:.2}x"),
+            |v| v <= ratio,
+            missing[1],
+        ));
+    }
+}
+
 /// The sync section's targets: for every fence ring row (plain and
 /// batched), frames/s and the floor over it; the unloaded frame with fences.
 fn sync_targets(r: &Report, out: &mut Vec<TargetCheck>) {
@@ -268,29 +318,14 @@ fn sync_targets(r: &Report, out: &mut Vec<TargetCheck>) {
     } else {
         fences
     };
+    let goals = RingGoals {
+        prefix: "sync",
+        under: "",
+        fps: SYNC_RING_FPS_4K,
+        ratio: SYNC_FLOOR_RATIO,
+    };
     for row in rows {
-        let fps = row.value.filter(|_| row.error.is_none());
-        out.push(check(
-            format!("sync/ring/{}/4KiB", row.series),
-            format!("ring frames per second, 4 KiB frames, {}", row.series),
-            format!(">= {SYNC_RING_FPS_4K:.0}/s"),
-            fps,
-            |v| format!("{v:.0}/s"),
-            |v| v >= SYNC_RING_FPS_4K,
-            "not measured",
-        ));
-        out.push(check(
-            format!("sync/floor/{}", row.series),
-            format!(
-                "ring with {} / the producer's floor (fill + signal): time per frame",
-                row.series
-            ),
-            format!("<= {SYNC_FLOOR_RATIO:.1}x"),
-            floor.zip(fps).map(|(f, v)| f / v),
-            |v| format!("{v:.2}x"),
-            |v| v <= SYNC_FLOOR_RATIO,
-            "not measured",
-        ));
+        goals.check(out, row, floor, ["not measured", "not measured"]);
     }
     for series in ["fence", "host-fence"] {
         let paced = r.p50(SectionId::Sync, series, Some("paced"), Some(4096));

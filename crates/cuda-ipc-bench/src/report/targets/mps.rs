@@ -3,7 +3,7 @@
 //! own floor (fill + signal) under MPS, measured in the same pass.
 
 use super::super::model::{Report, Row, Section, SectionId, Status, TargetCheck};
-use super::{SYNC_FLOOR_SERIES, check};
+use super::{RingGoals, SYNC_FLOOR_SERIES};
 
 /// Frames per second through a ring of 4 KiB frames under MPS.
 pub const MPS_RING_FPS_4K: f64 = 150_000.0;
@@ -35,40 +35,23 @@ pub(super) fn targets(r: &Report, out: &mut Vec<TargetCheck>) {
         .iter()
         .filter(|row| row.variant.as_deref() == Some("load") && row.size == Some(4096))
         .collect();
+    let goals = RingGoals {
+        prefix: "mps",
+        under: " under MPS",
+        fps: MPS_RING_FPS_4K,
+        ratio: MPS_FLOOR_RATIO,
+    };
     for row in rows {
-        let fps = row.value.filter(|_| row.error.is_none());
-        let missing = if row.error.is_some() {
+        let failed = if row.error.is_some() {
             "failed"
         } else {
             "not measured"
         };
-        out.push(check(
-            format!("mps/ring/{}/4KiB", row.series),
-            format!(
-                "ring frames per second under MPS, 4 KiB frames, {}",
-                row.series
-            ),
-            format!(">= {MPS_RING_FPS_4K:.0}/s"),
-            fps,
-            |v| format!("{v:.0}/s"),
-            |v| v >= MPS_RING_FPS_4K,
-            missing,
-        ));
-        out.push(check(
-            format!("mps/floor/{}", row.series),
-            format!(
-                "ring under MPS, {} / the producer's floor under MPS (fill + signal): time per frame",
-                row.series
-            ),
-            format!("<= {MPS_FLOOR_RATIO:.2}x"),
-            floor.zip(fps).map(|(f, v)| f / v),
-            |v| format!("{v:.2}x"),
-            |v| v <= MPS_FLOOR_RATIO,
-            if fps.is_none() {
-                missing
-            } else {
-                "not measured (no floor under MPS)"
-            },
-        ));
+        let ratio_missing = if row.value.is_some() && row.error.is_none() {
+            "not measured (no floor under MPS)"
+        } else {
+            failed
+        };
+        goals.check(out, row, floor, [failed, ratio_missing]);
     }
 }
