@@ -211,6 +211,27 @@ mod sets {
         bencher.bench_local(|| SetRecord::from_json(black_box(&text)).unwrap());
     }
 
+    /// The layout hash of a set's entries (what a service writer commits,
+    /// and what the Python binding works out at every attach).
+    #[divan::bench(args = [100, 1000])]
+    fn layout_hash(bencher: Bencher, n: u64) {
+        let r = set_record(n);
+        bencher.bench_local(|| cuda_ipc::service::layout::layout_hash(black_box(&r.entries)));
+    }
+
+    /// An index of the entries by name, as an attach builds it.
+    #[divan::bench(args = [100, 1000])]
+    fn name_index(bencher: Bencher, n: u64) {
+        let r = set_record(n);
+        bencher.bench_local(|| {
+            black_box(&r.entries)
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (e.name.clone(), i))
+                .collect::<std::collections::HashMap<String, usize>>()
+        });
+    }
+
     /// The record through the channel: published as an entry's metadata,
     /// attached (the metadata read back), decoded, released.
     #[divan::bench(args = [100, 1000])]
