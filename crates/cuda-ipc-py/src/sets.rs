@@ -382,13 +382,7 @@ impl SetAttachment {
     /// The position of the entry called `name`.
     fn position_of(&self, name: &str) -> Option<usize> {
         self.index
-            .get_or_init(|| {
-                self.entries
-                    .iter()
-                    .enumerate()
-                    .map(|(i, e)| (e.name.clone(), i))
-                    .collect()
-            })
+            .get_or_init(|| self.record.name_index())
             .get(name)
             .copied()
     }

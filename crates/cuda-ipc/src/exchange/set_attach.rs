@@ -157,14 +157,7 @@ impl SetAttachment {
     /// The index of the buffer called `name`.
     pub fn position(&self, name: &str) -> Option<usize> {
         self.index
-            .get_or_init(|| {
-                self.record
-                    .entries
-                    .iter()
-                    .enumerate()
-                    .map(|(i, e)| (e.name.clone(), i))
-                    .collect()
-            })
+            .get_or_init(|| self.record.name_index())
             .get(name)
             .copied()
     }
