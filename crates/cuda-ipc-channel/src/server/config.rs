@@ -19,6 +19,14 @@ pub const SERVER_SPIN_ENV: &str = "CUDA_IPC_SERVER_SPIN_US";
 /// on (the default).
 pub const SERVER_KICK_ENV: &str = "CUDA_IPC_SERVER_KICK";
 
+use crate::own_uid;
+use crate::wire::MAX_FDS;
+
+use super::CallHandler;
+
+#[allow(unused_imports)] // for the documentation's links
+use super::Server;
+
 /// [`ServerConfig::publish_kick`]'s default: on, unless
 /// [`SERVER_KICK_ENV`] (passed as `env`) is `0`. Any other value than `0`
 /// or `1` is named in a warning and ignored.
@@ -35,13 +43,6 @@ pub(crate) fn kick_from_env(env: Option<&str>) -> bool {
         }
     }
 }
-use crate::own_uid;
-use crate::wire::MAX_FDS;
-
-use super::CallHandler;
-
-#[allow(unused_imports)] // for the documentation's links
-use super::Server;
 
 /// How a [`Server`] is set up.
 ///
@@ -147,8 +148,8 @@ pub struct ServerConfig {
     /// (once its consumer has been told), finds its reader awake: the
     /// reader's wake-up then happens while the consumer's does, not after
     /// it. Only readers of connections with shared-memory notices can be
-    /// kicked (the kick is a write to their ring's eventfd, from the
-    /// publishing thread, about a microsecond each); a kicked reader's
+    /// kicked (the kick is a write to their ring's eventfd, one system
+    /// call each on the publishing thread); a kicked reader's
     /// spin is a spin like any other, with the same back-off and cap on
     /// spinning readers, so kicks that are not followed by requests soon
     /// cost nothing. Off when [`spin`](Self::spin) is zero. Default on,
