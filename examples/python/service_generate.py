@@ -165,7 +165,10 @@ def main():
                                    capture_output=True, text=True, timeout=600)
             if child.returncode != 0:
                 sys.exit(f"FAILED: the fresh process exited {child.returncode}: {child.stderr.strip()[-2000:]}")
-            got = json.loads(child.stdout.strip().splitlines()[-1])
+            lines = child.stdout.strip().splitlines()
+            if not lines:
+                sys.exit(f"FAILED: the fresh process said nothing: {child.stderr.strip()[-2000:]}")
+            got = json.loads(lines[-1])
         finally:
             serving.send_signal(signal.SIGTERM)
             code = serving.wait(timeout=60)
