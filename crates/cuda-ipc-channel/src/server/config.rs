@@ -15,8 +15,8 @@ pub const DEFAULT_SERVER_SPIN: Duration = Duration::from_micros(50);
 pub const SERVER_SPIN_ENV: &str = "CUDA_IPC_SERVER_SPIN_US";
 
 /// The environment variable that sets whether a publish kicks the readers
-/// of recent attachers (see [`ServerConfig::publish_kick`]): `0` off, `1`
-/// on (the default).
+/// of recent attachers (see [`ServerConfig::publish_kick`]): `1` on, `0`
+/// off (the default, until a GPU run has measured it).
 pub const SERVER_KICK_ENV: &str = "CUDA_IPC_SERVER_KICK";
 
 use crate::own_uid;
@@ -27,19 +27,19 @@ use super::CallHandler;
 #[allow(unused_imports)] // for the documentation's links
 use super::Server;
 
-/// [`ServerConfig::publish_kick`]'s default: on, unless
-/// [`SERVER_KICK_ENV`] (passed as `env`) is `0`. Any other value than `0`
+/// [`ServerConfig::publish_kick`]'s default: off, unless
+/// [`SERVER_KICK_ENV`] (passed as `env`) is `1`. Any other value than `0`
 /// or `1` is named in a warning and ignored.
 pub(crate) fn kick_from_env(env: Option<&str>) -> bool {
     match env.map(str::trim) {
-        None | Some("1") => true,
-        Some("0") => false,
+        None | Some("0") => false,
+        Some("1") => true,
         Some(other) => {
             tracing::warn!(
-                "{SERVER_KICK_ENV}={other:?} is neither 0 nor 1; kicking readers on publish \
-                 (the default)"
+                "{SERVER_KICK_ENV}={other:?} is neither 0 nor 1; not kicking readers on \
+                 publish (the default)"
             );
-            true
+            false
         }
     }
 }
@@ -152,8 +152,9 @@ pub struct ServerConfig {
     /// call each on the publishing thread); a kicked reader's
     /// spin is a spin like any other, with the same back-off and cap on
     /// spinning readers, so kicks that are not followed by requests soon
-    /// cost nothing. Off when [`spin`](Self::spin) is zero. Default on,
-    /// or the environment variable [`SERVER_KICK_ENV`].
+    /// cost nothing. Off when [`spin`](Self::spin) is zero. Default off
+    /// (measured on the CPU only so far: see the `handoff_latency`
+    /// example), or the environment variable [`SERVER_KICK_ENV`].
     pub publish_kick: bool,
     /// Answers clients' calls ([`Message::Call`](crate::Message::Call));
     /// default none: every call is refused with the error `no_handler`.

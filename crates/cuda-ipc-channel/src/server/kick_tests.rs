@@ -117,13 +117,13 @@ fn kicked_readers_keep_answering_through_many_publishes() {
 }
 
 #[test]
-fn the_environment_turns_kicks_off_with_0_only() {
+fn the_environment_turns_kicks_on_with_1_only() {
     use super::config::kick_from_env;
-    assert!(kick_from_env(None));
+    assert!(!kick_from_env(None));
     assert!(kick_from_env(Some("1")));
+    assert!(kick_from_env(Some(" 1 ")));
     assert!(!kick_from_env(Some("0")));
-    assert!(!kick_from_env(Some(" 0 ")));
     // Anything else keeps the default, with a warning.
-    assert!(kick_from_env(Some("off")));
-    assert!(kick_from_env(Some("")));
+    assert!(!kick_from_env(Some("on")));
+    assert!(!kick_from_env(Some("")));
 }

@@ -16,10 +16,10 @@
 //! it receives, a reader polls without sleeping for up to
 //! [`ServerConfig::spin`] (50 µs by default, backing off when its spins
 //! catch nothing), so that a request following closely is answered
-//! without a thread wake-up; and a publish kicks the readers of the
-//! connections that attached in the last second into that spin
-//! ([`ServerConfig::publish_kick`]), so that the attach of what was just
-//! published finds its reader awake.
+//! without a thread wake-up; with [`ServerConfig::publish_kick`] (off by
+//! default) a publish also kicks the readers of the connections that
+//! attached in the last second into that spin, so that the attach of what
+//! was just published finds its reader awake.
 //!
 //! # Leases
 //! A lease is held by a connection. When the connection ends for any reason
