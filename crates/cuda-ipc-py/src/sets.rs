@@ -16,7 +16,7 @@
 //! fence, so every stream may read at once.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
 use cuda_ipc::descriptor::Dtype;
@@ -294,11 +294,16 @@ pub(crate) struct SetAttachment {
     read_only: bool,
     pub(crate) ordinal: usize,
     pub(crate) entries: Vec<Entry>,
-    index: HashMap<String, usize>,
+    /// Entry positions by name, made at the first look-up by name.
+    index: OnceLock<HashMap<String, usize>>,
     /// The entries grouped for few DLPack imports (`runs`).
     runs: Vec<Run>,
-    /// The layout hash of its entries (what a service writer commits).
-    layout_hash: String,
+    /// The layout hash of its entries (what a service writer commits),
+    /// worked out at the first read of `layout_hash` from `record`.
+    layout_hash: OnceLock<String>,
+    /// The record (its entries, for the layout hash), shared with the
+    /// attachment and readable after its release.
+    record: Arc<cuda_ipc::set::SetRecord>,
     places: Vec<Option<Place>>,
     /// This object's own hold (views hold clones): a view of the first
     /// entry, which holds the lease and, through it, every chunk mapping.
@@ -355,21 +360,16 @@ pub(crate) fn attach_set(
             Ok((set, first, entries, runs, places))
         })
         .py()?;
-    let index = entries
-        .iter()
-        .enumerate()
-        .map(|(i, e)| (e.name.clone(), i))
-        .collect();
-    let layout_hash = cuda_ipc::service::layout::layout_hash(set.entries());
     Ok(SetAttachment {
-        layout_hash,
+        layout_hash: OnceLock::new(),
+        record: set.shared_record(),
         name: set.name().to_owned(),
         lease: set.lease(),
         uses_fence: set.uses_fence(),
         read_only: set.read_only(),
         ordinal: s.device.ordinal(),
         entries,
-        index,
+        index: OnceLock::new(),
         runs,
         places,
         keep: Mutex::new(Some(Keep::new(first))),
@@ -379,6 +379,14 @@ pub(crate) fn attach_set(
 }
 
 impl SetAttachment {
+    /// The position of the entry called `name`.
+    fn position_of(&self, name: &str) -> Option<usize> {
+        self.index
+            .get_or_init(|| self.record.name_index())
+            .get(name)
+            .copied()
+    }
+
     /// The position of `key`: an index, or an entry's name.
     fn position(&self, key: &Bound<'_, PyAny>) -> Result<usize> {
         if let Ok(i) = key.extract::<usize>() {
@@ -396,9 +404,7 @@ impl SetAttachment {
         }
         if let Ok(name) = key.extract::<String>() {
             return self
-                .index
-                .get(&name)
-                .copied()
+                .position_of(&name)
                 .ok_or_else(|| Error::InvalidArgument {
                     what: "set entry",
                     reason: format!("{:?} has no entry called {name:?}", self.name),
@@ -433,7 +439,8 @@ impl SetAttachment {
     /// a service's `commit` names it.
     #[getter]
     fn layout_hash(&self) -> &str {
-        &self.layout_hash
+        self.layout_hash
+            .get_or_init(|| cuda_ipc::service::layout::layout_hash(&self.record.entries))
     }
     /// Whether updates are waited for through the publisher's fence (else
     /// its event).
@@ -496,7 +503,7 @@ impl SetAttachment {
     }
     /// The index of the entry called `name`, or `None`.
     fn index(&self, name: &str) -> Option<usize> {
-        self.index.get(name).copied()
+        self.position_of(name)
     }
     /// A view of entry `key` (an index or a name) that holds the set's
     /// lease, as `dtype` (same size) if given; `raw` shows a same-sized

@@ -2,7 +2,7 @@
 //! chunk mappings it keeps, and attaching.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
@@ -85,14 +85,18 @@ pub(super) fn set_access(record: &SetRecord, asked: Access) -> Access {
 /// dropping the set and its views) releases it.
 #[derive(Debug)]
 pub struct SetAttachment {
-    record: SetRecord,
+    /// Shared, so that what outlives the attachment (a binding's lazy
+    /// layout hash) can read it without a copy.
+    record: Arc<SetRecord>,
     /// How every chunk of the set is mapped.
     access: Access,
     lease: u64,
     guard: Arc<LeaseGuard>,
     waiter: Waiter,
     mappings: HashMap<u64, Arc<dyn Mapping>>,
-    index: HashMap<String, usize>,
+    /// Entry positions by name, made at the first look-up by name (most
+    /// attaches never look one up).
+    index: OnceLock<HashMap<String, usize>>,
 }
 
 impl SetAttachment {
@@ -129,6 +133,12 @@ impl SetAttachment {
         &self.record
     }
 
+    /// The set record, shared (it stays readable after the attachment is
+    /// released).
+    pub fn shared_record(&self) -> Arc<SetRecord> {
+        Arc::clone(&self.record)
+    }
+
     /// The number of buffers.
     pub fn len(&self) -> usize {
         self.record.entries.len()
@@ -146,7 +156,10 @@ impl SetAttachment {
 
     /// The index of the buffer called `name`.
     pub fn position(&self, name: &str) -> Option<usize> {
-        self.index.get(name).copied()
+        self.index
+            .get_or_init(|| self.record.name_index())
+            .get(name)
+            .copied()
     }
 
     /// A view of the buffer called `name` as elements of `T`.
@@ -313,20 +326,14 @@ impl Subscriber {
             name,
             mappings.values().cloned().collect(),
         );
-        let index = record
-            .entries
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.name.clone(), i))
-            .collect();
         Ok(SetAttachment {
-            record,
+            record: Arc::new(record),
             access,
             lease,
             guard,
             waiter,
             mappings,
-            index,
+            index: OnceLock::new(),
         })
     }
 

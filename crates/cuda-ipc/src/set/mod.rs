@@ -559,6 +559,15 @@ impl SetRecord {
         Ok((c, end))
     }
 
+    /// Each entry's position by name (names are unique in a valid record).
+    pub fn name_index(&self) -> HashMap<String, usize> {
+        self.entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.name.clone(), i))
+            .collect()
+    }
+
     /// The chunk with this id.
     pub fn chunk(&self, id: u64) -> Option<&SetChunk> {
         self.chunks.iter().find(|c| c.id == id)
