@@ -14,8 +14,12 @@ bench times the Rust side, printed as JSON lines like bench/torch_share.py:
    "warmup": W, "samples_ms": [...], "verify_failures": N, "parts_ms": {"update": [...]}}
 
   parts_ms: per kept sample, "publish" (the producer's call, from the clock's
-  start to its return) and "consumer" (from the consumer reading the request
-  to its clock stop: the attach and the tensors).
+  start to its return), "request" (from the producer's return to the
+  consumer reading the request off its pipe) and "consumer" (from the
+  consumer reading the request to its clock stop: the attach and the
+  tensors); py_set splits "consumer" into "attach_set" (the Rust
+  Subscriber.attach_set: request, record, mappings, event) and "tensors"
+  (the tensors and the dict made over that attachment).
   {"kind": "error", "message": ...}
   {"kind": "done", "elapsed_s": ...}
 
@@ -77,6 +81,7 @@ def consumer_main(device, path):
     """Answers the producer's requests, one JSON line each, on stdout."""
     import cuda_ipc
     import torch
+    from cuda_ipc import sets as _sets
 
     torch.cuda.set_device(device)
     sub = cuda_ipc.Subscriber(path, device=device, timeout=30)
@@ -84,6 +89,7 @@ def consumer_main(device, path):
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         t_recv = now_ns()
+        t_mid = None
         req = json.loads(line)
         if req["op"] == "fresh":
             a = sub.attach_set(req["name"])
@@ -94,8 +100,12 @@ def consumer_main(device, path):
             del t, flat
             a.release()
         elif req["op"] == "set":
-            sd = sub.attach_state_dict(req["name"])
+            # Subscriber.attach_state_dict in its two parts, timed apart.
+            core = sub._c.attach_set(req["name"], read_only=False)
+            t_mid = now_ns()
+            sd = _sets.attach_state_dict(core)
             t_ns = now_ns()
+            del core
             bad = not values_match(torch, sd, req["sample"])
             sd.release()
         elif req["op"] == "hold":
@@ -110,7 +120,7 @@ def consumer_main(device, path):
         else:  # "drop"
             held.release()
             held, t_ns, bad = None, now_ns(), False
-        print(json.dumps({"t_ns": t_ns, "t_recv": t_recv, "bad": bad}), flush=True)
+        print(json.dumps({"t_ns": t_ns, "t_recv": t_recv, "t_mid": t_mid, "bad": bad}), flush=True)
     sub.close()
 
 
@@ -159,7 +169,7 @@ class Consumer:
 
 def measure_fresh(torch, pub, consumer, size, warmup, reps, index):
     samples, failures = [], 0
-    parts = {"publish": [], "consumer": []}
+    parts = {"publish": [], "request": [], "consumer": []}
     n = size // 4
     for i in range(warmup + reps):
         value = (index * 1000003 + i * 7919 + 1) % (2**31 - 1)
@@ -183,7 +193,11 @@ def measure_fresh(torch, pub, consumer, size, warmup, reps, index):
 def keep_parts(parts, t0, t_pub, ans):
     """The producer's call and the consumer's work of one sample, ms."""
     parts["publish"].append((t_pub - t0) / 1e6)
+    parts["request"].append((ans["t_recv"] - t_pub) / 1e6)
     parts["consumer"].append((ans["t_ns"] - ans["t_recv"]) / 1e6)
+    if ans.get("t_mid") is not None:
+        parts.setdefault("attach_set", []).append((ans["t_mid"] - ans["t_recv"]) / 1e6)
+        parts.setdefault("tensors", []).append((ans["t_ns"] - ans["t_mid"]) / 1e6)
 
 
 def fill(torch, tensors, sample):
@@ -209,7 +223,7 @@ def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index):
 
 def measure_handoff(torch, pub, consumer, tensors, warmup, reps, index):
     samples, failures = [], 0
-    parts = {"publish": [], "consumer": []}
+    parts = {"publish": [], "request": [], "consumer": [], "attach_set": [], "tensors": []}
     for i in range(warmup + reps):
         fill(torch, tensors, i)
         name = "set-%d-%d" % (index, i)

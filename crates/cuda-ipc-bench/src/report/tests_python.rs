@@ -310,3 +310,43 @@ fn update_rows_show_the_producers_own_call_at_every_set_size() {
         .unwrap();
     assert!(!sets[plain + 1].contains("the producer's"), "{sets:?}");
 }
+
+#[test]
+fn hand_off_rows_show_their_measured_parts_in_order() {
+    let mut r = synthetic();
+    sets(&mut r).retain(|row| row.variant.as_deref() != Some("set"));
+    sets(&mut r).extend([
+        row("ours", "set", 1000, &[1.5, 1.6])
+            .part("publish", &[0.5])
+            .part("consumer", &[0.9])
+            .part("teardown", &[0.2]),
+        row(PY_SERIES, "set", 1000, &[5.0, 5.1])
+            .part("publish", &[1.8])
+            .part("request", &[0.1])
+            .part("consumer", &[3.1])
+            .part("attach_set", &[2.0])
+            .part("tensors", &[1.1]),
+        row(PY_SERIES, "set", 100, &[1.0]),
+    ]);
+    r.evaluate();
+    let text = render(&r);
+    let lines: Vec<&str> = text.lines().collect();
+    let under = |start: &str, n: &str| {
+        let i = lines
+            .iter()
+            .position(|l| l.trim_start().starts_with(start) && l.contains(&format!(" {n} ")))
+            .unwrap_or_else(|| panic!("no {start} {n} in {text}"));
+        lines[i + 1]
+    };
+    assert_eq!(
+        under("ours set", "1000").trim(),
+        "p50 parts: publish 0.5000 ms, consumer 0.9000 ms, unpublish 0.2000 ms"
+    );
+    assert_eq!(
+        under("ours from Python set", "1000").trim(),
+        "p50 parts: publish 1.800 ms, request 0.1000 ms, consumer 3.100 ms, \
+         of which attach_set 2.000 ms, tensors 1.100 ms"
+    );
+    // A row without parts gets no line.
+    assert!(!under("ours from Python set", "100").contains("parts"), "{text}");
+}

@@ -122,7 +122,10 @@ pub(super) fn render_sets(r: &Report, s: &Section, out: &mut String) {
                     ratio(p50.zip(ours).map(|(t, o)| t / o))
                 },
             ]);
-            if let Some(line) = first_attach_parts(row).or_else(|| update_part(row)) {
+            if let Some(line) = first_attach_parts(row)
+                .or_else(|| update_part(row))
+                .or_else(|| handoff_parts(row))
+            {
                 t.line(line);
             }
         }
@@ -151,6 +154,29 @@ fn update_part(row: &Row) -> Option<String> {
         fmt_ms(s.p50),
         fmt_ms(s.p99)
     ))
+}
+
+/// The parts of a hand-off row of ours (Rust or Python) that were
+/// measured, p50, as a line under it: the producer's call, the request's
+/// way to the consumer, the consumer's work and, from Python, that work
+/// split into the Rust attach and the tensors.
+fn handoff_parts(row: &Row) -> Option<String> {
+    const NAMES: [(&str, &str); 6] = [
+        ("publish", "publish"),
+        ("request", "request"),
+        ("consumer", "consumer"),
+        ("attach_set", "of which attach_set"),
+        ("tensors", "tensors"),
+        ("teardown", "unpublish"),
+    ];
+    if row.series != "ours" && row.series != targets::PY_SERIES {
+        return None;
+    }
+    let shown: Vec<String> = NAMES
+        .iter()
+        .filter_map(|(key, label)| row.part_p50(key).map(|v| format!("{label} {} ms", fmt_ms(v))))
+        .collect();
+    (!shown.is_empty()).then(|| format!("  p50 parts: {}", shown.join(", ")))
 }
 
 /// The parts of a first attach row, as a line under it.
