@@ -12,6 +12,7 @@ extension's per-tensor work is held against. JSON lines:
   {"kind": "profile", "top": [[function, calls, cumulative ms], ...]}
   {"kind": "publish", "count": N, "reps": R, "ms": {"publish": [...], "unpublish": [...]},
    "median": {...}}
+  {"kind": "phases", "call": CALL, "count": N, "median_us": {PHASE: µs}}
   {"kind": "skip", "reason": ...} / {"kind": "error", "message": ...}
 
 Parts (consumer, time.perf_counter_ns): `attach_set` (the Rust
@@ -21,7 +22,10 @@ every tensor and the dict), `release`; `total` their sum. Floors: COUNT
 `torch.empty(0, device=cuda)`, COUNT `as_strided` views of one tensor, one
 `split` into COUNT views, and COUNT `torch.from_dlpack` of one tensor's
 capsule (PyTorch's own DLPack import). `profile`: cProfile of one attach's
-Python side, the functions with the largest cumulative time.
+Python side, the functions with the largest cumulative time. `phases`: the
+extension's own clock of each phase of its bulk calls (`attach_set`,
+`attach_state_dict`, `publish_state_dict`: `_core._last_phases`), medians
+over the samples.
 
 Publisher (time.perf_counter_ns, after the consumer is done): `publish`,
 `Publisher.publish_state_dict` of the same COUNT tensors (in the arena
@@ -61,6 +65,19 @@ def median(xs):
     return s[len(s) // 2] if s else None
 
 
+def keep_phases(into, call):
+    """Adds the last run's phases of the extension's ``call`` to ``into``."""
+    from cuda_ipc import _core
+
+    for phase, us in _core._last_phases(call):
+        into.setdefault(phase, []).append(us)
+
+
+def emit_phases(call, count, phases):
+    emit({"kind": "phases", "call": call, "count": count,
+          "median_us": {k: round(median(v), 1) for k, v in phases.items()}})
+
+
 def floors(torch, count):
     """PyTorch's own ways of making ``count`` tensors, median ms of 5."""
     base = torch.empty(count * 64, device="cuda")
@@ -95,6 +112,7 @@ def consumer(path, device, reps, count):
     emit({"kind": "hello", "torch": torch.__version__, "cuda_ipc": cuda_ipc.__version__,
           "path": "C API" if _torch_c.exchange() is not None else "Python", "why": st})
     parts = {"attach_set": [], "tensors": [], "release": [], "total": []}
+    phases = {"attach_set": {}, "attach_state_dict": {}}
     for i in range(reps + 2):
         t0 = time.perf_counter_ns()
         core = sub._c.attach_set(SET)
@@ -107,11 +125,15 @@ def consumer(path, device, reps, count):
         del sd, core
         t3 = time.perf_counter_ns()
         if i >= 2:
+            for call, into in phases.items():
+                keep_phases(into, call)
             for k, v in (("attach_set", ms(t0, t1)), ("tensors", ms(t1, t2)),
                          ("release", ms(t2, t3)), ("total", ms(t0, t3))):
                 parts[k].append(round(v, 4))
     emit({"kind": "parts", "count": count, "reps": reps, "ms": parts,
           "median": {k: median(v) for k, v in parts.items()}})
+    for call, into in phases.items():
+        emit_phases(call, count, into)
     prof = cProfile.Profile()
     core = sub._c.attach_set(SET)
     prof.enable()
@@ -131,6 +153,7 @@ def publish_parts(pub, tensors, reps):
     """Times ``reps`` publishes and unpublishes of ``tensors`` (2 more
     thrown away first); emits the publish line."""
     parts = {"publish": [], "unpublish": []}
+    phases = {}
     for i in range(reps + 2):
         name = "%s-again-%d" % (SET, i)
         t0 = time.perf_counter_ns()
@@ -139,10 +162,12 @@ def publish_parts(pub, tensors, reps):
         pub.unpublish(name, timeout=30)
         t2 = time.perf_counter_ns()
         if i >= 2:
+            keep_phases(phases, "publish_state_dict")
             parts["publish"].append(round(ms(t0, t1), 4))
             parts["unpublish"].append(round(ms(t1, t2), 4))
     emit({"kind": "publish", "count": len(tensors), "reps": reps, "ms": parts,
           "median": {k: median(v) for k, v in parts.items()}})
+    emit_phases("publish_state_dict", len(tensors), phases)
 
 
 def main():

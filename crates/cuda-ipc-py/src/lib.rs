@@ -14,6 +14,7 @@ mod export;
 mod keep;
 mod mapping;
 mod peers;
+mod phases;
 mod runs;
 mod service;
 mod sets;
@@ -55,5 +56,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     torch_c::register(m)?;
     state_dict::register(m)?;
     service::register(m)?;
+    phases::register(m)?;
     Ok(())
 }
