@@ -208,6 +208,36 @@ fn the_binary_table_carries_each_type_by_name() {
 }
 
 #[test]
+fn a_table_of_runs_of_types_comes_back_entry_by_entry() {
+    // The decoder parses a dtype name once per run of equal names: every
+    // change of type, back and forth, must still be read.
+    let types = [
+        Dtype::F32,
+        Dtype::F32,
+        Dtype::Bf16,
+        Dtype::F32,
+        Dtype::Bf16,
+        Dtype::Bf16,
+    ];
+    let entries: Vec<SetEntry> = types
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| entry(&format!("w{i}"), d, &[2], i as u64 * 256))
+        .collect();
+    assert_eq!(decode_bytes(&encode_bytes(&entries)).unwrap(), entries);
+    // An unknown name after a known one is still refused, naming its entry.
+    let bytes = encode_bytes(&[
+        entry("a", Dtype::F8E5m2, &[2], 0),
+        entry("b", Dtype::F8E5m2, &[2], 256),
+    ]);
+    let second = bytes.windows(6).rposition(|w| w == b"f8e5m2").unwrap();
+    let mut bad = bytes.clone();
+    bad[second + 5] = b'3';
+    let text = decode_bytes(&bad).unwrap_err().to_string();
+    assert!(text.contains("entries[1].dtype"), "{text}");
+}
+
+#[test]
 fn a_table_with_an_unknown_type_is_refused_naming_it() {
     let e = entry("w", Dtype::F8E5m2, &[2], 0);
     let bytes = encode_bytes(&[e]);

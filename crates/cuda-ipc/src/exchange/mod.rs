@@ -149,7 +149,7 @@ use crate::error::Result;
 pub use budget::MappingBudget;
 pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber};
-pub use set_attach::SetAttachment;
+pub use set_attach::{EntryPlace, SetAttachment};
 pub use set_book::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, Sharing, chunk_entry_name};
 pub use sleep::Slept;
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};

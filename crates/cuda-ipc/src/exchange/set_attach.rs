@@ -99,6 +99,18 @@ pub struct SetAttachment {
     index: OnceLock<HashMap<String, usize>>,
 }
 
+/// Where a buffer of an attached set is in this process
+/// ([`SetAttachment::entry_places`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EntryPlace {
+    /// The local address of the first byte of its chunk's mapping.
+    pub mapping_base: u64,
+    /// The size of that mapping in bytes.
+    pub mapping_size: u64,
+    /// The local address of the buffer's first byte.
+    pub address: u64,
+}
+
 impl SetAttachment {
     /// The set's name.
     pub fn name(&self) -> &str {
@@ -201,6 +213,44 @@ impl SetAttachment {
             MappedBuffer::<T>::from_bytes(mapping, base + e.offset, e.len)?
                 .hold(self.guard.clone()),
         )
+    }
+
+    /// Where every buffer is in this process, in the producer's order,
+    /// worked out without making a view of each (what a bulk attach from
+    /// Python reads): each is checked to lie inside its chunk's mapping,
+    /// as a view is, and each chunk's mapping counts the device stream as
+    /// a user, as a view's does.
+    pub fn entry_places(&self) -> Result<Vec<EntryPlace>> {
+        // chunk id -> (mapping, where the chunk starts in it)
+        let mut chunks: HashMap<u64, (&Arc<dyn Mapping>, u64)> =
+            HashMap::with_capacity(self.mappings.len());
+        for c in &self.record.chunks {
+            if let Some(m) = self.mappings.get(&c.id) {
+                m.used_streams().record(m.device().stream());
+                chunks.insert(c.id, (m, c.descriptor.offset));
+            }
+        }
+        self.record
+            .entries
+            .iter()
+            .map(|e| {
+                let Some(&(m, start)) = chunks.get(&e.chunk) else {
+                    return Err(Error::arg(
+                        "set entry",
+                        format!("chunk {} is not in the set's table", e.chunk),
+                    ));
+                };
+                let offset = start.checked_add(e.offset).ok_or_else(|| {
+                    Error::arg("set entry", format!("{:?}: its offset overflows", e.name))
+                })?;
+                Error::check_range(offset, e.len, m.size())?;
+                Ok(EntryPlace {
+                    mapping_base: m.base(),
+                    mapping_size: m.size(),
+                    address: m.base() + offset,
+                })
+            })
+            .collect()
     }
 
     fn place(&self, chunk: u64) -> Result<(Arc<dyn Mapping>, u64)> {

@@ -440,7 +440,11 @@ impl SetRecord {
                 ),
             ));
         }
-        let mut names = HashSet::with_capacity(self.entries.len());
+        let mut names: HashSet<&str, foldhash::fast::RandomState> =
+            HashSet::with_capacity_and_hasher(
+                self.entries.len(),
+                foldhash::fast::RandomState::default(),
+            );
         let mut used = vec![false; self.chunks.len()];
         // (chunk position, offset, end, entry)
         let mut spans = Vec::with_capacity(self.entries.len());
@@ -461,7 +465,10 @@ impl SetRecord {
                 format!("no entry uses chunk {}", self.chunks[c].id),
             ));
         }
-        spans.sort_unstable();
+        // Usually in order already (an arena hands out ranges in order).
+        if !spans.is_sorted() {
+            spans.sort_unstable();
+        }
         for w in spans.windows(2) {
             let ((c0, o0, e0, i0), (c1, o1, e1, i1)) = (w[0], w[1]);
             if c0 == c1 && o1 < e0 {

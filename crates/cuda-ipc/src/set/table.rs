@@ -89,7 +89,11 @@ pub(super) fn decode(text: &str) -> Result<Vec<SetEntry>> {
 /// Decodes a binary table (after base64). The entries are not checked
 /// against a chunk table here: [`super::SetRecord::validate`] does that.
 pub fn decode_bytes(bytes: &[u8]) -> Result<Vec<SetEntry>> {
-    let mut r = Reader { buf: bytes, at: 0 };
+    let mut r = Reader {
+        buf: bytes,
+        at: 0,
+        last_dtype: None,
+    };
     let count = r.varint(|| "entries".to_string())?;
     if count > MAX_SET_ENTRIES as u64 {
         return Err(field_err(
@@ -117,6 +121,9 @@ pub fn decode_bytes(bytes: &[u8]) -> Result<Vec<SetEntry>> {
 struct Reader<'a> {
     buf: &'a [u8],
     at: usize,
+    /// The last dtype name read and its type: neighbouring entries mostly
+    /// share one, which is then parsed once.
+    last_dtype: Option<(&'a str, Dtype)>,
 }
 
 impl<'a> Reader<'a> {
@@ -177,10 +184,17 @@ impl<'a> Reader<'a> {
     fn entry(&mut self, i: usize) -> Result<SetEntry> {
         let at = |f: &'static str| move || EntryField(i, Some(f)).name();
         let name = self.str(MAX_SET_NAME_LEN as u64, at("name"))?.to_string();
-        let dtype: Dtype = self
-            .str(MAX_DTYPE_LEN, at("dtype"))?
-            .parse()
-            .map_err(|e: Error| field_err(&at("dtype")(), e.to_string()))?;
+        let text = self.str(MAX_DTYPE_LEN, at("dtype"))?;
+        let dtype = match self.last_dtype {
+            Some((last, dt)) if last == text => dt,
+            _ => {
+                let dt: Dtype = text
+                    .parse()
+                    .map_err(|e: Error| field_err(&at("dtype")(), e.to_string()))?;
+                self.last_dtype = Some((text, dt));
+                dt
+            }
+        };
         let ndims = self.varint(at("shape"))?;
         if ndims > MAX_SET_DIMS as u64 {
             return Err(field_err(

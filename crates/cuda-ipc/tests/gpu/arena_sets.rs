@@ -96,9 +96,19 @@ impl Set {
 }
 
 /// Checks every value of every buffer of `set`: the first bad `[buffer, word]`.
+/// Each buffer's place as `entry_places` works it out (without a view) must
+/// be its view's.
 fn check_set(set: &SetAttachment, base: u32) -> Value {
-    for i in 0..set.len() {
+    let places = set.entry_places().unwrap();
+    assert_eq!(places.len(), set.len());
+    for (i, place) in places.iter().enumerate() {
         let v = set.view::<u32>(i).unwrap();
+        let m = v.mapping();
+        assert_eq!(
+            (place.mapping_base, place.mapping_size, place.address),
+            (m.base(), m.size(), m.base() + v.offset()),
+            "entry {i}"
+        );
         if let Some(w) = kernels::check_u32(&v, pattern(base, i)).unwrap() {
             return json!([i, w]);
         }
