@@ -249,11 +249,16 @@ fn member_dtype(index: usize, member: &str, name: &str) -> Result<Dtype> {
 
 /// `Publisher.update_set`.
 pub(crate) fn update_set(p: &PyPublisher, py: Python<'_>, name: &str) -> PyResult<u64> {
+    let mut phases = crate::phases::Phases::start("update_set");
+    let clock = &mut phases;
     let publisher = p.get()?;
     let dev = p.device.clone();
     py.detach(|| -> Result<u64> {
         sync_context(&dev)?;
-        publisher.update_set(name)
+        clock.mark("sync_context");
+        let v = publisher.update_set(name)?;
+        clock.mark("update_set");
+        Ok(v)
     })
     .py()
 }
@@ -296,15 +301,18 @@ pub(crate) struct SetAttachment {
     pub(crate) entries: Vec<Entry>,
     /// Entry positions by name, made at the first look-up by name.
     index: OnceLock<HashMap<String, usize>>,
-    /// The entries grouped for few DLPack imports (`runs`).
-    runs: Vec<Run>,
+    /// Each entry's chunk mapping: `(local address, size)`.
+    chunks: Vec<(u64, u64)>,
+    /// The entries grouped for few DLPack imports (`runs`, `places`),
+    /// planned at the first read (the C API path makes every tensor on
+    /// its own and never reads them).
+    runs: OnceLock<(Vec<Run>, Vec<Option<Place>>)>,
     /// The layout hash of its entries (what a service writer commits),
     /// worked out at the first read of `layout_hash` from `record`.
     layout_hash: OnceLock<String>,
     /// The record (its entries, for the layout hash), shared with the
     /// attachment and readable after its release.
     record: Arc<cuda_ipc::set::SetRecord>,
-    places: Vec<Option<Place>>,
     /// This object's own hold (views hold clones): a view of the first
     /// entry, which holds the lease and, through it, every chunk mapping.
     pub(crate) keep: Mutex<Option<Keep>>,
@@ -322,42 +330,37 @@ pub(crate) fn attach_set(
     name: &str,
     read_only: bool,
 ) -> PyResult<SetAttachment> {
+    let mut phases = crate::phases::Phases::start("attach_set");
+    let clock = &mut phases;
     let sub = s.get()?;
-    let (set, first, entries, runs, places) = py
+    let (set, first, entries, chunks) = py
         .detach(|| -> Result<_> {
             let set = if read_only {
                 sub.attach_set_with(name, cuda_ipc::Access::ReadOnly)?
             } else {
                 sub.attach_set(name)?
             };
+            clock.mark("core attach_set");
             // Every view of the set shares the device stream that waited on
             // the publisher's event or fence.
             let first = set.view::<u8>(0)?;
             first.synchronize()?;
+            clock.mark("synchronize");
+            let places = set.entry_places()?;
             let mut entries = Vec::with_capacity(set.len());
-            let mut items = Vec::with_capacity(set.len());
-            for (i, e) in set.entries().iter().enumerate() {
-                let b = set.view::<u8>(i)?;
-                let chunk = b.mapping();
-                let ptr = chunk.base() + b.offset();
-                items.push(Placed {
-                    chunk: chunk.base(),
-                    chunk_size: chunk.size(),
-                    ptr,
-                    len: e.len,
-                    dtype: e.dtype,
-                    shape: e.shape.clone(),
-                });
+            let mut chunks = Vec::with_capacity(set.len());
+            for (e, p) in set.entries().iter().zip(places) {
+                chunks.push((p.mapping_base, p.mapping_size));
                 entries.push(Entry {
                     name: e.name.clone(),
                     dtype: e.dtype,
                     shape: e.shape.clone(),
-                    ptr,
+                    ptr: p.address,
                     len: e.len,
                 });
             }
-            let (runs, places) = runs::plan(&items);
-            Ok((set, first, entries, runs, places))
+            clock.mark("entries");
+            Ok((set, first, entries, chunks))
         })
         .py()?;
     Ok(SetAttachment {
@@ -370,8 +373,8 @@ pub(crate) fn attach_set(
         ordinal: s.device.ordinal(),
         entries,
         index: OnceLock::new(),
-        runs,
-        places,
+        chunks,
+        runs: OnceLock::new(),
         keep: Mutex::new(Some(Keep::new(first))),
         set: Mutex::new(Some(Arc::new(set))),
         subscriber: sub,
@@ -379,6 +382,26 @@ pub(crate) fn attach_set(
 }
 
 impl SetAttachment {
+    /// The runs and each entry's place in one, planned at the first call.
+    fn runs_and_places(&self) -> &(Vec<Run>, Vec<Option<Place>>) {
+        self.runs.get_or_init(|| {
+            let items: Vec<Placed> = self
+                .entries
+                .iter()
+                .zip(&self.chunks)
+                .map(|(e, &(chunk, chunk_size))| Placed {
+                    chunk,
+                    chunk_size,
+                    ptr: e.ptr,
+                    len: e.len,
+                    dtype: e.dtype,
+                    shape: e.shape.clone(),
+                })
+                .collect();
+            runs::plan(&items)
+        })
+    }
+
     /// The position of the entry called `name`.
     fn position_of(&self, name: &str) -> Option<usize> {
         self.index
@@ -538,23 +561,22 @@ impl SetAttachment {
         Vec<(u64, u64, &'static str)>,
         Vec<Option<(usize, u64, Vec<u64>)>>,
     ) {
-        (
-            runs::runs_tuples(&self.runs),
-            runs::places_tuples(&self.places),
-        )
+        let (runs, places) = self.runs_and_places();
+        (runs::runs_tuples(runs), runs::places_tuples(places))
     }
     /// A one-dimensional view of run `run` (see `runs`) that holds the
     /// set's lease, as `dtype` (same size) if given; `raw` as for `view`.
     #[pyo3(signature = (run, dtype=None, raw=false))]
     fn run_view(&self, run: usize, dtype: Option<&str>, raw: bool) -> PyResult<View> {
         let r = self
-            .runs
+            .runs_and_places()
+            .0
             .get(run)
             .ok_or_else(|| Error::InvalidArgument {
                 what: "run",
                 reason: format!(
                     "run {run} is past the {} runs of {:?}",
-                    self.runs.len(),
+                    self.runs_and_places().0.len(),
                     self.name
                 ),
             })
@@ -577,12 +599,16 @@ impl SetAttachment {
     /// update's version.
     #[pyo3(signature = (timeout=None))]
     fn wait_update(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
+        let mut phases = crate::phases::Phases::start("wait_update");
+        let clock = &mut phases;
         let t = duration(timeout).py()?;
         let set = self.live()?;
         let sub = &self.subscriber;
         py.detach(|| -> Result<u64> {
             let version = sub.wait_set_update(&set, t)?;
+            clock.mark("wait_set_update");
             set.view::<u8>(0)?.synchronize()?;
+            clock.mark("synchronize");
             Ok(version)
         })
         .py()

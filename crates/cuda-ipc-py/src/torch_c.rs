@@ -147,12 +147,17 @@ pub(crate) struct At<'a> {
 /// Contiguous row-major strides of `shape`, in elements.
 pub(crate) fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
     let mut strides = vec![0; shape.len()];
+    fill_contiguous_strides(shape, &mut strides);
+    strides
+}
+
+/// As [`contiguous_strides`], into `strides` (as long as `shape`).
+pub(crate) fn fill_contiguous_strides(shape: &[i64], strides: &mut [i64]) {
     let mut step: i64 = 1;
     for (s, &d) in strides.iter_mut().zip(shape).rev() {
         *s = step;
         step = step.saturating_mul(d.max(1));
     }
-    strides
 }
 
 /// A framework's DLPack exchange API, checked; and the tensor type it was
@@ -442,6 +447,13 @@ impl TorchExchange {
             })
             .py();
         }
+        self.read_known(tensor)
+    }
+
+    /// As [`TorchExchange::read`], for a `tensor` the caller has checked
+    /// is of the API's tensor type.
+    pub(crate) fn read_known(&self, tensor: &Bound<'_, PyAny>) -> PyResult<TensorMeta> {
+        let py = tensor.py();
         let obj = tensor.as_ptr().cast::<c_void>();
         if let Some(f) = self.from_dltensor {
             let mut t = DlTensor::zeroed();

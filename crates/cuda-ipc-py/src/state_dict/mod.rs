@@ -25,14 +25,17 @@ use std::sync::Arc;
 use cuda_ipc::Result;
 use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
 use cuda_ipc::descriptor::Dtype;
+use cuda_ipc::set::MAX_SET_DIMS;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::errors::{IntoPyResult, closed_error};
+use crate::keep::Keep;
 use crate::peers::{PyPublisher, sync_context};
+use crate::phases::Phases;
 use crate::sets::{ArenaBuffer, SetAttachment, alloc_registered};
-use crate::torch_c::{TensorMeta, TorchExchange, as_bytes, contiguous_strides};
+use crate::torch_c::{TensorMeta, TorchExchange, as_bytes, fill_contiguous_strides};
 
 use names::{EntryRole, RESERVED, alias_entry_name, check_entry_name, empty_name, invalid, repr};
 
@@ -42,6 +45,22 @@ const ALIGN: u64 = 256;
 /// `(key, value)` of every item of a state dict, after the checks that
 /// need no tensor (Python's `_check_items`).
 fn items<'py>(state_dict: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
+    Ok(items_with_keys(state_dict)?
+        .into_iter()
+        .map(|g| (g.key, g.value))
+        .collect())
+}
+
+/// An item of a state dict: its key, as text and as the Python string it
+/// was (a dict made of these items reuses it, and its cached hash).
+struct Given<'py> {
+    key: String,
+    key_obj: Bound<'py, PyString>,
+    value: Bound<'py, PyAny>,
+}
+
+/// As [`items`], keeping each key's Python string.
+fn items_with_keys<'py>(state_dict: &Bound<'py, PyAny>) -> PyResult<Vec<Given<'py>>> {
     let py = state_dict.py();
     let pairs: Vec<(Bound<'py, PyAny>, Bound<'py, PyAny>)> =
         if let Ok(d) = state_dict.cast::<PyDict>() {
@@ -72,13 +91,13 @@ fn items<'py>(state_dict: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py
     pairs
         .into_iter()
         .map(|(k, v)| {
-            let key = k
-                .cast::<PyString>()
-                .ok()
+            let key_obj = k.cast::<PyString>().ok().cloned();
+            let key = key_obj
+                .as_ref()
                 .map(|s| s.extract::<String>())
                 .transpose()?
                 .filter(|s| !s.is_empty());
-            let Some(key) = key else {
+            let (Some(key), Some(key_obj)) = (key, key_obj) else {
                 return Err(invalid(
                     "state dict key",
                     format!(
@@ -99,7 +118,11 @@ fn items<'py>(state_dict: &Bound<'py, PyAny>) -> PyResult<Vec<(String, Bound<'py
                 ))
                 .py();
             }
-            Ok((key, v))
+            Ok(Given {
+                key,
+                key_obj,
+                value: v,
+            })
         })
         .collect()
 }
@@ -113,6 +136,42 @@ struct Torch<'a, 'py> {
     /// `refuse(dtype, what)` raises `InvalidInput` for a dtype a set does
     /// not hold.
     refuse: &'a Bound<'py, PyAny>,
+    /// The dtypes met so far, by their torch dtype object (a state dict
+    /// holds a few): a look-up in `dtypes` and the name's parse once each.
+    seen: std::cell::RefCell<Vec<(Py<PyAny>, Dtype)>>,
+}
+
+impl<'a, 'py> Torch<'a, 'py> {
+    fn new(
+        api: &'a TorchExchange,
+        dtypes: &'a Bound<'py, PyDict>,
+        refuse: &'a Bound<'py, PyAny>,
+    ) -> Self {
+        Torch {
+            api,
+            dtypes,
+            refuse,
+            seen: std::cell::RefCell::new(Vec::new()),
+        }
+    }
+
+    /// The set dtype of the torch dtype object `dtype` of `key`'s tensor.
+    fn dtype_of(&self, key: &str, dtype: &Bound<'py, PyAny>) -> PyResult<Dtype> {
+        if let Some((_, dt)) = self.seen.borrow().iter().find(|(o, _)| dtype.is(o)) {
+            return Ok(*dt);
+        }
+        let Some(name) = self.dtypes.get_item(dtype)? else {
+            self.refuse.call1((dtype, repr(key)))?;
+            return Err(invalid(
+                "dtype",
+                format!("{}: {dtype} is not held", repr(key)),
+            ))
+            .py();
+        };
+        let dt = crate::args::dtype(&name.extract::<String>()?).py()?;
+        self.seen.borrow_mut().push((dtype.clone().unbind(), dt));
+        Ok(dt)
+    }
 }
 
 impl Torch<'_, '_> {
@@ -135,16 +194,9 @@ impl Torch<'_, '_> {
             .py();
         }
         let dtype = t.getattr(intern!(py, "dtype"))?;
-        let Some(name) = self.dtypes.get_item(&dtype)? else {
-            self.refuse.call1((&dtype, repr(key)))?;
-            return Err(invalid(
-                "dtype",
-                format!("{}: {dtype} is not held", repr(key)),
-            ))
-            .py();
-        };
-        let dt = crate::args::dtype(&name.extract::<String>()?).py()?;
-        Ok((dtype, dt, self.api.read(t)?))
+        let dt = self.dtype_of(key, &dtype)?;
+        // The type was checked above.
+        Ok((dtype, dt, self.api.read_known(t)?))
     }
 }
 
@@ -198,12 +250,25 @@ fn round_up(n: u64) -> u64 {
 #[pyclass(module = "cuda_ipc._core", frozen)]
 pub(crate) struct StateDictRecord {
     keys: Vec<String>,
-    index: HashMap<String, usize>,
+    /// Position by key, made at the first update that passes a state dict.
+    index: std::sync::OnceLock<HashMap<String, usize>>,
     tensors: Vec<Py<PyAny>>,
     dtypes: Vec<Py<PyAny>>,
     shapes: Vec<Vec<i64>>,
     ptrs: Vec<u64>,
     _buffers: Vec<Arc<DeviceArenaBuffer>>,
+}
+
+impl StateDictRecord {
+    fn index(&self) -> &HashMap<String, usize> {
+        self.index.get_or_init(|| {
+            self.keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| (k.clone(), i))
+                .collect()
+        })
+    }
 }
 
 #[pymethods]
@@ -240,7 +305,7 @@ impl StateDictRecord {
         let extra: Vec<&String> = given
             .iter()
             .map(|(k, _)| k)
-            .filter(|k| !self.index.contains_key(*k))
+            .filter(|k| !self.index().contains_key(*k))
             .collect();
         if !missing.is_empty() || !extra.is_empty() {
             let list = |v: &[&String]| {
@@ -264,14 +329,10 @@ impl StateDictRecord {
             ))
             .py();
         }
-        let torch = Torch {
-            api,
-            dtypes,
-            refuse,
-        };
+        let torch = Torch::new(api, dtypes, refuse);
         let out = PyList::empty(py);
         for (key, src) in &given {
-            let i = self.index[key.as_str()];
+            let i = self.index()[key.as_str()];
             let (dtype, _, meta) = torch.read(key, src)?;
             let dst_dtype = self.dtypes[i].bind(py);
             if !dtype.is(dst_dtype) || meta.shape != self.shapes[i] {
@@ -306,7 +367,10 @@ fn plan_items<'py>(
     let ordinal = p.device.ordinal();
     let mut plan: Vec<Item<'py>> = Vec::with_capacity(given.len());
     let mut slots = Vec::with_capacity(given.len());
-    let mut first_at: HashMap<u64, Vec<usize>> = HashMap::new();
+    // The last item that starts at an address, and for each item the one
+    // before it that starts at the same address (usize::MAX: none).
+    let mut last_at: HashMap<u64, usize> = HashMap::with_capacity(given.len());
+    let mut before_at: Vec<usize> = Vec::with_capacity(given.len());
     for (key, t) in given {
         let (dtype_obj, dt, meta) = torch.read(&key, &t)?;
         let nbytes = meta
@@ -317,18 +381,22 @@ fn plan_items<'py>(
         let entry = if nbytes > 0 {
             // The same view of the same memory (tied weights) is one entry
             // and an alias; looked at only where two tensors start together.
-            let starting_here = first_at.entry(meta.ptr).or_default();
-            let same = starting_here.iter().copied().find(|&i| {
-                let o = &plan[i];
-                o.dt == dt && o.meta == meta
-            });
-            if let Some(i) = same {
-                slots.push(Slot::Alias(i, key));
+            let mut at = last_at.get(&meta.ptr).copied().unwrap_or(usize::MAX);
+            while at != usize::MAX {
+                let o = &plan[at];
+                if o.dt == dt && o.meta == meta {
+                    break;
+                }
+                at = before_at[at];
+            }
+            if at != usize::MAX {
+                slots.push(Slot::Alias(at, key));
                 continue;
             }
-            starting_here.push(plan.len());
+            before_at.push(last_at.insert(meta.ptr, plan.len()).unwrap_or(usize::MAX));
             key.clone()
         } else {
+            before_at.push(usize::MAX);
             empty_name(&key, &meta.shape).py()?
         };
         check_entry_name(&key, &entry).py()?;
@@ -463,17 +531,22 @@ fn publish_state_dict_c<'py>(
     u64,
     Option<String>,
 )> {
+    let mut phases = Phases::start("publish_state_dict");
     let p = publisher.get();
-    let torch = Torch {
-        api,
-        dtypes,
-        refuse,
-    };
-    let (plan, slots) = plan_items(p, &torch, items(state_dict)?)?;
+    let torch = Torch::new(api, dtypes, refuse);
+    let (given, key_objs): (Vec<_>, Vec<_>) = items_with_keys(state_dict)?
+        .into_iter()
+        .map(|g| ((g.key, g.value), g.key_obj))
+        .unzip();
+    phases.mark("items");
+    let (plan, slots) = plan_items(p, &torch, given)?;
+    phases.mark("plan");
     let placed = place(p, py, &plan, &slots, copy_in, empty)?;
+    phases.mark("place");
     let dev = p.device.clone();
     let publisher_arc = p.get()?;
     // Waits for the copies queued above (every stream of the context).
+    let clock = &mut phases;
     let members = py
         .detach(move || -> Result<Vec<Member>> {
             let m: Vec<SetMember<'_>> = placed
@@ -481,8 +554,11 @@ fn publish_state_dict_c<'py>(
                 .iter()
                 .map(|(n, b, d, s, o)| SetMember::new(n, *d, s, b).at(*o))
                 .collect();
+            clock.mark("members");
             sync_context(&dev)?;
+            clock.mark("sync");
             publisher_arc.publish_set(name, &m)?;
+            clock.mark("publish_set");
             drop(m);
             Ok(placed.members)
         })
@@ -492,26 +568,33 @@ fn publish_state_dict_c<'py>(
     let n = slots.len();
     let mut record = StateDictRecord {
         keys: Vec::with_capacity(n),
-        index: HashMap::with_capacity(n),
+        index: std::sync::OnceLock::new(),
         tensors: Vec::with_capacity(n),
         dtypes: Vec::with_capacity(n),
         shapes: Vec::with_capacity(n),
         ptrs: Vec::with_capacity(n),
         _buffers: members.into_iter().map(|m| m.1).collect(),
     };
-    for slot in slots {
+    // One slot per item of the state dict, in its order.
+    for (slot, key_obj) in slots.into_iter().zip(key_objs) {
         let (i, key) = match slot {
             Slot::Item(i) => (i, plan[i].key.clone()),
             Slot::Alias(i, key) => (i, key),
         };
-        out.set_item(&key, &placed.made[i])?;
-        record.index.insert(key.clone(), record.keys.len());
+        // The caller's key object where it is a plain str (a subclass's
+        // methods stay out of the dict returned).
+        if key_obj.is_exact_instance_of::<PyString>() {
+            out.set_item(key_obj, &placed.made[i])?;
+        } else {
+            out.set_item(&key, &placed.made[i])?;
+        }
         record.keys.push(key);
         record.tensors.push(placed.made[i].clone().unbind());
         record.dtypes.push(plan[i].dtype_obj.clone().unbind());
         record.shapes.push(plan[i].meta.shape.clone());
         record.ptrs.push(placed.ptrs[i]);
     }
+    phases.mark("dict_and_record");
     Ok((
         out,
         record,
@@ -519,6 +602,101 @@ fn publish_state_dict_c<'py>(
         placed.copied_bytes,
         placed.first_copied,
     ))
+}
+
+/// Makes the tensors of an attached set's entries through the exchange
+/// API: each holds `keep` (the set's lease).
+struct Maker<'a> {
+    api: &'a TorchExchange,
+    keep: Keep,
+    ordinal: usize,
+    shape: [i64; MAX_SET_DIMS],
+    strides: [i64; MAX_SET_DIMS],
+    /// Seconds spent in the API's calls (a phase of its own).
+    making: f64,
+}
+
+impl Maker<'_> {
+    /// The tensor of entry `e`, as `target` (its torch dtype).
+    fn tensor<'py>(
+        &mut self,
+        py: Python<'py>,
+        e: &crate::sets::Entry,
+        target: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let count = e.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+        let fits = count
+            .and_then(|c| c.checked_mul(e.dtype.size()))
+            .is_some_and(|b| b <= e.len);
+        if !fits
+            || e.shape.len() > MAX_SET_DIMS
+            || e.shape.iter().any(|&d| i64::try_from(d).is_err())
+        {
+            return Err(invalid(
+                "set entry",
+                format!(
+                    "{}: shape {:?} of {} does not fit in its {} bytes",
+                    repr(&e.name),
+                    e.shape,
+                    e.dtype,
+                    e.len
+                ),
+            ))
+            .py();
+        }
+        // At most MAX_SET_DIMS dimensions, each within i64 (checked above).
+        let n = e.shape.len();
+        for (s, &d) in self.shape.iter_mut().zip(&e.shape) {
+            *s = d as i64;
+        }
+        fill_contiguous_strides(&self.shape[..n], &mut self.strides[..n]);
+        let bytes = as_bytes(e.dtype);
+        let at = crate::torch_c::At {
+            ptr: e.ptr,
+            ordinal: self.ordinal,
+            dtype: crate::dlpack::data_type(e.dtype, bytes),
+            shape: &self.shape[..n],
+            strides: &self.strides[..n],
+        };
+        let t0 = std::time::Instant::now();
+        let t = self.api.make(py, self.keep.clone(), &at)?;
+        self.making += t0.elapsed().as_secs_f64();
+        let t = t.into_bound(py);
+        if bytes {
+            t.call_method1(intern!(py, "view"), (target,))
+        } else {
+            Ok(t)
+        }
+    }
+}
+
+/// The torch dtype of each set dtype met so far (a set holds a few), from
+/// the dict Python hands in.
+struct Targets<'a, 'py> {
+    dtypes: &'a Bound<'py, PyDict>,
+    seen: Vec<(Dtype, Bound<'py, PyAny>)>,
+}
+
+impl<'py> Targets<'_, 'py> {
+    fn of(&mut self, dt: Dtype) -> PyResult<Bound<'py, PyAny>> {
+        if let Some((_, t)) = self.seen.iter().find(|(d, _)| *d == dt) {
+            return Ok(t.clone());
+        }
+        let t = self
+            .dtypes
+            .get_item(dt.name())?
+            .ok_or_else(|| invalid("dtype", format!("unknown dtype {}", dt.name())))
+            .py()?;
+        if let Ok(missing) = t.cast::<PyString>() {
+            return Err(invalid(
+                "dtype",
+                format!("this PyTorch has no torch.{missing}"),
+            ))
+            .py();
+        }
+        self.seen.push((dt, t.clone()));
+        Ok(t)
+    }
 }
 
 /// `_core.attach_state_dict_c(attachment, out, api, dtypes, empty)`: fills
@@ -534,25 +712,28 @@ fn attach_state_dict_c(
     dtypes: &Bound<'_, PyDict>,
     empty: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
+    let mut phases = Phases::start("attach_state_dict");
     let py = attachment.py();
     let a = attachment.get();
     let keep = crate::errors::lock(&a.keep)
         .clone()
         .ok_or_else(|| closed_error("set", "attach it again"))?;
+    let mut maker = Maker {
+        api,
+        keep,
+        ordinal: a.ordinal,
+        shape: [0; MAX_SET_DIMS],
+        strides: [0; MAX_SET_DIMS],
+        making: 0.0,
+    };
+    let mut targets = Targets {
+        dtypes,
+        seen: Vec::new(),
+    };
     let mut keys: Vec<Bound<'_, PyString>> = Vec::with_capacity(a.entries.len());
-    let view = intern!(py, "view");
+    let before = out.len();
     for e in &a.entries {
-        let target = dtypes
-            .get_item(e.dtype.name())?
-            .ok_or_else(|| invalid("dtype", format!("unknown dtype {}", e.dtype.name())))
-            .py()?;
-        if let Ok(missing) = target.cast::<PyString>() {
-            return Err(invalid(
-                "dtype",
-                format!("this PyTorch has no torch.{missing}"),
-            ))
-            .py();
-        }
+        let target = targets.of(e.dtype)?;
         let (key, value) = match EntryRole::of(&e.name) {
             EntryRole::Alias { index, key } => {
                 let Some(first) = keys.get(index) else {
@@ -576,45 +757,11 @@ fn attach_state_dict_c(
                 PyString::new(py, key),
                 empty.call1((PyTuple::new(py, shape)?, &target))?,
             ),
-            EntryRole::Tensor { .. } => {
-                let count = e.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
-                let fits = count
-                    .and_then(|c| c.checked_mul(e.dtype.size()))
-                    .is_some_and(|b| b <= e.len);
-                if !fits || e.shape.iter().any(|&d| i64::try_from(d).is_err()) {
-                    return Err(invalid(
-                        "set entry",
-                        format!(
-                            "{}: shape {:?} of {} does not fit in its {} bytes",
-                            repr(&e.name),
-                            e.shape,
-                            e.dtype,
-                            e.len
-                        ),
-                    ))
-                    .py();
-                }
-                let shape: Vec<i64> = e.shape.iter().map(|&d| d as i64).collect();
-                let strides = contiguous_strides(&shape);
-                let bytes = as_bytes(e.dtype);
-                let at = crate::torch_c::At {
-                    ptr: e.ptr,
-                    ordinal: a.ordinal,
-                    dtype: crate::dlpack::data_type(e.dtype, bytes),
-                    shape: &shape,
-                    strides: &strides,
-                };
-                let t = api.make(py, keep.clone(), &at)?;
-                let t = t.into_bound(py);
-                let t = if bytes {
-                    t.call_method1(view, (&target,))?
-                } else {
-                    t
-                };
-                (PyString::new(py, &e.name), t)
-            }
+            EntryRole::Tensor { .. } => (PyString::new(py, &e.name), maker.tensor(py, e, &target)?),
         };
-        if out.contains(&key)? {
+        out.set_item(&key, value)?;
+        if out.len() == before + keys.len() {
+            // The key replaced an earlier one (the caller clears the dict).
             return Err(invalid(
                 "set entry",
                 format!(
@@ -625,9 +772,10 @@ fn attach_state_dict_c(
             ))
             .py();
         }
-        out.set_item(&key, value)?;
         keys.push(key);
     }
+    phases.add("of which api.make", maker.making);
+    phases.mark("entries");
     Ok(())
 }
 
