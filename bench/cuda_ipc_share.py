@@ -19,7 +19,11 @@ bench times the Rust side, printed as JSON lines like bench/torch_share.py:
   consumer reading the request to its clock stop: the attach and the
   tensors); py_set splits "consumer" into "attach_set" (the Rust
   Subscriber.attach_set: request, record, mappings, event) and "tensors"
-  (the tensors and the dict made over that attachment).
+  (the tensors and the dict made over that attachment); py_update adds,
+  from the extension's own clock (_core._last_phases), the producer's
+  "update_sync_context" (its wait for every stream of the context) and
+  "update_set" (the Rust update) and the consumer's "consumer_synchronize"
+  (its stream synchronised after the notice).
   {"kind": "error", "message": ...}
   {"kind": "done", "elapsed_s": ...}
 
@@ -81,6 +85,7 @@ def consumer_main(device, path):
     """Answers the producer's requests, one JSON line each, on stdout."""
     import cuda_ipc
     import torch
+    from cuda_ipc import _core
     from cuda_ipc import sets as _sets
 
     torch.cuda.set_device(device)
@@ -89,7 +94,7 @@ def consumer_main(device, path):
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         t_recv = now_ns()
-        t_mid = None
+        t_mid = phases = None
         req = json.loads(line)
         if req["op"] == "fresh":
             a = sub.attach_set(req["name"])
@@ -116,11 +121,13 @@ def consumer_main(device, path):
             print(json.dumps({"waiting": True}), flush=True)
             held.wait_update(timeout=ANSWER_TIMEOUT_S)
             t_ns = now_ns()
+            phases = dict(_core._last_phases("wait_update"))
             bad = not values_match(torch, held, req["sample"])
         else:  # "drop"
             held.release()
             held, t_ns, bad = None, now_ns(), False
-        print(json.dumps({"t_ns": t_ns, "t_recv": t_recv, "t_mid": t_mid, "bad": bad}), flush=True)
+        print(json.dumps({"t_ns": t_ns, "t_recv": t_recv, "t_mid": t_mid, "phases": phases, "bad": bad}),
+              flush=True)
     sub.close()
 
 
@@ -242,8 +249,10 @@ def measure_handoff(torch, pub, consumer, tensors, warmup, reps, index):
 def measure_update(torch, pub, consumer, tensors, warmup, reps, index):
     """Samples of update_state_dict -> wait_update of a state dict the
     consumer holds (sample 0 published, then samples 1..)."""
+    from cuda_ipc import _core
+
     samples, failures = [], 0
-    parts = {"update": []}
+    parts = {"update": [], "update_sync_context": [], "update_set": [], "consumer_synchronize": []}
     name = "held-%d" % index
     fill(torch, tensors, 0)
     pub.publish_state_dict(name, tensors)
@@ -257,11 +266,16 @@ def measure_update(torch, pub, consumer, tensors, warmup, reps, index):
             t0 = now_ns()
             pub.update_state_dict(name)
             t_upd = now_ns()
+            produced = dict(_core._last_phases("update_set"))
             ans = consumer.read()
             if i > warmup:
                 failures += bool(ans["bad"])
                 samples.append((ans["t_ns"] - t0) / 1e6)
                 parts["update"].append((t_upd - t0) / 1e6)
+                # The extension's own clock of each side's phases, µs.
+                parts["update_sync_context"].append(produced.get("sync_context", 0.0) / 1e3)
+                parts["update_set"].append(produced.get("update_set", 0.0) / 1e3)
+                parts["consumer_synchronize"].append((ans.get("phases") or {}).get("synchronize", 0.0) / 1e3)
         consumer.ask({"op": "drop"})
     finally:
         pub.unpublish(name, timeout=ANSWER_TIMEOUT_S)

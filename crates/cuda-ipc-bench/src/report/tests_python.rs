@@ -348,5 +348,8 @@ fn hand_off_rows_show_their_measured_parts_in_order() {
          of which attach_set 2.000 ms, tensors 1.100 ms"
     );
     // A row without parts gets no line.
-    assert!(!under("ours from Python set", "100").contains("parts"), "{text}");
+    assert!(
+        !under("ours from Python set", "100").contains("parts"),
+        "{text}"
+    );
 }

@@ -174,7 +174,10 @@ fn handoff_parts(row: &Row) -> Option<String> {
     }
     let shown: Vec<String> = NAMES
         .iter()
-        .filter_map(|(key, label)| row.part_p50(key).map(|v| format!("{label} {} ms", fmt_ms(v))))
+        .filter_map(|(key, label)| {
+            row.part_p50(key)
+                .map(|v| format!("{label} {} ms", fmt_ms(v)))
+        })
         .collect();
     (!shown.is_empty()).then(|| format!("  p50 parts: {}", shown.join(", ")))
 }
