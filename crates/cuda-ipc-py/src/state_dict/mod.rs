@@ -539,7 +539,7 @@ fn publish_state_dict_c<'py>(
         .map(|g| ((g.key, g.value), g.key_obj))
         .unzip();
     phases.mark("items");
-    let (plan, slots) = plan_items(p, &torch, given)?;
+    let (mut plan, slots) = plan_items(p, &torch, given)?;
     phases.mark("plan");
     let placed = place(p, py, &plan, &slots, copy_in, empty)?;
     phases.mark("place");
@@ -578,7 +578,8 @@ fn publish_state_dict_c<'py>(
     // One slot per item of the state dict, in its order.
     for (slot, key_obj) in slots.into_iter().zip(key_objs) {
         let (i, key) = match slot {
-            Slot::Item(i) => (i, plan[i].key.clone()),
+            // An item's own slot comes once: its key moves to the record.
+            Slot::Item(i) => (i, std::mem::take(&mut plan[i].key)),
             Slot::Alias(i, key) => (i, key),
         };
         // The caller's key object where it is a plain str (a subclass's

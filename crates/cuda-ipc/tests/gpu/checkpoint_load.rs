@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cuda_ipc::checkpoint::{Checkpoint, PlanOptions};
 use cuda_ipc::exchange::{Publisher, PublisherConfig, Sharing, Subscriber, SubscriberConfig};
@@ -201,6 +201,18 @@ fn a_sharded_checkpoint_loads_on_two_streams_and_a_child_reads_every_byte() {
     publisher
         .unpublish_set(SET, Some(Duration::from_secs(10)))
         .unwrap();
+    // The reader's chunk mappings are leases of their own, which the
+    // publisher's server ends once it has seen the reader gone: trim only
+    // releases chunks nobody maps, so wait for that first.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !publisher.leases().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the reader's leases outlived it by 10 s: {:?}",
+            publisher.leases()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     drop(loaded);
     publisher.trim().unwrap();
     assert_eq!(free_memory(&device), before, "the load's memory came back");
