@@ -160,7 +160,6 @@ fn a_sharded_checkpoint_loads_on_two_streams_and_a_child_reads_every_byte() {
     let publisher = Publisher::bind(&device, socket.as_path(), PublisherConfig::default()).unwrap();
     // Reserve the arena's first chunk outside the measurement.
     publisher.arena().unwrap();
-    let before = free_memory(&device);
     let ckpt = Checkpoint::open(dir.path()).unwrap();
     // 1000-byte pieces (not a multiple of any tensor) and 16 KiB chunks:
     // tensors split into many pieces, several chunks, staging refilled.
@@ -168,6 +167,15 @@ fn a_sharded_checkpoint_loads_on_two_streams_and_a_child_reads_every_byte() {
         .with_streams(2)
         .with_piece_size(1000)
         .with_chunk_size(16 << 10);
+    // A first load, outside the measurement: what the driver makes for
+    // this context at first use stays with the context (on 2026-12-02 the
+    // H200 machines kept 2 MiB after the first load, in this build and in
+    // 28ee4ca's alike). The check below is that a load gives back all it
+    // took.
+    let warm = load_checkpoint(&publisher, &ckpt, &options, &mut |_, _| {}).unwrap();
+    drop(warm);
+    publisher.trim().unwrap();
+    let before = free_memory(&device);
     let mut seen: Vec<(u64, u64)> = Vec::new();
     let loaded =
         load_checkpoint(&publisher, &ckpt, &options, &mut |d, t| seen.push((d, t))).unwrap();
@@ -215,10 +223,9 @@ fn a_sharded_checkpoint_loads_on_two_streams_and_a_child_reads_every_byte() {
     }
     drop(loaded);
     publisher.trim().unwrap();
-    // The device's free memory counts every process: the driver tears the
-    // reader's context down a moment after its process exits (two H200
-    // runs saw it 2 MiB short right after), so give it a few seconds; a
-    // chunk the publisher kept would never come back.
+    // The device's free memory counts every process: the driver may tear
+    // the reader's context down a moment after its process exits, so give
+    // it a few seconds; a chunk the publisher kept would never come back.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let now = free_memory(&device);
