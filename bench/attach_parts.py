@@ -24,8 +24,9 @@ every tensor and the dict), `release`; `total` their sum. Floors: COUNT
 capsule (PyTorch's own DLPack import). `profile`: cProfile of one attach's
 Python side, the functions with the largest cumulative time. `phases`: the
 extension's own clock of each phase of its bulk calls (`attach_set`,
-`attach_state_dict`, `publish_state_dict`: `_core._last_phases`), medians
-over the samples.
+`attach_state_dict`, `publish_state_dict`) and the library's under them
+(`core.attach_set`, `core.publish_set`), read with `_core._last_phases`,
+medians over the samples.
 
 Publisher (time.perf_counter_ns, after the consumer is done): `publish`,
 `Publisher.publish_state_dict` of the same COUNT tensors (in the arena
@@ -112,7 +113,7 @@ def consumer(path, device, reps, count):
     emit({"kind": "hello", "torch": torch.__version__, "cuda_ipc": cuda_ipc.__version__,
           "path": "C API" if _torch_c.exchange() is not None else "Python", "why": st})
     parts = {"attach_set": [], "tensors": [], "release": [], "total": []}
-    phases = {"attach_set": {}, "attach_state_dict": {}}
+    phases = {"attach_set": {}, "core.attach_set": {}, "attach_state_dict": {}}
     for i in range(reps + 2):
         t0 = time.perf_counter_ns()
         core = sub._c.attach_set(SET)
@@ -153,7 +154,7 @@ def publish_parts(pub, tensors, reps):
     """Times ``reps`` publishes and unpublishes of ``tensors`` (2 more
     thrown away first); emits the publish line."""
     parts = {"publish": [], "unpublish": []}
-    phases = {}
+    phases = {"publish_state_dict": {}, "core.publish_set": {}}
     for i in range(reps + 2):
         name = "%s-again-%d" % (SET, i)
         t0 = time.perf_counter_ns()
@@ -162,12 +163,14 @@ def publish_parts(pub, tensors, reps):
         pub.unpublish(name, timeout=30)
         t2 = time.perf_counter_ns()
         if i >= 2:
-            keep_phases(phases, "publish_state_dict")
+            for call, into in phases.items():
+                keep_phases(into, call)
             parts["publish"].append(round(ms(t0, t1), 4))
             parts["unpublish"].append(round(ms(t1, t2), 4))
     emit({"kind": "publish", "count": len(tensors), "reps": reps, "ms": parts,
           "median": {k: median(v) for k, v in parts.items()}})
-    emit_phases("publish_state_dict", len(tensors), phases)
+    for call, into in phases.items():
+        emit_phases(call, len(tensors), into)
 
 
 def main():

@@ -19,11 +19,12 @@ bench times the Rust side, printed as JSON lines like bench/torch_share.py:
   consumer reading the request to its clock stop: the attach and the
   tensors); py_set splits "consumer" into "attach_set" (the Rust
   Subscriber.attach_set: request, record, mappings, event) and "tensors"
-  (the tensors and the dict made over that attachment); py_update adds,
-  from the extension's own clock (_core._last_phases), the producer's
-  "update_sync_context" (its wait for every stream of the context) and
-  "update_set" (the Rust update) and the consumer's "consumer_synchronize"
-  (its stream synchronised after the notice).
+  (the tensors and the dict made over that attachment). Both add, from
+  the extension's and the library's own clocks (_core._last_phases), each
+  phase of the calls on either side as "CALL: PHASE" (py_set: the
+  producer's publish_state_dict and core.publish_set, the consumer's
+  attach_set, core.attach_set and attach_state_dict; py_update: the
+  producer's update_set and core.update_set, the consumer's wait_update).
   {"kind": "error", "message": ...}
   {"kind": "done", "elapsed_s": ...}
 
@@ -81,11 +82,33 @@ def sample_value(i, k):
     return float((i * 1009 + k * 7 + 1) % 65521)
 
 
+PRODUCER_CALLS = {"set": ("publish_state_dict", "core.publish_set"),
+                  "update": ("update_set", "core.update_set")}
+CONSUMER_CALLS = {"set": ("attach_set", "core.attach_set", "attach_state_dict"),
+                  "await": ("wait_update",)}
+
+
+def last_phases(calls):
+    """``{"CALL: PHASE": µs}`` of the last run of each of ``calls`` on this
+    thread (nothing from a wheel without the clocks)."""
+    from cuda_ipc import _core
+
+    read = getattr(_core, "_last_phases", None)
+    if read is None:
+        return {}
+    return {"%s: %s" % (call, phase): us for call in calls for phase, us in read(call)}
+
+
+def add_phases(parts, phases):
+    """Appends each phase of a kept sample (µs) to ``parts`` (ms)."""
+    for name, us in (phases or {}).items():
+        parts.setdefault(name, []).append(us / 1e3)
+
+
 def consumer_main(device, path):
     """Answers the producer's requests, one JSON line each, on stdout."""
     import cuda_ipc
     import torch
-    from cuda_ipc import _core
     from cuda_ipc import sets as _sets
 
     torch.cuda.set_device(device)
@@ -110,6 +133,7 @@ def consumer_main(device, path):
             t_mid = now_ns()
             sd = _sets.attach_state_dict(core)
             t_ns = now_ns()
+            phases = last_phases(CONSUMER_CALLS["set"])
             del core
             bad = not values_match(torch, sd, req["sample"])
             sd.release()
@@ -121,7 +145,7 @@ def consumer_main(device, path):
             print(json.dumps({"waiting": True}), flush=True)
             held.wait_update(timeout=ANSWER_TIMEOUT_S)
             t_ns = now_ns()
-            phases = dict(_core._last_phases("wait_update"))
+            phases = last_phases(CONSUMER_CALLS["await"])
             bad = not values_match(torch, held, req["sample"])
         else:  # "drop"
             held.release()
@@ -205,6 +229,7 @@ def keep_parts(parts, t0, t_pub, ans):
     if ans.get("t_mid") is not None:
         parts.setdefault("attach_set", []).append((ans["t_mid"] - ans["t_recv"]) / 1e6)
         parts.setdefault("tensors", []).append((ans["t_ns"] - ans["t_mid"]) / 1e6)
+    add_phases(parts, ans.get("phases"))
 
 
 def fill(torch, tensors, sample):
@@ -237,22 +262,22 @@ def measure_handoff(torch, pub, consumer, tensors, warmup, reps, index):
         t0 = now_ns()
         pub.publish_state_dict(name, tensors)
         t_pub = now_ns()
+        produced = last_phases(PRODUCER_CALLS["set"])
         ans = consumer.ask({"op": "set", "name": name, "sample": i})
         pub.unpublish(name, timeout=ANSWER_TIMEOUT_S)
         failures += bool(ans["bad"]) and i >= warmup
         if i >= warmup:
             samples.append((ans["t_ns"] - t0) / 1e6)
             keep_parts(parts, t0, t_pub, ans)
+            add_phases(parts, produced)
     return samples, failures, parts
 
 
 def measure_update(torch, pub, consumer, tensors, warmup, reps, index):
     """Samples of update_state_dict -> wait_update of a state dict the
     consumer holds (sample 0 published, then samples 1..)."""
-    from cuda_ipc import _core
-
     samples, failures = [], 0
-    parts = {"update": [], "update_sync_context": [], "update_set": [], "consumer_synchronize": []}
+    parts = {"update": []}
     name = "held-%d" % index
     fill(torch, tensors, 0)
     pub.publish_state_dict(name, tensors)
@@ -266,16 +291,14 @@ def measure_update(torch, pub, consumer, tensors, warmup, reps, index):
             t0 = now_ns()
             pub.update_state_dict(name)
             t_upd = now_ns()
-            produced = dict(_core._last_phases("update_set"))
+            produced = last_phases(PRODUCER_CALLS["update"])
             ans = consumer.read()
             if i > warmup:
                 failures += bool(ans["bad"])
                 samples.append((ans["t_ns"] - t0) / 1e6)
                 parts["update"].append((t_upd - t0) / 1e6)
-                # The extension's own clock of each side's phases, µs.
-                parts["update_sync_context"].append(produced.get("sync_context", 0.0) / 1e3)
-                parts["update_set"].append(produced.get("update_set", 0.0) / 1e3)
-                parts["consumer_synchronize"].append((ans.get("phases") or {}).get("synchronize", 0.0) / 1e3)
+                add_phases(parts, produced)
+                add_phases(parts, ans.get("phases"))
         consumer.ask({"op": "drop"})
     finally:
         pub.unpublish(name, timeout=ANSWER_TIMEOUT_S)

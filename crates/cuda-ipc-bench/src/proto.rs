@@ -14,6 +14,17 @@ use serde_json::{Value, json};
 use crate::lines::LineReader;
 use crate::namespaces::ConsumerNamespaces;
 
+/// The phases of the last run of the library's `call` in this process
+/// (`cuda_ipc::phases`), as `{phase: µs}` for an answer.
+pub fn phases_json(call: &str) -> serde_json::Value {
+    serde_json::Value::Object(
+        cuda_ipc::phases::last(call)
+            .into_iter()
+            .map(|(phase, us)| (phase.to_owned(), serde_json::json!(us)))
+            .collect(),
+    )
+}
+
 /// Nanoseconds of CLOCK_MONOTONIC, comparable between processes of one machine.
 pub fn mono_ns() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);

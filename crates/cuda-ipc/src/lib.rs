@@ -73,6 +73,7 @@ pub mod kernels;
 pub mod loader;
 mod mechanism;
 pub mod memory;
+pub mod phases;
 pub mod service;
 pub mod set;
 pub mod share;

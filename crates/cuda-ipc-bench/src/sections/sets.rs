@@ -21,6 +21,47 @@ use crate::{Plan, Reps};
 use super::arena::arena_publisher;
 use super::{Consumer, Ctx, UNPUBLISH_TIMEOUT, pattern};
 
+/// The phases of the library's calls in each kept sample, by their own
+/// clock (`cuda_ipc::phases`), as parts named `CALL: PHASE`, ms: where the
+/// time of a publish, an attach or an update goes (the JSON report keeps
+/// them all).
+#[derive(Default)]
+struct PhaseParts(Vec<(String, Vec<f64>)>);
+
+impl PhaseParts {
+    fn push(&mut self, call: &str, phase: &str, us: f64) {
+        let name = format!("{call}: {phase}");
+        match self.0.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, v)) => v.push(us / 1e3),
+            None => self.0.push((name, vec![us / 1e3])),
+        }
+    }
+
+    /// A sample's phases of `call` in this process.
+    fn add(&mut self, call: &str, phases: &[(&'static str, f64)]) {
+        for &(phase, us) in phases {
+            self.push(call, phase, us);
+        }
+    }
+
+    /// A sample's phases of `call` in the consumer (`{phase: µs}`; absent
+    /// or of another shape: none).
+    fn add_json(&mut self, call: &str, phases: &serde_json::Value) {
+        for (phase, us) in phases.as_object().into_iter().flatten() {
+            if let Some(us) = us.as_f64() {
+                self.push(call, phase, us);
+            }
+        }
+    }
+
+    fn into_row(self, mut row: Row) -> Row {
+        for (name, samples) in &self.0 {
+            row = row.part(name, samples);
+        }
+        row
+    }
+}
+
 /// A weight set in a publisher's arena: one buffer per tensor, and their
 /// names and shapes.
 struct WeightSet {
@@ -119,6 +160,7 @@ fn handoff_row(
 ) -> Row {
     let (mut samples, mut publish, mut consumer, mut teardown) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut phases = PhaseParts::default();
     let mut extra = 0u64;
     let seed = 0x5E7 ^ (count << 20);
     let members = set.members();
@@ -133,6 +175,7 @@ fn handoff_row(
             let t0 = mono_ns();
             publisher.publish_set(&name, &members)?;
             let t_pub = mono_ns();
+            let publish_phases = cuda_ipc::phases::last("core.publish_set");
             let answer = w.send(&request).and_then(|()| w.recv(REQUEST_TIMEOUT));
             let after = used(ctx)?;
             let t = std::time::Instant::now();
@@ -156,10 +199,13 @@ fn handoff_row(
             publish.push(ns_to_ms(t0, t_pub));
             consumer.push(ns_to_ms(t_recv, t_done));
             teardown.push(teardown_ms);
+            phases.add("publish", &publish_phases);
+            phases.add_json("attach_set", &a["phases"]);
         }
         Ok(())
     })();
-    let row = row
+    let row = phases
+        .into_row(row)
         .samples(reps.warmup, samples)
         .part("publish", &publish)
         .part("consumer", &consumer)
@@ -184,6 +230,7 @@ fn update_row(
     count: u64,
 ) -> Row {
     let (mut samples, mut update) = (Vec::new(), Vec::new());
+    let mut phases = PhaseParts::default();
     let seed = 0x0DA7E ^ (count << 20);
     let name = format!("weights/{count}/held");
     let members = set.members();
@@ -205,19 +252,24 @@ fn update_row(
             let t0 = mono_ns();
             publisher.update_set(&name)?;
             let t_upd = mono_ns();
+            let updated = cuda_ipc::phases::last("core.update_set");
             let a = w
                 .recv(REQUEST_TIMEOUT)
                 .map_err(|e| failure(format!("update {i}"), e))?;
             if i > reps.warmup {
                 samples.push(ns_to_ms(t0, get_u64(&a, "t_done")?));
                 update.push(ns_to_ms(t0, t_upd));
+                phases.add("update", &updated);
             }
         }
         w.request(&json!({ "op": "set_drop", "name": name }), REQUEST_TIMEOUT)?;
         Ok(())
     })();
     let unpublished = publisher.unpublish_set(&name, Some(UNPUBLISH_TIMEOUT));
-    let row = row.samples(reps.warmup, samples).part("update", &update);
+    let row = phases
+        .into_row(row)
+        .samples(reps.warmup, samples)
+        .part("update", &update);
     match (measured, unpublished) {
         (Err(e), _) => row.failed(e.to_string()),
         (Ok(()), Err(e)) => row.failed(format!("unpublishing: {e}")),
@@ -393,4 +445,27 @@ pub(crate) fn notes(plan: &Plan) -> Vec<String> {
         ));
     }
     notes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PhaseParts;
+    use crate::report::Row;
+    use serde_json::json;
+
+    #[test]
+    fn phases_of_each_sample_become_parts_in_ms() {
+        let mut p = PhaseParts::default();
+        p.add("publish", &[("record", 100.0), ("encode", 40.0)]);
+        p.add("publish", &[("record", 300.0), ("encode", 60.0)]);
+        p.add_json("attach_set", &json!({ "request": 50.0, "bad": "x" }));
+        // Another shape (an older consumer without phases) adds nothing.
+        p.add_json("attach_set", &serde_json::Value::Null);
+        let row = p.into_row(Row::new("ours", "ms"));
+        let keys: Vec<&str> = row.parts.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["attach_set: request", "publish: encode", "publish: record"]);
+        assert_eq!(row.parts["publish: record"].n, 2);
+        assert!((row.parts["publish: encode"].max - 0.06).abs() < 1e-12);
+        assert!((row.parts["attach_set: request"].p50 - 0.05).abs() < 1e-12);
+    }
 }

@@ -322,6 +322,7 @@ impl State {
         let p = pattern(r)?;
         let sub = self.sub()?;
         let set = sub.attach_set(name)?;
+        let phases = crate::proto::phases_json("core.attach_set");
         let synced = self
             .device
             .stream()
@@ -340,6 +341,7 @@ impl State {
             "verify_ms": verify_ms,
             "entries": entries,
             "cached_mappings": sub.cached_mappings().0,
+            "phases": phases,
         }))
     }
 

@@ -7,6 +7,7 @@ use crate::arena::{Arena, DeviceArena, DeviceArenaBuffer, DeviceChunks, SetMembe
 use crate::channel::ChannelError;
 use crate::descriptor::{Dtype, Mechanism};
 use crate::error::{Error, Result};
+use crate::phases::Phases;
 
 use super::lock;
 use super::publisher::Publisher;
@@ -106,14 +107,23 @@ impl Publisher {
         members: &[SetMember<'_>],
         read_only: bool,
     ) -> Result<()> {
+        let mut phases = Phases::start("core.publish_set");
         let arena = self.arena()?;
         let mut record = arena.describe_set(name, members.iter().copied())?;
         record.event = Some(self.event_handle);
         record.read_only = read_only;
+        phases.mark("record");
         let hold = SetHold::new(members.iter().map(|m| m.buffer.lease()).collect());
+        phases.mark("leases");
         let stream = self.record_after(hold.order())?;
+        phases.mark("event");
         let fence = self.set_fence(&stream)?;
-        lock(&self.arena.book).publish(&self.server, arena, name, record.to_value(), hold, fence)
+        phases.mark("fence");
+        let value = record.to_value();
+        phases.mark("encode");
+        let r = lock(&self.arena.book).publish(&self.server, arena, name, value, hold, fence);
+        phases.mark("publish");
+        r
     }
 
     /// Takes a fence slot for a new set and signals it after the work queued
@@ -169,17 +179,23 @@ impl Publisher {
     /// sequence number.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn update_set(&self, name: &str) -> Result<u64> {
+        let mut phases = Phases::start("core.update_set");
         let (order, slot) = lock(&self.arena.book)
             .update_of(name)
             .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        phases.mark("book");
         let stream = self.record_after(&order)?;
+        phases.mark("event");
         let fence_seq = match (&self.fences, slot) {
             (Some(f), Some(slot)) => Some(lock(f).signal(&stream, slot)?),
             _ => None,
         };
-        Ok(self
+        phases.mark("fence");
+        let version = self
             .server
-            .update(name, wire::to_value(&UpdateBody { fence_seq })?)?)
+            .update(name, wire::to_value(&UpdateBody { fence_seq })?)?;
+        phases.mark("notice");
+        Ok(version)
     }
 
     /// Whether `name` was published from the arena (a set or an arena buffer).

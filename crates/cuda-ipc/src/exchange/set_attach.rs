@@ -13,6 +13,7 @@ use crate::channel::{self, ChannelError, Notice};
 use crate::error::{Error, Result};
 use crate::mechanism::Access;
 use crate::memory::buffer::{MappedBuffer, Mapping};
+use crate::phases::Phases;
 use crate::set::{SetEntry, SetRecord};
 use crate::share;
 
@@ -342,7 +343,17 @@ impl Subscriber {
     /// with `asked` or read-only where the record says so), the lease
     /// guard, the event or fence waited on (per the subscriber's
     /// [`SyncMode`](super::SyncMode)).
-    fn open_set(&self, a: channel::Attachment, asked: Access) -> Result<SetAttachment> {
+    fn open_set(
+        &self,
+        a: channel::Attachment,
+        asked: Access,
+        mut phases: Option<&mut Phases>,
+    ) -> Result<SetAttachment> {
+        let mut mark = |name| {
+            if let Some(p) = phases.as_deref_mut() {
+                p.mark(name);
+            }
+        };
         let channel::Attachment {
             lease,
             name,
@@ -353,13 +364,17 @@ impl Subscriber {
         let opened = (|| {
             let fence = sync::take_set_fence(&mut meta)?;
             let record = read_record(&self.client, &meta)?;
+            mark("record");
             let access = set_access(&record, asked);
             let waiter = self.waiter(record.event, fence, &mut fds, "a published set")?;
+            mark("waiter");
             let mut mappings = HashMap::with_capacity(record.chunks.len());
             for c in &record.chunks {
                 mappings.insert(c.id, self.chunk_mapping(&record, c.id, access)?);
             }
+            mark("mappings");
             self.wait_latest(&waiter, self.device.stream())?;
+            mark("wait");
             Ok((record, access, waiter, mappings))
         })();
         let (record, access, waiter, mappings) = match opened {
@@ -408,7 +423,9 @@ impl Subscriber {
     /// are legacy or pool memory (only VMM memory can be mapped read-only).
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn attach_set_with(&self, name: &str, access: Access) -> Result<SetAttachment> {
+        let mut phases = Phases::start("core.attach_set");
         let a = self.client.attach(name)?;
+        phases.mark("request");
         if !is_set_meta(&a.meta) {
             let _ = self.client.release(a.lease);
             return Err(Error::arg(
@@ -418,7 +435,7 @@ impl Subscriber {
                 ),
             ));
         }
-        self.open_set(a, access)
+        self.open_set(a, access, Some(&mut phases))
     }
 
     /// Opens an arena buffer published with [`Publisher::publish_buffer`]
@@ -427,7 +444,7 @@ impl Subscriber {
         &self,
         a: channel::Attachment,
     ) -> Result<Attachment<T>> {
-        let set = self.open_set(a, self.access)?;
+        let set = self.open_set(a, self.access, None)?;
         if set.len() != 1 {
             return Err(Error::arg(
                 "attach",

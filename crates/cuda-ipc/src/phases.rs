@@ -1,0 +1,127 @@
+//! Where the time of a call goes, by the call's own clock.
+//!
+//! A call on a hand-off path (a set's publish, attach and update, and the
+//! Python extension's bulk calls over them) reads the clock at the end of
+//! each of its phases, about 20 ns a read, and keeps the durations of its
+//! last run on this thread. [`last`] returns them. The bench prints them
+//! as parts of its rows, and `bench/attach_parts.py` through
+//! `cuda_ipc._core._last_phases`: that is how a GPU host without a
+//! profiler shows which phase of a hand-off costs what.
+//!
+//! Keeping them costs one small allocation a run; nothing is kept for a
+//! call never made, and reading them never blocks.
+
+use std::cell::RefCell;
+use std::time::Instant;
+
+/// A call's phases: `(phase, µs)`, in order.
+pub type Durations = Vec<(&'static str, f64)>;
+
+thread_local! {
+    /// The last run's phases of each call made on this thread.
+    static LAST: RefCell<Vec<(&'static str, Durations)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The clock of one run of a call; its phases are kept when it drops.
+#[derive(Debug)]
+pub struct Phases {
+    call: &'static str,
+    last: Instant,
+    done: Durations,
+}
+
+impl Phases {
+    /// Starts the clock of a run of `call`.
+    pub fn start(call: &'static str) -> Phases {
+        Phases {
+            call,
+            last: Instant::now(),
+            done: Vec::with_capacity(8),
+        }
+    }
+
+    /// Ends the phase `name`, which began at the previous mark (or the
+    /// start).
+    pub fn mark(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.done
+            .push((name, now.duration_since(self.last).as_secs_f64() * 1e6));
+        self.last = now;
+    }
+
+    /// Records `secs` spent in `name` within the current phase (the sum of
+    /// many short spans, each timed by the caller); the phase's own mark
+    /// still counts them.
+    pub fn add(&mut self, name: &'static str, secs: f64) {
+        self.done.push((name, secs * 1e6));
+    }
+}
+
+impl Drop for Phases {
+    /// Keeps this run's phases as the call's last on this thread (a run
+    /// that failed part way keeps those it finished).
+    fn drop(&mut self) {
+        let done = std::mem::take(&mut self.done);
+        let call = self.call;
+        // During the thread's own teardown there is nowhere to keep them.
+        let _ = LAST.try_with(|last| {
+            if let Ok(mut last) = last.try_borrow_mut() {
+                match last.iter_mut().find(|(c, _)| *c == call) {
+                    Some(slot) => slot.1 = done,
+                    None => last.push((call, done)),
+                }
+            }
+        });
+    }
+}
+
+/// The phases of the last run of `call` on this thread, `(phase, µs)` in
+/// order; empty before its first run.
+pub fn last(call: &str) -> Durations {
+    LAST.try_with(|last| {
+        last.try_borrow()
+            .ok()
+            .and_then(|l| l.iter().find(|(c, _)| *c == call).map(|(_, d)| d.clone()))
+    })
+    .ok()
+    .flatten()
+    .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_keeps_its_phases_in_order_and_replaces_the_last() {
+        {
+            let mut p = Phases::start("test-call");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            p.mark("first");
+            p.add("of which nothing", 0.0);
+            p.mark("second");
+        }
+        let got = last("test-call");
+        let names: Vec<_> = got.iter().map(|p| p.0).collect();
+        assert_eq!(names, ["first", "of which nothing", "second"]);
+        assert!(got[0].1 >= 2000.0, "{got:?}");
+        assert!(got[2].1 < got[0].1, "{got:?}");
+        {
+            let mut p = Phases::start("test-call");
+            p.mark("only");
+        }
+        assert_eq!(last("test-call").len(), 1);
+        assert!(last("never-run").is_empty());
+    }
+
+    #[test]
+    fn phases_are_kept_per_thread() {
+        {
+            let mut p = Phases::start("per-thread");
+            p.mark("here");
+        }
+        let there = std::thread::spawn(|| last("per-thread")).join().unwrap();
+        assert!(there.is_empty());
+        assert_eq!(last("per-thread").len(), 1);
+    }
+}
