@@ -463,7 +463,10 @@ mod tests {
         p.add_json("attach_set", &serde_json::Value::Null);
         let row = p.into_row(Row::new("ours", "ms"));
         let keys: Vec<&str> = row.parts.keys().map(String::as_str).collect();
-        assert_eq!(keys, ["attach_set: request", "publish: encode", "publish: record"]);
+        assert_eq!(
+            keys,
+            ["attach_set: request", "publish: encode", "publish: record"]
+        );
         assert_eq!(row.parts["publish: record"].n, 2);
         assert!((row.parts["publish: encode"].max - 0.06).abs() < 1e-12);
         assert!((row.parts["attach_set: request"].p50 - 0.05).abs() < 1e-12);
