@@ -2,7 +2,7 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes sleep peer bench bench-full containers sets checkpoint load service service_containers service_chaos service_model stress mps
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes sleep peer bench bench-full parts containers sets checkpoint load service service_containers service_chaos service_model stress mps
 #                          (default: info tests soak demo cli exchange samples python lifetimes sleep)
 #
 # `tests` runs every GPU test but the 100,000-cycle soaks, which `soak` runs
@@ -599,6 +599,21 @@ step_bench() {
   # shellcheck disable=SC2046 # two words or none
   check "bench --quick" 0 "$cli" bench --quick $(two_gpus) --json-out "$logs/bench-quick.json" --plot "$logs/bench-quick.svg"
   tail -n 60 "$logs/bench_--quick.log"
+}
+
+# Where a hand-off's time goes: attach_parts.py at 1,000 and 10,000 tensors
+# (the extension's and the library's phases of a Python publish and attach,
+# back to back), then the bench's sets section (every row's phases as
+# `CALL: PHASE` parts in bench-sets.json).
+step_parts() {
+  bench_python
+  for n in 1000 10000; do
+    check "attach_parts.py --count $n" 0 python3 "$here/bench/attach_parts.py" --count "$n" --reps 10 --publish-reps 10
+    grep -E '"kind": "(parts|publish|phases)"' "$(log_of "attach_parts.py --count $n")"
+  done
+  check "bench --quick --only sets" 0 "$cli" bench --quick --only sets --json-out "$logs/bench-sets.json"
+  grep -E 'ours|parts|producer' "$(log_of "bench --quick --only sets")" | head -n 30
+  [ -n "${OUT:-}" ] && cp "$logs/bench-sets.json" "$OUT/" 2>/dev/null
 }
 
 step_bench-full() {
