@@ -25,7 +25,7 @@
 //! | crate, folder or module | layer | what it owns |
 //! |---|---|---|
 //! | `cudarc` (dependency) | generated driver bindings | nothing: raw symbols, loaded at run time |
-//! | `cuda-ipc`: [`error`], [`units`], [`handle`], the mechanism word, [`container`] | plain data, no driver calls | [`Error`] keeps the C call and the raw code; [`IpcMemHandle`] and the other handles are 64-byte `Copy` values |
+//! | `cuda-ipc`: [`error`], [`units`], [`phases`], [`handle`], the mechanism word, [`container`] | plain data, no driver calls | [`Error`] keeps the C call and the raw code; [`IpcMemHandle`] and the other handles are 64-byte `Copy` values |
 //! | `cuda-ipc`: [`driver`] (`driver/`, with the private `driver/result/`) | loading the driver; one checked function per driver call, the fence's included | nothing: each call returns `Result` and names the C function |
 //! | `cuda-ipc`: [`device`] | the device, its primary context and stream | [`Device`] holds the context |
 //! | `cuda-ipc`: [`sync`] (`sync/`: [`event`], [`reaper`]) | ordering between processes; drops that never wait | [`IpcEvent`] owns an event; the reaper owns what drops retired until its work is done |
