@@ -613,8 +613,6 @@ struct Maker<'a> {
     ordinal: usize,
     shape: [i64; MAX_SET_DIMS],
     strides: [i64; MAX_SET_DIMS],
-    /// Seconds spent in the API's calls (a phase of its own).
-    making: f64,
 }
 
 impl Maker<'_> {
@@ -659,10 +657,7 @@ impl Maker<'_> {
             shape: &self.shape[..n],
             strides: &self.strides[..n],
         };
-        let t0 = std::time::Instant::now();
-        let t = self.api.make(py, self.keep.clone(), &at)?;
-        self.making += t0.elapsed().as_secs_f64();
-        let t = t.into_bound(py);
+        let t = self.api.make(py, self.keep.clone(), &at)?.into_bound(py);
         if bytes {
             t.call_method1(intern!(py, "view"), (target,))
         } else {
@@ -725,7 +720,6 @@ fn attach_state_dict_c(
         ordinal: a.ordinal,
         shape: [0; MAX_SET_DIMS],
         strides: [0; MAX_SET_DIMS],
-        making: 0.0,
     };
     let mut targets = Targets {
         dtypes,
@@ -775,7 +769,6 @@ fn attach_state_dict_c(
         }
         keys.push(key);
     }
-    phases.add("of which api.make", maker.making);
     phases.mark("entries");
     Ok(())
 }
