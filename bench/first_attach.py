@@ -12,7 +12,9 @@ from the page cache, in the same run. JSON lines like bench/torch_share.py:
   {"kind": "result", "mode": "py_first_attach", "size": BYTES, "count": KEYS,
    "warmup": W, "samples_ms": [...], "verify_failures": N,
    "parts_ms": {"connect": [...], "attach": [...], "startup": [...],
-                "start_to_usable": [...]}}
+                "start_to_usable": [...], "CALL: PHASE": [...], ...}}
+   (CALL: PHASE: the extension's own clock of each phase of the calls in
+   FIRST_CALLS, cuda_ipc._core._last_phases)
   {"kind": "result", "mode": "safetensors_load", "size": BYTES, "count": KEYS,
    "warmup": 0, "samples_ms": [...], "verify_failures": N}
    (with "skipped": REASON and no samples where safetensors is not importable)
@@ -62,7 +64,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_ipc_share import Consumer, import_on_device  # noqa: E402
+from cuda_ipc_share import Consumer, add_phases, import_on_device, last_phases  # noqa: E402
 from torch_share import emit, now_ns  # noqa: E402
 
 # A Qwen2 architecture sized to about 2.19 billion parameters: 4.37 GB in
@@ -83,6 +85,11 @@ BF16 = 2
 PATTERN_MOD = 251
 # The name the model is published under.
 SET_NAME = "model"
+# The extension's and the library's calls whose phases a fresh process's
+# first attach keeps, as parts "CALL: PHASE" (ms; empty from a wheel
+# without the clocks): `Subscriber(...)` (with the device's first open) and
+# `attach_state_dict` (the set's attach, then its tensors).
+FIRST_CALLS = ("subscriber", "device.open", "attach_set", "core.attach_set", "attach_state_dict")
 # Elements filled per kernel when making the pattern (bounds the scratch memory).
 FILL_CHUNK = 1 << 26
 
@@ -234,8 +241,9 @@ def child_main(device, path):
     t_conn = now_ns()
     sd = sub.attach_state_dict(req["name"])
     t_done = now_ns()
-    ans = {"t0": t0, "t_conn": t_conn, "t_done": t_done, "bad": check_state_dict(torch, sd, req["expect"],
-                                                                                  req["ties"])}
+    phases = last_phases(FIRST_CALLS)
+    ans = {"t0": t0, "t_conn": t_conn, "t_done": t_done, "phases": phases,
+           "bad": check_state_dict(torch, sd, req["expect"], req["ties"])}
     sd.release()
     sub.close()
     del sd
@@ -319,6 +327,7 @@ def measure(sock, device, expect, ties, warmup, reps, loads, file_path):
         for name, v in (("connect", (ans["t_conn"] - ans["t0"]) / 1e6), ("attach", (ans["t_done"] - ans["t_conn"]) / 1e6),
                         ("startup", startup), ("start_to_usable", startup + ms)):
             attach["parts"][name].append(v)
+        add_phases(attach["parts"], ans.get("phases"))
         if want_load:
             load["samples"].append(ans["load_ms"])
             load["failures"] += bool(ans.get("load_bad"))

@@ -115,6 +115,17 @@ fn meta() -> serde_json::Value {
 mod channel {
     use super::{Bencher, Duration, Notice, memfd, meta, pair};
 
+    /// A new client's connect: the socket, the peer check, the handshake
+    /// and the shared-memory notice ring the server makes and sends (the
+    /// `connect` part of a fresh process's first attach), then its close.
+    #[divan::bench]
+    fn connect(bencher: Bencher) {
+        let (server, _first) = pair();
+        let path = server.path().to_path_buf();
+        bencher
+            .bench_local(|| super::Client::connect(&path, super::ClientConfig::default()).unwrap());
+    }
+
     /// A request and its answer.
     #[divan::bench]
     fn ping(bencher: Bencher) {

@@ -41,17 +41,22 @@ impl Device {
     /// CuPy in this process) and creates a non-blocking stream.
     #[doc(alias = "cuDevicePrimaryCtxRetain")]
     pub fn open(ordinal: usize) -> Result<Self> {
+        let mut phases = crate::phases::Phases::start("device.open");
         crate::driver::init()?;
         let count = dev::count()?;
         if ordinal >= count {
             return Err(Error::NoDevice { ordinal, count });
         }
+        phases.mark("driver");
         let ctx =
             CudaContext::new(ordinal).map_err(|e| from_cudarc("cuDevicePrimaryCtxRetain", e))?;
+        phases.mark("context");
         let stream = ctx
             .new_stream()
             .map_err(|e| from_cudarc("cuStreamCreate", e))?;
+        phases.mark("stream");
         let uuid = DeviceUuid(dev::uuid(ctx.cu_device())?);
+        phases.mark("uuid");
         Ok(Device {
             inner: Arc::new(Inner { ctx, stream, uuid }),
         })

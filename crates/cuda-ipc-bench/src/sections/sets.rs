@@ -15,7 +15,7 @@ use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns};
 use crate::report::{Row, Section, SectionId, human};
 use crate::stats::ns_to_ms;
 use crate::torch;
-use crate::worker::entry_pattern;
+use crate::worker::{entry_pattern, pad_launches};
 use crate::{Plan, Reps};
 
 use super::arena::arena_publisher;
@@ -89,9 +89,13 @@ impl WeightSet {
         })
     }
 
-    /// Every tensor filled with its pattern of `p`, finished.
+    /// Every tensor filled with its pattern of `p`, finished; with
+    /// [`pad_launches`] above the set's size, the first tensor is filled
+    /// again until that many fills were launched.
     fn fill(&self, p: Pattern) -> Result<(), Error> {
-        for (j, b) in self.buffers.iter().enumerate() {
+        let pad = pad_launches().saturating_sub(self.buffers.len());
+        let first = std::iter::repeat_n(&self.buffers[0], pad).map(|b| (0, b));
+        for (j, b) in self.buffers.iter().enumerate().chain(first) {
             kernels::fill_u32(b, entry_pattern(p, j), Speed::Full)?;
         }
         self.buffers[0].synchronize()
@@ -334,6 +338,13 @@ pub fn sets(ctx: &Ctx<'_>) -> Section {
     add_error(&mut s, "first attach", first_error);
     ctx.progress.done();
     s.notes = notes(ctx.plan);
+    if pad_launches() > 0 {
+        s.notes.push(format!(
+            "CUDA_IPC_BENCH_PAD={}: every Rust set's fill and check worked on at least that many \
+             buffers (a diagnostic; the Python rows are not padded)",
+            pad_launches()
+        ));
+    }
     if let Some(m) = primary {
         s.notes.insert(
             0,

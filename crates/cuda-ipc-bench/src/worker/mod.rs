@@ -189,15 +189,35 @@ pub fn entry_pattern(p: Pattern, j: usize) -> Pattern {
 }
 
 /// Checks the first and last words of every buffer of `set` against its
-/// pattern of `p` (the views are dropped before this returns).
+/// pattern of `p` (the views are dropped before this returns); with
+/// [`pad_launches`] above the set's size, buffer 0 is checked again until
+/// that many buffers were.
 fn check_set(set: &SetAttachment, p: Pattern) -> Result<(), Error> {
-    for j in 0..set.len() {
+    for j in (0..set.len()).chain(std::iter::repeat_n(
+        0,
+        pad_launches().saturating_sub(set.len()),
+    )) {
         let view = set.view::<u32>(j)?;
         if let Some(m) = verify(&view, entry_pattern(p, j))? {
             return Err(mismatch(&format!("buffer {j} of set {:?}", set.name()), &m));
         }
     }
     Ok(())
+}
+
+/// A diagnostic: `CUDA_IPC_BENCH_PAD=N` makes every weight set's fill (the
+/// producer) and check (the consumer) work on at least N buffers, the
+/// first buffer again for a set of fewer, so that the work done between
+/// two samples, and what it leaves in the CPU's caches and the driver,
+/// is that of a set of N whatever the set's size. Unset (0): no padding.
+pub fn pad_launches() -> usize {
+    static PAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PAD.get_or_init(|| {
+        std::env::var("CUDA_IPC_BENCH_PAD")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    })
 }
 
 fn mismatch(what: &str, m: &str) -> Error {

@@ -37,15 +37,16 @@ impl PySubscriber {
         let allow_uids = crate::args::uids(allow_uids);
         let (sub, dev) = py
             .detach(|| -> Result<_> {
+                let mut phases = crate::phases::Phases::start("subscriber");
                 let dev = crate::mapping::device(device.0)?;
+                phases.mark("device");
                 let config = SubscriberConfig::default()
                     .with_timeout(timeout)
                     .with_allow_uids(allow_uids)
                     .with_access(Access::read_only_if(read_only));
-                Ok((
-                    Subscriber::connect(&dev, Endpoint::from(endpoint), config)?,
-                    dev,
-                ))
+                let sub = Subscriber::connect(&dev, Endpoint::from(endpoint), config)?;
+                phases.mark("connect");
+                Ok((sub, dev))
             })
             .py()?;
         Ok(PySubscriber {
