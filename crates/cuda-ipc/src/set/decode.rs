@@ -129,6 +129,11 @@ pub(super) fn check_name(field: impl FieldName, name: &str) -> Result<()> {
             ),
         ));
     }
+    // Printable ASCII (the usual name) is checked a byte at a time; other
+    // text a character at a time (the C1 controls are not ASCII).
+    if name.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Ok(());
+    }
     if let Some(c) = name.chars().find(|c| c.is_control()) {
         return Err(field_err(
             &field.name(),

@@ -113,6 +113,10 @@ use decode::{
 };
 pub use weights::{SplitMix64, weight_sizes};
 
+/// Each chunk's position in a record's table, by chunk id (looked up once
+/// per entry while a record is checked).
+type ChunkPositions = HashMap<u64, usize, foldhash::fast::RandomState>;
+
 /// The set record format this build writes.
 pub const SET_FORMAT_VERSION: u64 = 2;
 
@@ -365,7 +369,7 @@ impl SetRecord {
     }
 
     /// Checks the chunk table; returns each chunk's position by id.
-    fn validate_chunks(&self) -> Result<HashMap<u64, usize>> {
+    fn validate_chunks(&self) -> Result<ChunkPositions> {
         if self.chunks.is_empty() {
             return Err(field_err("chunks", "a set needs at least one chunk"));
         }
@@ -379,7 +383,8 @@ impl SetRecord {
             ));
         }
         let first = &self.chunks[0].descriptor;
-        let mut by_id = HashMap::with_capacity(self.chunks.len());
+        let mut by_id =
+            ChunkPositions::with_capacity_and_hasher(self.chunks.len(), Default::default());
         for (i, c) in self.chunks.iter().enumerate() {
             let at = |field: &str| format!("chunks[{i}].{field}");
             let d = &c.descriptor;
@@ -427,7 +432,7 @@ impl SetRecord {
         Ok(by_id)
     }
 
-    fn validate_entries(&self, chunks: &HashMap<u64, usize>) -> Result<()> {
+    fn validate_entries(&self, chunks: &ChunkPositions) -> Result<()> {
         if self.entries.is_empty() {
             return Err(field_err("entries", "a set needs at least one entry"));
         }
@@ -491,12 +496,7 @@ impl SetRecord {
     }
 
     /// Checks one entry on its own; returns its chunk's position and its end.
-    fn check_entry(
-        &self,
-        i: usize,
-        e: &SetEntry,
-        chunks: &HashMap<u64, usize>,
-    ) -> Result<(usize, u64)> {
+    fn check_entry(&self, i: usize, e: &SetEntry, chunks: &ChunkPositions) -> Result<(usize, u64)> {
         let at = |field: &str| format!("entries[{i}].{field}");
         check_name(EntryField(i, Some("name")), &e.name)?;
         if e.shape.len() > MAX_SET_DIMS {

@@ -202,9 +202,10 @@ impl<'a> Reader<'a> {
                 format!("{ndims} dimensions is more than the {MAX_SET_DIMS} allowed"),
             ));
         }
-        let shape = (0..ndims as usize)
-            .map(|d| self.varint(|| super::ShapeDim(i, d).name()))
-            .collect::<Result<Vec<_>>>()?;
+        let mut shape = Vec::with_capacity(ndims as usize);
+        for d in 0..ndims as usize {
+            shape.push(self.varint(|| super::ShapeDim(i, d).name())?);
+        }
         Ok(SetEntry {
             name,
             dtype,

@@ -282,6 +282,52 @@ fn refused(edit: impl FnOnce(&mut Value), field: &str, says: &str) {
     assert!(SetRecord::from_json(&v.to_string()).is_err());
 }
 
+/// Entry names may hold any printable text, ASCII or not; a control
+/// character of either set (C0 and DEL, which are ASCII, or C1, which is
+/// not) is refused with the entry's field named, in both formats.
+#[test]
+fn entry_names_refuse_every_control_character_and_keep_any_other_text() {
+    for bad in [
+        "a\nb",
+        "tab\there",
+        "del\u{7f}",
+        "\u{1b}[31m",
+        "nel\u{85}x",
+        "\u{9f}",
+        "é\u{80}",
+    ] {
+        refused(
+            |v| v["entries"][1][0] = json!(bad),
+            "entries[1].name",
+            "control character",
+        );
+        refused_v2(
+            |v| {
+                let mut r = SetRecord::from_value(v).unwrap();
+                r.entries[1].name = bad.into();
+                // to_value writes what it is given; the decoder checks it.
+                *v = r.to_value();
+            },
+            "entries[1].name",
+            "control character",
+        );
+    }
+    for good in [
+        "layer.0 weight~",
+        "é",
+        "层.权重",
+        "\u{a0}nbsp",
+        "emoji \u{1f600}",
+    ] {
+        let mut v = sample().to_expanded_value();
+        v["entries"][1][0] = json!(good);
+        let r = SetRecord::from_value(&v).unwrap_or_else(|e| panic!("{good:?}: {e}"));
+        assert_eq!(r.entries[1].name, good);
+        let back = SetRecord::from_json(&r.to_json()).unwrap();
+        assert_eq!(back.entries[1].name, good);
+    }
+}
+
 #[test]
 fn bad_records_are_refused_with_the_field_named() {
     refused(
