@@ -383,8 +383,10 @@ impl SetRecord {
             ));
         }
         let first = &self.chunks[0].descriptor;
-        let mut by_id =
-            ChunkPositions::with_capacity_and_hasher(self.chunks.len(), Default::default());
+        let mut by_id = ChunkPositions::with_capacity_and_hasher(
+            self.chunks.len(),
+            foldhash::fast::RandomState::default(),
+        );
         for (i, c) in self.chunks.iter().enumerate() {
             let at = |field: &str| format!("chunks[{i}].{field}");
             let d = &c.descriptor;
