@@ -15,7 +15,7 @@ use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns};
 use crate::report::{Row, Section, SectionId, human};
 use crate::stats::ns_to_ms;
 use crate::torch;
-use crate::worker::{entry_pattern, pad_launches};
+use crate::worker::{entry_pattern, pad_launches, padded};
 use crate::{Plan, Reps};
 
 use super::arena::arena_publisher;
@@ -93,10 +93,8 @@ impl WeightSet {
     /// [`pad_launches`] above the set's size, the first tensor is filled
     /// again until that many fills were launched.
     fn fill(&self, p: Pattern) -> Result<(), Error> {
-        let pad = pad_launches().saturating_sub(self.buffers.len());
-        let first = std::iter::repeat_n(&self.buffers[0], pad).map(|b| (0, b));
-        for (j, b) in self.buffers.iter().enumerate().chain(first) {
-            kernels::fill_u32(b, entry_pattern(p, j), Speed::Full)?;
+        for j in padded(self.buffers.len()) {
+            kernels::fill_u32(&self.buffers[j], entry_pattern(p, j), Speed::Full)?;
         }
         self.buffers[0].synchronize()
     }

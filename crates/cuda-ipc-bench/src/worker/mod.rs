@@ -193,10 +193,7 @@ pub fn entry_pattern(p: Pattern, j: usize) -> Pattern {
 /// [`pad_launches`] above the set's size, buffer 0 is checked again until
 /// that many buffers were.
 fn check_set(set: &SetAttachment, p: Pattern) -> Result<(), Error> {
-    for j in (0..set.len()).chain(std::iter::repeat_n(
-        0,
-        pad_launches().saturating_sub(set.len()),
-    )) {
+    for j in padded(set.len()) {
         let view = set.view::<u32>(j)?;
         if let Some(m) = verify(&view, entry_pattern(p, j))? {
             return Err(mismatch(&format!("buffer {j} of set {:?}", set.name()), &m));
@@ -218,6 +215,12 @@ pub fn pad_launches() -> usize {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0)
     })
+}
+
+/// The buffer indices a set of `len` buffers is filled or checked at:
+/// each once, then buffer 0 again up to [`pad_launches`].
+pub fn padded(len: usize) -> impl Iterator<Item = usize> {
+    (0..len).chain(std::iter::repeat_n(0, pad_launches().saturating_sub(len)))
 }
 
 fn mismatch(what: &str, m: &str) -> Error {
