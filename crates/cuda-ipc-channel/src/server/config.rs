@@ -16,7 +16,8 @@ pub const SERVER_SPIN_ENV: &str = "CUDA_IPC_SERVER_SPIN_US";
 
 /// The environment variable that sets whether a publish kicks the readers
 /// of recent attachers (see [`ServerConfig::publish_kick`]): `1` on, `0`
-/// off (the default, until a GPU run has measured it).
+/// off (the default: on the H200 host kicks made the fresh hand-off
+/// slower).
 pub const SERVER_KICK_ENV: &str = "CUDA_IPC_SERVER_KICK";
 
 use crate::own_uid;
@@ -153,8 +154,10 @@ pub struct ServerConfig {
     /// spin is a spin like any other, with the same back-off and cap on
     /// spinning readers, so kicks that are not followed by requests soon
     /// cost nothing. Off when [`spin`](Self::spin) is zero. Default off
-    /// (measured on the CPU only so far: see the `handoff_latency`
-    /// example), or the environment variable [`SERVER_KICK_ENV`].
+    /// (the `handoff_latency` example gained from it on a development VM,
+    /// but on the H200 host the bench's fresh hand-off was slower with it:
+    /// docs/PERFORMANCE.md), or the environment variable
+    /// [`SERVER_KICK_ENV`].
     pub publish_kick: bool,
     /// Answers clients' calls ([`Message::Call`](crate::Message::Call));
     /// default none: every call is refused with the error `no_handler`.

@@ -236,10 +236,7 @@ impl SetAttachment {
             .iter()
             .map(|e| {
                 let Some(&(m, start)) = chunks.get(&e.chunk) else {
-                    return Err(Error::arg(
-                        "set entry",
-                        format!("chunk {} is not in the set's table", e.chunk),
-                    ));
+                    return Err(not_in_table(e.chunk));
                 };
                 let offset = start.checked_add(e.offset).ok_or_else(|| {
                     Error::arg("set entry", format!("{:?}: its offset overflows", e.name))
@@ -259,12 +256,17 @@ impl SetAttachment {
         let base = self.record.chunk(chunk).map(|c| c.descriptor.offset);
         match (mapping, base) {
             (Some(m), Some(b)) => Ok((m, b)),
-            _ => Err(Error::arg(
-                "set entry",
-                format!("chunk {chunk} is not in the set's table"),
-            )),
+            _ => Err(not_in_table(chunk)),
         }
     }
+}
+
+/// The error for an entry whose chunk the set has not mapped.
+fn not_in_table(chunk: u64) -> Error {
+    Error::arg(
+        "set entry",
+        format!("chunk {chunk} is not in the set's table"),
+    )
 }
 
 impl Subscriber {
