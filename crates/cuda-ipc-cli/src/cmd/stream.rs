@@ -2,10 +2,16 @@
 //! through a ring of shared buffers with back-pressure, and both report
 //! frames per second and per-frame latency.
 //!
-//! Each frame's latency runs from the moment the producer starts writing the
-//! frame (before its fill kernel is queued) to the moment the consumer has
-//! waited on the frame's event and checked every value of it; it is measured
-//! with CLOCK_MONOTONIC, which both processes share.
+//! The producer streams flat out for `--seconds`, then sends
+//! [`PACED_FRAMES`] frames [`PACE`] apart. A frame's latency runs from the
+//! moment the producer starts writing it (before its fill kernel is queued)
+//! to the moment the frame is usable in the consumer (the consumer's stream
+//! waited on the frame's event or fence and synchronised), measured with
+//! CLOCK_MONOTONIC, which both processes share; the consumer then checks
+//! every value of every frame. Flat out, a frame also waits behind those
+//! queued before it in the ring (up to `--slots` of them): that latency is
+//! the queue's. The paced frames find the ring empty: theirs is the
+//! hand-off's own, the figure the bench's paced ring rows measure.
 
 use std::ffi::OsStr;
 use std::process::Stdio;
@@ -13,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use cuda_ipc::exchange::{Endpoint, Publisher, PublisherConfig, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
-use cuda_ipc::{Device, Error, channel::ChannelError};
+use cuda_ipc::{Device, DeviceMemory, Error, channel::ChannelError};
 use serde_json::{Value, json};
 
 use super::demo_args::Args;
@@ -22,6 +28,12 @@ use crate::Outcome;
 use crate::out::outln;
 use cuda_ipc_bench::lines::LineReader;
 use cuda_ipc_bench::mps;
+
+/// How many frames the paced phase sends after the flat-out one.
+pub const PACED_FRAMES: u64 = 200;
+/// The pause before each paced frame: long enough for the consumer to have
+/// taken and acknowledged the one before, so that none queues.
+pub const PACE: Duration = Duration::from_micros(500);
 
 /// The value of word `i` of frame `seq`.
 fn frame_pattern(seq: u64) -> Pattern {
@@ -113,20 +125,35 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     let mut seq = 0u64;
     // Time the producer spent waiting for a free buffer (the consumer's pace).
     let mut waiting = Duration::ZERO;
+    let mut seconds = 0.0;
     let produced = (|| -> Result<(), Error> {
-        while started.elapsed() < args.seconds {
+        let mut frame = |paced: bool| -> Result<Duration, Error> {
             let asked = Instant::now();
             let (slot, buffer) = ring.acquire(Some(Duration::from_secs(10)))?;
-            waiting += asked.elapsed();
+            let waited = asked.elapsed();
             let t_ns = mono_ns();
             kernels::fill_u32(buffer, frame_pattern(seq + 1), Speed::Full)?;
             let mut extra = serde_json::Map::new();
             extra.insert("t_ns".into(), t_ns.into());
+            if paced {
+                extra.insert("paced".into(), true.into());
+            }
             seq = ring.publish_with(slot, extra)?;
+            Ok(waited)
+        };
+        while started.elapsed() < args.seconds {
+            waiting += frame(false)?;
+        }
+        seconds = started.elapsed().as_secs_f64();
+        for _ in 0..PACED_FRAMES {
+            std::thread::sleep(PACE);
+            frame(true)?;
         }
         Ok(())
     })();
-    let seconds = started.elapsed().as_secs_f64();
+    if seconds == 0.0 {
+        seconds = started.elapsed().as_secs_f64();
+    }
     drop(ring); // the consumer sees the end of the ring after the last frame
     let report = from_child.next(Duration::from_secs(60));
     let status = child.wait().map_err(|e| Error::Io {
@@ -221,17 +248,21 @@ fn print_report(
 ) -> Result<Outcome, Error> {
     let frames = report["frames"].as_u64().unwrap_or(0);
     let bad = report["bad"].as_u64().unwrap_or(u64::MAX);
-    let fps = frames as f64 / seconds;
+    let fps = report["load_frames"].as_u64().unwrap_or(0) as f64 / seconds;
     outln!("  frames sent {seq}, received and checked {frames}, mismatched {bad}")?;
     outln!(
-        "  {fps:.0} frames/s, {:.2} GB/s of frames",
+        "  flat out: {fps:.0} frames/s, {:.2} GB/s of frames",
         fps * frame_size as f64 / 1e9
     )?;
     outln!(
-        "  latency per frame (write start to checked): p50 {:.1} us, p90 {:.1} us, p99 {:.1} us",
-        report["p50_us"].as_f64().unwrap_or(f64::NAN),
-        report["p90_us"].as_f64().unwrap_or(f64::NAN),
-        report["p99_us"].as_f64().unwrap_or(f64::NAN)
+        "  latency of a lone frame ({PACED_FRAMES} frames {} us apart), write start to usable \
+         in the consumer: {}",
+        PACE.as_micros(),
+        latency(&report["paced_us"])
+    )?;
+    outln!(
+        "  latency flat out, a frame waiting behind those queued before it: {}",
+        latency(&report["load_us"])
     )?;
     if bad == 0 && frames == seq && consumer_ok {
         outln!("OK: every frame arrived intact, in order, with no copy")?;
@@ -243,6 +274,17 @@ fn print_report(
         )?;
         Ok(Outcome::Mismatch)
     }
+}
+
+/// `p50 .. us, p90 .. us, p99 .. us` of a consumer's `[p50, p90, p99]`.
+fn latency(q: &Value) -> String {
+    let at = |i: usize| q.get(i).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    format!(
+        "p50 {:.1} us, p90 {:.1} us, p99 {:.1} us",
+        at(0),
+        at(1),
+        at(2)
+    )
 }
 
 /// Waits until the consumer has subscribed to the ring (or died).
@@ -270,6 +312,12 @@ fn wait_for_subscriber(
     Ok(())
 }
 
+/// `[p50, p90, p99]` of `v` (NaN where empty).
+fn percentiles(mut v: Vec<f64>) -> [f64; 3] {
+    v.sort_by(f64::total_cmp);
+    [0.5, 0.9, 0.99].map(|q| quantile(&v, q))
+}
+
 /// The value at quantile `q` of sorted `v`.
 pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
@@ -285,13 +333,16 @@ pub fn consumer(device: usize, socket: &std::path::Path) -> Result<Outcome, Erro
         let sub = Subscriber::connect(&device, socket, SubscriberConfig::default())?;
         let ring = sub.attach_ring::<u32>("frames")?;
         let (mut frames, mut bad, mut expected) = (0u64, 0u64, 1u64);
-        let mut latencies = Vec::new();
+        let (mut load, mut paced) = (Vec::new(), Vec::new());
         loop {
             let frame = match sub.next_frame(&ring, Duration::from_secs(30)) {
                 Ok(f) => f,
                 Err(Error::Channel(ChannelError::Unpublished { .. })) => break,
                 Err(e) => return Err(e),
             };
+            // Usable: the stream waited on the frame's event (or fence).
+            frame.buffer.synchronize()?;
+            let usable = mono_ns();
             if frame.seq != expected
                 || kernels::check_u32(frame.buffer, frame_pattern(frame.seq))?.is_some()
             {
@@ -299,19 +350,23 @@ pub fn consumer(device: usize, socket: &std::path::Path) -> Result<Outcome, Erro
             }
             expected = frame.seq + 1;
             if let Some(t) = frame.notice["t_ns"].as_u64() {
-                latencies.push(mono_ns().saturating_sub(t) as f64 / 1e3);
+                let us = usable.saturating_sub(t) as f64 / 1e3;
+                if frame.notice["paced"].as_bool() == Some(true) {
+                    paced.push(us);
+                } else {
+                    load.push(us);
+                }
             }
             frames += 1;
             sub.ack(&ring, frame)?;
         }
         sub.release_ring(ring)?;
-        latencies.sort_by(f64::total_cmp);
         Ok(json!({
             "frames": frames,
+            "load_frames": load.len(),
             "bad": bad,
-            "p50_us": quantile(&latencies, 0.5),
-            "p90_us": quantile(&latencies, 0.9),
-            "p99_us": quantile(&latencies, 0.99),
+            "load_us": percentiles(load),
+            "paced_us": percentiles(paced),
         }))
     })();
     let v = result.unwrap_or_else(|e| json!({ "error": e.to_string() }));
@@ -348,6 +403,23 @@ mod tests {
         );
         assert!(what_limits(f64::NAN, None).contains("does not say"));
         assert!(what_limits(3.0, None).contains("100%"));
+    }
+
+    #[test]
+    fn latencies_print_three_quantiles_and_say_nan_for_none() {
+        assert_eq!(
+            latency(&json!([12.34, 20.0, 99.96])),
+            "p50 12.3 us, p90 20.0 us, p99 100.0 us"
+        );
+        // No frames of a kind: the consumer's NaNs arrive as nulls.
+        let none = json!({ "paced_us": percentiles(Vec::new()) });
+        assert_eq!(
+            latency(&none["paced_us"]),
+            "p50 NaN us, p90 NaN us, p99 NaN us"
+        );
+        assert_eq!(latency(&json!("garbage")), "p50 NaN us, p90 NaN us, p99 NaN us");
+        let q = percentiles((1..=100).rev().map(f64::from).collect());
+        assert_eq!(q.map(f64::to_bits), [51.0, 90.0, 99.0].map(f64::to_bits));
     }
 
     #[test]
