@@ -150,6 +150,9 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
     let plan = Plan::from_args(args)
         .and_then(|plan| args::check_paths(args).map(|()| plan))
         .and_then(|plan| args::check_mps(args).map(|()| plan))
+        .and_then(|plan| {
+            worker::parse_pad(std::env::var_os(worker::PAD_VAR).as_deref()).map(|_| plan)
+        })
         .map_err(|reason| Error::InvalidArgument {
             what: "bench arguments",
             reason,

@@ -64,6 +64,31 @@ fn a_missing_torch_script_is_an_error_up_front() {
 }
 
 #[test]
+fn a_pad_that_is_not_a_count_is_an_error_up_front() {
+    let run = |pad: &str| {
+        Command::new(env!("CARGO_BIN_EXE_cuda-ipc"))
+            .args(["bench", "--quick"])
+            .env("CUDA_IPC_DISABLE_DRIVER", "1")
+            .env("CUDA_IPC_BENCH_PAD", pad)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run cuda-ipc")
+    };
+    let o = run("1k");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("CUDA_IPC_BENCH_PAD=\"1k\""), "{err}");
+    // A count gets past the checks to the missing driver.
+    let o = run("1000");
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
 fn reps_zero_is_an_error() {
     usage_error(&["--reps", "0"], "at least 1 sample");
     usage_error(&["--reps", "-1"], "not a whole number");

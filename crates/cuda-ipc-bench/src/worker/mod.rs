@@ -207,14 +207,36 @@ fn check_set(set: &SetAttachment, p: Pattern) -> Result<(), Error> {
 /// first buffer again for a set of fewer, so that the work done between
 /// two samples, and what it leaves in the CPU's caches and the driver,
 /// is that of a set of N whatever the set's size. Unset (0): no padding.
+/// The bench checks the variable before it starts ([`parse_pad`]), so a
+/// value that does not parse never reaches a worker; there it counts as 0.
 pub fn pad_launches() -> usize {
     static PAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *PAD.get_or_init(|| {
-        std::env::var("CUDA_IPC_BENCH_PAD")
+        parse_pad(std::env::var_os(PAD_VAR).as_deref())
             .ok()
-            .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0)
     })
+}
+
+/// The variable of [`pad_launches`].
+pub const PAD_VAR: &str = "CUDA_IPC_BENCH_PAD";
+
+/// Parses `CUDA_IPC_BENCH_PAD`'s value: unset or empty is 0, otherwise a
+/// whole number of buffers up to 1,000,000.
+pub fn parse_pad(value: Option<&std::ffi::OsStr>) -> Result<usize, String> {
+    const MAX: usize = 1_000_000;
+    let Some(value) = value else { return Ok(0) };
+    let text = value.to_str().map(str::trim).unwrap_or("?");
+    if text.is_empty() {
+        return Ok(0);
+    }
+    match text.parse::<usize>() {
+        Ok(n) if n <= MAX => Ok(n),
+        _ => Err(format!(
+            "{PAD_VAR}={value:?} is not a whole number of buffers from 0 to {MAX}; unset it, or \
+             give how many buffers every weight set's fill and check should work on"
+        )),
+    }
 }
 
 /// The buffer indices a set of `len` buffers is filled or checked at:
@@ -447,8 +469,16 @@ impl State {
         let pattern = pattern(r)?;
         let sub = self.sub()?;
         let a = sub.attach::<u32>(name)?;
+        let mut phases = crate::proto::phases_json("core.attach");
+        let synced = Instant::now();
         a.buffer().synchronize()?;
         let t_done = mono_ns();
+        if let Some(p) = phases.as_object_mut() {
+            p.insert(
+                "synchronize".into(),
+                json!(synced.elapsed().as_secs_f64() * 1e6),
+            );
+        }
         let v = Instant::now();
         let bad = verify(a.buffer(), pattern);
         let verify_ms = v.elapsed().as_secs_f64() * 1e3;
@@ -463,6 +493,7 @@ impl State {
             "t_done": t_done,
             "verify_ms": verify_ms,
             "release_ms": release_ms,
+            "phases": phases,
         }))
     }
 }
@@ -477,6 +508,28 @@ mod tests {
         assert_eq!(entry_pattern(p, 0), p);
         assert_ne!(entry_pattern(p, 1), entry_pattern(p, 2));
         assert_eq!(entry_pattern(p, 5).step, 1);
+    }
+
+    #[test]
+    fn the_pad_parses_whole_numbers_and_names_anything_else() {
+        use std::ffi::OsStr;
+        assert_eq!(parse_pad(None), Ok(0));
+        assert_eq!(parse_pad(Some(OsStr::new(""))), Ok(0));
+        assert_eq!(parse_pad(Some(OsStr::new(" 1000 "))), Ok(1000));
+        assert_eq!(parse_pad(Some(OsStr::new("1000000"))), Ok(1_000_000));
+        for bad in ["1e3", "-1", "lots", "1000001", "99999999999999999999999"] {
+            let e = parse_pad(Some(OsStr::new(bad))).unwrap_err();
+            assert!(
+                e.starts_with("CUDA_IPC_BENCH_PAD=") && e.contains(bad) && e.contains("unset it"),
+                "{bad}: {e}"
+            );
+        }
+        #[cfg(unix)]
+        {
+            use std::os::unix::ffi::OsStrExt;
+            let e = parse_pad(Some(OsStr::from_bytes(b"\xff12"))).unwrap_err();
+            assert!(e.contains("\\xFF12"), "{e}");
+        }
     }
 
     #[test]
