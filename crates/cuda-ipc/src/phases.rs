@@ -1,10 +1,10 @@
 //! Where the time of a call goes, by the call's own clock.
 //!
-//! A call on a hand-off path (a set's publish, attach and update, and the
-//! Python extension's bulk calls over them) reads the clock at the end of
-//! each of its phases, about 20 ns a read, and keeps the durations of its
-//! last run on this thread. [`last`] returns them. The bench prints them
-//! as parts of its rows, and `bench/attach_parts.py` through
+//! A call on a hand-off path (a set's publish, attach and update, a
+//! buffer's attach, and the Python extension's bulk calls over them)
+//! reads the clock at the end of each of its phases, about 20 ns a read,
+//! and keeps the durations of its last run on this thread. [`last`]
+//! returns them. The bench prints them as parts of its rows, and `bench/attach_parts.py` through
 //! `cuda_ipc._core._last_phases`: that is how a GPU host without a
 //! profiler shows which phase of a hand-off costs what.
 //!

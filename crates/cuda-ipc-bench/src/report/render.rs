@@ -166,6 +166,36 @@ fn against(ours: Option<f64>, other: Option<f64>) -> [String; 2] {
     [opt_ms(other), ratio(ours.zip(other).map(|(o, x)| o / x))]
 }
 
+/// Under a table of hand-offs, a line per row whose calls were clocked
+/// phase by phase (parts named `CALL: PHASE`): its largest phases by p50,
+/// largest first, so a reader sees where the hand-off went.
+fn phase_lines<'a>(rows: impl Iterator<Item = &'a Row>, out: &mut String) {
+    const SHOWN: usize = 6;
+    for row in rows {
+        let mut phases: Vec<(&str, f64)> = row
+            .parts
+            .iter()
+            .filter(|(name, _)| name.contains(": "))
+            .map(|(name, s)| (name.as_str(), s.p50))
+            .collect();
+        if phases.is_empty() || row.stats.is_none() {
+            continue;
+        }
+        phases.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let shown: Vec<String> = phases
+            .iter()
+            .take(SHOWN)
+            .map(|(name, v)| format!("{name} {}", fmt_ms(*v)))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  {}: largest phases, p50 ms: {}",
+            label(row),
+            shown.join(", ")
+        );
+    }
+}
+
 fn render_fresh(r: &Report, s: &Section, out: &mut String) {
     render_latency(
         s.rows.iter(),
@@ -199,6 +229,7 @@ fn render_fresh(r: &Report, s: &Section, out: &mut String) {
         },
         out,
     );
+    phase_lines(s.rows.iter(), out);
 }
 
 /// The target column: PASS, MISS or "-".
@@ -236,6 +267,7 @@ fn render_arena(r: &Report, s: &Section, out: &mut String) {
         },
         out,
     );
+    phase_lines(s.rows.iter(), out);
 }
 
 fn render_cached(r: &Report, s: &Section, out: &mut String) {

@@ -28,7 +28,20 @@ pub(crate) fn synthetic() -> Report {
     let mut arena = Section::new(SectionId::Arena);
     arena.rows = vec![
         lat("legacy", mib2, &[0.020, 0.021, 0.022]),
-        lat("legacy", mib64, &[0.040, 0.041, 0.042]),
+        [
+            ("publish: event", 0.004),
+            ("publish: record", 0.001),
+            ("attach: request", 0.030),
+            ("attach: synchronize", 0.006),
+            ("attach: record", 0.002),
+            ("attach: view", 0.0005),
+            ("attach: wait", 0.003),
+        ]
+        .iter()
+        .fold(
+            lat("legacy", mib64, &[0.040, 0.041, 0.042]).part("consumer", &[0.9]),
+            |row, (name, ms)| row.part(name, &[*ms]),
+        ),
         Row::new("pool", "ms")
             .size(mib2)
             .skip("pool sharing is off here"),
@@ -703,6 +716,24 @@ fn arena_and_set_tables() {
     );
     assert!(sets[7].contains("MISS"), "update 1000: {sets:?}");
     assert!(text.contains("* the sets"), "{text}");
+}
+
+#[test]
+fn clocked_phases_print_under_the_table_largest_first() {
+    let text = render(&synthetic());
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("largest phases"))
+        .collect();
+    // Only the arena's 64 MiB row was clocked; its six largest phases, the
+    // plain parts ("consumer") left out.
+    assert_eq!(
+        lines,
+        ["  legacy 64MiB: largest phases, p50 ms: attach: request 0.0300, attach: synchronize \
+          0.0060, publish: event 0.0040, attach: wait 0.0030, attach: record 0.0020, publish: \
+          record 0.0010"],
+        "{text}"
+    );
 }
 
 #[test]

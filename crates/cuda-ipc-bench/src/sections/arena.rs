@@ -12,6 +12,7 @@ use crate::proto::{REQUEST_TIMEOUT, failure, get_u64, mono_ns};
 use crate::report::{Row, Section, SectionId, human};
 use crate::stats::ns_to_ms;
 
+use super::phase_parts::PhaseParts;
 use super::{Consumer, Ctx, UNPUBLISH_TIMEOUT, pattern, tag};
 
 /// A publisher whose buffers come from an arena of `m` chunks, on a socket
@@ -42,6 +43,7 @@ fn arena_row(publisher: &Publisher, c: &mut Consumer, m: Mechanism, size: u64, r
     };
     let (mut total, mut publish, mut consumer, mut verify, mut teardown) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut phases = PhaseParts::default();
     let seed = tag(m, size) ^ 0xA4E7;
     let measured = (|| -> Result<(), Error> {
         // The chunk is made and exported now, not on the hand-off path.
@@ -60,6 +62,7 @@ fn arena_row(publisher: &Publisher, c: &mut Consumer, m: Mechanism, size: u64, r
             let t0 = mono_ns();
             publisher.publish_buffer(&name, &buffer, Dtype::U32, &[size / 4])?;
             let t_pub = mono_ns();
+            let publish_phases = cuda_ipc::phases::last("core.publish_set");
             let answer = worker
                 .send(&request)
                 .and_then(|()| worker.recv(REQUEST_TIMEOUT));
@@ -78,6 +81,8 @@ fn arena_row(publisher: &Publisher, c: &mut Consumer, m: Mechanism, size: u64, r
             consumer.push(ns_to_ms(t_recv, t_done));
             verify.push(answer["verify_ms"].as_f64().unwrap_or(f64::NAN));
             teardown.push(teardown_ms);
+            phases.add("publish", &publish_phases);
+            phases.add_json("attach", &answer["phases"]);
         }
         Ok(())
     })();
@@ -87,6 +92,7 @@ fn arena_row(publisher: &Publisher, c: &mut Consumer, m: Mechanism, size: u64, r
         .part("consumer", &consumer)
         .part("verify", &verify)
         .part("teardown", &teardown);
+    let row = phases.into_row(row);
     match measured {
         Ok(()) => row,
         Err(e) => row.failed(e.to_string()),
@@ -147,6 +153,13 @@ pub(crate) fn notes() -> Vec<String> {
          warm-up sample) and keeps the mapping in its cache: per sample there is no driver \
          export and no import, only one event record, one message with the set record of one \
          entry, and the attach over the channel."
+            .into(),
+        "Parts 'publish: PHASE' are Publisher::publish_buffer's phases by its own clock (the \
+         record, the leases, the event, the fence, its encoding, the book and the message); \
+         'attach: PHASE' are the consumer's Subscriber::attach (the request's round trip, the \
+         record's decoding, the event or fence, the cached mapping, the stream's wait, the \
+         view) and its synchronize(). Between 'publish' and 'consumer' lies the bench's own \
+         request to its consumer process."
             .into(),
         "Not included: allocating and filling the buffer, the consumer's check of 8 words, the \
          release, Publisher::unpublish_set (teardown). Columns: per-buffer p50 = the fresh \

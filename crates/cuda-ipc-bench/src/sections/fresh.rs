@@ -7,6 +7,7 @@ use crate::proto::{Worker, get_u64};
 use crate::report::{Row, Section, SectionId};
 use crate::stats::ns_to_ms;
 
+use super::phase_parts::PhaseParts;
 use super::{Consumer, Ctx, handoff, handoff_rows, pattern, tag};
 
 /// A row of fresh hand-offs of `size` with `m` to one consumer.
@@ -21,6 +22,7 @@ pub(super) fn fresh_row(
     let row = Row::new(m.name(), "ms").size(size);
     let (mut total, mut publish, mut consumer, mut verify, mut teardown) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut phases = PhaseParts::default();
     for i in 0..reps.total() {
         let name = format!("{prefix}/{m}/{size}/{i}");
         let h = match handoff(
@@ -50,12 +52,15 @@ pub(super) fn fresh_row(
         consumer.push(ns_to_ms(t_recv, t_done));
         verify.push(a["verify_ms"].as_f64().unwrap_or(f64::NAN));
         teardown.push(h.teardown_ms);
+        phases.add_json("attach", &a["phases"]);
     }
-    row.samples(reps.warmup, total)
-        .part("publish", &publish)
-        .part("consumer", &consumer)
-        .part("verify", &verify)
-        .part("teardown", &teardown)
+    phases.into_row(
+        row.samples(reps.warmup, total)
+            .part("publish", &publish)
+            .part("consumer", &consumer)
+            .part("verify", &verify)
+            .part("teardown", &teardown),
+    )
 }
 
 /// Section 1: fresh hand-off.
@@ -78,7 +83,9 @@ pub fn fresh(ctx: &Ctx<'_>) -> Section {
          buffer every sample, so the consumer's mapping cache never hits."
             .into(),
         "publish = the producer's Publisher::publish; consumer = from the consumer reading the \
-         name to the synchronised mapping. Floor and PyTorch: their sections below."
+         name to the synchronised mapping; 'attach: request' its round trip over the socket, \
+         'attach: open' the import, mapping and event of the descriptor, 'attach: synchronize' \
+         the stream's wait. Floor and PyTorch: their sections below."
             .into(),
     ];
     s

@@ -9,6 +9,7 @@ mod cached;
 mod floor;
 mod fresh;
 mod peer;
+mod phase_parts;
 mod ring;
 mod scale;
 mod sets;

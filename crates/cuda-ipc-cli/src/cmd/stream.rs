@@ -121,39 +121,12 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
             }
         )?;
     }
-    let started = Instant::now();
-    let mut seq = 0u64;
-    // Time the producer spent waiting for a free buffer (the consumer's pace).
-    let mut waiting = Duration::ZERO;
-    let mut seconds = 0.0;
-    let produced = (|| -> Result<(), Error> {
-        let mut frame = |paced: bool| -> Result<Duration, Error> {
-            let asked = Instant::now();
-            let (slot, buffer) = ring.acquire(Some(Duration::from_secs(10)))?;
-            let waited = asked.elapsed();
-            let t_ns = mono_ns();
-            kernels::fill_u32(buffer, frame_pattern(seq + 1), Speed::Full)?;
-            let mut extra = serde_json::Map::new();
-            extra.insert("t_ns".into(), t_ns.into());
-            if paced {
-                extra.insert("paced".into(), true.into());
-            }
-            seq = ring.publish_with(slot, extra)?;
-            Ok(waited)
-        };
-        while started.elapsed() < args.seconds {
-            waiting += frame(false)?;
-        }
-        seconds = started.elapsed().as_secs_f64();
-        for _ in 0..PACED_FRAMES {
-            std::thread::sleep(PACE);
-            frame(true)?;
-        }
-        Ok(())
-    })();
-    if seconds == 0.0 {
-        seconds = started.elapsed().as_secs_f64();
-    }
+    let Streamed {
+        seq,
+        waiting,
+        seconds,
+        result: produced,
+    } = stream_frames(&ring, args.seconds);
     drop(ring); // the consumer sees the end of the ring after the last frame
     let report = from_child.next(Duration::from_secs(60));
     let status = child.wait().map_err(|e| Error::Io {
@@ -174,6 +147,57 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         what_limits(waiting.as_secs_f64() / seconds.max(1e-9), mps)
     )?;
     Ok(outcome)
+}
+
+/// What the producer did: the last frame's sequence number, the time it
+/// waited for a free buffer and the length of the flat-out phase (s), and
+/// whether every frame went out.
+struct Streamed {
+    seq: u64,
+    waiting: Duration,
+    seconds: f64,
+    result: Result<(), Error>,
+}
+
+/// The producer: frames flat out for `flat_out`, then [`PACED_FRAMES`]
+/// frames [`PACE`] apart, each stamped with the time its writing began.
+fn stream_frames(ring: &cuda_ipc::exchange::RingPublisher, flat_out: Duration) -> Streamed {
+    let started = Instant::now();
+    let mut seq = 0u64;
+    // Time the producer spent waiting for a free buffer (the consumer's pace).
+    let mut waiting = Duration::ZERO;
+    let mut seconds = None;
+    let result = (|| -> Result<(), Error> {
+        let mut frame = |paced: bool| -> Result<Duration, Error> {
+            let asked = Instant::now();
+            let (slot, buffer) = ring.acquire(Some(Duration::from_secs(10)))?;
+            let waited = asked.elapsed();
+            let t_ns = mono_ns();
+            kernels::fill_u32(buffer, frame_pattern(seq + 1), Speed::Full)?;
+            let mut extra = serde_json::Map::new();
+            extra.insert("t_ns".into(), t_ns.into());
+            if paced {
+                extra.insert("paced".into(), true.into());
+            }
+            seq = ring.publish_with(slot, extra)?;
+            Ok(waited)
+        };
+        while started.elapsed() < flat_out {
+            waiting += frame(false)?;
+        }
+        seconds = Some(started.elapsed().as_secs_f64());
+        for _ in 0..PACED_FRAMES {
+            std::thread::sleep(PACE);
+            frame(true)?;
+        }
+        Ok(())
+    })();
+    Streamed {
+        seq,
+        waiting,
+        seconds: seconds.unwrap_or_else(|| started.elapsed().as_secs_f64()),
+        result,
+    }
 }
 
 /// `--mps`: this demo again, both of its processes clients of a private

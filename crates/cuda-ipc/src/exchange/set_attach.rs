@@ -445,8 +445,9 @@ impl Subscriber {
     pub(super) fn attach_arena_buffer<T: Pod>(
         &self,
         a: channel::Attachment,
+        phases: &mut Phases,
     ) -> Result<Attachment<T>> {
-        let set = self.open_set(a, self.access, None)?;
+        let set = self.open_set(a, self.access, Some(phases))?;
         if set.len() != 1 {
             return Err(Error::arg(
                 "attach",
@@ -459,6 +460,7 @@ impl Subscriber {
         }
         let descriptor = set.record.entry_descriptor(0)?;
         let buffer = set.view::<T>(0)?;
+        phases.mark("view");
         Ok(Attachment::from_parts(
             set.lease,
             set.record.name.clone(),

@@ -452,11 +452,15 @@ impl Subscriber {
     /// allocation) and makes the buffer's stream wait on the publisher's event.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn attach<T: Pod>(&self, name: &str) -> Result<Attachment<T>> {
+        let mut phases = crate::phases::Phases::start("core.attach");
         let a = self.client.attach(name)?;
+        phases.mark("request");
         if super::set_book::is_set_meta(&a.meta) {
-            return self.attach_arena_buffer(a);
+            return self.attach_arena_buffer(a, &mut phases);
         }
-        match self.open_descriptor::<T>(&a.meta, a.fds) {
+        let opened = self.open_descriptor::<T>(&a.meta, a.fds);
+        phases.mark("open");
+        match opened {
             Ok((descriptor, buffer, waiter)) => {
                 let guard = LeaseGuard::new(
                     &self.client,
