@@ -291,6 +291,7 @@ fn render_cached(r: &Report, s: &Section, out: &mut String) {
         },
         out,
     );
+    phase_lines(s.rows.iter(), out);
 }
 
 fn render_floor(s: &Section, out: &mut String) {

@@ -9,6 +9,7 @@ use crate::proto::{REQUEST_TIMEOUT, Worker, get_u64, mono_ns};
 use crate::report::{Row, Section, SectionId};
 use crate::stats::ns_to_ms;
 
+use super::phase_parts::PhaseParts;
 use super::{Consumer, Ctx, UNPUBLISH_TIMEOUT, filled, handoff_rows, pattern, tag};
 
 /// One cached hand-off row: the consumer holds the buffer; each sample
@@ -35,6 +36,7 @@ pub(super) fn cached_row(
     let p0 = pattern(seed, 0);
     let mut total = Vec::new();
     let mut update = Vec::new();
+    let mut phases = PhaseParts::default();
     let measured = (|| -> Result<(), Error> {
         worker.request(
             &json!({ "op": "hold", "name": name, "base": p0.base, "step": p0.step }),
@@ -51,11 +53,14 @@ pub(super) fn cached_row(
             let t0 = mono_ns();
             ctx.publisher.update(&name)?;
             let t_upd = mono_ns();
+            let updated = cuda_ipc::phases::last("core.update");
             let answer = worker.recv(REQUEST_TIMEOUT)?;
             let t_done = get_u64(&answer, "t_done")?;
             if i > reps.warmup {
                 total.push(ns_to_ms(t0, t_done));
                 update.push(ns_to_ms(t0, t_upd));
+                phases.add("update", &updated);
+                phases.add_json("wait_update", &answer["phases"]);
             }
         }
         worker.request(&json!({ "op": "drop", "name": name }), REQUEST_TIMEOUT)?;
@@ -64,7 +69,7 @@ pub(super) fn cached_row(
     let unpublished = ctx.publisher.unpublish(&name, Some(UNPUBLISH_TIMEOUT));
     drop(published);
     let unpublished = unpublished.map(drop);
-    let row = row.samples(reps.warmup, total).part("update", &update);
+    let row = phases.into_row(row.samples(reps.warmup, total).part("update", &update));
     match (measured, unpublished) {
         (Err(e), _) => row.failed(e.to_string()),
         (Ok(()), Err(e)) => row.failed(format!("unpublishing: {e}")),
@@ -90,6 +95,10 @@ pub fn cached(ctx: &Ctx<'_>) -> Section {
          Publisher::update to the consumer's Subscriber::wait_update returning and synchronize() \
          on the buffer completing (which includes the stream's wait on the update's event). The \
          consumer is already waiting when the update is sent."
+            .into(),
+        "Parts 'update: PHASE': Publisher::update's event record, fence signal and notice; \
+         'wait_update: stream_wait' the consumer's stream made to wait on the event (or fence), \
+         'wait_update: synchronize' the synchronize() after it."
             .into(),
         format!(
             "Target: p50 <= {:.3} ms. PyTorch repeat = the same tensor put on a \

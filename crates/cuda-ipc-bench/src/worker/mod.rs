@@ -223,10 +223,11 @@ pub const PAD_VAR: &str = "CUDA_IPC_BENCH_PAD";
 
 /// Parses `CUDA_IPC_BENCH_PAD`'s value: unset or empty is 0, otherwise a
 /// whole number of buffers up to 1,000,000.
+#[allow(clippy::unnecessary_debug_formatting)] // quoted, with escapes: the value as given
 pub fn parse_pad(value: Option<&std::ffi::OsStr>) -> Result<usize, String> {
     const MAX: usize = 1_000_000;
     let Some(value) = value else { return Ok(0) };
-    let text = value.to_str().map(str::trim).unwrap_or("?");
+    let text = value.to_str().map_or("?", str::trim);
     if text.is_empty() {
         return Ok(0);
     }
@@ -243,6 +244,20 @@ pub fn parse_pad(value: Option<&std::ffi::OsStr>) -> Result<usize, String> {
 /// each once, then buffer 0 again up to [`pad_launches`].
 pub fn padded(len: usize) -> impl Iterator<Item = usize> {
     (0..len).chain(std::iter::repeat_n(0, pad_launches().saturating_sub(len)))
+}
+
+/// Synchronises `buffer` and adds the time it took to `phases` (a
+/// library call's, `{phase: µs}`) as `synchronize`.
+fn with_synchronize(mut phases: Value, buffer: &impl DeviceMemory) -> Result<Value, Error> {
+    let t = Instant::now();
+    buffer.synchronize()?;
+    if let Some(p) = phases.as_object_mut() {
+        p.insert(
+            "synchronize".into(),
+            json!(t.elapsed().as_secs_f64() * 1e6),
+        );
+    }
+    Ok(phases)
 }
 
 fn mismatch(what: &str, m: &str) -> Error {
@@ -450,7 +465,10 @@ impl State {
         let sub = self.sub()?;
         send_line(out, &json!({ "waiting": true }))?;
         let version = sub.wait_update(a, WAIT)?;
-        a.buffer().synchronize()?;
+        let phases = with_synchronize(
+            crate::proto::phases_json("core.wait_update"),
+            a.buffer(),
+        )?;
         let t_done = mono_ns();
         let checked = Instant::now();
         if let Some(m) = verify(a.buffer(), pattern)? {
@@ -461,6 +479,7 @@ impl State {
             "t_done": t_done,
             "version": version,
             "verify_ms": checked.elapsed().as_secs_f64() * 1e3,
+            "phases": phases,
         }))
     }
 
@@ -469,16 +488,8 @@ impl State {
         let pattern = pattern(r)?;
         let sub = self.sub()?;
         let a = sub.attach::<u32>(name)?;
-        let mut phases = crate::proto::phases_json("core.attach");
-        let synced = Instant::now();
-        a.buffer().synchronize()?;
+        let phases = with_synchronize(crate::proto::phases_json("core.attach"), a.buffer())?;
         let t_done = mono_ns();
-        if let Some(p) = phases.as_object_mut() {
-            p.insert(
-                "synchronize".into(),
-                json!(synced.elapsed().as_secs_f64() * 1e6),
-            );
-        }
         let v = Instant::now();
         let bad = verify(a.buffer(), pattern);
         let verify_ms = v.elapsed().as_secs_f64() * 1e3;

@@ -327,18 +327,23 @@ impl Publisher {
         if self.is_arena_entry(name) {
             return self.update_set(name);
         }
+        let mut phases = crate::phases::Phases::start("core.update");
         let (buffer, fence_slot) = lock(&self.entries)
             .get(name)
             .map(|e| (e.buffer.clone(), e.fence_slot))
             .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
         self.event.record(buffer.stream())?;
+        phases.mark("event");
         let fence_seq = match (&self.fences, fence_slot) {
             (Some(f), Some(slot)) => Some(lock(f).signal(buffer.stream(), slot)?),
             _ => None,
         };
-        Ok(self
+        phases.mark("fence");
+        let version = self
             .server
-            .update(name, wire::to_value(&UpdateBody { fence_seq })?)?)
+            .update(name, wire::to_value(&UpdateBody { fence_seq })?)?;
+        phases.mark("notice");
+        Ok(version)
     }
 
     /// The buffer published under `name`.

@@ -514,7 +514,9 @@ impl Subscriber {
     fn apply<T: Pod>(&self, attached: &Attachment<T>, notice: &Notice) -> Result<u64> {
         match notice {
             Notice::Updated { version, data } => {
+                let mut phases = crate::phases::Phases::start("core.wait_update");
                 self.wait_notice(&attached.waiter, attached.buffer.stream(), data)?;
+                phases.mark("stream_wait");
                 Ok(*version)
             }
             Notice::Unpublished => Err(ChannelError::Unpublished {
