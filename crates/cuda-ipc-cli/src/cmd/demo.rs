@@ -525,7 +525,7 @@ type Kept = (IpcEvent, MappedBuffer<u32>);
 /// The consumer process of the demo.
 pub fn consumer(args: &ConsumerArgs) -> Result<Outcome, Error> {
     if let Some(socket) = &args.stream_socket {
-        return super::stream::consumer(args.device, socket);
+        return super::stream::consumer(args.device, socket, args.check_every);
     }
     if let Some(socket) = &args.socket {
         return consumer_over_channel(args.device, socket);

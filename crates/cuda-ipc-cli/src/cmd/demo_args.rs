@@ -31,6 +31,11 @@ pub struct Args {
     /// With --stream: how many buffers the ring has.
     #[arg(long, default_value_t = 8, value_parser = super::parse_count, allow_negative_numbers = true)]
     pub slots: usize,
+    /// With --stream: the consumer checks every value of every N-th frame
+    /// (1: every frame; each check is a kernel and a read-back in the
+    /// consumer, which without MPS time-slices the GPU with the producer).
+    #[arg(long, default_value_t = 1, value_parser = parse_check_every, requires = "stream")]
+    pub check_every: u64,
     /// With --stream: how long to stream (10s, 500ms, 1m; a number alone
     /// counts seconds).
     #[arg(long, value_parser = super::parse_duration, default_value = "5s", allow_negative_numbers = true)]
@@ -62,8 +67,34 @@ pub struct ConsumerArgs {
     /// Stream mode: subscribe to the ring at this socket.
     #[arg(long)]
     pub stream_socket: Option<std::path::PathBuf>,
+    /// Stream mode: check every N-th frame (and every paced one).
+    #[arg(long, default_value_t = 1, value_parser = parse_check_every)]
+    pub check_every: u64,
     /// Attach the demo's buffer from the publisher at this socket (the
     /// demo with --consumer-namespaces).
     #[arg(long, conflicts_with = "stream_socket")]
     pub socket: Option<std::path::PathBuf>,
+}
+
+/// Parses `--check-every`: a whole number of frames, at least 1.
+fn parse_check_every(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(0) => Err("0: give 1 to check every frame, or N to check every N-th".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a whole number of frames")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_check_every;
+
+    #[test]
+    fn check_every_is_a_positive_count() {
+        assert_eq!(parse_check_every(" 1024 "), Ok(1024));
+        assert_eq!(parse_check_every("1"), Ok(1));
+        assert!(parse_check_every("0").unwrap_err().contains("give 1"));
+        assert!(parse_check_every("-3").unwrap_err().contains("\"-3\""));
+        assert!(parse_check_every("every").is_err());
+    }
 }
