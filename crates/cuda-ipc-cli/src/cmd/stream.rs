@@ -149,6 +149,9 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         "  {}",
         what_limits(waiting.as_secs_f64() / seconds.max(1e-9), mps)
     )?;
+    if let Some(note) = kernel_check_note(args.frame_size, args.check_every, mps) {
+        outln!("  {note}")?;
+    }
     Ok(outcome)
 }
 
@@ -263,6 +266,27 @@ fn what_limits(waiting_share: f64, mps: Option<bool>) -> String {
         None => "the driver does not say whether MPS is in use (`cuda-ipc info`)",
     };
     format!("limited by {side}; {gpu}")
+}
+
+/// What the consumer's check kernels cost the figures, when there are
+/// any: frames over [`HOST_CHECK_MAX`], checked one in `check_every`, by
+/// a process that may not be an MPS client.
+fn kernel_check_note(frame_size: u64, check_every: u64, mps: Option<bool>) -> Option<String> {
+    if frame_size <= HOST_CHECK_MAX as u64 || mps == Some(true) {
+        return None;
+    }
+    let which = if check_every <= 1 {
+        "every frame".to_string()
+    } else {
+        format!("every {check_every}th frame and every lone one")
+    };
+    Some(format!(
+        "the consumer checks {which} with a kernel (frames over {}); without MPS the \
+         producer's next frame then waits for the GPU to switch contexts back (about 0.25 ms on \
+         an H200), which these latencies include: --check-every N checks fewer frames, --mps \
+         removes the switch",
+        human(HOST_CHECK_MAX as u64)
+    ))
 }
 
 /// Prints the stream's figures; whether every frame arrived intact.
@@ -484,6 +508,20 @@ mod tests {
         assert_eq!(latency(&json!("garbage")), "p50 NaN us, p90 NaN us, p99 NaN us");
         let q = percentiles((1..=100).rev().map(f64::from).collect());
         assert_eq!(q.map(f64::to_bits), [51.0, 90.0, 99.0].map(f64::to_bits));
+    }
+
+    #[test]
+    fn kernel_checks_are_named_where_they_cost_a_context_switch() {
+        // Small frames are checked on the host: nothing to say.
+        assert_eq!(kernel_check_note(4096, 1, Some(false)), None);
+        assert_eq!(kernel_check_note(64 << 10, 1, None), None);
+        // Under MPS there is no switch to wait for.
+        assert_eq!(kernel_check_note(1 << 20, 1, Some(true)), None);
+        let every = kernel_check_note(1 << 20, 1, Some(false)).unwrap();
+        assert!(every.contains("checks every frame with a kernel"), "{every}");
+        assert!(every.contains("--check-every N") && every.contains("--mps"), "{every}");
+        let some = kernel_check_note((64 << 10) + 4, 1024, None).unwrap();
+        assert!(some.contains("every 1024th frame and every lone one"), "{some}");
     }
 
     #[test]
