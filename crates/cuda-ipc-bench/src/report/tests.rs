@@ -729,9 +729,11 @@ fn clocked_phases_print_under_the_table_largest_first() {
     // plain parts ("consumer") left out.
     assert_eq!(
         lines,
-        ["  legacy 64MiB: largest phases, p50 ms: attach: request 0.0300, attach: synchronize \
+        [
+            "  legacy 64MiB: largest phases, p50 ms: attach: request 0.0300, attach: synchronize \
           0.0060, publish: event 0.0040, attach: wait 0.0030, attach: record 0.0020, publish: \
-          record 0.0010"],
+          record 0.0010"
+        ],
         "{text}"
     );
 }

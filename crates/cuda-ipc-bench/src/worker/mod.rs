@@ -252,10 +252,7 @@ fn with_synchronize(mut phases: Value, buffer: &impl DeviceMemory) -> Result<Val
     let t = Instant::now();
     buffer.synchronize()?;
     if let Some(p) = phases.as_object_mut() {
-        p.insert(
-            "synchronize".into(),
-            json!(t.elapsed().as_secs_f64() * 1e6),
-        );
+        p.insert("synchronize".into(), json!(t.elapsed().as_secs_f64() * 1e6));
     }
     Ok(phases)
 }
@@ -465,10 +462,7 @@ impl State {
         let sub = self.sub()?;
         send_line(out, &json!({ "waiting": true }))?;
         let version = sub.wait_update(a, WAIT)?;
-        let phases = with_synchronize(
-            crate::proto::phases_json("core.wait_update"),
-            a.buffer(),
-        )?;
+        let phases = with_synchronize(crate::proto::phases_json("core.wait_update"), a.buffer())?;
         let t_done = mono_ns();
         let checked = Instant::now();
         if let Some(m) = verify(a.buffer(), pattern)? {

@@ -8,7 +8,8 @@
 //! to the moment the frame is usable in the consumer (the consumer's stream
 //! waited on the frame's event or fence and synchronised), measured with
 //! CLOCK_MONOTONIC, which both processes share; the consumer then checks
-//! every value of every frame. Flat out, a frame also waits behind those
+//! every value of the frame (of every `--check-every`-th frame, and of
+//! every paced one). Flat out, a frame also waits behind those
 //! queued before it in the ring (up to `--slots` of them): that latency is
 //! the queue's. The paced frames find the ring empty: theirs is the
 //! hand-off's own, the figure the bench's paced ring rows measure.
@@ -321,7 +322,7 @@ fn print_report(
     )?;
     if bad == 0 && frames == seq && consumer_ok {
         outln!(
-            "OK: every frame arrived in order{}, with no copy",
+            "OK: every frame arrived in order{}; no frame was copied between the processes",
             if checked == frames {
                 ", intact"
             } else {
@@ -413,7 +414,11 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-pub fn consumer(device: usize, socket: &std::path::Path, check_every: u64) -> Result<Outcome, Error> {
+pub fn consumer(
+    device: usize,
+    socket: &std::path::Path,
+    check_every: u64,
+) -> Result<Outcome, Error> {
     let result = (|| -> Result<Value, Error> {
         let device = Device::open(device)?;
         let sub = Subscriber::connect(&device, socket, SubscriberConfig::default())?;
@@ -505,7 +510,10 @@ mod tests {
             latency(&none["paced_us"]),
             "p50 NaN us, p90 NaN us, p99 NaN us"
         );
-        assert_eq!(latency(&json!("garbage")), "p50 NaN us, p90 NaN us, p99 NaN us");
+        assert_eq!(
+            latency(&json!("garbage")),
+            "p50 NaN us, p90 NaN us, p99 NaN us"
+        );
         let q = percentiles((1..=100).rev().map(f64::from).collect());
         assert_eq!(q.map(f64::to_bits), [51.0, 90.0, 99.0].map(f64::to_bits));
     }
@@ -518,10 +526,19 @@ mod tests {
         // Under MPS there is no switch to wait for.
         assert_eq!(kernel_check_note(1 << 20, 1, Some(true)), None);
         let every = kernel_check_note(1 << 20, 1, Some(false)).unwrap();
-        assert!(every.contains("checks every frame with a kernel"), "{every}");
-        assert!(every.contains("--check-every N") && every.contains("--mps"), "{every}");
+        assert!(
+            every.contains("checks every frame with a kernel"),
+            "{every}"
+        );
+        assert!(
+            every.contains("--check-every N") && every.contains("--mps"),
+            "{every}"
+        );
         let some = kernel_check_note((64 << 10) + 4, 1024, None).unwrap();
-        assert!(some.contains("every 1024th frame and every lone one"), "{some}");
+        assert!(
+            some.contains("every 1024th frame and every lone one"),
+            "{some}"
+        );
     }
 
     #[test]
