@@ -563,15 +563,19 @@ impl Conn {
             let (next, draining) = {
                 let mut out = lock(&self.out);
                 loop {
+                    // The queue first: what waits there was pushed before
+                    // the feed's next slot could be made (a subscription's
+                    // `ring_attached` answer, which must come before its
+                    // slots, or the rest of a message sent in part).
+                    if let Some(o) = out.queue.pop_front() {
+                        out.sending = true;
+                        break (o, out.state == OutState::Draining);
+                    }
                     if out.state == OutState::Open
                         && let Some(o) = Self::next_slot(&mut out)
                     {
                         out.sending = true;
                         break (o, false);
-                    }
-                    if let Some(o) = out.queue.pop_front() {
-                        out.sending = true;
-                        break (o, out.state == OutState::Draining);
                     }
                     if out.state != OutState::Open {
                         return;

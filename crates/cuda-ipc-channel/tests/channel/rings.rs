@@ -154,3 +154,80 @@ fn ring_without_subscribers_never_blocks() {
         Err(ChannelError::NotFound { .. })
     ));
 }
+
+/// A subscription's `ring_attached` answer comes before its slot messages
+/// even when it has to queue behind earlier answers: a client that sends
+/// many requests before reading leaves the server's writer with a queue,
+/// and the slot messages (made by the writer) must not jump ahead of the
+/// answer that announces them.
+#[test]
+fn ring_attached_comes_before_its_slots_behind_a_queue() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "order");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    let _ring = server
+        .create_ring("frames", json!(null), ring_slots(4))
+        .unwrap();
+    // Entries whose listing is about 40 KB a page.
+    let filler = "x".repeat(300);
+    for i in 0..120 {
+        server
+            .publish(
+                &format!("entry-{i:03}"),
+                json!({ "filler": filler }),
+                Vec::new(),
+            )
+            .unwrap();
+    }
+    const LISTS: u64 = 24;
+    const ROUNDS: u64 = 10;
+    let s = raw_connect(&path, true);
+    let deadline = || Some(Instant::now() + Duration::from_secs(10));
+    for round in 0..ROUNDS {
+        // Every request first, then every answer.
+        let base = round * 100;
+        for id in base..base + LISTS {
+            send_message(&s, &Message::List { id, after: None }, &[], deadline()).unwrap();
+        }
+        let ring_id = base + LISTS;
+        let ring = Message::AttachRing {
+            id: ring_id,
+            name: "frames".into(),
+        };
+        send_message(&s, &ring, &[], deadline()).unwrap();
+        let (mut listings, mut lease, mut slots) = (0, None, 0);
+        while listings < LISTS || slots < 4 {
+            match recv_message(&s, deadline()).unwrap() {
+                (Message::Listing { .. }, _) => {
+                    listings += 1;
+                    // A slow reader: the writer is still sending when the
+                    // subscription is answered.
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                (Message::RingAttached { id, lease: l, .. }, _) => {
+                    assert_eq!(id, ring_id);
+                    assert_eq!(lease, None, "two ring_attached answers");
+                    lease = Some(l);
+                }
+                (Message::RingSlot { id, slot, .. }, fds) => {
+                    assert_eq!(id, ring_id);
+                    assert!(
+                        lease.is_some(),
+                        "round {round}: slot {slot} came before its ring_attached"
+                    );
+                    assert_eq!(slot, slots, "slots out of order");
+                    assert_eq!(fds.len(), 1);
+                    slots += 1;
+                }
+                (other, _) => panic!("round {round}: unexpected {other:?}"),
+            }
+        }
+        let release = Message::Release {
+            id: base + 99,
+            lease: lease.unwrap(),
+        };
+        send_message(&s, &release, &[], deadline()).unwrap();
+        let (m, _) = recv_message(&s, deadline()).unwrap();
+        assert!(matches!(m, Message::Released { .. }), "{m:?}");
+    }
+}
