@@ -162,6 +162,8 @@ fn ring_without_subscribers_never_blocks() {
 /// answer that announces them.
 #[test]
 fn ring_attached_comes_before_its_slots_behind_a_queue() {
+    const LISTS: u64 = 24;
+    const ROUNDS: u64 = 10;
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, "order");
     let server = Server::bind(ServerConfig::new(&path)).unwrap();
@@ -179,8 +181,6 @@ fn ring_attached_comes_before_its_slots_behind_a_queue() {
             )
             .unwrap();
     }
-    const LISTS: u64 = 24;
-    const ROUNDS: u64 = 10;
     let s = raw_connect(&path, true);
     let deadline = || Some(Instant::now() + Duration::from_secs(10));
     for round in 0..ROUNDS {
