@@ -279,7 +279,7 @@ fn kernel_check_note(frame_size: u64, check_every: u64, mps: Option<bool>) -> Op
     let which = if check_every <= 1 {
         "every frame".to_string()
     } else {
-        format!("every {check_every}th frame and every lone one")
+        format!("one frame in {check_every} and every lone one")
     };
     Some(format!(
         "the consumer checks {which} with a kernel (frames over {}); without MPS the \
@@ -536,7 +536,7 @@ mod tests {
         );
         let some = kernel_check_note((64 << 10) + 4, 1024, None).unwrap();
         assert!(
-            some.contains("every 1024th frame and every lone one"),
+            some.contains("checks one frame in 1024 and every lone one"),
             "{some}"
         );
     }
