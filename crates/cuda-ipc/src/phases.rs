@@ -4,9 +4,10 @@
 //! buffer's attach, and the Python extension's bulk calls over them)
 //! reads the clock at the end of each of its phases, about 20 ns a read,
 //! and keeps the durations of its last run on this thread. [`last`]
-//! returns them. The bench prints them as parts of its rows, and `bench/attach_parts.py` through
-//! `cuda_ipc._core._last_phases`: that is how a GPU host without a
-//! profiler shows which phase of a hand-off costs what.
+//! returns them. The bench prints them as parts of its rows, and
+//! `bench/attach_parts.py` through `cuda_ipc._core._last_phases`: that is
+//! how a GPU host without a profiler shows which phase of a hand-off costs
+//! what.
 //!
 //! Keeping them costs one small allocation a run; nothing is kept for a
 //! call never made, and reading them never blocks.
