@@ -188,6 +188,7 @@ fn attack(kind: &str, path: &Path) {
         protocol: PROTOCOL_VERSION,
         pid: std::process::id(),
         shm_notices: false,
+        shm_requests: false,
     });
     let mut conns = Vec::new();
     for _ in 0..PER_PROCESS {

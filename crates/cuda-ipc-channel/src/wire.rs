@@ -212,6 +212,12 @@ pub enum Message {
         /// `crate::notices`); absent means no.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         shm_notices: bool,
+        /// Whether the client asks to send its pings, attaches and
+        /// releases through the shared-memory ring too, and to get their
+        /// answers through it when they carry no descriptors (see
+        /// `crate::notices`); asked only with `shm_notices`, absent means no.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        shm_requests: bool,
     },
     /// Asks for the published entries, in name order, starting after
     /// `after` (for the next page of a long listing).
@@ -272,6 +278,10 @@ pub enum Message {
         /// message.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         shm_notices: Option<u32>,
+        /// Whether the server grants requests and their answers through
+        /// the rings (only with `shm_notices`, and only when asked).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        shm_requests: bool,
     },
     /// A page of published entries.
     Listing {

@@ -77,6 +77,7 @@ fn flood_is_throttled(server: &Server, path: &std::path::Path, steady: usize) {
         protocol: 1,
         pid: std::process::id(),
         shm_notices: false,
+        shm_requests: false,
     };
     send_message(&raw, &hello, &[], None).unwrap();
     assert!(matches!(

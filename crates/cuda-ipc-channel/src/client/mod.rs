@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::limits::validate_entry_name;
-use super::notices::{NoticePath, is_notice};
+use super::notices::{NoticePath, is_notice, is_ring_request};
 use super::socket::{RecvLimits, Ucred, peer_closed, peer_credentials, recv_message, send_message};
 use super::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use super::{ChannelError, Side, lock, own_pid, own_uid};
@@ -85,8 +85,10 @@ pub struct Client {
     /// How answers and updates are waited for: `RecvLimits::CLIENT` with
     /// the configured spin (ring frames are waited for without).
     limits: RecvLimits,
-    /// Serialises writers, so that messages never interleave.
-    write: Mutex<()>,
+    /// Serialises writers, so that messages never interleave; counts the
+    /// socket messages sent since the hello (a request through the ring
+    /// carries the count, see [`notices`](crate::notices)).
+    write: Mutex<u64>,
     state: Mutex<State>,
     /// Signalled when a message was filed, the reader stepped down, or the
     /// connection died.
@@ -183,6 +185,7 @@ impl Client {
                 protocol: PROTOCOL_VERSION,
                 pid: own_pid(),
                 shm_notices: config.notices == NoticePath::Shm,
+                shm_requests: config.notices == NoticePath::Shm,
             },
             &[],
             Some(deadline),
@@ -193,6 +196,7 @@ impl Client {
                 Message::Welcome {
                     protocol,
                     shm_notices,
+                    shm_requests,
                     ..
                 },
                 fds,
@@ -204,7 +208,12 @@ impl Client {
                          {PROTOCOL_VERSION}; use the same cuda-ipc version on both sides"
                     )));
                 }
-                ClientShm::granted(config.notices == NoticePath::Shm, shm_notices, fds)?
+                ClientShm::granted(
+                    config.notices == NoticePath::Shm,
+                    shm_notices,
+                    shm_requests,
+                    fds,
+                )?
             }
             Ok((
                 Message::Error {
@@ -246,7 +255,7 @@ impl Client {
                 spin: config.spin,
                 ..RecvLimits::CLIENT
             },
-            write: Mutex::new(()),
+            write: Mutex::new(0),
             state: Mutex::new(State::default()),
             filed: Condvar::new(),
             shm,
@@ -454,9 +463,28 @@ impl Client {
         self.wait_for(p.deadline, what, self.limits, |st| st.take_response(p.id))
     }
 
-    /// Sends one message (without descriptors) within the request timeout.
+    /// Sends one message (without descriptors) within the request timeout:
+    /// a request through the ring when the server granted it and it fits
+    /// (with the count of socket messages sent before it), else on the
+    /// socket.
     fn send(&self, message: &Message) -> Result<(), ChannelError> {
-        let _writing = lock(&self.write);
+        let mut sent = lock(&self.write);
+        if let Some(shm) = self.shm.as_ref().filter(|s| s.requests)
+            && is_ring_request(message)
+        {
+            match shm.request(*sent, message) {
+                Ok(true) => {
+                    lock(&self.state).stats.shm_requests += 1;
+                    return Ok(());
+                }
+                // No room: the socket, in order by the count.
+                Ok(false) => {}
+                Err(e) => {
+                    self.broken(&e);
+                    return Err(e);
+                }
+            }
+        }
         send_message(
             &self.stream,
             message,
@@ -467,15 +495,22 @@ impl Client {
             // A message cut in half leaves the stream unusable. (After
             // PeerGone, reading still delivers what the server sent last.)
             if matches!(e, ChannelError::Protocol { .. } | ChannelError::Io { .. }) {
-                let mut st = lock(&self.state);
-                if st.dead.is_none() {
-                    st.dead = Some(Dead::Protocol(e.to_string()));
-                }
-                drop(st);
-                self.filed.notify_all();
+                self.broken(&e);
             }
             e
-        })
+        })?;
+        *sent += 1;
+        Ok(())
+    }
+
+    /// Marks the connection unusable after `e`, and wakes the waiters.
+    fn broken(&self, e: &ChannelError) {
+        let mut st = lock(&self.state);
+        if st.dead.is_none() {
+            st.dead = Some(Dead::Protocol(e.to_string()));
+        }
+        drop(st);
+        self.filed.notify_all();
     }
 
     /// Gives leases back without waiting for the answers.
@@ -571,6 +606,8 @@ impl Client {
                 } else {
                     st.stats.socket_notices += 1;
                 }
+            } else if via_ring {
+                st.stats.shm_replies += 1;
             }
             st.dispatch(message, fds);
         }

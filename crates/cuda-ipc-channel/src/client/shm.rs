@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use cuda_ipc_shm::{Ready, Receiver, Sender};
 
 use crate::notices::{
-    client_rings, decode_record, encode_binary_record, encode_record, is_notice, shm_error,
+    client_rings, decode_record, encode_binary_record, encode_record, is_notice, is_ring_reply,
+    shm_error,
 };
 use crate::socket::{RecvLimits, recv_message};
 use crate::wire::{Message, encode_message};
@@ -21,12 +22,14 @@ use super::Client;
 pub(super) struct ClientShm {
     /// Taken by the thread that reads (the one with `State::reading`).
     pub(super) reader: Mutex<NoticeReader>,
-    /// Acks; any thread.
+    /// Acks, and requests when granted; any thread.
     pub(super) acks: Mutex<Sender>,
+    /// The server granted requests (and their answers) through the rings.
+    pub(super) requests: bool,
 }
 
 impl ClientShm {
-    pub(super) fn new(acks: Sender, notices: Receiver) -> ClientShm {
+    pub(super) fn new(acks: Sender, notices: Receiver, requests: bool) -> ClientShm {
         ClientShm {
             reader: Mutex::new(NoticeReader {
                 rx: notices,
@@ -34,8 +37,10 @@ impl ClientShm {
                 received: 1,
                 pending: None,
                 buf: Vec::new(),
+                replies: requests,
             }),
             acks: Mutex::new(acks),
+            requests,
         }
     }
 }
@@ -49,6 +54,8 @@ pub(super) struct NoticeReader {
     /// (its count, its message).
     pending: Option<(u64, Message)>,
     buf: Vec<u8>,
+    /// Answers may come through the ring too.
+    replies: bool,
 }
 
 /// What one turn of reading brought, in the server's order: each message
@@ -69,9 +76,15 @@ impl NoticeReader {
             return Ok(None);
         }
         let (after, message) = decode_record(&self.buf, crate::MAX_PAYLOAD)?;
-        if !is_notice(&message) {
+        let allowed = is_notice(&message) || (self.replies && is_ring_reply(&message));
+        if !allowed {
+            let carries = if self.replies {
+                "notices and answers without descriptors"
+            } else {
+                "only notices"
+            };
             return Err(ChannelError::protocol(format!(
-                "a {:?} message came through the shared-memory ring, which carries only notices",
+                "a {:?} message came through the shared-memory ring, which carries {carries}",
                 message.type_name()
             )));
         }
@@ -187,15 +200,30 @@ impl ClientShm {
         lock(&self.acks).send(&record).map_err(shm_error)
     }
 
+    /// Sends a request through the ring after `after` socket messages:
+    /// `Ok(true)` if it went, `Ok(false)` if the ring has no room (send it
+    /// on the socket).
+    pub(super) fn request(&self, after: u64, request: &Message) -> Result<bool, ChannelError> {
+        let record = encode_record(after, &encode_message(request, 0)?);
+        lock(&self.acks).send(&record).map_err(shm_error)
+    }
+
     /// The rings the server's `welcome` granted (`capacity`: bytes a ring,
-    /// `fds`: its descriptors), if it granted them; an error if it granted
-    /// them unasked or they are unusable.
+    /// `fds`: its descriptors; `requests`: requests through them too), if
+    /// it granted them; an error if it granted them (or requests) unasked
+    /// or they are unusable.
     pub(super) fn granted(
         asked: bool,
         capacity: Option<u32>,
+        requests: bool,
         fds: Vec<OwnedFd>,
     ) -> Result<Option<ClientShm>, ChannelError> {
         let Some(capacity) = capacity else {
+            if requests {
+                return Err(ChannelError::protocol(
+                    "the server granted requests through shared memory without its rings",
+                ));
+            }
             return Ok(None);
         };
         if !asked {
@@ -204,6 +232,6 @@ impl ClientShm {
             ));
         }
         let (acks, notices) = client_rings(fds, capacity)?;
-        Ok(Some(ClientShm::new(acks, notices)))
+        Ok(Some(ClientShm::new(acks, notices, requests)))
     }
 }

@@ -108,6 +108,11 @@ pub struct NoticeStats {
     pub shm_acks: u64,
     /// Acks sent on the socket.
     pub socket_acks: u64,
+    /// Requests (pings, attaches, releases) sent through shared memory,
+    /// when the server granted it (the others went on the socket).
+    pub shm_requests: u64,
+    /// Answers received through shared memory.
+    pub shm_replies: u64,
 }
 
 /// A lease on a plain entry, with the entry's metadata and descriptors.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use rustix::net::{Shutdown, shutdown};
 use serde_json::Value;
 
-use crate::notices::{encode_binary_record, encode_record, is_notice};
+use crate::notices::{encode_binary_record, encode_record, is_notice, is_ring_reply};
 use crate::socket::{Ucred, encode_checked, send_bytes, try_send_bytes, unread_by_peer};
 use crate::wire::Message;
 use crate::{ChannelError, lock};
@@ -77,6 +77,9 @@ pub(super) struct Outbox {
     pub(super) pushed: u64,
     /// The ring that carries notices to the client, when it asked for it.
     pub(super) shm: Option<cuda_ipc_shm::Sender>,
+    /// The client was granted requests through the rings: answers without
+    /// descriptors may go through `shm` too.
+    pub(super) ring_replies: bool,
 }
 
 impl Outbox {
@@ -91,6 +94,7 @@ impl Outbox {
             unread_fds: 0,
             pushed: 0,
             shm: None,
+            ring_replies: false,
         }
     }
 
@@ -241,6 +245,8 @@ impl Conn {
         if notice && let Some(sent) = self.ring_binary(&message, &mut notice) {
             return sent;
         }
+        // An answer may take the ring too, if the client was granted it.
+        let reply = fds.is_empty() && is_ring_reply(&message);
         let encoded = {
             let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(AsFd::as_fd).collect();
             encode_checked(&message, &borrowed)
@@ -281,7 +287,7 @@ impl Conn {
         }
         // Through the ring only once every earlier socket message is in
         // the kernel's hands, with their count (see `crate::notices`).
-        if notice && out.flushed() {
+        if (notice || (reply && out.ring_replies)) && out.flushed() {
             match out.ring(&bytes) {
                 Ok(true) => return true,
                 // No ring, full, or too long: the socket, in order.
@@ -551,9 +557,12 @@ impl Conn {
         Some(Outgoing { bytes, fds })
     }
 
-    /// Sends notices through `ring` from now on (see `crate::notices`).
-    pub(super) fn set_notice_ring(&self, ring: cuda_ipc_shm::Sender) {
-        lock(&self.out).shm = Some(ring);
+    /// Sends notices through `ring` from now on, and answers without
+    /// descriptors too if `replies` (see `crate::notices`).
+    pub(super) fn set_notice_ring(&self, ring: cuda_ipc_shm::Sender, replies: bool) {
+        let mut out = lock(&self.out);
+        out.shm = Some(ring);
+        out.ring_replies = replies;
     }
 
     /// The writer thread's loop.

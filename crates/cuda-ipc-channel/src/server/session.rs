@@ -8,7 +8,9 @@ use cuda_ipc_shm::{Ready, Receiver};
 
 use rustix::net::{Shutdown, shutdown};
 
-use crate::notices::{NOTICE_RING_BYTES, NoticePath, decode_ack_record, server_rings, shm_error};
+use crate::notices::{
+    NOTICE_RING_BYTES, NoticePath, decode_ack_record, is_ring_request, server_rings, shm_error,
+};
 use crate::socket::recv_message;
 use crate::spin::{Backoff, spin_until_readable};
 use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
@@ -45,8 +47,15 @@ pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
 }
 
 /// Answers the hello, with the shared-memory rings if the client asked
-/// for them (and we grant them), and returns the ring acks come through.
-fn welcome(shared: &Shared, conn: &Conn, shm_notices: bool) -> Option<Receiver> {
+/// for them (and we grant them), and returns the ring acks come through,
+/// and whether requests may come through it too (`shm_requests`, granted
+/// with the rings whenever asked).
+fn welcome(
+    shared: &Shared,
+    conn: &Conn,
+    shm_notices: bool,
+    shm_requests: bool,
+) -> Option<(Receiver, bool)> {
     let rings = (shm_notices && shared.notices == NoticePath::Shm)
         .then(|| {
             server_rings()
@@ -70,61 +79,81 @@ fn welcome(shared: &Shared, conn: &Conn, shm_notices: bool) -> Option<Receiver> 
             protocol: PROTOCOL_VERSION,
             pid: shared.pid,
             shm_notices: ends.as_ref().map(|_| NOTICE_RING_BYTES as u32),
+            shm_requests: shm_requests && ends.is_some(),
         },
         fds,
         shared.max_queued,
     );
     ends.map(|(tx, rx)| {
-        conn.set_notice_ring(tx);
+        conn.set_notice_ring(tx, shm_requests);
         let _ = conn.kicker.set(rx.kicker());
-        rx
+        (rx, shm_requests)
     })
 }
 
-/// Serves one connection until it ends. `Err` carries the error message to
-/// send before closing.
-pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
+/// A request taken from the ring that waits for the socket messages the
+/// client sent before it: their count, and the request.
+type Held = Option<(u64, Message)>;
+
+/// Reads the hello and answers it: the ring acks (and requests, if
+/// granted) come through, if any; `Err` with how the session ends.
+fn handshake(
+    shared: &Shared,
+    conn: &Conn,
+) -> Result<Option<(Receiver, bool)>, Result<(), Message>> {
     let deadline = crate::deadline_in(shared.handshake_timeout);
-    // The ring the client acks through, when it asked for one.
-    let mut acks: Option<Receiver>;
-    let mut record = Vec::new();
-    let mut backoff = Backoff::default();
     match recv_message(&conn.stream, Some(deadline), shared.recv_limits) {
         Ok((
             Message::Hello {
                 protocol,
                 shm_notices,
+                shm_requests,
                 ..
             },
             fds,
         )) if fds.is_empty() => {
             if protocol != PROTOCOL_VERSION {
-                return Err(error_frame(
+                return Err(Err(error_frame(
                     None,
                     "unsupported_protocol",
                     format!(
                         "the client speaks protocol {protocol}, this server speaks \
                          {PROTOCOL_VERSION}; use the same cuda-ipc version on both sides"
                     ),
-                ));
+                )));
             }
-            acks = welcome(shared, conn, shm_notices);
+            Ok(welcome(shared, conn, shm_notices, shm_requests))
         }
-        Ok((message, fds)) => {
-            return Err(fatal(
-                conn,
-                &ChannelError::protocol(if fds.is_empty() {
-                    format!(
-                        "expected a \"hello\" message first, got {:?}",
-                        message.type_name()
-                    )
-                } else {
-                    "clients must not send file descriptors".into()
-                }),
-            ));
-        }
-        Err(e) => return end_of_session(conn, &e),
+        Ok((message, fds)) => Err(Err(fatal(
+            conn,
+            &ChannelError::protocol(if fds.is_empty() {
+                format!(
+                    "expected a \"hello\" message first, got {:?}",
+                    message.type_name()
+                )
+            } else {
+                "clients must not send file descriptors".into()
+            }),
+        ))),
+        Err(e) => Err(end_of_session(conn, &e)),
     }
+}
+
+/// Serves one connection until it ends. `Err` carries the error message to
+/// send before closing.
+pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
+    // The ring the client acks through, when it asked for one, and
+    // whether requests may come through it too.
+    let (mut acks, requests) = match handshake(shared, conn) {
+        Ok(Some((rx, granted))) => (Some(rx), granted),
+        Ok(None) => (None, false),
+        Err(end) => return end,
+    };
+    // Socket messages read since the hello, for the order of requests.
+    let mut socket_in = 0u64;
+    let mut held: Held = None;
+    let mut record = Vec::new();
+    let mut backoff = Backoff::default();
     loop {
         conn.wait_for_room(RESPONSE_WINDOW);
         // A connection that holds nothing may stay silent only so long.
@@ -132,26 +161,38 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         let deadline = idle.then(|| crate::deadline_in(shared.idle_timeout));
         if let Some(rx) = acks.as_mut() {
             // Acks first: an ack sent before a release is applied before it.
-            if take_acks(shared, conn, rx, &mut record)? {
+            let ring = Ring {
+                requests,
+                socket_in,
+            };
+            if take_ring(shared, conn, rx, &mut record, ring, &mut held)? {
                 *lock(&conn.active) = Instant::now();
+                // A request was served: the window above, then the next.
+                if held.is_none() {
+                    continue;
+                }
             }
         }
-        spin(shared, conn, acks.as_mut(), &mut backoff, deadline);
-        if let Some(rx) = acks.as_mut() {
-            match rx.wait(Duration::ZERO, deadline, Some(conn.stream.as_fd())) {
-                // A publish kicked us: spin for the attach that may follow.
-                Ok(Ready::Ring | Ready::Kicked) => continue,
-                // The socket has a message (or hung up), or the idle
-                // deadline passed: the receive below tells which.
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!(pid = conn.cred.pid, error = %e, "channel connection failed");
-                    return Ok(());
+        // A held request waits for the socket: read it at once.
+        if held.is_none() {
+            spin(shared, conn, acks.as_mut(), &mut backoff, deadline);
+            if let Some(rx) = acks.as_mut() {
+                match rx.wait(Duration::ZERO, deadline, Some(conn.stream.as_fd())) {
+                    // A publish kicked us: spin for the attach that may follow.
+                    Ok(Ready::Ring | Ready::Kicked) => continue,
+                    // The socket has a message (or hung up), or the idle
+                    // deadline passed: the receive below tells which.
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(pid = conn.cred.pid, error = %e, "channel connection failed");
+                        return Ok(());
+                    }
                 }
             }
         }
         match recv_message(&conn.stream, deadline, shared.recv_limits) {
             Ok((message, fds)) => {
+                socket_in += 1;
                 *lock(&conn.active) = Instant::now();
                 if !fds.is_empty() {
                     return Err(fatal(
@@ -219,15 +260,39 @@ fn spin(
     backoff.record(budget, if caught { began.elapsed() } else { budget });
 }
 
-/// Applies the acks waiting in the ring (at most a ring's worth, so that a
-/// client writing as fast as we read cannot hold the reader); whether
-/// there were any. Anything but a well-formed ack ends the connection.
-fn take_acks(
+/// What the reader knows of the client's order when it reads the ring.
+#[derive(Clone, Copy)]
+struct Ring {
+    /// Whether the client was granted requests through it.
+    requests: bool,
+    /// Socket messages read since the hello.
+    socket_in: u64,
+}
+
+/// Takes what the client put in the ring: acks, applied as they come (at
+/// most a ring's worth, so that a client writing as fast as we read
+/// cannot hold the reader), and, when it was granted them, one request
+/// per call (so that the window on answers is checked between requests),
+/// served only once the socket messages the client sent before it were
+/// read (else it is `held` for later). Whether anything was taken.
+/// Anything but a well-formed ack or such a request ends the connection.
+fn take_ring(
     shared: &Shared,
     conn: &Conn,
     rx: &mut Receiver,
     record: &mut Vec<u8>,
+    ring: Ring,
+    held: &mut Held,
 ) -> Result<bool, Message> {
+    if let Some((after, _)) = held {
+        if *after > ring.socket_in {
+            return Ok(false);
+        }
+        if let Some((_, request)) = held.take() {
+            shared.handle(conn, request)?;
+        }
+        return Ok(true);
+    }
     let mut any = false;
     for _ in 0..NOTICE_RING_BYTES / 8 {
         match rx.recv(record) {
@@ -237,12 +302,25 @@ fn take_acks(
         }
         match decode_ack_record(record, shared.recv_limits.max_payload) {
             Ok((_, Message::Ack { lease, slot, seq })) => shared.ack(conn, lease, slot, seq)?,
+            Ok((after, request)) if ring.requests && is_ring_request(&request) => {
+                if after > ring.socket_in {
+                    *held = Some((after, request));
+                } else {
+                    shared.handle(conn, request)?;
+                }
+                return Ok(true);
+            }
             Ok((_, other)) => {
+                let carries = if ring.requests {
+                    "acks, pings, attaches and releases"
+                } else {
+                    "only acks"
+                };
                 return Err(fatal(
                     conn,
                     &ChannelError::protocol(format!(
                         "a {:?} message came through the shared-memory ring, which carries \
-                         only acks",
+                         {carries}",
                         other.type_name()
                     )),
                 ));

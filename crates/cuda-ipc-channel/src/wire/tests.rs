@@ -14,6 +14,7 @@ fn type_names_match_serde_tags() {
             protocol: 1,
             pid: 1,
             shm_notices: true,
+            shm_requests: true,
         },
         Message::List { id: 1, after: None },
         Message::Attach {
@@ -35,6 +36,7 @@ fn type_names_match_serde_tags() {
             protocol: 1,
             pid: 1,
             shm_notices: None,
+            shm_requests: false,
         },
         Message::Listing {
             id: 1,
@@ -348,13 +350,14 @@ fn arb_json() -> impl Strategy<Value = Value> {
 fn arb_message() -> impl Strategy<Value = Message> {
     let name = ".{0,16}";
     prop_oneof![
-        (any::<u16>(), any::<u32>(), any::<bool>()).prop_map(|(protocol, pid, shm_notices)| {
-            Message::Hello {
+        (any::<u16>(), any::<u32>(), any::<bool>(), any::<bool>()).prop_map(
+            |(protocol, pid, shm_notices, shm_requests)| Message::Hello {
                 protocol,
                 pid,
                 shm_notices,
+                shm_requests,
             }
-        }),
+        ),
         (any::<u64>(), prop::option::of(name)).prop_map(|(id, after)| Message::List { id, after }),
         (any::<u64>(), name).prop_map(|(id, name)| Message::Attach { id, name }),
         (any::<u64>(), any::<u64>()).prop_map(|(id, lease)| Message::Release { id, lease }),
@@ -365,13 +368,20 @@ fn arb_message() -> impl Strategy<Value = Message> {
             seq
         }),
         any::<u64>().prop_map(|id| Message::Ping { id }),
-        (any::<u16>(), any::<u32>(), prop::option::of(any::<u32>())).prop_map(
-            |(protocol, pid, shm_notices)| Message::Welcome {
-                protocol,
-                pid,
-                shm_notices,
-            }
-        ),
+        (
+            any::<u16>(),
+            any::<u32>(),
+            prop::option::of(any::<u32>()),
+            any::<bool>()
+        )
+            .prop_map(
+                |(protocol, pid, shm_notices, shm_requests)| Message::Welcome {
+                    protocol,
+                    pid,
+                    shm_notices,
+                    shm_requests,
+                }
+            ),
         (
             any::<u64>(),
             prop::collection::vec(

@@ -169,6 +169,7 @@ fn fake_server(
             protocol: 1,
             pid: std::process::id(),
             shm_notices: None,
+            shm_requests: false,
         };
         send_message(&s, &welcome, &[], deadline).unwrap();
         then(s);

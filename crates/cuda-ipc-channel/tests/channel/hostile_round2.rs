@@ -50,6 +50,7 @@ fn try_raw_connect(path: &Path) -> Result<UnixStream, String> {
         protocol: 1,
         pid: std::process::id(),
         shm_notices: false,
+        shm_requests: false,
     };
     // A server that turns us away may close before the hello is sent; its
     // reason is still there to read.
@@ -601,6 +602,7 @@ pub(crate) fn child_role(role: &str, path: &Path, name: &str) -> bool {
                     protocol: 1,
                     pid: std::process::id(),
                     shm_notices: false,
+                    shm_requests: false,
                 };
                 let _ = send_message(&s, &hello, &[], None);
                 let deadline = Some(Instant::now() + Duration::from_secs(5));

@@ -28,6 +28,7 @@ mod peers;
 mod processes;
 mod rings;
 mod shm_notices;
+mod shm_requests;
 
 use support::wire::{
     MAGIC, encode, json_frame, raw_connect, recv_message, send_bytes, send_message,

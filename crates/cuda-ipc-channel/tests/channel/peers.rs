@@ -244,6 +244,7 @@ fn malformed_frames_get_an_error_and_a_close_and_the_server_carries_on() {
                     protocol: 1,
                     pid: 1,
                     shm_notices: false,
+                    shm_requests: false,
                 }
                 .encode(),
                 0,
@@ -259,6 +260,7 @@ fn malformed_frames_get_an_error_and_a_close_and_the_server_carries_on() {
                     protocol: 9,
                     pid: 1,
                     shm_notices: false,
+                    shm_requests: false,
                 }
                 .encode(),
                 0,

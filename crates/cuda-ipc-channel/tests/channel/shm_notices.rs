@@ -167,16 +167,27 @@ fn frames_never_overtake_the_subscription_they_belong_to() {
 /// A raw client that asks for the rings: its socket and the descriptors
 /// of the welcome (memfd, eventfd it sleeps on, eventfd the server sleeps on).
 fn raw_shm_client(path: &Path) -> (UnixStream, Vec<OwnedFd>) {
+    raw_client_asking(path, false)
+}
+
+/// [`raw_shm_client`], asking for requests through the rings too if
+/// `requests` (and checking the server grants exactly that).
+pub(super) fn raw_client_asking(path: &Path, requests: bool) -> (UnixStream, Vec<OwnedFd>) {
     let s = UnixStream::connect(path).unwrap();
     let hello = Message::Hello {
         protocol: 1,
         pid: std::process::id(),
         shm_notices: true,
+        shm_requests: requests,
     };
     send_message(&s, &hello, &[], None).unwrap();
     let (m, fds) = recv_message(&s, Some(Instant::now() + Duration::from_secs(5))).unwrap();
     assert!(
-        matches!(m, Message::Welcome { shm_notices: Some(n), .. } if n as usize == NOTICE_RING_BYTES),
+        matches!(
+            m,
+            Message::Welcome { shm_notices: Some(n), shm_requests, .. }
+                if n as usize == NOTICE_RING_BYTES && shm_requests == requests
+        ),
         "{m:?}"
     );
     assert_eq!(fds.len(), 3);
@@ -285,13 +296,14 @@ proptest! {
             (0u64..2 * (256 + NOTICE_RING_BYTES as u64), prop::collection::vec(any::<u8>(), 1..32)),
             1..12,
         ),
+        requests: bool,
     ) {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp_socket(&tmp, "random-scribbles");
         let server = server_with(&path, NoticePath::Shm);
         server.publish("e", json!({}), vec![]).unwrap();
         let good = Bystander::new(&path);
-        let (s, fds) = raw_shm_client(&path);
+        let (s, fds) = raw_client_asking(&path, requests);
         send_message(&s, &Message::Attach { id: 1, name: "e".into() }, &[], None).unwrap();
         let len = 2 * (256 + NOTICE_RING_BYTES as u64);
         for (at, bytes) in writes {
@@ -419,6 +431,7 @@ fn a_server_that_predates_shm_notices_gets_a_plain_hello() {
                     protocol: 1,
                     pid: std::process::id(),
                     shm_notices: None,
+                    shm_requests: false,
                 }
             };
             send_message(&s, &answer, &[], None).unwrap();

@@ -140,6 +140,7 @@ pub(crate) fn half_frame(path: &Path, arg: &str) {
         protocol: PROTOCOL_VERSION,
         pid: std::process::id(),
         shm_notices: false,
+        shm_requests: false,
     };
     let frame = if after_handshake {
         send_message(&s, &hello, &[], None).unwrap();

@@ -99,6 +99,7 @@ pub fn hello(s: &UnixStream) {
         protocol: PROTOCOL_VERSION,
         pid: std::process::id(),
         shm_notices: false,
+        shm_requests: false,
     };
     send_message(s, &hello, &[], None).unwrap();
     let (m, _) = recv_message(s, Some(Instant::now() + Duration::from_secs(5))).unwrap();
