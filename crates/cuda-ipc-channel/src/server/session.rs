@@ -153,7 +153,7 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     let mut socket_in = 0u64;
     let mut held: Held = None;
     let mut record = Vec::new();
-    let mut backoff = Backoff::default();
+    let mut spins = Spins::default();
     loop {
         conn.wait_for_room(RESPONSE_WINDOW);
         // A connection that holds nothing may stay silent only so long.
@@ -175,11 +175,15 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
         }
         // A held request waits for the socket: read it at once.
         if held.is_none() {
-            spin(shared, conn, acks.as_mut(), &mut backoff, deadline);
+            spin(shared, conn, acks.as_mut(), &mut spins, deadline);
             if let Some(rx) = acks.as_mut() {
                 match rx.wait(Duration::ZERO, deadline, Some(conn.stream.as_fd())) {
+                    Ok(Ready::Ring) => continue,
                     // A publish kicked us: spin for the attach that may follow.
-                    Ok(Ready::Ring | Ready::Kicked) => continue,
+                    Ok(Ready::Kicked) => {
+                        spins.kicked = true;
+                        continue;
+                    }
                     // The socket has a message (or hung up), or the idle
                     // deadline passed: the receive below tells which.
                     Ok(_) => {}
@@ -224,11 +228,36 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
     }
 }
 
+/// A reader's spins: after a message, and after a kick, each with its
+/// own back-off (a client whose messages come far apart must not stop the
+/// spins that kicks ask for, nor the other way round).
+#[derive(Default)]
+struct Spins {
+    after_message: Backoff,
+    after_kick: Backoff,
+    /// The next spin follows a kick.
+    kicked: bool,
+}
+
+impl Spins {
+    /// How long the next spin may last (zero: none), and the back-off
+    /// that records how it went.
+    fn next(&mut self, spin: Duration) -> (Duration, &mut Backoff) {
+        let backoff = if std::mem::take(&mut self.kicked) {
+            &mut self.after_kick
+        } else {
+            &mut self.after_message
+        };
+        (backoff.next(spin), backoff)
+    }
+}
+
 /// Every wait for the client's next message follows one (the hello, a
-/// request, acks): it first polls without sleeping for up to
+/// request, acks) or a kick: it first polls without sleeping for up to
 /// `shared.spin`, so that a message following closely is taken without a
 /// wake-up. A silent client costs at most one spin; one whose messages do
-/// not come within the spin soon costs one in 64 waits ([`Backoff`]); and
+/// not come within the spin soon costs one in 64 waits ([`Backoff`]), and
+/// kicks not followed by a message soon, one in 64 kicks; and
 /// no more readers spin at once than [`Spinners`](crate::spin::Spinners) allows (the others
 /// sleep at once), so clients cannot make the server spin on more cores
 /// than that. Returns when something came or the spin is over; the wait
@@ -237,10 +266,10 @@ fn spin(
     shared: &Shared,
     conn: &Conn,
     acks: Option<&mut Receiver>,
-    backoff: &mut Backoff,
+    spins: &mut Spins,
     deadline: Option<Instant>,
 ) {
-    let budget = backoff.next(shared.spin);
+    let (budget, backoff) = spins.next(shared.spin);
     if budget.is_zero() {
         return;
     }
@@ -684,4 +713,36 @@ pub(super) fn dup_all(fds: &[OwnedFd]) -> Result<Vec<OwnedFd>, ChannelError> {
                 .map_err(|e| ChannelError::io("cannot duplicate an entry's file descriptor", e))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Spins until the back-off turns them off (every spin a miss): whether it did.
+    fn miss_until_off(spins: &mut Spins, spin: Duration, kicks: bool) -> bool {
+        for _ in 0..100 {
+            spins.kicked = kicks;
+            let (budget, backoff) = spins.next(spin);
+            if budget.is_zero() {
+                return true;
+            }
+            backoff.record(budget, budget);
+        }
+        false
+    }
+
+    #[test]
+    fn kicks_and_messages_back_off_apart() {
+        let spin = Duration::from_micros(50);
+        // Messages far apart turn their spins off; a kick still spins.
+        let mut spins = Spins::default();
+        assert!(miss_until_off(&mut spins, spin, false));
+        spins.kicked = true;
+        assert_eq!(spins.next(spin).0, spin);
+        // Kicks that catch nothing turn theirs off; a message still spins.
+        let mut spins = Spins::default();
+        assert!(miss_until_off(&mut spins, spin, true));
+        assert_eq!(spins.next(spin).0, spin);
+    }
 }
