@@ -17,7 +17,7 @@ pub const SERVER_SPIN_ENV: &str = "CUDA_IPC_SERVER_SPIN_US";
 /// The environment variable that sets whether a publish kicks the readers
 /// of recent attachers (see [`ServerConfig::publish_kick`]): `1` on, `0`
 /// off (the default: on the H200 host kicks did not make the fresh
-/// hand-off faster).
+/// hand-off measurably faster).
 pub const SERVER_KICK_ENV: &str = "CUDA_IPC_SERVER_KICK";
 
 use crate::own_uid;
@@ -150,15 +150,14 @@ pub struct ServerConfig {
     /// reader's wake-up then happens while the consumer's does, not after
     /// it. Only readers of connections with shared-memory notices can be
     /// kicked (the kick is a write to their ring's eventfd, one system
-    /// call each on the publishing thread); a kicked reader's
-    /// spin is a spin like any other, with the same back-off and cap on
-    /// spinning readers, so kicks that are not followed by requests soon
-    /// cost nothing. Off when [`spin`](Self::spin) is zero. Default off
-    /// (the `handoff_latency` example gained from it on a development VM,
-    /// but on the H200 host it did not speed up the bench's fresh hand-off
-    /// from an arena: the attach's round trip stays about 0.03 ms even
-    /// when the reader is awake; docs/PERFORMANCE.md), or the environment
-    /// variable
+    /// call each on the publishing thread); a kicked reader's spin has
+    /// a back-off of its own (kicks not followed by a request soon cost at
+    /// most one spin in 64 kicks) and the same cap on spinning readers.
+    /// Off when [`spin`](Self::spin) is zero. Default off: on the H200
+    /// host (2026-12-02, 808b9c2, two rounds of the bench's fresh hand-off
+    /// from an arena) the attach's round trip was 0.022-0.040 ms with
+    /// kicks and 0.029-0.041 ms without, within the rounds' spread
+    /// (docs/PERFORMANCE.md). Or the environment variable
     /// [`SERVER_KICK_ENV`].
     pub publish_kick: bool,
     /// Answers clients' calls ([`Message::Call`](crate::Message::Call));
