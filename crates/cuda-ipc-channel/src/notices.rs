@@ -49,7 +49,10 @@
 //! system call while both ends spin, where the socket costs at least four
 //! (`handoff_latency` on the H200's host at 4a4285b, 2026-12-02: a ping on
 //! the socket took 10.7 µs with the server's reader spinning, and an
-//! update one way 5.1 µs on the socket against 1.5 µs through the ring).
+//! update one way 5.1 µs on the socket against 1.5 µs through the ring;
+//! at 808b9c2 the ping took 3.4 µs through the rings. The bench's fresh
+//! hand-off, between processes that wake up for it, did not gain:
+//! docs/PERFORMANCE.md, 2026-12-02, midday).
 //! The order rule
 //! runs the other way too: a request's record carries the count of socket
 //! messages the client sent before it, and the server takes it only once
