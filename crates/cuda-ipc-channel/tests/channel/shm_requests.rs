@@ -19,6 +19,19 @@ fn client_with(path: &Path, notices: NoticePath) -> Client {
     Client::connect(path, ClientConfig::default().with_notices(notices)).unwrap()
 }
 
+/// A server on `path` with an entry without descriptors and one with a memfd.
+fn server_with_two(path: &Path, notices: NoticePath) -> Server {
+    let server = server_with(path, notices);
+    server
+        .publish("plain", json!({"kind": "plain"}), vec![])
+        .unwrap();
+    let fd = memfd_with(b"descriptor");
+    server
+        .publish("with-fd", json!({"kind": "with-fd"}), vec![fd])
+        .unwrap();
+    server
+}
+
 /// Ping, attach and release an entry without descriptors, then attach and
 /// release one with a memfd: returns the descriptors the second attach
 /// brought.
@@ -39,14 +52,7 @@ fn five_requests(client: &Client) -> usize {
 fn requests_and_their_answers_take_the_rings_when_granted() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, "requests");
-    let server = server_with(&path, NoticePath::Shm);
-    server
-        .publish("plain", json!({"kind": "plain"}), vec![])
-        .unwrap();
-    let fd = memfd_with(b"descriptor");
-    server
-        .publish("with-fd", json!({"kind": "with-fd"}), vec![fd])
-        .unwrap();
+    let _server = server_with_two(&path, NoticePath::Shm);
 
     let client = client_with(&path, NoticePath::Shm);
     assert_eq!(five_requests(&client), 1);
@@ -62,14 +68,7 @@ fn requests_and_their_answers_take_the_rings_when_granted() {
     assert_eq!((stats.shm_requests, stats.shm_replies), (0, 0), "{stats:?}");
     let tmp2 = tempfile::tempdir().unwrap();
     let path2 = tmp_socket(&tmp2, "socket-server");
-    let socket_server = server_with(&path2, NoticePath::Socket);
-    socket_server
-        .publish("plain", json!({"kind": "plain"}), vec![])
-        .unwrap();
-    let fd = memfd_with(b"descriptor");
-    socket_server
-        .publish("with-fd", json!({"kind": "with-fd"}), vec![fd])
-        .unwrap();
+    let _socket_server = server_with_two(&path2, NoticePath::Socket);
     let asks = client_with(&path2, NoticePath::Shm);
     assert_eq!(five_requests(&asks), 1);
     let stats = asks.notice_stats();
@@ -121,8 +120,9 @@ struct RawClient {
 }
 
 impl RawClient {
-    fn connect(path: &Path) -> RawClient {
-        let (s, fds) = raw_client_asking(path, true);
+    /// Connects, asking for requests through the rings if `requests`.
+    fn connect(path: &Path, requests: bool) -> RawClient {
+        let (s, fds) = raw_client_asking(path, requests);
         let area = Area::open(&fds[0], cuda_ipc_channel::NOTICE_RING_BYTES).unwrap();
         let (tx, rx) = area.split(
             ShmSide::Opener,
@@ -171,7 +171,7 @@ fn a_request_through_the_ring_waits_for_the_socket_messages_sent_before_it() {
     let path = tmp_socket(&tmp, "order");
     let server = server_with(&path, NoticePath::Shm);
     server.publish("e", json!({}), vec![]).unwrap();
-    let mut c = RawClient::connect(&path);
+    let mut c = RawClient::connect(&path, true);
 
     // The ring's ping says one socket message came before it: held.
     c.ring(1, &Message::Ping { id: 2 });
@@ -243,7 +243,7 @@ fn anything_but_an_ack_or_a_granted_request_in_the_ring_cuts_the_client_off() {
         },
     ];
     for m in &not_requests {
-        let mut c = RawClient::connect(&path);
+        let mut c = RawClient::connect(&path, true);
         c.ring(0, m);
         assert!(
             matches!(
@@ -254,22 +254,15 @@ fn anything_but_an_ack_or_a_granted_request_in_the_ring_cuts_the_client_off() {
         );
     }
     // A client that was not granted requests may send none through it.
-    let (s, fds) = raw_client_asking(&path, false);
-    let area = Area::open(&fds[0], cuda_ipc_channel::NOTICE_RING_BYTES).unwrap();
-    let (mut tx, _rx) = area.split(
-        ShmSide::Opener,
-        fds[2].try_clone().unwrap(),
-        fds[1].try_clone().unwrap(),
+    let mut c = RawClient::connect(&path, false);
+    c.ring(0, &Message::Ping { id: 1 });
+    assert!(
+        matches!(
+            c.next(Duration::from_secs(5)),
+            Some(Message::Error { ref message, .. }) if message.contains("carries only acks")
+        ),
+        "expected an error before the cut"
     );
-    let mut record = 0u64.to_le_bytes().to_vec();
-    record.extend_from_slice(&encode(&Message::Ping { id: 1 }, 0));
-    assert!(tx.send(&record).unwrap());
-    let Ok((Message::Error { message, .. }, _)) =
-        recv_message(&s, Some(Instant::now() + Duration::from_secs(5)))
-    else {
-        panic!("expected an error before the cut");
-    };
-    assert!(message.contains("carries only acks"), "{message}");
     // The good client never noticed.
     good.ping().unwrap();
     let v = server.update("e", json!("still there")).unwrap();
