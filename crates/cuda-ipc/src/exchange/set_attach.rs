@@ -349,13 +349,8 @@ impl Subscriber {
         &self,
         a: channel::Attachment,
         asked: Access,
-        mut phases: Option<&mut Phases>,
+        phases: &mut Phases,
     ) -> Result<SetAttachment> {
-        let mut mark = |name| {
-            if let Some(p) = phases.as_deref_mut() {
-                p.mark(name);
-            }
-        };
         let channel::Attachment {
             lease,
             name,
@@ -366,17 +361,17 @@ impl Subscriber {
         let opened = (|| {
             let fence = sync::take_set_fence(&mut meta)?;
             let record = read_record(&self.client, &meta)?;
-            mark("record");
+            phases.mark("record");
             let access = set_access(&record, asked);
             let waiter = self.waiter(record.event, fence, &mut fds, "a published set")?;
-            mark("waiter");
+            phases.mark("waiter");
             let mut mappings = HashMap::with_capacity(record.chunks.len());
             for c in &record.chunks {
                 mappings.insert(c.id, self.chunk_mapping(&record, c.id, access)?);
             }
-            mark("mappings");
+            phases.mark("mappings");
             self.wait_latest(&waiter, self.device.stream())?;
-            mark("wait");
+            phases.mark("wait");
             Ok((record, access, waiter, mappings))
         })();
         let (record, access, waiter, mappings) = match opened {
@@ -437,7 +432,7 @@ impl Subscriber {
                 ),
             ));
         }
-        self.open_set(a, access, Some(&mut phases))
+        self.open_set(a, access, &mut phases)
     }
 
     /// Opens an arena buffer published with [`Publisher::publish_buffer`]
@@ -447,7 +442,7 @@ impl Subscriber {
         a: channel::Attachment,
         phases: &mut Phases,
     ) -> Result<Attachment<T>> {
-        let set = self.open_set(a, self.access, Some(phases))?;
+        let set = self.open_set(a, self.access, phases)?;
         if set.len() != 1 {
             return Err(Error::arg(
                 "attach",
