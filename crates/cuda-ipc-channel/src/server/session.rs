@@ -167,6 +167,7 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
             };
             if take_ring(shared, conn, rx, &mut record, ring, &mut held)? {
                 *lock(&conn.active) = Instant::now();
+                spins.message();
                 // A request was served: the window above, then the next.
                 if held.is_none() {
                     continue;
@@ -198,6 +199,7 @@ pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
             Ok((message, fds)) => {
                 socket_in += 1;
                 *lock(&conn.active) = Instant::now();
+                spins.message();
                 if !fds.is_empty() {
                     return Err(fatal(
                         conn,
@@ -240,6 +242,11 @@ struct Spins {
 }
 
 impl Spins {
+    /// A message came: the next spin follows it, not a kick before it.
+    fn message(&mut self) {
+        self.kicked = false;
+    }
+
     /// How long the next spin may last (zero: none), and the back-off
     /// that records how it went.
     fn next(&mut self, spin: Duration) -> (Duration, &mut Backoff) {
@@ -744,5 +751,20 @@ mod tests {
         let mut spins = Spins::default();
         assert!(miss_until_off(&mut spins, spin, true));
         assert_eq!(spins.next(spin).0, spin);
+    }
+
+    #[test]
+    fn a_message_after_a_kick_makes_the_next_spin_a_message_spin() {
+        let spin = Duration::from_micros(50);
+        let mut spins = Spins::default();
+        let (after_message, after_kick) =
+            (&raw const spins.after_message, &raw const spins.after_kick);
+        spins.kicked = true;
+        assert!(std::ptr::eq(spins.next(spin).1, after_kick));
+        // A kick answered by a message: the spin after that message is
+        // the messages'.
+        spins.kicked = true;
+        spins.message();
+        assert!(std::ptr::eq(spins.next(spin).1, after_message));
     }
 }
