@@ -83,7 +83,7 @@ pub fn fresh(ctx: &Ctx<'_>) -> Section {
          buffer every sample, so the consumer's mapping cache never hits."
             .into(),
         "publish = the producer's Publisher::publish; consumer = from the consumer reading the \
-         name to the synchronised mapping; 'attach: request' its round trip over the socket, \
+         name to the synchronised mapping; 'attach: request' its round trip over the channel, \
          'attach: open' the import, mapping and event of the descriptor, 'attach: synchronize' \
          the stream's wait. Floor and PyTorch: their sections below."
             .into(),
