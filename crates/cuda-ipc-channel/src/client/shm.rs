@@ -37,7 +37,6 @@ impl ClientShm {
                 received: 1,
                 pending: None,
                 buf: Vec::new(),
-                replies: requests,
             }),
             acks: Mutex::new(acks),
             requests,
@@ -54,8 +53,6 @@ pub(super) struct NoticeReader {
     /// (its count, its message).
     pending: Option<(u64, Message)>,
     buf: Vec<u8>,
-    /// Answers may come through the ring too.
-    replies: bool,
 }
 
 /// What one turn of reading brought, in the server's order: each message
@@ -67,8 +64,9 @@ pub(super) struct Batch {
 }
 
 impl NoticeReader {
-    /// The next record: the pending one, else one from the ring.
-    fn next_record(&mut self) -> Result<Option<(u64, Message)>, ChannelError> {
+    /// The next record: the pending one, else one from the ring (which
+    /// carries answers too when `replies`: requests were granted).
+    fn next_record(&mut self, replies: bool) -> Result<Option<(u64, Message)>, ChannelError> {
         if let Some(p) = self.pending.take() {
             return Ok(Some(p));
         }
@@ -76,9 +74,9 @@ impl NoticeReader {
             return Ok(None);
         }
         let (after, message) = decode_record(&self.buf, crate::MAX_PAYLOAD)?;
-        let allowed = is_notice(&message) || (self.replies && is_ring_reply(&message));
+        let allowed = is_notice(&message) || (replies && is_ring_reply(&message));
         if !allowed {
-            let carries = if self.replies {
+            let carries = if replies {
                 "notices and answers without descriptors"
             } else {
                 "only notices"
@@ -93,15 +91,17 @@ impl NoticeReader {
 
     /// Moves the records that follow at most `upto` socket messages into
     /// `out`, in order; the first that follows more waits as pending.
+    /// `replies`: as for [`NoticeReader::next_record`].
     fn take_upto(
         &mut self,
+        replies: bool,
         upto: u64,
         out: &mut Vec<(Message, Vec<OwnedFd>, bool)>,
     ) -> Result<(), ChannelError> {
         // At most a ring's worth: a server that writes as fast as we read
         // cannot keep us here.
         for _ in 0..crate::NOTICE_RING_BYTES / 8 {
-            let Some((after, message)) = self.next_record()? else {
+            let Some((after, message)) = self.next_record(replies)? else {
                 return Ok(());
             };
             if after > upto {
@@ -133,7 +133,7 @@ impl Client {
         };
         loop {
             let received = r.received;
-            if let Err(e) = r.take_upto(received, &mut batch.messages) {
+            if let Err(e) = r.take_upto(shm.requests, received, &mut batch.messages) {
                 batch.error = Some(e);
                 return batch;
             }
@@ -168,7 +168,7 @@ impl Client {
             match recv_message(&self.stream, Some(deadline), limits) {
                 Ok((message, fds)) => {
                     // The records sent before this message come first.
-                    let taken = r.take_upto(received, &mut batch.messages);
+                    let taken = r.take_upto(shm.requests, received, &mut batch.messages);
                     r.received += 1;
                     batch.messages.push((message, fds, false));
                     batch.error = taken.err();
@@ -180,7 +180,7 @@ impl Client {
                 }
                 Err(e) => {
                     // The server is gone: what it put in the ring still counts.
-                    let _ = r.take_upto(u64::MAX, &mut batch.messages);
+                    let _ = r.take_upto(shm.requests, u64::MAX, &mut batch.messages);
                     batch.error = Some(e);
                     return batch;
                 }
