@@ -22,6 +22,12 @@
 //!   The next one comes 100 µs after the consumer said it released. With
 //!   publish kicks ([`ServerConfig::publish_kick`]) the publish wakes the
 //!   connection's reader while the consumer wakes, not after.
+//! - *attach after 1 ms / 5 ms asleep* and *fresh hand-off after 1 ms
+//!   asleep*: as above, but every thread sleeps between operations (the
+//!   gap is a `sleep`, not a busy wait), as the bench's processes do
+//!   between samples, with a tenth of the samples. On a virtual machine
+//!   an idle virtual CPU may halt; waking one costs what these rows add
+//!   to the ones above.
 //!
 //! Each row also gives the process's CPU time per operation (both sides,
 //! `CLOCK_PROCESS_CPUTIME_ID`), the price of the spins, and its threads'
@@ -120,6 +126,35 @@ fn pause(d: Duration) {
     }
 }
 
+/// What a thread does between two operations: a busy wait (its CPU stays
+/// awake) or a sleep (every thread of the pair may go idle).
+#[derive(Clone, Copy)]
+enum Gap {
+    Spin(Duration),
+    Sleep(Duration),
+}
+
+impl Gap {
+    fn wait(self) {
+        match self {
+            Gap::Spin(d) => pause(d),
+            Gap::Sleep(d) => std::thread::sleep(d),
+        }
+    }
+
+    /// The CPU time (ns) the wait itself burns.
+    fn burnt(self) -> u64 {
+        match self {
+            Gap::Spin(d) => d.as_nanos() as u64,
+            Gap::Sleep(_) => 0,
+        }
+    }
+}
+
+/// The gap before the lone attach and the fresh hand-off of the rows
+/// above the asleep ones.
+const SHORT_GAP: Gap = Gap::Spin(Duration::from_micros(100));
+
 fn memfd() -> std::os::fd::OwnedFd {
     let fd =
         rustix::fs::memfd_create("handoff", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd_create");
@@ -140,10 +175,17 @@ fn requests(setup: Setup, n: usize, sock: &std::path::Path) -> Result<[Batch; 3]
         ping.push(t.elapsed().as_nanos() as u64);
     }
     let ping = batch(ping, start, 0, 1);
+    let [attach, release] = attaches(&client, n, SHORT_GAP)?;
+    Ok([ping, attach, release])
+}
+
+/// `n` attaches of the entry `e`, each `gap` after the last
+/// release, and their releases, sent as soon as the answer came.
+fn attaches(client: &Client, n: usize, gap: Gap) -> Result<[Batch; 2], ChannelError> {
     let (mut attach, mut release) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let start = cpu_now();
     for _ in 0..n {
-        pause(Duration::from_micros(100));
+        gap.wait();
         let t = Instant::now();
         let a = client.attach("e")?;
         let t1 = Instant::now();
@@ -152,16 +194,23 @@ fn requests(setup: Setup, n: usize, sock: &std::path::Path) -> Result<[Batch; 3]
         attach.push((t1 - t).as_nanos() as u64);
         release.push((t2 - t1).as_nanos() as u64);
     }
-    // The pauses spin too: half the pair's CPU and sleeps to each, less
-    // the pauses.
-    let paused = n as u64 * 100_000;
-    let attach = batch(attach, start, paused, 2);
+    // Half the pair's CPU and sleeps to each, less the busy waits.
+    let attach = batch(attach, start, n as u64 * gap.burnt(), 2);
     let release = Batch {
         ns: release,
         cpu: attach.cpu,
         sleeps: attach.sleeps,
     };
-    Ok([ping, attach, release])
+    Ok([attach, release])
+}
+
+/// Lone attaches after the client slept `gap`, on a fresh connection.
+fn asleep(setup: Setup, n: usize, sock: &std::path::Path, gap: Gap) -> Result<Batch, ChannelError> {
+    let server = setup.server(sock)?;
+    server.publish("e", json!({"bytes": 4096}), vec![memfd()])?;
+    let client = setup.client(sock)?;
+    let [attach, _] = attaches(&client, n, gap)?;
+    Ok(attach)
 }
 
 fn updates(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
@@ -257,7 +306,7 @@ fn write_word(fd: &std::os::fd::OwnedFd, v: u64) -> Result<(), ChannelError> {
 
 /// Publish, the name through a pipe to a sleeping consumer thread, its
 /// attach answered (see the module's documentation).
-fn fresh(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
+fn fresh(setup: Setup, n: usize, sock: &std::path::Path, gap: Gap) -> Result<Batch, ChannelError> {
     let server = setup.server(sock)?;
     let client = setup.client(sock)?;
     // The consumer has attached before, as the bench's has.
@@ -282,7 +331,7 @@ fn fresh(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, Channe
     for i in 0..n {
         let fd = memfd();
         let name = format!("f{i}");
-        pause(Duration::from_micros(100));
+        gap.wait();
         let t0 = base.elapsed().as_nanos() as u64;
         server.publish(&name, json!({"bytes": 4096}), vec![fd])?;
         write_word(&tell_tx, t0)?;
@@ -290,8 +339,8 @@ fn fresh(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, Channe
         server.unpublish(&name)?;
     }
     let ns = consumer.join().expect("the consumer thread panicked")?;
-    // The pauses spin: less them.
-    Ok(batch(ns, start, n as u64 * 100_000, 1))
+    // Less the busy waits.
+    Ok(batch(ns, start, n as u64 * gap.burnt(), 1))
 }
 
 fn percentile(sorted: &[u64], p: f64) -> f64 {
@@ -354,7 +403,9 @@ fn main() -> Result<(), ChannelError> {
     );
     println!("|---|---|---|---|---|---|---|");
     // [setup][row][batch]
-    let mut rows: Vec<[Vec<Batch>; 6]> = setups.iter().map(|_| Default::default()).collect();
+    let mut rows: Vec<[Vec<Batch>; 9]> = setups.iter().map(|_| Default::default()).collect();
+    let few = (n / 10).max(1);
+    let ms = Duration::from_millis;
     for b in 0..batches {
         for (i, setup) in setups.iter().enumerate() {
             let sock = dir.path().join(format!("s{b}-{i}.sock"));
@@ -367,7 +418,13 @@ fn main() -> Result<(), ChannelError> {
             let sock = dir.path().join(format!("f{b}-{i}.sock"));
             rows[i][4].push(frames(*setup, n, &sock)?);
             let sock = dir.path().join(format!("h{b}-{i}.sock"));
-            rows[i][5].push(fresh(*setup, n, &sock)?);
+            rows[i][5].push(fresh(*setup, n, &sock, SHORT_GAP)?);
+            let sock = dir.path().join(format!("a{b}-{i}.sock"));
+            rows[i][6].push(asleep(*setup, few, &sock, Gap::Sleep(ms(1)))?);
+            let sock = dir.path().join(format!("b{b}-{i}.sock"));
+            rows[i][7].push(asleep(*setup, few, &sock, Gap::Sleep(ms(5)))?);
+            let sock = dir.path().join(format!("g{b}-{i}.sock"));
+            rows[i][8].push(fresh(*setup, few, &sock, Gap::Sleep(ms(1)))?);
         }
     }
     let names = [
@@ -377,6 +434,9 @@ fn main() -> Result<(), ChannelError> {
         "update one-way",
         "frame round trip",
         "fresh hand-off",
+        "attach after 1 ms asleep",
+        "attach after 5 ms asleep",
+        "fresh hand-off after 1 ms asleep",
     ];
     for (r, name) in names.iter().enumerate() {
         for (i, setup) in setups.iter().enumerate() {
