@@ -248,13 +248,47 @@ pub fn padded(len: usize) -> impl Iterator<Item = usize> {
 
 /// Synchronises `buffer` and adds the time it took to `phases` (a
 /// library call's, `{phase: µs}`) as `synchronize`.
+///
+/// With `CUDA_IPC_BENCH_PROBE=1` (a diagnosis, not for figures: it adds
+/// to the clock) it first records an event on the buffer's stream and
+/// queries it (`probe: busy`, 1 when work was still queued there, and
+/// `probe: query`, µs), and after the synchronize times a second one
+/// (`probe: again`).
 fn with_synchronize(mut phases: Value, buffer: &impl DeviceMemory) -> Result<Value, Error> {
+    let probe = probing()
+        .then(|| -> Result<(f64, f64), Error> {
+            let t = Instant::now();
+            let e = buffer
+                .stream()
+                .record_event(None)
+                .map_err(|e| failure("the probe's event", e.to_string()))?;
+            let busy = !e.is_complete();
+            Ok((f64::from(u8::from(busy)), t.elapsed().as_secs_f64() * 1e6))
+        })
+        .transpose()?;
     let t = Instant::now();
     buffer.synchronize()?;
+    let took = t.elapsed().as_secs_f64() * 1e6;
     if let Some(p) = phases.as_object_mut() {
-        p.insert("synchronize".into(), json!(t.elapsed().as_secs_f64() * 1e6));
+        p.insert("synchronize".into(), json!(took));
+        if let Some((busy, query)) = probe {
+            let t = Instant::now();
+            buffer.synchronize()?;
+            p.insert("probe: busy".into(), json!(busy));
+            p.insert("probe: query".into(), json!(query));
+            p.insert(
+                "probe: again".into(),
+                json!(t.elapsed().as_secs_f64() * 1e6),
+            );
+        }
     }
     Ok(phases)
+}
+
+/// Whether `CUDA_IPC_BENCH_PROBE=1` (read once).
+fn probing() -> bool {
+    static PROBE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PROBE.get_or_init(|| std::env::var("CUDA_IPC_BENCH_PROBE").as_deref() == Ok("1"))
 }
 
 fn mismatch(what: &str, m: &str) -> Error {
