@@ -15,7 +15,6 @@
 //! and receiving an update wait on the host for the publisher's event or
 //! fence, so every stream may read at once.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
@@ -299,8 +298,8 @@ pub(crate) struct SetAttachment {
     read_only: bool,
     pub(crate) ordinal: usize,
     pub(crate) entries: Vec<Entry>,
-    /// Entry positions by name, made at the first look-up by name.
-    index: OnceLock<HashMap<String, usize>>,
+    /// Entry positions by name (in `record`).
+    index: cuda_ipc::set::NameIndex,
     /// Each entry's chunk mapping: `(local address, size)`.
     chunks: Vec<(u64, u64)>,
     /// The entries grouped for few DLPack imports (`runs`, `places`),
@@ -372,7 +371,7 @@ pub(crate) fn attach_set(
         read_only: set.read_only(),
         ordinal: s.device.ordinal(),
         entries,
-        index: OnceLock::new(),
+        index: cuda_ipc::set::NameIndex::default(),
         chunks,
         runs: OnceLock::new(),
         keep: Mutex::new(Some(Keep::new(first))),
@@ -404,10 +403,7 @@ impl SetAttachment {
 
     /// The position of the entry called `name`.
     fn position_of(&self, name: &str) -> Option<usize> {
-        self.index
-            .get_or_init(|| self.record.name_index())
-            .get(name)
-            .copied()
+        self.index.position(&self.record, name)
     }
 
     /// The position of `key`: an index, or an entry's name.

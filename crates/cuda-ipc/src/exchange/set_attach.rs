@@ -2,7 +2,7 @@
 //! chunk mappings it keeps, and attaching.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::mechanism::Access;
 use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::phases::Phases;
-use crate::set::{SetEntry, SetRecord};
+use crate::set::{NameIndex, SetEntry, SetRecord};
 use crate::share;
 
 use super::lease::LeaseGuard;
@@ -95,9 +95,8 @@ pub struct SetAttachment {
     guard: Arc<LeaseGuard>,
     waiter: Waiter,
     mappings: HashMap<u64, Arc<dyn Mapping>>,
-    /// Entry positions by name, made at the first look-up by name (most
-    /// attaches never look one up).
-    index: OnceLock<HashMap<String, usize>>,
+    /// Entry positions by name.
+    index: NameIndex,
 }
 
 /// Where a buffer of an attached set is in this process
@@ -169,10 +168,7 @@ impl SetAttachment {
 
     /// The index of the buffer called `name`.
     pub fn position(&self, name: &str) -> Option<usize> {
-        self.index
-            .get_or_init(|| self.record.name_index())
-            .get(name)
-            .copied()
+        self.index.position(&self.record, name)
     }
 
     /// A view of the buffer called `name` as elements of `T`.
@@ -395,7 +391,7 @@ impl Subscriber {
             guard,
             waiter,
             mappings,
-            index: OnceLock::new(),
+            index: NameIndex::default(),
         })
     }
 

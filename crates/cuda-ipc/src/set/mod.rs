@@ -172,6 +172,23 @@ pub struct SetEntry {
     pub len: u64,
 }
 
+/// A record's entry positions by name, made at the first look-up (most
+/// attaches never look one up): what an attached set keeps beside its
+/// record.
+#[derive(Debug, Default)]
+pub struct NameIndex(std::sync::OnceLock<HashMap<String, usize>>);
+
+impl NameIndex {
+    /// The position of the entry of `record` called `name`. Every call
+    /// must pass the same record (the index is made from the first).
+    pub fn position(&self, record: &SetRecord, name: &str) -> Option<usize> {
+        self.0
+            .get_or_init(|| record.name_index())
+            .get(name)
+            .copied()
+    }
+}
+
 /// A named set of buffers in the chunks of one arena.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -7,7 +7,7 @@
 use cuda_ipc::arena::ArenaId;
 use cuda_ipc::descriptor::{Descriptor, Dtype, Source};
 use cuda_ipc::device::DeviceUuid;
-use cuda_ipc::set::{SetChunk, SetEntry, SetRecord};
+use cuda_ipc::set::{NameIndex, SetChunk, SetEntry, SetRecord};
 
 #[path = "../../../../fuzz/src/set_record.rs"]
 mod fuzz_set_record;
@@ -49,4 +49,16 @@ fn sample() -> SetRecord {
         ],
     )
     .unwrap()
+}
+
+#[test]
+fn name_index_finds_every_entry_and_nothing_else() {
+    let r = sample();
+    let index = NameIndex::default();
+    for (i, e) in r.entries.iter().enumerate() {
+        assert_eq!(index.position(&r, &e.name), Some(i), "{}", e.name);
+    }
+    assert_eq!(index.position(&r, "layer2.weight"), None);
+    assert_eq!(index.position(&r, ""), None);
+    assert_eq!(index.position(&r, "layer0.weigh"), None);
 }
