@@ -113,10 +113,16 @@ pub(crate) mod sealed {
                 None => Ok(()),
             };
             for s in streams {
-                if let Err(e) = s.synchronize() {
+                let done = s
+                    .context()
+                    .bind_to_thread()
+                    .map_err(|e| crate::error::from_cudarc("cuCtxSetCurrent", e))
+                    // SAFETY: the stream is live (held by the snapshot).
+                    .and_then(|()| unsafe { crate::driver::result::stream::finish(s.cu_stream()) });
+                if let Err(e) = done {
                     tracing::warn!(error = %e, "waiting for a stream of a mapping failed");
                     if first.is_ok() {
-                        first = Err(crate::error::from_cudarc("cuStreamSynchronize", e));
+                        first = Err(e);
                     }
                 }
             }

@@ -206,12 +206,16 @@ pub unsafe trait DeviceMemory {
         })
     }
 
-    /// Waits until the work queued on [`DeviceMemory::stream`] is done.
+    /// Waits until the work queued on [`DeviceMemory::stream`] is done
+    /// (`cuStreamQuery`, then `cuStreamSynchronize` only when work is
+    /// left: an idle stream returns at once, also where the driver's
+    /// synchronize is slow, as for memory imported from another process's
+    /// pool).
     #[doc(alias = "cuStreamSynchronize")]
     fn synchronize(&self) -> Result<()> {
         self.device().bind()?;
         // SAFETY: the stream is live for as long as the memory.
-        unsafe { rstream::synchronize(self.stream().cu_stream()) }
+        unsafe { rstream::finish(self.stream().cu_stream()) }
     }
 
     /// A view of `len` bytes starting `offset` bytes into this memory.

@@ -50,6 +50,7 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
+    "cuStreamQuery",
     "cuStreamWaitEvent",
     "cuMemAlloc_v2",
     "cuMemFree_v2",

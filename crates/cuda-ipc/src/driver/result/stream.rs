@@ -21,3 +21,38 @@ pub(crate) unsafe fn synchronize(stream: sys::CUstream) -> Result<()> {
         sys::cuStreamSynchronize(stream)
     })
 }
+
+/// `cuStreamQuery`: `Ok(true)` when every operation queued on the stream
+/// has completed, `Ok(false)` when some has not.
+///
+/// # Safety
+/// The stream must be live.
+pub(crate) unsafe fn query(stream: sys::CUstream) -> Result<bool> {
+    // SAFETY: the caller's contract.
+    match unsafe { sys::cuStreamQuery(stream) } {
+        CUresult::CUDA_SUCCESS => Ok(true),
+        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        r => Err(driver_error("cuStreamQuery", r)),
+    }
+}
+
+/// Waits until every operation queued on the stream has completed: a
+/// `cuStreamQuery` first, `cuStreamSynchronize` only when work is left.
+///
+/// A synchronize is one of the points where the driver looks after its
+/// stream-ordered memory pools: in a process holding pointers imported
+/// from another process's pool it cost 3.7-6.7 µs on an H200 (driver
+/// 580) even with nothing queued, against 0.5 µs without; the query does
+/// not pay that, so a stream that is already idle (a hand-off whose work
+/// finished before it was waited for) returns at the query's price.
+///
+/// # Safety
+/// The stream must be live.
+pub(crate) unsafe fn finish(stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller's contract.
+    if unsafe { query(stream) }? {
+        return Ok(());
+    }
+    // SAFETY: as above.
+    unsafe { synchronize(stream) }
+}
