@@ -523,8 +523,45 @@ impl Message {
         let text = std::str::from_utf8(payload).map_err(|e| WireError::InvalidUtf8 {
             valid_up_to: e.valid_up_to(),
         })?;
-        // Checked in passes that build nothing big: the JSON as a whole, then
-        // only its "type" field, then the message itself.
+        // Only an object may be a message (serde would take an array as a
+        // tagged enum, whose first element is the tag; `diagnose` refuses
+        // it).
+        if text.trim_start().starts_with('{')
+            && let Some(message) = Self::well_formed(text)
+        {
+            return Ok(message);
+        }
+        Self::diagnose(text)
+    }
+
+    /// `text` as a message if it is a well-formed one, read with the
+    /// fewest passes; `None` for anything else (`diagnose` says why).
+    ///
+    /// A tagged enum's fields are buffered by serde before they are read,
+    /// which doubles the cost of a large value: an attach's answer, whose
+    /// metadata holds a set's record (2.6 KB for a set of 8 chunks: 23.8
+    /// µs to decode through the enum with the checks of `diagnose`, 20.0
+    /// µs in one pass through it, on the development machine), is read
+    /// straight into its fields after a look at its type.
+    fn well_formed(text: &str) -> Option<Message> {
+        let probe: Probe = serde_json::from_str(text).ok()?;
+        if matches!(&probe.kind, Some(Value::String(t)) if t == "attached") {
+            let a: AttachedWire = serde_json::from_str(text).ok()?;
+            return Some(Message::Attached {
+                id: a.id,
+                lease: a.lease,
+                meta: a.meta,
+                fds: a.fds,
+            });
+        }
+        serde_json::from_str(text).ok()
+    }
+
+    /// Why `text` (a payload within the size limit, valid UTF-8) is not a
+    /// message, or the message it is: checked in passes that build nothing
+    /// big, the JSON as a whole, then only its "type" field, then the
+    /// message itself, so that the error names the first thing wrong.
+    fn diagnose(text: &str) -> Result<Message, WireError> {
         serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| {
             WireError::InvalidJson {
                 reason: e.to_string(),
@@ -574,6 +611,19 @@ impl Message {
 struct Probe {
     #[serde(rename = "type", default)]
     kind: Option<Value>,
+}
+
+/// [`Message::Attached`] on its own, with the same fields and checks
+/// (its `"type"` is known to be `"attached"` when this is read).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AttachedWire {
+    #[serde(rename = "type")]
+    _kind: serde::de::IgnoredAny,
+    id: u64,
+    lease: u64,
+    meta: Arc<Value>,
+    fds: u16,
 }
 
 /// A short description of a JSON value's type, for error messages.

@@ -552,6 +552,16 @@ proptest! {
         let _ = Message::decode(text.as_bytes());
     }
 
+    /// The one-pass readings of `decode` decide as `diagnose`'s checks
+    /// do: the same message, or the same error.
+    #[test]
+    fn fast_paths_agree_with_the_checks(text in prop_oneof![
+        arb_message_like(),
+        arb_message().prop_map(|m| String::from_utf8(m.encode()).unwrap()),
+    ]) {
+        prop_assert_eq!(Message::decode(text.as_bytes()), Message::diagnose(&text));
+    }
+
     #[test]
     fn messages_round_trip(m in arb_message()) {
         let bytes = m.encode();
@@ -639,4 +649,42 @@ fn calls_and_replies_match_the_documented_json_and_are_strict() {
         matches!(&extra, WireError::InvalidMessage { reason, .. } if reason.contains("unknown field")),
         "{extra:?}"
     );
+}
+
+/// An attach's answer read on its own path keeps every check of the enum:
+/// each of these decodes as `diagnose` decides, and the valid one to the
+/// message.
+#[test]
+fn attached_answers_keep_the_checks() {
+    let cases = [
+        r#"{"type":"attached","id":1,"lease":2,"meta":{"a":[1,2]},"fds":0}"#,
+        r#"  {"type":"attached","id":1,"lease":2,"meta":null,"fds":3}"#,
+        r#"{"type":"attached","id":1,"lease":2,"meta":{},"fds":0,"x":1}"#,
+        r#"{"type":"attached","id":1,"lease":2,"fds":0}"#,
+        r#"{"type":"attached","id":-1,"lease":2,"meta":{},"fds":0}"#,
+        r#"{"type":"attached","id":1,"lease":2,"meta":{},"fds":70000}"#,
+        r#"{"type":"attached","type":"attached","id":1,"lease":2,"meta":{},"fds":0}"#,
+        r#"{"type":"attached","id":1,"id":1,"lease":2,"meta":{},"fds":0}"#,
+        r#"{"type":"attached","id":1,"lease":2,"meta":{},"fds":0} x"#,
+        r#"["attached",1,2,{},0]"#,
+    ];
+    for text in cases {
+        assert_eq!(
+            Message::decode(text.as_bytes()),
+            Message::diagnose(text),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        Message::decode(cases[0].as_bytes()).unwrap(),
+        Message::Attached {
+            id: 1,
+            lease: 2,
+            meta: Arc::new(json!({"a": [1, 2]})),
+            fds: 0,
+        }
+    );
+    for text in &cases[2..] {
+        assert!(Message::decode(text.as_bytes()).is_err(), "{text}");
+    }
 }
