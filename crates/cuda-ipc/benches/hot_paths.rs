@@ -3,7 +3,8 @@
 //! the channel's round trips over a Unix socket (ping, attach + release of
 //! an entry with a memfd, a whole publish-attach-release-unpublish cycle,
 //! an update notice), and a weight set's record (encoding, decoding with
-//! its checks, and through the channel) at 100 and 1,000 tensors, and the
+//! its checks, through the channel, and an attach's answer carrying it
+//! decoded from its payload) at 100 and 1,000 tensors, and the
 //! channel's share of a set's update at 100, 1,000 and 10,000 tensors (which
 //! should not depend on the number). Server
 //! and client run in this one process, on separate threads, over a real
@@ -250,6 +251,20 @@ mod sets {
             client.release(a.lease).unwrap();
             back
         });
+    }
+
+    /// An attach's answer (the record as the entry's metadata) decoded
+    /// from its payload, as the client reads it.
+    #[divan::bench(args = [10, 100])]
+    fn answer_decode(bencher: Bencher, n: u64) {
+        let payload = cuda_ipc::channel::Message::Attached {
+            id: 7,
+            lease: 9,
+            meta: std::sync::Arc::new(set_record(n).to_value()),
+            fds: 0,
+        }
+        .encode();
+        bencher.bench_local(|| cuda_ipc::channel::Message::decode(black_box(&payload)).unwrap());
     }
 
     /// The channel's share of `Publisher::update_set` for a set of `n`
