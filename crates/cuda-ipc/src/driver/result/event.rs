@@ -38,11 +38,7 @@ pub(crate) unsafe fn synchronize(event: sys::CUevent) -> Result<()> {
 /// The event must be live.
 pub(crate) unsafe fn query(event: sys::CUevent) -> Result<bool> {
     // SAFETY: the caller's contract.
-    match unsafe { sys::cuEventQuery(event) } {
-        CUresult::CUDA_SUCCESS => Ok(true),
-        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        r => Err(driver_error("cuEventQuery", r)),
-    }
+    ready("cuEventQuery", unsafe { sys::cuEventQuery(event) })
 }
 
 /// `cuEventDestroy_v2`.

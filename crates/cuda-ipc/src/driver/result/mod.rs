@@ -28,6 +28,18 @@ pub(crate) fn check(call: &'static str, r: CUresult) -> Result<()> {
     }
 }
 
+/// The answer of a query call (`cuEventQuery`, `cuStreamQuery`): `true`
+/// when the work is complete, `false` when it is not ready; any other
+/// result is an error naming the call.
+#[inline]
+pub(crate) fn ready(call: &'static str, r: CUresult) -> Result<bool> {
+    match r {
+        CUresult::CUDA_SUCCESS => Ok(true),
+        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        r => Err(driver_error(call, r)),
+    }
+}
+
 /// Every driver symbol this crate calls, checked once at load time.
 pub(crate) const SYMBOLS: &[&str] = &[
     "cuInit",

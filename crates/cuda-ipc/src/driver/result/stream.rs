@@ -29,11 +29,7 @@ pub(crate) unsafe fn synchronize(stream: sys::CUstream) -> Result<()> {
 /// The stream must be live.
 pub(crate) unsafe fn query(stream: sys::CUstream) -> Result<bool> {
     // SAFETY: the caller's contract.
-    match unsafe { sys::cuStreamQuery(stream) } {
-        CUresult::CUDA_SUCCESS => Ok(true),
-        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-        r => Err(driver_error("cuStreamQuery", r)),
-    }
+    ready("cuStreamQuery", unsafe { sys::cuStreamQuery(stream) })
 }
 
 /// Waits until every operation queued on the stream has completed: a
