@@ -298,7 +298,7 @@ pub(crate) struct SetAttachment {
     read_only: bool,
     pub(crate) ordinal: usize,
     pub(crate) entries: Vec<Entry>,
-    /// Entry positions by name (in `record`).
+    /// Entry positions by name.
     index: cuda_ipc::set::NameIndex,
     /// Each entry's chunk mapping: `(local address, size)`.
     chunks: Vec<(u64, u64)>,
@@ -371,7 +371,7 @@ pub(crate) fn attach_set(
         read_only: set.read_only(),
         ordinal: s.device.ordinal(),
         entries,
-        index: cuda_ipc::set::NameIndex::default(),
+        index: cuda_ipc::set::NameIndex::new(set.shared_record()),
         chunks,
         runs: OnceLock::new(),
         keep: Mutex::new(Some(Keep::new(first))),
@@ -403,7 +403,7 @@ impl SetAttachment {
 
     /// The position of the entry called `name`.
     fn position_of(&self, name: &str) -> Option<usize> {
-        self.index.position(&self.record, name)
+        self.index.position(name)
     }
 
     /// The position of `key`: an index, or an entry's name.

@@ -168,7 +168,7 @@ impl SetAttachment {
 
     /// The index of the buffer called `name`.
     pub fn position(&self, name: &str) -> Option<usize> {
-        self.index.position(&self.record, name)
+        self.index.position(name)
     }
 
     /// A view of the buffer called `name` as elements of `T`.
@@ -384,14 +384,15 @@ impl Subscriber {
             name,
             mappings.values().cloned().collect(),
         );
+        let record = Arc::new(record);
         Ok(SetAttachment {
-            record: Arc::new(record),
+            index: NameIndex::new(Arc::clone(&record)),
+            record,
             access,
             lease,
             guard,
             waiter,
             mappings,
-            index: NameIndex::default(),
         })
     }
 

@@ -172,18 +172,27 @@ pub struct SetEntry {
     pub len: u64,
 }
 
-/// A record's entry positions by name, made at the first look-up (most
-/// attaches never look one up): what an attached set keeps beside its
-/// record.
-#[derive(Debug, Default)]
-pub struct NameIndex(std::sync::OnceLock<HashMap<String, usize>>);
+/// A shared record's entry positions by name, made at the first look-up
+/// (most attaches never look one up): what an attached set keeps.
+#[derive(Debug)]
+pub struct NameIndex {
+    record: std::sync::Arc<SetRecord>,
+    index: std::sync::OnceLock<HashMap<String, usize>>,
+}
 
 impl NameIndex {
-    /// The position of the entry of `record` called `name`. Every call
-    /// must pass the same record (the index is made from the first).
-    pub fn position(&self, record: &SetRecord, name: &str) -> Option<usize> {
-        self.0
-            .get_or_init(|| record.name_index())
+    /// The index of `record`'s entries (made at the first look-up).
+    pub fn new(record: std::sync::Arc<SetRecord>) -> Self {
+        NameIndex {
+            record,
+            index: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The position of the entry called `name`.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.index
+            .get_or_init(|| self.record.name_index())
             .get(name)
             .copied()
     }

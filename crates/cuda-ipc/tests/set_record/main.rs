@@ -53,12 +53,12 @@ fn sample() -> SetRecord {
 
 #[test]
 fn name_index_finds_every_entry_and_nothing_else() {
-    let r = sample();
-    let index = NameIndex::default();
+    let r = std::sync::Arc::new(sample());
+    let index = NameIndex::new(r.clone());
     for (i, e) in r.entries.iter().enumerate() {
-        assert_eq!(index.position(&r, &e.name), Some(i), "{}", e.name);
+        assert_eq!(index.position(&e.name), Some(i), "{}", e.name);
     }
-    assert_eq!(index.position(&r, "layer2.weight"), None);
-    assert_eq!(index.position(&r, ""), None);
-    assert_eq!(index.position(&r, "layer0.weigh"), None);
+    assert_eq!(index.position("layer2.weight"), None);
+    assert_eq!(index.position(""), None);
+    assert_eq!(index.position("layer0.weigh"), None);
 }
