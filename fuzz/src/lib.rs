@@ -117,11 +117,18 @@ pub fn frame_header(data: &[u8]) {
     }
 }
 
-/// `channel::wire::Message::decode`: a message that decodes encodes to a
-/// payload that decodes to an equal message. (That the library frames it
+/// `channel::wire::Message::decode`: it decides as its checked passes do
+/// (`decode_checked`: the same message or the same error), and a message
+/// that decodes encodes to a payload that decodes to an equal message. (That the library frames it
 /// with a header that decodes again is checked by the channel crate's unit
 /// tests, which replay this target's corpus too.)
 pub fn frame_message(data: &[u8]) {
+    // The one-pass readings decide as the checked passes do.
+    assert_eq!(
+        Message::decode(data),
+        Message::decode_checked(data),
+        "decode and its checked passes disagree"
+    );
     match Message::decode(data) {
         Ok(m) => {
             assert!(Message::TYPES.contains(&m.type_name()));

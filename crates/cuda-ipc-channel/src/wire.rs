@@ -514,15 +514,7 @@ impl Message {
     /// Decodes a payload, checking size, UTF-8, JSON, the message type and
     /// its fields, in that order.
     pub fn decode(payload: &[u8]) -> Result<Message, WireError> {
-        if payload.len() > MAX_PAYLOAD as usize {
-            return Err(WireError::PayloadTooLarge {
-                len: payload.len() as u64,
-                max: MAX_PAYLOAD,
-            });
-        }
-        let text = std::str::from_utf8(payload).map_err(|e| WireError::InvalidUtf8 {
-            valid_up_to: e.valid_up_to(),
-        })?;
+        let text = Self::text(payload)?;
         // Only an object may be a message (serde would take an array as a
         // tagged enum, whose first element is the tag; `diagnose` refuses
         // it).
@@ -532,6 +524,27 @@ impl Message {
             return Ok(message);
         }
         Self::diagnose(text)
+    }
+
+    /// [`Message::decode`] without its one-pass readings: every payload
+    /// through the checked passes. For tests and fuzzing, which hold the
+    /// two equal.
+    #[doc(hidden)]
+    pub fn decode_checked(payload: &[u8]) -> Result<Message, WireError> {
+        Self::diagnose(Self::text(payload)?)
+    }
+
+    /// The payload as text, within the size limit.
+    fn text(payload: &[u8]) -> Result<&str, WireError> {
+        if payload.len() > MAX_PAYLOAD as usize {
+            return Err(WireError::PayloadTooLarge {
+                len: payload.len() as u64,
+                max: MAX_PAYLOAD,
+            });
+        }
+        std::str::from_utf8(payload).map_err(|e| WireError::InvalidUtf8 {
+            valid_up_to: e.valid_up_to(),
+        })
     }
 
     /// `text` as a message if it is a well-formed one, read with the
