@@ -80,6 +80,16 @@ fn quick_client(path: &Path) -> Client {
     Client::connect(path, ClientConfig::default()).unwrap()
 }
 
+/// A server on `path` whose notices take `notices`.
+fn server_with(path: &Path, notices: cuda_ipc_channel::NoticePath) -> Server {
+    Server::bind(ServerConfig::new(path).with_notices(notices)).unwrap()
+}
+
+/// A client of `path` asking for `notices`.
+fn client_with(path: &Path, notices: cuda_ipc_channel::NoticePath) -> Client {
+    Client::connect(path, ClientConfig::default().with_notices(notices)).unwrap()
+}
+
 /// This test executable re-run for `test` (its path within this binary,
 /// `module::name`) in `role`, against the socket at `path` and the entry
 /// `name`.

@@ -14,14 +14,6 @@ const ACK_RING: u64 = 256 + NOTICE_RING_BYTES as u64;
 const HEAD: u64 = 64;
 const TAIL: u64 = 128;
 
-fn server_with(path: &Path, notices: NoticePath) -> Server {
-    Server::bind(ServerConfig::new(path).with_notices(notices)).unwrap()
-}
-
-fn client_with(path: &Path, notices: NoticePath) -> Client {
-    Client::connect(path, ClientConfig::default().with_notices(notices)).unwrap()
-}
-
 fn next_version(client: &Client) -> u64 {
     match client.next_update(Duration::from_secs(10)).unwrap().notice {
         Notice::Updated { version, .. } => version,

@@ -11,14 +11,6 @@ use cuda_ipc_shm::{Area, Receiver, Sender, Side as ShmSide};
 use super::shm_notices::raw_client_asking;
 use super::*;
 
-fn server_with(path: &Path, notices: NoticePath) -> Server {
-    Server::bind(ServerConfig::new(path).with_notices(notices)).unwrap()
-}
-
-fn client_with(path: &Path, notices: NoticePath) -> Client {
-    Client::connect(path, ClientConfig::default().with_notices(notices)).unwrap()
-}
-
 /// A server on `path` with an entry without descriptors and one with a memfd.
 fn server_with_two(path: &Path, notices: NoticePath) -> Server {
     let server = server_with(path, notices);
