@@ -8,6 +8,14 @@
     shared = pub.publish_state_dict("model", model.state_dict())   # no copy, no warning
     ...; opt.step(); pub.update_state_dict("model")
 
+A model whose size is known before it is made (built on the ``meta``
+device) fits in one chunk of the arena, which a new consumer maps once::
+
+    with torch.device("meta"):
+        size = cuda_ipc.torch.reserve_bytes(Net())
+    with cuda_ipc.torch.shareable(pub, reserve=size):
+        model = Net().cuda()
+
 How: the extension module exports two C functions,
 ``cuda_ipc_torch_alloc(size, device, stream)`` and
 ``cuda_ipc_torch_free(ptr, size, device, stream)``, which
@@ -65,7 +73,7 @@ from . import _core
 from .errors import InvalidInput
 from .mapping import _torch
 
-__all__ = ["shareable", "pool", "empty_cache", "allocator", "last_error", "segments"]
+__all__ = ["shareable", "reserve_bytes", "pool", "empty_cache", "allocator", "last_error", "segments"]
 
 _lock = threading.Lock()
 _allocator = None
@@ -128,14 +136,76 @@ def segments():
     return _core.shareable_segments()
 
 
+# PyTorch's caching allocator (2.x): blocks of 1 MiB and more are rounded up
+# to 2 MiB; smaller ones to 512 bytes, packed into 2 MiB segments; blocks
+# of 1 to 10 MiB are cut from 20 MiB segments.
+_MIB = 1 << 20
+_SMALL = _MIB
+_ROUND_LARGE = 2 * _MIB
+_ROUND_SMALL = 512
+_MID_SEGMENT = 20 * _MIB
+
+
+def _round_up(n, unit):
+    return -(-n // unit) * unit
+
+
+def reserve_bytes(tensors):
+    """The bytes :func:`shareable` should ``reserve`` so that ``tensors``
+    (an iterable of tensors, a state dict, or a ``torch.nn.Module``: its
+    parameters and buffers; on any device, ``meta`` included, so a model's
+    size is known before it is made) fit in one chunk of the arena, as
+    PyTorch's caching allocator places them: each block of 1 MiB or more
+    rounded up to 2 MiB, the smaller ones rounded up to 512 bytes and
+    packed into 2 MiB segments, and one 20 MiB segment more for the last
+    partly used segment of blocks between 1 and 10 MiB. A tensor that
+    appears twice (tied weights) counts once."""
+    if hasattr(tensors, "parameters") and hasattr(tensors, "buffers"):
+        tensors = list(tensors.parameters()) + list(tensors.buffers())
+    elif hasattr(tensors, "values"):
+        tensors = tensors.values()
+    seen, large, small = set(), 0, 0
+    for t in tensors:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        try:
+            n = int(t.numel()) * int(t.element_size())
+        except AttributeError:
+            raise InvalidInput(
+                f"cuda_ipc.torch.reserve_bytes: expected tensors, found {type(t).__name__}"
+            ) from None
+        if n >= _SMALL:
+            large += _round_up(n, _ROUND_LARGE)
+        elif n:
+            small += _round_up(n, _ROUND_SMALL)
+    if not large and not small:
+        return 0
+    return large + _round_up(small, _ROUND_LARGE) + (_MID_SEGMENT if large else 0)
+
+
 @contextlib.contextmanager
-def shareable(publisher):
+def shareable(publisher, reserve=None):
     """Inside the block, tensors made on ``publisher``'s device (which the
     block makes the current device) live in ``publisher``'s arena, so
     :meth:`Publisher.publish_state_dict` publishes them without a copy.
     Yields the ``torch.cuda.MemPool``. See the module documentation for the
-    lifetimes."""
+    lifetimes.
+
+    ``reserve`` (bytes, e.g. :func:`reserve_bytes` of the model built on
+    the ``meta`` device): the arena first makes sure it has that much free,
+    in one chunk made now if not (:meth:`Publisher.reserve`). Without it the
+    arena grows chunk by chunk as PyTorch asks (256 MiB, 256 MiB, 512 MiB,
+    up to 2 GiB each), and every chunk costs a new consumer a mapping: a
+    4.4 GB model in one chunk attached in a fresh process in 2.5-2.7 ms on
+    the H200, in five chunks in 3.2-3.4 ms (docs/PERFORMANCE.md)."""
+    if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0):
+        raise InvalidInput(
+            f"cuda_ipc.torch.shareable: reserve is a number of bytes (0 or more), not {reserve!r}"
+        )
     torch = _torch()
+    if reserve:
+        publisher.reserve(reserve)
     mem_pool = pool(publisher)
     _core.shareable_enter(publisher._c)
     publisher._torch_blocks = getattr(publisher, "_torch_blocks", 0) + 1

@@ -3,7 +3,8 @@ script): tensors born shareable (``cuda_ipc.torch.shareable``): a model
 built in a publisher's arena and published with no copy and no warning,
 checked byte for byte by another process; training steps in place seen
 after ``update_state_dict``; freed tensors giving their segments back to
-the arena; a closed publisher's tensors staying valid; an allocation
+the arena; a closed publisher's tensors staying valid; a model in one chunk with
+``reserve``; an allocation
 larger than the GPU raising torch's ``OutOfMemoryError``.
 
 gpu_interop.py registers the worker ops (:func:`register`) and its Runner
@@ -215,6 +216,48 @@ def _alloc_close(self):
     return {"refused": refused[:80]}
 
 
+def _alloc_reserved(self):
+    """A model of 6 x 64 MiB built in shareable(): without a reservation the
+    arena grows to two chunks or more (256 MiB, 256 MiB, ...); with
+    ``reserve=reserve_bytes(the model on the meta device)`` it holds the
+    model in one chunk made before the block, every tensor in it."""
+    import gc
+
+    ci, torch = self.ci, self.torch
+
+    def net():
+        torch.manual_seed(7)
+        return torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(6)])
+
+    with torch.device("meta"):
+        size = ci.torch.reserve_bytes(net())
+    out = {"reserve": size}
+    for reserve in (None, size):
+        path = os.path.join(tempfile.mkdtemp(prefix="cuda-ipc-alloc-"), "p.sock")
+        with ci.Publisher(path) as pub:
+            with ci.torch.shareable(pub, reserve=reserve):
+                if reserve and pub.arena_stats()["chunks"] != 1:
+                    raise AssertionError(f"reserve={reserve}: {pub.arena_stats()['chunks']} chunks before the block")
+                model = net().cuda()
+            stats = pub.arena_stats()
+            if ci.torch.reserve_bytes(model) != size:
+                raise AssertionError(f"reserve_bytes of the model {ci.torch.reserve_bytes(model)}, "
+                                     f"on the meta device {size}")
+            outside = [k for k, t in model.state_dict().items()
+                       if pub._c.arena_buffer_containing(t.data_ptr(), t.numel() * t.element_size()) is None]
+            if outside:
+                raise AssertionError(f"reserve={reserve}: {len(outside)} tensors outside the arena, e.g. {outside[0]}")
+            out["reserved" if reserve else "grown"] = stats["chunks"]
+            del model
+            gc.collect()
+            torch.cuda.synchronize()
+            ci.torch.empty_cache(pub)
+    if out["reserved"] != 1 or out["grown"] < 2:
+        raise AssertionError(f"chunks without a reservation {out['grown']} (expected 2 or more), "
+                             f"with it {out['reserved']} (expected 1)")
+    return out
+
+
 def _alloc_oom(self):
     """An allocation larger than the GPU inside shareable(): torch's
     OutOfMemoryError; caught in the block, last_error() gives the arena's
@@ -318,6 +361,12 @@ class AllocCases:
         self.need("a", "torch")
         r = self.w("a").call("alloc_close", timeout=120)
         return f"tensors kept; shareable() then refused: {r['refused']}"
+
+    def alloc_reserved(self):
+        self.need("a", "torch")
+        r = self.w("a").call("alloc_reserved", timeout=300)
+        return (f"a model of 384 MiB: {r['grown']} chunks grown, 1 chunk with reserve="
+                f"{r['reserve'] / MIB:.0f} MiB")
 
     def alloc_oom(self):
         self.need("a", "torch")

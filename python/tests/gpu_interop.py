@@ -282,6 +282,8 @@ class Runner(gpu_mechanisms.MechanismCases, gpu_channel.ChannelCases, gpu_sets.S
                     self.alloc_freed))
         out.append(("alloc: closing the publisher keeps its tensors; a new segment raises OutOfMemoryError",
                     self.alloc_close))
+        out.append(("alloc: shareable(reserve=reserve_bytes(model on meta)) holds the model in one chunk",
+                    self.alloc_reserved))
         out.append(("alloc: more than the GPU has raises torch's OutOfMemoryError, not a crash", self.alloc_oom))
         out.append(("example torch_consumer (Rust maps a PyTorch export)", self.example_torch_consumer))
         for mech in ("legacy", "vmm", "pool"):

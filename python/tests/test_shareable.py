@@ -101,3 +101,60 @@ class Imports(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class _Fake:
+    """What reserve_bytes reads of a tensor (torch is not installed here)."""
+
+    def __init__(self, numel, size=4):
+        self._n, self._size = numel, size
+
+    def numel(self):
+        return self._n
+
+    def element_size(self):
+        return self._size
+
+
+class ReserveBytes(unittest.TestCase):
+    MIB = 1 << 20
+
+    def test_large_blocks_round_to_2_mib_and_small_ones_pack(self):
+        rb = cuda_ipc.torch.reserve_bytes
+        # 3 MiB + 1 byte of u8 -> 4 MiB; two 4 KiB fp32 biases -> 8 KiB of
+        # small blocks -> one 2 MiB segment; and one 20 MiB segment of slack.
+        got = rb([_Fake(3 * self.MIB + 1, 1), _Fake(1024), _Fake(1024)])
+        self.assertEqual(got, 4 * self.MIB + 2 * self.MIB + 20 * self.MIB)
+        # Small blocks round to 512 bytes before packing: 5,000 of 600 bytes
+        # take 1,024 each, 5,000 KiB, three 2 MiB segments; no large block,
+        # no slack.
+        self.assertEqual(rb([_Fake(600, 1) for _ in range(5000)]), 6 * self.MIB)
+        self.assertEqual(rb([]), 0)
+        self.assertEqual(rb([_Fake(0)]), 0, "an empty tensor takes no block")
+
+    def test_tied_tensors_count_once_and_dicts_and_modules_are_read(self):
+        rb = cuda_ipc.torch.reserve_bytes
+        w = _Fake(self.MIB)  # 4 MiB of fp32
+        self.assertEqual(rb({"a": w, "b": w}), rb([w]))
+        self.assertEqual(rb([w]), 4 * self.MIB + 20 * self.MIB)
+
+        class Module:
+            def parameters(self):
+                return iter([w])
+
+            def buffers(self):
+                return iter([_Fake(10)])
+
+        self.assertEqual(rb(Module()), 4 * self.MIB + 2 * self.MIB + 20 * self.MIB)
+
+    def test_what_is_not_a_tensor_is_named(self):
+        with self.assertRaises(cuda_ipc.InvalidInput) as e:
+            cuda_ipc.torch.reserve_bytes([_Fake(1), "weights"])
+        self.assertIn("expected tensors, found str", str(e.exception))
+
+    def test_shareable_refuses_a_bad_reserve_before_importing_torch(self):
+        for bad in (-1, 1.5, "1GiB", True):
+            with self.assertRaises(cuda_ipc.InvalidInput) as e:
+                with cuda_ipc.torch.shareable(object(), reserve=bad):
+                    self.fail("the block ran")
+            self.assertIn("reserve is a number of bytes", str(e.exception))
