@@ -27,9 +27,13 @@ projection are one tensor). Its shapes come from transformers' Qwen2 built
 on the meta device from a `Qwen2Config` (nothing downloaded, no weights
 made), or, where transformers is not importable, from the table in
 `qwen2_shapes` (the same architecture; the note line says which). The
-tensors are made once in the publisher's arena (cuda_ipc.torch.shareable),
-each filled with its own pattern of whole numbers below 251 (exact in
-bfloat16), and published once (`publish_state_dict`, no copy).
+tensors are made once in the publisher's arena (cuda_ipc.torch.shareable,
+which first reserves the model's size, `reserve_bytes` of its shapes on the
+meta device, so the arena holds it in one chunk; `--layout` chooses
+otherwise, see make_model), each filled with its own pattern of whole
+numbers below 251 (exact in bfloat16), and published once
+(`publish_state_dict`, no copy). A note line gives the layout and the
+arena's chunks.
 
 Method (one way, CLOCK_MONOTONIC in every process):
   py_first_attach: per sample a new Python process (the first `warmup` thrown
@@ -51,6 +55,7 @@ Method (one way, CLOCK_MONOTONIC in every process):
       tensor (as transformers ties them) and the same checks run.
 
 Usage: first_attach.py --device 0 [--reps WARMUP:REPS] [--loads N]
+                       [--layout reserved|filled-after|grown]
        first_attach.py --print-model     (the table's model as JSON; no torch)
 """
 
@@ -272,17 +277,33 @@ def parse_reps(text):
     return warmup, reps
 
 
-def make_model(torch, ci, pub, shapes, ties):
-    """The state dict in the publisher's arena, every tensor filled, finished."""
-    sd, k = {}, 0
-    with ci.torch.shareable(pub):
+def make_model(torch, ci, pub, shapes, ties, layout):
+    """The state dict in the publisher's arena, every tensor filled,
+    finished. ``layout``: ``reserved`` (the default) makes the tensors in a
+    shareable block that first reserves the model's bytes
+    (``cuda_ipc.torch.reserve_bytes`` of the shapes on the meta device), so
+    the arena holds them in one chunk, then fills them after the block;
+    ``filled-after`` the same without the reservation (the arena grows chunk
+    by chunk as PyTorch asks); ``grown`` fills each tensor inside the block,
+    the fill's scratch tensors coming from the arena too (the layout of the
+    runs before 2026-12-02, evening)."""
+    sd, made = {}, []
+    reserve = None
+    if layout == "reserved":
+        reserve = ci.torch.reserve_bytes(
+            [torch.empty(s, dtype=torch.bfloat16, device="meta") for k, s in shapes if k not in ties])
+    with ci.torch.shareable(pub, reserve=reserve):
         for key, shape in shapes:
             if key in ties:
                 sd[key] = sd[ties[key]]
                 continue
             sd[key] = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
-            fill_pattern(torch, sd[key], k)
-            k += 1
+            if layout == "grown":
+                fill_pattern(torch, sd[key], len(made))
+            made.append(sd[key])
+    if layout != "grown":
+        for k, t in enumerate(made):
+            fill_pattern(torch, t, k)
     torch.cuda.synchronize()
     return sd
 
@@ -340,6 +361,8 @@ def main():
     ap.add_argument("--reps", default="1:10", help="WARMUP:REPS fresh processes (default 1:10)")
     ap.add_argument("--loads", type=int, default=5, help="safetensors loads, in the first kept processes")
     ap.add_argument("--print-model", action="store_true", help="print the table's model as JSON and exit")
+    ap.add_argument("--layout", choices=("reserved", "filled-after", "grown"), default="reserved",
+                    help="how the publisher lays the model out in its arena (see make_model)")
     ap.add_argument("--consumer", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.consumer:
@@ -377,8 +400,11 @@ def main():
     sock = os.path.join(folder, "p.sock")
     pub = cuda_ipc.Publisher(sock, device=args.device)
     try:
-        sd = make_model(torch, cuda_ipc, pub, shapes, ties)
+        sd = make_model(torch, cuda_ipc, pub, shapes, ties, args.layout)
         pub.publish_state_dict(SET_NAME, sd)
+        st = pub.arena_stats()
+        emit({"kind": "note", "text": "first attach: layout %s, the arena holds %d chunks, %.2f GB" % (
+            args.layout, st["chunks"], st["chunk_bytes"] / 1e9)})
         why_no_load = "safetensors is not importable" if versions["safetensors"] is None else (
             None if args.loads else "--loads 0")
         file_path = None if why_no_load else write_file(sd, ties, folder)
