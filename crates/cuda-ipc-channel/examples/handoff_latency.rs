@@ -28,6 +28,10 @@
 //!   between samples, with a tenth of the samples. On a virtual machine
 //!   an idle virtual CPU may halt; waking one costs what these rows add
 //!   to the ones above.
+//! - *connect after 1 ms asleep*: `Client::connect` on a new connection
+//!   (the handshake, the rings), every thread having slept 1 ms; *connect
+//!   and first attach*: from before the connect to the answer of an attach
+//!   sent right after it, as a fresh subscriber's first attach goes.
 //!
 //! Each row also gives the process's CPU time per operation (both sides,
 //! `CLOCK_PROCESS_CPUTIME_ID`), the price of the spins, and its threads'
@@ -35,8 +39,9 @@
 //! is a thread wake-up on the path, or a spin that gave up.
 //!
 //! Run with `cargo run --release -p cuda-ipc-channel --example
-//! handoff_latency [iterations per batch] [batches]`. The configurations take turns batch by
-//! batch; compare them within one run.
+//! handoff_latency [iterations per batch] [batches] [rows]`, `rows` a
+//! piece of the names of the rows to measure (all by default). The
+//! configurations take turns batch by batch; compare them within one run.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -213,6 +218,40 @@ fn asleep(setup: Setup, n: usize, sock: &std::path::Path, gap: Gap) -> Result<Ba
     Ok(attach)
 }
 
+/// New connections, each after every thread slept `gap` (the server's
+/// accept thread and its connection threads idle): `[connect, connect and
+/// first attach]`, the second from before the connect to the answer of an
+/// attach sent right after it, as a fresh subscriber's first attach goes.
+fn connects(
+    setup: Setup,
+    n: usize,
+    sock: &std::path::Path,
+    gap: Gap,
+) -> Result<[Batch; 2], ChannelError> {
+    let server = setup.server(sock)?;
+    server.publish("e", json!({"bytes": 4096}), vec![memfd()])?;
+    let (mut connect, mut first) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let start = cpu_now();
+    for _ in 0..n {
+        gap.wait();
+        let t = Instant::now();
+        let client = setup.client(sock)?;
+        let t1 = Instant::now();
+        let a = client.attach("e")?;
+        let t2 = Instant::now();
+        client.release(a.lease)?;
+        connect.push((t1 - t).as_nanos() as u64);
+        first.push((t2 - t).as_nanos() as u64);
+    }
+    let connect = batch(connect, start, n as u64 * gap.burnt(), 1);
+    let first = Batch {
+        ns: first,
+        cpu: connect.cpu,
+        sleeps: connect.sleeps,
+    };
+    Ok([connect, first])
+}
+
 fn updates(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
     let server = setup.server(sock)?;
     server.publish("e", json!({}), vec![])?;
@@ -380,6 +419,7 @@ fn main() -> Result<(), ChannelError> {
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2_000);
     let batches: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(5);
+    let only = args.next();
     let dir = tempfile::tempdir().map_err(|e| ChannelError::Io {
         context: "cannot make a temporary directory".into(),
         source: e,
@@ -402,31 +442,6 @@ fn main() -> Result<(), ChannelError> {
         "| operation | configuration | p50 µs | p90 µs | batch p50s µs | CPU µs/op | sleeps/op |"
     );
     println!("|---|---|---|---|---|---|---|");
-    // [setup][row][batch]
-    let mut rows: Vec<[Vec<Batch>; 9]> = setups.iter().map(|_| Default::default()).collect();
-    let few = (n / 10).max(1);
-    let ms = Duration::from_millis;
-    for b in 0..batches {
-        for (i, setup) in setups.iter().enumerate() {
-            let sock = dir.path().join(format!("s{b}-{i}.sock"));
-            let [ping, attach, release] = requests(*setup, n, &sock)?;
-            rows[i][0].push(ping);
-            rows[i][1].push(attach);
-            rows[i][2].push(release);
-            let sock = dir.path().join(format!("u{b}-{i}.sock"));
-            rows[i][3].push(updates(*setup, n, &sock)?);
-            let sock = dir.path().join(format!("f{b}-{i}.sock"));
-            rows[i][4].push(frames(*setup, n, &sock)?);
-            let sock = dir.path().join(format!("h{b}-{i}.sock"));
-            rows[i][5].push(fresh(*setup, n, &sock, SHORT_GAP)?);
-            let sock = dir.path().join(format!("a{b}-{i}.sock"));
-            rows[i][6].push(asleep(*setup, few, &sock, Gap::Sleep(ms(1)))?);
-            let sock = dir.path().join(format!("b{b}-{i}.sock"));
-            rows[i][7].push(asleep(*setup, few, &sock, Gap::Sleep(ms(5)))?);
-            let sock = dir.path().join(format!("g{b}-{i}.sock"));
-            rows[i][8].push(fresh(*setup, few, &sock, Gap::Sleep(ms(1)))?);
-        }
-    }
     let names = [
         "ping",
         "attach (lone)",
@@ -437,8 +452,53 @@ fn main() -> Result<(), ChannelError> {
         "attach after 1 ms asleep",
         "attach after 5 ms asleep",
         "fresh hand-off after 1 ms asleep",
+        "connect after 1 ms asleep",
+        "connect and first attach after 1 ms asleep",
     ];
+    // Rows whose name holds the third argument, if given (all by default).
+    let wanted = |r: usize| only.as_deref().is_none_or(|o| names[r].contains(o));
+    // [setup][row][batch]
+    let mut rows: Vec<[Vec<Batch>; 11]> = setups.iter().map(|_| Default::default()).collect();
+    let few = (n / 10).max(1);
+    let ms = Duration::from_millis;
+    for b in 0..batches {
+        for (i, setup) in setups.iter().enumerate() {
+            let sock = |tag: &str| dir.path().join(format!("{tag}{b}-{i}.sock"));
+            if (0..3).any(wanted) {
+                let [ping, attach, release] = requests(*setup, n, &sock("s"))?;
+                rows[i][0].push(ping);
+                rows[i][1].push(attach);
+                rows[i][2].push(release);
+            }
+            if wanted(3) {
+                rows[i][3].push(updates(*setup, n, &sock("u"))?);
+            }
+            if wanted(4) {
+                rows[i][4].push(frames(*setup, n, &sock("f"))?);
+            }
+            if wanted(5) {
+                rows[i][5].push(fresh(*setup, n, &sock("h"), SHORT_GAP)?);
+            }
+            if wanted(6) {
+                rows[i][6].push(asleep(*setup, few, &sock("a"), Gap::Sleep(ms(1)))?);
+            }
+            if wanted(7) {
+                rows[i][7].push(asleep(*setup, few, &sock("b"), Gap::Sleep(ms(5)))?);
+            }
+            if wanted(8) {
+                rows[i][8].push(fresh(*setup, few, &sock("g"), Gap::Sleep(ms(1)))?);
+            }
+            if wanted(9) || wanted(10) {
+                let [connect, first] = connects(*setup, few, &sock("c"), Gap::Sleep(ms(1)))?;
+                rows[i][9].push(connect);
+                rows[i][10].push(first);
+            }
+        }
+    }
     for (r, name) in names.iter().enumerate() {
+        if !wanted(r) {
+            continue;
+        }
         for (i, setup) in setups.iter().enumerate() {
             report(name, *setup, &mut rows[i][r]);
         }

@@ -23,6 +23,10 @@ use crate::limits::{MAX_ENTRY_NAME_LEN, validate_entry_name};
 
 /// A connection's reader thread: runs the session, then cleans up.
 pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
+    // The handshake before the writer thread starts: the welcome goes out
+    // from this thread (`Conn::push` sends at once when nothing is queued),
+    // so the client's connect does not wait for a thread to be made.
+    let shook = handshake(shared, conn);
     let writer_conn = Arc::clone(conn);
     let writer = match std::thread::Builder::new()
         .name(format!("cuda-ipc-send-{}", conn.id))
@@ -36,7 +40,10 @@ pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
             return;
         }
     };
-    let last = session(shared, conn).err();
+    let last = match shook {
+        Ok(rings) => session(shared, conn, rings).err(),
+        Err(end) => end.err(),
+    };
     // Leases end before the final message goes out, so that a producer waiting
     // in wait_released is not held up by a client that will not read.
     shared.disconnect(conn.id);
@@ -139,15 +146,18 @@ fn handshake(
     }
 }
 
-/// Serves one connection until it ends. `Err` carries the error message to
+/// Serves one connection after its handshake until it ends: `rings`, the
+/// ring the client acks through, when it asked for one, and whether
+/// requests may come through it too. `Err` carries the error message to
 /// send before closing.
-pub(super) fn session(shared: &Shared, conn: &Conn) -> Result<(), Message> {
-    // The ring the client acks through, when it asked for one, and
-    // whether requests may come through it too.
-    let (mut acks, requests) = match handshake(shared, conn) {
-        Ok(Some((rx, granted))) => (Some(rx), granted),
-        Ok(None) => (None, false),
-        Err(end) => return end,
+pub(super) fn session(
+    shared: &Shared,
+    conn: &Conn,
+    rings: Option<(Receiver, bool)>,
+) -> Result<(), Message> {
+    let (mut acks, requests) = match rings {
+        Some((rx, granted)) => (Some(rx), granted),
+        None => (None, false),
     };
     // Socket messages read since the hello, for the order of requests.
     let mut socket_in = 0u64;
