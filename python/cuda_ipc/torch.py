@@ -175,6 +175,8 @@ def reserve_bytes(tensors):
             raise InvalidInput(
                 f"cuda_ipc.torch.reserve_bytes: expected tensors, found {type(t).__name__}"
             ) from None
+        # PyTorch puts a block of exactly 1 MiB in its small pool (two to a
+        # 2 MiB segment); counting it as large errs on the safe side.
         if n >= _SMALL:
             large += _round_up(n, _ROUND_LARGE)
         elif n:

@@ -250,6 +250,23 @@ pub fn get_f64s(v: &Value, key: &str) -> Result<Vec<f64>, Error> {
         .ok_or_else(|| failure("a consumer's answer", format!("no list of numbers {key:?}")))
 }
 
+/// How long a sample's teardown waits for what its drops retired.
+const SETTLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Waits (up to [`SETTLE_TIMEOUT`]) until the frees and closes that drops
+/// handed to the library's reaper have run, as part of a sample's
+/// teardown. A drop no longer frees at once (it retires the free until the
+/// GPU is done); left running, the reaper's `cuMemFree` of one sample's
+/// buffer lands in the next sample's clock, inside the driver's export or
+/// import. Timed per buffer, this cost belongs to the teardown, where it
+/// was when drops freed at once.
+///
+/// A step that does not finish in time is left to the reaper, which logs
+/// it (`cuda_ipc::sync::reaper::STALL_WARNING`); the sample still counts.
+pub(crate) fn settle_retired() {
+    let _ = cuda_ipc::sync::reaper::settle(SETTLE_TIMEOUT);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -97,7 +97,7 @@ fn floor_sample(
             REQUEST_TIMEOUT,
         )?;
         drop(buffer);
-        super::settle_retired();
+        crate::proto::settle_retired();
         (ns_to_ms(t_a, t_b), a)
     } else {
         let buffer = VmmBuffer::alloc(ctx.device, size as usize)
@@ -127,7 +127,7 @@ fn floor_sample(
             .unpublish(&name)
             .and_then(|()| rig.server.wait_released(&name, Some(UNPUBLISH_TIMEOUT)));
         drop(buffer);
-        super::settle_retired();
+        crate::proto::settle_retired();
         let a = a?;
         gone?;
         (ns_to_ms(t_a, t_b), a)

@@ -158,22 +158,6 @@ fn filled(ctx: &Ctx<'_>, m: Mechanism, size: u64, p: Pattern) -> Result<SharedBu
     Ok(b)
 }
 
-/// How long a sample's teardown waits for what its drops retired.
-const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Waits (up to [`SETTLE_TIMEOUT`]) until the frees and closes that drops
-/// handed to the library's reaper have run, as part of a sample's
-/// teardown. A drop no longer frees at once (it retires the free until the
-/// GPU is done); left running, the reaper's `cuMemFree` of one sample's
-/// buffer lands in the next sample's clock, inside the driver's export or
-/// import. Timed per buffer, this cost belongs to the teardown, where it
-/// was when drops freed at once.
-/// A step that does not finish in time is left to the reaper, which logs
-/// it (`cuda_ipc::sync::reaper::STALL_WARNING`); the sample still counts.
-pub(crate) fn settle_retired() {
-    let _ = cuda_ipc::sync::reaper::settle(SETTLE_TIMEOUT);
-}
-
 /// One fresh hand-off to every consumer in `workers`.
 struct Handoff {
     t0: u64,
@@ -225,7 +209,7 @@ fn handoff(
     let unpublished = unpublished.map(drop);
     // The buffer's free, retired by its drop, finished here: the next
     // sample's clock must not run over it (see `settle_retired`).
-    settle_retired();
+    crate::proto::settle_retired();
     let teardown_ms = t.elapsed().as_secs_f64() * 1e3;
     if let Some(e) = error {
         return Err(e);

@@ -524,8 +524,8 @@ impl State {
         let t = Instant::now();
         sub.release(a)?;
         // The mapping's close, retired by the release, finished before the
-        // next request (see `sections::settle_retired`).
-        crate::sections::settle_retired();
+        // next request (see `proto::settle_retired`).
+        crate::proto::settle_retired();
         let release_ms = t.elapsed().as_secs_f64() * 1e3;
         if let Some(m) = bad? {
             return Err(mismatch(name, &m));
