@@ -200,13 +200,25 @@ fn attaches(client: &Client, n: usize, gap: Gap) -> Result<[Batch; 2], ChannelEr
         release.push((t2 - t1).as_nanos() as u64);
     }
     // Half the pair's CPU and sleeps to each, less the busy waits.
-    let attach = batch(attach, start, n as u64 * gap.burnt(), 2);
-    let release = Batch {
-        ns: release,
-        cpu: attach.cpu,
-        sleeps: attach.sleeps,
+    Ok(two_rows(attach, release, start, n as u64 * gap.burnt(), 2))
+}
+
+/// Two rows timed over the same operations, each given the process's CPU
+/// and sleeps since `start` (less `burnt` ns of busy waits) over `share`.
+fn two_rows(
+    first: Vec<u64>,
+    second: Vec<u64>,
+    start: (u64, u64),
+    burnt: u64,
+    share: u64,
+) -> [Batch; 2] {
+    let first = batch(first, start, burnt, share);
+    let second = Batch {
+        ns: second,
+        cpu: first.cpu,
+        sleeps: first.sleeps,
     };
-    Ok([attach, release])
+    [first, second]
 }
 
 /// Lone attaches after the client slept `gap`, on a fresh connection.
@@ -243,13 +255,7 @@ fn connects(
         connect.push((t1 - t).as_nanos() as u64);
         first.push((t2 - t).as_nanos() as u64);
     }
-    let connect = batch(connect, start, n as u64 * gap.burnt(), 1);
-    let first = Batch {
-        ns: first,
-        cpu: connect.cpu,
-        sleeps: connect.sleeps,
-    };
-    Ok([connect, first])
+    Ok(two_rows(connect, first, start, n as u64 * gap.burnt(), 1))
 }
 
 fn updates(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
