@@ -351,8 +351,8 @@ pub(crate) fn notes(plan: &Plan) -> Vec<String> {
          keys, 290 tensors: the embedding and the output projection tied), made in one chunk \
          of a running publisher's arena (cuda_ipc.torch.shareable with reserve = \
          reserve_bytes of the model's shapes) and published once; per sample a new Python \
-         process imports cuda_ipc and torch and starts CUDA (not timed), then the clock runs from just before cuda_ipc.Subscriber() \
-         to attach_state_dict returning (keys, shapes, ties and the sum of every tensor \
+         process imports cuda_ipc and torch and starts CUDA (not timed), then the clock runs \
+         from just before cuda_ipc.Subscriber() to attach_state_dict returning (keys, shapes, ties and the sum of every tensor \
          checked after, not timed). safetensors load_file: the same tensors written once to a \
          file and read once (page cache), then load_file(path, device=\"cuda:N\") and \
          torch.cuda.synchronize() in the same processes; it/ours is its p50 over the first \
