@@ -86,16 +86,14 @@ pub(super) fn set_access(record: &SetRecord, asked: Access) -> Access {
 /// dropping the set and its views) releases it.
 #[derive(Debug)]
 pub struct SetAttachment {
-    /// Shared, so that what outlives the attachment (a binding's lazy
-    /// layout hash) can read it without a copy.
-    record: Arc<SetRecord>,
     /// How every chunk of the set is mapped.
     access: Access,
     lease: u64,
     guard: Arc<LeaseGuard>,
     waiter: Waiter,
     mappings: HashMap<u64, Arc<dyn Mapping>>,
-    /// Entry positions by name.
+    /// The record, shared (what outlives the attachment, a binding's lazy
+    /// layout hash, reads it without a copy), and its entries by name.
     index: NameIndex,
 }
 
@@ -114,7 +112,7 @@ pub struct EntryPlace {
 impl SetAttachment {
     /// The set's name.
     pub fn name(&self) -> &str {
-        &self.record.name
+        &self.index.record().name
     }
 
     /// The lease id.
@@ -142,28 +140,28 @@ impl SetAttachment {
 
     /// The set record the publisher sent.
     pub fn record(&self) -> &SetRecord {
-        &self.record
+        self.index.record()
     }
 
     /// The set record, shared (it stays readable after the attachment is
     /// released).
     pub fn shared_record(&self) -> Arc<SetRecord> {
-        Arc::clone(&self.record)
+        Arc::clone(self.index.record())
     }
 
     /// The number of buffers.
     pub fn len(&self) -> usize {
-        self.record.entries.len()
+        self.index.record().entries.len()
     }
 
     /// Never true: a set has at least one buffer.
     pub fn is_empty(&self) -> bool {
-        self.record.entries.is_empty()
+        self.index.record().entries.is_empty()
     }
 
     /// The buffers' entries (name, dtype, shape, place), in the producer's order.
     pub fn entries(&self) -> &[SetEntry] {
-        &self.record.entries
+        &self.index.record().entries
     }
 
     /// The index of the buffer called `name`.
@@ -176,7 +174,10 @@ impl SetAttachment {
         let i = self.position(name).ok_or_else(|| {
             Error::arg(
                 "set entry",
-                format!("{:?} has no buffer called {name:?}", self.record.name),
+                format!(
+                    "{:?} has no buffer called {name:?}",
+                    self.index.record().name
+                ),
             )
         })?;
         self.view(i)
@@ -185,7 +186,7 @@ impl SetAttachment {
     /// A view of buffer `index` as elements of `T` (its stream waits on the
     /// set's event or fence, as every view on this device shares the stream).
     pub fn view<T: Pod>(&self, index: usize) -> Result<MappedBuffer<T>> {
-        let e = self.record.entries.get(index).ok_or_else(|| {
+        let e = self.index.record().entries.get(index).ok_or_else(|| {
             Error::arg(
                 "set entry",
                 format!("index {index} is past the set's {} buffers", self.len()),
@@ -221,13 +222,14 @@ impl SetAttachment {
         // chunk id -> (mapping, where the chunk starts in it)
         let mut chunks: HashMap<u64, (&Arc<dyn Mapping>, u64)> =
             HashMap::with_capacity(self.mappings.len());
-        for c in &self.record.chunks {
+        for c in &self.index.record().chunks {
             if let Some(m) = self.mappings.get(&c.id) {
                 m.used_streams().record(m.device().stream());
                 chunks.insert(c.id, (m, c.descriptor.offset));
             }
         }
-        self.record
+        self.index
+            .record()
             .entries
             .iter()
             .map(|e| {
@@ -249,7 +251,11 @@ impl SetAttachment {
 
     fn place(&self, chunk: u64) -> Result<(Arc<dyn Mapping>, u64)> {
         let mapping = self.mappings.get(&chunk).cloned();
-        let base = self.record.chunk(chunk).map(|c| c.descriptor.offset);
+        let base = self
+            .index
+            .record()
+            .chunk(chunk)
+            .map(|c| c.descriptor.offset);
         match (mapping, base) {
             (Some(m), Some(b)) => Ok((m, b)),
             _ => Err(not_in_table(chunk)),
@@ -384,10 +390,8 @@ impl Subscriber {
             name,
             mappings.values().cloned().collect(),
         );
-        let record = Arc::new(record);
         Ok(SetAttachment {
-            index: NameIndex::new(Arc::clone(&record)),
-            record,
+            index: NameIndex::new(Arc::new(record)),
             access,
             lease,
             guard,
@@ -450,12 +454,12 @@ impl Subscriber {
                 ),
             ));
         }
-        let descriptor = set.record.entry_descriptor(0)?;
+        let descriptor = set.index.record().entry_descriptor(0)?;
         let buffer = set.view::<T>(0)?;
         phases.mark("view");
         Ok(Attachment::from_parts(
             set.lease,
-            set.record.name.clone(),
+            set.index.record().name.clone(),
             set.guard.clone(),
             buffer,
             set.waiter.clone(),
@@ -494,7 +498,7 @@ impl Subscriber {
                 Ok(version)
             }
             Notice::Unpublished => Err(ChannelError::Unpublished {
-                name: set.record.name.clone(),
+                name: set.index.record().name.clone(),
                 lease: set.lease,
             }
             .into()),

@@ -189,6 +189,11 @@ impl NameIndex {
         }
     }
 
+    /// The record indexed.
+    pub fn record(&self) -> &std::sync::Arc<SetRecord> {
+        &self.record
+    }
+
     /// The position of the entry called `name`.
     pub fn position(&self, name: &str) -> Option<usize> {
         self.index
