@@ -276,16 +276,6 @@ pub(crate) fn unpublish_set(
 
 // --- the subscriber -----------------------------------------------------------
 
-/// One entry of an attached set, as Python sees it.
-pub(crate) struct Entry {
-    pub(crate) name: String,
-    pub(crate) dtype: Dtype,
-    pub(crate) shape: Vec<u64>,
-    /// Device address of its first byte, in this process.
-    pub(crate) ptr: u64,
-    pub(crate) len: u64,
-}
-
 /// A set attached from a publisher: one lease, each chunk mapped once, and
 /// a view of every entry by index or name. Views hold the lease too: it
 /// ends at `release()`, or when this object and the last view are gone.
@@ -297,8 +287,11 @@ pub(crate) struct SetAttachment {
     /// Whether the chunks are mapped read-only.
     read_only: bool,
     pub(crate) ordinal: usize,
-    pub(crate) entries: Vec<Entry>,
-    /// Entry positions by name.
+    /// Each entry's device address in this process (its name, dtype,
+    /// shape and length are the record's).
+    pub(crate) ptrs: Vec<u64>,
+    /// The record (shared with the attachment and readable after its
+    /// release) and its entries by name.
     index: cuda_ipc::set::NameIndex,
     /// Each entry's chunk mapping: `(local address, size)`.
     chunks: Vec<(u64, u64)>,
@@ -307,11 +300,8 @@ pub(crate) struct SetAttachment {
     /// its own and never reads them).
     runs: OnceLock<(Vec<Run>, Vec<Option<Place>>)>,
     /// The layout hash of its entries (what a service writer commits),
-    /// worked out at the first read of `layout_hash` from `record`.
+    /// worked out at the first read of `layout_hash` from the record.
     layout_hash: OnceLock<String>,
-    /// The record (its entries, for the layout hash), shared with the
-    /// attachment and readable after its release.
-    record: Arc<cuda_ipc::set::SetRecord>,
     /// This object's own hold (views hold clones): a view of the first
     /// entry, which holds the lease and, through it, every chunk mapping.
     pub(crate) keep: Mutex<Option<Keep>>,
@@ -332,7 +322,7 @@ pub(crate) fn attach_set(
     let mut phases = crate::phases::Phases::start("attach_set");
     let clock = &mut phases;
     let sub = s.get()?;
-    let (set, first, entries, chunks) = py
+    let (set, first, ptrs, chunks) = py
         .detach(|| -> Result<_> {
             let set = if read_only {
                 sub.attach_set_with(name, cuda_ipc::Access::ReadOnly)?
@@ -346,31 +336,24 @@ pub(crate) fn attach_set(
             first.synchronize()?;
             clock.mark("synchronize");
             let places = set.entry_places()?;
-            let mut entries = Vec::with_capacity(set.len());
-            let mut chunks = Vec::with_capacity(set.len());
-            for (e, p) in set.entries().iter().zip(places) {
+            let mut ptrs = Vec::with_capacity(places.len());
+            let mut chunks = Vec::with_capacity(places.len());
+            for p in places {
                 chunks.push((p.mapping_base, p.mapping_size));
-                entries.push(Entry {
-                    name: e.name.clone(),
-                    dtype: e.dtype,
-                    shape: e.shape.clone(),
-                    ptr: p.address,
-                    len: e.len,
-                });
+                ptrs.push(p.address);
             }
             clock.mark("entries");
-            Ok((set, first, entries, chunks))
+            Ok((set, first, ptrs, chunks))
         })
         .py()?;
     Ok(SetAttachment {
         layout_hash: OnceLock::new(),
-        record: set.shared_record(),
         name: set.name().to_owned(),
         lease: set.lease(),
         uses_fence: set.uses_fence(),
         read_only: set.read_only(),
         ordinal: s.device.ordinal(),
-        entries,
+        ptrs,
         index: cuda_ipc::set::NameIndex::new(set.shared_record()),
         chunks,
         runs: OnceLock::new(),
@@ -381,17 +364,23 @@ pub(crate) fn attach_set(
 }
 
 impl SetAttachment {
+    /// The entries in the publisher's order (each at `ptrs[i]` here).
+    pub(crate) fn set_entries(&self) -> &[cuda_ipc::set::SetEntry] {
+        &self.index.record().entries
+    }
+
     /// The runs and each entry's place in one, planned at the first call.
     fn runs_and_places(&self) -> &(Vec<Run>, Vec<Option<Place>>) {
         self.runs.get_or_init(|| {
             let items: Vec<Placed> = self
-                .entries
+                .set_entries()
                 .iter()
+                .zip(&self.ptrs)
                 .zip(&self.chunks)
-                .map(|(e, &(chunk, chunk_size))| Placed {
+                .map(|((e, &ptr), &(chunk, chunk_size))| Placed {
                     chunk,
                     chunk_size,
-                    ptr: e.ptr,
+                    ptr,
                     len: e.len,
                     dtype: e.dtype,
                     shape: e.shape.clone(),
@@ -409,14 +398,14 @@ impl SetAttachment {
     /// The position of `key`: an index, or an entry's name.
     fn position(&self, key: &Bound<'_, PyAny>) -> Result<usize> {
         if let Ok(i) = key.extract::<usize>() {
-            if i < self.entries.len() {
+            if i < self.ptrs.len() {
                 return Ok(i);
             }
             return Err(Error::InvalidArgument {
                 what: "set entry",
                 reason: format!(
                     "index {i} is past the {} entries of {:?}",
-                    self.entries.len(),
+                    self.ptrs.len(),
                     self.name
                 ),
             });
@@ -459,7 +448,7 @@ impl SetAttachment {
     #[getter]
     fn layout_hash(&self) -> &str {
         self.layout_hash
-            .get_or_init(|| cuda_ipc::service::layout::layout_hash(&self.record.entries))
+            .get_or_init(|| cuda_ipc::service::layout::layout_hash(&self.index.record().entries))
     }
     /// Whether updates are waited for through the publisher's fence (else
     /// its event).
@@ -483,7 +472,7 @@ impl SetAttachment {
     #[getter]
     fn nbytes(&self) -> u64 {
         // Saturating: sizes come from the publisher.
-        self.entries
+        self.set_entries()
             .iter()
             .fold(0u64, |sum, e| sum.saturating_add(e.len))
     }
@@ -496,14 +485,15 @@ impl SetAttachment {
     /// nbytes)]`, `ptr` the device address in this process.
     #[getter]
     fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
-        self.entries
+        self.set_entries()
             .iter()
-            .map(|e| {
+            .zip(&self.ptrs)
+            .map(|(e, &ptr)| {
                 (
                     e.name.as_str(),
                     e.dtype.name(),
                     PyTuple::new(py, &e.shape)?,
-                    e.ptr,
+                    ptr,
                     e.len,
                 )
                     .into_pyobject(py)
@@ -518,7 +508,7 @@ impl SetAttachment {
         codec::loads(py, &set.record().to_expanded_value().to_string())
     }
     fn __len__(&self) -> usize {
-        self.entries.len()
+        self.ptrs.len()
     }
     /// The index of the entry called `name`, or `None`.
     fn index(&self, name: &str) -> Option<usize> {
@@ -533,9 +523,9 @@ impl SetAttachment {
         let keep = lock(&self.keep)
             .clone()
             .ok_or_else(|| closed_error("set", "attach it again"))?;
-        let e = &self.entries[i];
+        let e = &self.set_entries()[i];
         let l = Layout {
-            ptr: e.ptr,
+            ptr: self.ptrs[i],
             len: e.len,
             dtype: e.dtype,
             shape: e.shape.clone(),
@@ -644,7 +634,7 @@ impl SetAttachment {
         format!(
             "<cuda_ipc.SetAttachment {:?}: {} entries, {} bytes, lease {}{state}>",
             self.name,
-            self.entries.len(),
+            self.ptrs.len(),
             self.nbytes(),
             self.lease
         )

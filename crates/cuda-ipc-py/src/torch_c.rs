@@ -30,6 +30,7 @@ use cuda_ipc::descriptor::Dtype;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
+use smallvec::SmallVec;
 
 use crate::dlpack::{DEVICE_CUDA, DlDataType, DlDevice, DlTensor};
 use crate::errors::IntoPyResult;
@@ -93,10 +94,14 @@ pub(crate) struct TensorMeta {
     pub(crate) ptr: u64,
     pub(crate) device: DlDevice,
     pub(crate) dtype: DlDataType,
-    pub(crate) shape: Vec<i64>,
+    pub(crate) shape: Dims,
     /// In elements; contiguous row-major ones when the producer gave none.
-    pub(crate) strides: Vec<i64>,
+    pub(crate) strides: Dims,
 }
+
+/// A tensor's dimensions (or strides), inline up to four: no allocation
+/// for what a model's weights have.
+pub(crate) type Dims = SmallVec<[i64; 4]>;
 
 impl TensorMeta {
     /// Whether it is a CUDA tensor of device `ordinal`.
@@ -145,8 +150,8 @@ pub(crate) struct At<'a> {
 }
 
 /// Contiguous row-major strides of `shape`, in elements.
-pub(crate) fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
-    let mut strides = vec![0; shape.len()];
+pub(crate) fn contiguous_strides(shape: &[i64]) -> Dims {
+    let mut strides: Dims = smallvec::smallvec![0; shape.len()];
     fill_contiguous_strides(shape, &mut strides);
     strides
 }
@@ -267,8 +272,8 @@ impl TorchExchange {
             m.ptr,
             (m.device.device_type, m.device.device_id),
             (m.dtype.code, m.dtype.bits, m.dtype.lanes),
-            m.shape,
-            m.strides,
+            m.shape.into_vec(),
+            m.strides.into_vec(),
         ))
     }
 
@@ -355,15 +360,16 @@ fn torch_c_owners() -> usize {
 }
 
 /// What a tensor made here owns: the managed structure (its address is
-/// what the framework holds), the arrays it points into, the hold.
+/// what the framework holds), the shape and then the strides it points
+/// into (inline for up to four dimensions: the owner lives in an `Arc`
+/// and never moves once the pointers are set), the hold.
 struct Owner {
     managed: UnsafeCell<ManagedVersioned>,
-    _shape: Box<[i64]>,
-    _strides: Box<[i64]>,
+    dims: SmallVec<[i64; 8]>,
     _keep: Option<Keep>,
 }
 
-// SAFETY: the raw pointers inside point into the owner's own boxes and the
+// SAFETY: the raw pointers inside point into the owner's own dims and the
 // mapped memory; the structure is written once before it is handed over
 // and only read afterwards, and the deleter may run on any thread (Keep is
 // Send + Sync).
@@ -520,8 +526,10 @@ impl TorchExchange {
                 },
             )
         })?;
-        let mut shape: Box<[i64]> = shape.into();
-        let mut strides: Box<[i64]> = strides.into();
+        let ndim = shape.len();
+        let mut dims: SmallVec<[i64; 8]> = SmallVec::with_capacity(2 * ndim);
+        dims.extend_from_slice(shape);
+        dims.extend_from_slice(strides);
         let managed = ManagedVersioned {
             version: Version {
                 major: 1,
@@ -536,24 +544,32 @@ impl TorchExchange {
                     device_type: DEVICE_CUDA,
                     device_id,
                 },
-                ndim: shape.len() as i32,
+                ndim: ndim as i32,
                 dtype,
-                shape: shape.as_mut_ptr(),
-                strides: strides.as_mut_ptr(),
+                // Set below, once the owner is where it stays.
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
                 byte_offset: 0,
             },
         };
         OWNERS.fetch_add(1, Ordering::SeqCst);
         let owner = Arc::new(Owner {
             managed: UnsafeCell::new(managed),
-            _shape: shape,
-            _strides: strides,
+            dims,
             _keep: keep,
         });
         let raw = owner.managed.get();
         let theirs = Arc::into_raw(Arc::clone(&owner));
-        // SAFETY: nobody else has the structure yet.
-        unsafe { (*raw).manager_ctx = theirs.cast_mut().cast() };
+        // The framework only reads the arrays (DLPack's producer owns them).
+        let shape_at = owner.dims.as_ptr().cast_mut();
+        // SAFETY: nobody else has the structure yet; the arrays are the
+        // owner's, which stays in its Arc (neither moves nor changes) until
+        // the last reference, the framework's included, is gone.
+        unsafe {
+            (*raw).manager_ctx = theirs.cast_mut().cast();
+            (*raw).dl_tensor.shape = shape_at;
+            (*raw).dl_tensor.strides = shape_at.add(ndim);
+        }
         let to_py = self.to_py;
         let mut out: *mut c_void = std::ptr::null_mut();
         // SAFETY: `raw` is a complete DLManagedTensorVersioned whose ownership
@@ -615,11 +631,11 @@ unsafe fn decode(t: &DlTensor) -> cuda_ipc::Result<TensorMeta> {
             reason: format!("{ndim} dimensions and no shape"),
         });
     }
-    let shape = if ndim == 0 {
-        Vec::new()
+    let shape: Dims = if ndim == 0 {
+        Dims::new()
     } else {
         // SAFETY: non-null, `ndim` integers (the caller's contract).
-        unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec()
+        Dims::from_slice(unsafe { std::slice::from_raw_parts(t.shape, ndim) })
     };
     if let Some(d) = shape.iter().find(|&&d| d < 0) {
         return Err(Error::InvalidArgument {
@@ -631,7 +647,7 @@ unsafe fn decode(t: &DlTensor) -> cuda_ipc::Result<TensorMeta> {
         contiguous_strides(&shape)
     } else {
         // SAFETY: as for the shape.
-        unsafe { std::slice::from_raw_parts(t.strides, ndim) }.to_vec()
+        Dims::from_slice(unsafe { std::slice::from_raw_parts(t.strides, ndim) })
     };
     let ptr = (t.data as u64).wrapping_add(t.byte_offset);
     Ok(TensorMeta {

@@ -25,17 +25,18 @@ use std::sync::Arc;
 use cuda_ipc::Result;
 use cuda_ipc::arena::{DeviceArenaBuffer, SetMember};
 use cuda_ipc::descriptor::Dtype;
-use cuda_ipc::set::MAX_SET_DIMS;
+use cuda_ipc::set::{MAX_SET_DIMS, SetEntry};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use smallvec::SmallVec;
 
 use crate::errors::{IntoPyResult, closed_error};
 use crate::keep::Keep;
 use crate::peers::{PyPublisher, sync_context};
 use crate::phases::Phases;
 use crate::sets::{ArenaBuffer, SetAttachment, alloc_registered};
-use crate::torch_c::{TensorMeta, TorchExchange, as_bytes, fill_contiguous_strides};
+use crate::torch_c::{Dims, TensorMeta, TorchExchange, as_bytes, fill_contiguous_strides};
 
 use names::{EntryRole, RESERVED, alias_entry_name, check_entry_name, empty_name, invalid, repr};
 
@@ -208,8 +209,18 @@ struct Item<'py> {
     dt: Dtype,
     meta: TensorMeta,
     nbytes: u64,
-    entry: String,
+    /// Its entry name where that is not its key (an empty tensor's).
+    entry: Option<String>,
+    /// Its set member's shape.
+    member_shape: SmallVec<[u64; 4]>,
     found: Option<(Arc<DeviceArenaBuffer>, u64)>,
+}
+
+impl Item<'_> {
+    /// Its entry name in the set.
+    fn entry(&self) -> &str {
+        self.entry.as_deref().unwrap_or(&self.key)
+    }
 }
 
 /// Where each key of the state dict went: its item, or (with the key) the
@@ -254,7 +265,7 @@ pub(crate) struct StateDictRecord {
     index: std::sync::OnceLock<HashMap<String, usize>>,
     tensors: Vec<Py<PyAny>>,
     dtypes: Vec<Py<PyAny>>,
-    shapes: Vec<Vec<i64>>,
+    shapes: Vec<Dims>,
     ptrs: Vec<u64>,
     _buffers: Vec<Arc<DeviceArenaBuffer>>,
 }
@@ -394,12 +405,19 @@ fn plan_items<'py>(
                 continue;
             }
             before_at.push(last_at.insert(meta.ptr, plan.len()).unwrap_or(usize::MAX));
-            key.clone()
+            None
         } else {
             before_at.push(usize::MAX);
-            empty_name(&key, &meta.shape).py()?
+            Some(empty_name(&key, &meta.shape).py()?)
         };
-        check_entry_name(&key, &entry).py()?;
+        check_entry_name(&key, entry.as_deref().unwrap_or(&key)).py()?;
+        // An empty tensor's member is one element (its shape is in its name).
+        let member_shape = if nbytes > 0 {
+            // Dimensions are never negative (read_known checks).
+            meta.shape.iter().map(|&d| d as u64).collect()
+        } else {
+            smallvec::smallvec![1]
+        };
         // A tensor inside a buffer of this publisher's arena is published
         // where it is.
         let found = (nbytes > 0 && meta.on_cuda(ordinal) && meta.is_contiguous())
@@ -414,6 +432,7 @@ fn plan_items<'py>(
             meta,
             nbytes,
             entry,
+            member_shape,
             found,
         });
     }
@@ -421,8 +440,17 @@ fn plan_items<'py>(
     Ok((plan, slots))
 }
 
-/// A set member: entry name, buffer, dtype, shape, offset in the buffer.
-type Member = (String, Arc<DeviceArenaBuffer>, Dtype, Vec<u64>, u64);
+/// A set member: the item it is (its entry name and shape) or an alias
+/// entry's name (one byte), its buffer, and its offset in the buffer.
+struct Member {
+    alias: Option<String>,
+    item: usize,
+    buffer: Arc<DeviceArenaBuffer>,
+    offset: u64,
+}
+
+/// An alias entry's shape and an empty tensor's: one element.
+const ONE: [u64; 1] = [1];
 
 /// What placing the items made: the members, each item's tensor and
 /// address, and what was copied (count, bytes, the first key).
@@ -469,8 +497,7 @@ fn place<'py>(
         copied_bytes: 0,
         first_copied: None,
     };
-    for it in plan {
-        let shape: Vec<u64> = it.meta.shape.iter().map(|&d| d as u64).collect();
+    for (item, it) in plan.iter().enumerate() {
         let (buffer, offset, dst, ptr) = if let Some((b, offset)) = &it.found {
             (b.clone(), *offset, it.tensor.clone(), it.meta.ptr)
         } else {
@@ -481,15 +508,18 @@ fn place<'py>(
                 out.copied += 1;
                 out.copied_bytes += it.nbytes;
                 out.first_copied.get_or_insert_with(|| it.key.clone());
-                copy_in.call1((obj, &it.tensor, it.dt.name(), shape.clone()))?
+                copy_in.call1((obj, &it.tensor, it.dt.name(), &it.member_shape[..]))?
             } else {
                 empty.call1((&it.tensor,))?
             };
             (b, 0, dst, ptr)
         };
-        let member_shape = if it.nbytes > 0 { shape } else { vec![1] };
-        out.members
-            .push((it.entry.clone(), buffer, it.dt, member_shape, offset));
+        out.members.push(Member {
+            alias: None,
+            item,
+            buffer,
+            offset,
+        });
         out.made.push(dst);
         out.ptrs.push(ptr);
     }
@@ -498,7 +528,12 @@ fn place<'py>(
             let entry = alias_entry_name(*i, key);
             check_entry_name(key, &entry).py()?;
             let b = alloc_registered(p, py, 1)?;
-            out.members.push((entry, b, Dtype::U8, vec![1], 0));
+            out.members.push(Member {
+                alias: Some(entry),
+                item: *i,
+                buffer: b,
+                offset: 0,
+            });
         }
     }
     Ok(out)
@@ -546,23 +581,28 @@ fn publish_state_dict_c<'py>(
     let dev = p.device.clone();
     let publisher_arc = p.get()?;
     // Waits for the copies queued above (every stream of the context).
-    let clock = &mut phases;
-    let members = py
-        .detach(move || -> Result<Vec<Member>> {
-            let m: Vec<SetMember<'_>> = placed
-                .members
-                .iter()
-                .map(|(n, b, d, s, o)| SetMember::new(n, *d, s, b).at(*o))
-                .collect();
-            clock.mark("members");
-            sync_context(&dev)?;
-            clock.mark("sync");
-            publisher_arc.publish_set(name, &m)?;
-            clock.mark("publish_set");
-            drop(m);
-            Ok(placed.members)
+    let m: Vec<SetMember<'_>> = placed
+        .members
+        .iter()
+        .map(|mb| {
+            let it = &plan[mb.item];
+            match &mb.alias {
+                Some(name) => SetMember::new(name, Dtype::U8, &ONE, &mb.buffer),
+                None => SetMember::new(it.entry(), it.dt, &it.member_shape, &mb.buffer),
+            }
+            .at(mb.offset)
         })
-        .py()?;
+        .collect();
+    phases.mark("members");
+    let clock = &mut phases;
+    py.detach(move || -> Result<()> {
+        sync_context(&dev)?;
+        clock.mark("sync");
+        publisher_arc.publish_set(name, &m)?;
+        clock.mark("publish_set");
+        Ok(())
+    })
+    .py()?;
     // The returned dict and the record, in the state dict's order.
     let out = PyDict::new(py);
     let n = slots.len();
@@ -573,7 +613,7 @@ fn publish_state_dict_c<'py>(
         dtypes: Vec::with_capacity(n),
         shapes: Vec::with_capacity(n),
         ptrs: Vec::with_capacity(n),
-        _buffers: members.into_iter().map(|m| m.1).collect(),
+        _buffers: placed.members.into_iter().map(|m| m.buffer).collect(),
     };
     // One slot per item of the state dict, in its order.
     for (slot, key_obj) in slots.into_iter().zip(key_objs) {
@@ -620,7 +660,8 @@ impl Maker<'_> {
     fn tensor<'py>(
         &mut self,
         py: Python<'py>,
-        e: &crate::sets::Entry,
+        e: &SetEntry,
+        ptr: u64,
         target: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let count = e.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
@@ -651,7 +692,7 @@ impl Maker<'_> {
         fill_contiguous_strides(&self.shape[..n], &mut self.strides[..n]);
         let bytes = as_bytes(e.dtype);
         let at = crate::torch_c::At {
-            ptr: e.ptr,
+            ptr,
             ordinal: self.ordinal,
             dtype: crate::dlpack::data_type(e.dtype, bytes),
             shape: &self.shape[..n],
@@ -725,9 +766,9 @@ fn attach_state_dict_c(
         dtypes,
         seen: Vec::new(),
     };
-    let mut keys: Vec<Bound<'_, PyString>> = Vec::with_capacity(a.entries.len());
+    let mut keys: Vec<Bound<'_, PyString>> = Vec::with_capacity(a.ptrs.len());
     let before = out.len();
-    for e in &a.entries {
+    for (e, &ptr) in a.set_entries().iter().zip(&a.ptrs) {
         let target = targets.of(e.dtype)?;
         let (key, value) = match EntryRole::of(&e.name) {
             EntryRole::Alias { index, key } => {
@@ -752,7 +793,10 @@ fn attach_state_dict_c(
                 PyString::new(py, key),
                 empty.call1((PyTuple::new(py, shape)?, &target))?,
             ),
-            EntryRole::Tensor { .. } => (PyString::new(py, &e.name), maker.tensor(py, e, &target)?),
+            EntryRole::Tensor { .. } => (
+                PyString::new(py, &e.name),
+                maker.tensor(py, e, ptr, &target)?,
+            ),
         };
         out.set_item(&key, value)?;
         if out.len() == before + keys.len() {
