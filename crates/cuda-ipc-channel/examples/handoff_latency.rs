@@ -15,6 +15,11 @@
 //!   update 20 µs after the client took the last one.
 //! - *frame round trip*: a one-slot ring, `publish`, the client's
 //!   `next_frame` and `ack`, until `acquire` returns the slot again.
+//! - *ring flat out*: a ring of 64 slots, frames published as fast as
+//!   slots come back, each notice shaped as a GPU ring's (an event handle
+//!   in hex, a fence number, a time stamp), the client taking and acking
+//!   each; a sample is the time from one publish to the next, so its mean
+//!   is one over the frames per second the channel alone carries.
 //! - *fresh hand-off*: the bench's fresh hand-off without the GPU:
 //!   `Server::publish` of a new entry (one memfd), its name written into
 //!   a pipe that a consumer thread sleeps on, and that thread's
@@ -322,6 +327,43 @@ fn frames(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, Chann
     Ok(batch(ns, start, 0, 1))
 }
 
+/// Slots of the ring flat out, as the bench's ring of 4 KiB frames.
+const FLAT_OUT_SLOTS: usize = 64;
+
+fn flat_out(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
+    let server = setup.server(sock)?;
+    let slots = (0..FLAT_OUT_SLOTS).map(|_| (json!({}), vec![])).collect();
+    let ring = server.create_ring("r", json!({}), slots)?;
+    let client = setup.client(sock)?;
+    let sub = client.attach_ring("r")?;
+    let start = cpu_now();
+    let subscriber = std::thread::spawn(move || -> Result<(), ChannelError> {
+        for _ in 0..n {
+            let f = client.next_frame(sub.lease, Duration::from_secs(10))?;
+            client.ack(sub.lease, f.slot, f.seq)?;
+        }
+        Ok(())
+    });
+    // An event handle is 64 bytes, sent in hex.
+    let event = "ab".repeat(64);
+    let base = Instant::now();
+    let mut ns = Vec::with_capacity(n);
+    let mut last = Instant::now();
+    for i in 0..n {
+        let slot = ring.acquire(Some(Duration::from_secs(10)))?;
+        let t = base.elapsed().as_nanos() as u64;
+        ring.publish(
+            slot,
+            json!({ "event": event, "fence_seq": i + 1, "t": t, "p": 0 }),
+        )?;
+        let now = Instant::now();
+        ns.push((now - last).as_nanos() as u64);
+        last = now;
+    }
+    subscriber.join().expect("the subscriber thread panicked")?;
+    Ok(batch(ns, start, 0, 1))
+}
+
 fn io(context: &str) -> impl FnOnce(rustix::io::Errno) -> ChannelError + '_ {
     move |e| ChannelError::Io {
         context: context.into(),
@@ -409,8 +451,9 @@ fn report(what: &str, setup: Setup, batches: &mut [Batch]) {
     }
     all.sort_unstable();
     p50s.sort_by(f64::total_cmp);
+    let mean = all.iter().sum::<u64>() as f64 / all.len().max(1) as f64 / 1000.0;
     println!(
-        "| {what} | {} | {:.1} | {:.1} | {:.1}-{:.1} | {:.1} | {:.2} |",
+        "| {what} | {} | {:.1} | {:.1} | {mean:.1} | {:.1}-{:.1} | {:.1} | {:.2} |",
         setup.name(),
         percentile(&all, 0.5),
         percentile(&all, 0.9),
@@ -441,19 +484,20 @@ fn main() -> Result<(), ChannelError> {
     ];
     println!(
         "{batches} batches of {n} per row, the {} configurations taking turns; CPU only, one \
-         process; p50/p90 over all batches, then the range of the batch p50s (µs)\n",
+         process; p50/p90/mean over all batches, then the range of the batch p50s (µs)\n",
         setups.len()
     );
     println!(
-        "| operation | configuration | p50 µs | p90 µs | batch p50s µs | CPU µs/op | sleeps/op |"
+        "| operation | configuration | p50 µs | p90 µs | mean µs | batch p50s µs | CPU µs/op | sleeps/op |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     let names = [
         "ping",
         "attach (lone)",
         "release (follows)",
         "update one-way",
         "frame round trip",
+        "ring flat out",
         "fresh hand-off",
         "attach after 1 ms asleep",
         "attach after 5 ms asleep",
@@ -464,7 +508,7 @@ fn main() -> Result<(), ChannelError> {
     // Rows whose name holds the third argument, if given (all by default).
     let wanted = |r: usize| only.as_deref().is_none_or(|o| names[r].contains(o));
     // [setup][row][batch]
-    let mut rows: Vec<[Vec<Batch>; 11]> = setups.iter().map(|_| Default::default()).collect();
+    let mut rows: Vec<[Vec<Batch>; 12]> = setups.iter().map(|_| Default::default()).collect();
     let few = (n / 10).max(1);
     let ms = Duration::from_millis;
     for b in 0..batches {
@@ -483,21 +527,24 @@ fn main() -> Result<(), ChannelError> {
                 rows[i][4].push(frames(*setup, n, &sock("f"))?);
             }
             if wanted(5) {
-                rows[i][5].push(fresh(*setup, n, &sock("h"), SHORT_GAP)?);
+                rows[i][5].push(flat_out(*setup, n, &sock("r"))?);
             }
             if wanted(6) {
-                rows[i][6].push(asleep(*setup, few, &sock("a"), Gap::Sleep(ms(1)))?);
+                rows[i][6].push(fresh(*setup, n, &sock("h"), SHORT_GAP)?);
             }
             if wanted(7) {
-                rows[i][7].push(asleep(*setup, few, &sock("b"), Gap::Sleep(ms(5)))?);
+                rows[i][7].push(asleep(*setup, few, &sock("a"), Gap::Sleep(ms(1)))?);
             }
             if wanted(8) {
-                rows[i][8].push(fresh(*setup, few, &sock("g"), Gap::Sleep(ms(1)))?);
+                rows[i][8].push(asleep(*setup, few, &sock("b"), Gap::Sleep(ms(5)))?);
             }
-            if wanted(9) || wanted(10) {
+            if wanted(9) {
+                rows[i][9].push(fresh(*setup, few, &sock("g"), Gap::Sleep(ms(1)))?);
+            }
+            if wanted(10) || wanted(11) {
                 let [connect, first] = connects(*setup, few, &sock("c"), Gap::Sleep(ms(1)))?;
-                rows[i][9].push(connect);
-                rows[i][10].push(first);
+                rows[i][10].push(connect);
+                rows[i][11].push(first);
             }
         }
     }
