@@ -234,9 +234,17 @@ class Publisher(_Owner):
         """The current leases: ``[{"lease", "name", "pid", "uid"}]``."""
         return self._c.leases()
 
-    def ring(self, name, slots, slot_bytes, mechanism=None):
-        """A ring of ``slots`` buffers of ``slot_bytes`` each, as ``name``."""
-        return RingPublisher(self._c.ring(name, slots, slot_bytes, mechanism), self.device)
+    def ring(self, name, slots, slot_bytes, mechanism=None, fences_only=False):
+        """A ring of ``slots`` buffers of ``slot_bytes`` each, as ``name``.
+
+        Each frame records the ring's event and signals its slot's fence
+        (where the publisher has fences), so every reader's ``sync`` is
+        served. With ``fences_only=True`` it only signals the fence (one
+        driver call less per frame): readers wait on the fence (``sync``
+        ``"auto"``, ``"fence"`` or ``"host-fence"``), and one that asks for
+        ``"event"`` is refused when it attaches. Raises ``Unavailable`` for
+        a fences-only ring of a publisher without fences."""
+        return RingPublisher(self._c.ring(name, slots, slot_bytes, mechanism, fences_only), self.device)
 
     def close(self):
         """Stops serving. Safe to call twice. Lets go of the publisher's
@@ -362,6 +370,8 @@ class Ring(_Owner):
 
     name = property(lambda self: self._c.name)
     slots = property(lambda self: self._c.slots)
+    uses_fences = property(lambda self: self._c.uses_fences,
+                           doc="Whether frames are waited for through the publisher's fence (else its event).")
 
     @property
     def timeout(self):

@@ -155,13 +155,13 @@ def _chan_drop(self, case, what):
     return {}
 
 
-def _chan_ring_create(self, case, slots, slot_bytes, mechanism):
+def _chan_ring_create(self, case, slots, slot_bytes, mechanism, fences_only=False):
     ci = self.ci
     folder = tempfile.mkdtemp(prefix="cuda-ipc-ring-")
     path = os.path.join(folder, "r.sock")
     pub = ci.Publisher(path)
     try:
-        ring = pub.ring("r", slots, slot_bytes, mechanism)
+        ring = pub.ring("r", slots, slot_bytes, mechanism, fences_only=fences_only)
     except ci.Unavailable as e:
         pub.close()
         return {"skip": str(e)[:300]}
@@ -212,6 +212,7 @@ def _chan_ring_consume(self, path, frames):
     seen = 0
     with ci.Subscriber(path) as sub:
         ring = sub.attach_ring("r", timeout=30)
+        fence = ring.uses_fences
         for frame in ring:
             with frame:
                 i = frame.notice["i"]
@@ -225,7 +226,7 @@ def _chan_ring_consume(self, path, frames):
             if seen == frames:
                 break
         ring.release()
-    return {"frames": seen}
+    return {"frames": seen, "fence": fence}
 
 
 def register(worker_cls):
@@ -339,12 +340,13 @@ class ChannelCases:
             self._chan_close(a, case)
         return "kill -9 of the consumer ended its lease"
 
-    def chan_ring(self, mech):
+    def chan_ring(self, mech, fences_only=False):
         self.need("a", "torch")
         self.need("b", "torch")
         a, b = self.w("a"), self.w("b")
         case = self.case_id()
-        r = a.call("chan_ring_create", case=case, slots=3, slot_bytes=256 * 1024, mechanism=mech)
+        r = a.call("chan_ring_create", case=case, slots=3, slot_bytes=256 * 1024, mechanism=mech,
+                   fences_only=fences_only)
         if "skip" in r:
             raise Skip(f"{mech} is unavailable here: {r['skip']}")
         try:
@@ -369,7 +371,10 @@ class ChannelCases:
             a.call("chan_ring_join", case=case)
         finally:
             self._chan_close(a, case)
-        return f"{res['frames']} frames through a ring of 3 slots"
+        if fences_only and res.get("fence") is not True:
+            raise AssertionError(f"the reader of a fences-only ring did not wait on its fence: {res}")
+        return f"{res['frames']} frames through a ring of 3 slots" + (
+            ", fences only (the reader waited on the fence)" if fences_only else "")
 
     def _chan_close(self, worker, case):
         try:

@@ -12,6 +12,7 @@
 use std::time::Instant;
 
 use cuda_ipc::event::IpcEvent;
+use cuda_ipc::exchange::RingSync;
 use cuda_ipc::fence::Fence;
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{DeviceMemory, Error, Mechanism};
@@ -119,9 +120,16 @@ fn ring_run(
     batch: u64,
 ) -> Result<Vec<Row>, Error> {
     let name = format!("sync-ring/{mode}/{batch}");
+    // Readers of fences get a ring that records no event per frame, as the
+    // floor (fill + signal) they are held against.
+    let sync = if mode == "event" {
+        RingSync::EventsAndFences
+    } else {
+        RingSync::FencesOnly
+    };
     let ring = ctx
         .publisher
-        .ring(&name, SLOTS, SYNC_FRAME as usize, Some(m))?;
+        .ring_with(&name, SLOTS, SYNC_FRAME as usize, Some(m), sync)?;
     let subscribed = w.request(
         &json!({ "op": "sync_ring", "name": name, "batch": batch, "verify_every": VERIFY_EVERY }),
         REQUEST_TIMEOUT,
@@ -251,7 +259,9 @@ pub fn sync(ctx: &Ctx<'_>) -> Section {
              runs once per batch instead of once per frame. 'host-fence': the consumer waits \
              on the fence word from the host and queues no stream wait, so its context runs \
              nothing per frame (its own work on a frame would still be time-sliced with the \
-             producer's).",
+             producer's). The fence and host-fence rows' rings are fences-only \
+             (RingSync::FencesOnly: each frame signals its slot's fence and records no event); \
+             the event rows' record the event and signal the fence.",
             human(SYNC_FRAME),
             ctx.plan.ring_load.as_secs_f64(),
             ctx.plan.ring_paced,

@@ -384,8 +384,10 @@ impl PyPublisher {
         py.detach(|| p.trim()).py()
     }
 
-    /// Creates a ring of `slots` buffers of `slot_bytes` each under `name`.
-    #[pyo3(signature = (name, slots, slot_bytes, mechanism=None))]
+    /// Creates a ring of `slots` buffers of `slot_bytes` each under `name`;
+    /// `fences_only`: each frame signals its slot's fence and records no
+    /// event (readers wait on the fence; one asking for events is refused).
+    #[pyo3(signature = (name, slots, slot_bytes, mechanism=None, fences_only=false))]
     fn ring(
         &self,
         py: Python<'_>,
@@ -393,12 +395,18 @@ impl PyPublisher {
         slots: crate::args::Slots,
         slot_bytes: crate::args::SlotBytes,
         mechanism: Option<&str>,
+        fences_only: bool,
     ) -> PyResult<PyRingPublisher> {
         let (slots, slot_bytes) = (slots.0, slot_bytes.0);
         let publisher = self.get()?;
         let m = crate::args::mechanism(mechanism).py()?;
+        let sync = if fences_only {
+            cuda_ipc::exchange::RingSync::FencesOnly
+        } else {
+            cuda_ipc::exchange::RingSync::EventsAndFences
+        };
         let ring = py
-            .detach(|| publisher.ring(name, slots, slot_bytes, m))
+            .detach(|| publisher.ring_with(name, slots, slot_bytes, m, sync))
             .py()?;
         Ok(PyRingPublisher {
             ring: Arc::new(ring),

@@ -185,6 +185,15 @@ impl Ring {
             .map(|r| r.slot_count())
             .ok_or_else(|| closed_error("ring", "attach it again"))
     }
+    /// Whether frames are waited for through the publisher's fence (else
+    /// its event).
+    #[getter]
+    fn uses_fences(&self) -> PyResult<bool> {
+        lock(&self.shared.ring)
+            .as_ref()
+            .map(|r| r.uses_fences())
+            .ok_or_else(|| closed_error("ring", "attach it again"))
+    }
     /// How long iteration waits for a frame, in seconds (`None`: for ever).
     #[getter]
     fn get_timeout(&self) -> Option<f64> {

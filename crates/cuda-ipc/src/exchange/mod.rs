@@ -148,7 +148,7 @@ use crate::error::Result;
 
 pub use budget::MappingBudget;
 pub use publisher::{Publisher, PublisherConfig};
-pub use ring::{RingFrame, RingPublisher, RingSubscriber};
+pub use ring::{RingFrame, RingPublisher, RingSubscriber, RingSync};
 pub use set_attach::{EntryPlace, SetAttachment};
 pub use set_book::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, Sharing, chunk_entry_name};
 pub use sleep::Slept;

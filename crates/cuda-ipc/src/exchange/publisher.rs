@@ -16,7 +16,7 @@ use crate::memory::DeviceMemory;
 use crate::share::SharedBuffer;
 use crate::sync::event::IpcEvent;
 
-use super::ring::RingPublisher;
+use super::ring::{RingPublisher, RingSync};
 use super::set_book::{PublisherArena, Sharing};
 use super::sync::{self, EntryFences};
 use super::wire::FenceMeta;
@@ -377,7 +377,9 @@ impl Publisher {
     }
 
     /// Creates a ring of `slots` buffers of `slot_bytes` each, shared with
-    /// `mechanism` (`None`: the best available), under `name`.
+    /// `mechanism` (`None`: the best available), under `name`; each frame
+    /// records the ring's event and signals the slot's fence
+    /// ([`RingSync::EventsAndFences`]).
     pub fn ring(
         &self,
         name: &str,
@@ -385,7 +387,34 @@ impl Publisher {
         slot_bytes: usize,
         mechanism: Option<Mechanism>,
     ) -> Result<RingPublisher> {
+        self.ring_with(name, slots, slot_bytes, mechanism, RingSync::default())
+    }
+
+    /// As [`ring`](Self::ring), with how frames are synchronised: a
+    /// [`RingSync::FencesOnly`] ring records no event per frame, its slots
+    /// carry none, and its readers wait on the fence.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a fences-only ring of a publisher without
+    /// fences (turned off, or its device cannot signal them).
+    pub fn ring_with(
+        &self,
+        name: &str,
+        slots: usize,
+        slot_bytes: usize,
+        mechanism: Option<Mechanism>,
+        sync: RingSync,
+    ) -> Result<RingPublisher> {
         self.refuse_without_record("a ring")?;
+        let events = sync == RingSync::EventsAndFences;
+        if !events && self.fences.is_none() {
+            return Err(Error::Unsupported {
+                what: "a fences-only ring",
+                why: "this publisher has no fences (PublisherConfig::with_fences(false), or its \
+                      device cannot signal them); use RingSync::EventsAndFences"
+                    .into(),
+            });
+        }
         let mut buffers = Vec::with_capacity(slots);
         let mut metas = Vec::with_capacity(slots);
         let fence = if self.fences.is_some() {
@@ -396,7 +425,7 @@ impl Publisher {
         for i in 0..slots {
             let b = SharedBuffer::alloc(&self.device, slot_bytes, mechanism)?;
             let mut e = b.export()?;
-            e.descriptor.event = Some(self.event_handle);
+            e.descriptor.event = events.then_some(self.event_handle);
             let fence_meta = match &fence {
                 Some(f) => {
                     let (meta, fd) = sync::export(f, i as u32, None, e.fds.len())?;
@@ -411,13 +440,17 @@ impl Publisher {
         let producer =
             self.server
                 .create_ring(name, wire::to_value(&RingMeta { slot_bytes })?, metas)?;
-        let event = IpcEvent::new(&self.device)?;
-        let event_handle = event.handle()?;
+        let event = if events {
+            let event = IpcEvent::new(&self.device)?;
+            let handle = event.handle()?;
+            Some((event, handle))
+        } else {
+            None
+        };
         Ok(RingPublisher {
             producer,
             buffers,
             event,
-            event_handle,
             fence,
             frames: std::sync::atomic::AtomicU64::new(0),
         })

@@ -1,6 +1,6 @@
 //! Rings: a fixed set of slots cycled between one producer and its
-//! subscribers, with back-pressure, a lease per subscription and an event per
-//! frame.
+//! subscribers, with back-pressure, a lease per subscription and an event
+//! per frame (or, for a [`RingSync::FencesOnly`] ring, a fence signal only).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +22,24 @@ use super::lease::LeaseGuard;
 use super::sync::Waiter;
 use super::wire::{self, FrameBody};
 
+/// How a ring's frames are made ready for its readers
+/// ([`Publisher::ring_with`](super::Publisher::ring_with)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RingSync {
+    /// Each frame records the ring's interprocess event and, when the
+    /// publisher has fences, signals its slot's fence: every reader's
+    /// [`SyncMode`](super::SyncMode) is served. The default.
+    #[default]
+    EventsAndFences,
+    /// Each frame signals its slot's fence only: one driver call less per
+    /// frame for the producer (the event record). Readers wait on the
+    /// fence ([`SyncMode::Auto`](super::SyncMode::Auto), `Fence` or
+    /// `HostFence`); one that asks for events is refused when it attaches.
+    /// Needs a publisher with fences ([`PublisherConfig::with_fences`](super::PublisherConfig::with_fences)).
+    FencesOnly,
+}
+
 /// The producer's side of a ring of buffers with back-pressure.
 ///
 /// Layers: it wraps the channel's [`ServerRing`](channel::ServerRing)
@@ -30,8 +48,9 @@ use super::wire::{self, FrameBody};
 pub struct RingPublisher {
     pub(super) producer: channel::ServerRing,
     pub(super) buffers: Vec<SharedBuffer>,
-    pub(super) event: IpcEvent,
-    pub(super) event_handle: IpcEventHandle,
+    /// The event recorded per frame and its handle; `None` for a
+    /// [`RingSync::FencesOnly`] ring.
+    pub(super) event: Option<(IpcEvent, IpcEventHandle)>,
     /// One word per slot, signalled with the frame counter.
     pub(super) fence: Option<Fence>,
     /// Frames published so far (the fence's sequence numbers).
@@ -70,7 +89,9 @@ impl RingPublisher {
         mut extra: serde_json::Map<String, Value>,
     ) -> Result<u64> {
         let buffer = self.buffer(index(slot)?)?;
-        self.event.record(buffer.stream())?;
+        if let Some((event, _)) = &self.event {
+            event.record(buffer.stream())?;
+        }
         let fence_seq = match &self.fence {
             Some(f) => {
                 let seq = self
@@ -86,7 +107,7 @@ impl RingPublisher {
         extra.remove("event");
         extra.remove("fence_seq");
         let notice = wire::to_value(&FrameBody {
-            event: self.event_handle,
+            event: self.event.as_ref().map(|(_, h)| *h),
             fence_seq,
             extra,
         })?;
@@ -170,12 +191,30 @@ pub struct RingFrame<'r, T> {
 
 impl Subscriber {
     /// Subscribes to the ring `name`: maps every slot once.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a subscriber that waits on events
+    /// ([`SyncMode::Event`](super::SyncMode::Event)) and a fences-only ring
+    /// ([`RingSync::FencesOnly`]), which records none.
     pub fn attach_ring<T: Pod>(&self, name: &str) -> Result<RingSubscriber<T>> {
         let a = self.client.attach_ring(name)?;
+        if self.sync == super::SyncMode::Event
+            && let Some((meta, _)) = a.slots.first()
+            && wire::EntryMeta::decode_with_fence(meta).is_ok_and(|(d, _)| d.event.is_none())
+        {
+            let _ = self.client.release(a.lease);
+            return Err(Error::Unsupported {
+                what: "waiting on a ring's events",
+                why: format!(
+                    "ring {name:?} is fences-only (RingSync::FencesOnly): its frames record no \
+                     event; attach with SyncMode::Auto, Fence or HostFence"
+                ),
+            });
+        }
         let mut slots = Vec::with_capacity(a.slots.len());
         let mut waiters = Vec::with_capacity(a.slots.len());
         for (meta, fds) in a.slots {
-            match self.open_descriptor::<T>(&meta, fds) {
+            match self.open_descriptor::<T>(&meta, fds, "a ring slot") {
                 Ok((_, buffer, waiter)) => {
                     slots.push(buffer);
                     waiters.push(waiter);
@@ -228,7 +267,16 @@ impl Subscriber {
                     "the frame's notice has no fence sequence number, but this subscriber waits on fences",
                 ));
             }
-            (Waiter::Event(_), _) => self.event(notice.event)?.wait_on(buffer.stream())?,
+            (Waiter::Event(_), _) => {
+                let handle = notice.event.ok_or_else(|| {
+                    Error::arg(
+                        "ring frame",
+                        "the frame's notice has no event (a fences-only ring), but this \
+                         subscriber waits on events",
+                    )
+                })?;
+                self.event(handle)?.wait_on(buffer.stream())?;
+            }
         }
         Ok(RingFrame {
             slot: index(f.slot)?,

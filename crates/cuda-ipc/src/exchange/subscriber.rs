@@ -144,7 +144,7 @@ pub struct Subscriber {
     cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
     events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
     fences: Mutex<HashMap<u64, Arc<FenceMapping>>>,
-    sync: SyncMode,
+    pub(super) sync: SyncMode,
     timeout: Duration,
     /// How attaches map, unless a set's publisher asks for read-only.
     pub(super) access: Access,
@@ -357,8 +357,14 @@ impl Subscriber {
         what: &str,
     ) -> Result<Waiter> {
         let fence = sync::take_fence_fd(fence, fds)?;
+        // Nothing to open but the fence (a fences-only ring's slots carry
+        // no event): Auto takes it without trying, or logging, an event.
+        let mode = match self.sync {
+            SyncMode::Auto if handle.is_none() && fence.is_some() => SyncMode::Fence,
+            mode => mode,
+        };
         sync::choose(
-            self.sync,
+            mode,
             || {
                 let handle = handle.ok_or_else(|| Error::Descriptor {
                     field: "event".into(),
@@ -436,10 +442,11 @@ impl Subscriber {
         &self,
         meta: &Value,
         fds: Vec<std::os::fd::OwnedFd>,
+        what: &str,
     ) -> Result<(Descriptor, MappedBuffer<T>, Waiter)> {
         let (descriptor, fence) = EntryMeta::decode_with_fence(meta)?;
         let mut fds = fds;
-        let waiter = self.waiter(descriptor.event, fence, &mut fds, "a published buffer")?;
+        let waiter = self.waiter(descriptor.event, fence, &mut fds, what)?;
         let mapping = self.mapping(&descriptor, fds)?;
         let buffer =
             MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.byte_len)?;
@@ -458,7 +465,7 @@ impl Subscriber {
         if super::set_book::is_set_meta(&a.meta) {
             return self.attach_arena_buffer(a, &mut phases);
         }
-        let opened = self.open_descriptor::<T>(&a.meta, a.fds);
+        let opened = self.open_descriptor::<T>(&a.meta, a.fds, "a published buffer");
         phases.mark("open");
         match opened {
             Ok((descriptor, buffer, waiter)) => {

@@ -72,11 +72,13 @@ pub(super) struct UpdateBody {
 
 /// The body of a ring frame's notice (the channel's `FrameNotice::notice`):
 /// the producer's extra fields and the event recorded after the slot was
-/// written.
+/// written (none from a fences-only ring).
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) struct FrameBody {
-    /// The ring's interprocess event, as hex.
-    pub(super) event: IpcEventHandle,
+    /// The ring's interprocess event, as hex; absent where the ring
+    /// records none ([`RingSync::FencesOnly`](super::RingSync::FencesOnly)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) event: Option<IpcEventHandle>,
     /// The sequence number the slot's fence word reaches with this frame.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) fence_seq: Option<u64>,
@@ -91,7 +93,10 @@ impl FrameBody {
         FrameBody::deserialize(notice).map_err(|e| {
             Error::arg(
                 "ring frame",
-                format!("the frame's notice has no valid event: {e}"),
+                format!(
+                    "the frame's notice is not one a ring sends (an event handle in hex where \
+                     the ring records events, a fence_seq number, the producer's fields): {e}"
+                ),
             )
         })
     }
@@ -132,7 +137,7 @@ mod tests {
         let mut extra = Map::new();
         extra.insert("stamp".into(), json!(42));
         let v = to_value(&FrameBody {
-            event,
+            event: Some(event),
             fence_seq: Some(9),
             extra,
         })
@@ -141,15 +146,33 @@ mod tests {
         assert_eq!(v["stamp"], 42);
         assert_eq!(v["event"], event.to_hex());
         let back = FrameBody::decode(&v).unwrap();
-        assert_eq!(back.event, event);
+        assert_eq!(back.event, Some(event));
         assert_eq!(back.extra["stamp"], 42);
         assert_eq!(back.fence_seq, Some(9));
         assert!(!back.extra.contains_key("fence_seq"));
     }
 
     #[test]
+    fn a_fences_only_frame_carries_no_event() {
+        let mut extra = Map::new();
+        extra.insert("stamp".into(), json!(42));
+        let v = to_value(&FrameBody {
+            event: None,
+            fence_seq: Some(3),
+            extra,
+        })
+        .unwrap();
+        assert_eq!(v, json!({ "fence_seq": 3, "stamp": 42 }));
+        let back = FrameBody::decode(&v).unwrap();
+        assert_eq!(back.event, None);
+        assert_eq!(back.fence_seq, Some(3));
+        assert_eq!(back.extra["stamp"], 42);
+        assert!(!back.extra.contains_key("event"));
+    }
+
+    #[test]
     fn bad_records_say_what_is_wrong() {
-        let e = FrameBody::decode(&json!({ "stamp": 1 })).unwrap_err();
+        let e = FrameBody::decode(&json!({ "event": 7 })).unwrap_err();
         assert!(e.to_string().contains("event"), "{e}");
         let e = FrameBody::decode(&json!({ "event": "zz" })).unwrap_err();
         assert!(e.to_string().contains("ring frame"), "{e}");

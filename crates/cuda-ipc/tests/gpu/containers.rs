@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cuda_ipc::exchange::{
-    Attachment, Publisher, PublisherConfig, Subscriber, SubscriberConfig, SyncMode,
+    Attachment, Publisher, PublisherConfig, RingSync, Subscriber, SubscriberConfig, SyncMode,
 };
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
@@ -274,6 +274,69 @@ fn fences_over_the_channel_publish_update_ring() {
             spawn_subscriber(&test, &socket, "event", None)
         });
         assert!(!fence, "sync=event must wait on events");
+    });
+}
+
+/// A fences-only ring (`RingSync::FencesOnly`: no event recorded per
+/// frame): readers with `auto`, `fence` and `host-fence` take every frame
+/// through its fence, every value checked; a reader that asks for events is
+/// refused at attach, saying why, and the ring serves the next reader.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_fences_only_ring_serves_fence_readers_and_refuses_event_readers() {
+    child_or(|| {
+        let device = Device::open(0).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("fenced.sock");
+        let test = test_name!("a_fences_only_ring_serves_fence_readers_and_refuses_event_readers");
+        let publisher =
+            Publisher::bind(&device, socket.as_path(), PublisherConfig::default()).unwrap();
+        let ring = publisher
+            .ring_with("frames", 4, 4096, None, RingSync::FencesOnly)
+            .unwrap();
+        let mut value = 0u32;
+        for sync in ["event", "auto", "fence", "host-fence"] {
+            let mut peer = spawn_subscriber(&test, &socket, sync, None);
+            assert_eq!(peer.recv()["connected"], true, "{sync}");
+            peer.send(&json!({ "op": "ring", "name": "frames", "frames": RING_FRAMES }));
+            let r = peer.recv();
+            if sync == "event" {
+                let e = r["error"].as_str().unwrap_or_default();
+                assert!(
+                    e.contains("fences-only") && e.contains("SyncMode::Auto"),
+                    "an event reader of a fences-only ring: {r}"
+                );
+            } else {
+                assert_eq!(r["attached"], true, "{sync}: {r}");
+                assert_eq!(r["fence"], true, "{sync} must wait on the fence: {r}");
+                for _ in 0..RING_FRAMES {
+                    value += 1;
+                    let (slot, buf) = ring.acquire(Some(Duration::from_secs(10))).unwrap();
+                    kernels::fill_u32(buf, Pattern::constant(value), Speed::Full).unwrap();
+                    let mut extra = serde_json::Map::new();
+                    extra.insert("value".into(), value.into());
+                    ring.publish_with(slot, extra).unwrap();
+                }
+                let r = peer.recv();
+                assert_eq!(r["bad_frames"], 0, "{sync}: {r}");
+            }
+            peer.send(&json!({ "op": "release" }));
+            assert_eq!(peer.recv()["released"], true, "{sync}");
+            assert!(peer.finish(), "the {sync} child failed");
+        }
+        // A publisher without fences cannot make one.
+        let socket = dir.path().join("no-fences.sock");
+        let bare = Publisher::bind(
+            &device,
+            socket.as_path(),
+            PublisherConfig::default().with_fences(false),
+        )
+        .unwrap();
+        let e = bare
+            .ring_with("frames", 2, 4096, None, RingSync::FencesOnly)
+            .err()
+            .expect("a fences-only ring without fences");
+        assert!(e.to_string().contains("no fences"), "{e}");
     });
 }
 
