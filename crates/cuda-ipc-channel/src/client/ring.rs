@@ -90,6 +90,35 @@ impl Client {
     /// once (frames go on with the next one) or [`ChannelError::Evicted`]
     /// (the subscription is over).
     pub fn next_frame(&self, lease: u64, timeout: Duration) -> Result<FrameNotice, ChannelError> {
+        // Frames come in streams, and a consumer that spins takes each one
+        // as its notice arrives, often before the producer's kernel has
+        // finished, and queues a device wait that makes the shared GPU
+        // switch contexts. In the one H200 bench run with a spin, the 1 MiB
+        // ring made 15,382 frames/s (31,542-79,451 in two runs without) and
+        // paced frames took 0.29 ms (0.04-0.10), so ring waits sleep at once.
+        self.next_frame_with(lease, timeout, RecvLimits::CLIENT)
+    }
+
+    /// As [`next_frame`](Self::next_frame), polling for the configured
+    /// spin ([`ClientConfig::spin`](crate::ClientConfig::spin)) before it
+    /// sleeps: for a consumer that queues no device work when a frame comes
+    /// (it waits for the producer's work from the host), whose spin then
+    /// costs no switch of the GPU's context, and saves the producer the
+    /// wake-up of this thread that a sleeping consumer needs every frame.
+    pub fn next_frame_spinning(
+        &self,
+        lease: u64,
+        timeout: Duration,
+    ) -> Result<FrameNotice, ChannelError> {
+        self.next_frame_with(lease, timeout, self.limits)
+    }
+
+    fn next_frame_with(
+        &self,
+        lease: u64,
+        timeout: Duration,
+        limits: RecvLimits,
+    ) -> Result<FrameNotice, ChannelError> {
         let not_ring = || {
             ChannelError::arg(
                 "lease",
@@ -102,45 +131,34 @@ impl Client {
         if !lock(&self.state).rings.contains_key(&lease) {
             return Err(not_ring());
         }
-        // Frames come in streams, and a consumer that spins takes each one
-        // as its notice arrives, often before the producer's kernel has
-        // finished, and queues a device wait that makes the shared GPU
-        // switch contexts. In the one H200 bench run with a spin, the 1 MiB
-        // ring made 15,382 frames/s (31,542-79,451 in two runs without) and
-        // paced frames took 0.29 ms (0.04-0.10), so ring waits sleep at once.
-        self.wait_for(
-            crate::deadline_in(timeout),
-            "a ring frame",
-            RecvLimits::CLIENT,
-            |st| {
-                let Some(q) = st.rings.get_mut(&lease) else {
-                    return Some(Err(not_ring()));
-                };
-                if let Some((stale_through, reason)) = q.lagged.take() {
-                    Some(Err(ChannelError::Lagged {
-                        name: q.name.clone(),
-                        lease,
-                        stale_through,
-                        reason,
-                    }))
-                } else if let Some(f) = q.frames.pop_front() {
-                    Some(Ok(f))
-                } else if let Some(reason) = &q.evicted {
-                    Some(Err(ChannelError::Evicted {
-                        name: q.name.clone(),
-                        lease,
-                        reason: reason.clone(),
-                    }))
-                } else if q.ended {
-                    Some(Err(ChannelError::Unpublished {
-                        name: q.name.clone(),
-                        lease,
-                    }))
-                } else {
-                    None
-                }
-            },
-        )?
+        self.wait_for(crate::deadline_in(timeout), "a ring frame", limits, |st| {
+            let Some(q) = st.rings.get_mut(&lease) else {
+                return Some(Err(not_ring()));
+            };
+            if let Some((stale_through, reason)) = q.lagged.take() {
+                Some(Err(ChannelError::Lagged {
+                    name: q.name.clone(),
+                    lease,
+                    stale_through,
+                    reason,
+                }))
+            } else if let Some(f) = q.frames.pop_front() {
+                Some(Ok(f))
+            } else if let Some(reason) = &q.evicted {
+                Some(Err(ChannelError::Evicted {
+                    name: q.name.clone(),
+                    lease,
+                    reason: reason.clone(),
+                }))
+            } else if q.ended {
+                Some(Err(ChannelError::Unpublished {
+                    name: q.name.clone(),
+                    lease,
+                }))
+            } else {
+                None
+            }
+        })?
     }
 
     /// Acknowledges a ring frame: this subscriber is done with `slot` as of

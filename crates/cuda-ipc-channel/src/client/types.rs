@@ -20,7 +20,8 @@ pub struct ClientConfig {
     pub allowed_server_uids: Vec<u32>,
     /// How long a wait for the server's answer or an update first polls the
     /// socket without sleeping, before it sleeps in `poll(2)` (ring frames,
-    /// which come in streams, are waited for without a spin); default
+    /// which come in streams, are waited for without a spin, but by
+    /// [`Client::next_frame_spinning`](super::Client::next_frame_spinning)); default
     /// [`DEFAULT_SPIN`]. A message that arrives within it is read without a
     /// wake-up of the waiting thread (5-10 µs on a busy machine, more from a
     /// deep idle state). It costs CPU only while a wait lasts, at most this

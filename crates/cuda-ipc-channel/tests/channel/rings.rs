@@ -231,3 +231,83 @@ fn ring_attached_comes_before_its_slots_behind_a_queue() {
         assert!(matches!(m, Message::Released { .. }), "{m:?}");
     }
 }
+
+/// The calling thread's voluntary context switches so far (each a sleep).
+fn own_sleeps() -> i64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a whole `rusage` into the pointer we own;
+    // zeroed is a valid `rusage` whatever it does.
+    #[allow(unsafe_code)]
+    let usage = unsafe {
+        libc::getrusage(libc::RUSAGE_THREAD, usage.as_mut_ptr());
+        usage.assume_init()
+    };
+    usage.ru_nvcsw
+}
+
+/// Takes `frames` frames of ring `name` on a new client (spin 5 ms),
+/// spinning or sleeping at once between them, while this thread publishes
+/// one every 50 µs; returns the reader thread's sleeps and the frames'
+/// notices in order.
+fn read_paced(
+    path: &Path,
+    ring: &cuda_ipc_channel::ServerRing,
+    frames: u64,
+    spinning: bool,
+) -> (i64, Vec<Value>) {
+    let client = Client::connect(
+        path,
+        ClientConfig::default().with_spin(Duration::from_millis(5)),
+    )
+    .unwrap();
+    let sub = client.attach_ring(ring.name()).unwrap();
+    let reader = std::thread::spawn(move || {
+        let before = own_sleeps();
+        let mut seen = Vec::new();
+        for _ in 0..frames {
+            let wait = Duration::from_secs(10);
+            let f = if spinning {
+                client.next_frame_spinning(sub.lease, wait)
+            } else {
+                client.next_frame(sub.lease, wait)
+            }
+            .unwrap();
+            client.ack(sub.lease, f.slot, f.seq).unwrap();
+            seen.push(f.notice);
+        }
+        (own_sleeps() - before, seen)
+    });
+    for i in 0..frames {
+        let slot = ring.acquire(Some(Duration::from_secs(10))).unwrap();
+        ring.publish(slot, json!({ "i": i })).unwrap();
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_micros(50) {
+            std::hint::spin_loop();
+        }
+    }
+    reader.join().unwrap()
+}
+
+/// A reader that spins for frames (`next_frame_spinning`, for consumers
+/// that wait on the producer's work from the host) takes a stream of
+/// frames 50 µs apart without sleeping between them, every frame in
+/// order; one that sleeps at once (`next_frame`) sleeps for most of them.
+#[test]
+fn a_spinning_ring_reader_takes_a_stream_without_sleeping() {
+    const FRAMES: u64 = 300;
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "spin");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    let ring = server
+        .create_ring("frames", json!({}), ring_slots(8))
+        .unwrap();
+    let expected: Vec<Value> = (0..FRAMES).map(|i| json!({ "i": i })).collect();
+    let (spun, seen) = read_paced(&path, &ring, FRAMES, true);
+    assert_eq!(seen, expected, "the spinning reader's frames");
+    let (slept, seen) = read_paced(&path, &ring, FRAMES, false);
+    assert_eq!(seen, expected, "the sleeping reader's frames");
+    assert!(
+        spun < FRAMES as i64 / 3 && spun < slept,
+        "{FRAMES} frames: the spinning reader slept {spun} times, the one sleeping at once {slept}"
+    );
+}

@@ -346,6 +346,20 @@ impl Waiter {
         matches!(self, Waiter::Fence { .. })
     }
 
+    /// Whether it waits on a fence from the host only
+    /// ([`SyncMode::HostFence`] on a fence in host memory): no stream
+    /// operation per wait.
+    pub(crate) fn is_host_only(&self) -> bool {
+        matches!(
+            self,
+            Waiter::Fence {
+                host_only: true,
+                mapping,
+                ..
+            } if mapping.is_host()
+        )
+    }
+
     /// Makes `stream` wait for the publisher's latest work (at attach): the
     /// event's last record, or the fence's announced sequence number.
     pub(super) fn wait_latest(
