@@ -129,7 +129,77 @@ pub(super) struct FenceMeta {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use serde_json::json;
+
+    /// Small JSON values of every kind.
+    fn arb_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "[a-f0-9]{0,130}".prop_map(Value::from),
+            ".{0,8}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                prop::collection::btree_map("[a-z_]{1,9}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        /// Whatever a peer puts in a frame's notice (the keys a frame has,
+        /// with values of any type, and others), decoding returns a body
+        /// or an error that names the ring frame, never a panic; a body
+        /// that decodes encodes back to a notice that decodes to it.
+        #[test]
+        fn frame_notices_decode_or_are_refused(
+            event in prop::option::of(arb_json()),
+            fence_seq in prop::option::of(arb_json()),
+            extra in prop::collection::btree_map("[a-z_]{1,9}", arb_json(), 0..4),
+        ) {
+            let mut m: Map<String, Value> = extra.into_iter().collect();
+            if let Some(e) = event {
+                m.insert("event".into(), e);
+            }
+            if let Some(f) = fence_seq {
+                m.insert("fence_seq".into(), f);
+            }
+            match FrameBody::decode(&Value::Object(m)) {
+                Err(e) => prop_assert!(e.to_string().contains("ring frame"), "{}", e),
+                Ok(body) => {
+                    let again = FrameBody::decode(&to_value(&body).unwrap()).unwrap();
+                    prop_assert_eq!(again.event, body.event);
+                    prop_assert_eq!(again.fence_seq, body.fence_seq);
+                    prop_assert_eq!(again.extra, body.extra);
+                }
+            }
+        }
+
+        /// A frame as a ring sends it, with or without an event, comes back
+        /// whole, the producer's fields beside it.
+        #[test]
+        fn frame_bodies_round_trip(
+            handle in prop::option::of(prop::array::uniform32(any::<u8>())),
+            fence_seq in prop::option::of(any::<u64>()),
+            extra in prop::collection::btree_map("[a-d]{1,6}", arb_json(), 0..4),
+        ) {
+            let event = handle.map(|h| {
+                let mut bytes = [0u8; 64];
+                bytes[..32].copy_from_slice(&h);
+                IpcEventHandle::from_bytes(&bytes).unwrap()
+            });
+            let body = FrameBody { event, fence_seq, extra: extra.into_iter().collect() };
+            let back = FrameBody::decode(&to_value(&body).unwrap()).unwrap();
+            prop_assert_eq!(back.event, body.event);
+            prop_assert_eq!(back.fence_seq, body.fence_seq);
+            prop_assert_eq!(back.extra, body.extra);
+        }
+    }
 
     #[test]
     fn frame_notices_keep_the_producer_fields_beside_the_event() {
