@@ -302,19 +302,38 @@ fn updates(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, Chan
     Ok(batch(ns, start, 0, 1))
 }
 
-fn frames(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
+/// A ring of `slots` slots on a server of `setup`, and a thread of a
+/// client subscribed to it that takes and acks `n` frames.
+type RingRun = (
+    Server,
+    cuda_ipc_channel::ServerRing,
+    std::thread::JoinHandle<Result<(), ChannelError>>,
+);
+
+fn ring_with_reader(
+    setup: Setup,
+    sock: &std::path::Path,
+    slots: usize,
+    n: usize,
+) -> Result<RingRun, ChannelError> {
     let server = setup.server(sock)?;
-    let ring = server.create_ring("r", json!({}), vec![(json!({}), vec![])])?;
+    let slots = (0..slots).map(|_| (json!({}), vec![])).collect();
+    let ring = server.create_ring("r", json!({}), slots)?;
     let client = setup.client(sock)?;
     let sub = client.attach_ring("r")?;
-    let start = cpu_now();
-    let subscriber = std::thread::spawn(move || -> Result<(), ChannelError> {
+    let reader = std::thread::spawn(move || -> Result<(), ChannelError> {
         for _ in 0..n {
             let f = client.next_frame(sub.lease, Duration::from_secs(10))?;
             client.ack(sub.lease, f.slot, f.seq)?;
         }
         Ok(())
     });
+    Ok((server, ring, reader))
+}
+
+fn frames(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
+    let (_server, ring, subscriber) = ring_with_reader(setup, sock, 1, n)?;
+    let start = cpu_now();
     let mut ns = Vec::with_capacity(n);
     let mut slot = ring.acquire(None)?;
     for i in 0..n {
@@ -331,19 +350,8 @@ fn frames(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, Chann
 const FLAT_OUT_SLOTS: usize = 64;
 
 fn flat_out(setup: Setup, n: usize, sock: &std::path::Path) -> Result<Batch, ChannelError> {
-    let server = setup.server(sock)?;
-    let slots = (0..FLAT_OUT_SLOTS).map(|_| (json!({}), vec![])).collect();
-    let ring = server.create_ring("r", json!({}), slots)?;
-    let client = setup.client(sock)?;
-    let sub = client.attach_ring("r")?;
+    let (_server, ring, subscriber) = ring_with_reader(setup, sock, FLAT_OUT_SLOTS, n)?;
     let start = cpu_now();
-    let subscriber = std::thread::spawn(move || -> Result<(), ChannelError> {
-        for _ in 0..n {
-            let f = client.next_frame(sub.lease, Duration::from_secs(10))?;
-            client.ack(sub.lease, f.slot, f.seq)?;
-        }
-        Ok(())
-    });
     // An event handle is 64 bytes, sent in hex.
     let event = "ab".repeat(64);
     let base = Instant::now();
