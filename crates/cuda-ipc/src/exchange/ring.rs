@@ -198,23 +198,11 @@ impl Subscriber {
     /// ([`RingSync::FencesOnly`]), which records none.
     pub fn attach_ring<T: Pod>(&self, name: &str) -> Result<RingSubscriber<T>> {
         let a = self.client.attach_ring(name)?;
-        if self.sync == super::SyncMode::Event
-            && let Some((meta, _)) = a.slots.first()
-            && wire::EntryMeta::decode_with_fence(meta).is_ok_and(|(d, _)| d.event.is_none())
-        {
-            let _ = self.client.release(a.lease);
-            return Err(Error::Unsupported {
-                what: "waiting on a ring's events",
-                why: format!(
-                    "ring {name:?} is fences-only (RingSync::FencesOnly): its frames record no \
-                     event; attach with SyncMode::Auto, Fence or HostFence"
-                ),
-            });
-        }
         let mut slots = Vec::with_capacity(a.slots.len());
         let mut waiters = Vec::with_capacity(a.slots.len());
+        let what = format!("a slot of ring {name:?}");
         for (meta, fds) in a.slots {
-            match self.open_descriptor::<T>(&meta, fds, "a ring slot") {
+            match self.open_descriptor::<T>(&meta, fds, &what) {
                 Ok((_, buffer, waiter)) => {
                     slots.push(buffer);
                     waiters.push(waiter);

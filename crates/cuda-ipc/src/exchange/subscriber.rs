@@ -357,6 +357,15 @@ impl Subscriber {
         what: &str,
     ) -> Result<Waiter> {
         let fence = sync::take_fence_fd(fence, fds)?;
+        if self.sync == SyncMode::Event && handle.is_none() && fence.is_some() {
+            return Err(Error::Unsupported {
+                what: "waiting on the publisher's events",
+                why: format!(
+                    "{what} records no event, only its fence (a fences-only ring, \
+                     RingSync::FencesOnly); attach with SyncMode::Auto, Fence or HostFence"
+                ),
+            });
+        }
         // Nothing to open but the fence (a fences-only ring's slots carry
         // no event): Auto takes it without trying, or logging, an event.
         let mode = match self.sync {

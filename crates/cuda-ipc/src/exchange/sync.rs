@@ -413,21 +413,16 @@ impl Waiter {
         alive: &dyn Fn() -> bool,
         timeout: Duration,
     ) -> Result<()> {
-        let (mapping, word, host_only) = match self {
+        let (mapping, word) = match self {
             Waiter::Event(e) => return e.wait_on(stream),
-            Waiter::Fence {
-                mapping,
-                word,
-                host_only,
-                ..
-            } => (mapping, *word, *host_only),
+            Waiter::Fence { mapping, word, .. } => (mapping, *word),
         };
         if seq == 0 {
             return Ok(());
         }
         // Host words are written by the publisher's stream after its work
         // (with the write's memory barrier): seen here, the work is done.
-        let host_only = host_only && mapping.is_host();
+        let host_only = self.is_host_only();
         let deadline = crate::channel::deadline_in(timeout);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
