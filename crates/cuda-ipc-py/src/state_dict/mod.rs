@@ -440,13 +440,19 @@ fn plan_items<'py>(
     Ok((plan, slots))
 }
 
-/// A set member: the item it is (its entry name and shape) or an alias
-/// entry's name (one byte), its buffer, and its offset in the buffer.
+/// A set member: what its entry is, its buffer, and its offset in the
+/// buffer.
 struct Member {
-    alias: Option<String>,
-    item: usize,
+    entry: MemberEntry,
     buffer: Arc<DeviceArenaBuffer>,
     offset: u64,
+}
+
+/// What a member's entry is: an item of the plan (its entry name and shape
+/// are the item's), or an alias entry (its name; one byte).
+enum MemberEntry {
+    Item(usize),
+    Alias(String),
 }
 
 /// An alias entry's shape and an empty tensor's: one element.
@@ -515,8 +521,7 @@ fn place<'py>(
             (b, 0, dst, ptr)
         };
         out.members.push(Member {
-            alias: None,
-            item,
+            entry: MemberEntry::Item(item),
             buffer,
             offset,
         });
@@ -529,8 +534,7 @@ fn place<'py>(
             check_entry_name(key, &entry).py()?;
             let b = alloc_registered(p, py, 1)?;
             out.members.push(Member {
-                alias: Some(entry),
-                item: *i,
+                entry: MemberEntry::Alias(entry),
                 buffer: b,
                 offset: 0,
             });
@@ -585,10 +589,12 @@ fn publish_state_dict_c<'py>(
         .members
         .iter()
         .map(|mb| {
-            let it = &plan[mb.item];
-            match &mb.alias {
-                Some(name) => SetMember::new(name, Dtype::U8, &ONE, &mb.buffer),
-                None => SetMember::new(it.entry(), it.dt, &it.member_shape, &mb.buffer),
+            match &mb.entry {
+                MemberEntry::Alias(name) => SetMember::new(name, Dtype::U8, &ONE, &mb.buffer),
+                MemberEntry::Item(i) => {
+                    let it = &plan[*i];
+                    SetMember::new(it.entry(), it.dt, &it.member_shape, &mb.buffer)
+                }
             }
             .at(mb.offset)
         })
