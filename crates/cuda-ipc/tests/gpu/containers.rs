@@ -14,7 +14,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cuda_ipc::exchange::{
-    Attachment, Publisher, PublisherConfig, RingSync, Subscriber, SubscriberConfig, SyncMode,
+    Attachment, Publisher, PublisherConfig, RingPublisher, RingSync, Subscriber, SubscriberConfig,
+    SyncMode,
 };
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::{self, SharedBuffer};
@@ -225,13 +226,7 @@ fn exchange_entries(
     peer.send(&json!({ "op": "ring", "name": "frames", "frames": RING_FRAMES }));
     let r = peer.recv();
     assert_eq!(r["attached"], true, "{r}");
-    for v in 1..=RING_FRAMES {
-        let (slot, buf) = ring.acquire(Some(Duration::from_secs(10))).unwrap();
-        kernels::fill_u32(buf, Pattern::constant(v), Speed::Full).unwrap();
-        let mut extra = serde_json::Map::new();
-        extra.insert("value".into(), v.into());
-        ring.publish_with(slot, extra).unwrap();
-    }
+    send_frames(&ring, 1..=RING_FRAMES);
     let r = peer.recv();
     assert_eq!(r["bad_frames"], 0, "{r}");
     peer.send(&json!({ "op": "release" }));
@@ -277,6 +272,18 @@ fn fences_over_the_channel_publish_update_ring() {
     });
 }
 
+/// Publishes one frame of `ring` per value of `values`: the slot filled
+/// with the value (a kernel), the value in the frame's notice.
+fn send_frames(ring: &RingPublisher, values: std::ops::RangeInclusive<u32>) {
+    for v in values {
+        let (slot, buf) = ring.acquire(Some(Duration::from_secs(10))).unwrap();
+        kernels::fill_u32(buf, Pattern::constant(v), Speed::Full).unwrap();
+        let mut extra = serde_json::Map::new();
+        extra.insert("value".into(), v.into());
+        ring.publish_with(slot, extra).unwrap();
+    }
+}
+
 /// A fences-only ring (`RingSync::FencesOnly`: no event recorded per
 /// frame): readers with `auto`, `fence` and `host-fence` take every frame
 /// through its fence, every value checked; a reader that asks for events is
@@ -309,14 +316,8 @@ fn a_fences_only_ring_serves_fence_readers_and_refuses_event_readers() {
             } else {
                 assert_eq!(r["attached"], true, "{sync}: {r}");
                 assert_eq!(r["fence"], true, "{sync} must wait on the fence: {r}");
-                for _ in 0..RING_FRAMES {
-                    value += 1;
-                    let (slot, buf) = ring.acquire(Some(Duration::from_secs(10))).unwrap();
-                    kernels::fill_u32(buf, Pattern::constant(value), Speed::Full).unwrap();
-                    let mut extra = serde_json::Map::new();
-                    extra.insert("value".into(), value.into());
-                    ring.publish_with(slot, extra).unwrap();
-                }
+                send_frames(&ring, value + 1..=value + RING_FRAMES);
+                value += RING_FRAMES;
                 let r = peer.recv();
                 assert_eq!(r["bad_frames"], 0, "{sync}: {r}");
             }
