@@ -44,8 +44,9 @@
 //! is a thread wake-up on the path, or a spin that gave up.
 //!
 //! Run with `cargo run --release -p cuda-ipc-channel --example
-//! handoff_latency [iterations per batch] [batches] [rows]`, `rows` a
-//! piece of the names of the rows to measure (all by default). The
+//! handoff_latency [iterations per batch] [batches] [rows] [configurations]`,
+//! `rows` a piece of the names of the rows to measure and `configurations`
+//! of the configurations' (all by default). The
 //! configurations take turns batch by batch; compare them within one run.
 
 use std::sync::Arc;
@@ -477,19 +478,28 @@ fn main() -> Result<(), ChannelError> {
     let n: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2_000);
     let batches: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(5);
     let only = args.next();
+    let only_setup = args.next();
     let dir = tempfile::tempdir().map_err(|e| ChannelError::Io {
         context: "cannot make a temporary directory".into(),
         source: e,
     })?;
     let spin = cuda_ipc_channel::DEFAULT_SERVER_SPIN;
     let setup = |path, spin, kick| Setup { path, spin, kick };
-    let setups = [
+    let setups: Vec<Setup> = [
         setup(NoticePath::Socket, Duration::ZERO, false),
         setup(NoticePath::Socket, spin, false),
         setup(NoticePath::Shm, Duration::ZERO, false),
         setup(NoticePath::Shm, spin, false),
         setup(NoticePath::Shm, spin, true),
-    ];
+    ]
+    .into_iter()
+    // Configurations whose name holds the fourth argument, if given.
+    .filter(|s| only_setup.as_deref().is_none_or(|o| s.name().contains(o)))
+    .collect();
+    if setups.is_empty() {
+        eprintln!("no configuration's name holds {only_setup:?}");
+        std::process::exit(2);
+    }
     println!(
         "{batches} batches of {n} per row, the {} configurations taking turns; CPU only, one \
          process; p50/p90/mean over all batches, then the range of the batch p50s (µs)\n",
