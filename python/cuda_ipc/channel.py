@@ -372,6 +372,10 @@ class Ring(_Owner):
     slots = property(lambda self: self._c.slots)
     uses_fences = property(lambda self: self._c.uses_fences,
                            doc="Whether frames are waited for through the publisher's fence (else its event).")
+    spins = property(lambda self: self._c.spins,
+                     doc="Whether iteration spins for the next frame before it sleeps: when frames are "
+                         "waited for on the fence from the host, and under MPS (where spinning costs "
+                         "no context switch).")
 
     @property
     def timeout(self):

@@ -212,7 +212,7 @@ def _chan_ring_consume(self, path, frames):
     seen = 0
     with ci.Subscriber(path) as sub:
         ring = sub.attach_ring("r", timeout=30)
-        fence = ring.uses_fences
+        fence, spins = ring.uses_fences, ring.spins
         for frame in ring:
             with frame:
                 i = frame.notice["i"]
@@ -226,7 +226,7 @@ def _chan_ring_consume(self, path, frames):
             if seen == frames:
                 break
         ring.release()
-    return {"frames": seen, "fence": fence}
+    return {"frames": seen, "fence": fence, "spins": spins}
 
 
 def register(worker_cls):
@@ -373,8 +373,11 @@ class ChannelCases:
             self._chan_close(a, case)
         if fences_only and res.get("fence") is not True:
             raise AssertionError(f"the reader of a fences-only ring did not wait on its fence: {res}")
+        if not isinstance(res.get("spins"), bool):
+            raise AssertionError(f"Ring.spins is not a bool: {res}")
         return f"{res['frames']} frames through a ring of 3 slots" + (
-            ", fences only (the reader waited on the fence)" if fences_only else "")
+            ", fences only (the reader waited on the fence)" if fences_only else "") + (
+            ", the reader spinning" if res["spins"] else ", the reader sleeping between frames")
 
     def _chan_close(self, worker, case):
         try:

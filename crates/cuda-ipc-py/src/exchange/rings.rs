@@ -170,6 +170,16 @@ pub(super) struct Ring {
     pub(super) timeout: Mutex<Option<f64>>,
 }
 
+impl Ring {
+    /// What `f` reads of the subscription; an error once it was released.
+    fn read<R>(&self, f: impl FnOnce(&RingSubscriber<u8>) -> R) -> PyResult<R> {
+        lock(&self.shared.ring)
+            .as_deref()
+            .map(f)
+            .ok_or_else(|| closed_error("ring", "attach it again"))
+    }
+}
+
 #[pymethods]
 impl Ring {
     /// The ring's name.
@@ -180,19 +190,19 @@ impl Ring {
     /// The number of slots.
     #[getter]
     fn slots(&self) -> PyResult<usize> {
-        lock(&self.shared.ring)
-            .as_ref()
-            .map(|r| r.slot_count())
-            .ok_or_else(|| closed_error("ring", "attach it again"))
+        self.read(RingSubscriber::slot_count)
     }
     /// Whether frames are waited for through the publisher's fence (else
     /// its event).
     #[getter]
     fn uses_fences(&self) -> PyResult<bool> {
-        lock(&self.shared.ring)
-            .as_ref()
-            .map(|r| r.uses_fences())
-            .ok_or_else(|| closed_error("ring", "attach it again"))
+        self.read(RingSubscriber::uses_fences)
+    }
+    /// Whether iteration spins for the next frame before it sleeps: when
+    /// frames are waited for on the fence from the host, and under MPS.
+    #[getter]
+    fn spins(&self) -> PyResult<bool> {
+        self.read(RingSubscriber::spins)
     }
     /// How long iteration waits for a frame, in seconds (`None`: for ever).
     #[getter]

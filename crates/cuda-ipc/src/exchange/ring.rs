@@ -157,12 +157,22 @@ pub struct RingSubscriber<T> {
     slots: Vec<MappedBuffer<T>>,
     /// How each slot waits (event or fence).
     waiters: Vec<Waiter>,
+    /// Whether the reader spins for its next frame before it sleeps (see
+    /// [`Subscriber::next_frame`]).
+    spins: bool,
 }
 
 impl<T: Pod> RingSubscriber<T> {
     /// The number of slots (a slot's index is a `u32` below it).
     pub fn slot_count(&self) -> usize {
         self.slots.len()
+    }
+
+    /// Whether [`Subscriber::next_frame`] spins for the next frame before
+    /// it sleeps: for a reader that waits on the fence from the host, and
+    /// for every reader under MPS ([`Device::under_mps`](crate::Device::under_mps)).
+    pub fn spins(&self) -> bool {
+        self.spins
     }
 
     /// Whether frames are waited for with the publisher's fence (rather
@@ -222,11 +232,13 @@ impl Subscriber {
             mappings,
         );
         let slots = slots.into_iter().map(|b| b.hold(guard.clone())).collect();
+        let spins = waiters.first().is_some_and(Waiter::is_host_only) || self.device.under_mps();
         Ok(RingSubscriber {
             lease: a.lease,
             guard,
             slots,
             waiters,
+            spins,
         })
     }
 
@@ -237,10 +249,15 @@ impl Subscriber {
         ring: &'r RingSubscriber<T>,
         timeout: Duration,
     ) -> Result<RingFrame<'r, T>> {
-        // A reader that waits on the fence from the host queues nothing on
-        // the device per frame: its spin costs no context switch, and saves
-        // the producer waking it for every frame. Others sleep at once.
-        let f = if ring.waiters.first().is_some_and(Waiter::is_host_only) {
+        // A reader that spins takes a frame's notice without the producer
+        // having to wake it (an eventfd write per frame). It spins where
+        // that costs no context switch: when it waits on the fence from the
+        // host (it queues nothing on the device per frame), or under MPS
+        // (the two processes' work runs side by side, not time-sliced).
+        // Others sleep at once: a device wait queued as soon as a notice
+        // comes, before the producer's kernel is done, would make the GPU
+        // switch to this process's context for it.
+        let f = if ring.spins {
             self.client.next_frame_spinning(ring.lease, timeout)?
         } else {
             self.client.next_frame(ring.lease, timeout)?

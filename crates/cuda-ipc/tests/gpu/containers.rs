@@ -123,7 +123,12 @@ fn subscriber_child() {
             "ring" => match sub.attach_ring::<u32>(&name) {
                 Err(e) => json!({ "error": e.to_string() }),
                 Ok(ring) => {
-                    parent.send(&json!({ "attached": true, "fence": ring.uses_fences() }));
+                    parent.send(&json!({
+                        "attached": true,
+                        "fence": ring.uses_fences(),
+                        "spins": ring.spins(),
+                        "mps": sub.device().under_mps(),
+                    }));
                     let mut bad = 0;
                     for _ in 0..req["frames"].as_u64().unwrap() {
                         let f = sub.next_frame(&ring, Duration::from_secs(10)).unwrap();
@@ -286,8 +291,10 @@ fn send_frames(ring: &RingPublisher, values: std::ops::RangeInclusive<u32>) {
 
 /// A fences-only ring (`RingSync::FencesOnly`: no event recorded per
 /// frame): readers with `auto`, `fence` and `host-fence` take every frame
-/// through its fence, every value checked; a reader that asks for events is
-/// refused at attach, saying why, and the ring serves the next reader.
+/// through its fence, every value checked, and spin for their frames only
+/// where that costs no context switch (host fences, or under MPS); a
+/// reader that asks for events is refused at attach, saying why, and the
+/// ring serves the next reader.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_fences_only_ring_serves_fence_readers_and_refuses_event_readers() {
@@ -316,6 +323,10 @@ fn a_fences_only_ring_serves_fence_readers_and_refuses_event_readers() {
             } else {
                 assert_eq!(r["attached"], true, "{sync}: {r}");
                 assert_eq!(r["fence"], true, "{sync} must wait on the fence: {r}");
+                // A reader spins for its frames where that costs no context
+                // switch: waiting from the host, or under MPS.
+                let spins = sync == "host-fence" || r["mps"] == true;
+                assert_eq!(r["spins"], spins, "{sync}: {r}");
                 send_frames(&ring, value + 1..=value + RING_FRAMES);
                 value += RING_FRAMES;
                 let r = peer.recv();
