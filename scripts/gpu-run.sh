@@ -621,8 +621,9 @@ step_parts() {
 
 step_bench-full() {
   bench_python
-  # shellcheck disable=SC2046 # two words or none
-  check "bench" 0 "$cli" bench $(two_gpus) --json-out "$logs/bench.json" --plot "$logs/bench.svg"
+  # BENCH_ARGS: more of the bench's options (e.g. --mps), split on spaces.
+  # shellcheck disable=SC2046,SC2086 # two words or none; the options' words
+  check "bench" 0 "$cli" bench $(two_gpus) ${BENCH_ARGS:-} --json-out "$logs/bench.json" --plot "$logs/bench.svg"
   tail -n 100 "$logs/bench.log"
   [ -n "${OUT:-}" ] && cp "$logs/bench.json" "$logs/bench.svg" "$OUT/" 2>/dev/null
 }
