@@ -374,8 +374,8 @@ class Ring(_Owner):
                            doc="Whether frames are waited for through the publisher's fence (else its event).")
     spins = property(lambda self: self._c.spins,
                      doc="Whether iteration spins for the next frame before it sleeps: when frames are "
-                         "waited for on the fence from the host, and under MPS (where spinning costs "
-                         "no context switch).")
+                         "waited for on the fence from the host (sync=\"host-fence\"), where spinning "
+                         "costs no context switch.")
 
     @property
     def timeout(self):

@@ -156,17 +156,6 @@ impl Device {
     pub fn capabilities(&self) -> Result<Capabilities> {
         Capabilities::query(self.ordinal())
     }
-
-    /// Whether this process's contexts on the device go through an MPS
-    /// server ([`Capabilities::mps`], one attribute read): `false` where
-    /// the driver does not say.
-    pub fn under_mps(&self) -> bool {
-        dev::attribute(
-            self.inner.ctx.cu_device(),
-            Attr::CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
-        )
-        .is_ok_and(|v| v != 0)
-    }
 }
 
 /// A device UUID, printed as `nvidia-smi` does (`GPU-xxxxxxxx-xxxx-...`).

@@ -199,7 +199,7 @@ impl Ring {
         self.read(RingSubscriber::uses_fences)
     }
     /// Whether iteration spins for the next frame before it sleeps: when
-    /// frames are waited for on the fence from the host, and under MPS.
+    /// frames are waited for on the fence from the host.
     #[getter]
     fn spins(&self) -> PyResult<bool> {
         self.read(RingSubscriber::spins)

@@ -169,8 +169,7 @@ impl<T: Pod> RingSubscriber<T> {
     }
 
     /// Whether [`Subscriber::next_frame`] spins for the next frame before
-    /// it sleeps: for a reader that waits on the fence from the host, and
-    /// for every reader under MPS ([`Device::under_mps`](crate::Device::under_mps)).
+    /// it sleeps: for a reader that waits on the fence from the host.
     pub fn spins(&self) -> bool {
         self.spins
     }
@@ -232,7 +231,7 @@ impl Subscriber {
             mappings,
         );
         let slots = slots.into_iter().map(|b| b.hold(guard.clone())).collect();
-        let spins = waiters.first().is_some_and(Waiter::is_host_only) || self.device.under_mps();
+        let spins = waiters.first().is_some_and(Waiter::is_host_only);
         Ok(RingSubscriber {
             lease: a.lease,
             guard,
@@ -249,14 +248,13 @@ impl Subscriber {
         ring: &'r RingSubscriber<T>,
         timeout: Duration,
     ) -> Result<RingFrame<'r, T>> {
-        // A reader that spins takes a frame's notice without the producer
-        // having to wake it (an eventfd write per frame). It spins where
-        // that costs no context switch: when it waits on the fence from the
-        // host (it queues nothing on the device per frame), or under MPS
-        // (the two processes' work runs side by side, not time-sliced).
-        // Others sleep at once: a device wait queued as soon as a notice
-        // comes, before the producer's kernel is done, would make the GPU
-        // switch to this process's context for it.
+        // A reader that waits on the fence from the host queues nothing on
+        // the device per frame: its spin costs no context switch, and saves
+        // the producer waking it for every frame. Others sleep at once (a
+        // device wait queued as soon as a notice comes, before the
+        // producer's kernel is done, makes a shared GPU switch contexts).
+        // Under MPS, where no switch is at stake, spinning every reader
+        // measured no gain on the H200 (docs/PERFORMANCE.md, 2026-12-02).
         let f = if ring.spins {
             self.client.next_frame_spinning(ring.lease, timeout)?
         } else {
