@@ -361,8 +361,9 @@ impl Subscriber {
             return Err(Error::Unsupported {
                 what: "waiting on the publisher's events",
                 why: format!(
-                    "{what} records no event, only its fence (a fences-only ring, \
-                     RingSync::FencesOnly); attach with SyncMode::Auto, Fence or HostFence"
+                    "{what} carries no event of the publisher, only its fence (as a \
+                     fences-only ring's slots do: RingSync::FencesOnly); attach with \
+                     SyncMode::Auto, Fence or HostFence"
                 ),
             });
         }
