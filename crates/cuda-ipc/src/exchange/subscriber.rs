@@ -144,7 +144,7 @@ pub struct Subscriber {
     cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
     events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
     fences: Mutex<HashMap<u64, Arc<FenceMapping>>>,
-    pub(super) sync: SyncMode,
+    sync: SyncMode,
     timeout: Duration,
     /// How attaches map, unless a set's publisher asks for read-only.
     pub(super) access: Access,
@@ -357,20 +357,22 @@ impl Subscriber {
         what: &str,
     ) -> Result<Waiter> {
         let fence = sync::take_fence_fd(fence, fds)?;
-        if self.sync == SyncMode::Event && handle.is_none() && fence.is_some() {
-            return Err(Error::Unsupported {
-                what: "waiting on the publisher's events",
-                why: format!(
-                    "{what} carries no event of the publisher, only its fence (as a \
-                     fences-only ring's slots do: RingSync::FencesOnly); attach with \
-                     SyncMode::Auto, Fence or HostFence"
-                ),
-            });
-        }
         // Nothing to open but the fence (a fences-only ring's slots carry
-        // no event): Auto takes it without trying, or logging, an event.
+        // no event): Auto takes it without trying, or logging, an event,
+        // and Event cannot be served.
+        let fence_only = handle.is_none() && fence.is_some();
         let mode = match self.sync {
-            SyncMode::Auto if handle.is_none() && fence.is_some() => SyncMode::Fence,
+            SyncMode::Event if fence_only => {
+                return Err(Error::Unsupported {
+                    what: "waiting on the publisher's events",
+                    why: format!(
+                        "{what} carries no event of the publisher, only its fence (as a \
+                         fences-only ring's slots do: RingSync::FencesOnly); attach with \
+                         SyncMode::Auto, Fence or HostFence"
+                    ),
+                });
+            }
+            SyncMode::Auto if fence_only => SyncMode::Fence,
             mode => mode,
         };
         sync::choose(
