@@ -157,9 +157,6 @@ pub struct RingSubscriber<T> {
     slots: Vec<MappedBuffer<T>>,
     /// How each slot waits (event or fence).
     waiters: Vec<Waiter>,
-    /// Whether the reader spins for its next frame before it sleeps (see
-    /// [`Subscriber::next_frame`]).
-    spins: bool,
 }
 
 impl<T: Pod> RingSubscriber<T> {
@@ -171,7 +168,7 @@ impl<T: Pod> RingSubscriber<T> {
     /// Whether [`Subscriber::next_frame`] spins for the next frame before
     /// it sleeps: for a reader that waits on the fence from the host.
     pub fn spins(&self) -> bool {
-        self.spins
+        self.waiters.first().is_some_and(Waiter::is_host_only)
     }
 
     /// Whether frames are waited for with the publisher's fence (rather
@@ -231,13 +228,11 @@ impl Subscriber {
             mappings,
         );
         let slots = slots.into_iter().map(|b| b.hold(guard.clone())).collect();
-        let spins = waiters.first().is_some_and(Waiter::is_host_only);
         Ok(RingSubscriber {
             lease: a.lease,
             guard,
             slots,
             waiters,
-            spins,
         })
     }
 
@@ -255,7 +250,7 @@ impl Subscriber {
         // producer's kernel is done, makes a shared GPU switch contexts).
         // Under MPS, where no switch is at stake, spinning every reader
         // measured no gain on the H200 (docs/PERFORMANCE.md, 2026-12-02).
-        let f = if ring.spins {
+        let f = if ring.spins() {
             self.client.next_frame_spinning(ring.lease, timeout)?
         } else {
             self.client.next_frame(ring.lease, timeout)?
