@@ -448,7 +448,7 @@ impl SetAttachment {
     #[getter]
     fn layout_hash(&self) -> &str {
         self.layout_hash
-            .get_or_init(|| cuda_ipc::service::layout::layout_hash(&self.index.record().entries))
+            .get_or_init(|| cuda_ipc::service::layout::layout_hash(self.set_entries()))
     }
     /// Whether updates are waited for through the publisher's fence (else
     /// its event).

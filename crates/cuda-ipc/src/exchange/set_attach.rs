@@ -112,7 +112,7 @@ pub struct EntryPlace {
 impl SetAttachment {
     /// The set's name.
     pub fn name(&self) -> &str {
-        &self.index.record().name
+        &self.record().name
     }
 
     /// The lease id.
@@ -151,17 +151,17 @@ impl SetAttachment {
 
     /// The number of buffers.
     pub fn len(&self) -> usize {
-        self.index.record().entries.len()
+        self.record().entries.len()
     }
 
     /// Never true: a set has at least one buffer.
     pub fn is_empty(&self) -> bool {
-        self.index.record().entries.is_empty()
+        self.record().entries.is_empty()
     }
 
     /// The buffers' entries (name, dtype, shape, place), in the producer's order.
     pub fn entries(&self) -> &[SetEntry] {
-        &self.index.record().entries
+        &self.record().entries
     }
 
     /// The index of the buffer called `name`.
@@ -174,10 +174,7 @@ impl SetAttachment {
         let i = self.position(name).ok_or_else(|| {
             Error::arg(
                 "set entry",
-                format!(
-                    "{:?} has no buffer called {name:?}",
-                    self.index.record().name
-                ),
+                format!("{:?} has no buffer called {name:?}", self.record().name),
             )
         })?;
         self.view(i)
@@ -186,7 +183,7 @@ impl SetAttachment {
     /// A view of buffer `index` as elements of `T` (its stream waits on the
     /// set's event or fence, as every view on this device shares the stream).
     pub fn view<T: Pod>(&self, index: usize) -> Result<MappedBuffer<T>> {
-        let e = self.index.record().entries.get(index).ok_or_else(|| {
+        let e = self.record().entries.get(index).ok_or_else(|| {
             Error::arg(
                 "set entry",
                 format!("index {index} is past the set's {} buffers", self.len()),
@@ -222,7 +219,7 @@ impl SetAttachment {
         // chunk id -> (mapping, where the chunk starts in it)
         let mut chunks: HashMap<u64, (&Arc<dyn Mapping>, u64)> =
             HashMap::with_capacity(self.mappings.len());
-        for c in &self.index.record().chunks {
+        for c in &self.record().chunks {
             if let Some(m) = self.mappings.get(&c.id) {
                 m.used_streams().record(m.device().stream());
                 chunks.insert(c.id, (m, c.descriptor.offset));
@@ -454,12 +451,12 @@ impl Subscriber {
                 ),
             ));
         }
-        let descriptor = set.index.record().entry_descriptor(0)?;
+        let descriptor = set.record().entry_descriptor(0)?;
         let buffer = set.view::<T>(0)?;
         phases.mark("view");
         Ok(Attachment::from_parts(
             set.lease,
-            set.index.record().name.clone(),
+            set.record().name.clone(),
             set.guard.clone(),
             buffer,
             set.waiter.clone(),
@@ -498,7 +495,7 @@ impl Subscriber {
                 Ok(version)
             }
             Notice::Unpublished => Err(ChannelError::Unpublished {
-                name: set.index.record().name.clone(),
+                name: set.record().name.clone(),
                 lease: set.lease,
             }
             .into()),
