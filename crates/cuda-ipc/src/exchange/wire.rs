@@ -73,7 +73,7 @@ pub(super) struct UpdateBody {
 /// The body of a ring frame's notice (the channel's `FrameNotice::notice`):
 /// the producer's extra fields and the event recorded after the slot was
 /// written (none from a fences-only ring).
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
 pub(super) struct FrameBody {
     /// The ring's interprocess event, as hex; absent where the ring
     /// records none ([`RingSync::FencesOnly`](super::RingSync::FencesOnly)).
@@ -173,9 +173,7 @@ mod tests {
                 Err(e) => prop_assert!(e.to_string().contains("ring frame"), "{}", e),
                 Ok(body) => {
                     let again = FrameBody::decode(&to_value(&body).unwrap()).unwrap();
-                    prop_assert_eq!(again.event, body.event);
-                    prop_assert_eq!(again.fence_seq, body.fence_seq);
-                    prop_assert_eq!(again.extra, body.extra);
+                    prop_assert_eq!(again, body);
                 }
             }
         }
@@ -195,9 +193,7 @@ mod tests {
             });
             let body = FrameBody { event, fence_seq, extra: extra.into_iter().collect() };
             let back = FrameBody::decode(&to_value(&body).unwrap()).unwrap();
-            prop_assert_eq!(back.event, body.event);
-            prop_assert_eq!(back.fence_seq, body.fence_seq);
-            prop_assert_eq!(back.extra, body.extra);
+            prop_assert_eq!(back, body);
         }
     }
 
