@@ -457,7 +457,7 @@ pub fn settle(timeout: Duration) -> bool {
 /// Retires `finish` with no GPU work to wait for: it runs on the reaper
 /// thread at its next poll.
 #[cfg(test)]
-fn soon(what: &'static str, finish: impl FnOnce() + Send + 'static) {
+pub(crate) fn soon(what: &'static str, finish: impl FnOnce() + Send + 'static) {
     after_streams(std::iter::empty(), what, finish);
 }
 
