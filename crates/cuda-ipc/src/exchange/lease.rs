@@ -257,7 +257,7 @@ mod tests {
         let counts = std::cell::Cell::new(0);
         let count = || {
             counts.set(counts.get() + 1);
-            if counts.get() == 1 { 1 } else { 0 }
+            usize::from(counts.get() == 1)
         };
         let settled = std::cell::Cell::new(false);
         assert_eq!(views_left(count, || 0, || settled.set(true)), 0);
