@@ -40,9 +40,35 @@ impl RingView {
 
     /// The data word at byte position `pos` (any value: it wraps).
     fn data_word(&self, pos: u64) -> &AtomicU64 {
-        let index = ((pos / 8) % (self.capacity / 8)) as usize;
-        &self.map.words()[self.data + index]
+        let (first, _) = self.data_words(pos, 1);
+        &first[0]
     }
+
+    /// The `n` data words (at most the capacity's) from byte position
+    /// `pos` (a multiple of 8, any value: it wraps), as the run up to the
+    /// end of the data area and the run from its start (empty unless they
+    /// wrap): a record is copied in at most two loops over contiguous
+    /// words, with no division per word.
+    fn data_words(&self, pos: u64, n: usize) -> (&[AtomicU64], &[AtomicU64]) {
+        // The capacity is a power of two: the mask is the modulo.
+        let words = (self.capacity / 8) as usize;
+        let area = &self.map.words()[self.data..self.data + words];
+        let start = ((pos / 8) as usize) & (words - 1);
+        let first = n.min(words - start);
+        (&area[start..start + first], &area[..n - first])
+    }
+}
+
+/// `bytes` as little-endian words, the last padded with zeros.
+fn words_of(bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    let full = bytes.chunks_exact(8);
+    let rest = full.remainder();
+    full.map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .chain((!rest.is_empty()).then(|| {
+            let mut w = [0u8; 8];
+            w[..rest.len()].copy_from_slice(rest);
+            u64::from_le_bytes(w)
+        }))
 }
 
 /// Bytes a record of `len` bytes takes in the ring: its length word and
@@ -114,17 +140,12 @@ impl Sender {
         if need > self.ring.capacity - used {
             return Ok(false);
         }
-        let mut pos = self.head;
-        self.ring
-            .data_word(pos)
-            .store(record.len() as u64, Ordering::Relaxed);
-        for chunk in record.chunks(8) {
-            pos += 8;
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.ring
-                .data_word(pos)
-                .store(u64::from_le_bytes(word), Ordering::Relaxed);
+        // The length word, then the record's words (`need` covers both
+        // and fits in the free space, checked above).
+        let (a, b) = self.ring.data_words(self.head, (need / 8) as usize);
+        let values = std::iter::once(record.len() as u64).chain(words_of(record));
+        for (word, value) in a.iter().chain(b).zip(values) {
+            word.store(value, Ordering::Relaxed);
         }
         self.head = self.head.wrapping_add(need);
         self.ring.field(W_HEAD).store(self.head, Ordering::Release);
@@ -286,20 +307,15 @@ impl Receiver {
         }
         let len = len as usize;
         out.clear();
-        out.reserve(len);
-        let mut pos = self.tail;
-        let mut left = len;
-        while left > 0 {
-            pos += 8;
-            let word = self
-                .ring
-                .data_word(pos)
-                .load(Ordering::Relaxed)
-                .to_le_bytes();
-            let n = left.min(8);
-            out.extend_from_slice(&word[..n]);
-            left -= n;
+        // Whole words (the last one's padding is cut off below); `len`
+        // is within what was written, so within the capacity.
+        let words = len.div_ceil(8);
+        out.resize(words * 8, 0);
+        let (a, b) = self.ring.data_words(self.tail.wrapping_add(8), words);
+        for (bytes, word) in out.chunks_exact_mut(8).zip(a.iter().chain(b)) {
+            bytes.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
         }
+        out.truncate(len);
         self.tail = self.tail.wrapping_add(record_bytes(len));
         self.ring.field(W_TAIL).store(self.tail, Ordering::Release);
         Ok(true)

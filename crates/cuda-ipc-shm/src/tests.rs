@@ -55,6 +55,31 @@ fn records_cross_between_two_mappings_both_ways() {
 }
 
 #[test]
+fn records_as_long_as_the_ring_wrap_at_every_word_intact() {
+    // Records of every length near the longest, each starting one word
+    // further on: their words wrap around the end of the data area at
+    // every offset, and their last, partial word too.
+    let mut p = pair(MIN_CAPACITY);
+    let max = p.creator.0.max_record();
+    assert_eq!(max, MIN_CAPACITY - 8);
+    let mut buf = Vec::new();
+    for i in 0..(MIN_CAPACITY / 8 + 9) {
+        let r = record(i, max - i % 13);
+        assert!(p.creator.0.send(&r).unwrap(), "record {i} was refused");
+        assert!(p.opener.1.recv(&mut buf).unwrap());
+        assert_eq!(buf, r, "record {i}");
+        // Shifts the next record's start by one word.
+        assert!(p.creator.0.send(&[i as u8]).unwrap());
+        assert!(p.opener.1.recv(&mut buf).unwrap());
+        assert_eq!(buf, [i as u8]);
+    }
+    assert!(
+        !p.creator.0.send(&record(0, max + 1)).unwrap(),
+        "longer than the ring"
+    );
+}
+
+#[test]
 fn a_full_ring_refuses_and_takes_again_once_read() {
     let mut p = pair(MIN_CAPACITY);
     let r = record(1, 100);
