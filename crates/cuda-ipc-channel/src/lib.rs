@@ -94,7 +94,7 @@ pub use server::{
     SERVER_KICK_ENV, SERVER_SPIN_ENV, Server, ServerConfig, ServerRing,
 };
 pub use socket::{Ucred, peer_credentials};
-pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, WireError};
+pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, Meta, WireError};
 
 /// What went wrong, in the classes a caller acts on (see [`ChannelError::kind`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -27,8 +27,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 mod error;
+mod meta;
 
 pub use error::WireError;
+pub use meta::Meta;
 
 /// The magic bytes that start every message.
 pub(crate) const MAGIC: [u8; 4] = *b"CIPC";
@@ -300,7 +302,7 @@ pub enum Message {
         /// The new lease.
         lease: u64,
         /// The entry's metadata (shared with the server's entry, not copied).
-        meta: Arc<Value>,
+        meta: Arc<Meta>,
         /// How many descriptors come with the message.
         fds: u16,
     },
@@ -319,7 +321,7 @@ pub enum Message {
         /// slot count).
         slots: u32,
         /// The ring's metadata (shared with the server's entry, not copied).
-        meta: Arc<Value>,
+        meta: Arc<Meta>,
     },
     /// One slot of a ring; the slot's descriptors come with this message.
     RingSlot {
@@ -637,7 +639,7 @@ struct AttachedWire {
     _kind: serde::de::IgnoredAny,
     id: u64,
     lease: u64,
-    meta: Arc<Value>,
+    meta: Arc<Meta>,
     fds: u16,
 }
 

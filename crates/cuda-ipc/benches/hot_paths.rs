@@ -260,7 +260,7 @@ mod sets {
         let payload = cuda_ipc::channel::Message::Attached {
             id: 7,
             lease: 9,
-            meta: std::sync::Arc::new(set_record(n).to_value()),
+            meta: std::sync::Arc::new(set_record(n).to_value().into()),
             fds: 0,
         }
         .encode();

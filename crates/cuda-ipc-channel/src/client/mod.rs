@@ -365,7 +365,7 @@ impl Client {
                 lease,
                 name: name.into(),
                 // The only reference after decoding: no copy.
-                meta: Arc::unwrap_or_clone(meta),
+                meta: Arc::unwrap_or_clone(meta).into_value(),
                 fds,
             }),
             (other, _) => Err(unexpected(other, "attached", name)),

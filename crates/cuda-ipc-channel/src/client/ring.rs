@@ -73,7 +73,7 @@ impl Client {
             Ok(slots) => Ok(RingAttachment {
                 lease,
                 name: name.into(),
-                meta: Arc::unwrap_or_clone(meta),
+                meta: Arc::unwrap_or_clone(meta).into_value(),
                 slots,
             }),
             Err(e) => {

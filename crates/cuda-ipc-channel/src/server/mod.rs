@@ -52,7 +52,7 @@ use serde_json::Value;
 
 use super::limits::{MAX_RING_SLOTS, validate_entry_name};
 use super::socket::RecvLimits;
-use super::wire::{EntryKind, MAX_FDS, MAX_PAYLOAD, Message};
+use super::wire::{EntryKind, MAX_FDS, MAX_PAYLOAD, Message, Meta};
 use super::{ChannelError, lock, own_pid};
 
 /// A listing page stops growing at about this many bytes.
@@ -420,7 +420,7 @@ impl Server {
             id,
             Entry {
                 name: name.into(),
-                meta: Arc::new(meta),
+                meta: Arc::new(Meta::new(meta)),
                 meta_bytes,
                 published: true,
                 leases: BTreeSet::new(),

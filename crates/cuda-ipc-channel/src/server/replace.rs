@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+use crate::wire::Meta;
 use crate::{ChannelError, lock, validate_entry_name};
 
 use super::state::{Body, Entry};
@@ -59,7 +60,7 @@ impl Server {
             new_id,
             Entry {
                 name: name.into(),
-                meta: Arc::new(meta),
+                meta: Arc::new(Meta::new(meta)),
                 meta_bytes,
                 published: true,
                 leases: BTreeSet::new(),

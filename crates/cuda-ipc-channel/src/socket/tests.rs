@@ -4,6 +4,7 @@ use std::io::Write;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustix::fs::{MemfdFlags, memfd_create};
@@ -38,7 +39,7 @@ fn frames_carry_fds_over_a_socket_pair() {
     let m = Message::Attached {
         id: 1,
         lease: 2,
-        meta: json!({"len": 4096}).into(),
+        meta: Arc::new(json!({"len": 4096}).into()),
         fds: 2,
     };
     send_message(&a, &m, &[fd.as_fd(), fd.as_fd()], None).unwrap();
@@ -225,7 +226,7 @@ fn a_spinning_wait_reads_what_comes_and_keeps_its_deadline() {
     let m = Message::Attached {
         id: 7,
         lease: 8,
-        meta: json!({"len": 3}).into(),
+        meta: Arc::new(json!({"len": 3}).into()),
         fds: 1,
     };
     let sender = {

@@ -46,7 +46,7 @@ fn type_names_match_serde_tags() {
         Message::Attached {
             id: 1,
             lease: 1,
-            meta: json!({}).into(),
+            meta: Arc::new(json!({}).into()),
             fds: 0,
         },
         Message::Released { id: 1 },
@@ -54,7 +54,7 @@ fn type_names_match_serde_tags() {
             id: 1,
             lease: 1,
             slots: 1,
-            meta: json!(null).into(),
+            meta: Arc::new(json!(null).into()),
         },
         Message::RingSlot {
             id: 1,
@@ -315,7 +315,7 @@ fn encode_message_enforces_limits() {
     let huge = Message::Attached {
         id: 1,
         lease: 1,
-        meta: Value::String("x".repeat(MAX_PAYLOAD as usize)).into(),
+        meta: Arc::new(Value::String("x".repeat(MAX_PAYLOAD as usize)).into()),
         fds: 0,
     };
     assert!(matches!(
@@ -405,7 +405,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
             |(id, lease, meta, fds)| Message::Attached {
                 id,
                 lease,
-                meta: meta.into(),
+                meta: Arc::new(meta.into()),
                 fds
             }
         ),
@@ -415,7 +415,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 id,
                 lease,
                 slots,
-                meta: meta.into()
+                meta: Arc::new(meta.into())
             }
         ),
         (
@@ -680,7 +680,7 @@ fn attached_answers_keep_the_checks() {
         Message::Attached {
             id: 1,
             lease: 2,
-            meta: Arc::new(json!({"a": [1, 2]})),
+            meta: Arc::new(json!({"a": [1, 2]}).into()),
             fds: 0,
         }
     );

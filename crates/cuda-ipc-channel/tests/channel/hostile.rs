@@ -11,7 +11,7 @@ fn attached_len() -> usize {
         + Message::Attached {
             id: 100,
             lease: 100,
-            meta: json!({"len": 4}).into(),
+            meta: std::sync::Arc::new(json!({"len": 4}).into()),
             fds: 2,
         }
         .encode()

@@ -1,0 +1,99 @@
+//! An entry's metadata as the messages about it carry it.
+
+use std::sync::OnceLock;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::Value;
+use serde_json::value::RawValue;
+
+/// An entry's metadata in a message: the producer's JSON value, and the
+/// text it encodes to, made the first time the message is encoded and
+/// kept. The server shares one `Meta` (behind an `Arc`) with every answer
+/// about the entry, so metadata that is large (a set's record of a
+/// thousand entries) is written out once, at the first attach, rather
+/// than at every attach. Reads through `Deref` see the value; equality is
+/// the value's.
+#[derive(Debug, Clone)]
+pub struct Meta {
+    value: Value,
+    text: OnceLock<Box<RawValue>>,
+}
+
+impl Meta {
+    /// Metadata holding `value`.
+    pub fn new(value: Value) -> Meta {
+        Meta {
+            value,
+            text: OnceLock::new(),
+        }
+    }
+
+    /// The value.
+    pub fn value(&self) -> &Value {
+        &self.value
+    }
+
+    /// The value, taken out.
+    pub fn into_value(self) -> Value {
+        self.value
+    }
+
+    /// The value as compact JSON text, made once.
+    fn text(&self) -> &RawValue {
+        self.text.get_or_init(|| {
+            serde_json::value::to_raw_value(&self.value)
+                .expect("a JSON value always encodes as JSON text")
+        })
+    }
+}
+
+impl From<Value> for Meta {
+    fn from(value: Value) -> Meta {
+        Meta::new(value)
+    }
+}
+
+impl std::ops::Deref for Meta {
+    type Target = Value;
+    fn deref(&self) -> &Value {
+        &self.value
+    }
+}
+
+impl PartialEq for Meta {
+    fn eq(&self, other: &Meta) -> bool {
+        self.value == other.value
+    }
+}
+
+impl Serialize for Meta {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.text().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Meta {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Meta, D::Error> {
+        Value::deserialize(d).map(Meta::new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn it_encodes_as_its_value_does_once_and_again() {
+        let v = json!({"b": [1, 2.5, "x\"y"], "a": {"n": null, "t": true}, "e": "\u{e9}"});
+        let m = Meta::new(v.clone());
+        let want = serde_json::to_string(&v).unwrap();
+        assert_eq!(serde_json::to_string(&m).unwrap(), want);
+        assert!(m.text.get().is_some(), "the text is kept");
+        assert_eq!(serde_json::to_string(&m).unwrap(), want, "and used again");
+        let back: Meta = serde_json::from_str(&want).unwrap();
+        assert_eq!(back, m);
+        assert_eq!(back.into_value(), v);
+    }
+}
