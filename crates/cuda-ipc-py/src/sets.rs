@@ -383,7 +383,7 @@ impl SetAttachment {
                     ptr,
                     len: e.len,
                     dtype: e.dtype,
-                    shape: e.shape.clone(),
+                    shape: e.shape.to_vec(),
                 })
                 .collect();
             runs::plan(&items)
@@ -528,7 +528,7 @@ impl SetAttachment {
             ptr: self.ptrs[i],
             len: e.len,
             dtype: e.dtype,
-            shape: e.shape.clone(),
+            shape: e.shape.to_vec(),
             strides: None,
             ordinal: self.ordinal,
         };

@@ -207,7 +207,7 @@ fn compare_entries(
             return Ok(Some(format!("{name} is not in the checkpoint")));
         };
         let (source, dtype, shape) = match role {
-            EntryRole::Tensor { .. } => (Some(i), entry.dtype, entry.shape.clone()),
+            EntryRole::Tensor { .. } => (Some(i), entry.dtype, entry.shape.to_vec()),
             EntryRole::Alias { index, .. } => {
                 let tied = entries
                     .get(index)
@@ -217,7 +217,7 @@ fn compare_entries(
                         "{name} is tied to entry {index}, which is not an ordinary entry before it"
                     )));
                 };
-                (Some(index), tied.dtype, tied.shape.clone())
+                (Some(index), tied.dtype, tied.shape.to_vec())
             }
             EntryRole::Empty { shape, .. } => (None, entry.dtype, shape),
         };

@@ -290,7 +290,7 @@ impl DeviceArena {
             entries.push(SetEntry {
                 name: m.name.to_string(),
                 dtype: m.dtype,
-                shape: m.shape.to_vec(),
+                shape: m.shape.into(),
                 chunk: chunk.id().index,
                 offset: m.buffer.offset() + m.offset,
                 len,

@@ -269,7 +269,7 @@ fn set_record(n: usize) -> SetRecord {
         .map(|i| SetEntry {
             name: format!("model.layers.{i}.mlp.weight"),
             dtype: Dtype::F32,
-            shape: vec![64, 16],
+            shape: [64, 16][..].into(),
             chunk: (i % 2) as u64,
             offset: (i / 2) as u64 * 4096,
             len: 4096,

@@ -180,7 +180,7 @@ mod tests {
         let e = |name: &str, dtype, shape: &[u64], offset| SetEntry {
             name: name.into(),
             dtype,
-            shape: shape.to_vec(),
+            shape: shape.into(),
             chunk: 0,
             offset,
             len: 8,

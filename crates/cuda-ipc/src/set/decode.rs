@@ -199,7 +199,7 @@ pub(super) fn decode_entry(i: usize, v: &Value) -> Result<SetEntry> {
         .iter()
         .enumerate()
         .map(|(d, v)| u64_of(ShapeDim(i, d), v))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Result<super::Shape>>()?;
     Ok(SetEntry {
         name,
         dtype,

@@ -154,6 +154,10 @@ pub struct SetChunk {
     pub descriptor: Descriptor,
 }
 
+/// A set entry's dimensions: inline up to four (no allocation for what
+/// model weights have), on the heap beyond.
+pub type Shape = smallvec::SmallVec<[u64; 4]>;
+
 /// One buffer of a set.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -163,7 +167,7 @@ pub struct SetEntry {
     /// What it holds.
     pub dtype: Dtype,
     /// Its dimensions in elements, row-major and contiguous (`[]` for a scalar).
-    pub shape: Vec<u64>,
+    pub shape: Shape,
     /// The id of the chunk it lives in.
     pub chunk: u64,
     /// Bytes from the start of the chunk's described bytes to the buffer.
@@ -237,7 +241,7 @@ impl SetEntry {
     pub fn new(
         name: String,
         dtype: Dtype,
-        shape: Vec<u64>,
+        shape: impl Into<Shape>,
         chunk: u64,
         offset: u64,
         len: u64,
@@ -245,7 +249,7 @@ impl SetEntry {
         SetEntry {
             name,
             dtype,
-            shape,
+            shape: shape.into(),
             chunk,
             offset,
             len,
@@ -652,7 +656,7 @@ impl SetRecord {
             offset,
             byte_len: e.len,
             dtype: e.dtype,
-            shape: Some(e.shape.clone()),
+            shape: Some(e.shape.to_vec()),
             strides: None,
             event: self.event,
             ..chunk.descriptor.clone()
@@ -678,7 +682,7 @@ impl SetRecord {
                 Value::Array(vec![
                     e.name.clone().into(),
                     e.dtype.name().into(),
-                    e.shape.clone().into(),
+                    e.shape.to_vec().into(),
                     e.chunk.into(),
                     e.offset.into(),
                     e.len.into(),

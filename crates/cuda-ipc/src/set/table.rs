@@ -202,7 +202,7 @@ impl<'a> Reader<'a> {
                 format!("{ndims} dimensions is more than the {MAX_SET_DIMS} allowed"),
             ));
         }
-        let mut shape = Vec::with_capacity(ndims as usize);
+        let mut shape = super::Shape::with_capacity(ndims as usize);
         for d in 0..ndims as usize {
             shape.push(self.varint(|| super::ShapeDim(i, d).name())?);
         }

@@ -116,7 +116,7 @@ fn reader() {
             bad = json!(format!("{} is not in the checkpoint", e.name));
             break;
         };
-        if (t.dtype, &t.shape) != (e.dtype, &e.shape) {
+        if (t.dtype, &t.shape[..]) != (e.dtype, &e.shape[..]) {
             bad = json!(format!(
                 "{}: {} {:?} vs {} {:?}",
                 e.name, e.dtype, e.shape, t.dtype, t.shape

@@ -65,7 +65,7 @@ fn reader() {
         };
         let want = ckpt.bytes(t).unwrap();
         let got: Vec<u8> = set.view::<u8>(i).unwrap().to_vec().unwrap();
-        if (t.dtype, &t.shape) != (e.dtype, &e.shape) || got != want {
+        if (t.dtype, &t.shape[..]) != (e.dtype, &e.shape[..]) || got != want {
             bad = json!(format!("{}: dtype, shape or bytes differ", e.name));
             break;
         }
