@@ -55,17 +55,21 @@ pub(super) fn json_size(value: &Value, what: &'static str) -> Result<usize, Chan
     let mut count = Count(0);
     // Writing a `Value` into a counter cannot fail.
     let _ = serde_json::to_writer(&mut count, value);
-    if count.0 > MAX_META_BYTES {
+    check_json_len(count.0, what)
+}
+
+/// `len` (the bytes of `what`'s JSON) if it is within [`MAX_META_BYTES`].
+pub(super) fn check_json_len(len: usize, what: &'static str) -> Result<usize, ChannelError> {
+    if len > MAX_META_BYTES {
         return Err(ChannelError::arg(
             what,
             format!(
-                "its JSON is {} bytes, more than the limit of {MAX_META_BYTES}; put large data \
-                 in shared memory and describe it here",
-                count.0
+                "its JSON is {len} bytes, more than the limit of {MAX_META_BYTES}; put large data \
+                 in shared memory and describe it here"
             ),
         ));
     }
-    Ok(count.0)
+    Ok(len)
 }
 
 pub(super) fn check_fds(count: usize) -> Result<(), ChannelError> {

@@ -156,7 +156,7 @@ use accept::{LogLimit, accept_loop, remove_stale_socket};
 pub use call::{
     CallContext, CallError, CallFn, CallHandler, ClosedFn, MAX_METHOD_LEN, validate_method,
 };
-use checks::{bound_socket, check_config, check_fds, json_size};
+use checks::{bound_socket, check_config, check_fds, check_json_len, json_size};
 pub use config::{DEFAULT_SERVER_SPIN, SERVER_KICK_ENV, SERVER_SPIN_ENV, ServerConfig};
 use conn::Conn;
 use conn::SlotSource;
@@ -394,7 +394,8 @@ impl Server {
     pub fn publish(&self, name: &str, meta: Value, fds: Vec<OwnedFd>) -> Result<(), ChannelError> {
         validate_entry_name(name)?;
         check_fds(fds.len())?;
-        let meta_bytes = json_size(&meta, "meta")?;
+        let meta = Meta::encoded(meta);
+        let meta_bytes = check_json_len(meta.text_len(), "meta")?;
         self.insert(name, meta, meta_bytes, Body::Plain { fds, version: 0 })?;
         Ok(())
     }
@@ -404,7 +405,7 @@ impl Server {
     fn insert(
         &self,
         name: &str,
-        meta: Value,
+        meta: Meta,
         meta_bytes: usize,
         body: Body,
     ) -> Result<u64, ChannelError> {
@@ -420,7 +421,7 @@ impl Server {
             id,
             Entry {
                 name: name.into(),
-                meta: Arc::new(Meta::new(meta)),
+                meta: Arc::new(meta),
                 meta_bytes,
                 published: true,
                 leases: BTreeSet::new(),
@@ -550,7 +551,8 @@ impl Server {
         slots: Vec<(Value, Vec<OwnedFd>)>,
     ) -> Result<ServerRing, ChannelError> {
         validate_entry_name(name)?;
-        let meta_bytes = json_size(&meta, "meta")?;
+        let meta = Meta::encoded(meta);
+        let meta_bytes = check_json_len(meta.text_len(), "meta")?;
         if slots.is_empty() || slots.len() > MAX_RING_SLOTS {
             return Err(ChannelError::arg(
                 "slots",

@@ -14,7 +14,7 @@ use crate::wire::Meta;
 use crate::{ChannelError, lock, validate_entry_name};
 
 use super::state::{Body, Entry};
-use super::{Server, check_fds, json_size};
+use super::{Server, check_fds, check_json_len, json_size};
 
 /// What [`Server::replace`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,7 +50,8 @@ impl Server {
     ) -> Result<Replaced, ChannelError> {
         validate_entry_name(name)?;
         check_fds(fds.len())?;
-        let meta_bytes = json_size(&meta, "meta")?;
+        let meta = Meta::encoded(meta);
+        let meta_bytes = check_json_len(meta.text_len(), "meta")?;
         json_size(&notice, "notice")?;
         let mut guard = lock(&self.shared.state);
         let st = &mut *guard;
@@ -60,7 +61,7 @@ impl Server {
             new_id,
             Entry {
                 name: name.into(),
-                meta: Arc::new(Meta::new(meta)),
+                meta: Arc::new(meta),
                 meta_bytes,
                 published: true,
                 leases: BTreeSet::new(),

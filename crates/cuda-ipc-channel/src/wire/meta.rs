@@ -7,11 +7,11 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 
 /// An entry's metadata in a message: the producer's JSON value, and the
-/// text it encodes to, made the first time the message is encoded and
-/// kept. The server shares one `Meta` (behind an `Arc`) with every answer
-/// about the entry, so metadata that is large (a set's record of a
-/// thousand entries) is written out once, at the first attach, rather
-/// than at every attach. Reads through `Deref` see the value; equality is
+/// text it encodes to, made once (by the server when the entry is
+/// published, where its length is checked; else at the first encoding)
+/// and kept. The server shares one `Meta` (behind an `Arc`) with every
+/// answer about the entry, so metadata that is large (a set's record of a
+/// thousand entries) is written out once, rather than at every attach. Reads through `Deref` see the value; equality is
 /// the value's.
 #[derive(Debug, Clone)]
 pub struct Meta {
@@ -26,6 +26,20 @@ impl Meta {
             value,
             text: OnceLock::new(),
         }
+    }
+
+    /// Metadata holding `value` with its text made now (a server's entry:
+    /// the text's length is checked at publish, and every answer about the
+    /// entry sends the text as it is).
+    pub(crate) fn encoded(value: Value) -> Meta {
+        let meta = Meta::new(value);
+        meta.text();
+        meta
+    }
+
+    /// The length in bytes of the value as compact JSON text.
+    pub(crate) fn text_len(&self) -> usize {
+        self.text().get().len()
     }
 
     /// The value.
@@ -95,5 +109,8 @@ mod tests {
         let back: Meta = serde_json::from_str(&want).unwrap();
         assert_eq!(back, m);
         assert_eq!(back.into_value(), v);
+        let e = Meta::encoded(v.clone());
+        assert!(e.text.get().is_some(), "made at once");
+        assert_eq!(e.text_len(), want.len());
     }
 }
