@@ -11,8 +11,8 @@ use serde_json::value::RawValue;
 /// published, where its length is checked; else at the first encoding)
 /// and kept. The server shares one `Meta` (behind an `Arc`) with every
 /// answer about the entry, so metadata that is large (a set's record of a
-/// thousand entries) is written out once, rather than at every attach. Reads through `Deref` see the value; equality is
-/// the value's.
+/// thousand entries) is written out once, rather than at every attach.
+/// Reads through `Deref` see the value; equality is the value's.
 #[derive(Debug, Clone)]
 pub struct Meta {
     value: Value,
