@@ -7,7 +7,7 @@ use rustix::fs::FileType;
 use serde_json::Value;
 
 use crate::limits::MAX_META_BYTES;
-use crate::wire::MAX_FDS;
+use crate::wire::{MAX_FDS, Meta};
 use crate::{ChannelError, own_uid};
 
 use super::ServerConfig;
@@ -58,8 +58,17 @@ pub(super) fn json_size(value: &Value, what: &'static str) -> Result<usize, Chan
     check_json_len(count.0, what)
 }
 
+/// An entry's metadata with its JSON text made (what every answer about
+/// the entry sends), and the text's length, refused above
+/// [`MAX_META_BYTES`].
+pub(super) fn encoded_meta(meta: Value) -> Result<(Meta, usize), ChannelError> {
+    let meta = Meta::encoded(meta);
+    let len = check_json_len(meta.text_len(), "meta")?;
+    Ok((meta, len))
+}
+
 /// `len` (the bytes of `what`'s JSON) if it is within [`MAX_META_BYTES`].
-pub(super) fn check_json_len(len: usize, what: &'static str) -> Result<usize, ChannelError> {
+fn check_json_len(len: usize, what: &'static str) -> Result<usize, ChannelError> {
     if len > MAX_META_BYTES {
         return Err(ChannelError::arg(
             what,

@@ -156,7 +156,7 @@ use accept::{LogLimit, accept_loop, remove_stale_socket};
 pub use call::{
     CallContext, CallError, CallFn, CallHandler, ClosedFn, MAX_METHOD_LEN, validate_method,
 };
-use checks::{bound_socket, check_config, check_fds, check_json_len, json_size};
+use checks::{bound_socket, check_config, check_fds, encoded_meta, json_size};
 pub use config::{DEFAULT_SERVER_SPIN, SERVER_KICK_ENV, SERVER_SPIN_ENV, ServerConfig};
 use conn::Conn;
 use conn::SlotSource;
@@ -394,8 +394,7 @@ impl Server {
     pub fn publish(&self, name: &str, meta: Value, fds: Vec<OwnedFd>) -> Result<(), ChannelError> {
         validate_entry_name(name)?;
         check_fds(fds.len())?;
-        let meta = Meta::encoded(meta);
-        let meta_bytes = check_json_len(meta.text_len(), "meta")?;
+        let (meta, meta_bytes) = encoded_meta(meta)?;
         self.insert(name, meta, meta_bytes, Body::Plain { fds, version: 0 })?;
         Ok(())
     }
@@ -551,8 +550,7 @@ impl Server {
         slots: Vec<(Value, Vec<OwnedFd>)>,
     ) -> Result<ServerRing, ChannelError> {
         validate_entry_name(name)?;
-        let meta = Meta::encoded(meta);
-        let meta_bytes = check_json_len(meta.text_len(), "meta")?;
+        let (meta, meta_bytes) = encoded_meta(meta)?;
         if slots.is_empty() || slots.len() > MAX_RING_SLOTS {
             return Err(ChannelError::arg(
                 "slots",

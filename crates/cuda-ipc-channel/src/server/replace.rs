@@ -10,11 +10,10 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use crate::wire::Meta;
 use crate::{ChannelError, lock, validate_entry_name};
 
 use super::state::{Body, Entry};
-use super::{Server, check_fds, check_json_len, json_size};
+use super::{Server, check_fds, encoded_meta, json_size};
 
 /// What [`Server::replace`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,8 +49,7 @@ impl Server {
     ) -> Result<Replaced, ChannelError> {
         validate_entry_name(name)?;
         check_fds(fds.len())?;
-        let meta = Meta::encoded(meta);
-        let meta_bytes = check_json_len(meta.text_len(), "meta")?;
+        let (meta, meta_bytes) = encoded_meta(meta)?;
         json_size(&notice, "notice")?;
         let mut guard = lock(&self.shared.state);
         let st = &mut *guard;

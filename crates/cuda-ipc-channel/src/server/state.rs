@@ -70,12 +70,10 @@ pub(super) enum Body {
 
 pub(super) struct Entry {
     pub(super) name: String,
-    /// Shared with every attach's answer, with its JSON text once made: a
-    /// set's record can be hundreds of kilobytes, and copying it under the
-    /// state lock for each attach cost 0.25 ms at 1,000 tensors; encoding
-    /// it again for each attach, a fifth of an attach's answer at 1,000
-    /// entries (100 -> 83 -> 64 us for attach and release on the
-    /// development machine, with the ring's copy and then this).
+    /// Shared with every attach's answer, with its JSON text made at
+    /// publish: a set's record can be hundreds of kilobytes, and copying it
+    /// under the state lock for each attach cost 0.25 ms at 1,000 tensors,
+    /// encoding it again for each attach a fifth of the answer's time.
     pub(super) meta: Arc<Meta>,
     /// The size of `meta`'s JSON.
     pub(super) meta_bytes: usize,
