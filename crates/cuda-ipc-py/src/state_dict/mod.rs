@@ -29,7 +29,6 @@ use cuda_ipc::set::{MAX_SET_DIMS, SetEntry};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
-use smallvec::SmallVec;
 
 use crate::errors::{IntoPyResult, closed_error};
 use crate::keep::Keep;
@@ -212,7 +211,7 @@ struct Item<'py> {
     /// Its entry name where that is not its key (an empty tensor's).
     entry: Option<String>,
     /// Its set member's shape.
-    member_shape: SmallVec<[u64; 4]>,
+    member_shape: cuda_ipc::set::Shape,
     found: Option<(Arc<DeviceArenaBuffer>, u64)>,
 }
 
