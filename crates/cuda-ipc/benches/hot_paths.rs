@@ -147,6 +147,19 @@ mod channel {
         });
     }
 
+    /// Attach to an entry without descriptors (a set's record, whose
+    /// chunks the consumer has mapped) and release the lease: the
+    /// request's round trip of a fresh hand-off from an arena.
+    #[divan::bench]
+    fn attach_release_no_fds(bencher: Bencher) {
+        let (server, client) = pair();
+        server.publish("weights", meta(), Vec::new()).unwrap();
+        bencher.bench_local(|| {
+            let a = client.attach("weights").unwrap();
+            client.release(a.lease).unwrap();
+        });
+    }
+
     /// The channel's share of a fresh hand-off: publish an entry with a
     /// memfd, attach, release, unpublish and wait until it is released.
     #[divan::bench]
