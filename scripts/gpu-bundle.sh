@@ -53,7 +53,7 @@ for ex in "$target"/release/examples/*; do
 done
 cp -r python "$out/python"
 rm -rf "$out/python/tests/__pycache__" "$out/python/cuda_ipc/__pycache__" "$out/python/cuda_ipc"/_core*.so
-# The Python package as an abi3 wheel (Python 3.9+, manylinux tag of this
+# The Python package as an abi3 wheel (Python 3.10+, manylinux tag of this
 # machine's glibc or lower): the GPU host installs it without Rust or network.
 echo "building the Python wheel..." >&2
 maturin=$(command -v maturin || true)

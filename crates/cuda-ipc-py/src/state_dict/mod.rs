@@ -92,9 +92,10 @@ fn items_with_keys<'py>(state_dict: &Bound<'py, PyAny>) -> PyResult<Vec<Given<'p
         .into_iter()
         .map(|(k, v)| {
             let key_obj = k.cast::<PyString>().ok().cloned();
+            // The string's own UTF-8 (kept by the object), copied once.
             let key = key_obj
                 .as_ref()
-                .map(|s| s.extract::<String>())
+                .map(|s| s.to_str().map(str::to_owned))
                 .transpose()?
                 .filter(|s| !s.is_empty());
             let (Some(key), Some(key_obj)) = (key, key_obj) else {
