@@ -380,8 +380,10 @@ fn plan_items<'py>(
     let mut slots = Vec::with_capacity(given.len());
     // The last item that starts at an address, and for each item the one
     // before it that starts at the same address (usize::MAX: none).
-    let mut last_at: HashMap<u64, usize> = HashMap::with_capacity(given.len());
+    let mut last_at: HashMap<u64, usize, foldhash::fast::RandomState> =
+        HashMap::with_capacity_and_hasher(given.len(), foldhash::fast::RandomState::default());
     let mut before_at: Vec<usize> = Vec::with_capacity(given.len());
+    let mut last_found = LastFound::default();
     for (key, t) in given {
         let (dtype_obj, dt, meta) = torch.read(&key, &t)?;
         let nbytes = meta
@@ -421,7 +423,7 @@ fn plan_items<'py>(
         // A tensor inside a buffer of this publisher's arena is published
         // where it is.
         let found = (nbytes > 0 && meta.on_cuda(ordinal) && meta.is_contiguous())
-            .then(|| p.arena_buffers.containing(meta.ptr, nbytes))
+            .then(|| last_found.containing(p, meta.ptr, nbytes))
             .flatten();
         slots.push(Slot::Item(plan.len()));
         plan.push(Item {
@@ -438,6 +440,37 @@ fn plan_items<'py>(
     }
     keep_apart(&mut plan);
     Ok((plan, slots))
+}
+
+/// The arena buffer that held the last tensor looked up: a state dict's
+/// tensors lie mostly in a few buffers (the framework's segments), so most
+/// look-ups end here, without the registry's lock and search.
+#[derive(Default)]
+struct LastFound(Option<Arc<DeviceArenaBuffer>>);
+
+impl LastFound {
+    /// The buffer of `p`'s arena that holds the `nbytes` bytes from `ptr`,
+    /// and `ptr`'s offset in it.
+    fn containing(
+        &mut self,
+        p: &PyPublisher,
+        ptr: u64,
+        nbytes: u64,
+    ) -> Option<(Arc<DeviceArenaBuffer>, u64)> {
+        use cuda_ipc::memory::DeviceMemory as _;
+        if let Some(b) = &self.0 {
+            // Live buffers never overlap: one that holds the first byte is
+            // the only one that can hold the range. (Held here, it is live.)
+            let offset = ptr.wrapping_sub(b.device_address());
+            if ptr >= b.device_address() && offset < b.byte_len() {
+                let end = offset.checked_add(nbytes)?;
+                return (end <= b.byte_len()).then(|| (Arc::clone(b), offset));
+            }
+        }
+        let (b, offset) = p.arena_buffers.containing(ptr, nbytes)?;
+        self.0 = Some(Arc::clone(&b));
+        Some((b, offset))
+    }
 }
 
 /// A set member: what its entry is, its buffer, and its offset in the
