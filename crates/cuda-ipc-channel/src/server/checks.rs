@@ -61,8 +61,8 @@ pub(super) fn json_size(value: &Value, what: &'static str) -> Result<usize, Chan
 /// An entry's metadata with its JSON text made (what every answer about
 /// the entry sends), and the text's length, refused above
 /// [`MAX_META_BYTES`].
-pub(super) fn encoded_meta(meta: Value) -> Result<(Meta, usize), ChannelError> {
-    let meta = Meta::encoded(meta);
+pub(super) fn encoded_meta(meta: Meta) -> Result<(Meta, usize), ChannelError> {
+    // Encoded here unless the producer encoded it already.
     let len = check_json_len(meta.text_len(), "meta")?;
     Ok((meta, len))
 }

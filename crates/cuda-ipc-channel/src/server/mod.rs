@@ -385,16 +385,23 @@ impl Server {
         &self.shared.path
     }
 
-    /// Publishes an entry: `meta` (at most [`MAX_META_BYTES`](crate::MAX_META_BYTES) of JSON) and
-    /// up to [`MAX_FDS`] file descriptors, which the server now owns.
+    /// Publishes an entry: `meta` (at most [`MAX_META_BYTES`](crate::MAX_META_BYTES) of JSON: a
+    /// JSON value, or a [`Meta`] whose text [`Meta::encoded`] made already,
+    /// which is then not encoded again) and up to [`MAX_FDS`] file
+    /// descriptors, which the server now owns.
     ///
     /// Fails with [`ChannelError::AlreadyExists`] if the name is published;
     /// a name that was unpublished may be published again at once, even
     /// while leases on the old entry remain.
-    pub fn publish(&self, name: &str, meta: Value, fds: Vec<OwnedFd>) -> Result<(), ChannelError> {
+    pub fn publish(
+        &self,
+        name: &str,
+        meta: impl Into<Meta>,
+        fds: Vec<OwnedFd>,
+    ) -> Result<(), ChannelError> {
         validate_entry_name(name)?;
         check_fds(fds.len())?;
-        let (meta, meta_bytes) = encoded_meta(meta)?;
+        let (meta, meta_bytes) = encoded_meta(meta.into())?;
         self.insert(name, meta, meta_bytes, Body::Plain { fds, version: 0 })?;
         Ok(())
     }
@@ -550,7 +557,7 @@ impl Server {
         slots: Vec<(Value, Vec<OwnedFd>)>,
     ) -> Result<ServerRing, ChannelError> {
         validate_entry_name(name)?;
-        let (meta, meta_bytes) = encoded_meta(meta)?;
+        let (meta, meta_bytes) = encoded_meta(meta.into())?;
         if slots.is_empty() || slots.len() > MAX_RING_SLOTS {
             return Err(ChannelError::arg(
                 "slots",

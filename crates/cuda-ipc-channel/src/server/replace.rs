@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+use crate::wire::Meta;
 use crate::{ChannelError, lock, validate_entry_name};
 
 use super::state::{Body, Entry};
@@ -43,13 +44,13 @@ impl Server {
     pub fn replace(
         &self,
         name: &str,
-        meta: Value,
+        meta: impl Into<Meta>,
         fds: Vec<OwnedFd>,
         notice: Value,
     ) -> Result<Replaced, ChannelError> {
         validate_entry_name(name)?;
         check_fds(fds.len())?;
-        let (meta, meta_bytes) = encoded_meta(meta)?;
+        let (meta, meta_bytes) = encoded_meta(meta.into())?;
         json_size(&notice, "notice")?;
         let mut guard = lock(&self.shared.state);
         let st = &mut *guard;

@@ -30,15 +30,18 @@ impl Meta {
 
     /// Metadata holding `value` with its text made now (a server's entry:
     /// the text's length is checked at publish, and every answer about the
-    /// entry sends the text as it is).
-    pub(crate) fn encoded(value: Value) -> Meta {
+    /// entry sends the text as it is). A producer that must know the
+    /// length before it publishes makes its metadata so, and hands the
+    /// `Meta` to [`Server::publish`](crate::server::Server::publish), which
+    /// then encodes nothing again.
+    pub fn encoded(value: Value) -> Meta {
         let meta = Meta::new(value);
         meta.text();
         meta
     }
 
-    /// The length in bytes of the value as compact JSON text.
-    pub(crate) fn text_len(&self) -> usize {
+    /// The length in bytes of the value as compact JSON text (made once).
+    pub fn text_len(&self) -> usize {
         self.text().get().len()
     }
 

@@ -556,3 +556,25 @@ fn the_longest_timeouts_wait_instead_of_panicking() {
     server.wait_released("x", Some(Duration::MAX)).unwrap();
     assert_eq!(server.lease_count("x"), 0);
 }
+
+/// Metadata a producer encoded before publishing (to know its length)
+/// reaches consumers as it was, and is held to the same limit as a value.
+#[test]
+fn metadata_encoded_before_publish_is_sent_as_it_is_and_within_the_limit() {
+    use cuda_ipc_channel::wire::Meta;
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "encoded");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    let value = json!({ "table": "QUJD".repeat(1000), "n": 3, "é": ["x\"y", null] });
+    let meta = Meta::encoded(value.clone());
+    assert_eq!(meta.text_len(), value.to_string().len());
+    server.publish("pre", meta, Vec::new()).unwrap();
+    let client = quick_client(&path);
+    let att = client.attach("pre").unwrap();
+    assert_eq!(att.meta, value);
+
+    let over = Meta::encoded(json!({ "blob": "m".repeat(cuda_ipc_channel::MAX_META_BYTES) }));
+    let err = server.publish("over", over, Vec::new()).unwrap_err();
+    assert!(err.to_string().contains("more than the limit"), "{err}");
+    assert!(client.attach("over").is_err(), "nothing was published");
+}

@@ -12,6 +12,7 @@ use crate::arena::{
     Arena, ArenaLease, ArenaOptions, Chunk, ChunkBacking, ChunkId, ChunkPin, DeviceArena,
     DeviceChunk, DeviceChunks,
 };
+use crate::channel::wire::Meta;
 use crate::channel::{ChannelError, Server};
 use crate::descriptor::Mechanism;
 use crate::error::{Error, Result};
@@ -199,17 +200,10 @@ where
         for c in order.chunks() {
             self.ensure_chunk(server, arena, c)?;
         }
-        let (mut meta, parts) = self.publish_parts(server, arena, record)?;
+        let (meta, parts) =
+            self.publish_parts(server, arena, record, fence.as_ref().map(|f| &f.meta))?;
         let (fds, fence) = match fence {
-            Some(f) => {
-                if let Err(e) = sync::add_set_fence(&mut meta, &f.meta) {
-                    for p in &parts {
-                        let _ = server.unpublish(p);
-                    }
-                    return Err(e);
-                }
-                (vec![f.fd], Some(f.slot))
-            }
+            Some(f) => (vec![f.fd], Some(f.slot)),
             None => (Vec::new(), None),
         };
         if let Err(e) = server.publish(name, meta, fds) {
@@ -230,19 +224,31 @@ where
         Ok(())
     }
 
-    /// The metadata of a set entry for `record`: the record itself, or,
-    /// when it is longer than [`SET_PART_BYTES`], the list of its parts,
-    /// published here as hidden entries (returned too).
+    /// The metadata of a set entry for `record` and its `fence`: the record
+    /// with the fence, encoded once here (the server sends that text as it
+    /// is), or, when the text is longer than [`SET_PART_BYTES`], the list
+    /// of the record's parts, published here as hidden entries (returned
+    /// too), with the fence.
     fn publish_parts(
         &mut self,
         server: &Server,
         arena: &Arena<B>,
-        record: Value,
-    ) -> Result<(Value, Vec<String>)> {
-        let text = record.to_string();
-        if text.len() <= SET_PART_BYTES {
-            return Ok((record, Vec::new()));
+        mut record: Value,
+        fence: Option<&wire::FenceMeta>,
+    ) -> Result<(Meta, Vec<String>)> {
+        if let Some(f) = fence {
+            sync::add_set_fence(&mut record, f)?;
         }
+        let meta = Meta::encoded(record);
+        if meta.text_len() <= SET_PART_BYTES {
+            return Ok((meta, Vec::new()));
+        }
+        // The record alone goes in the parts; the fence stays on the entry.
+        let mut record = meta.into_value();
+        if let Some(m) = record.as_object_mut() {
+            m.remove(sync::SET_FENCE_KEY);
+        }
+        let text = record.to_string();
         let mut parts: Vec<String> = Vec::new();
         self.parts += 1;
         let pieces = split_utf8(&text, SET_PART_BYTES);
@@ -260,7 +266,16 @@ where
             }
             parts.push(part);
         }
-        Ok((json!({ PARTS_KEY: parts, "bytes": text.len() }), parts))
+        let mut meta = json!({ PARTS_KEY: parts, "bytes": text.len() });
+        if let Some(f) = fence
+            && let Err(e) = sync::add_set_fence(&mut meta, f)
+        {
+            for p in &parts {
+                let _ = server.unpublish(p);
+            }
+            return Err(e);
+        }
+        Ok((Meta::new(meta), parts))
     }
 
     /// Publishes a set record under `name` in place of the set published
@@ -293,11 +308,8 @@ where
             .iter()
             .try_for_each(|c| self.ensure_chunk(server, arena, c))
             .and_then(|()| {
-                let (mut meta, p) = self.publish_parts(server, arena, record)?;
+                let (meta, p) = self.publish_parts(server, arena, record, fence_meta.as_ref())?;
                 parts = p;
-                if let Some(f) = &fence_meta {
-                    sync::add_set_fence(&mut meta, f)?;
-                }
                 Ok(server.replace(name, meta, fds, notice)?)
             });
         let replaced = match replaced {
