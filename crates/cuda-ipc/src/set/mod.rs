@@ -487,9 +487,11 @@ impl SetRecord {
                 self.entries.len(),
                 foldhash::fast::RandomState::default(),
             );
-        let mut used = vec![false; self.chunks.len()];
-        // (chunk position, offset, end, entry)
-        let mut spans = Vec::with_capacity(self.entries.len());
+        // Each entry's (offset, end, index), grouped by its chunk's position
+        // (a counting sort: the chunks are few), then in offset order within
+        // each chunk, where overlaps are looked for.
+        let mut spans: Vec<(usize, u64, u64, usize)> = Vec::with_capacity(self.entries.len());
+        let mut starts = vec![0usize; self.chunks.len() + 1];
         for (i, e) in self.entries.iter().enumerate() {
             if !names.insert(e.name.as_str()) {
                 return Err(field_err(
@@ -498,35 +500,47 @@ impl SetRecord {
                 ));
             }
             let (c, end) = self.check_entry(i, e, chunks)?;
-            used[c] = true;
+            starts[c + 1] += 1;
             spans.push((c, e.offset, end, i));
         }
-        if let Some(c) = used.iter().position(|u| !u) {
+        if let Some(c) = starts[1..].iter().position(|&n| n == 0) {
             return Err(field_err(
                 &format!("chunks[{c}]"),
                 format!("no entry uses chunk {}", self.chunks[c].id),
             ));
         }
-        // Usually in order already (an arena hands out ranges in order).
-        if !spans.is_sorted() {
-            spans.sort_unstable();
+        for c in 1..starts.len() {
+            starts[c] += starts[c - 1];
         }
-        for w in spans.windows(2) {
-            let ((c0, o0, e0, i0), (c1, o1, e1, i1)) = (w[0], w[1]);
-            if c0 == c1 && o1 < e0 {
-                let (first, second) = (i0.min(i1), i0.max(i1));
-                let (a, b) = if i0 < i1 {
-                    ((o0, e0), (o1, e1))
-                } else {
-                    ((o1, e1), (o0, e0))
-                };
-                return Err(field_err(
-                    &format!("entries[{second}].offset"),
-                    format!(
-                        "bytes {}..{} overlap entries[{first}] ({:?}, bytes {}..{}) in chunk {}",
-                        b.0, b.1, self.entries[first].name, a.0, a.1, self.chunks[c0].id
-                    ),
-                ));
+        let mut by_chunk = vec![(0u64, 0u64, 0usize); spans.len()];
+        let mut next = starts.clone();
+        for &(c, offset, end, i) in &spans {
+            by_chunk[next[c]] = (offset, end, i);
+            next[c] += 1;
+        }
+        for (c, w) in starts.windows(2).enumerate() {
+            let placed = &mut by_chunk[w[0]..w[1]];
+            // Usually in order already (an arena hands out ranges in order).
+            if !placed.is_sorted() {
+                placed.sort_unstable();
+            }
+            for pair in placed.windows(2) {
+                let ((o0, e0, i0), (o1, e1, i1)) = (pair[0], pair[1]);
+                if o1 < e0 {
+                    let (first, second) = (i0.min(i1), i0.max(i1));
+                    let (a, b) = if i0 < i1 {
+                        ((o0, e0), (o1, e1))
+                    } else {
+                        ((o1, e1), (o0, e0))
+                    };
+                    return Err(field_err(
+                        &format!("entries[{second}].offset"),
+                        format!(
+                            "bytes {}..{} overlap entries[{first}] ({:?}, bytes {}..{}) in chunk {}",
+                            b.0, b.1, self.entries[first].name, a.0, a.1, self.chunks[c].id
+                        ),
+                    ));
+                }
             }
         }
         Ok(())

@@ -209,6 +209,46 @@ proptest! {
         }
     }
 
+    /// Entries of 4 bytes at any offsets in up to 3 chunks, in any order:
+    /// the record is refused exactly when two entries of one chunk share a
+    /// byte (a pairwise look), and the error names an entry of such a pair.
+    #[test]
+    fn overlaps_are_found_whatever_the_order(
+        placed in prop::collection::vec((0u64..3, 0u64..64), 3..40),
+    ) {
+        let chunks: Vec<_> = (0..3).map(|c| chunk(c * 2 + 1, 20 + c as i32, MIB)).collect();
+        // The first three go one to each chunk, so that none is unused.
+        let placed: Vec<(u64, u64)> = placed
+            .iter()
+            .enumerate()
+            .map(|(i, &(c, slot))| (if i < 3 { i as u64 } else { c }, slot * 4))
+            .collect();
+        let entries: Vec<_> = placed
+            .iter()
+            .enumerate()
+            .map(|(i, &(c, offset))| entry(&format!("t{i}"), Dtype::F32, &[1], c * 2 + 1, offset))
+            .collect();
+        let overlapping: Vec<usize> = (0..placed.len())
+            .filter(|&i| {
+                (0..placed.len()).any(|j| {
+                    let ((ci, oi), (cj, oj)) = (placed[i], placed[j]);
+                    i != j && ci == cj && oi < oj + 4 && oj < oi + 4
+                })
+            })
+            .collect();
+        match SetRecord::new("s".into(), ArenaId(1), chunks, entries) {
+            Ok(_) => prop_assert!(overlapping.is_empty(), "{:?} overlap", overlapping),
+            Err(e) => {
+                let text = e.to_string();
+                prop_assert!(text.contains("overlap"), "{}", text);
+                prop_assert!(
+                    overlapping.iter().any(|i| text.contains(&format!("entries[{i}].offset"))),
+                    "{} names none of {:?}", text, overlapping
+                );
+            }
+        }
+    }
+
     /// Bytes of the JSON text flipped, cut or duplicated: never a panic, and
     /// what decodes is valid and round-trips.
     #[test]
