@@ -96,10 +96,17 @@ impl ArenaRegistry {
             .range(..=ptr)
             .rev()
             .find_map(|(_, w)| w.upgrade())?;
-        let offset = ptr - buffer.device_address();
-        let end = offset.checked_add(nbytes)?;
-        (end <= buffer.byte_len()).then_some((buffer, offset))
+        let offset = offset_within(&buffer, ptr, nbytes)?;
+        Some((buffer, offset))
     }
+}
+
+/// `ptr`'s offset in `buffer` when the `nbytes` bytes from device address
+/// `ptr` all lie in it.
+pub(crate) fn offset_within(buffer: &DeviceArenaBuffer, ptr: u64, nbytes: u64) -> Option<u64> {
+    let offset = ptr.checked_sub(buffer.device_address())?;
+    let end = offset.checked_add(nbytes)?;
+    (end <= buffer.byte_len()).then_some(offset)
 }
 
 /// Connects to a publisher and maps what it publishes.

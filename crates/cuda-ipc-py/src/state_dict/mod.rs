@@ -457,15 +457,12 @@ impl LastFound {
         ptr: u64,
         nbytes: u64,
     ) -> Option<(Arc<DeviceArenaBuffer>, u64)> {
-        use cuda_ipc::memory::DeviceMemory as _;
-        if let Some(b) = &self.0 {
-            // Live buffers never overlap: one that holds the first byte is
-            // the only one that can hold the range. (Held here, it is live.)
-            let offset = ptr.wrapping_sub(b.device_address());
-            if ptr >= b.device_address() && offset < b.byte_len() {
-                let end = offset.checked_add(nbytes)?;
-                return (end <= b.byte_len()).then(|| (Arc::clone(b), offset));
-            }
+        // Held here, the buffer is live; a range it does not hold whole
+        // goes to the registry, which answers for every buffer.
+        if let Some(b) = &self.0
+            && let Some(offset) = crate::peers::offset_within(b, ptr, nbytes)
+        {
+            return Some((Arc::clone(b), offset));
         }
         let (b, offset) = p.arena_buffers.containing(ptr, nbytes)?;
         self.0 = Some(Arc::clone(&b));
