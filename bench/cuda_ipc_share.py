@@ -72,9 +72,22 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_share import emit, now_ns, parse_plan, parse_sets, weight_set_sizes  # noqa: E402
+from torch_share import awake_spin_s, emit, now_ns, parse_plan, parse_sets, weight_set_sizes  # noqa: E402
 
 ANSWER_TIMEOUT_S = 120.0
+
+
+def await_line(f, spin_s):
+    """Polls the file ``f``'s descriptor for up to ``spin_s`` before the
+    blocking read that follows."""
+    if spin_s <= 0:
+        return
+    import select
+    fd = f.fileno()
+    end = time.perf_counter() + spin_s
+    while time.perf_counter() < end:
+        if select.select([fd], [], [], 0)[0]:
+            return
 
 
 def sample_value(i, k):
@@ -115,7 +128,12 @@ def consumer_main(device, path):
     sub = cuda_ipc.Subscriber(path, device=device, timeout=30)
     held = None
     print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
+    spin = awake_spin_s()
+    while True:
+        await_line(sys.stdin, spin)
+        line = sys.stdin.readline()
+        if not line:
+            break
         t_recv = now_ns()
         t_mid = phases = None
         req = json.loads(line)
@@ -175,8 +193,10 @@ class Consumer:
         self.started_ns = now_ns()
         self.p = subprocess.Popen([sys.executable, "-u", script, "--consumer", path, "--device", str(device)]
                                   + list(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.spin = awake_spin_s()
 
     def read(self):
+        await_line(self.p.stdout, self.spin)
         line = self.p.stdout.readline()
         if not line:
             raise RuntimeError("the consumer exited (exit status %s)" % self.p.wait(30))

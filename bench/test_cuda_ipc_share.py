@@ -70,6 +70,32 @@ class Script(unittest.TestCase):
         self.assertNotEqual(cuda_ipc_share.sample_value(1, 0), cuda_ipc_share.sample_value(2, 0))
 
 
+class Awake(unittest.TestCase):
+    def test_the_poll_is_read_as_the_bench_reads_it(self):
+        spin = cuda_ipc_share.awake_spin_s
+        self.assertEqual(spin({}), 0.0)
+        self.assertEqual(spin({"CUDA_IPC_BENCH_AWAKE_US": ""}), 0.0)
+        self.assertEqual(spin({"CUDA_IPC_BENCH_AWAKE_US": " 250 "}), 250e-6)
+        self.assertEqual(spin({"CUDA_IPC_BENCH_AWAKE_US": "50000"}), 0.05)
+        for bad in ("50001", "-1", "1.5", "20ms"):
+            self.assertEqual(spin({"CUDA_IPC_BENCH_AWAKE_US": bad}), 0.0, bad)
+
+    def test_a_poll_ends_when_a_line_comes_or_its_time_is_up(self):
+        import time
+
+        r, w = os.pipe()
+        with os.fdopen(r) as f, os.fdopen(w, "w") as out:
+            t = time.perf_counter()
+            cuda_ipc_share.await_line(f, 0.02)
+            self.assertGreaterEqual(time.perf_counter() - t, 0.02)
+            out.write("{}\n")
+            out.flush()
+            t = time.perf_counter()
+            cuda_ipc_share.await_line(f, 60)
+            self.assertLess(time.perf_counter() - t, 10)
+            self.assertEqual(f.readline(), "{}\n")
+
+
 class ConsumerProcess(unittest.TestCase):
     """The consumer helper that first_attach.py reuses, with a stand-in script."""
 

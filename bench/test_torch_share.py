@@ -65,6 +65,20 @@ class WeightSetDraw(unittest.TestCase):
             v = torch_share.set_value(*args)
             self.assertTrue(0 <= v < (1 << 24) and v == int(v))
 
+    def test_a_polling_get_takes_what_comes_and_times_out_after_its_poll(self):
+        import queue
+        import time
+
+        q = queue.Queue()
+        q.put("x")
+        t = time.perf_counter()
+        self.assertEqual(torch_share.get_polling(q, 60.0), "x")
+        self.assertLess(time.perf_counter() - t, 10)
+        t = time.perf_counter()
+        with self.assertRaises(queue.Empty):
+            torch_share.get_polling(q, 0.02, timeout=0.01)
+        self.assertGreaterEqual(time.perf_counter() - t, 0.03)
+
 
 if __name__ == "__main__":
     unittest.main()

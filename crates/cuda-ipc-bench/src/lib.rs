@@ -135,6 +135,7 @@ fn new_report(plan: &Plan) -> Report {
         elapsed_s: 0.0,
         sections: Vec::new(),
         mps: None,
+        awake_us: lines::awake_spin().as_micros() as u64,
         targets: Vec::new(),
     }
 }
@@ -152,6 +153,9 @@ pub fn run(args: &Args, describe_link: DescribeLink<'_>) -> Result<(), Error> {
         .and_then(|plan| args::check_mps(args).map(|()| plan))
         .and_then(|plan| {
             worker::parse_pad(std::env::var_os(worker::PAD_VAR).as_deref()).map(|_| plan)
+        })
+        .and_then(|plan| {
+            lines::parse_awake(std::env::var_os(lines::AWAKE_VAR).as_deref()).map(|_| plan)
         })
         .map_err(|reason| Error::InvalidArgument {
             what: "bench arguments",

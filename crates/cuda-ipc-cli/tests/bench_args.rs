@@ -63,29 +63,42 @@ fn a_missing_torch_script_is_an_error_up_front() {
     );
 }
 
-#[test]
-fn a_pad_that_is_not_a_count_is_an_error_up_front() {
-    let run = |pad: &str| {
+/// The bench refuses `var=bad` before it loads the driver (exit 2, naming
+/// the variable and its value), and gets past its checks with `var=good`
+/// (to the missing driver: exit 3).
+fn env_checked_up_front(var: &str, bad: &str, good: &str) {
+    let run = |value: &str| {
         Command::new(env!("CARGO_BIN_EXE_cuda-ipc"))
             .args(["bench", "--quick"])
             .env("CUDA_IPC_DISABLE_DRIVER", "1")
-            .env("CUDA_IPC_BENCH_PAD", pad)
+            .env(var, value)
             .stdin(Stdio::null())
             .output()
             .expect("run cuda-ipc")
     };
-    let o = run("1k");
+    let o = run(bad);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("CUDA_IPC_BENCH_PAD=\"1k\""), "{err}");
-    // A count gets past the checks to the missing driver.
-    let o = run("1000");
+    assert!(err.contains(&format!("{var}={bad:?}")), "{err}");
+    let o = run(good);
     assert_eq!(
         o.status.code(),
         Some(3),
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
+}
+
+#[test]
+fn a_pad_that_is_not_a_count_is_an_error_up_front() {
+    env_checked_up_front("CUDA_IPC_BENCH_PAD", "1k", "1000");
+}
+
+#[test]
+fn an_awake_poll_that_is_not_microseconds_is_an_error_up_front() {
+    env_checked_up_front("CUDA_IPC_BENCH_AWAKE_US", "20ms", "20000");
+    env_checked_up_front("CUDA_IPC_BENCH_AWAKE_US", "60000", "0");
+    env_checked_up_front("CUDA_IPC_BENCH_AWAKE_US", "-1", "");
 }
 
 #[test]

@@ -451,6 +451,11 @@ pub struct Report {
     /// The pass under MPS, in a `--mps` run.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub mps: Option<MpsPass>,
+    /// How long the run's processes polled for each other's next message
+    /// before they slept, µs (`CUDA_IPC_BENCH_AWAKE_US`; 0: they slept at
+    /// once, the default).
+    #[serde(skip_serializing_if = "is_zero", default)]
+    pub awake_us: u64,
     /// Every target and its verdict.
     pub targets: Vec<TargetCheck>,
 }
@@ -522,4 +527,10 @@ impl Report {
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
     }
+}
+
+/// Whether a count is zero (serde leaves such a field out).
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde passes a reference
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }

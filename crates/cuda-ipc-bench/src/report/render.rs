@@ -502,6 +502,16 @@ fn render_header(r: &Report, out: &mut String) {
             let _ = writeln!(out, "MPS: FAILED: {e}");
         }
     }
+    if r.awake_us > 0 {
+        let _ = writeln!(
+            out,
+            "awake: the bench's processes polled up to {} us for each other's next message before \
+             sleeping (CUDA_IPC_BENCH_AWAKE_US), so each sample found them awake; by default \
+             they sleep between samples and every hand-off starts on idle virtual CPUs. Figures \
+             of the two modes do not compare; the targets were set for the default",
+            r.awake_us
+        );
+    }
     if let Some(p) = &r.peer {
         let _ = writeln!(
             out,

@@ -227,6 +227,7 @@ pub(crate) fn synthetic() -> Report {
         started_unix_s: 0.0,
         elapsed_s: 42.0,
         mps: None,
+        awake_us: 0,
         sections: vec![
             fresh, arena, cached, floor, bw, peer, ring, sync, scale, sets, torch,
         ],
@@ -489,6 +490,24 @@ fn the_consumers_namespaces_are_in_the_header_and_the_json() {
     old.as_object_mut().unwrap().remove("consumer_namespaces");
     let back: Report = serde_json::from_value(old).unwrap();
     assert!(back.consumer_namespaces.is_empty());
+}
+
+#[test]
+fn a_run_with_its_processes_kept_awake_says_so() {
+    let mut r = synthetic();
+    assert!(!render(&r).contains("awake"));
+    let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+    assert!(v.get("awake_us").is_none(), "{v}");
+    r.awake_us = 20_000;
+    let text = render(&r);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("awake: "))
+        .unwrap_or_else(|| panic!("no awake line in {text}"));
+    assert!(line.contains("up to 20000 us"), "{line}");
+    assert!(line.contains("CUDA_IPC_BENCH_AWAKE_US"), "{line}");
+    let back: Report = serde_json::from_str(&r.to_json()).unwrap();
+    assert_eq!(back.awake_us, 20_000);
 }
 
 #[test]

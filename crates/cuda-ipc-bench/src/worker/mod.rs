@@ -27,11 +27,14 @@
 //!   update, synchronises: `{t_recv, t_done, version, verify_ms}`.
 //!
 //! Reading standard input is a plain blocking read on this thread, so a
-//! request wakes the consumer with no thread hop; if the producer dies the
-//! input ends and the consumer exits.
+//! request wakes the consumer with no thread hop (with
+//! `CUDA_IPC_BENCH_AWAKE_US` set, the thread polls the input that long
+//! first, awake); if the producer dies the input ends and the consumer
+//! exits.
 
 use std::collections::HashMap;
 use std::io::BufRead;
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use cuda_ipc::channel;
@@ -60,7 +63,17 @@ const WAIT: Duration = Duration::from_secs(30);
 pub fn worker(args: &WorkerArgs) -> Result<(), Error> {
     super::raise_open_files_limit();
     let mut out = std::io::stdout().lock();
-    let mut input = std::io::stdin().lock();
+    // Read through a descriptor of its own, so that what is buffered is
+    // known here (`poll_readable` looks at the descriptor only).
+    let mut input = std::io::BufReader::new(std::fs::File::from(
+        std::io::stdin()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| Error::Io {
+                context: "duplicating standard input".into(),
+                source: e,
+            })?,
+    ));
     let started = Instant::now();
     let device = match Device::open(args.device) {
         Ok(d) => d,
@@ -92,6 +105,9 @@ pub fn worker(args: &WorkerArgs) -> Result<(), Error> {
     let mut line = String::new();
     loop {
         line.clear();
+        if input.buffer().is_empty() {
+            crate::lines::poll_readable(input.get_ref().as_fd(), crate::lines::awake_spin());
+        }
         let n = input.read_line(&mut line).map_err(|e| Error::Io {
             context: "reading the producer's request".into(),
             source: e,
