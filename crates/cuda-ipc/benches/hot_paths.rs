@@ -230,10 +230,21 @@ mod sets {
 
     /// JSON text to a checked record (names, chunks, overlaps): what
     /// `attach_set` decodes.
-    #[divan::bench(args = [100, 1000])]
+    #[divan::bench(args = [100, 1000, 10_000])]
     fn decode(bencher: Bencher, n: u64) {
         let text = set_record(n).to_json();
         bencher.bench_local(|| SetRecord::from_json(black_box(&text)).unwrap());
+    }
+
+    /// As `decode`, for a subscriber that read the same table before (a
+    /// set published again where it was): the table is found among the
+    /// kept ones, the rest of the record decoded and checked.
+    #[divan::bench(args = [100, 1000, 10_000])]
+    fn decode_kept(bencher: Bencher, n: u64) {
+        let text = set_record(n).to_json();
+        let tables = cuda_ipc::set::EntryTables::new();
+        SetRecord::from_json_with(&text, Some(&tables)).unwrap();
+        bencher.bench_local(|| SetRecord::from_json_with(black_box(&text), Some(&tables)).unwrap());
     }
 
     /// The layout hash of a set's entries (what a service writer commits,

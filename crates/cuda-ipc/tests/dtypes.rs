@@ -291,7 +291,7 @@ fn the_fuzz_seeds_of_the_checkpoint_types_decode() {
     for format in ["v1", "v2"] {
         let text = read(&format!("set_record/seed-valid-{format}-checkpoint-types"));
         let r = SetRecord::from_json(std::str::from_utf8(&text).unwrap()).unwrap();
-        assert_eq!(r.entries, entries, "{format}");
+        assert_eq!(*r.entries, *entries, "{format}");
     }
     for (seed, d) in [
         ("seed-vmm-complex128", Dtype::C128),

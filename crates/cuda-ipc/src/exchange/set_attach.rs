@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::mechanism::Access;
 use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::phases::Phases;
-use crate::set::{NameIndex, SetEntry, SetRecord};
+use crate::set::{EntryTables, NameIndex, SetEntry, SetRecord};
 use crate::share;
 
 use super::lease::LeaseGuard;
@@ -27,9 +27,13 @@ use super::chunk_cache::CachedChunk;
 use super::set_book::{MAX_PARTS, PARTS_KEY, SET_PART_BYTES, chunk_entry_name, is_set_meta};
 
 /// Reads a set entry's record (from its parts when it came in parts).
-pub(super) fn read_record(client: &channel::Client, meta: &Value) -> Result<SetRecord> {
+pub(super) fn read_record(
+    client: &channel::Client,
+    meta: &Value,
+    tables: Option<&EntryTables>,
+) -> Result<SetRecord> {
     let Some(parts) = meta.get(PARTS_KEY) else {
-        return SetRecord::from_value(meta);
+        return SetRecord::from_value_with(meta, tables);
     };
     let parts = parts.as_array().ok_or_else(|| Error::Descriptor {
         field: PARTS_KEY.into(),
@@ -71,7 +75,7 @@ pub(super) fn read_record(client: &channel::Client, meta: &Value) -> Result<SetR
             });
         }
     }
-    SetRecord::from_json(&text)
+    SetRecord::from_json_with(&text, tables)
 }
 
 /// How a set's chunks are mapped: `asked` (the subscriber's wish), made
@@ -359,7 +363,7 @@ impl Subscriber {
         } = a;
         let opened = (|| {
             let fence = sync::take_set_fence(&mut meta)?;
-            let record = read_record(&self.client, &meta)?;
+            let record = read_record(&self.client, &meta, Some(&self.tables))?;
             phases.mark("record");
             let access = set_access(&record, asked);
             let waiter = self.waiter(record.event, fence, &mut fds, "a published set")?;

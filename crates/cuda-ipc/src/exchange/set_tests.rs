@@ -313,7 +313,11 @@ fn set_records_of_1_to_10000_entries_come_back_whole_through_the_channel() {
         assert_eq!(parts > 0, record.to_json().len() > SET_PART_BYTES, "{n}");
         // The largest set still travels in parts, so that path stays tested.
         assert!(n < 10_000 || parts > 0, "{n} entries in one message");
-        assert_eq!(read_record(&consumer, &a.meta).unwrap(), record, "{n}");
+        assert_eq!(
+            read_record(&consumer, &a.meta, None).unwrap(),
+            record,
+            "{n}"
+        );
         consumer.release(a.lease).unwrap();
         book.unpublish(&server, &name).unwrap();
     }
@@ -326,7 +330,7 @@ fn set_records_of_1_to_10000_entries_come_back_whole_through_the_channel() {
             "parts is more",
         ),
     ] {
-        let e = read_record(&consumer, &meta).unwrap_err();
+        let e = read_record(&consumer, &meta, None).unwrap_err();
         assert!(e.to_string().contains(why), "{e}");
     }
 }
@@ -585,7 +589,7 @@ fn the_read_only_policy_comes_back_with_the_record() {
         .unwrap();
         let a = consumer.attach(&name).unwrap();
         assert_eq!(a.meta.get(PARTS_KEY).is_some(), n == 10_000, "{n}");
-        let back = read_record(&consumer, &a.meta).unwrap();
+        let back = read_record(&consumer, &a.meta, None).unwrap();
         assert!(back.read_only, "{n}");
         assert_eq!(back, record);
         assert_eq!(set_access(&back, Access::ReadWrite), Access::ReadOnly);

@@ -152,6 +152,8 @@ pub struct Subscriber {
     opens: std::sync::atomic::AtomicU64,
     /// Every mapping opened, while it lives: what a sleep unmaps.
     pub(super) live: Mutex<Vec<Weak<dyn Mapping>>>,
+    /// The set entry tables read last, for sets of a layout seen before.
+    pub(super) tables: crate::set::EntryTables,
 }
 
 impl Drop for Subscriber {
@@ -264,6 +266,7 @@ impl Subscriber {
             pending: Arc::new(Mutex::new(HashMap::new())),
             opens: std::sync::atomic::AtomicU64::new(0),
             live: Mutex::new(Vec::new()),
+            tables: crate::set::EntryTables::new(),
             chunks: Mutex::new(ChunkCache::new(config.mapping_budget)),
         })
     }
@@ -313,6 +316,13 @@ impl Subscriber {
     /// How many mappings this subscriber has opened (cache misses).
     pub fn opens(&self) -> u64 {
         self.opens.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The set entry tables this subscriber keeps: a set whose layout it
+    /// attached before (the same table over the same chunks) shares the
+    /// entries read then, checked, instead of decoding them again.
+    pub fn entry_tables(&self) -> &crate::set::EntryTables {
+        &self.tables
     }
 
     /// Counts a mapping just opened and notes it for [`Subscriber::sleep`].

@@ -63,6 +63,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde_json::{Map, Value};
@@ -105,12 +106,14 @@ impl fmt::Debug for ArenaId {
 mod decode;
 pub mod names;
 pub mod table;
+mod tables;
 mod weights;
 
 use decode::{
     EntryField, FIELDS, FieldName, ShapeDim, array_of, check_name, decode_chunk, decode_entry,
     field_err, nested, set_err,
 };
+pub use tables::EntryTables;
 pub use weights::{SplitMix64, weight_sizes};
 
 /// Each chunk's position in a record's table, by chunk id (looked up once
@@ -218,8 +221,9 @@ pub struct SetRecord {
     pub arena: ArenaId,
     /// Every chunk the entries use, once.
     pub chunks: Vec<SetChunk>,
-    /// The buffers, in the producer's order.
-    pub entries: Vec<SetEntry>,
+    /// The buffers, in the producer's order (shared: a subscriber that
+    /// decodes a table it has decoded before reuses it, [`EntryTables`]).
+    pub entries: Arc<[SetEntry]>,
     /// An interprocess event recorded after the producer's writes, if any.
     pub event: Option<IpcEventHandle>,
     /// Whether readers must map the set's chunks read-only (the
@@ -276,7 +280,7 @@ impl SetRecord {
             name,
             arena,
             chunks,
-            entries,
+            entries: entries.into(),
             event: None,
             read_only: false,
         };
@@ -287,6 +291,12 @@ impl SetRecord {
     /// Parses and validates a set record from JSON text of at most
     /// [`MAX_SET_RECORD_BYTES`]; a longer text is refused before it is parsed.
     pub fn from_json(text: &str) -> Result<Self> {
+        Self::from_json_with(text, None)
+    }
+
+    /// As [`from_json`](Self::from_json), reusing an entry table kept in
+    /// `tables` (and keeping the one read) when given.
+    pub fn from_json_with(text: &str, tables: Option<&EntryTables>) -> Result<Self> {
         if text.len() > MAX_SET_RECORD_BYTES {
             return Err(field_err(
                 "(document)",
@@ -300,11 +310,19 @@ impl SetRecord {
         // share records: a record a peer sends has one reading.
         let value: Value = crate::json::parse_strict(text)
             .map_err(|e| field_err("(document)", format!("not valid JSON: {e}")))?;
-        Self::from_value(&value)
+        Self::from_value_with(&value, tables)
     }
 
     /// Validates a set record already parsed as JSON.
     pub fn from_value(value: &Value) -> Result<Self> {
+        Self::from_value_with(value, None)
+    }
+
+    /// As [`from_value`](Self::from_value), reusing an entry table kept in
+    /// `tables` (and keeping the one read) when given: a record whose table
+    /// text and chunk table are those of a kept table shares its entries,
+    /// already checked; everything else in it is checked as always.
+    pub fn from_value_with(value: &Value, tables: Option<&EntryTables>) -> Result<Self> {
         let map = value.as_object().ok_or_else(|| {
             field_err(
                 "(document)",
@@ -339,8 +357,14 @@ impl SetRecord {
                 ),
             ));
         }
+        let chunks = chunk_values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| decode_chunk(i, v))
+            .collect::<Result<Vec<_>>>()?;
         let entries_field = f.required("entries")?;
-        let entries = if version == 1 {
+        let mut reused = false;
+        let entries: Arc<[SetEntry]> = if version == 1 {
             let entry_values = array_of("entries", entries_field, "entries")?;
             if entry_values.len() > MAX_SET_ENTRIES {
                 return Err(field_err(
@@ -356,6 +380,7 @@ impl SetRecord {
                 .enumerate()
                 .map(|(i, v)| decode_entry(i, v))
                 .collect::<Result<Vec<_>>>()?
+                .into()
         } else {
             let text = entries_field.as_str().ok_or_else(|| {
                 field_err(
@@ -366,13 +391,14 @@ impl SetRecord {
                     ),
                 )
             })?;
-            table::decode(text)?
+            match tables.and_then(|t| t.find(text, &chunks)) {
+                Some(found) => {
+                    reused = true;
+                    found
+                }
+                None => table::decode(text)?.into(),
+            }
         };
-        let chunks = chunk_values
-            .iter()
-            .enumerate()
-            .map(|(i, v)| decode_chunk(i, v))
-            .collect::<Result<Vec<_>>>()?;
         let r = SetRecord {
             name,
             arena,
@@ -381,13 +407,28 @@ impl SetRecord {
             event: f.opt_parsed("event")?,
             read_only: f.bool("read_only", false)?,
         };
-        r.validate()?;
+        if reused {
+            // The entries were checked over these chunks when kept.
+            r.validate_head()?;
+        } else {
+            r.validate()?;
+            if let (Some(t), Some(text)) = (tables, entries_field.as_str()) {
+                t.keep(text, &r.chunks, &r.entries);
+            }
+        }
         Ok(r)
     }
 
     /// Checks names, the chunk table and every entry's place; the decoder
     /// calls it, and so should code that builds a record by hand.
     pub fn validate(&self) -> Result<()> {
+        let chunks = self.validate_head()?;
+        self.validate_entries(&chunks)
+    }
+
+    /// Checks everything but the entries (the name, the arena, the chunk
+    /// table, the read-only policy); returns each chunk's position by id.
+    fn validate_head(&self) -> Result<ChunkPositions> {
         check_name("name", &self.name)?;
         if self.arena.0 == 0 {
             return Err(field_err("arena", "must not be zero"));
@@ -400,7 +441,7 @@ impl SetRecord {
                 .check_access(crate::mechanism::Access::ReadOnly)
                 .map_err(|e| field_err("read_only", e.to_string()))?;
         }
-        self.validate_entries(&chunks)
+        Ok(chunks)
     }
 
     /// Checks the chunk table; returns each chunk's position by id.

@@ -140,7 +140,12 @@ fn subscriber() {
                     } else {
                         check_set(&s, base_of(&req))
                     };
-                    let r = json!({ "bad": bad, "len": s.len(), "opens": sub.opens() });
+                    let r = json!({
+                        "bad": bad,
+                        "len": s.len(),
+                        "opens": sub.opens(),
+                        "table_hits": sub.entry_tables().hits(),
+                    });
                     sets.push(s);
                     r
                 }
@@ -299,12 +304,24 @@ fn sets_on_every_chunk_mechanism() {
             let r = ask(&mut p, &json!({ "op": "wait_update", "base": 12 }));
             assert_eq!(r["version"], 1, "{m}");
             ask(&mut p, &json!({ "op": "release" }));
-            publisher
-                .unpublish_set("weights", Some(Duration::from_secs(10)))
-                .unwrap();
-            publisher
-                .unpublish_set("one", Some(Duration::from_secs(10)))
-                .unwrap();
+            // The same layout again under another name: the subscriber
+            // reuses the entry table it read, and the values are right.
+            set.publish(&publisher, "weights-again");
+            let r = ask(
+                &mut p,
+                &json!({ "op": "attach_set", "name": "weights-again", "base": 12 }),
+            );
+            assert_eq!(
+                (r["len"].clone(), r["table_hits"].clone()),
+                (json!(100), json!(1)),
+                "{m}"
+            );
+            ask(&mut p, &json!({ "op": "release" }));
+            for name in ["weights", "weights-again", "one"] {
+                publisher
+                    .unpublish_set(name, Some(Duration::from_secs(10)))
+                    .unwrap();
+            }
             p.send(&json!({ "op": "exit" }));
             assert!(p.finish(), "{m}: the child failed");
             drop(set);
@@ -414,10 +431,30 @@ fn sets_of_1_to_10000_buffers() {
                 "set of {n}: attached and every value checked in {:?}",
                 t.elapsed()
             );
+            assert_eq!(r["table_hits"], k, "{n}: a new layout is read");
+            // Published again (10,000 entries travel in parts): the table
+            // read for the first is reused, the values checked again.
+            let again = format!("{name}-again");
+            set.publish(&publisher, &again);
+            let t = Instant::now();
+            let r = ask(
+                &mut p,
+                &json!({ "op": "attach_set", "name": again, "base": base }),
+            );
+            assert_eq!(
+                (r["len"].clone(), r["table_hits"].clone()),
+                (json!(n), json!(k + 1))
+            );
+            println!(
+                "set of {n} again (its entry table kept): attached and checked in {:?}",
+                t.elapsed()
+            );
             ask(&mut p, &json!({ "op": "release" }));
-            publisher
-                .unpublish_set(&name, Some(Duration::from_secs(10)))
-                .unwrap();
+            for name in [&name, &again] {
+                publisher
+                    .unpublish_set(name, Some(Duration::from_secs(10)))
+                    .unwrap();
+            }
         }
         p.send(&json!({ "op": "exit" }));
         assert!(p.finish());

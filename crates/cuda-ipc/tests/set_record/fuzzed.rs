@@ -2,8 +2,8 @@
 
 use cuda_ipc::arena::ArenaId;
 use cuda_ipc::descriptor::Dtype;
-use cuda_ipc::set::SetRecord;
 use cuda_ipc::set::table::{decode_bytes, encode_bytes};
+use cuda_ipc::set::{EntryTables, SetRecord};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -106,6 +106,26 @@ fn record() -> impl Strategy<Value = SetRecord> {
         })
 }
 
+/// Sets (or with `None` removes) the field `path` of the record value `v`:
+/// `key` at the top, `c.key` in its first chunk, `d.key` in that chunk's
+/// descriptor.
+fn set_field(v: &mut Value, path: &str, value: Option<Value>) {
+    let (target, key) = match path.split_once('.') {
+        Some(("c", k)) => (&mut v["chunks"][0], k),
+        Some((_, k)) => (&mut v["chunks"][0]["descriptor"], k),
+        None => (v, path),
+    };
+    let obj = target.as_object_mut().unwrap();
+    match value {
+        Some(x) => {
+            obj.insert(key.to_string(), x);
+        }
+        None => {
+            obj.remove(key);
+        }
+    }
+}
+
 /// Decodes `v`: either an error that prints, or a record that validates and
 /// round-trips.
 fn decodes_cleanly(v: &Value) -> Option<SetRecord> {
@@ -179,17 +199,48 @@ proptest! {
         value in prop::option::of(any_json()),
     ) {
         let mut v = r.to_value();
-        let (target, key) = match path.split_once('.') {
-            Some(("c", k)) => (&mut v["chunks"][0], k),
-            Some((_, k)) => (&mut v["chunks"][0]["descriptor"], k),
-            None => (&mut v, path),
-        };
-        let obj = target.as_object_mut().unwrap();
-        match value {
-            Some(x) => { obj.insert(key.to_string(), x); }
-            None => { obj.remove(key); }
-        }
+        set_field(&mut v, path, value);
         decodes_cleanly(&v);
+    }
+
+    /// A kept entry table never changes a verdict: after its own table and
+    /// another were kept, a record with any top-level, chunk or descriptor
+    /// field changed, or its table's bytes edited, decodes exactly as it
+    /// does without them (the same record, or the same error).
+    #[test]
+    fn kept_tables_change_no_verdict(
+        r in record(),
+        other in record(),
+        path in prop::sample::select(vec![
+            "", "name", "arena", "event", "chunks", "read_only", "c.id", "d.len", "d.alloc_size",
+            "d.offset", "d.mechanism", "d.pid", "d.dtype",
+        ]),
+        value in prop::option::of(any_json()),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 0..2),
+    ) {
+        let tables = EntryTables::new();
+        for kept in [&other, &r] {
+            SetRecord::from_value_with(&kept.to_value(), Some(&tables)).unwrap();
+        }
+        let mut v = r.to_value();
+        if !path.is_empty() {
+            set_field(&mut v, path, value);
+        }
+        if !edits.is_empty() {
+            v["entries"] = json!(base64_of(&edited(encode_bytes(&r.entries), &edits)));
+        }
+        let hits = tables.hits();
+        let with = SetRecord::from_value_with(&v, Some(&tables));
+        let without = SetRecord::from_value(&v);
+        match (&with, &without) {
+            (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
+            (Err(a), Err(b)) => prop_assert_eq!(a.to_string(), b.to_string()),
+            _ => prop_assert!(false, "with kept tables {:?}, without {:?}", with, without),
+        }
+        // Unchanged, the record found its table.
+        if path.is_empty() && edits.is_empty() {
+            prop_assert_eq!(tables.hits(), hits + 1);
+        }
     }
 
     /// Bytes of format 2's table flipped, cut or inserted: never a panic;

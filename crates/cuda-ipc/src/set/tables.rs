@@ -1,0 +1,193 @@
+//! Entry tables a reader decoded and checked before. A subscriber that
+//! attaches sets of one layout again (a model published again where it
+//! was, or double-buffered weights that alternate between two places)
+//! reads each table once: a record whose table text and chunk table are
+//! those of a table kept here shares its checked entries, skipping the
+//! base64, the table's decoding and the entries' checks (names, sizes,
+//! places, overlaps), which depend on nothing else.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::{SetChunk, SetEntry};
+
+/// What an entry table's checks depend on besides its text: each chunk's
+/// id, its offset in its allocation and its length, in the record's order.
+type ChunkKey = Vec<(u64, u64, u64)>;
+
+fn chunk_key(chunks: &[SetChunk]) -> ChunkKey {
+    chunks
+        .iter()
+        .map(|c| (c.id, c.descriptor.offset, c.descriptor.byte_len))
+        .collect()
+}
+
+struct Table {
+    text: Box<str>,
+    chunks: ChunkKey,
+    entries: Arc<[SetEntry]>,
+}
+
+/// The entry tables (set format 2) decoded and checked last: at most
+/// [`EntryTables::KEPT`] of them, holding at most
+/// [`EntryTables::MAX_TEXT_BYTES`] of table text and
+/// [`EntryTables::MAX_ENTRIES`] entries together; the most recently used
+/// first.
+#[derive(Default)]
+pub struct EntryTables {
+    recent: Mutex<VecDeque<Table>>,
+    hits: AtomicU64,
+}
+
+impl std::fmt::Debug for EntryTables {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (kept, bytes) = self.usage();
+        f.debug_struct("EntryTables")
+            .field("kept", &kept)
+            .field("text_bytes", &bytes)
+            .field("hits", &self.hits())
+            .finish()
+    }
+}
+
+impl EntryTables {
+    /// The most tables kept.
+    pub const KEPT: usize = 4;
+    /// The most table text kept, all tables together (a table of 10,000
+    /// entries is about 0.5 MB of text).
+    pub const MAX_TEXT_BYTES: usize = 8 << 20;
+    /// The most entries kept, all tables together (about 100 bytes each
+    /// besides their names).
+    pub const MAX_ENTRIES: usize = 200_000;
+
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The checked entries of the table `text` over `chunks`, if kept.
+    pub(super) fn find(&self, text: &str, chunks: &[SetChunk]) -> Option<Arc<[SetEntry]>> {
+        let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        let at = recent.iter().position(|t| {
+            *t.text == *text
+                && t.chunks.len() == chunks.len()
+                && t.chunks
+                    .iter()
+                    .zip(chunks)
+                    .all(|(k, c)| *k == (c.id, c.descriptor.offset, c.descriptor.byte_len))
+        })?;
+        let t = recent.remove(at)?;
+        let entries = Arc::clone(&t.entries);
+        recent.push_front(t);
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(entries)
+    }
+
+    /// Keeps `entries`, decoded from `text` and checked over `chunks`,
+    /// in front; the least recently used tables go past the limits. A
+    /// table that alone passes [`Self::MAX_TEXT_BYTES`] or
+    /// [`Self::MAX_ENTRIES`] is not kept.
+    pub(super) fn keep(&self, text: &str, chunks: &[SetChunk], entries: &Arc<[SetEntry]>) {
+        if text.len() > Self::MAX_TEXT_BYTES || entries.len() > Self::MAX_ENTRIES {
+            return;
+        }
+        let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        recent.push_front(Table {
+            text: text.into(),
+            chunks: chunk_key(chunks),
+            entries: Arc::clone(entries),
+        });
+        let (mut bytes, mut count) = (0, 0);
+        let keep = recent
+            .iter()
+            .take(Self::KEPT)
+            .take_while(|t| {
+                bytes += t.text.len();
+                count += t.entries.len();
+                bytes <= Self::MAX_TEXT_BYTES && count <= Self::MAX_ENTRIES
+            })
+            .count();
+        recent.truncate(keep);
+    }
+
+    /// Records that found a kept table so far.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+
+    /// Tables kept, and their text's bytes.
+    pub fn usage(&self) -> (usize, usize) {
+        let recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        (recent.len(), recent.iter().map(|t| t.text.len()).sum())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entries() -> Arc<[SetEntry]> {
+        vec![SetEntry::new(
+            "w".into(),
+            crate::descriptor::Dtype::U8,
+            vec![1],
+            1,
+            0,
+            1,
+        )]
+        .into()
+    }
+
+    #[test]
+    fn the_least_recently_used_table_goes_first() {
+        let t = EntryTables::new();
+        let e = entries();
+        for text in ["a", "b", "c", "d"] {
+            t.keep(text, &[], &e);
+        }
+        assert!(t.find("a", &[]).is_some(), "a is used again");
+        t.keep("e", &[], &e);
+        assert_eq!(t.usage(), (EntryTables::KEPT, 4));
+        assert!(t.find("b", &[]).is_none(), "b was the least recently used");
+        for text in ["a", "c", "d", "e"] {
+            let found = t
+                .find(text, &[])
+                .unwrap_or_else(|| panic!("{text} is kept"));
+            assert!(Arc::ptr_eq(&found, &e), "the same entries, not a copy");
+        }
+        assert_eq!(t.hits(), 5);
+    }
+
+    #[test]
+    fn the_text_kept_stays_within_its_limit() {
+        let t = EntryTables::new();
+        let e = entries();
+        let big = |c: char| c.to_string().repeat(3 << 20);
+        for c in ['x', 'y', 'z'] {
+            t.keep(&big(c), &[], &e);
+        }
+        // Two of 3 MiB fit in 8 MiB, not three: the oldest went.
+        assert_eq!(t.usage(), (2, 6 << 20));
+        assert!(t.find(&big('x'), &[]).is_none());
+        assert!(t.find(&big('z'), &[]).is_some());
+        // A table longer than the whole limit is not kept at all.
+        t.keep(&"w".repeat(EntryTables::MAX_TEXT_BYTES + 1), &[], &e);
+        assert_eq!(t.usage(), (2, 6 << 20));
+    }
+
+    #[test]
+    fn the_entries_kept_stay_within_their_limit() {
+        let t = EntryTables::new();
+        let many = |n: usize| -> Arc<[SetEntry]> { vec![entries()[0].clone(); n].into() };
+        t.keep("a", &[], &many(EntryTables::MAX_ENTRIES / 2));
+        t.keep("b", &[], &many(EntryTables::MAX_ENTRIES / 2));
+        assert_eq!(t.usage().0, 2);
+        t.keep("c", &[], &many(1));
+        assert_eq!(t.usage().0, 2, "a went: three pass the limit");
+        assert!(t.find("a", &[]).is_none());
+        t.keep("d", &[], &many(EntryTables::MAX_ENTRIES + 1));
+        assert!(t.find("d", &[]).is_none(), "too many entries alone");
+        assert_eq!(t.usage().0, 2);
+    }
+}
