@@ -329,10 +329,8 @@ pub(crate) fn notes(plan: &Plan) -> Vec<String> {
          publisher's arena, whose chunks were made and exported before the first sample) to \
          the consumer's after Subscriber::attach_set returned and its stream synchronised \
          (one attach of the whole set; each chunk mapped once, on the warm-up samples, and \
-         kept in the consumer's cache). Every sample publishes the same layout under a new \
-         name, so from the second (a warm-up) the consumer finds the entry table it read \
-         among those it keeps (Subscriber::entry_tables) instead of decoding it again, from \
-         Rust and from Python alike; a new layout is decoded (the first attach row). extra = \
+         kept in the consumer's cache; the same layout every sample, so the consumer reuses \
+         the entry table it kept, Subscriber::entry_tables, from Rust and Python). extra = \
          device memory in use (cuMemGetInfo, all \
          processes) after the hand-off minus before it. ours update: the consumer holds the \
          set and waits; the clock from just before Publisher::update_set (one event for the \
