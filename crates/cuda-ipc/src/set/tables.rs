@@ -12,20 +12,15 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::{SetChunk, SetEntry};
 
-/// What an entry table's checks depend on besides its text: each chunk's
-/// id, its offset in its allocation and its length, in the record's order.
-type ChunkKey = Vec<(u64, u64, u64)>;
-
-fn chunk_key(chunks: &[SetChunk]) -> ChunkKey {
-    chunks
-        .iter()
-        .map(|c| (c.id, c.descriptor.offset, c.descriptor.byte_len))
-        .collect()
+/// What an entry table's checks depend on besides its text, per chunk in
+/// the record's order: its id, its offset in its allocation, its length.
+fn chunk_key(c: &SetChunk) -> (u64, u64, u64) {
+    (c.id, c.descriptor.offset, c.descriptor.byte_len)
 }
 
 struct Table {
     text: Box<str>,
-    chunks: ChunkKey,
+    chunks: Vec<(u64, u64, u64)>,
     entries: Arc<[SetEntry]>,
 }
 
@@ -72,10 +67,7 @@ impl EntryTables {
         let at = recent.iter().position(|t| {
             *t.text == *text
                 && t.chunks.len() == chunks.len()
-                && t.chunks
-                    .iter()
-                    .zip(chunks)
-                    .all(|(k, c)| *k == (c.id, c.descriptor.offset, c.descriptor.byte_len))
+                && t.chunks.iter().zip(chunks).all(|(k, c)| *k == chunk_key(c))
         })?;
         let t = recent.remove(at)?;
         let entries = Arc::clone(&t.entries);
@@ -95,7 +87,7 @@ impl EntryTables {
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         recent.push_front(Table {
             text: text.into(),
-            chunks: chunk_key(chunks),
+            chunks: chunks.iter().map(chunk_key).collect(),
             entries: Arc::clone(entries),
         });
         let (mut bytes, mut count) = (0, 0);
