@@ -219,6 +219,8 @@ fn set_record(n: u64) -> SetRecord {
 mod sets {
     use cuda_ipc::exchange::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES};
 
+    use cuda_ipc::set::{MemberPlace, SetLayouts};
+
     use super::{Bencher, Duration, Notice, SetRecord, black_box, pair, set_record};
 
     /// The record as JSON text: what `publish_set` sends.
@@ -226,6 +228,54 @@ mod sets {
     fn encode(bencher: Bencher, n: u64) {
         let r = set_record(n);
         bencher.bench_local(|| black_box(&r).to_json());
+    }
+
+    /// Each entry of `r` as the member that describes it.
+    fn places(r: &SetRecord) -> Vec<MemberPlace<'_>> {
+        r.entries
+            .iter()
+            .map(|e| MemberPlace {
+                name: &e.name,
+                dtype: e.dtype,
+                shape: &e.shape,
+                chunk: e.chunk,
+                offset: e.offset,
+                len: e.len,
+            })
+            .collect()
+    }
+
+    /// A publisher's description of a set of a new layout: its entries
+    /// made and checked, and their table encoded (what `publish_set` does
+    /// besides reading its members' buffers).
+    #[divan::bench(args = [1000, 10_000])]
+    fn describe_new(bencher: Bencher, n: u64) {
+        let r = set_record(n);
+        let places = places(&r);
+        bencher.bench_local(|| {
+            let (record, layout) = SetLayouts::new()
+                .describe("weights", r.arena, r.chunks.clone(), black_box(&places))
+                .unwrap();
+            (record, layout.table().len())
+        });
+    }
+
+    /// As `describe_new`, for a set in a layout the publisher described
+    /// before (compared with it, its entries and table shared).
+    #[divan::bench(args = [1000, 10_000])]
+    fn describe_kept(bencher: Bencher, n: u64) {
+        let r = set_record(n);
+        let places = places(&r);
+        let layouts = SetLayouts::new();
+        layouts
+            .describe("weights", r.arena, r.chunks.clone(), &places)
+            .unwrap();
+        bencher.bench_local(|| {
+            let (record, layout) = layouts
+                .describe("weights", r.arena, r.chunks.clone(), black_box(&places))
+                .unwrap();
+            (record, layout.table().len())
+        });
     }
 
     /// JSON text to a checked record (names, chunks, overlaps): what

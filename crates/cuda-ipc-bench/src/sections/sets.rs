@@ -329,8 +329,9 @@ pub(crate) fn notes(plan: &Plan) -> Vec<String> {
          publisher's arena, whose chunks were made and exported before the first sample) to \
          the consumer's after Subscriber::attach_set returned and its stream synchronised \
          (one attach of the whole set; each chunk mapped once, on the warm-up samples, and \
-         kept in the consumer's cache; the same layout every sample, so the consumer reuses \
-         the entry table it kept, Subscriber::entry_tables, from Rust and Python). extra = \
+         kept in the consumer's cache; the same layout every sample, so the publisher reuses \
+         the layout it described, Publisher::set_layouts, and the consumer the entry table it \
+         kept, Subscriber::entry_tables, from Rust and Python). extra = \
          device memory in use (cuMemGetInfo, all \
          processes) after the hand-off minus before it. ours update: the consumer holds the \
          set and waits; the clock from just before Publisher::update_set (one event for the \

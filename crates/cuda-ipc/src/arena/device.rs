@@ -13,7 +13,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::vmm::{self, ShareableTypes};
 use crate::memory::{DeviceMemory, impl_cudarc_traits};
-use crate::set::{SetChunk, SetEntry, SetRecord};
+use crate::set::{MemberPlace, SetChunk, SetLayout, SetLayouts, SetRecord};
 use crate::share::{self, Export, SharedBuffer};
 
 /// An arena of device memory.
@@ -273,37 +273,70 @@ impl DeviceArena {
         name: &str,
         members: impl IntoIterator<Item = SetMember<'a>>,
     ) -> Result<SetRecord> {
+        let (chunks, places) = self.places(members)?;
+        SetRecord::new(
+            name.to_string(),
+            self.id(),
+            chunks,
+            places.iter().map(MemberPlace::entry).collect(),
+        )
+    }
+
+    /// [`describe_set`](Self::describe_set) through `layouts`: a set whose
+    /// members and chunks are those of a layout kept there shares its
+    /// checked entries and encoded table ([`SetLayouts`]); another is
+    /// described and kept. Returns the record and its layout.
+    pub fn describe_set_with<'a>(
+        &self,
+        name: &str,
+        members: impl IntoIterator<Item = SetMember<'a>>,
+        layouts: &SetLayouts,
+    ) -> Result<(SetRecord, Arc<SetLayout>)> {
+        let (chunks, places) = self.places(members)?;
+        layouts.describe(name, self.id(), chunks, &places)
+    }
+
+    /// Each member's place (its chunk, offset and length, checked against
+    /// its buffer), and the table of the chunks they use, by id.
+    fn places<'a>(
+        &self,
+        members: impl IntoIterator<Item = SetMember<'a>>,
+    ) -> Result<(Vec<SetChunk>, Vec<MemberPlace<'a>>)> {
+        let members = members.into_iter();
         let mut chunks = BTreeMap::new();
-        let mut entries = Vec::new();
+        let mut places = Vec::with_capacity(members.size_hint().0);
+        // Members mostly follow each other in a chunk: its id is looked up
+        // in the table only when it changes.
+        let mut last_chunk = None;
         for m in members {
             let chunk = m.buffer.chunk();
-            if chunk.id().arena != self.id() {
+            let id = chunk.id();
+            if id.arena != self.id() {
                 return Err(Error::arg(
                     "set member",
                     format!("{:?} is a buffer of another arena", m.name),
                 ));
             }
             let len = member_len(m.name, m.dtype, m.shape, m.offset, m.buffer.byte_len())?;
-            chunks
-                .entry(chunk.id().index)
-                .or_insert_with(|| chunk.backing().descriptor().clone());
-            entries.push(SetEntry {
-                name: m.name.to_string(),
+            if last_chunk != Some(id.index) {
+                chunks
+                    .entry(id.index)
+                    .or_insert_with(|| chunk.backing().descriptor().clone());
+                last_chunk = Some(id.index);
+            }
+            places.push(MemberPlace {
+                name: m.name,
                 dtype: m.dtype,
-                shape: m.shape.into(),
-                chunk: chunk.id().index,
+                shape: m.shape,
+                chunk: id.index,
                 offset: m.buffer.offset() + m.offset,
                 len,
             });
         }
-        SetRecord::new(
-            name.to_string(),
-            self.id(),
-            chunks
-                .into_iter()
-                .map(|(id, descriptor)| SetChunk { id, descriptor })
-                .collect(),
-            entries,
-        )
+        let chunks = chunks
+            .into_iter()
+            .map(|(id, descriptor)| SetChunk { id, descriptor })
+            .collect();
+        Ok((chunks, places))
     }
 }

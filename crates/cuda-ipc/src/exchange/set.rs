@@ -64,6 +64,14 @@ impl Publisher {
         arena.alloc(bytes)
     }
 
+    /// The set layouts this publisher keeps: a set published with the
+    /// members of one before (the same names, types, shapes and places, in
+    /// order) shares the entries checked and the table encoded then,
+    /// instead of making and checking them again.
+    pub fn set_layouts(&self) -> &crate::set::SetLayouts {
+        &self.arena.layouts
+    }
+
     /// Publishes one arena buffer under `name` as elements of `dtype` with
     /// `shape` (a set of one, which [`Subscriber::attach`](super::Subscriber::attach) also opens): no
     /// driver export, one event record, one message.
@@ -109,7 +117,8 @@ impl Publisher {
     ) -> Result<()> {
         let mut phases = Phases::start("core.publish_set");
         let arena = self.arena()?;
-        let mut record = arena.describe_set(name, members.iter().copied())?;
+        let (mut record, layout) =
+            arena.describe_set_with(name, members.iter().copied(), &self.arena.layouts)?;
         record.event = Some(self.event_handle);
         record.read_only = read_only;
         phases.mark("record");
@@ -119,7 +128,7 @@ impl Publisher {
         phases.mark("event");
         let fence = self.set_fence(&stream)?;
         phases.mark("fence");
-        let value = record.to_value();
+        let value = record.to_value_with_table(layout.table());
         phases.mark("encode");
         let r = lock(&self.arena.book).publish(&self.server, arena, name, value, hold, fence);
         phases.mark("publish");

@@ -448,6 +448,9 @@ pub(super) struct PublisherArena {
     pub(super) sharing: Sharing,
     pub(super) arena: OnceLock<DeviceArena>,
     pub(super) book: std::sync::Mutex<Book<DeviceChunks>>,
+    /// The layouts of the sets described last (a set published again in
+    /// the same places is checked and encoded once).
+    pub(super) layouts: crate::set::SetLayouts,
 }
 
 impl PublisherArena {
@@ -456,6 +459,7 @@ impl PublisherArena {
             sharing,
             arena: OnceLock::new(),
             book: std::sync::Mutex::new(Book::default()),
+            layouts: crate::set::SetLayouts::new(),
         }
     }
 }

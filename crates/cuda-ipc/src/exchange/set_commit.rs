@@ -52,10 +52,12 @@ impl Publisher {
         let (old_order, old_slot) = lock(&self.arena.book)
             .update_of(name)
             .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
-        let mut record = arena.describe_set(name, members.iter().copied())?;
+        let (mut record, layout) =
+            arena.describe_set_with(name, members.iter().copied(), &self.arena.layouts)?;
         record.event = Some(self.event_handle);
         record.read_only = self.read_only_readers;
-        record.validate()?;
+        // The entries were checked as the set was described.
+        record.validate_head()?;
         let hold = SetHold::new(members.iter().map(|m| m.buffer.lease()).collect());
         // The old version's readers wait on its event and fence: signal
         // them once more, so that their wait for this update returns.
@@ -71,7 +73,7 @@ impl Publisher {
             &self.server,
             arena,
             name,
-            record.to_value(),
+            record.to_value_with_table(layout.table()),
             hold,
             fence,
             notice,

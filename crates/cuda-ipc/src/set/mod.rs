@@ -104,6 +104,7 @@ impl fmt::Debug for ArenaId {
 }
 
 mod decode;
+mod layouts;
 pub mod names;
 pub mod table;
 mod tables;
@@ -113,6 +114,7 @@ use decode::{
     EntryField, FIELDS, FieldName, ShapeDim, array_of, check_name, decode_chunk, decode_entry,
     field_err, nested, set_err,
 };
+pub use layouts::{MemberPlace, SetLayout, SetLayouts};
 pub use tables::EntryTables;
 pub use weights::{SplitMix64, weight_sizes};
 
@@ -428,7 +430,7 @@ impl SetRecord {
 
     /// Checks everything but the entries (the name, the arena, the chunk
     /// table, the read-only policy); returns each chunk's position by id.
-    fn validate_head(&self) -> Result<ChunkPositions> {
+    pub(crate) fn validate_head(&self) -> Result<ChunkPositions> {
         check_name("name", &self.name)?;
         if self.arena.0 == 0 {
             return Err(field_err("arena", "must not be zero"));
@@ -724,6 +726,13 @@ impl SetRecord {
     /// table (keys sorted): what a publisher sends.
     pub fn to_value(&self) -> Value {
         self.value_with(2, Value::String(table::encode(&self.entries)))
+    }
+
+    /// [`to_value`](Self::to_value) with the entries' table made before
+    /// (a [`SetLayout`]'s, whose entries these are).
+    pub(crate) fn to_value_with_table(&self, table: &str) -> Value {
+        debug_assert_eq!(table, table::encode(&self.entries));
+        self.value_with(2, Value::String(table.to_owned()))
     }
 
     /// The record as a JSON value in format 1, every entry a JSON array

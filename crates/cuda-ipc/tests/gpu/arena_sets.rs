@@ -116,6 +116,14 @@ fn check_set(set: &SetAttachment, base: u32) -> Value {
     Value::Null
 }
 
+/// The elements of every entry of `set` together.
+fn elements_of(set: &SetAttachment) -> u64 {
+    set.entries()
+        .iter()
+        .map(|e| e.shape.iter().product::<u64>())
+        .sum()
+}
+
 fn base_of(req: &Value) -> u32 {
     req["base"].as_u64().unwrap_or(0) as u32
 }
@@ -144,7 +152,7 @@ fn subscriber() {
                         "bad": bad,
                         "len": s.len(),
                         "opens": sub.opens(),
-                        "table_hits": sub.entry_tables().hits(),
+                        "table_hits": sub.entry_tables().hits(), "elements": elements_of(&s),
                     });
                     sets.push(s);
                     r
@@ -316,6 +324,8 @@ fn sets_on_every_chunk_mechanism() {
                 (json!(100), json!(1)),
                 "{m}"
             );
+            // ... and the publisher described it from the layout it kept.
+            assert_eq!(publisher.set_layouts().hits(), 1, "{m}");
             ask(&mut p, &json!({ "op": "release" }));
             for name in ["weights", "weights-again", "one"] {
                 publisher
@@ -399,6 +409,61 @@ fn members_that_are_byte_ranges_of_one_buffer() {
         p.send(&json!({ "op": "exit" }));
         assert!(p.finish(), "the child failed");
         println!("{m}: three byte ranges of one buffer published and checked");
+    });
+}
+
+/// A set published again with the members of one before shares the
+/// layout the publisher kept; one member changed (its shape) is a new
+/// layout, which the consumer sees; the first layout again is found again.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_layout_published_again_and_one_member_changed() {
+    child_or(|| {
+        let device = Device::open(0).unwrap();
+        let dir = socket_dir();
+        let publisher = publisher_on(&device, dir.path(), Sharing::auto());
+        let sizes = weight_sizes(100, 64 * MIB, 3).unwrap();
+        let mut set = Set::new(&publisher, &sizes, 21);
+        let elements = |set: &Set| set.shapes.iter().map(|s| s[0]).sum::<u64>();
+        let full = elements(&set);
+        set.publish(&publisher, "v1");
+        let hits = publisher.set_layouts().hits();
+        set.publish(&publisher, "v2");
+        assert_eq!(publisher.set_layouts().hits(), hits + 1, "the same layout");
+        let whole = set.shapes[7];
+        set.shapes[7] = [whole[0] / 2];
+        set.publish(&publisher, "v3");
+        assert_eq!(publisher.set_layouts().hits(), hits + 1, "a member changed");
+        let half = elements(&set);
+        set.shapes[7] = whole;
+        set.publish(&publisher, "v4");
+        assert_eq!(publisher.set_layouts().hits(), hits + 2, "the first again");
+        let mut p = spawn(
+            &test_name!("a_layout_published_again_and_one_member_changed"),
+            publisher.path(),
+        );
+        for (name, want) in [("v1", full), ("v2", full), ("v3", half), ("v4", full)] {
+            let r = ask(
+                &mut p,
+                &json!({ "op": "attach_set", "name": name, "base": 21 }),
+            );
+            assert_eq!(
+                (r["len"].clone(), r["elements"].clone(), r["bad"].clone()),
+                (json!(100), json!(want), Value::Null),
+                "{name}"
+            );
+            ask(&mut p, &json!({ "op": "release" }));
+        }
+        for name in ["v1", "v2", "v3", "v4"] {
+            publisher
+                .unpublish_set(name, Some(Duration::from_secs(10)))
+                .unwrap();
+        }
+        p.send(&json!({ "op": "exit" }));
+        assert!(p.finish(), "the child failed");
+        println!(
+            "a layout published again shared, one member changed seen: {full} and {half} elements"
+        );
     });
 }
 

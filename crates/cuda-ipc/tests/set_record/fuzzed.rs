@@ -3,7 +3,7 @@
 use cuda_ipc::arena::ArenaId;
 use cuda_ipc::descriptor::Dtype;
 use cuda_ipc::set::table::{decode_bytes, encode_bytes};
-use cuda_ipc::set::{EntryTables, SetRecord};
+use cuda_ipc::set::{EntryTables, MemberPlace, SetLayouts, SetRecord};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -243,6 +243,72 @@ proptest! {
         }
     }
 
+    /// A kept layout never changes a verdict: after its own layout and
+    /// another were described, a set with any one member field changed
+    /// (name, dtype, shape, chunk, offset, length), a member added or
+    /// removed, a chunk's descriptor changed, or another set name, is
+    /// described exactly as `SetRecord::new` makes it (the same record, or
+    /// the same error); unchanged, it shares the kept entries.
+    #[test]
+    fn kept_layouts_change_no_verdict(
+        r in record(),
+        other in record(),
+        which in any::<prop::sample::Index>(),
+        change in 0u8..10,
+        value in 0u64..400,
+        name in "[a-z.]{0,6}",
+    ) {
+        let layouts = SetLayouts::new();
+        let mut kept_r = None;
+        for kept in [&other, &r] {
+            let (_, layout) = layouts
+                .describe(&kept.name, kept.arena, kept.chunks.clone(), &places(&kept.entries))
+                .unwrap();
+            kept_r = Some(layout);
+        }
+        let kept_r = kept_r.unwrap();
+        let mut entries = r.entries.to_vec();
+        let mut chunks = r.chunks.clone();
+        let mut set_name = r.name.clone();
+        let i = which.index(entries.len());
+        let e = &mut entries[i];
+        match change {
+            0 => e.name = format!("{}{name}", e.name),
+            1 => e.dtype = Dtype::ALL[value as usize % Dtype::ALL.len()],
+            2 => e.shape = vec![value % 13; 1 + (value % 3) as usize].into(),
+            3 => e.chunk = value % 8,
+            4 => e.offset = value,
+            5 => e.len = value,
+            6 => { entries.remove(i); }
+            7 => { let copy = entries[i].clone(); entries.push(copy); }
+            8 => chunks[0].descriptor.byte_len = value,
+            _ => set_name = name.clone(),
+        }
+        let same_layout = entries[..] == r.entries[..] && chunks == r.chunks;
+        let hits = layouts.hits();
+        let with = layouts.describe(&set_name, r.arena, chunks.clone(), &places(&entries));
+        let without = SetRecord::new(set_name.clone(), r.arena, chunks, entries.clone());
+        match (&with, &without) {
+            (Ok((a, layout)), Ok(b)) => {
+                prop_assert_eq!(a, b);
+                let v = b.to_value();
+                prop_assert_eq!(Some(layout.table()), v["entries"].as_str());
+            }
+            (Err(a), Err(b)) => prop_assert_eq!(a.to_string(), b.to_string()),
+            _ => prop_assert!(false, "with kept layouts {:?}, without {:?}", with.map(|w| w.0), without),
+        }
+        match with {
+            // The same members over the same chunks found their layout,
+            // whatever the set's name.
+            Ok((a, _)) if same_layout => {
+                prop_assert_eq!(layouts.hits(), hits + 1);
+                prop_assert!(std::sync::Arc::ptr_eq(&a.entries, kept_r.entries()));
+            }
+            _ if !same_layout => prop_assert_eq!(layouts.hits(), hits),
+            _ => {}
+        }
+    }
+
     /// Bytes of format 2's table flipped, cut or inserted: never a panic;
     /// what decodes re-encodes to the same bytes, and in a record it
     /// validates or fails cleanly.
@@ -358,4 +424,19 @@ fn an_over_long_record_is_refused_before_parsing() {
         "{:?}",
         started.elapsed()
     );
+}
+
+/// Each entry of `entries` as the member that describes it.
+fn places(entries: &[cuda_ipc::set::SetEntry]) -> Vec<MemberPlace<'_>> {
+    entries
+        .iter()
+        .map(|e| MemberPlace {
+            name: &e.name,
+            dtype: e.dtype,
+            shape: &e.shape,
+            chunk: e.chunk,
+            offset: e.offset,
+            len: e.len,
+        })
+        .collect()
 }
