@@ -331,9 +331,8 @@ pub(crate) fn notes(plan: &Plan) -> Vec<String> {
          (one attach of the whole set; each chunk mapped once, on the warm-up samples, and \
          kept in the consumer's cache; the same layout every sample, so the publisher reuses \
          the layout it described, Publisher::set_layouts, and the consumer the entry table it \
-         kept, Subscriber::entry_tables, from Rust and Python). extra = \
-         device memory in use (cuMemGetInfo, all \
-         processes) after the hand-off minus before it. ours update: the consumer holds the \
+         kept, Subscriber::entry_tables, from Rust and Python). extra = device memory in use \
+         (cuMemGetInfo, all processes) after the hand-off minus before it. ours update: the consumer holds the \
          set and waits; the clock from just before Publisher::update_set (one event for the \
          set, one notice) to Subscriber::wait_set_update returning and the stream synchronised. \
          The line under an update row (from Rust and from Python) is the producer's call alone, \
