@@ -372,6 +372,64 @@ impl Client {
         }
     }
 
+    /// The metadata of the entries `names`, in order: each attached and its
+    /// lease released at once, without waiting for the server's answer to
+    /// the release, with up to [`Client::METADATA_IN_FLIGHT`] attaches in
+    /// flight (one round trip for a few entries instead of two each). For
+    /// entries that are only metadata (a large record's parts); descriptors
+    /// that come with one are closed.
+    ///
+    /// # Errors
+    /// As [`attach`](Self::attach), for the first entry refused (the
+    /// attaches already in flight are answered and released first, so no
+    /// lease is kept); the connection's errors.
+    pub fn metadata_of(&self, names: &[&str]) -> Result<Vec<Value>, ChannelError> {
+        for name in names {
+            validate_entry_name(name)?;
+        }
+        let mut out = Vec::with_capacity(names.len());
+        let mut in_flight = std::collections::VecDeque::new();
+        let mut next = names.iter();
+        let mut refused = None;
+        loop {
+            // No new attach after a refusal: those in flight are answered
+            // (the server answers in order) and their leases released.
+            while refused.is_none()
+                && in_flight.len() < Self::METADATA_IN_FLIGHT
+                && let Some(&name) = next.next()
+            {
+                let p = self.request(
+                    |id| Message::Attach {
+                        id,
+                        name: name.into(),
+                    },
+                    None,
+                )?;
+                in_flight.push_back((name, p));
+            }
+            let Some((name, p)) = in_flight.pop_front() else {
+                break;
+            };
+            match self.response(&p, &format!("the answer to attaching {name:?}"))? {
+                (Message::Attached { lease, meta, .. }, _fds) => {
+                    self.release_nowait(lease)?;
+                    out.push(Arc::unwrap_or_clone(meta).into_value());
+                }
+                (other, _) => {
+                    refused.get_or_insert_with(|| unexpected(other, "attached", name));
+                }
+            }
+        }
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    /// The most attaches [`metadata_of`](Self::metadata_of) keeps in flight
+    /// (at most 4 MiB of answers queued for this client on the server).
+    pub const METADATA_IN_FLIGHT: usize = 16;
+
     /// Releases a lease (on an entry or a ring). The producer may reuse
     /// what the lease covered once every holder has released it.
     pub fn release(&self, lease: u64) -> Result<(), ChannelError> {

@@ -578,3 +578,53 @@ fn metadata_encoded_before_publish_is_sent_as_it_is_and_within_the_limit() {
     assert!(err.to_string().contains("more than the limit"), "{err}");
     assert!(client.attach("over").is_err(), "nothing was published");
 }
+
+/// Waits up to 5 s for `server` to hold no lease.
+fn no_lease_left(server: &Server) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !server.leases().is_empty() {
+        assert!(Instant::now() < deadline, "{:?}", server.leases());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The metadata of many entries read at once (a large record's parts):
+/// in order, with more entries than attaches in flight, every lease
+/// released; an entry missing in the middle is an error naming it that
+/// leaves no lease held, and the client goes on working; a bad name is
+/// refused before anything is sent.
+#[test]
+fn metadata_of_many_entries_in_one_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "metas");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    let n = 2 * Client::METADATA_IN_FLIGHT + 3;
+    let names: Vec<String> = (0..n).map(|i| format!("part/{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        let meta = json!({ "i": i, "text": "x".repeat(i * 1000) });
+        server.publish(name, meta, Vec::new()).unwrap();
+    }
+    let client = quick_client(&path);
+    let mut refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let metas = client.metadata_of(&refs).unwrap();
+    assert_eq!(metas.len(), n);
+    for (i, m) in metas.iter().enumerate() {
+        assert_eq!(m["i"], i);
+        assert_eq!(m["text"].as_str().unwrap().len(), i * 1000);
+    }
+    assert!(client.metadata_of(&[]).unwrap().is_empty());
+    no_lease_left(&server);
+
+    refs.insert(n / 2, "part/missing");
+    let e = client.metadata_of(&refs).unwrap_err();
+    assert!(
+        matches!(&e, ChannelError::NotFound { name } if name == "part/missing"),
+        "{e}"
+    );
+    no_lease_left(&server);
+    assert_eq!(client.metadata_of(&refs[..2]).unwrap().len(), 2);
+
+    let e = client.metadata_of(&["part/0", ""]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    no_lease_left(&server);
+}

@@ -48,23 +48,30 @@ pub(super) fn read_record(
             ),
         });
     }
+    let names = parts
+        .iter()
+        .map(|p| {
+            p.as_str().ok_or_else(|| Error::Descriptor {
+                field: PARTS_KEY.into(),
+                reason: format!("expected an entry name, found {p}"),
+            })
+        })
+        .collect::<Result<Vec<&str>>>()?;
+    // The parts asked for a batch at a time (one round trip for the
+    // batch), each lease released as its answer comes; the text's length
+    // is checked after each batch.
     let mut text = String::new();
-    for p in parts {
-        let name = p.as_str().ok_or_else(|| Error::Descriptor {
-            field: PARTS_KEY.into(),
-            reason: format!("expected an entry name, found {p}"),
-        })?;
-        let a = client.attach(name)?;
-        let _ = client.release(a.lease);
-        let piece =
-            a.meta
-                .get("text")
-                .and_then(Value::as_str)
-                .ok_or_else(|| Error::Descriptor {
-                    field: format!("{name}.text"),
-                    reason: "a set record part carries its text".into(),
-                })?;
-        text.push_str(piece);
+    for batch in names.chunks(channel::Client::METADATA_IN_FLIGHT) {
+        for (name, meta) in batch.iter().zip(client.metadata_of(batch)?) {
+            let piece =
+                meta.get("text")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| Error::Descriptor {
+                        field: format!("{name}.text"),
+                        reason: "a set record part carries its text".into(),
+                    })?;
+            text.push_str(piece);
+        }
         if text.len() > MAX_PARTS * SET_PART_BYTES {
             return Err(Error::Descriptor {
                 field: PARTS_KEY.into(),
