@@ -333,3 +333,99 @@ macro_rules! json_record {
     };
 }
 pub(crate) use json_record;
+
+/// Appends `s` to `out` as a JSON string: quoted and escaped as
+/// `serde_json` escapes it (the same text), with runs of 8 bytes that need
+/// no escape found a word at a time (long text that is mostly base64, a
+/// set record's, is copied in whole).
+pub(crate) fn push_string(out: &mut String, s: &str) {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    // Whether a byte of `w` is zero / less than 0x20 (exact tests).
+    let zero = |w: u64| w.wrapping_sub(ONES) & !w & HIGH != 0;
+    let control = |w: u64| w.wrapping_sub(ONES * 0x20) & !w & HIGH != 0;
+    let plain = |w: u64| !(zero(w ^ (ONES * 0x22)) || zero(w ^ (ONES * 0x5c)) || control(w));
+    out.reserve(s.len() + 2);
+    out.push('"');
+    let bytes = s.as_bytes();
+    let (mut copied, mut i) = (0, 0);
+    while i < bytes.len() {
+        if let Some(word) = bytes.get(i..i + 8)
+            && plain(u64::from_le_bytes(word.try_into().expect("8 bytes")))
+        {
+            i += 8;
+            continue;
+        }
+        let escape = match bytes[i] {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b'\n' => "\\n",
+            b'\r' => "\\r",
+            b'\t' => "\\t",
+            0x08 => "\\b",
+            0x0c => "\\f",
+            b @ 0..=0x1f => {
+                out.push_str(&s[copied..i]);
+                out.push_str("\\u00");
+                out.push(char::from(HEX[usize::from(b >> 4)]));
+                out.push(char::from(HEX[usize::from(b & 0xf)]));
+                i += 1;
+                copied = i;
+                continue;
+            }
+            _ => {
+                i += 1;
+                continue;
+            }
+        };
+        out.push_str(&s[copied..i]);
+        out.push_str(escape);
+        i += 1;
+        copied = i;
+    }
+    out.push_str(&s[copied..]);
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::push_string;
+
+    fn pushed(s: &str) -> String {
+        let mut out = String::from("x");
+        push_string(&mut out, s);
+        out
+    }
+
+    #[test]
+    fn strings_are_escaped_as_serde_json_escapes_them() {
+        for s in [
+            "",
+            "plain",
+            "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo=",
+            "a\"b\\c\n\r\t\u{8}\u{c}\u{1}\u{1f}\u{7f} é€😀",
+            "\"\"\"\"\"\"\"\"\"",
+            "0123456\"",
+            "01234567\\",
+            "abcdefgh\u{1}ijklmnop",
+        ] {
+            assert_eq!(
+                pushed(s),
+                format!("x{}", serde_json::to_string(s).unwrap()),
+                "{s:?}"
+            );
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn any_string_is_escaped_as_serde_json_escapes_it(
+            s in "([A-Za-z0-9+/=]{0,20}|\\PC|[\"\\\\\u{0}-\u{1f}\u{7f}-\u{ff}]){0,40}"
+        ) {
+            prop_assert_eq!(pushed(&s), format!("x{}", serde_json::to_string(&s).unwrap()));
+        }
+    }
+}

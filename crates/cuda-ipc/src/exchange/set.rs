@@ -8,13 +8,24 @@ use crate::channel::ChannelError;
 use crate::descriptor::{Dtype, Mechanism};
 use crate::error::{Error, Result};
 use crate::phases::Phases;
+use crate::set::{SetLayout, SetRecord};
 
 use super::lock;
 use super::publisher::Publisher;
-use super::set_book::Sharing;
+use super::set_book::{RecordJson, Sharing};
 use super::set_order::{SetHold, SetOrder};
 use super::sync::SetFence;
 use super::wire::{self, UpdateBody};
+
+/// `record`'s JSON value and text, with `layout`'s table (made once for
+/// the layout) copied into both.
+pub(super) fn record_json(record: &SetRecord, layout: &SetLayout) -> RecordJson {
+    let table = layout.table();
+    RecordJson {
+        value: record.to_value_with_table(table),
+        text: Some(record.to_json_with_table(table)),
+    }
+}
 
 impl Publisher {
     /// This publisher's arena, made at the first call (no chunk is
@@ -128,7 +139,7 @@ impl Publisher {
         phases.mark("event");
         let fence = self.set_fence(&stream)?;
         phases.mark("fence");
-        let value = record.to_value_with_table(layout.table());
+        let value = record_json(&record, &layout);
         phases.mark("encode");
         let r = lock(&self.arena.book).publish(&self.server, arena, name, value, hold, fence);
         phases.mark("publish");

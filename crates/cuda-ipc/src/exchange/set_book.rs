@@ -77,6 +77,21 @@ pub(super) const MAX_PARTS: usize = 1024;
 /// The key of a set entry's metadata that lists the parts of its record.
 pub(super) const PARTS_KEY: &str = "cuda_ipc_set_parts";
 
+/// A set's record as its publisher hands it to the book: the JSON value
+/// and, when the publisher wrote it too, its compact JSON text (a set
+/// record's, with the base64 table copied in whole), which is then not
+/// encoded again.
+pub(super) struct RecordJson {
+    pub(super) value: Value,
+    pub(super) text: Option<String>,
+}
+
+impl From<Value> for RecordJson {
+    fn from(value: Value) -> Self {
+        RecordJson { value, text: None }
+    }
+}
+
 /// The prefix of the hidden entries a publisher makes for its arena.
 pub const HIDDEN_ENTRY_PREFIX: &str = ".cuda-ipc/";
 
@@ -188,7 +203,7 @@ where
         server: &Server,
         arena: &Arena<B>,
         name: &str,
-        record: Value,
+        record: impl Into<RecordJson>,
         hold: SetHold<B>,
         fence: Option<SetFence>,
     ) -> Result<()> {
@@ -200,8 +215,12 @@ where
         for c in order.chunks() {
             self.ensure_chunk(server, arena, c)?;
         }
-        let (meta, parts) =
-            self.publish_parts(server, arena, record, fence.as_ref().map(|f| &f.meta))?;
+        let (meta, parts) = self.publish_parts(
+            server,
+            arena,
+            record.into(),
+            fence.as_ref().map(|f| &f.meta),
+        )?;
         let (fds, fence) = match fence {
             Some(f) => (vec![f.fd], Some(f.slot)),
             None => (Vec::new(), None),
@@ -225,54 +244,101 @@ where
     }
 
     /// The metadata of a set entry for `record` and its `fence`: the record
-    /// with the fence, encoded once here (the server sends that text as it
-    /// is), or, when the text is longer than [`SET_PART_BYTES`], the list
-    /// of the record's parts, published here as hidden entries (returned
-    /// too), with the fence.
+    /// with the fence, its text made once here (the server sends that text
+    /// as it is), or, when the text is longer than [`SET_PART_BYTES`], the
+    /// list of the record's parts, published here as hidden entries
+    /// (returned too), with the fence. Text the publisher wrote with the
+    /// record is used as it is: no part of the record is encoded again.
     fn publish_parts(
         &mut self,
         server: &Server,
         arena: &Arena<B>,
-        mut record: Value,
+        record: RecordJson,
         fence: Option<&wire::FenceMeta>,
     ) -> Result<(Meta, Vec<String>)> {
-        if let Some(f) = fence {
-            sync::add_set_fence(&mut record, f)?;
+        let RecordJson { mut value, text } = record;
+        let fence = fence.map(wire::to_value).transpose()?;
+        let Some(text) = text else {
+            // The record as a value only: encoded once, with its fence.
+            if let Some(f) = fence {
+                sync::put_set_fence(&mut value, f)?;
+            }
+            let meta = Meta::encoded(value);
+            if meta.text_len() <= SET_PART_BYTES {
+                return Ok((meta, Vec::new()));
+            }
+            // The record alone goes in the parts; the fence stays on the entry.
+            let mut value = meta.into_value();
+            let fence = sync::take_set_fence_value(&mut value);
+            return self.publish_text_parts(server, arena, &value.to_string(), fence);
+        };
+        let fence_text = fence.as_ref().map(Value::to_string);
+        let whole = text.len()
+            + fence_text
+                .as_ref()
+                .map_or(0, |f| f.len() + sync::SET_FENCE_KEY.len() + 4);
+        if whole > SET_PART_BYTES {
+            return self.publish_text_parts(server, arena, &text, fence);
         }
-        let meta = Meta::encoded(record);
-        if meta.text_len() <= SET_PART_BYTES {
-            return Ok((meta, Vec::new()));
+        let Some((fence, fence_text)) = fence.zip(fence_text) else {
+            return Ok((meta_with_text(value, text)?, Vec::new()));
+        };
+        // The fence goes in as the object's last member, in the text too.
+        sync::put_set_fence(&mut value, fence)?;
+        let mut with = text;
+        if with.pop() != Some('}') {
+            return Err(Error::arg("set entry", "its record is not a JSON object"));
         }
-        // The record alone goes in the parts; the fence stays on the entry.
-        let mut record = meta.into_value();
-        if let Some(m) = record.as_object_mut() {
-            m.remove(sync::SET_FENCE_KEY);
+        if with.len() > 1 {
+            with.push(',');
         }
-        let text = record.to_string();
+        for piece in ["\"", sync::SET_FENCE_KEY, "\":", &fence_text, "}"] {
+            with.push_str(piece);
+        }
+        Ok((meta_with_text(value, with)?, Vec::new()))
+    }
+
+    /// Publishes `text`, a set record's, as hidden part entries of at most
+    /// [`SET_PART_BYTES`] each (their metadata's text written here, not
+    /// encoded), and returns the set entry's metadata, which lists them,
+    /// with `fence`, and the parts' names.
+    fn publish_text_parts(
+        &mut self,
+        server: &Server,
+        arena: &Arena<B>,
+        text: &str,
+        fence: Option<Value>,
+    ) -> Result<(Meta, Vec<String>)> {
         let mut parts: Vec<String> = Vec::new();
+        let unpublish = |parts: &[String]| {
+            for p in parts {
+                let _ = server.unpublish(p);
+            }
+        };
         self.parts += 1;
-        let pieces = split_utf8(&text, SET_PART_BYTES);
-        for (i, piece) in pieces.iter().enumerate() {
+        for (i, piece) in split_utf8(text, SET_PART_BYTES).into_iter().enumerate() {
             let part = format!(
                 "{HIDDEN_ENTRY_PREFIX}set-part/{}/{}/{i}",
                 arena.id(),
                 self.parts
             );
-            if let Err(e) = server.publish(&part, json!({ "text": piece }), Vec::new()) {
-                for p in &parts {
-                    let _ = server.unpublish(p);
-                }
-                return Err(e.into());
+            let mut meta_text = String::with_capacity(piece.len() + 16);
+            meta_text.push_str("{\"text\":");
+            crate::json::push_string(&mut meta_text, piece);
+            meta_text.push('}');
+            let published = meta_with_text(json!({ "text": piece }), meta_text)
+                .and_then(|meta| Ok(server.publish(&part, meta, Vec::new())?));
+            if let Err(e) = published {
+                unpublish(&parts);
+                return Err(e);
             }
             parts.push(part);
         }
         let mut meta = json!({ PARTS_KEY: parts, "bytes": text.len() });
         if let Some(f) = fence
-            && let Err(e) = sync::add_set_fence(&mut meta, f)
+            && let Err(e) = sync::put_set_fence(&mut meta, f)
         {
-            for p in &parts {
-                let _ = server.unpublish(p);
-            }
+            unpublish(&parts);
             return Err(e);
         }
         Ok((Meta::new(meta), parts))
@@ -288,7 +354,7 @@ where
         server: &Server,
         arena: &Arena<B>,
         name: &str,
-        record: Value,
+        record: impl Into<RecordJson>,
         hold: SetHold<B>,
         fence: Option<SetFence>,
         notice: Value,
@@ -308,7 +374,8 @@ where
             .iter()
             .try_for_each(|c| self.ensure_chunk(server, arena, c))
             .and_then(|()| {
-                let (meta, p) = self.publish_parts(server, arena, record, fence_meta.as_ref())?;
+                let (meta, p) =
+                    self.publish_parts(server, arena, record.into(), fence_meta.as_ref())?;
                 parts = p;
                 Ok(server.replace(name, meta, fds, notice)?)
             });
@@ -427,6 +494,11 @@ where
 }
 
 /// `text` in pieces of at most `max` bytes, cut at character boundaries.
+/// Metadata of `value` with `text`, its JSON text as written here.
+fn meta_with_text(value: Value, text: String) -> Result<Meta> {
+    Ok(Meta::with_text(value, text)?)
+}
+
 pub(super) fn split_utf8(text: &str, max: usize) -> Vec<&str> {
     let mut out = Vec::new();
     let mut rest = text;

@@ -73,7 +73,7 @@ impl Publisher {
             &self.server,
             arena,
             name,
-            record.to_value_with_table(layout.table()),
+            super::set::record_json(&record, &layout),
             hold,
             fence,
             notice,

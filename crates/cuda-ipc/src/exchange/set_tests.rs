@@ -554,6 +554,87 @@ fn a_set_fence_travels_beside_the_record_and_its_slot_outlives_the_last_lease() 
     assert_eq!(lock(&slots).in_use(), 0);
 }
 
+/// A record handed to the book with its text (as a publisher writes it,
+/// the table copied in) travels as the same record as one handed as a
+/// value: whole or in parts at the same sizes, its fence beside it; a
+/// subscriber reads the record and the fence back.
+#[test]
+fn records_written_with_their_text_travel_as_their_values_do() {
+    let (_dir, server, arena, mut book) = setup();
+    let slots = sync::Slots::new(4);
+    let buf = arena.alloc(4096).unwrap();
+    let consumer = client(&server);
+    // The size at which a record with a fence goes in parts, either way.
+    let padded = |pad: usize| json!({ SET_VERSION_KEY: 1, "pad": "x".repeat(pad) });
+    let mut records: Vec<(Value, String)> = [1, 1000, 10_000]
+        .into_iter()
+        .map(|n| {
+            let r = set_record(n);
+            (r.to_value(), r.to_json())
+        })
+        .collect();
+    for pad in (SET_PART_BYTES - 300..SET_PART_BYTES - 100).step_by(25) {
+        let v = padded(pad);
+        records.push((v.clone(), v.to_string()));
+    }
+    for (i, (value, text)) in records.into_iter().enumerate() {
+        for with_fence in [false, true] {
+            let fence = || with_fence.then(|| set_fence(&slots));
+            let (by_value, by_text) = (format!("v{i}{with_fence}"), format!("t{i}{with_fence}"));
+            book.publish(
+                &server,
+                &arena,
+                &by_value,
+                value.clone(),
+                hold(vec![buf.lease()]),
+                fence(),
+            )
+            .unwrap();
+            let written = RecordJson {
+                value: value.clone(),
+                text: Some(text.clone()),
+            };
+            book.publish(
+                &server,
+                &arena,
+                &by_text,
+                written,
+                hold(vec![buf.lease()]),
+                fence(),
+            )
+            .unwrap();
+            let mut a = consumer.attach(&by_value).unwrap();
+            let mut b = consumer.attach(&by_text).unwrap();
+            let (fa, fb) = (
+                sync::take_set_fence(&mut a.meta).unwrap(),
+                sync::take_set_fence(&mut b.meta).unwrap(),
+            );
+            assert_eq!(
+                (fa.is_some(), fb.is_some()),
+                (with_fence, with_fence),
+                "{i}"
+            );
+            assert_eq!(
+                a.meta.get(PARTS_KEY).is_some(),
+                b.meta.get(PARTS_KEY).is_some(),
+                "{i} {with_fence}: whole or in parts alike"
+            );
+            let back = if b.meta.get(PARTS_KEY).is_some() {
+                serde_json::from_str(&read_record_text(&consumer, &b.meta)).unwrap()
+            } else {
+                b.meta.clone()
+            };
+            assert_eq!(back, value, "{i} {with_fence}");
+            for (at, name) in [(a, &by_value), (b, &by_text)] {
+                consumer.release(at.lease).unwrap();
+                book.unpublish(&server, name).unwrap();
+            }
+            book.reap(&server);
+        }
+    }
+    assert_eq!(lock(&slots).in_use(), 0);
+}
+
 /// The text of a record that travelled in parts.
 fn read_record_text(consumer: &Client, meta: &Value) -> String {
     let mut text = String::new();

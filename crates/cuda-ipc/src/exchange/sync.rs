@@ -234,9 +234,9 @@ pub(super) struct SetFence {
 /// The key of a set entry's metadata that carries its [`FenceMeta`].
 pub(super) const SET_FENCE_KEY: &str = "cuda_ipc_fence";
 
-/// Puts `fence` into a set entry's metadata `meta` (a JSON object).
-pub(super) fn add_set_fence(meta: &mut serde_json::Value, fence: &FenceMeta) -> Result<()> {
-    let v = super::wire::to_value(fence)?;
+/// Puts a fence's metadata `v`, as a JSON value, into a set entry's
+/// metadata `meta` (a JSON object).
+pub(super) fn put_set_fence(meta: &mut serde_json::Value, v: serde_json::Value) -> Result<()> {
     match meta.as_object_mut() {
         Some(m) => {
             m.insert(SET_FENCE_KEY.into(), v);
@@ -247,6 +247,11 @@ pub(super) fn add_set_fence(meta: &mut serde_json::Value, fence: &FenceMeta) -> 
             "its metadata is not a JSON object, so it cannot carry a fence",
         )),
     }
+}
+
+/// Takes a set entry's fence off its metadata as it is, unread.
+pub(super) fn take_set_fence_value(meta: &mut serde_json::Value) -> Option<serde_json::Value> {
+    meta.as_object_mut().and_then(|m| m.remove(SET_FENCE_KEY))
 }
 
 /// Takes a set entry's fence off its metadata (so that the record decodes
@@ -581,7 +586,7 @@ mod tests {
         };
         let record = serde_json::json!({ "cuda_ipc_set": 1, "name": "w" });
         let mut v = record.clone();
-        add_set_fence(&mut v, &meta).unwrap();
+        put_set_fence(&mut v, super::super::wire::to_value(&meta).unwrap()).unwrap();
         assert_eq!(v[SET_FENCE_KEY]["word"], 10);
         assert_eq!(take_set_fence(&mut v).unwrap(), Some(meta.clone()));
         assert_eq!(v, record, "only the fence comes off");
@@ -592,7 +597,11 @@ mod tests {
         let e = take_set_fence(&mut bad).unwrap_err();
         assert!(e.to_string().contains(SET_FENCE_KEY), "{e}");
         let mut not_object = serde_json::json!([1]);
-        let e = add_set_fence(&mut not_object, &meta).unwrap_err();
+        let e = put_set_fence(
+            &mut not_object,
+            super::super::wire::to_value(&meta).unwrap(),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("not a JSON object"), "{e}");
         assert_eq!(take_set_fence(&mut not_object).unwrap(), None);
     }

@@ -92,3 +92,28 @@ fn a_refused_set_keeps_nothing() {
     );
     assert_eq!(l.usage(), (0, 0));
 }
+
+proptest::proptest! {
+    /// The record's text with its table copied in is the text `to_json`
+    /// encodes, whatever the set's name holds (quotes, backslashes, the
+    /// key itself, control characters, any Unicode).
+    #[test]
+    fn a_record_with_its_table_copied_in_is_its_json(
+        name in "(\\PC|[\"\\\\\u{1}\n]|\"entries\":\"\"){0,12}",
+        n in 1usize..20,
+        event in proptest::option::of(proptest::array::uniform32(0u8..)),
+        read_only in proptest::bool::ANY,
+    ) {
+        let e = entries(n, 0);
+        let mut r = SetRecord::new("a".into(), ArenaId(9), vec![chunk(1)], e).unwrap();
+        r.name = name;
+        r.read_only = read_only;
+        r.event = event.map(|b| {
+            let mut bytes = [0u8; 64];
+            bytes[..32].copy_from_slice(&b);
+            crate::handle::IpcEventHandle::from_bytes(&bytes).unwrap()
+        });
+        let table = table::encode(&r.entries);
+        proptest::prop_assert_eq!(r.to_json_with_table(&table), r.to_json());
+    }
+}

@@ -756,6 +756,31 @@ impl SetRecord {
         self.value_with(1, Value::Array(entries))
     }
 
+    /// [`to_json`](Self::to_json) with the entries' table made before,
+    /// copied into the text whole instead of encoded as a JSON string
+    /// (base64 needs no escapes): the same text.
+    pub(crate) fn to_json_with_table(&self, table: &str) -> String {
+        // Every other string of the record is escaped, so `"entries":""`
+        // (an empty string after the key) is found only as the key itself;
+        // the table goes between its quotes.
+        const EMPTY: &str = r#""entries":"""#;
+        debug_assert!(
+            table
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"+/=".contains(&b))
+        );
+        let head = self.value_with(2, Value::String(String::new())).to_string();
+        let at = head
+            .find(EMPTY)
+            .map(|at| at + EMPTY.len() - 1)
+            .expect("the record has its entries field");
+        let mut text = String::with_capacity(head.len() + table.len());
+        text.push_str(&head[..at]);
+        text.push_str(table);
+        text.push_str(&head[at..]);
+        text
+    }
+
     fn value_with(&self, version: u64, entries: Value) -> Value {
         let mut m = Map::new();
         m.insert(SET_VERSION_KEY.into(), version.into());
