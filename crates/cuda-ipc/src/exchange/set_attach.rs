@@ -227,31 +227,39 @@ impl SetAttachment {
     /// as a view is, and each chunk's mapping counts the device stream as
     /// a user, as a view's does.
     pub fn entry_places(&self) -> Result<Vec<EntryPlace>> {
-        // chunk id -> (mapping, where the chunk starts in it)
-        let mut chunks: HashMap<u64, (&Arc<dyn Mapping>, u64)> =
-            HashMap::with_capacity(self.mappings.len());
+        // chunk id -> (mapping base, mapping size, where the chunk starts in it)
+        let mut chunks: HashMap<u64, (u64, u64, u64), foldhash::fast::RandomState> =
+            HashMap::with_capacity_and_hasher(self.mappings.len(), Default::default());
         for c in &self.record().chunks {
             if let Some(m) = self.mappings.get(&c.id) {
                 m.used_streams().record(m.device().stream());
-                chunks.insert(c.id, (m, c.descriptor.offset));
+                chunks.insert(c.id, (m.base(), m.size(), c.descriptor.offset));
             }
         }
+        // Entries mostly follow each other in a chunk: it is looked up
+        // only when it changes.
+        let mut last: Option<(u64, (u64, u64, u64))> = None;
         self.index
             .record()
             .entries
             .iter()
             .map(|e| {
-                let Some(&(m, start)) = chunks.get(&e.chunk) else {
-                    return Err(not_in_table(e.chunk));
+                let (base, size, start) = match last {
+                    Some((id, place)) if id == e.chunk => place,
+                    _ => {
+                        let place = *chunks.get(&e.chunk).ok_or_else(|| not_in_table(e.chunk))?;
+                        last = Some((e.chunk, place));
+                        place
+                    }
                 };
                 let offset = start.checked_add(e.offset).ok_or_else(|| {
                     Error::arg("set entry", format!("{:?}: its offset overflows", e.name))
                 })?;
-                Error::check_range(offset, e.len, m.size())?;
+                Error::check_range(offset, e.len, size)?;
                 Ok(EntryPlace {
-                    mapping_base: m.base(),
-                    mapping_size: m.size(),
-                    address: m.base() + offset,
+                    mapping_base: base,
+                    mapping_size: size,
+                    address: base + offset,
                 })
             })
             .collect()
