@@ -229,7 +229,10 @@ impl SetAttachment {
     pub fn entry_places(&self) -> Result<Vec<EntryPlace>> {
         // chunk id -> (mapping base, mapping size, where the chunk starts in it)
         let mut chunks: HashMap<u64, (u64, u64, u64), foldhash::fast::RandomState> =
-            HashMap::with_capacity_and_hasher(self.mappings.len(), Default::default());
+            HashMap::with_capacity_and_hasher(
+                self.mappings.len(),
+                foldhash::fast::RandomState::default(),
+            );
         for c in &self.record().chunks {
             if let Some(m) = self.mappings.get(&c.id) {
                 m.used_streams().record(m.device().stream());
