@@ -124,6 +124,37 @@ fn a_range_is_reused_only_after_its_last_lease() {
     );
 }
 
+/// Leases taken together (a set's) count as leases taken one by one, in
+/// each buffer's own arena, whatever the order of the arenas.
+#[test]
+fn leases_taken_together_count_as_leases_taken_one_by_one() {
+    let ((a, _), (b, _)) = (arena(256), arena(256));
+    let bufs = [
+        a.alloc(100).unwrap(),
+        a.alloc(100).unwrap(),
+        b.alloc(100).unwrap(),
+    ];
+    let order = [&bufs[0], &bufs[2], &bufs[1], &bufs[0], &bufs[2]];
+    let leases = ArenaBuffer::lease_each(order);
+    assert_eq!(leases.len(), 5);
+    for (lease, buf) in leases.iter().zip(order) {
+        assert_eq!(lease.view(), buf.view());
+    }
+    assert_eq!(
+        bufs.iter().map(ArenaBuffer::leases).collect::<Vec<_>>(),
+        [2, 1, 2]
+    );
+    assert_eq!((a.stats().leases, b.stats().leases), (3, 2));
+    let first = bufs[0].view();
+    drop(bufs);
+    assert_eq!(a.stats().held_by_leases_only, 2);
+    assert_ne!(a.alloc(100).unwrap().offset(), first.offset, "still leased");
+    drop(leases);
+    let (sa, sb) = (a.stats(), b.stats());
+    assert_eq!((sa.leases, sa.held_by_leases_only, sb.leases), (0, 0, 0));
+    assert!(ArenaBuffer::<HostChunks>::lease_each([]).is_empty());
+}
+
 #[test]
 fn chunks_outlive_the_arena_handle_while_buffers_live() {
     let (a, backing) = arena(256);

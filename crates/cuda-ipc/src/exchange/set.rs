@@ -133,7 +133,9 @@ impl Publisher {
         record.event = Some(self.event_handle);
         record.read_only = read_only;
         phases.mark("record");
-        let hold = SetHold::new(members.iter().map(|m| m.buffer.lease()).collect());
+        let hold = SetHold::new(DeviceArenaBuffer::lease_each(
+            members.iter().map(|m| m.buffer),
+        ));
         phases.mark("leases");
         let stream = self.record_after(hold.order())?;
         phases.mark("event");

@@ -3,7 +3,7 @@
 //! current one, its readers told with an update (the weight service's
 //! writer sessions, [`crate::service`]).
 
-use crate::arena::SetMember;
+use crate::arena::{DeviceArenaBuffer, SetMember};
 use crate::channel::{ChannelError, Replaced};
 use crate::error::{Error, Result};
 use crate::mechanism::Access;
@@ -58,7 +58,9 @@ impl Publisher {
         record.read_only = self.read_only_readers;
         // The entries were checked as the set was described.
         record.validate_head()?;
-        let hold = SetHold::new(members.iter().map(|m| m.buffer.lease()).collect());
+        let hold = SetHold::new(DeviceArenaBuffer::lease_each(
+            members.iter().map(|m| m.buffer),
+        ));
         // The old version's readers wait on its event and fence: signal
         // them once more, so that their wait for this update returns.
         let old_stream = self.record_after(&old_order)?;

@@ -70,9 +70,14 @@ where
     /// The distinct chunks of `chunks` (by identity) and their distinct
     /// streams: one pass, a set lookup per member.
     fn of<'a>(chunks: impl IntoIterator<Item = &'a Arc<Chunk<B>>>) -> Self {
-        let mut seen = HashSet::new();
+        let mut seen = HashSet::with_hasher(foldhash::fast::RandomState::default());
         let mut distinct: Vec<Arc<Chunk<B>>> = Vec::new();
         for c in chunks {
+            // Members mostly follow each other in a chunk: one already
+            // seen last needs no look-up.
+            if distinct.last().is_some_and(|last| Arc::ptr_eq(last, c)) {
+                continue;
+            }
             if seen.insert(c.id()) {
                 distinct.push(Arc::clone(c));
             }
