@@ -9,8 +9,9 @@ float8_e4m3fn and complex64 tensors (contiguous and transposed), a 0-d
 tensor, an empty one, a tied pair and an overlapping slice; the tensors
 returned are checked, and republishing them copies none. The subscriber
 checks every dtype, shape and byte, that the tied keys are one tensor and
-the tensors views of the set, then that a tensor it keeps holds the lease
-past ``release()``. Two updates follow: one written in place and published
+the tensors views of the set, attaches it again (the same values; through
+the C API the same key objects, kept with the layout), then that a tensor
+it keeps holds the lease past ``release()``. Two updates follow: one written in place and published
 with ``update_state_dict(name, shared)`` (nothing to copy), one copied in
 from a new state dict; each is seen after ``wait_update``.
 
@@ -116,9 +117,18 @@ def _tc_attach(self, case, path, n, version):
     views = [k for k, t in sd.items() if t.numel() and k in ptrs and ptrs[k] != t.data_ptr()]
     if views:
         raise AssertionError(f"{len(views)} attached tensors are not views of the set, e.g. {views[0]}")
+    # The same layout attached again: the same values, and (through the C
+    # API) the same key objects, kept with the layout's entry table.
+    again = sub.attach_state_dict(SET)
+    tc_check(torch, again, n, version, "the state dict attached again")
+    first = {k: k for k in sd}
+    keys_kept = all(first[k] is k for k in again)
+    del again
+    gc.collect()
+    ci.settle(10)
     self.state[case] = dict(sub=sub, sd=sd, n=n, kept=sd["layers.0.bfloat16"])
     return {"c_api": list(ci._torch_c.status()), "tensors": len(sd), "attach_ms": attach_ms,
-            "torch": torch.__version__}
+            "keys_kept": keys_kept, "torch": torch.__version__}
 
 
 def _tc_update(self, case, version, mode):
@@ -204,6 +214,8 @@ def pair_case(runner, pub_worker, sub_worker, n):
             if res["c_api"][0] == forced or (not forced and not res["c_api"][0] and _at_least(res["torch"], 2, 10)):
                 raise AssertionError(f"worker {worker} (torch {res['torch']}) took the "
                                      f"{'C API' if res['c_api'][0] else 'Python path: ' + str(res['c_api'][1])}")
+        if got["c_api"][0] and not got["keys_kept"]:
+            raise AssertionError("the layout attached again through the C API made new key strings")
         updates = []
         for version, mode in ((1, "inplace"), (2, "copy")):
             u = a.call("tc_update", case=case, version=version, mode=mode, timeout=120)

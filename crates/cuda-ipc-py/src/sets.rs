@@ -365,7 +365,7 @@ pub(crate) fn attach_set(
 
 impl SetAttachment {
     /// The entries in the publisher's order (each at `ptrs[i]` here).
-    pub(crate) fn set_entries(&self) -> &[cuda_ipc::set::SetEntry] {
+    pub(crate) fn set_entries(&self) -> &Arc<[cuda_ipc::set::SetEntry]> {
         &self.index.record().entries
     }
 

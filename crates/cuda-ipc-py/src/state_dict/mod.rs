@@ -772,6 +772,34 @@ impl<'py> Targets<'_, 'py> {
     }
 }
 
+/// The dict keys made for the entries of the sets attached last, by their
+/// entries (the last [`KEPT_KEYS`] layouts): a set attached again in a
+/// layout its subscriber kept (the same entries, shared:
+/// `Subscriber::entry_tables`) gets the same key strings, their hashes
+/// made already, instead of new ones.
+static KEYS: std::sync::Mutex<Vec<(Arc<[SetEntry]>, Keys)>> = std::sync::Mutex::new(Vec::new());
+
+/// The dict keys of a set's entries, in the entries' order.
+type Keys = Arc<Vec<Py<PyString>>>;
+
+/// How many layouts' keys [`KEYS`] holds (two: double-buffered weights).
+const KEPT_KEYS: usize = 2;
+
+/// The keys kept for `entries`, if any.
+fn kept_keys(entries: &Arc<[SetEntry]>) -> Option<Keys> {
+    let kept = crate::errors::lock(&KEYS);
+    kept.iter()
+        .find(|(e, _)| Arc::ptr_eq(e, entries))
+        .map(|(_, k)| Arc::clone(k))
+}
+
+/// Keeps `keys` for `entries`, the least recently kept going first.
+fn keep_keys(entries: &Arc<[SetEntry]>, keys: Vec<Py<PyString>>) {
+    let mut kept = crate::errors::lock(&KEYS);
+    kept.insert(0, (Arc::clone(entries), Arc::new(keys)));
+    kept.truncate(KEPT_KEYS);
+}
+
 /// `_core.attach_state_dict_c(attachment, out, api, dtypes, empty)`: fills
 /// the dict `out` with a tensor of every entry of the set `attachment`
 /// (a `SetAttachment`), each holding its lease; tied keys get the same
@@ -804,7 +832,15 @@ fn attach_state_dict_c(
     };
     let mut keys: Vec<Bound<'_, PyString>> = Vec::with_capacity(a.ptrs.len());
     let before = out.len();
-    for (e, &ptr) in a.set_entries().iter().zip(&a.ptrs) {
+    let entries = a.set_entries();
+    let kept = kept_keys(entries);
+    // The entry's key: kept, or made from `key` (its name or the key its
+    // name carries).
+    let key_of = |i: usize, key: &str| match &kept {
+        Some(k) => k[i].bind(py).clone(),
+        None => PyString::new(py, key),
+    };
+    for (i, (e, &ptr)) in entries.iter().zip(&a.ptrs).enumerate() {
         let target = targets.of(e.dtype)?;
         let (key, value) = match EntryRole::of(&e.name) {
             EntryRole::Alias { index, key } => {
@@ -823,16 +859,13 @@ fn attach_state_dict_c(
                     .get_item(first)?
                     .ok_or_else(|| invalid("set entry", format!("{} is gone", repr(key))))
                     .py()?;
-                (PyString::new(py, key), v)
+                (key_of(i, key), v)
             }
             EntryRole::Empty { key, shape } => (
-                PyString::new(py, key),
+                key_of(i, key),
                 empty.call1((PyTuple::new(py, shape)?, &target))?,
             ),
-            EntryRole::Tensor { .. } => (
-                PyString::new(py, &e.name),
-                maker.tensor(py, e, ptr, &target)?,
-            ),
+            EntryRole::Tensor { .. } => (key_of(i, &e.name), maker.tensor(py, e, ptr, &target)?),
         };
         out.set_item(&key, value)?;
         if out.len() == before + keys.len() {
@@ -848,6 +881,9 @@ fn attach_state_dict_c(
             .py();
         }
         keys.push(key);
+    }
+    if kept.is_none() {
+        keep_keys(entries, keys.into_iter().map(Bound::unbind).collect());
     }
     phases.mark("entries");
     Ok(())
