@@ -4,7 +4,9 @@
 //! an entry with a memfd, a whole publish-attach-release-unpublish cycle,
 //! an update notice), and a weight set's record (encoding, decoding with
 //! its checks, through the channel, and an attach's answer carrying it
-//! decoded from its payload) at 100 and 1,000 tensors, and the
+//! decoded from its payload) at 100 and 1,000 tensors, a publisher's
+//! description of a set in a new layout and in one it kept at 1,000 and
+//! 10,000, and the
 //! channel's share of a set's update at 100, 1,000 and 10,000 tensors (which
 //! should not depend on the number). Server
 //! and client run in this one process, on separate threads, over a real
