@@ -234,17 +234,7 @@ mod sets {
 
     /// Each entry of `r` as the member that describes it.
     fn places(r: &SetRecord) -> Vec<MemberPlace<'_>> {
-        r.entries
-            .iter()
-            .map(|e| MemberPlace {
-                name: &e.name,
-                dtype: e.dtype,
-                shape: &e.shape,
-                chunk: e.chunk,
-                offset: e.offset,
-                len: e.len,
-            })
-            .collect()
+        r.entries.iter().map(MemberPlace::from).collect()
     }
 
     /// A publisher's description of a set of a new layout: its entries

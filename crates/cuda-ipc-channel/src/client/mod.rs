@@ -353,13 +353,7 @@ impl Client {
     /// ring (use [`attach_ring`](Self::attach_ring)).
     pub fn attach(&self, name: &str) -> Result<Attachment, ChannelError> {
         validate_entry_name(name)?;
-        let p = self.request(
-            |id| Message::Attach {
-                id,
-                name: name.into(),
-            },
-            None,
-        )?;
+        let p = self.request_attach(name)?;
         match self.response(&p, &format!("the answer to attaching {name:?}"))? {
             (Message::Attached { lease, meta, .. }, fds) => Ok(Attachment {
                 lease,
@@ -398,14 +392,7 @@ impl Client {
                 && in_flight.len() < Self::METADATA_IN_FLIGHT
                 && let Some(&name) = next.next()
             {
-                let p = self.request(
-                    |id| Message::Attach {
-                        id,
-                        name: name.into(),
-                    },
-                    None,
-                )?;
-                in_flight.push_back((name, p));
+                in_flight.push_back((name, self.request_attach(name)?));
             }
             let Some((name, p)) = in_flight.pop_front() else {
                 break;
@@ -510,6 +497,17 @@ impl Client {
         };
         self.send(&make(id))?;
         Ok(pending)
+    }
+
+    /// Sends an attach of the entry `name` (checked by the caller).
+    fn request_attach(&self, name: &str) -> Result<Pending<'_>, ChannelError> {
+        self.request(
+            |id| Message::Attach {
+                id,
+                name: name.into(),
+            },
+            None,
+        )
     }
 
     /// Waits for the next answer to a request.

@@ -37,6 +37,20 @@ pub struct MemberPlace<'a> {
     pub len: u64,
 }
 
+impl<'a> From<&'a SetEntry> for MemberPlace<'a> {
+    /// The member that `entry` describes.
+    fn from(e: &'a SetEntry) -> Self {
+        MemberPlace {
+            name: &e.name,
+            dtype: e.dtype,
+            shape: &e.shape,
+            chunk: e.chunk,
+            offset: e.offset,
+            len: e.len,
+        }
+    }
+}
+
 impl MemberPlace<'_> {
     /// The entry it describes.
     pub fn entry(&self) -> SetEntry {

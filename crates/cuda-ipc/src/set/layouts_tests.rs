@@ -15,17 +15,7 @@ fn entries(n: usize, at: u64) -> Vec<SetEntry> {
 }
 
 fn places(entries: &[SetEntry]) -> Vec<MemberPlace<'_>> {
-    entries
-        .iter()
-        .map(|e| MemberPlace {
-            name: &e.name,
-            dtype: e.dtype,
-            shape: &e.shape,
-            chunk: e.chunk,
-            offset: e.offset,
-            len: e.len,
-        })
-        .collect()
+    entries.iter().map(MemberPlace::from).collect()
 }
 
 fn describe(l: &SetLayouts, name: &str, e: &[SetEntry]) -> (SetRecord, Arc<SetLayout>) {

@@ -428,15 +428,5 @@ fn an_over_long_record_is_refused_before_parsing() {
 
 /// Each entry of `entries` as the member that describes it.
 fn places(entries: &[cuda_ipc::set::SetEntry]) -> Vec<MemberPlace<'_>> {
-    entries
-        .iter()
-        .map(|e| MemberPlace {
-            name: &e.name,
-            dtype: e.dtype,
-            shape: &e.shape,
-            chunk: e.chunk,
-            offset: e.offset,
-            len: e.len,
-        })
-        .collect()
+    entries.iter().map(MemberPlace::from).collect()
 }
