@@ -493,12 +493,12 @@ where
     }
 }
 
-/// `text` in pieces of at most `max` bytes, cut at character boundaries.
 /// Metadata of `value` with `text`, its JSON text as written here.
 fn meta_with_text(value: Value, text: String) -> Result<Meta> {
     Ok(Meta::with_text(value, text)?)
 }
 
+/// `text` in pieces of at most `max` bytes, cut at character boundaries.
 pub(super) fn split_utf8(text: &str, max: usize) -> Vec<&str> {
     let mut out = Vec::new();
     let mut rest = text;
