@@ -63,15 +63,6 @@ impl MemberPlace<'_> {
             self.len,
         )
     }
-
-    fn is(&self, e: &SetEntry) -> bool {
-        self.offset == e.offset
-            && self.len == e.len
-            && self.chunk == e.chunk
-            && self.dtype == e.dtype
-            && self.shape == &e.shape[..]
-            && self.name == e.name
-    }
 }
 
 /// A layout a publisher described: its chunk table, its checked entries,
@@ -97,7 +88,10 @@ impl SetLayout {
     fn holds(&self, chunks: &[SetChunk], places: &[MemberPlace<'_>]) -> bool {
         self.entries.len() == places.len()
             && self.chunks.as_slice() == chunks
-            && places.iter().zip(self.entries.iter()).all(|(p, e)| p.is(e))
+            && places
+                .iter()
+                .zip(self.entries.iter())
+                .all(|(p, e)| *p == MemberPlace::from(e))
     }
 }
 
