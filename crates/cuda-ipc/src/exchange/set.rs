@@ -23,7 +23,7 @@ pub(super) fn record_json(record: &SetRecord, layout: &SetLayout) -> RecordJson 
     let table = layout.table();
     RecordJson {
         value: record.to_value_with_table(table),
-        text: Some(record.to_json_with_table(table)),
+        text: record.to_json_with_table(table),
     }
 }
 

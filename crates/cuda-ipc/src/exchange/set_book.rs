@@ -78,17 +78,18 @@ pub(super) const MAX_PARTS: usize = 1024;
 pub(super) const PARTS_KEY: &str = "cuda_ipc_set_parts";
 
 /// A set's record as its publisher hands it to the book: the JSON value
-/// and, when the publisher wrote it too, its compact JSON text (a set
-/// record's, with the base64 table copied in whole), which is then not
-/// encoded again.
+/// and its compact JSON text (a publisher writes it, the base64 table
+/// copied in whole), which is not encoded again.
 pub(super) struct RecordJson {
     pub(super) value: Value,
-    pub(super) text: Option<String>,
+    pub(super) text: String,
 }
 
 impl From<Value> for RecordJson {
+    /// The record `value`, encoded here.
     fn from(value: Value) -> Self {
-        RecordJson { value, text: None }
+        let text = value.to_string();
+        RecordJson { value, text }
     }
 }
 
@@ -247,8 +248,8 @@ where
     /// with the fence, its text made once here (the server sends that text
     /// as it is), or, when the text is longer than [`SET_PART_BYTES`], the
     /// list of the record's parts, published here as hidden entries
-    /// (returned too), with the fence. Text the publisher wrote with the
-    /// record is used as it is: no part of the record is encoded again.
+    /// (returned too), with the fence. The record's text is used as it
+    /// is: no part of the record is encoded again.
     fn publish_parts(
         &mut self,
         server: &Server,
@@ -258,26 +259,13 @@ where
     ) -> Result<(Meta, Vec<String>)> {
         let RecordJson { mut value, text } = record;
         let fence = fence.map(wire::to_value).transpose()?;
-        let Some(text) = text else {
-            // The record as a value only: encoded once, with its fence.
-            if let Some(f) = fence {
-                sync::put_set_fence(&mut value, f)?;
-            }
-            let meta = Meta::encoded(value);
-            if meta.text_len() <= SET_PART_BYTES {
-                return Ok((meta, Vec::new()));
-            }
-            // The record alone goes in the parts; the fence stays on the entry.
-            let mut value = meta.into_value();
-            let fence = sync::take_set_fence_value(&mut value);
-            return self.publish_text_parts(server, arena, &value.to_string(), fence);
-        };
         let fence_text = fence.as_ref().map(Value::to_string);
         let whole = text.len()
             + fence_text
                 .as_ref()
                 .map_or(0, |f| f.len() + sync::SET_FENCE_KEY.len() + 4);
         if whole > SET_PART_BYTES {
+            // The record alone goes in the parts; the fence stays on the entry.
             return self.publish_text_parts(server, arena, &text, fence);
         }
         let Some((fence, fence_text)) = fence.zip(fence_text) else {

@@ -592,7 +592,7 @@ fn records_written_with_their_text_travel_as_their_values_do() {
             .unwrap();
             let written = RecordJson {
                 value: value.clone(),
-                text: Some(text.clone()),
+                text: text.clone(),
             };
             book.publish(
                 &server,

@@ -249,11 +249,6 @@ pub(super) fn put_set_fence(meta: &mut serde_json::Value, v: serde_json::Value) 
     }
 }
 
-/// Takes a set entry's fence off its metadata as it is, unread.
-pub(super) fn take_set_fence_value(meta: &mut serde_json::Value) -> Option<serde_json::Value> {
-    meta.as_object_mut().and_then(|m| m.remove(SET_FENCE_KEY))
-}
-
 /// Takes a set entry's fence off its metadata (so that the record decodes
 /// strictly); `None` when the publisher sent none.
 pub(super) fn take_set_fence(meta: &mut serde_json::Value) -> Result<Option<FenceMeta>> {
