@@ -357,6 +357,7 @@ pub(crate) fn push_string(out: &mut String, s: &str) {
             i += 8;
             continue;
         }
+        let unicode;
         let escape = match bytes[i] {
             b'"' => "\\\"",
             b'\\' => "\\\\",
@@ -366,13 +367,15 @@ pub(crate) fn push_string(out: &mut String, s: &str) {
             0x08 => "\\b",
             0x0c => "\\f",
             b @ 0..=0x1f => {
-                out.push_str(&s[copied..i]);
-                out.push_str("\\u00");
-                out.push(char::from(HEX[usize::from(b >> 4)]));
-                out.push(char::from(HEX[usize::from(b & 0xf)]));
-                i += 1;
-                copied = i;
-                continue;
+                unicode = [
+                    b'\\',
+                    b'u',
+                    b'0',
+                    b'0',
+                    HEX[usize::from(b >> 4)],
+                    HEX[usize::from(b & 0xf)],
+                ];
+                std::str::from_utf8(&unicode).expect("ASCII")
             }
             _ => {
                 i += 1;
