@@ -72,6 +72,50 @@ impl Device {
         &self.inner.stream
     }
 
+    /// Wraps `raw`, a stream another library made in this device's context
+    /// (PyTorch's current stream, a CuPy stream), so that our work can be
+    /// ordered after it ([`Publisher::publish_set_after`](crate::exchange::Publisher::publish_set_after),
+    /// [`update_set_after`](crate::exchange::Publisher::update_set_after)).
+    /// The wrapper borrows it: dropping it destroys nothing. The handles 0
+    /// (the legacy default stream), 1 (`CU_STREAM_LEGACY`) and 2
+    /// (`CU_STREAM_PER_THREAD`) name this context's default streams.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the driver says the stream belongs to
+    /// another context (another device's, or not the primary one), or does
+    /// not know it.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of this process, or a special handle, and
+    /// stays live while the wrapper is used; the driver cannot tell a
+    /// destroyed stream from a live one.
+    #[doc(alias = "cuStreamGetCtx")]
+    #[allow(unsafe_code)] // a handle from another library, to the driver: see # Safety
+    pub unsafe fn borrow_stream(&self, raw: u64) -> Result<Arc<CudaStream>> {
+        self.bind()?;
+        let handle = raw as cudarc::driver::sys::CUstream;
+        // SAFETY: the caller's contract.
+        let ctx = unsafe { crate::driver::result::stream::context(handle) }.map_err(|e| {
+            Error::arg(
+                "stream",
+                format!("{raw:#x} is not a stream the driver knows in this process: {e}"),
+            )
+        })?;
+        if ctx != self.inner.ctx.cu_ctx() {
+            return Err(Error::arg(
+                "stream",
+                format!(
+                    "{raw:#x} belongs to another CUDA context than device {}'s primary one; \
+                     pass a stream of that device",
+                    self.ordinal()
+                ),
+            ));
+        }
+        // SAFETY: a live stream of this context (checked above, and the
+        // caller's contract for its life).
+        Ok(unsafe { self.inner.ctx.wrap_borrowed_stream(handle) })
+    }
+
     /// The device ordinal in this process (after CUDA_VISIBLE_DEVICES).
     pub fn ordinal(&self) -> usize {
         self.inner.ctx.ordinal()

@@ -114,17 +114,34 @@ impl Publisher {
     /// [read-only policy](super::PublisherConfig::with_read_only_readers).
     #[tracing::instrument(level = "debug", skip(self, members), fields(members = members.len()))]
     pub fn publish_set(&self, name: &str, members: &[SetMember<'_>]) -> Result<()> {
-        self.publish_set_as(name, members, self.read_only_readers)
+        self.publish_set_as(name, members, self.read_only_readers, None)
+    }
+
+    /// [`publish_set`](Self::publish_set), ordered also after the work
+    /// queued so far on `after`: a stream the members were written on that
+    /// is not theirs, such as another library's (PyTorch's current stream,
+    /// wrapped with [`CudaContext::wrap_borrowed_stream`](cudarc::driver::CudaContext::wrap_borrowed_stream)).
+    /// The set's event waits for it on the device: nothing here waits on
+    /// the host.
+    pub fn publish_set_after(
+        &self,
+        name: &str,
+        members: &[SetMember<'_>],
+        after: &cudarc::driver::CudaStream,
+    ) -> Result<()> {
+        self.publish_set_as(name, members, self.read_only_readers, Some(after))
     }
 
     /// [`publish_set`](Self::publish_set) with the record's `read_only`
     /// given (the policy's exception, see
-    /// [`publish_set_with`](Self::publish_set_with)).
+    /// [`publish_set_with`](Self::publish_set_with)) and the stream to
+    /// order after besides the members' own, if any.
     pub(super) fn publish_set_as(
         &self,
         name: &str,
         members: &[SetMember<'_>],
         read_only: bool,
+        after: Option<&cudarc::driver::CudaStream>,
     ) -> Result<()> {
         let mut phases = Phases::start("core.publish_set");
         let arena = self.arena()?;
@@ -137,7 +154,7 @@ impl Publisher {
             members.iter().map(|m| m.buffer),
         ));
         phases.mark("leases");
-        let stream = self.record_after(hold.order())?;
+        let stream = self.record_after(hold.order(), after)?;
         phases.mark("event");
         let fence = self.set_fence(&stream)?;
         phases.mark("fence");
@@ -170,17 +187,19 @@ impl Publisher {
 
     /// Records the publisher's event after the work queued on the streams
     /// of a set's chunks, each ordered first after its chunks' uses on
-    /// other streams (joined into the first stream, which it returns). Its
-    /// cost grows with the set's distinct streams (one per device for an
-    /// arena) and chunks (an atomic load each), not with its buffers.
+    /// other streams, and on `after` (all joined into the first stream,
+    /// which it returns). Its cost grows with the set's distinct streams
+    /// (one per device for an arena) and chunks (an atomic load each), not
+    /// with its buffers.
     pub(super) fn record_after(
         &self,
         order: &SetOrder<DeviceChunks>,
+        after: Option<&cudarc::driver::CudaStream>,
     ) -> Result<Arc<cudarc::driver::CudaStream>> {
         let Some((first, others)) = order.ordered_streams().split_first() else {
             return Err(Error::arg("set", "it has no buffer, so nothing to record"));
         };
-        for other in others {
+        for other in others.iter().map(|s| &**s).chain(after) {
             first.join(other).map_err(|e| {
                 Error::arg("stream", format!("cannot order the set's streams: {e}"))
             })?;
@@ -201,12 +220,25 @@ impl Publisher {
     /// sequence number.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn update_set(&self, name: &str) -> Result<u64> {
+        self.update_set_as(name, None)
+    }
+
+    /// [`update_set`](Self::update_set), ordered also after the work queued
+    /// so far on `after` (see [`publish_set_after`](Self::publish_set_after)):
+    /// one more event recorded there and waited for on the device; nothing
+    /// waits on the host.
+    #[tracing::instrument(level = "debug", skip(self, after))]
+    pub fn update_set_after(&self, name: &str, after: &cudarc::driver::CudaStream) -> Result<u64> {
+        self.update_set_as(name, Some(after))
+    }
+
+    fn update_set_as(&self, name: &str, after: Option<&cudarc::driver::CudaStream>) -> Result<u64> {
         let mut phases = Phases::start("core.update_set");
         let (order, slot) = lock(&self.arena.book)
             .update_of(name)
             .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
         phases.mark("book");
-        let stream = self.record_after(&order)?;
+        let stream = self.record_after(&order, after)?;
         phases.mark("event");
         let fence_seq = match (&self.fences, slot) {
             (Some(f), Some(slot)) => Some(lock(f).signal(&stream, slot)?),

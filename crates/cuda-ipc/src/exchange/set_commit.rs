@@ -28,7 +28,7 @@ impl Publisher {
         members: &[SetMember<'_>],
         access: Access,
     ) -> Result<()> {
-        self.publish_set_as(name, members, access == Access::ReadOnly)
+        self.publish_set_as(name, members, access == Access::ReadOnly, None)
     }
 
     /// Puts `members` in place of the published set `name` as its next
@@ -63,12 +63,12 @@ impl Publisher {
         ));
         // The old version's readers wait on its event and fence: signal
         // them once more, so that their wait for this update returns.
-        let old_stream = self.record_after(&old_order)?;
+        let old_stream = self.record_after(&old_order, None)?;
         let fence_seq = match (&self.fences, old_slot) {
             (Some(f), Some(slot)) => Some(lock(f).signal(&old_stream, slot)?),
             _ => None,
         };
-        let stream = self.record_after(hold.order())?;
+        let stream = self.record_after(hold.order(), None)?;
         let fence = self.set_fence(&stream)?;
         let notice = wire::to_value(&UpdateBody { fence_seq })?;
         lock(&self.arena.book).replace(

@@ -2,8 +2,9 @@
 //! every chunk mechanism, sets of 1 to 10,000 buffers with every value
 //! checked, buffers the producer dropped kept while a consumer holds them,
 //! consumers killed in the middle of set hand-offs, a set hand-off soak
-//! with device memory and descriptors unchanged, and a crude timing of a
-//! fresh hand-off from an arena.
+//! with device memory and descriptors unchanged, a set published and
+//! updated after another library's stream with its writes still queued,
+//! and a crude timing of a fresh hand-off from an arena.
 //!
 //! Knobs: `CUDA_IPC_SET_CHAOS_ROUNDS` (default 10),
 //! `CUDA_IPC_SET_SOAK_CYCLES` (default 100,000).
@@ -116,6 +117,22 @@ fn check_set(set: &SetAttachment, base: u32) -> Value {
     Value::Null
 }
 
+/// Checks entry i of `set` against the ramp `req["patterns"][i]` =
+/// `[base, step]`: the first bad `[entry, word]`.
+fn check_ranges(set: &SetAttachment, req: &Value) -> Value {
+    for (i, p) in req["patterns"].as_array().into_iter().flatten().enumerate() {
+        let pattern = Pattern {
+            base: p[0].as_u64().unwrap_or(0) as u32,
+            step: p[1].as_u64().unwrap_or(0) as u32,
+        };
+        let v = set.view::<u32>(i).unwrap();
+        if let Some(w) = kernels::check_u32(&v, pattern).unwrap() {
+            return json!([i, w]);
+        }
+    }
+    Value::Null
+}
+
 /// The elements of every entry of `set` together.
 fn elements_of(set: &SetAttachment) -> u64 {
     set.entries()
@@ -160,24 +177,15 @@ fn subscriber() {
                 Err(e) => json!({ "error": e.to_string() }),
             },
             "attach_ranges" => match sub.attach_set(&name) {
-                // Entry i holds the ramp `patterns[i]` = [base, step].
                 Ok(s) => {
-                    let mut bad = Value::Null;
-                    for (i, p) in req["patterns"].as_array().into_iter().flatten().enumerate() {
-                        let pattern = Pattern {
-                            base: p[0].as_u64().unwrap_or(0) as u32,
-                            step: p[1].as_u64().unwrap_or(0) as u32,
-                        };
-                        let v = s.view::<u32>(i).unwrap();
-                        if let Some(w) = kernels::check_u32(&v, pattern).unwrap() {
-                            bad = json!([i, w]);
-                            break;
-                        }
-                    }
-                    let r = json!({ "bad": bad, "len": s.len() });
+                    let r = json!({ "bad": check_ranges(&s, &req), "len": s.len() });
                     sets.push(s);
                     r
                 }
+                Err(e) => json!({ "error": e.to_string() }),
+            },
+            "wait_ranges" => match sub.wait_set_update(&sets[0], Duration::from_secs(30)) {
+                Ok(version) => json!({ "bad": check_ranges(&sets[0], &req), "version": version }),
                 Err(e) => json!({ "error": e.to_string() }),
             },
             "check_held" => {
@@ -409,6 +417,110 @@ fn members_that_are_byte_ranges_of_one_buffer() {
         p.send(&json!({ "op": "exit" }));
         assert!(p.finish(), "the child failed");
         println!("{m}: three byte ranges of one buffer published and checked");
+    });
+}
+
+/// Holds `stream` up for 300 ms (a host function that sleeps), then fills
+/// `buffer` with the byte `byte` there: writes of another library, still
+/// queued when the call after this returns.
+fn queued_fill(stream: &cudarc::driver::CudaStream, buffer: &DeviceArenaBuffer, byte: u8) {
+    unsafe extern "C" fn hold(_: *mut std::ffi::c_void) {
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    // SAFETY: a live stream of this process; the host function touches no
+    // CUDA API; the buffer outlives the fill (the test holds it until the
+    // consumer has checked it, after the stream's work).
+    unsafe {
+        cudarc::driver::result::stream::launch_host_function(
+            stream.cu_stream(),
+            hold,
+            std::ptr::null_mut(),
+        )
+        .unwrap();
+        cudarc::driver::result::memset_d8_async(
+            buffer.device_address(),
+            byte,
+            buffer.byte_len() as usize,
+            stream.cu_stream(),
+        )
+        .unwrap();
+    }
+}
+
+/// Whether `stream` has finished its work (`cuStreamQuery`).
+fn stream_done(stream: &cudarc::driver::CudaStream) -> bool {
+    // SAFETY: a live stream of this process.
+    let r = unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) };
+    assert!(
+        matches!(
+            r,
+            cudarc::driver::sys::CUresult::CUDA_SUCCESS
+                | cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
+        ),
+        "cuStreamQuery: {r:?}"
+    );
+    r == cudarc::driver::sys::CUresult::CUDA_SUCCESS
+}
+
+/// A set written on a stream the library does not know (a raw stream
+/// standing in for PyTorch's, borrowed with `Device::borrow_stream`) is
+/// published and updated after it (`publish_set_after`,
+/// `update_set_after`): each call returns with the writes still queued
+/// behind 300 ms of the stream's time, and the consumer's attach and wait
+/// see every byte written.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_set_ordered_after_a_borrowed_stream() {
+    child_or(|| {
+        let device = Device::open(0).unwrap();
+        let m = mechanisms(&device)[0];
+        let dir = socket_dir();
+        let publisher = publisher_on(&device, dir.path(), Sharing::arena(m));
+        let buffer = publisher.alloc(64 * MIB).unwrap();
+        kernels::fill_u32(&buffer, Pattern { base: 5, step: 1 }, Speed::Full).unwrap();
+        let words = [16 * MIB];
+        let members = [SetMember::new("w", Dtype::U32, &words, &buffer)];
+        let writer = device.context().new_stream().unwrap();
+        // The writer's fills come after the one above, on the arena's stream.
+        writer.join(buffer.stream()).unwrap();
+        // SAFETY: the handles of a stream this test holds, and the legacy
+        // default stream.
+        let borrowed = unsafe { device.borrow_stream(writer.cu_stream() as u64) }.unwrap();
+        unsafe { device.borrow_stream(0) }.unwrap();
+        queued_fill(&writer, &buffer, 0x11);
+        publisher
+            .publish_set_after("w", &members, &borrowed)
+            .unwrap();
+        assert!(
+            !stream_done(&writer),
+            "publish_set_after waited for the writer's stream"
+        );
+        let mut p = spawn(
+            &test_name!("a_set_ordered_after_a_borrowed_stream"),
+            publisher.path(),
+        );
+        ask(
+            &mut p,
+            &json!({ "op": "attach_ranges", "name": "w", "patterns": [[0x1111_1111u32, 0]] }),
+        );
+        queued_fill(&writer, &buffer, 0x22);
+        assert_eq!(publisher.update_set_after("w", &borrowed).unwrap(), 1);
+        assert!(
+            !stream_done(&writer),
+            "update_set_after waited for the writer's stream"
+        );
+        let r = ask(
+            &mut p,
+            &json!({ "op": "wait_ranges", "patterns": [[0x2222_2222u32, 0]] }),
+        );
+        assert_eq!(r["version"], 1);
+        ask(&mut p, &json!({ "op": "release" }));
+        publisher
+            .unpublish_set("w", Some(Duration::from_secs(10)))
+            .unwrap();
+        p.send(&json!({ "op": "exit" }));
+        assert!(p.finish(), "the child failed");
+        println!("{m}: a publish and an update after a borrowed stream's queued writes, checked");
     });
 }
 

@@ -11,6 +11,20 @@ pub(crate) unsafe fn wait_event(stream: sys::CUstream, event: sys::CUevent) -> R
     })
 }
 
+/// `cuStreamGetCtx`: the context `stream` belongs to (for the special
+/// handles, the current one).
+///
+/// # Safety
+/// The stream must be live, or one of the special handles.
+pub(crate) unsafe fn context(stream: sys::CUstream) -> Result<sys::CUcontext> {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: the caller's contract; valid out-pointer.
+    check("cuStreamGetCtx", unsafe {
+        sys::cuStreamGetCtx(stream, &raw mut ctx)
+    })?;
+    Ok(ctx)
+}
+
 /// `cuStreamSynchronize`.
 ///
 /// # Safety
