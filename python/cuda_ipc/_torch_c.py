@@ -118,8 +118,9 @@ def _restore(old):
         _chosen = old
 
 
-def publish_state_dict(pub, name, state_dict):
-    """:meth:`Publisher.publish_state_dict` through the C API: returns
+def publish_state_dict(pub, name, state_dict, stream):
+    """:meth:`Publisher.publish_state_dict` through the C API, ordered after
+    ``stream`` (PyTorch's current stream, a raw handle): returns
     ``(tensors, record, copied, copied_bytes, first_copied)``."""
     from . import sets as _sets
 
@@ -136,7 +137,8 @@ def publish_state_dict(pub, name, state_dict):
         return torch.empty(list(t.shape), dtype=t.dtype, device=device)
 
     with torch.no_grad():
-        return _core.publish_state_dict_c(pub._c, name, state_dict, ex, by_torch, _sets.set_dtype, copy_in, empty)
+        return _core.publish_state_dict_c(pub._c, name, state_dict, ex, by_torch, _sets.set_dtype, copy_in, empty,
+                                          stream)
 
 
 def update_copies(record, state_dict):

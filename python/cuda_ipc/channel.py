@@ -19,7 +19,11 @@ Subscriber (another process)::
 
 Publishing and updating wait for the work queued so far on the device (on
 every stream, PyTorch's and CuPy's included), then record the event;
-attaching and receiving an update wait on the host for that event.
+attaching and receiving an update wait on the host for that event. Sets
+and state dicts order their event after one stream instead, on the device
+(the call does not wait for the GPU): the state dict calls after
+PyTorch's current stream, ``publish_set`` and ``update_set`` after the
+``stream=`` given (see :mod:`cuda_ipc.streams`).
 
 Sets (many buffers of the publisher's arena in one entry) and whole state
 dicts: :meth:`Publisher.publish_state_dict`, :meth:`Subscriber.attach_state_dict`
@@ -40,6 +44,7 @@ hostile reader.
 from . import _core
 from . import dtypes as _dtypes
 from . import sets as _sets
+from . import streams as _streams
 from .errors import CudaIpcError, InvalidInput
 from .mapping import _as_cupy, _as_torch, _torch
 
@@ -175,38 +180,47 @@ class Publisher(_Owner):
         """How the arena's chunks are shared (``vmm``, ``pool``, ``legacy``)."""
         return self._c.arena_mechanism()
 
-    def publish_set(self, name, members):
+    def publish_set(self, name, members, stream=None):
         """Publishes ``members``, ``[(entry_name, ArenaBuffer, dtype,
         shape)]``, as one set ``name``: one entry, one message, no export,
-        after the work queued so far on this device."""
-        _sets.publish_set(self, name, members)
+        after the work queued so far on this device (the host waits for
+        it), or, given ``stream`` (see :mod:`cuda_ipc.streams`), after the
+        work queued on that stream (the device waits; the call does not)."""
+        _sets.publish_set(self, name, members, stream)
 
-    def update_set(self, name):
+    def update_set(self, name, stream=None):
         """Tells the subscribers of the set ``name`` that new contents are
-        ready; returns the version (from 1)."""
-        return self._c.update_set(name)
+        ready, after the work queued so far on this device or on ``stream``
+        (as :meth:`publish_set`); returns the version (from 1)."""
+        return self._c.update_set(name, _streams.stream_handle(stream))
 
     def unpublish_set(self, name, timeout=None):
         """Hides the set ``name`` and waits up to ``timeout`` seconds
         (``None``: for ever) until every lease on it is released."""
         _sets.unpublish_set(self, name, timeout)
 
-    def publish_state_dict(self, name, state_dict):
+    def publish_state_dict(self, name, state_dict, stream=None):
         """Publishes a state dict (names to torch tensors) as the set
         ``name``. Each tensor is copied once into a buffer of this
         publisher's arena (made contiguous), unless it is one already (a
         tensor this method returned, or a view of :meth:`alloc`): then it
         is published as it is. Returns a dict of the shared tensors: write
         into them (or ``model.load_state_dict(them, assign=True)`` and
-        train) and call :meth:`update_state_dict` to publish the change."""
-        return _sets.publish_state_dict(self, name, state_dict)
+        train) and call :meth:`update_state_dict` to publish the change.
 
-    def update_state_dict(self, name, state_dict=None):
+        The set is ordered after PyTorch's current stream (or ``stream``,
+        where the copies then run too), on the device: write the tensors
+        there, or synchronise the streams you wrote them on first."""
+        return _sets.publish_state_dict(self, name, state_dict, stream)
+
+    def update_state_dict(self, name, state_dict=None, stream=None):
         """Publishes new values of the state dict ``name``: copies
         ``state_dict`` (same keys, dtypes and shapes) into the shared
         tensors, in place, or, without one, publishes what was written into
-        them. Returns the version (from 1)."""
-        return _sets.update_state_dict(self, name, state_dict)
+        them. Ordered after PyTorch's current stream (or ``stream``), on
+        the device: the call does not wait for the GPU. Returns the version
+        (from 1)."""
+        return _sets.update_state_dict(self, name, state_dict, stream)
 
     def arena_stats(self):
         """The arena's accounting as a dict: ``chunks``, ``chunk_bytes``,

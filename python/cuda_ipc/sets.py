@@ -58,6 +58,7 @@ import warnings
 from . import _core
 from . import _torch_c
 from . import dtypes as _dtypes
+from . import streams as _streams
 from .errors import InvalidInput
 from .mapping import _as_cupy, _as_torch, _torch
 
@@ -198,8 +199,9 @@ def _core_buffer(buffer):
     return buffer._c if isinstance(buffer, ArenaBuffer) else buffer
 
 
-def publish_set(pub, name, members):
+def publish_set(pub, name, members, stream=None):
     """:meth:`Publisher.publish_set`."""
+    handle = _streams.stream_handle(stream)
     core = []
     for i, m in enumerate(members):
         try:
@@ -217,7 +219,7 @@ def publish_set(pub, name, members):
             raise InvalidInput(f"set member {i} ({member!r}): unknown dtype {dtype!r}; known: "
                                f"{', '.join(_dtypes.names())}")
         core.append((str(member), _core_buffer(buffer), dt.name, [int(d) for d in shape], offset))
-    pub._c.publish_set(str(name), core)
+    pub._c.publish_set(str(name), core, handle)
     pub._sets.add(str(name))
 
 
@@ -301,15 +303,24 @@ def _round_up(n, unit=256):
     return (n + unit - 1) // unit * unit
 
 
-def publish_state_dict(pub, name, state_dict):
+def publish_state_dict(pub, name, state_dict, stream=None):
     """:meth:`Publisher.publish_state_dict`."""
     _check_name(name)
     if name in pub._state_dicts:
         raise InvalidInput(f"{name!r} is published already; update it with update_state_dict, "
                            f"or unpublish it first")
+    if stream is None:
+        return _publish_state_dict(pub, name, state_dict)
+    with _streams.torch_on(_torch(), pub.device, stream):
+        return _publish_state_dict(pub, name, state_dict)
+
+
+def _publish_state_dict(pub, name, state_dict):
+    """:func:`publish_state_dict`, ordered after PyTorch's current stream."""
     if _torch_c.exchange() is not None:
         # The same steps, in the extension (see cuda_ipc._torch_c).
-        tensors, record, copied, copied_bytes, first_copied = _torch_c.publish_state_dict(pub, name, state_dict)
+        tensors, record, copied, copied_bytes, first_copied = _torch_c.publish_state_dict(
+            pub, name, state_dict, _streams.torch_current(_torch(), pub.device))
         pub._sets.add(name)
         pub._state_dicts[name] = record
         if copied:
@@ -389,8 +400,8 @@ def publish_state_dict(pub, name, state_dict):
             buffers.append(buf)
             tensors[key] = tensors[same]
             members.append((entry, buf, "u8", [1], 0))
-    # Waits for the copies queued above (every stream of the context).
-    pub._c.publish_set(name, members)
+    # After the copies queued above and the tensors' writes.
+    pub._c.publish_set(name, members, _streams.torch_current(torch, pub.device))
     pub._sets.add(name)
     pub._state_dicts[name] = _PublishedStateDict(tensors, buffers)
     if copied:
@@ -410,11 +421,19 @@ def copy_warning(name, copied, copied_bytes, first):
     )
 
 
-def update_state_dict(pub, name, state_dict=None):
+def update_state_dict(pub, name, state_dict=None, stream=None):
     """:meth:`Publisher.update_state_dict`."""
     st = pub._state_dicts.get(name)
     if st is None:
         raise InvalidInput(f"{name!r} was not published by this publisher's publish_state_dict")
+    if stream is None:
+        return _update_state_dict(pub, name, st, state_dict)
+    with _streams.torch_on(_torch(), pub.device, stream):
+        return _update_state_dict(pub, name, st, state_dict)
+
+
+def _update_state_dict(pub, name, st, state_dict):
+    """:func:`update_state_dict`, ordered after PyTorch's current stream."""
     if state_dict is not None and isinstance(st, _core.StateDictRecord):
         _torch_c.update_copies(st, state_dict)
     elif state_dict is not None:
@@ -442,8 +461,8 @@ def update_state_dict(pub, name, state_dict=None):
                 if dst.numel() == 0 or (src.data_ptr() == dst.data_ptr() and src.is_contiguous()):
                     continue
                 _copy_into(torch, dst, src)
-    # Waits for the copies queued above (every stream of the context).
-    return pub._c.update_set(name)
+    # After the copies queued above and the writes before them.
+    return pub._c.update_set(name, _streams.torch_current_if_loaded(pub.device))
 
 
 def unpublish_set(pub, name, timeout=None):

@@ -266,6 +266,8 @@ class Runner(gpu_mechanisms.MechanismCases, gpu_channel.ChannelCases, gpu_sets.S
                     lambda: self.sets_state_dict(1000)))
         out.append(("sets: state dict updates (in place and copied in) seen after wait_update",
                     lambda: self.sets_updates(1000)))
+        out.append(("sets: updates and a publish ordered after the writer's stream, not waiting for the GPU",
+                    lambda: self.sets_stream_order(200)))
         out.append(("sets: tied tensors stay tied through a state dict; overlapping slices are copied apart",
                     self.sets_tied))
         out.append(("sets: kill -9 of a consumer holding state dict tensors ends its leases",

@@ -134,13 +134,57 @@ def _sets_update_sd(self, case, version, mode):
     return {"version": s["pub"].update_state_dict("model", new)}
 
 
-def _sets_attach_sd(self, case, path, n, version, hold="state_dict"):
-    """Attaches "model" as a state dict and checks every value; keeps it.
+# About 0.2 s of a GPU's time (torch.cuda._sleep counts clock cycles): the
+# writes queued behind it are still running when the producer's call returns
+# and the consumer's wait begins.
+QUEUED_SLEEP_CYCLES = 400_000_000
+
+
+def _sets_update_queued(self, case, version, how):
+    """Writes the state dict's values at `version` behind a GPU sleep and
+    publishes them at once, without waiting for the GPU: "current" on
+    PyTorch's current stream, then update_state_dict(name); "copy" passes
+    them to update_state_dict(name, new), whose copies queue behind the
+    sleep; "side" on a stream of its own, then update_state_dict(name,
+    stream=s) from the default stream; "set" the same with update_set(name,
+    stream=s); "publish" on the current stream, then publish_state_dict of
+    the shared tensors as "again" (no copy). Returns whether the writes
+    were still queued when the call returned."""
+    s, torch = self.state[case], self.torch
+    pub = s["pub"]
+    new = sd_make(torch, s["n"], version)
+    side = torch.cuda.Stream() if how in ("side", "set") else None
+    stream = side or torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        torch.cuda._sleep(QUEUED_SLEEP_CYCLES)
+        if how != "copy":
+            for key, t in s["shared"].items():
+                t.copy_(new[key])
+    if how == "current":
+        v = pub.update_state_dict("model")
+    elif how == "copy":
+        v = pub.update_state_dict("model", new)
+    elif how == "side":
+        v = pub.update_state_dict("model", stream=side)
+    elif how == "set":
+        v = pub.update_set("model", stream=side)
+    else:
+        pub.publish_state_dict("again", s["shared"])
+        v = 0
+    queued = not stream.query()
+    # The sources and the stream live until the next call (the GPU uses them).
+    s["pending"] = (new, side)
+    return {"version": v, "queued": queued}
+
+
+def _sets_attach_sd(self, case, path, n, version, hold="state_dict", name="model"):
+    """Attaches `name` as a state dict and checks every value; keeps it.
     hold "tensors": keeps only the tensors (the lease then follows them)."""
     ci, torch = self.ci, self.torch
     sub = ci.Subscriber(path)
     t0 = time.perf_counter()
-    sd = sub.attach_state_dict("model")
+    sd = sub.attach_state_dict(name)
     attach_ms = (time.perf_counter() - t0) * 1e3
     if not isinstance(sd, dict) or len(sd) != n:
         raise AssertionError(f"attach_state_dict gave a {type(sd).__name__} of {len(sd)} tensors, expected {n}")
@@ -443,6 +487,41 @@ class SetsCases:
         finally:
             self._sets_close(a, case)
         return f"{r['mechanism']}: 3 updates of {n} tensors (in place, copied in, in place) seen in order, every value checked"
+
+    def sets_stream_order(self, n):
+        self.need("a", "torch")
+        self.need("b", "torch")
+        a, b = self.w("a"), self.w("b")
+        case = self.case_id()
+        r = a.call("sets_publish_sd", case=case, n=n, timeout=300)
+        try:
+            b.call("sets_attach_sd", case=case, path=r["path"], n=n, version=0, timeout=300)
+            for version, how in ((1, "current"), (2, "copy"), (3, "side"), (4, "set")):
+                g = a.call("sets_update_queued", case=case, version=version, how=how, timeout=120)
+                if not g["queued"]:
+                    raise CaseError(f"update {version} ({how}): the call waited for the GPU's writes")
+                got = b.call("sets_wait_sd", case=case, version=version, timeout=120)["version"]
+                if got != g["version"]:
+                    raise CaseError(f"update {version} ({how}): the publisher says version {g['version']}, "
+                                    f"the subscriber {got}")
+            g = a.call("sets_update_queued", case=case, version=5, how="publish", timeout=120)
+            if not g["queued"]:
+                raise CaseError("publish_state_dict waited for the GPU's writes")
+            again = case + "/again"
+            b.call("sets_attach_sd", case=again, path=r["path"], n=n, version=5, name="again", timeout=300)
+            b.call("sets_release_sd", case=again)
+            b.call("sets_release_sd", case=case)
+            a.call("sets_leases", case=case, want=0)
+            a.call("sets_unpublish", case=case, name="again", wait=10)
+        except BaseException:
+            self._sets_drop(b, case)
+            self._sets_drop(b, case + "/again")
+            raise
+        finally:
+            self._sets_close(a, case)
+        return (f"{r['mechanism']}: 4 updates and a publish of {n} tensors written behind a GPU sleep, each call "
+                f"returned with the writes still queued (PyTorch's current stream, copies, a side stream with "
+                f"update_state_dict and update_set(stream=)), every value checked by the subscriber")
 
     def sets_tied(self):
         self.need("a", "torch")

@@ -1,8 +1,8 @@
 //! The Python objects of the exchange's two peers, `Publisher` and
 //! `Subscriber`: what each holds, for the modules that bind to them
 //! (`exchange` for their own methods, `sets` for arenas and sets, `alloc`
-//! for the torch allocator, `state_dict`), and the synchronisation of the
-//! context that precedes every publish and update (see `exchange`).
+//! for the torch allocator, `state_dict`), and what every publish and
+//! update is ordered after ([`After`]: the context, or one stream).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -26,6 +26,49 @@ pub(crate) fn sync_context(device: &Device) -> Result<()> {
             what: "synchronising the context",
             why: e.to_string(),
         })
+}
+
+/// What a publish or an update from Python is ordered after: every stream
+/// of the device's context, waited for on the host (`stream=None` where a
+/// call is framework-neutral), or the work queued so far on one stream, a
+/// raw handle of the caller's framework (PyTorch's current stream for the
+/// state dict calls), waited for on the device only.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum After {
+    Context,
+    Stream(u64),
+}
+
+impl After {
+    /// `stream`: a raw `CUstream` of the publisher's device, or `None` for
+    /// the whole context.
+    pub(crate) fn of(stream: Option<u64>) -> Self {
+        stream.map_or(After::Context, After::Stream)
+    }
+
+    /// Runs `f` ordered after this: the context synchronised first (and
+    /// `f` given no stream), or `f` given the stream wrapped (borrowed: it
+    /// stays the framework's).
+    pub(crate) fn run<T>(
+        self,
+        device: &Device,
+        f: impl FnOnce(Option<&cuda_ipc::cudarc::driver::CudaStream>) -> Result<T>,
+    ) -> Result<T> {
+        match self {
+            After::Context => {
+                sync_context(device)?;
+                f(None)
+            }
+            After::Stream(raw) => {
+                // SAFETY: the handle is the caller's stream (the Python API's
+                // contract, as for torch.cuda.ExternalStream: PyTorch's
+                // current stream, or one the caller passed), alive for this
+                // call; borrow_stream checks that it is of this device.
+                let stream = unsafe { device.borrow_stream(raw) }?;
+                f(Some(&stream))
+            }
+        }
+    }
 }
 
 /// Serves device buffers by name to subscribers in other processes.

@@ -31,7 +31,7 @@ use crate::codec;
 use crate::errors::{IntoPyResult, closed_error, lock};
 use crate::keep::{Keep, take_for_release};
 use crate::mapping::{Layout, View, layout};
-use crate::peers::{PyPublisher, PySubscriber, sync_context};
+use crate::peers::{After, PyPublisher, PySubscriber};
 use crate::runs::{self, Place, Placed, Run};
 
 // --- the publisher ------------------------------------------------------------
@@ -207,6 +207,7 @@ pub(crate) fn publish_set(
     py: Python<'_>,
     name: &str,
     members: Vec<MemberArg<'_>>,
+    after: After,
 ) -> PyResult<()> {
     let publisher = p.get()?;
     if members.is_empty() {
@@ -229,8 +230,10 @@ pub(crate) fn publish_set(
                 SetMember::new(name, *dtype, shape, buffer).at(*offset)
             })
             .collect();
-        sync_context(&dev)?;
-        publisher.publish_set(name, &members)
+        after.run(&dev, |stream| match stream {
+            Some(s) => publisher.publish_set_after(name, &members, s),
+            None => publisher.publish_set(name, &members),
+        })
     })
     .py()
 }
@@ -247,17 +250,27 @@ fn member_dtype(index: usize, member: &str, name: &str) -> Result<Dtype> {
 }
 
 /// `Publisher.update_set`.
-pub(crate) fn update_set(p: &PyPublisher, py: Python<'_>, name: &str) -> PyResult<u64> {
+pub(crate) fn update_set(
+    p: &PyPublisher,
+    py: Python<'_>,
+    name: &str,
+    after: After,
+) -> PyResult<u64> {
     let mut phases = crate::phases::Phases::start("update_set");
     let clock = &mut phases;
     let publisher = p.get()?;
     let dev = p.device.clone();
     py.detach(|| -> Result<u64> {
-        sync_context(&dev)?;
-        clock.mark("sync_context");
-        let v = publisher.update_set(name)?;
-        clock.mark("update_set");
-        Ok(v)
+        after.run(&dev, |stream| {
+            // The context's wait (none when ordered after a stream).
+            clock.mark("sync_context");
+            let v = match stream {
+                Some(s) => publisher.update_set_after(name, s)?,
+                None => publisher.update_set(name)?,
+            };
+            clock.mark("update_set");
+            Ok(v)
+        })
     })
     .py()
 }

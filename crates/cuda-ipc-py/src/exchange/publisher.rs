@@ -17,7 +17,7 @@ use crate::args::duration;
 use crate::errors::{IntoPyResult, closed_error, lock};
 use crate::keep::Keep;
 use crate::mapping::{Layout, View, layout};
-use crate::peers::{PyPublisher, sync_context};
+use crate::peers::{After, PyPublisher, sync_context};
 
 /// Device memory allocated to be published (not published yet): fill it
 /// through `view()`, then hand it to `Publisher.publish`.
@@ -342,20 +342,26 @@ impl PyPublisher {
 
     /// Publishes `members`, `[(name, ArenaBuffer, dtype, shape, offset)]`,
     /// as one set called `name`, after the work queued so far on this
-    /// device; `offset` is the member's first byte in its buffer.
+    /// device (`stream=None`: the host waits for it) or on the stream
+    /// `stream` (a raw handle of this device: the device waits, the host
+    /// does not); `offset` is the member's first byte in its buffer.
+    #[pyo3(signature = (name, members, stream=None))]
     fn publish_set<'py>(
         &self,
         py: Python<'py>,
         name: &str,
         members: Vec<crate::sets::MemberArg<'py>>,
+        stream: Option<u64>,
     ) -> PyResult<()> {
-        crate::sets::publish_set(self, py, name, members)
+        crate::sets::publish_set(self, py, name, members, After::of(stream))
     }
 
     /// Tells the subscribers of the set `name` that new contents are ready
-    /// (after the work queued so far on this device). Returns the version.
-    fn update_set(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
-        crate::sets::update_set(self, py, name)
+    /// (after the work queued so far on this device, or on `stream`, as
+    /// for `publish_set`). Returns the version.
+    #[pyo3(signature = (name, stream=None))]
+    fn update_set(&self, py: Python<'_>, name: &str, stream: Option<u64>) -> PyResult<u64> {
+        crate::sets::update_set(self, py, name, After::of(stream))
     }
 
     /// Hides the set `name` from new subscribers and waits up to `timeout`

@@ -32,7 +32,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::errors::{IntoPyResult, closed_error};
 use crate::keep::Keep;
-use crate::peers::{PyPublisher, sync_context};
+use crate::peers::{After, PyPublisher};
 use crate::phases::Phases;
 use crate::sets::{ArenaBuffer, SetAttachment, alloc_registered};
 use crate::torch_c::{Dims, TensorMeta, TorchExchange, as_bytes, fill_contiguous_strides};
@@ -580,8 +580,12 @@ fn place<'py>(
 /// raises for a dtype a set does not hold; `copy_in(buffer, tensor, dtype,
 /// shape)` copies a tensor into an `ArenaBuffer` and returns the copy;
 /// `empty(tensor)` returns a new empty tensor like it on the publisher's
-/// device. Returns `(tensors, record, copied, copied_bytes, first_copied)`.
+/// device; `stream`, the raw handle of the stream the tensors were written
+/// and copied on (PyTorch's current stream; `None`: every stream of the
+/// device, waited for on the host). Returns `(tensors, record, copied,
+/// copied_bytes, first_copied)`.
 #[pyfunction]
+#[pyo3(signature = (publisher, name, state_dict, api, dtypes, refuse, copy_in, empty, stream=None))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn publish_state_dict_c<'py>(
     py: Python<'py>,
@@ -593,6 +597,7 @@ fn publish_state_dict_c<'py>(
     refuse: &Bound<'py, PyAny>,
     copy_in: &Bound<'py, PyAny>,
     empty: &Bound<'py, PyAny>,
+    stream: Option<u64>,
 ) -> PyResult<(
     Bound<'py, PyDict>,
     StateDictRecord,
@@ -614,7 +619,9 @@ fn publish_state_dict_c<'py>(
     phases.mark("place");
     let dev = p.device.clone();
     let publisher_arc = p.get()?;
-    // Waits for the copies queued above (every stream of the context).
+    // The set's event after the copies queued above and the tensors'
+    // writes (on `stream`, or every stream of the context).
+    let after = After::of(stream);
     let m: Vec<SetMember<'_>> = placed
         .members
         .iter()
@@ -632,11 +639,16 @@ fn publish_state_dict_c<'py>(
     phases.mark("members");
     let clock = &mut phases;
     py.detach(move || -> Result<()> {
-        sync_context(&dev)?;
-        clock.mark("sync");
-        publisher_arc.publish_set(name, &m)?;
-        clock.mark("publish_set");
-        Ok(())
+        after.run(&dev, |stream| {
+            // The context's wait (none when ordered after a stream).
+            clock.mark("sync");
+            match stream {
+                Some(s) => publisher_arc.publish_set_after(name, &m, s)?,
+                None => publisher_arc.publish_set(name, &m)?,
+            }
+            clock.mark("publish_set");
+            Ok(())
+        })
     })
     .py()?;
     // The returned dict and the record, in the state dict's order.
