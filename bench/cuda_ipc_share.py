@@ -55,10 +55,14 @@ Method (one way, CLOCK_MONOTONIC in both processes):
             wait_update returns (the update's event waited for on the host)
             and it reads the clock; then, not timed, it checks the first and
             last value of every tensor and answers. parts_ms "update": the
-            producer's call.
+            producer's call. With --busy-ms MS, MS of GPU work
+            (torch.cuda._sleep) is queued on the producer's current stream
+            just before each update (not timed), as a trainer's next step
+            would be: the sample then includes it, and "update" shows
+            whether the producer's call waited for it.
 
 Usage: cuda_ipc_share.py --device 0 --plan SIZE:WARMUP:REPS[,...]
-       cuda_ipc_share.py --device 0 --sets COUNT:TOTAL:WARMUP:REPS[,...]
+       cuda_ipc_share.py --device 0 --sets COUNT:TOTAL:WARMUP:REPS[,...] [--busy-ms MS]
 cuda_ipc and torch are imported lazily: a missing one is a skip line.
 """
 
@@ -259,7 +263,7 @@ def fill(torch, tensors, sample):
     torch.cuda.synchronize()
 
 
-def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index):
+def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index, busy_cycles=0):
     """The py_set samples and then the py_update samples of one weight set:
     ``((samples, failures, parts), (samples, failures, parts))``."""
     sizes = weight_set_sizes(count, total)
@@ -267,7 +271,7 @@ def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index):
         tensors = {"w%d" % k: torch.empty(s // 4, dtype=torch.float32, device="cuda") for k, s in enumerate(sizes)}
     try:
         return (measure_handoff(torch, pub, consumer, tensors, warmup, reps, index),
-                measure_update(torch, pub, consumer, tensors, warmup, reps, index))
+                measure_update(torch, pub, consumer, tensors, warmup, reps, index, busy_cycles))
     finally:
         del tensors
         ci.torch.empty_cache(pub)
@@ -293,9 +297,11 @@ def measure_handoff(torch, pub, consumer, tensors, warmup, reps, index):
     return samples, failures, parts
 
 
-def measure_update(torch, pub, consumer, tensors, warmup, reps, index):
+def measure_update(torch, pub, consumer, tensors, warmup, reps, index, busy_cycles=0):
     """Samples of update_state_dict -> wait_update of a state dict the
-    consumer holds (sample 0 published, then samples 1..)."""
+    consumer holds (sample 0 published, then samples 1..); with
+    ``busy_cycles``, that much GPU work (torch.cuda._sleep) queued on the
+    current stream just before each update, as a trainer's next step."""
     samples, failures = [], 0
     parts = {"update": []}
     name = "held-%d" % index
@@ -308,6 +314,8 @@ def measure_update(torch, pub, consumer, tensors, warmup, reps, index):
         for i in range(1, warmup + reps + 1):
             fill(torch, tensors, i)
             consumer.ask({"op": "await", "sample": i})
+            if busy_cycles:
+                torch.cuda._sleep(busy_cycles)
             t0 = now_ns()
             pub.update_state_dict(name)
             t_upd = now_ns()
@@ -346,11 +354,23 @@ def import_on_device(device):
     return cuda_ipc, torch
 
 
+def busy_ms_to_cycles(torch, device, ms):
+    """GPU clock cycles (torch.cuda._sleep's unit) in ``ms`` milliseconds
+    on ``device``: its clock rate where PyTorch gives it, else 1.98 GHz."""
+    if ms <= 0:
+        return 0
+    khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 1_980_000
+    return int(ms * khz)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--plan", help="SIZE:WARMUP:REPS,... (py_fresh)")
     ap.add_argument("--sets", help="COUNT:TOTAL:WARMUP:REPS,... (py_set, then py_update)")
+    ap.add_argument("--busy-ms", type=float, default=0.0,
+                    help="GPU work queued on the producer's stream before each update, in ms (py_update; "
+                         "its 'update' part then shows whether the producer's call waits for it)")
     ap.add_argument("--consumer", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.consumer:
@@ -379,11 +399,13 @@ def main():
             samples, failures, parts = measure_fresh(torch, pub, consumer, size, warmup, reps, index)
             emit({"kind": "result", "mode": "py_fresh", "size": size, "warmup": warmup,
                   "samples_ms": samples, "verify_failures": failures, "parts_ms": parts})
+        busy_cycles = busy_ms_to_cycles(torch, args.device, args.busy_ms)
         for index, (count, total, warmup, reps) in enumerate(sets):
-            measured = measure_set(torch, cuda_ipc, pub, consumer, count, total, warmup, reps, index)
+            measured = measure_set(torch, cuda_ipc, pub, consumer, count, total, warmup, reps, index, busy_cycles)
             for mode, (samples, failures, parts) in zip(("py_set", "py_update"), measured):
                 emit({"kind": "result", "mode": mode, "size": total, "count": count, "warmup": warmup,
-                      "samples_ms": samples, "verify_failures": failures, "parts_ms": parts})
+                      "samples_ms": samples, "verify_failures": failures, "parts_ms": parts,
+                      **({"busy_ms": args.busy_ms} if mode == "py_update" and busy_cycles else {})})
     except Exception as e:
         emit({"kind": "error", "message": "%s: %s" % (type(e).__name__, e)})
         traceback.print_exc()

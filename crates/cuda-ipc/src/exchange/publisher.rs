@@ -156,6 +156,10 @@ pub struct Publisher {
     pub(super) arena: PublisherArena,
     /// Readers map read-only ([`PublisherConfig::read_only_readers`]).
     pub(super) read_only_readers: bool,
+    /// The event recorded on a caller's stream that a set's stream then
+    /// waits for ([`Publisher::update_set_after`]): made at the first use,
+    /// locked from its record to the wait.
+    pub(super) join_event: Mutex<Option<cudarc::driver::CudaEvent>>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -206,6 +210,7 @@ impl Publisher {
             fences,
             arena: PublisherArena::new(config.sharing),
             read_only_readers: config.read_only_readers,
+            join_event: Mutex::new(None),
         })
     }
 
