@@ -62,6 +62,7 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuStreamCreate",
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
+    "cuStreamGetCtx",
     "cuStreamQuery",
     "cuStreamWaitEvent",
     "cuMemAlloc_v2",
