@@ -48,9 +48,14 @@
 //! record. What it needs of the set (its distinct chunks, their streams,
 //! its fence slot) is worked out once, when the set is published.
 //!
-//! A set record larger than [`SET_PART_BYTES`] travels in several parts,
-//! hidden entries of its own, one message each (a set of 10,000 buffers
-//! takes a few).
+//! A set whose entry table is at least [`TABLE_REF_MIN_BYTES`] long (about
+//! 300 buffers) names its table instead of carrying it (set format 3,
+//! [`TableRef`](crate::set::TableRef)): the table is published once per
+//! layout as hidden entries, which stay while a set naming them is
+//! published or leased (and the two used last besides), and a subscriber
+//! that kept the table ([`Subscriber::entry_tables`]) reads only the short
+//! record. A set record larger than [`SET_PART_BYTES`] travels in several
+//! parts, hidden entries of its own, read a batch at a time.
 //!
 //! **Lifetimes.** A published buffer or set holds an [`ArenaLease`](crate::arena::ArenaLease) on each
 //! of its buffers while it is published and, after it is unpublished, until
@@ -150,7 +155,9 @@ pub use budget::MappingBudget;
 pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber, RingSync};
 pub use set_attach::{EntryPlace, SetAttachment};
-pub use set_book::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, Sharing, chunk_entry_name};
+pub use set_book::{
+    HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, Sharing, TABLE_REF_MIN_BYTES, chunk_entry_name,
+};
 pub use sleep::Slept;
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
 pub use sync::SyncMode;

@@ -8,24 +8,13 @@ use crate::channel::ChannelError;
 use crate::descriptor::{Dtype, Mechanism};
 use crate::error::{Error, Result};
 use crate::phases::Phases;
-use crate::set::{SetLayout, SetRecord};
 
 use super::lock;
 use super::publisher::Publisher;
-use super::set_book::{RecordJson, Sharing};
+use super::set_book::Sharing;
 use super::set_order::{SetHold, SetOrder};
 use super::sync::SetFence;
 use super::wire::{self, UpdateBody};
-
-/// `record`'s JSON value and text, with `layout`'s table (made once for
-/// the layout) copied into both.
-pub(super) fn record_json(record: &SetRecord, layout: &SetLayout) -> RecordJson {
-    let table = layout.table();
-    RecordJson {
-        value: record.to_value_with_table(table),
-        text: record.to_json_with_table(table),
-    }
-}
 
 impl Publisher {
     /// This publisher's arena, made at the first call (no chunk is
@@ -158,9 +147,15 @@ impl Publisher {
         phases.mark("event");
         let fence = self.set_fence(&stream)?;
         phases.mark("fence");
-        let value = record_json(&record, &layout);
-        phases.mark("encode");
-        let r = lock(&self.arena.book).publish(&self.server, arena, name, value, hold, fence);
+        let r = lock(&self.arena.book).publish_layout(
+            &self.server,
+            arena,
+            name,
+            &record,
+            &layout,
+            hold,
+            fence,
+        );
         phases.mark("publish");
         r
     }

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::mechanism::Access;
 use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::phases::Phases;
-use crate::set::{EntryTables, NameIndex, SetEntry, SetRecord};
+use crate::set::{EntryTables, NameIndex, SetEntry, SetRecord, TableRef};
 use crate::share;
 
 use super::lease::LeaseGuard;
@@ -26,14 +26,23 @@ use super::wire::EntryMeta;
 use super::chunk_cache::CachedChunk;
 use super::set_book::{MAX_PARTS, PARTS_KEY, SET_PART_BYTES, chunk_entry_name, is_set_meta};
 
-/// Reads a set entry's record (from its parts when it came in parts).
+/// Reads a set entry's record (from its parts when it came in parts), and
+/// the entry table it names (set format 3) unless `tables` kept it.
 pub(super) fn read_record(
     client: &channel::Client,
     meta: &Value,
     tables: Option<&EntryTables>,
 ) -> Result<SetRecord> {
+    let mut fetch = |table: &TableRef| {
+        read_texts(
+            client,
+            &table.parts,
+            crate::set::MAX_SET_RECORD_BYTES,
+            "entries.parts",
+        )
+    };
     let Some(parts) = meta.get(PARTS_KEY) else {
-        return SetRecord::from_value_with(meta, tables);
+        return SetRecord::from_value_fetching(meta, tables, Some(&mut fetch));
     };
     let parts = parts.as_array().ok_or_else(|| Error::Descriptor {
         field: PARTS_KEY.into(),
@@ -51,38 +60,49 @@ pub(super) fn read_record(
     let names = parts
         .iter()
         .map(|p| {
-            p.as_str().ok_or_else(|| Error::Descriptor {
-                field: PARTS_KEY.into(),
-                reason: format!("expected an entry name, found {p}"),
-            })
+            p.as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| Error::Descriptor {
+                    field: PARTS_KEY.into(),
+                    reason: format!("expected an entry name, found {p}"),
+                })
         })
-        .collect::<Result<Vec<&str>>>()?;
-    // The parts asked for a batch at a time (one round trip for the
-    // batch), each lease released as its answer comes; the text's length
-    // is checked after each batch.
+        .collect::<Result<Vec<String>>>()?;
+    let text = read_texts(client, &names, MAX_PARTS * SET_PART_BYTES, PARTS_KEY)?;
+    SetRecord::from_json_fetching(&text, tables, Some(&mut fetch))
+}
+
+/// The texts of the metadata-only entries `names` (`{"text": ...}` each),
+/// joined: asked for a batch at a time (one round trip for the batch),
+/// each lease released as its answer comes; at most `max` bytes, checked
+/// after each batch (`field` names the list in errors).
+fn read_texts(
+    client: &channel::Client,
+    names: &[String],
+    max: usize,
+    field: &str,
+) -> Result<String> {
     let mut text = String::new();
     for batch in names.chunks(channel::Client::METADATA_IN_FLIGHT) {
-        for (name, meta) in batch.iter().zip(client.metadata_of(batch)?) {
+        let batch: Vec<&str> = batch.iter().map(String::as_str).collect();
+        for (name, meta) in batch.iter().zip(client.metadata_of(&batch)?) {
             let piece =
                 meta.get("text")
                     .and_then(Value::as_str)
                     .ok_or_else(|| Error::Descriptor {
                         field: format!("{name}.text"),
-                        reason: "a set record part carries its text".into(),
+                        reason: "a part of a set record or table carries its text".into(),
                     })?;
             text.push_str(piece);
         }
-        if text.len() > MAX_PARTS * SET_PART_BYTES {
+        if text.len() > max {
             return Err(Error::Descriptor {
-                field: PARTS_KEY.into(),
-                reason: format!(
-                    "the parts pass the {} bytes a set record takes",
-                    MAX_PARTS * SET_PART_BYTES
-                ),
+                field: field.into(),
+                reason: format!("the parts pass the {max} bytes they may hold"),
             });
         }
     }
-    SetRecord::from_json_with(&text, tables)
+    Ok(text)
 }
 
 /// How a set's chunks are mapped: `asked` (the subscriber's wish), made

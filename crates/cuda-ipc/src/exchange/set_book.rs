@@ -16,7 +16,7 @@ use crate::channel::wire::Meta;
 use crate::channel::{ChannelError, Server};
 use crate::descriptor::Mechanism;
 use crate::error::{Error, Result};
-use crate::set::SET_VERSION_KEY;
+use crate::set::{SET_VERSION_KEY, SetLayout, SetRecord, TableRef};
 
 use super::set_order::{ChunkStream, SetHold, SetOrder};
 use super::sync::{self, FenceSlot, SetFence};
@@ -77,6 +77,15 @@ pub(super) const MAX_PARTS: usize = 1024;
 /// The key of a set entry's metadata that lists the parts of its record.
 pub(super) const PARTS_KEY: &str = "cuda_ipc_set_parts";
 
+/// Entry tables of at least this many bytes (about 300 entries) travel by
+/// reference (set format 3): published once per layout as hidden entries,
+/// which a subscriber that kept the table does not read again.
+pub const TABLE_REF_MIN_BYTES: usize = 16 * 1024;
+
+/// Tables no published or leased set names that the book keeps published
+/// (the most recently used), for the next set of their layout.
+pub(super) const IDLE_TABLES: usize = 2;
+
 /// A set's record as its publisher hands it to the book: the JSON value
 /// and its compact JSON text (a publisher writes it, the base64 table
 /// copied in whole), which is not encoded again.
@@ -134,8 +143,18 @@ where
     /// What an update records the set's event after, worked out at publish.
     order: Arc<SetOrder<B>>,
     parts: Vec<String>,
+    /// The layout whose published table its record names, if it does.
+    table: Option<u64>,
     /// The set's fence slot, if it has one.
     fence: Option<FenceSlot>,
+}
+
+/// An entry table published as hidden entries, by the id of its layout.
+struct PublishedTable {
+    layout: u64,
+    table: TableRef,
+    /// The book's clock when a record last named it.
+    used: u64,
 }
 
 /// What stays alive after an entry is unpublished, until its last lease ends.
@@ -144,6 +163,8 @@ struct Retired<B: ChunkBacking> {
     /// The entry by id, when its name lives on in a newer entry (a set
     /// replaced by [`Book::replace`]).
     entry: Option<u64>,
+    /// The layout whose published table the record named, if it did.
+    table: Option<u64>,
     _leases: Vec<ArenaLease<B>>,
     _pin: Option<ChunkPin<B>>,
     _fence: Option<FenceSlot>,
@@ -160,6 +181,8 @@ where
     chunks: HashMap<u64, ChunkPin<B>>,
     retired: Vec<Retired<B>>,
     parts: u64,
+    tables: Vec<PublishedTable>,
+    clock: u64,
 }
 
 impl<B: ChunkBacking> Default for Book<B>
@@ -172,6 +195,8 @@ where
             chunks: HashMap::new(),
             retired: Vec::new(),
             parts: 0,
+            tables: Vec::new(),
+            clock: 0,
         }
     }
 }
@@ -199,12 +224,90 @@ where
     /// travels beside the record: its metadata under
     /// [`SET_FENCE_KEY`](sync::SET_FENCE_KEY), its file descriptor as the
     /// entry's only one.
+    #[cfg(test)]
     pub(super) fn publish(
         &mut self,
         server: &Server,
         arena: &Arena<B>,
         name: &str,
         record: impl Into<RecordJson>,
+        hold: SetHold<B>,
+        fence: Option<SetFence>,
+    ) -> Result<()> {
+        self.publish_naming(server, arena, name, (record.into(), None), hold, fence)
+    }
+
+    /// [`publish`](Self::publish) of `record`, whose entries are
+    /// `layout`'s: its table goes in the record, or, from
+    /// [`TABLE_REF_MIN_BYTES`], by reference to hidden entries published
+    /// once for the layout ([`record_for`](Self::record_for)).
+    #[allow(clippy::too_many_arguments)] // publish's, and the layout
+    pub(super) fn publish_layout(
+        &mut self,
+        server: &Server,
+        arena: &Arena<B>,
+        name: &str,
+        record: &SetRecord,
+        layout: &SetLayout,
+        hold: SetHold<B>,
+        fence: Option<SetFence>,
+    ) -> Result<()> {
+        if self.sets.contains_key(name) {
+            return Err(ChannelError::AlreadyExists { name: name.into() }.into());
+        }
+        let json = self.record_for(server, arena, record, layout)?;
+        self.publish_naming(server, arena, name, json, hold, fence)
+    }
+
+    /// `record`'s JSON: with `layout`'s table in it, or naming the hidden
+    /// entries that hold the table (published here unless they are), with
+    /// the layout's id.
+    pub(super) fn record_for(
+        &mut self,
+        server: &Server,
+        arena: &Arena<B>,
+        record: &SetRecord,
+        layout: &SetLayout,
+    ) -> Result<(RecordJson, Option<u64>)> {
+        let text = layout.table();
+        if text.len() < TABLE_REF_MIN_BYTES {
+            return Ok((record_json(record, layout), None));
+        }
+        self.clock += 1;
+        let clock = self.clock;
+        let table = if let Some(t) = self.tables.iter_mut().find(|t| t.layout == layout.id()) {
+            t.used = clock;
+            t.table.clone()
+        } else {
+            {
+                let prefix = format!(
+                    "{HIDDEN_ENTRY_PREFIX}set-table/{}/{}",
+                    arena.id(),
+                    layout.id()
+                );
+                let parts = publish_pieces(server, &prefix, text)?;
+                let table = TableRef {
+                    parts,
+                    bytes: text.len() as u64,
+                };
+                self.tables.push(PublishedTable {
+                    layout: layout.id(),
+                    table: table.clone(),
+                    used: clock,
+                });
+                table
+            }
+        };
+        let value = record.to_value_with_ref(&table);
+        Ok((RecordJson::from(value), Some(layout.id())))
+    }
+
+    fn publish_naming(
+        &mut self,
+        server: &Server,
+        arena: &Arena<B>,
+        name: &str,
+        (record, table): (RecordJson, Option<u64>),
         hold: SetHold<B>,
         fence: Option<SetFence>,
     ) -> Result<()> {
@@ -216,12 +319,8 @@ where
         for c in order.chunks() {
             self.ensure_chunk(server, arena, c)?;
         }
-        let (meta, parts) = self.publish_parts(
-            server,
-            arena,
-            record.into(),
-            fence.as_ref().map(|f| &f.meta),
-        )?;
+        let (meta, parts) =
+            self.publish_parts(server, arena, record, fence.as_ref().map(|f| &f.meta))?;
         let (fds, fence) = match fence {
             Some(f) => (vec![f.fd], Some(f.slot)),
             None => (Vec::new(), None),
@@ -238,6 +337,7 @@ where
                 leases,
                 order,
                 parts,
+                table,
                 fence,
             },
         );
@@ -297,36 +397,18 @@ where
         text: &str,
         fence: Option<Value>,
     ) -> Result<(Meta, Vec<String>)> {
-        let mut parts: Vec<String> = Vec::new();
-        let unpublish = |parts: &[String]| {
-            for p in parts {
-                let _ = server.unpublish(p);
-            }
-        };
         self.parts += 1;
-        for (i, piece) in split_utf8(text, SET_PART_BYTES).into_iter().enumerate() {
-            let part = format!(
-                "{HIDDEN_ENTRY_PREFIX}set-part/{}/{}/{i}",
-                arena.id(),
-                self.parts
-            );
-            let mut meta_text = String::with_capacity(piece.len() + 16);
-            meta_text.push_str("{\"text\":");
-            crate::json::push_string(&mut meta_text, piece);
-            meta_text.push('}');
-            let published = meta_with_text(json!({ "text": piece }), meta_text)
-                .and_then(|meta| Ok(server.publish(&part, meta, Vec::new())?));
-            if let Err(e) = published {
-                unpublish(&parts);
-                return Err(e);
-            }
-            parts.push(part);
-        }
+        let prefix = format!(
+            "{HIDDEN_ENTRY_PREFIX}set-part/{}/{}",
+            arena.id(),
+            self.parts
+        );
+        let parts = publish_pieces(server, &prefix, text)?;
         let mut meta = json!({ PARTS_KEY: parts, "bytes": text.len() });
         if let Some(f) = fence
             && let Err(e) = sync::put_set_fence(&mut meta, f)
         {
-            unpublish(&parts);
+            unpublish_all(server, &parts);
             return Err(e);
         }
         Ok((Meta::new(meta), parts))
@@ -336,6 +418,7 @@ where
     /// there (see [`Server::replace`]): its holders get `notice` as an
     /// update and keep it until they release it, then its leases go; new
     /// attaches get the new record.
+    #[cfg(test)]
     #[allow(clippy::too_many_arguments)] // publish's arguments and the notice
     pub(super) fn replace(
         &mut self,
@@ -343,6 +426,49 @@ where
         arena: &Arena<B>,
         name: &str,
         record: impl Into<RecordJson>,
+        hold: SetHold<B>,
+        fence: Option<SetFence>,
+        notice: Value,
+    ) -> Result<crate::channel::Replaced> {
+        self.replace_naming(
+            server,
+            arena,
+            name,
+            (record.into(), None),
+            hold,
+            fence,
+            notice,
+        )
+    }
+
+    /// [`replace`](Self::replace) of `record`, whose entries are
+    /// `layout`'s (its table by reference, as
+    /// [`publish_layout`](Self::publish_layout) puts it).
+    #[allow(clippy::too_many_arguments)] // replace's, and the layout
+    pub(super) fn replace_layout(
+        &mut self,
+        server: &Server,
+        arena: &Arena<B>,
+        name: &str,
+        (record, layout): (&SetRecord, &SetLayout),
+        hold: SetHold<B>,
+        fence: Option<SetFence>,
+        notice: Value,
+    ) -> Result<crate::channel::Replaced> {
+        if !self.sets.contains_key(name) {
+            return Err(ChannelError::NotFound { name: name.into() }.into());
+        }
+        let json = self.record_for(server, arena, record, layout)?;
+        self.replace_naming(server, arena, name, json, hold, fence, notice)
+    }
+
+    #[allow(clippy::too_many_arguments)] // replace's
+    fn replace_naming(
+        &mut self,
+        server: &Server,
+        arena: &Arena<B>,
+        name: &str,
+        (record, table): (RecordJson, Option<u64>),
         hold: SetHold<B>,
         fence: Option<SetFence>,
         notice: Value,
@@ -362,8 +488,7 @@ where
             .iter()
             .try_for_each(|c| self.ensure_chunk(server, arena, c))
             .and_then(|()| {
-                let (meta, p) =
-                    self.publish_parts(server, arena, record.into(), fence_meta.as_ref())?;
+                let (meta, p) = self.publish_parts(server, arena, record, fence_meta.as_ref())?;
                 parts = p;
                 Ok(server.replace(name, meta, fds, notice)?)
             });
@@ -383,6 +508,7 @@ where
         self.retired.push(Retired {
             names: old.parts,
             entry: Some(replaced.old_entry),
+            table: old.table,
             _leases: old.leases,
             _pin: None,
             _fence: old.fence,
@@ -393,6 +519,7 @@ where
                 leases,
                 order,
                 parts,
+                table,
                 fence: slot,
             },
         );
@@ -430,6 +557,7 @@ where
         self.retired.push(Retired {
             names,
             entry: None,
+            table: set.table,
             _leases: set.leases,
             _pin: None,
             _fence: set.fence,
@@ -446,7 +574,52 @@ where
             r.entry.is_some_and(|id| server.entry_lease_count(id) > 0)
                 || r.names.iter().any(|n| server.lease_count(n) > 0)
         });
-        before - self.retired.len()
+        let reaped = before - self.retired.len();
+        self.retire_tables(server);
+        reaped
+    }
+
+    /// Unpublishes the tables that no published or retired set names,
+    /// but the [`IDLE_TABLES`] used last (their parts wait as retired
+    /// entries for the leases of readers reading them).
+    fn retire_tables(&mut self, server: &Server) {
+        let named: Vec<u64> = self
+            .sets
+            .values()
+            .filter_map(|s| s.table)
+            .chain(self.retired.iter().filter_map(|r| r.table))
+            .collect();
+        let mut idle: Vec<(u64, u64)> = self
+            .tables
+            .iter()
+            .filter(|t| !named.contains(&t.layout))
+            .map(|t| (t.used, t.layout))
+            .collect();
+        if idle.len() <= IDLE_TABLES {
+            return;
+        }
+        idle.sort_unstable_by(|a, b| b.cmp(a));
+        for (_, layout) in idle.into_iter().skip(IDLE_TABLES) {
+            let Some(at) = self.tables.iter().position(|t| t.layout == layout) else {
+                continue;
+            };
+            let t = self.tables.swap_remove(at);
+            unpublish_all(server, &t.table.parts);
+            self.retired.push(Retired {
+                names: t.table.parts,
+                entry: None,
+                table: None,
+                _leases: Vec::new(),
+                _pin: None,
+                _fence: None,
+            });
+        }
+    }
+
+    /// Tables published as hidden entries, named or idle.
+    #[cfg(test)]
+    pub(super) fn tables(&self) -> usize {
+        self.tables.len()
     }
 
     /// Unpublishes the hidden entries of chunks that hold no buffer, then
@@ -465,6 +638,7 @@ where
                 self.retired.push(Retired {
                     names: vec![name],
                     entry: None,
+                    table: None,
                     _leases: Vec::new(),
                     _pin: Some(pin),
                     _fence: None,
@@ -478,6 +652,46 @@ where
     /// Entries waiting for their last consumer.
     pub(super) fn retired(&self) -> usize {
         self.retired.len()
+    }
+}
+
+/// `record`'s JSON value and text, with `layout`'s table (made once for
+/// the layout) copied into both (what a record whose table is short
+/// carries, see [`Book::record_for`]).
+fn record_json(record: &SetRecord, layout: &SetLayout) -> RecordJson {
+    let table = layout.table();
+    RecordJson {
+        value: record.to_value_with_table(table),
+        text: record.to_json_with_table(table),
+    }
+}
+
+/// Publishes `text` as hidden entries `PREFIX/0`, `PREFIX/1`, ... of at
+/// most [`SET_PART_BYTES`] each, metadata `{"text": piece}` (written
+/// here, not encoded); returns their names. On an error none stays.
+fn publish_pieces(server: &Server, prefix: &str, text: &str) -> Result<Vec<String>> {
+    let mut parts: Vec<String> = Vec::new();
+    for (i, piece) in split_utf8(text, SET_PART_BYTES).into_iter().enumerate() {
+        let part = format!("{prefix}/{i}");
+        let mut meta_text = String::with_capacity(piece.len() + 16);
+        meta_text.push_str("{\"text\":");
+        crate::json::push_string(&mut meta_text, piece);
+        meta_text.push('}');
+        let published = meta_with_text(json!({ "text": piece }), meta_text)
+            .and_then(|meta| Ok(server.publish(&part, meta, Vec::new())?));
+        if let Err(e) = published {
+            unpublish_all(server, &parts);
+            return Err(e);
+        }
+        parts.push(part);
+    }
+    Ok(parts)
+}
+
+/// Unpublishes `names` (their leases, if any, stay until released).
+fn unpublish_all(server: &Server, names: &[String]) {
+    for n in names {
+        let _ = server.unpublish(n);
     }
 }
 
@@ -535,3 +749,7 @@ mod order_tests;
 #[cfg(test)]
 #[path = "set_replace_tests.rs"]
 mod replace_tests;
+
+#[cfg(test)]
+#[path = "set_table_tests.rs"]
+mod table_tests;

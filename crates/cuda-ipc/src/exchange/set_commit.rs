@@ -71,11 +71,11 @@ impl Publisher {
         let stream = self.record_after(hold.order(), None)?;
         let fence = self.set_fence(&stream)?;
         let notice = wire::to_value(&UpdateBody { fence_seq })?;
-        lock(&self.arena.book).replace(
+        lock(&self.arena.book).replace_layout(
             &self.server,
             arena,
             name,
-            super::set::record_json(&record, &layout),
+            (&record, &layout),
             hold,
             fence,
             notice,

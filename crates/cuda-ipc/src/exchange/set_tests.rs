@@ -245,7 +245,7 @@ fn large_records_travel_in_parts_that_rebuild_the_record() {
 }
 
 /// A real set record of `n` entries over two chunks.
-fn set_record(n: usize) -> SetRecord {
+pub(super) fn set_record(n: usize) -> SetRecord {
     use crate::descriptor::{Descriptor, Source};
     use crate::device::DeviceUuid;
     use crate::set::SetChunk;

@@ -19,6 +19,9 @@ use super::{ArenaId, SetChunk, SetEntry, SetRecord, table};
 use crate::descriptor::Dtype;
 use crate::error::Result;
 
+/// The next [`SetLayout::id`].
+static NEXT_LAYOUT_ID: AtomicU64 = AtomicU64::new(1);
+
 /// One member of a set as a publisher describes it, borrowed from the
 /// caller: what its [`SetEntry`] will hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,12 +72,20 @@ impl MemberPlace<'_> {
 /// and their base64 table once it was asked for.
 #[derive(Debug)]
 pub struct SetLayout {
+    /// Distinct for every layout this process described.
+    id: u64,
     chunks: Vec<SetChunk>,
     entries: Arc<[SetEntry]>,
     table: OnceLock<String>,
 }
 
 impl SetLayout {
+    /// Its number: distinct for every layout this process described (a
+    /// publisher names the entries of its table after it).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// The checked entries.
     pub fn entries(&self) -> &Arc<[SetEntry]> {
         &self.entries
@@ -149,6 +160,7 @@ impl SetLayouts {
             places.iter().map(MemberPlace::entry).collect(),
         )?;
         let layout = Arc::new(SetLayout {
+            id: NEXT_LAYOUT_ID.fetch_add(1, Ordering::Relaxed),
             chunks: record.chunks.clone(),
             entries: Arc::clone(&record.entries),
             table: OnceLock::new(),

@@ -60,6 +60,7 @@
 //! A consumer that maps a chunk can read every buffer in it, whether the
 //! set names it or not: see the security note of [`arena`](crate::arena).
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
@@ -125,8 +126,98 @@ type ChunkPositions = HashMap<u64, usize, foldhash::fast::RandomState>;
 /// The set record format this build writes.
 pub const SET_FORMAT_VERSION: u64 = 2;
 
-/// The set record formats this build reads.
-pub const SET_FORMAT_VERSIONS_READ: [u64; 2] = [1, 2];
+/// The set record formats this build reads: 1 (entries as JSON), 2 (the
+/// entries as one base64 table), 3 (format 2 with the table in hidden
+/// entries of the publisher, named by a [`TableRef`]).
+pub const SET_FORMAT_VERSIONS_READ: [u64; 3] = [1, 2, 3];
+
+/// The set record format whose entry table is named, not carried
+/// ([`TableRef`]).
+pub const SET_FORMAT_TABLE_REF: u64 = 3;
+
+/// The most hidden entries a [`TableRef`] names.
+pub const MAX_TABLE_PARTS: usize = 1024;
+
+/// Where a format 3 record's entry table is: the hidden entries of the
+/// publisher that hold its base64 text in order, and the text's length.
+/// A publisher names each table it publishes once (the names are never
+/// reused for another table), so a reader that kept a table under these
+/// names reads nothing more.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TableRef {
+    /// The entries holding the text, in order (at least one).
+    pub parts: Vec<String>,
+    /// The text's length in bytes.
+    pub bytes: u64,
+}
+
+impl TableRef {
+    /// The reference as the record's `entries` field.
+    pub fn to_value(&self) -> Value {
+        let mut m = Map::new();
+        m.insert("bytes".into(), self.bytes.into());
+        m.insert(
+            "parts".into(),
+            Value::Array(self.parts.iter().map(|p| p.clone().into()).collect()),
+        );
+        Value::Object(m)
+    }
+
+    /// Decodes the `entries` field of a format 3 record.
+    fn from_value(v: &Value) -> Result<Self> {
+        let map = v.as_object().ok_or_else(|| {
+            field_err(
+                "entries",
+                format!(
+                    "expected the table reference of set format 3, found {}",
+                    kind_of(v)
+                ),
+            )
+        })?;
+        let f = Fields::new(map, |field, reason| {
+            field_err(&format!("entries.{field}"), reason)
+        });
+        if let Some(unknown) = f.unknown(&["parts", "bytes"]) {
+            return Err(field_err(&format!("entries.{unknown}"), "unknown field"));
+        }
+        let bytes = f.u64("bytes")?;
+        if bytes == 0 || bytes > MAX_SET_RECORD_BYTES as u64 {
+            return Err(field_err(
+                "entries.bytes",
+                format!("{bytes} is not between 1 and {MAX_SET_RECORD_BYTES}"),
+            ));
+        }
+        let parts = array_of("entries.parts", f.required("parts")?, "entry names")?;
+        if parts.is_empty() || parts.len() > MAX_TABLE_PARTS {
+            return Err(field_err(
+                "entries.parts",
+                format!(
+                    "{} names; a table is in 1 to {MAX_TABLE_PARTS} entries",
+                    parts.len()
+                ),
+            ));
+        }
+        let parts = parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let at = || format!("entries.parts[{i}]");
+                let name = p.as_str().ok_or_else(|| {
+                    field_err(&at(), format!("expected an entry name, found {p}"))
+                })?;
+                crate::channel::validate_entry_name(name)
+                    .map_err(|e| field_err(&at(), e.to_string()))?;
+                Ok(name.to_owned())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(TableRef { parts, bytes })
+    }
+}
+
+/// How a reader gets the text of a table a format 3 record names, when it
+/// kept none under that name (a [`Subscriber`](crate::exchange::Subscriber)
+/// reads the publisher's entries).
+pub type TableFetch<'a> = &'a mut dyn FnMut(&TableRef) -> Result<String>;
 
 /// The key that carries the set record's format version.
 pub const SET_VERSION_KEY: &str = "cuda_ipc_set";
@@ -299,6 +390,17 @@ impl SetRecord {
     /// As [`from_json`](Self::from_json), reusing an entry table kept in
     /// `tables` (and keeping the one read) when given.
     pub fn from_json_with(text: &str, tables: Option<&EntryTables>) -> Result<Self> {
+        Self::from_json_fetching(text, tables, None)
+    }
+
+    /// As [`from_json_with`](Self::from_json_with), reading a format 3
+    /// record's table through `fetch` (see
+    /// [`from_value_fetching`](Self::from_value_fetching)).
+    pub fn from_json_fetching(
+        text: &str,
+        tables: Option<&EntryTables>,
+        fetch: Option<TableFetch<'_>>,
+    ) -> Result<Self> {
         if text.len() > MAX_SET_RECORD_BYTES {
             return Err(field_err(
                 "(document)",
@@ -312,7 +414,7 @@ impl SetRecord {
         // share records: a record a peer sends has one reading.
         let value: Value = crate::json::parse_strict(text)
             .map_err(|e| field_err("(document)", format!("not valid JSON: {e}")))?;
-        Self::from_value_with(&value, tables)
+        Self::from_value_fetching(&value, tables, fetch)
     }
 
     /// Validates a set record already parsed as JSON.
@@ -325,6 +427,18 @@ impl SetRecord {
     /// text and chunk table are those of a kept table shares its entries,
     /// already checked; everything else in it is checked as always.
     pub fn from_value_with(value: &Value, tables: Option<&EntryTables>) -> Result<Self> {
+        Self::from_value_fetching(value, tables, None)
+    }
+
+    /// As [`from_value_with`](Self::from_value_with), reading a format 3
+    /// record's table through `fetch` when `tables` kept none under its
+    /// [`TableRef`] (without `fetch`, a format 3 record is refused: its
+    /// table is not in it).
+    pub fn from_value_fetching(
+        value: &Value,
+        tables: Option<&EntryTables>,
+        fetch: Option<TableFetch<'_>>,
+    ) -> Result<Self> {
         let map = value.as_object().ok_or_else(|| {
             field_err(
                 "(document)",
@@ -335,7 +449,7 @@ impl SetRecord {
         if let Some(unknown) = f.unknown(FIELDS) {
             return Err(field_err(
                 unknown,
-                "unknown field (this reader knows set formats 1 and 2)",
+                "unknown field (this reader knows set formats 1 to 3)",
             ));
         }
         let version = f.u64(SET_VERSION_KEY)?;
@@ -343,7 +457,7 @@ impl SetRecord {
             return Err(field_err(
                 SET_VERSION_KEY,
                 format!(
-                    "set format {version} is not supported; this build reads set formats 1 and 2"
+                    "set format {version} is not supported; this build reads set formats 1 to 3"
                 ),
             ));
         }
@@ -364,58 +478,29 @@ impl SetRecord {
             .enumerate()
             .map(|(i, v)| decode_chunk(i, v))
             .collect::<Result<Vec<_>>>()?;
-        let entries_field = f.required("entries")?;
-        let mut reused = false;
-        let entries: Arc<[SetEntry]> = if version == 1 {
-            let entry_values = array_of("entries", entries_field, "entries")?;
-            if entry_values.len() > MAX_SET_ENTRIES {
-                return Err(field_err(
-                    "entries",
-                    format!(
-                        "{} entries is more than the {MAX_SET_ENTRIES} allowed",
-                        entry_values.len()
-                    ),
-                ));
-            }
-            entry_values
-                .iter()
-                .enumerate()
-                .map(|(i, v)| decode_entry(i, v))
-                .collect::<Result<Vec<_>>>()?
-                .into()
-        } else {
-            let text = entries_field.as_str().ok_or_else(|| {
-                field_err(
-                    "entries",
-                    format!(
-                        "expected the base64 entry table of set format 2, found {}",
-                        kind_of(entries_field)
-                    ),
-                )
-            })?;
-            match tables.and_then(|t| t.find(text, &chunks)) {
-                Some(found) => {
-                    reused = true;
-                    found
-                }
-                None => table::decode(text)?.into(),
-            }
-        };
+        let decoded = decode_entries(
+            version,
+            f.required("entries")?,
+            arena,
+            &chunks,
+            tables,
+            fetch,
+        )?;
         let r = SetRecord {
             name,
             arena,
             chunks,
-            entries,
+            entries: decoded.entries,
             event: f.opt_parsed("event")?,
             read_only: f.bool("read_only", false)?,
         };
-        if reused {
+        if decoded.kept {
             // The entries were checked over these chunks when kept.
             r.validate_head()?;
         } else {
             r.validate()?;
-            if let (Some(t), Some(text)) = (tables, entries_field.as_str()) {
-                t.keep(text, &r.chunks, &r.entries);
+            if let (Some(t), Some((text, named))) = (tables, decoded.text) {
+                t.keep(&text, &r.chunks, &r.entries, named.map(|n| (arena, n)));
             }
         }
         Ok(r)
@@ -735,6 +820,12 @@ impl SetRecord {
         self.value_with(2, Value::String(table.to_owned()))
     }
 
+    /// The record as a JSON value in format 3: its table named by `table`
+    /// (the entries' table published apart, see [`TableRef`]).
+    pub fn to_value_with_ref(&self, table: &TableRef) -> Value {
+        self.value_with(SET_FORMAT_TABLE_REF, table.to_value())
+    }
+
     /// The record as a JSON value in format 1, every entry a JSON array
     /// (keys sorted): for people reading a record, and for readers that
     /// know only format 1. Decoders read both.
@@ -811,6 +902,99 @@ impl SetRecord {
     pub fn to_json(&self) -> String {
         self.to_value().to_string()
     }
+}
+
+/// A record's entries as decoded, and what a reader keeps of them.
+struct DecodedEntries<'a> {
+    entries: Arc<[SetEntry]>,
+    /// Found among the reader's kept tables: checked already.
+    kept: bool,
+    /// The table's text, and its reference in format 3, to keep once the
+    /// record is checked (none in format 1).
+    text: Option<(Cow<'a, str>, Option<TableRef>)>,
+}
+
+/// The entries of a record of format `version` whose `entries` field is
+/// `field`, over `chunks`: decoded, or found among `tables`; a format 3
+/// table read through `fetch` unless kept. Not checked yet.
+fn decode_entries<'a>(
+    version: u64,
+    field: &'a Value,
+    arena: ArenaId,
+    chunks: &[SetChunk],
+    tables: Option<&EntryTables>,
+    fetch: Option<TableFetch<'_>>,
+) -> Result<DecodedEntries<'a>> {
+    let decoded = |entries, text| DecodedEntries {
+        entries,
+        kept: false,
+        text,
+    };
+    let found = |entries| DecodedEntries {
+        entries,
+        kept: true,
+        text: None,
+    };
+    if version == 1 {
+        let values = array_of("entries", field, "entries")?;
+        if values.len() > MAX_SET_ENTRIES {
+            return Err(field_err(
+                "entries",
+                format!(
+                    "{} entries is more than the {MAX_SET_ENTRIES} allowed",
+                    values.len()
+                ),
+            ));
+        }
+        let entries = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| decode_entry(i, v))
+            .collect::<Result<Vec<_>>>()?;
+        return Ok(decoded(entries.into(), None));
+    }
+    if version != SET_FORMAT_TABLE_REF {
+        let text = field.as_str().ok_or_else(|| {
+            field_err(
+                "entries",
+                format!(
+                    "expected the base64 entry table of set format 2, found {}",
+                    kind_of(field)
+                ),
+            )
+        })?;
+        return Ok(match tables.and_then(|t| t.find(text, chunks)) {
+            Some(entries) => found(entries),
+            None => decoded(
+                table::decode(text)?.into(),
+                Some((Cow::Borrowed(text), None)),
+            ),
+        });
+    }
+    let r = TableRef::from_value(field)?;
+    if let Some(entries) = tables.and_then(|t| t.find_ref(arena, &r, chunks)) {
+        return Ok(found(entries));
+    }
+    let fetch = fetch.ok_or_else(|| {
+        field_err(
+            "entries",
+            "the entry table of this format 3 record is in the publisher's entries it \
+             names; attach the set through a Subscriber, which reads them",
+        )
+    })?;
+    let text = fetch(&r)?;
+    if text.len() as u64 != r.bytes {
+        return Err(field_err(
+            "entries.bytes",
+            format!(
+                "the table's entries hold {} bytes, the record says {}",
+                text.len(),
+                r.bytes
+            ),
+        ));
+    }
+    let entries = table::decode(&text)?.into();
+    Ok(decoded(entries, Some((Cow::Owned(text), Some(r)))))
 }
 
 crate::json::json_record!(SetRecord);

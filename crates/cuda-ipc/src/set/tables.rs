@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::{SetChunk, SetEntry};
+use super::{ArenaId, SetChunk, SetEntry, TableRef};
 
 /// What an entry table's checks depend on besides its text, per chunk in
 /// the record's order: its id, its offset in its allocation, its length.
@@ -20,8 +20,21 @@ fn chunk_key(c: &SetChunk) -> (u64, u64, u64) {
 
 struct Table {
     text: Box<str>,
+    /// The arena and the [`TableRef`] it came under (format 3).
+    named: Option<(ArenaId, TableRef)>,
     chunks: Vec<(u64, u64, u64)>,
     entries: Arc<[SetEntry]>,
+}
+
+impl Table {
+    fn over(&self, chunks: &[SetChunk]) -> bool {
+        self.chunks.len() == chunks.len()
+            && self
+                .chunks
+                .iter()
+                .zip(chunks)
+                .all(|(k, c)| *k == chunk_key(c))
+    }
 }
 
 /// The entry tables (set format 2) decoded and checked last: at most
@@ -63,12 +76,28 @@ impl EntryTables {
 
     /// The checked entries of the table `text` over `chunks`, if kept.
     pub(super) fn find(&self, text: &str, chunks: &[SetChunk]) -> Option<Arc<[SetEntry]>> {
+        self.find_where(|t| *t.text == *text && t.over(chunks))
+    }
+
+    /// The checked entries of the table that `arena`'s publisher named
+    /// `table` (set format 3), over `chunks`, if kept.
+    pub(super) fn find_ref(
+        &self,
+        arena: ArenaId,
+        table: &TableRef,
+        chunks: &[SetChunk],
+    ) -> Option<Arc<[SetEntry]>> {
+        self.find_where(|t| {
+            t.named
+                .as_ref()
+                .is_some_and(|(a, r)| *a == arena && r == table)
+                && t.over(chunks)
+        })
+    }
+
+    fn find_where(&self, matches: impl Fn(&Table) -> bool) -> Option<Arc<[SetEntry]>> {
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        let at = recent.iter().position(|t| {
-            *t.text == *text
-                && t.chunks.len() == chunks.len()
-                && t.chunks.iter().zip(chunks).all(|(k, c)| *k == chunk_key(c))
-        })?;
+        let at = recent.iter().position(matches)?;
         let t = recent.remove(at)?;
         let entries = Arc::clone(&t.entries);
         recent.push_front(t);
@@ -76,17 +105,24 @@ impl EntryTables {
         Some(entries)
     }
 
-    /// Keeps `entries`, decoded from `text` and checked over `chunks`,
-    /// in front; the least recently used tables go past the limits. A
-    /// table that alone passes [`Self::MAX_TEXT_BYTES`] or
-    /// [`Self::MAX_ENTRIES`] is not kept.
-    pub(super) fn keep(&self, text: &str, chunks: &[SetChunk], entries: &Arc<[SetEntry]>) {
+    /// Keeps `entries`, decoded from `text` (read through the reference
+    /// `named`, if any) and checked over `chunks`, in front; the least
+    /// recently used tables go past the limits. A table that alone passes
+    /// [`Self::MAX_TEXT_BYTES`] or [`Self::MAX_ENTRIES`] is not kept.
+    pub(super) fn keep(
+        &self,
+        text: &str,
+        chunks: &[SetChunk],
+        entries: &Arc<[SetEntry]>,
+        named: Option<(ArenaId, TableRef)>,
+    ) {
         if text.len() > Self::MAX_TEXT_BYTES || entries.len() > Self::MAX_ENTRIES {
             return;
         }
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         recent.push_front(Table {
             text: text.into(),
+            named,
             chunks: chunks.iter().map(chunk_key).collect(),
             entries: Arc::clone(entries),
         });
@@ -136,10 +172,10 @@ mod tests {
         let t = EntryTables::new();
         let e = entries();
         for text in ["a", "b", "c", "d"] {
-            t.keep(text, &[], &e);
+            t.keep(text, &[], &e, None);
         }
         assert!(t.find("a", &[]).is_some(), "a is used again");
-        t.keep("e", &[], &e);
+        t.keep("e", &[], &e, None);
         assert_eq!(t.usage(), (EntryTables::KEPT, 4));
         assert!(t.find("b", &[]).is_none(), "b was the least recently used");
         for text in ["a", "c", "d", "e"] {
@@ -157,14 +193,14 @@ mod tests {
         let e = entries();
         let big = |c: char| c.to_string().repeat(3 << 20);
         for c in ['x', 'y', 'z'] {
-            t.keep(&big(c), &[], &e);
+            t.keep(&big(c), &[], &e, None);
         }
         // Two of 3 MiB fit in 8 MiB, not three: the oldest went.
         assert_eq!(t.usage(), (2, 6 << 20));
         assert!(t.find(&big('x'), &[]).is_none());
         assert!(t.find(&big('z'), &[]).is_some());
         // A table longer than the whole limit is not kept at all.
-        t.keep(&"w".repeat(EntryTables::MAX_TEXT_BYTES + 1), &[], &e);
+        t.keep(&"w".repeat(EntryTables::MAX_TEXT_BYTES + 1), &[], &e, None);
         assert_eq!(t.usage(), (2, 6 << 20));
     }
 
@@ -172,13 +208,13 @@ mod tests {
     fn the_entries_kept_stay_within_their_limit() {
         let t = EntryTables::new();
         let many = |n: usize| -> Arc<[SetEntry]> { vec![entries()[0].clone(); n].into() };
-        t.keep("a", &[], &many(EntryTables::MAX_ENTRIES / 2));
-        t.keep("b", &[], &many(EntryTables::MAX_ENTRIES / 2));
+        t.keep("a", &[], &many(EntryTables::MAX_ENTRIES / 2), None);
+        t.keep("b", &[], &many(EntryTables::MAX_ENTRIES / 2), None);
         assert_eq!(t.usage().0, 2);
-        t.keep("c", &[], &many(1));
+        t.keep("c", &[], &many(1), None);
         assert_eq!(t.usage().0, 2, "a went: three pass the limit");
         assert!(t.find("a", &[]).is_none());
-        t.keep("d", &[], &many(EntryTables::MAX_ENTRIES + 1));
+        t.keep("d", &[], &many(EntryTables::MAX_ENTRIES + 1), None);
         assert!(t.find("d", &[]).is_none(), "too many entries alone");
         assert_eq!(t.usage().0, 2);
     }

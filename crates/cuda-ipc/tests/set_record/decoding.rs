@@ -1,9 +1,9 @@
-//! Strict decoding of formats 1 and 2, with errors that name the field.
+//! Strict decoding of formats 1 to 3, with errors that name the field.
 
 use cuda_ipc::arena::ArenaId;
 use cuda_ipc::descriptor::{Descriptor, Dtype, Source};
 use cuda_ipc::set::table::{decode_bytes, encode_bytes};
-use cuda_ipc::set::{SetChunk, SetRecord};
+use cuda_ipc::set::{EntryTables, SetChunk, SetRecord, TableRef};
 use serde_json::{Value, json};
 
 use super::*;
@@ -251,6 +251,116 @@ fn format_2_tables_are_strict() {
     );
 }
 
+/// A format 3 record's table reference, read through a fetch: each error
+/// names the field (`entries.bytes`, `entries.parts[i]`, ...), a fetch
+/// that fails fails the decode, and without a fetch the record is refused,
+/// saying where its table is.
+#[test]
+fn format_3_references_are_strict() {
+    let r = sample();
+    let text = r.to_value()["entries"].as_str().unwrap().to_owned();
+    let table = TableRef {
+        parts: vec![
+            ".cuda-ipc/set-table/1/7/0".into(),
+            ".cuda-ipc/set-table/1/7/1".into(),
+        ],
+        bytes: text.len() as u64,
+    };
+    let good = r.to_value_with_ref(&table);
+    assert_eq!(good["cuda_ipc_set"], 3);
+    let read = |v: &Value, give: Option<&str>| {
+        let mut fetch = |t: &TableRef| -> cuda_ipc::Result<String> {
+            assert_eq!(
+                t.parts.len(),
+                v["entries"]["parts"].as_array().map_or(0, Vec::len)
+            );
+            give.map(str::to_owned)
+                .ok_or_else(|| cuda_ipc::Error::Descriptor {
+                    field: "fetch".into(),
+                    reason: "the publisher is gone".into(),
+                })
+        };
+        SetRecord::from_value_fetching(v, None, Some(&mut fetch))
+    };
+    assert_eq!(read(&good, Some(&text)).unwrap(), r);
+    let field_of = |e: cuda_ipc::Error| match e {
+        cuda_ipc::Error::Descriptor { field, reason } => (field, reason),
+        other => panic!("not a field error: {other}"),
+    };
+    // The fetch's own error, and a text of another length.
+    assert_eq!(field_of(read(&good, None).unwrap_err()).0, "fetch");
+    let (f, why) = field_of(read(&good, Some(&text[1..])).unwrap_err());
+    assert_eq!(
+        (f.as_str(), why.contains("hold")),
+        ("entries.bytes", true),
+        "{why}"
+    );
+    // No fetch: refused, naming where the table is.
+    let (f, why) = field_of(SetRecord::from_value(&good).unwrap_err());
+    assert_eq!(f, "entries");
+    assert!(why.contains("Subscriber"), "{why}");
+    for (edit, field, says) in [
+        (json!("AAAA"), "entries", "table reference"),
+        (json!({ "parts": ["a"] }), "entries.bytes", "missing"),
+        (
+            json!({ "parts": ["a"], "bytes": 0 }),
+            "entries.bytes",
+            "between 1",
+        ),
+        (json!({ "parts": [], "bytes": 4 }), "entries.parts", "1 to"),
+        (
+            json!({ "parts": [""], "bytes": 4 }),
+            "entries.parts[0]",
+            "empty",
+        ),
+        (
+            json!({ "parts": ["a", 5], "bytes": 4 }),
+            "entries.parts[1]",
+            "entry name",
+        ),
+        (
+            json!({ "parts": ["a\u{7}"], "bytes": 4 }),
+            "entries.parts[0]",
+            "control",
+        ),
+        (
+            json!({ "parts": ["a"], "bytes": 4, "hash": 1 }),
+            "entries.hash",
+            "unknown",
+        ),
+    ] {
+        let mut v = good.clone();
+        v["entries"] = edit;
+        let (f, why) = field_of(read(&v, Some(&text)).unwrap_err());
+        assert_eq!(f, field, "{why}");
+        assert!(why.contains(says), "{field}: {why}");
+    }
+    let mut v = good.clone();
+    v["entries"]["parts"] = json!(vec!["a"; cuda_ipc::set::MAX_TABLE_PARTS + 1]);
+    assert_eq!(
+        field_of(read(&v, Some(&text)).unwrap_err()).0,
+        "entries.parts"
+    );
+    // Format 2 with a reference, format 3 with a table: refused.
+    let mut v = good.clone();
+    v["cuda_ipc_set"] = json!(2);
+    assert_eq!(field_of(read(&v, Some(&text)).unwrap_err()).0, "entries");
+    // Kept under its reference, per arena: another arena's record of the
+    // same reference reads its own table.
+    let tables = EntryTables::new();
+    let mut fetched = 0;
+    let mut fetch = |_: &TableRef| -> cuda_ipc::Result<String> {
+        fetched += 1;
+        Ok(text.clone())
+    };
+    let mut other_arena = good.clone();
+    other_arena["arena"] = json!(17);
+    for v in [&good, &good, &other_arena, &other_arena] {
+        SetRecord::from_value_fetching(v, Some(&tables), Some(&mut fetch)).unwrap();
+    }
+    assert_eq!((fetched, tables.hits()), (2, 2));
+}
+
 /// As `refused`, on the record in format 2.
 fn refused_v2(edit: impl FnOnce(&mut Value), field: &str, says: &str) {
     let mut v = sample().to_value();
@@ -331,9 +441,9 @@ fn entry_names_refuse_every_control_character_and_keep_any_other_text() {
 #[test]
 fn bad_records_are_refused_with_the_field_named() {
     refused(
-        |v| v["cuda_ipc_set"] = json!(3),
+        |v| v["cuda_ipc_set"] = json!(4),
         "cuda_ipc_set",
-        "set format 3 is not supported",
+        "set format 4 is not supported",
     );
     refused(|v| v["extra"] = json!(1), "extra", "unknown field");
     refused(

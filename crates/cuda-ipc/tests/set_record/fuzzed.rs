@@ -3,7 +3,7 @@
 use cuda_ipc::arena::ArenaId;
 use cuda_ipc::descriptor::Dtype;
 use cuda_ipc::set::table::{decode_bytes, encode_bytes};
-use cuda_ipc::set::{EntryTables, MemberPlace, SetLayouts, SetRecord};
+use cuda_ipc::set::{EntryTables, MemberPlace, SetLayouts, SetRecord, TableRef};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -241,6 +241,53 @@ proptest! {
         if path.is_empty() && edits.is_empty() {
             prop_assert_eq!(tables.hits(), hits + 1);
         }
+    }
+
+    /// A format 3 record, its table named and read through the fetch,
+    /// decodes as its format 2 twin; kept under its reference, the table
+    /// is read once; with a field of the reference changed (the length,
+    /// the names, one more field) it decodes to the same record or fails
+    /// cleanly, and without a fetch it is refused, naming the entries.
+    #[test]
+    fn table_references_decode_as_the_tables_they_name(
+        r in record(),
+        other in record(),
+        parts in 1usize..4,
+        change in prop::option::of((prop::sample::select(vec!["bytes", "parts", "extra"]), any_json())),
+    ) {
+        let text = r.to_value()["entries"].as_str().unwrap().to_owned();
+        let table = TableRef {
+            parts: (0..parts).map(|i| format!(".cuda-ipc/set-table/1/2/{i}")).collect(),
+            bytes: text.len() as u64,
+        };
+        let mut v = r.to_value_with_ref(&table);
+        if let Some((key, value)) = &change {
+            v["entries"].as_object_mut().unwrap().insert((*key).to_owned(), value.clone());
+        }
+        let tables = EntryTables::new();
+        // Another table kept first: it is not this one.
+        SetRecord::from_value_with(&other.to_value(), Some(&tables)).unwrap();
+        let mut fetched = Vec::new();
+        let mut fetch = |t: &TableRef| -> cuda_ipc::Result<String> {
+            fetched.push(t.clone());
+            Ok(text.clone())
+        };
+        let first = SetRecord::from_value_fetching(&v, Some(&tables), Some(&mut fetch));
+        let second = SetRecord::from_value_fetching(&v, Some(&tables), Some(&mut fetch));
+        match (&first, &second) {
+            (Ok(a), Ok(b)) => {
+                prop_assert_eq!(a, &r);
+                prop_assert_eq!(b, &r);
+                prop_assert_eq!(fetched.len(), 1, "read once, then kept");
+            }
+            (Err(a), Err(b)) => {
+                prop_assert!(change.is_some(), "the unchanged reference failed: {}", a);
+                prop_assert_eq!(a.to_string(), b.to_string());
+            }
+            _ => prop_assert!(false, "{:?} then {:?}", first, second),
+        }
+        let e = SetRecord::from_value(&v).unwrap_err().to_string();
+        prop_assert!(e.contains("entries"), "{}", e);
     }
 
     /// A kept layout never changes a verdict: after its own layout and

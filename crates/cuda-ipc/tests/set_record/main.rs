@@ -1,5 +1,6 @@
-//! The set record (`cuda_ipc::set`): strict decoding of formats 1 and 2
-//! with errors that name the field, format 2's entry table byte by byte,
+//! The set record (`cuda_ipc::set`): strict decoding of formats 1 to 3
+//! with errors that name the field (format 3's table read through a
+//! fetch), format 2's entry table byte by byte,
 //! 10,000 entries, the fuzz corpora of `fuzz/set_record` and
 //! `fuzz/set_table` replayed, and property tests (round trip; every
 //! mutation decodes to a valid record or fails cleanly).
