@@ -445,6 +445,20 @@ class SetsCases:
         except Exception:
             pass
 
+    def _sets_updates_seen(self, a, b, case, op, arg, steps):
+        """For each ``(version, how)`` of ``steps``: worker a's ``op``
+        (``arg=how``) publishes the state dict's values at ``version``, and
+        b's wait sees that version with every value checked. An answer with
+        ``queued`` false (the call waited for the GPU's writes) fails."""
+        for version, how in steps:
+            g = a.call(op, case=case, version=version, timeout=120, **{arg: how})
+            if g.get("queued") is False:
+                raise CaseError(f"update {version} ({how}): the call waited for the GPU's writes")
+            got = b.call("sets_wait_sd", case=case, version=version, timeout=120)["version"]
+            if got != g["version"]:
+                raise CaseError(f"update {version} ({how}): the publisher says version {g['version']}, "
+                                f"the subscriber {got}")
+
     def sets_state_dict(self, n):
         self.need("a", "torch")
         self.need("b", "torch")
@@ -474,11 +488,8 @@ class SetsCases:
         r = a.call("sets_publish_sd", case=case, n=n, timeout=300)
         try:
             b.call("sets_attach_sd", case=case, path=r["path"], n=n, version=0, timeout=300)
-            for version, mode in ((1, "inplace"), (2, "copy"), (3, "inplace")):
-                g = a.call("sets_update_sd", case=case, version=version, mode=mode, timeout=120)["version"]
-                got = b.call("sets_wait_sd", case=case, version=version, timeout=120)["version"]
-                if got != g:
-                    raise CaseError(f"update {version} ({mode}): the publisher says version {g}, the subscriber {got}")
+            self._sets_updates_seen(a, b, case, "sets_update_sd", "mode",
+                                    ((1, "inplace"), (2, "copy"), (3, "inplace")))
             b.call("sets_release_sd", case=case)
             a.call("sets_leases", case=case, want=0)
         except BaseException:
@@ -496,14 +507,8 @@ class SetsCases:
         r = a.call("sets_publish_sd", case=case, n=n, timeout=300)
         try:
             b.call("sets_attach_sd", case=case, path=r["path"], n=n, version=0, timeout=300)
-            for version, how in ((1, "current"), (2, "copy"), (3, "side"), (4, "set")):
-                g = a.call("sets_update_queued", case=case, version=version, how=how, timeout=120)
-                if not g["queued"]:
-                    raise CaseError(f"update {version} ({how}): the call waited for the GPU's writes")
-                got = b.call("sets_wait_sd", case=case, version=version, timeout=120)["version"]
-                if got != g["version"]:
-                    raise CaseError(f"update {version} ({how}): the publisher says version {g['version']}, "
-                                    f"the subscriber {got}")
+            self._sets_updates_seen(a, b, case, "sets_update_queued", "how",
+                                    ((1, "current"), (2, "copy"), (3, "side"), (4, "set")))
             g = a.call("sets_update_queued", case=case, version=5, how="publish", timeout=120)
             if not g["queued"]:
                 raise CaseError("publish_state_dict waited for the GPU's writes")

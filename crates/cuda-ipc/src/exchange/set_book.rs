@@ -262,7 +262,7 @@ where
     /// `record`'s JSON: with `layout`'s table in it, or naming the hidden
     /// entries that hold the table (published here unless they are), with
     /// the layout's id.
-    pub(super) fn record_for(
+    fn record_for(
         &mut self,
         server: &Server,
         arena: &Arena<B>,
@@ -279,24 +279,22 @@ where
             t.used = clock;
             t.table.clone()
         } else {
-            {
-                let prefix = format!(
-                    "{HIDDEN_ENTRY_PREFIX}set-table/{}/{}",
-                    arena.id(),
-                    layout.id()
-                );
-                let parts = publish_pieces(server, &prefix, text)?;
-                let table = TableRef {
-                    parts,
-                    bytes: text.len() as u64,
-                };
-                self.tables.push(PublishedTable {
-                    layout: layout.id(),
-                    table: table.clone(),
-                    used: clock,
-                });
-                table
-            }
+            let prefix = format!(
+                "{HIDDEN_ENTRY_PREFIX}set-table/{}/{}",
+                arena.id(),
+                layout.id()
+            );
+            let parts = publish_pieces(server, &prefix, text)?;
+            let table = TableRef {
+                parts,
+                bytes: text.len() as u64,
+            };
+            self.tables.push(PublishedTable {
+                layout: layout.id(),
+                table: table.clone(),
+                used: clock,
+            });
+            table
         };
         let value = record.to_value_with_ref(&table);
         Ok((RecordJson::from(value), Some(layout.id())))
