@@ -289,6 +289,24 @@ mod sets {
         bencher.bench_local(|| SetRecord::from_json_with(black_box(&text), Some(&tables)).unwrap());
     }
 
+    /// As `decode_kept`, for a record whose table travels by reference
+    /// (set format 3, what a publisher sends from 300 entries on): the
+    /// short record, its table found among the kept ones by reference.
+    #[divan::bench(args = [1000, 10_000])]
+    fn decode_ref_kept(bencher: Bencher, n: u64) {
+        let r = set_record(n);
+        let table = r.to_value()["entries"].as_str().unwrap().to_owned();
+        let named = cuda_ipc::set::TableRef {
+            parts: vec![".cuda-ipc/set-table/1/1/0".into()],
+            bytes: table.len() as u64,
+        };
+        let text = r.to_value_with_ref(&named).to_string();
+        let tables = cuda_ipc::set::EntryTables::new();
+        let mut fetch = |_: &cuda_ipc::set::TableRef| Ok(table.clone());
+        SetRecord::from_json_fetching(&text, Some(&tables), Some(&mut fetch)).unwrap();
+        bencher.bench_local(|| SetRecord::from_json_with(black_box(&text), Some(&tables)).unwrap());
+    }
+
     /// The layout hash of a set's entries (what a service writer commits,
     /// and what the Python binding works out at every attach).
     #[divan::bench(args = [100, 1000])]
