@@ -123,7 +123,9 @@ pub use weights::{SplitMix64, weight_sizes};
 /// per entry while a record is checked).
 type ChunkPositions = HashMap<u64, usize, foldhash::fast::RandomState>;
 
-/// The set record format this build writes.
+/// The set record format this build writes for a record that carries its
+/// entry table ([`SetRecord::to_value`]); a publisher sends a long table
+/// by reference instead ([`SET_FORMAT_TABLE_REF`]).
 pub const SET_FORMAT_VERSION: u64 = 2;
 
 /// The set record formats this build reads: 1 (entries as JSON), 2 (the
