@@ -16,3 +16,4 @@ mod tests_python;
 pub use format::human;
 pub use model::{DeviceInfo, MpsPass, PeerInfo, Report, Row, Section, SectionId, Status};
 pub use render::render;
+pub use targets::WAKE_SERIES;

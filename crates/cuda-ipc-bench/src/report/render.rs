@@ -295,8 +295,9 @@ fn render_cached(r: &Report, s: &Section, out: &mut String) {
 }
 
 fn render_floor(s: &Section, out: &mut String) {
+    let wake = |row: &&Row| row.series == super::WAKE_SERIES;
     render_latency(
-        s.rows.iter(),
+        s.rows.iter().filter(|r| !wake(r)),
         "floor",
         &["export p50", "open+wait p50", "close p50"],
         series,
@@ -305,6 +306,14 @@ fn render_floor(s: &Section, out: &mut String) {
                 .map(|part| opt_ms(row.part_p50(part)))
                 .to_vec()
         },
+        out,
+    );
+    render_latency(
+        s.rows.iter().filter(wake),
+        "wake-up",
+        &["write p50"],
+        label,
+        |row| vec![opt_ms(row.part_p50("write"))],
         out,
     );
 }
@@ -601,4 +610,7 @@ fn render_targets(r: &Report, out: &mut String) {
             format!("FAILED sections: {}", failed.join(", "))
         }
     );
+    if let Some(line) = super::targets::wake_floor_line(r) {
+        let _ = writeln!(out, "{line}");
+    }
 }

@@ -18,6 +18,9 @@ pub const CACHED_LARGE_FROM: u64 = 1 << 30;
 /// The series of the sync section's floor: the producer's fill and signal
 /// alone.
 pub const SYNC_FLOOR_SERIES: &str = "floor: fill + signal";
+/// The series of the driver floor section's wake-up rows: a notice through
+/// shared memory to a process that waits for it, no GPU work.
+pub const WAKE_SERIES: &str = "wake";
 
 /// The cached hand-off's target at `size` bytes, ms.
 pub fn cached_limit(size: u64) -> f64 {
@@ -513,6 +516,34 @@ fn set_targets(r: &Report, out: &mut Vec<TargetCheck>) {
             why_missing(Some(row)),
         ));
     }
+}
+
+/// The line under the targets that gives this machine's wake-up floor (the
+/// driver floor section's wake rows): what a notice to a waiting process
+/// costs here with no GPU work, the least that every update, ring frame
+/// and attach's answer to a waiting consumer pays. `None` without them.
+pub fn wake_floor_line(r: &Report) -> Option<String> {
+    let rows: Vec<String> = r
+        .section(SectionId::Floor)?
+        .rows
+        .iter()
+        .filter(|row| row.series == WAKE_SERIES && row.error.is_none())
+        .filter_map(|row| {
+            Some(format!(
+                "{} {} ms",
+                row.variant.as_deref()?,
+                fmt_ms(row.p50()?)
+            ))
+        })
+        .collect();
+    (!rows.is_empty()).then(|| {
+        format!(
+            "Wake-up floor here (driver floor section, a notice through shared memory, no GPU \
+             work), p50: {}. Every update, ring frame and attach's answer to a waiting consumer \
+             pays at least one.",
+            rows.join("; ")
+        )
+    })
 }
 
 /// Every target, checked against `r`.

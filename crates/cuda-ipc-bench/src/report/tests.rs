@@ -77,6 +77,13 @@ pub(crate) fn synthetic() -> Report {
         lat("vmm floor", mib2, &[0.25, 0.25, 0.25]),
         lat("vmm floor", mib64, &[0.15, 0.15, 0.15]),
         Row::new("pipe", "ms").samples(0, vec![0.02, 0.02]),
+        Row::new(WAKE_SERIES, "ms")
+            .variant("asleep, 1 ms idle")
+            .samples(0, vec![0.03, 0.03])
+            .part("write", &[0.002, 0.002]),
+        Row::new(WAKE_SERIES, "ms")
+            .variant("spinning, 1 ms idle")
+            .samples(0, vec![0.0004, 0.0004]),
     ];
     let mut bw = Section::new(SectionId::Bandwidth);
     let gbs = |m: &str, v: &str, x: f64| {
@@ -774,4 +781,49 @@ fn a_skipped_sets_section_has_no_table_and_no_targets() {
         "{text}"
     );
     assert!(!text.contains("contender"), "{text}");
+}
+
+#[test]
+fn the_wake_up_floor_has_its_own_table_and_a_line_under_the_targets() {
+    let mut r = synthetic();
+    let floor = r
+        .sections
+        .iter_mut()
+        .find(|s| s.id == SectionId::Floor)
+        .unwrap();
+    floor.rows.push(
+        Row::new(WAKE_SERIES, "ms")
+            .variant("asleep, 10 ms idle")
+            .failed("sample 3: the consumer died"),
+    );
+    r.evaluate();
+    let text = render(&r);
+    let floor_at = text.find("Driver floor").expect("the floor section");
+    let table = &text[floor_at..];
+    assert!(table.contains("wake-up"), "{table}");
+    assert!(table.contains("wake asleep, 1 ms idle"), "{table}");
+    assert!(table.contains("the consumer died"), "{table}");
+    let line = targets::wake_floor_line(&r).expect("a line");
+    assert_eq!(
+        line,
+        format!(
+            "Wake-up floor here (driver floor section, a notice through shared memory, no GPU \
+             work), p50: asleep, 1 ms idle {} ms; spinning, 1 ms idle {} ms. Every update, ring \
+             frame and attach's answer to a waiting consumer pays at least one.",
+            fmt_ms(0.03),
+            fmt_ms(0.0004)
+        )
+    );
+    let targets_at = text.rfind("Targets").unwrap();
+    assert!(text[targets_at..].contains(&line), "{text}");
+    // The floor's mechanism rows keep their own table, without the wake rows.
+    let first_table = &table[..table.find("wake-up").unwrap()];
+    assert!(!first_table.contains("wake asleep"), "{first_table}");
+
+    // Without wake rows (an older run's JSON), no line.
+    for s in &mut r.sections {
+        s.rows.retain(|row| row.series != WAKE_SERIES);
+    }
+    assert_eq!(targets::wake_floor_line(&r), None);
+    assert!(!render(&r).contains("Wake-up floor"));
 }

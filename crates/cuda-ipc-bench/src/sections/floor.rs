@@ -19,7 +19,7 @@ use super::{Ctx, UNPUBLISH_TIMEOUT, pattern, skipped_rows, tag};
 /// carries file descriptors) and the GPU its consumer runs on.
 pub(super) struct FloorRig {
     event: IpcEvent,
-    server: channel::Server,
+    pub(super) server: channel::Server,
     /// The consumer's GPU.
     device: usize,
     /// With the consumer on another GPU, the producer's: the consumer's VMM
@@ -216,7 +216,7 @@ pub(super) fn floor_mechanisms(ctx: &Ctx<'_>) -> Vec<Mechanism> {
 pub fn floor(ctx: &Ctx<'_>) -> Section {
     let mut section = Section::new(SectionId::Floor);
     let floors = floor_mechanisms(ctx);
-    let steps = 1 + floors.len() as u64 * ctx.plan.sizes.len() as u64;
+    let steps = 1 + super::WAKE_ROWS + floors.len() as u64 * ctx.plan.sizes.len() as u64;
     let rig = match FloorRig::new(ctx, ctx.plan.device) {
         Ok(x) => x,
         Err(e) => {
@@ -236,6 +236,8 @@ pub fn floor(ctx: &Ctx<'_>) -> Section {
 
     section.rows.push(pipe_row(ctx, &mut worker));
     ctx.progress.done();
+    let (wake_rows, wake_notes) = super::wake::wake_rows(ctx, &rig, &mut worker);
+    section.rows.extend(wake_rows);
     for &m in &floors {
         let series = format!("{m} floor");
         if let Some(why) = ctx.unsupported(m) {
@@ -274,6 +276,17 @@ pub fn floor(ctx: &Ctx<'_>) -> Section {
          the floor; ours/floor says what the library adds on top of the driver. No raw floor \
          for pool."
             .into(),
+        "wake = the machine's floor for a notice to a waiting process, no GPU work: a record \
+         written into a shared-memory ring both processes map (cuda-ipc-shm, as the library's \
+         notices), and the eventfd the reader sleeps on written when it sleeps; the clock from \
+         just before the write to the reader's return from its wait (CLOCK_MONOTONIC in each \
+         process). Before each sample both processes are idle for the time shown (the \
+         producer in a sleep, the reader waiting): 'asleep' readers sleep in poll(2), the \
+         'spinning' one polls the ring. write p50 = the producer's write alone. Every notice \
+         to a consumer that waits (an update, a ring frame, an attach's answer) pays at least \
+         this on this machine."
+            .into(),
     ];
+    section.notes.extend(wake_notes);
     section
 }

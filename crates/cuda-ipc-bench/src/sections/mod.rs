@@ -14,6 +14,7 @@ mod ring;
 mod scale;
 mod sets;
 mod sync;
+mod wake;
 
 pub use arena::arena;
 pub use bandwidth::bandwidth;
@@ -25,6 +26,7 @@ pub use ring::ring;
 pub use scale::scale;
 pub use sets::sets;
 pub use sync::sync;
+pub use wake::WAKE_ROWS;
 
 use std::time::{Duration, Instant};
 

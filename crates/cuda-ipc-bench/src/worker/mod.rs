@@ -14,6 +14,9 @@
 //! - `floor_setup {event, socket}`, `floor_legacy {handle, base, step}`,
 //!   `floor_vmm {name, size, len, base, step[, also]}`: the driver floor
 //!   (`also`: another GPU the VMM mapping grants access to);
+//! - `wake_setup {name, capacity}`, `wake_wait {spin_us}`: the wake-up
+//!   floor (a notice through shared memory, read when it comes: `{t_wake,
+//!   slept}`);
 //! - `bandwidth {name, warmup, reps, base, step[, peer_device]}`: copies
 //!   timed with CUDA events (with `peer_device`, also cuMemcpyPeer from a
 //!   buffer on that GPU), the data checked both ways;
@@ -47,6 +50,7 @@ use super::proto::{failure, mono_ns, send_line};
 
 mod copies;
 mod ring;
+pub(crate) mod wake;
 
 /// Arguments of the hidden consumer.
 #[derive(clap::Args, Debug)]
@@ -101,6 +105,7 @@ pub fn worker(args: &WorkerArgs) -> Result<(), Error> {
         local: None,
         remote: None,
         sets: HashMap::new(),
+        wake: None,
     };
     let mut line = String::new();
     loop {
@@ -156,6 +161,8 @@ struct State {
     remote: Option<(Device, LegacyBuffer)>,
     /// Sets attached and kept (`set_hold`).
     sets: HashMap<String, SetAttachment>,
+    /// The wake-up floor's ring (`wake_setup`).
+    wake: Option<wake::Wake>,
 }
 
 fn text<'a>(v: &'a Value, key: &str) -> Result<&'a str, Error> {
@@ -415,6 +422,8 @@ impl State {
             }
             "floor_legacy" => self.floor_legacy(r),
             "floor_vmm" => self.floor_vmm(r),
+            "wake_setup" => self.wake_setup(r),
+            "wake_wait" => self.wake_wait(r),
             "bandwidth" => self.bandwidth(r),
             "ring" => self.ring(r, out),
             "sync_ring" => ring::consume_ring(self.sub()?, r, out),

@@ -1,0 +1,291 @@
+//! The machine's wake-up floor, in the driver floor's section: how long a
+//! notice through shared memory takes to reach a process that waits for it,
+//! with no GPU work at all. The notice is what the library's own notices
+//! use ([`cuda_ipc_shm`]: a record in a ring both processes map, and the
+//! eventfd the reader sleeps on written only when it sleeps). Before each
+//! sample both processes are idle for a while (the producer sleeps, the
+//! reader waits), as between the hand-offs of the other sections, so each
+//! row says what a notice to a waiting consumer costs here at the least:
+//! asleep after 0.1, 1 and 10 ms, and spinning (no system call).
+
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use cuda_ipc::Error;
+use cuda_ipc_shm::{Area, MIN_CAPACITY, Sender, Side, new_eventfd};
+use serde_json::json;
+
+use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns};
+use crate::report::Row;
+use crate::stats::ns_to_ms;
+
+use super::Ctx;
+use super::floor::FloorRig;
+
+/// The series of the wake-up rows.
+pub use crate::report::WAKE_SERIES;
+
+/// The idle times before a sample, µs, of the rows where the reader sleeps.
+pub const WAKE_IDLE_US: [u64; 3] = [100, 1_000, 10_000];
+
+/// The idle time before a sample of the row where the reader spins, µs.
+pub const SPIN_IDLE_US: u64 = 1_000;
+
+/// How long past the idle time the spinning reader spins before it would
+/// sleep: long enough that every notice finds it spinning.
+const SPIN_SLACK_US: u64 = 20_000;
+
+/// The rows of this part of the section (one progress step each).
+pub const WAKE_ROWS: u64 = WAKE_IDLE_US.len() as u64 + 1;
+
+/// The producer's end: the ring it writes notices into.
+pub(super) struct WakeRig {
+    sender: Sender,
+    /// The consumer's replies would come here; only kept open, so that the
+    /// consumer's end of the area stays whole.
+    _receiver: cuda_ipc_shm::Receiver,
+}
+
+fn shm_failure(what: &str, e: impl std::fmt::Display) -> Error {
+    failure(format!("the wake-up floor: {what}"), e)
+}
+
+fn dup(fd: &OwnedFd) -> Result<OwnedFd, Error> {
+    fd.try_clone()
+        .map_err(|e| shm_failure("duplicating an eventfd", e))
+}
+
+impl WakeRig {
+    /// Makes the area and its two eventfds, hands them to `worker` through
+    /// the floor's channel (as the library's server hands its notices' area
+    /// to a client) and waits until it opened them.
+    pub(super) fn new(rig: &FloorRig, worker: &mut Worker) -> Result<WakeRig, Error> {
+        let (wake, fds) = WakeRig::make()?;
+        let name = format!("floor/wake/{}", std::process::id());
+        rig.server.publish(&name, json!({}), fds.into())?;
+        let opened = worker.request(
+            &json!({ "op": "wake_setup", "name": name, "capacity": MIN_CAPACITY }),
+            REQUEST_TIMEOUT,
+        );
+        let gone = rig
+            .server
+            .unpublish(&name)
+            .and_then(|()| rig.server.wait_released(&name, Some(REQUEST_TIMEOUT)));
+        opened?;
+        gone?;
+        Ok(wake)
+    }
+
+    /// The producer's end, and what the reader opens its end from: the
+    /// area's memfd, the eventfd the reader sleeps on, the producer's.
+    pub(crate) fn make() -> Result<(WakeRig, [OwnedFd; 3]), Error> {
+        let (area, memfd) =
+            Area::create(MIN_CAPACITY).map_err(|e| shm_failure("making the area", e))?;
+        let to_consumer = new_eventfd().map_err(|e| shm_failure("an eventfd", e))?;
+        let to_producer = new_eventfd().map_err(|e| shm_failure("an eventfd", e))?;
+        let fds = [memfd, dup(&to_consumer)?, dup(&to_producer)?];
+        let (sender, receiver) = area.split(Side::Creator, to_consumer, to_producer);
+        Ok((
+            WakeRig {
+                sender,
+                _receiver: receiver,
+            },
+            fds,
+        ))
+    }
+
+    /// One notice: the consumer told to wait (spinning up to `spin_us`
+    /// first), both idle for `idle`, then the clock from just before the
+    /// record's write to the consumer's return from its wait. Returns that,
+    /// the write alone (ms), and whether the write found it asleep.
+    fn sample(
+        &mut self,
+        w: &mut Worker,
+        idle: Duration,
+        spin_us: u64,
+    ) -> Result<(f64, f64, bool), Error> {
+        w.send(&json!({ "op": "wake_wait", "spin_us": spin_us }))?;
+        std::thread::sleep(idle);
+        let (t0, t_sent, woke) = self.notify()?;
+        let a = w.recv(REQUEST_TIMEOUT)?;
+        let t_wake = get_u64(&a, "t_wake")?;
+        if t_wake < t0 {
+            return Err(shm_failure(
+                "the consumer's clock",
+                format!("it woke at {t_wake} ns, before the notice was written at {t0} ns"),
+            ));
+        }
+        Ok((ns_to_ms(t0, t_wake), ns_to_ms(t0, t_sent), woke))
+    }
+
+    /// Writes one notice (its own clock, 8 bytes): the time just before
+    /// the write and just after (CLOCK_MONOTONIC, ns), and whether the
+    /// write found the reader asleep (and wrote its eventfd).
+    pub(crate) fn notify(&mut self) -> Result<(u64, u64, bool), Error> {
+        let wakes = self.sender.wakes();
+        let t0 = mono_ns();
+        let sent = self
+            .sender
+            .send(&t0.to_le_bytes())
+            .map_err(|e| shm_failure("writing the notice", e))?;
+        let t_sent = mono_ns();
+        if !sent {
+            return Err(shm_failure(
+                "writing the notice",
+                "the ring is full: the consumer did not read the last notices",
+            ));
+        }
+        Ok((t0, t_sent, self.sender.wakes() > wakes))
+    }
+}
+
+/// The variant of the row whose reader sleeps (`asleep`) or spins after
+/// `idle_us` of idleness.
+pub fn wake_variant(asleep: bool, idle_us: u64) -> String {
+    let how = if asleep { "asleep" } else { "spinning" };
+    format!("{how}, {} ms idle", idle_us as f64 / 1000.0)
+}
+
+/// One row: `reps` notices after `idle_us` each, the reader asleep or
+/// spinning.
+fn wake_row(
+    ctx: &Ctx<'_>,
+    rig: &mut WakeRig,
+    w: &mut Worker,
+    asleep: bool,
+    idle_us: u64,
+) -> (Row, Option<String>) {
+    let reps = ctx.plan.reps_small;
+    let variant = wake_variant(asleep, idle_us);
+    let mut row = Row::new(WAKE_SERIES, "ms").variant(&variant);
+    let spin_us = if asleep { 0 } else { idle_us + SPIN_SLACK_US };
+    let (mut one_way, mut write) = (Vec::new(), Vec::new());
+    let mut slept = 0usize;
+    for i in 0..reps.total() {
+        match rig.sample(w, Duration::from_micros(idle_us), spin_us) {
+            Ok((t, s, woke)) if i >= reps.warmup => {
+                one_way.push(t);
+                write.push(s);
+                slept += usize::from(woke);
+            }
+            Ok(_) => {}
+            Err(e) => {
+                row = row.failed(format!("sample {i}: {e}"));
+                break;
+            }
+        }
+    }
+    let n = one_way.len();
+    // A sleeping reader must have slept every time, a spinning one never.
+    let odd = if asleep { n - slept } else { slept };
+    let note = (odd > 0 && row.error.is_none()).then(|| {
+        format!(
+            "wake {variant}: the reader was {} in {odd} of {n} samples",
+            if asleep { "awake" } else { "asleep" }
+        )
+    });
+    (
+        row.samples(reps.warmup, one_way).part("write", &write),
+        note,
+    )
+}
+
+/// The wake-up rows, one progress step each, and any note on them.
+pub(super) fn wake_rows(ctx: &Ctx<'_>, rig: &FloorRig, w: &mut Worker) -> (Vec<Row>, Vec<String>) {
+    let cases = WAKE_IDLE_US
+        .iter()
+        .map(|us| (true, *us))
+        .chain([(false, SPIN_IDLE_US)]);
+    let mut wake = match WakeRig::new(rig, w) {
+        Ok(x) => x,
+        Err(e) => {
+            let rows = cases
+                .map(|(asleep, us)| {
+                    ctx.progress.done();
+                    Row::new(WAKE_SERIES, "ms")
+                        .variant(wake_variant(asleep, us))
+                        .failed(format!("setting up: {e}"))
+                })
+                .collect();
+            return (rows, Vec::new());
+        }
+    };
+    let (mut rows, mut notes) = (Vec::new(), Vec::new());
+    for (asleep, us) in cases {
+        ctx.progress
+            .step(&format!("driver floor: {}", wake_variant(asleep, us)));
+        let (row, note) = wake_row(ctx, &mut wake, w, asleep, us);
+        rows.push(row);
+        notes.extend(note);
+        ctx.progress.done();
+    }
+    (rows, notes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::wake::Wake;
+
+    /// A reader in another thread, opened from the fds `make` hands out,
+    /// and `rounds` notices after `idle` each: per notice the write's
+    /// clock, the reader's, whether the write woke it and how often it
+    /// slept.
+    fn rounds(spin: Duration, idle: Duration, rounds: usize) -> Vec<(u64, u64, bool, u64)> {
+        let (mut rig, [memfd, wake_self, wake_peer]) = WakeRig::make().unwrap();
+        let mut reader = Wake::open(&memfd, wake_self, wake_peer, MIN_CAPACITY).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            for _ in 0..rounds {
+                tx.send(reader.wait(spin).unwrap()).unwrap();
+            }
+        });
+        let out = (0..rounds)
+            .map(|_| {
+                std::thread::sleep(idle);
+                let (t0, t_sent, woke) = rig.notify().unwrap();
+                assert!(t_sent >= t0);
+                let (t_wake, slept) = rx.recv().unwrap();
+                (t0, t_wake, woke, slept)
+            })
+            .collect();
+        t.join().unwrap();
+        out
+    }
+
+    #[test]
+    fn a_sleeping_reader_is_woken_through_its_eventfd_after_the_write() {
+        for (t0, t_wake, woke, slept) in rounds(Duration::ZERO, Duration::from_millis(20), 5) {
+            assert!(t_wake >= t0, "the reader returned before the write");
+            assert!(
+                woke,
+                "the reader, waiting 20 ms without a spin, was not asleep"
+            );
+            assert_eq!(slept, 1);
+        }
+    }
+
+    #[test]
+    fn a_spinning_reader_needs_no_eventfd() {
+        // Two cores at least: the reader spins while this thread writes.
+        if std::thread::available_parallelism().map_or(1, std::num::NonZero::get) < 2 {
+            return;
+        }
+        let samples = rounds(Duration::from_secs(5), Duration::from_millis(2), 5);
+        let awake = samples.iter().filter(|s| !s.2 && s.3 == 0).count();
+        for (t0, t_wake, _, _) in &samples {
+            assert!(t_wake >= t0);
+        }
+        // A loaded test machine may deschedule the spinning thread now
+        // and then; most notices must find it awake.
+        assert!(awake >= 3, "{samples:?}");
+    }
+
+    #[test]
+    fn wake_rows_are_named_by_how_the_reader_waits_and_the_idle_time() {
+        assert_eq!(wake_variant(true, 100), "asleep, 0.1 ms idle");
+        assert_eq!(wake_variant(true, 10_000), "asleep, 10 ms idle");
+        assert_eq!(wake_variant(false, SPIN_IDLE_US), "spinning, 1 ms idle");
+        assert_eq!(WAKE_ROWS, 4);
+    }
+}
