@@ -129,6 +129,7 @@
 
 mod budget;
 mod chunk_cache;
+mod join;
 mod lease;
 mod publisher;
 mod ring;

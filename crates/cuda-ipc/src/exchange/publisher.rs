@@ -156,10 +156,10 @@ pub struct Publisher {
     pub(super) arena: PublisherArena,
     /// Readers map read-only ([`PublisherConfig::read_only_readers`]).
     pub(super) read_only_readers: bool,
-    /// The event recorded on a caller's stream that a set's stream then
-    /// waits for ([`Publisher::update_set_after`]): made at the first use,
-    /// locked from its record to the wait.
-    pub(super) join_event: Mutex<Option<cudarc::driver::CudaEvent>>,
+    /// The event recorded on a caller's stream that a buffer's or a set's
+    /// stream then waits for ([`Publisher::update_after`],
+    /// [`Publisher::update_set_after`]).
+    pub(super) join: super::join::JoinEvent,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -210,7 +210,7 @@ impl Publisher {
             fences,
             arena: PublisherArena::new(config.sharing),
             read_only_readers: config.read_only_readers,
-            join_event: Mutex::new(None),
+            join: super::join::JoinEvent::default(),
         })
     }
 
@@ -329,14 +329,32 @@ impl Publisher {
     /// Returns the update's version: the count of updates of `name`, from 1.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn update(&self, name: &str) -> Result<u64> {
+        self.update_as(name, None)
+    }
+
+    /// [`update`](Self::update), ordered also after the work queued so far
+    /// on `after` (a caller's stream, PyTorch's current one for instance):
+    /// the buffer's stream waits for it on the device (one event recorded
+    /// there and waited for); nothing waits on the host. An arena buffer or
+    /// a set goes through [`update_set_after`](Self::update_set_after).
+    #[tracing::instrument(level = "debug", skip(self, after))]
+    pub fn update_after(&self, name: &str, after: &cudarc::driver::CudaStream) -> Result<u64> {
+        self.update_as(name, Some(after))
+    }
+
+    fn update_as(&self, name: &str, after: Option<&cudarc::driver::CudaStream>) -> Result<u64> {
         if self.is_arena_entry(name) {
-            return self.update_set(name);
+            return self.update_set_as(name, after);
         }
         let mut phases = crate::phases::Phases::start("core.update");
         let (buffer, fence_slot) = lock(&self.entries)
             .get(name)
             .map(|e| (e.buffer.clone(), e.fence_slot))
             .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        if let Some(after) = after {
+            self.join.order(buffer.stream(), after)?;
+            phases.mark("join");
+        }
         self.event.record(buffer.stream())?;
         phases.mark("event");
         let fence_seq = match (&self.fences, fence_slot) {
@@ -458,6 +476,7 @@ impl Publisher {
             event,
             fence,
             frames: std::sync::atomic::AtomicU64::new(0),
+            join: super::join::JoinEvent::default(),
         })
     }
 }

@@ -55,6 +55,8 @@ pub struct RingPublisher {
     pub(super) fence: Option<Fence>,
     /// Frames published so far (the fence's sequence numbers).
     pub(super) frames: std::sync::atomic::AtomicU64,
+    /// The event a caller's stream records for [`publish_after`](Self::publish_after).
+    pub(super) join: super::join::JoinEvent,
 }
 
 impl RingPublisher {
@@ -83,12 +85,33 @@ impl RingPublisher {
 
     /// As [`RingPublisher::publish`], with extra fields for the subscriber
     /// in the frame's notice (a timestamp, a frame number; small).
-    pub fn publish_with(
+    pub fn publish_with(&self, slot: u32, extra: serde_json::Map<String, Value>) -> Result<u64> {
+        self.publish_as(slot, extra, None)
+    }
+
+    /// As [`RingPublisher::publish_with`], ordered also after the work
+    /// queued so far on `after` (a caller's stream, whose kernels filled
+    /// the slot): the slot's stream waits for it on the device (one event
+    /// recorded there and waited for); nothing waits on the host.
+    pub fn publish_after(
+        &self,
+        slot: u32,
+        extra: serde_json::Map<String, Value>,
+        after: &cudarc::driver::CudaStream,
+    ) -> Result<u64> {
+        self.publish_as(slot, extra, Some(after))
+    }
+
+    fn publish_as(
         &self,
         slot: u32,
         mut extra: serde_json::Map<String, Value>,
+        after: Option<&cudarc::driver::CudaStream>,
     ) -> Result<u64> {
         let buffer = self.buffer(index(slot)?)?;
+        if let Some(after) = after {
+            self.join.order(buffer.stream(), after)?;
+        }
         if let Some((event, _)) = &self.event {
             event.record(buffer.stream())?;
         }

@@ -200,38 +200,10 @@ impl Publisher {
             })?;
         }
         if let Some(after) = after {
-            self.wait_for(first, after)?;
+            self.join.order(first, after)?;
         }
         self.event.record(first)?;
         Ok(Arc::clone(first))
-    }
-
-    /// Makes `stream` wait for the work queued so far on `after` (a
-    /// caller's stream): the publisher's join event recorded there and
-    /// waited for, two driver calls (a stream of another context gets an
-    /// event of its own).
-    fn wait_for(
-        &self,
-        stream: &cudarc::driver::CudaStream,
-        after: &cudarc::driver::CudaStream,
-    ) -> Result<()> {
-        let failed = |e: cudarc::driver::DriverError| {
-            Error::arg(
-                "stream",
-                format!("cannot order the set after the stream given: {e}"),
-            )
-        };
-        if after.context().cu_ctx() != stream.context().cu_ctx() {
-            // Another device's stream: an event of its own context.
-            return stream.join(after).map_err(failed);
-        }
-        let mut event = lock(&self.join_event);
-        let event = match &mut *event {
-            Some(e) => e,
-            empty => empty.insert(stream.context().new_event(None).map_err(failed)?),
-        };
-        event.record(after).map_err(failed)?;
-        stream.wait(event).map_err(failed)
     }
 
     /// Tells every subscriber of the set (or arena buffer) `name` that new
@@ -258,7 +230,11 @@ impl Publisher {
         self.update_set_as(name, Some(after))
     }
 
-    fn update_set_as(&self, name: &str, after: Option<&cudarc::driver::CudaStream>) -> Result<u64> {
+    pub(super) fn update_set_as(
+        &self,
+        name: &str,
+        after: Option<&cudarc::driver::CudaStream>,
+    ) -> Result<u64> {
         let mut phases = Phases::start("core.update_set");
         let (order, slot) = lock(&self.arena.book)
             .update_of(name)

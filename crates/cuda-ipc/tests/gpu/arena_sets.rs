@@ -21,7 +21,7 @@ use cuda_ipc::set::weight_sizes;
 use cuda_ipc::{Device, DeviceMemory, Dtype, Mechanism};
 use serde_json::{Value, json};
 
-use super::common::{Parent, Peer, free_memory, open_fds};
+use super::common::{Parent, Peer, free_memory, open_fds, queued_fill, stream_done};
 use crate::test_name;
 
 const MIB: u64 = 1 << 20;
@@ -418,48 +418,6 @@ fn members_that_are_byte_ranges_of_one_buffer() {
         assert!(p.finish(), "the child failed");
         println!("{m}: three byte ranges of one buffer published and checked");
     });
-}
-
-/// Holds `stream` up for 300 ms (a host function that sleeps), then fills
-/// `buffer` with the byte `byte` there: writes of another library, still
-/// queued when the call after this returns.
-fn queued_fill(stream: &cudarc::driver::CudaStream, buffer: &DeviceArenaBuffer, byte: u8) {
-    unsafe extern "C" fn hold(_: *mut std::ffi::c_void) {
-        std::thread::sleep(Duration::from_millis(300));
-    }
-    // SAFETY: a live stream of this process; the host function touches no
-    // CUDA API; the buffer outlives the fill (the test holds it until the
-    // consumer has checked it, after the stream's work).
-    unsafe {
-        cudarc::driver::result::stream::launch_host_function(
-            stream.cu_stream(),
-            hold,
-            std::ptr::null_mut(),
-        )
-        .unwrap();
-        cudarc::driver::result::memset_d8_async(
-            buffer.device_address(),
-            byte,
-            buffer.byte_len() as usize,
-            stream.cu_stream(),
-        )
-        .unwrap();
-    }
-}
-
-/// Whether `stream` has finished its work (`cuStreamQuery`).
-fn stream_done(stream: &cudarc::driver::CudaStream) -> bool {
-    // SAFETY: a live stream of this process.
-    let r = unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) };
-    assert!(
-        matches!(
-            r,
-            cudarc::driver::sys::CUresult::CUDA_SUCCESS
-                | cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
-        ),
-        "cuStreamQuery: {r:?}"
-    );
-    r == cudarc::driver::sys::CUresult::CUDA_SUCCESS
 }
 
 /// A set written on a stream the library does not know (a raw stream

@@ -202,3 +202,49 @@ pub fn open_fds() -> usize {
     assert!(cuda_ipc::reaper::settle(TIMEOUT), "releases still retiring");
     std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count)
 }
+
+/// Holds `stream` up for 300 ms (a host function that sleeps), then fills
+/// `buffer` with the byte `byte` there: writes of another library, still
+/// queued when the call after this returns.
+pub fn queued_fill(
+    stream: &cudarc::driver::CudaStream,
+    buffer: &impl cuda_ipc::DeviceMemory,
+    byte: u8,
+) {
+    unsafe extern "C" fn hold(_: *mut std::ffi::c_void) {
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    // SAFETY: a live stream of this process; the host function touches no
+    // CUDA API; the buffer outlives the fill (the test holds it until the
+    // consumer has checked it, after the stream's work).
+    unsafe {
+        cudarc::driver::result::stream::launch_host_function(
+            stream.cu_stream(),
+            hold,
+            std::ptr::null_mut(),
+        )
+        .unwrap();
+        cudarc::driver::result::memset_d8_async(
+            buffer.device_address(),
+            byte,
+            buffer.byte_len(),
+            stream.cu_stream(),
+        )
+        .unwrap();
+    }
+}
+
+/// Whether `stream` has finished its work (`cuStreamQuery`).
+pub fn stream_done(stream: &cudarc::driver::CudaStream) -> bool {
+    // SAFETY: a live stream of this process.
+    let r = unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) };
+    assert!(
+        matches!(
+            r,
+            cudarc::driver::sys::CUresult::CUDA_SUCCESS
+                | cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY
+        ),
+        "cuStreamQuery: {r:?}"
+    );
+    r == cudarc::driver::sys::CUresult::CUDA_SUCCESS
+}

@@ -12,7 +12,7 @@ use cuda_ipc::share::SharedBuffer;
 use cuda_ipc::{Device, DeviceMemory, Dtype, Error, Mechanism};
 use serde_json::{Value, json};
 
-use super::common::{Parent, Peer, free_memory, open_fds, role};
+use super::common::{Parent, Peer, free_memory, open_fds, queued_fill, role, stream_done};
 use super::consumer::{pattern, pattern_json};
 use crate::{assert_ok, test_name};
 
@@ -125,11 +125,14 @@ fn ring_consumer(sub: &Subscriber, req: &Value) -> Value {
             Err(Error::Channel(cuda_ipc::channel::ChannelError::Unpublished { .. })) => break,
             Err(e) => return json!({ "error": e.to_string(), "frames": frames }),
         };
-        // The producer writes ramp(seq, 1) into the slot of frame `seq`.
-        if kernels::check_u32(frame.buffer, Pattern::ramp(frame.seq as u32, 1))
-            .unwrap()
-            .is_some()
-        {
+        // The producer writes ramp(seq, 1) into the slot of frame `seq`
+        // (with "bytes", every byte of it is seq's low byte).
+        let want = if req["bytes"] == true {
+            Pattern::ramp(u32::from(frame.seq as u8) * 0x0101_0101, 0)
+        } else {
+            Pattern::ramp(frame.seq as u32, 1)
+        };
+        if kernels::check_u32(frame.buffer, want).unwrap().is_some() {
             bad += 1;
         }
         frames += 1;
@@ -375,6 +378,89 @@ fn ring_at_full_speed_for_ten_seconds() {
             after + 4 * MIB as u64 >= before,
             "device memory leaked: {before} -> {after}"
         );
+    });
+}
+
+/// A buffer updated, and ring frames published, after writes on a stream
+/// the library does not know (a raw stream standing in for PyTorch's,
+/// borrowed with `Device::borrow_stream`): `update_after` and
+/// `RingPublisher::publish_after` return with the writes still queued
+/// behind 300 ms of that stream's time, and the subscriber sees every
+/// byte written.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn an_update_and_ring_frames_ordered_after_a_borrowed_stream() {
+    child_or(|| {
+        let device = Device::open(0).unwrap();
+        let dir = socket_dir();
+        let socket = dir.path().join("after.sock");
+        let publisher =
+            Publisher::bind(&device, socket.as_path(), PublisherConfig::default()).unwrap();
+        let mut peer = spawn_subscriber(
+            &test_name!("an_update_and_ring_frames_ordered_after_a_borrowed_stream"),
+            &socket,
+        );
+        assert_eq!(peer.recv()["connected"], true);
+        let writer = device.context().new_stream().unwrap();
+        // SAFETY: the handle of a stream this test holds until the end.
+        let borrowed = unsafe { device.borrow_stream(writer.cu_stream() as u64) }.unwrap();
+        let constant = |byte: u8| pattern_json(Pattern::ramp(u32::from(byte) * 0x0101_0101, 0));
+
+        let buf = SharedBuffer::alloc(&device, 16 * MIB, Some(Mechanism::Vmm)).unwrap();
+        let p0 = Pattern::ramp(7, 1);
+        kernels::fill_u32(&buf, p0, Speed::Full).unwrap();
+        let buf = publisher.publish("buf", buf, Dtype::U32, None).unwrap();
+        peer.send(&json!({ "op": "attach", "name": "buf", "expect": pattern_json(p0) }));
+        assert_ok!(&peer.recv(), "attach");
+        // The writer's fill comes after the one above, on the buffer's stream.
+        writer.join(buf.stream()).unwrap();
+        queued_fill(&writer, buf.as_ref(), 0x22);
+        assert_eq!(publisher.update_after("buf", &borrowed).unwrap(), 1);
+        assert!(
+            !stream_done(&writer),
+            "update_after waited for the writer's stream"
+        );
+        peer.send(&json!({ "op": "update", "name": "buf", "expect": constant(0x22) }));
+        let r = peer.recv();
+        assert_ok!(&r, "the update: {r}");
+        assert_eq!(r["version"], 1);
+        peer.send(&json!({ "op": "release", "name": "buf" }));
+        assert_eq!(peer.recv()["released"], 1);
+
+        let ring = publisher
+            .ring("frames", 2, MIB, Some(Mechanism::Vmm))
+            .unwrap();
+        peer.send(&json!({ "op": "ring", "name": "frames", "seconds": 10.0, "bytes": true }));
+        while ring.subscribers().is_empty() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for seq in 1..=4u64 {
+            let (slot, slot_buf) = ring.acquire(Some(Duration::from_secs(10))).unwrap();
+            writer.join(slot_buf.stream()).unwrap();
+            queued_fill(&writer, slot_buf, seq as u8);
+            let frame_seq = ring
+                .publish_after(slot, serde_json::Map::new(), &borrowed)
+                .unwrap();
+            assert_eq!(frame_seq, seq);
+            assert!(
+                !stream_done(&writer),
+                "publish_after waited for the writer's stream (frame {seq})"
+            );
+        }
+        drop(ring); // unpublishes: the subscriber stops after the last frame
+        let r = peer.recv();
+        assert_eq!(
+            (r["frames"].clone(), r["bad"].clone()),
+            (json!(4), json!(0)),
+            "{r}"
+        );
+        drop(buf);
+        publisher
+            .unpublish("buf", Some(Duration::from_secs(10)))
+            .unwrap();
+        peer.send(&json!({ "op": "exit" }));
+        assert!(peer.finish());
+        println!("an update and 4 ring frames after a borrowed stream's queued writes, checked");
     });
 }
 
