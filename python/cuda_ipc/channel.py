@@ -19,11 +19,12 @@ Subscriber (another process)::
 
 Publishing and updating wait for the work queued so far on the device (on
 every stream, PyTorch's and CuPy's included), then record the event;
-attaching and receiving an update wait on the host for that event. Sets
-and state dicts order their event after one stream instead, on the device
-(the call does not wait for the GPU): the state dict calls after
-PyTorch's current stream, ``publish_set`` and ``update_set`` after the
-``stream=`` given (see :mod:`cuda_ipc.streams`).
+attaching and receiving an update wait on the host for that event. Given
+``stream=``, :meth:`Publisher.update`, :meth:`Publisher.publish_set`,
+:meth:`Publisher.update_set` and :meth:`RingPublisher.publish` order their
+event after that one stream instead, on the device (the call does not wait
+for the GPU; see :mod:`cuda_ipc.streams`); the state dict calls do so
+after PyTorch's current stream by default.
 
 Sets (many buffers of the publisher's arena in one entry) and whole state
 dicts: :meth:`Publisher.publish_state_dict`, :meth:`Subscriber.attach_state_dict`
@@ -150,10 +151,13 @@ class Publisher(_Owner):
             del dst
         return Published(self._c.publish(name, alloc, dt.name, shape))
 
-    def update(self, name):
+    def update(self, name, stream=None):
         """Tells subscribers of ``name`` that new contents are ready; returns
-        the version (from 1)."""
-        return self._c.update(name)
+        the version (from 1). Ordered after the work queued so far on this
+        device (the host waits for it), or, given ``stream`` (see
+        :mod:`cuda_ipc.streams`), after the work queued on that stream (the
+        device waits; the call does not)."""
+        return self._c.update(name, _streams.stream_handle(stream))
 
     def unpublish(self, name, timeout=None):
         """Hides ``name`` (a buffer or a set) and waits up to ``timeout``
@@ -306,10 +310,13 @@ class RingPublisher(_Owner):
         dt = _dtypes.lookup(dtype)
         return _as_torch(lambda n, raw: self._c.view(slot, _raw_name(n, raw), shape), dt.name if dt else dtype)
 
-    def publish(self, slot, extra=None):
+    def publish(self, slot, extra=None, stream=None):
         """Publishes the filled slot; ``extra`` (a small dict) goes into the
-        frame's notice. Returns the frame's sequence number."""
-        return self._c.publish(slot, extra)
+        frame's notice. Returns the frame's sequence number. Ordered after
+        the work queued so far on this device (the host waits for it), or,
+        given ``stream`` (see :mod:`cuda_ipc.streams`), after the work
+        queued on that stream (the device waits; the call does not)."""
+        return self._c.publish(slot, extra, _streams.stream_handle(stream))
 
     def __exit__(self, *exc):
         return False

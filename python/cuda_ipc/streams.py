@@ -1,8 +1,9 @@
 """What a publish or an update is ordered after.
 
-A set's event (and fence) must come after the writes of what it hands
-off. The framework-neutral calls (:meth:`Publisher.publish_set`,
-:meth:`Publisher.update_set`) wait on the host for every stream of the
+A hand-off's event (and fence) must come after the writes of what it
+hands off. The framework-neutral calls (:meth:`Publisher.update`,
+:meth:`Publisher.publish_set`, :meth:`Publisher.update_set`,
+:meth:`RingPublisher.publish`) wait on the host for every stream of the
 device unless they are given ``stream=``; the state dict calls
 (:meth:`Publisher.publish_state_dict`, :meth:`Publisher.update_state_dict`)
 follow PyTorch's rule and are ordered after its current stream (or the

@@ -48,12 +48,33 @@ def _chan_check(self, case, expect):
     return {"words": int(t.numel())}
 
 
-def _chan_update(self, case, value):
-    """Writes `value` into every word of "x" and publishes the update."""
-    t = self.state[case]["published"].as_torch()
-    t.fill_(value)
-    del t
-    return {"version": self.state[case]["pub"].update("x")}
+# About 0.1 s of a GPU's time (torch.cuda._sleep counts clock cycles), and
+# about 5 ms a ring frame: writes queued behind it are still running when
+# the producer's call returns.
+QUEUED_UPDATE_CYCLES = 200_000_000
+QUEUED_FRAME_CYCLES = 10_000_000
+
+
+def _chan_update(self, case, value, stream=False):
+    """Writes `value` into every word of "x" and publishes the update. With
+    `stream`, the write runs on a side stream behind a GPU sleep and the
+    update is ordered after that stream (update(name, stream=)): returns
+    whether the write was still queued when the call returned."""
+    s, torch = self.state[case], self.torch
+    t = s["published"].as_torch()
+    if not stream:
+        t.fill_(value)
+        del t
+        return {"version": s["pub"].update("x")}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(QUEUED_UPDATE_CYCLES)
+        t.fill_(value)
+    version = s["pub"].update("x", stream=side)
+    queued = not side.query()
+    s["pending"] = (t, side)  # alive until the GPU is done with them
+    return {"version": version, "queued": queued}
 
 
 def _chan_leases(self, case, want, timeout=5.0):
@@ -169,29 +190,43 @@ def _chan_ring_create(self, case, slots, slot_bytes, mechanism, fences_only=Fals
     return {"path": path}
 
 
-def _chan_ring_produce(self, case, frames):
+def _chan_ring_produce(self, case, frames, stream=False):
     """Starts a thread that publishes `frames` frames: frame i fills its slot
-    with int32 i and says {"i": i} in its notice."""
-    s = self.state[case]
-    ring, errors = s["ring"], []
+    with int32 i and says {"i": i} in its notice. With `stream`, each fill
+    runs on a side stream behind a GPU sleep and the frame is published
+    after that stream (publish(slot, extra, stream=)); ring_join says how
+    many frames were still being written when their publish returned."""
+    s, torch = self.state[case], self.torch
+    ring, errors, queued = s["ring"], [], []
 
     def produce():
         try:
+            side = torch.cuda.Stream() if stream else None
             deadline = time.time() + 30
             while ring.subscribers() < 1 and time.time() < deadline:
                 time.sleep(0.01)
             for i in range(frames):
                 slot = ring.acquire(timeout=30)
                 t = ring.as_torch(slot, "int32")
-                t.fill_(i)
+                if side is None:
+                    t.fill_(i)
+                    del t
+                    ring.publish(slot, {"i": i})
+                    continue
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(QUEUED_FRAME_CYCLES)
+                    t.fill_(i)
+                ring.publish(slot, {"i": i}, stream=side)
+                queued.append(not side.query())
                 del t
-                ring.publish(slot, {"i": i})
+            if side is not None:
+                side.synchronize()
         except Exception as e:  # reported by ring_join
             errors.append(f"{type(e).__name__}: {e}")
 
     th = threading.Thread(target=produce, daemon=True)
     th.start()
-    s["ring_thread"], s["ring_errors"] = th, errors
+    s["ring_thread"], s["ring_errors"], s["ring_queued"] = th, errors, queued
     return {}
 
 
@@ -203,7 +238,7 @@ def _chan_ring_join(self, case):
     if s["ring_errors"]:
         raise AssertionError(s["ring_errors"][0])
     s.pop("ring_thread")
-    return {}
+    return {"queued": sum(s["ring_queued"]), "frames": len(s["ring_queued"])}
 
 
 def _chan_ring_consume(self, path, frames):
@@ -287,7 +322,7 @@ class ChannelCases:
         _finish(p, "cuda-ipc serve")
         return f"{r['mechanism']}: {r['words']} words checked and written by a Python subscriber"
 
-    def chan_updates(self, mech):
+    def chan_updates(self, mech, stream=False):
         self.need("a", "torch")
         self.need("b", "torch")
         a, b = self.w("a"), self.w("b")
@@ -295,7 +330,10 @@ class ChannelCases:
         try:
             b.call("chan_subscribe", case=case, path=r["path"])
             for k in (1, 2, 3):
-                g = a.call("chan_update", case=case, value=k)["version"]
+                u = a.call("chan_update", case=case, value=k, stream=stream)
+                if stream and not u["queued"]:
+                    raise CaseError(f"update {k}: update(stream=) waited for the GPU's write")
+                g = u["version"]
                 got = b.call("chan_wait", case=case, expect=k)["version"]
                 if got != g:
                     raise CaseError(f"update {k}: the publisher says version {g}, the subscriber {got}")
@@ -306,6 +344,9 @@ class ChannelCases:
             raise
         finally:
             self._chan_close(a, case)
+        if stream:
+            return (f"{r['mechanism']}: 3 updates written behind a GPU sleep on a side stream, each "
+                    f"update(stream=) returned with the write queued, every word seen by the subscriber")
         return f"{r['mechanism']}: 3 updates seen in order"
 
     def chan_lease_follows_tensor(self):
@@ -340,7 +381,7 @@ class ChannelCases:
             self._chan_close(a, case)
         return "kill -9 of the consumer ended its lease"
 
-    def chan_ring(self, mech, fences_only=False):
+    def chan_ring(self, mech, fences_only=False, stream=False):
         self.need("a", "torch")
         self.need("b", "torch")
         a, b = self.w("a"), self.w("b")
@@ -363,18 +404,26 @@ class ChannelCases:
             th = threading.Thread(target=consume, daemon=True)
             th.start()
             # The producer waits for the subscriber before its first frame.
-            a.call("chan_ring_produce", case=case, frames=50)
+            a.call("chan_ring_produce", case=case, frames=50, stream=stream)
             th.join(150)
             res = out.get(timeout=1)
             if isinstance(res, BaseException):
                 raise res
-            a.call("chan_ring_join", case=case)
+            joined = a.call("chan_ring_join", case=case)
         finally:
             self._chan_close(a, case)
         if fences_only and res.get("fence") is not True:
             raise AssertionError(f"the reader of a fences-only ring did not wait on its fence: {res}")
         if not isinstance(res.get("spins"), bool):
             raise AssertionError(f"Ring.spins is not a bool: {res}")
+        if stream:
+            # Most publishes return with their frame's write still queued
+            # (one whose slot was just freed may find the GPU done).
+            if joined["frames"] != 50 or joined["queued"] < 40:
+                raise AssertionError(f"publish(stream=) waited for the GPU's writes: {joined}")
+            return (f"{res['frames']} frames written behind a GPU sleep on a side stream, "
+                    f"{joined['queued']} of them still queued when publish(stream=) returned, every "
+                    f"word seen by the subscriber")
         return f"{res['frames']} frames through a ring of 3 slots" + (
             ", fences only (the reader waited on the fence)" if fences_only else "") + (
             ", the reader spinning" if res["spins"] else ", the reader sleeping between frames")

@@ -260,6 +260,10 @@ class Runner(gpu_mechanisms.MechanismCases, gpu_channel.ChannelCases, gpu_sets.S
                         lambda m=mech: self.chan_ring(m)))
         out.append(("channel vmm: Python ring of 3 slots, 50 frames, fences only (no event per frame)",
                     lambda: self.chan_ring("vmm", fences_only=True)))
+        out.append(("channel vmm: updates ordered after a side stream, not waiting for the GPU",
+                    lambda: self.chan_updates("vmm", stream=True)))
+        out.append(("channel vmm: ring frames ordered after a side stream, not waiting for the GPU",
+                    lambda: self.chan_ring("vmm", stream=True)))
         out.append(("channel: a lease follows the tensors of an attachment", self.chan_lease_follows_tensor))
         out.append(("channel: kill -9 of a consumer holding tensors ends its lease", self.chan_kill9))
         out.append(("sets: state dict of 1000 tensors, Python -> Python, every value checked",

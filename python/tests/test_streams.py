@@ -11,7 +11,7 @@ import _path  # noqa: E402,F401
 
 import cuda_ipc  # noqa: E402
 from cuda_ipc import sets, streams  # noqa: E402
-from test_state_dict import _publisher, _Untouchable  # noqa: E402
+from test_state_dict import _publisher, _StubCore, _Untouchable  # noqa: E402
 
 
 class _TorchStream:
@@ -91,13 +91,37 @@ class PublisherCallsPassTheStream(unittest.TestCase):
             ("update_set", ("s", 0)),
         ])
 
+    def test_a_buffer_update_and_a_ring_frame_pass_the_stream_given(self):
+        p = _publisher()
+        p.update("x")
+        p.update("x", stream=_ProtocolStream((0, 0x53)))
+        p.update("x", 0)
+        self.assertEqual(p._c.calls, [
+            ("update", ("x", None)),
+            ("update", ("x", 0x53)),
+            ("update", ("x", 0)),
+        ])
+        ring = cuda_ipc.RingPublisher(_StubCore(), 0)
+        ring.publish(2)
+        ring.publish(1, {"i": 7}, stream=_TorchStream(0x54))
+        self.assertEqual(ring._c.calls, [
+            ("publish", (2, None, None)),
+            ("publish", (1, {"i": 7}, 0x54)),
+        ])
+
     def test_a_bad_stream_calls_nothing(self):
         p = _publisher()
         with self.assertRaises(cuda_ipc.InvalidInput):
             p.publish_set("s", [("w", None, "f32", [4])], stream="default")
         with self.assertRaises(cuda_ipc.InvalidInput):
             p.update_set("s", stream=-1)
+        with self.assertRaises(cuda_ipc.InvalidInput):
+            p.update("x", stream=1.5)
+        ring = cuda_ipc.RingPublisher(_StubCore(), 0)
+        with self.assertRaises(cuda_ipc.InvalidInput):
+            ring.publish(0, stream=object())
         self.assertEqual(p._c.calls, [])
+        self.assertEqual(ring._c.calls, [])
         self.assertNotIn("s", p._sets)
 
     def test_a_state_dict_update_follows_torchs_current_stream(self):

@@ -258,13 +258,17 @@ impl PyPublisher {
     }
 
     /// Tells the subscribers of `name` that new contents are ready (after
-    /// the work queued so far on this device). Returns the version (from 1).
-    fn update(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
+    /// the work queued so far on this device, waited for on the host, or
+    /// on `stream`, as for `publish_set`). Returns the version (from 1).
+    #[pyo3(signature = (name, stream=None))]
+    fn update(&self, py: Python<'_>, name: &str, stream: Option<u64>) -> PyResult<u64> {
         let publisher = self.get()?;
         let dev = self.device.clone();
-        py.detach(|| -> Result<_> {
-            sync_context(&dev)?;
-            publisher.update(name)
+        py.detach(|| {
+            After::of(stream).run(&dev, |after| match after {
+                None => publisher.update(name),
+                Some(s) => publisher.update_after(name, s),
+            })
         })
         .py()
     }

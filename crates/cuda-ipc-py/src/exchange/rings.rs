@@ -17,7 +17,7 @@ use crate::codec;
 use crate::errors::{IntoPyResult, closed_error, lock};
 use crate::keep::Keep;
 use crate::mapping::{View, layout};
-use crate::peers::sync_context;
+use crate::peers::{After, sync_context};
 
 /// The producer's side of a ring: acquire a slot, fill it, publish it.
 #[pyclass(module = "cuda_ipc._core", name = "RingPublisher", frozen)]
@@ -75,14 +75,17 @@ impl PyRingPublisher {
         )
     }
     /// Publishes a filled slot (after the work queued so far on this
-    /// device), with `extra` (a small dict) in the frame's notice. Returns
-    /// the frame's sequence number.
-    #[pyo3(signature = (slot, extra=None))]
+    /// device, waited for on the host, or on `stream`, a raw handle of
+    /// this device: the device waits, the host does not), with `extra` (a
+    /// small dict) in the frame's notice. Returns the frame's sequence
+    /// number.
+    #[pyo3(signature = (slot, extra=None, stream=None))]
     fn publish(
         &self,
         py: Python<'_>,
         slot: u32,
         extra: Option<&Bound<'_, PyDict>>,
+        stream: Option<u64>,
     ) -> PyResult<u64> {
         let extra = match extra {
             None => serde_json::Map::new(),
@@ -104,9 +107,11 @@ impl PyRingPublisher {
             }
         };
         let dev = self.device.clone();
-        py.detach(|| -> Result<_> {
-            sync_context(&dev)?;
-            self.ring.publish_with(slot, extra)
+        py.detach(|| {
+            After::of(stream).run(&dev, |after| match after {
+                None => self.ring.publish_with(slot, extra),
+                Some(s) => self.ring.publish_after(slot, extra, s),
+            })
         })
         .py()
     }
