@@ -362,7 +362,7 @@ impl Plan {
                 // ours and its update per set, then the scripts of PyTorch,
                 // ours from Python and the first attach
                 SectionId::Sets => 2 * self.sets.len() as u64 + 3,
-                SectionId::Floor => 1 + crate::sections::WAKE_ROWS + floors * s,
+                SectionId::Floor => 1 + crate::report::WAKE_ROWS + floors * s,
                 SectionId::Bandwidth => m,
                 SectionId::Peer => 2 * m * s + m + floors * s,
                 SectionId::Ring => self.ring.len() as u64,

@@ -21,6 +21,13 @@ pub const SYNC_FLOOR_SERIES: &str = "floor: fill + signal";
 /// The series of the driver floor section's wake-up rows: a notice through
 /// shared memory to a process that waits for it, no GPU work.
 pub const WAKE_SERIES: &str = "wake";
+/// The idle times before a wake-up sample, µs, of the rows whose reader
+/// sleeps.
+pub const WAKE_IDLE_US: [u64; 3] = [100, 1_000, 10_000];
+/// The idle time before a sample of the wake-up row whose reader spins, µs.
+pub const SPIN_IDLE_US: u64 = 1_000;
+/// The wake-up rows (one progress step each).
+pub const WAKE_ROWS: u64 = WAKE_IDLE_US.len() as u64 + 1;
 
 /// The cached hand-off's target at `size` bytes, ms.
 pub fn cached_limit(size: u64) -> f64 {

@@ -216,7 +216,7 @@ pub(super) fn floor_mechanisms(ctx: &Ctx<'_>) -> Vec<Mechanism> {
 pub fn floor(ctx: &Ctx<'_>) -> Section {
     let mut section = Section::new(SectionId::Floor);
     let floors = floor_mechanisms(ctx);
-    let steps = 1 + super::WAKE_ROWS + floors.len() as u64 * ctx.plan.sizes.len() as u64;
+    let steps = 1 + crate::report::WAKE_ROWS + floors.len() as u64 * ctx.plan.sizes.len() as u64;
     let rig = match FloorRig::new(ctx, ctx.plan.device) {
         Ok(x) => x,
         Err(e) => {
@@ -236,7 +236,7 @@ pub fn floor(ctx: &Ctx<'_>) -> Section {
 
     section.rows.push(pipe_row(ctx, &mut worker));
     ctx.progress.done();
-    let (wake_rows, wake_notes) = super::wake::wake_rows(ctx, &rig, &mut worker);
+    let (wake_rows, wake_notes) = super::wake::wake_rows(ctx, &rig.server, &mut worker);
     section.rows.extend(wake_rows);
     for &m in &floors {
         let series = format!("{m} floor");

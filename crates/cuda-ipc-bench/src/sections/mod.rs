@@ -26,7 +26,6 @@ pub use ring::ring;
 pub use scale::scale;
 pub use sets::sets;
 pub use sync::sync;
-pub use wake::WAKE_ROWS;
 
 use std::time::{Duration, Instant};
 

@@ -19,24 +19,15 @@ use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns};
 use crate::report::Row;
 use crate::stats::ns_to_ms;
 
+use cuda_ipc::channel;
+
 use super::Ctx;
-use super::floor::FloorRig;
 
-/// The series of the wake-up rows.
-pub use crate::report::WAKE_SERIES;
-
-/// The idle times before a sample, µs, of the rows where the reader sleeps.
-pub const WAKE_IDLE_US: [u64; 3] = [100, 1_000, 10_000];
-
-/// The idle time before a sample of the row where the reader spins, µs.
-pub const SPIN_IDLE_US: u64 = 1_000;
+use crate::report::{SPIN_IDLE_US, WAKE_IDLE_US, WAKE_SERIES};
 
 /// How long past the idle time the spinning reader spins before it would
 /// sleep: long enough that every notice finds it spinning.
 const SPIN_SLACK_US: u64 = 20_000;
-
-/// The rows of this part of the section (one progress step each).
-pub const WAKE_ROWS: u64 = WAKE_IDLE_US.len() as u64 + 1;
 
 /// The producer's end: the ring it writes notices into.
 pub(super) struct WakeRig {
@@ -59,18 +50,17 @@ impl WakeRig {
     /// Makes the area and its two eventfds, hands them to `worker` through
     /// the floor's channel (as the library's server hands its notices' area
     /// to a client) and waits until it opened them.
-    pub(super) fn new(rig: &FloorRig, worker: &mut Worker) -> Result<WakeRig, Error> {
+    pub(super) fn new(server: &channel::Server, worker: &mut Worker) -> Result<WakeRig, Error> {
         let (wake, fds) = WakeRig::make()?;
         let name = format!("floor/wake/{}", std::process::id());
-        rig.server.publish(&name, json!({}), fds.into())?;
+        server.publish(&name, json!({}), fds.into())?;
         let opened = worker.request(
             &json!({ "op": "wake_setup", "name": name, "capacity": MIN_CAPACITY }),
             REQUEST_TIMEOUT,
         );
-        let gone = rig
-            .server
+        let gone = server
             .unpublish(&name)
-            .and_then(|()| rig.server.wait_released(&name, Some(REQUEST_TIMEOUT)));
+            .and_then(|()| server.wait_released(&name, Some(REQUEST_TIMEOUT)));
         opened?;
         gone?;
         Ok(wake)
@@ -191,12 +181,18 @@ fn wake_row(
 }
 
 /// The wake-up rows, one progress step each, and any note on them.
-pub(super) fn wake_rows(ctx: &Ctx<'_>, rig: &FloorRig, w: &mut Worker) -> (Vec<Row>, Vec<String>) {
+/// The reader is `w`, connected to `server` (the driver floor's channel),
+/// through which it gets the area.
+pub(super) fn wake_rows(
+    ctx: &Ctx<'_>,
+    server: &channel::Server,
+    w: &mut Worker,
+) -> (Vec<Row>, Vec<String>) {
     let cases = WAKE_IDLE_US
         .iter()
         .map(|us| (true, *us))
         .chain([(false, SPIN_IDLE_US)]);
-    let mut wake = match WakeRig::new(rig, w) {
+    let mut wake = match WakeRig::new(server, w) {
         Ok(x) => x,
         Err(e) => {
             let rows = cases
@@ -286,6 +282,6 @@ mod tests {
         assert_eq!(wake_variant(true, 100), "asleep, 0.1 ms idle");
         assert_eq!(wake_variant(true, 10_000), "asleep, 10 ms idle");
         assert_eq!(wake_variant(false, SPIN_IDLE_US), "spinning, 1 ms idle");
-        assert_eq!(WAKE_ROWS, 4);
+        assert_eq!(crate::report::WAKE_ROWS, 4);
     }
 }
