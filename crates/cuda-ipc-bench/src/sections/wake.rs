@@ -11,19 +11,15 @@
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
-use cuda_ipc::Error;
+use cuda_ipc::{Error, channel};
 use cuda_ipc_shm::{Area, MIN_CAPACITY, Sender, Side, new_eventfd};
 use serde_json::json;
 
 use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns};
-use crate::report::Row;
+use crate::report::{Row, SPIN_IDLE_US, WAKE_IDLE_US, WAKE_SERIES};
 use crate::stats::ns_to_ms;
 
-use cuda_ipc::channel;
-
 use super::Ctx;
-
-use crate::report::{SPIN_IDLE_US, WAKE_IDLE_US, WAKE_SERIES};
 
 /// How long past the idle time the spinning reader spins before it would
 /// sleep: long enough that every notice finds it spinning.
