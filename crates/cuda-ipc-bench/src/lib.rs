@@ -48,6 +48,7 @@ mod weights;
 mod worker;
 
 pub use args::Args;
+pub use sections::{WakeProbe, wake_probe};
 pub use worker::{WorkerArgs, worker};
 
 use plan::{Plan, Reps};

@@ -86,6 +86,34 @@ fn info_json_without_a_driver_is_json() {
     assert!(v["environment"]["notes"].is_array());
 }
 
+/// `info` measures this machine's wake-up floor (no GPU needed): the JSON
+/// has both medians, the text says them.
+#[test]
+fn info_reports_the_machines_wake_up_floor() {
+    let o = cuda_ipc(&["info", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let wake = &v["environment"]["wake"];
+    assert_eq!(wake["idle_ms"], 1.0, "{wake}");
+    assert_eq!(wake["samples"], 21, "{wake}");
+    assert!(wake["asleep"].as_u64().is_some_and(|n| n <= 21), "{wake}");
+    for key in ["asleep_p50_ms", "spinning_p50_ms"] {
+        let ms = wake[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key}: {wake}"));
+        assert!(ms > 0.0 && ms < 1000.0, "{key}: {wake}");
+    }
+    let o = cuda_ipc(&["info"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("wake-up:"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        line.contains("reaches a thread asleep for 1 ms in") && line.contains("p50 of 21"),
+        "{line}"
+    );
+}
+
 #[test]
 fn info_reports_containers_namespaces_and_pidfd_getfd() {
     let o = cuda_ipc(&["info", "--json"]);

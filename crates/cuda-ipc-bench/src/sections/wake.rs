@@ -214,35 +214,105 @@ pub(super) fn wake_rows(
     (rows, notes)
 }
 
+/// One notice of [`rounds`]: the write's clock and the reader's
+/// (CLOCK_MONOTONIC, ns), whether the write woke the reader through its
+/// eventfd, and how many times the reader slept for it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Round {
+    pub(crate) t0: u64,
+    pub(crate) t_wake: u64,
+    pub(crate) woke: bool,
+    pub(crate) slept: u64,
+}
+
+/// The same notices between two threads of this process: a reader opened
+/// from the descriptors [`WakeRig::make`] hands out waits (spinning up to
+/// `spin` first), and `n` notices are written, each after `idle`.
+pub(crate) fn rounds(spin: Duration, idle: Duration, n: usize) -> Result<Vec<Round>, Error> {
+    let (mut rig, [memfd, wake_self, wake_peer]) = WakeRig::make()?;
+    let mut reader = crate::worker::wake::Wake::open(&memfd, wake_self, wake_peer, MIN_CAPACITY)?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("cuda-ipc-wake-probe".into())
+        .spawn(move || {
+            for _ in 0..n {
+                let got = reader.wait(spin);
+                let failed = got.is_err();
+                if tx.send(got).is_err() || failed {
+                    return;
+                }
+            }
+        })
+        .map_err(|e| shm_failure("starting the reader thread", e))?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        std::thread::sleep(idle);
+        let (t0, _, woke) = rig.notify()?;
+        let (t_wake, slept) = rx
+            .recv()
+            .map_err(|_| shm_failure("the reader thread", "it ended early"))??;
+        out.push(Round {
+            t0,
+            t_wake,
+            woke,
+            slept,
+        });
+    }
+    let _ = thread.join();
+    Ok(out)
+}
+
+/// What [`probe`] found: a notice through shared memory between two
+/// threads of this process, p50 ms, to a reader asleep after `idle_ms` and
+/// to one spinning.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct WakeProbe {
+    /// The idle time before each notice, ms.
+    pub idle_ms: f64,
+    /// Notices per reader.
+    pub samples: usize,
+    /// Write to return of a reader that slept in `poll(2)`, p50 ms.
+    pub asleep_p50_ms: f64,
+    /// Of those notices, how many found the reader asleep (the others
+    /// came before it slept: a late thread).
+    pub asleep: usize,
+    /// Write to return of a reader that spun on the ring, p50 ms.
+    pub spinning_p50_ms: f64,
+}
+
+/// The machine's wake-up floor measured in this process (no GPU, about
+/// `n * 2 * idle`): `n` notices to a reader that sleeps at once and `n` to
+/// one that spins, each after `idle`.
+pub fn probe(idle: Duration, n: usize) -> Result<WakeProbe, Error> {
+    // The median of the rounds, and how many found the reader asleep.
+    let measure = |spin: Duration| -> Result<(f64, usize), Error> {
+        let rounds = rounds(spin, idle, n)?;
+        let mut ms: Vec<f64> = rounds.iter().map(|r| ns_to_ms(r.t0, r.t_wake)).collect();
+        ms.sort_by(f64::total_cmp);
+        let asleep = rounds.iter().filter(|r| r.woke && r.slept == 1).count();
+        Ok((crate::stats::percentile(&ms, 0.5), asleep))
+    };
+    let (asleep_p50_ms, asleep) = measure(Duration::ZERO)?;
+    let (spinning_p50_ms, _) = measure(idle + Duration::from_micros(SPIN_SLACK_US))?;
+    Ok(WakeProbe {
+        idle_ms: idle.as_secs_f64() * 1e3,
+        samples: n,
+        asleep_p50_ms,
+        asleep,
+        spinning_p50_ms,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::wake::Wake;
 
-    /// A reader in another thread, opened from the fds `make` hands out,
-    /// and `rounds` notices after `idle` each: per notice the write's
-    /// clock, the reader's, whether the write woke it and how often it
-    /// slept.
-    fn rounds(spin: Duration, idle: Duration, rounds: usize) -> Vec<(u64, u64, bool, u64)> {
-        let (mut rig, [memfd, wake_self, wake_peer]) = WakeRig::make().unwrap();
-        let mut reader = Wake::open(&memfd, wake_self, wake_peer, MIN_CAPACITY).unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let t = std::thread::spawn(move || {
-            for _ in 0..rounds {
-                tx.send(reader.wait(spin).unwrap()).unwrap();
-            }
-        });
-        let out = (0..rounds)
-            .map(|_| {
-                std::thread::sleep(idle);
-                let (t0, t_sent, woke) = rig.notify().unwrap();
-                assert!(t_sent >= t0);
-                let (t_wake, slept) = rx.recv().unwrap();
-                (t0, t_wake, woke, slept)
-            })
-            .collect();
-        t.join().unwrap();
-        out
+    fn rounds(spin: Duration, idle: Duration, n: usize) -> Vec<(u64, u64, bool, u64)> {
+        super::rounds(spin, idle, n)
+            .unwrap()
+            .into_iter()
+            .map(|r| (r.t0, r.t_wake, r.woke, r.slept))
+            .collect()
     }
 
     #[test]
@@ -281,5 +351,17 @@ mod tests {
         assert_eq!(wake_variant(true, 10_000), "asleep, 10 ms idle");
         assert_eq!(wake_variant(false, SPIN_IDLE_US), "spinning, 1 ms idle");
         assert_eq!(crate::report::WAKE_ROWS, 4);
+    }
+
+    #[test]
+    fn the_probe_gives_both_medians() {
+        let p = probe(Duration::from_millis(2), 5).unwrap();
+        assert_eq!((p.idle_ms, p.samples), (2.0, 5));
+        assert!(p.asleep >= 3, "{p:?}");
+        assert!(p.asleep_p50_ms > 0.0 && p.asleep_p50_ms < 1000.0, "{p:?}");
+        assert!(
+            p.spinning_p50_ms >= 0.0 && p.spinning_p50_ms < 1000.0,
+            "{p:?}"
+        );
     }
 }

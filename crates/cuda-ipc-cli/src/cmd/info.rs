@@ -360,6 +360,11 @@ pub fn probe_open(args: &ProbeOpenArgs) -> Result<Outcome, Error> {
     Ok(Outcome::Ok)
 }
 
+/// The idle time before each notice of the wake-up probe.
+const WAKE_IDLE: std::time::Duration = std::time::Duration::from_millis(1);
+/// Notices per reader of the wake-up probe (about 50 ms in all).
+const WAKE_SAMPLES: usize = 21;
+
 /// What in this environment affects sharing, each with its consequence.
 fn environment() -> Value {
     let read = |p: &str| {
@@ -414,9 +419,14 @@ fn environment() -> Value {
         );
     }
     let mps = cuda_ipc_bench::mps::detect();
+    let wake = match cuda_ipc_bench::wake_probe(WAKE_IDLE, WAKE_SAMPLES) {
+        Ok(p) => json!(p),
+        Err(e) => json!({ "error": e.to_string() }),
+    };
     json!({
         "mps": mps,
         "mps_text": mps.describe(),
+        "wake": wake,
         "uid": rustix::process::getuid().as_raw(),
         "pid": std::process::id(),
         "wsl": wsl,
@@ -470,6 +480,24 @@ fn print_environment(env: &Value) -> Result<(), Error> {
         .unwrap_or_default();
     outln!("  namespaces: {}", namespaces.join(", "))?;
     outln!("  MPS: {}", env["mps_text"].as_str().unwrap_or("?"))?;
+    let wake = &env["wake"];
+    match (
+        wake["asleep_p50_ms"].as_f64(),
+        wake["spinning_p50_ms"].as_f64(),
+    ) {
+        (Some(asleep), Some(spinning)) => outln!(
+            "  wake-up: a notice through shared memory reaches a thread asleep for {} ms in \
+             {asleep:.4} ms (p50 of {}), one spinning in {spinning:.4} ms: every update or ring frame \
+             to a consumer that waits asleep pays at least the first here (`cuda-ipc bench` \
+             measures it between two processes, in its driver floor section)",
+            wake["idle_ms"].as_f64().unwrap_or(f64::NAN),
+            wake["samples"]
+        )?,
+        _ => outln!(
+            "  wake-up: not measured ({})",
+            wake["error"].as_str().unwrap_or("?")
+        )?,
+    }
     outln!(
         "  what MPS changes: {} (`cuda-ipc bench --mps` and `demo --stream --mps` measure it \
          with a private daemon)",
