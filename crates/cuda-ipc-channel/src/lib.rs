@@ -77,8 +77,8 @@ mod spin;
 pub mod wire;
 
 pub use client::{
-    Attachment, Client, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, NoticeStats,
-    RingAttachment, SPIN_ENV, Update,
+    Attachment, Client, ClientConfig, DEFAULT_SPIN, FrameNotice, IDLE_TICK_ENV, Notice,
+    NoticeStats, RingAttachment, SPIN_ENV, Update,
 };
 pub use deadline::deadline_in;
 pub use limits::{

@@ -18,13 +18,7 @@ pub(crate) fn spin_from_env(var: &str, env: Option<&str>, default: Duration) -> 
     let Some(text) = env else {
         return default;
     };
-    let digits = text.trim();
-    let parsed = if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
-        digits.parse::<u64>().ok()
-    } else {
-        None
-    };
-    match parsed {
+    match env_micros(text) {
         Some(us) if us <= MAX_ENV_SPIN_US => Duration::from_micros(us),
         Some(us) => {
             tracing::warn!(
@@ -42,6 +36,41 @@ pub(crate) fn spin_from_env(var: &str, env: Option<&str>, default: Duration) -> 
                 default.as_micros()
             );
             default
+        }
+    }
+}
+
+/// A number of microseconds from an environment variable's `text`: only
+/// decimal digits (spaces around allowed); `None` for anything else.
+pub(crate) fn env_micros(text: &str) -> Option<u64> {
+    let digits = text.trim();
+    if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+        digits.parse::<u64>().ok()
+    } else {
+        None
+    }
+}
+
+/// An idle tick from the environment variable `var` whose value is `env`
+/// (see [`ClientConfig::idle_tick`](crate::ClientConfig::idle_tick)):
+/// unset, empty or `0` is none; else decimal digits, a number of
+/// microseconds from 10 to [`MAX_ENV_SPIN_US`]; anything else is none,
+/// with a warning saying why.
+pub(crate) fn idle_tick_from_env(var: &str, env: Option<&str>) -> Option<Duration> {
+    let text = env?;
+    if text.trim().is_empty() {
+        return None;
+    }
+    let min = cuda_ipc_shm::MIN_IDLE_TICK.as_micros() as u64;
+    match env_micros(text) {
+        Some(0) => None,
+        Some(us) if (min..=MAX_ENV_SPIN_US).contains(&us) => Some(Duration::from_micros(us)),
+        _ => {
+            tracing::warn!(
+                "{var}={text:?} is not an idle tick: a number of microseconds from {min} to \
+                 {MAX_ENV_SPIN_US} (digits only), or 0 for none; waits sleep without one"
+            );
+            None
         }
     }
 }

@@ -64,7 +64,7 @@ mod map;
 mod ring;
 
 use map::Mapping;
-pub use ring::{Kicker, Ready, Receiver, Sender};
+pub use ring::{Kicker, MIN_IDLE_TICK, Ready, Receiver, Sender};
 
 /// The default data capacity of each ring: 64 KiB.
 pub const DEFAULT_CAPACITY: usize = 64 * 1024;

@@ -251,6 +251,89 @@ fn a_sleeping_consumer_is_woken_by_the_eventfd() {
     assert_eq!(buf, b"wake up");
 }
 
+/// With an idle tick, a sleeping wait wakes itself every tick and sleeps
+/// again (each a sleep), and still takes the record at once; without
+/// one it sleeps once. The tick does not end the wait early: a wait with
+/// a deadline and no record times out at the deadline.
+#[test]
+fn an_idle_tick_wakes_the_sleeper_and_it_sleeps_again() {
+    let Pair {
+        creator: (mut tx, _),
+        opener: (_, mut rx),
+        memfd: _memfd,
+    } = pair(MIN_CAPACITY);
+    rx.set_idle_tick(Some(Duration::from_millis(2)));
+    let t = std::thread::spawn(move || {
+        let r = rx.wait(
+            Duration::ZERO,
+            Some(Instant::now() + Duration::from_secs(10)),
+            None,
+        );
+        let mut buf = Vec::new();
+        assert!(rx.recv(&mut buf).unwrap());
+        // No record now: the ticks run until the deadline, then it times out.
+        let started = Instant::now();
+        let late = rx.wait(
+            Duration::ZERO,
+            Some(Instant::now() + Duration::from_millis(30)),
+            None,
+        );
+        (
+            r.unwrap(),
+            rx.sleeps(),
+            buf,
+            late.unwrap(),
+            started.elapsed(),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(tx.send(b"tick").unwrap());
+    let (ready, sleeps, buf, late, took) = t.join().unwrap();
+    assert_eq!((ready, buf.as_slice()), (Ready::Ring, &b"tick"[..]));
+    // About 50 ticks in 100 ms, and about 15 more in the 30 ms wait; a
+    // loaded machine may run fewer.
+    assert!(sleeps >= 10, "{sleeps} sleeps");
+    assert_eq!(late, Ready::Timeout);
+    assert!(
+        took >= Duration::from_millis(30),
+        "timed out after {took:?}"
+    );
+}
+
+#[test]
+fn an_idle_tick_is_at_least_the_minimum_and_zero_is_none() {
+    let Pair {
+        creator: (mut tx, _),
+        opener: (_, mut rx),
+        memfd: _memfd,
+    } = pair(MIN_CAPACITY);
+    // Zero is no tick: one sleep until the record.
+    rx.set_idle_tick(Some(Duration::ZERO));
+    let t = std::thread::spawn(move || {
+        rx.wait(Duration::ZERO, None, None).unwrap();
+        let once = rx.sleeps();
+        // A 1 ns tick is raised to the minimum: a 20 ms wait sleeps at most
+        // 20 ms / MIN_IDLE_TICK times, not millions.
+        rx.set_idle_tick(Some(Duration::from_nanos(1)));
+        let mut buf = Vec::new();
+        assert!(rx.recv(&mut buf).unwrap());
+        let before = rx.sleeps();
+        let r = rx.wait(
+            Duration::ZERO,
+            Some(Instant::now() + Duration::from_millis(20)),
+            None,
+        );
+        (once, rx.sleeps() - before, r.unwrap())
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(tx.send(b"x").unwrap());
+    let (once, ticks, r) = t.join().unwrap();
+    assert_eq!(once, 1);
+    assert_eq!(r, Ready::Timeout);
+    let most = (Duration::from_millis(20).as_micros() / MIN_IDLE_TICK.as_micros()) as u64 + 2;
+    assert!(ticks >= 2 && ticks <= most, "{ticks} sleeps in 20 ms");
+}
+
 #[test]
 fn a_spinning_consumer_needs_no_wake_up() {
     let Pair {

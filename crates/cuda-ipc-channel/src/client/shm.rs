@@ -217,6 +217,7 @@ impl ClientShm {
         capacity: Option<u32>,
         requests: bool,
         fds: Vec<OwnedFd>,
+        idle_tick: Option<Duration>,
     ) -> Result<Option<ClientShm>, ChannelError> {
         let Some(capacity) = capacity else {
             if requests {
@@ -231,7 +232,8 @@ impl ClientShm {
                 "the server granted shared-memory notices this client did not ask for",
             ));
         }
-        let (acks, notices) = client_rings(fds, capacity)?;
+        let (acks, mut notices) = client_rings(fds, capacity)?;
+        notices.set_idle_tick(idle_tick);
         Ok(Some(ClientShm::new(acks, notices, requests)))
     }
 }

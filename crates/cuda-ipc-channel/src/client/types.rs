@@ -7,7 +7,7 @@ use serde_json::Value;
 
 use crate::notices::{NoticePath, notice_path_from_env};
 use crate::own_uid;
-use crate::spin::spin_from_env;
+use crate::spin::{idle_tick_from_env, spin_from_env};
 
 /// How a [`Client`](super::Client) connects.
 #[derive(Clone, Debug)]
@@ -33,6 +33,16 @@ pub struct ClientConfig {
     /// default from [`NOTICES_ENV`](crate::NOTICES_ENV), else
     /// [`NoticePath::Shm`]. The server may say no.
     pub notices: NoticePath,
+    /// While a wait for a notice sleeps (after its spin), it wakes itself
+    /// this often and looks again (`None`, the default: it sleeps until
+    /// woken). On a virtual machine a processor idle for a millisecond or
+    /// more can take 0.1 ms or longer to run a woken thread again, one
+    /// idle a few tens of microseconds far less (`cuda-ipc info` measures
+    /// it): a tick of 20-50 µs keeps a waiting consumer's wake-up short,
+    /// at the cost of that many timer wake-ups a second while it waits.
+    /// Only notices through shared memory ([`NoticePath::Shm`]) tick. The
+    /// environment variable [`IDLE_TICK_ENV`] sets the default.
+    pub idle_tick: Option<Duration>,
 }
 
 /// How long a client polls for a message before it sleeps: about the
@@ -43,6 +53,10 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 /// The environment variable that sets the default spin in microseconds
 /// (`0`: sleep at once), for programs that do not set it themselves.
 pub const SPIN_ENV: &str = "CUDA_IPC_SPIN_US";
+
+/// The environment variable that sets the default idle tick in
+/// microseconds (see [`ClientConfig::idle_tick`]; `0` or unset: none).
+pub const IDLE_TICK_ENV: &str = "CUDA_IPC_IDLE_TICK_US";
 
 /// The default spin: [`SPIN_ENV`] if it holds only decimal digits, a
 /// number of microseconds up to 10,000 (10 ms), else [`DEFAULT_SPIN`]
@@ -58,6 +72,10 @@ impl Default for ClientConfig {
             allowed_server_uids: vec![own_uid()],
             spin: default_spin(std::env::var(SPIN_ENV).ok().as_deref()),
             notices: notice_path_from_env(),
+            idle_tick: idle_tick_from_env(
+                IDLE_TICK_ENV,
+                std::env::var(IDLE_TICK_ENV).ok().as_deref(),
+            ),
         }
     }
 }
@@ -74,6 +92,13 @@ impl ClientConfig {
     #[must_use]
     pub fn with_spin(mut self, spin: Duration) -> Self {
         self.spin = spin;
+        self
+    }
+
+    /// Sets the idle tick of a sleeping wait (see [`ClientConfig::idle_tick`]).
+    #[must_use]
+    pub fn with_idle_tick(mut self, tick: Option<Duration>) -> Self {
+        self.idle_tick = tick;
         self
     }
 
@@ -222,6 +247,29 @@ mod tests {
             "18446744073709551616",
         ] {
             assert_eq!(default_spin(Some(bad)), DEFAULT_SPIN, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_idle_tick_comes_from_the_environment_within_limits() {
+        let tick = |env| idle_tick_from_env(IDLE_TICK_ENV, env);
+        assert_eq!(tick(None), None);
+        assert_eq!(tick(Some("0")), None);
+        assert_eq!(tick(Some("")), None);
+        assert_eq!(tick(Some(" 50 ")), Some(Duration::from_micros(50)));
+        assert_eq!(tick(Some("10")), Some(Duration::from_micros(10)));
+        assert_eq!(tick(Some("10000")), Some(Duration::from_millis(10)));
+        for bad in [
+            "9",
+            "1",
+            "-1",
+            "+5",
+            "1.5",
+            "often",
+            "10001",
+            "18446744073709551616",
+        ] {
+            assert_eq!(tick(Some(bad)), None, "{bad:?}");
         }
     }
 }
