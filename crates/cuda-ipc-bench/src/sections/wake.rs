@@ -16,7 +16,7 @@ use cuda_ipc_shm::{Area, MIN_CAPACITY, Sender, Side, new_eventfd};
 use serde_json::json;
 
 use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns};
-use crate::report::{Row, SPIN_IDLE_US, WAKE_IDLE_US, WAKE_SERIES};
+use crate::report::{Row, SPIN_IDLE_US, WAKE_IDLE_US, WAKE_SERIES, WAKE_TICK_US};
 use crate::stats::ns_to_ms;
 
 use super::Ctx;
@@ -81,16 +81,18 @@ impl WakeRig {
     }
 
     /// One notice: the consumer told to wait (spinning up to `spin_us`
-    /// first), both idle for `idle`, then the clock from just before the
-    /// record's write to the consumer's return from its wait. Returns that,
-    /// the write alone (ms), and whether the write found it asleep.
+    /// first, then asleep, waking itself every `tick_us` if not 0), both
+    /// idle for `idle`, then the clock from just before the record's write
+    /// to the consumer's return from its wait. Returns that, the write
+    /// alone (ms), and whether the write found it asleep.
     fn sample(
         &mut self,
         w: &mut Worker,
         idle: Duration,
         spin_us: u64,
+        tick_us: u64,
     ) -> Result<(f64, f64, bool), Error> {
-        w.send(&json!({ "op": "wake_wait", "spin_us": spin_us }))?;
+        w.send(&json!({ "op": "wake_wait", "spin_us": spin_us, "tick_us": tick_us }))?;
         std::thread::sleep(idle);
         let (t0, t_sent, woke) = self.notify()?;
         let a = w.recv(REQUEST_TIMEOUT)?;
@@ -125,30 +127,58 @@ impl WakeRig {
     }
 }
 
-/// The variant of the row whose reader sleeps (`asleep`) or spins after
-/// `idle_us` of idleness.
-pub fn wake_variant(asleep: bool, idle_us: u64) -> String {
-    let how = if asleep { "asleep" } else { "spinning" };
-    format!("{how}, {} ms idle", idle_us as f64 / 1000.0)
+/// How the reader of a wake-up row waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum How {
+    /// It sleeps in `poll(2)` at once.
+    Asleep,
+    /// It sleeps, waking itself every so many µs
+    /// ([`ClientConfig::idle_tick`](cuda_ipc::channel::ClientConfig::idle_tick)).
+    Ticking(u64),
+    /// It polls the ring, no system call.
+    Spinning,
 }
 
-/// One row: `reps` notices after `idle_us` each, the reader asleep or
-/// spinning.
+/// The rows: how the reader waits, and the idle time before each notice, µs.
+fn cases() -> impl Iterator<Item = (How, u64)> {
+    WAKE_IDLE_US.iter().map(|us| (How::Asleep, *us)).chain([
+        (How::Ticking(WAKE_TICK_US), SPIN_IDLE_US),
+        (How::Spinning, SPIN_IDLE_US),
+    ])
+}
+
+/// The variant of the row whose reader waits `how` after `idle_us` of
+/// idleness.
+pub fn wake_variant(how: How, idle_us: u64) -> String {
+    let ms = |us: u64| us as f64 / 1000.0;
+    let how = match how {
+        How::Asleep => "asleep".to_string(),
+        How::Ticking(tick) => format!("asleep with a {} ms tick", ms(tick)),
+        How::Spinning => "spinning".to_string(),
+    };
+    format!("{how}, {} ms idle", ms(idle_us))
+}
+
+/// One row: `reps` notices after `idle_us` each, the reader waiting `how`.
 fn wake_row(
     ctx: &Ctx<'_>,
     rig: &mut WakeRig,
     w: &mut Worker,
-    asleep: bool,
+    how: How,
     idle_us: u64,
 ) -> (Row, Option<String>) {
     let reps = ctx.plan.reps_small;
-    let variant = wake_variant(asleep, idle_us);
+    let variant = wake_variant(how, idle_us);
     let mut row = Row::new(WAKE_SERIES, "ms").variant(&variant);
-    let spin_us = if asleep { 0 } else { idle_us + SPIN_SLACK_US };
+    let (spin_us, tick_us) = match how {
+        How::Asleep => (0, 0),
+        How::Ticking(tick) => (0, tick),
+        How::Spinning => (idle_us + SPIN_SLACK_US, 0),
+    };
     let (mut one_way, mut write) = (Vec::new(), Vec::new());
     let mut slept = 0usize;
     for i in 0..reps.total() {
-        match rig.sample(w, Duration::from_micros(idle_us), spin_us) {
+        match rig.sample(w, Duration::from_micros(idle_us), spin_us, tick_us) {
             Ok((t, s, woke)) if i >= reps.warmup => {
                 one_way.push(t);
                 write.push(s);
@@ -162,12 +192,21 @@ fn wake_row(
         }
     }
     let n = one_way.len();
-    // A sleeping reader must have slept every time, a spinning one never.
-    let odd = if asleep { n - slept } else { slept };
+    // A sleeping reader must have slept every time, a spinning one never
+    // (a ticking one is awake between ticks now and then).
+    let odd = match how {
+        How::Asleep => n - slept,
+        How::Spinning => slept,
+        How::Ticking(_) => 0,
+    };
     let note = (odd > 0 && row.error.is_none()).then(|| {
         format!(
             "wake {variant}: the reader was {} in {odd} of {n} samples",
-            if asleep { "awake" } else { "asleep" }
+            if how == How::Asleep {
+                "awake"
+            } else {
+                "asleep"
+            }
         )
     });
     (
@@ -184,18 +223,14 @@ pub(super) fn wake_rows(
     server: &channel::Server,
     w: &mut Worker,
 ) -> (Vec<Row>, Vec<String>) {
-    let cases = WAKE_IDLE_US
-        .iter()
-        .map(|us| (true, *us))
-        .chain([(false, SPIN_IDLE_US)]);
     let mut wake = match WakeRig::new(server, w) {
         Ok(x) => x,
         Err(e) => {
-            let rows = cases
-                .map(|(asleep, us)| {
+            let rows = cases()
+                .map(|(how, us)| {
                     ctx.progress.done();
                     Row::new(WAKE_SERIES, "ms")
-                        .variant(wake_variant(asleep, us))
+                        .variant(wake_variant(how, us))
                         .failed(format!("setting up: {e}"))
                 })
                 .collect();
@@ -203,10 +238,10 @@ pub(super) fn wake_rows(
         }
     };
     let (mut rows, mut notes) = (Vec::new(), Vec::new());
-    for (asleep, us) in cases {
+    for (how, us) in cases() {
         ctx.progress
-            .step(&format!("driver floor: {}", wake_variant(asleep, us)));
-        let (row, note) = wake_row(ctx, &mut wake, w, asleep, us);
+            .step(&format!("driver floor: {}", wake_variant(how, us)));
+        let (row, note) = wake_row(ctx, &mut wake, w, how, us);
         rows.push(row);
         notes.extend(note);
         ctx.progress.done();
@@ -236,7 +271,7 @@ pub(crate) fn rounds(spin: Duration, idle: Duration, n: usize) -> Result<Vec<Rou
         .name("cuda-ipc-wake-probe".into())
         .spawn(move || {
             for _ in 0..n {
-                let got = reader.wait(spin);
+                let got = reader.wait(spin, None);
                 let failed = got.is_err();
                 if tx.send(got).is_err() || failed {
                     return;
@@ -347,10 +382,18 @@ mod tests {
 
     #[test]
     fn wake_rows_are_named_by_how_the_reader_waits_and_the_idle_time() {
-        assert_eq!(wake_variant(true, 100), "asleep, 0.1 ms idle");
-        assert_eq!(wake_variant(true, 10_000), "asleep, 10 ms idle");
-        assert_eq!(wake_variant(false, SPIN_IDLE_US), "spinning, 1 ms idle");
-        assert_eq!(crate::report::WAKE_ROWS, 4);
+        assert_eq!(wake_variant(How::Asleep, 100), "asleep, 0.1 ms idle");
+        assert_eq!(wake_variant(How::Asleep, 10_000), "asleep, 10 ms idle");
+        assert_eq!(
+            wake_variant(How::Ticking(50), 1_000),
+            "asleep with a 0.05 ms tick, 1 ms idle"
+        );
+        assert_eq!(
+            wake_variant(How::Spinning, SPIN_IDLE_US),
+            "spinning, 1 ms idle"
+        );
+        assert_eq!(cases().count() as u64, crate::report::WAKE_ROWS);
+        assert_eq!(crate::report::WAKE_ROWS, 5);
     }
 
     #[test]
