@@ -223,6 +223,20 @@ proptest! {
     }
 }
 
+/// Waits (no spin, up to 10 s) for the next record and takes it.
+fn sleep_for_record(rx: &mut Receiver) -> (Ready, Vec<u8>) {
+    let r = rx
+        .wait(
+            Duration::ZERO,
+            Some(Instant::now() + Duration::from_secs(10)),
+            None,
+        )
+        .unwrap();
+    let mut buf = Vec::new();
+    assert!(rx.recv(&mut buf).unwrap());
+    (r, buf)
+}
+
 #[test]
 fn a_sleeping_consumer_is_woken_by_the_eventfd() {
     let Pair {
@@ -232,14 +246,8 @@ fn a_sleeping_consumer_is_woken_by_the_eventfd() {
     } = pair(MIN_CAPACITY);
     let t = std::thread::spawn(move || {
         let started = Instant::now();
-        let r = rx.wait(
-            Duration::ZERO,
-            Some(Instant::now() + Duration::from_secs(10)),
-            None,
-        );
-        let mut buf = Vec::new();
-        assert!(rx.recv(&mut buf).unwrap());
-        (r.unwrap(), started.elapsed(), rx.sleeps(), buf)
+        let (r, buf) = sleep_for_record(&mut rx);
+        (r, started.elapsed(), rx.sleeps(), buf)
     });
     std::thread::sleep(Duration::from_millis(100));
     assert!(tx.send(b"wake up").unwrap());
@@ -264,13 +272,7 @@ fn an_idle_tick_wakes_the_sleeper_and_it_sleeps_again() {
     } = pair(MIN_CAPACITY);
     rx.set_idle_tick(Some(Duration::from_millis(2)));
     let t = std::thread::spawn(move || {
-        let r = rx.wait(
-            Duration::ZERO,
-            Some(Instant::now() + Duration::from_secs(10)),
-            None,
-        );
-        let mut buf = Vec::new();
-        assert!(rx.recv(&mut buf).unwrap());
+        let (r, buf) = sleep_for_record(&mut rx);
         // No record now: the ticks run until the deadline, then it times out.
         let started = Instant::now();
         let late = rx.wait(
@@ -278,13 +280,7 @@ fn an_idle_tick_wakes_the_sleeper_and_it_sleeps_again() {
             Some(Instant::now() + Duration::from_millis(30)),
             None,
         );
-        (
-            r.unwrap(),
-            rx.sleeps(),
-            buf,
-            late.unwrap(),
-            started.elapsed(),
-        )
+        (r, rx.sleeps(), buf, late.unwrap(), started.elapsed())
     });
     std::thread::sleep(Duration::from_millis(100));
     assert!(tx.send(b"tick").unwrap());
