@@ -255,8 +255,8 @@ impl Receiver {
 
     /// Makes a sleeping [`wait`](Self::wait) wake itself every `tick` (at
     /// least [`MIN_IDLE_TICK`]; `None` or zero: never) and look again
-    /// before it sleeps on. A CPU that sleeps that briefly stays out of a
-    /// deep idle state: on a virtual machine whose processor, idle a
+    /// before it sleeps on, so that its CPU can stay out of a deep idle
+    /// state: on a virtual machine whose processor, idle a
     /// millisecond, takes about 0.14 ms to run a woken thread again, one
     /// idle under 0.1 ms takes about 0.004 ms (both measured on an H200
     /// machine, `docs/PERFORMANCE.md`), at the cost of one timer wake-up

@@ -38,8 +38,11 @@ pub struct ClientConfig {
     /// woken). On a virtual machine a processor idle for a millisecond or
     /// more can take 0.1 ms or longer to run a woken thread again, one
     /// idle a few tens of microseconds far less (`cuda-ipc info` measures
-    /// it): a tick of 20-50 µs keeps a waiting consumer's wake-up short,
-    /// at the cost of that many timer wake-ups a second while it waits.
+    /// it): a tick of a few tens of µs can shorten a waiting consumer's
+    /// wake-up, at the cost of that many timer wake-ups a second while it
+    /// waits (on one H200 machine a 50 µs tick shortened the bare wake-up
+    /// after 1 ms idle by about a third and cost 7.8 % of a processor, and
+    /// the update rows did not move: `docs/PERFORMANCE.md`).
     /// Only notices through shared memory ([`NoticePath::Shm`]) tick. The
     /// environment variable [`IDLE_TICK_ENV`] sets the default.
     pub idle_tick: Option<Duration>,

@@ -52,7 +52,7 @@ pub struct SubscriberConfig {
     /// While a wait for an update or a ring frame sleeps, it wakes itself
     /// this often ([`ClientConfig::idle_tick`](crate::channel::ClientConfig::idle_tick):
     /// none by default, or `CUDA_IPC_IDLE_TICK_US` microseconds), which
-    /// keeps the consumer's processor out of a deep idle state.
+    /// can keep the consumer's processor out of a deep idle state.
     pub idle_tick: Option<Duration>,
     /// How this subscriber maps what it attaches ([`Access::ReadWrite`] by
     /// default). [`Access::ReadOnly`] maps every buffer, set and ring slot
