@@ -33,6 +33,7 @@ use cuda_ipc::{Device, Error};
 
 mod args;
 mod first_attach;
+pub mod idle;
 pub mod lines;
 pub mod mps;
 pub mod namespaces;
@@ -137,6 +138,7 @@ fn new_report(plan: &Plan) -> Report {
         sections: Vec::new(),
         mps: None,
         awake_us: lines::awake_spin().as_micros() as u64,
+        idle: Some(idle::IdleStates::read()),
         targets: Vec::new(),
     }
 }

@@ -114,6 +114,28 @@ fn info_reports_the_machines_wake_up_floor() {
     );
 }
 
+/// `info` says how this machine's processors idle (what a sleeping
+/// consumer's wake-up pays): the JSON holds what the kernel lists here, the
+/// text the same description.
+#[test]
+fn info_reports_how_the_processors_idle() {
+    let o = cuda_ipc(&["info", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let env = &v["environment"];
+    let idle: cuda_ipc_bench::idle::IdleStates =
+        serde_json::from_value(env["idle"].clone()).expect("the idle states");
+    assert_eq!(idle, cuda_ipc_bench::idle::IdleStates::read(), "{env}");
+    let text = env["idle_text"].as_str().expect("idle_text");
+    assert_eq!(text, idle.describe());
+    let o = cuda_ipc(&["info"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("idle processors:"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(line.ends_with(text), "{line}");
+}
+
 #[test]
 fn info_reports_containers_namespaces_and_pidfd_getfd() {
     let o = cuda_ipc(&["info", "--json"]);

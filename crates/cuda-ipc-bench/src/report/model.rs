@@ -456,6 +456,11 @@ pub struct Report {
     /// once, the default).
     #[serde(skip_serializing_if = "is_zero", default)]
     pub awake_us: u64,
+    /// How this machine's processors idle, which a sleeping consumer's
+    /// wake-up pays for (read when the run started; absent in reports
+    /// written before it was kept).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub idle: Option<crate::idle::IdleStates>,
     /// Every target and its verdict.
     pub targets: Vec<TargetCheck>,
 }

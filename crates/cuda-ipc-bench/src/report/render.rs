@@ -612,5 +612,8 @@ fn render_targets(r: &Report, out: &mut String) {
     );
     if let Some(line) = super::targets::wake_floor_line(r) {
         let _ = writeln!(out, "{line}");
+        if let Some(idle) = &r.idle {
+            let _ = writeln!(out, "Idle processors here: {}.", idle.describe());
+        }
     }
 }

@@ -235,6 +235,7 @@ pub(crate) fn synthetic() -> Report {
         elapsed_s: 42.0,
         mps: None,
         awake_us: 0,
+        idle: None,
         sections: vec![
             fresh, arena, cached, floor, bw, peer, ring, sync, scale, sets, torch,
         ],
@@ -816,6 +817,17 @@ fn the_wake_up_floor_has_its_own_table_and_a_line_under_the_targets() {
     );
     let targets_at = text.rfind("Targets").unwrap();
     assert!(text[targets_at..].contains(&line), "{text}");
+    // The run's idle states follow the line, when it kept them.
+    assert!(!text.contains("Idle processors here"), "{text}");
+    let idle = crate::idle::IdleStates {
+        virtualised: Some(true),
+        driver: Some("none".into()),
+        ..Default::default()
+    };
+    r.idle = Some(idle.clone());
+    let text = render(&r);
+    let after = format!("{line}\nIdle processors here: {}.\n", idle.describe());
+    assert!(text.contains(&after), "{text}");
     // The floor's mechanism rows keep their own table, without the wake rows.
     let first_table = &table[..table.find("wake-up").unwrap()];
     assert!(!first_table.contains("wake asleep"), "{first_table}");
@@ -826,4 +838,5 @@ fn the_wake_up_floor_has_its_own_table_and_a_line_under_the_targets() {
     }
     assert_eq!(targets::wake_floor_line(&r), None);
     assert!(!render(&r).contains("Wake-up floor"));
+    assert!(!render(&r).contains("Idle processors here"));
 }

@@ -423,10 +423,13 @@ fn environment() -> Value {
         Ok(p) => json!(p),
         Err(e) => json!({ "error": e.to_string() }),
     };
+    let idle = cuda_ipc_bench::idle::IdleStates::read();
     json!({
         "mps": mps,
         "mps_text": mps.describe(),
         "wake": wake,
+        "idle_text": idle.describe(),
+        "idle": idle,
         "uid": rustix::process::getuid().as_raw(),
         "pid": std::process::id(),
         "wsl": wsl,
@@ -498,6 +501,10 @@ fn print_environment(env: &Value) -> Result<(), Error> {
             wake["error"].as_str().unwrap_or("?")
         )?,
     }
+    outln!(
+        "  idle processors: {}",
+        env["idle_text"].as_str().unwrap_or("?")
+    )?;
     outln!(
         "  what MPS changes: {} (`cuda-ipc bench --mps` and `demo --stream --mps` measure it \
          with a private daemon)",
