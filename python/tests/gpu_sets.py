@@ -12,6 +12,7 @@ ops (``sets_leases``, ``sets_release_sd``, ``sets_drop``, ``sets_close``)
 and Runner methods (``_sets_drop``, ``_sets_close``) too.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -445,6 +446,26 @@ class SetsCases:
         except Exception:
             pass
 
+    @contextlib.contextmanager
+    def _sets_published(self, op="sets_publish_sd", timeout=300, drop=("",), **publish):
+        """Workers a and b (both with torch), a having published by ``op``
+        (``**publish``) under a new case id: yields ``(a, b, case, answer)``.
+        If the body fails, b drops what it holds of the cases ``case +
+        suffix`` for each suffix of ``drop``; a closes the case either way."""
+        self.need("a", "torch")
+        self.need("b", "torch")
+        a, b = self.w("a"), self.w("b")
+        case = self.case_id()
+        r = a.call(op, case=case, timeout=timeout, **publish)
+        try:
+            yield a, b, case, r
+        except BaseException:
+            for suffix in drop:
+                self._sets_drop(b, case + suffix)
+            raise
+        finally:
+            self._sets_close(a, case)
+
     def _sets_updates_seen(self, a, b, case, op, arg, steps):
         """For each ``(version, how)`` of ``steps``: worker a's ``op``
         (``arg=how``) publishes the state dict's values at ``version``, and
@@ -460,52 +481,27 @@ class SetsCases:
                                 f"the subscriber {got}")
 
     def sets_state_dict(self, n):
-        self.need("a", "torch")
-        self.need("b", "torch")
-        a, b = self.w("a"), self.w("b")
-        case = self.case_id()
-        r = a.call("sets_publish_sd", case=case, n=n, timeout=300)
-        try:
+        with self._sets_published(n=n) as (a, b, case, r):
             got = b.call("sets_attach_sd", case=case, path=r["path"], n=n, version=0, timeout=300)
             a.call("sets_leases", case=case, want=1, name="model")
             b.call("sets_release_sd", case=case)
             a.call("sets_leases", case=case, want=0)
             a.call("sets_unpublish", case=case, name="model", wait=10)
-        except BaseException:
-            self._sets_drop(b, case)
-            raise
-        finally:
-            self._sets_close(a, case)
         return (f"{r['mechanism']}: {got['tensors']} tensors, {got['bytes'] / MIB:.1f} MiB, every value checked; "
                 f"publish {r['publish_ms']:.0f} ms (one copy warning; republishing the returned tensors copied "
                 f"none), attach {got['attach_ms']:.0f} ms")
 
     def sets_updates(self, n):
-        self.need("a", "torch")
-        self.need("b", "torch")
-        a, b = self.w("a"), self.w("b")
-        case = self.case_id()
-        r = a.call("sets_publish_sd", case=case, n=n, timeout=300)
-        try:
+        with self._sets_published(n=n) as (a, b, case, r):
             b.call("sets_attach_sd", case=case, path=r["path"], n=n, version=0, timeout=300)
             self._sets_updates_seen(a, b, case, "sets_update_sd", "mode",
                                     ((1, "inplace"), (2, "copy"), (3, "inplace")))
             b.call("sets_release_sd", case=case)
             a.call("sets_leases", case=case, want=0)
-        except BaseException:
-            self._sets_drop(b, case)
-            raise
-        finally:
-            self._sets_close(a, case)
         return f"{r['mechanism']}: 3 updates of {n} tensors (in place, copied in, in place) seen in order, every value checked"
 
     def sets_stream_order(self, n):
-        self.need("a", "torch")
-        self.need("b", "torch")
-        a, b = self.w("a"), self.w("b")
-        case = self.case_id()
-        r = a.call("sets_publish_sd", case=case, n=n, timeout=300)
-        try:
+        with self._sets_published(n=n, drop=("", "/again")) as (a, b, case, r):
             b.call("sets_attach_sd", case=case, path=r["path"], n=n, version=0, timeout=300)
             self._sets_updates_seen(a, b, case, "sets_update_queued", "how",
                                     ((1, "current"), (2, "copy"), (3, "side"), (4, "set")))
@@ -518,51 +514,29 @@ class SetsCases:
             b.call("sets_release_sd", case=case)
             a.call("sets_leases", case=case, want=0)
             a.call("sets_unpublish", case=case, name="again", wait=10)
-        except BaseException:
-            self._sets_drop(b, case)
-            self._sets_drop(b, case + "/again")
-            raise
-        finally:
-            self._sets_close(a, case)
         return (f"{r['mechanism']}: 4 updates and a publish of {n} tensors written behind a GPU sleep, each call "
                 f"returned with the writes still queued (PyTorch's current stream, copies, a side stream with "
                 f"update_state_dict and update_set(stream=)), every value checked by the subscriber")
 
     def sets_tied(self):
-        self.need("a", "torch")
-        self.need("b", "torch")
-        a, b = self.w("a"), self.w("b")
-        case = self.case_id()
-        r = a.call("sets_publish_tied", case=case, timeout=120)
-        try:
+        with self._sets_published("sets_publish_tied", timeout=120) as (a, b, case, r):
             got = b.call("sets_attach_tied", case=case, path=r["path"], timeout=120)
             a.call("sets_update_tied", case=case, version=1, timeout=120)
             b.call("sets_wait_tied", case=case, version=1, timeout=120)
             b.call("sets_release_sd", case=case)
             a.call("sets_leases", case=case, want=0)
-        except BaseException:
-            self._sets_drop(b, case)
-            raise
-        finally:
-            self._sets_close(a, case)
         return (f"{got['tensors']} tensors in {got['entries']} entries: the tied pair one tensor on both sides, "
                 f"overlapping slices copied apart, an update in place seen")
 
     def sets_kill9(self, n):
-        self.need("a", "torch")
-        self.need("b", "torch")
-        a, b = self.w("a"), self.w("b")
-        case = self.case_id()
-        r = a.call("sets_publish_sd", case=case, n=n, timeout=300)
-        try:
+        # b is killed: nothing of it to drop.
+        with self._sets_published(n=n, drop=()) as (a, b, case, r):
             b.call("sets_attach_sd", case=case, path=r["path"], n=n, version=0, hold="tensors", timeout=300)
             a.call("sets_leases", case=case, want=1, name="model")
             held = a.call("sets_leases", case=case, at_least=2)["leases"]
             b.kill()  # SIGKILL, tensors and all
             a.call("sets_leases", case=case, want=0)
             u = a.call("sets_unpublish", case=case, name="model", wait=10)
-        finally:
-            self._sets_close(a, case)
         return f"{held} leases (the set's and its chunks') ended; unpublish took {u['ms']:.1f} ms"
 
     def _serve_set(self, n, size):
