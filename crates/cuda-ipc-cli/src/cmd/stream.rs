@@ -146,6 +146,13 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         });
     }
     let outcome = print_report(&report, seq, seconds, args.frame_size, status.success())?;
+    // What the consumer's wake-up costs a lone frame here, measured now in
+    // this process (no GPU; about 2 x WAKE_SAMPLES x PACE).
+    let wake = cuda_ipc_bench::wake_probe(PACE, WAKE_SAMPLES);
+    outln!(
+        "  {}",
+        wake_line(wake.as_ref().map_err(ToString::to_string))
+    )?;
     outln!(
         "  {}",
         what_limits(waiting.as_secs_f64() / seconds.max(1e-9), mps)
@@ -239,6 +246,27 @@ fn run_under_mps() -> Result<Outcome, Error> {
         Some(c) => Outcome::Exit(u8::try_from(c).unwrap_or(crate::EXIT_FAILED)),
         None => Outcome::Exit(crate::EXIT_FAILED),
     })
+}
+
+/// Notices of the wake-up probe the report ends with.
+const WAKE_SAMPLES: usize = 21;
+
+/// What waking the consumer costs each lone frame on this machine: a
+/// notice to a thread asleep for [`PACE`] (as the consumer is between
+/// lone frames), and to one spinning.
+fn wake_line(probe: Result<&cuda_ipc_bench::WakeProbe, String>) -> String {
+    match probe {
+        Ok(p) => format!(
+            "a lone frame wakes the sleeping consumer: this machine wakes a thread asleep for \
+             {:.1} ms in {:.1} us (p50 of {}; one spinning in {:.1} us), part of each lone \
+             frame's latency above (`cuda-ipc info` says how its processors idle)",
+            p.idle_ms,
+            p.asleep_p50_ms * 1e3,
+            p.samples,
+            p.spinning_p50_ms * 1e3
+        ),
+        Err(e) => format!("the consumer's wake-up was not measured here: {e}"),
+    }
 }
 
 /// What limits the stream, from the share of the time the producer waited
@@ -538,6 +566,27 @@ mod tests {
         assert!(
             some.contains("checks one frame in 1024 and every lone one"),
             "{some}"
+        );
+    }
+
+    #[test]
+    fn the_wake_line_says_the_wake_up_and_its_idle_time() {
+        let p = cuda_ipc_bench::WakeProbe {
+            idle_ms: 0.5,
+            samples: 21,
+            asleep_p50_ms: 0.0312,
+            asleep: 21,
+            spinning_p50_ms: 0.0007,
+        };
+        let line = wake_line(Ok(&p));
+        assert!(
+            line.contains("asleep for 0.5 ms in 31.2 us (p50 of 21; one spinning in 0.7 us)"),
+            "{line}"
+        );
+        let failed = wake_line(Err("no eventfd".into()));
+        assert!(
+            failed.ends_with("not measured here: no eventfd"),
+            "{failed}"
         );
     }
 
