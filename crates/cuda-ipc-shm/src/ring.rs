@@ -215,6 +215,9 @@ pub struct Receiver {
     /// kickers).
     wake: Arc<OwnedFd>,
     sleeps: u64,
+    /// Wake-ups of the eventfd that found no record, no kick and nothing
+    /// on the other descriptor.
+    empty_wakes: u64,
     /// Set by a [`Kicker`], taken by a sleeping `wait`.
     kicked: Arc<AtomicBool>,
     /// While it sleeps, `wait` wakes itself this often ([`Receiver::set_idle_tick`]).
@@ -226,6 +229,7 @@ impl std::fmt::Debug for Receiver {
         f.debug_struct("Receiver")
             .field("tail", &self.tail)
             .field("sleeps", &self.sleeps)
+            .field("empty_wakes", &self.empty_wakes)
             .finish_non_exhaustive()
     }
 }
@@ -241,6 +245,22 @@ pub const MIN_IDLE_TICK: Duration = Duration::from_micros(10);
 /// at the ring (a `poll(2)` costs far more than a look).
 const POLL_EVERY: u32 = 4;
 
+/// Wake-ups of the eventfd that bring nothing, within one
+/// [`Receiver::wait`], before it stops sleeping on the eventfd. A producer
+/// following the protocol causes at most one per wait (a wake-up written
+/// for a record the wait took without sleeping, left in the counter); more
+/// is a peer writing the eventfd to make this thread run.
+pub const EMPTY_WAKES_TOLERATED: u32 = 8;
+
+/// Past [`EMPTY_WAKES_TOLERATED`], the wait sleeps on the other
+/// descriptor alone and looks at the ring after each nap: the first nap
+/// this long, each next one twice the last, up to [`IGNORED_NAP_MAX`].
+pub const IGNORED_NAP_MIN: Duration = Duration::from_millis(1);
+
+/// The longest nap of a wait that ignores its eventfd: the most a record
+/// from a peer that floods the eventfd waits before it is seen.
+pub const IGNORED_NAP_MAX: Duration = Duration::from_millis(16);
+
 impl Receiver {
     pub(crate) fn new(map: Arc<Mapping>, ring: usize, capacity: usize, wake: OwnedFd) -> Receiver {
         Receiver {
@@ -248,6 +268,7 @@ impl Receiver {
             tail: 0,
             wake: Arc::new(wake),
             sleeps: 0,
+            empty_wakes: 0,
             kicked: Arc::new(AtomicBool::new(false)),
             idle_tick: None,
         }
@@ -283,6 +304,12 @@ impl Receiver {
     /// How many times this receiver slept in `poll(2)`.
     pub fn sleeps(&self) -> u64 {
         self.sleeps
+    }
+
+    /// How many times its eventfd woke it with nothing to take: no record,
+    /// no kick, nothing on the other descriptor (see [`wait`](Self::wait)).
+    pub fn empty_wakes(&self) -> u64 {
+        self.empty_wakes
     }
 
     /// The eventfd this receiver sleeps on, for callers that poll it
@@ -350,6 +377,15 @@ impl Receiver {
     /// sleeps, ends the wait with [`Ready::Kicked`]; a spin takes a kick
     /// pending when it begins (it is awake already).
     ///
+    /// A peer can write the eventfd without a record, to make this thread
+    /// run. After [`EMPTY_WAKES_TOLERATED`] such wake-ups in one wait, the
+    /// wait stops polling the eventfd: it sleeps on `other` alone (or just
+    /// sleeps) in naps from [`IGNORED_NAP_MIN`] doubling to
+    /// [`IGNORED_NAP_MAX`], looking at the ring after each. The flood then
+    /// costs this thread a wake-up per nap, not per write, and a record
+    /// from such a peer waits up to one nap; a peer that follows the
+    /// protocol never gets there.
+    ///
     /// # References
     /// [poll(2)](https://man7.org/linux/man-pages/man2/poll.2.html),
     /// [eventfd(2)](https://man7.org/linux/man-pages/man2/eventfd.2.html).
@@ -381,6 +417,9 @@ impl Receiver {
             }
         }
         let flag = self.ring.field(W_SLEEPING);
+        // Empty wake-ups in this wait, and the nap while the eventfd is
+        // ignored.
+        let (mut empty, mut ignored_nap) = (0u32, Duration::ZERO);
         loop {
             flag.store(1, Ordering::Relaxed);
             // Pairs with the fence in `Sender::send`.
@@ -394,25 +433,34 @@ impl Receiver {
                 return Ok(Ready::Kicked);
             }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            let nap = match (left, self.idle_tick) {
-                (Some(l), Some(t)) => Some(l.min(t)),
-                (l, t) => l.or(t),
-            };
+            let ignoring = empty >= EMPTY_WAKES_TOLERATED;
+            if ignoring {
+                ignored_nap = (ignored_nap * 2).clamp(IGNORED_NAP_MIN, IGNORED_NAP_MAX);
+            }
+            let nap = [left, self.idle_tick, ignoring.then_some(ignored_nap)]
+                .into_iter()
+                .flatten()
+                .min();
             let timeout = nap.map(|d| {
                 Timespec::try_from(d).unwrap_or(Timespec {
                     tv_sec: i64::MAX,
                     tv_nsec: 0,
                 })
             });
-            let mut fds = vec![PollFd::new(&*self.wake, PollFlags::IN)];
+            let mut fds = Vec::with_capacity(2);
+            if !ignoring {
+                fds.push(PollFd::new(&*self.wake, PollFlags::IN));
+            }
             if let Some(o) = other {
                 fds.push(PollFd::from_borrowed_fd(o, PollFlags::IN));
             }
             self.sleeps += 1;
             let polled = poll(&mut fds, timeout.as_ref());
             flag.store(0, Ordering::Relaxed);
-            let woke = fds[0].revents().contains(PollFlags::IN);
-            let other_ready = fds.get(1).is_some_and(|f| !f.revents().is_empty());
+            let woke = !ignoring && fds[0].revents().contains(PollFlags::IN);
+            let other_ready = fds
+                .get(usize::from(!ignoring))
+                .is_some_and(|f| !f.revents().is_empty());
             drop(fds);
             match polled {
                 Ok(_) | Err(Errno::INTR) => {}
@@ -433,6 +481,10 @@ impl Receiver {
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(Ready::Timeout);
+            }
+            if woke {
+                empty += 1;
+                self.empty_wakes += 1;
             }
         }
     }

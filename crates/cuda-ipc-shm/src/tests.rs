@@ -493,3 +493,167 @@ fn a_spin_takes_a_pending_kick() {
     drop(rx);
     kicker.kick();
 }
+
+/// Writes `rx`'s eventfd every `every` from another thread until the
+/// returned flag is set, as a peer that wakes the consumer without
+/// records would; the thread returns how many writes it made.
+fn flood(
+    rx: &Receiver,
+    every: Duration,
+) -> (
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+    std::thread::JoinHandle<u64>,
+) {
+    let wake = rx.wake_fd().try_clone_to_owned().unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = std::sync::Arc::clone(&stop);
+    let t = std::thread::spawn(move || {
+        let mut writes = 0;
+        while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = rustix::io::write(&wake, &1u64.to_ne_bytes());
+            writes += 1;
+            std::thread::sleep(every);
+        }
+        writes
+    });
+    (stop, t)
+}
+
+/// A peer that writes the eventfd without records wakes a sleeping wait
+/// only [`EMPTY_WAKES_TOLERATED`] times; then the wait naps on, looking
+/// at the ring after each nap, so the flood costs a wake-up per nap, not
+/// per write. The wait still ends at its deadline.
+#[test]
+fn a_peer_that_wakes_without_records_is_ignored_after_a_few() {
+    let Pair {
+        creator: (_tx, _),
+        opener: (_, mut rx),
+        memfd: _memfd,
+    } = pair(MIN_CAPACITY);
+    let (stop, flooder) = flood(&rx, Duration::from_micros(20));
+    let started = Instant::now();
+    let r = rx
+        .wait(
+            Duration::ZERO,
+            Some(started + Duration::from_millis(300)),
+            None,
+        )
+        .unwrap();
+    let took = started.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let writes = flooder.join().unwrap();
+    assert_eq!(r, Ready::Timeout);
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    assert_eq!(rx.empty_wakes(), u64::from(EMPTY_WAKES_TOLERATED));
+    // 8 wake-ups, then naps of 1, 2, 4, 8 and 16 ms to the deadline:
+    // about 25 sleeps, where every write (thousands) woke it before.
+    assert!(
+        rx.sleeps() < 60,
+        "{} sleeps for {writes} writes",
+        rx.sleeps()
+    );
+    assert!(writes > 200, "the flood made only {writes} writes");
+}
+
+/// A record sent during such a flood is still taken, within a nap; the
+/// next wait starts trusting the eventfd again.
+#[test]
+fn a_record_during_a_flood_is_taken_within_a_nap() {
+    let Pair {
+        creator: (mut tx, _),
+        opener: (_, mut rx),
+        memfd: _memfd,
+    } = pair(MIN_CAPACITY);
+    let (stop, flooder) = flood(&rx, Duration::from_micros(20));
+    let t = std::thread::spawn(move || {
+        let (r, buf) = sleep_for_record(&mut rx);
+        (r, buf, Instant::now(), rx)
+    });
+    // Long enough for the wait to be napping at the longest nap.
+    std::thread::sleep(Duration::from_millis(150));
+    let sent = Instant::now();
+    assert!(tx.send(b"through the flood").unwrap());
+    let (r, buf, taken, mut rx) = t.join().unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    flooder.join().unwrap();
+    assert_eq!(
+        (r, buf.as_slice()),
+        (Ready::Ring, &b"through the flood"[..])
+    );
+    let late = taken.saturating_duration_since(sent);
+    assert!(
+        late < IGNORED_NAP_MAX + Duration::from_millis(100),
+        "taken {late:?} after it was sent"
+    );
+    assert!(rx.empty_wakes() >= u64::from(EMPTY_WAKES_TOLERATED));
+    // A well-behaved record later wakes a fresh wait through the eventfd.
+    let before = rx.empty_wakes();
+    let t = std::thread::spawn(move || {
+        let started = Instant::now();
+        let (r, buf) = sleep_for_record(&mut rx);
+        (r, buf, started.elapsed(), rx)
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(tx.send(b"after").unwrap());
+    let (r, buf, _, rx) = t.join().unwrap();
+    assert_eq!((r, buf.as_slice()), (Ready::Ring, &b"after"[..]));
+    // At most the one wake-up the flood left in the counter.
+    assert!(
+        rx.empty_wakes() <= before + 1,
+        "{} after {before}",
+        rx.empty_wakes()
+    );
+}
+
+/// Records that come one at a time, each with its wake-up (a ping-pong:
+/// each side sleeps until the other's record), never make a wait count
+/// more than the one stale wake-up the protocol allows, and are taken
+/// without a nap: a well-behaved producer never looks like a flood.
+#[test]
+fn a_well_behaved_producer_never_looks_like_a_flood() {
+    let Pair {
+        creator: (mut tx, mut echoes),
+        opener: (mut echo, mut rx),
+        memfd: _memfd,
+    } = pair(MIN_CAPACITY);
+    let n = 300;
+    let wait = |rx: &mut Receiver, buf: &mut Vec<u8>| {
+        let r = rx
+            .wait(
+                Duration::ZERO,
+                Some(Instant::now() + Duration::from_secs(10)),
+                None,
+            )
+            .unwrap();
+        assert_eq!(r, Ready::Ring);
+        assert!(rx.recv(buf).unwrap());
+    };
+    let t = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        // The most empty wake-ups of one wait, and the waits that lasted
+        // as long as a nap.
+        let (mut streak, mut slow) = (0, 0);
+        for i in 0..n {
+            let (started, before) = (Instant::now(), rx.empty_wakes());
+            wait(&mut rx, &mut buf);
+            assert_eq!(buf, record(i, 24));
+            streak = streak.max(rx.empty_wakes() - before);
+            slow += usize::from(started.elapsed() >= IGNORED_NAP_MIN);
+            assert!(echo.send(&buf).unwrap());
+        }
+        (streak, slow)
+    });
+    let mut buf = Vec::new();
+    for i in 0..n {
+        // Long enough for the other side to fall asleep.
+        std::thread::sleep(Duration::from_micros(100));
+        assert!(tx.send(&record(i, 24)).unwrap());
+        wait(&mut echoes, &mut buf);
+        assert_eq!(buf, record(i, 24));
+    }
+    let (streak, slow) = t.join().unwrap();
+    assert!(streak <= 1, "{streak} empty wake-ups in one wait");
+    // Each wait lasts the pause and a wake-up, not a nap; a loaded
+    // machine may stretch a few.
+    assert!(slow < n / 4, "{slow} of {n} waits lasted a nap");
+}
