@@ -24,6 +24,14 @@
 //!
 //! The server answers calls as a weight service refuses them: each call's
 //! body quoted back in a `not_found` error.
+//!
+//! The `shm-` attacks ask for the shared-memory rings that legitimate
+//! clients use for notices, acks and requests (a memfd both sides map, an
+//! eventfd each side sleeps on) and abuse them: scribbling over them,
+//! waking the server with nothing to read, filling the request ring. The
+//! table also gives the server's processor time during the legitimate
+//! measurements (all its threads, from `/proc/PID/task/*/schedstat`), as a
+//! share of one core, against the same unloaded.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::OwnedFd;
@@ -36,7 +44,8 @@ use std::time::{Duration, Instant};
 
 use cuda_ipc_channel::wire::{HEADER_LEN, Message, PROTOCOL_VERSION};
 use cuda_ipc_channel::{
-    CallError, CallHandler, Client, ClientConfig, LatePolicy, Server, ServerConfig,
+    CallError, CallHandler, Client, ClientConfig, LatePolicy, NOTICE_RING_BYTES, Server,
+    ServerConfig,
 };
 use serde_json::json;
 
@@ -96,7 +105,27 @@ const ATTACKS: &[(&str, &str)] = &[
         "calls",
         "sends 2,000 calls naming missing 256-byte sets (a service's refusal each), reads nothing",
     ),
+    (
+        "shm-scribble",
+        "takes the shared-memory rings, then every millisecond writes 64 random bytes over them \
+         and wakes the server",
+    ),
+    (
+        "shm-wake-flood",
+        "takes the shared-memory rings and wakes the server through its eventfd every \
+         millisecond, writing nothing",
+    ),
+    (
+        "shm-requests",
+        "takes the rings with requests through them, fills its ring with attaches, reads nothing",
+    ),
 ];
+
+/// Whether an attack takes the shared-memory rings (the others say
+/// hello without them).
+fn takes_rings(kind: &str) -> bool {
+    kind.starts_with("shm-")
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -187,9 +216,12 @@ fn attack(kind: &str, path: &Path) {
     let hello = frame(&Message::Hello {
         protocol: PROTOCOL_VERSION,
         pid: std::process::id(),
-        shm_notices: false,
-        shm_requests: false,
+        shm_notices: takes_rings(kind),
+        shm_requests: takes_rings(kind),
     });
+    if takes_rings(kind) {
+        return ring_attack(kind, path, &hello);
+    }
     let mut conns = Vec::new();
     for _ in 0..PER_PROCESS {
         let Ok(mut s) = UnixStream::connect(path) else {
@@ -227,6 +259,132 @@ fn attack(kind: &str, path: &Path) {
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
     drop(conns);
+}
+
+/// One attacker process of a `shm-` attack: its connections with the
+/// rings the server granted, abused as `kind` says until stdin closes.
+fn ring_attack(kind: &str, path: &Path, hello: &[u8]) {
+    let mut conns: Vec<(UnixStream, Vec<OwnedFd>)> = Vec::new();
+    for _ in 0..PER_PROCESS {
+        let Ok(mut s) = UnixStream::connect(path) else {
+            continue;
+        };
+        s.set_write_timeout(Some(Duration::from_millis(200))).ok();
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok();
+        if s.write_all(hello).is_err() {
+            continue;
+        }
+        // The memfd, the eventfd we sleep on, the one the server sleeps on.
+        if let Some((Message::Welcome { .. }, fds)) = read_message_with_fds(&s)
+            && fds.len() == 3
+        {
+            conns.push((s, fds));
+        }
+    }
+    out!("ATTACKING {}", conns.len());
+    // Held until the end: the request rings' ends keep their mappings.
+    let mut rings = Vec::new();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut abuser = None;
+    if kind == "shm-requests" {
+        for (_, fds) in &conns {
+            let (Ok(area), Ok(peer), Ok(own)) = (
+                cuda_ipc_shm::Area::open(&fds[0], NOTICE_RING_BYTES),
+                fds[2].try_clone(),
+                fds[1].try_clone(),
+            ) else {
+                continue;
+            };
+            let (mut tx, rx) = area.split(cuda_ipc_shm::Side::Opener, peer, own);
+            for id in 0..2000u64 {
+                let mut record = 0u64.to_le_bytes().to_vec();
+                record.extend(frame(&Message::Attach {
+                    id,
+                    name: "e".into(),
+                }));
+                if !matches!(tx.send(&record), Ok(true)) {
+                    break;
+                }
+            }
+            rings.push((tx, rx));
+        }
+    } else {
+        let scribble = kind == "shm-scribble";
+        let fds: Vec<(OwnedFd, OwnedFd)> = conns
+            .iter()
+            .filter_map(|(_, f)| Some((f[0].try_clone().ok()?, f[2].try_clone().ok()?)))
+            .collect();
+        let stop = std::sync::Arc::clone(&stop);
+        abuser = Some(std::thread::spawn(move || {
+            let mut x = u64::from(std::process::id()) | 1;
+            let len = fds
+                .first()
+                .and_then(|(m, _)| rustix::fs::fstat(m).ok())
+                .map_or(0, |st| st.st_size as u64);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for (memfd, wake) in &fds {
+                    if scribble && len > 64 {
+                        // xorshift64: a different 64 bytes each time.
+                        let bytes: Vec<u8> = (0..8)
+                            .flat_map(|_| {
+                                x ^= x << 13;
+                                x ^= x >> 7;
+                                x ^= x << 17;
+                                x.to_le_bytes()
+                            })
+                            .collect();
+                        let _ = rustix::io::pwrite(memfd, &bytes, x % (len - 64));
+                    }
+                    let _ = rustix::io::write(wake, &1u64.to_ne_bytes());
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }));
+    }
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    if let Some(t) = abuser {
+        let _ = t.join();
+    }
+    drop(rings);
+    drop(conns);
+}
+
+/// Reads one whole wire message with the descriptors that came with it.
+fn read_message_with_fds(s: &UnixStream) -> Option<(Message, Vec<OwnedFd>)> {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
+    let mut head = [0u8; HEADER_LEN];
+    let mut fds = Vec::new();
+    let mut got = 0;
+    while got < HEADER_LEN {
+        let mut space = vec![
+            std::mem::MaybeUninit::<u8>::uninit();
+            rustix::cmsg_space!(ScmRights(cuda_ipc_channel::MAX_FDS))
+        ];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let n = recvmsg(
+            s,
+            &mut [std::io::IoSliceMut::new(&mut head[got..])],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        )
+        .ok()?
+        .bytes;
+        for m in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(r) = m {
+                fds.extend(r);
+            }
+        }
+        if n == 0 {
+            return None;
+        }
+        got += n;
+    }
+    let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
+    let mut payload = vec![0u8; len];
+    (&*s).read_exact(&mut payload).ok()?;
+    Some((Message::decode(&payload).ok()?, fds))
 }
 
 /// Sends `n` messages made by `message` (ids 0 to n - 1) until one cannot
@@ -390,6 +548,27 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// The processor time of every thread of `pid` so far, ns (each
+/// thread's `/proc/PID/task/TID/schedstat`, first field).
+fn cpu_ns(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |tasks| {
+        tasks
+            .filter_map(Result::ok)
+            .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
+    })
+}
+
+/// [`legit`], and the server's processor time meanwhile as a share of one
+/// core.
+fn legit_with_cpu(path: &Path, pid: u32) -> (Legit, f64) {
+    let (t0, c0) = (Instant::now(), cpu_ns(pid));
+    let l = legit(path);
+    let cpu = (cpu_ns(pid) - c0) as f64 / 1e9 / t0.elapsed().as_secs_f64();
+    (l, cpu)
+}
+
 fn fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }
@@ -524,10 +703,11 @@ fn measure() {
     out!(
         "| attack ({} connections each) | admitted | server RSS above baseline, during / after | \
          server fds above baseline, during / after | legit attach + release, median | legit \
-         ring subscription, median | legit ring frames in 0.5 s, during vs unloaded |",
+         ring subscription, median | legit ring frames in 0.5 s, during vs unloaded | server \
+         CPU, during vs unloaded |",
         PROCESSES * PER_PROCESS
     );
-    out!("|---|---|---|---|---|---|---|");
+    out!("|---|---|---|---|---|---|---|---|");
     let only = std::env::var("HOSTILE_ONLY").ok();
     for (kind, what) in ATTACKS {
         if only
@@ -538,7 +718,7 @@ fn measure() {
         }
         // Unloaded again right before, so that both figures see the same
         // machine.
-        let unloaded = legit(&path);
+        let (unloaded, cpu_unloaded) = legit_with_cpu(&path, pid);
         let mut attackers: Vec<_> = (0..PROCESSES)
             .map(|_| spawn(&exe, &["--attack", kind, path_s], root))
             .collect();
@@ -553,7 +733,7 @@ fn measure() {
             })
             .sum();
         std::thread::sleep(Duration::from_millis(500));
-        let during = legit(&path);
+        let (during, cpu_during) = legit_with_cpu(&path, pid);
         let (rss, fds_during) = (rss_kib(pid), fds(pid));
         for (mut child, _) in attackers.drain(..) {
             drop(child.stdin.take());
@@ -572,13 +752,16 @@ fn measure() {
             (Err(e), _) | (_, Err(e)) => format!("failed: {e}"),
         };
         out!(
-            "| {kind}: {what} | {admitted} | {:+.1} / {:+.1} MiB | {:+} / {:+} | {} | {} | {frames} |",
+            "| {kind}: {what} | {admitted} | {:+.1} / {:+.1} MiB | {:+} / {:+} | {} | {} | {frames} \
+             | {:.0} % vs {:.0} % |",
             (rss as f64 - rss0 as f64) / 1024.0,
             (rss_after as f64 - rss0 as f64) / 1024.0,
             fds_during as i64 - fds0 as i64,
             after as i64 - fds0 as i64,
             versus(&during.attach, &unloaded.attach),
             versus(&during.ring, &unloaded.ring),
+            cpu_during * 100.0,
+            cpu_unloaded * 100.0,
         );
     }
     drop(server.stdin.take());
