@@ -51,6 +51,14 @@
 //! flag) are separated by sequentially consistent fences, so a wake-up is
 //! never lost.
 //!
+//! A producer that follows this causes a waiting consumer at most one
+//! wake-up with nothing to take per wait (one it wrote for a record the
+//! consumer took without sleeping). A peer that writes the eventfd without
+//! records, to keep the other side's thread running, is ignored after
+//! [`EMPTY_WAKES_TOLERATED`] such wake-ups in one wait: the wait then naps
+//! ([`IGNORED_NAP_MIN`] doubling to [`IGNORED_NAP_MAX`]) and looks at the
+//! ring after each nap.
+//!
 //! # Errors
 //! Every fallible function returns [`ShmError`].
 #![deny(unsafe_code)]
