@@ -617,39 +617,25 @@ fn a_well_behaved_producer_never_looks_like_a_flood() {
         memfd: _memfd,
     } = pair(MIN_CAPACITY);
     let n = 300;
-    let wait = |rx: &mut Receiver, buf: &mut Vec<u8>| {
-        let r = rx
-            .wait(
-                Duration::ZERO,
-                Some(Instant::now() + Duration::from_secs(10)),
-                None,
-            )
-            .unwrap();
-        assert_eq!(r, Ready::Ring);
-        assert!(rx.recv(buf).unwrap());
-    };
     let t = std::thread::spawn(move || {
-        let mut buf = Vec::new();
         // The most empty wake-ups of one wait, and the waits that lasted
         // as long as a nap.
         let (mut streak, mut slow) = (0, 0);
         for i in 0..n {
             let (started, before) = (Instant::now(), rx.empty_wakes());
-            wait(&mut rx, &mut buf);
-            assert_eq!(buf, record(i, 24));
+            let (r, buf) = sleep_for_record(&mut rx);
+            assert_eq!((r, buf.as_slice()), (Ready::Ring, record(i, 24).as_slice()));
             streak = streak.max(rx.empty_wakes() - before);
             slow += usize::from(started.elapsed() >= IGNORED_NAP_MIN);
             assert!(echo.send(&buf).unwrap());
         }
         (streak, slow)
     });
-    let mut buf = Vec::new();
     for i in 0..n {
         // Long enough for the other side to fall asleep.
         std::thread::sleep(Duration::from_micros(100));
         assert!(tx.send(&record(i, 24)).unwrap());
-        wait(&mut echoes, &mut buf);
-        assert_eq!(buf, record(i, 24));
+        assert_eq!(sleep_for_record(&mut echoes), (Ready::Ring, record(i, 24)));
     }
     let (streak, slow) = t.join().unwrap();
     assert!(streak <= 1, "{streak} empty wake-ups in one wait");
