@@ -28,6 +28,30 @@ pub(super) struct SlotSource {
 /// answers wait to be sent to it.
 pub(super) const WINDOW_BYTES: usize = 64 * 1024;
 
+/// The first pause of a writer waiting for its client to take the
+/// descriptors already sent ([`Conn::wait_fd_room`]).
+const FD_ROOM_FIRST_PAUSE: Duration = Duration::from_micros(20);
+/// The longest pause while the client may just be slow.
+const FD_ROOM_PAUSE: Duration = Duration::from_millis(5);
+/// After this long without the client taking its descriptors...
+const FD_ROOM_PATIENCE: Duration = Duration::from_millis(100);
+/// ... the pauses grow to this: 128 connections that read nothing, each
+/// polled every 5 ms until the send timeout, took 37 % of a core of the
+/// 2-core development machine (the hostile-peers example's no-read).
+const FD_ROOM_SLOW_PAUSE: Duration = Duration::from_millis(50);
+
+/// The pause after `last`, having waited `waited`: doubling, up to
+/// [`FD_ROOM_PAUSE`] for [`FD_ROOM_PATIENCE`], then up to
+/// [`FD_ROOM_SLOW_PAUSE`].
+fn fd_room_pause(last: Duration, waited: Duration) -> Duration {
+    let cap = if waited < FD_ROOM_PATIENCE {
+        FD_ROOM_PAUSE
+    } else {
+        FD_ROOM_SLOW_PAUSE
+    };
+    (last * 2).min(cap)
+}
+
 /// A wire message waiting for the writer thread, encoded, with the
 /// descriptors that go with its first byte (none once its start went).
 pub(super) struct Outgoing {
@@ -471,9 +495,12 @@ impl Conn {
     /// has received enough descriptors for `count` more to go, or `deadline`.
     /// The first polls come after 20 µs: a subscriber taking a ring's slot
     /// messages reads them as fast as they come, and waited 4 x 200 µs or
-    /// more for a 64-slot ring when polling began at 200 µs.
+    /// more for a 64-slot ring when polling began at 200 µs. The pauses
+    /// then lengthen ([`fd_room_pause`]), so that a client that reads
+    /// nothing costs little until the send timeout cuts it off.
     fn wait_fd_room(&self, count: usize, deadline: Instant) -> bool {
-        let mut pause = Duration::from_micros(20);
+        let began = Instant::now();
+        let mut pause = FD_ROOM_FIRST_PAUSE;
         loop {
             {
                 let mut out = lock(&self.out);
@@ -484,11 +511,12 @@ impl Conn {
                     return true;
                 }
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline {
                 return false;
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(5));
+            std::thread::sleep(pause.min(deadline - now));
+            pause = fd_room_pause(pause, began.elapsed());
         }
     }
 
@@ -628,5 +656,41 @@ impl Conn {
             // `next` drops here: our duplicates of the descriptors close; the
             // client has its own.
         }
+    }
+}
+
+#[cfg(test)]
+mod fd_room_tests {
+    use super::*;
+
+    #[test]
+    fn descriptor_room_is_polled_soon_then_seldom() {
+        // From 20 µs, doubling: 40, 80, ... up to 5 ms while the client
+        // may just be slow.
+        let mut pause = FD_ROOM_FIRST_PAUSE;
+        let mut waited = Duration::ZERO;
+        let mut pauses = Vec::new();
+        while waited < FD_ROOM_PATIENCE {
+            waited += pause;
+            pause = fd_room_pause(pause, waited);
+            pauses.push(pause);
+        }
+        assert_eq!(pauses[0], Duration::from_micros(40));
+        assert_eq!(pauses[7], Duration::from_micros(5120).min(FD_ROOM_PAUSE));
+        // The last one was chosen once the patience was over.
+        let (_, patient) = pauses.split_last().unwrap();
+        assert!(patient.iter().all(|p| *p <= FD_ROOM_PAUSE), "{pauses:?}");
+        // About 100 ms of it takes a few dozen polls, not thousands.
+        assert!(pauses.len() < 40, "{} polls", pauses.len());
+        // Past the patience, up to 50 ms: a client that reads nothing costs
+        // about 100 polls over the 5 s send timeout instead of 1,000.
+        let mut polls = 0;
+        while waited < Duration::from_secs(5) {
+            waited += pause;
+            pause = fd_room_pause(pause, waited);
+            polls += 1;
+        }
+        assert_eq!(pause, FD_ROOM_SLOW_PAUSE);
+        assert!((95..=110).contains(&polls), "{polls} polls");
     }
 }
