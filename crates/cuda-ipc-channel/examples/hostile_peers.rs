@@ -201,13 +201,8 @@ fn frame(m: &Message) -> Vec<u8> {
 }
 
 /// Reads one whole wire message (and drops any descriptors with it).
-fn read_message(s: &mut UnixStream) -> Option<Message> {
-    let mut h = [0u8; HEADER_LEN];
-    s.read_exact(&mut h).ok()?;
-    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
-    let mut payload = vec![0u8; len];
-    s.read_exact(&mut payload).ok()?;
-    Message::decode(&payload).ok()
+fn read_message(s: &UnixStream) -> Option<Message> {
+    read_message_with_fds(s).map(|(m, _)| m)
 }
 
 /// One attacker process: opens its connections, attacks, reports, and
@@ -237,7 +232,7 @@ fn attack(kind: &str, path: &Path) {
         if s.write_all(&hello).is_err() {
             continue;
         }
-        if let Some(Message::Welcome { .. }) = read_message(&mut s) {
+        if let Some(Message::Welcome { .. }) = read_message(&s) {
             conns.push(s);
         }
     }
@@ -437,9 +432,9 @@ fn assault(kind: &str, mut s: UnixStream, hello: &[u8]) -> UnixStream {
             if s.write_all(&m).is_ok() {
                 // Reads every frame (and the slots) for as long
                 // as the connection lasts; acks nothing.
-                let mut reader = s.try_clone().expect("clone");
+                let reader = s.try_clone().expect("clone");
                 reader.set_read_timeout(None).ok();
-                std::thread::spawn(move || while read_message(&mut reader).is_some() {});
+                std::thread::spawn(move || while read_message(&reader).is_some() {});
             }
         }
         "trickle" => {
@@ -468,7 +463,7 @@ fn assault(kind: &str, mut s: UnixStream, hello: &[u8]) -> UnixStream {
                     break;
                 }
                 for _ in 0..64 {
-                    if read_message(&mut s).is_none() {
+                    if read_message(&s).is_none() {
                         break;
                     }
                 }
@@ -496,7 +491,7 @@ fn reconnect(path: &Path, hello: &[u8], conns: &mut Vec<UnixStream>) -> usize {
         };
         s.set_read_timeout(Some(Duration::from_secs(2))).ok();
         if s.write_all(hello).is_ok()
-            && let Some(Message::Welcome { .. }) = read_message(&mut s)
+            && let Some(Message::Welcome { .. }) = read_message(&s)
         {
             admitted += 1;
             conns.push(s);
