@@ -15,9 +15,10 @@ use cuda_ipc::{Error, channel};
 use cuda_ipc_shm::{Area, MIN_CAPACITY, Sender, Side, new_eventfd};
 use serde_json::json;
 
-use crate::proto::{REQUEST_TIMEOUT, Worker, failure, get_u64, mono_ns};
+use crate::proto::{REQUEST_TIMEOUT, Worker, get_u64, mono_ns};
 use crate::report::{Row, SPIN_IDLE_US, WAKE_IDLE_US, WAKE_SERIES, WAKE_TICK_US};
 use crate::stats::ns_to_ms;
+use crate::worker::wake::shm_failure;
 
 use super::Ctx;
 
@@ -31,10 +32,6 @@ pub(super) struct WakeRig {
     /// The consumer's replies would come here; only kept open, so that the
     /// consumer's end of the area stays whole.
     _receiver: cuda_ipc_shm::Receiver,
-}
-
-fn shm_failure(what: &str, e: impl std::fmt::Display) -> Error {
-    failure(format!("the wake-up floor: {what}"), e)
 }
 
 fn dup(fd: &OwnedFd) -> Result<OwnedFd, Error> {

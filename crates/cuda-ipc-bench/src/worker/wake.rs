@@ -20,7 +20,8 @@ pub(crate) struct Wake {
     record: Vec<u8>,
 }
 
-fn shm_failure(what: &str, e: impl std::fmt::Display) -> Error {
+/// An error of the wake-up floor (both ends): `what` failed with `e`.
+pub(crate) fn shm_failure(what: &str, e: impl std::fmt::Display) -> Error {
     failure(format!("the wake-up floor: {what}"), e)
 }
 
