@@ -32,6 +32,22 @@ fn spawn_subscriber(test: &str, socket: &std::path::Path) -> Peer {
     })
 }
 
+/// A publisher bound at `file` in a new temporary folder and a subscriber
+/// child of `test` connected to it (the folder lives as long as the first
+/// value returned).
+fn connected(device: &Device, test: &str, file: &str) -> (tempfile::TempDir, Publisher, Peer) {
+    let dir = socket_dir();
+    let socket = dir.path().join(file);
+    let publisher = Publisher::bind(device, socket.as_path(), PublisherConfig::default()).unwrap();
+    let peer = spawn_subscriber(test, &socket);
+    assert_eq!(
+        peer.recv()["connected"],
+        true,
+        "{test}: the subscriber did not connect"
+    );
+    (dir, publisher, peer)
+}
+
 fn child_or(f: impl FnOnce()) {
     match role().as_deref() {
         Some("subscriber") => subscriber(),
@@ -163,13 +179,11 @@ fn publisher() {
 fn updates_are_never_seen_half_written() {
     child_or(|| {
         let device = Device::open(0).unwrap();
-        let dir = socket_dir();
-        let socket = dir.path().join("updates.sock");
-        let publisher =
-            Publisher::bind(&device, socket.as_path(), PublisherConfig::default()).unwrap();
-        let mut peer =
-            spawn_subscriber(&test_name!("updates_are_never_seen_half_written"), &socket);
-        assert_eq!(peer.recv()["connected"], true);
+        let (_dir, publisher, mut peer) = connected(
+            &device,
+            &test_name!("updates_are_never_seen_half_written"),
+            "updates.sock",
+        );
         for m in [Mechanism::Vmm, Mechanism::Pool, Mechanism::Legacy] {
             let name = format!("buf-{m}");
             let buf = SharedBuffer::alloc(&device, 16 * MIB, Some(m)).unwrap();
@@ -216,12 +230,11 @@ fn updates_are_never_seen_half_written() {
 fn attach_twice_opens_once() {
     child_or(|| {
         let device = Device::open(0).unwrap();
-        let dir = socket_dir();
-        let socket = dir.path().join("cache.sock");
-        let publisher =
-            Publisher::bind(&device, socket.as_path(), PublisherConfig::default()).unwrap();
-        let mut peer = spawn_subscriber(&test_name!("attach_twice_opens_once"), &socket);
-        assert_eq!(peer.recv()["connected"], true);
+        let (_dir, publisher, mut peer) = connected(
+            &device,
+            &test_name!("attach_twice_opens_once"),
+            "cache.sock",
+        );
         for (round, m) in [Mechanism::Vmm, Mechanism::Legacy, Mechanism::Pool]
             .into_iter()
             .enumerate()
@@ -336,17 +349,15 @@ fn ring_at_full_speed_for_ten_seconds() {
         let device = Device::open(0).unwrap();
         device.synchronize().unwrap();
         let before = free_memory(&device);
-        let dir = socket_dir();
-        let socket = dir.path().join("ring.sock");
         let (frames, seconds) = {
-            let publisher =
-                Publisher::bind(&device, socket.as_path(), PublisherConfig::default()).unwrap();
+            let (_dir, publisher, mut peer) = connected(
+                &device,
+                &test_name!("ring_at_full_speed_for_ten_seconds"),
+                "ring.sock",
+            );
             let ring = publisher
                 .ring("frames", 8, MIB, Some(Mechanism::Vmm))
                 .unwrap();
-            let mut peer =
-                spawn_subscriber(&test_name!("ring_at_full_speed_for_ten_seconds"), &socket);
-            assert_eq!(peer.recv()["connected"], true);
             peer.send(&json!({ "op": "ring", "name": "frames", "seconds": 10.0 }));
             while ring.subscribers().is_empty() {
                 std::thread::sleep(Duration::from_millis(1));
@@ -392,15 +403,11 @@ fn ring_at_full_speed_for_ten_seconds() {
 fn an_update_and_ring_frames_ordered_after_a_borrowed_stream() {
     child_or(|| {
         let device = Device::open(0).unwrap();
-        let dir = socket_dir();
-        let socket = dir.path().join("after.sock");
-        let publisher =
-            Publisher::bind(&device, socket.as_path(), PublisherConfig::default()).unwrap();
-        let mut peer = spawn_subscriber(
+        let (_dir, publisher, mut peer) = connected(
+            &device,
             &test_name!("an_update_and_ring_frames_ordered_after_a_borrowed_stream"),
-            &socket,
+            "after.sock",
         );
-        assert_eq!(peer.recv()["connected"], true);
         let writer = device.context().new_stream().unwrap();
         // SAFETY: the handle of a stream this test holds until the end.
         let borrowed = unsafe { device.borrow_stream(writer.cu_stream() as u64) }.unwrap();
@@ -575,12 +582,11 @@ fn soak_a_hundred_thousand_cycles() {
             .and_then(|s| s.parse().ok())
             .unwrap_or(100_000);
         let device = Device::open(0).unwrap();
-        let dir = socket_dir();
-        let socket = dir.path().join("soak.sock");
-        let publisher =
-            Publisher::bind(&device, socket.as_path(), PublisherConfig::default()).unwrap();
-        let mut peer = spawn_subscriber(&test_name!("soak_a_hundred_thousand_cycles"), &socket);
-        assert_eq!(peer.recv()["connected"], true);
+        let (_dir, publisher, mut peer) = connected(
+            &device,
+            &test_name!("soak_a_hundred_thousand_cycles"),
+            "soak.sock",
+        );
         let mechanisms = [Mechanism::Vmm, Mechanism::Pool, Mechanism::Legacy];
         let buffers: Vec<SharedBuffer> = mechanisms
             .iter()
