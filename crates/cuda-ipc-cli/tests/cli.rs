@@ -78,10 +78,25 @@ fn no_driver_exits_3_with_a_clear_message() {
     }
 }
 
+/// `info --json`'s output, parsed.
+fn info_json() -> serde_json::Value {
+    let o = cuda_ipc(&["info", "--json"]);
+    serde_json::from_slice(&o.stdout).expect("JSON on stdout")
+}
+
+/// The line of `info`'s text that starts (after its indent) with `prefix`.
+fn info_line(prefix: &str) -> String {
+    let o = cuda_ipc(&["info"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    out.lines()
+        .find(|l| l.trim_start().starts_with(prefix))
+        .unwrap_or_else(|| panic!("no {prefix:?} line: {out}"))
+        .to_owned()
+}
+
 #[test]
 fn info_json_without_a_driver_is_json() {
-    let o = cuda_ipc(&["info", "--json"]);
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let v = info_json();
     assert!(v["error"].as_str().unwrap().contains("CUDA driver"));
     assert!(v["environment"]["notes"].is_array());
 }
@@ -90,8 +105,7 @@ fn info_json_without_a_driver_is_json() {
 /// has both medians, the text says them.
 #[test]
 fn info_reports_the_machines_wake_up_floor() {
-    let o = cuda_ipc(&["info", "--json"]);
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let v = info_json();
     let wake = &v["environment"]["wake"];
     assert_eq!(wake["idle_ms"], 1.0, "{wake}");
     assert_eq!(wake["samples"], 21, "{wake}");
@@ -102,12 +116,7 @@ fn info_reports_the_machines_wake_up_floor() {
             .unwrap_or_else(|| panic!("{key}: {wake}"));
         assert!(ms > 0.0 && ms < 1000.0, "{key}: {wake}");
     }
-    let o = cuda_ipc(&["info"]);
-    let out = String::from_utf8_lossy(&o.stdout);
-    let line = out
-        .lines()
-        .find(|l| l.trim_start().starts_with("wake-up:"))
-        .unwrap_or_else(|| panic!("{out}"));
+    let line = info_line("wake-up:");
     assert!(
         line.contains("reaches a thread asleep for 1 ms in") && line.contains("p50 of 21"),
         "{line}"
@@ -119,27 +128,20 @@ fn info_reports_the_machines_wake_up_floor() {
 /// text the same description.
 #[test]
 fn info_reports_how_the_processors_idle() {
-    let o = cuda_ipc(&["info", "--json"]);
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let v = info_json();
     let env = &v["environment"];
     let idle: cuda_ipc_bench::idle::IdleStates =
         serde_json::from_value(env["idle"].clone()).expect("the idle states");
     assert_eq!(idle, cuda_ipc_bench::idle::IdleStates::read(), "{env}");
     let text = env["idle_text"].as_str().expect("idle_text");
     assert_eq!(text, idle.describe());
-    let o = cuda_ipc(&["info"]);
-    let out = String::from_utf8_lossy(&o.stdout);
-    let line = out
-        .lines()
-        .find(|l| l.trim_start().starts_with("idle processors:"))
-        .unwrap_or_else(|| panic!("{out}"));
+    let line = info_line("idle processors:");
     assert!(line.ends_with(text), "{line}");
 }
 
 #[test]
 fn info_reports_containers_namespaces_and_pidfd_getfd() {
-    let o = cuda_ipc(&["info", "--json"]);
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let v = info_json();
     let env = &v["environment"];
     assert!(env["container"].is_boolean(), "{env}");
     assert!(env["container_reasons"].is_array(), "{env}");
