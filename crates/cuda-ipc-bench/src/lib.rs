@@ -49,7 +49,7 @@ mod weights;
 mod worker;
 
 pub use args::Args;
-pub use sections::{WakeProbe, wake_probe};
+pub use sections::{WAKE_PROBE_SAMPLES, WakeProbe, wake_probe};
 pub use worker::{WorkerArgs, worker};
 
 use plan::{Plan, Reps};

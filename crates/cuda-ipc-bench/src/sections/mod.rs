@@ -26,7 +26,7 @@ pub use ring::ring;
 pub use scale::scale;
 pub use sets::sets;
 pub use sync::sync;
-pub use wake::{WakeProbe, probe as wake_probe};
+pub use wake::{PROBE_SAMPLES as WAKE_PROBE_SAMPLES, WakeProbe, probe as wake_probe};
 
 use std::time::{Duration, Instant};
 

@@ -312,6 +312,10 @@ pub struct WakeProbe {
     pub spinning_p50_ms: f64,
 }
 
+/// Notices per reader of a [`probe`] that `cuda-ipc info` and `demo
+/// --stream` print: enough for a median, a few tens of milliseconds.
+pub const PROBE_SAMPLES: usize = 21;
+
 /// The machine's wake-up floor measured in this process (no GPU, about
 /// `n * 2 * idle`): `n` notices to a reader that sleeps at once and `n` to
 /// one that spins, each after `idle`.

@@ -360,10 +360,9 @@ pub fn probe_open(args: &ProbeOpenArgs) -> Result<Outcome, Error> {
     Ok(Outcome::Ok)
 }
 
-/// The idle time before each notice of the wake-up probe.
+/// The idle time before each notice of the wake-up probe (about 50 ms in
+/// all).
 const WAKE_IDLE: std::time::Duration = std::time::Duration::from_millis(1);
-/// Notices per reader of the wake-up probe (about 50 ms in all).
-const WAKE_SAMPLES: usize = 21;
 
 /// What in this environment affects sharing, each with its consequence.
 fn environment() -> Value {
@@ -419,7 +418,7 @@ fn environment() -> Value {
         );
     }
     let mps = cuda_ipc_bench::mps::detect();
-    let wake = match cuda_ipc_bench::wake_probe(WAKE_IDLE, WAKE_SAMPLES) {
+    let wake = match cuda_ipc_bench::wake_probe(WAKE_IDLE, cuda_ipc_bench::WAKE_PROBE_SAMPLES) {
         Ok(p) => json!(p),
         Err(e) => json!({ "error": e.to_string() }),
     };

@@ -147,8 +147,8 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     }
     let outcome = print_report(&report, seq, seconds, args.frame_size, status.success())?;
     // What the consumer's wake-up costs a lone frame here, measured now in
-    // this process (no GPU; about 2 x WAKE_SAMPLES x PACE).
-    let wake = cuda_ipc_bench::wake_probe(PACE, WAKE_SAMPLES);
+    // this process (no GPU; about 2 x WAKE_PROBE_SAMPLES x PACE).
+    let wake = cuda_ipc_bench::wake_probe(PACE, cuda_ipc_bench::WAKE_PROBE_SAMPLES);
     outln!(
         "  {}",
         wake_line(wake.as_ref().map_err(ToString::to_string))
@@ -247,9 +247,6 @@ fn run_under_mps() -> Result<Outcome, Error> {
         None => Outcome::Exit(crate::EXIT_FAILED),
     })
 }
-
-/// Notices of the wake-up probe the report ends with.
-const WAKE_SAMPLES: usize = 21;
 
 /// What waking the consumer costs each lone frame on this machine: a
 /// notice to a thread asleep for [`PACE`] (as the consumer is between
