@@ -9,6 +9,11 @@ use cudarc::driver::{CudaContext, CudaStream, sys};
 use crate::driver::result::device::{self as dev, Attr};
 use crate::error::{DriverVersion, Error, Result, from_cudarc};
 
+/// The largest special stream handle: 0 (the null stream), 1
+/// (`CU_STREAM_LEGACY`) and 2 (`CU_STREAM_PER_THREAD`) each name a default
+/// stream of the calling thread's current context.
+const PER_THREAD_STREAM: u64 = 2;
+
 /// A CUDA device made ready for sharing: the driver loaded, the device's
 /// primary context retained, and a non-blocking stream for our work.
 ///
@@ -78,7 +83,9 @@ impl Device {
     /// [`update_set_after`](crate::exchange::Publisher::update_set_after)).
     /// The wrapper borrows it: dropping it destroys nothing. The handles 0
     /// (the legacy default stream), 1 (`CU_STREAM_LEGACY`) and 2
-    /// (`CU_STREAM_PER_THREAD`) name this context's default streams.
+    /// (`CU_STREAM_PER_THREAD`) name this context's default streams: they
+    /// are taken as they are; any other handle costs one driver call
+    /// (`cuStreamGetCtx`) that checks its context.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when the driver says the stream belongs to
@@ -94,6 +101,14 @@ impl Device {
     pub unsafe fn borrow_stream(&self, raw: u64) -> Result<Arc<CudaStream>> {
         self.bind()?;
         let handle = raw as cudarc::driver::sys::CUstream;
+        if raw <= PER_THREAD_STREAM {
+            // A special handle names a default stream of the calling
+            // thread's current context, which bind() just made this
+            // device's: nothing for the driver to check (a call saved on
+            // every update ordered after PyTorch's default stream).
+            // SAFETY: a stream of this context, live as long as it is.
+            return Ok(unsafe { self.inner.ctx.wrap_borrowed_stream(handle) });
+        }
         // SAFETY: the caller's contract.
         let ctx = unsafe { crate::driver::result::stream::context(handle) }.map_err(|e| {
             Error::arg(

@@ -423,9 +423,10 @@ fn members_that_are_byte_ranges_of_one_buffer() {
 /// A set written on a stream the library does not know (a raw stream
 /// standing in for PyTorch's, borrowed with `Device::borrow_stream`) is
 /// published and updated after it (`publish_set_after`,
-/// `update_set_after`): each call returns with the writes still queued
-/// behind 300 ms of the stream's time, and the consumer's attach and wait
-/// see every byte written.
+/// `update_set_after`), then updated after the legacy default stream
+/// (handle 1, which `borrow_stream` takes without asking the driver): each
+/// call returns with the writes still queued behind 300 ms of the stream's
+/// time, and the consumer's attach and waits see every byte written.
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn a_set_ordered_after_a_borrowed_stream() {
@@ -472,13 +473,33 @@ fn a_set_ordered_after_a_borrowed_stream() {
             &json!({ "op": "wait_ranges", "patterns": [[0x2222_2222u32, 0]] }),
         );
         assert_eq!(r["version"], 1);
+        // The special handles name the context's default streams without a
+        // driver check: an update ordered after the legacy default stream
+        // (where the writer's fills are done: the consumer saw them).
+        // SAFETY: special handles, live with the context.
+        let legacy = unsafe { device.borrow_stream(1) }.unwrap();
+        unsafe { device.borrow_stream(2) }.unwrap();
+        queued_fill(&legacy, &buffer, 0x33);
+        assert_eq!(publisher.update_set_after("w", &legacy).unwrap(), 2);
+        assert!(
+            !stream_done(&legacy),
+            "update_set_after waited for the legacy default stream"
+        );
+        let r = ask(
+            &mut p,
+            &json!({ "op": "wait_ranges", "patterns": [[0x3333_3333u32, 0]] }),
+        );
+        assert_eq!(r["version"], 2);
         ask(&mut p, &json!({ "op": "release" }));
         publisher
             .unpublish_set("w", Some(Duration::from_secs(10)))
             .unwrap();
         p.send(&json!({ "op": "exit" }));
         assert!(p.finish(), "the child failed");
-        println!("{m}: a publish and an update after a borrowed stream's queued writes, checked");
+        println!(
+            "{m}: a publish and two updates after borrowed streams' queued writes (a stream of \
+             its own, the legacy default stream), checked"
+        );
     });
 }
 
