@@ -53,19 +53,36 @@ def stream_handle(stream):
         f"raw stream handle (int), not {type(stream).__name__}")
 
 
+# PyTorch's module and its function of a device index that gives the raw
+# handle of its current stream there, looked up once per module (see
+# _current_of).
+_current = (None, None)
+
+
+def _current_of(torch):
+    """``torch``'s current-stream function (``torch._C._cuda_getCurrentRawStream``,
+    or, in a PyTorch without it, one through ``torch.cuda.current_stream``),
+    looked up the first time and kept: an update then costs one C call
+    here, not a chain of look-ups run cold after a training step."""
+    global _current
+    module, current = _current
+    if module is not torch:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        current = raw if raw is not None else (lambda device: torch.cuda.current_stream(device).cuda_stream)
+        _current = (torch, current)
+    return current
+
+
 def torch_current(torch, device):
     """The raw handle of PyTorch's current stream on ``device`` (an index)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(device))
-    return int(torch.cuda.current_stream(device).cuda_stream)
+    return int(_current_of(torch)(device))
 
 
 def torch_current_if_loaded(device):
     """:func:`torch_current`, or ``None`` (the whole device) where PyTorch
     is not loaded: no PyTorch stream can hold writes then."""
     torch = sys.modules.get("torch")
-    return None if torch is None else torch_current(torch, device)
+    return None if torch is None else int(_current_of(torch)(device))
 
 
 def torch_on(torch, device, stream):

@@ -141,6 +141,44 @@ class PublisherCallsPassTheStream(unittest.TestCase):
         self.assertEqual(asked, [3])
         self.assertEqual(p._c.calls, [("update_set", ("model", 0x9003))])
 
+    def test_a_state_dict_update_without_torch_loaded_waits_for_the_device(self):
+        old = sys.modules.pop("torch", None)
+        try:
+            p = _publisher()
+            p._state_dicts["model"] = sets._PublishedStateDict(_Untouchable(), _Untouchable())
+            p.update_state_dict("model")
+        finally:
+            if old is not None:
+                sys.modules["torch"] = old
+        self.assertEqual(p._c.calls, [("update_set", ("model", None))])
+
+    def test_the_current_stream_function_follows_the_torch_module(self):
+        # Looked up once per module: another torch module (a test's stand-in,
+        # a reload) is asked, not the one seen first.
+        first, asked_first = _fake_torch(0x1000)
+        second, asked_second = _fake_torch(0x2000)
+        old = sys.modules.get("torch")
+        try:
+            handles = []
+            for torch in (first, first, second, first):
+                sys.modules["torch"] = torch
+                handles.append(streams.torch_current_if_loaded(1))
+        finally:
+            if old is None:
+                del sys.modules["torch"]
+            else:
+                sys.modules["torch"] = old
+        self.assertEqual(handles, [0x1001, 0x1001, 0x2001, 0x1001])
+        self.assertEqual((asked_first, asked_second), ([1, 1, 1], [1]))
+
+    def test_a_torch_without_the_raw_stream_call_goes_through_current_stream(self):
+        torch = types.ModuleType("torch")
+        torch._C = types.SimpleNamespace()
+        torch.cuda = types.SimpleNamespace(
+            current_stream=lambda device: types.SimpleNamespace(cuda_stream=0x700 + device))
+        self.assertEqual(streams.torch_current(torch, 2), 0x702)
+        self.assertEqual(streams.torch_current(torch, 5), 0x705)
+
 
 if __name__ == "__main__":
     unittest.main()
