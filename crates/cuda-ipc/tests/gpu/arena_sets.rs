@@ -462,34 +462,30 @@ fn a_set_ordered_after_a_borrowed_stream() {
             &mut p,
             &json!({ "op": "attach_ranges", "name": "w", "patterns": [[0x1111_1111u32, 0]] }),
         );
-        queued_fill(&writer, &buffer, 0x22);
-        assert_eq!(publisher.update_set_after("w", &borrowed).unwrap(), 1);
-        assert!(
-            !stream_done(&writer),
-            "update_set_after waited for the writer's stream"
-        );
-        let r = ask(
-            &mut p,
-            &json!({ "op": "wait_ranges", "patterns": [[0x2222_2222u32, 0]] }),
-        );
-        assert_eq!(r["version"], 1);
+        // Each update: a fill queued on `stream` behind 300 ms, the update
+        // ordered after it returning at once, the consumer seeing the fill.
+        let mut update_after = |stream: &cudarc::driver::CudaStream, byte: u8, version: u64| {
+            queued_fill(stream, &buffer, byte);
+            assert_eq!(publisher.update_set_after("w", stream).unwrap(), version);
+            assert!(
+                !stream_done(stream),
+                "update_set_after waited for the stream ({version})"
+            );
+            let word = u32::from_ne_bytes([byte; 4]);
+            let r = ask(
+                &mut p,
+                &json!({ "op": "wait_ranges", "patterns": [[word, 0]] }),
+            );
+            assert_eq!(r["version"], version);
+        };
+        update_after(&borrowed, 0x22, 1);
         // The special handles name the context's default streams without a
         // driver check: an update ordered after the legacy default stream
         // (where the writer's fills are done: the consumer saw them).
         // SAFETY: special handles, live with the context.
         let legacy = unsafe { device.borrow_stream(1) }.unwrap();
         unsafe { device.borrow_stream(2) }.unwrap();
-        queued_fill(&legacy, &buffer, 0x33);
-        assert_eq!(publisher.update_set_after("w", &legacy).unwrap(), 2);
-        assert!(
-            !stream_done(&legacy),
-            "update_set_after waited for the legacy default stream"
-        );
-        let r = ask(
-            &mut p,
-            &json!({ "op": "wait_ranges", "patterns": [[0x3333_3333u32, 0]] }),
-        );
-        assert_eq!(r["version"], 2);
+        update_after(&legacy, 0x33, 2);
         ask(&mut p, &json!({ "op": "release" }));
         publisher
             .unpublish_set("w", Some(Duration::from_secs(10)))
