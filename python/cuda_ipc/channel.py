@@ -42,8 +42,6 @@ are refused with :class:`Unavailable`. It guards against mistakes, not a
 hostile reader.
 """
 
-import sys
-
 from . import _core
 from . import dtypes as _dtypes
 from . import sets as _sets
@@ -230,15 +228,8 @@ class Publisher(_Owner):
             # A training loop's update (the tensors written in place) runs
             # with the CPU's caches cold after a step, where each Python
             # call costs microseconds: PyTorch's current stream and one call
-            # into the extension, inline (streams.torch_current_if_loaded).
-            c = self._c
-            torch = sys.modules.get("torch")
-            if torch is None:
-                return c.update_set(name, None)
-            module, current = _streams._current
-            if module is not torch:
-                current = _streams._current_of(torch)
-            return c.update_set(name, int(current(c.device)))
+            # into the extension, nothing else.
+            return self._c.update_set(name, _streams.torch_current_if_loaded(self._c.device))
         return _sets.update_state_dict(self, name, state_dict, stream)
 
     def arena_stats(self):
