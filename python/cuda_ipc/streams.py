@@ -82,7 +82,7 @@ def torch_current_if_loaded(device):
     """:func:`torch_current`, or ``None`` (the whole device) where PyTorch
     is not loaded: no PyTorch stream can hold writes then."""
     torch = sys.modules.get("torch")
-    return None if torch is None else int(_current_of(torch)(device))
+    return None if torch is None else torch_current(torch, device)
 
 
 def torch_on(torch, device, stream):
