@@ -25,6 +25,10 @@ bench times the Rust side, printed as JSON lines like bench/torch_share.py:
   producer's publish_state_dict and core.publish_set, the consumer's
   attach_set, core.attach_set and attach_state_dict; py_update: the
   producer's update_set and core.update_set, the consumer's wait_update).
+  Both add "gc" and "gc_full": the time Python's cycle collector ran
+  inside the sample's clock, in either process (gc.callbacks), all
+  collections and those of the oldest generation ("full": they visit
+  every object the process holds, torch's included).
   {"kind": "error", "message": ...}
   {"kind": "done", "elapsed_s": ...}
 
@@ -62,11 +66,15 @@ Method (one way, CLOCK_MONOTONIC in both processes):
             whether the producer's call waited for it.
 
 Usage: cuda_ipc_share.py --device 0 --plan SIZE:WARMUP:REPS[,...]
-       cuda_ipc_share.py --device 0 --sets COUNT:TOTAL:WARMUP:REPS[,...] [--busy-ms MS]
+       cuda_ipc_share.py --device 0 --sets COUNT:TOTAL:WARMUP:REPS[,...] [--busy-ms MS] [--gc-freeze]
+With --gc-freeze both processes call gc.freeze() once their imports and
+CUDA are done, as a serving process can (the hello line says so): the
+objects made so far then stay out of every later collection.
 cuda_ipc and torch are imported lazily: a missing one is a skip line.
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -92,6 +100,52 @@ def await_line(f, spin_s):
     while time.perf_counter() < end:
         if select.select([fd], [], [], 0)[0]:
             return
+
+
+class GcClock:
+    """When Python's cycle collector ran in this process, from
+    ``gc.callbacks``: ``spans``, ``(start_ns, end_ns, generation)`` of each
+    collection since the last ``clear()`` (now_ns's clock)."""
+
+    def __init__(self):
+        self.spans = []
+        self._began = None
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase, info):
+        t = now_ns()
+        if phase == "start":
+            self._began = t
+        elif self._began is not None:
+            self.spans.append((self._began, t, info.get("generation", -1)))
+            self._began = None
+
+    def clear(self):
+        self.spans = []
+
+    def close(self):
+        gc.callbacks.remove(self._tick)
+
+
+def gc_inside(spans, start_ns, end_ns):
+    """``(all_ms, full_ms)``: how much of the collections ``spans``
+    (``(start, end, generation)``, ns) lies between ``start_ns`` and
+    ``end_ns``; full: those of generation 2."""
+    all_ns = full_ns = 0
+    for began, ended, generation in spans:
+        inside = max(0, min(ended, end_ns) - max(began, start_ns))
+        all_ns += inside
+        if generation == 2:
+            full_ns += inside
+    return all_ns / 1e6, full_ns / 1e6
+
+
+def add_gc(parts, spans, start_ns, end_ns):
+    """Appends to ``parts`` the collections of ``spans`` (both processes')
+    inside a kept sample's clock, ``start_ns`` to ``end_ns``."""
+    all_ms, full_ms = gc_inside(spans, start_ns, end_ns)
+    parts.setdefault("gc", []).append(all_ms)
+    parts.setdefault("gc_full", []).append(full_ms)
 
 
 def sample_value(i, k):
@@ -122,7 +176,7 @@ def add_phases(parts, phases):
         parts.setdefault(name, []).append(us / 1e3)
 
 
-def consumer_main(device, path):
+def consumer_main(device, path, freeze=False):
     """Answers the producer's requests, one JSON line each, on stdout."""
     import cuda_ipc
     import torch
@@ -131,9 +185,13 @@ def consumer_main(device, path):
     torch.cuda.set_device(device)
     sub = cuda_ipc.Subscriber(path, device=device, timeout=30)
     held = None
+    if freeze:
+        gc.freeze()
+    collections = GcClock()
     print(json.dumps({"ready": True}), flush=True)
     spin = awake_spin_s()
     while True:
+        collections.clear()
         await_line(sys.stdin, spin)
         line = sys.stdin.readline()
         if not line:
@@ -172,7 +230,8 @@ def consumer_main(device, path):
         else:  # "drop"
             held.release()
             held, t_ns, bad = None, now_ns(), False
-        print(json.dumps({"t_ns": t_ns, "t_recv": t_recv, "t_mid": t_mid, "phases": phases, "bad": bad}),
+        print(json.dumps({"t_ns": t_ns, "t_recv": t_recv, "t_mid": t_mid, "phases": phases, "bad": bad,
+                          "gc": collections.spans}),
               flush=True)
     sub.close()
 
@@ -222,7 +281,7 @@ class Consumer:
             self.p.stdout.close()
 
 
-def measure_fresh(torch, pub, consumer, size, warmup, reps, index):
+def measure_fresh(torch, pub, consumer, size, warmup, reps, index, collections):
     samples, failures = [], 0
     parts = {"publish": [], "request": [], "consumer": []}
     n = size // 4
@@ -232,6 +291,7 @@ def measure_fresh(torch, pub, consumer, size, warmup, reps, index):
         buf.as_torch("i32", [n]).fill_(value)
         torch.cuda.synchronize()
         name = "fresh-%d-%d" % (index, i)
+        collections.clear()
         t0 = now_ns()
         pub.publish_set(name, [(name, buf, "i32", [n])])
         t_pub = now_ns()
@@ -241,12 +301,14 @@ def measure_fresh(torch, pub, consumer, size, warmup, reps, index):
         failures += bool(ans["bad"]) and i >= warmup
         if i >= warmup:
             samples.append((ans["t_ns"] - t0) / 1e6)
-            keep_parts(parts, t0, t_pub, ans)
+            keep_parts(parts, t0, t_pub, ans, collections.spans)
     return samples, failures, parts
 
 
-def keep_parts(parts, t0, t_pub, ans):
-    """The producer's call and the consumer's work of one sample, ms."""
+def keep_parts(parts, t0, t_pub, ans, produced_gc):
+    """The producer's call and the consumer's work of one sample, ms;
+    ``produced_gc``: the producer's collections (GcClock.spans) since just
+    before ``t0``."""
     parts["publish"].append((t_pub - t0) / 1e6)
     parts["request"].append((ans["t_recv"] - t_pub) / 1e6)
     parts["consumer"].append((ans["t_ns"] - ans["t_recv"]) / 1e6)
@@ -254,6 +316,7 @@ def keep_parts(parts, t0, t_pub, ans):
         parts.setdefault("attach_set", []).append((ans["t_mid"] - ans["t_recv"]) / 1e6)
         parts.setdefault("tensors", []).append((ans["t_ns"] - ans["t_mid"]) / 1e6)
     add_phases(parts, ans.get("phases"))
+    add_gc(parts, list(produced_gc) + [tuple(g) for g in ans.get("gc", [])], t0, ans["t_ns"])
 
 
 def fill(torch, tensors, sample):
@@ -263,26 +326,27 @@ def fill(torch, tensors, sample):
     torch.cuda.synchronize()
 
 
-def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index, busy_cycles=0):
+def measure_set(torch, ci, pub, consumer, count, total, warmup, reps, index, collections, busy_cycles=0):
     """The py_set samples and then the py_update samples of one weight set:
     ``((samples, failures, parts), (samples, failures, parts))``."""
     sizes = weight_set_sizes(count, total)
     with ci.torch.shareable(pub):
         tensors = {"w%d" % k: torch.empty(s // 4, dtype=torch.float32, device="cuda") for k, s in enumerate(sizes)}
     try:
-        return (measure_handoff(torch, pub, consumer, tensors, warmup, reps, index),
-                measure_update(torch, pub, consumer, tensors, warmup, reps, index, busy_cycles))
+        return (measure_handoff(torch, pub, consumer, tensors, warmup, reps, index, collections),
+                measure_update(torch, pub, consumer, tensors, warmup, reps, index, collections, busy_cycles))
     finally:
         del tensors
         ci.torch.empty_cache(pub)
 
 
-def measure_handoff(torch, pub, consumer, tensors, warmup, reps, index):
+def measure_handoff(torch, pub, consumer, tensors, warmup, reps, index, collections):
     samples, failures = [], 0
     parts = {"publish": [], "request": [], "consumer": [], "attach_set": [], "tensors": []}
     for i in range(warmup + reps):
         fill(torch, tensors, i)
         name = "set-%d-%d" % (index, i)
+        collections.clear()
         t0 = now_ns()
         pub.publish_state_dict(name, tensors)
         t_pub = now_ns()
@@ -292,12 +356,12 @@ def measure_handoff(torch, pub, consumer, tensors, warmup, reps, index):
         failures += bool(ans["bad"]) and i >= warmup
         if i >= warmup:
             samples.append((ans["t_ns"] - t0) / 1e6)
-            keep_parts(parts, t0, t_pub, ans)
+            keep_parts(parts, t0, t_pub, ans, collections.spans)
             add_phases(parts, produced)
     return samples, failures, parts
 
 
-def measure_update(torch, pub, consumer, tensors, warmup, reps, index, busy_cycles=0):
+def measure_update(torch, pub, consumer, tensors, warmup, reps, index, collections, busy_cycles=0):
     """Samples of update_state_dict -> wait_update of a state dict the
     consumer holds (sample 0 published, then samples 1..); with
     ``busy_cycles``, that much GPU work (torch.cuda._sleep) queued on the
@@ -316,6 +380,7 @@ def measure_update(torch, pub, consumer, tensors, warmup, reps, index, busy_cycl
             consumer.ask({"op": "await", "sample": i})
             if busy_cycles:
                 torch.cuda._sleep(busy_cycles)
+            collections.clear()
             t0 = now_ns()
             pub.update_state_dict(name)
             t_upd = now_ns()
@@ -327,6 +392,7 @@ def measure_update(torch, pub, consumer, tensors, warmup, reps, index, busy_cycl
                 parts["update"].append((t_upd - t0) / 1e6)
                 add_phases(parts, produced)
                 add_phases(parts, ans.get("phases"))
+                add_gc(parts, list(collections.spans) + [tuple(g) for g in ans.get("gc", [])], t0, ans["t_ns"])
         consumer.ask({"op": "drop"})
     finally:
         pub.unpublish(name, timeout=ANSWER_TIMEOUT_S)
@@ -371,10 +437,12 @@ def main():
     ap.add_argument("--busy-ms", type=float, default=0.0,
                     help="GPU work queued on the producer's stream before each update, in ms (py_update; "
                          "its 'update' part then shows whether the producer's call waits for it)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() in both processes once their imports and CUDA are done")
     ap.add_argument("--consumer", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.consumer:
-        return consumer_main(args.device, args.consumer)
+        return consumer_main(args.device, args.consumer, args.gc_freeze)
     try:
         plan = parse_plan(args.plan) if args.plan else []
         sets = parse_sets(args.sets) if args.sets else []
@@ -387,21 +455,27 @@ def main():
         return 0
     cuda_ipc, torch = imported
     emit({"kind": "hello", "cuda_ipc": cuda_ipc.__version__, "torch": torch.__version__,
-          "device": torch.cuda.get_device_name(args.device), "python": sys.version.split()[0]})
+          "device": torch.cuda.get_device_name(args.device), "python": sys.version.split()[0],
+          "gc_freeze": args.gc_freeze})
     path = os.path.join(tempfile.mkdtemp(prefix="cuda-ipc-bench-py-"), "p.sock")
     pub = cuda_ipc.Publisher(path, device=args.device)
+    if args.gc_freeze:
+        torch.empty(1, device="cuda").sum().item()  # CUDA's start, as the consumer's
+        gc.freeze()
+    collections = GcClock()
     t0 = time.perf_counter()
-    consumer = Consumer(args.device, path)
+    consumer = Consumer(args.device, path, args=["--gc-freeze"] if args.gc_freeze else ())
     try:
         consumer.read()
         emit({"kind": "startup", "consumer_ms": (time.perf_counter() - t0) * 1e3})
         for index, (size, warmup, reps) in enumerate(plan):
-            samples, failures, parts = measure_fresh(torch, pub, consumer, size, warmup, reps, index)
+            samples, failures, parts = measure_fresh(torch, pub, consumer, size, warmup, reps, index, collections)
             emit({"kind": "result", "mode": "py_fresh", "size": size, "warmup": warmup,
                   "samples_ms": samples, "verify_failures": failures, "parts_ms": parts})
         busy_cycles = busy_ms_to_cycles(torch, args.device, args.busy_ms)
         for index, (count, total, warmup, reps) in enumerate(sets):
-            measured = measure_set(torch, cuda_ipc, pub, consumer, count, total, warmup, reps, index, busy_cycles)
+            measured = measure_set(torch, cuda_ipc, pub, consumer, count, total, warmup, reps, index, collections,
+                                   busy_cycles)
             for mode, (samples, failures, parts) in zip(("py_set", "py_update"), measured):
                 emit({"kind": "result", "mode": mode, "size": total, "count": count, "warmup": warmup,
                       "samples_ms": samples, "verify_failures": failures, "parts_ms": parts,

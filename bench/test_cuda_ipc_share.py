@@ -96,6 +96,45 @@ class Awake(unittest.TestCase):
             self.assertEqual(f.readline(), "{}\n")
 
 
+class Collector(unittest.TestCase):
+    def test_the_clock_records_each_collection_with_its_generation(self):
+        import gc
+
+        clock = cuda_ipc_share.GcClock()
+        try:
+            before = cuda_ipc_share.now_ns()
+            gc.collect(0)
+            gc.collect(2)
+            after = cuda_ipc_share.now_ns()
+            self.assertEqual([g for _, _, g in clock.spans], [0, 2])
+            for began, ended, _ in clock.spans:
+                self.assertLessEqual(before, began)
+                self.assertLessEqual(began, ended)
+                self.assertLessEqual(ended, after)
+            clock.clear()
+            self.assertEqual(clock.spans, [])
+        finally:
+            clock.close()
+        gc.collect(0)
+        self.assertEqual(clock.spans, [], "a closed clock records nothing")
+
+    def test_only_what_lies_inside_the_clock_counts(self):
+        inside = cuda_ipc_share.gc_inside
+        spans = [(0, 1_000_000, 0), (5_000_000, 7_000_000, 2), (9_000_000, 12_000_000, 1)]
+        self.assertEqual(inside(spans, 0, 20_000_000), (6.0, 2.0))
+        # Clipped at both ends: half of the first, the full one, none of the last.
+        self.assertEqual(inside(spans, 500_000, 8_000_000), (2.5, 2.0))
+        self.assertEqual(inside(spans, 6_000_000, 10_000_000), (2.0, 1.0))
+        self.assertEqual(inside(spans, 13_000_000, 14_000_000), (0.0, 0.0))
+        self.assertEqual(inside([], 0, 1), (0.0, 0.0))
+
+    def test_each_sample_adds_both_parts(self):
+        parts = {}
+        cuda_ipc_share.add_gc(parts, [(1_000_000, 3_000_000, 2)], 0, 2_000_000)
+        cuda_ipc_share.add_gc(parts, [], 0, 2_000_000)
+        self.assertEqual(parts, {"gc": [1.0, 0.0], "gc_full": [1.0, 0.0]})
+
+
 class ConsumerProcess(unittest.TestCase):
     """The consumer helper that first_attach.py reuses, with a stand-in script."""
 

@@ -353,3 +353,49 @@ fn hand_off_rows_show_their_measured_parts_in_order() {
         "{text}"
     );
 }
+
+#[test]
+fn python_rows_show_the_cycle_collector_where_it_ran() {
+    let mut r = synthetic();
+    sets(&mut r).retain(|row| row.series != PY_SERIES);
+    sets(&mut r).extend([
+        row(PY_SERIES, "set", 10000, &[19.0, 20.0, 76.0])
+            .part("publish", &[11.0])
+            .part("gc", &[0.0, 0.5, 57.0])
+            .part("gc_full", &[0.0, 0.0, 56.0]),
+        row(PY_SERIES, "set", 1000, &[2.0, 2.1])
+            .part("publish", &[0.8])
+            .part("gc", &[0.0, 0.25]),
+        row(PY_SERIES, "set", 100, &[0.6])
+            .part("publish", &[0.2])
+            .part("gc", &[0.0])
+            .part("gc_full", &[0.0]),
+    ]);
+    r.evaluate();
+    let text = render(&r);
+    let lines: Vec<&str> = text.lines().collect();
+    let after = |n: &str, k: usize| {
+        let i = lines
+            .iter()
+            .position(|l| {
+                l.trim_start().starts_with("ours from Python set") && l.contains(&format!(" {n} "))
+            })
+            .unwrap_or_else(|| panic!("no Python set of {n} in {text}"));
+        lines.get(i + k).copied().unwrap_or("")
+    };
+    let huge = after("10000", 2).trim();
+    assert!(
+        huge.starts_with("Python's cycle collector inside the clock: p50 0.5000 ms"),
+        "{text}"
+    );
+    assert!(
+        huge.contains("largest 57.000 ms; full collections p99"),
+        "{text}"
+    );
+    assert!(huge.ends_with("largest 56.000 ms"), "{text}");
+    let large = after("1000", 2).trim();
+    assert!(large.contains("largest 0.2500 ms"), "{text}");
+    assert!(!large.contains("full collections"), "{text}");
+    // A row whose collector never ran inside the clock gets no line.
+    assert!(!after("100", 2).contains("cycle collector"), "{text}");
+}

@@ -128,6 +128,9 @@ pub(super) fn render_sets(r: &Report, s: &Section, out: &mut String) {
             {
                 t.line(line);
             }
+            if let Some(line) = collector_part(row) {
+                t.line(line);
+            }
         }
     }
     if !s.rows.is_empty() {
@@ -180,6 +183,37 @@ fn handoff_parts(row: &Row) -> Option<String> {
         })
         .collect();
     (!shown.is_empty()).then(|| format!("  p50 parts: {}", shown.join(", ")))
+}
+
+/// Python's cycle collector inside a Python row's clock (its parts `gc`
+/// and `gc_full`, both processes), as a line under it where it ran in any
+/// kept sample: the p99 a full collection makes.
+fn collector_part(row: &Row) -> Option<String> {
+    if row.series != targets::PY_SERIES {
+        return None;
+    }
+    let all = row.parts.get("gc")?;
+    if all.max <= 0.0 {
+        return None;
+    }
+    let full = row
+        .parts
+        .get("gc_full")
+        .filter(|f| f.max > 0.0)
+        .map(|f| {
+            format!(
+                "; full collections p99 {} ms, largest {} ms",
+                fmt_ms(f.p99),
+                fmt_ms(f.max)
+            )
+        })
+        .unwrap_or_default();
+    Some(format!(
+        "  Python's cycle collector inside the clock: p50 {} ms, p99 {} ms, largest {} ms{full}",
+        fmt_ms(all.p50),
+        fmt_ms(all.p99),
+        fmt_ms(all.max)
+    ))
 }
 
 /// The parts of a first attach row, as a line under it.
