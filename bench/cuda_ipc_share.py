@@ -350,8 +350,11 @@ def measure_handoff(torch, pub, consumer, tensors, warmup, reps, index, collecti
         t0 = now_ns()
         pub.publish_state_dict(name, tensors)
         t_pub = now_ns()
-        produced = last_phases(PRODUCER_CALLS["set"])
         ans = consumer.ask({"op": "set", "name": name, "sample": i})
+        # Read once the consumer has answered: before the request, this
+        # would run inside the sample's clock. No call of ours ran on this
+        # thread in between.
+        produced = last_phases(PRODUCER_CALLS["set"])
         pub.unpublish(name, timeout=ANSWER_TIMEOUT_S)
         failures += bool(ans["bad"]) and i >= warmup
         if i >= warmup:
