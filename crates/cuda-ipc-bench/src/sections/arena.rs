@@ -62,10 +62,11 @@ fn arena_row(publisher: &Publisher, c: &mut Consumer, m: Mechanism, size: u64, r
             let t0 = mono_ns();
             publisher.publish_buffer(&name, &buffer, Dtype::U32, &[size / 4])?;
             let t_pub = mono_ns();
-            let publish_phases = cuda_ipc::phases::last("core.publish_set");
             let answer = worker
                 .send(&request)
                 .and_then(|()| worker.recv(REQUEST_TIMEOUT));
+            // Read once the consumer has answered, outside its clock.
+            let publish_phases = cuda_ipc::phases::last("core.publish_set");
             let t = std::time::Instant::now();
             let unpublished = publisher.unpublish_set(&name, Some(UNPUBLISH_TIMEOUT));
             drop(buffer);

@@ -137,8 +137,9 @@ fn handoff_row(
             let t0 = mono_ns();
             publisher.publish_set(&name, &members)?;
             let t_pub = mono_ns();
-            let publish_phases = cuda_ipc::phases::last("core.publish_set");
             let answer = w.send(&request).and_then(|()| w.recv(REQUEST_TIMEOUT));
+            // Read once the consumer has answered, outside its clock.
+            let publish_phases = cuda_ipc::phases::last("core.publish_set");
             let after = used(ctx)?;
             let t = std::time::Instant::now();
             let unpublished = publisher.unpublish_set(&name, Some(UNPUBLISH_TIMEOUT));
