@@ -128,6 +128,21 @@ class Collector(unittest.TestCase):
         self.assertEqual(inside(spans, 13_000_000, 14_000_000), (0.0, 0.0))
         self.assertEqual(inside([], 0, 1), (0.0, 0.0))
 
+    def test_a_sample_counts_both_processes_collections_inside_its_clock(self):
+        # The consumer's spans come back through JSON, as lists.
+        ans = json.loads(json.dumps({"t_ns": 10_000_000, "t_recv": 4_000_000, "t_mid": None, "phases": {},
+                                     "gc": [(5_000_000, 6_000_000, 0), (9_000_000, 12_000_000, 2)]}))
+        producer = [(500_000, 1_500_000, 1), (12_000_000, 13_000_000, 2)]
+        parts = {"publish": [], "request": [], "consumer": []}
+        cuda_ipc_share.keep_parts(parts, 1_000_000, 2_000_000, ans, producer)
+        self.assertEqual(parts["publish"], [1.0])
+        self.assertEqual(parts["request"], [2.0])
+        self.assertEqual(parts["consumer"], [6.0])
+        # Inside 1..10 ms: half of the producer's first, the consumer's first
+        # and 1 ms of its full one; nothing after the clock stopped.
+        self.assertEqual(parts["gc"], [2.5])
+        self.assertEqual(parts["gc_full"], [1.0])
+
     def test_each_sample_adds_both_parts(self):
         parts = {}
         cuda_ipc_share.add_gc(parts, [(1_000_000, 3_000_000, 2)], 0, 2_000_000)
