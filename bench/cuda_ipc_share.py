@@ -140,10 +140,13 @@ def gc_inside(spans, start_ns, end_ns):
     return all_ns / 1e6, full_ns / 1e6
 
 
-def add_gc(parts, spans, start_ns, end_ns):
-    """Appends to ``parts`` the collections of ``spans`` (both processes')
-    inside a kept sample's clock, ``start_ns`` to ``end_ns``."""
-    all_ms, full_ms = gc_inside(spans, start_ns, end_ns)
+def add_gc(parts, produced, ans, start_ns):
+    """Appends to ``parts`` the collections inside a kept sample's clock,
+    from ``start_ns`` to the consumer's ``ans["t_ns"]``: the producer's
+    (``produced``, GcClock.spans) and the consumer's (``ans["gc"]``, its
+    spans through JSON)."""
+    spans = list(produced) + [tuple(g) for g in ans.get("gc", [])]
+    all_ms, full_ms = gc_inside(spans, start_ns, ans["t_ns"])
     parts.setdefault("gc", []).append(all_ms)
     parts.setdefault("gc_full", []).append(full_ms)
 
@@ -316,7 +319,7 @@ def keep_parts(parts, t0, t_pub, ans, produced_gc):
         parts.setdefault("attach_set", []).append((ans["t_mid"] - ans["t_recv"]) / 1e6)
         parts.setdefault("tensors", []).append((ans["t_ns"] - ans["t_mid"]) / 1e6)
     add_phases(parts, ans.get("phases"))
-    add_gc(parts, list(produced_gc) + [tuple(g) for g in ans.get("gc", [])], t0, ans["t_ns"])
+    add_gc(parts, produced_gc, ans, t0)
 
 
 def fill(torch, tensors, sample):
@@ -395,7 +398,7 @@ def measure_update(torch, pub, consumer, tensors, warmup, reps, index, collectio
                 parts["update"].append((t_upd - t0) / 1e6)
                 add_phases(parts, produced)
                 add_phases(parts, ans.get("phases"))
-                add_gc(parts, list(collections.spans) + [tuple(g) for g in ans.get("gc", [])], t0, ans["t_ns"])
+                add_gc(parts, collections.spans, ans, t0)
         consumer.ask({"op": "drop"})
     finally:
         pub.unpublish(name, timeout=ANSWER_TIMEOUT_S)

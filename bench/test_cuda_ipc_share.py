@@ -145,8 +145,8 @@ class Collector(unittest.TestCase):
 
     def test_each_sample_adds_both_parts(self):
         parts = {}
-        cuda_ipc_share.add_gc(parts, [(1_000_000, 3_000_000, 2)], 0, 2_000_000)
-        cuda_ipc_share.add_gc(parts, [], 0, 2_000_000)
+        cuda_ipc_share.add_gc(parts, [(1_000_000, 3_000_000, 2)], {"t_ns": 2_000_000}, 0)
+        cuda_ipc_share.add_gc(parts, [], {"t_ns": 2_000_000, "gc": []}, 0)
         self.assertEqual(parts, {"gc": [1.0, 0.0], "gc_full": [1.0, 0.0]})
 
 
