@@ -19,7 +19,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
-use cuda_ipc_shm::{Area, MIN_CAPACITY, Receiver, Side, area_len, new_eventfd};
+use cuda_ipc_shm::{Area, MIN_CAPACITY, Receiver, Side, area_len, wake_pair};
 
 const CAP: usize = MIN_CAPACITY;
 /// A ring header's size in bytes, and the byte offset of its head.
@@ -112,13 +112,11 @@ pub fn shm_ring(data: &[u8]) {
     let mut patches: &[u8] = patches;
     let (area, memfd) = Area::create(CAP).expect("an area");
     let theirs = Area::open(&memfd, CAP).expect("the same area");
-    let (to_opener, to_creator) = (new_eventfd().unwrap(), new_eventfd().unwrap());
-    let mut creator = area.split(
-        Side::Creator,
-        to_opener.try_clone().unwrap(),
-        to_creator.try_clone().unwrap(),
-    );
-    let mut opener = theirs.split(Side::Opener, to_creator, to_opener);
+    let (ours, other) = wake_pair().expect("a wake-up socket pair");
+    let mut creator = area.split(Side::Creator, ours).expect("the creator's ends");
+    let mut opener = theirs
+        .split(Side::Opener, other)
+        .expect("the opener's ends");
     // Records both ways, some of them read: the tails each receiver keeps.
     let mut tails = [0u64; 2];
     let mut buf = Vec::new();

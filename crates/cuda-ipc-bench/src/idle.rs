@@ -1,7 +1,7 @@
 //! How this machine's processors idle, which decides what waking a
 //! sleeping consumer costs.
 //!
-//! A consumer that waits asleep (in `poll(2)` on an eventfd) leaves its
+//! A consumer that waits asleep (in `poll(2)` on its wake-up socket) leaves its
 //! processor idle; the notice that wakes it pays for that processor to
 //! leave its idle state. On bare metal that is the exit latency of the
 //! deepest idle state the cpuidle driver may enter (listed by the kernel

@@ -24,9 +24,7 @@
 //!   `Server::publish` of a new entry (one memfd), its name written into
 //!   a pipe that a consumer thread sleeps on, and that thread's
 //!   `Client::attach` answered; from before the publish to the answer.
-//!   The next one comes 100 µs after the consumer said it released. With
-//!   publish kicks ([`ServerConfig::publish_kick`]) the publish wakes the
-//!   connection's reader while the consumer wakes, not after.
+//!   The next one comes 100 µs after the consumer said it released.
 //! - *attach after 1 ms / 5 ms asleep* and *fresh hand-off after 1 ms
 //!   asleep*: as above, but every thread sleeps between operations (the
 //!   gap is a `sleep`, not a busy wait), as the bench's processes do
@@ -59,31 +57,23 @@ use cuda_ipc_channel::{
 use rustix::time::{ClockId, clock_gettime};
 use serde_json::json;
 
-/// One configuration: the notice path, the server's spin and whether a
-/// publish kicks readers.
+/// One configuration: the notice path and the server's spin.
 #[derive(Clone, Copy)]
 struct Setup {
     path: NoticePath,
     spin: Duration,
-    kick: bool,
 }
 
 impl Setup {
     fn name(self) -> String {
-        format!(
-            "{:?}, server spin {} µs{}",
-            self.path,
-            self.spin.as_micros(),
-            if self.kick { ", publish kicks" } else { "" }
-        )
+        format!("{:?}, server spin {} µs", self.path, self.spin.as_micros())
     }
 
     fn server(self, sock: &std::path::Path) -> Result<Server, ChannelError> {
         Server::bind(
             ServerConfig::new(sock)
                 .with_notices(self.path)
-                .with_spin(self.spin)
-                .with_publish_kick(self.kick),
+                .with_spin(self.spin),
         )
     }
 
@@ -484,13 +474,12 @@ fn main() -> Result<(), ChannelError> {
         source: e,
     })?;
     let spin = cuda_ipc_channel::DEFAULT_SERVER_SPIN;
-    let setup = |path, spin, kick| Setup { path, spin, kick };
+    let setup = |path, spin| Setup { path, spin };
     let setups: Vec<Setup> = [
-        setup(NoticePath::Socket, Duration::ZERO, false),
-        setup(NoticePath::Socket, spin, false),
-        setup(NoticePath::Shm, Duration::ZERO, false),
-        setup(NoticePath::Shm, spin, false),
-        setup(NoticePath::Shm, spin, true),
+        setup(NoticePath::Socket, Duration::ZERO),
+        setup(NoticePath::Socket, spin),
+        setup(NoticePath::Shm, Duration::ZERO),
+        setup(NoticePath::Shm, spin),
     ]
     .into_iter()
     // Configurations whose name holds the fourth argument, if given.

@@ -9,8 +9,9 @@
 //! that acks every frame receives in half a second.
 //!
 //! The server publishes a 64-slot ring whose producer publishes a frame
-//! about every millisecond, with an ack deadline of 250 ms (subscribers
-//! that do not ack in time are evicted).
+//! about every millisecond, with the ring's defaults: no ack deadline,
+//! the default stall budget (another user's subscribers that hold the
+//! producer up past their share are skipped, then evicted).
 //!
 //! ```text
 //! cargo run --release -p cuda-ipc-channel --example hostile_peers
@@ -19,16 +20,22 @@
 //! The server runs in a child process with the default configuration. Run
 //! as root, the attackers run as another user (uid 65534, which the server
 //! also allows), the way a hostile peer on a shared machine would; else as
-//! this user. Prints a Markdown table. `HOSTILE_ONLY=calls` (a list of
+//! this user (then the per-user budgets, which bound what one user costs
+//! the others, do not apply: the ring attacks stall the legitimate
+//! subscriber). Prints a Markdown table, then a line per attack that broke
+//! a bound: a legitimate attach + release or ring subscription over twice
+//! its unloaded time, or the server's threads or descriptors not back to
+//! their baseline after the attack. `HOSTILE_ONLY=calls` (a list of
 //! attack names, comma-separated) runs only those.
 //!
 //! The server answers calls as a weight service refuses them: each call's
 //! body quoted back in a `not_found` error.
 //!
 //! The `shm-` attacks ask for the shared-memory rings that legitimate
-//! clients use for notices, acks and requests (a memfd both sides map, an
-//! eventfd each side sleeps on) and abuse them: scribbling over them,
-//! waking the server with nothing to read, filling the request ring. The
+//! clients use for notices, acks and requests (a memfd both sides map, one
+//! end each of a wake-up socket pair) and abuse them: scribbling over
+//! them, waking the server with nothing to read, filling the request ring,
+//! doing the worst to every descriptor they were given. The
 //! table also gives the server's processor time during the legitimate
 //! measurements (all its threads, from `/proc/PID/task/*/schedstat`), as a
 //! share of one core, against the same unloaded.
@@ -44,8 +51,7 @@ use std::time::{Duration, Instant};
 
 use cuda_ipc_channel::wire::{HEADER_LEN, Message, PROTOCOL_VERSION};
 use cuda_ipc_channel::{
-    CallError, CallHandler, Client, ClientConfig, LatePolicy, NOTICE_RING_BYTES, Server,
-    ServerConfig,
+    CallError, CallHandler, Client, ClientConfig, NOTICE_RING_BYTES, Server, ServerConfig,
 };
 use serde_json::json;
 
@@ -119,6 +125,20 @@ const ATTACKS: &[(&str, &str)] = &[
         "shm-requests",
         "takes the rings with requests through them, fills its ring with attaches, reads nothing",
     ),
+    (
+        "shm-freeze",
+        "takes the rings, clears O_NONBLOCK on every descriptor, shrinks its wake-up buffer, \
+         subscribes to the ring, claims to sleep for ever, pings through its ring, floods the \
+         server's wake-up end, reads nothing",
+    ),
+    (
+        "ring-laggard",
+        "subscribes to the ring, reads every frame, acks one in 25, subscribes again when dropped",
+    ),
+    (
+        "ack-flood",
+        "subscribes to the ring, then sends acks as fast as the socket takes them, reads nothing",
+    ),
 ];
 
 /// Whether an attack takes the shared-memory rings (the others say
@@ -156,8 +176,6 @@ fn serve(path: &Path) {
         .map(|i| (json!({ "slot": i }), vec![memfd(&[i as u8; 16])]))
         .collect();
     let ring = server.create_ring("r", json!(null), slots).expect("ring");
-    ring.set_ack_deadline(Some(Duration::from_millis(250)), LatePolicy::Evict)
-        .expect("ack deadline");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let producer = {
         let stop = std::sync::Arc::clone(&stop);
@@ -217,6 +235,9 @@ fn attack(kind: &str, path: &Path) {
     if takes_rings(kind) {
         return ring_attack(kind, path, &hello);
     }
+    if kind == "ring-laggard" {
+        return laggards(path);
+    }
     let mut conns = Vec::new();
     for _ in 0..PER_PROCESS {
         let Ok(mut s) = UnixStream::connect(path) else {
@@ -269,9 +290,9 @@ fn ring_attack(kind: &str, path: &Path, hello: &[u8]) {
         if s.write_all(hello).is_err() {
             continue;
         }
-        // The memfd, the eventfd we sleep on, the one the server sleeps on.
+        // The memfd and our end of the wake-up pair.
         if let Some((Message::Welcome { .. }, fds)) = read_message_with_fds(&s)
-            && fds.len() == 3
+            && fds.len() == 2
         {
             conns.push((s, fds));
         }
@@ -281,16 +302,20 @@ fn ring_attack(kind: &str, path: &Path, hello: &[u8]) {
     let mut rings = Vec::new();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut abuser = None;
+    if kind == "shm-freeze" {
+        for (s, fds) in &conns {
+            rings.extend(freeze(s, fds));
+        }
+    }
     if kind == "shm-requests" {
         for (_, fds) in &conns {
-            let (Ok(area), Ok(peer), Ok(own)) = (
-                cuda_ipc_shm::Area::open(&fds[0], NOTICE_RING_BYTES),
-                fds[2].try_clone(),
-                fds[1].try_clone(),
-            ) else {
+            let Some((mut tx, rx)) = cuda_ipc_shm::Area::open(&fds[0], NOTICE_RING_BYTES)
+                .ok()
+                .zip(fds[1].try_clone().ok())
+                .and_then(|(area, wake)| area.split(cuda_ipc_shm::Side::Opener, wake).ok())
+            else {
                 continue;
             };
-            let (mut tx, rx) = area.split(cuda_ipc_shm::Side::Opener, peer, own);
             for id in 0..2000u64 {
                 let mut record = 0u64.to_le_bytes().to_vec();
                 record.extend(frame(&Message::Attach {
@@ -305,9 +330,10 @@ fn ring_attack(kind: &str, path: &Path, hello: &[u8]) {
         }
     } else {
         let scribble = kind == "shm-scribble";
+        let freezing = kind == "shm-freeze";
         let fds: Vec<(OwnedFd, OwnedFd)> = conns
             .iter()
-            .filter_map(|(_, f)| Some((f[0].try_clone().ok()?, f[2].try_clone().ok()?)))
+            .filter_map(|(_, f)| Some((f[0].try_clone().ok()?, f[1].try_clone().ok()?)))
             .collect();
         let stop = std::sync::Arc::clone(&stop);
         abuser = Some(std::thread::spawn(move || {
@@ -330,7 +356,17 @@ fn ring_attack(kind: &str, path: &Path, hello: &[u8]) {
                             .collect();
                         let _ = rustix::io::pwrite(memfd, &bytes, x % (len - 64));
                     }
-                    let _ = rustix::io::write(wake, &1u64.to_ne_bytes());
+                    if freezing {
+                        // Asleep for ever on the notice ring (ring 0's
+                        // sleeping flag, its 25th word), so that every
+                        // notice sends a wake-up.
+                        let _ = rustix::io::pwrite(memfd, &1u64.to_le_bytes(), 24 * 8);
+                    }
+                    let _ = rustix::net::send(
+                        wake,
+                        &[1; 64],
+                        rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+                    );
                 }
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -344,6 +380,88 @@ fn ring_attack(kind: &str, path: &Path, hello: &[u8]) {
     }
     drop(rings);
     drop(conns);
+}
+
+/// For the `shm-freeze` attack, on one connection granted the rings
+/// (`fds`: the memfd, our wake-up end): blocking mode on every
+/// descriptor, the smallest receive buffer on the wake-up end, a ring
+/// subscription (its frames come through our ring, each with a wake-up
+/// while we claim to sleep), and pings through our ring; the ring's ends,
+/// to hold until the end.
+fn freeze(
+    s: &UnixStream,
+    fds: &[OwnedFd],
+) -> Option<(cuda_ipc_shm::Sender, cuda_ipc_shm::Receiver)> {
+    for fd in fds {
+        let flags = rustix::fs::fcntl_getfl(fd).ok()?;
+        let _ = rustix::fs::fcntl_setfl(fd, flags - rustix::fs::OFlags::NONBLOCK);
+    }
+    let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&fds[1], 1);
+    let _ = (&*s).write_all(&frame(&Message::AttachRing {
+        id: 1,
+        name: "r".into(),
+    }));
+    let area = cuda_ipc_shm::Area::open(&fds[0], NOTICE_RING_BYTES).ok()?;
+    let (mut tx, rx) = area
+        .split(cuda_ipc_shm::Side::Opener, fds[1].try_clone().ok()?)
+        .ok()?;
+    for id in 0..500 {
+        // After the hello and the subscription on the socket.
+        let mut record = 2u64.to_le_bytes().to_vec();
+        record.extend(frame(&Message::Ping { id }));
+        if !matches!(tx.send(&record), Ok(true)) {
+            break;
+        }
+    }
+    Some((tx, rx))
+}
+
+/// One attacker process of the `ring-laggard` attack: a client per
+/// connection, each subscribed to the ring, taking every frame and acking
+/// one in 25, subscribing again when skipped or evicted, until stdin
+/// closes.
+fn laggards(path: &Path) {
+    let server_uid = rustix::fs::stat(path).map_or(0, |st| st.st_uid);
+    let config = ClientConfig::default().with_allowed_server_uids([server_uid]);
+    let clients: Vec<Client> = (0..PER_PROCESS)
+        .filter_map(|_| Client::connect(path, config.clone()).ok())
+        .collect();
+    out!("ATTACKING {}", clients.len());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let threads: Vec<_> = clients
+        .into_iter()
+        .map(|client| {
+            let stop = std::sync::Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let Ok(r) = client.attach_ring("r") else {
+                        std::thread::sleep(Duration::from_millis(10));
+                        continue;
+                    };
+                    let mut n = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        match client.next_frame(r.lease, Duration::from_millis(50)) {
+                            Ok(f) => {
+                                n += 1;
+                                if n.is_multiple_of(25) {
+                                    let _ = client.ack(r.lease, f.slot, f.seq);
+                                }
+                            }
+                            Err(e) if e.kind() == cuda_ipc_channel::ChannelErrorKind::Timeout => {}
+                            Err(_) => break,
+                        }
+                    }
+                    let _ = client.release(r.lease);
+                }
+            })
+        })
+        .collect();
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in threads {
+        let _ = t.join();
+    }
 }
 
 /// Reads one whole wire message with the descriptors that came with it.
@@ -435,6 +553,26 @@ fn assault(kind: &str, mut s: UnixStream, hello: &[u8]) -> UnixStream {
                 let reader = s.try_clone().expect("clone");
                 reader.set_read_timeout(None).ok();
                 std::thread::spawn(move || while read_message(&reader).is_some() {});
+            }
+        }
+        "ack-flood" => {
+            let m = frame(&Message::AttachRing {
+                id: 1,
+                name: "r".into(),
+            });
+            let acks: Vec<u8> = (0..64)
+                .flat_map(|i| {
+                    frame(&Message::Ack {
+                        lease: 1_000 + i,
+                        slot: 0,
+                        seq: i,
+                    })
+                })
+                .collect();
+            if s.write_all(&m).is_ok() {
+                let mut w = s.try_clone().expect("clone");
+                w.set_write_timeout(None).ok();
+                std::thread::spawn(move || while w.write_all(&acks).is_ok() {});
             }
         }
         "trickle" => {
@@ -543,16 +681,27 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-/// The processor time of every thread of `pid` so far, ns (each
-/// thread's `/proc/PID/task/TID/schedstat`, first field).
+/// The processor time of process `pid` so far, ns (`/proc/PID/stat`'s
+/// user and system time, which keep the time of threads that exited).
 fn cpu_ns(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |tasks| {
-        tasks
-            .filter_map(Result::ok)
-            .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-            .sum()
-    })
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command's closing parenthesis, from the
+    // state (field 3): utime and stime are fields 14 and 15.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    let field = |n: usize| {
+        fields
+            .get(n - 3)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let ticks = field(14) + field(15);
+    // The kernel's clock ticks are 100 a second on every Linux we run.
+    ticks * 10_000_000
 }
 
 /// [`legit`], and the server's processor time meanwhile as a share of one
@@ -560,13 +709,22 @@ fn cpu_ns(pid: u32) -> u64 {
 fn legit_with_cpu(path: &Path, pid: u32) -> (Legit, f64) {
     let (t0, c0) = (Instant::now(), cpu_ns(pid));
     let l = legit(path);
-    let cpu = (cpu_ns(pid) - c0) as f64 / 1e9 / t0.elapsed().as_secs_f64();
+    let cpu = cpu_ns(pid).saturating_sub(c0) as f64 / 1e9 / t0.elapsed().as_secs_f64();
     (l, cpu)
 }
 
 fn fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }
+
+fn threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, Iterator::count)
+}
+
+/// The most the server's resident memory may stay above its baseline
+/// after an attack: what the allocator keeps of the attack's buffers for
+/// reuse, not a leak (a leak grows with every attack).
+const RSS_SLACK_KIB: u64 = 16 * 1024;
 
 /// Attach + release of a legitimate client, in microseconds: the lowest
 /// median of 8 batches of 50, spread over a second, so that bursts of
@@ -647,6 +805,43 @@ fn legit(path: &Path) -> Legit {
     }
 }
 
+/// What broke a bound in attack `kind`: a legitimate latency during it
+/// over twice its unloaded value, or the server's descriptors, threads or
+/// memory (past [`RSS_SLACK_KIB`]) not back to their baseline after it;
+/// each `(after, baseline)`.
+fn out_of_bounds(
+    kind: &str,
+    (during, unloaded): (&Legit, &Legit),
+    (fds_after, fds0): (usize, usize),
+    (threads_after, threads0): (usize, usize),
+    (rss_after, rss0): (u64, u64),
+) -> Vec<String> {
+    let mut broken = Vec::new();
+    for (what, during, unloaded) in [
+        ("attach + release", &during.attach, &unloaded.attach),
+        ("ring subscription", &during.ring, &unloaded.ring),
+    ] {
+        match (during, unloaded) {
+            (Ok(d), Ok(u)) if *d <= 2.0 * u => {}
+            _ => broken.push(format!("{kind}: {what} {}", versus(during, unloaded))),
+        }
+    }
+    if fds_after > fds0 || threads_after > threads0 {
+        broken.push(format!(
+            "{kind}: {:+} descriptors and {:+} threads after the attack",
+            fds_after as i64 - fds0 as i64,
+            threads_after as i64 - threads0 as i64
+        ));
+    }
+    if rss_after > rss0 + RSS_SLACK_KIB {
+        broken.push(format!(
+            "{kind}: resident memory {:+.1} MiB after the attack",
+            (rss_after as f64 - rss0 as f64) / 1024.0
+        ));
+    }
+    broken
+}
+
 /// "during vs unloaded (ratio)" for one latency.
 fn versus(during: &Result<f64, String>, unloaded: &Result<f64, String>) -> String {
     match (during, unloaded) {
@@ -654,6 +849,94 @@ fn versus(during: &Result<f64, String>, unloaded: &Result<f64, String>) -> Strin
         (Err(e), _) => format!("failed: {e}"),
         (_, Err(e)) => format!("unloaded failed: {e}"),
     }
+}
+
+/// What the server holds: resident memory (KiB), descriptors, threads.
+#[derive(Clone, Copy)]
+struct Usage {
+    rss_kib: u64,
+    fds: usize,
+    threads: usize,
+}
+
+impl Usage {
+    fn of(pid: u32) -> Usage {
+        Usage {
+            rss_kib: rss_kib(pid),
+            fds: fds(pid),
+            threads: threads(pid),
+        }
+    }
+}
+
+/// Runs one attack on the server `pid` at `path` (attackers as uid 65534
+/// if `root`), prints its row, and returns what broke a bound.
+fn one_attack(
+    exe: &Path,
+    path: &Path,
+    pid: u32,
+    (kind, what): (&str, &str),
+    root: bool,
+    base: Usage,
+) -> Vec<String> {
+    let path_s = path.to_str().expect("utf-8 path");
+    // Unloaded again right before, so that both figures see the same
+    // machine.
+    let (unloaded, cpu_unloaded) = legit_with_cpu(path, pid);
+    let mut attackers: Vec<_> = (0..PROCESSES)
+        .map(|_| spawn(exe, &["--attack", kind, path_s], root))
+        .collect();
+    let admitted: usize = attackers
+        .iter_mut()
+        .map(|(_, out)| {
+            line(out)
+                .trim()
+                .strip_prefix("ATTACKING ")
+                .and_then(|n| n.parse::<usize>().ok())
+                .unwrap_or(0)
+        })
+        .sum();
+    std::thread::sleep(Duration::from_millis(500));
+    let (during, cpu_during) = legit_with_cpu(path, pid);
+    let loaded = Usage::of(pid);
+    for (mut child, _) in attackers.drain(..) {
+        drop(child.stdin.take());
+        let _ = child.wait();
+    }
+    // Let the server notice and close what the attackers left.
+    let mut after = Usage::of(pid);
+    let settle = Instant::now() + Duration::from_secs(10);
+    while (after.fds > base.fds || after.threads > base.threads) && Instant::now() < settle {
+        std::thread::sleep(Duration::from_millis(50));
+        after = Usage::of(pid);
+    }
+    let frames = match (&during.frames, &unloaded.frames) {
+        (Ok(d), Ok(u)) => format!("{d} vs {u}"),
+        (Err(e), _) | (_, Err(e)) => format!("failed: {e}"),
+    };
+    let mib = |kib: u64| (kib as f64 - base.rss_kib as f64) / 1024.0;
+    let above = |n: usize, base: usize| n as i64 - base as i64;
+    out!(
+        "| {kind}: {what} | {admitted} | {:+.1} / {:+.1} MiB | {:+} / {:+} | {:+} / {:+} | {} | {} \
+         | {frames} | {:.0} % vs {:.0} % |",
+        mib(loaded.rss_kib),
+        mib(after.rss_kib),
+        above(loaded.fds, base.fds),
+        above(after.fds, base.fds),
+        above(loaded.threads, base.threads),
+        above(after.threads, base.threads),
+        versus(&during.attach, &unloaded.attach),
+        versus(&during.ring, &unloaded.ring),
+        cpu_during * 100.0,
+        cpu_unloaded * 100.0,
+    );
+    out_of_bounds(
+        kind,
+        (&during, &unloaded),
+        (after.fds, base.fds),
+        (after.threads, base.threads),
+        (after.rss_kib, base.rss_kib),
+    )
 }
 
 fn measure() {
@@ -672,16 +955,16 @@ fn measure() {
     std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let path = dir.path().join("hostile.sock");
     let path_s = path.to_str().expect("utf-8 path");
-
     let (mut server, mut server_out) = spawn(&exe, &["--serve", path_s], false);
     assert_eq!(line(&mut server_out).trim(), "READY");
     let pid = server.id();
     let warm = legit(&path);
     std::thread::sleep(Duration::from_millis(200));
-    let (rss0, fds0) = (rss_kib(pid), fds(pid));
+    let base = Usage::of(pid);
+    let (rss0, fds0, threads0) = (base.rss_kib, base.fds, base.threads);
     out!(
         "attackers run as {}; server baseline {:.1} MiB RSS, {fds0} fds; unloaded attach + \
-         release {}, ring subscription {}, ring frames in 0.5 s {}",
+         release {}, ring subscription {}, ring frames in 0.5 s {}; {threads0} threads",
         if root { "uid 65534" } else { "this user" },
         rss0 as f64 / 1024.0,
         warm.attach
@@ -697,67 +980,32 @@ fn measure() {
     out!();
     out!(
         "| attack ({} connections each) | admitted | server RSS above baseline, during / after | \
-         server fds above baseline, during / after | legit attach + release, median | legit \
-         ring subscription, median | legit ring frames in 0.5 s, during vs unloaded | server \
-         CPU, during vs unloaded |",
+         server fds above baseline, during / after | server threads above baseline, during / \
+         after | legit attach + release, median | legit ring subscription, median | legit ring \
+         frames in 0.5 s, during vs unloaded | server CPU, during vs unloaded |",
         PROCESSES * PER_PROCESS
     );
-    out!("|---|---|---|---|---|---|---|---|");
+    out!("|---|---|---|---|---|---|---|---|---|");
+    let mut broken = Vec::new();
     let only = std::env::var("HOSTILE_ONLY").ok();
     for (kind, what) in ATTACKS {
         if only
             .as_deref()
-            .is_some_and(|o| !o.split(',').any(|k| k == *kind))
+            .is_none_or(|o| o.split(',').any(|k| k == *kind))
         {
-            continue;
+            broken.extend(one_attack(&exe, &path, pid, (kind, what), root, base));
         }
-        // Unloaded again right before, so that both figures see the same
-        // machine.
-        let (unloaded, cpu_unloaded) = legit_with_cpu(&path, pid);
-        let mut attackers: Vec<_> = (0..PROCESSES)
-            .map(|_| spawn(&exe, &["--attack", kind, path_s], root))
-            .collect();
-        let admitted: usize = attackers
-            .iter_mut()
-            .map(|(_, out)| {
-                line(out)
-                    .trim()
-                    .strip_prefix("ATTACKING ")
-                    .and_then(|n| n.parse::<usize>().ok())
-                    .unwrap_or(0)
-            })
-            .sum();
-        std::thread::sleep(Duration::from_millis(500));
-        let (during, cpu_during) = legit_with_cpu(&path, pid);
-        let (rss, fds_during) = (rss_kib(pid), fds(pid));
-        for (mut child, _) in attackers.drain(..) {
-            drop(child.stdin.take());
-            let _ = child.wait();
-        }
-        // Let the server notice and close what the attackers left.
-        let mut after = fds(pid);
-        let settle = Instant::now() + Duration::from_secs(5);
-        while after > fds0 && Instant::now() < settle {
-            std::thread::sleep(Duration::from_millis(50));
-            after = fds(pid);
-        }
-        let rss_after = rss_kib(pid);
-        let frames = match (&during.frames, &unloaded.frames) {
-            (Ok(d), Ok(u)) => format!("{d} vs {u}"),
-            (Err(e), _) | (_, Err(e)) => format!("failed: {e}"),
-        };
+    }
+    out!();
+    if broken.is_empty() {
         out!(
-            "| {kind}: {what} | {admitted} | {:+.1} / {:+.1} MiB | {:+} / {:+} | {} | {} | {frames} \
-             | {:.0} % vs {:.0} % |",
-            (rss as f64 - rss0 as f64) / 1024.0,
-            (rss_after as f64 - rss0 as f64) / 1024.0,
-            fds_during as i64 - fds0 as i64,
-            after as i64 - fds0 as i64,
-            versus(&during.attach, &unloaded.attach),
-            versus(&during.ring, &unloaded.ring),
-            cpu_during * 100.0,
-            cpu_unloaded * 100.0,
+            "every attack within the bounds: legitimate latencies at most 2x unloaded; threads, \
+             descriptors and memory (within {} MiB) back to the baseline after each",
+            RSS_SLACK_KIB / 1024
         );
+    }
+    for b in &broken {
+        out!("OUT OF BOUNDS {b}");
     }
     drop(server.stdin.take());
     let _ = server.wait();

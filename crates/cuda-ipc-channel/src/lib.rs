@@ -90,8 +90,8 @@ pub use paths::{
     validate_socket_name,
 };
 pub use server::{
-    CallContext, CallError, CallHandler, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo, Replaced,
-    SERVER_KICK_ENV, SERVER_SPIN_ENV, Server, ServerConfig, ServerRing,
+    CallContext, CallError, CallHandler, CpuBudget, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo,
+    Replaced, SERVER_SPIN_ENV, Server, ServerConfig, ServerRing, StallBudget,
 };
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, Meta, WireError};

@@ -7,12 +7,13 @@
 //! [`Message::Unpublished`], [`Message::RingLate`]) and the client's
 //! [`Message::Ack`]s travel through two single-producer single-consumer
 //! rings in a memfd that the server creates, seals and sends with its
-//! `welcome` (see the `cuda_ipc_shm` crate), with an eventfd per
-//! direction to wake a sleeper. The socket stays for requests, answers,
-//! descriptors and liveness: a waiting client polls its eventfd and the
-//! socket together, so a server that dies wakes it at once, and the
-//! server's reader polls the socket and its eventfd, so a client that dies
-//! is noticed at once too.
+//! `welcome` (see the `cuda_ipc_shm` crate), with one end of a wake-up
+//! socket pair (the server keeps the other) to wake a sleeper either way.
+//! The socket stays for requests, answers, descriptors and liveness: a
+//! waiting client polls its wake-up end and the socket together, so a
+//! server that dies wakes it at once, and the server's reader polls the
+//! socket and its wake-up end, so a client that dies is noticed at once
+//! too.
 //!
 //! # Records
 //! A record is an 8-byte little-endian count (below), then either a whole
@@ -82,7 +83,14 @@
 //! limit on answers waiting for a client holds; a request whose count
 //! claims socket messages that never come stalls only its own connection.
 //! The memfd is sealed against shrinking, so a client cannot make the
-//! server fault.
+//! server fault. No descriptor the client is given shares state the
+//! server depends on: the server sends the client its end of the wake-up
+//! pair and closes its copy, and sends and reads its own end with
+//! per-call non-blocking flags, so a client that changes its end's flags,
+//! fills it, never reads it, or closes it cannot make a server thread
+//! block (with an eventfd, whose file status flags every copy shares, a
+//! client could clear `O_NONBLOCK` and freeze the server's next wake-up
+//! write).
 //!
 //! # Turning it off
 //! [`ClientConfig::notices`](crate::ClientConfig::notices) and
@@ -102,9 +110,9 @@
 //! (2026-12-01, never released) refuses them as a bad magic and ends the
 //! connection; such a peer must run with `CUDA_IPC_NOTICES=socket`.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
-use cuda_ipc_shm::{Area, Receiver, Sender, Side, check_eventfd, new_eventfd};
+use cuda_ipc_shm::{Area, Receiver, Sender, Side, wake_pair};
 
 use crate::ChannelError;
 use crate::wire::{HEADER_LEN, Message, WireError, decode_header};
@@ -331,39 +339,33 @@ fn record_payload(record: &[u8], max_payload: u32) -> Result<(u64, &[u8]), Chann
 }
 
 /// The server's end of a new connection's rings: the descriptors for the
-/// `welcome` (the memfd, the eventfd the client sleeps on, the one the
-/// server sleeps on), the notice sender and the ack receiver.
+/// `welcome` (the memfd and the client's end of the wake-up pair: ours is
+/// not among them, and these are closed here once sent), the notice
+/// sender and the ack receiver.
 pub(crate) fn server_rings() -> Result<(Vec<OwnedFd>, Sender, Receiver), ChannelError> {
     let (area, memfd) = Area::create(NOTICE_RING_BYTES).map_err(shm_error)?;
-    let to_client = new_eventfd().map_err(shm_error)?;
-    let to_server = new_eventfd().map_err(shm_error)?;
-    let dup = |fd: &OwnedFd| {
-        fd.try_clone()
-            .map_err(|e| ChannelError::io("cannot duplicate an eventfd", e))
-    };
-    let fds = vec![memfd, dup(&to_client)?, dup(&to_server)?];
-    let (tx, rx) = area.split(Side::Creator, to_client, to_server);
-    Ok((fds, tx, rx))
+    let (ours, theirs) = wake_pair().map_err(shm_error)?;
+    let (tx, rx) = area.split(Side::Creator, ours).map_err(shm_error)?;
+    Ok((vec![memfd, theirs], tx, rx))
 }
 
 /// The client's end of the rings the server granted with `capacity`
 /// bytes each and sent `fds` for: checks and maps the memfd (its seals
-/// and size, so that the server cannot make us fault) and returns the ack
-/// sender and the notice receiver.
+/// and size, so that the server cannot make us fault) and the wake-up
+/// end, and returns the ack sender and the notice receiver.
 pub(crate) fn client_rings(
     fds: Vec<OwnedFd>,
     capacity: u32,
 ) -> Result<(Sender, Receiver), ChannelError> {
-    let Ok([memfd, to_client, to_server]) = <[OwnedFd; 3]>::try_from(fds) else {
+    let Ok([memfd, wake]) = <[OwnedFd; 2]>::try_from(fds) else {
         return Err(ChannelError::protocol(
-            "the server granted shared-memory notices without a memfd and two eventfds",
+            "the server granted shared-memory notices without a memfd and a wake-up socket \
+             (a server of another cuda-ipc version?); use the same version on both sides, or \
+             CUDA_IPC_NOTICES=socket",
         ));
     };
     let area = Area::open(&memfd, capacity as usize).map_err(shm_error)?;
-    for fd in [&to_client, &to_server] {
-        check_eventfd(fd.as_fd()).map_err(shm_error)?;
-    }
-    Ok(area.split(Side::Opener, to_server, to_client))
+    area.split(Side::Opener, wake).map_err(shm_error)
 }
 
 /// A ring error as the channel reports it.

@@ -161,11 +161,6 @@ impl Spinners {
         Spinners::new((cores / 4).max(1))
     }
 
-    /// How many may spin at once.
-    pub(crate) fn max(&self) -> usize {
-        self.max
-    }
-
     /// A place to spin in, if one is free.
     pub(crate) fn try_enter(&self) -> Option<SpinSlot<'_>> {
         let mut busy = self.busy.load(Ordering::Relaxed);

@@ -275,9 +275,8 @@ pub enum Message {
         /// The server's process id (informational).
         pid: u32,
         /// When the server grants notices through shared memory: the
-        /// capacity of each ring in bytes. The memfd, then the eventfd the
-        /// client sleeps on, then the one the server sleeps on come with the
-        /// message.
+        /// capacity of each ring in bytes. The memfd, then the client's end
+        /// of the wake-up socket pair come with the message.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         shm_notices: Option<u32>,
         /// Whether the server grants requests and their answers through
@@ -499,7 +498,7 @@ impl Message {
             Message::Welcome {
                 shm_notices: Some(_),
                 ..
-            } => 3,
+            } => 2,
             _ => 0,
         }
     }

@@ -6,7 +6,7 @@
 //!
 //! Run: `cargo bench -p cuda-ipc-shm --bench ring`.
 
-use cuda_ipc_shm::{Area, DEFAULT_CAPACITY, Side, new_eventfd};
+use cuda_ipc_shm::{Area, DEFAULT_CAPACITY, Side, wake_pair};
 use divan::{Bencher, black_box};
 
 fn main() {
@@ -17,13 +17,9 @@ fn main() {
 fn send_and_recv(bencher: Bencher, len: usize) {
     let (area, memfd) = Area::create(DEFAULT_CAPACITY).expect("an area");
     let theirs = Area::open(&memfd, DEFAULT_CAPACITY).expect("its second mapping");
-    let (to_opener, to_creator) = (new_eventfd().unwrap(), new_eventfd().unwrap());
-    let (mut sender, _) = area.split(
-        Side::Creator,
-        to_opener.try_clone().unwrap(),
-        to_creator.try_clone().unwrap(),
-    );
-    let (_, mut receiver) = theirs.split(Side::Opener, to_creator, to_opener);
+    let (ours, other) = wake_pair().unwrap();
+    let (mut sender, _) = area.split(Side::Creator, ours).unwrap();
+    let (_, mut receiver) = theirs.split(Side::Opener, other).unwrap();
     // An odd length, so that the last word is a partial one.
     let record: Vec<u8> = (0..len - 3).map(|i| i as u8).collect();
     let mut out = Vec::with_capacity(len);

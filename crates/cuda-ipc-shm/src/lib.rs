@@ -43,21 +43,21 @@
 //! # Wake-ups
 //! A consumer that finds its ring empty [`wait`](Receiver::wait)s: it
 //! spins for a while, then sets its *sleeping* flag, checks the ring again
-//! and sleeps in `poll(2)` on its eventfd and, optionally, another
-//! descriptor (the socket, so that a peer that dies wakes it at once). A
-//! producer writes the eventfd only when the flag is set, so the hot path
-//! makes no system call. The store of the flag and the load of the head
+//! and sleeps in `poll(2)` on its wake-up socket and, optionally, another
+//! descriptor (the connection's socket, so that a peer that dies wakes it
+//! at once). A producer sends a wake-up byte only when the flag is set,
+//! so the hot path makes no system call. The store of the flag and the load of the head
 //! (and, on the producer's side, the store of the head and the load of the
 //! flag) are separated by sequentially consistent fences, so a wake-up is
 //! never lost.
 //!
 //! A producer that follows this causes a waiting consumer at most one
-//! wake-up with nothing to take per wait (one it wrote for a record the
-//! consumer took without sleeping). A peer that writes the eventfd without
+//! wake-up with nothing to take per wait (one it sent for a record the
+//! consumer took without sleeping). A peer that sends wake-ups without
 //! records, to keep the other side's thread running, is ignored after
 //! [`EMPTY_WAKES_TOLERATED`] such wake-ups in one wait: the wait then naps
 //! ([`IGNORED_NAP_MIN`] doubling to [`IGNORED_NAP_MAX`]) and looks at the
-//! ring after each nap.
+//! ring after each nap. So does every wait once the peer closed its end.
 //!
 //! # Errors
 //! Every fallible function returns [`ShmError`].
@@ -73,8 +73,7 @@ mod ring;
 
 use map::Mapping;
 pub use ring::{
-    EMPTY_WAKES_TOLERATED, IGNORED_NAP_MAX, IGNORED_NAP_MIN, Kicker, MIN_IDLE_TICK, Ready,
-    Receiver, Sender,
+    EMPTY_WAKES_TOLERATED, IGNORED_NAP_MAX, IGNORED_NAP_MIN, MIN_IDLE_TICK, Ready, Receiver, Sender,
 };
 
 /// The default data capacity of each ring: 64 KiB.
@@ -293,41 +292,69 @@ impl Area {
         &self.map.words()[start..start + HEADER_BYTES / 8]
     }
 
-    /// Splits the area into this side's ends: the [`Sender`] writes
-    /// `wake_peer` (an eventfd the peer's receiver sleeps on) when the peer
-    /// sleeps; the [`Receiver`] sleeps on `wake_self` (the eventfd the
-    /// peer's sender writes).
-    pub fn split(self, side: Side, wake_peer: OwnedFd, wake_self: OwnedFd) -> (Sender, Receiver) {
+    /// Splits the area into this side's ends: the [`Sender`] sends a
+    /// wake-up byte on `wake` when the peer sleeps; the [`Receiver`] sleeps
+    /// on `wake` for the peer's. `wake` is this side's end of a
+    /// [`wake_pair`] (the creator keeps one end and sends the other to
+    /// the opener); it is checked to be a Unix stream socket
+    /// ([`ShmError::BadArea`] otherwise).
+    ///
+    /// # References
+    /// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html).
+    pub fn split(self, side: Side, wake: OwnedFd) -> Result<(Sender, Receiver), ShmError> {
+        check_wake_end(wake.as_fd())?;
         let (send_ring, recv_ring) = match side {
             Side::Creator => (0, 1),
             Side::Opener => (1, 0),
         };
-        (
-            Sender::new(Arc::clone(&self.map), send_ring, self.capacity, wake_peer),
-            Receiver::new(self.map, recv_ring, self.capacity, wake_self),
-        )
+        let wake = Arc::new(wake);
+        Ok((
+            Sender::new(
+                Arc::clone(&self.map),
+                send_ring,
+                self.capacity,
+                Arc::clone(&wake),
+            ),
+            Receiver::new(self.map, recv_ring, self.capacity, wake),
+        ))
     }
 }
 
-/// A new eventfd for wake-ups: non-blocking, close-on-exec.
+/// A new wake-up socket pair for an area: `(ours, theirs)`, a connected
+/// pair of Unix stream sockets, close-on-exec. Keep `ours` for
+/// [`Area::split`] and send `theirs` to the peer, then close it here:
+/// each side must hold only its own end.
 ///
 /// # References
-/// [eventfd(2)](https://man7.org/linux/man-pages/man2/eventfd.2.html).
-#[doc(alias = "eventfd")]
-pub fn new_eventfd() -> Result<OwnedFd, ShmError> {
-    rustix::event::eventfd(
-        0,
-        rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+/// [socketpair(2)](https://man7.org/linux/man-pages/man2/socketpair.2.html).
+#[doc(alias = "socketpair")]
+pub fn wake_pair() -> Result<(OwnedFd, OwnedFd), ShmError> {
+    rustix::net::socketpair(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::STREAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
     )
-    .map_err(|e| ShmError::io("cannot create an eventfd", e))
+    .map_err(|e| ShmError::io("cannot create a wake-up socket pair", e))
 }
 
-/// Checks that `fd` is an eventfd we can use: non-blocking mode is set on
-/// it here (a received descriptor may come without it).
-pub fn check_eventfd(fd: BorrowedFd<'_>) -> Result<(), ShmError> {
-    let flags = rustix::fs::fcntl_getfl(fd).map_err(|e| ShmError::io("cannot read flags", e))?;
-    rustix::fs::fcntl_setfl(fd, flags | rustix::fs::OFlags::NONBLOCK)
-        .map_err(|e| ShmError::io("cannot make the eventfd non-blocking", e))
+/// Checks that `fd` is a Unix stream socket (what [`wake_pair`] makes).
+fn check_wake_end(fd: BorrowedFd<'_>) -> Result<(), ShmError> {
+    let bad = |what: String| ShmError::BadArea {
+        reason: format!("the wake-up descriptor is {what}, not a Unix stream socket"),
+    };
+    let st =
+        rustix::fs::fstat(fd).map_err(|e| ShmError::io("cannot stat the wake-up socket", e))?;
+    let kind = rustix::fs::FileType::from_raw_mode(st.st_mode);
+    if kind != rustix::fs::FileType::Socket {
+        return Err(bad(format!("a {kind:?}")));
+    }
+    match rustix::net::sockopt::socket_type(fd) {
+        Ok(rustix::net::SocketType::STREAM) => Ok(()),
+        Ok(rustix::net::SocketType::DGRAM) => Err(bad("a datagram socket".into())),
+        Ok(other) => Err(bad(format!("a socket of type {}", other.as_raw()))),
+        Err(e) => Err(ShmError::io("cannot read the wake-up socket's type", e)),
+    }
 }
 
 #[cfg(test)]

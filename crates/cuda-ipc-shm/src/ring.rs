@@ -1,13 +1,14 @@
 //! The two ends of a ring: [`Sender`] (the producer) and [`Receiver`]
 //! (the consumer), and the consumer's wait.
 
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
+use rustix::net::{RecvFlags, SendFlags};
 
 use crate::map::Mapping;
 use crate::{HEADER_BYTES, ShmError, W_HEAD, W_SLEEPING, W_TAIL};
@@ -82,8 +83,9 @@ pub struct Sender {
     ring: RingView,
     /// Bytes written so far: our own copy, never read back.
     head: u64,
-    /// Written when the consumer sleeps.
-    wake: OwnedFd,
+    /// This side's end of the wake-up socket (shared with our receiver):
+    /// a byte is sent on it when the consumer sleeps.
+    wake: Arc<OwnedFd>,
     wakes: u64,
 }
 
@@ -97,7 +99,12 @@ impl std::fmt::Debug for Sender {
 }
 
 impl Sender {
-    pub(crate) fn new(map: Arc<Mapping>, ring: usize, capacity: usize, wake: OwnedFd) -> Sender {
+    pub(crate) fn new(
+        map: Arc<Mapping>,
+        ring: usize,
+        capacity: usize,
+        wake: Arc<OwnedFd>,
+    ) -> Sender {
         // An area is split once, new: its counters start at zero (if the
         // peer wrote others, the first check against them fails).
         Sender {
@@ -113,7 +120,7 @@ impl Sender {
         self.ring.capacity as usize - 8
     }
 
-    /// How many times this sender wrote the eventfd (the consumer slept).
+    /// How many times this sender woke the consumer (it slept).
     pub fn wakes(&self) -> u64 {
         self.wakes
     }
@@ -158,12 +165,14 @@ impl Sender {
         Ok(true)
     }
 
-    /// Writes the eventfd. A full counter (`EAGAIN`) already wakes the
-    /// consumer; other errors mean the peer's end is gone, which its
-    /// socket reports.
+    /// Sends the consumer a wake-up byte. The send never blocks and
+    /// never raises `SIGPIPE`, whatever the peer did to its end (the
+    /// flags are per call, not the socket's): a full socket (`EAGAIN`)
+    /// holds unread wake-ups already, and any other error means the
+    /// peer's end is gone, which the connection's socket reports.
     fn wake_peer(&mut self) {
         self.wakes += 1;
-        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+        let _ = rustix::net::send(&*self.wake, &[1], SendFlags::DONTWAIT | SendFlags::NOSIGNAL);
     }
 }
 
@@ -177,33 +186,6 @@ pub enum Ready {
     Other,
     /// The deadline passed.
     Timeout,
-    /// A [`Kicker`] of this receiver kicked it while it slept (the ring
-    /// may be empty).
-    Kicked,
-}
-
-/// Wakes a [`Receiver`] sleeping in [`Receiver::wait`] from this process,
-/// without a record: its `wait` returns [`Ready::Kicked`]. For a consumer
-/// that should stop sleeping because something is about to come by
-/// another way (a reader told that a request is likely, so that it spins
-/// instead). A kick while the receiver is not asleep is kept for its next
-/// sleep, which then returns at once; kicks do not add up.
-#[derive(Debug)]
-pub struct Kicker {
-    kicked: Arc<AtomicBool>,
-    /// The receiver's eventfd (shared: no descriptor of its own).
-    wake: Arc<OwnedFd>,
-}
-
-impl Kicker {
-    /// Kicks the receiver (an eventfd write when no kick is pending).
-    pub fn kick(&self) {
-        if !self.kicked.swap(true, Ordering::AcqRel) {
-            // A full counter already wakes the receiver; a failed write
-            // means it is gone.
-            let _ = rustix::io::write(&*self.wake, &1u64.to_ne_bytes());
-        }
-    }
 }
 
 /// The consumer's end of a ring. Not `Clone`: one consumer per ring.
@@ -211,15 +193,15 @@ pub struct Receiver {
     ring: RingView,
     /// Bytes read so far: our own copy, never read back.
     tail: u64,
-    /// The eventfd the producer writes when we sleep (shared with our
-    /// kickers).
+    /// This side's end of the wake-up socket (shared with our sender):
+    /// the producer sends on it when we sleep.
     wake: Arc<OwnedFd>,
     sleeps: u64,
-    /// Wake-ups of the eventfd that found no record, no kick and nothing
-    /// on the other descriptor.
+    /// Wake-ups that found no record and nothing on the other descriptor.
     empty_wakes: u64,
-    /// Set by a [`Kicker`], taken by a sleeping `wait`.
-    kicked: Arc<AtomicBool>,
+    /// The peer closed its end of the wake-up socket (or it failed): it
+    /// can wake us no more, so waits nap as for a flood.
+    wake_closed: bool,
     /// While it sleeps, `wait` wakes itself this often ([`Receiver::set_idle_tick`]).
     idle_tick: Option<Duration>,
 }
@@ -245,11 +227,11 @@ pub const MIN_IDLE_TICK: Duration = Duration::from_micros(10);
 /// at the ring (a `poll(2)` costs far more than a look).
 const POLL_EVERY: u32 = 4;
 
-/// Wake-ups of the eventfd that bring nothing, within one
-/// [`Receiver::wait`], before it stops sleeping on the eventfd. A producer
-/// following the protocol causes at most one per wait (a wake-up written
-/// for a record the wait took without sleeping, left in the counter); more
-/// is a peer writing the eventfd to make this thread run.
+/// Wake-ups that bring nothing, within one [`Receiver::wait`], before it
+/// stops sleeping on its wake-up socket. A producer following the
+/// protocol causes at most one per wait (a wake-up sent for a record the
+/// wait took without sleeping, left unread); more is a peer sending
+/// wake-ups to make this thread run.
 pub const EMPTY_WAKES_TOLERATED: u32 = 8;
 
 /// Past [`EMPTY_WAKES_TOLERATED`], the wait sleeps on the other
@@ -257,19 +239,32 @@ pub const EMPTY_WAKES_TOLERATED: u32 = 8;
 /// this long, each next one twice the last, up to [`IGNORED_NAP_MAX`].
 pub const IGNORED_NAP_MIN: Duration = Duration::from_millis(1);
 
-/// The longest nap of a wait that ignores its eventfd: the most a record
-/// from a peer that floods the eventfd waits before it is seen.
+/// The longest nap of a wait that ignores its wake-up socket: the most a
+/// record from a peer that floods it (or closed its end) waits before it
+/// is seen.
 pub const IGNORED_NAP_MAX: Duration = Duration::from_millis(16);
 
+/// Unread wake-up bytes taken per `recv(2)`, and `recv`s per wake-up at
+/// most: a peer that filled the socket costs one wake-up a few calls, and
+/// what is left keeps the socket readable, which counts as a wake-up with
+/// nothing to take (see [`EMPTY_WAKES_TOLERATED`]).
+const DRAIN_BYTES: usize = 256;
+const DRAIN_CALLS: usize = 4;
+
 impl Receiver {
-    pub(crate) fn new(map: Arc<Mapping>, ring: usize, capacity: usize, wake: OwnedFd) -> Receiver {
+    pub(crate) fn new(
+        map: Arc<Mapping>,
+        ring: usize,
+        capacity: usize,
+        wake: Arc<OwnedFd>,
+    ) -> Receiver {
         Receiver {
             ring: RingView::new(map, ring, capacity),
             tail: 0,
-            wake: Arc::new(wake),
+            wake,
             sleeps: 0,
             empty_wakes: 0,
-            kicked: Arc::new(AtomicBool::new(false)),
+            wake_closed: false,
             idle_tick: None,
         }
     }
@@ -280,25 +275,10 @@ impl Receiver {
     /// state: on a virtual machine whose processor, idle a
     /// millisecond, takes about 0.14 ms to run a woken thread again, one
     /// idle under 0.1 ms takes about 0.004 ms (both measured on an H200
-    /// machine, `docs/PERFORMANCE.md`), at the cost of one timer wake-up
-    /// per tick while the wait lasts. Each tick counts as a sleep.
+    /// machine), at the cost of one timer wake-up per tick while the wait
+    /// lasts. Each tick counts as a sleep.
     pub fn set_idle_tick(&mut self, tick: Option<Duration>) {
         self.idle_tick = tick.filter(|t| !t.is_zero()).map(|t| t.max(MIN_IDLE_TICK));
-    }
-
-    /// A [`Kicker`] of this receiver, for another thread of this process.
-    /// It shares the receiver's eventfd (no new descriptor) and keeps it
-    /// open while it lives.
-    pub fn kicker(&self) -> Kicker {
-        Kicker {
-            kicked: Arc::clone(&self.kicked),
-            wake: Arc::clone(&self.wake),
-        }
-    }
-
-    /// Takes a pending kick.
-    fn take_kick(&self) -> bool {
-        self.kicked.load(Ordering::Relaxed) && self.kicked.swap(false, Ordering::AcqRel)
     }
 
     /// How many times this receiver slept in `poll(2)`.
@@ -306,16 +286,17 @@ impl Receiver {
         self.sleeps
     }
 
-    /// How many times its eventfd woke it with nothing to take: no record,
-    /// no kick, nothing on the other descriptor (see [`wait`](Self::wait)).
+    /// How many times its wake-up socket woke it with nothing to take: no
+    /// record, nothing on the other descriptor (see [`wait`](Self::wait)).
     pub fn empty_wakes(&self) -> u64 {
         self.empty_wakes
     }
 
-    /// The eventfd this receiver sleeps on, for callers that poll it
-    /// themselves.
-    pub fn wake_fd(&self) -> BorrowedFd<'_> {
-        self.wake.as_fd()
+    /// Whether the peer closed its end of the wake-up socket (it can no
+    /// longer wake this receiver, whose waits then nap; see
+    /// [`wait`](Self::wait)).
+    pub fn wake_closed(&self) -> bool {
+        self.wake_closed
     }
 
     /// Whether the producer's head differs from our tail: a record to
@@ -371,24 +352,26 @@ impl Receiver {
     /// hung up, or `deadline` passes: first by spinning for up to `spin`
     /// (looking at the ring, and now and then polling `other`), then by
     /// setting the sleeping flag, looking once more, and sleeping in
-    /// `poll(2)` on the eventfd and `other`. A zero spin sleeps at once; a
-    /// deadline already past still reports what is ready now. A kick
-    /// ([`Kicker`]) pending when it would sleep, or coming while it
-    /// sleeps, ends the wait with [`Ready::Kicked`]; a spin takes a kick
-    /// pending when it begins (it is awake already).
+    /// `poll(2)` on the wake-up socket and `other`. A zero spin sleeps at
+    /// once; a deadline already past still reports what is ready now.
     ///
-    /// A peer can write the eventfd without a record, to make this thread
+    /// A peer can send wake-ups without a record, to make this thread
     /// run. After [`EMPTY_WAKES_TOLERATED`] such wake-ups in one wait, the
-    /// wait stops polling the eventfd: it sleeps on `other` alone (or just
-    /// sleeps) in naps from [`IGNORED_NAP_MIN`] doubling to
+    /// wait stops polling the wake-up socket: it sleeps on `other` alone
+    /// (or just sleeps) in naps from [`IGNORED_NAP_MIN`] doubling to
     /// [`IGNORED_NAP_MAX`], looking at the ring after each. The flood then
-    /// costs this thread a wake-up per nap, not per write, and a record
+    /// costs this thread a wake-up per nap, not per send, and a record
     /// from such a peer waits up to one nap; a peer that follows the
-    /// protocol never gets there.
+    /// protocol never gets there. A peer that closed its end of the
+    /// wake-up socket is treated so from then on, in every wait.
+    ///
+    /// Nothing the peer does to its descriptors makes this block past the
+    /// deadline: the wake-up socket is read with `MSG_DONTWAIT`, whatever
+    /// the socket's own flags say.
     ///
     /// # References
     /// [poll(2)](https://man7.org/linux/man-pages/man2/poll.2.html),
-    /// [eventfd(2)](https://man7.org/linux/man-pages/man2/eventfd.2.html).
+    /// [recv(2)](https://man7.org/linux/man-pages/man2/recv.2.html).
     pub fn wait(
         &mut self,
         spin: Duration,
@@ -399,7 +382,6 @@ impl Receiver {
             return Ok(Ready::Ring);
         }
         if !spin.is_zero() {
-            self.take_kick();
             let end = Instant::now() + spin;
             let end = deadline.map_or(end, |d| d.min(end));
             let mut looks = 0u32;
@@ -417,8 +399,8 @@ impl Receiver {
             }
         }
         let flag = self.ring.field(W_SLEEPING);
-        // Empty wake-ups in this wait, and the nap while the eventfd is
-        // ignored.
+        // Empty wake-ups in this wait, and the nap while the wake-up
+        // socket is ignored.
         let (mut empty, mut ignored_nap) = (0u32, Duration::ZERO);
         loop {
             flag.store(1, Ordering::Relaxed);
@@ -428,12 +410,8 @@ impl Receiver {
                 flag.store(0, Ordering::Relaxed);
                 return Ok(Ready::Ring);
             }
-            if self.take_kick() {
-                flag.store(0, Ordering::Relaxed);
-                return Ok(Ready::Kicked);
-            }
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            let ignoring = empty >= EMPTY_WAKES_TOLERATED;
+            let ignoring = self.wake_closed || empty >= EMPTY_WAKES_TOLERATED;
             if ignoring {
                 ignored_nap = (ignored_nap * 2).clamp(IGNORED_NAP_MIN, IGNORED_NAP_MAX);
             }
@@ -457,27 +435,24 @@ impl Receiver {
             self.sleeps += 1;
             let polled = poll(&mut fds, timeout.as_ref());
             flag.store(0, Ordering::Relaxed);
-            let woke = !ignoring && fds[0].revents().contains(PollFlags::IN);
+            // Readable, hung up or failed: the drain tells which.
+            let woke = !ignoring && !fds[0].revents().is_empty();
             let other_ready = fds
                 .get(usize::from(!ignoring))
                 .is_some_and(|f| !f.revents().is_empty());
             drop(fds);
             match polled {
                 Ok(_) | Err(Errno::INTR) => {}
-                Err(e) => return Err(ShmError::io("poll on the ring's eventfd failed", e)),
+                Err(e) => return Err(ShmError::io("poll on the ring's wake-up socket failed", e)),
             }
-            if woke {
-                let mut buf = [0u8; 8];
-                let _ = rustix::io::read(&*self.wake, &mut buf);
+            if woke && drain_wakes(&self.wake) {
+                self.wake_closed = true;
             }
             if other_ready {
                 return Ok(Ready::Other);
             }
             if self.has_data() {
                 return Ok(Ready::Ring);
-            }
-            if self.take_kick() {
-                return Ok(Ready::Kicked);
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(Ready::Timeout);
@@ -488,6 +463,21 @@ impl Receiver {
             }
         }
     }
+}
+
+/// Reads the wake-up bytes waiting on `wake` (never blocking: the flag is
+/// per call): whether the socket is closed at the peer's end or failed.
+fn drain_wakes(wake: &OwnedFd) -> bool {
+    let mut buf = [0u8; DRAIN_BYTES];
+    for _ in 0..DRAIN_CALLS {
+        match rustix::net::recv(wake, &mut buf, RecvFlags::DONTWAIT) {
+            Ok((n, _)) if n == DRAIN_BYTES => {}
+            Ok((0, _)) => return true,
+            Ok(_) | Err(Errno::AGAIN | Errno::INTR) => return false,
+            Err(_) => return true,
+        }
+    }
+    false
 }
 
 /// Whether `fd` is readable, hung up or failed now.

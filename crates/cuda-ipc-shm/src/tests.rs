@@ -9,27 +9,30 @@ use proptest::prelude::*;
 use super::*;
 
 /// Both ends of an area mapped twice (as two processes would): the
-/// creator's sender and receiver, the opener's, and the memfd.
+/// creator's sender and receiver, the opener's, the memfd, and a second
+/// descriptor of each side's wake-up end (for tests that act as a peer
+/// doing what it likes with its own end).
 struct Pair {
     creator: (Sender, Receiver),
     opener: (Sender, Receiver),
     memfd: OwnedFd,
+    creator_wake: OwnedFd,
+    opener_wake: OwnedFd,
 }
 
 fn pair(capacity: usize) -> Pair {
     let (area, memfd) = Area::create(capacity).unwrap();
     let theirs = Area::open(&memfd, capacity).unwrap();
-    let (to_opener, to_creator) = (new_eventfd().unwrap(), new_eventfd().unwrap());
-    let creator = area.split(
-        Side::Creator,
-        to_opener.try_clone().unwrap(),
-        to_creator.try_clone().unwrap(),
-    );
-    let opener = theirs.split(Side::Opener, to_creator, to_opener);
+    let (ours, other) = wake_pair().unwrap();
+    let (creator_wake, opener_wake) = (ours.try_clone().unwrap(), other.try_clone().unwrap());
+    let creator = area.split(Side::Creator, ours).unwrap();
+    let opener = theirs.split(Side::Opener, other).unwrap();
     Pair {
         creator,
         opener,
         memfd,
+        creator_wake,
+        opener_wake,
     }
 }
 
@@ -238,11 +241,11 @@ fn sleep_for_record(rx: &mut Receiver) -> (Ready, Vec<u8>) {
 }
 
 #[test]
-fn a_sleeping_consumer_is_woken_by_the_eventfd() {
+fn a_sleeping_consumer_is_woken_by_its_wake_up_socket() {
     let Pair {
         creator: (mut tx, _),
         opener: (_, mut rx),
-        memfd: _memfd,
+        ..
     } = pair(MIN_CAPACITY);
     let t = std::thread::spawn(move || {
         let started = Instant::now();
@@ -255,7 +258,7 @@ fn a_sleeping_consumer_is_woken_by_the_eventfd() {
     assert_eq!(ready, Ready::Ring);
     assert!(took < Duration::from_secs(5), "woke after {took:?}");
     assert!(sleeps >= 1);
-    assert_eq!(tx.wakes(), 1, "the producer wrote the eventfd once");
+    assert_eq!(tx.wakes(), 1, "the producer sent one wake-up");
     assert_eq!(buf, b"wake up");
 }
 
@@ -268,7 +271,7 @@ fn an_idle_tick_wakes_the_sleeper_and_it_sleeps_again() {
     let Pair {
         creator: (mut tx, _),
         opener: (_, mut rx),
-        memfd: _memfd,
+        ..
     } = pair(MIN_CAPACITY);
     rx.set_idle_tick(Some(Duration::from_millis(2)));
     let t = std::thread::spawn(move || {
@@ -301,7 +304,7 @@ fn an_idle_tick_is_at_least_the_minimum_and_zero_is_none() {
     let Pair {
         creator: (mut tx, _),
         opener: (_, mut rx),
-        memfd: _memfd,
+        ..
     } = pair(MIN_CAPACITY);
     // Zero is no tick: one sleep until the record.
     rx.set_idle_tick(Some(Duration::ZERO));
@@ -335,7 +338,7 @@ fn a_spinning_consumer_needs_no_wake_up() {
     let Pair {
         creator: (mut tx, _),
         opener: (_, mut rx),
-        memfd: _memfd,
+        ..
     } = pair(MIN_CAPACITY);
     let (go_tx, go_rx) = std::sync::mpsc::channel();
     let t = std::thread::spawn(move || {
@@ -356,7 +359,6 @@ fn a_spinning_consumer_needs_no_wake_up() {
 fn a_consumer_wakes_when_the_other_descriptor_hangs_up_and_times_out_otherwise() {
     let Pair {
         opener: (_, mut rx),
-        memfd: _memfd,
         ..
     } = pair(MIN_CAPACITY);
     let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
@@ -392,7 +394,7 @@ fn many_records_stream_between_threads() {
     let Pair {
         creator: (mut tx, _),
         opener: (_, mut rx),
-        memfd: _memfd,
+        ..
     } = pair(MIN_CAPACITY);
     let n = 20_000;
     let t = std::thread::spawn(move || {
@@ -420,97 +422,24 @@ fn many_records_stream_between_threads() {
     t.join().unwrap();
 }
 
-#[test]
-fn a_kick_ends_a_sleeping_wait_without_a_record() {
-    let Pair {
-        creator: (mut tx, _),
-        opener: (_, mut rx),
-        memfd: _memfd,
-    } = pair(MIN_CAPACITY);
-    let kicker = rx.kicker();
-    let (go_tx, go_rx) = std::sync::mpsc::channel();
-    let t = std::thread::spawn(move || {
-        go_tx.send(()).unwrap();
-        let deadline = Some(Instant::now() + Duration::from_secs(10));
-        let started = Instant::now();
-        let r = rx.wait(Duration::ZERO, deadline, None).unwrap();
-        (r, started.elapsed(), rx)
-    });
-    go_rx.recv().unwrap();
-    std::thread::sleep(Duration::from_millis(30));
-    kicker.kick();
-    let (r, took, mut rx) = t.join().unwrap();
-    assert_eq!(r, Ready::Kicked);
-    assert!(
-        took >= Duration::from_millis(20) && took < Duration::from_secs(5),
-        "{took:?}"
-    );
-    assert_eq!(rx.sleeps(), 1);
-    // The kick was taken: the next sleep times out.
-    let deadline = Some(Instant::now() + Duration::from_millis(30));
-    assert_eq!(
-        rx.wait(Duration::ZERO, deadline, None).unwrap(),
-        Ready::Timeout
-    );
-    // A record and a kick together: the record first, the kick at the
-    // next sleep (kicks do not add up: two are one).
-    kicker.kick();
-    kicker.kick();
-    assert!(tx.send(b"r").unwrap());
-    let deadline = Some(Instant::now() + Duration::from_secs(1));
-    assert_eq!(
-        rx.wait(Duration::ZERO, deadline, None).unwrap(),
-        Ready::Ring
-    );
-    let mut buf = Vec::new();
-    assert!(rx.recv(&mut buf).unwrap());
-    assert_eq!(
-        rx.wait(Duration::ZERO, deadline, None).unwrap(),
-        Ready::Kicked
-    );
-    let deadline = Some(Instant::now() + Duration::from_millis(30));
-    assert_eq!(
-        rx.wait(Duration::ZERO, deadline, None).unwrap(),
-        Ready::Timeout
-    );
-}
-
-#[test]
-fn a_spin_takes_a_pending_kick() {
-    let Pair {
-        opener: (_, mut rx),
-        memfd: _memfd,
-        ..
-    } = pair(MIN_CAPACITY);
-    let kicker = rx.kicker();
-    kicker.kick();
-    // Pending when a wait with a spin begins: the spin is the wake-up it
-    // asked for, so the wait runs to its deadline.
-    let deadline = Some(Instant::now() + Duration::from_millis(40));
-    let r = rx.wait(Duration::from_micros(200), deadline, None).unwrap();
-    assert_eq!(r, Ready::Timeout);
-    // A kicker outlives its receiver harmlessly.
-    drop(rx);
-    kicker.kick();
-}
-
-/// Writes `rx`'s eventfd every `every` from another thread until the
-/// returned flag is set, as a peer that wakes the consumer without
-/// records would; the thread returns how many writes it made.
+/// Sends wake-ups on `peer_end` (the peer's end of a receiver's wake-up
+/// socket) every `every` from another thread until the returned flag is
+/// set, as a peer that wakes the consumer without records would; the
+/// thread returns how many sends it made.
 fn flood(
-    rx: &Receiver,
+    peer_end: &OwnedFd,
     every: Duration,
 ) -> (
     std::sync::Arc<std::sync::atomic::AtomicBool>,
     std::thread::JoinHandle<u64>,
 ) {
-    let wake = rx.wake_fd().try_clone_to_owned().unwrap();
+    let wake = peer_end.try_clone().unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = std::sync::Arc::clone(&stop);
     let t = std::thread::spawn(move || {
         let mut writes = 0;
         while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-            let _ = rustix::io::write(&wake, &1u64.to_ne_bytes());
+            let _ = rustix::net::send(&wake, &[1], rustix::net::SendFlags::DONTWAIT);
             writes += 1;
             std::thread::sleep(every);
         }
@@ -519,7 +448,7 @@ fn flood(
     (stop, t)
 }
 
-/// A peer that writes the eventfd without records wakes a sleeping wait
+/// A peer that sends wake-ups without records wakes a sleeping wait
 /// only [`EMPTY_WAKES_TOLERATED`] times; then the wait naps on, looking
 /// at the ring after each nap, so the flood costs a wake-up per nap, not
 /// per write. The wait still ends at its deadline.
@@ -528,9 +457,10 @@ fn a_peer_that_wakes_without_records_is_ignored_after_a_few() {
     let Pair {
         creator: (_tx, _),
         opener: (_, mut rx),
-        memfd: _memfd,
+        creator_wake,
+        ..
     } = pair(MIN_CAPACITY);
-    let (stop, flooder) = flood(&rx, Duration::from_micros(20));
+    let (stop, flooder) = flood(&creator_wake, Duration::from_micros(20));
     let started = Instant::now();
     let r = rx
         .wait(
@@ -556,15 +486,16 @@ fn a_peer_that_wakes_without_records_is_ignored_after_a_few() {
 }
 
 /// A record sent during such a flood is still taken, within a nap; the
-/// next wait starts trusting the eventfd again.
+/// next wait starts trusting the wake-up socket again.
 #[test]
 fn a_record_during_a_flood_is_taken_within_a_nap() {
     let Pair {
         creator: (mut tx, _),
         opener: (_, mut rx),
-        memfd: _memfd,
+        creator_wake,
+        ..
     } = pair(MIN_CAPACITY);
-    let (stop, flooder) = flood(&rx, Duration::from_micros(20));
+    let (stop, flooder) = flood(&creator_wake, Duration::from_micros(20));
     let t = std::thread::spawn(move || {
         let (r, buf) = sleep_for_record(&mut rx);
         (r, buf, Instant::now(), rx)
@@ -586,7 +517,7 @@ fn a_record_during_a_flood_is_taken_within_a_nap() {
         "taken {late:?} after it was sent"
     );
     assert!(rx.empty_wakes() >= u64::from(EMPTY_WAKES_TOLERATED));
-    // A well-behaved record later wakes a fresh wait through the eventfd.
+    // A well-behaved record later wakes a fresh wait through the socket.
     let before = rx.empty_wakes();
     let t = std::thread::spawn(move || {
         let started = Instant::now();
@@ -597,7 +528,7 @@ fn a_record_during_a_flood_is_taken_within_a_nap() {
     assert!(tx.send(b"after").unwrap());
     let (r, buf, _, rx) = t.join().unwrap();
     assert_eq!((r, buf.as_slice()), (Ready::Ring, &b"after"[..]));
-    // At most the one wake-up the flood left in the counter.
+    // At most the one wake-up the flood left unread.
     assert!(
         rx.empty_wakes() <= before + 1,
         "{} after {before}",
@@ -614,7 +545,7 @@ fn a_well_behaved_producer_never_looks_like_a_flood() {
     let Pair {
         creator: (mut tx, mut echoes),
         opener: (mut echo, mut rx),
-        memfd: _memfd,
+        ..
     } = pair(MIN_CAPACITY);
     let n = 300;
     let t = std::thread::spawn(move || {
@@ -642,4 +573,122 @@ fn a_well_behaved_producer_never_looks_like_a_flood() {
     // Each wait lasts the pause and a wake-up, not a nap; a loaded
     // machine may stretch a few.
     assert!(slow < n / 4, "{slow} of {n} waits lasted a nap");
+}
+
+/// Sets the *sleeping* flag of ring `ring` through the memfd, as a peer
+/// that claims to sleep for ever would.
+fn claim_sleep(memfd: &OwnedFd, ring: usize, capacity: usize) {
+    let at = (ring * (HEADER_BYTES + capacity) + W_SLEEPING * 8) as u64;
+    rustix::io::pwrite(memfd, &1u64.to_le_bytes(), at).unwrap();
+}
+
+/// Runs `f` on another thread and fails the test if it has not returned
+/// within `limit` (a blocked call would hang the test otherwise).
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done_tx.send(f());
+    });
+    done_rx
+        .recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("the call did not return within {limit:?}: it blocked"))
+}
+
+/// The worst a peer can do to the wake-up descriptor it was given: clear
+/// `O_NONBLOCK` on it, never read it, and claim to sleep so that every
+/// record wakes it. The sender's wake-ups fill the socket and then fail
+/// with `EAGAIN`; it never blocks. (With an eventfd shared between the two
+/// sides, the peer's `fcntl` cleared the flag on ours too, and the write
+/// after the counter filled blocked for ever.)
+#[test]
+fn a_peer_cannot_make_the_sender_block() {
+    let Pair {
+        creator: (mut tx, _),
+        opener: (_, mut rx),
+        memfd,
+        opener_wake,
+        ..
+    } = pair(MIN_CAPACITY);
+    let flags = rustix::fs::fcntl_getfl(&opener_wake).unwrap();
+    rustix::fs::fcntl_setfl(&opener_wake, flags - rustix::fs::OFlags::NONBLOCK).unwrap();
+    // Shrinks the buffer our wake-ups fill, so that it fills soon.
+    rustix::net::sockopt::set_socket_recv_buffer_size(&opener_wake, 1).unwrap();
+    let n = 200_000;
+    let (sent, wakes) = within(Duration::from_secs(60), move || {
+        let mut buf = Vec::new();
+        for i in 0..n {
+            claim_sleep(&memfd, 0, MIN_CAPACITY);
+            assert!(tx.send(&record(i, 8)).unwrap());
+            assert!(rx.recv(&mut buf).unwrap());
+        }
+        (n, tx.wakes())
+    });
+    assert_eq!(wakes, sent as u64, "every record found the peer asleep");
+    drop(opener_wake);
+}
+
+/// A peer cannot read this side's wake-ups away (it holds only its own end
+/// of the pair), and one that closes its end cannot make a wait spin: the
+/// wait notes the closed socket and naps from then on, still taking the
+/// peer's records within a nap.
+#[test]
+fn a_peer_that_closes_its_wake_up_end_makes_waits_nap() {
+    let Pair {
+        creator: (_, mut rx),
+        opener: (mut tx, _),
+        opener_wake,
+        ..
+    } = pair(MIN_CAPACITY);
+    rustix::net::shutdown(&opener_wake, rustix::net::Shutdown::Both).unwrap();
+    let started = Instant::now();
+    let r = within(Duration::from_secs(10), move || {
+        let r = rx.wait(
+            Duration::ZERO,
+            Some(Instant::now() + Duration::from_millis(200)),
+            None,
+        );
+        (r.unwrap(), rx)
+    });
+    let (ready, mut rx) = r;
+    assert_eq!(ready, Ready::Timeout);
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    assert!(rx.wake_closed());
+    // Naps of 1 to 16 ms over 200 ms, not a poll returning at once.
+    assert!(rx.sleeps() < 40, "{} sleeps", rx.sleeps());
+    // The peer's records still come through, within a nap.
+    let t = std::thread::spawn(move || {
+        let (r, buf) = sleep_for_record(&mut rx);
+        (r, buf, Instant::now())
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    let sent = Instant::now();
+    assert!(tx.send(b"still here").unwrap());
+    let (r, buf, taken) = t.join().unwrap();
+    assert_eq!((r, buf.as_slice()), (Ready::Ring, &b"still here"[..]));
+    assert!(taken - sent < IGNORED_NAP_MAX + Duration::from_millis(100));
+}
+
+/// `split` takes only a Unix stream socket as the wake-up end: not an
+/// eventfd or a pipe (whose flags the peer would share), nor a datagram
+/// socket.
+#[test]
+fn split_refuses_a_wake_up_end_that_is_not_a_stream_socket() {
+    let area = || Area::create(MIN_CAPACITY).unwrap().0;
+    let eventfd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).unwrap();
+    let e = area().split(Side::Creator, eventfd).unwrap_err();
+    assert!(e.to_string().contains("not a Unix stream socket"), "{e}");
+    let (r, _w) = rustix::pipe::pipe().unwrap();
+    assert!(matches!(
+        area().split(Side::Creator, r),
+        Err(ShmError::BadArea { .. })
+    ));
+    let (d, _d2) = rustix::net::socketpair(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::DGRAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let e = area().split(Side::Creator, d).unwrap_err();
+    assert!(e.to_string().contains("a datagram socket"), "{e}");
 }

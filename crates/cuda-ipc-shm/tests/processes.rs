@@ -1,5 +1,5 @@
 //! Two real processes: the test executable re-runs itself as the opener,
-//! receives the memfd and the eventfds over a Unix socket (its stdin) with
+//! receives the memfd and its end of the wake-up socket pair over a Unix socket (its stdin) with
 //! `SCM_RIGHTS`, and echoes records back; a parent sleeping on its ring
 //! wakes at once when the child dies.
 
@@ -10,7 +10,7 @@ use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cuda_ipc_shm::{Area, DEFAULT_CAPACITY, Ready, Side, new_eventfd};
+use cuda_ipc_shm::{Area, DEFAULT_CAPACITY, Ready, Side, wake_pair};
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags, recvmsg, sendmsg,
@@ -60,9 +60,9 @@ fn record(i: usize) -> Vec<u8> {
 fn echo_child() {
     let stdin = std::io::stdin();
     let fds = recv_fds(stdin.as_fd());
-    let [memfd, to_opener, to_creator] = <[OwnedFd; 3]>::try_from(fds).unwrap();
+    let [memfd, wake] = <[OwnedFd; 2]>::try_from(fds).unwrap();
     let area = Area::open(&memfd, DEFAULT_CAPACITY).unwrap();
-    let (mut tx, mut rx) = area.split(Side::Opener, to_creator, to_opener);
+    let (mut tx, mut rx) = area.split(Side::Opener, wake).unwrap();
     let mut buf = Vec::new();
     loop {
         if rx.recv(&mut buf).unwrap() {
@@ -84,7 +84,7 @@ fn echo_child() {
 }
 
 /// Starts the child with one end of a socket pair as its stdin, and sends
-/// it a new area's memfd and eventfds; returns the child, our socket end
+/// it a new area's memfd and its wake-up end; returns the child, our socket end
 /// and our ends of the area.
 fn start_child(
     test: &str,
@@ -102,12 +102,11 @@ fn start_child(
         .spawn()
         .unwrap();
     let (area, memfd) = Area::create(DEFAULT_CAPACITY).unwrap();
-    let (to_opener, to_creator) = (new_eventfd().unwrap(), new_eventfd().unwrap());
-    send_fds(
-        &ours,
-        &[memfd.as_fd(), to_opener.as_fd(), to_creator.as_fd()],
-    );
-    let ends = area.split(Side::Creator, to_opener, to_creator);
+    let (wake, their_wake) = wake_pair().unwrap();
+    send_fds(&ours, &[memfd.as_fd(), their_wake.as_fd()]);
+    // Only the child holds its end from here on.
+    drop(their_wake);
+    let ends = area.split(Side::Creator, wake).unwrap();
     (child, ours, ends)
 }
 

@@ -278,7 +278,7 @@ pub fn floor(ctx: &Ctx<'_>) -> Section {
             .into(),
         "wake = the machine's floor for a notice to a waiting process, no GPU work: a record \
          written into a shared-memory ring both processes map (cuda-ipc-shm, as the library's \
-         notices), and the eventfd the reader sleeps on written when it sleeps; the clock from \
+         notices), and the reader's wake-up socket written when it sleeps; the clock from \
          just before the write to the reader's return from its wait (CLOCK_MONOTONIC in each \
          process). Before each sample both processes are idle for the time shown (the \
          producer in a sleep, the reader waiting): 'asleep' readers sleep in poll(2) (with a \

@@ -2,7 +2,7 @@
 //! notice through shared memory takes to reach a process that waits for it,
 //! with no GPU work at all. The notice is what the library's own notices
 //! use ([`cuda_ipc_shm`]: a record in a ring both processes map, and the
-//! eventfd the reader sleeps on written only when it sleeps). Before each
+//! reader's wake-up socket written only when it sleeps). Before each
 //! sample both processes are idle for a while (the producer sleeps, the
 //! reader waits), as between the hand-offs of the other sections, so each
 //! row says what a notice to a waiting consumer costs here at the least:
@@ -12,7 +12,7 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use cuda_ipc::{Error, channel};
-use cuda_ipc_shm::{Area, MIN_CAPACITY, Sender, Side, new_eventfd};
+use cuda_ipc_shm::{Area, MIN_CAPACITY, Sender, Side, wake_pair};
 use serde_json::json;
 
 use crate::proto::{REQUEST_TIMEOUT, Worker, get_u64, mono_ns};
@@ -34,13 +34,9 @@ pub(super) struct WakeRig {
     _receiver: cuda_ipc_shm::Receiver,
 }
 
-fn dup(fd: &OwnedFd) -> Result<OwnedFd, Error> {
-    fd.try_clone()
-        .map_err(|e| shm_failure("duplicating an eventfd", e))
-}
-
 impl WakeRig {
-    /// Makes the area and its two eventfds, hands them to `worker` through
+    /// Makes the area and its wake-up pair, hands the reader's end and the
+    /// area to `worker` through
     /// the floor's channel (as the library's server hands its notices' area
     /// to a client) and waits until it opened them.
     pub(super) fn new(server: &channel::Server, worker: &mut Worker) -> Result<WakeRig, Error> {
@@ -60,14 +56,15 @@ impl WakeRig {
     }
 
     /// The producer's end, and what the reader opens its end from: the
-    /// area's memfd, the eventfd the reader sleeps on, the producer's.
-    pub(crate) fn make() -> Result<(WakeRig, [OwnedFd; 3]), Error> {
+    /// area's memfd and the reader's end of the wake-up pair.
+    pub(crate) fn make() -> Result<(WakeRig, [OwnedFd; 2]), Error> {
         let (area, memfd) =
             Area::create(MIN_CAPACITY).map_err(|e| shm_failure("making the area", e))?;
-        let to_consumer = new_eventfd().map_err(|e| shm_failure("an eventfd", e))?;
-        let to_producer = new_eventfd().map_err(|e| shm_failure("an eventfd", e))?;
-        let fds = [memfd, dup(&to_consumer)?, dup(&to_producer)?];
-        let (sender, receiver) = area.split(Side::Creator, to_consumer, to_producer);
+        let (ours, theirs) = wake_pair().map_err(|e| shm_failure("a wake-up pair", e))?;
+        let fds = [memfd, theirs];
+        let (sender, receiver) = area
+            .split(Side::Creator, ours)
+            .map_err(|e| shm_failure("the area", e))?;
         Ok((
             WakeRig {
                 sender,
@@ -105,7 +102,7 @@ impl WakeRig {
 
     /// Writes one notice (its own clock, 8 bytes): the time just before
     /// the write and just after (CLOCK_MONOTONIC, ns), and whether the
-    /// write found the reader asleep (and wrote its eventfd).
+    /// write found the reader asleep (and sent it a wake-up).
     pub(crate) fn notify(&mut self) -> Result<(u64, u64, bool), Error> {
         let wakes = self.sender.wakes();
         let t0 = mono_ns();
@@ -248,7 +245,7 @@ pub(super) fn wake_rows(
 
 /// One notice of [`rounds`]: the write's clock and the reader's
 /// (CLOCK_MONOTONIC, ns), whether the write woke the reader through its
-/// eventfd, and how many times the reader slept for it.
+/// wake-up socket, and how many times the reader slept for it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Round {
     pub(crate) t0: u64,
@@ -261,8 +258,8 @@ pub(crate) struct Round {
 /// from the descriptors [`WakeRig::make`] hands out waits (spinning up to
 /// `spin` first), and `n` notices are written, each after `idle`.
 pub(crate) fn rounds(spin: Duration, idle: Duration, n: usize) -> Result<Vec<Round>, Error> {
-    let (mut rig, [memfd, wake_self, wake_peer]) = WakeRig::make()?;
-    let mut reader = crate::worker::wake::Wake::open(&memfd, wake_self, wake_peer, MIN_CAPACITY)?;
+    let (mut rig, [memfd, reader_end]) = WakeRig::make()?;
+    let mut reader = crate::worker::wake::Wake::open(&memfd, reader_end, MIN_CAPACITY)?;
     let (tx, rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
         .name("cuda-ipc-wake-probe".into())
@@ -352,11 +349,11 @@ mod tests {
     }
 
     #[test]
-    fn a_sleeping_reader_is_woken_through_its_eventfd_after_the_write() {
+    fn a_sleeping_reader_is_woken_through_its_wake_up_socket_after_the_write() {
         let samples = rounds(Duration::ZERO, Duration::from_millis(20), 5);
         for (t0, t_wake, woke, slept) in &samples {
             assert!(t_wake >= t0, "the reader returned before the write");
-            // The write wrote the eventfd exactly when the reader slept.
+            // The write sent a wake-up exactly when the reader slept.
             assert_eq!(*slept, u64::from(*woke), "{samples:?}");
         }
         // A reader that does not spin sleeps after 20 ms of waiting (a
@@ -366,7 +363,7 @@ mod tests {
     }
 
     #[test]
-    fn a_spinning_reader_needs_no_eventfd() {
+    fn a_spinning_reader_needs_no_wake_up() {
         // Two cores at least: the reader spins while this thread writes.
         if std::thread::available_parallelism().map_or(1, std::num::NonZero::get) < 2 {
             return;

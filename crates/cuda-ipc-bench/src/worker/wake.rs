@@ -1,11 +1,11 @@
 //! The wake-up floor's reader (`wake_setup`, `wake_wait`): the consumer's
 //! end of the shared-memory ring the producer writes notices into.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
 use cuda_ipc::Error;
-use cuda_ipc_shm::{Area, Ready, Side, check_eventfd};
+use cuda_ipc_shm::{Area, Ready, Side};
 use serde_json::{Value, json};
 
 use super::{State, WAIT, int, text};
@@ -26,19 +26,13 @@ pub(crate) fn shm_failure(what: &str, e: impl std::fmt::Display) -> Error {
 }
 
 impl Wake {
-    /// Opens the area in `memfd` (rings of `capacity` bytes) as its opener:
-    /// this end sleeps on `wake_self`, the producer on `wake_peer`.
-    pub(crate) fn open(
-        memfd: &OwnedFd,
-        wake_self: OwnedFd,
-        wake_peer: OwnedFd,
-        capacity: usize,
-    ) -> Result<Wake, Error> {
-        for fd in [&wake_self, &wake_peer] {
-            check_eventfd(fd.as_fd()).map_err(|e| shm_failure("an eventfd", e))?;
-        }
+    /// Opens the area in `memfd` (rings of `capacity` bytes) as its opener,
+    /// with `wake` its end of the wake-up pair.
+    pub(crate) fn open(memfd: &OwnedFd, wake: OwnedFd, capacity: usize) -> Result<Wake, Error> {
         let area = Area::open(memfd, capacity).map_err(|e| shm_failure("the area", e))?;
-        let (sender, receiver) = area.split(Side::Opener, wake_peer, wake_self);
+        let (sender, receiver) = area
+            .split(Side::Opener, wake)
+            .map_err(|e| shm_failure("the area", e))?;
         Ok(Wake {
             receiver,
             _sender: sender,
@@ -84,25 +78,22 @@ impl Wake {
 }
 
 impl State {
-    /// `wake_setup {name, capacity}`: takes the area and its two eventfds
-    /// from the floor's channel (the memfd, the eventfd this end sleeps on,
-    /// the producer's) and opens the area.
+    /// `wake_setup {name, capacity}`: takes the area and this end of its
+    /// wake-up pair from the floor's channel and opens the area.
     pub(super) fn wake_setup(&mut self, r: &Value) -> Result<Value, Error> {
         let f = self.floor()?;
         let name = text(r, "name")?;
         let capacity = int(r, "capacity")? as usize;
         let a = f.client.attach(name)?;
         let lease = a.lease;
-        let opened = <[_; 3]>::try_from(a.fds)
+        let opened = <[_; 2]>::try_from(a.fds)
             .map_err(|fds| {
                 shm_failure(
                     "the entry",
-                    format!("{} file descriptors came with it, not 3", fds.len()),
+                    format!("{} file descriptors came with it, not 2", fds.len()),
                 )
             })
-            .and_then(|[memfd, wake_self, wake_peer]| {
-                Wake::open(&memfd, wake_self, wake_peer, capacity)
-            });
+            .and_then(|[memfd, wake]| Wake::open(&memfd, wake, capacity));
         f.client.release(lease)?;
         self.wake = Some(opened?);
         Ok(json!({ "ok": true }))

@@ -10,7 +10,8 @@
 //! returns [`ChannelError::PeerGone`] at once.
 //! With shared-memory notices (see [`notices`](crate::notices)) a waiting
 //! thread spins on the notice ring and the socket, then sleeps in `poll(2)`
-//! on the ring's eventfd and the socket together, so this still holds.
+//! on the ring's wake-up socket and the connection together, so this still
+//! holds.
 //!
 //! # Threads
 //! A `Client` is `Send` and `Sync`. Several threads may wait on it at once:

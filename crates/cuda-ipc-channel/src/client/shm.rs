@@ -118,7 +118,7 @@ impl Client {
     /// One turn of reading with shared-memory notices: the records that
     /// may be filed now, or else the next socket message (after the
     /// records counted before it), waiting until `deadline` by spinning for
-    /// `limits.spin`, then sleeping on the ring's eventfd and the socket
+    /// `limits.spin`, then sleeping on the ring's wake-up socket and the socket
     /// together (a server that dies wakes us at once).
     pub(super) fn receive_shm(
         &self,

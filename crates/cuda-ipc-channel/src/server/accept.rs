@@ -3,7 +3,7 @@
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, poll};
@@ -338,8 +338,6 @@ pub(super) fn admit(shared: &Arc<Shared>, stream: UnixStream) {
             out: Mutex::new(Outbox::new()),
             out_ready: Condvar::new(),
             active: Mutex::new(Instant::now()),
-            kicker: OnceLock::new(),
-            last_attach: std::sync::atomic::AtomicU64::new(0),
         });
         st.conns.insert(id, Arc::clone(&conn));
         conn

@@ -104,10 +104,11 @@ pub(super) fn ensure_fd_limit(config: &ServerConfig) -> Result<(), ChannelError>
     use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
     let per_conn = config.max_unread_fds.max(MAX_FDS) as u64;
     let in_flight = per_conn.saturating_mul(config.max_connections as u64);
-    // Each connection's socket, and with shared-memory notices its two
-    // eventfds (the memfd is closed once sent: the mapping keeps it).
+    // Each connection's socket, and with shared-memory notices our end of
+    // its wake-up pair (the memfd and the client's end are closed once
+    // sent: the mapping keeps the memfd).
     let own = if config.notices == crate::NoticePath::Shm {
-        3
+        2
     } else {
         1
     };

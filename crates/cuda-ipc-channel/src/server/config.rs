@@ -14,36 +14,13 @@ pub const DEFAULT_SERVER_SPIN: Duration = Duration::from_micros(50);
 /// microseconds (`0`: sleep at once; at most 10,000).
 pub const SERVER_SPIN_ENV: &str = "CUDA_IPC_SERVER_SPIN_US";
 
-/// The environment variable that sets whether a publish kicks the readers
-/// of recent attachers (see [`ServerConfig::publish_kick`]): `1` on, `0`
-/// off (the default: on the H200 host kicks did not make the fresh
-/// hand-off measurably faster).
-pub const SERVER_KICK_ENV: &str = "CUDA_IPC_SERVER_KICK";
-
 use crate::own_uid;
 use crate::wire::MAX_FDS;
 
-use super::CallHandler;
+use super::{CallHandler, CpuBudget};
 
 #[allow(unused_imports)] // for the documentation's links
 use super::Server;
-
-/// [`ServerConfig::publish_kick`]'s default: off, unless
-/// [`SERVER_KICK_ENV`] (passed as `env`) is `1`. Any other value than `0`
-/// or `1` is named in a warning and ignored.
-pub(crate) fn kick_from_env(env: Option<&str>) -> bool {
-    match env.map(str::trim) {
-        None | Some("0") => false,
-        Some("1") => true,
-        Some(other) => {
-            tracing::warn!(
-                "{SERVER_KICK_ENV}={other:?} is neither 0 nor 1; not kicking readers on \
-                 publish (the default)"
-            );
-            false
-        }
-    }
-}
 
 /// How a [`Server`] is set up.
 ///
@@ -142,24 +119,12 @@ pub struct ServerConfig {
     /// call). `Duration::ZERO` sleeps at once, as before this setting
     /// existed.
     pub spin: Duration,
-    /// Whether a publish kicks the readers of the connections that
-    /// attached something in the last second (most recent first, no more
-    /// than may spin at once) into their spin, so that an attach of what
-    /// was just published, which usually comes a few microseconds later
-    /// (once its consumer has been told), finds its reader awake: the
-    /// reader's wake-up then happens while the consumer's does, not after
-    /// it. Only readers of connections with shared-memory notices can be
-    /// kicked (the kick is a write to their ring's eventfd, one system
-    /// call each on the publishing thread); a kicked reader's spin has
-    /// a back-off of its own (kicks not followed by a request soon cost at
-    /// most one spin in 64 kicks) and the same cap on spinning readers.
-    /// Off when [`spin`](Self::spin) is zero. Default off: on the H200
-    /// host (2026-12-02, 808b9c2, two rounds of the bench's fresh hand-off
-    /// from an arena) the attach's round trip was 0.022-0.040 ms with
-    /// kicks and 0.029-0.041 ms without, within the rounds' spread
-    /// (docs/PERFORMANCE.md). Or the environment variable
-    /// [`SERVER_KICK_ENV`].
-    pub publish_kick: bool,
+    /// How much of the server's processor time the connections of one
+    /// user other than the server's own may take (see [`CpuBudget`]);
+    /// default [`CpuBudget::DEFAULT`], a quarter of one core. `None`
+    /// charges nobody: only where every allowed user is trusted. The
+    /// server's own user is never charged.
+    pub peer_cpu_budget: Option<CpuBudget>,
     /// Answers clients' calls ([`Message::Call`](crate::Message::Call));
     /// default none: every call is refused with the error `no_handler`.
     /// See also [`Server::set_call_handler`].
@@ -190,7 +155,7 @@ impl ServerConfig {
                 std::env::var(SERVER_SPIN_ENV).ok().as_deref(),
                 DEFAULT_SERVER_SPIN,
             ),
-            publish_kick: kick_from_env(std::env::var(SERVER_KICK_ENV).ok().as_deref()),
+            peer_cpu_budget: Some(CpuBudget::DEFAULT),
             call_handler: None,
         }
     }
@@ -305,11 +270,11 @@ impl ServerConfig {
         self
     }
 
-    /// Sets whether a publish kicks the readers of recent attachers (see
-    /// [`ServerConfig::publish_kick`]).
+    /// Sets how much processor time one other user's connections may take
+    /// (see [`ServerConfig::peer_cpu_budget`]).
     #[must_use]
-    pub fn with_publish_kick(mut self, on: bool) -> Self {
-        self.publish_kick = on;
+    pub fn with_peer_cpu_budget(mut self, budget: Option<CpuBudget>) -> Self {
+        self.peer_cpu_budget = budget;
         self
     }
 

@@ -3,8 +3,7 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rustix::net::{Shutdown, shutdown};
@@ -175,21 +174,6 @@ pub(super) struct Conn {
     pub(super) out_ready: Condvar,
     /// When the client last sent a request (or connected).
     pub(super) active: Mutex<Instant>,
-    /// Wakes the reader into its spin ([`ServerConfig::publish_kick`]):
-    /// set at the hello for connections with shared-memory notices.
-    ///
-    /// [`ServerConfig::publish_kick`]: super::ServerConfig::publish_kick
-    pub(super) kicker: OnceLock<cuda_ipc_shm::Kicker>,
-    /// When the client last asked to attach an entry: nanoseconds since
-    /// [`epoch`] plus one, 0 for never (read without a lock by every
-    /// publish).
-    pub(super) last_attach: AtomicU64,
-}
-
-/// The instant [`Conn::last_attach`] counts from.
-fn epoch() -> Instant {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
 }
 
 /// The request id a reply answers, for the error that replaces a reply
@@ -208,32 +192,6 @@ fn request_id(message: &Message) -> Option<u64> {
 }
 
 impl Conn {
-    /// Kicks the reader into its spin, if it can be kicked.
-    pub(super) fn kick(&self) {
-        if let Some(k) = self.kicker.get() {
-            k.kick();
-        }
-    }
-
-    /// Whether its reader can be kicked.
-    pub(super) fn kickable(&self) -> bool {
-        self.kicker.get().is_some()
-    }
-
-    /// When the client last asked to attach an entry.
-    pub(super) fn last_attach(&self) -> Option<Instant> {
-        match self.last_attach.load(Ordering::Relaxed) {
-            0 => None,
-            n => Some(epoch() + Duration::from_nanos(n - 1)),
-        }
-    }
-
-    /// Notes an attach request now.
-    pub(super) fn note_attach(&self) {
-        let since = u64::try_from(epoch().elapsed().as_nanos()).unwrap_or(u64::MAX - 1);
-        self.last_attach.store(since + 1, Ordering::Relaxed);
-    }
-
     /// Sends a notice through the client's ring in binary form, if it has
     /// one (see [`Outbox::ring_binary_locked`]): `Some(true)` if it went,
     /// `Some(false)` if the connection failed, `None` if it must go on the
@@ -477,6 +435,11 @@ impl Conn {
         }
     }
 
+    /// Whether the connection is still served (not closing or closed).
+    pub(super) fn open(&self) -> bool {
+        lock(&self.out).state == OutState::Open
+    }
+
     /// Stops the connection now: the writer stops, and the reader sees end
     /// of file.
     pub(super) fn abort(&self) {
@@ -593,10 +556,15 @@ impl Conn {
         out.ring_replies = replies;
     }
 
-    /// The writer thread's loop.
-    pub(super) fn write_loop(&self) {
+    /// The writer thread's loop; with a `meter`, the processor time it
+    /// spends is charged to the client's user, and it sleeps while that
+    /// user is in debt (see [`CpuBudget`](super::CpuBudget)).
+    pub(super) fn write_loop(&self, mut meter: Option<super::stall::CpuMeter>) {
         let send_timeout = self.limits.send_timeout;
         loop {
+            if let Some(m) = meter.as_mut() {
+                m.charge_and_wait(Duration::ZERO, || self.open());
+            }
             let (next, draining) = {
                 let mut out = lock(&self.out);
                 loop {

@@ -12,14 +12,11 @@
 //! Notices to a client that asked for shared memory go into its ring
 //! instead, from the calling thread, when nothing waits for the socket
 //! (see [`notices`](crate::notices)); its reader thread polls the socket
-//! and the eventfd of the client's ack ring together. After each message
+//! and the wake-up socket of the client's ack ring together. After each message
 //! it receives, a reader polls without sleeping for up to
 //! [`ServerConfig::spin`] (50 µs by default, backing off when its spins
 //! catch nothing), so that a request following closely is answered
-//! without a thread wake-up; with [`ServerConfig::publish_kick`] (off by
-//! default) a publish also kicks the readers of the connections that
-//! attached in the last second into that spin, so that the attach of what
-//! was just published finds its reader awake.
+//! without a thread wake-up.
 //!
 //! # Leases
 //! A lease is held by a connection. When the connection ends for any reason
@@ -145,11 +142,12 @@ mod call;
 mod checks;
 mod config;
 mod conn;
-#[cfg(test)]
-mod kick_tests;
 mod replace;
 mod ring;
+#[cfg(test)]
+mod ring_tests;
 mod session;
+mod stall;
 mod state;
 
 use accept::{LogLimit, accept_loop, remove_stale_socket};
@@ -157,11 +155,12 @@ pub use call::{
     CallContext, CallError, CallFn, CallHandler, ClosedFn, MAX_METHOD_LEN, validate_method,
 };
 use checks::{bound_socket, check_config, check_fds, encoded_meta, json_size};
-pub use config::{DEFAULT_SERVER_SPIN, SERVER_KICK_ENV, SERVER_SPIN_ENV, ServerConfig};
+pub use config::{DEFAULT_SERVER_SPIN, SERVER_SPIN_ENV, ServerConfig};
 use conn::Conn;
 use conn::SlotSource;
 pub use replace::Replaced;
 pub use ring::ServerRing;
+pub use stall::{CpuBudget, StallBudget};
 pub use state::LatePolicy;
 use state::{Body, Entry, Ring, Slot, SlotState, State};
 
@@ -186,8 +185,6 @@ struct Shared {
     spin: Duration,
     /// How many readers may spin at once.
     spinners: crate::spin::Spinners,
-    /// Whether a publish kicks the readers of recent attachers.
-    publish_kick: bool,
     pid: u32,
     state: Mutex<State>,
     /// Signalled whenever a lease ends, a slot is acked, or an entry is
@@ -208,16 +205,24 @@ struct Shared {
     evict_log: LogLimit,
     /// Answers [`Message::Call`]s (`None`: every call is refused).
     call_handler: Mutex<Option<CallHandler>>,
+    /// What other users' connections may take of the processor, and each
+    /// such user's account.
+    peer_cpu: Option<CpuBudget>,
+    cpu_accounts: Mutex<std::collections::HashMap<u32, Arc<Mutex<stall::Bucket>>>>,
 }
 
 impl Shared {
-    /// The readers a publish kicks now (none when kicks are off).
-    fn readers_to_kick(&self, st: &State) -> Vec<Arc<Conn>> {
-        if self.publish_kick {
-            st.readers_to_kick(self.spinners.max())
-        } else {
-            Vec::new()
-        }
+    /// The meter of a connection of user `uid`, if its processor time is
+    /// charged (a user other than ours, with a budget set).
+    fn cpu_meter(&self, uid: u32) -> Option<stall::CpuMeter> {
+        let budget = self.peer_cpu.filter(|_| uid != super::own_uid())?;
+        let account = Arc::clone(lock(&self.cpu_accounts).entry(uid).or_insert_with(|| {
+            Arc::new(Mutex::new(stall::Bucket::full(
+                budget.burst,
+                Instant::now(),
+            )))
+        }));
+        Some(stall::CpuMeter::new(budget, account))
     }
 }
 
@@ -354,7 +359,6 @@ impl Server {
             notices: config.notices,
             spin: config.spin,
             spinners: crate::spin::Spinners::for_this_machine(),
-            publish_kick: config.publish_kick && !config.spin.is_zero(),
             pid: own_pid(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
@@ -365,6 +369,8 @@ impl Server {
             busy_log: LogLimit::new(),
             evict_log: LogLimit::new(),
             call_handler: Mutex::new(config.call_handler),
+            peer_cpu: config.peer_cpu_budget,
+            cpu_accounts: Mutex::new(std::collections::HashMap::new()),
         });
         let accept_shared = Arc::clone(&shared);
         let accept = std::thread::Builder::new()
@@ -435,11 +441,6 @@ impl Server {
             },
         );
         st.names.insert(name.into(), id);
-        let kick = self.shared.readers_to_kick(&st);
-        drop(st);
-        for conn in kick {
-            conn.kick();
-        }
         Ok(id)
     }
 
@@ -582,6 +583,7 @@ impl Server {
                 sent_at: Instant::now(),
                 seq: 0,
                 pending: BTreeSet::new(),
+                waited_since: None,
             })
             .collect();
         let id = self.insert(
@@ -592,6 +594,9 @@ impl Server {
                 sources,
                 slots,
                 ack_deadline: None,
+                late_policy: LatePolicy::Skip,
+                stall_budget: Some(StallBudget::DEFAULT),
+                stalls: std::collections::HashMap::new(),
                 next: 0,
                 seq: 0,
             }),

@@ -1,6 +1,6 @@
 //! The producer's side of a ring.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,14 +19,16 @@ use super::state::{Body, Entry, LatePolicy, Ring, SlotState, State};
 const SPIN_PAUSES: u32 = 16;
 
 /// Whether subscribers are late on the slot `acquire` waits for.
-enum Late {
-    /// They are: these leases, under this policy, past this deadline.
-    Now(Vec<u64>, LatePolicy, Duration),
-    /// They will be at this instant if they do not ack.
+pub(super) enum Late {
+    /// They are: these leases, each with why, under this policy.
+    Now(Vec<(u64, String)>, LatePolicy),
+    /// One will be at this instant if it does not ack.
     At(Instant),
-    /// No deadline applies.
+    /// No deadline or budget applies.
     Never,
 }
+use super::session::fatal;
+use super::state::{Lease, others_subscribe};
 use super::{LeaseInfo, Shared, copies, json_size};
 
 /// The producer's handle on a ring (see [`Server::create_ring`](crate::Server::create_ring)).
@@ -71,11 +73,12 @@ impl ServerRing {
         self.slot_count
     }
 
-    /// Runs `f` on the ring, if it is still published.
+    /// Runs `f` on the ring, its subscriptions and every lease, if it is
+    /// still published.
     fn with_ring<T>(
         &self,
         st: &mut State,
-        f: impl FnOnce(&mut Ring, &BTreeSet<u64>) -> T,
+        f: impl FnOnce(&mut Ring, &BTreeSet<u64>, &HashMap<u64, Lease>) -> T,
     ) -> Result<T, ChannelError> {
         if st.closed {
             return Err(ChannelError::ShutDown);
@@ -86,7 +89,7 @@ impl ServerRing {
                 body: Body::Ring(ring),
                 leases,
                 ..
-            }) => Ok(f(ring, leases)),
+            }) => Ok(f(ring, leases, &st.leases)),
             _ => Err(ChannelError::NotFound {
                 name: self.name.clone(),
             }),
@@ -98,9 +101,12 @@ impl ServerRing {
     /// returns its index. `None` waits for ever; a timeout gives
     /// [`ChannelError::Timeout`].
     ///
-    /// With an ack deadline ([`set_ack_deadline`](Self::set_ack_deadline)),
-    /// a subscriber that holds the slot past it is skipped or evicted, so
-    /// that one stuck subscriber cannot stop the ring.
+    /// A subscriber that holds the slot past the ring's ack deadline
+    /// ([`set_ack_deadline`](Self::set_ack_deadline)), or whose user has
+    /// spent its [`StallBudget`](crate::StallBudget) while other users'
+    /// subscribers wait ([`set_stall_budget`](Self::set_stall_budget)), is
+    /// skipped or evicted, so that a stuck or hostile subscriber cannot
+    /// stop the ring for the others.
     ///
     /// A slot still held is first waited for by spinning, for up to
     /// [`ServerConfig::spin`](crate::ServerConfig::spin) (backing off when
@@ -112,31 +118,17 @@ impl ServerRing {
         let mut spun = false;
         let mut st = lock(&self.shared.state);
         loop {
-            let got = self.with_ring(&mut st, |ring, _| {
+            let name = &self.name;
+            let got = self.with_ring(&mut st, |ring, subscribers, all| {
                 let i = ring.next;
-                let slot = &mut ring.slots[i];
-                if slot.state == SlotState::Free {
+                if ring.slots[i].state == SlotState::Free {
+                    let slot = &mut ring.slots[i];
                     slot.state = SlotState::Acquired;
+                    slot.waited_since = None;
                     ring.next = (i + 1) % ring.slots.len();
                     return Ok(i);
                 }
-                // The subscribers late on this slot, if its deadline passed;
-                // else when it will.
-                let late = match ring.ack_deadline {
-                    Some((limit, policy)) if slot.state == SlotState::InFlight => {
-                        let due = slot.sent_at + limit;
-                        if Instant::now() >= due {
-                            // The slot is free whatever happens to them.
-                            slot.state = SlotState::Free;
-                            let late = std::mem::take(&mut slot.pending);
-                            Late::Now(late.into_iter().collect(), policy, limit)
-                        } else {
-                            Late::At(due)
-                        }
-                    }
-                    _ => Late::Never,
-                };
-                Err((i, late))
+                Err((i, late_on_slot(ring, i, subscribers, all, name)))
             })?;
             let (waiting_for, late) = match got {
                 Ok(i) => return Ok(i as u32),
@@ -144,13 +136,8 @@ impl ServerRing {
             };
             let mut wake = deadline;
             match late {
-                Late::Now(leases, policy, limit) => {
-                    for lease in leases {
-                        let reason = format!(
-                            "this subscriber did not ack frame(s) of ring {:?} within the \
-                             producer's ack deadline of {limit:?}",
-                            self.name
-                        );
+                Late::Now(leases, policy) => {
+                    for (lease, reason) in leases {
                         tracing::info!(lease, ring = %self.name, ?policy, "{reason}");
                         st.late_subscriber(lease, policy == LatePolicy::Evict, &reason, max_queued);
                     }
@@ -215,21 +202,40 @@ impl ServerRing {
     }
 
     /// Sets how long a subscriber may keep a frame before acking it, and
-    /// what [`acquire`](Self::acquire) does with a subscriber that keeps it
-    /// longer: [`LatePolicy::Evict`] ends its subscription,
-    /// [`LatePolicy::Skip`] withdraws its frames and carries on (a
-    /// subscriber skipped twice without an ack between is evicted). Either
-    /// way the subscriber is told why. `None` (the default) waits for
-    /// every subscriber for ever.
+    /// what [`acquire`](Self::acquire) does with a late subscriber (one past
+    /// this deadline, or whose user spent its
+    /// [`StallBudget`](crate::StallBudget)): [`LatePolicy::Evict`] ends its
+    /// subscription, [`LatePolicy::Skip`] (the default) withdraws its
+    /// frames and carries on (a subscriber skipped twice without an ack
+    /// between is evicted). Either way the subscriber is told why. `None`
+    /// (the default) sets no deadline per frame: the stall budget alone
+    /// limits a subscriber, and only while other users subscribe.
     pub fn set_ack_deadline(
         &self,
         deadline: Option<Duration>,
         policy: LatePolicy,
     ) -> Result<(), ChannelError> {
+        self.set(|ring| {
+            ring.ack_deadline = deadline;
+            ring.late_policy = policy;
+        })
+    }
+
+    /// Sets how long one user's subscribers may hold up the producer while
+    /// other users' subscribers wait (see [`StallBudget`](crate::StallBudget);
+    /// [`StallBudget::DEFAULT`](crate::StallBudget::DEFAULT) unless set).
+    /// `None` lets a subscriber hold the ring for as long as the ack
+    /// deadline allows (for ever without one): only for rings whose
+    /// subscribers are all trusted. Accounts so far are kept.
+    pub fn set_stall_budget(&self, budget: Option<crate::StallBudget>) -> Result<(), ChannelError> {
+        self.set(|ring| ring.stall_budget = budget)
+    }
+
+    /// Changes the ring's settings with `f`, and has a waiting
+    /// [`acquire`](Self::acquire) read them again.
+    fn set(&self, f: impl FnOnce(&mut Ring)) -> Result<(), ChannelError> {
         let mut st = lock(&self.shared.state);
-        self.with_ring(&mut st, |ring, _| {
-            ring.ack_deadline = deadline.map(|d| (d, policy));
-        })?;
+        self.with_ring(&mut st, |ring, _, _| f(ring))?;
         drop(st);
         // An acquire waiting now re-reads the deadline.
         self.shared.changed.notify_all();
@@ -242,7 +248,7 @@ impl ServerRing {
     pub fn evict(&self, lease: u64, reason: &str) -> Result<(), ChannelError> {
         let max_queued = self.shared.max_queued;
         let mut st = lock(&self.shared.state);
-        let subscribed = self.with_ring(&mut st, |_, leases| leases.contains(&lease))?;
+        let subscribed = self.with_ring(&mut st, |_, leases, _| leases.contains(&lease))?;
         if !subscribed {
             return Err(ChannelError::arg(
                 "lease",
@@ -287,6 +293,19 @@ impl ServerRing {
                 name: self.name.clone(),
             });
         };
+        // A user in stall debt gets no frames until its budget is back
+        // (it was told it lagged when it was skipped): its subscribers
+        // cost the producer nothing meanwhile, however many there are.
+        let now = Instant::now();
+        let users: BTreeSet<u32> = subscribers
+            .iter()
+            .filter_map(|l| Some(leases.get(l)?.uid))
+            .collect();
+        let shared_ring = users.len() > 1;
+        let in_debt: BTreeSet<u32> = users
+            .into_iter()
+            .filter(|uid| ring.in_stall_debt(*uid, now, shared_ring))
+            .collect();
         let count = ring.slots.len();
         let Some(s) = ring
             .slots
@@ -306,10 +325,14 @@ impl ServerRing {
         let seq = ring.seq;
         s.seq = seq;
         s.sent_at = Instant::now();
+        s.waited_since = None;
         s.pending.clear();
         let targets: Vec<(u64, &Arc<Conn>)> = subscribers
             .iter()
-            .filter_map(|lease| Some((*lease, conns.get(&leases.get(lease)?.conn)?)))
+            .filter_map(|lease| {
+                let l = leases.get(lease)?;
+                (!in_debt.contains(&l.uid)).then_some((*lease, conns.get(&l.conn)?))
+            })
             .collect();
         for ((lease, conn), notice) in targets.iter().zip(copies(notice, targets.len())) {
             let sent = conn.push(
@@ -338,12 +361,14 @@ impl ServerRing {
     /// hands it out again when its turn in the cycle comes.
     pub fn cancel(&self, slot: u32) -> Result<(), ChannelError> {
         let mut st = lock(&self.shared.state);
-        let done = self.with_ring(&mut st, |ring, _| match ring.slots.get_mut(slot as usize) {
-            Some(s) if s.state == SlotState::Acquired => {
-                s.state = SlotState::Free;
-                true
+        let done = self.with_ring(&mut st, |ring, _, _| {
+            match ring.slots.get_mut(slot as usize) {
+                Some(s) if s.state == SlotState::Acquired => {
+                    s.state = SlotState::Free;
+                    true
+                }
+                _ => false,
             }
-            _ => false,
         })?;
         drop(st);
         if !done {
@@ -376,4 +401,158 @@ impl Drop for ServerRing {
         drop(st);
         self.shared.changed.notify_all();
     }
+}
+
+impl Shared {
+    /// Applies a subscriber's ack of frame `seq` in `slot`: once every
+    /// subscriber sent it acked it, the slot is free for the producer; if
+    /// the producer was waiting for it, the wait is charged to the
+    /// subscriber's user (see [`StallBudget`](crate::StallBudget)). An
+    /// ack of a lease this connection does not hold (released meanwhile)
+    /// is ignored; one of a plain entry or a slot the ring does not have
+    /// ends the connection.
+    pub(super) fn ack(&self, conn: &Conn, lease: u64, slot: u32, seq: u64) -> Result<(), Message> {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        // An ack racing with the client's own release of the lease is harmless.
+        let Some(l) = st.leases.get(&lease).filter(|l| l.conn == conn.id) else {
+            tracing::debug!(
+                lease,
+                "ignoring an ack for a lease this connection does not hold"
+            );
+            return Ok(());
+        };
+        let uid = l.uid;
+        let Some(Entry {
+            body: Body::Ring(ring),
+            leases: subscribers,
+            ..
+        }) = st.entries.get_mut(&l.entry)
+        else {
+            return Err(fatal(
+                conn,
+                &ChannelError::protocol(format!("lease {lease} is not a ring lease")),
+            ));
+        };
+        let count = ring.slots.len();
+        let Some(s) = ring.slots.get_mut(slot as usize) else {
+            return Err(fatal(
+                conn,
+                &ChannelError::protocol(format!(
+                    "ack for slot {slot}, but the ring has {count} slots"
+                )),
+            ));
+        };
+        if s.seq == seq && s.pending.remove(&lease) {
+            // The producer waited for this ack: the stall is the user's.
+            let waited = s.waited_since;
+            if s.pending.is_empty() && s.state == SlotState::InFlight {
+                s.state = SlotState::Free;
+                s.waited_since = None;
+            }
+            if let Some(began) = waited {
+                let shared = others_subscribe(subscribers, &st.leases, uid);
+                ring.charge_stall(uid, began, Instant::now(), shared);
+            }
+            if let Some(l) = st.leases.get_mut(&lease) {
+                l.skips = 0;
+            }
+            drop(guard);
+            // A producer spinning in `acquire` sees this without a wake-up.
+            self.acks.fetch_add(1, std::sync::atomic::Ordering::Release);
+            self.changed.notify_all();
+        }
+        Ok(())
+    }
+}
+
+/// The subscribers late on slot `i` of `ring` (in flight or acquired), or
+/// when the first of them will be: each pending subscriber is late once
+/// the ring's ack deadline has passed since the frame went out, or once
+/// its user's stall budget is spent (while another user subscribes). The
+/// late ones are taken off the slot (which is free once none is left)
+/// and their users charged for the stall; the producer starts waiting for
+/// the slot now if it was not already.
+pub(super) fn late_on_slot(
+    ring: &mut Ring,
+    i: usize,
+    subscribers: &BTreeSet<u64>,
+    all: &HashMap<u64, Lease>,
+    name: &str,
+) -> Late {
+    let now = Instant::now();
+    let slot = &mut ring.slots[i];
+    if slot.state != SlotState::InFlight {
+        return Late::Never;
+    }
+    let began = *slot.waited_since.get_or_insert(now);
+    let (sent_at, deadline, policy) = (slot.sent_at, ring.ack_deadline, ring.late_policy);
+    let mut late = Vec::new();
+    let mut due: Option<Instant> = None;
+    let pending: Vec<(u64, u32)> = slot
+        .pending
+        .iter()
+        .filter_map(|l| Some((*l, all.get(l)?.uid)))
+        .collect();
+    for (lease, uid) in pending {
+        let shared = others_subscribe(subscribers, all, uid);
+        let by_deadline = deadline.map(|d| (sent_at + d, d));
+        let by_budget = ring
+            .stall_left(uid, began, now, shared)
+            .map(|left| now + left);
+        if let Some((at, limit)) = by_deadline
+            && at <= now
+        {
+            late.push((
+                lease,
+                uid,
+                shared,
+                format!(
+                    "this subscriber did not ack frame(s) of ring {name:?} within the \
+                     producer's ack deadline of {limit:?}"
+                ),
+            ));
+        } else if by_budget.is_some_and(|at| at <= now) {
+            let b = ring.stall_budget.unwrap_or_default();
+            late.push((
+                lease,
+                uid,
+                shared,
+                format!(
+                    "the subscribers of user {uid} held up the producer of ring {name:?} longer \
+                     than their share ({:.0} % of the time, at most {:?} at once) while other \
+                     users' subscribers waited",
+                    b.share * 100.0,
+                    b.burst
+                ),
+            ));
+        } else {
+            for at in [by_deadline.map(|(at, _)| at), by_budget]
+                .into_iter()
+                .flatten()
+            {
+                due = Some(due.map_or(at, |d| d.min(at)));
+            }
+        }
+    }
+    if late.is_empty() {
+        return due.map_or(Late::Never, Late::At);
+    }
+    let slot = &mut ring.slots[i];
+    for (lease, ..) in &late {
+        slot.pending.remove(lease);
+    }
+    if slot.pending.is_empty() {
+        slot.state = SlotState::Free;
+        slot.waited_since = None;
+    }
+    for (_, uid, shared, _) in &late {
+        ring.charge_stall(*uid, began, now, *shared);
+    }
+    Late::Now(
+        late.into_iter()
+            .map(|(lease, _, _, reason)| (lease, reason))
+            .collect(),
+        policy,
+    )
 }

@@ -17,7 +17,7 @@ use crate::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use crate::{ChannelError, lock};
 
 use super::conn::{Conn, SlotFeed};
-use super::state::{Body, SlotState, State};
+use super::state::{Body, State};
 use super::{LISTING_PAGE_BYTES, RESPONSE_WINDOW, Shared, error_frame};
 use crate::limits::{MAX_ENTRY_NAME_LEN, validate_entry_name};
 
@@ -28,9 +28,11 @@ pub(super) fn serve(shared: &Arc<Shared>, conn: &Arc<Conn>) {
     // so the client's connect does not wait for a thread to be made.
     let shook = handshake(shared, conn);
     let writer_conn = Arc::clone(conn);
+    // What the writer spends on another user's client is charged too.
+    let writer_meter = shared.cpu_meter(conn.cred.uid);
     let writer = match std::thread::Builder::new()
         .name(format!("cuda-ipc-send-{}", conn.id))
-        .spawn(move || writer_conn.write_loop())
+        .spawn(move || writer_conn.write_loop(writer_meter))
     {
         Ok(w) => w,
         Err(e) => {
@@ -93,7 +95,6 @@ fn welcome(
     );
     ends.map(|(tx, rx)| {
         conn.set_notice_ring(tx, shm_requests);
-        let _ = conn.kicker.set(rx.kicker());
         (rx, shm_requests)
     })
 }
@@ -163,8 +164,14 @@ pub(super) fn session(
     let mut socket_in = 0u64;
     let mut held: Held = None;
     let mut record = Vec::new();
-    let mut spins = Spins::default();
+    let mut backoff = Backoff::default();
+    // Another user's client pays for the processor time its messages take.
+    let mut meter = shared.cpu_meter(conn.cred.uid);
+    let mut spun = Duration::ZERO;
     loop {
+        if let Some(m) = meter.as_mut() {
+            m.charge_and_wait(std::mem::take(&mut spun), || conn.open());
+        }
         conn.wait_for_room(RESPONSE_WINDOW);
         // A connection that holds nothing may stay silent only so long.
         let idle = lock(&shared.state).leases_of(conn.id) == 0;
@@ -177,7 +184,6 @@ pub(super) fn session(
             };
             if take_ring(shared, conn, rx, &mut record, ring, &mut held)? {
                 *lock(&conn.active) = Instant::now();
-                spins.message();
                 // A request was served: the window above, then the next.
                 if held.is_none() {
                     continue;
@@ -186,15 +192,10 @@ pub(super) fn session(
         }
         // A held request waits for the socket: read it at once.
         if held.is_none() {
-            spin(shared, conn, acks.as_mut(), &mut spins, deadline);
+            spun = spin(shared, conn, acks.as_mut(), &mut backoff, deadline);
             if let Some(rx) = acks.as_mut() {
                 match rx.wait(Duration::ZERO, deadline, Some(conn.stream.as_fd())) {
                     Ok(Ready::Ring) => continue,
-                    // A publish kicked us: spin for the attach that may follow.
-                    Ok(Ready::Kicked) => {
-                        spins.kicked = true;
-                        continue;
-                    }
                     // The socket has a message (or hung up), or the idle
                     // deadline passed: the receive below tells which.
                     Ok(_) => {}
@@ -209,7 +210,6 @@ pub(super) fn session(
             Ok((message, fds)) => {
                 socket_in += 1;
                 *lock(&conn.active) = Instant::now();
-                spins.message();
                 if !fds.is_empty() {
                     return Err(fatal(
                         conn,
@@ -240,58 +240,28 @@ pub(super) fn session(
     }
 }
 
-/// A reader's spins: after a message, and after a kick, each with its
-/// own back-off (a client whose messages come far apart must not stop the
-/// spins that kicks ask for, nor the other way round).
-#[derive(Default)]
-struct Spins {
-    after_message: Backoff,
-    after_kick: Backoff,
-    /// The next spin follows a kick.
-    kicked: bool,
-}
-
-impl Spins {
-    /// A message came: the next spin follows it, not a kick before it.
-    fn message(&mut self) {
-        self.kicked = false;
-    }
-
-    /// How long the next spin may last (zero: none), and the back-off
-    /// that records how it went.
-    fn next(&mut self, spin: Duration) -> (Duration, &mut Backoff) {
-        let backoff = if std::mem::take(&mut self.kicked) {
-            &mut self.after_kick
-        } else {
-            &mut self.after_message
-        };
-        (backoff.next(spin), backoff)
-    }
-}
-
 /// Every wait for the client's next message follows one (the hello, a
-/// request, acks) or a kick: it first polls without sleeping for up to
+/// request, acks): it first polls without sleeping for up to
 /// `shared.spin`, so that a message following closely is taken without a
 /// wake-up. A silent client costs at most one spin; one whose messages do
-/// not come within the spin soon costs one in 64 waits ([`Backoff`]), and
-/// kicks not followed by a message soon, one in 64 kicks; and
+/// not come within the spin soon costs one in 64 waits ([`Backoff`]); and
 /// no more readers spin at once than [`Spinners`](crate::spin::Spinners) allows (the others
 /// sleep at once), so clients cannot make the server spin on more cores
-/// than that. Returns when something came or the spin is over; the wait
-/// proper follows.
+/// than that. Returns when something came or the spin is over (with how
+/// long it spun); the wait proper follows.
 fn spin(
     shared: &Shared,
     conn: &Conn,
     acks: Option<&mut Receiver>,
-    spins: &mut Spins,
+    backoff: &mut Backoff,
     deadline: Option<Instant>,
-) {
-    let (budget, backoff) = spins.next(shared.spin);
+) -> Duration {
+    let budget = backoff.next(shared.spin);
     if budget.is_zero() {
-        return;
+        return Duration::ZERO;
     }
     let Some(_slot) = shared.spinners.try_enter() else {
-        return;
+        return Duration::ZERO;
     };
     let began = Instant::now();
     let end = deadline.map_or(began + budget, |d| d.min(began + budget));
@@ -304,6 +274,7 @@ fn spin(
     };
     // A spin cut short by the idle deadline caught nothing.
     backoff.record(budget, if caught { began.elapsed() } else { budget });
+    began.elapsed()
 }
 
 /// What the reader knows of the client's order when it reads the ring.
@@ -453,10 +424,7 @@ impl Shared {
                 after: Some(after),
             } if after.len() > MAX_ENTRY_NAME_LEN => reply(invalid_name(id, &after)),
             Message::List { id, after } => reply(self.listing(id, after.as_deref())),
-            Message::Attach { id, name } => {
-                conn.note_attach();
-                self.attach(conn, id, &name);
-            }
+            Message::Attach { id, name } => self.attach(conn, id, &name),
             Message::AttachRing { id, name } => self.attach_ring(conn, id, &name),
             Message::Release { id, lease } => {
                 let mut st = lock(&self.state);
@@ -645,47 +613,6 @@ impl Shared {
             next: 0,
         });
     }
-
-    pub(super) fn ack(&self, conn: &Conn, lease: u64, slot: u32, seq: u64) -> Result<(), Message> {
-        let mut guard = lock(&self.state);
-        let st = &mut *guard;
-        // An ack racing with the client's own release of the lease is harmless.
-        let Some(l) = st.leases.get(&lease).filter(|l| l.conn == conn.id) else {
-            tracing::debug!(
-                lease,
-                "ignoring an ack for a lease this connection does not hold"
-            );
-            return Ok(());
-        };
-        let Some(Body::Ring(ring)) = st.entries.get_mut(&l.entry).map(|e| &mut e.body) else {
-            return Err(fatal(
-                conn,
-                &ChannelError::protocol(format!("lease {lease} is not a ring lease")),
-            ));
-        };
-        let count = ring.slots.len();
-        let Some(s) = ring.slots.get_mut(slot as usize) else {
-            return Err(fatal(
-                conn,
-                &ChannelError::protocol(format!(
-                    "ack for slot {slot}, but the ring has {count} slots"
-                )),
-            ));
-        };
-        if s.seq == seq && s.pending.remove(&lease) {
-            if let Some(l) = st.leases.get_mut(&lease) {
-                l.skips = 0;
-            }
-            if s.pending.is_empty() && s.state == SlotState::InFlight {
-                s.state = SlotState::Free;
-            }
-            drop(guard);
-            // A producer spinning in `acquire` sees this without a wake-up.
-            self.acks.fetch_add(1, std::sync::atomic::Ordering::Release);
-            self.changed.notify_all();
-        }
-        Ok(())
-    }
 }
 
 /// A name as an error message shows it: at most 64 characters, then how
@@ -730,51 +657,4 @@ pub(super) fn dup_all(fds: &[OwnedFd]) -> Result<Vec<OwnedFd>, ChannelError> {
                 .map_err(|e| ChannelError::io("cannot duplicate an entry's file descriptor", e))
         })
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Spins until the back-off turns them off (every spin a miss): whether it did.
-    fn miss_until_off(spins: &mut Spins, spin: Duration, kicks: bool) -> bool {
-        for _ in 0..100 {
-            spins.kicked = kicks;
-            let (budget, backoff) = spins.next(spin);
-            if budget.is_zero() {
-                return true;
-            }
-            backoff.record(budget, budget);
-        }
-        false
-    }
-
-    #[test]
-    fn kicks_and_messages_back_off_apart() {
-        let spin = Duration::from_micros(50);
-        // Messages far apart turn their spins off; a kick still spins.
-        let mut spins = Spins::default();
-        assert!(miss_until_off(&mut spins, spin, false));
-        spins.kicked = true;
-        assert_eq!(spins.next(spin).0, spin);
-        // Kicks that catch nothing turn theirs off; a message still spins.
-        let mut spins = Spins::default();
-        assert!(miss_until_off(&mut spins, spin, true));
-        assert_eq!(spins.next(spin).0, spin);
-    }
-
-    #[test]
-    fn a_message_after_a_kick_makes_the_next_spin_a_message_spin() {
-        let spin = Duration::from_micros(50);
-        let mut spins = Spins::default();
-        let (after_message, after_kick) =
-            (&raw const spins.after_message, &raw const spins.after_kick);
-        spins.kicked = true;
-        assert!(std::ptr::eq(spins.next(spin).1, after_kick));
-        // A kick answered by a message: the spin after that message is
-        // the messages'.
-        spins.kicked = true;
-        spins.message();
-        assert!(std::ptr::eq(spins.next(spin).1, after_message));
-    }
 }

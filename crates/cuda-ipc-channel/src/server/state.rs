@@ -9,6 +9,7 @@ use crate::wire::{EntryKind, Message, Meta};
 
 use super::LeaseInfo;
 use super::conn::{Conn, SlotSource};
+use super::stall::{Bucket, StallBudget};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SlotState {
@@ -28,11 +29,15 @@ pub(super) struct Slot {
     pub(super) seq: u64,
     /// The leases that were sent the latest message and have not acked it.
     pub(super) pending: BTreeSet<u64>,
+    /// Since when the producer has been waiting for this slot, if it is
+    /// (what a late ack is charged from; see [`StallBudget`]).
+    pub(super) waited_since: Option<Instant>,
 }
 
 /// What the producer does with a subscriber that has not acked a frame
 /// within the ring's ack deadline (see
-/// [`ServerRing::set_ack_deadline`](super::ServerRing::set_ack_deadline)).
+/// [`ServerRing::set_ack_deadline`](super::ServerRing::set_ack_deadline))
+/// or whose user spent its [`StallBudget`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum LatePolicy {
@@ -50,9 +55,16 @@ pub(super) struct Ring {
     /// The slots' metadata and descriptors, sent to each new subscriber.
     pub(super) sources: Arc<[SlotSource]>,
     pub(super) slots: Vec<Slot>,
-    /// How long a subscriber may take to ack a frame, and what happens
-    /// after; `None`: waits for ever.
-    pub(super) ack_deadline: Option<(Duration, LatePolicy)>,
+    /// How long a subscriber may take to ack a frame; `None`: no limit
+    /// per frame.
+    pub(super) ack_deadline: Option<Duration>,
+    /// What happens to a late subscriber.
+    pub(super) late_policy: LatePolicy,
+    /// How long one user's subscribers may hold up the producer while
+    /// other users subscribe; `None`: no limit.
+    pub(super) stall_budget: Option<StallBudget>,
+    /// Each user's stall account (see [`StallBudget`]).
+    pub(super) stalls: HashMap<u32, Bucket>,
     /// The slot `acquire` hands out next.
     pub(super) next: usize,
     /// The last sequence number used.
@@ -122,6 +134,65 @@ pub(super) struct State {
     /// keeps counting against the connection limits (and its socket stays
     /// open, to ask `SIOCOUTQ`) until then.
     pub(super) lingering: Vec<Arc<Conn>>,
+}
+
+impl Ring {
+    /// Charges user `uid` for holding up the producer from `began` to
+    /// `now` (one of its subscribers acked, or was found late), if the
+    /// ring has a stall budget and `shared` (subscribers of other users
+    /// were held up too).
+    pub(super) fn charge_stall(&mut self, uid: u32, began: Instant, now: Instant, shared: bool) {
+        let Some(b) = self.stall_budget.filter(|_| shared) else {
+            return;
+        };
+        self.stalls
+            .entry(uid)
+            .or_insert_with(|| Bucket::full(b.burst, now))
+            .charge(b.share, b.burst, now, now.saturating_duration_since(began));
+    }
+
+    /// Whether user `uid` owes stall time at `now` (see [`StallBudget`]),
+    /// on a ring that other users subscribe to (`shared`).
+    pub(super) fn in_stall_debt(&self, uid: u32, now: Instant, shared: bool) -> bool {
+        let Some(b) = self.stall_budget.filter(|_| shared) else {
+            return false;
+        };
+        self.stalls
+            .get(&uid)
+            .is_some_and(|a| a.balance(b.share, b.burst, now) < 0.0)
+    }
+
+    /// How long from `now` user `uid` may still hold up the producer that
+    /// has waited since `began` (zero: it is late now), or `None` if its
+    /// stalls are not limited (no budget, or no other user subscribes).
+    pub(super) fn stall_left(
+        &self,
+        uid: u32,
+        began: Instant,
+        now: Instant,
+        shared: bool,
+    ) -> Option<Duration> {
+        let b = self.stall_budget.filter(|_| shared)?;
+        let balance = self
+            .stalls
+            .get(&uid)
+            .map_or(b.burst.as_secs_f64(), |a| a.balance(b.share, b.burst, now));
+        let left = balance - now.saturating_duration_since(began).as_secs_f64();
+        Some(Duration::from_secs_f64(left.clamp(0.0, 3600.0)))
+    }
+}
+
+/// Whether a ring whose subscribers hold `leases` has a subscriber of a
+/// user other than `uid`.
+pub(super) fn others_subscribe(
+    leases: &BTreeSet<u64>,
+    all: &HashMap<u64, Lease>,
+    uid: u32,
+) -> bool {
+    leases
+        .iter()
+        .filter_map(|l| all.get(l))
+        .any(|l| l.uid != uid)
 }
 
 impl State {
@@ -312,33 +383,5 @@ impl State {
             pid: l.pid,
             uid: l.uid,
         })
-    }
-}
-
-/// How recent a connection's last attach must be for a publish to kick
-/// its reader ([`ServerConfig::publish_kick`](super::ServerConfig::publish_kick)).
-const KICK_RECENT: Duration = Duration::from_secs(1);
-
-impl State {
-    /// The connections whose readers a publish kicks: those that can be
-    /// kicked and attached within [`KICK_RECENT`], most recent first, at
-    /// most `max` (as many as may spin at once).
-    pub(super) fn readers_to_kick(&self, max: usize) -> Vec<Arc<Conn>> {
-        let now = Instant::now();
-        let mut recent: Vec<(Instant, &Arc<Conn>)> = self
-            .conns
-            .values()
-            .filter_map(|c| {
-                let at = c.last_attach()?;
-                (c.kickable() && now.saturating_duration_since(at) <= KICK_RECENT)
-                    .then_some((at, c))
-            })
-            .collect();
-        recent.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
-        recent
-            .into_iter()
-            .take(max)
-            .map(|(_, c)| Arc::clone(c))
-            .collect()
     }
 }

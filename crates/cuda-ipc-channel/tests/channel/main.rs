@@ -24,6 +24,7 @@ mod entries;
 mod errors_and_paths;
 mod hostile;
 mod hostile_round2;
+mod hostile_round3;
 mod peers;
 mod processes;
 mod rings;
@@ -144,7 +145,8 @@ fn run_child_role() -> bool {
             wait_for_stdin_close();
         }
         other => assert!(
-            hostile_round2::child_role(other, &path, &name),
+            hostile_round2::child_role(other, &path, &name)
+                || hostile_round3::child_role(other, &path),
             "unknown child role {other}"
         ),
     }

@@ -107,7 +107,7 @@ struct RawClient {
     tx: Sender,
     rx: Receiver,
     buf: Vec<u8>,
-    /// Keeps the eventfds open.
+    /// Keeps the memfd and the wake-up end open.
     _fds: Vec<OwnedFd>,
 }
 
@@ -116,11 +116,9 @@ impl RawClient {
     fn connect(path: &Path, requests: bool) -> RawClient {
         let (s, fds) = raw_client_asking(path, requests);
         let area = Area::open(&fds[0], cuda_ipc_channel::NOTICE_RING_BYTES).unwrap();
-        let (tx, rx) = area.split(
-            ShmSide::Opener,
-            fds[2].try_clone().unwrap(),
-            fds[1].try_clone().unwrap(),
-        );
+        let (tx, rx) = area
+            .split(ShmSide::Opener, fds[1].try_clone().unwrap())
+            .unwrap();
         RawClient {
             s,
             tx,
