@@ -402,6 +402,7 @@ impl Shared {
         for lease in leases {
             st.end_lease(lease);
         }
+        st.compact();
         drop(st);
         self.changed.notify_all();
         self.connection_closed(conn);

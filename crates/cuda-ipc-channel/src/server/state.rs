@@ -195,7 +195,29 @@ pub(super) fn others_subscribe(
         .any(|l| l.uid != uid)
 }
 
+/// A table holding at least this many slots is given back to the
+/// allocator once it is three quarters empty (see [`State::compact`]).
+const COMPACT_ABOVE: usize = 256;
+
+/// Shrinks `map` to twice its length once it is three quarters empty.
+fn compact_map<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > COMPACT_ABOVE && map.len() < map.capacity() / 4 {
+        map.shrink_to(2 * map.len());
+    }
+}
+
 impl State {
+    /// Gives back what the tables of leases, connections and entries
+    /// grew to when a peer filled them: a hash table never shrinks on its
+    /// own, so many connections taking their leases up to the limit would
+    /// otherwise leave the server that much bigger after they left.
+    pub(super) fn compact(&mut self) {
+        compact_map(&mut self.leases);
+        compact_map(&mut self.by_conn);
+        compact_map(&mut self.conns);
+        compact_map(&mut self.entries);
+    }
+
     /// How many leases connection `conn` holds.
     pub(super) fn leases_of(&self, conn: u64) -> usize {
         self.by_conn.get(&conn).map_or(0, BTreeSet::len)
