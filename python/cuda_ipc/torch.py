@@ -75,6 +75,11 @@ from .mapping import _torch
 
 __all__ = ["shareable", "reserve_bytes", "pool", "empty_cache", "allocator", "last_error", "segments"]
 
+
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
 _lock = threading.Lock()
 _allocator = None
 
