@@ -59,7 +59,11 @@ fn no_driver_is_exit_3_and_says_why_without_advising_an_install() {
     let args = ["demo"];
     let o = cuda_ipc(&args);
     assert_error(&args, &o, 3, "CUDA_IPC_DISABLE_DRIVER is set");
-    assert!(!stderr(&o).contains("Install the NVIDIA driver"), "{}", stderr(&o));
+    assert!(
+        !stderr(&o).contains("Install the NVIDIA driver"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
@@ -78,7 +82,9 @@ fn nothing_serving_the_socket_is_exit_4_and_json_with_json() {
             .unwrap_or_else(|e| panic!("{args:?}: stdout is not JSON ({e}): {:?}", o.stdout));
         assert_eq!(out["exit_code"], 4, "{out}");
         assert!(
-            out["error"].as_str().is_some_and(|e| e.contains("no service")),
+            out["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("no service")),
             "{out}"
         );
     }

@@ -24,7 +24,10 @@ fn main() -> std::process::ExitCode {
             let weight = set.get::<u32>("fc.weight")?; // a typed view
             println!("consumer: fc.weight {:?}...", &weight.to_vec::<u32>()?[..4]);
             let version = subscriber.wait_set_update(&set, Duration::from_secs(10))?;
-            println!("consumer: version {version}: {:?}...", &weight.to_vec::<u32>()?[..4]);
+            println!(
+                "consumer: version {version}: {:?}...",
+                &weight.to_vec::<u32>()?[..4]
+            );
             drop(weight);
             return subscriber.release_set(set);
         }

@@ -26,7 +26,11 @@ fn main() -> std::process::ExitCode {
             for _ in 0..FRAMES {
                 let frame = subscriber.next_frame(&ring, Duration::from_secs(10))?;
                 if frame.seq % 250 == 0 {
-                    println!("consumer: frame {} starts with {:?}", frame.seq, &frame.buffer.to_vec::<u32>()?[..2]);
+                    println!(
+                        "consumer: frame {} starts with {:?}",
+                        frame.seq,
+                        &frame.buffer.to_vec::<u32>()?[..2]
+                    );
                 }
                 subscriber.ack(&ring, frame)?; // the slot goes back to the producer
             }

@@ -33,7 +33,10 @@ fn main() -> std::process::ExitCode {
                 return Ok(());
             }
             let set = client.attach_set("model")?; // read-only: the service's rule
-            println!("reader: {:?}...", &set.get::<u32>("w")?.to_vec::<u32>()?[..4]);
+            println!(
+                "reader: {:?}...",
+                &set.get::<u32>("w")?.to_vec::<u32>()?[..4]
+            );
             return client.release_set(set);
         }
         let socket = format!("example-05-{}", std::process::id());

@@ -48,7 +48,7 @@ fn stop_flag() -> Result<Arc<AtomicBool>, Error> {
             i32::from(crate::EXIT_FAILED),
             Arc::clone(&flag),
         )
-            .map_err(io)?;
+        .map_err(io)?;
         signal_hook::flag::register(signal, Arc::clone(&flag)).map_err(io)?;
     }
     Ok(flag)

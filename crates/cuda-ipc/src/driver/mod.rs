@@ -52,7 +52,9 @@ pub fn load() -> Result<DriverVersion> {
     }
     if std::env::var_os(DISABLE_ENV).is_some() {
         return Err(Error::DriverNotFound {
-            reason: format!("{DISABLE_ENV} is set, so the driver is not used; unset it to use the GPU"),
+            reason: format!(
+                "{DISABLE_ENV} is set, so the driver is not used; unset it to use the GPU"
+            ),
         });
     }
     // SAFETY: loading the library runs its initialisers; libcuda is made to be loaded this way.
