@@ -112,11 +112,8 @@ pub const EXIT_CODES: [(u8, &str); 5] = [
 
 /// [`EXIT_CODES`] as the text under every `--help`.
 pub fn exit_codes_help() -> String {
-    let mut text = String::from("Exit codes:");
-    for (code, meaning) in EXIT_CODES {
-        text.push_str(&format!("\n  {code}  {meaning}"));
-    }
-    text
+    let rows = EXIT_CODES.map(|(code, meaning)| format!("  {code}  {meaning}"));
+    format!("Exit codes:\n{}", rows.join("\n"))
 }
 
 /// The exit code for a library error.

@@ -11,7 +11,7 @@ mod common;
 use std::time::Duration;
 
 use cuda_ipc::arena::SetMember;
-use cuda_ipc::exchange::{Publisher, Subscriber};
+use cuda_ipc::exchange::{Publisher, PublisherConfig, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{Device, DeviceMemory, Dtype};
 
@@ -19,7 +19,8 @@ fn main() -> std::process::ExitCode {
     common::main("03-weight-set", || {
         let device = Device::open(0)?;
         if let Some((_, socket)) = common::role() {
-            let subscriber = Subscriber::connect(&device, socket.as_str(), Default::default())?;
+            let subscriber =
+                Subscriber::connect(&device, socket.as_str(), SubscriberConfig::default())?;
             let set = subscriber.attach_set("weights")?; // one lease; each chunk mapped once
             let weight = set.get::<u32>("fc.weight")?; // a typed view
             println!("consumer: fc.weight {:?}...", &weight.to_vec::<u32>()?[..4]);
@@ -32,7 +33,7 @@ fn main() -> std::process::ExitCode {
             return subscriber.release_set(set);
         }
         let socket = format!("example-03-{}", std::process::id());
-        let publisher = Publisher::bind(&device, socket.as_str(), Default::default())?;
+        let publisher = Publisher::bind(&device, socket.as_str(), PublisherConfig::default())?;
         let (w, b) = (publisher.alloc(4 << 20)?, publisher.alloc(4 << 10)?); // no export
         kernels::fill_u32(&w, Pattern::ramp(0, 1), Speed::Full)?;
         kernels::fill_u32(&b, Pattern::ramp(0, 0), Speed::Full)?;

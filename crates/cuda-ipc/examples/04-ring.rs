@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use cuda_ipc::exchange::{Publisher, Subscriber};
+use cuda_ipc::exchange::{Publisher, PublisherConfig, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::{Device, DeviceMemory};
 
@@ -20,7 +20,8 @@ fn main() -> std::process::ExitCode {
     common::main("04-ring", || {
         let device = Device::open(0)?;
         if let Some((_, socket)) = common::role() {
-            let subscriber = Subscriber::connect(&device, socket.as_str(), Default::default())?;
+            let subscriber =
+                Subscriber::connect(&device, socket.as_str(), SubscriberConfig::default())?;
             let ring = subscriber.attach_ring::<u32>("frames")?; // every slot mapped once
             println!("consumer: attached");
             for _ in 0..FRAMES {
@@ -37,7 +38,7 @@ fn main() -> std::process::ExitCode {
             return subscriber.release_ring(ring);
         }
         let socket = format!("example-04-{}", std::process::id());
-        let publisher = Publisher::bind(&device, socket.as_str(), Default::default())?;
+        let publisher = Publisher::bind(&device, socket.as_str(), PublisherConfig::default())?;
         let ring = publisher.ring("frames", 8, 1 << 20, None)?; // 8 slots of 1 MiB
         let mut consumer = common::Second::start("consumer", &socket)?;
         consumer.line()?; // it has attached

@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use cuda_ipc::exchange::Subscriber;
+use cuda_ipc::exchange::{Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::service::admin::TensorSpec;
 use cuda_ipc::service::{Service, ServiceConfig, Writer};
@@ -20,7 +20,8 @@ fn main() -> std::process::ExitCode {
     common::main("05-service", || {
         let device = Device::open(0)?;
         if let Some((role, socket)) = common::role() {
-            let client = Subscriber::connect(&device, socket.as_str(), Default::default())?;
+            let client =
+                Subscriber::connect(&device, socket.as_str(), SubscriberConfig::default())?;
             if role == "writer" {
                 let layout = vec![TensorSpec::new("w", Dtype::U32, vec![1 << 20])];
                 let writer = Writer::open(&client, "model", Some(layout))?; // a new set
