@@ -123,7 +123,6 @@ step_service() {
 # `--allow-uid 0`, its socket in a directory of that uid; root loads and
 # reads through it, also from new namespaces; a client of uid 65533 is
 # refused by the service's peer check, with a message naming its uid.
-# Passed on an H200 on 2026-12-01 (18 of 18; docs/RELIABILITY.md).
 step_service_containers() {
   if [ "$(id -u)" -ne 0 ] || ! unshare --pid --fork --mount-proc true 2>/dev/null; then
     echo "SKIP  service_containers: needs root and unshare --pid (run as root)"

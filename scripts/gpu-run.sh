@@ -484,6 +484,14 @@ step_samples() {
   else
     echo "SKIP  samples: not in this bundle"
   fi
+  # The numbered examples: each runs itself as its second process.
+  for ex in 01-share-buffer 02-channel 03-weight-set 04-ring 05-service; do
+    if [ -x "$here/examples/$ex" ]; then
+      check "example $ex" 0 "$here/examples/$ex"
+    else
+      echo "SKIP  example $ex: not in this bundle"
+    fi
+  done
 }
 
 # The wheel, installed once into $site for the Python steps and the

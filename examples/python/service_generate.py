@@ -20,8 +20,9 @@ seed, nothing downloaded). Then a new Python process:
 
 It prints each part's time: building on ``meta`` apart from the attach.
 Exit status 0 when every parameter matched and the tokens were made; 1
-with a message otherwise. Needs PyTorch, transformers, safetensors and a
-CUDA GPU.
+with a message otherwise. Needs PyTorch, transformers, safetensors, a CUDA
+GPU and the ``cuda-ipc`` command: without them it says so at once, exit
+status 3 (``_needs.py``).
 """
 
 import argparse
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import time
 
-from service_trainer import find_cli  # the example next to this one
+import _needs  # the example next to this one
 
 SET_NAME = "model"
 
@@ -139,7 +140,11 @@ def main():
     if args.fresh_process:
         return fresh_process(args.fresh_process[0], args.fresh_process[1], args.device, args.tokens)
     if args.tokens < 1:
-        sys.exit("--tokens must be at least 1")
+        p.error("--tokens must be at least 1")
+    if args.dir is not None and not os.path.exists(os.path.join(args.dir, "config.json")):
+        p.error(f"{args.dir} has no config.json: pass a transformers checkpoint folder")
+    _needs.check("torch", "transformers", "safetensors", gpu=True, device=args.device)
+    cli = _needs.find_cli(args.cli)
 
     import torch
 
@@ -151,13 +156,9 @@ def main():
             folder = os.path.join(tmp, "model")
             write_small_model(torch, folder)
             print("wrote a small Qwen2-shaped model to", folder)
-        elif not os.path.exists(os.path.join(folder, "config.json")):
-            sys.exit(f"{folder} has no config.json: pass a transformers checkpoint folder")
         socket = os.path.join(tmp, "svc.sock")
-        serving = subprocess.Popen([find_cli(args.cli), "serve", "--service", socket, "--device", str(args.device)],
-                                   stdout=subprocess.PIPE, text=True)
+        serving = _needs.start_service(cli, socket, args.device)
         try:
-            print("service:", serving.stdout.readline().strip())
             loaded = service.load(socket, folder, set=SET_NAME)
             print("loaded:", loaded)
             child = subprocess.run([sys.executable, os.path.abspath(__file__), "--device", str(args.device),

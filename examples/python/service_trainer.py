@@ -17,19 +17,19 @@ block): the write is aborted and the reader still sees the last version.
 Finally the service is stopped with SIGTERM and must exit 0.
 
 Exit status 0 when every version matched; 1 with a message otherwise.
-Needs PyTorch and a CUDA GPU.
+Needs PyTorch, a CUDA GPU and the ``cuda-ipc`` command: without them it
+says so at once, exit status 3 (``_needs.py``).
 """
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import traceback
+
+import _needs  # the example next to this one
 
 SET_NAME = "model"
 D_MODEL, HEADS, FF, LAYERS, OUT = 64, 4, 128, 2, 8
@@ -83,33 +83,23 @@ def reader(socket, device, versions, acks):
         acks.put(traceback.format_exc())
 
 
-def find_cli(given):
-    if given:
-        return given
-    here = os.path.dirname(os.path.abspath(__file__))
-    for profile in ("release", "debug"):
-        path = os.path.join(here, "..", "..", "target", profile, "cuda-ipc")
-        if os.access(path, os.X_OK):
-            return path
-    return shutil.which("cuda-ipc") or sys.exit("no cuda-ipc command: build it (cargo build --release) or pass --cli")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--cli", default=None)
     args = p.parse_args()
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    _needs.check("torch", gpu=True, device=args.device)
+    cli = _needs.find_cli(args.cli)
 
     import torch
     from cuda_ipc import errors, service
 
     with tempfile.TemporaryDirectory() as tmp:
         socket = os.path.join(tmp, "svc.sock")
-        serving = subprocess.Popen([find_cli(args.cli), "serve", "--service", socket],
-                                   stdout=subprocess.PIPE, text=True)
-        first = json.loads(serving.stdout.readline())
-        print("service:", first)
+        serving = _needs.start_service(cli, socket, args.device)
         ctx = mp.get_context("spawn")
         versions, acks = ctx.Queue(), ctx.Queue()
         following = ctx.Process(target=reader, args=(socket, args.device, versions, acks))

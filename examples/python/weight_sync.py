@@ -17,7 +17,8 @@ same step. The two processes go in lockstep: the trainer waits until the
 inference process has checked a step before it writes the next one.
 
 Exit status 0 when every step matched (``atol`` 1e-4); 1 with a message
-otherwise. Needs PyTorch and a CUDA GPU.
+otherwise. Needs PyTorch and a CUDA GPU: without them it says so at once,
+exit status 3 (``_needs.py``).
 """
 
 import argparse
@@ -29,6 +30,8 @@ import tempfile
 import time
 import traceback
 import warnings
+
+import _needs  # the example next to this one
 
 # Deterministic cuBLAS (set before CUDA starts, in every process).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -180,6 +183,7 @@ def main():
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be at least 1")
+    _needs.check("torch", gpu=True, device=args.device)
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")

@@ -103,3 +103,8 @@ __all__ = [
     "FORMAT_VERSION",
     *errors.__all__,
 ]
+
+
+def __dir__():
+    # dir(cuda_ipc) shows the API: no implementation modules or imports.
+    return sorted([*__all__, "torch", "__version__"])

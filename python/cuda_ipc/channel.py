@@ -52,6 +52,11 @@ from .mapping import _as_cupy, _as_torch, _torch
 __all__ = ["Publisher", "Subscriber", "Published", "Attachment", "RingPublisher", "Ring", "Frame"]
 
 
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
+
 class _Owner:
     """Context manager plumbing shared by the channel's owners."""
 

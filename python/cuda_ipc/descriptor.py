@@ -6,6 +6,11 @@ from . import _core
 
 __all__ = ["FORMAT_VERSION", "parse_descriptor", "validate_descriptor", "descriptor_json", "cuda_array_interface"]
 
+
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
 FORMAT_VERSION = _core.FORMAT_VERSION
 
 

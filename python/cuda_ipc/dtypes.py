@@ -49,6 +49,11 @@ __all__ = ["DTYPES", "DType", "by_name", "from_torch", "from_numpy_name", "torch
            "raw_name"]
 
 
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
+
 class DType:
     """One element type: ``name`` (in descriptors), ``torch``, ``numpy``,
     ``typestr``, ``size``, and ``raw_typestr``/``raw_numpy``/``raw`` (the

@@ -53,6 +53,11 @@ __all__ = [
 ]
 
 
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
+
 class CudaIpcError(Exception):
     """Base class of every error raised by cuda_ipc.
 
@@ -60,11 +65,11 @@ class CudaIpcError(Exception):
     are set for driver errors and ``None`` otherwise.
     """
 
-    kind = None
-    call = None
-    code = None
-    name = None
-    hint = None
+    kind: "str | None" = None
+    call: "str | None" = None
+    code: "int | str | None" = None
+    name: "str | None" = None
+    hint: "str | None" = None
 
 
 class Unavailable(CudaIpcError):

@@ -8,7 +8,12 @@ from .errors import CudaIpcError, MissingDependency
 __all__ = ["open", "Mapping", "live_mappings", "settle", "retiring"]
 
 
-_loaded = {}
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
+
+_loaded: dict = {}
 
 
 def _import_optional(module, install):

@@ -41,6 +41,11 @@ from .errors import CudaIpcError, InvalidInput
 
 __all__ = ["Reader", "Writer", "load", "ls", "stats", "drop", "call"]
 
+
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
 # How long a writer's calls wait: open_write allocates the staging version.
 _WRITE_TIMEOUT = 120.0
 

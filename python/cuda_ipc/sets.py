@@ -77,6 +77,11 @@ __all__ = [
     "set_entry_descriptor",
 ]
 
+
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
 # Entry names under this prefix carry what a set entry cannot hold as it
 # is (tied and empty tensors); state dict keys may not start with it. The
 # names are made and read by the library (cuda_ipc::set::names) only.

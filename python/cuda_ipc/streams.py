@@ -25,6 +25,11 @@ from .errors import InvalidInput
 __all__ = ["stream_handle"]
 
 
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
+
 def stream_handle(stream):
     """The raw ``CUstream`` handle (an int) of ``stream``; ``None`` stays
     ``None``. Raises :class:`InvalidInput` for anything else."""

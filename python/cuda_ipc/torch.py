@@ -75,6 +75,11 @@ from .mapping import _torch
 
 __all__ = ["shareable", "reserve_bytes", "pool", "empty_cache", "allocator", "last_error", "segments"]
 
+
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
 _lock = threading.Lock()
 _allocator = None
 
@@ -198,10 +203,9 @@ def shareable(publisher, reserve=None):
     the ``meta`` device): the arena first makes sure it has that much free,
     in one chunk made now if not (:meth:`Publisher.reserve`). Without it the
     arena grows chunk by chunk as PyTorch asks (256 MiB, 256 MiB, 512 MiB,
-    up to 2 GiB each), and every chunk costs a new consumer a mapping
-    (0.1-0.2 ms each on the H200): a 4.4 GB model in one chunk was attached
-    by a fresh process in 2.4-2.7 ms, in five chunks in 3.2-3.4 ms
-    (docs/PERFORMANCE.md, 2026-12-02)."""
+    up to 2 GiB each), and every chunk costs a new consumer one more
+    mapping when it first attaches (``bench/first_attach.py`` measures
+    it)."""
     if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0):
         raise InvalidInput(
             f"cuda_ipc.torch.shareable: reserve is a number of bytes (0 or more), not {reserve!r}"

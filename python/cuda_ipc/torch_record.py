@@ -8,6 +8,11 @@ __all__ = ["is_record", "validate_record", "record_to_descriptor", "record_to_js
            "parse_storage_handle"]
 
 
+def __dir__():
+    # dir() shows the module's API, not its imports and helpers.
+    return sorted(__all__)
+
+
 def is_record(obj):
     """Whether ``obj`` is a share record (a dict with the ``torch_share`` key)."""
     return _core.is_record(obj)

@@ -55,3 +55,46 @@ class Surface(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ModulesShowTheirApi(unittest.TestCase):
+    """dir() of the package and of each public module lists its API: no
+    implementation modules, imports or helpers."""
+
+    def test_dir_is_the_api(self):
+        import cuda_ipc
+        from cuda_ipc import dtypes, errors, service, sets, torch
+
+        self.assertEqual(dir(cuda_ipc), sorted([*cuda_ipc.__all__, "torch", "__version__"]))
+        for module in (dtypes, errors, service, sets, torch):
+            with self.subTest(module=module.__name__):
+                self.assertEqual(dir(module), sorted(module.__all__))
+        for module in (cuda_ipc, dtypes, errors, service, sets, torch):
+            for name in module.__all__:
+                with self.subTest(module=module.__name__, name=name):
+                    self.assertTrue(hasattr(module, name), f"{module.__name__}.__all__ names {name}, which is missing")
+
+
+class TypedSurface(unittest.TestCase):
+    """The package is typed (py.typed), and _core.pyi is what
+    scripts/core_stub.py makes from the extension that is installed."""
+
+    def test_the_package_is_marked_typed(self):
+        import cuda_ipc
+
+        here = os.path.dirname(cuda_ipc.__file__)
+        self.assertTrue(os.path.isfile(os.path.join(here, "py.typed")), here)
+        self.assertTrue(os.path.isfile(os.path.join(here, "_core.pyi")), here)
+
+    def test_the_stub_is_the_extensions(self):
+        import importlib.util
+
+        script = os.path.join(_path.REPO, "scripts", "core_stub.py")
+        spec = importlib.util.spec_from_file_location("core_stub", script)
+        core_stub = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(core_stub)
+        with open(core_stub.STUB) as f:
+            committed = f.read()
+        self.assertEqual(committed, core_stub.stub(_core),
+                         "python/cuda_ipc/_core.pyi is out of date: run python scripts/core_stub.py "
+                         "with the extension installed")

@@ -15,10 +15,10 @@
 //! `CUDA_IPC_SPIN_US`) avoids it. The `haltpoll` driver of KVM guests
 //! polls for a while before halting.
 //!
-//! On the H200 machines lent to this project (2026-12-03) the processors
-//! are a KVM guest's with no cpuidle driver: the wake-up after 1 ms idle
-//! measured 0.02-0.14 ms depending on the machine, and holding a CPU
-//! latency request of 0 µs changed nothing (`docs/PERFORMANCE.md`).
+//! On the H200 machines the bench has run on, the processors are a KVM
+//! guest's with no cpuidle driver: the wake-up after 1 ms idle differed
+//! several times between machines of one kind, and holding a CPU latency
+//! request of 0 µs changed nothing.
 //!
 //! [`IdleStates::read`] reads all of it without privileges; nothing here
 //! changes a setting.

@@ -1,12 +1,10 @@
 //! `cuda-ipc`: share CUDA device memory between processes from the command
 //! line. A thin front over the `cuda-ipc` library.
 //!
-//! Exit codes (scripts rely on them):
-//! - 0: success;
-//! - 1: the data did not match what was expected;
-//! - 2: bad input or usage;
-//! - 3: no driver, no device, or the feature is unsupported here;
-//! - 4: another failure at run time (a driver or system call failed).
+//! Exit codes (scripts rely on them): [`EXIT_CODES`], printed by `--help`
+//! and tabled in README.md (a test keeps the three in agreement). Every
+//! error is one sentence on standard error after `cuda-ipc: error: `; with
+//! `--json`, the service clients also print it as JSON on standard output.
 
 use std::process::ExitCode;
 
@@ -20,9 +18,8 @@ mod out;
 /// mimalloc for this program and its bench workers (the same executable):
 /// the library leaves the allocator to the program. A set's record makes two
 /// small allocations per tensor to build, decode and check; with mimalloc
-/// the bench's 1,000-tensor set hand-off took 0.83-0.84 ms on the H200
-/// against 1.02-1.03 with glibc's malloc (docs/PERFORMANCE.md, "2026-12-02,
-/// evening (second)").
+/// the bench's 1,000-tensor set hand-off measured a fifth faster than with
+/// glibc's malloc.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -91,6 +88,34 @@ pub const EXIT_UNAVAILABLE: u8 = 3;
 /// Exit code for other run-time failures.
 pub const EXIT_FAILED: u8 = 4;
 
+/// Every exit code and what it means: the one table that `--help` prints
+/// and README.md shows.
+pub const EXIT_CODES: [(u8, &str); 5] = [
+    (0, "success"),
+    (
+        EXIT_MISMATCH,
+        "the data differs from what was expected (the message names the first difference)",
+    ),
+    (
+        EXIT_USAGE,
+        "bad input: an argument, a descriptor, a checkpoint path or a socket name (checked before the driver is loaded)",
+    ),
+    (
+        EXIT_UNAVAILABLE,
+        "not possible on this machine: no driver, no device, or a mechanism or program it lacks",
+    ),
+    (
+        EXIT_FAILED,
+        "failed at run time: nothing serves the socket, a peer went away, a driver or system call failed, or a second signal stopped a service",
+    ),
+];
+
+/// [`EXIT_CODES`] as the text under every `--help`.
+pub fn exit_codes_help() -> String {
+    let rows = EXIT_CODES.map(|(code, meaning)| format!("  {code}  {meaning}"));
+    format!("Exit codes:\n{}", rows.join("\n"))
+}
+
 /// The exit code for a library error.
 pub fn exit_code(e: &cuda_ipc::Error) -> u8 {
     match e.kind() {
@@ -120,6 +145,12 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     init_tracing();
+    let json = match &cli.command {
+        Command::Ls(a) | Command::Stats(a) => a.opts.json,
+        Command::Load(a) => a.opts.json,
+        Command::Drop(a) => a.opts.json,
+        _ => false,
+    };
     let result = match cli.command {
         Command::Info(a) => cmd::info::run(&a),
         Command::Demo(a) if a.stream => cmd::stream::run(&a),
@@ -151,8 +182,12 @@ fn main() -> ExitCode {
         Ok(Outcome::Mismatch) => ExitCode::from(EXIT_MISMATCH),
         Ok(Outcome::Exit(code)) => ExitCode::from(code),
         Err(e) => {
+            let code = exit_code(&e);
             out::report(&e);
-            ExitCode::from(exit_code(&e))
+            if json {
+                out::report_json(&e, code);
+            }
+            ExitCode::from(code)
         }
     }
 }
@@ -164,5 +199,36 @@ fn init_tracing() {
             .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
             .with_writer(std::io::stderr)
             .try_init();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{EXIT_CODES, exit_codes_help};
+
+    /// README.md's table of exit codes is [`EXIT_CODES`], word for word.
+    #[test]
+    fn the_readme_tables_the_exit_codes_of_the_code() {
+        let readme = include_str!("../../../README.md");
+        let rows: Vec<(u8, String)> = readme
+            .lines()
+            .skip_while(|l| !l.starts_with("| exit | meaning |"))
+            .skip(2)
+            .take_while(|l| l.starts_with('|'))
+            .map(|l| {
+                let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+                (cells[0].parse().expect("an exit code"), cells[1].to_owned())
+            })
+            .collect();
+        let want: Vec<(u8, String)> = EXIT_CODES.iter().map(|&(c, m)| (c, m.to_owned())).collect();
+        assert_eq!(rows, want, "README.md's exit codes differ from EXIT_CODES");
+    }
+
+    #[test]
+    fn the_help_text_lists_every_code_once() {
+        let text = exit_codes_help();
+        for (code, meaning) in EXIT_CODES {
+            assert_eq!(text.matches(&format!("  {code}  {meaning}")).count(), 1);
+        }
     }
 }

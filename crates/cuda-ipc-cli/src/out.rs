@@ -66,6 +66,14 @@ pub fn report(e: &Error) {
     ));
 }
 
+/// Prints an error as one JSON line on standard output, for a command
+/// given `--json`: `{"error": MESSAGE, "exit_code": CODE}` (the sentence on
+/// standard error is printed too).
+pub fn report_json(e: &Error, code: u8) {
+    let value = serde_json::json!({ "error": clip_words(&e.to_string()), "exit_code": code });
+    let _ = line(format_args!("{value}"));
+}
+
 /// `text` with every word (a run without spaces) longer than [`MAX_QUOTED`]
 /// cut short: a library error may quote a huge argument in full.
 fn clip_words(text: &str) -> String {
@@ -93,7 +101,10 @@ pub type OnlyWith = (&'static str, &'static str, &'static str);
 /// `only_with` given without the option it needs is a usage error.
 pub fn parse_args<P: clap::Parser>(only_with: &[OnlyWith]) -> Result<P, ExitCode> {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    let mut cmd = P::command();
+    let help = crate::exit_codes_help();
+    let mut cmd = P::command()
+        .after_help(help.clone())
+        .mut_subcommands(|sub| sub.after_help(help.clone()));
     let parsed = cmd
         .try_get_matches_from_mut(std::env::args_os())
         .and_then(|m| {
@@ -133,7 +144,8 @@ pub fn parse_args<P: clap::Parser>(only_with: &[OnlyWith]) -> Result<P, ExitCode
     for (kind, value) in clipped {
         err.insert(kind, value);
     }
-    to_stderr(&err.render().to_string());
+    // clap's own `error: ...`, under the prefix of every other error.
+    to_stderr(&format!("cuda-ipc: {}", err.render()));
     Err(ExitCode::from(crate::EXIT_USAGE))
 }
 

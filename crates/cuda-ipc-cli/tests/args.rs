@@ -165,10 +165,10 @@ fn sync_modes_agree_in_help_and_errors() {
     for mode in ["auto", "event", "fence", "host-fence"] {
         assert!(help.contains(mode), "attach --help lacks {mode}: {help}");
     }
-    let readme = include_str!("../../../README.md");
+    let commands = include_str!("../../../docs/CLI.md");
     assert!(
-        readme.contains("--sync auto\\|event\\|fence\\|host-fence"),
-        "README.md's attach row lists every --sync mode"
+        commands.contains("--sync auto\\|event\\|fence\\|host-fence"),
+        "docs/CLI.md's attach row lists every --sync mode"
     );
 }
 

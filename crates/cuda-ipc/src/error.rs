@@ -62,13 +62,9 @@ pub enum ErrorKind {
 #[non_exhaustive]
 pub enum Error {
     /// `libcuda.so.1` could not be loaded.
-    #[error(
-        "the CUDA driver library (libcuda.so.1) could not be loaded: {reason}. \
-         Install the NVIDIA driver and check that `nvidia-smi` works; if it does, \
-         make libcuda.so.1 findable (`ldconfig -p | grep libcuda`, or LD_LIBRARY_PATH)"
-    )]
+    #[error("the CUDA driver library (libcuda.so.1) could not be loaded: {reason}")]
     DriverNotFound {
-        /// Why loading failed.
+        /// Why loading failed, and what to do about it.
         reason: String,
     },
 

@@ -1,4 +1,4 @@
-//! The PyTorch examples without a GPU: an error is one line on standard
+//! The examples without a GPU: an error is one line on standard
 //! error (the `Display` message, never Rust's `Debug` form) and a nonzero
 //! exit code that says what kind of error it was (2 bad input, 3 no driver).
 //!
@@ -96,4 +96,29 @@ fn torch_consumer_errors_are_one_line_with_an_exit_code() {
     assert_one_line(&o, who, 2, "expected");
     let o = run(&exe, &[], r#"{"cuda_ipc":1}"#);
     assert_one_line(&o, who, 2, "mechanism");
+}
+
+/// The numbered examples (`01-share-buffer` ...) without a driver: one line
+/// naming the example and the missing driver, exit 3, at once.
+#[test]
+fn numbered_examples_say_why_without_a_driver() {
+    for name in [
+        "01-share-buffer",
+        "02-channel",
+        "03-weight-set",
+        "04-ring",
+        "05-service",
+    ] {
+        let Some(exe) = example(name) else {
+            continue;
+        };
+        let started = std::time::Instant::now();
+        let o = run(&exe, &[], "");
+        assert_one_line(&o, name, 3, "CUDA_IPC_DISABLE_DRIVER is set");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(2),
+            "{name} took {:?} to say it has no driver",
+            started.elapsed()
+        );
+    }
 }

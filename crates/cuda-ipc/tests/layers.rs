@@ -311,7 +311,7 @@ fn the_core_has_no_import_circle() {
 }
 
 /// The core's top-level modules and folders, lowest layer first, as the
-/// crate docs and the README list them: each imports only modules before it.
+/// crate docs and docs/GUIDE.md list them: each imports only modules before it.
 const CORE_ORDER: [&str; 23] = [
     "error",
     "units",

@@ -33,7 +33,8 @@ pub fn quotas(args: &ServeArgs) -> Result<Quotas, Error> {
 }
 
 /// Sets a flag on SIGTERM and SIGINT, so that the service stops cleanly; a
-/// second one, while it stops, ends the process at once (exit 1).
+/// second one, while it stops, ends the process at once (exit 4, as any
+/// run-time failure: readers may still have held leases).
 fn stop_flag() -> Result<Arc<AtomicBool>, Error> {
     let flag = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
@@ -42,8 +43,12 @@ fn stop_flag() -> Result<Arc<AtomicBool>, Error> {
             source: e,
         };
         // The exit first: it checks the flag before the second handler sets it.
-        signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&flag))
-            .map_err(io)?;
+        signal_hook::flag::register_conditional_shutdown(
+            signal,
+            i32::from(crate::EXIT_FAILED),
+            Arc::clone(&flag),
+        )
+        .map_err(io)?;
         signal_hook::flag::register(signal, Arc::clone(&flag)).map_err(io)?;
     }
     Ok(flag)

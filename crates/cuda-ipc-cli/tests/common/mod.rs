@@ -70,6 +70,11 @@ pub fn assert_error(args: &[&str], o: &Output, exit: i32, why: &str) {
     let e = stderr(o);
     assert_eq!(code(o), exit, "{args:?}: {e}");
     assert!(e.contains(why), "{args:?}: expected {why:?} in {e}");
+    // One style for every error, the parser's included.
+    assert!(
+        e.starts_with("cuda-ipc: error: "),
+        "{args:?}: the error does not start with `cuda-ipc: error: `: {e}"
+    );
     assert!(e.len() < 1200, "{args:?}: {} bytes of error: {e}", e.len());
 }
 

@@ -52,7 +52,9 @@ pub fn load() -> Result<DriverVersion> {
     }
     if std::env::var_os(DISABLE_ENV).is_some() {
         return Err(Error::DriverNotFound {
-            reason: format!("{DISABLE_ENV} is set"),
+            reason: format!(
+                "{DISABLE_ENV} is set, so the driver is not used; unset it to use the GPU"
+            ),
         });
     }
     // SAFETY: loading the library runs its initialisers; libcuda is made to be loaded this way.
@@ -67,7 +69,8 @@ pub fn load() -> Result<DriverVersion> {
         if !found {
             return Err(Error::DriverNotFound {
                 reason: format!(
-                    "the loaded libcuda lacks {symbol}; the driver is older than CUDA {REQUIRED} or damaged"
+                    "the loaded libcuda lacks {symbol}; the driver is older than CUDA {REQUIRED} or damaged: \
+                     install an NVIDIA driver for CUDA {REQUIRED} or newer (R580+)"
                 ),
             });
         }
@@ -124,7 +127,9 @@ fn why_not_loaded() -> Error {
     }
     Error::DriverNotFound {
         reason: "no library named libcuda.so.1 (or libcuda.so) was found on the loader path \
-                 (LD_LIBRARY_PATH, /etc/ld.so.cache, the system library directories)"
+                 (LD_LIBRARY_PATH, /etc/ld.so.cache, the system library directories). Install the \
+                 NVIDIA driver and check that `nvidia-smi` works; if it does, make libcuda.so.1 \
+                 findable (`ldconfig -p | grep libcuda`, or LD_LIBRARY_PATH)"
             .into(),
     }
 }
