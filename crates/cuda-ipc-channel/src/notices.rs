@@ -48,12 +48,11 @@
 //! and to get their answers through the server's when they carry no
 //! descriptors: a request then costs two writes to shared memory and no
 //! system call while both ends spin, where the socket costs at least four
-//! (`handoff_latency` on the H200's host at 4a4285b, 2026-12-02: a ping on
-//! the socket took 10.7 µs with the server's reader spinning, and an
+//! (`handoff_latency` on an H200 host: a ping took 10.7 µs on the socket
+//! with the server's reader spinning and 3.4 µs through the rings; an
 //! update one way 5.1 µs on the socket against 1.5 µs through the ring;
-//! at 808b9c2 the ping took 3.4 µs through the rings. The bench's fresh
-//! hand-off, between processes that wake up for it, did not gain:
-//! docs/PERFORMANCE.md, 2026-12-02, midday).
+//! the bench's fresh hand-off, between processes that wake up for it, did
+//! not gain).
 //! The order rule
 //! runs the other way too: a request's record carries the count of socket
 //! messages the client sent before it, and the server takes it only once

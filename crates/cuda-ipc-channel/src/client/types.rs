@@ -42,7 +42,7 @@ pub struct ClientConfig {
     /// wake-up, at the cost of that many timer wake-ups a second while it
     /// waits (on one H200 machine a 50 µs tick shortened the bare wake-up
     /// after 1 ms idle by about a third and cost 7.8 % of a processor, and
-    /// the update rows did not move: `docs/PERFORMANCE.md`).
+    /// the bench's update rows did not move).
     /// Only notices through shared memory ([`NoticePath::Shm`]) tick. The
     /// environment variable [`IDLE_TICK_ENV`] sets the default.
     pub idle_tick: Option<Duration>,

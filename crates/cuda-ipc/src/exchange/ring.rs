@@ -272,7 +272,7 @@ impl Subscriber {
         // device wait queued as soon as a notice comes, before the
         // producer's kernel is done, makes a shared GPU switch contexts).
         // Under MPS, where no switch is at stake, spinning every reader
-        // measured no gain on the H200 (docs/PERFORMANCE.md, 2026-12-02).
+        // measured no gain on the H200.
         let f = if ring.spins() {
             self.client.next_frame_spinning(ring.lease, timeout)?
         } else {

@@ -14,7 +14,7 @@
 //! producer up past their share are skipped, then evicted).
 //!
 //! ```text
-//! cargo run --release -p cuda-ipc-channel --example hostile_peers
+//! cargo bench -p cuda-ipc-channel --bench hostile_peers
 //! ```
 //!
 //! The server runs in a child process with the default configuration. Run

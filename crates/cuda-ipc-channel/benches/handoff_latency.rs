@@ -41,8 +41,8 @@
 //! sleeps per operation (voluntary context switches, `getrusage`): each
 //! is a thread wake-up on the path, or a spin that gave up.
 //!
-//! Run with `cargo run --release -p cuda-ipc-channel --example
-//! handoff_latency [iterations per batch] [batches] [rows] [configurations]`,
+//! Run with `cargo bench -p cuda-ipc-channel --bench handoff_latency --
+//! [iterations per batch] [batches] [rows] [configurations]`,
 //! `rows` a piece of the names of the rows to measure and `configurations`
 //! of the configurations' (all by default). The
 //! configurations take turns batch by batch; compare them within one run.
@@ -464,7 +464,8 @@ fn report(what: &str, setup: Setup, batches: &mut [Batch]) {
 }
 
 fn main() -> Result<(), ChannelError> {
-    let mut args = std::env::args().skip(1);
+    // `cargo bench` passes `--bench`.
+    let mut args = std::env::args().skip(1).filter(|a| a != "--bench");
     let n: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(2_000);
     let batches: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(5);
     let only = args.next();
