@@ -179,12 +179,6 @@ pub(crate) struct TorchExchange {
     version: (u32, u32),
 }
 
-// SAFETY: the producer's functions are plain C functions, called with the
-// GIL held only.
-unsafe impl Send for TorchExchange {}
-// SAFETY: as for Send; nothing in it is mutated after `new`.
-unsafe impl Sync for TorchExchange {}
-
 /// An error of a capsule that is not an exchange API this module reads.
 fn refused(py: Python<'_>, reason: String) -> PyErr {
     crate::errors::to_py(
