@@ -91,6 +91,12 @@ step_info() {
   check "info" 0 "$cli" info
   "$cli" info --json >"$logs/info.json" 2>&1
   cat "$logs/info.log" 2>/dev/null
+  # Its probe child alone may take our file descriptors (PR_SET_PTRACER pid).
+  check "info: the probe child opens the vmm and pool exports" 0 python3 -c '
+import json, sys
+probes = json.load(open(sys.argv[1]))["devices"][0]["probes"]
+bad = {m: probes.get(m) for m in ("vmm", "pool") if not (probes.get(m) or {}).get("works")}
+sys.exit("not working: %s" % bad if bad else 0)' "$logs/info.json"
   check "info without a driver exits 3" 3 env CUDA_IPC_DISABLE_DRIVER=1 "$cli" info
 }
 

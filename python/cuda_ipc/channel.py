@@ -492,15 +492,26 @@ class Subscriber(_Owner):
         """``(count, bytes)`` of the arena chunks kept mapped."""
         return self._c.cached_mappings()
 
-    def sleep(self):
+    def sleep(self, *, unchecked=False):
         """Unmaps everything this subscriber holds, keeping the addresses
         (reserved, so nothing else lands there) and the leases; waits first
         for every stream of the device (PyTorch's too). Until :meth:`wake`,
-        its tensors point at unmapped memory: a kernel that touches them
-        faults, and an attach that would hand out sleeping memory raises.
-        VMM memory only (legacy or pool mappings: ``Unsupported``, nothing
-        unmapped). Returns ``(mappings, bytes)`` put to sleep."""
-        return self._c.sleep()
+        an attach that would hand out sleeping memory raises. VMM memory
+        only (legacy or pool mappings: ``Unsupported``, nothing unmapped).
+        Returns ``(mappings, bytes)`` put to sleep.
+
+        A kernel or copy on sleeping memory faults and poisons this
+        process's CUDA context, so the sleep is refused
+        (:class:`cuda_ipc.InvalidInput`, nothing unmapped) while tensors,
+        state dicts, attachments, views or rings of this subscriber are
+        alive: release them first (the chunks of released sets stay mapped
+        for reuse; they sleep, and an attach after :meth:`wake` finds them
+        at the same addresses). ``unchecked=True`` sleeps although they are
+        alive, to keep them (and CUDA graphs captured over them) across the
+        sleep at the same addresses: the caller then promises that nothing
+        touches them (no kernel, copy or graph replay, on any thread) until
+        :meth:`wake` returns."""
+        return self._c.sleep(unchecked=bool(unchecked))
 
     def wake(self):
         """Maps everything :meth:`sleep` unmapped again at the same

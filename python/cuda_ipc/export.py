@@ -7,7 +7,7 @@ import warnings
 
 from . import _core
 from . import dtypes as _dtypes
-from .errors import CudaIpcError
+from .errors import CudaIpcError, Unsupported
 from .mapping import _cupy, _torch
 from .torch_record import parse_storage_handle, validate_record
 
@@ -154,11 +154,17 @@ def export_torch(tensor, *, stream=None, allow_fd=True):
     The Rust exporter picks the mechanism from the memory: a legacy handle
     for PyTorch's default allocator (``cudaMalloc`` blocks), vmm for
     ``expandable_segments:True`` (a file descriptor consumers take with
-    ``pidfd_getfd``; this process allows it). A tensor spanning several
-    expandable segments gives a PyTorch share record instead (``kind ==
-    "torch_share"``, with a warning). An interprocess event is recorded on
-    ``stream`` (default: the current stream) and goes into the descriptor.
-    ``allow_fd`` is kept for compatibility.
+    ``pidfd_getfd``). A tensor spanning several expandable segments gives a
+    PyTorch share record instead (``kind == "torch_share"``, with a
+    warning). An interprocess event is recorded on ``stream`` (default: the
+    current stream) and goes into the descriptor.
+
+    ``allow_fd`` (default ``True``): whether memory shared by file
+    descriptors (expandable segments, a shareable pool) may be exported. To
+    let consumers take the descriptors, this process then names every
+    process of its user as an allowed tracer (``PR_SET_PTRACER_ANY``, where
+    Yama restricts ptrace). With ``allow_fd=False`` such a tensor raises
+    :class:`cuda_ipc.Unsupported` and ptrace is left as it is.
     """
     torch = _require_torch_cuda(tensor)
     t = tensor.detach()
@@ -168,7 +174,7 @@ def export_torch(tensor, *, stream=None, allow_fd=True):
     event, ev_handle = _event_torch(torch, dev, stream)
     try:
         exported = _core.export_memory(t.data_ptr(), name, list(t.shape), list(t.stride()),
-                                       device=dev.index, event=ev_handle)
+                                       device=dev.index, event=ev_handle, allow_fd=bool(allow_fd))
     except CudaIpcError as first:
         shared = _several_segments(t, ev_handle, allow_fd)
         if shared is None:
@@ -195,6 +201,13 @@ def _several_segments(t, ev_handle, allow_fd):
         return None
     if storage["type"] != "e" or len(storage["handles"]) < 2:
         return None
+    if storage["kind"] == "fd" and not allow_fd:
+        raise Unsupported(
+            f"the tensor lies in an expandable segment shared as {len(storage['handles'])} "
+            "allocations by file descriptors, which consumers take from this process with "
+            "pidfd_getfd; pass allow_fd=True to let every process of this user do that (it may "
+            "then ptrace this process: PR_SET_PTRACER_ANY)"
+        )
     warnings.warn(
         f"the tensor lies in an expandable segment shared as {len(storage['handles'])} "
         "allocations, which one cuda-ipc descriptor cannot describe; returning a PyTorch "
@@ -203,17 +216,19 @@ def _several_segments(t, ev_handle, allow_fd):
         UserWarning,
         stacklevel=3,
     )
-    if storage["kind"] == "fd" and allow_fd:
+    if storage["kind"] == "fd":
         _core.allow_fd_fetching()
     return t2, record
 
 
-def export_cupy(array, *, stream=None):
+def export_cupy(array, *, stream=None, allow_fd=True):
     """Exports a CuPy array; returns an :class:`Export` that holds the array
     and the event. CuPy's default pool (``cudaMalloc`` chunks) gives a legacy
     descriptor at the array's offset in its chunk. Negative strides are
     refused. An interprocess event is recorded on ``stream`` (default: the
-    current stream) and goes into the descriptor."""
+    current stream) and goes into the descriptor. ``allow_fd``: as for
+    :func:`export_torch` (memory of a shareable pool is shared by a file
+    descriptor)."""
     cupy = _cupy()
     if not isinstance(array, cupy.ndarray):
         raise TypeError(f"expected a cupy.ndarray, got {type(array).__name__}")
@@ -237,5 +252,5 @@ def export_cupy(array, *, stream=None):
         event.record(s)
         ev_handle = bytes(cupy.cuda.runtime.ipcGetEventHandle(event.ptr))
     exported = _core.export_memory(int(array.data.ptr), dt.name, [int(x) for x in array.shape], strides,
-                                   device=ordinal, event=ev_handle)
+                                   device=ordinal, event=ev_handle, allow_fd=bool(allow_fd))
     return Export("descriptor", exported.descriptor, keep=array, event=event, exported=exported)

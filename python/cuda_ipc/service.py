@@ -133,10 +133,11 @@ class Reader:
         ``wait_update()`` on it returns when a writer commits a new one."""
         return self.subscriber.attach_state_dict(_name("set", set), read_only=True)
 
-    def sleep(self):
+    def sleep(self, *, unchecked=False):
         """Unmaps everything, keeping the addresses (see
-        :meth:`cuda_ipc.Subscriber.sleep`)."""
-        return self.subscriber.sleep()
+        :meth:`cuda_ipc.Subscriber.sleep`: refused while its state dicts
+        or tensors are alive, unless ``unchecked``)."""
+        return self.subscriber.sleep(unchecked=unchecked)
 
     def wake(self):
         """Maps everything again at the same addresses."""

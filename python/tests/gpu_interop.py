@@ -242,6 +242,10 @@ class Runner(gpu_mechanisms.MechanismCases, gpu_channel.ChannelCases, gpu_sets.S
         out.append(("expandable torch 1 MiB (one segment) -> python", lambda: self.expandable(256 * 1024, "python")))
         out.append(("expandable torch 48 MiB (several segments) -> python",
                     lambda: self.expandable(12 * MIB, "python")))
+        out.append(("expandable torch 1 MiB, allow_fd=False: refused",
+                    lambda: self.expandable_without_fd(256 * 1024)))
+        out.append(("expandable torch 48 MiB, allow_fd=False: refused",
+                    lambda: self.expandable_without_fd(12 * MIB)))
         out.append(("memory torch 256 MiB released", lambda: self.memory("torch")))
         out.append(("memory cupy 256 MiB released", lambda: self.memory("cupy")))
         for mech in ("legacy", "vmm", "pool"):

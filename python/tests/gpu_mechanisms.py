@@ -339,6 +339,18 @@ class MechanismOps:
     def op_open_own(self, case):
         return self.op_open_expect_error(self.state[case]["export"].descriptor)
 
+    def op_export_without_fd(self, elems):
+        """Exports a fresh float32 tensor of `elems` with allow_fd=False and
+        expects it refused (this worker's tensors lie in expandable
+        segments, shared by file descriptors)."""
+        t = self.torch.zeros((elems,), dtype=self.torch.float32, device="cuda")
+        try:
+            e = self.ci.export_torch(t, allow_fd=False)
+        except self.ci.CudaIpcError as err:
+            return {"error": f"{type(err).__name__}: {err}", "unsupported": isinstance(err, self.ci.Unsupported)}
+        e.close()
+        raise AssertionError(f"exported as {e.kind} although allow_fd=False")
+
 
 def _consume_values_n(self, descriptor, elems):
     """consume_values for a flat float32 tensor of `elems` (whole1d of a
@@ -462,6 +474,15 @@ class MechanismCases:
         e.call("release", case=case)
         kind = exp["kind"] if exp["kind"] != "descriptor" else d["mechanism"]
         return f"{kind}, {elems * 4 / MIB:.1f} MiB"
+
+    def expandable_without_fd(self, elems):
+        """allow_fd=False: a tensor in expandable segments is refused, with
+        a message that names the flag (and nothing is shared)."""
+        self.need("e", "torch")
+        r = self.w("e").call("export_without_fd", elems=elems)
+        if not r["unsupported"] or "allow_fd=True" not in r["error"]:
+            raise CaseError(f"expected Unsupported naming allow_fd=True, got {r['error']}")
+        return r["error"][:120]
 
     # --- memory ---------------------------------------------------------------
 

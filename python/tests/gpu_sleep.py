@@ -1,8 +1,11 @@
-"""GPU check of sleep and wake from Python (issue 26): a reader attaches a
-state dict, captures a CUDA graph that reads the tensors, sleeps (every
-mapping unmapped, addresses and leases kept), is refused a new attach while
-asleep, wakes, and replays the graph: the tensors have the same addresses
-and the graph reads what the publisher wrote while the reader slept.
+"""GPU check of sleep and wake from Python: a reader attaches a state dict,
+captures a CUDA graph that reads the tensors, is refused a sleep while the
+tensors are alive, sleeps with ``unchecked=True`` (every mapping unmapped,
+addresses and leases kept), is refused a new attach while asleep, wakes,
+and replays the graph: the tensors have the same addresses and the graph
+reads what the publisher wrote while the reader slept. Then it releases
+the state dict and sleeps without ``unchecked`` (the cached chunks), and a
+state dict attached after the wake has the same addresses.
 
     python3 gpu_sleep.py [--mib 64]
 
@@ -55,11 +58,27 @@ def reader_main(path):
         req = json.loads(line)
         op = req["op"]
         try:
-            if op == "sleep":
+            if op in ("sleep", "sleep_unchecked"):
                 t = time.monotonic()
-                mappings, nbytes = sub.sleep()
+                try:
+                    mappings, nbytes = sub.sleep(unchecked=op == "sleep_unchecked")
+                except cuda_ipc.CudaIpcError as e:
+                    send({"refused": True, "error": str(e), "type": type(e).__name__,
+                          "asleep": sub.asleep, "sums": [sd[k].sum(dtype=torch.float64).item() for k in KEYS]})
+                    continue
                 send({"mappings": mappings, "bytes": nbytes, "asleep": sub.asleep,
                       "ms": (time.monotonic() - t) * 1e3})
+            elif op == "wake_only":
+                mappings, nbytes = sub.wake()
+                send({"mappings": mappings, "asleep": sub.asleep})
+            elif op == "release":
+                sd.release()
+                del sd
+                send({"released": True})
+            elif op == "attach_new":
+                sd = sub.attach_state_dict(NAME)
+                send({"ptrs": [sd[k].data_ptr() for k in KEYS],
+                      "sums": [sd[k].sum(dtype=torch.float64).item() for k in KEYS]})
             elif op == "attach_again":
                 try:
                     sub.attach_state_dict(NAME)
@@ -138,9 +157,13 @@ def main():
         first = ask(None)
         c.check(first.get("graph_out") == 2.0 and first["sums"] == [float(n)] * 3,
                 "the reader's graph and sums read the published values", first)
-        slept = ask("sleep")
+        refused = ask("sleep")
+        c.check(refused.get("refused") and refused.get("type") == "InvalidInput" and not refused["asleep"]
+                and refused.get("sums") == [float(n)] * 3,
+                "a sleep is refused while the tensors are alive, and they still read", refused)
+        slept = ask("sleep_unchecked")
         c.check("error" not in slept and slept["asleep"] and slept["mappings"] >= 1
-                and slept["bytes"] >= 3 * n * 4, "sleep unmaps every chunk", slept)
+                and slept["bytes"] >= 3 * n * 4, "sleep(unchecked=True) unmaps every chunk", slept)
         again = ask("attach_again")
         c.check(again.get("attached") is False and "wake()" in again.get("error", ""),
                 "an attach while asleep is refused, naming wake()", again)
@@ -156,6 +179,19 @@ def main():
         c.check(woke.get("graph_out") == 6.0 and woke.get("graph_all"),
                 "the graph captured before the sleep reads the new values after the wake", woke)
         c.check(woke.get("sums") == [3.0 * n] * 3, "every tensor holds what the publisher wrote meanwhile", woke)
+        c.check(ask("release").get("released"), "the state dict is released")
+        cached = ask("sleep")
+        c.check("error" not in cached and cached["asleep"] and cached["mappings"] >= 1,
+                "with no tensor left, a sleep without unchecked unmaps the cached chunks", cached)
+        for k in KEYS:
+            published[k].fill_(5.0)
+        torch.cuda.synchronize()
+        woke_cached = ask("wake_only")
+        c.check(woke_cached.get("mappings") == cached.get("mappings") and not woke_cached.get("asleep"),
+                "the cached chunks wake", woke_cached)
+        fresh = ask("attach_new")
+        c.check(fresh.get("ptrs") == first["ptrs"] and fresh.get("sums") == [5.0 * n] * 3,
+                "a state dict attached after the wake has the same addresses and the new values", fresh)
         print("wake of %.1f MiB in %.3f ms (sleep %.3f ms)" % (woke.get("bytes", 0) / 2**20, woke.get("ms", -1),
                                                            slept.get("ms", -1)))
     except Exception as e:

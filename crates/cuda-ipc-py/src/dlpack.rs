@@ -202,18 +202,22 @@ fn owned_capsule(
     Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
 }
 
+#[cfg(feature = "test-hooks")]
 /// Capsules made by [`probe`] whose tensor was freed.
 static PROBES_FREED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+#[cfg(feature = "test-hooks")]
 /// Counts its drop in [`PROBES_FREED`].
 struct Probe;
 
+#[cfg(feature = "test-hooks")]
 impl Drop for Probe {
     fn drop(&mut self) {
         PROBES_FREED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
+#[cfg(feature = "test-hooks")]
 /// For the package's tests (no GPU needed): a `dltensor` capsule over no
 /// memory (a null address, shape `(0,)`) made and destroyed exactly as the
 /// capsules of mapped memory are, whose tensor counts its free in
@@ -232,6 +236,7 @@ fn probe(py: Python<'_>) -> PyResult<Py<PyAny>> {
     )
 }
 
+#[cfg(feature = "test-hooks")]
 /// How many capsules of `_dlpack_probe()` had their tensor freed.
 #[pyfunction]
 #[pyo3(name = "_dlpack_probes_freed")]
@@ -239,6 +244,7 @@ fn probes_freed() -> usize {
     PROBES_FREED.load(std::sync::atomic::Ordering::SeqCst)
 }
 
+#[cfg(feature = "test-hooks")]
 /// For the package's tests: makes a probe capsule (renamed
 /// "used_dltensor" first when `consumed`, as a consumer does), sets an
 /// exception, lets the capsule go with the exception in flight, and says
@@ -262,6 +268,8 @@ fn probe_dropped_in_flight(py: Python<'_>, consumed: bool) -> PyResult<bool> {
     }
 }
 
+/// Registers the test hooks (builds with the `test-hooks` feature only).
+#[cfg(feature = "test-hooks")]
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(probe, m)?)?;
     m.add_function(wrap_pyfunction!(probe_dropped_in_flight, m)?)?;

@@ -119,8 +119,14 @@ impl Exported {
 /// elements (`None`: contiguous row-major); `event`, the 64-byte handle of
 /// an interprocess event recorded after the writes, goes into the
 /// descriptor for consumers to wait on.
+///
+/// Memory shared by a file descriptor (vmm, pool) is exported only with
+/// `allow_fd`, which lets every process of this user take it with
+/// `pidfd_getfd` (and ptrace this process: `PR_SET_PTRACER_ANY`); without
+/// it such memory is refused (`Unsupported`) and ptrace is left as it is.
 #[pyfunction]
-#[pyo3(signature = (ptr, dtype, shape, strides=None, *, device=crate::args::Ordinal(0), event=None))]
+#[pyo3(signature = (ptr, dtype, shape, strides=None, *, device=crate::args::Ordinal(0), event=None, allow_fd=false))]
+#[allow(clippy::too_many_arguments)]
 fn export_memory(
     py: Python<'_>,
     ptr: u64,
@@ -129,6 +135,7 @@ fn export_memory(
     strides: Option<Vec<i64>>,
     device: crate::args::Ordinal,
     event: Option<&[u8]>,
+    allow_fd: bool,
 ) -> PyResult<Exported> {
     let event = event
         .map(cuda_ipc::IpcEventHandle::from_bytes)
@@ -158,7 +165,22 @@ fn export_memory(
         .detach(|| -> Result<_> {
             let dev = crate::mapping::device(device.0)?;
             let mut e = cuda_ipc::share::export_pointer(&dev, ptr, len, dt)?;
-            if e.descriptor.mechanism().uses_fd() {
+            let mechanism = e.descriptor.mechanism();
+            if mechanism.uses_fd() {
+                if !allow_fd {
+                    // `e` and its descriptors close here: nothing was shared.
+                    return Err(Error::Unsupported {
+                        what: "exporting memory without file descriptors (allow_fd=False)",
+                        why: format!(
+                            "this memory is shared by a file descriptor ({mechanism}: PyTorch's \
+                             expandable segments, a shareable pool), which consumers take from \
+                             this process with pidfd_getfd; pass allow_fd=True to let every \
+                             process of this user do that (it may then ptrace this process: \
+                             PR_SET_PTRACER_ANY), or allocate it with PyTorch's default \
+                             allocator or CuPy's default pool (a legacy handle)"
+                        ),
+                    });
+                }
                 cuda_ipc::share::allow_fd_fetching()?;
             }
             e.descriptor.shape = Some(shape);

@@ -52,6 +52,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sets::register(m)?;
     runs::register(m)?;
     alloc::register(m)?;
+    #[cfg(feature = "test-hooks")]
     dlpack::register(m)?;
     torch_c::register(m)?;
     state_dict::register(m)?;

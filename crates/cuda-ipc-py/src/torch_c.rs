@@ -179,12 +179,6 @@ pub(crate) struct TorchExchange {
     version: (u32, u32),
 }
 
-// SAFETY: the producer's functions are plain C functions, called with the
-// GIL held only.
-unsafe impl Send for TorchExchange {}
-// SAFETY: as for Send; nothing in it is mutated after `new`.
-unsafe impl Sync for TorchExchange {}
-
 /// An error of a capsule that is not an exchange API this module reads.
 fn refused(py: Python<'_>, reason: String) -> PyErr {
     crate::errors::to_py(
@@ -279,8 +273,10 @@ impl TorchExchange {
 
     /// Makes a tensor over `ptr` (CUDA device `ordinal`, elements of
     /// `dtype`, a descriptor name, with `shape` and `strides`) that holds
-    /// nothing but a counted token (see `probe_owners`): for the tests of
-    /// the ownership rules with a stand-in API.
+    /// nothing but a counted token (see `torch_c_owners`): for the tests of
+    /// the ownership rules with a stand-in API. Only in builds with the
+    /// `test-hooks` feature: nothing keeps the memory at `ptr` alive.
+    #[cfg(feature = "test-hooks")]
     #[allow(clippy::needless_pass_by_value)]
     fn probe_make(
         &self,

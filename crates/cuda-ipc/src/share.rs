@@ -378,9 +378,45 @@ pub fn export_pointer(device: &Device, ptr: u64, len: u64, dtype: Dtype) -> Resu
 /// default), by naming any process as an allowed tracer
 /// (`PR_SET_PTRACER_ANY`). This widens who may ptrace this process to every
 /// process of the same user, so the command-line `export` calls it only for
-/// fd mechanisms; programs should prefer the channel.
+/// fd mechanisms; programs should prefer the channel, and a process whose
+/// consumer is a child of its own [`allow_fd_fetching_by`].
 pub fn allow_fd_fetching() -> Result<()> {
-    match rustix::process::set_ptracer(rustix::process::PTracer::Any) {
+    set_ptracer(rustix::process::PTracer::Any)
+}
+
+/// Lets process `pid` alone take file descriptors from this one with
+/// `pidfd_getfd` where `kernel.yama.ptrace_scope` is 1, by naming it as this
+/// process's allowed tracer (`PR_SET_PTRACER pid`), until the returned
+/// value drops: then no process is named any more (`PR_SET_PTRACER 0`).
+/// For a process that hands descriptors to a child of its own (the
+/// command line's `info` and `demo`) without letting every process of its
+/// user ptrace it, as [`allow_fd_fetching`] does. Yama keeps one tracer per
+/// process: this replaces an earlier [`allow_fd_fetching`], and the drop
+/// does not bring it back.
+pub fn allow_fd_fetching_by(pid: u32) -> Result<FdFetcher> {
+    let p = rustix::process::Pid::from_raw(pid as i32)
+        .ok_or_else(|| Error::arg("pid", format!("{pid} is not a process id")))?;
+    set_ptracer(rustix::process::PTracer::ProcessID(p))?;
+    Ok(FdFetcher { _pid: pid })
+}
+
+/// The one process [`allow_fd_fetching_by`] lets take file descriptors
+/// from this one; dropping it names no process any more.
+#[derive(Debug)]
+#[must_use = "dropping it takes the permission back at once"]
+pub struct FdFetcher {
+    _pid: u32,
+}
+
+impl Drop for FdFetcher {
+    fn drop(&mut self) {
+        // An error leaves the one process named, no wider than before.
+        let _ = set_ptracer(rustix::process::PTracer::None);
+    }
+}
+
+fn set_ptracer(who: rustix::process::PTracer) -> Result<()> {
+    match rustix::process::set_ptracer(who) {
         // EINVAL: the kernel has no Yama, so the classic rule (same user) applies.
         Ok(()) | Err(rustix::io::Errno::INVAL) => Ok(()),
         Err(e) => Err(Error::io(

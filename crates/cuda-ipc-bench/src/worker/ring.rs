@@ -73,7 +73,7 @@ impl RingTally {
     }
 
     /// Counts `frame`, synchronised and seen at `t` (CLOCK_MONOTONIC ns).
-    pub(crate) fn record(&mut self, frame: &RingFrame<'_, u32>, t: u64) -> Result<(), Error> {
+    pub(crate) fn record(&mut self, frame: &RingFrame<u32>, t: u64) -> Result<(), Error> {
         let is_paced = frame.notice.get("p").and_then(Value::as_u64) == Some(1);
         let t_pub = frame
             .notice
@@ -97,7 +97,7 @@ impl RingTally {
         self.frames += 1;
         if is_paced || (self.frames - 1).is_multiple_of(self.verify_every) {
             self.checked += 1;
-            if let Some(m) = verify(frame.buffer, Pattern::ramp(frame.seq as u32, 1))? {
+            if let Some(m) = verify(&frame.buffer, Pattern::ramp(frame.seq as u32, 1))? {
                 self.bad += 1;
                 self.first_bad
                     .get_or_insert(format!("frame {}: {m}", frame.seq));

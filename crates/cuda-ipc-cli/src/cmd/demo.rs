@@ -131,9 +131,6 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
     );
 
     let t = Instant::now();
-    if mechanism.uses_fd() {
-        share::allow_fd_fetching()?;
-    }
     let mut export = buffer.export_region(0, args.size, Dtype::U32, Some(vec![words]))?;
     export.descriptor.event = Some(ready.handle()?);
     steps.add(
@@ -156,6 +153,11 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         &["__demo-consumer", "--device", &device_arg],
         Stdio::piped(),
     )?;
+    // The consumer takes an fd export from us with pidfd_getfd: it alone
+    // may (if this fails, the consumer's error says why it could not).
+    let fetcher = mechanism
+        .uses_fd()
+        .then(|| share::allow_fd_fetching_by(child.id()));
     let mut to_child = child.stdin.take().expect("piped");
     let from_child = LineReader::new(child.stdout.take().expect("piped"), "consumer process");
     let outcome = talk_to_consumer(
@@ -172,6 +174,7 @@ pub fn run(args: &Args) -> Result<Outcome, Error> {
         context: "waiting for the consumer".into(),
         source: e,
     })?;
+    drop(fetcher);
     for (who, what, ms) in &steps.0 {
         outln!("  {who:<9} {what:<52} {ms:>10.3} ms")?;
     }

@@ -243,8 +243,6 @@ fn probe_device(caps: &Capabilities) -> Value {
             return Value::Object(results);
         }
     };
-    // The child fetches fd exports from us with pidfd_getfd.
-    let _ = share::allow_fd_fetching();
     let mut exports = Vec::new();
     for m in [
         Mechanism::Legacy,
@@ -313,6 +311,9 @@ fn open_in_child(device: usize, descriptors: &[&Descriptor]) -> Vec<Result<Value
         Ok(c) => c,
         Err(e) => return fail(e),
     };
+    // The child fetches fd exports from us with pidfd_getfd: it alone may,
+    // until it is done (if this fails, its answers say why it could not).
+    let fetcher = share::allow_fd_fetching_by(child.id());
     let mut stdin = child.stdin.take().expect("piped");
     let reader = LineReader::new(child.stdout.take().expect("piped"), "probe process");
     let mut answers = Vec::new();
@@ -323,6 +324,7 @@ fn open_in_child(device: usize, descriptors: &[&Descriptor]) -> Vec<Result<Value
     }
     drop(stdin);
     let _ = child.wait();
+    drop(fetcher);
     answers
 }
 

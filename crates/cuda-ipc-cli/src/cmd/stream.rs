@@ -461,7 +461,7 @@ pub fn consumer(
             let usable = mono_ns();
             let paced = frame.notice["paced"].as_bool() == Some(true);
             let check = paced || frames.is_multiple_of(check_every.max(1));
-            if frame.seq != expected || (check && !frame_intact(frame.buffer, frame.seq)?) {
+            if frame.seq != expected || (check && !frame_intact(&frame.buffer, frame.seq)?) {
                 bad += 1;
             }
             checked += u64::from(check);

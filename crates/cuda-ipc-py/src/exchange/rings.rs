@@ -2,7 +2,6 @@
 //! its received `RingFrame`s.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use cuda_ipc::device::Device;
 use cuda_ipc::exchange::{RingFrame, RingPublisher, RingSubscriber, Subscriber};
@@ -140,29 +139,10 @@ pub(super) struct RingShared {
     pub(super) ring: Mutex<Option<Arc<RingSubscriber<u8>>>>,
 }
 
-/// A received frame and the subscription it borrows from, kept together.
+/// A received frame and the subscription it is acknowledged with.
 struct HeldFrame {
-    // Declared before `ring`: dropped first, while what it borrows lives.
-    frame: RingFrame<'static, u8>,
+    frame: RingFrame<u8>,
     ring: Arc<RingSubscriber<u8>>,
-}
-
-/// The next frame of `ring`, held with the subscription it borrows.
-#[allow(unsafe_code)]
-fn next_held(
-    subscriber: &Subscriber,
-    ring: Arc<RingSubscriber<u8>>,
-    timeout: Duration,
-) -> Result<HeldFrame> {
-    let frame = subscriber.next_frame(&ring, timeout)?;
-    // SAFETY: the frame borrows the `RingSubscriber` inside the Arc's heap
-    // allocation, which does not move when the Arc does. `HeldFrame` keeps
-    // that Arc next to the frame and drops the frame first, so the borrow
-    // never outlives what it points to; the 'static lifetime never escapes
-    // (the frame is only read through `HeldFrame`, and handed back to the
-    // library by `Subscriber::ack` together with the same ring).
-    let frame = unsafe { std::mem::transmute::<RingFrame<'_, u8>, RingFrame<'static, u8>>(frame) };
-    Ok(HeldFrame { frame, ring })
 }
 
 /// A subscription to a ring: iterate it for frames (`for frame in ring`),
@@ -230,9 +210,9 @@ impl Ring {
         let sub = self.shared.subscriber.clone();
         let held = py
             .detach(move || -> Result<_> {
-                let held = next_held(&sub, ring, t)?;
-                held.frame.buffer.synchronize()?;
-                Ok(held)
+                let frame = sub.next_frame(&ring, t)?;
+                frame.buffer.synchronize()?;
+                Ok(HeldFrame { frame, ring })
             })
             .py()?;
         Ok(RingFrameView {
@@ -344,7 +324,7 @@ impl RingFrameView {
         let guard = lock(&self.held);
         let b = guard
             .as_ref()
-            .map(|h| h.frame.buffer)
+            .map(|h| &h.frame.buffer)
             .ok_or_else(|| closed_error("frame", "take the next frame"))?;
         let ptr = b.mapping().base() + b.offset();
         let l = layout(

@@ -144,10 +144,27 @@ impl PySubscriber {
     }
 
     /// Unmaps every mapping, keeping addresses and leases; `(mappings,
-    /// bytes)` put to sleep.
-    fn sleep(&self, py: Python<'_>) -> PyResult<(usize, u64)> {
+    /// bytes)` put to sleep. Refused (`InvalidInput`) while tensors,
+    /// views, state dicts, attachments or rings of this subscriber are
+    /// alive, unless `unchecked`: the caller then promises that nothing
+    /// touches them until `wake()` returns (a kernel, copy or CUDA graph on
+    /// them faults and poisons this process's CUDA context).
+    #[pyo3(signature = (*, unchecked=false))]
+    #[allow(unsafe_code)]
+    fn sleep(&self, py: Python<'_>, unchecked: bool) -> PyResult<(usize, u64)> {
         let s = self.get()?;
-        let done = py.detach(|| s.sleep()).py()?;
+        let done = py
+            .detach(|| {
+                if unchecked {
+                    // SAFETY: Python has no `unsafe`: `unchecked=True` is
+                    // the caller's promise of `sleep_unchecked`'s contract,
+                    // as this method and `cuda_ipc.Subscriber.sleep` say.
+                    unsafe { s.sleep_unchecked() }
+                } else {
+                    s.sleep()
+                }
+            })
+            .py()?;
         Ok((done.mappings, done.bytes))
     }
 

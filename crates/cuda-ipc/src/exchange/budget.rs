@@ -143,6 +143,11 @@ impl<K: Eq + Hash + Clone, V: Held> LruCache<K, V> {
     pub(super) fn usage(&self) -> (usize, u64) {
         (self.slots.len(), self.bytes)
     }
+
+    /// Every cached value.
+    pub(super) fn values(&self) -> impl Iterator<Item = &V> {
+        self.slots.values().map(|s| &s.value)
+    }
 }
 
 #[cfg(test)]

@@ -204,18 +204,27 @@ impl<T: Pod> RingSubscriber<T> {
 /// One received frame of a ring: the slot's mapped buffer, ready to read,
 /// made from the channel's [`FrameNotice`](channel::FrameNotice) (which
 /// only says which slot was filled).
+///
+/// The frame owns what it reads: its buffer is a view of the slot, which
+/// holds the mapping and the subscription's lease like every view, so a
+/// frame may be kept apart from its [`RingSubscriber`] (in another
+/// thread, in an object of its own) and is valid however long it lives.
+/// The producer reuses the slot once it is acknowledged
+/// ([`Subscriber::ack`], with the subscription it came from).
 #[derive(Debug)]
 #[must_use = "acknowledge the frame with Subscriber::ack so the producer can reuse the slot"]
 #[non_exhaustive]
-pub struct RingFrame<'r, T> {
+pub struct RingFrame<T> {
     /// The slot's index.
     pub slot: u32,
     /// The frame's sequence number (from 1).
     pub seq: u64,
-    /// The slot's buffer.
-    pub buffer: &'r MappedBuffer<T>,
+    /// A view of the slot's buffer.
+    pub buffer: MappedBuffer<T>,
     /// The producer's notice (its extra fields and the event).
     pub notice: Value,
+    /// The subscription it came from.
+    lease: u64,
 }
 
 impl Subscriber {
@@ -259,13 +268,13 @@ impl Subscriber {
         })
     }
 
-    /// The next frame of `ring`, within `timeout`: the slot's buffer, whose
-    /// stream has been made to wait on the frame's event.
-    pub fn next_frame<'r, T: Pod>(
+    /// The next frame of `ring`, within `timeout`: a view of the slot's
+    /// buffer, whose stream has been made to wait on the frame's event.
+    pub fn next_frame<T: Pod>(
         &self,
-        ring: &'r RingSubscriber<T>,
+        ring: &RingSubscriber<T>,
         timeout: Duration,
-    ) -> Result<RingFrame<'r, T>> {
+    ) -> Result<RingFrame<T>> {
         // A reader that waits on the fence from the host queues nothing on
         // the device per frame: its spin costs no context switch, and saves
         // the producer waking it for every frame. Others sleep at once (a
@@ -309,16 +318,31 @@ impl Subscriber {
         Ok(RingFrame {
             slot: index(f.slot)?,
             seq: f.seq,
-            buffer,
+            buffer: buffer.clone(),
             notice: f.notice,
+            lease: ring.lease,
         })
     }
 
     /// Hands a frame's slot back to the producer, after the work queued on
     /// every stream its views used (the frame's own, and any given with
     /// `with_stream`) has finished.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a frame of another subscription than
+    /// `ring` (nothing is acknowledged).
     #[allow(clippy::needless_pass_by_value)] // taking the frame ends its use
-    pub fn ack<T: Pod>(&self, ring: &RingSubscriber<T>, frame: RingFrame<'_, T>) -> Result<()> {
+    pub fn ack<T: Pod>(&self, ring: &RingSubscriber<T>, frame: RingFrame<T>) -> Result<()> {
+        if frame.lease != ring.lease {
+            return Err(Error::arg(
+                "ring frame",
+                format!(
+                    "the frame came from the ring subscription of lease {}, not from this one \
+                     (lease {}); acknowledge it with the subscription it came from",
+                    frame.lease, ring.lease
+                ),
+            ));
+        }
         frame.buffer.synchronize()?;
         frame
             .buffer
@@ -347,4 +371,19 @@ impl Subscriber {
 /// a failure means a corrupt index, reported as such.
 fn index<I: TryFrom<S>, S: Copy + std::fmt::Display>(slot: S) -> Result<I> {
     I::try_from(slot).map_err(|_| Error::arg("slot", format!("slot index {slot} is out of range")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RingFrame;
+
+    /// A frame borrows nothing: it can be kept in an object of its own
+    /// (a Python frame) or sent to another thread, with no lifetime to
+    /// extend by hand.
+    #[test]
+    fn a_frame_owns_what_it_reads() {
+        fn owned<F: Send + Sync + 'static>() {}
+        owned::<RingFrame<u8>>();
+        owned::<RingFrame<f32>>();
+    }
 }

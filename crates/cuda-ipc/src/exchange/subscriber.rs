@@ -155,7 +155,7 @@ pub struct Subscriber {
     pub(super) chunks: Mutex<ChunkCache>,
     pub(super) device: Device,
     pub(super) client: Arc<Client>,
-    cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
+    pub(super) cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
     events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
     fences: Mutex<HashMap<u64, Arc<FenceMapping>>>,
     sync: SyncMode,

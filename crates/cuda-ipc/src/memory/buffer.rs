@@ -26,7 +26,7 @@
 //! let unleased = MappedBuffer::<u8>::new(a.buffer().mapping().clone(), 0, 1)?;
 //! # Ok(()) }
 //! ```
-#![allow(unsafe_code)] // only `unsafe impl DeviceMemory`, justified there
+#![allow(unsafe_code)] // `unsafe impl DeviceMemory` and `Mapping::sleep`, justified there
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -200,7 +200,27 @@ pub trait Mapping: sealed::Sealed + Send + Sync + fmt::Debug {
     /// finished; [`wake`](Mapping::wake) maps it again at the same
     /// addresses. Only VMM and fabric mappings can sleep: the others are
     /// [`Error::Unsupported`]. See [`VmmMapping::sleep`](crate::memory::vmm::VmmMapping::sleep).
-    fn sleep(&self) -> Result<()> {
+    /// A subscriber's mappings sleep safely through
+    /// [`Subscriber::sleep`](crate::exchange::Subscriber::sleep), which
+    /// first checks that no view of them is alive.
+    ///
+    /// # Safety
+    /// Views of the mapping may outlive the sleep, and a kernel or copy
+    /// that touches an unmapped address faults and poisons the CUDA
+    /// context. From this call until [`wake`](Mapping::wake) has returned,
+    /// the caller makes sure that no work touches the memory: none queued,
+    /// by any thread, on any stream, through a view, a tensor, a raw
+    /// address or a CUDA graph of it (work queued before the call is waited
+    /// for here), and no view read or written from the host.
+    ///
+    /// Calling it without `unsafe` is refused:
+    ///
+    /// ```compile_fail,E0133
+    /// fn nap(m: &dyn cuda_ipc::Mapping) -> cuda_ipc::Result<()> {
+    ///     m.sleep() // error: call to unsafe function
+    /// }
+    /// ```
+    unsafe fn sleep(&self) -> Result<()> {
         Err(Error::Unsupported {
             what: "sleeping a mapping",
             why: format!(

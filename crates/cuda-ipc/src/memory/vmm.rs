@@ -607,8 +607,10 @@ impl Mapping for VmmMapping {
     fn read_only(&self) -> bool {
         self.access.is_read_only()
     }
-    fn sleep(&self) -> Result<()> {
-        VmmMapping::sleep(self)
+    unsafe fn sleep(&self) -> Result<()> {
+        // SAFETY: the caller keeps `Mapping::sleep`'s contract, which is
+        // `VmmMapping::sleep`'s.
+        unsafe { VmmMapping::sleep(self) }
     }
     fn wake(&self) -> Result<()> {
         VmmMapping::wake(self)

@@ -7,9 +7,13 @@
 //! keeps its imported handles, and its lease when it came through the
 //! exchange); a sleep gives back the mapping only. While a mapping sleeps,
 //! its addresses are reserved and unmapped: no other allocation can land
-//! there, and a kernel or copy that touches them faults instead of reading
-//! anything. Not touching sleeping memory is the caller's part, as for
-//! every engine that sleeps its weights.
+//! there, and a kernel or copy that touches them faults (and poisons the
+//! CUDA context) instead of reading anything. Not touching sleeping memory
+//! is the caller's part, as for every engine that sleeps its weights: the
+//! library cannot see every use (views, tensors, raw addresses, CUDA
+//! graphs), so [`VmmMapping::sleep`] is an `unsafe fn`. A subscriber
+//! sleeps its mappings safely when none of them has a view left
+//! ([`Subscriber::sleep`](crate::exchange::Subscriber::sleep)).
 #![allow(unsafe_code)]
 
 use crate::driver::result::vmm;
@@ -25,8 +29,17 @@ impl VmmMapping {
     /// until that work is done. Sleeping a sleeping
     /// mapping does nothing. If an unmap fails, the segments already
     /// unmapped are mapped again and the mapping stays awake.
+    ///
+    /// # Safety
+    /// From this call until [`wake`](Self::wake) has returned, no work may
+    /// touch the memory: none queued, by any thread, on any stream, through
+    /// a view, a tensor, a raw address or a CUDA graph of it, and no view
+    /// read or written from the host (a kernel or copy on an unmapped
+    /// address faults and poisons the context). The wait above covers the
+    /// work queued before the call only: work queued by another thread
+    /// while it waits would run after the unmap.
     #[doc(alias = "cuMemUnmap")]
-    pub fn sleep(&self) -> Result<()> {
+    pub unsafe fn sleep(&self) -> Result<()> {
         let mut state = lock(&self.state);
         if state.asleep {
             return Ok(());
@@ -40,8 +53,9 @@ impl VmmMapping {
         for i in 0..self.handles.len() {
             let at = self.segment_at(i);
             // SAFETY: segment i is mapped (the mapping is awake and the
-            // state's lock keeps other sleeps and wakes out), and the work
-            // queued through it has finished (waited for above).
+            // state's lock keeps other sleeps and wakes out); the work
+            // queued through it before this call has finished (waited for
+            // above) and the caller queues none until the wake.
             if let Err(e) = unsafe { vmm::unmap(at, self.segment) } {
                 // Map back what was unmapped, so the mapping stays whole.
                 let back = self.map_range(0..i, &state.devices);

@@ -126,6 +126,11 @@ impl Peer {
         Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad message {line:?}: {e}")))
     }
 
+    /// The child's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Whether the child has exited, and its exit status if so.
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().ok().flatten()

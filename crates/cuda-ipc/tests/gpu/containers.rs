@@ -132,7 +132,7 @@ fn subscriber_child() {
                     for _ in 0..req["frames"].as_u64().unwrap() {
                         let f = sub.next_frame(&ring, Duration::from_secs(10)).unwrap();
                         let v = f.notice["value"].as_u64().unwrap() as u32;
-                        if kernels::check_u32(f.buffer, Pattern::constant(v))
+                        if kernels::check_u32(&f.buffer, Pattern::constant(v))
                             .unwrap()
                             .is_some()
                         {
@@ -442,7 +442,7 @@ fn ring_victim() {
         };
         let v = f.notice["value"].as_u64().unwrap() as u32;
         assert_eq!(
-            kernels::check_u32(f.buffer, Pattern::constant(v)).unwrap(),
+            kernels::check_u32(&f.buffer, Pattern::constant(v)).unwrap(),
             None
         );
         sub.ack(&ring, f).unwrap();

@@ -148,7 +148,7 @@ fn ring_consumer(sub: &Subscriber, req: &Value) -> Value {
         } else {
             Pattern::ramp(frame.seq as u32, 1)
         };
-        if kernels::check_u32(frame.buffer, want).unwrap().is_some() {
+        if kernels::check_u32(&frame.buffer, want).unwrap().is_some() {
             bad += 1;
         }
         frames += 1;

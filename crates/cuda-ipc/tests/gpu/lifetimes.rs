@@ -182,3 +182,67 @@ fn a_lease_lasts_while_a_view_lives() {
     peer.send(&json!({ "exit": true }));
     assert!(peer.finish());
 }
+
+/// The subscriber's side of `a_ring_frame_outlives_its_subscription`.
+fn frame_keeper() {
+    let (parent, _device, sub) = subscriber();
+    let first = sub.attach_ring::<u32>("frames").unwrap();
+    let second = sub.attach_ring::<u32>("frames").unwrap();
+    parent.send(&json!({ "ready": true }));
+    // The parent publishes one frame, which each subscription receives.
+    parent.recv();
+    let a = sub.next_frame(&first, Duration::from_secs(10)).unwrap();
+    let b = sub.next_frame(&second, Duration::from_secs(10)).unwrap();
+    // A frame is acknowledged with its own subscription only.
+    let Err(wrong) = sub.ack(&second, a) else {
+        panic!("a frame was acknowledged with another subscription")
+    };
+    sub.ack(&second, b).unwrap();
+    // A frame owns its view: it stays readable after its subscription is
+    // dropped, and holds the subscription's lease until it goes.
+    let kept = sub.next_frame(&first, Duration::from_secs(10)).unwrap();
+    drop(first);
+    let value = kept.buffer.to_vec::<u32>().map(|v| v[0]);
+    parent.send(&json!({ "wrong": wrong.to_string(), "kept": format!("{value:?}") }));
+    // The parent checks that both leases are still held.
+    parent.recv();
+    drop(kept);
+    drop(second);
+    parent.send(&json!({ "dropped": true }));
+    parent.recv();
+}
+
+/// A ring frame owns what it reads: acknowledging it with another
+/// subscription is refused, and one kept past its subscription's drop
+/// reads its slot and holds the lease until it goes.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_ring_frame_outlives_its_subscription() {
+    if role().as_deref() == Some("subscriber") {
+        return frame_keeper();
+    }
+    let (_dir, publisher, mut peer) =
+        publisher_and_peer(&test_name!("a_ring_frame_outlives_its_subscription"));
+    let ring = publisher.ring("frames", 2, 4096, None).unwrap();
+    assert_eq!(peer.recv()["ready"], true);
+    let (slot, buf) = ring.acquire(Some(Duration::from_secs(10))).unwrap();
+    kernels::fill_u32(buf, Pattern::constant(41), Speed::Full).unwrap();
+    ring.publish(slot).unwrap();
+    let (slot, buf) = ring.acquire(Some(Duration::from_secs(10))).unwrap();
+    kernels::fill_u32(buf, Pattern::constant(42), Speed::Full).unwrap();
+    ring.publish(slot).unwrap();
+    peer.send(&json!({ "published": true }));
+    let r = peer.recv();
+    let wrong = r["wrong"].as_str().unwrap();
+    assert!(
+        wrong.contains("another") || wrong.contains("not from this one"),
+        "{r}"
+    );
+    assert_eq!(r["kept"], "Ok(42)", "{r}");
+    assert_eq!(ring.subscribers().len(), 2, "the kept frame's lease went");
+    peer.send(&json!({ "drop": true }));
+    assert_eq!(peer.recv()["dropped"], true);
+    assert!(wait_no_leases(&publisher), "{:?}", publisher.leases());
+    peer.send(&json!({ "exit": true }));
+    assert!(peer.finish());
+}

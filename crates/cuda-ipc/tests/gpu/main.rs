@@ -1,6 +1,7 @@
 //! GPU tests: real multi-process tests on a real device.
 //!
-//! Every test here is `#[ignore = "needs an NVIDIA GPU"]`, so a plain
+//! Every test here is `#[ignore = "needs an NVIDIA GPU"]` (one, on ptrace
+//! rules, needs the GPU host's Yama and root instead), so a plain
 //! `cargo test` (CI, no GPU) lists them as ignored. On a GPU host run
 //! `cargo test --release --test gpu -- --ignored --test-threads=1`, or the
 //! bundle built by `scripts/gpu-bundle.sh`.
@@ -12,6 +13,7 @@ mod common;
 mod consumer;
 mod containers;
 mod exchange;
+mod fd_fetching;
 mod kept;
 mod legacy;
 mod lifetimes;

@@ -1,10 +1,12 @@
-//! Sleep and wake across processes on a real device (issue 26): a reader
-//! child attaches a vmm set, notes every view's address and checks the
-//! bytes, sleeps (every mapping unmapped, addresses and leases kept), is
-//! refused a new attach while asleep, and wakes: the views have the same
-//! addresses and read what the publisher wrote meanwhile (the same memory,
-//! mapped again). A reader holding legacy mappings is refused a sleep and
-//! still reads its set afterwards.
+//! Sleep and wake across processes on a real device: a reader child
+//! attaches a vmm set, notes every view's address and checks the bytes, is
+//! refused a (checked) sleep while it holds the set, sleeps unchecked
+//! (every mapping unmapped, addresses and leases kept), is refused a new
+//! attach while asleep, and wakes: the views have the same addresses and
+//! read what the publisher wrote meanwhile (the same memory, mapped again).
+//! A reader that released its set sleeps checked (its cached chunks) and
+//! finds them at the same addresses after the wake. A reader holding
+//! legacy mappings is refused a sleep and still reads its set afterwards.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -91,12 +93,11 @@ fn reader() {
                 let (addresses, bad) = look(set.as_ref().unwrap(), base);
                 json!({ "addresses": addresses, "bad": bad })
             }
-            "sleep" => match sub.sleep() {
-                Ok(s) => {
-                    json!({ "mappings": s.mappings, "bytes": s.bytes, "asleep": sub.asleep() })
-                }
-                Err(e) => json!({ "error": e.to_string(), "asleep": sub.asleep() }),
-            },
+            "sleep" => slept(&sub, sub.sleep()),
+            // SAFETY: the parent asks for no look until the wake, and the
+            // set's views made by `look` are gone: nothing touches the
+            // memory while it sleeps (the set itself is kept).
+            "sleep_unchecked" => slept(&sub, unsafe { sub.sleep_unchecked() }),
             "wake" => {
                 let t = Instant::now();
                 match sub.wake() {
@@ -123,6 +124,18 @@ fn reader() {
     }
 }
 
+/// The answer to a sleep.
+fn slept(sub: &Subscriber, r: cuda_ipc::Result<cuda_ipc::exchange::Slept>) -> Value {
+    match r {
+        Ok(s) => json!({ "mappings": s.mappings, "bytes": s.bytes, "asleep": sub.asleep() }),
+        Err(e) => json!({
+            "error": e.to_string(),
+            "in_use": matches!(e, cuda_ipc::Error::StillInUse { .. }),
+            "asleep": sub.asleep(),
+        }),
+    }
+}
+
 fn child_or(f: impl FnOnce()) {
     super::common::child_or("reader", reader, f);
 }
@@ -143,7 +156,8 @@ fn publisher_with(device: &Device, dir: &Path, m: Mechanism) -> Option<Publisher
     Some(Publisher::bind(device, dir.join(format!("{m}.sock")), config).unwrap())
 }
 
-/// A vmm set: sleep unmaps every chunk, a new attach is refused while
+/// A vmm set: a checked sleep is refused while the reader holds the set;
+/// an unchecked sleep unmaps every chunk, a new attach is refused while
 /// asleep, and wake maps the same memory at the same addresses (the
 /// publisher's writes during the sleep are read after it). Sleep and wake
 /// twice are no-ops the second time.
@@ -164,11 +178,16 @@ fn a_sleeping_reader_wakes_at_the_same_addresses_on_the_same_memory() {
         assert_eq!(p.recv()["connected"], true);
         let before = ask(&mut p, &json!({ "op": "attach", "base": 5 }));
         assert!(before["bad"].is_null(), "{before}");
-        let slept = ask(&mut p, &json!({ "op": "sleep" }));
+        let refused = ask(&mut p, &json!({ "op": "sleep" }));
+        assert_eq!(refused["in_use"], true, "{refused}");
+        assert_eq!(refused["asleep"], false, "{refused}");
+        let still = ask(&mut p, &json!({ "op": "look", "base": 5 }));
+        assert!(still["bad"].is_null(), "{still}");
+        let slept = ask(&mut p, &json!({ "op": "sleep_unchecked" }));
         assert!(slept.get("error").is_none(), "{slept}");
         assert_eq!(slept["asleep"], true, "{slept}");
         assert!(slept["mappings"].as_u64().unwrap() >= 1, "{slept}");
-        let again = ask(&mut p, &json!({ "op": "sleep" }));
+        let again = ask(&mut p, &json!({ "op": "sleep_unchecked" }));
         assert_eq!(
             again["mappings"], 0,
             "a second sleep unmaps nothing: {again}"
@@ -196,6 +215,51 @@ fn a_sleeping_reader_wakes_at_the_same_addresses_on_the_same_memory() {
         assert_eq!(twice["mappings"], 0, "{twice}");
         let attached = ask(&mut p, &json!({ "op": "attach_again" }));
         assert_eq!(attached["attached"], true, "{attached}");
+        ask(&mut p, &json!({ "op": "release" }));
+        assert!(p.finish(), "the reader child failed");
+        publisher
+            .unpublish_set(SET, Some(Duration::from_secs(10)))
+            .unwrap();
+    });
+}
+
+/// A reader that released its set sleeps without `unsafe`: its cached
+/// chunks are unmapped, an attach is refused until the wake, and the set
+/// attached after the wake lies at the same addresses and reads what the
+/// publisher wrote meanwhile.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_reader_with_no_views_left_sleeps_without_unsafe() {
+    child_or(|| {
+        let device = Device::open(0).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let Some(publisher) = publisher_with(&device, dir.path(), Mechanism::Vmm) else {
+            return;
+        };
+        let buffers = publish(&publisher, 21);
+        let test = test_name!("a_reader_with_no_views_left_sleeps_without_unsafe");
+        let mut p = Peer::spawn_with(&test, "reader", |c| {
+            c.env(SOCKET_ENV, publisher.path());
+        });
+        assert_eq!(p.recv()["connected"], true);
+        let before = ask(&mut p, &json!({ "op": "attach", "base": 21 }));
+        assert!(before["bad"].is_null(), "{before}");
+        ask(&mut p, &json!({ "op": "release" }));
+        let slept = ask(&mut p, &json!({ "op": "sleep" }));
+        assert!(slept.get("error").is_none(), "{slept}");
+        assert_eq!(slept["asleep"], true, "{slept}");
+        assert!(slept["mappings"].as_u64().unwrap() >= 1, "{slept}");
+        let refused = ask(&mut p, &json!({ "op": "attach_again" }));
+        assert_eq!(refused["attached"], false, "{refused}");
+        fill(&buffers, 23);
+        let woke = ask(&mut p, &json!({ "op": "wake" }));
+        assert_eq!(woke["mappings"], slept["mappings"], "{woke}");
+        let after = ask(&mut p, &json!({ "op": "attach", "base": 23 }));
+        assert!(after["bad"].is_null(), "{after}");
+        assert_eq!(
+            after["addresses"], before["addresses"],
+            "the cached chunks keep their addresses"
+        );
         ask(&mut p, &json!({ "op": "release" }));
         assert!(p.finish(), "the reader child failed");
         publisher
