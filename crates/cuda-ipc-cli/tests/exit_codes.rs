@@ -36,9 +36,13 @@ fn help_prints_the_readme_table() {
         assert_eq!(code(&o), 0, "{args:?}: {}", stderr(&o));
         let help = String::from_utf8_lossy(&o.stdout);
         assert!(help.contains("Exit codes:"), "{args:?}: {help}");
+        // Words only: clap wraps the help to the terminal's width when a
+        // crate of the workspace turns its `wrap_help` feature on.
+        let words = |t: &str| t.split_whitespace().collect::<Vec<_>>().join(" ");
+        let help_words = words(&help);
         for (exit, meaning) in &table {
             assert!(
-                help.contains(&format!("  {exit}  {meaning}")),
+                help_words.contains(&words(&format!("{exit} {meaning}"))),
                 "{args:?} does not print exit code {exit} as README.md does: {help}"
             );
         }
