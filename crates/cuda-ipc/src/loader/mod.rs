@@ -10,7 +10,7 @@
 //!    each driven by its own host thread, with two page-locked staging
 //!    buffers (`cuMemHostAlloc`, each as large as the stream's largest
 //!    piece, at most [`PlanOptions::piece_size`]) and an event per buffer:
-//!    a buffer is filled from the checkpoint's map only once the event
+//!    a buffer is filled from the checkpoint (`pread`) only once the event
 //!    recorded after its previous copy has passed, then copied with
 //!    `cuMemcpyHtoDAsync`, so that filling one buffer overlaps the other's
 //!    copy. The copy streams first wait for the work queued on the chunks'
