@@ -22,7 +22,8 @@
 //! the file must be readable by that uid; for a caller of another uid,
 //! only files it owns or anyone may read (`not_readable` otherwise: a
 //! caller cannot have the service read for it what it could not read
-//! itself).
+//! itself), decided on the descriptor the service reads, before a byte of
+//! it is read (the `access` module).
 //!
 //! # Threads
 //! Calls run on the channel's connection threads: a load holds up only the
@@ -46,7 +47,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::channel::{CallError, CallHandler};
-use crate::checkpoint::{Checkpoint, PlanOptions};
+use crate::checkpoint::PlanOptions;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::exchange::{Endpoint, Publisher, PublisherConfig};
@@ -387,16 +388,8 @@ impl Ops for Inner {
             ));
         }
         let path = PathBuf::from(&r.path);
-        let ckpt = Checkpoint::open(&path).map_err(|e| call_error("checkpoint", &e))?;
         let service_uid = locked(&self.catalog).service_uid();
-        access::check_readable_by(
-            uid,
-            service_uid,
-            ckpt.files()
-                .iter()
-                .map(crate::checkpoint::CheckpointFile::path),
-        )
-        .map_err(|m| CallError::new("not_readable", m))?;
+        let ckpt = access::open_for(uid, service_uid, &path, &|_| Ok(()))?;
         crate::loader::check_publishable(&ckpt).map_err(|e| call_error("checkpoint", &e))?;
         let plan = ckpt
             .plan(&options)
