@@ -114,6 +114,8 @@ pub(super) struct Job<'a> {
     pub chunks: Vec<(u64, u64)>,
     /// Set when a stream failed: the others stop.
     pub abort: AtomicBool,
+    /// Set by the caller to stop the load (a service stopping).
+    pub stop: &'a AtomicBool,
 }
 
 impl Job<'_> {
@@ -191,6 +193,12 @@ fn copy_steps(
     for step in steps {
         if job.abort.load(Ordering::Relaxed) {
             return Ok(()); // another stream failed and reports it
+        }
+        if job.stop.load(Ordering::Relaxed) {
+            return Err(Error::Io {
+                context: "the load was stopped before it finished".into(),
+                source: std::io::ErrorKind::Interrupted.into(),
+            });
         }
         let piece = &job.plan.pieces()[step.piece];
         let slot = match &mut slots[step.slot] {

@@ -32,7 +32,9 @@
 
 use std::cell::RefCell;
 use std::path::Path;
+use std::sync::Mutex;
 
+use super::catalog::Catalog;
 use crate::channel::CallError;
 use crate::checkpoint::{Checkpoint, FileMeta, ReadPolicy};
 use crate::error::{Error, Result};
@@ -127,6 +129,21 @@ pub(super) fn open_for(
             .take()
             .unwrap_or_else(|| CallError::new("checkpoint", e.to_string()))
     })
+}
+
+/// The size check of a load of set `set` for `uid`: the catalog's
+/// admission ([`Catalog::check_admit`]: the service stopping, the name
+/// taken, the quota), asked before any header is parsed.
+pub(super) fn room_for<'a>(
+    catalog: &'a Mutex<Catalog>,
+    uid: u32,
+    set: &'a str,
+) -> impl Fn(u64) -> std::result::Result<(), CallError> + 'a {
+    move |bytes| {
+        super::locked(catalog)
+            .check_admit(uid, set, bytes)
+            .map_err(|e| super::refused(&e))
+    }
 }
 
 #[cfg(test)]

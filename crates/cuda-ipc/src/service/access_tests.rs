@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::{may_read_as, open_for};
+use super::{may_read_as, open_for, room_for};
 use crate::checkpoint::FileMeta;
 
 /// The caller of another uid: `nobody` on most Linux systems.
@@ -210,4 +210,60 @@ fn a_file_the_caller_may_not_read_is_refused_before_a_byte_of_it_is_read() {
     checkpoint(&mine, "mine", 2);
     own(&mine, OTHER, 0o400);
     assert!(open_for(OTHER, 0, &mine, &no_quota).is_ok());
+}
+
+#[test]
+fn the_quota_is_asked_before_any_header_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    // 64 GiB of tensors on paper (a hole: 4 KiB on disk), after a header
+    // of 8 MiB that is not even JSON: parsing it would be the work.
+    let path = dir.path().join("huge.safetensors");
+    let f = std::fs::File::create(&path).unwrap();
+    let n: u64 = 8 << 20;
+    std::os::unix::fs::FileExt::write_all_at(&f, &n.to_le_bytes(), 0).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, b"{not json", 8).unwrap();
+    f.set_len(8 + n + (64 << 30)).unwrap();
+    let uid = rustix::process::geteuid().as_raw();
+    let catalog = std::sync::Mutex::new(crate::service::Catalog::new(
+        uid.wrapping_add(1),
+        crate::service::Quotas::unlimited().with_uid(uid, 1 << 30),
+    ));
+    let started = std::time::Instant::now();
+    let e = open_for(
+        uid,
+        uid.wrapping_add(1),
+        &path,
+        &room_for(&catalog, uid, "big"),
+    )
+    .unwrap_err();
+    assert_eq!(e.code, "over_quota", "{e:?}");
+    assert!(
+        e.message.contains(&(64u64 << 30).to_string()),
+        "{}",
+        e.message
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    // A name taken is refused before the work too.
+    let mut c = crate::service::catalog::Catalog::new(
+        uid.wrapping_add(1),
+        crate::service::Quotas::unlimited(),
+    );
+    let ticket = c.admit(uid, "big", 1).unwrap();
+    let catalog = std::sync::Mutex::new(c);
+    let e = open_for(
+        uid,
+        uid.wrapping_add(1),
+        &path,
+        &room_for(&catalog, uid, "big"),
+    )
+    .unwrap_err();
+    assert_eq!(e.code, "loading", "{e:?}");
+    locked_cancel(&catalog, ticket);
+}
+
+fn locked_cancel(
+    catalog: &std::sync::Mutex<crate::service::Catalog>,
+    ticket: crate::service::catalog::Ticket,
+) {
+    catalog.lock().unwrap().cancel(ticket);
 }

@@ -3,7 +3,10 @@
 //! for loading and dropping.
 //!
 //! # Admission
-//! A load is admitted before any memory is allocated ([`Catalog::admit`]):
+//! A load is asked about once the checkpoint's size is known, before its
+//! headers are read or parsed ([`Catalog::check_admit`], with the bytes
+//! its files hold after their headers: a lower bound of what it will
+//! hold), and admitted before any memory is allocated ([`Catalog::admit`]):
 //! its bytes are reserved for its uid at once, so two loads at the same
 //! time cannot both pass a quota that only one fits in; the reservation
 //! becomes the set ([`Catalog::commit`]) or goes ([`Catalog::cancel`]). A
@@ -434,13 +437,16 @@ impl Catalog {
         Ok(())
     }
 
-    /// Admits a load of `bytes` bytes into set `name` for `uid` and reserves
-    /// the bytes (see the module docs).
+    /// Checks that a load of `bytes` bytes into set `name` for `uid` would
+    /// be admitted now, reserving nothing: what a load asks once it knows
+    /// the checkpoint's size, before it reads the headers ([`admit`]
+    /// asks again with the plan's bytes).
+    ///
+    /// [`admit`]: Self::admit
     ///
     /// # Errors
-    /// [`CatalogError::Stopping`], [`CatalogError::Exists`],
-    /// [`CatalogError::Loading`], [`CatalogError::OverQuota`], in that order.
-    pub fn admit(&mut self, uid: u32, name: &str, bytes: u64) -> Result<Ticket, CatalogError> {
+    /// As [`admit`](Self::admit).
+    pub fn check_admit(&self, uid: u32, name: &str, bytes: u64) -> Result<(), CatalogError> {
         if self.stopping {
             return Err(CatalogError::Stopping);
         }
@@ -460,7 +466,18 @@ impl Catalog {
         if let Some(w) = self.writing.get(name) {
             return Err(w.refusal());
         }
-        self.check_quota(uid, bytes)?;
+        self.check_quota(uid, bytes)
+    }
+
+    /// Admits a load of `bytes` bytes into set `name` for `uid` and reserves
+    /// the bytes (see the module docs).
+    ///
+    /// # Errors
+    /// [`CatalogError::Stopping`], [`CatalogError::Exists`],
+    /// [`CatalogError::Loading`], [`CatalogError::Writing`],
+    /// [`CatalogError::OverQuota`], in that order.
+    pub fn admit(&mut self, uid: u32, name: &str, bytes: u64) -> Result<Ticket, CatalogError> {
+        self.check_admit(uid, name, bytes)?;
         self.loading.insert(name.into(), (uid, bytes));
         Ok(Ticket {
             name: name.into(),

@@ -43,6 +43,7 @@ mod writer;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -51,7 +52,7 @@ use crate::checkpoint::PlanOptions;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::exchange::{Endpoint, Publisher, PublisherConfig};
-use crate::loader::{LoadedCheckpoint, load_checkpoint};
+use crate::loader::{LoadedCheckpoint, load_checkpoint_until};
 
 use admin::{
     AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, DropAnswer, DropRequest, LoadAnswer,
@@ -158,6 +159,8 @@ struct Inner {
     /// Versions replaced by a commit: (set, version, its channel entry),
     /// until their last reader lets go.
     retired: Mutex<Vec<(String, u64, u64)>>,
+    /// Set at shutdown: loads in progress stop at their next piece.
+    stop_loads: AtomicBool,
     /// Set by the `shutdown` method.
     stop_asked: Mutex<bool>,
     stop_cv: Condvar,
@@ -207,6 +210,7 @@ impl Service {
             held: Mutex::new(HashMap::new()),
             staging: Mutex::new(HashMap::new()),
             retired: Mutex::new(Vec::new()),
+            stop_loads: AtomicBool::new(false),
             stop_asked: Mutex::new(false),
             stop_cv: Condvar::new(),
         });
@@ -289,13 +293,17 @@ impl Service {
         *asked
     }
 
-    /// Stops: loads nothing more, hides every set from new readers (its
-    /// readers get an `Unpublished` notice), waits up to `grace` for the
-    /// readers' leases to end, then drops every set and gives the memory
-    /// back. Readers still holding leases then keep what they mapped.
+    /// Stops: loads nothing more and stops the loads in progress (at their
+    /// next piece; each gives its memory back and answers `load_failed`),
+    /// hides every set from new readers (its readers get an `Unpublished`
+    /// notice), waits up to `grace` for the readers' leases to end, then
+    /// drops every set and gives the memory back. Readers still holding
+    /// leases then keep what they mapped. With no reader holding on it
+    /// returns within about a second whatever loads were running.
     pub fn shutdown(self, grace: Duration) -> ShutdownReport {
         let inner = &self.inner;
         locked(&inner.catalog).stop();
+        inner.stop_loads.store(true, Ordering::SeqCst);
         let sessions: Vec<(String, String)> = locked(&inner.catalog)
             .write_sessions()
             .map(|s| (s.set.clone(), s.staging.clone()))
@@ -333,8 +341,12 @@ impl Service {
     }
 }
 
-/// How long [`Service::shutdown`] waits for calls still running (a load).
-const CALLS_AT_SHUTDOWN: Duration = Duration::from_secs(60);
+/// How long [`Service::shutdown`] waits for calls still running: a load
+/// stops at its next piece, and one still opening its checkpoint (bounded
+/// by the reader's limits) is refused at its size check; a call that
+/// takes longer is left to the process's exit, so that a stop never waits
+/// on a client's load.
+const CALLS_AT_SHUTDOWN: Duration = Duration::from_secs(1);
 
 /// A library error as a caller sees it.
 fn call_error(code: &str, e: &Error) -> CallError {
@@ -389,7 +401,10 @@ impl Ops for Inner {
         }
         let path = PathBuf::from(&r.path);
         let service_uid = locked(&self.catalog).service_uid();
-        let ckpt = access::open_for(uid, service_uid, &path, &|_| Ok(()))?;
+        // The quota (and the name) before the work: asked once the files'
+        // sizes are known, before any header is parsed.
+        let room = access::room_for(&self.catalog, uid, &r.set);
+        let ckpt = access::open_for(uid, service_uid, &path, &room)?;
         crate::loader::check_publishable(&ckpt).map_err(|e| call_error("checkpoint", &e))?;
         let plan = ckpt
             .plan(&options)
@@ -398,8 +413,14 @@ impl Ops for Inner {
             .admit(uid, &r.set, plan.total_bytes())
             .map_err(|e| refused(&e))?;
         tracing::info!(set = %r.set, uid, path = %path.display(), bytes = plan.total_bytes(), "loading");
-        let loaded = load_checkpoint(&self.publisher, &ckpt, plan.options(), &mut |_, _| {})
-            .and_then(|l| l.publish(&self.publisher, &r.set).map(|()| l));
+        let loaded = load_checkpoint_until(
+            &self.publisher,
+            &ckpt,
+            plan.options(),
+            &mut |_, _| {},
+            &self.stop_loads,
+        )
+        .and_then(|l| l.publish(&self.publisher, &r.set).map(|()| l));
         let loaded = match loaded {
             Ok(l) => l,
             Err(e) => {
