@@ -69,8 +69,10 @@ pub use writer::Writer;
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
 pub struct ServiceConfig {
-    /// Quotas in bytes (default: no limit).
-    pub quotas: Quotas,
+    /// Quotas in bytes (default `None`: [`Quotas::for_device`] of the
+    /// service's device, a quarter of its memory for each uid other than
+    /// the service's own; [`Quotas::unlimited`] for none).
+    pub quotas: Option<Quotas>,
     /// User ids allowed to connect besides the service's own.
     pub allow_uids: Vec<u32>,
     /// The loader's options when a load asks for none (streams, staging).
@@ -81,7 +83,7 @@ impl ServiceConfig {
     /// Sets the quotas.
     #[must_use]
     pub fn with_quotas(mut self, quotas: Quotas) -> Self {
-        self.quotas = quotas;
+        self.quotas = Some(quotas);
         self
     }
 
@@ -156,9 +158,9 @@ struct Inner {
     held: Mutex<HashMap<String, Held>>,
     /// The staging versions of write sessions, by set.
     staging: Mutex<HashMap<String, write::Staging>>,
-    /// Versions replaced by a commit: (set, version, its channel entry),
-    /// until their last reader lets go.
-    retired: Mutex<Vec<(String, u64, u64)>>,
+    /// Versions no longer current that readers keep, until their last
+    /// reader lets go (the catalog's retired versions).
+    retired: Mutex<Vec<write::Kept>>,
     /// Set at shutdown: loads in progress stop at their next piece.
     stop_loads: AtomicBool,
     /// Set by the `shutdown` method.
@@ -202,11 +204,12 @@ impl Service {
             .with_allow_uids(config.allow_uids.iter().copied());
         let publisher = Publisher::bind(device, endpoint, publisher_config)?;
         let uid = rustix::process::geteuid().as_raw();
+        let quotas = catalog::quotas_or_default(config.quotas, || Ok(device.memory_info()?.1))?;
         let inner = Arc::new(Inner {
             publisher,
             device: device.clone(),
             load_defaults: config.load,
-            catalog: Mutex::new(Catalog::new(uid, config.quotas)),
+            catalog: Mutex::new(Catalog::new(uid, quotas)),
             held: Mutex::new(HashMap::new()),
             staging: Mutex::new(HashMap::new()),
             retired: Mutex::new(Vec::new()),
@@ -374,6 +377,8 @@ impl Inner {
 impl Ops for Inner {
     fn load(&self, uid: u32, r: &LoadRequest) -> std::result::Result<LoadAnswer, CallError> {
         r.validate().map_err(bad_request)?;
+        // The old versions' holders as they are now: what the quotas count.
+        self.sweep_retired();
         let mut options = self.load_defaults.clone();
         if let Some(s) = r.streams {
             options = options.with_streams(s);
@@ -550,6 +555,7 @@ impl Ops for Inner {
     }
 
     fn drop_set(&self, caller: u32, r: &DropRequest) -> std::result::Result<DropAnswer, CallError> {
+        self.sweep_retired();
         let holders = self.holders(&r.set);
         let mut catalog = locked(&self.catalog);
         catalog
@@ -561,8 +567,14 @@ impl Ops for Inner {
         self.publisher
             .unpublish_set(&r.set, None)
             .map_err(|e| call_error("drop_failed", &e))?;
-        let info = catalog.remove(&r.set);
+        // Readers that hold it keep its memory: it stays in the books,
+        // charged to them, until they let go (the catalog's "Holding").
+        let holding = self.holders(&r.set);
+        let info = catalog.drop_set(&r.set, &holding);
         drop(catalog);
+        if let (Some(info), false) = (&info, holding.is_empty()) {
+            locked(&self.retired).push(write::Kept::dropped(&r.set, info.version));
+        }
         if let Some(s) = session {
             self.discard_staging(&s.set, &s.staging);
         }
@@ -572,6 +584,7 @@ impl Ops for Inner {
         if let Err(e) = self.publisher.trim() {
             tracing::debug!(error = %e, "trim after a drop");
         }
+        self.sweep_retired();
         tracing::info!(set = %r.set, caller, forced = !holders.is_empty(), "dropped");
         Ok(DropAnswer {
             set: r.set.clone(),
