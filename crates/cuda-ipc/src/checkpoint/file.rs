@@ -3,10 +3,11 @@
 //! Every file (and a directory that is searched) is first opened with
 //! `O_PATH`: no byte is read, a FIFO does not block, a device is not opened
 //! (its driver is never called). What that descriptor names is then
-//! decided on `fstat` of it, never on the path: it must be a regular file
-//! (or a directory, where one is expected), and the caller's
-//! [`ReadPolicy`] says whether it may be read, from its owner and mode.
-//! Only then is the same file opened for reading, through
+//! decided on `fstat` of it, never on the path: the caller's [`ReadPolicy`]
+//! says whether it may be read, from its owner and mode (first, so that
+//! nothing more is said of what it refuses), and it must be a regular file
+//! (or a directory, where one is expected). Only then is the same file
+//! opened for reading, through
 //! `/proc/self/fd` (the inode the decision was made on, whatever the path
 //! names by now), and checked to be the same inode. Links are followed,
 //! as Hugging Face's cache needs (its snapshots are links to its blobs): a

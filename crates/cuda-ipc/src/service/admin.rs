@@ -292,7 +292,8 @@ pub struct StatsAnswer {
     pub total_bytes: u64,
     /// Loads in progress.
     pub loads_in_progress: usize,
-    /// Leases readers hold on sets.
+    /// Leases readers hold on sets (current versions, and old versions
+    /// they keep).
     pub leases: usize,
     /// Free device memory in bytes (`cuMemGetInfo`), if it could be read.
     pub device_free: Option<u64>,

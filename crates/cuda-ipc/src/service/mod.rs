@@ -532,7 +532,12 @@ impl Ops for Inner {
         self.sweep_retired();
         let memory = self.device.memory_info().ok();
         let catalog = locked(&self.catalog);
-        let names: BTreeSet<&str> = catalog.sets().map(|s| s.name.as_str()).collect();
+        // Leases on sets, and on old versions readers still keep.
+        let names: BTreeSet<&str> = catalog
+            .sets()
+            .map(|s| s.name.as_str())
+            .chain(catalog.retired().iter().map(|r| r.set.as_str()))
+            .collect();
         let leases = self
             .publisher
             .leases()
