@@ -60,6 +60,9 @@ bg_term() {
 # examples/python/service_generate.py (needs transformers).
 step_service() {
   run_tests "-service" service::
+  # Limits: a shutdown during a load, a forced drop held by a reader, the
+  # default quota of other uids.
+  run_tests "-service-limits" service_limits::
   # Writer sessions: the GPU test, then the Python trainer and reader.
   run_tests "-service-write" service_write::
   if install_wheel; then
@@ -79,10 +82,11 @@ step_service() {
     return
   fi
   # Room for one load of the checkpoint (its bytes and the tensors' alignment), not two.
+  # The loads come from the service's own uid, which --quota leaves unlimited: give it one.
   local bytes quota
   bytes=$(cat "$dir"/*.safetensors | wc -c)
   quota=$((bytes * 3 / 2))
-  bg_start svc 300 "$cli" serve --service "$sock" --quota "$quota" --grace 3s
+  bg_start svc 300 "$cli" serve --service "$sock" --quota-uid "$(id -u)=$quota" --grace 3s
   cat "$logs/svc.json" "$logs/svc.err"
   check "service: load (the loading process exits; the set stays)" 0 "$cli" load --service "$sock" --set model "$dir"
   cat "$(log_of "service: load (the loading process exits; the set stays)")"

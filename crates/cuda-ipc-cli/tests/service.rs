@@ -92,6 +92,15 @@ fn service_options_are_checked_before_the_driver() {
         "1s",
     ];
     assert_error(&args, &cuda_ipc(&args), 3, "libcuda.so.1");
+    // `none` is no limit; no --quota at all is the device's quarter.
+    for quota in [&["--quota", "none"][..], &[]] {
+        let args: Vec<&str> = ["serve", "--service", s]
+            .iter()
+            .chain(quota)
+            .copied()
+            .collect();
+        assert_error(&args, &cuda_ipc(&args), 3, "libcuda.so.1");
+    }
 }
 
 #[test]

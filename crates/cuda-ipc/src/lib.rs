@@ -33,7 +33,7 @@
 //! | `cuda-ipc`: [`descriptor`], [`torch`], [`set`] | plain-data records | [`Descriptor`], [`set::SetRecord`] and [`torch::ShareRecord`] are strictly decoded, language-neutral records that own nothing |
 //! | `cuda-ipc`: [`share`] | one API over the mechanisms | [`share::SharedBuffer`] owns an allocation of any mechanism |
 //! | `cuda-ipc`: [`fence`], [`arena`], [`floor`] | built on `share` | [`fence::Fence`] owns shared sequence words; [`arena::Arena`] owns its chunks, and an [`arena::ArenaBuffer`] a range until it and every lease on it are gone; [`floor`] is the driver floor the benchmark compares against |
-//! | `cuda-ipc`: [`checkpoint`] | safetensors checkpoints read and planned for loading, no CUDA | [`checkpoint::Checkpoint`] owns read-only maps of its files; [`checkpoint::Plan`] is plain data |
+//! | `cuda-ipc`: [`checkpoint`] | safetensors checkpoints read and planned for loading, no CUDA | [`checkpoint::Checkpoint`] owns its files' descriptors (read with `pread`, never mapped); [`checkpoint::Plan`] is plain data |
 //! | `cuda-ipc-channel`, re-exported as [`channel`] | Unix-socket exchange, no CUDA | the server owns entries, leases and rings; the client owns its connection; file descriptors travel as `OwnedFd` |
 //! | `cuda-ipc`: [`exchange`] | publishers and subscribers | [`exchange::Publisher`] owns what it published until every lease ends; [`exchange::Subscriber`] owns its connection, its mapping cache and its leases |
 //! | `cuda-ipc`: [`loader`] | checkpoints loaded and published as sets | [`loader::load_checkpoint`] owns its streams and page-locked staging buffers for the length of a load |

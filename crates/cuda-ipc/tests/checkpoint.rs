@@ -132,9 +132,10 @@ fn load_through_plan(ckpt: &Checkpoint, options: &PlanOptions) {
         .map(|c| vec![0xAA; c.len as usize])
         .collect();
     for p in plan.pieces() {
-        let src = ckpt.read(p.file, p.file_offset, p.len).unwrap();
         let at = p.chunk_offset as usize;
-        chunks[p.chunk][at..at + src.len()].copy_from_slice(src);
+        let dst = &mut chunks[p.chunk][at..at + p.len as usize];
+        ckpt.read_into(p.file, p.file_offset, dst).unwrap();
+        assert_eq!(dst, ckpt.read(p.file, p.file_offset, p.len).unwrap());
     }
     for (t, place) in ckpt.tensors().iter().zip(plan.placements()) {
         let at = place.offset as usize;

@@ -223,6 +223,12 @@ fn a_replaced_entry_tells_its_holders_and_lives_until_they_release_it() {
     assert_eq!(server.entry_lease_count(r.old_entry), 1);
     assert_eq!(server.entry_lease_count(r.new_entry), 1);
     assert_eq!(server.lease_count("w"), 2);
+    // The leases say which entry each holds: the same name, two entries.
+    let by_entry: Vec<(u64, u64)> = server.leases().iter().map(|l| (l.lease, l.entry)).collect();
+    assert_eq!(
+        by_entry,
+        [(old.lease, r.old_entry), (new.lease, r.new_entry)]
+    );
     client.release(old.lease).unwrap();
     assert_eq!(server.entry_lease_count(r.old_entry), 0);
     assert_eq!(server.lease_count("w"), 1);

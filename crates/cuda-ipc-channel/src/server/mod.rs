@@ -79,6 +79,9 @@ const MAX_SOCKET_PATH: usize = 107;
 pub struct LeaseInfo {
     /// The lease id.
     pub lease: u64,
+    /// The id of the entry or ring it holds (as [`Replaced::old_entry`]
+    /// names one: an entry replaced under the same name has its own).
+    pub entry: u64,
     /// The entry's or ring's name.
     pub name: String,
     /// Whether the lease is on a plain entry or a ring.

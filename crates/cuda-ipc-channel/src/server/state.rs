@@ -400,6 +400,7 @@ impl State {
         let e = self.entries.get(&l.entry)?;
         Some(LeaseInfo {
             lease,
+            entry: l.entry,
             name: e.name.clone(),
             kind: e.kind(),
             pid: l.pid,

@@ -232,7 +232,7 @@ fn compare_entries(
             Some(j) if !want.is_empty() => bytes(j)?,
             _ => Vec::new(),
         };
-        if let Some(at) = got.iter().zip(want).position(|(a, b)| a != b) {
+        if let Some(at) = got.iter().zip(&want).position(|(a, b)| a != b) {
             return Ok(Some(format!(
                 "byte {at} of {name} is {:#04x}, the file's is {:#04x}",
                 got[at], want[at]

@@ -78,6 +78,25 @@ pub fn parse_quota_uid(s: &str) -> Result<(u32, u64), String> {
     Ok((uid, bytes))
 }
 
+/// `--quota`: a byte count, or `none` for no limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuotaArg {
+    /// At most this many bytes.
+    Bytes(u64),
+    /// No limit.
+    Unlimited,
+}
+
+/// Parses `--quota BYTES|none` for clap.
+pub fn parse_quota(s: &str) -> Result<QuotaArg, String> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Ok(QuotaArg::Unlimited);
+    }
+    parse_size(s)
+        .map(QuotaArg::Bytes)
+        .map_err(|e| format!("{e} (or `none` for no limit)"))
+}
+
 /// Parses a count of things (`--buffers`, `--slots`) for clap.
 pub fn parse_count(s: &str) -> Result<usize, String> {
     parse_whole(s, "a count", "8")
@@ -220,7 +239,15 @@ pub fn human(n: u64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_quota_uid;
+    use super::{QuotaArg, parse_quota, parse_quota_uid};
+
+    #[test]
+    fn a_quota_is_bytes_or_none() {
+        assert_eq!(parse_quota("16GiB"), Ok(QuotaArg::Bytes(16 << 30)));
+        assert_eq!(parse_quota("None"), Ok(QuotaArg::Unlimited));
+        let e = parse_quota("lots").unwrap_err();
+        assert!(e.contains("lots") && e.contains("none"), "{e}");
+    }
 
     #[test]
     fn quota_uids_are_uid_equals_bytes() {

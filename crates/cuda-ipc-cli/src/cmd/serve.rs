@@ -84,13 +84,15 @@ pub struct ServeArgs {
     /// read. See `ls`, `stats`, `drop`.
     #[arg(long, value_name = "NAME", num_args = 0..=1, default_missing_value = "cuda-ipc", conflicts_with_all = ["socket", "size", "fill_u32", "buffers", "set", "checkpoint", "read_only"])]
     pub service: Option<String>,
-    /// With --service: the bytes each uid may hold (64GiB, ...; default: no
-    /// limit). A load that would pass it is refused, naming used, quota and
-    /// asked.
-    #[arg(long, value_parser = super::parse_size, allow_negative_numbers = true)]
-    pub quota: Option<u64>,
+    /// With --service: the bytes each uid other than the service's own may
+    /// hold, counting old versions its readers keep (64GiB, ...; `none`: no
+    /// limit) [default: a quarter of the device's memory]. The service's own
+    /// uid has no limit unless --quota-uid gives it one. A load that would
+    /// pass it is refused, naming used, quota and asked.
+    #[arg(long, value_name = "BYTES|none", value_parser = super::parse_quota, allow_negative_numbers = true)]
+    pub quota: Option<super::QuotaArg>,
     /// With --service: the quota of one uid instead of --quota, as
-    /// UID=BYTES (repeatable: 1000=40GiB).
+    /// UID=BYTES (repeatable: 1000=40GiB; the service's own uid too).
     #[arg(long = "quota-uid", value_name = "UID=BYTES", value_parser = super::parse_quota_uid)]
     pub quota_uid: Vec<(u32, u64)>,
     /// With --service: on SIGTERM or SIGINT, wait this long for readers to

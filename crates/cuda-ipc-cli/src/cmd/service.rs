@@ -3,6 +3,7 @@
 //! sets until SIGTERM or SIGINT; and its clients `load`, `ls`, `stats` and
 //! `drop` (see `service_client.rs`).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -12,24 +13,37 @@ use cuda_ipc::service::{Quotas, Service, ServiceConfig, ShutdownReport};
 use cuda_ipc::{Device, Error};
 use serde_json::json;
 
+use super::QuotaArg;
 use super::serve::{ServeArgs, Side, socket_path};
 use crate::Outcome;
 use crate::out::{errln, outln};
 
-/// The quotas of `--quota` and `--quota-uid`, checked before the driver: a
-/// uid given twice is bad input (exit 2).
-pub fn quotas(args: &ServeArgs) -> Result<Quotas, Error> {
-    let mut q = Quotas::unlimited().with_default(args.quota);
+/// The overrides of `--quota-uid`, checked before the driver: a uid given
+/// twice is bad input (exit 2).
+fn quota_overrides(args: &ServeArgs) -> Result<BTreeMap<u32, u64>, Error> {
+    let mut per_uid = BTreeMap::new();
     for &(uid, bytes) in &args.quota_uid {
-        if q.per_uid.contains_key(&uid) {
+        if per_uid.insert(uid, bytes).is_some() {
             return Err(Error::InvalidArgument {
                 what: "--quota-uid",
                 reason: format!("uid {uid} is given twice; give each uid once"),
             });
         }
-        q = q.with_uid(uid, bytes);
     }
-    Ok(q)
+    Ok(per_uid)
+}
+
+/// The quotas of `--quota` (by default a quarter of the device's memory:
+/// [`Quotas::for_device`]) and the `--quota-uid` overrides.
+fn quotas(args: &ServeArgs, per_uid: BTreeMap<u32, u64>, device: &Device) -> Result<Quotas, Error> {
+    let base = match args.quota {
+        Some(QuotaArg::Bytes(b)) => Quotas::unlimited().with_default(Some(b)),
+        Some(QuotaArg::Unlimited) => Quotas::unlimited(),
+        None => Quotas::for_device(device.memory_info()?.1),
+    };
+    Ok(per_uid
+        .into_iter()
+        .fold(base, |q, (uid, bytes)| q.with_uid(uid, bytes)))
 }
 
 /// Sets a flag on SIGTERM and SIGINT, so that the service stops cleanly; a
@@ -57,9 +71,10 @@ fn stop_flag() -> Result<Arc<AtomicBool>, Error> {
 /// `serve --service [NAME]`.
 pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
     let path = socket_path(name, Side::Serve)?;
-    let quotas = quotas(args)?;
+    let overrides = quota_overrides(args)?;
     let stop = stop_flag()?;
     let device = Device::open(args.device)?;
+    let quotas = quotas(args, overrides, &device)?;
     let config = ServiceConfig::default()
         .with_quotas(quotas.clone())
         .with_allow_uids(args.allow_uid.iter().copied());

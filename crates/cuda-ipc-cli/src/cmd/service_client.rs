@@ -260,7 +260,7 @@ pub fn stats(args: &ListArgs) -> Result<Outcome, Error> {
     }
     outln!(
         "service pid {} (uid {}){}: {} set(s), {} held, {} reader lease(s), {} load(s) in \
-         progress; default quota {}",
+         progress; default quota {} (uids other than the service's)",
         a.pid,
         a.service_uid,
         if a.stopping { ", stopping" } else { "" },
@@ -279,9 +279,17 @@ pub fn stats(args: &ListArgs) -> Result<Outcome, Error> {
     }
     for u in &a.uids {
         outln!(
-            "uid {:>6}: {} used{} of {} in {} set(s)",
+            "uid {:>6}: {} used{}{} of {} in {} set(s)",
             u.uid,
             super::human(u.used),
+            if u.held > 0 {
+                format!(
+                    " ({} of it old versions its readers keep)",
+                    super::human(u.held)
+                )
+            } else {
+                String::new()
+            },
             if u.reserved > 0 {
                 format!(" (+{} loading)", super::human(u.reserved))
             } else {

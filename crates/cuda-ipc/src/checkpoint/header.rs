@@ -6,16 +6,15 @@
 //! strings), then the tensors' bytes, one after another with no gap and no
 //! byte left over. [`FileHeader::parse`] checks every one of those rules
 //! itself, so that an error names the tensor and the field, and then has
-//! the `safetensors` crate read the same header (its
-//! `SafeTensors::read_metadata`), which gives the tensors' types and shapes.
-//! It reads only the first `8 + n` bytes of the buffer (the rest is only
-//! measured), so over a memory map it touches no tensor's pages.
+//! the `safetensors` crate read the same header (its `Metadata`), which
+//! must agree on every tensor's offsets. Only the first `8 + n` bytes are
+//! read (the rest of the file is only measured), and `n` is checked against
+//! [`MAX_HEADER_BYTES`] before the header is read.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use safetensors::SafeTensors;
-use safetensors::tensor::TensorInfo;
+use safetensors::tensor::{Metadata, TensorInfo};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -25,12 +24,19 @@ use crate::error::Result;
 use crate::json::{kind_of, parse_strict};
 use crate::units::shorten;
 
-/// The largest header accepted, in bytes: the `safetensors` format's own
-/// limit (100 MB; a header of 1,000 tensors takes about 100 KB).
-pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+/// The largest header accepted, in bytes: 16 MiB, below the `safetensors`
+/// format's own limit (100 MB), which costs seconds and gigabytes to
+/// parse. A header of 1,000 tensors takes about 150 KB, of 100,000 about
+/// 15 MB.
+pub const MAX_HEADER_BYTES: u64 = 16 << 20;
+
+/// The most bytes the headers of one checkpoint's files may take together
+/// (64 MiB: a checkpoint of 400,000 tensors), checked before any of them is
+/// read.
+pub const MAX_HEADER_BYTES_TOTAL: u64 = 64 << 20;
 
 /// The bytes before the header: its length, a little-endian `u64`.
-const LEN_BYTES: u64 = 8;
+pub(super) const LEN_BYTES: u64 = 8;
 
 /// The header of one safetensors file: its tensors, in the order of their
 /// bytes in the file, and its `__metadata__`.
@@ -62,92 +68,112 @@ impl FileHeader {
     /// [`dtype`](super::dtype) table).
     pub fn parse(file: &Path, bytes: &[u8]) -> Result<FileHeader> {
         let file_len = bytes.len() as u64;
-        let Some(len_bytes) = bytes.first_chunk::<8>() else {
-            return Err(err(
-                file,
-                "file",
-                format!(
-                    "{file_len} bytes, too short for the 8-byte header length that starts \
-                     a safetensors file: not a safetensors file"
-                ),
-            ));
-        };
-        let n = u64::from_le_bytes(*len_bytes);
-        if n > MAX_HEADER_BYTES {
-            return Err(err(
-                file,
-                "header length",
-                format!(
-                    "{n} bytes, more than the limit of {MAX_HEADER_BYTES}: not a safetensors \
-                     file, or a damaged one"
-                ),
-            ));
-        }
-        let data_start = LEN_BYTES + n;
-        if data_start > file_len {
-            return Err(err(
-                file,
-                "header length",
-                format!(
-                    "{n} bytes, but the file holds only {} after the length: the file is cut \
-                     short, or not a safetensors file",
-                    file_len - LEN_BYTES
-                ),
-            ));
-        }
-        let header = &bytes[LEN_BYTES as usize..data_start as usize];
-        let text = std::str::from_utf8(header).map_err(|e| {
-            err(
-                file,
-                "header",
-                format!("not UTF-8 ({e}): not a safetensors file"),
-            )
-        })?;
-        let value = parse_strict(text).map_err(|e| {
-            err(
-                file,
-                "header",
-                format!("not JSON ({e}): not a safetensors file, or a damaged one"),
-            )
-        })?;
-        let Value::Object(map) = value else {
-            return Err(err(
-                file,
-                "header",
-                format!(
-                    "{}, not a JSON object of tensors: not a safetensors file",
-                    kind_of(&value)
-                ),
-            ));
-        };
-        let data_len = file_len - data_start;
-        let mut metadata = BTreeMap::new();
-        let mut tensors = Vec::with_capacity(map.len());
-        for (name, entry) in &map {
-            if name == "__metadata__" {
-                metadata = strings(file, entry)?;
-                continue;
-            }
-            tensors.push(tensor(file, name, entry, data_start, data_len)?);
-        }
-        check_offsets(file, &mut tensors, data_start, data_len)?;
-        // The crate's own reading of the same header, which must agree.
-        let (crate_n, meta) = SafeTensors::read_metadata(bytes)
-            .map_err(|e| err(file, "header", format!("refused by safetensors: {e}")))?;
-        let names = meta.tensors();
-        if crate_n as u64 != n || names.len() != tensors.len() {
-            return Err(err(
-                file,
-                "header",
-                "read differently by the safetensors crate: a damaged file",
-            ));
-        }
-        Ok(FileHeader {
-            data_start,
-            tensors,
-            metadata,
-        })
+        let n = header_len(file, bytes.first_chunk::<8>().copied(), file_len)?;
+        parse_prefix(file, &bytes[..(LEN_BYTES + n) as usize], file_len)
     }
+}
+
+/// The header's length `n` that the file's first 8 bytes (`None`: the file
+/// is shorter) give, checked against [`MAX_HEADER_BYTES`] and the file's
+/// length.
+pub(super) fn header_len(file: &Path, first: Option<[u8; 8]>, file_len: u64) -> Result<u64> {
+    let Some(len_bytes) = first else {
+        return Err(err(
+            file,
+            "file",
+            format!(
+                "{file_len} bytes, too short for the 8-byte header length that starts a \
+                 safetensors file: not a safetensors file"
+            ),
+        ));
+    };
+    let n = u64::from_le_bytes(len_bytes);
+    if n > MAX_HEADER_BYTES {
+        return Err(err(
+            file,
+            "header length",
+            format!(
+                "{n} bytes, more than the limit of {MAX_HEADER_BYTES} (a header of 100,000 \
+                 tensors takes about 15 MB): not a safetensors file, or a damaged one"
+            ),
+        ));
+    }
+    if LEN_BYTES + n > file_len {
+        return Err(err(
+            file,
+            "header length",
+            format!(
+                "{n} bytes, but the file holds only {} after the length: the file is cut \
+                 short, or not a safetensors file",
+                file_len.saturating_sub(LEN_BYTES)
+            ),
+        ));
+    }
+    Ok(n)
+}
+
+/// Validates a header from `bytes`, the file's first `8 + n` bytes, of a
+/// file of `file_len` bytes (see [`FileHeader::parse`]).
+pub(super) fn parse_prefix(file: &Path, bytes: &[u8], file_len: u64) -> Result<FileHeader> {
+    let data_start = bytes.len() as u64;
+    let header = &bytes[LEN_BYTES as usize..data_start as usize];
+    let text = std::str::from_utf8(header).map_err(|e| {
+        err(
+            file,
+            "header",
+            format!("not UTF-8 ({e}): not a safetensors file"),
+        )
+    })?;
+    let value = parse_strict(text).map_err(|e| {
+        err(
+            file,
+            "header",
+            format!("not JSON ({e}): not a safetensors file, or a damaged one"),
+        )
+    })?;
+    let Value::Object(map) = value else {
+        return Err(err(
+            file,
+            "header",
+            format!(
+                "{}, not a JSON object of tensors: not a safetensors file",
+                kind_of(&value)
+            ),
+        ));
+    };
+    let data_len = file_len - data_start;
+    let mut metadata = BTreeMap::new();
+    let mut tensors = Vec::with_capacity(map.len());
+    for (name, entry) in &map {
+        if name == "__metadata__" {
+            metadata = strings(file, entry)?;
+            continue;
+        }
+        tensors.push(tensor(file, name, entry, data_start, data_len)?);
+    }
+    check_offsets(file, &mut tensors, data_start, data_len)?;
+    // The crate's own reading of the same header, which must agree.
+    let meta: Metadata = serde_json::from_str(text)
+        .map_err(|e| err(file, "header", format!("refused by safetensors: {e}")))?;
+    let agrees = meta.tensors().len() == tensors.len()
+        && tensors.iter().all(|t| {
+            meta.info(&t.name).is_some_and(|i| {
+                (i.data_offsets.0 as u64, i.data_offsets.1 as u64)
+                    == (t.range.start - data_start, t.range.end - data_start)
+            })
+        });
+    if !agrees {
+        return Err(err(
+            file,
+            "header",
+            "read differently by the safetensors crate: a damaged file",
+        ));
+    }
+    Ok(FileHeader {
+        data_start,
+        tensors,
+        metadata,
+    })
 }
 
 /// The `__metadata__` object: strings only.

@@ -32,8 +32,12 @@ use crate::json::{kind_of, parse_strict};
 use crate::units::shorten;
 
 /// The largest index accepted, in bytes (an index of 100,000 tensors takes
-/// about 10 MB).
-pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+/// about 10 MB), checked on the open file's length before it is read.
+pub const MAX_INDEX_BYTES: u64 = 16 << 20;
+
+/// The most shard files an index may name (each is held open while the
+/// checkpoint is).
+pub const MAX_SHARDS: usize = 4096;
 
 /// A sharded checkpoint's index, validated.
 #[derive(Clone, Debug, PartialEq)]

@@ -4,11 +4,16 @@
 //!
 //! - [`Checkpoint::open`] opens a single `.safetensors` file, a Hugging Face
 //!   sharded checkpoint (its `model.safetensors.index.json`, [`ShardIndex`]),
-//!   or a directory holding either. Each file is mapped read-only
-//!   (`memmap2`) and only its header is read ([`FileHeader`], checked
-//!   strictly and read by the `safetensors` crate); tensor bytes are read
-//!   from the page cache when asked for ([`Checkpoint::bytes`],
-//!   [`Checkpoint::read`]).
+//!   or a directory holding either. Each file is opened through its
+//!   descriptor (regular files only, decided on `fstat` of the descriptor
+//!   that is read, never on the path: the `file` module) and only its
+//!   header is read ([`FileHeader`], checked strictly and read by the
+//!   `safetensors` crate); tensor bytes are read with `pread` when asked for
+//!   ([`Checkpoint::read_into`], [`Checkpoint::bytes`]), never mapped.
+//! - [`Checkpoint::open_with`] opens for someone else: its [`ReadPolicy`]
+//!   decides on each file's owner and mode before a byte of it is read, and
+//!   on the checkpoint's size before any header is parsed (the weight
+//!   service's access rule and quota, [`crate::service`]).
 //! - The element types are this crate's [`Dtype`]: every
 //!   safetensors type has one except the 6-bit floats (table in [`dtype`]).
 //!   A type that cannot be carried is refused when the checkpoint is
@@ -28,16 +33,24 @@
 //!   [`Error::Checkpoint`] naming the file and
 //!   the field: a missing shard, a name in two shards, a `weight_map` entry
 //!   that its shard's header lacks (or a header tensor the index does not
-//!   map there), overlapping, gapped or out-of-file data offsets, a header
-//!   larger than [`MAX_HEADER_BYTES`], a shard path that leaves the
-//!   checkpoint's directory, a file that is not safetensors.
-//! - **Files must not change while open.** The maps are read-only, and a
-//!   file truncated or rewritten while a [`Checkpoint`] maps it makes a
-//!   later read fault (`SIGBUS`) or see the new bytes, as with every
-//!   reader over a map (safetensors' own, PyTorch's). Write checkpoints to
-//!   a new file and rename it, as Hugging Face's tools do.
+//!   map there), overlapping, gapped or out-of-file data offsets, a shard
+//!   path that leaves the checkpoint's directory, a file that is not
+//!   safetensors, a file that is not a regular file (a FIFO, a device: it
+//!   is not even opened for reading).
+//! - **Limits**, each checked on the open file's length or the header's
+//!   8-byte length before the bytes are read: an index of at most
+//!   [`MAX_INDEX_BYTES`] naming at most [`MAX_SHARDS`] shards, a header of
+//!   at most [`MAX_HEADER_BYTES`], the headers of one checkpoint together
+//!   at most [`MAX_HEADER_BYTES_TOTAL`]. Opening reads nothing else, so
+//!   its time and memory are bounded whatever the files are.
+//! - **Files may change while open**, and that is safe: every read is a
+//!   `pread` bounded by the length the file had when it was opened, so a
+//!   file truncated meanwhile is an [`Error::Checkpoint`] naming it (a
+//!   reader over a memory map, safetensors' own or PyTorch's, would take
+//!   `SIGBUS`), and a file rewritten meanwhile gives its new bytes. Write
+//!   checkpoints to a new file and rename it, as Hugging Face's tools do.
 //! - **Threads.** A [`Checkpoint`] is `Send + Sync`: copies on several
-//!   threads read its maps at once.
+//!   threads read its files at once (`pread` moves no file offset).
 //!
 //! ```no_run
 //! use cuda_ipc::checkpoint::{Checkpoint, PlanOptions};
@@ -63,6 +76,7 @@
 //! ```
 
 pub mod dtype;
+mod file;
 mod header;
 mod index;
 mod open;
@@ -71,8 +85,9 @@ mod plan;
 use std::ops::Range;
 use std::path::Path;
 
-pub use header::{FileHeader, MAX_HEADER_BYTES};
-pub use index::{MAX_INDEX_BYTES, ShardIndex};
+pub use file::{AnyReadable, FileMeta, ReadPolicy};
+pub use header::{FileHeader, MAX_HEADER_BYTES, MAX_HEADER_BYTES_TOTAL};
+pub use index::{MAX_INDEX_BYTES, MAX_SHARDS, ShardIndex};
 pub use open::{Checkpoint, CheckpointFile, INDEX_NAME, SINGLE_NAME};
 pub use plan::{Chunk, MAX_PIECES, Piece, Placement, Plan, PlanOptions};
 

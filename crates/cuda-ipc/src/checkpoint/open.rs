@@ -1,16 +1,18 @@
-//! Opening a checkpoint: finding its files, mapping them, reading their
-//! headers and checking them against the index.
-// One `unsafe` block: mapping a file (memmap2's `Mmap::map`), whose
-// contract the module docs state and `CheckpointFile` restates.
-#![allow(unsafe_code)]
+//! Opening a checkpoint: finding its files, opening them through their
+//! descriptors (`file`), reading and checking their headers and the index,
+//! within the limits, before any tensor byte is read.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
-
-use super::{FileHeader, Plan, PlanOptions, ShardIndex, TensorEntry, err};
+use super::file::{
+    AnyReadable, Kind, PathFd, ReadFile, ReadPolicy, list_dir, open_parent, open_path,
+};
+use super::header::{LEN_BYTES, header_len, parse_prefix};
+use super::{
+    FileHeader, MAX_HEADER_BYTES_TOTAL, MAX_INDEX_BYTES, MAX_SHARDS, Plan, PlanOptions, ShardIndex,
+    TensorEntry, err,
+};
 use crate::error::{Error, Result};
 use crate::units::shorten;
 
@@ -19,14 +21,12 @@ pub const SINGLE_NAME: &str = "model.safetensors";
 /// The sharded checkpoint's index name in a Hugging Face model directory.
 pub const INDEX_NAME: &str = "model.safetensors.index.json";
 
-/// One mapped file of a checkpoint.
-///
-/// The map is read-only and private to this type; the file must not be
-/// truncated or rewritten while it lives (see the module docs).
+/// One file of a checkpoint, open for reading (`pread`), with its
+/// validated header.
 #[derive(Debug)]
 pub struct CheckpointFile {
     path: PathBuf,
-    map: Mmap,
+    file: ReadFile,
     data_start: u64,
     metadata: BTreeMap<String, String>,
 }
@@ -38,14 +38,14 @@ impl CheckpointFile {
         &self.path
     }
 
-    /// The file's length in bytes.
+    /// The file's length in bytes, when it was opened.
     pub fn len(&self) -> u64 {
-        self.map.len() as u64
+        self.file.len()
     }
 
     /// Whether the file is empty (never, for a file that opened).
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.file.len() == 0
     }
 
     /// Where the tensors' bytes start (after the header).
@@ -59,8 +59,8 @@ impl CheckpointFile {
     }
 }
 
-/// An opened checkpoint: its files mapped, its headers validated, its
-/// tensors listed (no tensor byte read yet).
+/// An opened checkpoint: its files open for reading, its headers
+/// validated, its tensors listed (no tensor byte read yet).
 #[derive(Debug)]
 pub struct Checkpoint {
     path: PathBuf,
@@ -80,18 +80,37 @@ impl Checkpoint {
     ///
     /// Every file is validated as the module docs say; the tensors are
     /// listed shard by shard (shards sorted by name), by offset within each.
+    /// Any regular file this process may read opens: [`Checkpoint::open_with`]
+    /// opens for someone else.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming the file and what was wrong.
     pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint> {
+        Checkpoint::open_with(path, &AnyReadable)
+    }
+
+    /// [`Checkpoint::open`], asking `policy` before each file (and the
+    /// directory searched) is read, on the `fstat` of its descriptor, and
+    /// once the checkpoint's size is known, before any header is parsed.
+    ///
+    /// # Errors
+    /// [`Checkpoint::open`]'s, and the policy's refusals.
+    pub fn open_with(path: impl AsRef<Path>, policy: &dyn ReadPolicy) -> Result<Checkpoint> {
         let given = path.as_ref();
-        let kind = std::fs::metadata(given).map_err(|e| io_err(given, &e))?;
-        let path = if kind.is_dir() {
-            find_in_dir(given)?
+        let fd = open_path(given)?;
+        if fd.meta().is_dir {
+            let (name, found) = find_in_dir(&fd, given, policy)?;
+            let path = given.join(&name);
+            if path.extension().is_some_and(|e| e == "json") {
+                open_sharded(path, &found, &fd, policy)
+            } else {
+                open_single(path, &found, policy)
+            }
+        } else if given.extension().is_some_and(|e| e == "json") {
+            let dir = open_parent(given)?;
+            open_sharded(given.to_path_buf(), &fd, &dir, policy)
         } else {
-            given.to_path_buf()
-        };
-        if path.extension().is_some_and(|e| e == "json") {
-            open_sharded(path)
-        } else {
-            open_single(path)
+            open_single(given.to_path_buf(), &fd, policy)
         }
     }
 
@@ -105,7 +124,7 @@ impl Checkpoint {
         self.index.as_ref()
     }
 
-    /// The mapped files; [`TensorEntry::file`] indexes this.
+    /// The checkpoint's files; [`TensorEntry::file`] indexes this.
     pub fn files(&self) -> &[CheckpointFile] {
         &self.files
     }
@@ -125,24 +144,50 @@ impl Checkpoint {
         self.tensors.iter().map(TensorEntry::len).sum()
     }
 
-    /// The bytes of `tensor` (one of [`Checkpoint::tensors`]), read from the
-    /// map: the page cache, or the disk on first touch.
-    pub fn bytes(&self, tensor: &TensorEntry) -> Result<&[u8]> {
+    /// The bytes of `tensor` (one of [`Checkpoint::tensors`]), read from
+    /// its file (the page cache, or the disk).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_into`].
+    pub fn bytes(&self, tensor: &TensorEntry) -> Result<Vec<u8>> {
         self.read(tensor.file, tensor.range.start, tensor.len())
     }
 
     /// `len` bytes of file `file` from `offset` (a [`Piece`](super::Piece)'s
-    /// source), or [`Error::OutOfBounds`] / an invalid argument if there is
-    /// no such range.
-    pub fn read(&self, file: usize, offset: u64, len: u64) -> Result<&[u8]> {
-        let f = self.files.get(file).ok_or_else(|| {
+    /// source), read into a new buffer.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::read_into`].
+    pub fn read(&self, file: usize, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let f = self.file(file)?;
+        Error::check_range(offset, len, f.len())?;
+        let len = usize::try_from(len)
+            .map_err(|_| Error::arg("read length", "larger than this machine's address space"))?;
+        let mut buf = vec![0; len];
+        f.file.read_at(&f.path, offset, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// Fills `buf` with the bytes of file `file` from `offset` (`pread`):
+    /// the way the loader reads into its staging buffers.
+    ///
+    /// # Errors
+    /// An invalid argument for a file the checkpoint does not have,
+    /// [`Error::OutOfBounds`] for a range outside the file as it was
+    /// opened, and an [`Error::Checkpoint`] naming the file when it has
+    /// become shorter since (truncated while it is read) or cannot be read.
+    pub fn read_into(&self, file: usize, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let f = self.file(file)?;
+        f.file.read_at(&f.path, offset, buf)
+    }
+
+    fn file(&self, file: usize) -> Result<&CheckpointFile> {
+        self.files.get(file).ok_or_else(|| {
             Error::arg(
                 "checkpoint file",
                 format!("{file}, but the checkpoint has {} files", self.files.len()),
             )
-        })?;
-        Error::check_range(offset, len, f.len())?;
-        Ok(&f.map[offset as usize..(offset + len) as usize])
+        })
     }
 
     /// The plan of a load of every tensor ([`Plan::new`]).
@@ -151,19 +196,20 @@ impl Checkpoint {
     }
 }
 
-/// The checkpoint file in directory `dir`.
-fn find_in_dir(dir: &Path) -> Result<PathBuf> {
+/// The checkpoint file in directory `dir` (listed only if `policy` lets
+/// it be): its name and its descriptor.
+fn find_in_dir(dir: &PathFd, shown: &Path, policy: &dyn ReadPolicy) -> Result<(String, PathFd)> {
+    policy.may_read(shown, dir.meta())?;
     for name in [SINGLE_NAME, INDEX_NAME] {
-        let p = dir.join(name);
-        if p.exists() {
-            return Ok(p);
+        match dir.open_under(Path::new(name), &shown.join(name)) {
+            Ok(fd) => return Ok((name.to_string(), fd)),
+            Err(_) if !exists_under(dir, name) => {}
+            Err(e) => return Err(e),
         }
     }
     let mut indexes = Vec::new();
     let mut singles = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(|e| io_err(dir, &e))? {
-        let entry = entry.map_err(|e| io_err(dir, &e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
+    for name in list_dir(dir, shown, policy)? {
         if name.ends_with(".safetensors.index.json") {
             indexes.push(name);
         } else if name.ends_with(".safetensors") {
@@ -178,9 +224,12 @@ fn find_in_dir(dir: &Path) -> Result<PathBuf> {
         (indexes, "*.safetensors.index.json files")
     };
     match found.as_slice() {
-        [one] => Ok(dir.join(one)),
+        [one] => {
+            let fd = dir.open_under(Path::new(one), &shown.join(one))?;
+            Ok((one.clone(), fd))
+        }
         [] => Err(err(
-            dir,
+            shown,
             "directory",
             format!(
                 "holds no {SINGLE_NAME}, {INDEX_NAME}, *.safetensors.index.json or \
@@ -188,7 +237,7 @@ fn find_in_dir(dir: &Path) -> Result<PathBuf> {
             ),
         )),
         many => Err(err(
-            dir,
+            shown,
             "directory",
             format!(
                 "holds {} {kind} ({}) and no {} or {}: open the one you mean",
@@ -205,51 +254,91 @@ fn find_in_dir(dir: &Path) -> Result<PathBuf> {
     }
 }
 
-fn io_err(path: &Path, e: &std::io::Error) -> Error {
-    let what = match e.kind() {
-        std::io::ErrorKind::NotFound => "no such file or directory".to_string(),
-        std::io::ErrorKind::PermissionDenied => {
-            "permission denied: the file must be readable by this process's user".to_string()
-        }
-        _ => format!("cannot be read ({e})"),
-    };
-    err(path, "file", what)
+/// Whether `name` names anything under `dir` (a dangling link does not).
+fn exists_under(dir: &PathFd, name: &str) -> bool {
+    dir.exists_under(Path::new(name))
 }
 
-/// Maps `path` read-only, after checking that it is a regular file.
-fn map(path: &Path) -> Result<Mmap> {
-    let meta = std::fs::metadata(path).map_err(|e| io_err(path, &e))?;
-    if !meta.is_file() {
+/// A file opened for reading and its header's length, read and checked
+/// (the 8 bytes that start it).
+struct Prefixed {
+    path: PathBuf,
+    file: ReadFile,
+    header_len: u64,
+}
+
+impl Prefixed {
+    fn open(path: PathBuf, fd: &PathFd, policy: &dyn ReadPolicy) -> Result<Prefixed> {
+        let file = ReadFile::open(fd, &path, Kind::Tensors, policy)?;
+        let mut first = [0u8; LEN_BYTES as usize];
+        let got = if file.len() >= LEN_BYTES {
+            file.read_at(&path, 0, &mut first)?;
+            Some(first)
+        } else {
+            None
+        };
+        let header_len = header_len(&path, got, file.len())?;
+        Ok(Prefixed {
+            path,
+            file,
+            header_len,
+        })
+    }
+
+    /// The bytes after the header.
+    fn data_bytes(&self) -> u64 {
+        self.file.len() - LEN_BYTES - self.header_len
+    }
+
+    /// Reads and validates the header.
+    fn finish(self) -> Result<(CheckpointFile, Vec<TensorEntry>)> {
+        let len = usize::try_from(LEN_BYTES + self.header_len).map_err(|_| {
+            err(
+                &self.path,
+                "header length",
+                "larger than this machine's memory",
+            )
+        })?;
+        let mut bytes = vec![0; len];
+        self.file.read_at(&self.path, 0, &mut bytes)?;
+        let header: FileHeader = parse_prefix(&self.path, &bytes, self.file.len())?;
+        let file = CheckpointFile {
+            path: self.path,
+            file: self.file,
+            data_start: header.data_start,
+            metadata: header.metadata,
+        };
+        Ok((file, header.tensors))
+    }
+}
+
+/// Asks `policy` about the files' data bytes, within the limit of their
+/// headers' total, then reads their headers.
+fn finish_all(
+    path: &Path,
+    files: Vec<Prefixed>,
+    policy: &dyn ReadPolicy,
+) -> Result<Vec<(CheckpointFile, Vec<TensorEntry>)>> {
+    let headers: u64 = files.iter().map(|f| f.header_len).sum();
+    if headers > MAX_HEADER_BYTES_TOTAL {
         return Err(err(
             path,
-            "file",
-            "not a regular file (a directory, device or pipe): not a safetensors file",
+            "headers",
+            format!(
+                "its {} files' headers take {headers} bytes, more than the limit of \
+                 {MAX_HEADER_BYTES_TOTAL} for one checkpoint: not a checkpoint, or a damaged one",
+                files.len()
+            ),
         ));
     }
-    let file = File::open(path).map_err(|e| io_err(path, &e))?;
-    // SAFETY: the map is read-only and private to `CheckpointFile`, which
-    // hands out only shared slices of it. Its contents may still change, or
-    // a read fault, if another process truncates or rewrites the file while
-    // it is mapped: the module docs make that the caller's contract, as
-    // every reader of checkpoints over a map does.
-    unsafe { Mmap::map(&file) }.map_err(|e| err(path, "file", format!("cannot be mapped ({e})")))
+    policy.may_load(files.iter().map(Prefixed::data_bytes).sum())?;
+    files.into_iter().map(Prefixed::finish).collect()
 }
 
-/// A mapped file and its validated header.
-fn open_file(path: PathBuf) -> Result<(CheckpointFile, Vec<TensorEntry>)> {
-    let map = map(&path)?;
-    let header = FileHeader::parse(&path, &map)?;
-    let file = CheckpointFile {
-        path,
-        map,
-        data_start: header.data_start,
-        metadata: header.metadata,
-    };
-    Ok((file, header.tensors))
-}
-
-fn open_single(path: PathBuf) -> Result<Checkpoint> {
-    let (file, tensors) = open_file(path.clone())?;
+fn open_single(path: PathBuf, fd: &PathFd, policy: &dyn ReadPolicy) -> Result<Checkpoint> {
+    let file = Prefixed::open(path.clone(), fd, policy)?;
+    let mut opened = finish_all(&path, vec![file], policy)?;
+    let (file, tensors) = opened.pop().expect("one file");
     let by_name = tensors
         .iter()
         .enumerate()
@@ -267,22 +356,30 @@ fn open_single(path: PathBuf) -> Result<Checkpoint> {
 /// A shard: its name in the index, its file, its header's tensors.
 type Shard<'a> = (&'a str, CheckpointFile, Vec<TensorEntry>);
 
-fn open_sharded(path: PathBuf) -> Result<Checkpoint> {
-    let meta = std::fs::metadata(&path).map_err(|e| io_err(&path, &e))?;
-    if meta.len() > super::MAX_INDEX_BYTES {
+fn open_sharded(
+    path: PathBuf,
+    fd: &PathFd,
+    dir: &PathFd,
+    policy: &dyn ReadPolicy,
+) -> Result<Checkpoint> {
+    let file = ReadFile::open(fd, &path, Kind::Index, policy)?;
+    if file.len() > MAX_INDEX_BYTES {
         return Err(err(
             &path,
             "file",
             format!(
-                "{} bytes, more than the limit of {} for an index: not a checkpoint index",
-                meta.len(),
-                super::MAX_INDEX_BYTES
+                "{} bytes, more than the limit of {MAX_INDEX_BYTES} for an index: not a \
+                 checkpoint index",
+                file.len()
             ),
         ));
     }
-    let text = std::fs::read(&path).map_err(|e| io_err(&path, &e))?;
+    let mut text = vec![0; usize::try_from(file.len()).unwrap_or(usize::MAX)];
+    file.read_at(&path, 0, &mut text)?;
+    drop(file);
     let index = ShardIndex::parse(&path, &text)?;
-    let opened = open_shards(&path, &index)?;
+    drop(text);
+    let opened = open_shards(&path, &index, dir, policy)?;
     check_names(&path, &index, &opened)?;
     let mut files = Vec::with_capacity(opened.len());
     let mut tensors = Vec::with_capacity(index.weight_map.len());
@@ -304,36 +401,66 @@ fn open_sharded(path: PathBuf) -> Result<Checkpoint> {
     })
 }
 
-/// Maps every shard the index names and reads its header.
-fn open_shards<'a>(path: &Path, index: &'a ShardIndex) -> Result<Vec<Shard<'a>>> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut opened = Vec::new();
-    for shard in index.shards() {
-        let shard_path = dir.join(shard);
-        if !shard_path.exists() {
-            let named: Vec<&str> = index
-                .weight_map
-                .iter()
-                .filter(|(_, s)| *s == shard)
-                .map(|(n, _)| n.as_str())
-                .collect();
-            return Err(err(
-                path,
-                "weight_map",
-                format!(
-                    "missing shard {}: the index maps {} tensors to it (first {}), and no such \
-                     file is in {}; download the whole checkpoint",
-                    shorten(shard, 80),
-                    named.len(),
-                    shorten(named.first().copied().unwrap_or(""), 80),
-                    dir.display()
-                ),
-            ));
-        }
-        let (file, header) = open_file(shard_path)?;
-        opened.push((shard, file, header));
+/// Opens every shard the index names (under `dir`, the index's directory)
+/// and reads its header.
+fn open_shards<'a>(
+    path: &Path,
+    index: &'a ShardIndex,
+    dir: &PathFd,
+    policy: &dyn ReadPolicy,
+) -> Result<Vec<Shard<'a>>> {
+    let shown_dir = path.parent().unwrap_or(Path::new("."));
+    let shards = index.shards();
+    if shards.len() > MAX_SHARDS {
+        return Err(err(
+            path,
+            "weight_map",
+            format!(
+                "names {} shard files, more than the limit of {MAX_SHARDS}: not a checkpoint \
+                 index, or merge its shards",
+                shards.len()
+            ),
+        ));
     }
-    Ok(opened)
+    let mut prefixed = Vec::with_capacity(shards.len());
+    for &shard in &shards {
+        let shard_path = shown_dir.join(shard);
+        let fd = match dir.open_under(Path::new(shard), &shard_path) {
+            Ok(fd) => fd,
+            Err(_) if !exists_under(dir, shard) => {
+                return Err(missing_shard(path, index, shard, shown_dir));
+            }
+            Err(e) => return Err(e),
+        };
+        prefixed.push(Prefixed::open(shard_path, &fd, policy)?);
+    }
+    let opened = finish_all(path, prefixed, policy)?;
+    Ok(shards
+        .into_iter()
+        .zip(opened)
+        .map(|(shard, (file, header))| (shard, file, header))
+        .collect())
+}
+
+fn missing_shard(path: &Path, index: &ShardIndex, shard: &str, dir: &Path) -> Error {
+    let named: Vec<&str> = index
+        .weight_map
+        .iter()
+        .filter(|(_, s)| *s == shard)
+        .map(|(n, _)| n.as_str())
+        .collect();
+    err(
+        path,
+        "weight_map",
+        format!(
+            "missing shard {}: the index maps {} tensors to it (first {}), and no such file is \
+             in {}; download the whole checkpoint",
+            shorten(shard, 80),
+            named.len(),
+            shorten(named.first().copied().unwrap_or(""), 80),
+            dir.display()
+        ),
+    )
 }
 
 /// Each name in one shard, and in the shard the index maps it to.

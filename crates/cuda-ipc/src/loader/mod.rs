@@ -10,7 +10,7 @@
 //!    each driven by its own host thread, with two page-locked staging
 //!    buffers (`cuMemHostAlloc`, each as large as the stream's largest
 //!    piece, at most [`PlanOptions::piece_size`]) and an event per buffer:
-//!    a buffer is filled from the checkpoint's map only once the event
+//!    a buffer is filled from the checkpoint (`pread`) only once the event
 //!    recorded after its previous copy has passed, then copied with
 //!    `cuMemcpyHtoDAsync`, so that filling one buffer overlaps the other's
 //!    copy. The copy streams first wait for the work queued on the chunks'
@@ -192,6 +192,23 @@ pub fn load_checkpoint(
     options: &PlanOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<LoadedCheckpoint> {
+    load_checkpoint_until(publisher, ckpt, options, progress, &AtomicBool::new(false))
+}
+
+/// [`load_checkpoint`], stopped early once `stop` is set: each stream looks
+/// before each piece (a piece is at most [`PlanOptions::piece_size`]
+/// bytes), so a stop takes at most one piece's read and copy per stream.
+///
+/// # Errors
+/// [`load_checkpoint`]'s, and an [`Error::Io`] (`Interrupted`) for a load
+/// stopped; nothing stays allocated after either.
+pub fn load_checkpoint_until(
+    publisher: &Publisher,
+    ckpt: &Checkpoint,
+    options: &PlanOptions,
+    progress: &mut dyn FnMut(u64, u64),
+    stop: &AtomicBool,
+) -> Result<LoadedCheckpoint> {
     check_publishable(ckpt)?;
     let plan = ckpt.plan(options)?;
     let arena = publisher.arena()?;
@@ -217,7 +234,7 @@ pub fn load_checkpoint(
                 .map_err(|e| from_cudarc("cuStreamWaitEvent", e))?;
         }
     }
-    copy_all(&device, ckpt, &plan, &buffers, &streams, progress)?;
+    copy_all(&device, ckpt, &plan, &buffers, &streams, progress, stop)?;
     let elapsed = started.elapsed();
     Ok(LoadedCheckpoint {
         tensors: tensors_of(ckpt, &plan),
@@ -242,8 +259,10 @@ fn copy_all(
     buffers: &[DeviceArenaBuffer],
     streams: &[std::sync::Arc<cudarc::driver::CudaStream>],
     progress: &mut dyn FnMut(u64, u64),
+    stop: &AtomicBool,
 ) -> Result<()> {
     let job = staging::Job {
+        stop,
         device,
         ckpt,
         plan,

@@ -1,5 +1,5 @@
 //! The copy of one stream: page-locked staging buffers filled from the
-//! checkpoint's maps and copied to the device, double-buffered.
+//! checkpoint's files (`pread`) and copied to the device, double-buffered.
 // `unsafe`: page-locked host memory (`cuMemHostAlloc`/`cuMemFreeHost`) and
 // the asynchronous copies that read it, each block with its SAFETY note.
 #![allow(unsafe_code)]
@@ -41,6 +41,10 @@ impl Staging {
             .map_err(|e| from_cudarc("cuEventCreate", e))?;
         device.bind()?;
         let ptr = mem::host_alloc(len)?;
+        // SAFETY: `host_alloc` returned `len` bytes of host memory that
+        // nothing else uses yet; zeroed once, so that `fill` hands out
+        // initialised bytes.
+        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
         Ok(Staging {
             ptr,
             len,
@@ -49,19 +53,27 @@ impl Staging {
         })
     }
 
-    /// Fills the buffer's first `src.len()` bytes.
-    fn fill(&mut self, src: &[u8]) -> Result<()> {
-        if src.len() > self.len {
-            return Err(Error::arg(
-                "staging buffer",
-                format!("a piece of {} bytes exceeds its {}", src.len(), self.len),
-            ));
-        }
-        // SAFETY: `ptr` holds `len` bytes of host memory that only this
-        // buffer uses, and no queued copy reads it (the caller waited on
-        // `event` after the last copy); `src` is a map, not this buffer.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.cast::<u8>(), src.len()) };
-        Ok(())
+    /// Fills the buffer's first `len` bytes with `read`, which is given
+    /// them as a slice (the checkpoint's `pread` into page-locked memory:
+    /// one copy, from the page cache).
+    fn fill(&mut self, len: u64, read: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<()> {
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&l| l <= self.len)
+            .ok_or_else(|| {
+                Error::arg(
+                    "staging buffer",
+                    format!("a piece of {len} bytes exceeds its {}", self.len),
+                )
+            })?;
+        // SAFETY: `ptr` holds `self.len >= len` initialised bytes (zeroed
+        // in `new`) of host memory that only this buffer uses; no queued
+        // copy reads them (the caller
+        // waited on `event` after the last copy); the slice lives only for
+        // this call, and `&mut self` keeps every other use of the buffer
+        // out.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<u8>(), len) };
+        read(dst)
     }
 
     /// Frees the buffer. The caller has synchronised the stream that read it.
@@ -102,6 +114,8 @@ pub(super) struct Job<'a> {
     pub chunks: Vec<(u64, u64)>,
     /// Set when a stream failed: the others stop.
     pub abort: AtomicBool,
+    /// Set by the caller to stop the load (a service stopping).
+    pub stop: &'a AtomicBool,
 }
 
 impl Job<'_> {
@@ -180,6 +194,12 @@ fn copy_steps(
         if job.abort.load(Ordering::Relaxed) {
             return Ok(()); // another stream failed and reports it
         }
+        if job.stop.load(Ordering::Relaxed) {
+            return Err(Error::Io {
+                context: "the load was stopped before it finished".into(),
+                source: std::io::ErrorKind::Interrupted.into(),
+            });
+        }
         let piece = &job.plan.pieces()[step.piece];
         let slot = match &mut slots[step.slot] {
             Some(slot) => slot,
@@ -217,17 +237,19 @@ fn copy_piece(
             size: chunk_len,
         });
     }
-    let src = job.ckpt.read(piece.file, piece.file_offset, piece.len)?;
-    slot.fill(src)?;
+    slot.fill(piece.len, |dst| {
+        job.ckpt.read_into(piece.file, piece.file_offset, dst)
+    })?;
     // SAFETY: the destination lies inside the chunk's buffer (checked
     // above), which outlives the copy (the load synchronises the stream
     // before it returns); the source is the staging buffer's first
-    // `src.len()` bytes, which stay untouched until `event` has passed.
+    // `piece.len` bytes (filled above, within its length), which stay
+    // untouched until `event` has passed.
     unsafe {
         mem::copy_htod_async(
             base + piece.chunk_offset,
             slot.ptr.cast_const(),
-            src.len(),
+            piece.len as usize,
             stream.cu_stream(),
         )?;
     }

@@ -279,17 +279,21 @@ pub struct StatsAnswer {
     pub pid: u32,
     /// The service's uid.
     pub service_uid: u32,
-    /// The quota of a uid without an override (`None`: no limit).
+    /// The quota of a uid other than the service's without an override
+    /// (`None`: no limit).
     pub default_quota: Option<u64>,
-    /// Each uid that holds a set, is loading one or has its own quota.
+    /// Each uid that holds a set or an old version, is loading or writing
+    /// one, or has its own quota.
     pub uids: Vec<UidUsage>,
     /// How many sets.
     pub sets: usize,
-    /// Device bytes of every set.
+    /// Device bytes of every set's current version and of every old
+    /// version (replaced, or dropped with `force`) that readers still keep.
     pub total_bytes: u64,
     /// Loads in progress.
     pub loads_in_progress: usize,
-    /// Leases readers hold on sets.
+    /// Leases readers hold on sets (current versions, and old versions
+    /// they keep).
     pub leases: usize,
     /// Free device memory in bytes (`cuMemGetInfo`), if it could be read.
     pub device_free: Option<u64>,

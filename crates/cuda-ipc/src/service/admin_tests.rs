@@ -112,6 +112,7 @@ fn answers_round_trip() {
         uids: vec![UidUsage {
             uid: 1000,
             used: 512,
+            held: 0,
             reserved: 0,
             quota: Some(1 << 30),
             sets: 1,

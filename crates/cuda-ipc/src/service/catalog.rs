@@ -3,7 +3,10 @@
 //! for loading and dropping.
 //!
 //! # Admission
-//! A load is admitted before any memory is allocated ([`Catalog::admit`]):
+//! A load is asked about once the checkpoint's size is known, before its
+//! headers are read or parsed ([`Catalog::check_admit`], with the bytes
+//! its files hold after their headers: a lower bound of what it will
+//! hold), and admitted before any memory is allocated ([`Catalog::admit`]):
 //! its bytes are reserved for its uid at once, so two loads at the same
 //! time cannot both pass a quota that only one fits in; the reservation
 //! becomes the set ([`Catalog::commit`]) or goes ([`Catalog::cancel`]). A
@@ -21,10 +24,30 @@
 //! version's bytes are reserved against the set owner's quota (a new set's
 //! owner is its writer) until it commits ([`Catalog::commit_write`]: the
 //! staging version becomes current as the next version, and the one it
-//! replaces is kept, and counted, as a retired version until its last reader
-//! lets go, [`Catalog::release_retired`]) or is aborted
-//! ([`Catalog::abort_write`], or [`Catalog::writer_gone`] when the writer's
-//! connection closes). A second writer is refused, naming the first.
+//! replaces is retired) or is aborted ([`Catalog::abort_write`], or
+//! [`Catalog::writer_gone`] when the writer's connection closes). A second
+//! writer is refused, naming the first.
+//!
+//! # Holding
+//! Memory is charged until it is actually freed, to whoever keeps it. A
+//! set's current version counts against its owner. A version that is no
+//! longer current but that readers still map (replaced by a commit, or
+//! dropped with `force`: [`Catalog::drop_set`]) stays in the books as a
+//! [`RetiredVersion`], charged in full to each uid whose readers hold it
+//! ([`Catalog::set_retired_holders`], which the service calls with the
+//! leases it sees before each admission and each `ls` or `stats`; to the
+//! owner while none is known), until its last reader lets go
+//! ([`Catalog::release_retired`]). A reader that keeps an old version
+//! therefore pays for it, not the owner who moved on; and a forced drop
+//! frees no quota until the memory is free. [`UidUsage::held`] and
+//! [`Catalog::total_bytes`] say so.
+//!
+//! # Quotas
+//! [`Quotas`]: a default for every uid other than the service's own (the
+//! service's own uid has no limit unless it has an override), and per-uid
+//! overrides. The service's default is [`Quotas::for_device`]: a quarter of
+//! the device's memory, so that one tenant cannot take the device from the
+//! others (a sparse file of 64 GiB is 64 GiB on the device).
 
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -59,8 +82,22 @@ pub fn holders_text(holders: &[Holder]) -> String {
     }
 }
 
+/// The distinct uids of `holders`, sorted.
+pub(crate) fn holder_uids(holders: &[Holder]) -> Vec<u32> {
+    let mut uids: Vec<u32> = holders.iter().map(|h| h.uid).collect();
+    uids.sort_unstable();
+    uids.dedup();
+    uids
+}
+
 #[path = "catalog_write.rs"]
 mod write;
+
+#[path = "catalog_quotas.rs"]
+mod quotas;
+
+pub(crate) use quotas::quotas_or_default;
+pub use quotas::{DEFAULT_QUOTA_SHARE, Quotas};
 
 pub use write::{
     Committed, MAX_WRITES_PER_CONNECTION, MAX_WRITES_PER_UID, RetiredVersion, Staged, WriteSession,
@@ -143,9 +180,13 @@ impl Ticket {
 pub struct UidUsage {
     /// The uid.
     pub uid: u32,
-    /// Bytes of its sets.
+    /// Bytes it is charged: its sets' current versions, and the old
+    /// versions (replaced or dropped) that its readers keep.
     pub used: u64,
-    /// Bytes reserved by its loads in progress.
+    /// Of `used`, the old versions its readers keep.
+    #[serde(default)]
+    pub held: u64,
+    /// Bytes reserved by its loads in progress and write sessions.
     pub reserved: u64,
     /// Its quota in bytes (`None`: no limit).
     pub quota: Option<u64>,
@@ -307,42 +348,6 @@ impl CatalogError {
     }
 }
 
-/// Quotas: a default for every uid and overrides (see the module docs).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Quotas {
-    /// Bytes each uid may hold without an override (`None`: no limit).
-    pub default: Option<u64>,
-    /// Per-uid limits in bytes, in place of the default.
-    pub per_uid: BTreeMap<u32, u64>,
-}
-
-impl Quotas {
-    /// No limit for anyone.
-    pub fn unlimited() -> Quotas {
-        Quotas::default()
-    }
-
-    /// `bytes` for every uid without an override (`None`: no limit).
-    #[must_use]
-    pub fn with_default(mut self, bytes: Option<u64>) -> Quotas {
-        self.default = bytes;
-        self
-    }
-
-    /// `bytes` for `uid`, in place of the default.
-    #[must_use]
-    pub fn with_uid(mut self, uid: u32, bytes: u64) -> Quotas {
-        self.per_uid.insert(uid, bytes);
-        self
-    }
-
-    /// The quota of `uid` (`None`: no limit).
-    pub fn of(&self, uid: u32) -> Option<u64> {
-        self.per_uid.get(&uid).copied().or(self.default)
-    }
-}
-
 /// The service's bookkeeping (see the module docs). Not thread-safe on its
 /// own: the service keeps it behind a lock.
 #[derive(Debug)]
@@ -386,21 +391,23 @@ impl Catalog {
         &self.quotas
     }
 
-    /// Bytes of `uid`'s sets (current and retired versions), and of its
-    /// loads in progress and write sessions' staging versions.
-    fn usage_of(&self, uid: u32) -> (u64, u64) {
+    /// Bytes `uid` is charged: its sets' current versions and the old
+    /// versions it holds (see "Holding"), of which those old versions, and
+    /// its loads in progress and write sessions' staging versions.
+    fn usage_of(&self, uid: u32) -> (u64, u64, u64) {
+        let held: u64 = self
+            .retired
+            .iter()
+            .filter(|r| r.charged_to(uid))
+            .map(|r| r.bytes)
+            .sum();
         let used = self
             .sets
             .values()
             .filter(|s| s.owner_uid == uid)
             .map(|s| s.bytes)
-            .chain(
-                self.retired
-                    .iter()
-                    .filter(|r| r.owner_uid == uid)
-                    .map(|r| r.bytes),
-            )
-            .sum();
+            .sum::<u64>()
+            .saturating_add(held);
         let reserved = self
             .loading
             .values()
@@ -413,13 +420,13 @@ impl Catalog {
                     .map(|w| w.bytes),
             )
             .sum();
-        (used, reserved)
+        (used, held, reserved)
     }
 
     /// Refuses `uid` `bytes` more when they would pass its quota.
     fn check_quota(&self, uid: u32, bytes: u64) -> Result<(), CatalogError> {
-        if let Some(quota) = self.quotas.of(uid) {
-            let (used, reserved) = self.usage_of(uid);
+        if let Some(quota) = self.quotas.of(uid, self.service_uid) {
+            let (used, _, reserved) = self.usage_of(uid);
             let total = used.saturating_add(reserved).saturating_add(bytes);
             if total > quota {
                 return Err(CatalogError::OverQuota {
@@ -434,13 +441,16 @@ impl Catalog {
         Ok(())
     }
 
-    /// Admits a load of `bytes` bytes into set `name` for `uid` and reserves
-    /// the bytes (see the module docs).
+    /// Checks that a load of `bytes` bytes into set `name` for `uid` would
+    /// be admitted now, reserving nothing: what a load asks once it knows
+    /// the checkpoint's size, before it reads the headers ([`admit`]
+    /// asks again with the plan's bytes).
+    ///
+    /// [`admit`]: Self::admit
     ///
     /// # Errors
-    /// [`CatalogError::Stopping`], [`CatalogError::Exists`],
-    /// [`CatalogError::Loading`], [`CatalogError::OverQuota`], in that order.
-    pub fn admit(&mut self, uid: u32, name: &str, bytes: u64) -> Result<Ticket, CatalogError> {
+    /// As [`admit`](Self::admit).
+    pub fn check_admit(&self, uid: u32, name: &str, bytes: u64) -> Result<(), CatalogError> {
         if self.stopping {
             return Err(CatalogError::Stopping);
         }
@@ -460,7 +470,18 @@ impl Catalog {
         if let Some(w) = self.writing.get(name) {
             return Err(w.refusal());
         }
-        self.check_quota(uid, bytes)?;
+        self.check_quota(uid, bytes)
+    }
+
+    /// Admits a load of `bytes` bytes into set `name` for `uid` and reserves
+    /// the bytes (see the module docs).
+    ///
+    /// # Errors
+    /// [`CatalogError::Stopping`], [`CatalogError::Exists`],
+    /// [`CatalogError::Loading`], [`CatalogError::Writing`],
+    /// [`CatalogError::OverQuota`], in that order.
+    pub fn admit(&mut self, uid: u32, name: &str, bytes: u64) -> Result<Ticket, CatalogError> {
+        self.check_admit(uid, name, bytes)?;
         self.loading.insert(name.into(), (uid, bytes));
         Ok(Ticket {
             name: name.into(),
@@ -546,10 +567,29 @@ impl Catalog {
         Ok(set)
     }
 
-    /// Forgets set `name` (after [`check_drop`](Self::check_drop), or at
-    /// shutdown); returns it.
+    /// Forgets set `name` at shutdown, whoever holds it; returns it.
     pub fn remove(&mut self, name: &str) -> Option<SetInfo> {
         self.sets.remove(name)
+    }
+
+    /// Drops set `name` (after [`check_drop`](Self::check_drop)); returns
+    /// it. While `holders` (the readers of a forced drop) keep its memory it
+    /// stays counted, against them, as a dropped version among
+    /// [`retired`](Self::retired), until
+    /// [`release_retired`](Self::release_retired) (see "Holding").
+    pub fn drop_set(&mut self, name: &str, holders: &[Holder]) -> Option<SetInfo> {
+        let info = self.sets.remove(name)?;
+        if !holders.is_empty() {
+            self.retired.push(RetiredVersion {
+                set: info.name.clone(),
+                version: info.version,
+                owner_uid: info.owner_uid,
+                bytes: info.bytes,
+                dropped: true,
+                holders: holder_uids(holders),
+            });
+        }
+        Some(info)
     }
 
     /// The set `name`.
@@ -567,8 +607,8 @@ impl Catalog {
         self.loading.len()
     }
 
-    /// Each uid that holds a set, is loading one or has a quota of its
-    /// own, in uid order.
+    /// Each uid that holds a set or an old version, is loading or writing
+    /// one or has a quota of its own, in uid order.
     pub fn usage(&self) -> Vec<UidUsage> {
         let mut uids: Vec<u32> = self
             .sets
@@ -576,28 +616,34 @@ impl Catalog {
             .map(|s| s.owner_uid)
             .chain(self.loading.values().map(|(u, _)| *u))
             .chain(self.writing.values().map(|w| w.owner_uid))
-            .chain(self.retired.iter().map(|r| r.owner_uid))
+            .chain(self.retired.iter().flat_map(RetiredVersion::charged))
             .chain(self.quotas.per_uid.keys().copied())
             .collect();
         uids.sort_unstable();
         uids.dedup();
         uids.into_iter()
             .map(|uid| {
-                let (used, reserved) = self.usage_of(uid);
+                let (used, held, reserved) = self.usage_of(uid);
                 UidUsage {
                     uid,
                     used,
+                    held,
                     reserved,
-                    quota: self.quotas.of(uid),
+                    quota: self.quotas.of(uid, self.service_uid),
                     sets: self.sets.values().filter(|s| s.owner_uid == uid).count(),
                 }
             })
             .collect()
     }
 
-    /// Bytes of every set's current version.
+    /// Device bytes the service holds for sets: every current version, and
+    /// every old version readers still keep (each once).
     pub fn total_bytes(&self) -> u64 {
-        self.sets.values().map(|s| s.bytes).sum()
+        self.sets
+            .values()
+            .map(|s| s.bytes)
+            .chain(self.retired.iter().map(|r| r.bytes))
+            .sum()
     }
 
     /// Refuses every load from now on (loads already admitted may commit).

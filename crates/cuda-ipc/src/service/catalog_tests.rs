@@ -24,6 +24,7 @@ fn a_load_is_admitted_reserved_and_committed() {
         [UidUsage {
             uid: 1000,
             used: 0,
+            held: 0,
             reserved: 400,
             quota: Some(1000),
             sets: 0
@@ -85,8 +86,11 @@ fn overrides_replace_the_default_and_none_means_no_limit() {
     let q = Quotas::unlimited()
         .with_default(Some(10))
         .with_uid(7, 1 << 40);
-    assert_eq!(q.of(7), Some(1 << 40));
-    assert_eq!(q.of(8), Some(10));
+    assert_eq!(q.of(7, SERVICE), Some(1 << 40));
+    assert_eq!(q.of(8, SERVICE), Some(10));
+    // The service's own uid has no limit unless it has an override.
+    assert_eq!(q.of(SERVICE, SERVICE), None);
+    assert_eq!(q.clone().with_uid(SERVICE, 5).of(SERVICE, SERVICE), Some(5));
     let mut c = Catalog::new(SERVICE, q);
     assert!(c.admit(7, "big", 1 << 39).is_ok());
     assert!(c.admit(8, "small", 11).is_err());
@@ -199,6 +203,8 @@ enum Op {
         leased: bool,
         force: bool,
     },
+    /// The readers of a dropped set let go.
+    Release(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -211,6 +217,7 @@ fn op() -> impl Strategy<Value = Op> {
         }),
         (0usize..4).prop_map(Op::Commit),
         (0usize..4).prop_map(Op::Cancel),
+        (0usize..4).prop_map(Op::Release),
         (uid, 0u8..6, any::<bool>(), any::<bool>()).prop_map(|(caller, name, leased, force)| {
             Op::Drop {
                 caller,
@@ -222,17 +229,89 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// A forced drop while readers hold the set: its bytes stay counted,
+/// against them, until they let go; `usage` and `total_bytes` say so.
+#[test]
+fn a_forced_drop_counts_until_the_memory_is_free() {
+    // A 64-byte quota, 48-byte sets: one at a time.
+    let mut c = Catalog::new(SERVICE, Quotas::unlimited().with_default(Some(64)));
+    let reader = Holder { pid: 9, uid: 1 };
+    for (round, name) in ["a", "b", "c"].into_iter().enumerate() {
+        let t = c
+            .admit(1, name, 48)
+            .unwrap_or_else(|e| panic!("load {name}: {e}"));
+        c.commit_at(t, loaded(), 1);
+        c.check_drop(1, name, &[reader], true).unwrap();
+        let info = c.drop_set(name, &[reader]).unwrap();
+        assert_eq!(info.bytes, 48);
+        assert!(c.get(name).is_none(), "forgotten as a set");
+        let u = c.usage();
+        assert_eq!(
+            (u[0].uid, u[0].used, u[0].held, u[0].sets),
+            (1, 48, 48, 0),
+            "{u:?}"
+        );
+        assert_eq!(c.total_bytes(), 48);
+        // While its reader keeps it, another does not fit.
+        assert_eq!(
+            c.admit(1, "next", 48).unwrap_err().code(),
+            "over_quota",
+            "round {round}"
+        );
+        // The reader lets go: the memory is free, and so is the quota.
+        let r = c.release_retired(name, 1).unwrap();
+        assert!(r.dropped);
+        assert_eq!((c.usage().len(), c.total_bytes()), (0, 0));
+    }
+    // A drop nobody holds leaves nothing behind.
+    let t = c.admit(1, "d", 48).unwrap();
+    c.commit_at(t, loaded(), 1);
+    c.drop_set("d", &[]).unwrap();
+    assert!(c.retired().is_empty());
+    // Another uid's reader pays for what it keeps, not the owner.
+    let t = c.admit(1, "e", 48).unwrap();
+    c.commit_at(t, loaded(), 1);
+    c.drop_set("e", &[Holder { pid: 5, uid: 2 }]).unwrap();
+    let u = c.usage();
+    assert_eq!((u[0].uid, u[0].used), (2, 48), "{u:?}");
+    assert!(c.admit(1, "f", 48).is_ok());
+}
+
+/// Without a quota given, each uid but the service's own may hold a
+/// quarter of the device: a tenant cannot take it from the others.
+#[test]
+fn other_uids_have_a_default_quota_and_the_services_own_has_none() {
+    let device: u64 = 80 << 30;
+    let default = super::super::ServiceConfig::default().quotas;
+    let q = quotas_or_default(default, || Ok(device)).unwrap();
+    assert_eq!(q.default, Some(20 << 30));
+    let mut c = Catalog::new(SERVICE, q);
+    let e = c.admit(65534, "sparse", 64 << 30).unwrap_err();
+    assert_eq!(e.code(), "over_quota", "{e}");
+    assert!(c.admit(65534, "fits", 20 << 30).is_ok());
+    assert!(c.admit(SERVICE, "root", 64 << 30).is_ok());
+    let u = c.usage();
+    assert_eq!(u.iter().find(|u| u.uid == SERVICE).unwrap().quota, None);
+    // Quotas given are kept as they are; the device is not asked.
+    let given = Quotas::unlimited();
+    let kept = quotas_or_default(Some(given.clone()), || panic!("asked")).unwrap();
+    assert_eq!(kept, given);
+}
+
 proptest! {
-    /// Whatever happens, no uid ever holds (with its loads in progress)
-    /// more than its quota, the usage adds up to the sets, a refusal changes
-    /// nothing, and a drop happens exactly when the rules allow it.
+    /// Whatever happens, no uid ever loads past its quota (what its
+    /// readers keep of dropped sets counts, but can pass it: a reader of
+    /// uid 3 keeps what it holds), the usage adds up to the sets and the
+    /// dropped sets still held (charged to their reader's uid), a refusal
+    /// changes nothing, and a drop happens exactly when the rules allow it.
     #[test]
     fn quotas_hold_and_the_books_balance(ops in prop::collection::vec(op(), 1..60)) {
         let quotas = Quotas::unlimited().with_default(Some(1000)).with_uid(2, 300);
         let mut c = Catalog::new(SERVICE, quotas.clone());
         let mut tickets: Vec<Ticket> = Vec::new();
-        // The model: name -> (owner, bytes).
+        // The model: name -> (owner, bytes); dropped sets uid 3 holds.
         let mut sets: BTreeMap<String, (u32, u64)> = BTreeMap::new();
+        let mut held: Vec<u64> = Vec::new();
         for op in ops {
             match op {
                 Op::Admit { uid, name, bytes } => {
@@ -242,7 +321,7 @@ proptest! {
                         .map(|u| u.used + u.reserved).sum();
                     let taken = sets.contains_key(&name)
                         || tickets.iter().any(|t| t.name() == name);
-                    let fits = used + bytes <= quotas.of(uid).unwrap();
+                    let fits = quotas.of(uid, SERVICE).is_none_or(|q| used + bytes <= q);
                     match c.admit(uid, &name, bytes) {
                         Ok(t) => {
                             prop_assert!(!taken && fits);
@@ -262,7 +341,6 @@ proptest! {
                     sets.insert(name, (uid, bytes));
                 }
                 Op::Cancel(i) if i < tickets.len() => c.cancel(tickets.remove(i)),
-                Op::Commit(_) | Op::Cancel(_) => {}
                 Op::Drop { caller, name, leased, force } => {
                     let name = format!("s{name}");
                     let holders = if leased { vec![Holder { pid: 9, uid: 3 }] } else { vec![] };
@@ -272,17 +350,31 @@ proptest! {
                     let checked = c.check_drop(caller, &name, &holders, force).is_ok();
                     prop_assert_eq!(checked, allowed);
                     if checked {
-                        prop_assert!(c.remove(&name).is_some());
-                        sets.remove(&name);
+                        prop_assert!(c.drop_set(&name, &holders).is_some());
+                        let (_, bytes) = sets.remove(&name).unwrap();
+                        if leased {
+                            held.push(bytes);
+                        }
                     }
                 }
+                Op::Release(i) if i < held.len() => {
+                    let r = c.retired()[i].clone();
+                    prop_assert_eq!(c.release_retired(&r.set, r.version), Some(r));
+                    held.remove(i);
+                }
+                Op::Commit(_) | Op::Cancel(_) | Op::Release(_) => {}
             }
             for u in c.usage() {
-                prop_assert!(u.used + u.reserved <= u.quota.unwrap(), "{u:?}");
+                let keeps: u64 = if u.uid == 3 { held.iter().sum() } else { 0 };
+                prop_assert!(
+                    u.quota.is_none_or(|q| u.used - u.held + u.reserved <= q),
+                    "{u:?}"
+                );
                 let model: u64 = sets.values().filter(|(o, _)| *o == u.uid).map(|(_, b)| b).sum();
-                prop_assert_eq!(u.used, model);
+                prop_assert_eq!((u.used, u.held), (model + keeps, keeps));
             }
-            prop_assert_eq!(c.total_bytes(), sets.values().map(|(_, b)| b).sum::<u64>());
+            let total = sets.values().map(|(_, b)| b).sum::<u64>() + held.iter().sum::<u64>();
+            prop_assert_eq!(c.total_bytes(), total);
             prop_assert_eq!(c.loads_in_progress(), tickets.len());
         }
     }

@@ -1,6 +1,7 @@
 //! Write sessions in the catalog (see "Writing" in the parent module): one
 //! writer per set, its staging version reserved against the owner's quota,
-//! commits that retire the version they replace, aborts.
+//! commits that retire the version they replace, aborts; and the retired
+//! versions readers keep (see "Holding").
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -82,18 +83,38 @@ impl WriteSession {
     }
 }
 
-/// A version that a commit replaced, kept (and counted against its owner)
-/// until its last reader lets go.
+/// A version that is no longer current (a commit replaced it, or a forced
+/// drop dropped it) but whose memory readers keep: counted against them
+/// until its last reader lets go (see "Holding" in the parent module).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RetiredVersion {
     /// The set.
     pub set: String,
     /// Its version.
     pub version: u64,
-    /// The uid it counts against.
+    /// The set's owner (charged only while no holder is known).
     pub owner_uid: u32,
     /// Its device bytes.
     pub bytes: u64,
+    /// Whether a forced drop dropped it (else a commit replaced it).
+    pub dropped: bool,
+    /// The uids whose readers keep it, sorted: each is charged its bytes.
+    pub holders: Vec<u32>,
+}
+
+impl RetiredVersion {
+    /// The uids its bytes count against: its holders, or its owner while
+    /// none is known.
+    pub fn charged(&self) -> impl Iterator<Item = u32> + '_ {
+        let owner = self.holders.is_empty().then_some(self.owner_uid);
+        self.holders.iter().copied().chain(owner)
+    }
+
+    /// Whether its bytes count against `uid`.
+    pub fn charged_to(&self, uid: u32) -> bool {
+        self.charged().any(|u| u == uid)
+    }
 }
 
 /// What a commit did.
@@ -247,6 +268,8 @@ impl Catalog {
             version: old.version,
             owner_uid: old.owner_uid,
             bytes: old.bytes,
+            dropped: false,
+            holders: Vec::new(),
         });
         if let Some(r) = &retired {
             self.retired.push(r.clone());
@@ -362,6 +385,19 @@ impl Catalog {
     /// The retired versions readers still hold.
     pub fn retired(&self) -> &[RetiredVersion] {
         &self.retired
+    }
+
+    /// Says who holds retired version `version` of `name` now (the
+    /// readers whose leases keep its memory): each of their uids is charged
+    /// its bytes from now on. Nothing happens for a version not retired.
+    pub fn set_retired_holders(&mut self, name: &str, version: u64, holders: &[Holder]) {
+        if let Some(r) = self
+            .retired
+            .iter_mut()
+            .find(|r| r.set == name && r.version == version)
+        {
+            r.holders = super::holder_uids(holders);
+        }
     }
 
     /// Forgets retired version `version` of `name` (its last reader let

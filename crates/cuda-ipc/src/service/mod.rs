@@ -22,7 +22,8 @@
 //! the file must be readable by that uid; for a caller of another uid,
 //! only files it owns or anyone may read (`not_readable` otherwise: a
 //! caller cannot have the service read for it what it could not read
-//! itself).
+//! itself), decided on the descriptor the service reads, before a byte of
+//! it is read (the `access` module).
 //!
 //! # Threads
 //! Calls run on the channel's connection threads: a load holds up only the
@@ -42,15 +43,16 @@ mod writer;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::channel::{CallError, CallHandler};
-use crate::checkpoint::{Checkpoint, PlanOptions};
+use crate::checkpoint::PlanOptions;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::exchange::{Endpoint, Publisher, PublisherConfig};
-use crate::loader::{LoadedCheckpoint, load_checkpoint};
+use crate::loader::{LoadedCheckpoint, load_checkpoint_until};
 
 use admin::{
     AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, DropAnswer, DropRequest, LoadAnswer,
@@ -67,8 +69,10 @@ pub use writer::Writer;
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
 pub struct ServiceConfig {
-    /// Quotas in bytes (default: no limit).
-    pub quotas: Quotas,
+    /// Quotas in bytes (default `None`: [`Quotas::for_device`] of the
+    /// service's device, a quarter of its memory for each uid other than
+    /// the service's own; [`Quotas::unlimited`] for none).
+    pub quotas: Option<Quotas>,
     /// User ids allowed to connect besides the service's own.
     pub allow_uids: Vec<u32>,
     /// The loader's options when a load asks for none (streams, staging).
@@ -79,7 +83,7 @@ impl ServiceConfig {
     /// Sets the quotas.
     #[must_use]
     pub fn with_quotas(mut self, quotas: Quotas) -> Self {
-        self.quotas = quotas;
+        self.quotas = Some(quotas);
         self
     }
 
@@ -154,9 +158,11 @@ struct Inner {
     held: Mutex<HashMap<String, Held>>,
     /// The staging versions of write sessions, by set.
     staging: Mutex<HashMap<String, write::Staging>>,
-    /// Versions replaced by a commit: (set, version, its channel entry),
-    /// until their last reader lets go.
-    retired: Mutex<Vec<(String, u64, u64)>>,
+    /// Versions no longer current that readers keep, until their last
+    /// reader lets go (the catalog's retired versions).
+    retired: Mutex<Vec<write::Kept>>,
+    /// Set at shutdown: loads in progress stop at their next piece.
+    stop_loads: AtomicBool,
     /// Set by the `shutdown` method.
     stop_asked: Mutex<bool>,
     stop_cv: Condvar,
@@ -198,14 +204,16 @@ impl Service {
             .with_allow_uids(config.allow_uids.iter().copied());
         let publisher = Publisher::bind(device, endpoint, publisher_config)?;
         let uid = rustix::process::geteuid().as_raw();
+        let quotas = catalog::quotas_or_default(config.quotas, || Ok(device.memory_info()?.1))?;
         let inner = Arc::new(Inner {
             publisher,
             device: device.clone(),
             load_defaults: config.load,
-            catalog: Mutex::new(Catalog::new(uid, config.quotas)),
+            catalog: Mutex::new(Catalog::new(uid, quotas)),
             held: Mutex::new(HashMap::new()),
             staging: Mutex::new(HashMap::new()),
             retired: Mutex::new(Vec::new()),
+            stop_loads: AtomicBool::new(false),
             stop_asked: Mutex::new(false),
             stop_cv: Condvar::new(),
         });
@@ -288,13 +296,17 @@ impl Service {
         *asked
     }
 
-    /// Stops: loads nothing more, hides every set from new readers (its
-    /// readers get an `Unpublished` notice), waits up to `grace` for the
-    /// readers' leases to end, then drops every set and gives the memory
-    /// back. Readers still holding leases then keep what they mapped.
+    /// Stops: loads nothing more and stops the loads in progress (at their
+    /// next piece; each gives its memory back and answers `load_failed`),
+    /// hides every set from new readers (its readers get an `Unpublished`
+    /// notice), waits up to `grace` for the readers' leases to end, then
+    /// drops every set and gives the memory back. Readers still holding
+    /// leases then keep what they mapped. With no reader holding on it
+    /// returns within about a second whatever loads were running.
     pub fn shutdown(self, grace: Duration) -> ShutdownReport {
         let inner = &self.inner;
         locked(&inner.catalog).stop();
+        inner.stop_loads.store(true, Ordering::SeqCst);
         let sessions: Vec<(String, String)> = locked(&inner.catalog)
             .write_sessions()
             .map(|s| (s.set.clone(), s.staging.clone()))
@@ -332,8 +344,12 @@ impl Service {
     }
 }
 
-/// How long [`Service::shutdown`] waits for calls still running (a load).
-const CALLS_AT_SHUTDOWN: Duration = Duration::from_secs(60);
+/// How long [`Service::shutdown`] waits for calls still running: a load
+/// stops at its next piece, and one still opening its checkpoint (bounded
+/// by the reader's limits) is refused at its size check; a call that
+/// takes longer is left to the process's exit, so that a stop never waits
+/// on a client's load.
+const CALLS_AT_SHUTDOWN: Duration = Duration::from_secs(1);
 
 /// A library error as a caller sees it.
 fn call_error(code: &str, e: &Error) -> CallError {
@@ -361,6 +377,8 @@ impl Inner {
 impl Ops for Inner {
     fn load(&self, uid: u32, r: &LoadRequest) -> std::result::Result<LoadAnswer, CallError> {
         r.validate().map_err(bad_request)?;
+        // The old versions' holders as they are now: what the quotas count.
+        self.sweep_retired();
         let mut options = self.load_defaults.clone();
         if let Some(s) = r.streams {
             options = options.with_streams(s);
@@ -387,16 +405,11 @@ impl Ops for Inner {
             ));
         }
         let path = PathBuf::from(&r.path);
-        let ckpt = Checkpoint::open(&path).map_err(|e| call_error("checkpoint", &e))?;
         let service_uid = locked(&self.catalog).service_uid();
-        access::check_readable_by(
-            uid,
-            service_uid,
-            ckpt.files()
-                .iter()
-                .map(crate::checkpoint::CheckpointFile::path),
-        )
-        .map_err(|m| CallError::new("not_readable", m))?;
+        // The quota (and the name) before the work: asked once the files'
+        // sizes are known, before any header is parsed.
+        let room = access::room_for(&self.catalog, uid, &r.set);
+        let ckpt = access::open_for(uid, service_uid, &path, &room)?;
         crate::loader::check_publishable(&ckpt).map_err(|e| call_error("checkpoint", &e))?;
         let plan = ckpt
             .plan(&options)
@@ -405,8 +418,14 @@ impl Ops for Inner {
             .admit(uid, &r.set, plan.total_bytes())
             .map_err(|e| refused(&e))?;
         tracing::info!(set = %r.set, uid, path = %path.display(), bytes = plan.total_bytes(), "loading");
-        let loaded = load_checkpoint(&self.publisher, &ckpt, plan.options(), &mut |_, _| {})
-            .and_then(|l| l.publish(&self.publisher, &r.set).map(|()| l));
+        let loaded = load_checkpoint_until(
+            &self.publisher,
+            &ckpt,
+            plan.options(),
+            &mut |_, _| {},
+            &self.stop_loads,
+        )
+        .and_then(|l| l.publish(&self.publisher, &r.set).map(|()| l));
         let loaded = match loaded {
             Ok(l) => l,
             Err(e) => {
@@ -513,7 +532,12 @@ impl Ops for Inner {
         self.sweep_retired();
         let memory = self.device.memory_info().ok();
         let catalog = locked(&self.catalog);
-        let names: BTreeSet<&str> = catalog.sets().map(|s| s.name.as_str()).collect();
+        // Leases on sets, and on old versions readers still keep.
+        let names: BTreeSet<&str> = catalog
+            .sets()
+            .map(|s| s.name.as_str())
+            .chain(catalog.retired().iter().map(|r| r.set.as_str()))
+            .collect();
         let leases = self
             .publisher
             .leases()
@@ -536,6 +560,7 @@ impl Ops for Inner {
     }
 
     fn drop_set(&self, caller: u32, r: &DropRequest) -> std::result::Result<DropAnswer, CallError> {
+        self.sweep_retired();
         let holders = self.holders(&r.set);
         let mut catalog = locked(&self.catalog);
         catalog
@@ -547,8 +572,14 @@ impl Ops for Inner {
         self.publisher
             .unpublish_set(&r.set, None)
             .map_err(|e| call_error("drop_failed", &e))?;
-        let info = catalog.remove(&r.set);
+        // Readers that hold it keep its memory: it stays in the books,
+        // charged to them, until they let go (the catalog's "Holding").
+        let holding = self.holders(&r.set);
+        let info = catalog.drop_set(&r.set, &holding);
         drop(catalog);
+        if let (Some(info), false) = (&info, holding.is_empty()) {
+            locked(&self.retired).push(write::Kept::dropped(&r.set, info.version));
+        }
         if let Some(s) = session {
             self.discard_staging(&s.set, &s.staging);
         }
@@ -558,6 +589,7 @@ impl Ops for Inner {
         if let Err(e) = self.publisher.trim() {
             tracing::debug!(error = %e, "trim after a drop");
         }
+        self.sweep_retired();
         tracing::info!(set = %r.set, caller, forced = !holders.is_empty(), "dropped");
         Ok(DropAnswer {
             set: r.set.clone(),

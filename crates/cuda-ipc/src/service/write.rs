@@ -27,13 +27,13 @@
 use std::io::Read;
 
 use crate::arena::{DeviceArenaBuffer, SetMember};
-use crate::channel::{CallError, UNLISTED_ENTRY_PREFIX};
+use crate::channel::{CallError, LeaseInfo, UNLISTED_ENTRY_PREFIX};
 use crate::mechanism::Access;
 
 use super::admin::{
     AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, OpenWriteAnswer, OpenWriteRequest,
 };
-use super::catalog::{self, Staged, WriterId};
+use super::catalog::{self, Holder, Staged, WriterId};
 use super::layout::{self, Tensor};
 use super::{Held, Inner, locked, refused};
 
@@ -230,7 +230,7 @@ impl Inner {
         }
         locked(&self.held).insert(r.set.clone(), Held::written(stage.tensors, stage.buffers));
         if let (Some(told), Some(old)) = (told, &done.retired) {
-            locked(&self.retired).push((r.set.clone(), old.version, told.old_entry));
+            locked(&self.retired).push(Kept::replaced(&r.set, old.version, told.old_entry));
         }
         self.sweep_retired();
         tracing::info!(set = %r.set, pid = caller.pid, version = done.info.version, "committed");
@@ -289,28 +289,84 @@ impl Inner {
         }
     }
 
-    /// Forgets the retired versions whose last reader let go.
+    /// Charges each retired version to the readers that hold it now, and
+    /// forgets those whose last reader let go.
     pub(super) fn sweep_retired(&self) {
-        let server = self.publisher.server();
-        let freed: Vec<(String, u64, u64)> = {
+        let leases = self.publisher.leases();
+        let mut freed = Vec::new();
+        let mut kept = Vec::new();
+        {
             let mut retired = locked(&self.retired);
-            let (freed, kept) = retired
-                .drain(..)
-                .partition(|(_, _, entry)| server.entry_lease_count(*entry) == 0);
-            *retired = kept;
-            freed
-        };
+            for k in retired.drain(..) {
+                let holders: Vec<Holder> = leases
+                    .iter()
+                    .filter(|l| k.holds(l))
+                    .map(|l| Holder {
+                        pid: l.pid,
+                        uid: l.uid,
+                    })
+                    .collect();
+                if holders.is_empty() {
+                    freed.push(k);
+                } else {
+                    kept.push((k, holders));
+                }
+            }
+            retired.extend(kept.iter().map(|(k, _)| k.clone()));
+        }
+        let mut catalog = locked(&self.catalog);
+        for (k, holders) in &kept {
+            catalog.set_retired_holders(&k.set, k.version, holders);
+        }
+        for k in &freed {
+            catalog.release_retired(&k.set, k.version);
+        }
+        drop(catalog);
         if freed.is_empty() {
             return;
         }
-        let mut catalog = locked(&self.catalog);
-        for (set, version, _) in &freed {
-            catalog.release_retired(set, *version);
-        }
-        drop(catalog);
         self.publisher.reap();
         if let Err(e) = self.publisher.trim() {
             tracing::debug!(error = %e, "trim after retired versions");
+        }
+    }
+}
+
+/// A version no longer current that readers keep, as the service tracks
+/// it: a replaced version by its channel entry (freed when that entry's
+/// last lease ends), a dropped set by its name (its buffers are freed when
+/// no lease on the name is left: the publisher's rule for unpublished
+/// sets).
+#[derive(Clone, Debug)]
+pub(super) struct Kept {
+    set: String,
+    version: u64,
+    /// The replaced version's entry; `None` for a dropped set.
+    entry: Option<u64>,
+}
+
+impl Kept {
+    pub(super) fn replaced(set: &str, version: u64, entry: u64) -> Kept {
+        Kept {
+            set: set.into(),
+            version,
+            entry: Some(entry),
+        }
+    }
+
+    pub(super) fn dropped(set: &str, version: u64) -> Kept {
+        Kept {
+            set: set.into(),
+            version,
+            entry: None,
+        }
+    }
+
+    /// Whether `lease` keeps this version's memory.
+    fn holds(&self, lease: &LeaseInfo) -> bool {
+        match self.entry {
+            Some(id) => lease.entry == id,
+            None => lease.name == self.set,
         }
     }
 }

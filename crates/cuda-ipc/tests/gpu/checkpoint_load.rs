@@ -130,7 +130,7 @@ fn reader() {
             set.view::<u8>(i).unwrap().to_vec().unwrap()
         };
         if got != want {
-            let at = got.iter().zip(want).position(|(a, b)| a != b);
+            let at = got.iter().zip(&want).position(|(a, b)| a != b);
             bad = json!(format!(
                 "{}: bytes differ (first at {at:?}, lengths {} and {})",
                 e.name,

@@ -21,6 +21,7 @@ mod mechanisms;
 mod peer;
 mod read_only;
 mod service;
+mod service_limits;
 mod service_write;
 mod set_fences;
 mod sleep;

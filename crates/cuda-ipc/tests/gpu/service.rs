@@ -129,8 +129,10 @@ fn a_service_keeps_a_set_its_loader_left_and_enforces_quotas_and_leases() {
     let held = held_bytes(dir.path());
     let socket = dir.path().join("svc.sock");
     let device = Device::open(0).unwrap();
-    // Room for one load, not two.
-    let quotas = Quotas::unlimited().with_default(Some(held + held / 2));
+    // Room for one load, not two. The loads come from the service's own
+    // uid, which the default quota leaves unlimited: give it one.
+    let own = rustix::process::geteuid().as_raw();
+    let quotas = Quotas::unlimited().with_uid(own, held + held / 2);
     let service = Service::start(
         &device,
         socket.as_path(),
