@@ -35,14 +35,29 @@ for line in sys.stdin:
             print(m["target"]["name"] + " " + m["executable"])
 '
 )
+# The attack harness (a bench without a harness of its own).
+hostile=$(
+  cargo bench --locked --no-run -p cuda-ipc-channel --bench hostile_peers --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "hostile_peers":
+        print(m["executable"])
+'
+)
 if [ ${#tests[@]} -eq 0 ]; then
   echo "no GPU test executables were built" >&2
   exit 1
 fi
 
 rm -rf "$out"
-mkdir -p "$out/tests" "$out/examples"
+mkdir -p "$out/tests" "$out/examples" "$out/benches"
 cp "$target/release/cuda-ipc" "$out/"
+[ -n "$hostile" ] && cp "$hostile" "$out/benches/hostile_peers"
 for t in "${tests[@]}"; do
   name=${t%% *}
   cp "${t#* }" "$out/tests/$name"
@@ -71,6 +86,6 @@ cp examples/python/*.py "$out/examples/python/"
 cp scripts/gpu-run.sh "$out/run.sh"
 cp scripts/gpu-run-service.sh "$out/gpu-run-service.sh"
 chmod +x "$out/run.sh"
-strip --strip-debug "$out/cuda-ipc" "$out"/tests/* "$out"/examples/* 2>/dev/null || true
+strip --strip-debug "$out/cuda-ipc" "$out"/tests/* "$out"/examples/* "$out"/benches/* 2>/dev/null || true
 du -sh "$out" >&2
 echo "bundle ready: $out (run $out/run.sh on a GPU host)" >&2

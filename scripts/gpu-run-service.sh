@@ -3,7 +3,7 @@
 # sourced by scripts/gpu-run.sh (run.sh in a bundle), which defines what
 # they use: $cli, $here, $logs, check, ok, bad, log_of, bg_start, bg_stop,
 # run_tests, install_wheel, python_script. Steps: service,
-# service_containers, service_chaos.
+# service_containers, service_chaos, service_hostile.
 
 # write_service_checkpoint DIR LOG: a small sharded checkpoint in DIR,
 # written with python3 alone (four dtypes, two shards and an index, random
@@ -252,4 +252,16 @@ step_service_chaos() {
   [ -n "${SERVICE_CHAOS_SEED:-}" ] && seed=(--seed "$SERVICE_CHAOS_SEED")
   python_script service-chaos "$logs/python-service-chaos.log" '^(seed|round|PASS|FAIL)' \
     python3 "$here/python/tests/gpu_service_chaos.py" --cli "$cli" --rounds "${SERVICE_CHAOS_ROUNDS:-200}" "${seed[@]}"
+}
+
+# Another user against the service (root; setpriv): root's ls, stats and
+# load keep being answered while uid 65534 flips a link between a file
+# only root may read and its own, truncates a file during its load, gives
+# a FIFO, /dev/zero, a 99 MB header and a 64 GiB sparse file, then floods
+# the service's channel (benches/hostile_peers: shm-freeze, ack-flood);
+# root's set keeps every byte; SIGTERM during the flood ends the service
+# within 2 s, exit 0 (python/tests/gpu_service_hostile.py).
+step_service_hostile() {
+  python_script service-hostile "$logs/python-service-hostile.log" '^(PASS|FAIL|      )' \
+    python3 "$here/python/tests/gpu_service_hostile.py" --cli "$cli" --hostile "$here/benches/hostile_peers"
 }

@@ -2,7 +2,7 @@
 # Runs the GPU checks of a bundle made by scripts/gpu-bundle.sh, on a GPU host
 # with no Rust toolchain. Usage:
 #
-#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes sleep peer bench bench-full parts containers sets checkpoint load service service_containers service_chaos service_model stress mps
+#   run.sh [STEP ...]      steps: info tests soak demo cli exchange samples python lifetimes sleep peer bench bench-full parts containers sets checkpoint load service service_containers service_chaos service_hostile service_model stress mps hostile
 #                          (default: info tests soak demo cli exchange samples python lifetimes sleep)
 #
 # `tests` runs every GPU test but the 100,000-cycle soaks, which `soak` runs
@@ -605,6 +605,16 @@ step_peer() {
   check "bench --quick --devices 0,1 --only fresh,peer" 0 "$cli" bench --quick --devices 0,1 --only fresh,peer --json-out "$logs/bench-peer.json"
   sed -n '/Across two GPUs/,/^Targets/p' "$logs/bench_--quick_--devices_0_1_--only_fresh_peer.log"
   grep -E 'peer/' "$logs/bench_--quick_--devices_0_1_--only_fresh_peer.log"
+}
+
+# What hostile clients cost a channel server (benches/hostile_peers: 17
+# attacks of 256 connections, as uid 65534 when root): a legitimate attach
+# and ring subscription within 2x their unloaded time, the server's
+# threads, descriptors and memory back after each attack.
+step_hostile() {
+  check "hostile_peers: every attack within its bounds" 0 sh -c \
+    "'$here/benches/hostile_peers' | tee '$logs/hostile-peers.txt'; ! grep -q '^OUT OF BOUNDS' '$logs/hostile-peers.txt'"
+  cat "$logs/hostile-peers.txt"
 }
 
 step_bench() {
