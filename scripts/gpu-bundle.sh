@@ -20,35 +20,29 @@ target=${CARGO_TARGET_DIR:-$root/target}
 
 echo "building release binaries..." >&2
 cargo build --release --locked --bin cuda-ipc --examples >&2
-# The test executables, found through cargo's own JSON messages.
-mapfile -t tests < <(
-  cargo test --release --locked --no-run --message-format=json 2>/dev/null |
-    python3 -c '
+# artifacts KIND PREFIX: "NAME EXECUTABLE" for each executable of target
+# kind KIND whose name starts with PREFIX, from cargo's JSON messages on
+# standard input.
+artifacts() {
+  python3 -c '
 import json, sys
+kind, prefix = sys.argv[1:3]
 for line in sys.stdin:
     try:
         m = json.loads(line)
     except ValueError:
         continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        if m["target"]["name"].startswith("gpu"):
-            print(m["target"]["name"] + " " + m["executable"])
-'
-)
+    t = m.get("target") or {}
+    if m.get("reason") == "compiler-artifact" and m.get("executable") \
+            and t.get("kind") == [kind] and t["name"].startswith(prefix):
+        print(t["name"] + " " + m["executable"])
+' "$1" "$2"
+}
+# The test executables.
+mapfile -t tests < <(cargo test --release --locked --no-run --message-format=json 2>/dev/null | artifacts test gpu)
 # The attack harness (a bench without a harness of its own).
-hostile=$(
-  cargo bench --locked --no-run -p cuda-ipc-channel --bench hostile_peers --message-format=json 2>/dev/null |
-    python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "hostile_peers":
-        print(m["executable"])
-'
-)
+hostile=$(cargo bench --locked --no-run -p cuda-ipc-channel --bench hostile_peers --message-format=json 2>/dev/null |
+  artifacts bench hostile_peers | cut -d' ' -f2-)
 if [ ${#tests[@]} -eq 0 ]; then
   echo "no GPU test executables were built" >&2
   exit 1
@@ -63,7 +57,8 @@ for t in "${tests[@]}"; do
   cp "${t#* }" "$out/tests/$name"
 done
 for ex in "$target"/release/examples/*; do
-  case $(basename "$ex") in *.d | *-*) continue ;; esac
+  # Not the copies cargo names with a hash (NAME-0123456789abcdef).
+  case $(basename "$ex") in *.d | *-[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]) continue ;; esac
   [ -x "$ex" ] && [ -f "$ex" ] && cp "$ex" "$out/examples/"
 done
 cp -r python "$out/python"
