@@ -165,7 +165,7 @@ pub use replace::Replaced;
 pub use ring::ServerRing;
 pub use stall::{CpuBudget, StallBudget};
 pub use state::LatePolicy;
-use state::{Body, Entry, Ring, Slot, SlotState, State};
+use state::{Body, Entry, Ring, State};
 
 struct Shared {
     path: PathBuf,
@@ -580,30 +580,7 @@ impl Server {
             .into_iter()
             .map(|(meta, fds)| SlotSource { meta, fds })
             .collect();
-        let slots = (0..count)
-            .map(|_| Slot {
-                state: SlotState::Free,
-                sent_at: Instant::now(),
-                seq: 0,
-                pending: BTreeSet::new(),
-                waited_since: None,
-            })
-            .collect();
-        let id = self.insert(
-            name,
-            meta,
-            meta_bytes,
-            Body::Ring(Ring {
-                sources,
-                slots,
-                ack_deadline: None,
-                late_policy: LatePolicy::Skip,
-                stall_budget: Some(StallBudget::DEFAULT),
-                stalls: std::collections::HashMap::new(),
-                next: 0,
-                seq: 0,
-            }),
-        )?;
+        let id = self.insert(name, meta, meta_bytes, Body::Ring(Ring::new(sources)))?;
         Ok(ServerRing {
             shared: Arc::clone(&self.shared),
             entry: id,

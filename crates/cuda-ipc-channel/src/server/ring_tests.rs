@@ -6,14 +6,22 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::conn::SlotSource;
 use super::ring::{Late, late_on_slot};
 use super::stall::StallBudget;
-use super::state::{LatePolicy, Lease, Ring, Slot, SlotState};
+use super::state::{LatePolicy, Lease, Ring, SlotState};
 
 const FAST: u64 = 1;
 const LAGGARD: u64 = 2;
 const FAST_UID: u32 = 1000;
 const LAGGARD_UID: u32 = 2000;
+
+fn source() -> SlotSource {
+    SlotSource {
+        meta: serde_json::Value::Null,
+        fds: Vec::new(),
+    }
+}
 
 fn lease(uid: u32) -> Lease {
     Lease {
@@ -29,24 +37,8 @@ fn lease(uid: u32) -> Lease {
 /// and the leases of a fast subscriber and a laggard of users `fast` and
 /// `laggard`.
 fn ring(slots: usize, laggard: u32) -> (Ring, BTreeSet<u64>, HashMap<u64, Lease>) {
-    let ring = Ring {
-        sources: Arc::from(Vec::new()),
-        slots: (0..slots)
-            .map(|_| Slot {
-                state: SlotState::Free,
-                sent_at: Instant::now(),
-                seq: 0,
-                pending: BTreeSet::new(),
-                waited_since: None,
-            })
-            .collect(),
-        ack_deadline: None,
-        late_policy: LatePolicy::Skip,
-        stall_budget: Some(StallBudget::new(0.1, Duration::from_millis(40)).unwrap()),
-        stalls: HashMap::new(),
-        next: 0,
-        seq: 0,
-    };
+    let mut ring = Ring::new(Arc::from((0..slots).map(|_| source()).collect::<Vec<_>>()));
+    ring.stall_budget = Some(StallBudget::new(0.1, Duration::from_millis(40)).unwrap());
     let subscribers = BTreeSet::from([FAST, LAGGARD]);
     let leases = HashMap::from([(FAST, lease(FAST_UID)), (LAGGARD, lease(laggard))]);
     (ring, subscribers, leases)

@@ -137,6 +137,30 @@ pub(super) struct State {
 }
 
 impl Ring {
+    /// A ring of one free slot per source, with the defaults: no ack
+    /// deadline, late subscribers skipped, [`StallBudget::DEFAULT`].
+    pub(super) fn new(sources: Arc<[SlotSource]>) -> Ring {
+        let slots = (0..sources.len())
+            .map(|_| Slot {
+                state: SlotState::Free,
+                sent_at: Instant::now(),
+                seq: 0,
+                pending: BTreeSet::new(),
+                waited_since: None,
+            })
+            .collect();
+        Ring {
+            sources,
+            slots,
+            ack_deadline: None,
+            late_policy: LatePolicy::Skip,
+            stall_budget: Some(StallBudget::DEFAULT),
+            stalls: HashMap::new(),
+            next: 0,
+            seq: 0,
+        }
+    }
+
     /// Charges user `uid` for holding up the producer from `began` to
     /// `now` (one of its subscribers acked, or was found late), if the
     /// ring has a stall budget and `shared` (subscribers of other users
