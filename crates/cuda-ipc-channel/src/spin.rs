@@ -130,19 +130,45 @@ impl Backoff {
 /// How many threads may spin at once, server-wide: however many
 /// connections its clients open and however they time their messages,
 /// the readers' spins take at most this many cores; a reader that finds
-/// every place taken sleeps at once, as without a spin.
+/// every place taken sleeps at once, as without a spin. Connections of
+/// users other than the server's own take at most half of the places
+/// (none where there is one): however busy they keep their readers, the
+/// server's own user finds a place to spin, and its requests are
+/// answered without a thread wake-up.
 #[derive(Debug)]
 pub(crate) struct Spinners {
     busy: AtomicUsize,
+    /// Of `busy`, the places held for other users' connections.
+    foreign: AtomicUsize,
     max: usize,
 }
 
 /// A place among the [`Spinners`], given back when dropped.
-pub(crate) struct SpinSlot<'a>(&'a AtomicUsize);
+pub(crate) struct SpinSlot<'a> {
+    spinners: &'a Spinners,
+    foreign: bool,
+}
 
 impl Drop for SpinSlot<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Release);
+        if self.foreign {
+            self.spinners.foreign.fetch_sub(1, Ordering::Release);
+        }
+        self.spinners.busy.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Takes a place in `count` if it holds fewer than `max`.
+fn take(count: &AtomicUsize, max: usize) -> bool {
+    let mut n = count.load(Ordering::Relaxed);
+    loop {
+        if n >= max {
+            return false;
+        }
+        match count.compare_exchange_weak(n, n + 1, Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => return true,
+            Err(now) => n = now,
+        }
     }
 }
 
@@ -151,6 +177,7 @@ impl Spinners {
     pub(crate) fn new(max: usize) -> Spinners {
         Spinners {
             busy: AtomicUsize::new(0),
+            foreign: AtomicUsize::new(0),
             max,
         }
     }
@@ -161,23 +188,23 @@ impl Spinners {
         Spinners::new((cores / 4).max(1))
     }
 
-    /// A place to spin in, if one is free.
-    pub(crate) fn try_enter(&self) -> Option<SpinSlot<'_>> {
-        let mut busy = self.busy.load(Ordering::Relaxed);
-        loop {
-            if busy >= self.max {
-                return None;
-            }
-            match self.busy.compare_exchange_weak(
-                busy,
-                busy + 1,
-                Ordering::Acquire,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return Some(SpinSlot(&self.busy)),
-                Err(now) => busy = now,
-            }
+    /// A place to spin in, if one is free: for a connection of the
+    /// server's own user, or of another user (`foreign`), which may hold
+    /// only half of the places.
+    pub(crate) fn try_enter(&self, foreign: bool) -> Option<SpinSlot<'_>> {
+        if foreign && !take(&self.foreign, self.max / 2) {
+            return None;
         }
+        if !take(&self.busy, self.max) {
+            if foreign {
+                self.foreign.fetch_sub(1, Ordering::Release);
+            }
+            return None;
+        }
+        Some(SpinSlot {
+            spinners: self,
+            foreign,
+        })
     }
 }
 
@@ -217,15 +244,36 @@ mod tests {
     #[test]
     fn no_more_than_the_limit_spin_at_once() {
         let s = Spinners::new(2);
-        let a = s.try_enter().unwrap();
-        let b = s.try_enter().unwrap();
-        assert!(s.try_enter().is_none());
+        let a = s.try_enter(false).unwrap();
+        let b = s.try_enter(false).unwrap();
+        assert!(s.try_enter(false).is_none());
         drop(a);
-        let c = s.try_enter().unwrap();
-        assert!(s.try_enter().is_none());
+        let c = s.try_enter(false).unwrap();
+        assert!(s.try_enter(false).is_none());
         drop((b, c));
-        assert!(s.try_enter().is_some());
+        assert!(s.try_enter(false).is_some());
         assert!(Spinners::for_this_machine().max >= 1);
+    }
+
+    #[test]
+    fn other_users_hold_at_most_half_of_the_places() {
+        let s = Spinners::new(4);
+        let foreign: Vec<_> = (0..2).map(|_| s.try_enter(true).unwrap()).collect();
+        // However busy other users keep their readers, ours find a place.
+        assert!(s.try_enter(true).is_none());
+        let own: Vec<_> = (0..2).map(|_| s.try_enter(false).unwrap()).collect();
+        // A full house refuses everyone.
+        assert!(s.try_enter(false).is_none());
+        drop(own);
+        // Room again, but not for a third place of other users.
+        assert!(s.try_enter(true).is_none());
+        drop(foreign);
+        let again = s.try_enter(true).unwrap();
+        drop(again);
+        // With one place (a two-core machine), other users never spin.
+        let one = Spinners::new(1);
+        assert!(one.try_enter(true).is_none());
+        assert!(one.try_enter(false).is_some());
     }
 
     #[test]

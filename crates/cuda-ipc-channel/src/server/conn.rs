@@ -563,7 +563,7 @@ impl Conn {
         let send_timeout = self.limits.send_timeout;
         loop {
             if let Some(m) = meter.as_mut() {
-                m.charge_and_wait(Duration::ZERO, || self.open());
+                m.charge_and_wait(|| self.open());
             }
             let (next, draining) = {
                 let mut out = lock(&self.out);

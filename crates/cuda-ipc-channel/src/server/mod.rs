@@ -189,6 +189,8 @@ struct Shared {
     /// How many readers may spin at once.
     spinners: crate::spin::Spinners,
     pid: u32,
+    /// Our user id: its connections are never charged, and spin first.
+    uid: u32,
     state: Mutex<State>,
     /// Signalled whenever a lease ends, a slot is acked, or an entry is
     /// unpublished, and at shutdown.
@@ -218,7 +220,7 @@ impl Shared {
     /// The meter of a connection of user `uid`, if its processor time is
     /// charged (a user other than ours, with a budget set).
     fn cpu_meter(&self, uid: u32) -> Option<stall::CpuMeter> {
-        let budget = self.peer_cpu.filter(|_| uid != super::own_uid())?;
+        let budget = self.peer_cpu.filter(|_| uid != self.uid)?;
         let account = Arc::clone(lock(&self.cpu_accounts).entry(uid).or_insert_with(|| {
             Arc::new(Mutex::new(stall::Bucket::full(
                 budget.burst,
@@ -363,6 +365,7 @@ impl Server {
             spin: config.spin,
             spinners: crate::spin::Spinners::for_this_machine(),
             pid: own_pid(),
+            uid: super::own_uid(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             acks: std::sync::atomic::AtomicU64::new(0),

@@ -165,12 +165,12 @@ pub(super) fn session(
     let mut held: Held = None;
     let mut record = Vec::new();
     let mut backoff = Backoff::default();
-    // Another user's client pays for the processor time its messages take.
+    // Another user's client pays for the processor time its messages
+    // take, the spins that wait for them included.
     let mut meter = shared.cpu_meter(conn.cred.uid);
-    let mut spun = Duration::ZERO;
     loop {
         if let Some(m) = meter.as_mut() {
-            m.charge_and_wait(std::mem::take(&mut spun), || conn.open());
+            m.charge_and_wait(|| conn.open());
         }
         conn.wait_for_room(RESPONSE_WINDOW);
         // A connection that holds nothing may stay silent only so long.
@@ -192,7 +192,7 @@ pub(super) fn session(
         }
         // A held request waits for the socket: read it at once.
         if held.is_none() {
-            spun = spin(shared, conn, acks.as_mut(), &mut backoff, deadline);
+            spin(shared, conn, acks.as_mut(), &mut backoff, deadline);
             if let Some(rx) = acks.as_mut() {
                 match rx.wait(Duration::ZERO, deadline, Some(conn.stream.as_fd())) {
                     Ok(Ready::Ring) => continue,
@@ -247,21 +247,22 @@ pub(super) fn session(
 /// not come within the spin soon costs one in 64 waits ([`Backoff`]); and
 /// no more readers spin at once than [`Spinners`](crate::spin::Spinners) allows (the others
 /// sleep at once), so clients cannot make the server spin on more cores
-/// than that. Returns when something came or the spin is over (with how
-/// long it spun); the wait proper follows.
+/// than that; other users' connections, no more than half as many
+/// ([`Spinners`](crate::spin::Spinners)). Returns when something came or
+/// the spin is over; the wait proper follows.
 fn spin(
     shared: &Shared,
     conn: &Conn,
     acks: Option<&mut Receiver>,
     backoff: &mut Backoff,
     deadline: Option<Instant>,
-) -> Duration {
+) {
     let budget = backoff.next(shared.spin);
     if budget.is_zero() {
-        return Duration::ZERO;
+        return;
     }
-    let Some(_slot) = shared.spinners.try_enter() else {
-        return Duration::ZERO;
+    let Some(_slot) = shared.spinners.try_enter(conn.cred.uid != shared.uid) else {
+        return;
     };
     let began = Instant::now();
     let end = deadline.map_or(began + budget, |d| d.min(began + budget));
@@ -274,7 +275,6 @@ fn spin(
     };
     // A spin cut short by the idle deadline caught nothing.
     backoff.record(budget, if caught { began.elapsed() } else { budget });
-    began.elapsed()
 }
 
 /// What the reader knows of the client's order when it reads the ring.

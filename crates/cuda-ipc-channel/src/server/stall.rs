@@ -207,17 +207,17 @@ impl CpuMeter {
         }
     }
 
-    /// Charges the processor time this thread used since the last call,
-    /// less `idle` (time it spent spinning, waiting for the client: the
-    /// server's choice, not the client's cost), then, if the user is in
+    /// Charges the processor time this thread used since the last call
+    /// (its spins for the client's next message included: the client's
+    /// messages are what make it spin), then, if the user is in
     /// debt, sleeps (in slices, as long as `open` says the connection is
     /// served) until its balance is back to a quarter of its burst, so
     /// that a throttled reader wakes for a batch of work rather than for
     /// each message (each wake-up costs too, and is charged). Returns how
     /// long it slept.
-    pub(super) fn charge_and_wait(&mut self, idle: Duration, open: impl Fn() -> bool) -> Duration {
+    pub(super) fn charge_and_wait(&mut self, open: impl Fn() -> bool) -> Duration {
         let now_cpu = thread_cpu();
-        let used = now_cpu.saturating_sub(self.last).saturating_sub(idle);
+        let used = now_cpu.saturating_sub(self.last);
         self.last = now_cpu;
         let CpuBudget { share, burst } = self.budget;
         let now = Instant::now();
@@ -292,30 +292,29 @@ mod tests {
     }
 
     #[test]
-    fn a_meter_charges_work_not_idle_time_and_sleeps_off_the_debt() {
+    fn a_meter_charges_its_threads_work_and_sleeps_off_the_debt() {
         let budget = CpuBudget::new(0.5, Duration::from_millis(10)).unwrap();
         let account = Arc::new(Mutex::new(Bucket::full(budget.burst, Instant::now())));
         let mut m = CpuMeter::new(budget, Arc::clone(&account));
         // 5 ms of work within a 10 ms burst: no sleep.
         burn(Duration::from_millis(5));
-        assert_eq!(m.charge_and_wait(Duration::ZERO, || true), Duration::ZERO);
-        // 30 ms of work, of which 10 ms were spinning: 20 ms charged
-        // against a balance refilled meanwhile to the 10 ms burst, 10 ms in
-        // debt at half a core (20 ms to pay back), then a quarter of the
-        // burst to gain (5 ms): about 25 ms asleep.
-        burn(Duration::from_millis(30));
-        let slept = m.charge_and_wait(Duration::from_millis(10), || true);
+        assert_eq!(m.charge_and_wait(|| true), Duration::ZERO);
+        // 25 ms of work against a balance refilled meanwhile to the 10 ms
+        // burst: 15 ms in debt at half a core (30 ms to pay back), then a
+        // quarter of the burst to gain (5 ms): about 35 ms asleep.
+        burn(Duration::from_millis(25));
+        let slept = m.charge_and_wait(|| true);
         assert!(
-            slept >= Duration::from_millis(18) && slept < Duration::from_millis(200),
+            slept >= Duration::from_millis(25) && slept < Duration::from_millis(200),
             "{slept:?}"
         );
         // Two meters of one user share the account: the second one's work
         // puts the first in debt too.
         let mut other = CpuMeter::new(budget, Arc::clone(&account));
         burn(Duration::from_millis(40));
-        assert!(other.charge_and_wait(Duration::ZERO, || false) == Duration::ZERO);
+        assert!(other.charge_and_wait(|| false) == Duration::ZERO);
         let now = Instant::now();
         assert!(lock(&account).debt_left(budget.share, budget.burst, now) > Duration::ZERO);
-        assert!(m.charge_and_wait(Duration::ZERO, || true) > Duration::ZERO);
+        assert!(m.charge_and_wait(|| true) > Duration::ZERO);
     }
 }
