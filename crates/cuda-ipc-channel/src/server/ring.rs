@@ -28,7 +28,7 @@ pub(super) enum Late {
     Never,
 }
 use super::session::fatal;
-use super::state::{Lease, others_subscribe};
+use super::state::Lease;
 use super::{LeaseInfo, Shared, copies, json_size};
 
 /// The producer's handle on a ring (see [`Server::create_ring`](crate::Server::create_ring)).
@@ -119,7 +119,7 @@ impl ServerRing {
         let mut st = lock(&self.shared.state);
         loop {
             let name = &self.name;
-            let got = self.with_ring(&mut st, |ring, subscribers, all| {
+            let got = self.with_ring(&mut st, |ring, _, all| {
                 let i = ring.next;
                 if ring.slots[i].state == SlotState::Free {
                     let slot = &mut ring.slots[i];
@@ -128,7 +128,7 @@ impl ServerRing {
                     ring.next = (i + 1) % ring.slots.len();
                     return Ok(i);
                 }
-                Err((i, late_on_slot(ring, i, subscribers, all, name)))
+                Err((i, late_on_slot(ring, i, all, name)))
             })?;
             let (waiting_for, late) = match got {
                 Ok(i) => return Ok(i as u32),
@@ -297,13 +297,11 @@ impl ServerRing {
         // (it was told it lagged when it was skipped): its subscribers
         // cost the producer nothing meanwhile, however many there are.
         let now = Instant::now();
-        let users: BTreeSet<u32> = subscribers
-            .iter()
-            .filter_map(|l| Some(leases.get(l)?.uid))
-            .collect();
-        let shared_ring = users.len() > 1;
-        let in_debt: BTreeSet<u32> = users
-            .into_iter()
+        let shared_ring = ring.users.len() > 1;
+        let in_debt: BTreeSet<u32> = ring
+            .users
+            .keys()
+            .copied()
             .filter(|uid| ring.in_stall_debt(*uid, now, shared_ring))
             .collect();
         let count = ring.slots.len();
@@ -425,7 +423,6 @@ impl Shared {
         let uid = l.uid;
         let Some(Entry {
             body: Body::Ring(ring),
-            leases: subscribers,
             ..
         }) = st.entries.get_mut(&l.entry)
         else {
@@ -451,7 +448,7 @@ impl Shared {
                 s.waited_since = None;
             }
             if let Some(began) = waited {
-                let shared = others_subscribe(subscribers, &st.leases, uid);
+                let shared = ring.others_subscribe(uid);
                 ring.charge_stall(uid, began, Instant::now(), shared);
             }
             if let Some(l) = st.leases.get_mut(&lease) {
@@ -476,7 +473,6 @@ impl Shared {
 pub(super) fn late_on_slot(
     ring: &mut Ring,
     i: usize,
-    subscribers: &BTreeSet<u64>,
     all: &HashMap<u64, Lease>,
     name: &str,
 ) -> Late {
@@ -495,7 +491,7 @@ pub(super) fn late_on_slot(
         .filter_map(|l| Some((*l, all.get(l)?.uid)))
         .collect();
     for (lease, uid) in pending {
-        let shared = others_subscribe(subscribers, all, uid);
+        let shared = ring.others_subscribe(uid);
         let by_deadline = deadline.map(|d| (sent_at + d, d));
         let by_budget = ring
             .stall_left(uid, began, now, shared)

@@ -41,6 +41,9 @@ fn ring(slots: usize, laggard: u32) -> (Ring, BTreeSet<u64>, HashMap<u64, Lease>
     ring.stall_budget = Some(StallBudget::new(0.1, Duration::from_millis(40)).unwrap());
     let subscribers = BTreeSet::from([FAST, LAGGARD]);
     let leases = HashMap::from([(FAST, lease(FAST_UID)), (LAGGARD, lease(laggard))]);
+    for l in leases.values() {
+        *ring.users.entry(l.uid).or_default() += 1;
+    }
     (ring, subscribers, leases)
 }
 
@@ -54,7 +57,12 @@ fn in_flight(ring: &mut Ring, i: usize) {
 }
 
 fn late(ring: &mut Ring, i: usize, subs: &BTreeSet<u64>, all: &HashMap<u64, Lease>) -> Late {
-    late_on_slot(ring, i, subs, all, "r")
+    assert_eq!(
+        subs.len(),
+        ring.users.values().sum::<usize>(),
+        "the users' count"
+    );
+    late_on_slot(ring, i, all, "r")
 }
 
 #[test]

@@ -65,6 +65,9 @@ pub(super) struct Ring {
     pub(super) stall_budget: Option<StallBudget>,
     /// Each user's stall account (see [`StallBudget`]).
     pub(super) stalls: HashMap<u32, Bucket>,
+    /// How many subscriptions each user holds (kept as leases come and
+    /// go, so that whether others subscribe costs no scan).
+    pub(super) users: BTreeMap<u32, usize>,
     /// The slot `acquire` hands out next.
     pub(super) next: usize,
     /// The last sequence number used.
@@ -156,9 +159,15 @@ impl Ring {
             late_policy: LatePolicy::Skip,
             stall_budget: Some(StallBudget::DEFAULT),
             stalls: HashMap::new(),
+            users: BTreeMap::new(),
             next: 0,
             seq: 0,
         }
+    }
+
+    /// Whether a user other than `uid` subscribes.
+    pub(super) fn others_subscribe(&self, uid: u32) -> bool {
+        self.users.keys().any(|u| *u != uid)
     }
 
     /// Charges user `uid` for holding up the producer from `began` to
@@ -204,19 +213,6 @@ impl Ring {
         let left = balance - now.saturating_duration_since(began).as_secs_f64();
         Some(Duration::from_secs_f64(left.clamp(0.0, 3600.0)))
     }
-}
-
-/// Whether a ring whose subscribers hold `leases` has a subscriber of a
-/// user other than `uid`.
-pub(super) fn others_subscribe(
-    leases: &BTreeSet<u64>,
-    all: &HashMap<u64, Lease>,
-    uid: u32,
-) -> bool {
-    leases
-        .iter()
-        .filter_map(|l| all.get(l))
-        .any(|l| l.uid != uid)
 }
 
 /// A table holding at least this many slots is given back to the
@@ -270,6 +266,9 @@ impl State {
         let lease = self.new_id();
         if let Some(e) = self.entries.get_mut(&entry) {
             e.leases.insert(lease);
+            if let Body::Ring(ring) = &mut e.body {
+                *ring.users.entry(conn.cred.uid).or_default() += 1;
+            }
         }
         self.by_conn.entry(conn.id).or_default().insert(lease);
         self.leases.insert(
@@ -364,6 +363,12 @@ impl State {
         if let Some(e) = self.entries.get_mut(&l.entry) {
             e.leases.remove(&lease);
             if let Body::Ring(ring) = &mut e.body {
+                if let Some(n) = ring.users.get_mut(&l.uid) {
+                    *n -= 1;
+                    if *n == 0 {
+                        ring.users.remove(&l.uid);
+                    }
+                }
                 for slot in &mut ring.slots {
                     if slot.pending.remove(&lease)
                         && slot.pending.is_empty()
