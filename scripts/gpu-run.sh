@@ -498,6 +498,24 @@ step_samples() {
       echo "SKIP  example $ex: not in this bundle"
     fi
   done
+  # README.md's PyTorch example: the trainer in the background, the reader
+  # (100 versions) once the trainer's socket is there.
+  if ! python3 -c 'import torch' 2>/dev/null || ! install_wheel; then
+    echo "SKIP  example trainer_inference.py: no torch or no wheel"
+    return
+  fi
+  local py=$here/examples/python sock
+  sock="${XDG_RUNTIME_DIR:-/nonexistent}/cuda-ipc/demo.sock"
+  [ -d "${XDG_RUNTIME_DIR:-/nonexistent}" ] || sock="/tmp/cuda-ipc-$(id -u)/demo.sock"
+  rm -f "$sock"
+  (cd "$py" && exec python3 trainer_inference.py train) >"$logs/trainer_inference-train.log" 2>&1 &
+  local trainer=$!
+  for _ in $(seq 600); do [ -S "$sock" ] && break; sleep 0.1; done
+  check "example trainer_inference.py: the reader follows 100 versions of the trainer's weights" 0 \
+    sh -c "cd '$py' && timeout 120 python3 trainer_inference.py"
+  tail -n 2 "$(log_of "example trainer_inference.py: the reader follows 100 versions of the trainer's weights")"
+  kill "$trainer" 2>/dev/null
+  wait "$trainer" 2>/dev/null
 }
 
 # The wheel, installed once into $site for the Python steps and the
