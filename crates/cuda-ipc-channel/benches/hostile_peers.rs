@@ -751,20 +751,25 @@ fn threads(pid: u32) -> usize {
 /// allocator's caches of small blocks).
 const RSS_SLACK_KIB: u64 = 8 * 1024;
 
-/// Attach + release of a legitimate client, in microseconds: the lowest
-/// median of 8 batches of 50, spread over a second, so that bursts of
-/// other work on the machine (which this measures nothing about) are left
-/// out.
-fn attach_latency(path: &Path) -> Result<f64, String> {
+/// The lowest median, in microseconds, of `batches` batches of `per_batch`
+/// round trips of `op` on a new client, each batch after a pause of
+/// `pause`, so that bursts of other work on the machine (which this
+/// measures nothing about) are left out.
+fn best_median(
+    path: &Path,
+    batches: usize,
+    per_batch: usize,
+    pause: Duration,
+    op: impl Fn(&Client) -> Result<(), cuda_ipc_channel::ChannelError>,
+) -> Result<f64, String> {
     let client = Client::connect(path, ClientConfig::default()).map_err(|e| e.to_string())?;
     let mut best = f64::INFINITY;
-    for _ in 0..8 {
-        std::thread::sleep(Duration::from_millis(120));
+    for _ in 0..batches {
+        std::thread::sleep(pause);
         let mut times = Vec::new();
-        for _ in 0..50 {
+        for _ in 0..per_batch {
             let t = Instant::now();
-            let a = client.attach("e").map_err(|e| e.to_string())?;
-            client.release(a.lease).map_err(|e| e.to_string())?;
+            op(&client).map_err(|e| e.to_string())?;
             times.push(t.elapsed().as_secs_f64() * 1e6);
         }
         times.sort_by(f64::total_cmp);
@@ -773,24 +778,20 @@ fn attach_latency(path: &Path) -> Result<f64, String> {
     Ok(best)
 }
 
+/// Attach + release of a legitimate client, in microseconds: the lowest
+/// median of 8 batches of 50, spread over a second.
+fn attach_latency(path: &Path) -> Result<f64, String> {
+    best_median(path, 8, 50, Duration::from_millis(120), |c| {
+        c.release(c.attach("e")?.lease)
+    })
+}
+
 /// attach_ring of the 64-slot ring + release, in microseconds: the lowest
 /// median of 16 batches of 10, spread over a second.
 fn ring_latency(path: &Path) -> Result<f64, String> {
-    let client = Client::connect(path, ClientConfig::default()).map_err(|e| e.to_string())?;
-    let mut best = f64::INFINITY;
-    for _ in 0..16 {
-        std::thread::sleep(Duration::from_millis(60));
-        let mut times = Vec::new();
-        for _ in 0..10 {
-            let t = Instant::now();
-            let r = client.attach_ring("r").map_err(|e| e.to_string())?;
-            client.release(r.lease).map_err(|e| e.to_string())?;
-            times.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-        times.sort_by(f64::total_cmp);
-        best = best.min(times[times.len() / 2]);
-    }
-    Ok(best)
+    best_median(path, 16, 10, Duration::from_millis(60), |c| {
+        c.release(c.attach_ring("r")?.lease)
+    })
 }
 
 /// The frames a subscriber that acks each one receives in half a second.
