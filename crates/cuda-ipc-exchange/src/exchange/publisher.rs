@@ -1,0 +1,482 @@
+//! The publishing side: buffers served by name, updates, unpublishing.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::channel::{ChannelError, LeaseInfo, Server, ServerConfig};
+use crate::descriptor::{Descriptor, Dtype, Mechanism};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::handle::IpcEventHandle;
+use crate::memory::DeviceMemory;
+use crate::share::SharedBuffer;
+use crate::sync::event::IpcEvent;
+
+use super::ring::{RingPublisher, RingSync};
+use super::set_book::{PublisherArena, Sharing};
+use super::sync::{self, EntryFences};
+use super::wire::FenceMeta;
+use super::wire::{self, EntryMeta, RingMeta, UpdateBody};
+use super::{Endpoint, lock};
+
+/// How a [`Publisher`] serves: `PublisherConfig::default()`, adjusted with
+/// the `with_` methods.
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct PublisherConfig {
+    /// User ids allowed to connect besides our own (peer credentials are
+    /// checked on every connection).
+    pub allow_uids: Vec<u32>,
+    /// Publish without GPU-side fences (events only): subscribers that
+    /// cannot open events (their own `/dev/shm`) then cannot attach.
+    pub no_fences: bool,
+    /// How buffers are shared: from an arena (the default, `auto`) or
+    /// each exported on its own ([`Sharing::Isolated`]).
+    pub sharing: Sharing,
+    /// Readers map every set and arena buffer read-only
+    /// ([`Access::ReadOnly`](cuda_ipc_core::Access::ReadOnly)): the set record says
+    /// so, and a subscriber maps it so whatever it asked for (off by
+    /// default; see [`PublisherConfig::with_read_only_readers`]).
+    pub read_only_readers: bool,
+    /// The longest request a client may send, in bytes (`None`: the
+    /// channel's default, 4 KiB; a service that takes layouts in calls
+    /// needs more).
+    pub max_request_bytes: Option<u32>,
+}
+
+impl PublisherConfig {
+    /// Accepts requests (calls' bodies) of up to `bytes` bytes (at most the
+    /// channel's message limit, 1 MiB).
+    #[must_use]
+    pub fn with_max_request_bytes(mut self, bytes: u32) -> Self {
+        self.max_request_bytes = Some(bytes);
+        self
+    }
+
+    /// Lets processes of these user ids connect too, besides our own.
+    #[must_use]
+    pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
+        self.allow_uids.extend(uids);
+        self
+    }
+
+    /// Whether every publish, update and ring frame also signals a fence
+    /// (on by default; see [`SyncMode`](super::SyncMode)).
+    #[must_use]
+    pub fn with_fences(mut self, on: bool) -> Self {
+        self.no_fences = !on;
+        self
+    }
+
+    /// Shares through an arena (the default) or each buffer on its own.
+    #[must_use]
+    pub fn with_sharing(mut self, sharing: Sharing) -> Self {
+        self.sharing = sharing;
+        self
+    }
+
+    /// Makes readers map what this publisher publishes read-only (`true`)
+    /// or as they ask (`false`, the default). Read-only readers are a
+    /// policy of sets and arena buffers, whose record carries it, from an
+    /// arena of vmm chunks (an `auto` arena then uses vmm): a reader's
+    /// kernel or copy that writes through its mapping fails, and the
+    /// publisher's bytes do not change. Not for [`Publisher::publish`] or
+    /// [`Publisher::ring`], which refuse while it is on. A guard against
+    /// mistakes, not malice: a reader holds the chunks' file descriptors and
+    /// could import them again read-write.
+    #[must_use]
+    pub fn with_read_only_readers(mut self, on: bool) -> Self {
+        self.read_only_readers = on;
+        self
+    }
+
+    /// Checks that the options go together (no driver needed; [`Publisher::bind`]
+    /// calls it first).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for read-only readers with
+    /// [`Sharing::Isolated`] (no set record to carry the policy) or with
+    /// an arena of legacy or pool chunks, which cannot be mapped read-only
+    /// (see [`Mechanism::check_access`]).
+    pub fn validate(&self) -> Result<()> {
+        if !self.read_only_readers {
+            return Ok(());
+        }
+        match &self.sharing {
+            Sharing::Isolated => Err(Error::arg(
+                "read-only readers",
+                "they are a policy of sets, which come from the publisher's arena, but this \
+                 publisher is configured isolated (no arena); configure Sharing::Arena with the \
+                 vmm mechanism, or leave read_only_readers off",
+            )),
+            Sharing::Arena {
+                mechanism: Some(m), ..
+            } => match m.why_not_read_only() {
+                None => Ok(()),
+                Some(why) => Err(Error::arg(
+                    "read-only readers",
+                    format!(
+                        "an arena of {m} chunks cannot be mapped read-only: {why}; use an arena \
+                         of vmm chunks (Sharing::arena(Mechanism::Vmm) or auto; `--mechanism \
+                         vmm` or auto)"
+                    ),
+                )),
+            },
+            Sharing::Arena {
+                mechanism: None, ..
+            } => Ok(()),
+        }
+    }
+}
+
+/// The meta of an entry: the descriptor (which carries the event handle)
+/// and the fence.
+fn entry_meta(descriptor: &Descriptor, fence: Option<FenceMeta>) -> Result<Value> {
+    wire::to_value(&EntryMeta::with_fence(descriptor, fence))
+}
+
+struct PublishedBuffer {
+    buffer: Arc<SharedBuffer>,
+    /// The entry's slot in the fence block.
+    fence_slot: Option<u32>,
+}
+
+/// Serves device buffers by name to subscribers in other processes.
+pub struct Publisher {
+    pub(super) device: Device,
+    pub(super) server: Server,
+    pub(super) event: IpcEvent,
+    pub(super) event_handle: IpcEventHandle,
+    entries: Mutex<HashMap<String, PublishedBuffer>>,
+    pub(super) fences: Option<Mutex<EntryFences>>,
+    pub(super) arena: PublisherArena,
+    /// Readers map read-only ([`PublisherConfig::read_only_readers`]).
+    pub(super) read_only_readers: bool,
+    /// The event recorded on a caller's stream that a buffer's or a set's
+    /// stream then waits for ([`Publisher::update_after`],
+    /// [`Publisher::update_set_after`]).
+    pub(super) join: super::join::JoinEvent,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("path", &self.server.path())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Publisher {
+    /// Binds the socket (mode 0600, in a 0700 directory for names) and
+    /// starts serving.
+    ///
+    /// # Errors
+    /// [`PublisherConfig::validate`]'s, before anything else.
+    pub fn bind(
+        device: &Device,
+        endpoint: impl Into<Endpoint>,
+        config: PublisherConfig,
+    ) -> Result<Self> {
+        config.validate()?;
+        let path = endpoint.into().path()?;
+        let mut server_config = ServerConfig::new(path);
+        if let Some(n) = config.max_request_bytes {
+            server_config = server_config.with_max_request_bytes(n);
+        }
+        for uid in config.allow_uids.iter().copied() {
+            if !server_config.allowed_uids.contains(&uid) {
+                server_config.allowed_uids.push(uid);
+            }
+        }
+        let server = Server::bind(server_config)?;
+        let fences = if config.no_fences {
+            None
+        } else {
+            EntryFences::new(device).map(Mutex::new)
+        };
+        let event = IpcEvent::new(device)?;
+        let event_handle = event.handle()?;
+        tracing::info!(path = %server.path().display(), "publisher serving");
+        Ok(Publisher {
+            device: device.clone(),
+            server,
+            event,
+            event_handle,
+            entries: Mutex::new(HashMap::new()),
+            fences,
+            arena: PublisherArena::new(config.sharing),
+            read_only_readers: config.read_only_readers,
+            join: super::join::JoinEvent::default(),
+        })
+    }
+
+    /// Whether readers map what this publisher publishes read-only
+    /// ([`PublisherConfig::with_read_only_readers`]).
+    pub fn read_only_readers(&self) -> bool {
+        self.read_only_readers
+    }
+
+    /// Refuses `what` (a way of publishing without a set record) while
+    /// readers must map read-only.
+    fn refuse_without_record(&self, what: &str) -> Result<()> {
+        if self.read_only_readers {
+            return Err(Error::arg(
+                "read-only readers",
+                format!(
+                    "this publisher's readers map read-only, a policy only sets carry; {what} \
+                     has no set record to carry it: publish from the arena \
+                     (Publisher::publish_buffer, Publisher::publish_set), or bind a publisher \
+                     without read_only_readers"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The socket path subscribers connect to.
+    pub fn path(&self) -> &Path {
+        self.server.path()
+    }
+
+    /// The channel server underneath (leases, connection counts).
+    pub fn server(&self) -> &Server {
+        &self.server
+    }
+
+    /// Publishes `buffer` under `name` as elements of `dtype` (with an
+    /// optional shape). An event is recorded after the work queued so far on
+    /// the buffer's stream; subscribers wait on it before they read.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a publisher with read-only readers
+    /// (see [`PublisherConfig::with_read_only_readers`]).
+    #[tracing::instrument(level = "debug", skip(self, buffer, shape), fields(mechanism = %buffer.mechanism(), len = buffer.byte_len()))]
+    pub fn publish(
+        &self,
+        name: &str,
+        buffer: SharedBuffer,
+        dtype: Dtype,
+        shape: Option<Vec<u64>>,
+    ) -> Result<Arc<SharedBuffer>> {
+        self.refuse_without_record("Publisher::publish")?;
+        let buffer = Arc::new(buffer);
+        let export = buffer.export_region(0, buffer.byte_len() as u64, dtype, shape)?;
+        self.event.record(buffer.stream())?;
+        let mut descriptor = export.descriptor;
+        descriptor.event = Some(self.event_handle);
+        let mut fds = export.fds;
+        let mut entries = lock(&self.entries);
+        let (fence, fence_slot) = self.fence_entry(&buffer, &mut fds)?;
+        if let Err(e) = self
+            .server
+            .publish(name, entry_meta(&descriptor, fence)?, fds)
+        {
+            self.give_back(fence_slot);
+            return Err(e.into());
+        }
+        entries.insert(
+            name.to_owned(),
+            PublishedBuffer {
+                buffer: buffer.clone(),
+                fence_slot,
+            },
+        );
+        Ok(buffer)
+    }
+
+    /// Takes a fence slot for a new entry, signals it after the work queued
+    /// on the buffer's stream, and adds the block's descriptor to `fds`.
+    fn fence_entry(
+        &self,
+        buffer: &SharedBuffer,
+        fds: &mut Vec<std::os::fd::OwnedFd>,
+    ) -> Result<(Option<FenceMeta>, Option<u32>)> {
+        let Some(fences) = &self.fences else {
+            return Ok((None, None));
+        };
+        let mut fences = lock(fences);
+        let Some(slot) = fences.take() else {
+            tracing::warn!("more entries than fence slots: this one goes with its event only");
+            return Ok((None, None));
+        };
+        let signalled = fences
+            .signal(buffer.stream(), slot)
+            .and_then(|_| fences.export(slot, fds.len()));
+        match signalled {
+            Ok((meta, fd)) => {
+                fds.push(fd);
+                Ok((Some(meta), Some(slot)))
+            }
+            Err(e) => {
+                fences.give_back(slot);
+                Err(e)
+            }
+        }
+    }
+
+    fn give_back(&self, slot: Option<u32>) {
+        if let (Some(fences), Some(slot)) = (&self.fences, slot) {
+            lock(fences).give_back(slot);
+        }
+    }
+
+    /// Tells every subscriber of `name` that new contents are ready: records
+    /// the event after the work queued on the buffer's stream, then notifies.
+    /// Returns the update's version: the count of updates of `name`, from 1.
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn update(&self, name: &str) -> Result<u64> {
+        self.update_as(name, None)
+    }
+
+    /// [`update`](Self::update), ordered also after the work queued so far
+    /// on `after` (a caller's stream, PyTorch's current one for instance):
+    /// the buffer's stream waits for it on the device (one event recorded
+    /// there and waited for); nothing waits on the host. An arena buffer or
+    /// a set goes through [`update_set_after`](Self::update_set_after).
+    #[tracing::instrument(level = "debug", skip(self, after))]
+    pub fn update_after(&self, name: &str, after: &cudarc::driver::CudaStream) -> Result<u64> {
+        self.update_as(name, Some(after))
+    }
+
+    fn update_as(&self, name: &str, after: Option<&cudarc::driver::CudaStream>) -> Result<u64> {
+        if self.is_arena_entry(name) {
+            return self.update_set_as(name, after);
+        }
+        let mut phases = crate::phases::Phases::start("core.update");
+        let (buffer, fence_slot) = lock(&self.entries)
+            .get(name)
+            .map(|e| (e.buffer.clone(), e.fence_slot))
+            .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        if let Some(after) = after {
+            self.join.order(buffer.stream(), after)?;
+            phases.mark("join");
+        }
+        self.event.record(buffer.stream())?;
+        phases.mark("event");
+        let fence_seq = match (&self.fences, fence_slot) {
+            (Some(f), Some(slot)) => Some(lock(f).signal(buffer.stream(), slot)?),
+            _ => None,
+        };
+        phases.mark("fence");
+        let version = self
+            .server
+            .update(name, wire::to_value(&UpdateBody { fence_seq })?)?;
+        phases.mark("notice");
+        Ok(version)
+    }
+
+    /// The buffer published under `name`.
+    pub fn buffer(&self, name: &str) -> Option<Arc<SharedBuffer>> {
+        lock(&self.entries).get(name).map(|e| e.buffer.clone())
+    }
+
+    /// Hides `name` from new subscribers, tells its subscribers, and waits
+    /// up to `timeout` (`None`: for ever) until every lease on it is
+    /// released. Returns the buffer, which no other process uses any more.
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn unpublish(&self, name: &str, timeout: Option<Duration>) -> Result<Arc<SharedBuffer>> {
+        if self.is_arena_entry(name) {
+            return Err(Error::arg(
+                "unpublish",
+                format!("{name:?} was published from the arena; use Publisher::unpublish_set"),
+            ));
+        }
+        self.server.unpublish(name)?;
+        self.server.wait_released(name, timeout)?;
+        let entry = lock(&self.entries)
+            .remove(name)
+            .ok_or_else(|| Error::from(ChannelError::NotFound { name: name.into() }))?;
+        self.give_back(entry.fence_slot);
+        Ok(entry.buffer)
+    }
+
+    /// The current leases.
+    pub fn leases(&self) -> Vec<LeaseInfo> {
+        self.server.leases()
+    }
+
+    /// Creates a ring of `slots` buffers of `slot_bytes` each, shared with
+    /// `mechanism` (`None`: the best available), under `name`; each frame
+    /// records the ring's event and signals the slot's fence
+    /// ([`RingSync::EventsAndFences`]).
+    pub fn ring(
+        &self,
+        name: &str,
+        slots: usize,
+        slot_bytes: usize,
+        mechanism: Option<Mechanism>,
+    ) -> Result<RingPublisher> {
+        self.ring_with(name, slots, slot_bytes, mechanism, RingSync::default())
+    }
+
+    /// As [`ring`](Self::ring), with how frames are synchronised: a
+    /// [`RingSync::FencesOnly`] ring records no event per frame, its slots
+    /// carry none, and its readers wait on the fence.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a fences-only ring of a publisher without
+    /// fences (turned off, or its device cannot signal them).
+    pub fn ring_with(
+        &self,
+        name: &str,
+        slots: usize,
+        slot_bytes: usize,
+        mechanism: Option<Mechanism>,
+        sync: RingSync,
+    ) -> Result<RingPublisher> {
+        self.refuse_without_record("a ring")?;
+        let events = sync == RingSync::EventsAndFences;
+        if !events && self.fences.is_none() {
+            return Err(Error::Unsupported {
+                what: "a fences-only ring",
+                why: "this publisher has no fences (PublisherConfig::with_fences(false), or its \
+                      device cannot signal them); use RingSync::EventsAndFences"
+                    .into(),
+            });
+        }
+        let mut buffers = Vec::with_capacity(slots);
+        let mut metas = Vec::with_capacity(slots);
+        let fence = if self.fences.is_some() {
+            sync::ring_fence(&self.device, slots)
+        } else {
+            None
+        };
+        for i in 0..slots {
+            let b = SharedBuffer::alloc(&self.device, slot_bytes, mechanism)?;
+            let mut e = b.export()?;
+            e.descriptor.event = events.then_some(self.event_handle);
+            let fence_meta = match &fence {
+                Some(f) => {
+                    let (meta, fd) = sync::export(f, i as u32, None, e.fds.len())?;
+                    e.fds.push(fd);
+                    Some(meta)
+                }
+                None => None,
+            };
+            metas.push((entry_meta(&e.descriptor, fence_meta)?, e.fds));
+            buffers.push(b);
+        }
+        let producer =
+            self.server
+                .create_ring(name, wire::to_value(&RingMeta { slot_bytes })?, metas)?;
+        let event = if events {
+            let event = IpcEvent::new(&self.device)?;
+            let handle = event.handle()?;
+            Some((event, handle))
+        } else {
+            None
+        };
+        Ok(RingPublisher {
+            producer,
+            buffers,
+            event,
+            fence,
+            frames: std::sync::atomic::AtomicU64::new(0),
+            join: super::join::JoinEvent::default(),
+        })
+    }
+}
