@@ -43,8 +43,10 @@
 //! `crates/cuda-ipc/tests/layers.rs`'s order (plain data, the driver, the
 //! device, sync, memory, the descriptor, share, fences). Items marked
 //! `#[doc(hidden)]` are for the crates above, not for users.
-//! [`kernels`] (fill and check patterns) and [`floor`] (the driver floor)
-//! serve the benchmark and the tests.
+//! The feature `test-support` adds `kernels` (fill and check patterns)
+//! and `floor` (the driver's floor), which serve the benchmark, the
+//! command line's demo and the tests; the feature `phases` makes
+//! [`phases::last`] report where a hand-off call's time went.
 //!
 //! `unsafe` lives only in the modules that call the driver or the kernel
 //! (each with `#![allow(unsafe_code)]` and a `// SAFETY:` comment on every
@@ -64,10 +66,12 @@ pub mod device;
 pub mod driver;
 pub mod error;
 pub mod fence;
+#[cfg(feature = "test-support")]
 pub mod floor;
 pub mod handle;
 #[doc(hidden)]
 pub mod json;
+#[cfg(feature = "test-support")]
 pub mod kernels;
 #[doc(hidden)]
 pub mod mechanism;

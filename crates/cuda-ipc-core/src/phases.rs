@@ -10,20 +10,26 @@
 //! what.
 //!
 //! Keeping them costs one small allocation a run; nothing is kept for a
-//! call never made, and reading them never blocks.
+//! call never made, and reading them never blocks. All of this is the
+//! feature `phases`: without it [`Phases`] keeps no clock and [`last`] is
+//! always empty, so that the library's hot paths cost nothing for it.
 
+#[cfg(feature = "phases")]
 use std::cell::RefCell;
+#[cfg(feature = "phases")]
 use std::time::Instant;
 
 /// A call's phases: `(phase, µs)`, in order.
 pub type Durations = Vec<(&'static str, f64)>;
 
+#[cfg(feature = "phases")]
 thread_local! {
     /// The last run's phases of each call made on this thread.
     static LAST: RefCell<Vec<(&'static str, Durations)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The clock of one run of a call; its phases are kept when it drops.
+#[cfg(feature = "phases")]
 #[derive(Debug)]
 pub struct Phases {
     call: &'static str,
@@ -31,6 +37,7 @@ pub struct Phases {
     done: Durations,
 }
 
+#[cfg(feature = "phases")]
 impl Phases {
     /// Starts the clock of a run of `call`.
     pub fn start(call: &'static str) -> Phases {
@@ -51,6 +58,7 @@ impl Phases {
     }
 }
 
+#[cfg(feature = "phases")]
 impl Drop for Phases {
     /// Keeps this run's phases as the call's last on this thread (a run
     /// that failed part way keeps those it finished).
@@ -71,6 +79,7 @@ impl Drop for Phases {
 
 /// The phases of the last run of `call` on this thread, `(phase, µs)` in
 /// order; empty before its first run.
+#[cfg(feature = "phases")]
 pub fn last(call: &str) -> Durations {
     LAST.try_with(|last| {
         last.try_borrow()
@@ -82,7 +91,32 @@ pub fn last(call: &str) -> Durations {
     .unwrap_or_default()
 }
 
-#[cfg(test)]
+/// The clock of one run of a call: without the feature `phases`, none.
+#[cfg(not(feature = "phases"))]
+#[derive(Debug)]
+pub struct Phases;
+
+#[cfg(not(feature = "phases"))]
+impl Phases {
+    /// Starts nothing.
+    #[inline]
+    pub fn start(_call: &'static str) -> Phases {
+        Phases
+    }
+
+    /// Keeps nothing.
+    #[inline]
+    pub fn mark(&mut self, _name: &'static str) {}
+}
+
+/// The phases of the last run of `call`: without the feature `phases`,
+/// always empty.
+#[cfg(not(feature = "phases"))]
+pub fn last(_call: &str) -> Durations {
+    Vec::new()
+}
+
+#[cfg(all(test, feature = "phases"))]
 mod tests {
     use super::*;
 

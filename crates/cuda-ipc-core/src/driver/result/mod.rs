@@ -151,6 +151,7 @@ pub(crate) mod vmm;
 pub(crate) mod pool;
 
 /// Modules and launches.
+#[cfg(feature = "test-support")]
 pub(crate) mod module;
 
 /// Stream memory operations (`cuStreamWriteValue64`, `cuStreamWaitValue64`)
