@@ -16,4 +16,4 @@ mod tests_python;
 pub use format::human;
 pub use model::{DeviceInfo, MpsPass, PeerInfo, Report, Row, Section, SectionId, Status};
 pub use render::render;
-pub use targets::{SPIN_IDLE_US, WAKE_IDLE_US, WAKE_ROWS, WAKE_SERIES, WAKE_TICK_US};
+pub use targets::{SPIN_IDLE_US, WAKE_IDLE_US, WAKE_ROWS, WAKE_SERIES};

@@ -63,8 +63,8 @@ use connect::connect_socket;
 use demux::{Dead, State, unexpected};
 use shm::{Batch, ClientShm};
 pub use types::{
-    Attachment, ClientConfig, DEFAULT_SPIN, FrameNotice, IDLE_TICK_ENV, Notice, NoticeStats,
-    RingAttachment, SPIN_ENV, Update,
+    Attachment, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, NoticeStats, RingAttachment,
+    Update,
 };
 
 /// A connection to a channel server: the consumer's end.
@@ -214,7 +214,6 @@ impl Client {
                     shm_notices,
                     shm_requests,
                     fds,
-                    config.idle_tick,
                 )?
             }
             Ok((
