@@ -257,7 +257,7 @@ pub(crate) fn rounds(spin: Duration, idle: Duration, n: usize) -> Result<Vec<Rou
         .name("cuda-ipc-wake-probe".into())
         .spawn(move || {
             for _ in 0..n {
-                let got = reader.wait(spin, None);
+                let got = reader.wait(spin);
                 let failed = got.is_err();
                 if tx.send(got).is_err() || failed {
                     return;
