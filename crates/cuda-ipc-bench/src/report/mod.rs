@@ -12,6 +12,8 @@ pub(crate) mod tests;
 mod tests_mps;
 #[cfg(test)]
 mod tests_python;
+#[cfg(test)]
+mod tests_sections;
 
 pub use format::human;
 pub use model::{DeviceInfo, MpsPass, PeerInfo, Report, Row, Section, SectionId, Status};
