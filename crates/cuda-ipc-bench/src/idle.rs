@@ -11,8 +11,8 @@
 //! executes `HLT`, which hands it back to the hypervisor: the wake-up is
 //! then the host's to schedule, no latency request inside the guest
 //! changes it (with no driver the kernel has no other idle state to
-//! choose), and only a consumer that does not sleep (one that spins,
-//! `CUDA_IPC_SPIN_US`) avoids it. The `haltpoll` driver of KVM guests
+//! choose), and only a consumer that does not sleep (one that spins:
+//! `SubscriberConfig::with_spin`) avoids it. The `haltpoll` driver of KVM guests
 //! polls for a while before halting.
 //!
 //! On the H200 machines the bench has run on, the processors are a KVM
@@ -121,8 +121,8 @@ impl IdleStates {
     /// in one line.
     pub fn describe(&self) -> String {
         let vm = self.virtualised == Some(true);
-        let spin = "a consumer that spins instead of sleeping (CUDA_IPC_SPIN_US) avoids it, at a \
-                    processor's cost while it waits";
+        let spin = "a consumer that spins instead of sleeping (its config's spin, \
+                    SubscriberConfig::with_spin) avoids it, at a processor's cost while it waits";
         match self.driver.as_deref() {
             None | Some("none") if vm => format!(
                 "a virtual machine without a cpuidle driver: an idle processor halts to the \
@@ -219,7 +219,7 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("cannot shorten it"), "{text}");
-        assert!(text.contains("CUDA_IPC_SPIN_US"), "{text}");
+        assert!(text.contains("SubscriberConfig::with_spin"), "{text}");
     }
 
     #[test]

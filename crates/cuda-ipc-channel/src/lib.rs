@@ -77,21 +77,21 @@ mod spin;
 pub mod wire;
 
 pub use client::{
-    Attachment, Client, ClientConfig, DEFAULT_SPIN, FrameNotice, IDLE_TICK_ENV, Notice,
-    NoticeStats, RingAttachment, SPIN_ENV, Update,
+    Attachment, Client, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, NoticeStats,
+    RingAttachment, Update,
 };
 pub use deadline::deadline_in;
 pub use limits::{
     MAX_ENTRY_NAME_LEN, MAX_META_BYTES, MAX_RING_SLOTS, UNLISTED_ENTRY_PREFIX, validate_entry_name,
 };
-pub use notices::{NOTICE_RING_BYTES, NOTICES_ENV, NoticePath};
+pub use notices::{NOTICE_RING_BYTES, NoticePath};
 pub use paths::{
     MAX_SOCKET_NAME_LEN, default_socket_dir, default_socket_path, ensure_private_dir,
     validate_socket_name,
 };
 pub use server::{
     CallContext, CallError, CallHandler, CpuBudget, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo,
-    Replaced, SERVER_SPIN_ENV, Server, ServerConfig, ServerRing, StallBudget,
+    Replaced, Server, ServerConfig, ServerRing, StallBudget,
 };
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, Meta, WireError};

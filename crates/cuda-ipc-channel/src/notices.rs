@@ -91,12 +91,16 @@
 //! client could clear `O_NONBLOCK` and freeze the server's next wake-up
 //! write).
 //!
-//! # Turning it off
+//! # The socket as fallback
+//! The socket carries the notices of every connection without the rings:
+//! a client that does not ask (an older build), a server that cannot set
+//! them up (it says so in its log and answers the `welcome` without
+//! them), and any notice that does not fit (above). It is the fallback,
+//! not a setting to choose: no environment variable changes the path.
 //! [`ClientConfig::notices`](crate::ClientConfig::notices) and
-//! [`ServerConfig::notices`](crate::ServerConfig::notices), whose default
-//! comes from the environment variable [`NOTICES_ENV`]
-//! (`CUDA_IPC_NOTICES=socket` keeps every notice on the socket, as before
-//! this path existed). Either side saying no keeps the socket.
+//! [`ServerConfig::notices`](crate::ServerConfig::notices) set to
+//! [`NoticePath::Socket`] force it, for tests and comparisons (either
+//! side saying no keeps the socket).
 //!
 //! # Older peers
 //! The request is an optional field of the `hello` (`shm_notices`), the
@@ -107,7 +111,7 @@
 //! connects again without asking. The binary records are not negotiated:
 //! a peer built with shared-memory notices but before the binary form
 //! (2026-12-01, never released) refuses them as a bad magic and ends the
-//! connection; such a peer must run with `CUDA_IPC_NOTICES=socket`.
+//! connection; such a build is not supported.
 
 use std::os::fd::OwnedFd;
 
@@ -120,11 +124,6 @@ mod binary;
 
 pub(crate) use binary::encode_binary_record;
 
-/// The environment variable that chooses the default [`NoticePath`]:
-/// `socket` keeps notices on the socket, `shm` (or unset) uses shared
-/// memory when the peer agrees.
-pub const NOTICES_ENV: &str = "CUDA_IPC_NOTICES";
-
 /// The capacity of each of a connection's two rings, in bytes (64 KiB).
 pub const NOTICE_RING_BYTES: usize = cuda_ipc_shm::DEFAULT_CAPACITY;
 
@@ -132,31 +131,13 @@ pub const NOTICE_RING_BYTES: usize = cuda_ipc_shm::DEFAULT_CAPACITY;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum NoticePath {
-    /// Through the shared-memory rings, when both sides agree (the default).
+    /// Through the shared-memory rings, when both sides agree and the
+    /// rings can be set up, else on the socket (the default).
     #[default]
     Shm,
-    /// On the socket, as every other message.
+    /// On the socket, as every other message: the fallback path, forced
+    /// (for tests and comparisons).
     Socket,
-}
-
-/// The default notice path: [`NOTICES_ENV`] if set to `socket` or `shm`,
-/// else [`NoticePath::Shm`] (with a warning for any other value).
-pub(crate) fn default_notice_path(env: Option<&str>) -> NoticePath {
-    match env.map(str::trim) {
-        None | Some("" | "shm") => NoticePath::Shm,
-        Some("socket") => NoticePath::Socket,
-        Some(other) => {
-            tracing::warn!(
-                "{NOTICES_ENV}={other:?} is neither \"socket\" nor \"shm\"; using shared memory"
-            );
-            NoticePath::Shm
-        }
-    }
-}
-
-/// The default notice path from the environment.
-pub(crate) fn notice_path_from_env() -> NoticePath {
-    default_notice_path(std::env::var(NOTICES_ENV).ok().as_deref())
 }
 
 /// Whether the server sends this message through the ring when it can.
@@ -411,14 +392,6 @@ mod tests {
             e.to_string().contains("exceeds the limit of 4 bytes"),
             "{e}"
         );
-    }
-
-    #[test]
-    fn the_environment_chooses_the_path() {
-        assert_eq!(default_notice_path(None), NoticePath::Shm);
-        assert_eq!(default_notice_path(Some("socket")), NoticePath::Socket);
-        assert_eq!(default_notice_path(Some(" shm ")), NoticePath::Shm);
-        assert_eq!(default_notice_path(Some("carrier pigeon")), NoticePath::Shm);
     }
 
     #[test]

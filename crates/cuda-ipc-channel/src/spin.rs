@@ -1,79 +1,12 @@
-//! Spins: how long a waiting thread polls before it sleeps, and the
-//! environment variables that set them.
+//! Spins: how a waiting thread polls before it sleeps (the back-off of a
+//! spin that catches nothing, the server-wide limit on spinning threads,
+//! the polling loop). How long it spins is the configs' `spin` field.
 
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
-
-/// The longest spin an environment variable may ask for (10 ms): a spin is a busy
-/// wait, and a longer one would turn every wait into one.
-pub(crate) const MAX_ENV_SPIN_US: u64 = 10_000;
-
-/// A spin from the environment variable `var` whose value is `env`: only
-/// decimal digits, a number of microseconds up to [`MAX_ENV_SPIN_US`];
-/// else `default` (with a warning saying why).
-pub(crate) fn spin_from_env(var: &str, env: Option<&str>, default: Duration) -> Duration {
-    let Some(text) = env else {
-        return default;
-    };
-    match env_micros(text) {
-        Some(us) if us <= MAX_ENV_SPIN_US => Duration::from_micros(us),
-        Some(us) => {
-            tracing::warn!(
-                "{var}={us} asks for a busy wait of {us} µs before every sleep, more than \
-                 the {MAX_ENV_SPIN_US} µs allowed (a longer spin turns waits into busy waits); \
-                 spinning {} µs",
-                default.as_micros()
-            );
-            default
-        }
-        None => {
-            tracing::warn!(
-                "{var}={text:?} is not a number of microseconds (digits only, 0 to \
-                 {MAX_ENV_SPIN_US}); spinning {} µs",
-                default.as_micros()
-            );
-            default
-        }
-    }
-}
-
-/// A number of microseconds from an environment variable's `text`: only
-/// decimal digits (spaces around allowed); `None` for anything else.
-pub(crate) fn env_micros(text: &str) -> Option<u64> {
-    let digits = text.trim();
-    if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
-        digits.parse::<u64>().ok()
-    } else {
-        None
-    }
-}
-
-/// An idle tick from the environment variable `var` whose value is `env`
-/// (see [`ClientConfig::idle_tick`](crate::ClientConfig::idle_tick)):
-/// unset, empty or `0` is none; else decimal digits, a number of
-/// microseconds from 10 to [`MAX_ENV_SPIN_US`]; anything else is none,
-/// with a warning saying why.
-pub(crate) fn idle_tick_from_env(var: &str, env: Option<&str>) -> Option<Duration> {
-    let text = env?;
-    if text.trim().is_empty() {
-        return None;
-    }
-    let min = cuda_ipc_shm::MIN_IDLE_TICK.as_micros() as u64;
-    match env_micros(text) {
-        Some(0) => None,
-        Some(us) if (min..=MAX_ENV_SPIN_US).contains(&us) => Some(Duration::from_micros(us)),
-        _ => {
-            tracing::warn!(
-                "{var}={text:?} is not an idle tick: a number of microseconds from {min} to \
-                 {MAX_ENV_SPIN_US} (digits only), or 0 for none; waits sleep without one"
-            );
-            None
-        }
-    }
-}
 
 /// The most waits a [`Backoff`] lets sleep at once after spins that
 /// caught nothing, before it tries a spin again.

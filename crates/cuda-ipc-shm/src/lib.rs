@@ -72,9 +72,7 @@ mod map;
 mod ring;
 
 use map::Mapping;
-pub use ring::{
-    EMPTY_WAKES_TOLERATED, IGNORED_NAP_MAX, IGNORED_NAP_MIN, MIN_IDLE_TICK, Ready, Receiver, Sender,
-};
+pub use ring::{EMPTY_WAKES_TOLERATED, IGNORED_NAP_MAX, IGNORED_NAP_MIN, Ready, Receiver, Sender};
 
 /// The default data capacity of each ring: 64 KiB.
 pub const DEFAULT_CAPACITY: usize = 64 * 1024;

@@ -202,8 +202,6 @@ pub struct Receiver {
     /// The peer closed its end of the wake-up socket (or it failed): it
     /// can wake us no more, so waits nap as for a flood.
     wake_closed: bool,
-    /// While it sleeps, `wait` wakes itself this often ([`Receiver::set_idle_tick`]).
-    idle_tick: Option<Duration>,
 }
 
 impl std::fmt::Debug for Receiver {
@@ -218,10 +216,6 @@ impl std::fmt::Debug for Receiver {
 
 /// Pause instructions between two looks at the ring while spinning.
 const SPIN_PAUSES: u32 = 16;
-
-/// The shortest idle tick [`Receiver::set_idle_tick`] takes (10 µs): a
-/// shorter one would be a spin made of system calls.
-pub const MIN_IDLE_TICK: Duration = Duration::from_micros(10);
 
 /// While spinning, the other descriptor is polled once every this many looks
 /// at the ring (a `poll(2)` costs far more than a look).
@@ -265,20 +259,7 @@ impl Receiver {
             sleeps: 0,
             empty_wakes: 0,
             wake_closed: false,
-            idle_tick: None,
         }
-    }
-
-    /// Makes a sleeping [`wait`](Self::wait) wake itself every `tick` (at
-    /// least [`MIN_IDLE_TICK`]; `None` or zero: never) and look again
-    /// before it sleeps on, so that its CPU can stay out of a deep idle
-    /// state: on a virtual machine whose processor, idle a
-    /// millisecond, takes about 0.14 ms to run a woken thread again, one
-    /// idle under 0.1 ms takes about 0.004 ms (both measured on an H200
-    /// machine), at the cost of one timer wake-up per tick while the wait
-    /// lasts. Each tick counts as a sleep.
-    pub fn set_idle_tick(&mut self, tick: Option<Duration>) {
-        self.idle_tick = tick.filter(|t| !t.is_zero()).map(|t| t.max(MIN_IDLE_TICK));
     }
 
     /// How many times this receiver slept in `poll(2)`.
@@ -415,7 +396,7 @@ impl Receiver {
             if ignoring {
                 ignored_nap = (ignored_nap * 2).clamp(IGNORED_NAP_MIN, IGNORED_NAP_MAX);
             }
-            let nap = [left, self.idle_tick, ignoring.then_some(ignored_nap)]
+            let nap = [left, ignoring.then_some(ignored_nap)]
                 .into_iter()
                 .flatten()
                 .min();

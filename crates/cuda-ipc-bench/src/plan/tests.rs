@@ -83,13 +83,13 @@ fn quick_and_full_defaults() {
     );
     assert_eq!(f.torch, Ok(("python3".to_string(), None)));
     // one step per row
-    // fresh, arena (sizes up to 1 GiB), cached, floor (the pipe, five
+    // fresh, arena (sizes up to 1 GiB), cached, floor (the pipe, four
     // wake-up rows, then two mechanisms at four sizes), bandwidth, ring,
     // sync, scale, sets (ours and its update per set, then PyTorch,
     // ours from Python and the first attach), torch
     assert_eq!(
         f.steps(),
-        12 + 9 + 12 + (1 + 5 + 8) + 3 + 3 + 10 + 5 + 9 + 1
+        12 + 9 + 12 + (1 + 4 + 8) + 3 + 3 + 10 + 5 + 9 + 1
     );
     assert_eq!(f.arena_sizes, vec![2 * MIB, 64 * MIB, GIB]);
     assert_eq!(
@@ -312,7 +312,7 @@ fn consumer_namespaces_skip_what_cannot_work_there() {
     }
     // no progress steps for the skipped sections
     let q = plan(&["--quick"]);
-    assert_eq!(p.steps(), q.steps() - (1 + 5 + 2 * 2) - SYNC_STEPS);
+    assert_eq!(p.steps(), q.steps() - (1 + 4 + 2 * 2) - SYNC_STEPS);
     let p = plan(&["--only", "fresh,cached", "--consumer-namespaces", "user"]);
     assert_eq!(p.sections, vec![SectionId::Fresh, SectionId::Cached]);
 }

@@ -12,8 +12,10 @@ pub(crate) mod tests;
 mod tests_mps;
 #[cfg(test)]
 mod tests_python;
+#[cfg(test)]
+mod tests_sections;
 
 pub use format::human;
 pub use model::{DeviceInfo, MpsPass, PeerInfo, Report, Row, Section, SectionId, Status};
 pub use render::render;
-pub use targets::{SPIN_IDLE_US, WAKE_IDLE_US, WAKE_ROWS, WAKE_SERIES, WAKE_TICK_US};
+pub use targets::{SPIN_IDLE_US, WAKE_IDLE_US, WAKE_ROWS, WAKE_SERIES};

@@ -26,11 +26,9 @@ pub const WAKE_SERIES: &str = "wake";
 pub const WAKE_IDLE_US: [u64; 3] = [100, 1_000, 10_000];
 /// The idle time before a sample of the wake-up row whose reader spins, µs.
 pub const SPIN_IDLE_US: u64 = 1_000;
-/// The idle tick of the wake-up row whose reader ticks, µs.
-pub const WAKE_TICK_US: u64 = 50;
 /// The wake-up rows (one progress step each): asleep at each idle time,
-/// ticking, spinning.
-pub const WAKE_ROWS: u64 = WAKE_IDLE_US.len() as u64 + 2;
+/// spinning.
+pub const WAKE_ROWS: u64 = WAKE_IDLE_US.len() as u64 + 1;
 
 /// The cached hand-off's target at `size` bytes, ms.
 pub fn cached_limit(size: u64) -> f64 {

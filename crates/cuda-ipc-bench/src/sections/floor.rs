@@ -281,9 +281,8 @@ pub fn floor(ctx: &Ctx<'_>) -> Section {
          notices), and the reader's wake-up socket written when it sleeps; the clock from \
          just before the write to the reader's return from its wait (CLOCK_MONOTONIC in each \
          process). Before each sample both processes are idle for the time shown (the \
-         producer in a sleep, the reader waiting): 'asleep' readers sleep in poll(2) (with a \
-         tick: waking themselves that often, CUDA_IPC_IDLE_TICK_US), the 'spinning' one polls \
-         the ring. write p50 = the producer's write alone. Every notice \
+         producer in a sleep, the reader waiting): 'asleep' readers sleep in poll(2), the \
+         'spinning' one polls the ring (as a consumer whose config's spin outlasts the wait). write p50 = the producer's write alone. Every notice \
          to a consumer that waits (an update, a ring frame, an attach's answer) pays at least \
          this on this machine."
             .into(),

@@ -16,7 +16,7 @@ use cuda_ipc_shm::{Area, MIN_CAPACITY, Sender, Side, wake_pair};
 use serde_json::json;
 
 use crate::proto::{REQUEST_TIMEOUT, Worker, get_u64, mono_ns};
-use crate::report::{Row, SPIN_IDLE_US, WAKE_IDLE_US, WAKE_SERIES, WAKE_TICK_US};
+use crate::report::{Row, SPIN_IDLE_US, WAKE_IDLE_US, WAKE_SERIES};
 use crate::stats::ns_to_ms;
 use crate::worker::wake::shm_failure;
 
@@ -75,7 +75,7 @@ impl WakeRig {
     }
 
     /// One notice: the consumer told to wait (spinning up to `spin_us`
-    /// first, then asleep, waking itself every `tick_us` if not 0), both
+    /// first, then asleep), both
     /// idle for `idle`, then the clock from just before the record's write
     /// to the consumer's return from its wait. Returns that, the write
     /// alone (ms), and whether the write found it asleep.
@@ -84,9 +84,8 @@ impl WakeRig {
         w: &mut Worker,
         idle: Duration,
         spin_us: u64,
-        tick_us: u64,
     ) -> Result<(f64, f64, bool), Error> {
-        w.send(&json!({ "op": "wake_wait", "spin_us": spin_us, "tick_us": tick_us }))?;
+        w.send(&json!({ "op": "wake_wait", "spin_us": spin_us }))?;
         std::thread::sleep(idle);
         let (t0, t_sent, woke) = self.notify()?;
         let a = w.recv(REQUEST_TIMEOUT)?;
@@ -126,19 +125,16 @@ impl WakeRig {
 pub enum How {
     /// It sleeps in `poll(2)` at once.
     Asleep,
-    /// It sleeps, waking itself every so many µs
-    /// ([`ClientConfig::idle_tick`](cuda_ipc::channel::ClientConfig::idle_tick)).
-    Ticking(u64),
     /// It polls the ring, no system call.
     Spinning,
 }
 
 /// The rows: how the reader waits, and the idle time before each notice, µs.
 fn cases() -> impl Iterator<Item = (How, u64)> {
-    WAKE_IDLE_US.iter().map(|us| (How::Asleep, *us)).chain([
-        (How::Ticking(WAKE_TICK_US), SPIN_IDLE_US),
-        (How::Spinning, SPIN_IDLE_US),
-    ])
+    WAKE_IDLE_US
+        .iter()
+        .map(|us| (How::Asleep, *us))
+        .chain([(How::Spinning, SPIN_IDLE_US)])
 }
 
 /// The variant of the row whose reader waits `how` after `idle_us` of
@@ -147,7 +143,6 @@ pub fn wake_variant(how: How, idle_us: u64) -> String {
     let ms = |us: u64| us as f64 / 1000.0;
     let how = match how {
         How::Asleep => "asleep".to_string(),
-        How::Ticking(tick) => format!("asleep with a {} ms tick", ms(tick)),
         How::Spinning => "spinning".to_string(),
     };
     format!("{how}, {} ms idle", ms(idle_us))
@@ -164,15 +159,14 @@ fn wake_row(
     let reps = ctx.plan.reps_small;
     let variant = wake_variant(how, idle_us);
     let mut row = Row::new(WAKE_SERIES, "ms").variant(&variant);
-    let (spin_us, tick_us) = match how {
-        How::Asleep => (0, 0),
-        How::Ticking(tick) => (0, tick),
-        How::Spinning => (idle_us + SPIN_SLACK_US, 0),
+    let spin_us = match how {
+        How::Asleep => 0,
+        How::Spinning => idle_us + SPIN_SLACK_US,
     };
     let (mut one_way, mut write) = (Vec::new(), Vec::new());
     let mut slept = 0usize;
     for i in 0..reps.total() {
-        match rig.sample(w, Duration::from_micros(idle_us), spin_us, tick_us) {
+        match rig.sample(w, Duration::from_micros(idle_us), spin_us) {
             Ok((t, s, woke)) if i >= reps.warmup => {
                 one_way.push(t);
                 write.push(s);
@@ -186,12 +180,10 @@ fn wake_row(
         }
     }
     let n = one_way.len();
-    // A sleeping reader must have slept every time, a spinning one never
-    // (a ticking one is awake between ticks now and then).
+    // A sleeping reader must have slept every time, a spinning one never.
     let odd = match how {
         How::Asleep => n - slept,
         How::Spinning => slept,
-        How::Ticking(_) => 0,
     };
     let note = (odd > 0 && row.error.is_none()).then(|| {
         format!(
@@ -265,7 +257,7 @@ pub(crate) fn rounds(spin: Duration, idle: Duration, n: usize) -> Result<Vec<Rou
         .name("cuda-ipc-wake-probe".into())
         .spawn(move || {
             for _ in 0..n {
-                let got = reader.wait(spin, None);
+                let got = reader.wait(spin);
                 let failed = got.is_err();
                 if tx.send(got).is_err() || failed {
                     return;
@@ -383,15 +375,11 @@ mod tests {
         assert_eq!(wake_variant(How::Asleep, 100), "asleep, 0.1 ms idle");
         assert_eq!(wake_variant(How::Asleep, 10_000), "asleep, 10 ms idle");
         assert_eq!(
-            wake_variant(How::Ticking(50), 1_000),
-            "asleep with a 0.05 ms tick, 1 ms idle"
-        );
-        assert_eq!(
             wake_variant(How::Spinning, SPIN_IDLE_US),
             "spinning, 1 ms idle"
         );
         assert_eq!(cases().count() as u64, crate::report::WAKE_ROWS);
-        assert_eq!(crate::report::WAKE_ROWS, 5);
+        assert_eq!(crate::report::WAKE_ROWS, 4);
     }
 
     #[test]

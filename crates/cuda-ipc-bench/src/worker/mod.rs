@@ -14,7 +14,7 @@
 //! - `floor_setup {event, socket}`, `floor_legacy {handle, base, step}`,
 //!   `floor_vmm {name, size, len, base, step[, also]}`: the driver floor
 //!   (`also`: another GPU the VMM mapping grants access to);
-//! - `wake_setup {name, capacity}`, `wake_wait {spin_us[, tick_us]}`: the wake-up
+//! - `wake_setup {name, capacity}`, `wake_wait {spin_us}`: the wake-up
 //!   floor (a notice through shared memory, read when it comes: `{t_wake,
 //!   slept}`);
 //! - `bandwidth {name, warmup, reps, base, step[, peer_device]}`: copies

@@ -41,15 +41,10 @@ impl Wake {
     }
 
     /// Waits for the next notice (spinning up to `spin` first, then
-    /// asleep, waking itself every `tick` if given), notes the time it
+    /// asleep), notes the time it
     /// returned and reads the notice: that time (CLOCK_MONOTONIC, ns) and
     /// how many times it slept.
-    pub(crate) fn wait(
-        &mut self,
-        spin: Duration,
-        tick: Option<Duration>,
-    ) -> Result<(u64, u64), Error> {
-        self.receiver.set_idle_tick(tick);
+    pub(crate) fn wait(&mut self, spin: Duration) -> Result<(u64, u64), Error> {
         let sleeps = self.receiver.sleeps();
         let ready = self
             .receiver
@@ -99,20 +94,15 @@ impl State {
         Ok(json!({ "ok": true }))
     }
 
-    /// `wake_wait {spin_us[, tick_us]}`: [`Wake::wait`], answered
+    /// `wake_wait {spin_us}`: [`Wake::wait`], answered
     /// `{t_wake, slept}`.
     pub(super) fn wake_wait(&mut self, r: &Value) -> Result<Value, Error> {
         let spin = Duration::from_micros(int(r, "spin_us")?);
-        let tick = r
-            .get("tick_us")
-            .and_then(Value::as_u64)
-            .filter(|us| *us > 0)
-            .map(Duration::from_micros);
         let wake = self
             .wake
             .as_mut()
             .ok_or_else(|| failure("wake_wait", "wake_setup was not sent"))?;
-        let (t_wake, slept) = wake.wait(spin, tick)?;
+        let (t_wake, slept) = wake.wait(spin)?;
         Ok(json!({ "t_wake": t_wake, "slept": slept }))
     }
 }

@@ -28,16 +28,16 @@
 //! producer you are done; keep it until you no longer use what the
 //! descriptors refer to.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 use super::limits::validate_entry_name;
-use super::notices::{NoticePath, is_notice, is_ring_request};
+use super::notices::NoticePath;
 use super::socket::{RecvLimits, Ucred, peer_closed, peer_credentials, recv_message, send_message};
 use super::wire::{ListedEntry, Message, PROTOCOL_VERSION};
 use super::{ChannelError, Side, lock, own_pid, own_uid};
@@ -45,9 +45,6 @@ use super::{ChannelError, Side, lock, own_pid, own_uid};
 /// The most listing pages [`Client::list`] follows (a page is at most
 /// about 512 KiB).
 const MAX_LISTING_PAGES: usize = 256;
-
-/// How many messages a call reads past its deadline, at most.
-const MAX_LATE_READS: usize = 64;
 
 /// The most entries [`Client::list`] collects.
 const MAX_LISTED_ENTRIES: usize = 1 << 16;
@@ -58,13 +55,14 @@ mod demux;
 mod ring;
 mod shm;
 mod types;
+mod waiting;
 
 use connect::connect_socket;
-use demux::{Dead, State, unexpected};
-use shm::{Batch, ClientShm};
+use demux::{State, unexpected};
+use shm::ClientShm;
 pub use types::{
-    Attachment, ClientConfig, DEFAULT_SPIN, FrameNotice, IDLE_TICK_ENV, Notice, NoticeStats,
-    RingAttachment, SPIN_ENV, Update,
+    Attachment, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, NoticeStats, RingAttachment,
+    Update,
 };
 
 /// A connection to a channel server: the consumer's end.
@@ -105,32 +103,6 @@ impl std::fmt::Debug for Client {
             .field("server", &self.server)
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
-    }
-}
-
-/// Forgets a request when its caller stops waiting, however it stops.
-struct Pending<'a> {
-    client: &'a Client,
-    id: u64,
-    deadline: Instant,
-}
-
-impl Drop for Pending<'_> {
-    fn drop(&mut self) {
-        let mut st = lock(&self.client.state);
-        st.waiting.remove(&self.id);
-        // Leases granted in answers nobody took go back to the server.
-        if let Some(left) = st.responses.remove(&self.id) {
-            for (m, _fds) in left {
-                if let Message::Attached { lease, .. } | Message::RingAttached { lease, .. } = m {
-                    st.rings.remove(&lease);
-                    st.orphans.push(lease);
-                }
-            }
-        }
-        let orphans = std::mem::take(&mut st.orphans);
-        drop(st);
-        self.client.release_quietly(orphans);
     }
 }
 
@@ -214,7 +186,6 @@ impl Client {
                     shm_notices,
                     shm_requests,
                     fds,
-                    config.idle_tick,
                 )?
             }
             Ok((
@@ -474,218 +445,6 @@ impl Client {
             |st| st.updates.pop_front(),
         )
     }
-
-    // ---- internals ----
-
-    /// Sends a request and registers its id; the returned guard forgets it.
-    fn request(
-        &self,
-        make: impl FnOnce(u64) -> Message,
-        ring_name: Option<&str>,
-    ) -> Result<Pending<'_>, ChannelError> {
-        let id = {
-            let mut st = lock(&self.state);
-            if let Some(d) = &st.dead {
-                return Err(d.error());
-            }
-            let id = st.next_id();
-            st.waiting.insert(id, ring_name.map(str::to_owned));
-            id
-        };
-        let pending = Pending {
-            client: self,
-            id,
-            deadline: crate::deadline_in(self.timeout),
-        };
-        self.send(&make(id))?;
-        Ok(pending)
-    }
-
-    /// Sends an attach of the entry `name` (checked by the caller).
-    fn request_attach(&self, name: &str) -> Result<Pending<'_>, ChannelError> {
-        self.request(
-            |id| Message::Attach {
-                id,
-                name: name.into(),
-            },
-            None,
-        )
-    }
-
-    /// Waits for the next answer to a request.
-    fn response(
-        &self,
-        p: &Pending<'_>,
-        what: &str,
-    ) -> Result<(Message, Vec<OwnedFd>), ChannelError> {
-        self.wait_for(p.deadline, what, self.limits, |st| st.take_response(p.id))
-    }
-
-    /// Sends one message (without descriptors) within the request timeout:
-    /// a request through the ring when the server granted it and it fits
-    /// (with the count of socket messages sent before it), else on the
-    /// socket.
-    fn send(&self, message: &Message) -> Result<(), ChannelError> {
-        let mut sent = lock(&self.write);
-        if let Some(shm) = self.shm.as_ref().filter(|s| s.requests)
-            && is_ring_request(message)
-        {
-            match shm.request(*sent, message) {
-                Ok(true) => {
-                    lock(&self.state).stats.shm_requests += 1;
-                    return Ok(());
-                }
-                // No room: the socket, in order by the count.
-                Ok(false) => {}
-                Err(e) => {
-                    self.broken(&e);
-                    return Err(e);
-                }
-            }
-        }
-        send_message(
-            &self.stream,
-            message,
-            &[],
-            Some(crate::deadline_in(self.timeout)),
-        )
-        .map_err(|e| {
-            // A message cut in half leaves the stream unusable. (After
-            // PeerGone, reading still delivers what the server sent last.)
-            if matches!(e, ChannelError::Protocol { .. } | ChannelError::Io { .. }) {
-                self.broken(&e);
-            }
-            e
-        })?;
-        *sent += 1;
-        Ok(())
-    }
-
-    /// Marks the connection unusable after `e`, and wakes the waiters.
-    fn broken(&self, e: &ChannelError) {
-        let mut st = lock(&self.state);
-        if st.dead.is_none() {
-            st.dead = Some(Dead::Protocol(e.to_string()));
-        }
-        drop(st);
-        self.filed.notify_all();
-    }
-
-    /// Gives leases back without waiting for the answers.
-    fn release_quietly(&self, leases: Vec<u64>) {
-        for lease in leases {
-            let id = {
-                let mut st = lock(&self.state);
-                st.forget(lease);
-                if st.dead.is_some() {
-                    return;
-                }
-                st.next_id()
-            };
-            // Nobody waits for id, so the answer is dropped when it comes.
-            let _ = self.send(&Message::Release { id, lease });
-        }
-    }
-
-    /// Waits until `take` finds what it looks for in the state, reading the
-    /// socket (if no other thread is) until `deadline`. Messages that have
-    /// already arrived are always read before giving up, so a zero timeout
-    /// polls without blocking.
-    fn wait_for<T>(
-        &self,
-        deadline: Instant,
-        what: &str,
-        limits: RecvLimits,
-        mut take: impl FnMut(&mut State) -> Option<T>,
-    ) -> Result<T, ChannelError> {
-        let started = Instant::now();
-        // Whether a read of ours found nothing more before the deadline.
-        let mut drained = false;
-        // Messages read past the deadline: a few that had arrived are still
-        // taken, but a server that keeps sending cannot hold us.
-        let mut late = 0;
-        let mut st = lock(&self.state);
-        loop {
-            if let Some(v) = take(&mut st) {
-                return Ok(v);
-            }
-            if let Some(d) = &st.dead {
-                return Err(d.error());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            // Another thread is reading: it files what arrives.
-            if st.reading {
-                if left.is_zero() {
-                    return Err(timeout(what, started));
-                }
-                st = self
-                    .filed
-                    .wait_timeout(st, left)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .0;
-                continue;
-            }
-            if left.is_zero() && (drained || late >= MAX_LATE_READS) {
-                return Err(timeout(what, started));
-            }
-            if left.is_zero() {
-                late += 1;
-            }
-            st.reading = true;
-            drop(st);
-            // Past the deadline this still takes messages that have arrived.
-            let received = match &self.shm {
-                Some(shm) => self.receive_shm(shm, deadline, limits),
-                None => match recv_message(&self.stream, Some(deadline), limits) {
-                    Ok((m, fds)) => Batch {
-                        messages: vec![(m, fds, false)],
-                        error: None,
-                    },
-                    Err(e) => Batch {
-                        messages: Vec::new(),
-                        error: Some(e),
-                    },
-                },
-            };
-            drained = matches!(received.error, Some(ChannelError::Timeout { .. }));
-            st = self.file(received);
-        }
-    }
-
-    /// Files what the reader received, steps down as reader, and wakes
-    /// the other waiters.
-    fn file(&self, received: Batch) -> MutexGuard<'_, State> {
-        let mut st = lock(&self.state);
-        st.reading = false;
-        for (message, fds, via_ring) in received.messages {
-            if is_notice(&message) {
-                if via_ring {
-                    st.stats.shm_notices += 1;
-                } else {
-                    st.stats.socket_notices += 1;
-                }
-            } else if via_ring {
-                st.stats.shm_replies += 1;
-            }
-            st.dispatch(message, fds);
-        }
-        match received.error {
-            None | Some(ChannelError::Timeout { .. }) => {}
-            Some(e) => {
-                if st.dead.is_none() {
-                    st.dead = Some(Dead::from_error(e));
-                }
-            }
-        }
-        self.filed.notify_all();
-        if st.orphans.is_empty() {
-            return st;
-        }
-        let orphans = std::mem::take(&mut st.orphans);
-        drop(st);
-        self.release_quietly(orphans);
-        lock(&self.state)
-    }
 }
 
 /// The error for the server's refusal, from its details (`uid`, `allowed`).
@@ -706,12 +465,5 @@ fn refused_by_server(details: &Value) -> ChannelError {
                     .collect()
             })
             .unwrap_or_default(),
-    }
-}
-
-fn timeout(what: &str, started: Instant) -> ChannelError {
-    ChannelError::Timeout {
-        what: what.to_owned(),
-        after: started.elapsed(),
     }
 }

@@ -217,7 +217,6 @@ impl ClientShm {
         capacity: Option<u32>,
         requests: bool,
         fds: Vec<OwnedFd>,
-        idle_tick: Option<Duration>,
     ) -> Result<Option<ClientShm>, ChannelError> {
         let Some(capacity) = capacity else {
             if requests {
@@ -232,8 +231,7 @@ impl ClientShm {
                 "the server granted shared-memory notices this client did not ask for",
             ));
         }
-        let (acks, mut notices) = client_rings(fds, capacity)?;
-        notices.set_idle_tick(idle_tick);
+        let (acks, notices) = client_rings(fds, capacity)?;
         Ok(Some(ClientShm::new(acks, notices, requests)))
     }
 }

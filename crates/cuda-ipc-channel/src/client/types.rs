@@ -5,9 +5,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::notices::{NoticePath, notice_path_from_env};
+use crate::notices::NoticePath;
 use crate::own_uid;
-use crate::spin::{idle_tick_from_env, spin_from_env};
 
 /// How a [`Client`](super::Client) connects.
 #[derive(Clone, Debug)]
@@ -22,29 +21,26 @@ pub struct ClientConfig {
     /// socket without sleeping, before it sleeps in `poll(2)` (ring frames,
     /// which come in streams, are waited for without a spin, but by
     /// [`Client::next_frame_spinning`](super::Client::next_frame_spinning)); default
-    /// [`DEFAULT_SPIN`]. A message that arrives within it is read without a
-    /// wake-up of the waiting thread (5-10 µs on a busy machine, more from a
-    /// deep idle state). It costs CPU only while a wait lasts, at most this
-    /// long per wait; `Duration::ZERO` sleeps at once. The environment
-    /// variable [`SPIN_ENV`] sets the default.
+    /// [`DEFAULT_SPIN`] (50 µs). A message that arrives within it is read
+    /// without a wake-up of the waiting thread (5-10 µs on a busy machine,
+    /// more from a deep idle state). It costs CPU only while a wait lasts,
+    /// at most this long per wait; `Duration::ZERO` sleeps at once. This is
+    /// the only place it is set: the library reads no environment variable
+    /// for it (a program that wants one reads it and calls
+    /// [`ClientConfig::with_spin`]).
     pub spin: Duration,
-    /// Whether to ask the server for notices (updates, ring frames) and
-    /// acks through shared memory (see [`notices`](crate::notices));
-    /// default from [`NOTICES_ENV`](crate::NOTICES_ENV), else
-    /// [`NoticePath::Shm`]. The server may say no.
+    /// How notices and acks travel; default [`NoticePath::Shm`]: through
+    /// shared memory (see [`notices`](crate::notices)) when the server
+    /// grants it, else on the socket, which is also where a notice goes that
+    /// does not fit in the ring. [`NoticePath::Socket`] does not ask, so
+    /// everything takes the socket: the fallback path, for tests and
+    /// comparisons.
     pub notices: NoticePath,
-    /// While a wait for a notice sleeps (after its spin), it wakes itself
-    /// this often and looks again (`None`, the default: it sleeps until
-    /// woken). On a virtual machine a processor idle for a millisecond or
-    /// more can take 0.1 ms or longer to run a woken thread again, one
-    /// idle a few tens of microseconds far less (`cuda-ipc info` measures
-    /// it): a tick of a few tens of µs can shorten a waiting consumer's
-    /// wake-up, at the cost of that many timer wake-ups a second while it
-    /// waits (on one H200 machine a 50 µs tick shortened the bare wake-up
-    /// after 1 ms idle by about a third and cost 7.8 % of a processor, and
-    /// the bench's update rows did not move).
-    /// Only notices through shared memory ([`NoticePath::Shm`]) tick. The
-    /// environment variable [`IDLE_TICK_ENV`] sets the default.
+    /// Ignored: the idle tick (a sleeping wait waking itself to look again)
+    /// was removed, since it did not shorten the bench's updates. Kept only
+    /// so that `cuda_ipc::exchange::SubscriberConfig`, which still copies
+    /// it, builds; it goes once that stops.
+    #[doc(hidden)]
     pub idle_tick: Option<Duration>,
 }
 
@@ -53,32 +49,14 @@ pub struct ClientConfig {
 /// a consumer that is already waiting are taken without a wake-up.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
-/// The environment variable that sets the default spin in microseconds
-/// (`0`: sleep at once), for programs that do not set it themselves.
-pub const SPIN_ENV: &str = "CUDA_IPC_SPIN_US";
-
-/// The environment variable that sets the default idle tick in
-/// microseconds (see [`ClientConfig::idle_tick`]; `0` or unset: none).
-pub const IDLE_TICK_ENV: &str = "CUDA_IPC_IDLE_TICK_US";
-
-/// The default spin: [`SPIN_ENV`] if it holds only decimal digits, a
-/// number of microseconds up to 10,000 (10 ms), else [`DEFAULT_SPIN`]
-/// (with a warning saying why).
-pub(crate) fn default_spin(env: Option<&str>) -> Duration {
-    spin_from_env(SPIN_ENV, env, DEFAULT_SPIN)
-}
-
 impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
             timeout: Duration::from_secs(5),
             allowed_server_uids: vec![own_uid()],
-            spin: default_spin(std::env::var(SPIN_ENV).ok().as_deref()),
-            notices: notice_path_from_env(),
-            idle_tick: idle_tick_from_env(
-                IDLE_TICK_ENV,
-                std::env::var(IDLE_TICK_ENV).ok().as_deref(),
-            ),
+            spin: DEFAULT_SPIN,
+            notices: NoticePath::Shm,
+            idle_tick: None,
         }
     }
 }
@@ -98,7 +76,9 @@ impl ClientConfig {
         self
     }
 
-    /// Sets the idle tick of a sleeping wait (see [`ClientConfig::idle_tick`]).
+    /// Ignored, as the `idle_tick` field is; kept only until
+    /// `cuda_ipc::exchange::Subscriber` stops calling it.
+    #[doc(hidden)]
     #[must_use]
     pub fn with_idle_tick(mut self, tick: Option<Duration>) -> Self {
         self.idle_tick = tick;
@@ -227,52 +207,4 @@ pub struct FrameNotice {
     pub seq: u64,
     /// The producer's notice.
     pub notice: Value,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_spin_comes_from_the_environment_within_limits() {
-        assert_eq!(default_spin(None), DEFAULT_SPIN);
-        assert_eq!(default_spin(Some("0")), Duration::ZERO);
-        assert_eq!(default_spin(Some(" 200 ")), Duration::from_micros(200));
-        assert_eq!(default_spin(Some("10000")), Duration::from_millis(10));
-        for bad in [
-            "",
-            "-1",
-            "+5",
-            "1.5",
-            "lots",
-            "10001",
-            "1000000",
-            "18446744073709551616",
-        ] {
-            assert_eq!(default_spin(Some(bad)), DEFAULT_SPIN, "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn the_idle_tick_comes_from_the_environment_within_limits() {
-        let tick = |env| idle_tick_from_env(IDLE_TICK_ENV, env);
-        assert_eq!(tick(None), None);
-        assert_eq!(tick(Some("0")), None);
-        assert_eq!(tick(Some("")), None);
-        assert_eq!(tick(Some(" 50 ")), Some(Duration::from_micros(50)));
-        assert_eq!(tick(Some("10")), Some(Duration::from_micros(10)));
-        assert_eq!(tick(Some("10000")), Some(Duration::from_millis(10)));
-        for bad in [
-            "9",
-            "1",
-            "-1",
-            "+5",
-            "1.5",
-            "often",
-            "10001",
-            "18446744073709551616",
-        ] {
-            assert_eq!(tick(Some(bad)), None, "{bad:?}");
-        }
-    }
 }

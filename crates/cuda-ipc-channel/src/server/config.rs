@@ -3,16 +3,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::notices::{NoticePath, notice_path_from_env};
-use crate::spin::spin_from_env;
+use crate::notices::NoticePath;
 
 /// How long a connection's reader polls for the client's next message
 /// after one it received, before it sleeps (see [`ServerConfig::spin`]).
 pub const DEFAULT_SERVER_SPIN: Duration = Duration::from_micros(50);
-
-/// The environment variable that sets the server's default spin in
-/// microseconds (`0`: sleep at once; at most 10,000).
-pub const SERVER_SPIN_ENV: &str = "CUDA_IPC_SERVER_SPIN_US";
 
 use crate::own_uid;
 use crate::wire::MAX_FDS;
@@ -92,13 +87,18 @@ pub struct ServerConfig {
     /// longest valid request, an attach with a 256-byte name, is about 300).
     pub max_request_bytes: u32,
     /// How notices and acks travel to clients that ask for shared memory
-    /// (see [`notices`](crate::notices)); default from
-    /// [`NOTICES_ENV`](crate::NOTICES_ENV), else [`NoticePath::Shm`].
+    /// (see [`notices`](crate::notices)); default [`NoticePath::Shm`]:
+    /// through the rings when the client asks and they can be set up, else
+    /// on the socket (the automatic fallback, which also takes a notice
+    /// that does not fit). [`NoticePath::Socket`] grants no client the
+    /// rings: the fallback path for every connection, for tests and
+    /// comparisons.
     pub notices: NoticePath,
     /// How long a connection's reader thread polls for the client's next
     /// request (or ack) after it received one, before it sleeps in
-    /// `poll(2)`; default [`DEFAULT_SERVER_SPIN`], or the environment
-    /// variable [`SERVER_SPIN_ENV`]. A request that comes within it is
+    /// `poll(2)`; default [`DEFAULT_SERVER_SPIN`] (50 µs; this field is the
+    /// only place it is set: the library reads no environment variable for
+    /// it). A request that comes within it is
     /// answered without a wake-up of the reader (a request that follows
     /// another, such as the attach after a release). The spin follows
     /// only a received message: a connection that sends nothing costs no
@@ -149,12 +149,8 @@ impl ServerConfig {
             idle_timeout: Duration::from_secs(15 * 60),
             max_leases_per_connection: 1024,
             max_request_bytes: 4096,
-            notices: notice_path_from_env(),
-            spin: spin_from_env(
-                SERVER_SPIN_ENV,
-                std::env::var(SERVER_SPIN_ENV).ok().as_deref(),
-                DEFAULT_SERVER_SPIN,
-            ),
+            notices: NoticePath::Shm,
+            spin: DEFAULT_SERVER_SPIN,
             peer_cpu_budget: Some(CpuBudget::DEFAULT),
             call_handler: None,
         }

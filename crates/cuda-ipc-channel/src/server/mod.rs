@@ -158,7 +158,7 @@ pub use call::{
     CallContext, CallError, CallFn, CallHandler, ClosedFn, MAX_METHOD_LEN, validate_method,
 };
 use checks::{bound_socket, check_config, check_fds, encoded_meta, json_size};
-pub use config::{DEFAULT_SERVER_SPIN, SERVER_SPIN_ENV, ServerConfig};
+pub use config::{DEFAULT_SERVER_SPIN, ServerConfig};
 use conn::Conn;
 use conn::SlotSource;
 pub use replace::Replaced;

@@ -19,6 +19,7 @@ mod fuzz_set_table;
 #[path = "../support/corpus.rs"]
 mod corpus;
 mod decoding;
+mod fields;
 mod fuzzed;
 
 const UUID: DeviceUuid = DeviceUuid([7; 16]);
