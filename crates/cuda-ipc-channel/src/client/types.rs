@@ -36,12 +36,6 @@ pub struct ClientConfig {
     /// everything takes the socket: the fallback path, for tests and
     /// comparisons.
     pub notices: NoticePath,
-    /// Ignored: the idle tick (a sleeping wait waking itself to look again)
-    /// was removed, since it did not shorten the bench's updates. Kept only
-    /// so that `cuda_ipc::exchange::SubscriberConfig`, which still copies
-    /// it, builds; it goes once that stops.
-    #[doc(hidden)]
-    pub idle_tick: Option<Duration>,
 }
 
 /// How long a client polls for a message before it sleeps: about the
@@ -56,7 +50,6 @@ impl Default for ClientConfig {
             allowed_server_uids: vec![own_uid()],
             spin: DEFAULT_SPIN,
             notices: NoticePath::Shm,
-            idle_tick: None,
         }
     }
 }
@@ -73,15 +66,6 @@ impl ClientConfig {
     #[must_use]
     pub fn with_spin(mut self, spin: Duration) -> Self {
         self.spin = spin;
-        self
-    }
-
-    /// Ignored, as the `idle_tick` field is; kept only until
-    /// `cuda_ipc::exchange::Subscriber` stops calling it.
-    #[doc(hidden)]
-    #[must_use]
-    pub fn with_idle_tick(mut self, tick: Option<Duration>) -> Self {
-        self.idle_tick = tick;
         self
     }
 

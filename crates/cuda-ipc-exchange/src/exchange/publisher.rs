@@ -46,9 +46,22 @@ pub struct PublisherConfig {
     /// channel's default, 4 KiB; a service that takes layouts in calls
     /// needs more).
     pub max_request_bytes: Option<u32>,
+    /// How long a serving thread polls its connection before it sleeps
+    /// (`None`: the channel's default,
+    /// [`DEFAULT_SERVER_SPIN`](crate::channel::DEFAULT_SERVER_SPIN), 50 µs;
+    /// `Duration::ZERO` sleeps at once, which saves a core's worth of
+    /// polling on a busy machine and costs a wake-up per request).
+    pub spin: Option<std::time::Duration>,
 }
 
 impl PublisherConfig {
+    /// Polls this long before sleeping (see [`PublisherConfig::spin`]).
+    #[must_use]
+    pub fn with_spin(mut self, spin: std::time::Duration) -> Self {
+        self.spin = Some(spin);
+        self
+    }
+
     /// Accepts requests (calls' bodies) of up to `bytes` bytes (at most the
     /// channel's message limit, 1 MiB).
     #[must_use]
@@ -186,6 +199,9 @@ impl Publisher {
         let mut server_config = ServerConfig::new(path);
         if let Some(n) = config.max_request_bytes {
             server_config = server_config.with_max_request_bytes(n);
+        }
+        if let Some(spin) = config.spin {
+            server_config.spin = spin;
         }
         for uid in config.allow_uids.iter().copied() {
             if !server_config.allowed_uids.contains(&uid) {

@@ -46,14 +46,8 @@ pub struct SubscriberConfig {
     /// How long a wait for the publisher's answer or update polls before
     /// it sleeps (ring frames are waited for without)
     /// ([`ClientConfig::spin`](crate::channel::ClientConfig::spin): 50 µs by
-    /// default, or `CUDA_IPC_SPIN_US` microseconds; `Duration::ZERO` sleeps
-    /// at once).
+    /// default; `Duration::ZERO` sleeps at once).
     pub spin: Duration,
-    /// While a wait for an update or a ring frame sleeps, it wakes itself
-    /// this often ([`ClientConfig::idle_tick`](crate::channel::ClientConfig::idle_tick):
-    /// none by default, or `CUDA_IPC_IDLE_TICK_US` microseconds), which
-    /// can keep the consumer's processor out of a deep idle state.
-    pub idle_tick: Option<Duration>,
     /// How this subscriber maps what it attaches ([`Access::ReadWrite`] by
     /// default). [`Access::ReadOnly`] maps every buffer, set and ring slot
     /// read-only (only VMM memory can be: legacy and pool memory are then
@@ -71,7 +65,6 @@ impl Default for SubscriberConfig {
             sync: SyncMode::Auto,
             mapping_budget: MappingBudget::default(),
             spin: client.spin,
-            idle_tick: client.idle_tick,
             access: Access::ReadWrite,
         }
     }
@@ -82,13 +75,6 @@ impl SubscriberConfig {
     #[must_use]
     pub fn with_spin(mut self, spin: Duration) -> Self {
         self.spin = spin;
-        self
-    }
-
-    /// The idle tick of a sleeping wait (see [`SubscriberConfig::idle_tick`]).
-    #[must_use]
-    pub fn with_idle_tick(mut self, tick: Option<Duration>) -> Self {
-        self.idle_tick = tick;
         self
     }
 
@@ -276,8 +262,7 @@ impl Subscriber {
         let path = endpoint.into().path()?;
         let mut client_config = ClientConfig::default()
             .with_timeout(config.timeout)
-            .with_spin(config.spin)
-            .with_idle_tick(config.idle_tick);
+            .with_spin(config.spin);
         client_config.allowed_server_uids.extend(config.allow_uids);
         let client = Arc::new(Client::connect(path, client_config)?);
         Ok(Subscriber {
