@@ -60,7 +60,6 @@
 //! A consumer that maps a chunk can read every buffer in it, whether the
 //! set names it or not: see the security note of [`arena`](crate::arena).
 
-use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
@@ -105,15 +104,17 @@ impl fmt::Debug for ArenaId {
 }
 
 mod decode;
+use decode::decode_entries;
 mod layouts;
 pub mod names;
 pub mod table;
 mod tables;
+mod validate;
 mod weights;
 
 use decode::{
-    EntryField, FIELDS, FieldName, ShapeDim, array_of, check_name, decode_chunk, decode_entry,
-    field_err, nested, set_err,
+    EntryField, FIELDS, FieldName, ShapeDim, array_of, check_name, decode_chunk, field_err, nested,
+    set_err,
 };
 pub use layouts::{MemberPlace, SetLayout, SetLayouts};
 pub use tables::EntryTables;
@@ -512,7 +513,7 @@ impl SetRecord {
     /// calls it, and so should code that builds a record by hand.
     pub fn validate(&self) -> Result<()> {
         let chunks = self.validate_head()?;
-        self.validate_entries(&chunks)
+        validate::entries(self, &chunks)
     }
 
     /// Checks everything but the entries (the name, the arena, the chunk
@@ -522,7 +523,7 @@ impl SetRecord {
         if self.arena.0 == 0 {
             return Err(field_err("arena", "must not be zero"));
         }
-        let chunks = self.validate_chunks()?;
+        let chunks = validate::chunks(self)?;
         if self.read_only {
             // Every chunk has chunks[0]'s mechanism (checked above).
             let mechanism = self.chunks[0].descriptor.mechanism();
@@ -531,220 +532,6 @@ impl SetRecord {
                 .map_err(|e| field_err("read_only", e.to_string()))?;
         }
         Ok(chunks)
-    }
-
-    /// Checks the chunk table; returns each chunk's position by id.
-    fn validate_chunks(&self) -> Result<ChunkPositions> {
-        if self.chunks.is_empty() {
-            return Err(field_err("chunks", "a set needs at least one chunk"));
-        }
-        if self.chunks.len() > MAX_SET_CHUNKS {
-            return Err(field_err(
-                "chunks",
-                format!(
-                    "{} chunks is more than the {MAX_SET_CHUNKS} allowed",
-                    self.chunks.len()
-                ),
-            ));
-        }
-        let first = &self.chunks[0].descriptor;
-        let mut by_id = ChunkPositions::with_capacity_and_hasher(
-            self.chunks.len(),
-            foldhash::fast::RandomState::default(),
-        );
-        for (i, c) in self.chunks.iter().enumerate() {
-            let at = |field: &str| format!("chunks[{i}].{field}");
-            let d = &c.descriptor;
-            d.validate()
-                .map_err(|e| nested(&format!("chunks[{i}].descriptor"), e))?;
-            if let Some(j) = by_id.insert(c.id, i) {
-                return Err(field_err(
-                    &at("id"),
-                    format!("chunk {} is also chunks[{j}]", c.id),
-                ));
-            }
-            if d.dtype != Dtype::U8 || d.shape.is_some() || d.strides.is_some() {
-                return Err(field_err(
-                    &at("descriptor.dtype"),
-                    "a chunk is described as bytes (dtype u8, no shape or strides); entries carry the types",
-                ));
-            }
-            if d.event.is_some() {
-                return Err(field_err(
-                    &at("descriptor.event"),
-                    "chunks carry no event; the set's event goes in the set's `event` field",
-                ));
-            }
-            let same = [
-                (d.mechanism() == first.mechanism(), "mechanism"),
-                (d.device_uuid == first.device_uuid, "device_uuid"),
-                (d.pid == first.pid, "pid"),
-            ];
-            if let Some((_, field)) = same.iter().find(|(ok, _)| !ok) {
-                return Err(field_err(
-                    &at(&format!("descriptor.{field}")),
-                    "differs from chunks[0]: a set's chunks come from one arena",
-                ));
-            }
-            if let Some(j) = self.chunks[..i]
-                .iter()
-                .position(|o| o.descriptor.source == d.source)
-            {
-                return Err(field_err(
-                    &at("descriptor"),
-                    format!("names the same memory as chunks[{j}]"),
-                ));
-            }
-        }
-        Ok(by_id)
-    }
-
-    fn validate_entries(&self, chunks: &ChunkPositions) -> Result<()> {
-        if self.entries.is_empty() {
-            return Err(field_err("entries", "a set needs at least one entry"));
-        }
-        if self.entries.len() > MAX_SET_ENTRIES {
-            return Err(field_err(
-                "entries",
-                format!(
-                    "{} entries is more than the {MAX_SET_ENTRIES} allowed",
-                    self.entries.len()
-                ),
-            ));
-        }
-        let mut names: HashSet<&str, foldhash::fast::RandomState> =
-            HashSet::with_capacity_and_hasher(
-                self.entries.len(),
-                foldhash::fast::RandomState::default(),
-            );
-        // Each entry's (offset, end, index), grouped by its chunk's position
-        // (a counting sort: the chunks are few), then in offset order within
-        // each chunk, where overlaps are looked for.
-        let mut spans: Vec<(usize, u64, u64, usize)> = Vec::with_capacity(self.entries.len());
-        let mut starts = vec![0usize; self.chunks.len() + 1];
-        for (i, e) in self.entries.iter().enumerate() {
-            if !names.insert(e.name.as_str()) {
-                return Err(field_err(
-                    &format!("entries[{i}].name"),
-                    format!("{:?} names another entry too", e.name),
-                ));
-            }
-            let (c, end) = self.check_entry(i, e, chunks)?;
-            starts[c + 1] += 1;
-            spans.push((c, e.offset, end, i));
-        }
-        if let Some(c) = starts[1..].iter().position(|&n| n == 0) {
-            return Err(field_err(
-                &format!("chunks[{c}]"),
-                format!("no entry uses chunk {}", self.chunks[c].id),
-            ));
-        }
-        for c in 1..starts.len() {
-            starts[c] += starts[c - 1];
-        }
-        let mut by_chunk = vec![(0u64, 0u64, 0usize); spans.len()];
-        let mut next = starts.clone();
-        for &(c, offset, end, i) in &spans {
-            by_chunk[next[c]] = (offset, end, i);
-            next[c] += 1;
-        }
-        for (c, w) in starts.windows(2).enumerate() {
-            let placed = &mut by_chunk[w[0]..w[1]];
-            // Usually in order already (an arena hands out ranges in order).
-            if !placed.is_sorted() {
-                placed.sort_unstable();
-            }
-            for pair in placed.windows(2) {
-                let ((o0, e0, i0), (o1, e1, i1)) = (pair[0], pair[1]);
-                if o1 < e0 {
-                    let (first, second) = (i0.min(i1), i0.max(i1));
-                    let (a, b) = if i0 < i1 {
-                        ((o0, e0), (o1, e1))
-                    } else {
-                        ((o1, e1), (o0, e0))
-                    };
-                    return Err(field_err(
-                        &format!("entries[{second}].offset"),
-                        format!(
-                            "bytes {}..{} overlap entries[{first}] ({:?}, bytes {}..{}) in chunk {}",
-                            b.0, b.1, self.entries[first].name, a.0, a.1, self.chunks[c].id
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Checks one entry on its own; returns its chunk's position and its end.
-    fn check_entry(&self, i: usize, e: &SetEntry, chunks: &ChunkPositions) -> Result<(usize, u64)> {
-        let at = |field: &str| format!("entries[{i}].{field}");
-        check_name(EntryField(i, Some("name")), &e.name)?;
-        if e.shape.len() > MAX_SET_DIMS {
-            return Err(field_err(
-                &at("shape"),
-                format!(
-                    "{} dimensions is more than the {MAX_SET_DIMS} allowed",
-                    e.shape.len()
-                ),
-            ));
-        }
-        let elem = e.dtype.size();
-        let bytes = e
-            .shape
-            .iter()
-            .try_fold(1u64, |a, d| a.checked_mul(*d))
-            .and_then(|n| n.checked_mul(elem))
-            .ok_or_else(|| field_err(&at("shape"), "the size in bytes overflows"))?;
-        if e.len == 0 {
-            return Err(field_err(&at("len"), "must be greater than zero"));
-        }
-        if bytes != e.len {
-            return Err(field_err(
-                &at("len"),
-                format!(
-                    "{} bytes, but shape {:?} of {} holds {bytes}",
-                    e.len, e.shape, e.dtype
-                ),
-            ));
-        }
-        let &c = chunks.get(&e.chunk).ok_or_else(|| {
-            field_err(
-                &at("chunk"),
-                format!("{} is not the id of a chunk in the table", e.chunk),
-            )
-        })?;
-        // Aligned where the elements really start: the chunk's own offset
-        // in its allocation counts too.
-        let start = self.chunks[c].descriptor.offset.checked_add(e.offset);
-        if !start.is_some_and(|s| s.is_multiple_of(elem)) {
-            return Err(field_err(
-                &at("offset"),
-                format!(
-                    "{} (byte {} of chunk {}'s allocation) is not aligned to the {elem}-byte {} \
-                     elements",
-                    e.offset,
-                    start.map_or_else(|| "past 2^64".to_string(), |s| s.to_string()),
-                    e.chunk,
-                    e.dtype
-                ),
-            ));
-        }
-        let size = self.chunks[c].descriptor.byte_len;
-        let end = e
-            .offset
-            .checked_add(e.len)
-            .filter(|end| *end <= size)
-            .ok_or_else(|| {
-                field_err(
-                    &at("len"),
-                    format!(
-                        "offset {} + len {} passes the end of chunk {} ({size} bytes)",
-                        e.offset, e.len, e.chunk
-                    ),
-                )
-            })?;
-        Ok((c, end))
     }
 
     /// Each entry's position by name (names are unique in a valid record).
@@ -903,98 +690,3 @@ impl SetRecord {
         self.to_value().to_string()
     }
 }
-
-/// A record's entries as decoded, and what a reader keeps of them.
-struct DecodedEntries<'a> {
-    entries: Arc<[SetEntry]>,
-    /// Found among the reader's kept tables: checked already.
-    kept: bool,
-    /// The table's text, and its reference in format 3, to keep once the
-    /// record is checked (none in format 1).
-    text: Option<(Cow<'a, str>, Option<TableRef>)>,
-}
-
-/// The entries of a record of format `version` whose `entries` field is
-/// `field`, over `chunks`: decoded, or found among `tables`; a format 3
-/// table read through `fetch` unless kept. Not checked yet.
-fn decode_entries<'a>(
-    version: u64,
-    field: &'a Value,
-    arena: ArenaId,
-    chunks: &[SetChunk],
-    tables: Option<&EntryTables>,
-    fetch: Option<TableFetch<'_>>,
-) -> Result<DecodedEntries<'a>> {
-    let decoded = |entries, text| DecodedEntries {
-        entries,
-        kept: false,
-        text,
-    };
-    let found = |entries| DecodedEntries {
-        entries,
-        kept: true,
-        text: None,
-    };
-    if version == 1 {
-        let values = array_of("entries", field, "entries")?;
-        if values.len() > MAX_SET_ENTRIES {
-            return Err(field_err(
-                "entries",
-                format!(
-                    "{} entries is more than the {MAX_SET_ENTRIES} allowed",
-                    values.len()
-                ),
-            ));
-        }
-        let entries = values
-            .iter()
-            .enumerate()
-            .map(|(i, v)| decode_entry(i, v))
-            .collect::<Result<Vec<_>>>()?;
-        return Ok(decoded(entries.into(), None));
-    }
-    if version != SET_FORMAT_TABLE_REF {
-        let text = field.as_str().ok_or_else(|| {
-            field_err(
-                "entries",
-                format!(
-                    "expected the base64 entry table of set format 2, found {}",
-                    kind_of(field)
-                ),
-            )
-        })?;
-        return Ok(match tables.and_then(|t| t.find(text, chunks)) {
-            Some(entries) => found(entries),
-            None => decoded(
-                table::decode(text)?.into(),
-                Some((Cow::Borrowed(text), None)),
-            ),
-        });
-    }
-    let r = TableRef::from_value(field)?;
-    if let Some(entries) = tables.and_then(|t| t.find_ref(arena, &r, chunks)) {
-        return Ok(found(entries));
-    }
-    let fetch = fetch.ok_or_else(|| {
-        field_err(
-            "entries",
-            "the entry table of this format 3 record is in the publisher's entries it \
-             names; attach the set through a Subscriber, which reads them",
-        )
-    })?;
-    let text = fetch(&r)?;
-    if text.len() as u64 != r.bytes {
-        return Err(field_err(
-            "entries.bytes",
-            format!(
-                "the table's entries hold {} bytes, the record says {}",
-                text.len(),
-                r.bytes
-            ),
-        ));
-    }
-    let entries = table::decode(&text)?.into();
-    Ok(decoded(entries, Some((Cow::Owned(text), Some(r)))))
-}
-
-crate::json::json_record!(SetRecord);
