@@ -138,6 +138,8 @@ mod set_attach;
 mod set_book;
 mod set_commit;
 mod set_order;
+mod set_text;
+mod sharing;
 mod sleep;
 mod subscriber;
 mod sync;
@@ -156,9 +158,8 @@ pub use budget::MappingBudget;
 pub use publisher::{Publisher, PublisherConfig};
 pub use ring::{RingFrame, RingPublisher, RingSubscriber, RingSync};
 pub use set_attach::{EntryPlace, SetAttachment};
-pub use set_book::{
-    HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, Sharing, TABLE_REF_MIN_BYTES, chunk_entry_name,
-};
+pub use set_book::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, TABLE_REF_MIN_BYTES, chunk_entry_name};
+pub use sharing::Sharing;
 pub use sleep::Slept;
 pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
 pub use sync::SyncMode;

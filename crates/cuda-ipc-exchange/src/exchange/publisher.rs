@@ -17,7 +17,8 @@ use crate::share::SharedBuffer;
 use crate::sync::event::IpcEvent;
 
 use super::ring::{RingPublisher, RingSync};
-use super::set_book::{PublisherArena, Sharing};
+use super::set_book::PublisherArena;
+use super::sharing::Sharing;
 use super::sync::{self, EntryFences};
 use super::wire::FenceMeta;
 use super::wire::{self, EntryMeta, RingMeta, UpdateBody};

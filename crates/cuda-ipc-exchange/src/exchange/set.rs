@@ -11,8 +11,8 @@ use crate::phases::Phases;
 
 use super::lock;
 use super::publisher::Publisher;
-use super::set_book::Sharing;
 use super::set_order::{SetHold, SetOrder};
+use super::sharing::Sharing;
 use super::sync::SetFence;
 use super::wire::{self, UpdateBody};
 

@@ -9,63 +9,19 @@ use std::sync::{Arc, OnceLock};
 use serde_json::{Value, json};
 
 use crate::arena::{
-    Arena, ArenaLease, ArenaOptions, Chunk, ChunkBacking, ChunkId, ChunkPin, DeviceArena,
-    DeviceChunk, DeviceChunks,
+    Arena, ArenaLease, Chunk, ChunkBacking, ChunkId, ChunkPin, DeviceArena, DeviceChunk,
+    DeviceChunks,
 };
 use crate::channel::wire::Meta;
 use crate::channel::{ChannelError, Server};
-use crate::descriptor::Mechanism;
 use crate::error::{Error, Result};
 use crate::set::{SET_VERSION_KEY, SetLayout, SetRecord, TableRef};
 
 use super::set_order::{ChunkStream, SetHold, SetOrder};
+use super::set_text::{meta_with_text, publish_pieces, unpublish_all};
+use super::sharing::Sharing;
 use super::sync::{self, FenceSlot, SetFence};
 use super::wire::{self, EntryMeta};
-
-/// How a [`Publisher`](super::Publisher) shares memory.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Sharing {
-    /// Buffers come from one arena per publisher ([`Publisher::alloc`](super::Publisher::alloc)):
-    /// chunks exported once, hand-offs with no export. A consumer that maps
-    /// a chunk can read every buffer in it.
-    Arena {
-        /// The chunks' mechanism (`None`: auto, VMM where VMM file
-        /// descriptors work, else pool or legacy).
-        mechanism: Option<Mechanism>,
-        /// Chunk sizes, alignment, limit.
-        options: ArenaOptions,
-    },
-    /// No arena: every buffer is its own allocation, exported when it is
-    /// published ([`Publisher::publish`](super::Publisher::publish)); a consumer maps only what it is
-    /// handed.
-    Isolated,
-}
-
-impl Default for Sharing {
-    /// `auto`: an arena of the best mechanism, with the default options.
-    fn default() -> Self {
-        Sharing::auto()
-    }
-}
-
-impl Sharing {
-    /// An arena of the best mechanism the device supports, default options.
-    pub fn auto() -> Self {
-        Sharing::Arena {
-            mechanism: None,
-            options: ArenaOptions::default(),
-        }
-    }
-
-    /// An arena whose chunks use `mechanism`, default options.
-    pub fn arena(mechanism: Mechanism) -> Self {
-        Sharing::Arena {
-            mechanism: Some(mechanism),
-            options: ArenaOptions::default(),
-        }
-    }
-}
 
 /// Set records longer than this (bytes of JSON) travel in parts.
 pub const SET_PART_BYTES: usize = 96 * 1024;
@@ -662,56 +618,6 @@ fn record_json(record: &SetRecord, layout: &SetLayout) -> RecordJson {
         value: record.to_value_with_table(table),
         text: record.to_json_with_table(table),
     }
-}
-
-/// Publishes `text` as hidden entries `PREFIX/0`, `PREFIX/1`, ... of at
-/// most [`SET_PART_BYTES`] each, metadata `{"text": piece}` (written
-/// here, not encoded); returns their names. On an error none stays.
-fn publish_pieces(server: &Server, prefix: &str, text: &str) -> Result<Vec<String>> {
-    let mut parts: Vec<String> = Vec::new();
-    for (i, piece) in split_utf8(text, SET_PART_BYTES).into_iter().enumerate() {
-        let part = format!("{prefix}/{i}");
-        let mut meta_text = String::with_capacity(piece.len() + 16);
-        meta_text.push_str("{\"text\":");
-        crate::json::push_string(&mut meta_text, piece);
-        meta_text.push('}');
-        let published = meta_with_text(json!({ "text": piece }), meta_text)
-            .and_then(|meta| Ok(server.publish(&part, meta, Vec::new())?));
-        if let Err(e) = published {
-            unpublish_all(server, &parts);
-            return Err(e);
-        }
-        parts.push(part);
-    }
-    Ok(parts)
-}
-
-/// Unpublishes `names` (their leases, if any, stay until released).
-fn unpublish_all(server: &Server, names: &[String]) {
-    for n in names {
-        let _ = server.unpublish(n);
-    }
-}
-
-/// Metadata of `value` with `text`, its JSON text as written here.
-fn meta_with_text(value: Value, text: String) -> Result<Meta> {
-    Ok(Meta::with_text(value, text)?)
-}
-
-/// `text` in pieces of at most `max` bytes, cut at character boundaries.
-pub(super) fn split_utf8(text: &str, max: usize) -> Vec<&str> {
-    let mut out = Vec::new();
-    let mut rest = text;
-    while !rest.is_empty() {
-        let mut cut = max.min(rest.len());
-        while !rest.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        let (a, b) = rest.split_at(cut);
-        out.push(a);
-        rest = b;
-    }
-    out
 }
 
 /// The arena side of a [`Publisher`](super::Publisher): its arena (made at the first use) and

@@ -9,11 +9,13 @@ use std::time::{Duration, Instant};
 use rustix::fs::{MemfdFlags, ftruncate, memfd_create};
 
 use super::*;
+use crate::arena::ArenaOptions;
 use crate::channel::{Client, ClientConfig, ServerConfig};
 use crate::descriptor::Dtype;
 use crate::exchange::lock;
 use crate::exchange::set_attach::read_record;
 use crate::exchange::set_order::{ChunkStream, SetHold};
+use crate::exchange::set_text::split_utf8;
 use crate::set::SetEntry;
 use crate::set::SetRecord;
 
