@@ -5,8 +5,8 @@
 
 For each crate (default: the library crates), prints the public items a
 user can name (modules, types, traits, functions, methods of inherent
-impls and traits, constants, statics, type aliases, macros, re-exports)
-and public struct fields, first as documented, then with the items marked
+impls and traits, constants, statics, type aliases, macros; a re-export
+is the item it names, counted once) and public struct fields, first as documented, then with the items marked
 `#[doc(hidden)]` (what the crates above use of the one below, not for
 users). Items re-exported from another crate count in the crate that
 defines them. Needs a nightly toolchain (`rustup toolchain install
@@ -69,7 +69,8 @@ def count(doc):
             return
         if k == "variant":
             return
-        items += 1
+        if k != "use":
+            items += 1
         if k == "module":
             for i in inner["items"]:
                 walk(i)
