@@ -39,11 +39,9 @@ use crate::memory::owned::{Owned, owned_buffer};
 /// driver), while 1 GiB allocations worked. A crash in the consumer is worse
 /// than a refusal in the producer, so larger pool allocations are refused
 /// with an error that says to use the vmm mechanism (which shares 8 GiB and
-/// more); set [`LIFT_SIZE_LIMIT_ENV`] to try a driver without this limit.
+/// more); [`SharedPool::lift_size_limit`] tries a driver without this
+/// limit.
 pub const MAX_SHARED_ALLOCATION: u64 = 4 << 30;
-
-/// Environment variable that lifts [`MAX_SHARED_ALLOCATION`].
-pub const LIFT_SIZE_LIMIT_ENV: &str = "CUDA_IPC_POOL_NO_SIZE_LIMIT";
 
 /// A memory pool on one device whose allocations can be shared through
 /// POSIX file descriptors. Destroyed when the last [`PoolBuffer`] and the
@@ -55,6 +53,8 @@ pub struct SharedPool {
     /// Whether the pool has been exported once: the driver exports
     /// pointers only from a pool that has been shared.
     shared: std::sync::atomic::AtomicBool,
+    /// Whether allocations over [`MAX_SHARED_ALLOCATION`] are let through.
+    no_size_limit: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: a pool handle is a process-wide driver object; calls bind the context first.
@@ -72,7 +72,16 @@ impl SharedPool {
             device: device.clone(),
             pool,
             shared: std::sync::atomic::AtomicBool::new(false),
+            no_size_limit: std::sync::atomic::AtomicBool::new(false),
         }))
+    }
+
+    /// Lets allocations over [`MAX_SHARED_ALLOCATION`] through, for a
+    /// driver whose importers do not crash on them (on driver 580 they
+    /// do: try it with a process you can lose).
+    pub fn lift_size_limit(&self) {
+        self.no_size_limit
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// A new file descriptor for the pool, owned by the caller.
@@ -105,13 +114,17 @@ impl SharedPool {
                 "cannot share an empty buffer; ask for at least one byte",
             ));
         }
-        if len as u64 > MAX_SHARED_ALLOCATION && std::env::var_os(LIFT_SIZE_LIMIT_ENV).is_none() {
+        if len as u64 > MAX_SHARED_ALLOCATION
+            && !self
+                .no_size_limit
+                .load(std::sync::atomic::Ordering::Relaxed)
+        {
             return Err(Error::Unsupported {
                 what: "a shared pool allocation this large",
                 why: format!(
                     "{len} bytes is over the {MAX_SHARED_ALLOCATION}-byte limit for pool allocations shared \
                      across processes (larger ones crashed importers on driver 580); use the vmm mechanism, \
-                     or set {LIFT_SIZE_LIMIT_ENV}=1 to try anyway"
+                     or call SharedPool::lift_size_limit to try anyway"
                 ),
             });
         }
