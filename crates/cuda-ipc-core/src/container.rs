@@ -44,7 +44,7 @@ fn initial_inode(kind: &str) -> Option<u64> {
 /// The inode number in a namespace link's target, such as `pid:[4026531836]`
 /// for `kind` "pid"; `None` if the text is not of that form.
 #[must_use]
-pub fn parse_namespace_link(kind: &str, target: &str) -> Option<u64> {
+pub(crate) fn parse_namespace_link(kind: &str, target: &str) -> Option<u64> {
     let rest = target.strip_prefix(kind)?.strip_prefix(":[")?;
     rest.strip_suffix(']')?.parse().ok()
 }
@@ -68,7 +68,7 @@ pub struct NamespaceState {
 /// PID namespace is the initial one (`pid_ns_initial`), since inside a new
 /// PID namespace `/proc/1` is that namespace's first process.
 #[must_use]
-pub fn namespace_differs(
+pub(crate) fn namespace_differs(
     kind: &str,
     own: Option<u64>,
     init_pid1: Option<u64>,

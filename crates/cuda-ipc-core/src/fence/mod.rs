@@ -131,7 +131,7 @@ const WORD: u64 = 8;
 /// # Errors
 /// [`Error::Unsupported`] (kind `Unavailable`) when it cannot.
 #[doc(alias = "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS")]
-pub fn check_support(device: &Device) -> Result<()> {
+pub(crate) fn check_support(device: &Device) -> Result<()> {
     let attr = dev::Attr::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
     if dev::attribute(device.context().cu_device(), attr)? == 1 {
         Ok(())
