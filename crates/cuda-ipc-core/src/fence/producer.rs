@@ -49,7 +49,7 @@ impl Fence {
     ///
     /// # Errors
     /// [`Error::Unsupported`] when the device has no 64-bit stream memory
-    /// operations ([`check_support`]) or cannot share memory that way;
+    /// operations or cannot share memory that way;
     /// [`Error::InvalidArgument`] for 0 words or more than [`MAX_WORDS`].
     pub fn new(device: &Device, words: u32, mechanism: Option<Mechanism>) -> Result<Self> {
         check_count(words)?;

@@ -142,6 +142,7 @@ mod set_text;
 mod sharing;
 mod sleep;
 mod subscriber;
+mod subscriber_config;
 mod sync;
 mod wire;
 
@@ -161,7 +162,8 @@ pub use set_attach::{EntryPlace, SetAttachment};
 pub use set_book::{HIDDEN_ENTRY_PREFIX, SET_PART_BYTES, TABLE_REF_MIN_BYTES, chunk_entry_name};
 pub use sharing::Sharing;
 pub use sleep::Slept;
-pub use subscriber::{Attachment, Subscriber, SubscriberConfig};
+pub use subscriber::{Attachment, Subscriber};
+pub use subscriber_config::SubscriberConfig;
 pub use sync::SyncMode;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -7,11 +7,13 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::channel::{ChannelError, LeaseInfo, Server, ServerConfig};
+use crate::arena::{DeviceArena, DeviceArenaBuffer, SetMember};
+use crate::channel::{ChannelError, LeaseInfo, Replaced, Server, ServerConfig};
 use crate::descriptor::{Descriptor, Dtype, Mechanism};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::handle::IpcEventHandle;
+use crate::mechanism::Access;
 use crate::memory::DeviceMemory;
 use crate::share::SharedBuffer;
 use crate::sync::event::IpcEvent;
@@ -495,5 +497,159 @@ impl Publisher {
             frames: std::sync::atomic::AtomicU64::new(0),
             join: super::join::JoinEvent::default(),
         })
+    }
+
+    /// Publishes `members` as set `name` (as
+    /// [`publish_set`](Self::publish_set)) with `access` for its readers:
+    /// [`Access::ReadWrite`] on a publisher with
+    /// [read-only readers](super::PublisherConfig::with_read_only_readers)
+    /// is the policy's one exception, for a writer's staging version under
+    /// a name only the writer is told; every other set keeps the policy.
+    /// [`Access::ReadOnly`] puts `read_only` in the record whatever the
+    /// policy (vmm chunks only).
+    pub fn publish_set_with(
+        &self,
+        name: &str,
+        members: &[SetMember<'_>],
+        access: Access,
+    ) -> Result<()> {
+        self.publish_set_as(name, members, access == Access::ReadOnly, None)
+    }
+
+    /// Puts `members` in place of the published set `name` as its next
+    /// version, with the publisher's policy: new attaches of `name` get
+    /// the new record at once; every reader of the old one gets an update
+    /// notice on its lease (its event recorded, its fence signalled, as
+    /// [`update_set`](Self::update_set) does; nothing changed in the memory
+    /// it maps) and keeps its mappings until it releases them, when the
+    /// old version's ranges may go back to the arena. Readers move to the
+    /// new version by attaching `name` again. The work queued on the
+    /// members' streams is ordered before the new record's event and
+    /// fence; work of another process (a writer) must be finished before
+    /// this call.
+    ///
+    /// # Errors
+    /// [`ChannelError::NotFound`] when `name` is not a published set; the
+    /// record's and the driver's errors. On an error `name` keeps its
+    /// old version.
+    pub fn replace_set(&self, name: &str, members: &[SetMember<'_>]) -> Result<Replaced> {
+        self.do_replace_set(name, members)
+    }
+
+    /// This publisher's arena, made at the first call (no chunk is
+    /// allocated until the first [`Publisher::alloc`] or
+    /// [`Arena::reserve`](crate::arena::Arena::reserve)).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a publisher configured
+    /// [`Sharing::Isolated`]; the device's errors if it cannot share memory.
+    pub fn arena(&self) -> Result<&DeviceArena> {
+        self.do_arena()
+    }
+
+    /// Allocates `bytes` bytes from this publisher's arena: no export (a new
+    /// chunk, exported once, only when no chunk has room).
+    pub fn alloc(&self, bytes: u64) -> Result<DeviceArenaBuffer> {
+        let arena = self.arena()?;
+        lock(&self.arena.book).reap(&self.server);
+        arena.alloc(bytes)
+    }
+
+    /// The set layouts this publisher keeps: a set published with the
+    /// members of one before (the same names, types, shapes and places, in
+    /// order) shares the entries checked and the table encoded then,
+    /// instead of making and checking them again.
+    pub fn set_layouts(&self) -> &crate::set::SetLayouts {
+        &self.arena.layouts
+    }
+
+    /// Publishes one arena buffer under `name` as elements of `dtype` with
+    /// `shape` (a set of one, which [`Subscriber::attach`](super::Subscriber::attach) also opens): no
+    /// driver export, one event record, one message.
+    pub fn publish_buffer(
+        &self,
+        name: &str,
+        buffer: &DeviceArenaBuffer,
+        dtype: Dtype,
+        shape: &[u64],
+    ) -> Result<()> {
+        self.do_publish_buffer(name, buffer, dtype, shape)
+    }
+
+    /// Publishes `members`, buffers of this publisher's arena, as one set
+    /// called `name`: one entry, one event recorded and one fence signalled
+    /// (see [`SyncMode`](super::SyncMode)) after the work queued on the
+    /// members' streams, no driver export. What later updates need (the
+    /// set's distinct chunks and their streams, its fence slot) is worked
+    /// out here, once. The record carries the publisher's
+    /// [read-only policy](super::PublisherConfig::with_read_only_readers).
+    #[tracing::instrument(level = "debug", skip(self, members), fields(members = members.len()))]
+    pub fn publish_set(&self, name: &str, members: &[SetMember<'_>]) -> Result<()> {
+        self.publish_set_as(name, members, self.read_only_readers, None)
+    }
+
+    /// [`publish_set`](Self::publish_set), ordered also after the work
+    /// queued so far on `after`: a stream the members were written on that
+    /// is not theirs, such as another library's (PyTorch's current stream,
+    /// wrapped with [`CudaContext::wrap_borrowed_stream`](cudarc::driver::CudaContext::wrap_borrowed_stream)).
+    /// The set's event waits for it on the device: nothing here waits on
+    /// the host.
+    pub fn publish_set_after(
+        &self,
+        name: &str,
+        members: &[SetMember<'_>],
+        after: &cudarc::driver::CudaStream,
+    ) -> Result<()> {
+        self.publish_set_as(name, members, self.read_only_readers, Some(after))
+    }
+
+    /// Tells every subscriber of the set (or arena buffer) `name` that new
+    /// contents are ready, written in place: one event recorded and one
+    /// fence signalled for the whole set, one notice per subscriber.
+    /// Returns the update's version, from 1.
+    ///
+    /// Its cost does not depend on the set's size: the set's chunks, their
+    /// streams and its fence slot were worked out when it was published
+    /// (see [`publish_set`](Self::publish_set)); no member, lease or record
+    /// entry is visited here, and the notice carries only the fence's
+    /// sequence number.
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn update_set(&self, name: &str) -> Result<u64> {
+        self.update_set_as(name, None)
+    }
+
+    /// [`update_set`](Self::update_set), ordered also after the work queued
+    /// so far on `after` (see [`publish_set_after`](Self::publish_set_after)):
+    /// one more event recorded there and waited for on the device; nothing
+    /// waits on the host.
+    #[tracing::instrument(level = "debug", skip(self, after))]
+    pub fn update_set_after(&self, name: &str, after: &cudarc::driver::CudaStream) -> Result<u64> {
+        self.update_set_as(name, Some(after))
+    }
+
+    /// Hides the set (or arena buffer) `name` from new subscribers and tells
+    /// its subscribers; its buffers' ranges stay allocated until the last
+    /// lease on it ends. Waits up to `timeout` for that (`None`: returns at
+    /// once; the ranges come back at a later call once the leases end).
+    pub fn unpublish_set(&self, name: &str, timeout: Option<Duration>) -> Result<()> {
+        self.do_unpublish_set(name, timeout)
+    }
+
+    /// Lets go of the buffers of unpublished sets whose last lease has
+    /// ended (released, or its consumer gone); returns how many sets.
+    pub fn reap(&self) -> usize {
+        lock(&self.arena.book).reap(&self.server)
+    }
+
+    /// Unpublished sets still leased by a consumer.
+    pub fn retired_sets(&self) -> usize {
+        lock(&self.arena.book).retired()
+    }
+
+    /// Releases the arena's chunks that hold no buffer and that no consumer
+    /// maps any more; returns the bytes released.
+    pub fn trim(&self) -> Result<u64> {
+        let arena = self.arena()?;
+        Ok(lock(&self.arena.book).trim(&self.server, arena))
     }
 }

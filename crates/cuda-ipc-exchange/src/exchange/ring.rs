@@ -227,14 +227,19 @@ pub struct RingFrame<T> {
     lease: u64,
 }
 
+impl<T: Pod> RingSubscriber<T> {
+    /// Ends the subscription (see [`Subscriber::release_ring`]).
+    pub(super) fn release(self) -> Result<()> {
+        let RingSubscriber { guard, slots, .. } = self;
+        drop(slots);
+        guard.check_no_views(1)?;
+        guard.end()
+    }
+}
+
 impl Subscriber {
-    /// Subscribes to the ring `name`: maps every slot once.
-    ///
-    /// # Errors
-    /// [`Error::Unsupported`] for a subscriber that waits on events
-    /// ([`SyncMode::Event`](super::SyncMode::Event)) and a fences-only ring
-    /// ([`RingSync::FencesOnly`]), which records none.
-    pub fn attach_ring<T: Pod>(&self, name: &str) -> Result<RingSubscriber<T>> {
+    /// The work of [`Subscriber::attach_ring`].
+    pub(super) fn do_attach_ring<T: Pod>(&self, name: &str) -> Result<RingSubscriber<T>> {
         let a = self.client.attach_ring(name)?;
         let mut slots = Vec::with_capacity(a.slots.len());
         let mut waiters = Vec::with_capacity(a.slots.len());
@@ -268,9 +273,8 @@ impl Subscriber {
         })
     }
 
-    /// The next frame of `ring`, within `timeout`: a view of the slot's
-    /// buffer, whose stream has been made to wait on the frame's event.
-    pub fn next_frame<T: Pod>(
+    /// The work of [`Subscriber::next_frame`].
+    pub(super) fn do_next_frame<T: Pod>(
         &self,
         ring: &RingSubscriber<T>,
         timeout: Duration,
@@ -324,15 +328,13 @@ impl Subscriber {
         })
     }
 
-    /// Hands a frame's slot back to the producer, after the work queued on
-    /// every stream its views used (the frame's own, and any given with
-    /// `with_stream`) has finished.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a frame of another subscription than
-    /// `ring` (nothing is acknowledged).
+    /// The work of [`Subscriber::ack`].
     #[allow(clippy::needless_pass_by_value)] // taking the frame ends its use
-    pub fn ack<T: Pod>(&self, ring: &RingSubscriber<T>, frame: RingFrame<T>) -> Result<()> {
+    pub(super) fn do_ack<T: Pod>(
+        &self,
+        ring: &RingSubscriber<T>,
+        frame: RingFrame<T>,
+    ) -> Result<()> {
         if frame.lease != ring.lease {
             return Err(Error::arg(
                 "ring frame",
@@ -350,19 +352,6 @@ impl Subscriber {
             .used_streams()
             .synchronize_all()?;
         Ok(self.client.ack(ring.lease, index(frame.slot)?, frame.seq)?)
-    }
-
-    /// Ends a ring subscription now, after the work queued on every stream
-    /// the slots' views used.
-    ///
-    /// # Errors
-    /// [`Error::ViewsAlive`] while clones, slices or casts of a slot's buffer
-    /// are alive: the subscription then ends when the last of them drops.
-    pub fn release_ring<T: Pod>(&self, ring: RingSubscriber<T>) -> Result<()> {
-        let RingSubscriber { guard, slots, .. } = ring;
-        drop(slots);
-        guard.check_no_views(1)?;
-        guard.end()
     }
 }
 

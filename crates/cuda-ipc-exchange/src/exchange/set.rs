@@ -17,14 +17,8 @@ use super::sync::SetFence;
 use super::wire::{self, UpdateBody};
 
 impl Publisher {
-    /// This publisher's arena, made at the first call (no chunk is
-    /// allocated until the first [`Publisher::alloc`] or
-    /// [`Arena::reserve`]).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a publisher configured
-    /// [`Sharing::Isolated`]; the device's errors if it cannot share memory.
-    pub fn arena(&self) -> Result<&DeviceArena> {
+    /// The work of [`Publisher::arena`].
+    pub(super) fn do_arena(&self) -> Result<&DeviceArena> {
         if let Some(a) = self.arena.arena.get() {
             return Ok(a);
         }
@@ -56,26 +50,8 @@ impl Publisher {
             .ok_or_else(|| Error::arg("publisher", "its arena could not be kept"))
     }
 
-    /// Allocates `bytes` bytes from this publisher's arena: no export (a new
-    /// chunk, exported once, only when no chunk has room).
-    pub fn alloc(&self, bytes: u64) -> Result<DeviceArenaBuffer> {
-        let arena = self.arena()?;
-        lock(&self.arena.book).reap(&self.server);
-        arena.alloc(bytes)
-    }
-
-    /// The set layouts this publisher keeps: a set published with the
-    /// members of one before (the same names, types, shapes and places, in
-    /// order) shares the entries checked and the table encoded then,
-    /// instead of making and checking them again.
-    pub fn set_layouts(&self) -> &crate::set::SetLayouts {
-        &self.arena.layouts
-    }
-
-    /// Publishes one arena buffer under `name` as elements of `dtype` with
-    /// `shape` (a set of one, which [`Subscriber::attach`](super::Subscriber::attach) also opens): no
-    /// driver export, one event record, one message.
-    pub fn publish_buffer(
+    /// The work of [`Publisher::publish_buffer`].
+    pub(super) fn do_publish_buffer(
         &self,
         name: &str,
         buffer: &DeviceArenaBuffer,
@@ -92,33 +68,6 @@ impl Publisher {
                 offset: 0,
             }],
         )
-    }
-
-    /// Publishes `members`, buffers of this publisher's arena, as one set
-    /// called `name`: one entry, one event recorded and one fence signalled
-    /// (see [`SyncMode`](super::SyncMode)) after the work queued on the
-    /// members' streams, no driver export. What later updates need (the
-    /// set's distinct chunks and their streams, its fence slot) is worked
-    /// out here, once. The record carries the publisher's
-    /// [read-only policy](super::PublisherConfig::with_read_only_readers).
-    #[tracing::instrument(level = "debug", skip(self, members), fields(members = members.len()))]
-    pub fn publish_set(&self, name: &str, members: &[SetMember<'_>]) -> Result<()> {
-        self.publish_set_as(name, members, self.read_only_readers, None)
-    }
-
-    /// [`publish_set`](Self::publish_set), ordered also after the work
-    /// queued so far on `after`: a stream the members were written on that
-    /// is not theirs, such as another library's (PyTorch's current stream,
-    /// wrapped with [`CudaContext::wrap_borrowed_stream`](cudarc::driver::CudaContext::wrap_borrowed_stream)).
-    /// The set's event waits for it on the device: nothing here waits on
-    /// the host.
-    pub fn publish_set_after(
-        &self,
-        name: &str,
-        members: &[SetMember<'_>],
-        after: &cudarc::driver::CudaStream,
-    ) -> Result<()> {
-        self.publish_set_as(name, members, self.read_only_readers, Some(after))
     }
 
     /// [`publish_set`](Self::publish_set) with the record's `read_only`
@@ -206,30 +155,6 @@ impl Publisher {
         Ok(Arc::clone(first))
     }
 
-    /// Tells every subscriber of the set (or arena buffer) `name` that new
-    /// contents are ready, written in place: one event recorded and one
-    /// fence signalled for the whole set, one notice per subscriber.
-    /// Returns the update's version, from 1.
-    ///
-    /// Its cost does not depend on the set's size: the set's chunks, their
-    /// streams and its fence slot were worked out when it was published
-    /// (see [`publish_set`](Self::publish_set)); no member, lease or record
-    /// entry is visited here, and the notice carries only the fence's
-    /// sequence number.
-    #[tracing::instrument(level = "debug", skip(self))]
-    pub fn update_set(&self, name: &str) -> Result<u64> {
-        self.update_set_as(name, None)
-    }
-
-    /// [`update_set`](Self::update_set), ordered also after the work queued
-    /// so far on `after` (see [`publish_set_after`](Self::publish_set_after)):
-    /// one more event recorded there and waited for on the device; nothing
-    /// waits on the host.
-    #[tracing::instrument(level = "debug", skip(self, after))]
-    pub fn update_set_after(&self, name: &str, after: &cudarc::driver::CudaStream) -> Result<u64> {
-        self.update_set_as(name, Some(after))
-    }
-
     pub(super) fn update_set_as(
         &self,
         name: &str,
@@ -259,34 +184,13 @@ impl Publisher {
         lock(&self.arena.book).contains(name)
     }
 
-    /// Hides the set (or arena buffer) `name` from new subscribers and tells
-    /// its subscribers; its buffers' ranges stay allocated until the last
-    /// lease on it ends. Waits up to `timeout` for that (`None`: returns at
-    /// once; the ranges come back at a later call once the leases end).
-    pub fn unpublish_set(&self, name: &str, timeout: Option<Duration>) -> Result<()> {
+    /// The work of [`Publisher::unpublish_set`].
+    pub(super) fn do_unpublish_set(&self, name: &str, timeout: Option<Duration>) -> Result<()> {
         lock(&self.arena.book).unpublish(&self.server, name)?;
         if let Some(t) = timeout {
             self.server.wait_released(name, Some(t))?;
             self.reap();
         }
         Ok(())
-    }
-
-    /// Lets go of the buffers of unpublished sets whose last lease has
-    /// ended (released, or its consumer gone); returns how many sets.
-    pub fn reap(&self) -> usize {
-        lock(&self.arena.book).reap(&self.server)
-    }
-
-    /// Unpublished sets still leased by a consumer.
-    pub fn retired_sets(&self) -> usize {
-        lock(&self.arena.book).retired()
-    }
-
-    /// Releases the arena's chunks that hold no buffer and that no consumer
-    /// maps any more; returns the bytes released.
-    pub fn trim(&self) -> Result<u64> {
-        let arena = self.arena()?;
-        Ok(lock(&self.arena.book).trim(&self.server, arena))
     }
 }

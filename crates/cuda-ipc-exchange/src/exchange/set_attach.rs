@@ -439,27 +439,9 @@ impl Subscriber {
         })
     }
 
-    /// Attaches the set published as `name`: one lease for the whole set,
-    /// each of its chunks mapped once (reusing the chunks this subscriber
-    /// has mapped already: then the hand-off is one message), and the
-    /// device stream made to wait on the set's event. The chunks are mapped
-    /// with the subscriber's [access](super::SubscriberConfig::access), or
-    /// read-only where the publisher asks for read-only readers.
+    /// The work of [`Subscriber::attach_set_with`].
     #[tracing::instrument(level = "debug", skip(self))]
-    pub fn attach_set(&self, name: &str) -> Result<SetAttachment> {
-        self.attach_set_with(name, self.access)
-    }
-
-    /// As [`Subscriber::attach_set`], mapping with `access` instead of the
-    /// subscriber's own (still read-only where the publisher asks for it).
-    /// A read-only and a read-write attach of one set map its chunks
-    /// twice: the two mappings are cached apart, never one for the other.
-    ///
-    /// # Errors
-    /// [`Error::Unsupported`] for a read-only attach of a set whose chunks
-    /// are legacy or pool memory (only VMM memory can be mapped read-only).
-    #[tracing::instrument(level = "debug", skip(self))]
-    pub fn attach_set_with(&self, name: &str, access: Access) -> Result<SetAttachment> {
+    pub(super) fn do_attach_set_with(&self, name: &str, access: Access) -> Result<SetAttachment> {
         let mut phases = Phases::start("core.attach_set");
         let a = self.client.attach(name)?;
         phases.mark("request");
@@ -506,13 +488,8 @@ impl Subscriber {
         ))
     }
 
-    /// Waits up to `timeout` for the publisher's next update of `set`, then
-    /// makes the device stream wait on the event recorded or the fence
-    /// signalled with it (a fence wait has this subscriber's deadline and
-    /// fails with [`ChannelError::PeerGone`] if the publisher goes). Returns
-    /// the update's version; [`ChannelError::Unpublished`] when the publisher
-    /// wants the set back (release it).
-    pub fn wait_set_update(&self, set: &SetAttachment, timeout: Duration) -> Result<u64> {
+    /// The work of [`Subscriber::wait_set_update`].
+    pub(super) fn do_wait_set_update(&self, set: &SetAttachment, timeout: Duration) -> Result<u64> {
         let deadline = crate::channel::deadline_in(timeout);
         let notice = loop {
             if let Some(n) = lock(&self.pending)
@@ -548,14 +525,8 @@ impl Subscriber {
         }
     }
 
-    /// Releases a set as a whole: waits for the work queued on the streams
-    /// its views used, then tells the publisher. Its chunks stay mapped in
-    /// the cache for the next set, within the mapping budget.
-    ///
-    /// # Errors
-    /// [`Error::ViewsAlive`] while views of its buffers are alive: the lease
-    /// then stays until the last of them drops.
-    pub fn release_set(&self, set: SetAttachment) -> Result<()> {
+    /// The work of [`Subscriber::release_set`].
+    pub(super) fn do_release_set(&self, set: SetAttachment) -> Result<()> {
         let SetAttachment {
             guard, mappings, ..
         } = set;
@@ -566,17 +537,5 @@ impl Subscriber {
         let evicted = lock(&self.chunks).evict();
         self.drop_chunks(evicted);
         r
-    }
-
-    /// Unmaps every cached chunk that no set or buffer holds, and tells the
-    /// publisher (so that it may trim them).
-    pub fn drop_idle_mappings(&self) {
-        let idle = lock(&self.chunks).drain_idle();
-        self.drop_chunks(idle);
-    }
-
-    /// Cached chunk mappings and their bytes.
-    pub fn cached_mappings(&self) -> (usize, u64) {
-        lock(&self.chunks).usage()
     }
 }

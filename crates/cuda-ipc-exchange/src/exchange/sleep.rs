@@ -63,7 +63,7 @@ fn users(live: &[Arc<dyn Mapping>], chunks: &ChunkCache) -> usize {
 
 impl Subscriber {
     /// The live mappings, each once.
-    fn live_mappings(&self) -> Vec<Arc<dyn Mapping>> {
+    pub(super) fn live_mappings(&self) -> Vec<Arc<dyn Mapping>> {
         let mut live = lock(&self.live);
         live.retain(|w| w.strong_count() > 0);
         let mut out: Vec<Arc<dyn Mapping>> =
@@ -73,24 +73,8 @@ impl Subscriber {
         out
     }
 
-    /// Unmaps every mapping this subscriber holds, keeping their address
-    /// ranges and leases; blocks until the work queued through them has
-    /// finished. Mappings that already sleep are left as they are. If one
-    /// fails, those put to sleep by this call are woken again.
-    ///
-    /// Only mappings nothing else holds sleep: their sets, attachments,
-    /// rings, views and tensors must be gone (the cached chunks of released
-    /// sets stay mapped for reuse: those sleep, and an attach after the
-    /// wake finds them at the same addresses). To keep views or CUDA graphs
-    /// over them across the sleep, see [`Subscriber::sleep_unchecked`].
-    ///
-    /// # Errors
-    /// Refused, before anything is unmapped: [`Error::Unsupported`] when a
-    /// mapping cannot sleep (legacy IPC or pool memory);
-    /// [`Error::StillInUse`] while anything but the subscriber holds one
-    /// (views dropped just before are waited for, within the reaper's
-    /// settle time).
-    pub fn sleep(&self) -> Result<Slept> {
+    /// The work of [`Subscriber::sleep`].
+    pub(super) fn do_sleep(&self) -> Result<Slept> {
         // SAFETY: checked, `sleep_all` puts nothing to sleep while anything
         // but this subscriber holds a mapping, and keeps attaches from
         // handing one out until it is done: no view of a sleeping mapping
@@ -187,10 +171,8 @@ impl Subscriber {
         Ok(done)
     }
 
-    /// Maps every sleeping mapping of this subscriber again at the
-    /// addresses it had, with the access it had. Returns what it mapped;
-    /// the first failure stops it (the rest still sleep: call again).
-    pub fn wake(&self) -> Result<Slept> {
+    /// The work of [`Subscriber::wake`].
+    pub(super) fn do_wake(&self) -> Result<Slept> {
         let mut done = Slept::default();
         for m in self.live_mappings().iter().filter(|m| m.asleep()) {
             m.wake()?;
@@ -198,10 +180,5 @@ impl Subscriber {
             done.bytes += m.size();
         }
         Ok(done)
-    }
-
-    /// Whether any mapping of this subscriber sleeps.
-    pub fn asleep(&self) -> bool {
-        self.live_mappings().iter().any(|m| m.asleep())
     }
 }

@@ -22,100 +22,15 @@ use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::share;
 use crate::sync::event::IpcEvent;
 
-use super::budget::MappingBudget;
 use super::chunk_cache::ChunkCache;
 use super::lease::{LeaseGuard, Pending};
+use super::ring::{RingFrame, RingSubscriber};
+use super::set_attach::SetAttachment;
+use super::sleep::Slept;
+use super::subscriber_config::SubscriberConfig;
 use super::sync::{self, SyncMode, Waiter};
 use super::wire::EntryMeta;
 use super::{Endpoint, lock};
-
-/// How a [`Subscriber`] connects: `SubscriberConfig::default()`, adjusted
-/// with the `with_` methods.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct SubscriberConfig {
-    /// How long a request may take (5 s by default).
-    pub timeout: Duration,
-    /// User ids the publisher may run as besides our own.
-    pub allow_uids: Vec<u32>,
-    /// How streams wait for the publisher's work: its event or its fence
-    /// ([`SyncMode::Auto`] by default: the event where it opens).
-    pub sync: SyncMode,
-    /// How many idle chunk mappings the subscriber keeps for reuse.
-    pub mapping_budget: MappingBudget,
-    /// How long a wait for the publisher's answer or update polls before
-    /// it sleeps (ring frames are waited for without)
-    /// ([`ClientConfig::spin`](crate::channel::ClientConfig::spin): 50 µs by
-    /// default; `Duration::ZERO` sleeps at once).
-    pub spin: Duration,
-    /// How this subscriber maps what it attaches ([`Access::ReadWrite`] by
-    /// default). [`Access::ReadOnly`] maps every buffer, set and ring slot
-    /// read-only (only VMM memory can be: legacy and pool memory are then
-    /// refused with [`Error::Unsupported`]); a set whose publisher asks for
-    /// read-only readers is mapped read-only whatever this says.
-    pub access: Access,
-}
-
-impl Default for SubscriberConfig {
-    fn default() -> Self {
-        let client = crate::channel::ClientConfig::default();
-        SubscriberConfig {
-            timeout: Duration::from_secs(5),
-            allow_uids: Vec::new(),
-            sync: SyncMode::Auto,
-            mapping_budget: MappingBudget::default(),
-            spin: client.spin,
-            access: Access::ReadWrite,
-        }
-    }
-}
-
-impl SubscriberConfig {
-    /// How long a wait polls before it sleeps (see [`SubscriberConfig::spin`]).
-    #[must_use]
-    pub fn with_spin(mut self, spin: Duration) -> Self {
-        self.spin = spin;
-        self
-    }
-
-    /// How long a request may take.
-    #[must_use]
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// Accepts a publisher running as one of these user ids too, besides our own.
-    #[must_use]
-    pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
-        self.allow_uids.extend(uids);
-        self
-    }
-
-    /// How this subscriber maps what it attaches (see
-    /// [`SubscriberConfig::access`]).
-    #[must_use]
-    pub fn with_access(mut self, access: Access) -> Self {
-        self.access = access;
-        self
-    }
-
-    /// How streams wait for the publisher's work (see [`SyncMode`]).
-    #[must_use]
-    pub fn with_sync(mut self, sync: SyncMode) -> Self {
-        self.sync = sync;
-        self
-    }
-
-    /// Keeps at most `bytes` bytes (`None`: no limit) and `count` (`None`:
-    /// no limit) of cached chunk mappings, evicting the least recently used
-    /// of those that no lease holds.
-    #[must_use]
-    pub fn with_mapping_budget(mut self, bytes: Option<u64>, count: Option<usize>) -> Self {
-        self.mapping_budget = MappingBudget::new(bytes, count);
-        self
-    }
-}
 
 /// Cache key of a mapping: the exporter, its allocation's generation (never
 /// the address, which a freed allocation gives to the next one) and the
@@ -615,5 +530,137 @@ impl Subscriber {
         drop(buffer);
         guard.check_no_views(1)?;
         guard.end()
+    }
+
+    /// Attaches the set published as `name`: one lease for the whole set,
+    /// each of its chunks mapped once (reusing the chunks this subscriber
+    /// has mapped already: then the hand-off is one message), and the
+    /// device stream made to wait on the set's event. The chunks are mapped
+    /// with the subscriber's [access](super::SubscriberConfig::access), or
+    /// read-only where the publisher asks for read-only readers.
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn attach_set(&self, name: &str) -> Result<SetAttachment> {
+        self.attach_set_with(name, self.access)
+    }
+
+    /// As [`Subscriber::attach_set`], mapping with `access` instead of the
+    /// subscriber's own (still read-only where the publisher asks for it).
+    /// A read-only and a read-write attach of one set map its chunks
+    /// twice: the two mappings are cached apart, never one for the other.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a read-only attach of a set whose chunks
+    /// are legacy or pool memory (only VMM memory can be mapped read-only).
+    #[tracing::instrument(level = "debug", skip(self))]
+    pub fn attach_set_with(&self, name: &str, access: Access) -> Result<SetAttachment> {
+        self.do_attach_set_with(name, access)
+    }
+
+    /// Waits up to `timeout` for the publisher's next update of `set`, then
+    /// makes the device stream wait on the event recorded or the fence
+    /// signalled with it (a fence wait has this subscriber's deadline and
+    /// fails with [`ChannelError::PeerGone`] if the publisher goes). Returns
+    /// the update's version; [`ChannelError::Unpublished`] when the publisher
+    /// wants the set back (release it).
+    pub fn wait_set_update(&self, set: &SetAttachment, timeout: Duration) -> Result<u64> {
+        self.do_wait_set_update(set, timeout)
+    }
+
+    /// Releases a set as a whole: waits for the work queued on the streams
+    /// its views used, then tells the publisher. Its chunks stay mapped in
+    /// the cache for the next set, within the mapping budget.
+    ///
+    /// # Errors
+    /// [`Error::ViewsAlive`] while views of its buffers are alive: the lease
+    /// then stays until the last of them drops.
+    pub fn release_set(&self, set: SetAttachment) -> Result<()> {
+        self.do_release_set(set)
+    }
+
+    /// Unmaps every cached chunk that no set or buffer holds, and tells the
+    /// publisher (so that it may trim them).
+    pub fn drop_idle_mappings(&self) {
+        let idle = lock(&self.chunks).drain_idle();
+        self.drop_chunks(idle);
+    }
+
+    /// Cached chunk mappings and their bytes.
+    pub fn cached_mappings(&self) -> (usize, u64) {
+        lock(&self.chunks).usage()
+    }
+
+    /// Unmaps every mapping this subscriber holds, keeping their address
+    /// ranges and leases; blocks until the work queued through them has
+    /// finished. Mappings that already sleep are left as they are. If one
+    /// fails, those put to sleep by this call are woken again.
+    ///
+    /// Only mappings nothing else holds sleep: their sets, attachments,
+    /// rings, views and tensors must be gone (the cached chunks of released
+    /// sets stay mapped for reuse: those sleep, and an attach after the
+    /// wake finds them at the same addresses). To keep views or CUDA graphs
+    /// over them across the sleep, see [`Subscriber::sleep_unchecked`].
+    ///
+    /// # Errors
+    /// Refused, before anything is unmapped: [`Error::Unsupported`] when a
+    /// mapping cannot sleep (legacy IPC or pool memory);
+    /// [`Error::StillInUse`] while anything but the subscriber holds one
+    /// (views dropped just before are waited for, within the reaper's
+    /// settle time).
+    pub fn sleep(&self) -> Result<Slept> {
+        self.do_sleep()
+    }
+
+    /// Maps every sleeping mapping of this subscriber again at the
+    /// addresses it had, with the access it had. Returns what it mapped;
+    /// the first failure stops it (the rest still sleep: call again).
+    pub fn wake(&self) -> Result<Slept> {
+        self.do_wake()
+    }
+
+    /// Whether any mapping of this subscriber sleeps.
+    pub fn asleep(&self) -> bool {
+        self.live_mappings().iter().any(|m| m.asleep())
+    }
+
+    /// Subscribes to the ring `name`: maps every slot once.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a subscriber that waits on events
+    /// ([`SyncMode::Event`](super::SyncMode::Event)) and a fences-only ring
+    /// ([`RingSync::FencesOnly`](super::RingSync::FencesOnly)), which records none.
+    pub fn attach_ring<T: Pod>(&self, name: &str) -> Result<RingSubscriber<T>> {
+        self.do_attach_ring(name)
+    }
+
+    /// The next frame of `ring`, within `timeout`: a view of the slot's
+    /// buffer, whose stream has been made to wait on the frame's event.
+    pub fn next_frame<T: Pod>(
+        &self,
+        ring: &RingSubscriber<T>,
+        timeout: Duration,
+    ) -> Result<RingFrame<T>> {
+        self.do_next_frame(ring, timeout)
+    }
+
+    /// Hands a frame's slot back to the producer, after the work queued on
+    /// every stream its views used (the frame's own, and any given with
+    /// `with_stream`) has finished.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a frame of another subscription than
+    /// `ring` (nothing is acknowledged).
+    #[allow(clippy::needless_pass_by_value)] // taking the frame ends its use
+    pub fn ack<T: Pod>(&self, ring: &RingSubscriber<T>, frame: RingFrame<T>) -> Result<()> {
+        self.do_ack(ring, frame)
+    }
+
+    /// Ends a ring subscription now, after the work queued on every stream
+    /// the slots' views used.
+    ///
+    /// # Errors
+    /// [`Error::ViewsAlive`] while clones, slices or casts of a slot's buffer
+    /// are alive: the subscription then ends when the last of them drops.
+    pub fn release_ring<T: Pod>(&self, ring: RingSubscriber<T>) -> Result<()> {
+        ring.release()
     }
 }
