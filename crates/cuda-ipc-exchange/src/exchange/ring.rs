@@ -17,7 +17,6 @@ use crate::memory::buffer::MappedBuffer;
 use crate::share::SharedBuffer;
 use crate::sync::event::IpcEvent;
 
-use super::Subscriber;
 use super::lease::LeaseGuard;
 use super::sync::Waiter;
 use super::wire::{self, FrameBody};
@@ -172,14 +171,14 @@ impl RingPublisher {
 ///
 /// Layers: made from the channel's
 /// [`RingAttachment`](channel::RingAttachment) (the lease and each slot's
-/// descriptors) by [`Subscriber::attach_ring`], which maps every slot.
+/// descriptors) by [`Subscriber::attach_ring`](super::Subscriber::attach_ring), which maps every slot.
 #[derive(Debug)]
 pub struct RingSubscriber<T> {
-    lease: u64,
-    guard: Arc<LeaseGuard>,
-    slots: Vec<MappedBuffer<T>>,
+    pub(super) lease: u64,
+    pub(super) guard: Arc<LeaseGuard>,
+    pub(super) slots: Vec<MappedBuffer<T>>,
     /// How each slot waits (event or fence).
-    waiters: Vec<Waiter>,
+    pub(super) waiters: Vec<Waiter>,
 }
 
 impl<T: Pod> RingSubscriber<T> {
@@ -188,7 +187,7 @@ impl<T: Pod> RingSubscriber<T> {
         self.slots.len()
     }
 
-    /// Whether [`Subscriber::next_frame`] spins for the next frame before
+    /// Whether [`Subscriber::next_frame`](super::Subscriber::next_frame) spins for the next frame before
     /// it sleeps: for a reader that waits on the fence from the host.
     pub fn spins(&self) -> bool {
         self.waiters.first().is_some_and(Waiter::is_host_only)
@@ -210,7 +209,7 @@ impl<T: Pod> RingSubscriber<T> {
 /// frame may be kept apart from its [`RingSubscriber`] (in another
 /// thread, in an object of its own) and is valid however long it lives.
 /// The producer reuses the slot once it is acknowledged
-/// ([`Subscriber::ack`], with the subscription it came from).
+/// ([`Subscriber::ack`](super::Subscriber::ack), with the subscription it came from).
 #[derive(Debug)]
 #[must_use = "acknowledge the frame with Subscriber::ack so the producer can reuse the slot"]
 #[non_exhaustive]
@@ -224,11 +223,11 @@ pub struct RingFrame<T> {
     /// The producer's notice (its extra fields and the event).
     pub notice: Value,
     /// The subscription it came from.
-    lease: u64,
+    pub(super) lease: u64,
 }
 
 impl<T: Pod> RingSubscriber<T> {
-    /// Ends the subscription (see [`Subscriber::release_ring`]).
+    /// Ends the subscription (see [`Subscriber::release_ring`](super::Subscriber::release_ring)).
     pub(super) fn release(self) -> Result<()> {
         let RingSubscriber { guard, slots, .. } = self;
         drop(slots);
@@ -237,128 +236,10 @@ impl<T: Pod> RingSubscriber<T> {
     }
 }
 
-impl Subscriber {
-    /// The work of [`Subscriber::attach_ring`].
-    pub(super) fn do_attach_ring<T: Pod>(&self, name: &str) -> Result<RingSubscriber<T>> {
-        let a = self.client.attach_ring(name)?;
-        let mut slots = Vec::with_capacity(a.slots.len());
-        let mut waiters = Vec::with_capacity(a.slots.len());
-        let what = format!("a slot of ring {name:?}");
-        for (meta, fds) in a.slots {
-            match self.open_descriptor::<T>(&meta, fds, &what) {
-                Ok((_, buffer, waiter)) => {
-                    slots.push(buffer);
-                    waiters.push(waiter);
-                }
-                Err(e) => {
-                    let _ = self.client.release(a.lease);
-                    return Err(e);
-                }
-            }
-        }
-        let mappings = slots.iter().map(|b| b.mapping_arc().clone()).collect();
-        let guard = LeaseGuard::new(
-            &self.client,
-            &self.pending,
-            a.lease,
-            name.to_owned(),
-            mappings,
-        );
-        let slots = slots.into_iter().map(|b| b.hold(guard.clone())).collect();
-        Ok(RingSubscriber {
-            lease: a.lease,
-            guard,
-            slots,
-            waiters,
-        })
-    }
-
-    /// The work of [`Subscriber::next_frame`].
-    pub(super) fn do_next_frame<T: Pod>(
-        &self,
-        ring: &RingSubscriber<T>,
-        timeout: Duration,
-    ) -> Result<RingFrame<T>> {
-        // A reader that waits on the fence from the host queues nothing on
-        // the device per frame: its spin costs no context switch, and saves
-        // the producer waking it for every frame. Others sleep at once (a
-        // device wait queued as soon as a notice comes, before the
-        // producer's kernel is done, makes a shared GPU switch contexts).
-        // Under MPS, where no switch is at stake, spinning every reader
-        // measured no gain on the H200.
-        let f = if ring.spins() {
-            self.client.next_frame_spinning(ring.lease, timeout)?
-        } else {
-            self.client.next_frame(ring.lease, timeout)?
-        };
-        let buffer = ring.slots.get(index::<usize, _>(f.slot)?).ok_or_else(|| {
-            Error::arg(
-                "ring frame",
-                format!("slot {} of {}", f.slot, ring.slots.len()),
-            )
-        })?;
-        let notice = FrameBody::decode(&f.notice)?;
-        match (&ring.waiters[index::<usize, _>(f.slot)?], notice.fence_seq) {
-            (waiter @ Waiter::Fence { .. }, Some(seq)) => {
-                self.wait_fence(waiter, buffer.stream(), seq)?;
-            }
-            (Waiter::Fence { .. }, None) => {
-                return Err(Error::arg(
-                    "ring frame",
-                    "the frame's notice has no fence sequence number, but this subscriber waits on fences",
-                ));
-            }
-            (Waiter::Event(_), _) => {
-                let handle = notice.event.ok_or_else(|| {
-                    Error::arg(
-                        "ring frame",
-                        "the frame's notice has no event (a fences-only ring), but this \
-                         subscriber waits on events",
-                    )
-                })?;
-                self.event(handle)?.wait_on(buffer.stream())?;
-            }
-        }
-        Ok(RingFrame {
-            slot: index(f.slot)?,
-            seq: f.seq,
-            buffer: buffer.clone(),
-            notice: f.notice,
-            lease: ring.lease,
-        })
-    }
-
-    /// The work of [`Subscriber::ack`].
-    #[allow(clippy::needless_pass_by_value)] // taking the frame ends its use
-    pub(super) fn do_ack<T: Pod>(
-        &self,
-        ring: &RingSubscriber<T>,
-        frame: RingFrame<T>,
-    ) -> Result<()> {
-        if frame.lease != ring.lease {
-            return Err(Error::arg(
-                "ring frame",
-                format!(
-                    "the frame came from the ring subscription of lease {}, not from this one \
-                     (lease {}); acknowledge it with the subscription it came from",
-                    frame.lease, ring.lease
-                ),
-            ));
-        }
-        frame.buffer.synchronize()?;
-        frame
-            .buffer
-            .mapping_arc()
-            .used_streams()
-            .synchronize_all()?;
-        Ok(self.client.ack(ring.lease, index(frame.slot)?, frame.seq)?)
-    }
-}
-
 /// A slot index converted between the public API's `u32` and the integer
 /// the channel or a `Vec` uses; rings are far smaller than either bound, so
 /// a failure means a corrupt index, reported as such.
-fn index<I: TryFrom<S>, S: Copy + std::fmt::Display>(slot: S) -> Result<I> {
+pub(super) fn index<I: TryFrom<S>, S: Copy + std::fmt::Display>(slot: S) -> Result<I> {
     I::try_from(slot).map_err(|_| Error::arg("slot", format!("slot index {slot} is out of range")))
 }
 

@@ -18,13 +18,10 @@ use crate::error::{Error, Result};
 use crate::set::{SET_VERSION_KEY, SetLayout, SetRecord, TableRef};
 
 use super::set_order::{ChunkStream, SetHold, SetOrder};
-use super::set_text::{meta_with_text, publish_pieces, unpublish_all};
+use super::set_text::{SET_PART_BYTES, meta_with_text, publish_pieces, unpublish_all};
 use super::sharing::Sharing;
 use super::sync::{self, FenceSlot, SetFence};
 use super::wire::{self, EntryMeta};
-
-/// Set records longer than this (bytes of JSON) travel in parts.
-pub const SET_PART_BYTES: usize = 96 * 1024;
 
 /// The most parts a set record travels in (96 MiB of JSON, far more than
 /// the most entries a record holds take).

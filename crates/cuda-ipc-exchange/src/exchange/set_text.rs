@@ -7,7 +7,8 @@ use crate::channel::Server;
 use crate::channel::wire::Meta;
 use crate::error::Result;
 
-use super::set_book::SET_PART_BYTES;
+/// Set records longer than this (bytes of JSON) travel in parts.
+pub const SET_PART_BYTES: usize = 96 * 1024;
 
 /// Publishes `text` as hidden entries `PREFIX/0`, `PREFIX/1`, ... of at
 /// most [`SET_PART_BYTES`] each, metadata `{"text": piece}` (written

@@ -12,12 +12,12 @@
 //!
 //! A kernel or copy through a sleeping address faults and poisons the
 //! CUDA context, so a mapping sleeps only where nothing can use it:
-//! [`Subscriber::sleep`] refuses while any view, attachment, set, ring or
+//! [`Subscriber::sleep`](super::Subscriber::sleep) refuses while any view, attachment, set, ring or
 //! tensor holds one of the mappings (only the subscriber's own cache may),
 //! and keeps attaches from handing one out until it is done. A caller that
 //! keeps its views (and the CUDA graphs captured over them) across the
-//! sleep uses [`Subscriber::sleep_unchecked`], an `unsafe fn` whose contract
-//! is that nothing touches them until [`Subscriber::wake`]. While the
+//! sleep uses [`Subscriber::sleep_unchecked`](super::Subscriber::sleep_unchecked), an `unsafe fn` whose contract
+//! is that nothing touches them until [`Subscriber::wake`](super::Subscriber::wake). While the
 //! subscriber sleeps, an attach that would hand out a sleeping mapping is
 //! refused until the wake; an attach of memory not mapped before maps it
 //! awake, and a later wake leaves it as it is.
@@ -31,20 +31,12 @@ use crate::memory::buffer::Mapping;
 
 use super::chunk_cache::ChunkCache;
 use super::lock;
+use super::slept::Slept;
 use super::subscriber::Subscriber;
 
 /// How long a checked sleep waits for views dropped just before to finish
 /// going (their releases retired to the reaper) before it refuses.
 const SETTLE_BEFORE_REFUSING: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// What a sleep or a wake did: how many mappings, of how many bytes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Slept {
-    /// Mappings unmapped (sleep) or mapped again (wake).
-    pub mappings: usize,
-    /// Their bytes.
-    pub bytes: u64,
-}
 
 /// How many references to `live` mappings there are besides the
 /// subscriber's own (its chunk cache's, and the one in `live` itself):
@@ -73,7 +65,7 @@ impl Subscriber {
         out
     }
 
-    /// The work of [`Subscriber::sleep`].
+    /// The work of [`Subscriber::sleep`](super::Subscriber::sleep).
     pub(super) fn do_sleep(&self) -> Result<Slept> {
         // SAFETY: checked, `sleep_all` puts nothing to sleep while anything
         // but this subscriber holds a mapping, and keeps attaches from
@@ -82,13 +74,13 @@ impl Subscriber {
         unsafe { self.sleep_all(true) }
     }
 
-    /// As [`Subscriber::sleep`], without refusing while views, attachments,
+    /// As [`Subscriber::sleep`](super::Subscriber::sleep), without refusing while views, attachments,
     /// sets, rings or tensors hold the mappings: for a caller that keeps
     /// them (and CUDA graphs captured over them) across the sleep, at the
-    /// same addresses after [`Subscriber::wake`].
+    /// same addresses after [`Subscriber::wake`](super::Subscriber::wake).
     ///
     /// # Safety
-    /// From this call until [`Subscriber::wake`] has returned, nothing may
+    /// From this call until [`Subscriber::wake`](super::Subscriber::wake) has returned, nothing may
     /// touch this subscriber's memory: no kernel, copy or CUDA graph queued
     /// on it by any thread, on any stream, through a view, a tensor or a
     /// raw address, and no view read or written from the host (work queued
@@ -96,7 +88,7 @@ impl Subscriber {
     /// CUDA context of this process. See [`Mapping::sleep`].
     ///
     /// # Errors
-    /// [`Error::Unsupported`] as for [`Subscriber::sleep`].
+    /// [`Error::Unsupported`] as for [`Subscriber::sleep`](super::Subscriber::sleep).
     pub unsafe fn sleep_unchecked(&self) -> Result<Slept> {
         // SAFETY: the caller keeps this function's contract.
         unsafe { self.sleep_all(false) }
@@ -106,7 +98,7 @@ impl Subscriber {
     /// anything but this subscriber holds one.
     ///
     /// # Safety
-    /// Without `check`, the caller keeps [`Subscriber::sleep_unchecked`]'s
+    /// Without `check`, the caller keeps [`Subscriber::sleep_unchecked`](super::Subscriber::sleep_unchecked)'s
     /// contract.
     unsafe fn sleep_all(&self, check: bool) -> Result<Slept> {
         if check && users(&self.live_mappings(), &lock(&self.chunks)) > 0 {
@@ -171,7 +163,7 @@ impl Subscriber {
         Ok(done)
     }
 
-    /// The work of [`Subscriber::wake`].
+    /// The work of [`Subscriber::wake`](super::Subscriber::wake).
     pub(super) fn do_wake(&self) -> Result<Slept> {
         let mut done = Slept::default();
         for m in self.live_mappings().iter().filter(|m| m.asleep()) {

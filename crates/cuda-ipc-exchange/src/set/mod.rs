@@ -104,7 +104,8 @@ impl fmt::Debug for ArenaId {
 }
 
 mod decode;
-use decode::decode_entries;
+mod entries;
+use entries::decode_entries;
 mod layouts;
 pub mod names;
 pub mod table;
