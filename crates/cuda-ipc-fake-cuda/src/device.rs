@@ -69,7 +69,8 @@ fn uuid_text() -> String {
         if matches!(i, 4 | 6 | 8 | 10) {
             s.push('-');
         }
-        s.push_str(&format!("{b:02x}"));
+        s.push(char::from_digit(u32::from(b >> 4), 16).unwrap_or('0'));
+        s.push(char::from_digit(u32::from(b & 15), 16).unwrap_or('0'));
     }
     s
 }
@@ -144,8 +145,9 @@ fn attribute(a: A) -> c_int {
     match a {
         A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => 9,
         A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT => 132,
-        A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK => 1024,
-        A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X | A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y => 1024,
+        A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+        | A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X
+        | A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y => 1024,
         A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z => 64,
         A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X => i32::MAX,
         A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y | A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z => 65535,
@@ -160,9 +162,9 @@ fn attribute(a: A) -> c_int {
         | A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY
         | A::CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS
         | A::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED
-        | A::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED => 1,
-        // Bit 1: POSIX file descriptors (not fabric, bit 8).
-        A::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES => 1,
+        | A::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED
+        // Pools share as bit 1, POSIX file descriptors (not fabric, bit 8).
+        | A::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES => 1,
         // Everything else (fabric handles, MPS, managed memory, compute
         // mode "default", minor version 0...) is 0.
         _ => 0,

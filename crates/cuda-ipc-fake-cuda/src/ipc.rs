@@ -1,37 +1,143 @@
 //! Legacy IPC memory handles.
 //!
-//! A handle names the exporter's memfd: its process id, descriptor number
-//! and inode, so that another process of the same user opens it again
-//! through `/proc/PID/fd/N` (the inode tells a reused descriptor number
-//! from the allocation's). As the real driver's handles need the
-//! exporter's /dev/shm, the exporter makes a marker file there and an
-//! opener that cannot see it gets `CUDA_ERROR_MAP_FAILED`. The handle is of
-//! the whole allocation; an opener gets the base and finds offsets itself.
+//! The real driver resolves a handle in its kernel module, so a handle
+//! opens from another PID, IPC, mount or user namespace. The fake gives
+//! each exporting process a small server on an abstract Unix socket (named
+//! by the process id and a random number, both in the handle): an opener
+//! connects, names the allocation, and receives its memfd over
+//! `SCM_RIGHTS`. When the exporter has freed the allocation or exited, the
+//! open fails with `CUDA_ERROR_INVALID_VALUE`, as the driver's does. The
+//! handle is of the whole allocation; an opener gets the base and finds
+//! offsets itself.
 
 use std::ffi::c_uint;
-use std::os::fd::AsRawFd;
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::OnceLock;
 
-use cudarc::driver::sys::{CUdeviceptr, CUipcMem_flags, CUipcMemHandle, cudaError_enum as E};
-use rustix::fs::{Mode, OFlags};
+use cudarc::driver::sys::{
+    CUdeviceptr, CUipcMem_flags, CUipcMemHandle, CUresult, cudaError_enum as E,
+};
 use rustix::mm::ProtFlags;
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+};
 
-use crate::event::SHM_PREFIX;
 use crate::registry::{Access, Kind, Region, assert_unused, registry};
 use crate::{ctx_ok, put};
 
 /// The first bytes of a memory handle of this fake.
 const MAGIC: &[u8; 8] = b"cuFAKEmh";
 
-/// The marker file of process `pid` in /dev/shm.
-fn marker(pid: u32) -> String {
-    format!("/dev/shm/{SHM_PREFIX}{pid}.mem")
+/// The abstract socket name of the server of process `pid` with `nonce`.
+fn server_name(pid: u32, nonce: u32) -> Result<SocketAddrUnix, CUresult> {
+    SocketAddrUnix::new_abstract_name(format!("cuda-ipc-fake-mem.{pid}.{nonce:08x}").as_bytes())
+        .map_err(|_| E::CUDA_ERROR_OPERATING_SYSTEM)
+}
+
+/// This process's handle server: its nonce, once started.
+static SERVER: OnceLock<Result<u32, CUresult>> = OnceLock::new();
+
+/// Starts this process's handle server (once) and returns its nonce.
+fn server() -> Result<u32, CUresult> {
+    *SERVER.get_or_init(|| {
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        let nonce = (t.tv_nsec as u32) ^ (std::process::id() << 12) | 1;
+        let sock = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|_| E::CUDA_ERROR_OPERATING_SYSTEM)?;
+        rustix::net::bind(&sock, &server_name(std::process::id(), nonce)?)
+            .map_err(|_| E::CUDA_ERROR_OPERATING_SYSTEM)?;
+        rustix::net::listen(&sock, 64).map_err(|_| E::CUDA_ERROR_OPERATING_SYSTEM)?;
+        std::thread::Builder::new()
+            .name("fake-cuda-ipc".into())
+            .spawn(move || {
+                while let Ok(conn) = rustix::net::accept_with(&sock, SocketFlags::CLOEXEC) {
+                    serve(&conn);
+                }
+            })
+            .map_err(|_| E::CUDA_ERROR_OPERATING_SYSTEM)?;
+        Ok(nonce)
+    })
+}
+
+/// Answers one opener: reads an allocation number, sends a byte (1: found)
+/// with the allocation's memfd attached when found.
+fn serve(conn: &OwnedFd) {
+    let mut id = [0u8; 8];
+    if !matches!(rustix::io::read(conn, &mut id), Ok(8)) {
+        return;
+    }
+    let id = u64::from_le_bytes(id);
+    let fd = {
+        let reg = registry();
+        reg.regions.values().find_map(|r| match &r.kind {
+            Kind::Alloc { fd, id: i } if *i == id => fd.try_clone().ok(),
+            _ => None,
+        })
+    };
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    let fds;
+    let answer = if let Some(fd) = &fd {
+        fds = [fd.as_fd()];
+        control.push(SendAncillaryMessage::ScmRights(&fds));
+        [1u8]
+    } else {
+        [0u8]
+    };
+    let _ = rustix::net::sendmsg(
+        conn,
+        &[IoSlice::new(&answer)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    );
+}
+
+/// Asks the server `(pid, nonce)` for allocation `id`'s memfd.
+fn fetch(pid: u32, nonce: u32, id: u64) -> Result<OwnedFd, CUresult> {
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|_| E::CUDA_ERROR_OPERATING_SYSTEM)?;
+    // The exporter exited (its server with it): the handle names nothing.
+    rustix::net::connect(&sock, &server_name(pid, nonce)?)
+        .map_err(|_| E::CUDA_ERROR_INVALID_VALUE)?;
+    rustix::io::write(&sock, &id.to_le_bytes()).map_err(|_| E::CUDA_ERROR_INVALID_VALUE)?;
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut answer = [0u8];
+    let got = rustix::net::recvmsg(
+        &sock,
+        &mut [IoSliceMut::new(&mut answer)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    );
+    let mut fd = None;
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(mut received) = m {
+            fd = fd.or(received.next());
+        }
+    }
+    match (got, fd) {
+        (Ok(r), Some(fd)) if r.bytes == 1 && answer[0] == 1 => Ok(fd),
+        _ => Err(E::CUDA_ERROR_INVALID_VALUE),
+    }
 }
 
 /// The fields of a handle.
 struct Fields {
     pid: u32,
-    fd: i32,
-    inode: u64,
+    nonce: u32,
     id: u64,
     size: u64,
 }
@@ -41,10 +147,9 @@ impl Fields {
         let mut b = [0u8; 64];
         b[..8].copy_from_slice(MAGIC);
         b[8..12].copy_from_slice(&self.pid.to_le_bytes());
-        b[12..16].copy_from_slice(&self.fd.to_le_bytes());
-        b[16..24].copy_from_slice(&self.inode.to_le_bytes());
-        b[24..32].copy_from_slice(&self.id.to_le_bytes());
-        b[32..40].copy_from_slice(&self.size.to_le_bytes());
+        b[12..16].copy_from_slice(&self.nonce.to_le_bytes());
+        b[16..24].copy_from_slice(&self.id.to_le_bytes());
+        b[24..32].copy_from_slice(&self.size.to_le_bytes());
         CUipcMemHandle {
             reserved: b.map(|x| x as std::ffi::c_char),
         }
@@ -54,12 +159,11 @@ impl Fields {
         let b: Vec<u8> = h.reserved.iter().map(|c| *c as u8).collect();
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or_default());
-        (&b[..8] == MAGIC && b[40..].iter().all(|x| *x == 0)).then(|| Fields {
+        (&b[..8] == MAGIC && b[32..].iter().all(|x| *x == 0)).then(|| Fields {
             pid: u32_at(8),
-            fd: u32_at(12) as i32,
-            inode: u64_at(16),
-            id: u64_at(24),
-            size: u64_at(32),
+            nonce: u32_at(12),
+            id: u64_at(16),
+            size: u64_at(24),
         })
     }
 }
@@ -68,18 +172,12 @@ fake! {
     /// `cuIpcGetMemHandle`: for memory from `cuMemAlloc` only.
     fn cuIpcGetMemHandle(pHandle: *mut CUipcMemHandle, dptr: CUdeviceptr) {
         ctx_ok()?;
+        let nonce = server()?;
         let reg = registry();
-        let Some((_, Region { size, kind: Kind::Alloc { fd, id }, .. })) = reg.containing(dptr) else {
+        let Some((_, Region { size, kind: Kind::Alloc { id, .. }, .. })) = reg.containing(dptr) else {
             return Err(E::CUDA_ERROR_INVALID_VALUE);
         };
-        let inode = rustix::fs::fstat(fd).map_err(|_| E::CUDA_ERROR_UNKNOWN)?.st_ino;
-        let pid = std::process::id();
-        let path = marker(pid);
-        if rustix::fs::access(path.as_str(), rustix::fs::Access::EXISTS).is_err() {
-            rustix::fs::open(path.as_str(), OFlags::CREATE | OFlags::WRONLY | OFlags::CLOEXEC, Mode::from_raw_mode(0o644))
-                .map_err(|_| E::CUDA_ERROR_OPERATING_SYSTEM)?;
-        }
-        let h = Fields { pid, fd: fd.as_raw_fd(), inode, id: *id, size: *size }.encode();
+        let h = Fields { pid: std::process::id(), nonce, id: *id, size: *size }.encode();
         // SAFETY: the caller's out-pointer.
         unsafe { put(pHandle, h) }
     }
@@ -94,30 +192,29 @@ fake! {
             return Err(E::CUDA_ERROR_INVALID_VALUE);
         }
         let f = Fields::decode(&handle).ok_or(E::CUDA_ERROR_INVALID_VALUE)?;
-        if f.pid == std::process::id() {
+        if matches!(SERVER.get(), Some(Ok(n)) if *n == f.nonce) && f.pid == std::process::id() {
             return Err(E::CUDA_ERROR_INVALID_CONTEXT);
         }
-        let key = (f.pid, f.id);
-        let mut reg = registry();
-        let open = reg.regions.iter_mut().find(|(_, r)| matches!(r.kind, Kind::IpcOpen { key: k, .. } if k == key));
-        if let Some((base, Region { kind: Kind::IpcOpen { refs, .. }, .. })) = open {
-            *refs += 1;
-            let base = *base;
-            // SAFETY: the caller's out-pointer.
-            return unsafe { put(pdptr, base) };
+        let key = (f.pid, f.nonce, f.id);
+        {
+            let mut reg = registry();
+            let open = reg.regions.iter_mut().find(|(_, r)| matches!(r.kind, Kind::IpcOpen { key: k, .. } if k == key));
+            if let Some((base, Region { kind: Kind::IpcOpen { refs, .. }, .. })) = open {
+                *refs += 1;
+                let base = *base;
+                // SAFETY: the caller's out-pointer.
+                return unsafe { put(pdptr, base) };
+            }
         }
-        if rustix::fs::access(marker(f.pid).as_str(), rustix::fs::Access::EXISTS).is_err() {
-            return Err(E::CUDA_ERROR_MAP_FAILED);
-        }
-        let path = format!("/proc/{}/fd/{}", f.pid, f.fd);
-        let fd = rustix::fs::open(path.as_str(), OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
-            .map_err(|_| E::CUDA_ERROR_INVALID_VALUE)?;
+        // Outside the registry's lock: the exporter may be this process's
+        // parent asking us for something at the same time.
+        let fd = fetch(f.pid, f.nonce, f.id)?;
         let st = rustix::fs::fstat(&fd).map_err(|_| E::CUDA_ERROR_INVALID_VALUE)?;
-        if st.st_ino != f.inode || (st.st_size as u64) < f.size {
+        if (st.st_size as u64) < f.size {
             return Err(E::CUDA_ERROR_INVALID_VALUE);
         }
         let base = crate::registry::map(&fd, f.size, ProtFlags::READ | ProtFlags::WRITE)?;
-        reg.regions.insert(base, Region { size: f.size, kind: Kind::IpcOpen { key, refs: 1 }, access: Access::ReadWrite });
+        registry().regions.insert(base, Region { size: f.size, kind: Kind::IpcOpen { key, refs: 1 }, access: Access::ReadWrite });
         // SAFETY: the caller's out-pointer.
         unsafe { put(pdptr, base) }
     }

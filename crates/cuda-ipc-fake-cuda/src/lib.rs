@@ -13,10 +13,12 @@
 //!   `CUDA_VISIBLE_DEVICES` is honoured (`0` or the fake's UUID).
 //! - Device memory is memfd-backed host memory mapped `MAP_SHARED`, so
 //!   device pointers are host addresses and other processes can map the
-//!   same pages: a legacy IPC handle names the exporter's descriptor
-//!   (`/proc/PID/fd/N`, checked by inode), VMM and pool handles are
-//!   duplicated descriptors, a pool is one sparse memfd with a first-fit
-//!   allocator, and a pool pointer's export data carries its offset.
+//!   same pages: a legacy IPC handle names an allocation that the
+//!   exporter's small server (an abstract Unix socket, so handles open
+//!   across PID, IPC, mount and user namespaces as the driver's do) hands
+//!   over as a descriptor; VMM and pool handles are duplicated descriptors,
+//!   a pool is one sparse memfd with a first-fit allocator, and a pool
+//!   pointer's export data carries its offset.
 //!   `cuMemGetInfo` counts this process's allocations only.
 //! - Each stream has a worker thread that runs its queued operations in
 //!   order (copies, fills, the three kernels of `kernels.ptx` run on the
@@ -40,8 +42,8 @@
 //! # What it does not model
 //! More than one device or context, peer access, fabric handles, graphs,
 //! managed memory, any kernel but the three of `kernels.ptx`, timing that
-//! means anything, memory shared across users or PID namespaces through
-//! `/proc` where the kernel forbids it, and the legacy default stream's
+//! means anything, legacy handles across network namespaces (where the
+//! exporter's abstract socket is out of reach), and the legacy default stream's
 //! implicit synchronisation (handles 0, 1 and 2 are one ordinary stream).
 //! A call it does not implement is absent, so the library's loader says
 //! which symbol is missing; unsupported arguments are error codes, never

@@ -14,7 +14,7 @@ use crate::{Res, ctx_ok, put, set_sticky};
 
 /// The size of a mapping of `size` bytes: whole pages.
 pub(crate) fn page_round(size: u64) -> u64 {
-    size.next_multiple_of(rustix::param::page_size() as u64)
+    size.next_multiple_of(crate::registry::page_size())
 }
 
 /// A device range an operation touches: address, length, whether it writes.
@@ -58,7 +58,7 @@ pub(crate) fn queue(
                 run();
             } else {
                 eprintln!(
-                    "cuda-ipc fake driver: {what} touched memory that is not mapped for it; \
+                    "cuda-ipc fake driver: {what} touched memory it may not access (not mapped, or read-only); \
                      the context fails with CUDA_ERROR_ILLEGAL_ADDRESS"
                 );
                 set_sticky(E::CUDA_ERROR_ILLEGAL_ADDRESS);
@@ -201,22 +201,47 @@ fake! {
     }
 }
 
+/// Whether `len` bytes at `p` are page-locked (allocated or registered)
+/// host memory: asynchronous copies treat anything else as pageable.
+fn page_locked(p: u64, len: u64) -> bool {
+    let reg = registry();
+    matches!(reg.containing(p), Some((base, Region { size, kind: Kind::Host { .. }, .. })) if p + len <= base + size)
+}
+
 fake! {
-    /// `cuMemcpyDtoHAsync_v2`.
+    /// `cuMemcpyDtoHAsync_v2`: into pageable memory it returns once the
+    /// copy is done, as the driver's does (cudarc relies on it).
     fn cuMemcpyDtoHAsync_v2(dstHost: *mut c_void, srcDevice: CUdeviceptr, ByteCount: usize, hStream: CUstream) {
         let (dst, src) = (Raw(dstHost as usize), Raw(srcDevice as usize));
         queue(hStream, "a device-to-host copy", vec![(srcDevice, ByteCount as u64, false)], true, move || {
             copy(dst, src, ByteCount);
-        })
+        })?;
+        if !page_locked(dstHost as u64, ByteCount as u64) {
+            lookup(hStream)?.synchronize();
+        }
+        Ok(())
     }
 }
 
 fake! {
-    /// `cuMemcpyHtoDAsync_v2`: into read-only memory is `CUDA_ERROR_INVALID_VALUE`.
+    /// `cuMemcpyHtoDAsync_v2`: into read-only memory is
+    /// `CUDA_ERROR_INVALID_VALUE`; pageable source bytes are staged at the
+    /// call, so the caller may reuse them at once, as with the driver.
     fn cuMemcpyHtoDAsync_v2(dstDevice: CUdeviceptr, srcHost: *const c_void, ByteCount: usize, hStream: CUstream) {
-        let (dst, src) = (Raw(dstDevice as usize), Raw(srcHost as usize));
-        queue(hStream, "a host-to-device copy", vec![(dstDevice, ByteCount as u64, true)], true, move || {
-            copy(dst, src, ByteCount);
+        let dst = Raw(dstDevice as usize);
+        let touches = vec![(dstDevice, ByteCount as u64, true)];
+        if page_locked(srcHost as u64, ByteCount as u64) {
+            let src = Raw(srcHost as usize);
+            return queue(hStream, "a host-to-device copy", touches, true, move || copy(dst, src, ByteCount));
+        }
+        let staged: Vec<u8> = if ByteCount == 0 || srcHost.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: the caller's `ByteCount` readable bytes.
+            unsafe { std::slice::from_raw_parts(srcHost.cast::<u8>(), ByteCount) }.to_vec()
+        };
+        queue(hStream, "a host-to-device copy", touches, true, move || {
+            copy(dst, Raw(staged.as_ptr() as usize), staged.len());
         })
     }
 }

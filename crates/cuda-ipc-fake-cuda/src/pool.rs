@@ -88,18 +88,18 @@ impl Pool {
 
     /// Gives `size` bytes at `at` back, merged with their neighbours.
     fn give(&mut self, mut at: u64, mut size: u64) {
-        if let Some((&next, &len)) = self.free.range(at + size..).next() {
-            if next == at + size {
-                self.free.remove(&next);
-                size += len;
-            }
+        if let Some((&next, &len)) = self.free.range(at + size..).next()
+            && next == at + size
+        {
+            self.free.remove(&next);
+            size += len;
         }
-        if let Some((&prev, &len)) = self.free.range(..at).next_back() {
-            if prev + len == at {
-                self.free.remove(&prev);
-                at = prev;
-                size += len;
-            }
+        if let Some((&prev, &len)) = self.free.range(..at).next_back()
+            && prev + len == at
+        {
+            self.free.remove(&prev);
+            at = prev;
+            size += len;
         }
         self.free.insert(at, size);
     }

@@ -46,8 +46,8 @@ pub(crate) enum Kind {
     },
     /// A legacy IPC handle opened here (each open of the same handle counts).
     IpcOpen {
-        /// The exporter's process id and allocation number.
-        key: (u32, u64),
+        /// The exporter's process id, server nonce and allocation number.
+        key: (u32, u32, u64),
         /// How many opens are not closed yet.
         refs: u32,
     },
@@ -196,6 +196,13 @@ pub(crate) fn assert_unused(call: &str, what: &str, base: u64, size: u64) {
     }
 }
 
+/// The host's page size.
+pub(crate) fn page_size() -> u64 {
+    // SAFETY: sysconf reads a constant of the system.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 { n as u64 } else { 4096 }
+}
+
 /// A new memfd of `size` bytes (sparse: pages come when touched).
 pub(crate) fn memfd(size: u64) -> Result<OwnedFd, CUresult> {
     let fd = rustix::fs::memfd_create("cuda-ipc-fake-device", rustix::fs::MemfdFlags::CLOEXEC)
@@ -251,7 +258,7 @@ pub(crate) unsafe fn map_fixed(
 
 /// Reserves `size` bytes of address space aligned to `align`, inaccessible.
 pub(crate) fn reserve(size: u64, align: u64) -> Result<u64, CUresult> {
-    let align = align.max(rustix::param::page_size() as u64);
+    let align = align.max(crate::registry::page_size());
     let total = size + align;
     // SAFETY: a new private mapping at an address the kernel picks.
     let p = unsafe {

@@ -44,12 +44,11 @@ impl Registry {
             return;
         };
         p.refs -= 1;
-        if p.refs == 0 {
-            if let Some(p) = self.handles.remove(&h) {
-                if p.counted {
-                    self.allocated -= p.size;
-                }
-            }
+        if p.refs == 0
+            && let Some(p) = self.handles.remove(&h)
+            && p.counted
+        {
+            self.allocated -= p.size;
         }
     }
 }
@@ -335,7 +334,7 @@ pub(crate) unsafe fn access_of(
             AF::CU_MEM_ACCESS_FLAGS_PROT_NONE => Access::None,
             AF::CU_MEM_ACCESS_FLAGS_PROT_READ => Access::Read,
             AF::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Access::ReadWrite,
-            _ => return Err(E::CUDA_ERROR_INVALID_VALUE),
+            AF::CU_MEM_ACCESS_FLAGS_PROT_MAX => return Err(E::CUDA_ERROR_INVALID_VALUE),
         });
     }
     access.ok_or(E::CUDA_ERROR_INVALID_VALUE)
