@@ -2,7 +2,7 @@
 //! buffer, a set ordered after another library's stream, and a layout
 //! published again with one member changed.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cuda_ipc::arena::SetMember;
 use cuda_ipc::exchange::Sharing;
