@@ -14,6 +14,7 @@ mod consumer;
 mod containers;
 mod exchange;
 mod fd_fetching;
+mod keeper;
 mod kept;
 mod legacy;
 mod lifetimes;
