@@ -130,6 +130,17 @@ impl SharedBuffer {
         Self::alloc_unchecked(pool.device(), len, Mechanism::Pool, Some(pool))
     }
 
+    /// Takes over a VMM allocation another process made and exported as
+    /// `fd` (`size` bytes, its whole size): see [`VmmBuffer::adopt_fd`].
+    /// Its exports are duplicates of `fd`.
+    pub fn adopt_vmm(device: &Device, fd: OwnedFd, size: u64) -> Result<Self> {
+        Ok(SharedBuffer {
+            allocation: Allocation::Vmm(VmmBuffer::adopt_fd(device, fd, size)?),
+            mechanism: Mechanism::Vmm,
+            generation: next_generation(),
+        })
+    }
+
     fn alloc_unchecked(
         device: &Device,
         len: usize,

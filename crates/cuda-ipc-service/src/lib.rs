@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 
 pub mod checkpoint;
+pub mod keep;
 pub mod loader;
 pub mod service;
 

@@ -15,7 +15,7 @@
 
 pub use cuda_ipc_core::*;
 pub use cuda_ipc_exchange::{arena, exchange, set, torch};
-pub use cuda_ipc_service::{checkpoint, loader, service};
+pub use cuda_ipc_service::{checkpoint, keep, loader, service};
 
 /// The README's examples, compiled as doc tests.
 #[cfg(doctest)]

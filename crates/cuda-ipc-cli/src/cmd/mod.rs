@@ -5,6 +5,7 @@ pub mod demo;
 pub mod demo_args;
 pub mod export;
 pub mod info;
+pub mod keeper;
 pub mod open;
 pub mod serve;
 pub mod service;

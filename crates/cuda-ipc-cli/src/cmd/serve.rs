@@ -100,6 +100,15 @@ pub struct ServeArgs {
     /// number alone counts seconds).
     #[arg(long, value_parser = super::parse_duration, default_value = "30s", allow_negative_numbers = true)]
     pub grace: Duration,
+    /// With --service: serve without a keeper. By default the command is a
+    /// keeper, a small process without CUDA that holds the weights'
+    /// descriptors and runs the serving process again at once when it
+    /// dies (a crash, SIGKILL; SIGHUP to the keeper runs a new build the
+    /// same way), so the sets survive it; under systemd (`$NOTIFY_SOCKET`
+    /// set) the unit's file-descriptor store is the keeper. Without one,
+    /// the weights die with the process.
+    #[arg(long = "no-keeper")]
+    pub no_keeper: bool,
     /// Device ordinal.
     #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,

@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use cuda_ipc::exchange::Endpoint;
+use cuda_ipc::keep::Store;
+use cuda_ipc::keep::store::NOTIFY_SOCKET;
 use cuda_ipc::service::{Quotas, Service, ServiceConfig, ShutdownReport};
 use cuda_ipc::{Device, Error};
 use serde_json::json;
@@ -68,17 +70,31 @@ fn stop_flag() -> Result<Arc<AtomicBool>, Error> {
     Ok(flag)
 }
 
-/// `serve --service [NAME]`.
+/// `serve --service [NAME]`: a keeper that runs the serving process
+/// (`keeper.rs`), or the serving process itself (under a keeper or
+/// systemd, whose `$NOTIFY_SOCKET` it finds, or with `--no-keeper`).
 pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
     let path = socket_path(name, Side::Serve)?;
     let overrides = quota_overrides(args)?;
+    let under_store = std::env::var_os(NOTIFY_SOCKET).is_some_and(|s| !s.is_empty());
+    if !under_store && !args.no_keeper {
+        return super::keeper::keep(&path);
+    }
+    let store = if under_store {
+        Store::from_env().map_err(|e| Error::Io {
+            context: "cannot take over what the keeper holds".into(),
+            source: e,
+        })?
+    } else {
+        Store::none()
+    };
     let stop = stop_flag()?;
     let device = Device::open(args.device)?;
     let quotas = quotas(args, overrides, &device)?;
     let config = ServiceConfig::default()
         .with_quotas(quotas.clone())
         .with_allow_uids(args.allow_uid.iter().copied());
-    let service = Service::start(&device, Endpoint::Path(path), config)?;
+    let (service, restored) = Service::start_kept(&device, Endpoint::Path(path), config, store)?;
     let per_uid: serde_json::Map<String, serde_json::Value> = quotas
         .per_uid
         .iter()
@@ -92,8 +108,17 @@ pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
         "grace_s": args.grace.as_secs_f64(),
         "read_only": true,
         "pid": std::process::id(),
+        "kept": under_store,
+        "restored": restored.sets.iter().map(|(s, v)| json!({"set": s, "version": v})).collect::<Vec<_>>(),
     });
     outln!("{line}")?;
+    if !restored.sets.is_empty() {
+        errln!(
+            "cuda-ipc: serving again {} set(s) kept through a restart ({}), not read from disk",
+            restored.sets.len(),
+            super::human(restored.chunk_bytes)
+        );
+    }
     errln!(
         "cuda-ipc: service serving on {} (pid {}); load with `cuda-ipc load --service {name} \
          --set NAME PATH`; stop with SIGTERM (kill {}) or Ctrl-C",

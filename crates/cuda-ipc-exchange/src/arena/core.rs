@@ -7,9 +7,22 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use offset_allocator::Allocator;
 
 use super::handles::{ArenaBuffer, ArenaStats, ChunkInfo, ChunkPin};
-use super::state::{Chunk, ChunkState, Core, Found, Range, Shared, unit_for};
-use super::{ArenaId, ArenaOptions, ChunkBacking, ChunkId};
+use super::state::{Chunk, ChunkState, Core, Found, Range, Shared, Slot, unit_for};
+use super::{ArenaId, ArenaOptions, ChunkBacking, ChunkId, RestoredChunk};
 use crate::error::{Error, Result};
+
+/// The options' and the backing's checks, before an arena is made.
+fn check_backing<B: ChunkBacking>(backing: &B, options: &ArenaOptions) -> Result<()> {
+    options.validate()?;
+    let g = backing.granularity();
+    if !g.is_power_of_two() {
+        return Err(Error::arg(
+            "chunk granularity",
+            format!("{g} is not a power of two"),
+        ));
+    }
+    Ok(())
+}
 
 /// A producer-side allocator of shareable memory: chunks exported once,
 /// sub-allocated into buffers. See the [module documentation](super) for
@@ -32,17 +45,14 @@ impl<B: ChunkBacking> Arena<B> {
     /// An empty arena whose chunks `backing` makes. No chunk is created
     /// before the first allocation or [`Arena::reserve`].
     pub fn new(backing: B, options: ArenaOptions) -> Result<Self> {
-        options.validate()?;
-        let g = backing.granularity();
-        if !g.is_power_of_two() {
-            return Err(Error::arg(
-                "chunk granularity",
-                format!("{g} is not a power of two"),
-            ));
-        }
-        Ok(Arena {
+        check_backing(&backing, &options)?;
+        Ok(Self::with_id(backing, options, ArenaId::new()))
+    }
+
+    fn with_id(backing: B, options: ArenaOptions, id: ArenaId) -> Self {
+        Arena {
             shared: Arc::new(Shared {
-                id: ArenaId::new(),
+                id,
                 backing,
                 options,
                 core: Mutex::new(Core {
@@ -57,7 +67,104 @@ impl<B: ChunkBacking> Arena<B> {
                     released: 0,
                 }),
             }),
-        })
+        }
+    }
+
+    /// An arena that takes back the chunks of arena `id`, made by another
+    /// process (or an earlier run of this program) that is gone: each
+    /// [`RestoredChunk`] keeps its index, so consumers that cached its
+    /// mapping by [`ChunkId`] still find it, and its ranges in use come
+    /// back as buffers, in the order given (one `Vec` per chunk). A restored
+    /// chunk hands out no new range: new allocations make new chunks,
+    /// numbered after the largest index, and a restored chunk goes at
+    /// [`Arena::trim`] once its last range has gone back.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an index given twice, a chunk
+    /// shorter than the backing's granularity, or a range that is empty,
+    /// ends past its chunk, or overlaps another.
+    pub fn restore(
+        backing: B,
+        options: ArenaOptions,
+        id: ArenaId,
+        chunks: Vec<RestoredChunk<B>>,
+    ) -> Result<(Self, Vec<Vec<ArenaBuffer<B>>>)> {
+        check_backing(&backing, &options)?;
+        let arena = Self::with_id(backing, options, id);
+        let mut out = Vec::with_capacity(chunks.len());
+        for restored in chunks {
+            out.push(arena.take_back(restored)?);
+        }
+        Ok((arena, out))
+    }
+
+    /// Puts one restored chunk in the table and makes its ranges buffers.
+    fn take_back(&self, restored: RestoredChunk<B>) -> Result<Vec<ArenaBuffer<B>>> {
+        let RestoredChunk {
+            index,
+            chunk,
+            mut ranges,
+        } = restored;
+        let o = &self.shared.options;
+        let len = B::chunk_len(&chunk);
+        let bad = |why: String| Error::arg("restored chunk", format!("chunk {index}: {why}"));
+        if len < self.shared.backing.granularity() {
+            return Err(bad(format!("{len} bytes is less than the granularity")));
+        }
+        let unit = unit_for(len, o.alignment);
+        let mut order: Vec<usize> = (0..ranges.len()).collect();
+        order.sort_by_key(|&i| ranges[i].0);
+        let mut end = 0;
+        for &i in &order {
+            let (offset, n) = ranges[i];
+            if n == 0 || offset < end || !crate::error::in_bounds(offset, n, len) {
+                return Err(bad(format!(
+                    "the range of {n} bytes at {offset} is empty, overlaps another or ends past \
+                     the chunk's {len} bytes"
+                )));
+            }
+            end = offset + n;
+        }
+        let mut core = self.shared.lock();
+        if core.chunks.contains_key(&index) {
+            return Err(bad("the index is given twice".into()));
+        }
+        let chunk = Arc::new(Chunk {
+            id: ChunkId {
+                arena: self.shared.id,
+                index,
+            },
+            len,
+            inner: chunk,
+        });
+        let used: u64 = ranges.iter().map(|r| r.1.div_ceil(unit) * unit).sum();
+        core.chunks.insert(
+            index,
+            ChunkState {
+                chunk: chunk.clone(),
+                allocator: Allocator::with_max_allocs(1, 2),
+                unit,
+                units: len / unit,
+                buffers: ranges.len(),
+                used,
+                pins: 0,
+                whole: false,
+                restored: true,
+            },
+        );
+        core.next_index = core.next_index.max(index + 1);
+        core.chunk_bytes += len;
+        core.requested += ranges.iter().map(|r| r.1).sum::<u64>();
+        drop(core);
+        Ok(ranges
+            .drain(..)
+            .map(|(offset, n)| {
+                self.buffer(
+                    n,
+                    (chunk.clone(), Slot::Restored, offset, n.div_ceil(unit) * unit),
+                )
+            })
+            .collect())
     }
 
     /// The arena's identity.
@@ -322,6 +429,7 @@ impl<B: ChunkBacking> Arena<B> {
                 used: 0,
                 pins: 0,
                 whole: false,
+                restored: false,
             },
         );
         core.chunk_bytes += len;

@@ -69,6 +69,29 @@ impl DeviceChunks {
     pub fn mechanism(&self) -> Mechanism {
         self.mechanism
     }
+
+    /// A VMM chunk of `len` bytes made again from `fd`, the export of a
+    /// chunk that another process made (for [`Arena::restore`]): imported
+    /// and owned here, its export a duplicate of `fd`
+    /// ([`SharedBuffer::adopt_vmm`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when these chunks are not VMM ones; the
+    /// driver's, when `fd` is not a VMM allocation of `len` bytes.
+    pub fn adopt(&self, fd: OwnedFd, len: u64) -> Result<DeviceChunk> {
+        if self.mechanism != Mechanism::Vmm {
+            return Err(Error::arg(
+                "chunk",
+                format!(
+                    "only vmm chunks can be taken back from a file descriptor, and these are {}",
+                    self.mechanism
+                ),
+            ));
+        }
+        let buffer = SharedBuffer::adopt_vmm(&self.device, fd, len)?;
+        let export = buffer.export()?;
+        Ok(DeviceChunk { buffer, export })
+    }
 }
 
 impl ChunkBacking for DeviceChunks {

@@ -110,6 +110,31 @@ const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
+/// A chunk to take back into an arena with [`Arena::restore`]: its index
+/// in the arena it came from, what the backing made of it again
+/// ([`DeviceChunks::adopt`] for device memory), and the ranges still in
+/// use in it, as (offset, length) in bytes.
+#[non_exhaustive]
+pub struct RestoredChunk<B: ChunkBacking> {
+    /// Its index in its arena.
+    pub index: u64,
+    /// The chunk.
+    pub chunk: B::Chunk,
+    /// Its ranges in use: (offset, length) in bytes.
+    pub ranges: Vec<(u64, u64)>,
+}
+
+impl<B: ChunkBacking> RestoredChunk<B> {
+    /// Chunk `index` with its ranges in use.
+    pub fn new(index: u64, chunk: B::Chunk, ranges: Vec<(u64, u64)>) -> Self {
+        RestoredChunk {
+            index,
+            chunk,
+            ranges,
+        }
+    }
+}
+
 /// What makes the chunks of an [`Arena`]: device memory for
 /// [`DeviceChunks`], anything with a length for tests and other backings.
 pub trait ChunkBacking: Send + Sync + 'static {

@@ -71,6 +71,9 @@ pub(super) struct ChunkState<B: ChunkBacking> {
     pub(super) pins: usize,
     /// Whether one range takes the whole chunk (outside the allocator).
     pub(super) whole: bool,
+    /// Whether the chunk was taken back with its ranges
+    /// ([`Arena::restore`](super::Arena::restore)): it gives no new ones.
+    pub(super) restored: bool,
 }
 
 impl<B: ChunkBacking> ChunkState<B> {
@@ -80,7 +83,7 @@ impl<B: ChunkBacking> ChunkState<B> {
 
     /// Bytes free for other ranges (none while one range takes it whole).
     pub(super) fn free(&self) -> u64 {
-        if self.whole {
+        if self.whole || self.restored {
             0
         } else {
             self.units * self.unit - self.used
@@ -104,6 +107,8 @@ pub(super) enum Slot {
     Range(Allocation),
     /// The whole chunk, outside the allocator.
     Whole,
+    /// A range of a restored chunk, outside the allocator.
+    Restored,
 }
 
 /// A range just allocated: its chunk, its slot, the offset and the bytes
@@ -137,7 +142,7 @@ impl<B: ChunkBacking> Core<B> {
                 continue;
             }
             let units = len.div_ceil(state.unit);
-            if state.whole || units > state.units {
+            if state.whole || state.restored || units > state.units {
                 continue;
             }
             // `units` <= MAX_UNITS, so it fits in 32 bits.
@@ -158,7 +163,7 @@ impl<B: ChunkBacking> Core<B> {
             self.requested += len;
             let offset = match slot {
                 Slot::Range(a) => u64::from(a.offset) * state.unit,
-                Slot::Whole => 0,
+                Slot::Whole | Slot::Restored => 0,
             };
             return Some((state.chunk.clone(), slot, offset, bytes));
         }
@@ -235,6 +240,7 @@ impl<B: ChunkBacking> Drop for Range<B> {
             match self.slot {
                 Slot::Range(a) => state.allocator.free(a),
                 Slot::Whole => state.whole = false,
+                Slot::Restored => {}
             }
             state.buffers -= 1;
             state.used -= self.bytes;

@@ -1,6 +1,7 @@
 //! The publishing side: buffers served by name, updates, unpublishing.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -8,6 +9,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::arena::{DeviceArena, DeviceArenaBuffer, SetMember};
+use crate::set::ArenaId;
 use crate::channel::{ChannelError, LeaseInfo, Replaced, Server, ServerConfig};
 use crate::descriptor::{Descriptor, Dtype, Mechanism};
 use crate::device::Device;
@@ -545,6 +547,28 @@ impl Publisher {
     /// [`Sharing::Isolated`]; the device's errors if it cannot share memory.
     pub fn arena(&self) -> Result<&DeviceArena> {
         self.do_arena()
+    }
+
+    /// Makes this publisher's arena by taking back the chunks of arena
+    /// `id`, which an earlier process made and whose file descriptors
+    /// something kept (a restarted service's, from its keeper): each
+    /// `(index, fd, len, ranges)` is a VMM chunk's index in that arena, its
+    /// file descriptor and size, and its ranges still in use as (offset,
+    /// length). Returns one buffer per range, chunk by chunk, in the order
+    /// given ([`Arena::restore`](crate::arena::Arena::restore)); publish
+    /// them again as sets. Readers that still map a chunk find it under the
+    /// same [`ChunkId`](crate::arena::ChunkId).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] once the arena is made (by an allocation
+    /// or a publication), or for a publisher whose chunks are not VMM; the
+    /// driver's, for a descriptor that is not such a chunk.
+    pub fn restore_arena(
+        &self,
+        id: ArenaId,
+        chunks: Vec<(u64, OwnedFd, u64, Vec<(u64, u64)>)>,
+    ) -> Result<Vec<Vec<DeviceArenaBuffer>>> {
+        self.do_restore_arena(id, chunks)
     }
 
     /// Allocates `bytes` bytes from this publisher's arena: no export (a new

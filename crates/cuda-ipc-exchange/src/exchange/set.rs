@@ -3,7 +3,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::arena::{Arena, DeviceArena, DeviceArenaBuffer, DeviceChunks, SetMember};
+use std::os::fd::OwnedFd;
+
+use crate::arena::{Arena, DeviceArena, DeviceArenaBuffer, DeviceChunks, RestoredChunk, SetMember};
+use crate::set::ArenaId;
 use crate::channel::ChannelError;
 use crate::descriptor::{Dtype, Mechanism};
 use crate::error::{Error, Result};
@@ -22,6 +25,44 @@ impl Publisher {
         if let Some(a) = self.arena.arena.get() {
             return Ok(a);
         }
+        let (chunks, options) = self.arena_backing()?;
+        let arena = Arena::new(chunks, options.clone())?;
+        self.keep_arena(arena)
+    }
+
+    pub(super) fn do_restore_arena(
+        &self,
+        id: ArenaId,
+        chunks: Vec<(u64, OwnedFd, u64, Vec<(u64, u64)>)>,
+    ) -> Result<Vec<Vec<DeviceArenaBuffer>>> {
+        if self.arena.arena.get().is_some() {
+            return Err(Error::arg(
+                "publisher",
+                "its arena is already made; restore it before any allocation or publication",
+            ));
+        }
+        let (backing, options) = self.arena_backing()?;
+        let chunks = chunks
+            .into_iter()
+            .map(|(index, fd, len, ranges)| {
+                Ok(RestoredChunk::new(index, backing.adopt(fd, len)?, ranges))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (arena, buffers) = Arena::restore(backing, options.clone(), id, chunks)?;
+        self.keep_arena(arena)?;
+        Ok(buffers)
+    }
+
+    fn keep_arena(&self, arena: DeviceArena) -> Result<&DeviceArena> {
+        let _ = self.arena.arena.set(arena);
+        self.arena
+            .arena
+            .get()
+            .ok_or_else(|| Error::arg("publisher", "its arena could not be kept"))
+    }
+
+    /// What makes this publisher's chunks, and the arena's options.
+    fn arena_backing(&self) -> Result<(DeviceChunks, &crate::arena::ArenaOptions)> {
         let Sharing::Arena { mechanism, options } = &self.arena.sharing else {
             return Err(Error::arg(
                 "publisher",
@@ -42,12 +83,7 @@ impl Publisher {
             })?,
             _ => DeviceChunks::new(&self.device, *mechanism)?,
         };
-        let arena = Arena::new(chunks, options.clone())?;
-        let _ = self.arena.arena.set(arena);
-        self.arena
-            .arena
-            .get()
-            .ok_or_else(|| Error::arg("publisher", "its arena could not be kept"))
+        Ok((chunks, options))
     }
 
     /// The work of [`Publisher::publish_buffer`].

@@ -222,6 +222,10 @@ pub struct SetRow {
     /// The writer holding it, and the version it writes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writer: Option<WriterRow>,
+    /// Restarts of the serving process this version was kept through (0:
+    /// loaded or committed by the process serving it now).
+    #[serde(default)]
+    pub restarts: u64,
 }
 
 /// Whether a set is being written.

@@ -94,6 +94,7 @@ fn answers_round_trip() {
                 version: 4,
                 bytes: 512,
             }),
+            restarts: 2,
         }],
     };
     assert_eq!(decode::<LsAnswer>("ls", &encode(&ls)).unwrap(), ls);

@@ -518,6 +518,15 @@ impl Catalog {
         self.commit_at(ticket, loaded, now)
     }
 
+    /// Takes back a set that an earlier run of the service held (from its
+    /// kept catalog image), as it was: owner, version, sizes, origin and
+    /// time. The name's next version is one more than this one.
+    pub fn restore(&mut self, info: SetInfo) {
+        let version = self.versions.entry(info.name.clone()).or_insert(0);
+        *version = (*version).max(info.version);
+        self.sets.insert(info.name.clone(), info);
+    }
+
     /// Gives an admitted load's bytes back (the load failed).
     pub fn cancel(&mut self, ticket: Ticket) {
         let Ticket { name, .. } = ticket;

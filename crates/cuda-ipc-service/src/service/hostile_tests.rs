@@ -98,6 +98,7 @@ impl Ops for Books {
                     SetState::Committed
                 },
                 writer: None,
+                restarts: 0,
             })
             .collect();
         LsAnswer { sets }

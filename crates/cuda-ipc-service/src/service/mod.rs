@@ -37,6 +37,7 @@ mod dispatch;
 #[cfg(test)]
 mod hostile_tests;
 pub mod layout;
+mod persist;
 mod stop;
 mod write;
 mod writer;
@@ -52,6 +53,7 @@ use crate::checkpoint::PlanOptions;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::exchange::{Endpoint, Publisher, PublisherConfig};
+use crate::keep::Store;
 use crate::loader::{LoadedCheckpoint, load_checkpoint_until};
 
 use admin::{
@@ -59,6 +61,7 @@ use admin::{
     LoadRequest, LsAnswer, OpenWriteAnswer, OpenWriteRequest, SetRow, SetState, StatsAnswer,
     WriterRow,
 };
+pub use persist::Restored;
 pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsage, WriterId};
 use dispatch::{Ops, bad_request};
 use layout::Tensor;
@@ -118,11 +121,15 @@ pub struct ShutdownReport {
 /// replaced, and its layout (what a write session copies).
 struct Held {
     tensors: Vec<Tensor>,
-    _buffers: HeldBuffers,
+    /// Each tensor's place: its buffer (an index into
+    /// [`Held::buffers`]) and its offset there.
+    places: Vec<(usize, u64)>,
+    buffers: HeldBuffers,
+    /// Restarts of the serving process this version was kept through.
+    restarts: u64,
 }
 
-/// Kept for their `Drop`: a version's ranges go back to the arena with them.
-#[allow(dead_code)]
+/// A version's buffers: its ranges go back to the arena when they drop.
 enum HeldBuffers {
     Loaded(LoadedCheckpoint),
     Written(Vec<crate::arena::DeviceArenaBuffer>),
@@ -132,14 +139,40 @@ impl Held {
     fn loaded(loaded: LoadedCheckpoint) -> Held {
         Held {
             tensors: write::tensors_of(&loaded),
-            _buffers: HeldBuffers::Loaded(loaded),
+            places: loaded.tensors().iter().map(|t| (t.buffer, t.offset)).collect(),
+            buffers: HeldBuffers::Loaded(loaded),
+            restarts: 0,
         }
     }
 
     fn written(tensors: Vec<Tensor>, buffers: Vec<crate::arena::DeviceArenaBuffer>) -> Held {
         Held {
+            places: (0..tensors.len()).map(|i| (i, 0)).collect(),
             tensors,
-            _buffers: HeldBuffers::Written(buffers),
+            buffers: HeldBuffers::Written(buffers),
+            restarts: 0,
+        }
+    }
+
+    /// A version taken back after a restart (its `restarts`-th).
+    fn restored(
+        tensors: Vec<Tensor>,
+        places: Vec<(usize, u64)>,
+        buffers: Vec<crate::arena::DeviceArenaBuffer>,
+        restarts: u64,
+    ) -> Held {
+        Held {
+            tensors,
+            places,
+            buffers: HeldBuffers::Written(buffers),
+            restarts,
+        }
+    }
+
+    fn buffers(&self) -> &[crate::arena::DeviceArenaBuffer] {
+        match &self.buffers {
+            HeldBuffers::Loaded(l) => l.buffers(),
+            HeldBuffers::Written(b) => b,
         }
     }
 }
@@ -163,6 +196,8 @@ struct Inner {
     retired: Mutex<Vec<write::Kept>>,
     /// Set at shutdown: loads in progress stop at their next piece.
     stop_loads: AtomicBool,
+    /// Where the chunks and the catalog are kept across restarts.
+    keeping: Mutex<persist::Keeping>,
     /// Set by the `shutdown` method.
     stop_asked: Mutex<bool>,
     stop_cv: Condvar,
@@ -197,6 +232,24 @@ impl Service {
         endpoint: impl Into<Endpoint>,
         config: ServiceConfig,
     ) -> Result<Service> {
+        Ok(Self::start_kept(device, endpoint, config, Store::none())?.0)
+    }
+
+    /// [`start`](Self::start) with a store that keeps the weights through
+    /// the serving process's death ([`crate::keep`]): first serves again
+    /// what `store` handed back (the sets of the process before, at their
+    /// versions, from the same device memory), then answers calls, and
+    /// from then on sends the store every chunk and catalog change. With
+    /// [`Store::none`] it is `start`.
+    ///
+    /// # Errors
+    /// `start`'s, and taking back what the store handed over.
+    pub fn start_kept(
+        device: &Device,
+        endpoint: impl Into<Endpoint>,
+        config: ServiceConfig,
+        store: Store,
+    ) -> Result<(Service, Restored)> {
         config.load.validate()?;
         let publisher_config = PublisherConfig::default()
             .with_read_only_readers(true)
@@ -214,9 +267,12 @@ impl Service {
             staging: Mutex::new(HashMap::new()),
             retired: Mutex::new(Vec::new()),
             stop_loads: AtomicBool::new(false),
+            keeping: Mutex::new(persist::Keeping::new(store)),
             stop_asked: Mutex::new(false),
             stop_cv: Condvar::new(),
         });
+        let restored = inner.restore()?;
+        inner.persist();
         let weak: Weak<Inner> = Arc::downgrade(&inner);
         let closed = Weak::clone(&weak);
         let handler = CallHandler::new(move |ctx, method, body| {
@@ -236,8 +292,11 @@ impl Service {
             }
         });
         inner.publisher.server().set_call_handler(Some(handler));
-        tracing::info!(path = %inner.publisher.path().display(), "service serving");
-        Ok(Service { inner })
+        tracing::info!(path = %inner.publisher.path().display(), sets = restored.sets.len(), "service serving");
+        if let Err(e) = locked(&inner.keeping).store.ready() {
+            tracing::warn!(error = %e, "cannot tell the store that the service serves");
+        }
+        Ok((Service { inner }, restored))
     }
 
     /// The socket path clients connect to.
@@ -305,6 +364,7 @@ impl Service {
     /// returns within about a second whatever loads were running.
     pub fn shutdown(self, grace: Duration) -> ShutdownReport {
         let inner = &self.inner;
+        inner.forget_kept();
         locked(&inner.catalog).stop();
         inner.stop_loads.store(true, Ordering::SeqCst);
         let sessions: Vec<(String, String)> = locked(&inner.catalog)
@@ -446,6 +506,7 @@ impl Ops for Inner {
             )
             .clone();
         locked(&self.held).insert(r.set.clone(), Held::loaded(loaded));
+        self.persist();
         tracing::info!(set = %r.set, uid, version = info.version, s = report.elapsed.as_secs_f64(), "loaded");
         Ok(LoadAnswer {
             set: info.name,
@@ -463,6 +524,10 @@ impl Ops for Inner {
 
     fn ls(&self) -> LsAnswer {
         self.sweep_retired();
+        let restarts: HashMap<String, u64> = locked(&self.held)
+            .iter()
+            .map(|(n, h)| (n.clone(), h.restarts))
+            .collect();
         let leases = self.publisher.leases();
         let catalog = locked(&self.catalog);
         let writer = |name: &str| {
@@ -495,6 +560,7 @@ impl Ops for Inner {
                 leases: Vec::new(),
                 state: state(&row),
                 writer: row,
+                restarts: 0,
             }
         });
         let mut sets: Vec<SetRow> = catalog
@@ -520,6 +586,7 @@ impl Ops for Inner {
                         .collect(),
                     state: state(&row),
                     writer: row,
+                    restarts: restarts.get(&s.name).copied().unwrap_or(0),
                 }
             })
             .chain(new_sets)
@@ -585,6 +652,7 @@ impl Ops for Inner {
         }
         let loaded = locked(&self.held).remove(&r.set);
         drop(loaded);
+        self.persist();
         self.publisher.reap();
         if let Err(e) = self.publisher.trim() {
             tracing::debug!(error = %e, "trim after a drop");

@@ -229,6 +229,9 @@ impl Inner {
             tracing::warn!(set = %r.set, error = %e, "cannot hide a committed staging entry");
         }
         locked(&self.held).insert(r.set.clone(), Held::written(stage.tensors, stage.buffers));
+        // Kept before the writer hears of its commit: a crash after the
+        // answer serves this version.
+        self.persist();
         if let (Some(told), Some(old)) = (told, &done.retired) {
             locked(&self.retired).push(Kept::replaced(&r.set, old.version, told.old_entry));
         }

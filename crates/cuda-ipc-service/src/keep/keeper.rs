@@ -1,0 +1,399 @@
+//! The keeper: a small process that holds the serving process's
+//! descriptors (its chunks, its catalog image, its listening socket) and
+//! runs it again when it dies. It speaks systemd's file-descriptor store
+//! protocol (see [`store`](super::store)), so the service does the same
+//! under systemd and under a keeper.
+//!
+//! It is the one process whose death loses the weights, so it is kept
+//! small: no CUDA (it never loads the driver), no parsing of clients'
+//! input (only `KEY=VALUE` notifications, and only from the serving
+//! process it started, checked by the kernel's `SCM_CREDENTIALS`: same uid,
+//! same pid), no threads.
+#![allow(unsafe_code)] // `pre_exec`, which places the descriptors for the child; justified there
+
+use std::io;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, poll};
+use rustix::fs::Mode;
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
+    SocketAddrUnix, SocketFlags, SocketType, bind, recvmsg, socket_with,
+};
+use rustix::process::{Pid, PidfdFlags, pidfd_open};
+
+use super::store::{LISTEN_FDNAMES, LISTEN_FDS, LISTEN_PID, NOTIFY_SOCKET};
+
+/// The most descriptors a keeper holds (systemd's `FileDescriptorStoreMax`
+/// is the same idea).
+pub const MAX_KEPT: usize = 4096;
+
+/// How many times in a row the serving process may die before it says it
+/// serves, before the keeper gives up.
+pub const MAX_FAILED_STARTS: u32 = 5;
+
+/// The longest notification a keeper reads.
+const MAX_NOTIFICATION: usize = 4096;
+
+/// What happened, for the caller's log.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum KeeperEvent {
+    /// The serving process started with this many descriptors.
+    Started {
+        /// Its pid.
+        pid: u32,
+        /// Descriptors handed to it.
+        fds: usize,
+    },
+    /// It said it serves (`READY=1`), this long after it started.
+    Ready {
+        /// Its pid.
+        pid: u32,
+        /// From its start.
+        after: Duration,
+    },
+    /// It died or exited.
+    Exited {
+        /// Its pid.
+        pid: u32,
+        /// How.
+        status: ExitStatus,
+        /// Whether the keeper runs it again.
+        restart: bool,
+    },
+    /// A notification refused: from another process, malformed, or over
+    /// the limit; its descriptors were closed.
+    Refused {
+        /// Why.
+        why: String,
+    },
+}
+
+/// How [`Keeper::supervise`] ended.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum KeeperExit {
+    /// The serving process stopped on purpose (a clean stop, or the
+    /// keeper's own stop): the kept descriptors were closed.
+    Stopped(ExitStatus),
+    /// It died [`MAX_FAILED_STARTS`] times in a row before serving, or
+    /// refused its arguments: not run again.
+    GaveUp(ExitStatus),
+}
+
+/// Holds the serving process's descriptors and runs it (see the module
+/// docs).
+#[derive(Debug)]
+pub struct Keeper {
+    socket: OwnedFd,
+    path: PathBuf,
+    kept: Vec<(String, OwnedFd)>,
+    uid: u32,
+}
+
+/// Whether `name` is one a store accepts: 1 to 255 printable ASCII
+/// characters, no `:` (the separator of `$LISTEN_FDNAMES`).
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 255 && name.bytes().all(|b| b.is_ascii_graphic() && b != b':')
+}
+
+impl Keeper {
+    /// A keeper whose notification socket is `path` (mode 0600; a stale
+    /// socket file there is replaced).
+    ///
+    /// # Errors
+    /// The socket's.
+    pub fn bind(path: &Path) -> io::Result<Keeper> {
+        let socket = socket_with(
+            AddressFamily::UNIX,
+            SocketType::DGRAM,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )?;
+        rustix::fs::fchmod(&socket, Mode::from_raw_mode(0o600))?;
+        rustix::net::sockopt::set_socket_passcred(&socket, true)?;
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                std::fs::remove_file(path)?;
+            }
+            _ => {}
+        }
+        bind(&socket, &SocketAddrUnix::new(path)?)?;
+        Ok(Keeper {
+            socket,
+            path: path.to_path_buf(),
+            kept: Vec::new(),
+            uid: rustix::process::geteuid().as_raw(),
+        })
+    }
+
+    /// The notification socket's path (`$NOTIFY_SOCKET` of the child).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The names of what it keeps, in the order it got them.
+    pub fn names(&self) -> Vec<&str> {
+        self.kept.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// Runs `make()` as the serving process with `$NOTIFY_SOCKET` and the
+    /// kept descriptors, and again each time it dies without stopping on
+    /// purpose; keeps what it sends meanwhile. Returns when it stops on
+    /// purpose (exit 0 after `STOPPING=1`; the kept descriptors are closed),
+    /// when `stop` is set (the child gets SIGTERM and is waited for), or
+    /// when it keeps failing before it serves. `upgrade`, when set, kills
+    /// the child (SIGKILL: what it committed is kept, as after a crash) to
+    /// run `make()` again, a new build if the file changed; it is cleared.
+    ///
+    /// # Errors
+    /// Spawning's and the socket's.
+    pub fn supervise(
+        &mut self,
+        make: &mut dyn FnMut() -> Command,
+        stop: &AtomicBool,
+        upgrade: &AtomicBool,
+        events: &mut dyn FnMut(KeeperEvent),
+    ) -> io::Result<KeeperExit> {
+        let mut failed_starts = 0;
+        loop {
+            let mut child = self.spawn(&mut make())?;
+            let pid = child.id();
+            let started = Instant::now();
+            events(KeeperEvent::Started {
+                pid,
+                fds: self.kept.len(),
+            });
+            let pidfd = pidfd_open(
+                Pid::from_raw(pid as i32).ok_or_else(|| io::Error::other("pid 0"))?,
+                PidfdFlags::empty(),
+            )?;
+            let mut ready = false;
+            let mut stopping = false;
+            let mut asked_to_stop = false;
+            let status = loop {
+                if stop.load(Ordering::SeqCst) && !asked_to_stop {
+                    asked_to_stop = true;
+                    let _ = rustix::process::kill_process(
+                        Pid::from_child(&child),
+                        rustix::process::Signal::TERM,
+                    );
+                }
+                if upgrade.swap(false, Ordering::SeqCst) {
+                    let _ = child.kill();
+                }
+                let mut fds = [
+                    PollFd::new(&self.socket, PollFlags::IN),
+                    PollFd::new(&pidfd, PollFlags::IN),
+                ];
+                match poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 })) {
+                    Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                // Notifications first: those sent just before an exit count.
+                while let Some(n) = self.receive(pid, events)? {
+                    if n.ready && !ready {
+                        ready = true;
+                        failed_starts = 0;
+                        events(KeeperEvent::Ready {
+                            pid,
+                            after: started.elapsed(),
+                        });
+                    }
+                    stopping |= n.stopping;
+                }
+                if let Some(status) = child.try_wait()? {
+                    break status;
+                }
+            };
+            let on_purpose = asked_to_stop || (stopping && status.success());
+            if !ready {
+                failed_starts += 1;
+            }
+            // Exit 2 is a bad option or argument: running it again would not help.
+            let gave_up = !on_purpose && (failed_starts >= MAX_FAILED_STARTS || (!ready && status.code() == Some(2)));
+            events(KeeperEvent::Exited {
+                pid,
+                status,
+                restart: !on_purpose && !gave_up,
+            });
+            if on_purpose {
+                self.kept.clear();
+                return Ok(KeeperExit::Stopped(status));
+            }
+            if gave_up {
+                self.kept.clear();
+                return Ok(KeeperExit::GaveUp(status));
+            }
+            reap(&mut child);
+        }
+    }
+
+    /// Starts `command` with `$NOTIFY_SOCKET` and the kept descriptors as
+    /// 3, 4, ... named in `$LISTEN_FDNAMES`.
+    fn spawn(&self, command: &mut Command) -> io::Result<Child> {
+        let names: Vec<&str> = self.names();
+        command
+            .env(NOTIFY_SOCKET, &self.path)
+            .env(LISTEN_FDS, names.len().to_string())
+            .env(LISTEN_FDNAMES, names.join(":"))
+            .env_remove(LISTEN_PID);
+        let sources: Vec<RawFd> = self.kept.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+        let mut scratch: Vec<RawFd> = vec![-1; sources.len()];
+        let above = sources
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(2 + sources.len() as RawFd)
+            + 1;
+        // SAFETY: the closure runs in the child between fork and exec and
+        // calls only fcntl and dup2 (async-signal-safe), on descriptors the
+        // keeper owns, writing into memory allocated before the fork: first
+        // out of the way (above every source and target, close-on-exec),
+        // then onto 3, 4, ... (dup2 clears close-on-exec there).
+        unsafe {
+            command.pre_exec(move || {
+                for (i, &fd) in sources.iter().enumerate() {
+                    let moved = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, above);
+                    if moved < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    scratch[i] = moved;
+                }
+                for (i, &fd) in scratch.iter().enumerate() {
+                    if libc::dup2(fd, 3 + i as RawFd) < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        command.spawn()
+    }
+
+    /// Reads one notification if one waits: `None` when none does.
+    fn receive(
+        &mut self,
+        child: u32,
+        events: &mut dyn FnMut(KeeperEvent),
+    ) -> io::Result<Option<Notification>> {
+        let mut buf = [0u8; MAX_NOTIFICATION];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(253), ScmCredentials(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = match recvmsg(
+            &self.socket,
+            &mut [io::IoSliceMut::new(&mut buf)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT,
+        ) {
+            Ok(r) => r,
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        let mut sender = None;
+        for m in control.drain() {
+            match m {
+                RecvAncillaryMessage::ScmRights(r) => fds.extend(r),
+                RecvAncillaryMessage::ScmCredentials(c) => sender = Some(c),
+                _ => {}
+            }
+        }
+        let mut refuse = |why: String| {
+            events(KeeperEvent::Refused { why });
+            Ok(Some(Notification::default()))
+        };
+        match sender {
+            Some(c) if c.uid.as_raw() == self.uid && c.pid.as_raw_nonzero().get() as u32 == child => {}
+            Some(c) => {
+                return refuse(format!(
+                    "a notification from pid {} uid {}, not the serving process (pid {child}, uid {})",
+                    c.pid.as_raw_nonzero(),
+                    c.uid.as_raw(),
+                    self.uid
+                ));
+            }
+            None => return refuse("a notification without credentials".into()),
+        }
+        if got.flags.intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC) {
+            return refuse("a notification cut short (too long, or too many descriptors)".into());
+        }
+        let Ok(text) = std::str::from_utf8(&buf[..got.bytes]) else {
+            return refuse("a notification that is not UTF-8".into());
+        };
+        let n = Notification::parse(text);
+        if n.store || n.remove {
+            let Some(name) = n.name.as_deref().filter(|n| valid_name(n)) else {
+                return refuse(format!("FDSTORE or FDSTOREREMOVE without a valid FDNAME: {text:?}"));
+            };
+            if n.remove {
+                self.kept.retain(|(k, _)| k != name);
+            }
+            if n.store {
+                if self.kept.len() + fds.len() > MAX_KEPT {
+                    return refuse(format!(
+                        "{name}: the keeper holds {} descriptors already, {MAX_KEPT} at most",
+                        self.kept.len()
+                    ));
+                }
+                self.kept.extend(fds.into_iter().map(|fd| (name.to_string(), fd)));
+            }
+        }
+        Ok(Some(n))
+    }
+}
+
+/// Waits for a child that has exited (its status was read by `try_wait`).
+fn reap(child: &mut Child) {
+    let _ = child.wait();
+}
+
+/// What a notification says (the keys a keeper acts on).
+#[derive(Debug, Default)]
+struct Notification {
+    store: bool,
+    remove: bool,
+    name: Option<String>,
+    ready: bool,
+    stopping: bool,
+}
+
+impl Notification {
+    fn parse(text: &str) -> Notification {
+        let mut n = Notification::default();
+        for line in text.lines() {
+            match line.split_once('=') {
+                Some(("FDSTORE", "1")) => n.store = true,
+                Some(("FDSTOREREMOVE", "1")) => n.remove = true,
+                Some(("FDNAME", name)) => n.name = Some(name.to_string()),
+                Some(("READY", "1")) => n.ready = true,
+                Some(("STOPPING", "1")) => n.stopping = true,
+                _ => {}
+            }
+        }
+        n
+    }
+}
+
+/// How a child's exit reads in a log line.
+pub fn exit_text(status: &ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit {c}"),
+        (None, Some(s)) => format!("signal {s}"),
+        _ => status.to_string(),
+    }
+}
+
+impl AsFd for Keeper {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.socket.as_fd()
+    }
+}
