@@ -33,8 +33,10 @@ fn io(context: String) -> impl FnOnce(std::io::Error) -> Error {
 /// Runs the keeper until the service stops.
 pub fn keep(socket: &Path) -> Result<Outcome, Error> {
     let path = keeper_path(socket);
-    let mut keeper = Keeper::bind(&path)
-        .map_err(io(format!("cannot bind the keeper's socket {}", path.display())))?;
+    let mut keeper = Keeper::bind(&path).map_err(io(format!(
+        "cannot bind the keeper's socket {}",
+        path.display()
+    )))?;
     let exe = std::env::current_exe().map_err(io("cannot find this program's file".into()))?;
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
     let stop = Arc::new(AtomicBool::new(false));
@@ -60,27 +62,31 @@ pub fn keep(socket: &Path) -> Result<Outcome, Error> {
         c.args(&args).process_group(0);
         c
     };
-    let mut log = |e: KeeperEvent| {
-        match e {
-            KeeperEvent::Started { pid, fds } => errln!(
-                "cuda-ipc: keeper: serving process {pid} started with {fds} kept descriptor(s)"
-            ),
-            KeeperEvent::Ready { pid, after } => errln!(
+    let mut log = |e: KeeperEvent| match e {
+        KeeperEvent::Started { pid, fds } => {
+            errln!("cuda-ipc: keeper: serving process {pid} started with {fds} kept descriptor(s)");
+        }
+        KeeperEvent::Ready { pid, after } => {
+            errln!(
                 "cuda-ipc: keeper: serving process {pid} serves, {:.1} ms after its start",
                 after.as_secs_f64() * 1e3
-            ),
-            KeeperEvent::Exited {
-                pid,
-                status,
-                restart,
-            } => errln!(
+            );
+        }
+        KeeperEvent::Exited {
+            pid,
+            status,
+            restart,
+        } => {
+            errln!(
                 "cuda-ipc: keeper: serving process {pid} ended ({}){}",
                 exit_text(&status),
                 if restart { "; running it again" } else { "" }
-            ),
-            KeeperEvent::Refused { why } => errln!("cuda-ipc: keeper: refused {why}"),
-            _ => {}
+            );
         }
+        KeeperEvent::Refused { why } => {
+            errln!("cuda-ipc: keeper: refused {why}");
+        }
+        _ => {}
     };
     let exit = keeper.supervise(&mut make, &stop, &upgrade, &mut log);
     let _ = std::fs::remove_file(&path);
@@ -98,7 +104,10 @@ pub fn keep(socket: &Path) -> Result<Outcome, Error> {
                 exit_text(&status)
             );
             Ok(Outcome::Exit(
-                status.code().and_then(|c| u8::try_from(c).ok()).unwrap_or(crate::EXIT_FAILED),
+                status
+                    .code()
+                    .and_then(|c| u8::try_from(c).ok())
+                    .unwrap_or(crate::EXIT_FAILED),
             ))
         }
         _ => Ok(Outcome::Exit(crate::EXIT_FAILED)),

@@ -161,7 +161,12 @@ impl<B: ChunkBacking> Arena<B> {
             .map(|(offset, n)| {
                 self.buffer(
                     n,
-                    (chunk.clone(), Slot::Restored, offset, n.div_ceil(unit) * unit),
+                    (
+                        chunk.clone(),
+                        Slot::Restored,
+                        offset,
+                        n.div_ceil(unit) * unit,
+                    ),
                 )
             })
             .collect())

@@ -122,6 +122,35 @@ impl ChunkBacking for DeviceChunks {
     }
 }
 
+/// A VMM chunk to take back by its file descriptor
+/// ([`Publisher::restore_arena`](crate::exchange::Publisher::restore_arena)):
+/// its index in its arena, the descriptor, its size, and its ranges still
+/// in use as (offset, length) in bytes.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct KeptChunk {
+    /// Its index in its arena.
+    pub index: u64,
+    /// The allocation's file descriptor.
+    pub fd: OwnedFd,
+    /// Its size in bytes.
+    pub len: u64,
+    /// Its ranges in use: (offset, length).
+    pub ranges: Vec<(u64, u64)>,
+}
+
+impl KeptChunk {
+    /// Chunk `index` of `len` bytes behind `fd`, with its ranges in use.
+    pub fn new(index: u64, fd: OwnedFd, len: u64, ranges: Vec<(u64, u64)>) -> Self {
+        KeptChunk {
+            index,
+            fd,
+            len,
+            ranges,
+        }
+    }
+}
+
 /// One chunk of device memory and its export, made once.
 #[derive(Debug)]
 pub struct DeviceChunk {

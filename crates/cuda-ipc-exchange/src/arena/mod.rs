@@ -99,7 +99,9 @@ use std::fmt;
 use crate::error::{Error, Result};
 
 pub use self::core::Arena;
-pub use self::device::{DeviceArena, DeviceArenaBuffer, DeviceChunk, DeviceChunks, SetMember};
+pub use self::device::{
+    DeviceArena, DeviceArenaBuffer, DeviceChunk, DeviceChunks, KeptChunk, SetMember,
+};
 pub use self::handles::{ArenaBuffer, ArenaLease, ArenaStats, ChunkInfo, ChunkPin};
 pub use self::state::Chunk;
 /// An arena's identity is part of the set record's vocabulary (records

@@ -1,7 +1,6 @@
 //! The publishing side: buffers served by name, updates, unpublishing.
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -9,7 +8,6 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::arena::{DeviceArena, DeviceArenaBuffer, SetMember};
-use crate::set::ArenaId;
 use crate::channel::{ChannelError, LeaseInfo, Replaced, Server, ServerConfig};
 use crate::descriptor::{Descriptor, Dtype, Mechanism};
 use crate::device::Device;
@@ -17,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::handle::IpcEventHandle;
 use crate::mechanism::Access;
 use crate::memory::DeviceMemory;
+use crate::set::ArenaId;
 use crate::share::SharedBuffer;
 use crate::sync::event::IpcEvent;
 
@@ -552,9 +551,9 @@ impl Publisher {
     /// Makes this publisher's arena by taking back the chunks of arena
     /// `id`, which an earlier process made and whose file descriptors
     /// something kept (a restarted service's, from its keeper): each
-    /// `(index, fd, len, ranges)` is a VMM chunk's index in that arena, its
-    /// file descriptor and size, and its ranges still in use as (offset,
-    /// length). Returns one buffer per range, chunk by chunk, in the order
+    /// [`KeptChunk`](crate::arena::KeptChunk) is a VMM chunk's index in
+    /// that arena, its file descriptor and size, and its ranges still in
+    /// use. Returns one buffer per range, chunk by chunk, in the order
     /// given ([`Arena::restore`](crate::arena::Arena::restore)); publish
     /// them again as sets. Readers that still map a chunk find it under the
     /// same [`ChunkId`](crate::arena::ChunkId).
@@ -566,7 +565,7 @@ impl Publisher {
     pub fn restore_arena(
         &self,
         id: ArenaId,
-        chunks: Vec<(u64, OwnedFd, u64, Vec<(u64, u64)>)>,
+        chunks: Vec<crate::arena::KeptChunk>,
     ) -> Result<Vec<Vec<DeviceArenaBuffer>>> {
         self.do_restore_arena(id, chunks)
     }

@@ -3,14 +3,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use std::os::fd::OwnedFd;
-
 use crate::arena::{Arena, DeviceArena, DeviceArenaBuffer, DeviceChunks, RestoredChunk, SetMember};
-use crate::set::ArenaId;
 use crate::channel::ChannelError;
 use crate::descriptor::{Dtype, Mechanism};
 use crate::error::{Error, Result};
 use crate::phases::Phases;
+use crate::set::ArenaId;
 
 use super::lock;
 use super::publisher::Publisher;
@@ -33,7 +31,7 @@ impl Publisher {
     pub(super) fn do_restore_arena(
         &self,
         id: ArenaId,
-        chunks: Vec<(u64, OwnedFd, u64, Vec<(u64, u64)>)>,
+        chunks: Vec<crate::arena::KeptChunk>,
     ) -> Result<Vec<Vec<DeviceArenaBuffer>>> {
         if self.arena.arena.get().is_some() {
             return Err(Error::arg(
@@ -44,8 +42,12 @@ impl Publisher {
         let (backing, options) = self.arena_backing()?;
         let chunks = chunks
             .into_iter()
-            .map(|(index, fd, len, ranges)| {
-                Ok(RestoredChunk::new(index, backing.adopt(fd, len)?, ranges))
+            .map(|c| {
+                Ok(RestoredChunk::new(
+                    c.index,
+                    backing.adopt(c.fd, c.len)?,
+                    c.ranges,
+                ))
             })
             .collect::<Result<Vec<_>>>()?;
         let (arena, buffers) = Arena::restore(backing, options.clone(), id, chunks)?;

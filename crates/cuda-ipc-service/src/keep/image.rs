@@ -106,9 +106,11 @@ pub(crate) const SOCKET_NAME: &str = "socket";
 /// What `name` holds, if it is one of the service's names.
 pub(crate) fn parse_name(name: &str) -> Option<Stored> {
     let number = |s: &str| {
-        (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.starts_with('0')))
-            .then(|| s.parse().ok())
-            .flatten()
+        (!s.is_empty()
+            && s.bytes().all(|b| b.is_ascii_digit())
+            && (s == "0" || !s.starts_with('0')))
+        .then(|| s.parse().ok())
+        .flatten()
     };
     if name == SOCKET_NAME {
         Some(Stored::Socket)
@@ -239,19 +241,39 @@ mod tests {
     fn a_damaged_image_is_refused_naming_what_is_wrong() {
         let mut outside = sample();
         outside.sets[0].buffers[0].offset = 4 << 20;
-        assert!(Image::decode(&outside.encode()).unwrap_err().contains("not inside a chunk"));
+        assert!(
+            Image::decode(&outside.encode())
+                .unwrap_err()
+                .contains("not inside a chunk")
+        );
         let mut no_chunk = sample();
         no_chunk.sets[0].buffers[0].chunk = 7;
-        assert!(Image::decode(&no_chunk.encode()).unwrap_err().contains("chunk 7"));
+        assert!(
+            Image::decode(&no_chunk.encode())
+                .unwrap_err()
+                .contains("chunk 7")
+        );
         let mut tensor = sample();
         tensor.sets[0].tensors[0].len = 2 << 20;
-        assert!(Image::decode(&tensor.encode()).unwrap_err().contains("\"w\""));
+        assert!(
+            Image::decode(&tensor.encode())
+                .unwrap_err()
+                .contains("\"w\"")
+        );
         let mut format = sample();
         format.format = 9;
-        assert!(Image::decode(&format.encode()).unwrap_err().contains("format 9"));
+        assert!(
+            Image::decode(&format.encode())
+                .unwrap_err()
+                .contains("format 9")
+        );
         let text = String::from_utf8(sample().encode()).unwrap();
-        let extra = text.replacen("{", "{\"x\":1,", 1);
-        assert!(Image::decode(extra.as_bytes()).unwrap_err().contains("unknown field"));
+        let extra = text.replacen('{', "{\"x\":1,", 1);
+        assert!(
+            Image::decode(extra.as_bytes())
+                .unwrap_err()
+                .contains("unknown field")
+        );
         assert!(Image::decode(b"").is_err());
         assert!(Image::decode(&text.as_bytes()[..text.len() / 2]).is_err());
     }
@@ -262,7 +284,9 @@ mod tests {
         assert_eq!(parse_name("chunk.12"), Some(Stored::Chunk(12)));
         assert_eq!(parse_name("catalog.3"), Some(Stored::Image(3)));
         assert_eq!(parse_name("socket"), Some(Stored::Socket));
-        for bad in ["chunk.", "chunk.01", "chunk.-1", "chunk.1x", "catalog", "other", ""] {
+        for bad in [
+            "chunk.", "chunk.01", "chunk.-1", "chunk.1x", "catalog", "other", "",
+        ] {
             assert_eq!(parse_name(bad), None, "{bad}");
         }
         assert_eq!(parse_name(&chunk_name(5)), Some(Stored::Chunk(5)));

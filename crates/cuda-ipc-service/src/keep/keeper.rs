@@ -193,7 +193,13 @@ impl Keeper {
                     PollFd::new(&self.socket, PollFlags::IN),
                     PollFd::new(&pidfd, PollFlags::IN),
                 ];
-                match poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 })) {
+                match poll(
+                    &mut fds,
+                    Some(&rustix::time::Timespec {
+                        tv_sec: 0,
+                        tv_nsec: 100_000_000,
+                    }),
+                ) {
                     Ok(_) | Err(rustix::io::Errno::INTR) => {}
                     Err(e) => return Err(e.into()),
                 }
@@ -218,7 +224,8 @@ impl Keeper {
                 failed_starts += 1;
             }
             // Exit 2 is a bad option or argument: running it again would not help.
-            let gave_up = !on_purpose && (failed_starts >= MAX_FAILED_STARTS || (!ready && status.code() == Some(2)));
+            let gave_up = !on_purpose
+                && (failed_starts >= MAX_FAILED_STARTS || (!ready && status.code() == Some(2)));
             events(KeeperEvent::Exited {
                 pid,
                 status,
@@ -286,7 +293,8 @@ impl Keeper {
         events: &mut dyn FnMut(KeeperEvent),
     ) -> io::Result<Option<Notification>> {
         let mut buf = [0u8; MAX_NOTIFICATION];
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(253), ScmCredentials(1))];
+        let mut space =
+            [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(253), ScmCredentials(1))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let got = match recvmsg(
             &self.socket,
@@ -312,7 +320,8 @@ impl Keeper {
             Ok(Some(Notification::default()))
         };
         match sender {
-            Some(c) if c.uid.as_raw() == self.uid && c.pid.as_raw_nonzero().get() as u32 == child => {}
+            Some(c)
+                if c.uid.as_raw() == self.uid && c.pid.as_raw_nonzero().get() as u32 == child => {}
             Some(c) => {
                 return refuse(format!(
                     "a notification from pid {} uid {}, not the serving process (pid {child}, uid {})",
@@ -323,7 +332,10 @@ impl Keeper {
             }
             None => return refuse("a notification without credentials".into()),
         }
-        if got.flags.intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC) {
+        if got
+            .flags
+            .intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC)
+        {
             return refuse("a notification cut short (too long, or too many descriptors)".into());
         }
         let Ok(text) = std::str::from_utf8(&buf[..got.bytes]) else {
@@ -332,7 +344,9 @@ impl Keeper {
         let n = Notification::parse(text);
         if n.store || n.remove {
             let Some(name) = n.name.as_deref().filter(|n| valid_name(n)) else {
-                return refuse(format!("FDSTORE or FDSTOREREMOVE without a valid FDNAME: {text:?}"));
+                return refuse(format!(
+                    "FDSTORE or FDSTOREREMOVE without a valid FDNAME: {text:?}"
+                ));
             };
             if n.remove {
                 self.kept.retain(|(k, _)| k != name);
@@ -344,7 +358,8 @@ impl Keeper {
                         self.kept.len()
                     ));
                 }
-                self.kept.extend(fds.into_iter().map(|fd| (name.to_string(), fd)));
+                self.kept
+                    .extend(fds.into_iter().map(|fd| (name.to_string(), fd)));
             }
         }
         Ok(Some(n))
@@ -356,8 +371,9 @@ fn reap(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// What a notification says (the keys a keeper acts on).
+/// What a notification says (the keys a keeper acts on: one flag each).
 #[derive(Debug, Default)]
+#[allow(clippy::struct_excessive_bools)]
 struct Notification {
     store: bool,
     remove: bool,

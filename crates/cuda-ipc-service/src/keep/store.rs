@@ -177,7 +177,9 @@ impl Store {
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
         let mut control = SendAncillaryBuffer::new(&mut space);
         if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
-            return Err(io::Error::other("too many descriptors for one notification"));
+            return Err(io::Error::other(
+                "too many descriptors for one notification",
+            ));
         }
         let sent = sendmsg_addr(
             &sock,
@@ -187,13 +189,16 @@ impl Store {
             SendFlags::NOSIGNAL,
         )?;
         if sent != text.len() {
-            return Err(io::Error::new(io::ErrorKind::WriteZero, "a notification was cut short"));
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "a notification was cut short",
+            ));
         }
         Ok(())
     }
 }
 
-fn bad_env(var: &str, why: String) -> io::Error {
+fn bad_env(var: &str, why: impl std::fmt::Display) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, format!("${var}: {why}"))
 }
 

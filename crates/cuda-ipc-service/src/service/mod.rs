@@ -61,10 +61,10 @@ use admin::{
     LoadRequest, LsAnswer, OpenWriteAnswer, OpenWriteRequest, SetRow, SetState, StatsAnswer,
     WriterRow,
 };
-pub use persist::Restored;
 pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsage, WriterId};
 use dispatch::{Ops, bad_request};
 use layout::Tensor;
+pub use persist::Restored;
 pub use writer::Writer;
 
 /// How a [`Service`] runs: `ServiceConfig::default()` and the `with_`
@@ -139,7 +139,11 @@ impl Held {
     fn loaded(loaded: LoadedCheckpoint) -> Held {
         Held {
             tensors: write::tensors_of(&loaded),
-            places: loaded.tensors().iter().map(|t| (t.buffer, t.offset)).collect(),
+            places: loaded
+                .tensors()
+                .iter()
+                .map(|t| (t.buffer, t.offset))
+                .collect(),
             buffers: HeldBuffers::Loaded(loaded),
             restarts: 0,
         }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::{AsFd, OwnedFd};
 use std::str::FromStr;
 
-use crate::arena::{DeviceArenaBuffer, SetMember};
+use crate::arena::{DeviceArenaBuffer, KeptChunk, SetMember};
 use crate::descriptor::Dtype;
 use crate::error::{Error, Result};
 use crate::keep::Store;
@@ -79,16 +79,18 @@ impl Inner {
         let mut chunks: BTreeMap<u64, (u64, OwnedFd)> = BTreeMap::new();
         let mut sets = Vec::new();
         for (name, h) in held.iter() {
-            let Some(info) = infos.get(name) else { continue };
+            let Some(info) = infos.get(name) else {
+                continue;
+            };
             let mut buffers = Vec::new();
             for b in h.buffers() {
                 let chunk = b.chunk();
                 let index = chunk.id().index;
-                if !chunks.contains_key(&index) {
+                if let std::collections::btree_map::Entry::Vacant(e) = chunks.entry(index) {
                     let Some(fd) = chunk.backing().fds().first() else {
                         return Err(std::io::Error::other("a chunk without a file descriptor"));
                     };
-                    chunks.insert(index, (chunk.byte_len(), fd.try_clone()?));
+                    e.insert((chunk.byte_len(), fd.try_clone()?));
                 }
                 buffers.push(BufferImage {
                     chunk: index,
@@ -182,19 +184,27 @@ impl Inner {
                     chunk_fds.insert(i, fd);
                 }
                 Some(Stored::Socket) => socket = Some(fd),
-                None => tracing::warn!(name, "the store handed back a descriptor of no known name; closed"),
+                None => tracing::warn!(
+                    name,
+                    "the store handed back a descriptor of no known name; closed"
+                ),
             }
         }
         drop(socket);
         images.sort_by_key(|(seq, _)| std::cmp::Reverse(*seq));
         let mut chosen = None;
         for (seq, fd) in images {
-            match read_sealed(&fd).map_err(|e| e.to_string()).and_then(|b| Image::decode(&b)) {
+            match read_sealed(&fd)
+                .map_err(|e| e.to_string())
+                .and_then(|b| Image::decode(&b))
+            {
                 Ok(image) => {
                     chosen = Some(image);
                     break;
                 }
-                Err(e) => tracing::error!(seq, error = %e, "a kept catalog image does not read; trying an older one"),
+                Err(e) => {
+                    tracing::error!(seq, error = %e, "a kept catalog image does not read; trying an older one");
+                }
             }
         }
         let Some(image) = chosen else {
@@ -234,7 +244,7 @@ impl Inner {
                 .iter()
                 .map(|&(si, bi)| (whole[si].buffers[bi].offset, whole[si].buffers[bi].len))
                 .collect();
-            chunks.push((*index, fd, len, r));
+            chunks.push(KeptChunk::new(*index, fd, len, r));
             order.push(places.clone());
         }
         drop(chunk_fds);
@@ -242,8 +252,7 @@ impl Inner {
             .publisher
             .restore_arena(ArenaId(image.arena), chunks)
             .map_err(|e| keep_error("taking the chunks back", e))?;
-        let mut per_set: Vec<Vec<Option<DeviceArenaBuffer>>> =
-            whole
+        let mut per_set: Vec<Vec<Option<DeviceArenaBuffer>>> = whole
             .iter()
             .map(|s| (0..s.buffers.len()).map(|_| None).collect())
             .collect();

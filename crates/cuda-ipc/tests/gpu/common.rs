@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-const ROLE_ENV: &str = "CUDA_IPC_TEST_ROLE";
+pub const ROLE_ENV: &str = "CUDA_IPC_TEST_ROLE";
 const PREFIX: &str = "@@ ";
 
 /// The deadline for one message from the other process (CUDA start-up included).

@@ -26,6 +26,7 @@ mod service_limits;
 mod service_write;
 mod set_fences;
 mod sleep;
+mod survive;
 
 /// The full name of test `name` in module `module` (for `--exact`).
 #[macro_export]
