@@ -613,17 +613,17 @@ impl Descriptor {
         m.insert("mechanism".into(), self.mechanism().name().into());
         match self.source {
             Source::Legacy { handle } => {
-                m.insert("handle".into(), handle.to_hex().into());
+                m.insert("handle".into(), handle.to_string().into());
             }
             Source::Fabric { handle } => {
-                m.insert("handle".into(), handle.to_hex().into());
+                m.insert("handle".into(), handle.to_string().into());
             }
             Source::Vmm { fd } => {
                 m.insert("fd".into(), fd.into());
             }
             Source::Pool { fd, ptr } => {
                 m.insert("fd".into(), fd.into());
-                m.insert("handle".into(), ptr.to_hex().into());
+                m.insert("handle".into(), ptr.to_string().into());
             }
         }
         m.insert("alloc_size".into(), self.alloc_size.into());
@@ -640,7 +640,7 @@ impl Descriptor {
         m.insert("device_uuid".into(), self.device_uuid.to_string().into());
         m.insert("pid".into(), self.pid.into());
         if let Some(e) = self.event {
-            m.insert("event".into(), e.to_hex().into());
+            m.insert("event".into(), e.to_string().into());
         }
         if let Some(g) = self.generation {
             m.insert("generation".into(), g.into());

@@ -269,12 +269,7 @@ impl LegacyMapping {
     /// returns the same address (the driver counts references).
     #[doc(alias = "cuIpcOpenMemHandle")]
     pub fn open(device: &Device, handle: IpcMemHandle, flags: OpenFlags) -> Result<Arc<Self>> {
-        if handle.is_zero() {
-            return Err(Error::InvalidHandle {
-                what: IpcMemHandle::WHAT,
-                reason: "all 64 bytes are zero, which no driver issues".into(),
-            });
-        }
+        crate::handle::refuse_zero(&handle)?;
         if lock_exported().contains(&handle) {
             return Err(Error::SameProcess);
         }

@@ -320,12 +320,7 @@ impl ImportedPool {
         data: PoolPtrHandle,
         size: u64,
     ) -> Result<Arc<PoolMapping>> {
-        if data.is_zero() {
-            return Err(Error::InvalidHandle {
-                what: PoolPtrHandle::WHAT,
-                reason: "all 64 bytes are zero, which no driver issues".into(),
-            });
-        }
+        crate::handle::refuse_zero(&data)?;
         self.device.bind()?;
         tracing::debug!(size, "importing a pool pointer");
         // SAFETY: the pool is live.

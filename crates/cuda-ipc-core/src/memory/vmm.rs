@@ -486,12 +486,7 @@ impl VmmMapping {
         size: u64,
         access: Access,
     ) -> Result<Arc<Self>> {
-        if handle.is_zero() {
-            return Err(Error::InvalidHandle {
-                what: FabricHandle::WHAT,
-                reason: "all 64 bytes are zero, which no driver issues".into(),
-            });
-        }
+        crate::handle::refuse_zero(&handle)?;
         device.bind()?;
         let ordinal = device.ordinal() as i32;
         let gran = vmm::granularity(&vmm::device_prop(

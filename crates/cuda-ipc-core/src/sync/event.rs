@@ -58,12 +58,7 @@ impl IpcEvent {
     /// Opens an event another process exported.
     #[doc(alias = "cuIpcOpenEventHandle")]
     pub fn open(device: &Device, handle: IpcEventHandle) -> Result<Self> {
-        if handle.is_zero() {
-            return Err(crate::Error::InvalidHandle {
-                what: IpcEventHandle::WHAT,
-                reason: "all 64 bytes are zero, which no driver issues".into(),
-            });
-        }
+        crate::handle::refuse_zero(&handle)?;
         device.bind()?;
         let event = ipc::open_event_handle(handle)?;
         let handle_cell = OnceLock::new();

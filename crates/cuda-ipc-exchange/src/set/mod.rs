@@ -678,7 +678,7 @@ impl SetRecord {
         m.insert("chunks".into(), Value::Array(chunks));
         m.insert("entries".into(), entries);
         if let Some(e) = self.event {
-            m.insert("event".into(), e.to_hex().into());
+            m.insert("event".into(), e.to_string().into());
         }
         if self.read_only {
             m.insert("read_only".into(), true.into());

@@ -5,7 +5,7 @@ use serde_json::{Map, Value};
 use crate::descriptor::{Descriptor, Dtype, Source};
 use crate::device::DeviceUuid;
 use crate::error::{Error, Result};
-use crate::handle::IpcEventHandle;
+use crate::handle::{Handle, IpcEventHandle};
 use crate::json::{Fields, kind_of};
 
 use super::{
@@ -305,7 +305,7 @@ impl ShareRecord {
             m.insert("ref_counter_offset".into(), o.into());
         }
         if let Some(e) = self.event_handle {
-            m.insert("event_handle".into(), e.to_hex().into());
+            m.insert("event_handle".into(), e.to_string().into());
         }
         m.insert(
             "event_sync_required".into(),

@@ -204,7 +204,7 @@ fn bad_descriptors_of_fd_mechanisms_are_errors() {
                         Source::Pool { fd, .. } => fd,
                         _ => unreachable!(),
                     },
-                    ptr: PoolPtrHandle::new(random),
+                    ptr: PoolPtrHandle::from(random),
                 };
                 d
             },
