@@ -79,6 +79,8 @@ macro_rules! handle_type {
             }
         }
 
+        crate::json::read::field_from_str!($name);
+
         impl From<[u8; HANDLE_LEN]> for $name {
             fn from(bytes: [u8; HANDLE_LEN]) -> Self {
                 Self(bytes)
