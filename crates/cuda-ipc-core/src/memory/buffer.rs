@@ -197,7 +197,11 @@ pub trait Mapping: sealed::Sealed + Send + Sync + fmt::Debug {
     /// else can be mapped there), after the work queued through it has
     /// finished; [`wake`](Mapping::wake) maps it again at the same
     /// addresses. Only VMM and fabric mappings can sleep: the others are
-    /// [`Error::Unsupported`]. See [`VmmMapping::sleep`](crate::memory::vmm::VmmMapping::sleep).
+    /// [`Error::Unsupported`]. A VMM mapping first waits for every stream
+    /// its views used and every stream of the device's context (so the
+    /// call blocks until that work is done); sleeping a sleeping mapping
+    /// does nothing; if an unmap fails, what was unmapped is mapped again
+    /// and the mapping stays awake.
     /// A subscriber's mappings sleep safely through
     /// the exchange's `Subscriber::sleep`, which
     /// first checks that no view of them is alive.

@@ -31,12 +31,12 @@ use crate::error::{Error, Result};
 use crate::handle::IpcMemHandle;
 use crate::mechanism::Mechanism;
 use crate::memory::buffer::sealed::Sealed;
-use crate::memory::buffer::{MappedBuffer, Mapping, UsedStreams};
+use crate::memory::buffer::{Mapping, UsedStreams};
 use crate::memory::owned::{Owned, owned_buffer};
 use crate::units::{MIB, round_up};
 
 /// Our allocations are rounded up to this, NVIDIA's advice for IPC.
-pub const ALLOCATION_GRANULE: u64 = 2 * MIB;
+pub(crate) const ALLOCATION_GRANULE: u64 = 2 * MIB;
 
 /// Flags for opening a legacy handle (`CUipcMem_flags`).
 ///
@@ -227,8 +227,6 @@ owned_buffer! {
     /// [`switch_stream`](crate::memory::switch_stream) for the order kept
     /// and the errors.
     with_stream;
-    /// The requested length in bytes.
-    byte_len;
 }
 
 impl Drop for LegacyBuffer {
@@ -358,14 +356,4 @@ impl Drop for LegacyMapping {
             },
         );
     }
-}
-
-/// Opens a legacy export as a typed buffer of `T` over exactly the exported bytes.
-pub fn open<T: bytemuck::Pod>(
-    device: &Device,
-    export: &LegacyExport,
-    flags: OpenFlags,
-) -> Result<MappedBuffer<T>> {
-    let mapping = LegacyMapping::open(device, export.handle, flags)?;
-    MappedBuffer::from_bytes(mapping, export.offset, export.len)
 }

@@ -229,8 +229,6 @@ owned_buffer! {
     /// [`switch_stream`](crate::memory::switch_stream) for the order kept
     /// and the errors.
     with_stream;
-    /// The length in bytes.
-    byte_len;
 }
 
 impl Drop for PoolBuffer {

@@ -142,7 +142,7 @@ fn bad_opener() {
         } else {
             Vec::new()
         };
-        let answer = match share::open_mapping(&device, &d, fds) {
+        let answer = match share::open_mapping(&device, &d, fds, cuda_ipc::Access::ReadWrite) {
             Ok(m) => json!({ "opened": m.size() }),
             Err(e) => json!({ "error": e.to_string() }),
         };
