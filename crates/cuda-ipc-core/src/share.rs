@@ -169,9 +169,11 @@ impl SharedBuffer {
         self.generation
     }
 
-    /// Uses `stream` for this buffer's copies and kernels; see
-    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
-    /// and the errors.
+    /// Uses `stream` for this buffer's copies and kernels; work queued
+    /// before the switch stays ordered before work queued after it (the
+    /// new stream waits on an event). An [`Error::InvalidArgument`]
+    /// when `stream` belongs to another context than the device's primary
+    /// one, where the memory lives.
     pub fn with_stream(self, stream: Arc<CudaStream>) -> Result<Self> {
         let allocation = match self.allocation {
             Allocation::Legacy(b) => Allocation::Legacy(b.with_stream(stream)?),

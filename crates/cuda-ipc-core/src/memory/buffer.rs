@@ -372,10 +372,12 @@ impl<T: Pod> MappedBuffer<T> {
         &self.mapping
     }
 
-    /// Uses `stream` for this view's copies and kernels; see
-    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
-    /// and the errors. The mapping (and the lease) wait for `stream` too
-    /// before they go.
+    /// Uses `stream` for this view's copies and kernels; work queued
+    /// before the switch stays ordered before work queued after it (the
+    /// new stream waits on an event). An [`Error::InvalidArgument`]
+    /// when `stream` belongs to another context than the device's primary
+    /// one, where the memory lives. The mapping (and the lease) wait for
+    /// `stream` too before they go.
     pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
         let current = self.mapping.used_streams().foreign().order(&self.stream);
         self.stream = crate::memory::switch_stream(self.mapping.device(), current, stream)?;
