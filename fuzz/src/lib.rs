@@ -20,7 +20,9 @@ use cuda_ipc::channel::wire::{
 };
 use cuda_ipc::descriptor::{Descriptor, Dtype, Mechanism};
 use cuda_ipc::device::DeviceUuid;
-use cuda_ipc::handle::{FabricHandle, HANDLE_LEN, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
+use cuda_ipc::handle::{
+    FabricHandle, HANDLE_LEN, Handle, IpcEventHandle, IpcMemHandle, PoolPtrHandle,
+};
 use cuda_ipc::torch::{ShareRecord, StorageHandle};
 use cuda_ipc::units::{ByteSize, parse_u32};
 
@@ -155,7 +157,6 @@ macro_rules! check_handle {
                     assert_eq!(text.len(), 2 * HANDLE_LEN);
                     let shown = h.to_string();
                     assert_eq!(shown, text.to_ascii_lowercase(), "Display is not the hex");
-                    assert_eq!(h.to_hex(), shown);
                     assert_eq!(shown.parse::<$t>().ok(), Some(h));
                     // serde reads the same hex string.
                     let quoted = serde_json::to_string(text).expect("a string serializes");

@@ -78,8 +78,8 @@ fn legacy_floor_hands_a_buffer_over() {
     consumer(
         "legacy_floor_hands_a_buffer_over",
         &[
-            ("EVENT", event.handle().unwrap().to_hex()),
-            ("HANDLE", handle.to_hex()),
+            ("EVENT", event.handle().unwrap().to_string()),
+            ("HANDLE", handle.to_string()),
         ],
     );
 }
@@ -141,7 +141,7 @@ fn vmm_floor_hands_a_buffer_over() {
     consumer(
         "vmm_floor_hands_a_buffer_over",
         &[
-            ("EVENT", event.handle().unwrap().to_hex()),
+            ("EVENT", event.handle().unwrap().to_string()),
             ("SOCKET", path.display().to_string()),
             ("SIZE", buffer.alloc_size().to_string()),
         ],

@@ -84,6 +84,8 @@ pub enum Dtype {
     C128,
 }
 
+crate::json::read::field_from_str!(Dtype);
+
 impl Dtype {
     /// The PyTorch name of this element type (`torch.float32` is `"float32"`).
     pub fn torch_name(self) -> &'static str {
@@ -329,12 +331,12 @@ fn descriptor_err(field: &str, reason: String) -> Error {
 }
 
 fn fd_field(f: &Fields<'_>) -> Result<i32> {
-    let n = f.u64("fd")?;
+    let n = f.req::<u64>("fd")?;
     i32::try_from(n).map_err(|_| field_err("fd", format!("{n} is not a file descriptor number")))
 }
 
 fn forbid(f: &Fields<'_>, key: &str, mechanism: Mechanism) -> Result<()> {
-    match f.get(key) {
+    match f.opt::<&Value>(key)? {
         Some(_) => Err(field_err(
             key,
             format!("does not belong to a {mechanism} descriptor"),
@@ -429,7 +431,7 @@ impl Descriptor {
                 format!("unknown field (this reader knows format {FORMAT_VERSION})"),
             ));
         }
-        let version = f.u64(VERSION_KEY)?;
+        let version = f.req::<u64>(VERSION_KEY)?;
         if version != FORMAT_VERSION {
             return Err(field_err(
                 VERSION_KEY,
@@ -438,18 +440,18 @@ impl Descriptor {
                 ),
             ));
         }
-        let mechanism: Mechanism = f.parsed("mechanism")?;
+        let mechanism: Mechanism = f.req("mechanism")?;
         let source = match mechanism {
             Mechanism::Legacy => {
                 forbid(&f, "fd", mechanism)?;
                 Source::Legacy {
-                    handle: f.parsed("handle")?,
+                    handle: f.req("handle")?,
                 }
             }
             Mechanism::Fabric => {
                 forbid(&f, "fd", mechanism)?;
                 Source::Fabric {
-                    handle: f.parsed("handle")?,
+                    handle: f.req("handle")?,
                 }
             }
             Mechanism::Vmm => {
@@ -458,35 +460,34 @@ impl Descriptor {
             }
             Mechanism::Pool => Source::Pool {
                 fd: fd_field(&f)?,
-                ptr: f.parsed("handle")?,
+                ptr: f.req("handle")?,
             },
         };
-        let dtype: Dtype = f.parsed("dtype")?;
-        if let Some(v) = f.get("elem_size") {
-            let n = f.u64_of("elem_size", v)?;
-            if n != dtype.size() {
-                return Err(field_err(
-                    "elem_size",
-                    format!("{n} does not match dtype {dtype} ({} bytes)", dtype.size()),
-                ));
-            }
+        let dtype: Dtype = f.req("dtype")?;
+        if let Some(n) = f.opt::<u64>("elem_size")?
+            && n != dtype.size()
+        {
+            return Err(field_err(
+                "elem_size",
+                format!("{n} does not match dtype {dtype} ({} bytes)", dtype.size()),
+            ));
         }
-        let pid = f.u64("pid")?;
+        let pid = f.req::<u64>("pid")?;
         let pid = u32::try_from(pid)
             .ok()
             .filter(|p| *p > 0)
             .ok_or_else(|| field_err("pid", format!("{pid} is not a process id")))?;
-        let event = f.opt_parsed("event")?;
-        let generation = f.opt_u64("generation")?;
+        let event = f.opt("event")?;
+        let generation = f.opt::<u64>("generation")?;
         let d = Descriptor {
             source,
-            alloc_size: f.u64("alloc_size")?,
-            offset: f.u64("offset")?,
-            byte_len: f.u64("len")?,
+            alloc_size: f.req::<u64>("alloc_size")?,
+            offset: f.req::<u64>("offset")?,
+            byte_len: f.req::<u64>("len")?,
             dtype,
-            shape: f.opt_u64_list("shape")?,
-            strides: f.opt_u64_list("strides")?,
-            device_uuid: f.parsed("device_uuid")?,
+            shape: f.opt::<Vec<u64>>("shape")?,
+            strides: f.opt::<Vec<u64>>("strides")?,
+            device_uuid: f.req("device_uuid")?,
             pid,
             event,
             generation,
@@ -613,17 +614,17 @@ impl Descriptor {
         m.insert("mechanism".into(), self.mechanism().name().into());
         match self.source {
             Source::Legacy { handle } => {
-                m.insert("handle".into(), handle.to_hex().into());
+                m.insert("handle".into(), handle.to_string().into());
             }
             Source::Fabric { handle } => {
-                m.insert("handle".into(), handle.to_hex().into());
+                m.insert("handle".into(), handle.to_string().into());
             }
             Source::Vmm { fd } => {
                 m.insert("fd".into(), fd.into());
             }
             Source::Pool { fd, ptr } => {
                 m.insert("fd".into(), fd.into());
-                m.insert("handle".into(), ptr.to_hex().into());
+                m.insert("handle".into(), ptr.to_string().into());
             }
         }
         m.insert("alloc_size".into(), self.alloc_size.into());
@@ -640,7 +641,7 @@ impl Descriptor {
         m.insert("device_uuid".into(), self.device_uuid.to_string().into());
         m.insert("pid".into(), self.pid.into());
         if let Some(e) = self.event {
-            m.insert("event".into(), e.to_hex().into());
+            m.insert("event".into(), e.to_string().into());
         }
         if let Some(g) = self.generation {
             m.insert("generation".into(), g.into());

@@ -222,6 +222,8 @@ impl Device {
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DeviceUuid(pub [u8; 16]);
 
+crate::json::read::field_from_str!(DeviceUuid);
+
 impl fmt::Display for DeviceUuid {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let b = &self.0;

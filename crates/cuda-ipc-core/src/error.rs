@@ -321,7 +321,8 @@ impl Error {
     }
 
     /// [`Error::OutOfBounds`] unless `len` bytes at `offset` lie inside
-    /// `size` bytes (the one range check of the crate: see [`in_bounds`]).
+    /// `size` bytes (an offset and length whose sum overflows do not): the
+    /// one range check of the crates.
     #[doc(hidden)]
     pub fn check_range(offset: u64, len: u64, size: u64) -> Result<()> {
         if in_bounds(offset, len, size) {
@@ -334,8 +335,7 @@ impl Error {
 
 /// Whether `len` bytes starting at `offset` end inside `size` bytes (an
 /// offset and length whose sum overflows do not).
-#[doc(hidden)]
-pub fn in_bounds(offset: u64, len: u64, size: u64) -> bool {
+pub(crate) fn in_bounds(offset: u64, len: u64, size: u64) -> bool {
     offset.checked_add(len).is_some_and(|end| end <= size)
 }
 
@@ -471,8 +471,7 @@ pub fn from_cudarc(call: &'static str, err: cudarc::driver::DriverError) -> Erro
 }
 
 /// Builds an [`Error::Driver`] from a raw result.
-#[doc(hidden)]
-pub fn driver_error(call: &'static str, result: cudarc::driver::sys::CUresult) -> Error {
+pub(crate) fn driver_error(call: &'static str, result: cudarc::driver::sys::CUresult) -> Error {
     Error::Driver {
         call,
         code: result as i32,

@@ -3,7 +3,8 @@
 //!
 //! Each is plain data: `Copy`, comparable, hashable, printed and parsed as
 //! 128 lowercase hex digits, and serialised by serde as that hex string.
-//! Every way in (`from_bytes`, `FromStr`, serde) checks the length exactly.
+//! Every way in ([`Handle::from_bytes`], `FromStr`, serde) checks the
+//! length exactly; [`Handle`] has what the four share.
 //!
 //! A legacy [`IpcMemHandle`] (and a [`FabricHandle`]) is a *bearer token*:
 //! anyone who learns its 64 bytes can map the memory. Prefer the file
@@ -17,45 +18,68 @@ use crate::error::{Error, Result};
 /// Length in bytes of every handle type in this module.
 pub const HANDLE_LEN: usize = 64;
 
+/// What the four handle types share: each wraps exactly [`HANDLE_LEN`]
+/// bytes (made from an array with `From<[u8; 64]>`, printed as hex with
+/// `Display`, parsed with `FromStr`). Sealed: the library's four types are
+/// the only handles.
+pub trait Handle:
+    sealed::Sealed + Copy + From<[u8; HANDLE_LEN]> + fmt::Display + FromStr<Err = Error>
+{
+    /// The 64 bytes.
+    fn as_bytes(&self) -> &[u8; HANDLE_LEN];
+
+    /// Checks that `bytes` is exactly 64 bytes long and wraps a copy.
+    fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let array: [u8; HANDLE_LEN] = bytes.try_into().map_err(|_| Error::InvalidHandle {
+            what: Self::WHAT,
+            reason: format!("expected {HANDLE_LEN} bytes, got {}", bytes.len()),
+        })?;
+        Ok(Self::from(array))
+    }
+
+    /// Whether every byte is zero: no driver ever issues such a handle.
+    fn is_zero(&self) -> bool {
+        self.as_bytes().iter().all(|b| *b == 0)
+    }
+}
+
+/// Refuses a handle whose 64 bytes are all zero (no driver issues one),
+/// before it reaches the driver.
+pub(crate) fn refuse_zero<H: Handle>(handle: &H) -> Result<()> {
+    if handle.is_zero() {
+        return Err(Error::InvalidHandle {
+            what: H::WHAT,
+            reason: "all 64 bytes are zero, which no driver issues".into(),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) mod sealed {
+    /// What only this crate's handles have: their name in error messages.
+    pub trait Sealed {
+        /// What this handle is, in words, for error messages.
+        const WHAT: &'static str;
+    }
+}
+
 macro_rules! handle_type {
     ($(#[$meta:meta])* $name:ident, $what:literal) => {
         $(#[$meta])*
         #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub struct $name([u8; HANDLE_LEN]);
 
-        impl $name {
-            /// What this handle is, in words, for error messages.
-            pub const WHAT: &'static str = $what;
+        impl sealed::Sealed for $name {
+            const WHAT: &'static str = $what;
+        }
 
-            /// Wraps exactly 64 bytes.
-            pub const fn new(bytes: [u8; HANDLE_LEN]) -> Self {
-                Self(bytes)
-            }
-
-            /// Checks that `bytes` is exactly 64 bytes long and wraps a copy.
-            pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-                let array: [u8; HANDLE_LEN] = bytes.try_into().map_err(|_| Error::InvalidHandle {
-                    what: $what,
-                    reason: format!("expected {HANDLE_LEN} bytes, got {}", bytes.len()),
-                })?;
-                Ok(Self(array))
-            }
-
-            /// The 64 bytes.
-            pub const fn as_bytes(&self) -> &[u8; HANDLE_LEN] {
+        impl Handle for $name {
+            fn as_bytes(&self) -> &[u8; HANDLE_LEN] {
                 &self.0
             }
-
-            /// Whether every byte is zero: no driver ever issues such a handle.
-            pub fn is_zero(&self) -> bool {
-                self.0.iter().all(|b| *b == 0)
-            }
-
-            /// The handle as 128 lowercase hex digits.
-            pub fn to_hex(&self) -> String {
-                hex::encode(self.0)
-            }
         }
+
+        crate::json::read::field_from_str!($name);
 
         impl From<[u8; HANDLE_LEN]> for $name {
             fn from(bytes: [u8; HANDLE_LEN]) -> Self {
@@ -88,7 +112,7 @@ macro_rules! handle_type {
 
         impl serde::Serialize for $name {
             fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-                s.serialize_str(&self.to_hex())
+                s.serialize_str(&self.to_string())
             }
         }
 

@@ -110,25 +110,22 @@ impl<'de> Visitor<'de> for StrictVisitor {
 }
 
 /// The fields of one JSON object, with the decoder's way of building an
-/// error for a field (`field`, `reason`).
+/// error for a field (`field`, `reason`). [`Fields::req`] and
+/// [`Fields::opt`] read a field as any [`Field`] type.
 pub struct Fields<'a> {
     map: &'a Map<String, Value>,
     err: fn(&str, String) -> Error,
 }
 
 impl<'a> Fields<'a> {
+    /// The fields of `map`; `err` builds the error about a field.
     pub fn new(map: &'a Map<String, Value>, err: fn(&str, String) -> Error) -> Self {
         Fields { map, err }
     }
 
     /// An error about `key`.
-    pub fn err(&self, key: &str, reason: impl Into<String>) -> Error {
+    fn err(&self, key: &str, reason: impl Into<String>) -> Error {
         (self.err)(key, reason.into())
-    }
-
-    /// The field, treating `null` as absent.
-    pub fn get(&self, key: &str) -> Option<&'a Value> {
-        self.map.get(key).filter(|v| !v.is_null())
     }
 
     /// The first key that is not in `known`.
@@ -139,159 +136,194 @@ impl<'a> Fields<'a> {
             .find(|k| !known.contains(k))
     }
 
-    pub fn required(&self, key: &str) -> Result<&'a Value> {
-        self.get(key).ok_or_else(|| self.err(key, "missing"))
-    }
-
-    /// `v`, the value of `key`, as a non-negative whole number.
-    pub fn u64_of(&self, key: &str, v: &Value) -> Result<u64> {
-        v.as_u64().ok_or_else(|| match v {
-            // serde_json reads a whole number past u64 (2^64 and up) as a float.
-            Value::Number(n)
-                if n.as_f64()
-                    .is_some_and(|f| f >= 18_446_744_073_709_551_616.0) =>
-            {
-                self.err(
-                    key,
-                    format!("{n} is too large (the largest accepted is {})", u64::MAX),
-                )
-            }
-            Value::Number(n) if n.as_f64().is_some_and(|f| f < 0.0) => {
-                self.err(key, format!("{n} is negative"))
-            }
-            Value::Number(n) => self.err(key, format!("{n} is not a whole number")),
-            other => self.err(
-                key,
-                format!(
-                    "expected a non-negative whole number, found {}",
-                    kind_of(other)
-                ),
-            ),
-        })
-    }
-
-    pub fn u64(&self, key: &str) -> Result<u64> {
-        self.u64_of(key, self.required(key)?)
-    }
-
-    pub fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
-        self.get(key).map(|v| self.u64_of(key, v)).transpose()
-    }
-
-    pub fn u32(&self, key: &str) -> Result<u32> {
-        let n = self.u64(key)?;
-        u32::try_from(n).map_err(|_| self.err(key, format!("{n} is too large")))
-    }
-
-    pub fn bool(&self, key: &str, default: bool) -> Result<bool> {
-        match self.get(key) {
-            None => Ok(default),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(other) => Err(self.err(
-                key,
-                format!("expected true or false, found {}", kind_of(other)),
-            )),
+    /// The field `key` as a `T`; missing (or `null`) is an error.
+    pub fn req<T: Field<'a>>(&self, key: &str) -> Result<T> {
+        match self.opt(key)? {
+            Some(v) => Ok(v),
+            None => Err(self.err(key, "missing")),
         }
     }
 
-    pub fn str(&self, key: &str) -> Result<&'a str> {
-        let v = self.required(key)?;
-        v.as_str()
-            .ok_or_else(|| self.err(key, format!("expected a string, found {}", kind_of(v))))
-    }
-
-    /// A string field parsed with `FromStr`, the parser's error as the reason.
-    pub fn parsed<T: FromStr<Err = Error>>(&self, key: &str) -> Result<T> {
-        let text = self.str(key)?;
-        text.parse().map_err(|e: Error| {
-            // The parsers quote what they were given; quote a long value cut short.
-            let reason = e
-                .to_string()
-                .replace(&format!("{text:?}"), &crate::units::shorten(text, 40));
-            self.err(key, reason)
-        })
-    }
-
-    /// As [`Fields::parsed`], absent allowed.
-    pub fn opt_parsed<T: FromStr<Err = Error>>(&self, key: &str) -> Result<Option<T>> {
-        match self.get(key) {
-            Some(_) => self.parsed(key).map(Some),
+    /// The field `key` as a `T`, or `None` when it is missing or `null`.
+    pub fn opt<T: Field<'a>>(&self, key: &str) -> Result<Option<T>> {
+        match self.map.get(key).filter(|v| !v.is_null()) {
+            Some(v) => T::read(self, key, v).map(Some),
             None => Ok(None),
         }
     }
+}
 
-    fn hex_of(&self, key: &str, v: &Value) -> Result<Vec<u8>> {
-        let s = v
-            .as_str()
-            .ok_or_else(|| self.err(key, format!("expected a hex string, found {}", kind_of(v))))?;
-        if let Some((i, c)) = s.char_indices().find(|(_, c)| !c.is_ascii_hexdigit()) {
-            return Err(self.err(
-                key,
-                format!("character {c:?} at position {i} is not a hex digit"),
-            ));
+/// A type [`Fields::req`] and [`Fields::opt`] read a field as: the raw
+/// `&Value`, `bool`, `u64`, `u32`, `&str`, `Vec<u64>` and `Vec<i64>`
+/// (arrays of whole numbers), `Vec<u8>` (a string of hex digits), and this
+/// crate's types that parse from a string (the handles, [`DeviceUuid`],
+/// [`Dtype`], [`Mechanism`]), with the parser's error as the reason.
+///
+/// [`DeviceUuid`]: crate::device::DeviceUuid
+/// [`Dtype`]: crate::descriptor::Dtype
+/// [`Mechanism`]: crate::descriptor::Mechanism
+pub trait Field<'a>: Sized + read::Read<'a> {}
+
+impl<'a, T: read::Read<'a>> Field<'a> for T {}
+
+pub(crate) mod read {
+    use super::{Error, Fields, FromStr, Result, Value, kind_of};
+
+    /// How a field is read: `v` is the value of `key`, never `null`.
+    pub trait Read<'a>: Sized {
+        fn read(f: &Fields<'a>, key: &str, v: &'a Value) -> Result<Self>;
+    }
+
+    impl<'a> Read<'a> for &'a Value {
+        fn read(_: &Fields<'a>, _: &str, v: &'a Value) -> Result<Self> {
+            Ok(v)
         }
-        if !s.len().is_multiple_of(2) {
-            return Err(self.err(
-                key,
-                format!("{} hex digits is not a whole number of bytes", s.len()),
-            ));
+    }
+
+    impl<'a> Read<'a> for bool {
+        fn read(f: &Fields<'a>, key: &str, v: &'a Value) -> Result<Self> {
+            v.as_bool()
+                .ok_or_else(|| f.err(key, format!("expected true or false, found {}", kind_of(v))))
         }
-        hex::decode(s).map_err(|e| self.err(key, e.to_string()))
     }
 
-    pub fn hex(&self, key: &str) -> Result<Vec<u8>> {
-        self.hex_of(key, self.required(key)?)
+    impl<'a> Read<'a> for u64 {
+        fn read(f: &Fields<'a>, key: &str, v: &'a Value) -> Result<Self> {
+            v.as_u64().ok_or_else(|| match v {
+                // serde_json reads a whole number past u64 (2^64 and up) as a float.
+                Value::Number(n)
+                    if n.as_f64()
+                        .is_some_and(|x| x >= 18_446_744_073_709_551_616.0) =>
+                {
+                    f.err(
+                        key,
+                        format!("{n} is too large (the largest accepted is {})", u64::MAX),
+                    )
+                }
+                Value::Number(n) if n.as_f64().is_some_and(|x| x < 0.0) => {
+                    f.err(key, format!("{n} is negative"))
+                }
+                Value::Number(n) => f.err(key, format!("{n} is not a whole number")),
+                other => f.err(
+                    key,
+                    format!(
+                        "expected a non-negative whole number, found {}",
+                        kind_of(other)
+                    ),
+                ),
+            })
+        }
     }
 
-    pub fn opt_hex(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        self.get(key).map(|v| self.hex_of(key, v)).transpose()
+    impl<'a> Read<'a> for u32 {
+        fn read(f: &Fields<'a>, key: &str, v: &'a Value) -> Result<Self> {
+            let n = u64::read(f, key, v)?;
+            u32::try_from(n).map_err(|_| f.err(key, format!("{n} is too large")))
+        }
     }
 
-    fn array_of(&self, key: &str, v: &'a Value) -> Result<&'a Vec<Value>> {
+    impl<'a> Read<'a> for &'a str {
+        fn read(f: &Fields<'a>, key: &str, v: &'a Value) -> Result<Self> {
+            v.as_str()
+                .ok_or_else(|| f.err(key, format!("expected a string, found {}", kind_of(v))))
+        }
+    }
+
+    /// A string of hex digits, as bytes.
+    impl<'a> Read<'a> for Vec<u8> {
+        fn read(f: &Fields<'a>, key: &str, v: &'a Value) -> Result<Self> {
+            let s = v.as_str().ok_or_else(|| {
+                f.err(key, format!("expected a hex string, found {}", kind_of(v)))
+            })?;
+            if let Some((i, c)) = s.char_indices().find(|(_, c)| !c.is_ascii_hexdigit()) {
+                return Err(f.err(
+                    key,
+                    format!("character {c:?} at position {i} is not a hex digit"),
+                ));
+            }
+            if !s.len().is_multiple_of(2) {
+                return Err(f.err(
+                    key,
+                    format!("{} hex digits is not a whole number of bytes", s.len()),
+                ));
+            }
+            hex::decode(s).map_err(|e| f.err(key, e.to_string()))
+        }
+    }
+
+    fn array_of<'a>(f: &Fields<'a>, key: &str, v: &'a Value) -> Result<&'a Vec<Value>> {
         v.as_array().ok_or_else(|| {
-            self.err(
+            f.err(
                 key,
                 format!("expected an array of whole numbers, found {}", kind_of(v)),
             )
         })
     }
 
-    pub fn u64_list(&self, key: &str) -> Result<Vec<u64>> {
-        let items = self.array_of(key, self.required(key)?)?;
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| self.u64_of(&format!("{key}[{i}]"), item))
-            .collect()
-    }
-
-    pub fn opt_u64_list(&self, key: &str) -> Result<Option<Vec<u64>>> {
-        match self.get(key) {
-            Some(_) => self.u64_list(key).map(Some),
-            None => Ok(None),
+    impl<'a> Read<'a> for Vec<u64> {
+        fn read(f: &Fields<'a>, key: &str, v: &'a Value) -> Result<Self> {
+            array_of(f, key, v)?
+                .iter()
+                .enumerate()
+                .map(|(i, item)| u64::read(f, &format!("{key}[{i}]"), item))
+                .collect()
         }
     }
 
-    pub fn i64_list(&self, key: &str) -> Result<Vec<i64>> {
-        let items = self.array_of(key, self.required(key)?)?;
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| {
-                let k = format!("{key}[{i}]");
-                item.as_i64().ok_or_else(|| match item {
-                    Value::Number(n) if n.is_f64() => {
-                        self.err(&k, format!("{n} is not a whole number"))
-                    }
-                    Value::Number(n) => self.err(&k, format!("{n} is too large")),
-                    other => self.err(
-                        &k,
-                        format!("expected a whole number, found {}", kind_of(other)),
-                    ),
+    impl<'a> Read<'a> for Vec<i64> {
+        fn read(f: &Fields<'a>, key: &str, v: &'a Value) -> Result<Self> {
+            array_of(f, key, v)?
+                .iter()
+                .enumerate()
+                .map(|(i, item)| {
+                    let k = format!("{key}[{i}]");
+                    item.as_i64().ok_or_else(|| match item {
+                        Value::Number(n) if n.is_f64() => {
+                            f.err(&k, format!("{n} is not a whole number"))
+                        }
+                        Value::Number(n) => f.err(&k, format!("{n} is too large")),
+                        other => f.err(
+                            &k,
+                            format!("expected a whole number, found {}", kind_of(other)),
+                        ),
+                    })
                 })
-            })
-            .collect()
+                .collect()
+        }
     }
+
+    /// A string field parsed with `FromStr`, the parser's error as the reason.
+    pub(crate) fn parsed<'a, T: FromStr<Err = Error>>(
+        f: &Fields<'a>,
+        key: &str,
+        v: &'a Value,
+    ) -> Result<T> {
+        let text = <&str>::read(f, key, v)?;
+        text.parse().map_err(|e: Error| {
+            // The parsers quote what they were given; quote a long value cut short.
+            let reason = e
+                .to_string()
+                .replace(&format!("{text:?}"), &crate::units::shorten(text, 40));
+            f.err(key, reason)
+        })
+    }
+
+    /// Makes a type that parses from a string (`FromStr` with this
+    /// crate's error) a [`Field`](super::Field), where the type is defined.
+    macro_rules! field_from_str {
+        ($($ty:ty),*) => {$(
+            impl<'a> $crate::json::read::Read<'a> for $ty {
+                fn read(
+                    f: &$crate::json::Fields<'a>,
+                    key: &str,
+                    v: &'a serde_json::Value,
+                ) -> $crate::error::Result<Self> {
+                    $crate::json::read::parsed(f, key, v)
+                }
+            }
+        )*};
+    }
+    pub(crate) use field_from_str;
 }
 
 /// Implements `FromStr`, `Display`, `Serialize` and `Deserialize` for a

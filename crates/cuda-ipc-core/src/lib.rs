@@ -89,7 +89,7 @@ pub use cudarc;
 pub use descriptor::{Descriptor, Dtype, Mechanism};
 pub use device::Device;
 pub use error::{Error, ErrorKind, Result};
-pub use handle::{FabricHandle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
+pub use handle::{FabricHandle, Handle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
 pub use legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 pub use mechanism::Access;
 pub use memory::DeviceMemory;

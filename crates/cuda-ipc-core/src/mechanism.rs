@@ -25,6 +25,8 @@ pub enum Mechanism {
     Fabric,
 }
 
+crate::json::read::field_from_str!(Mechanism);
+
 impl Mechanism {
     /// Every mechanism, in the order `auto` prefers them.
     pub const ALL: [Mechanism; 4] = [

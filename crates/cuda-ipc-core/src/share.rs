@@ -180,19 +180,11 @@ impl SharedBuffer {
         self.generation
     }
 
-    /// The requested length in bytes.
-    pub fn byte_len(&self) -> usize {
-        DeviceMemory::byte_len(self)
-    }
-
-    /// Always false: empty buffers are refused at allocation.
-    pub fn is_empty(&self) -> bool {
-        self.byte_len() == 0
-    }
-
-    /// Uses `stream` for this buffer's copies and kernels; see
-    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
-    /// and the errors.
+    /// Uses `stream` for this buffer's copies and kernels; work queued
+    /// before the switch stays ordered before work queued after it (the
+    /// new stream waits on an event). An [`Error::InvalidArgument`]
+    /// when `stream` belongs to another context than the device's primary
+    /// one, where the memory lives.
     pub fn with_stream(self, stream: Arc<CudaStream>) -> Result<Self> {
         let allocation = match self.allocation {
             Allocation::Legacy(b) => Allocation::Legacy(b.with_stream(stream)?),
@@ -526,15 +518,7 @@ pub fn device_for(descriptor: &Descriptor) -> Result<Device> {
 /// Maps the whole allocation a descriptor names. `fds` are the descriptors
 /// that travelled with it (over the channel); when empty for an fd
 /// mechanism, they are fetched from the exporter with `pidfd_getfd`.
-pub fn open_mapping(
-    device: &Device,
-    descriptor: &Descriptor,
-    fds: Vec<OwnedFd>,
-) -> Result<Arc<dyn Mapping>> {
-    open_mapping_with(device, descriptor, fds, Access::ReadWrite)
-}
-
-/// As [`open_mapping`], with `access`: [`Access::ReadOnly`] maps VMM
+/// `access` is [`Access::ReadWrite`], or [`Access::ReadOnly`], which maps VMM
 /// memory (the vmm and fabric mechanisms) with
 /// `CU_MEM_ACCESS_FLAGS_PROT_READ`, so that writes through the mapping fail
 /// ([`Mapping::read_only`] says so).
@@ -543,7 +527,7 @@ pub fn open_mapping(
 /// [`Error::Unsupported`] for a read-only mapping of legacy or pool memory
 /// (see [`Mechanism::check_access`]), before anything is opened.
 #[tracing::instrument(level = "debug", skip_all, fields(mechanism = %descriptor.mechanism(), pid = descriptor.pid, len = descriptor.byte_len, %access))]
-pub fn open_mapping_with(
+pub fn open_mapping(
     device: &Device,
     descriptor: &Descriptor,
     fds: Vec<OwnedFd>,
@@ -580,7 +564,7 @@ pub fn open_mapping_with(
             )?
         }
         Source::Fabric { handle } => {
-            VmmMapping::import_fabric_with(device, handle, descriptor.alloc_size, access)?
+            VmmMapping::import_fabric(device, handle, descriptor.alloc_size, access)?
         }
         Source::Pool { fd, ptr } => {
             let pool = ImportedPool::import(device, take_fd(fd)?)?;
@@ -610,7 +594,7 @@ pub fn open<T: Pod>(
             ),
         ));
     }
-    let mapping = open_mapping(device, descriptor, fds)?;
+    let mapping = open_mapping(device, descriptor, fds, Access::ReadWrite)?;
     let buffer = MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.byte_len)?;
     if let Some(handle) = descriptor.event {
         let event = IpcEvent::open(device, handle)?;

@@ -107,14 +107,6 @@ impl fmt::Display for ByteSize {
     }
 }
 
-impl ByteSize {
-    /// The size as `usize`, or an error on a 32-bit target where it does not fit.
-    pub fn as_usize(self) -> Result<usize> {
-        usize::try_from(self.0)
-            .map_err(|_| Error::arg("size", format!("{} does not fit in usize", self.0)))
-    }
-}
-
 /// A length of time, parsed from and printed with units: `10s`, `500ms`,
 /// `1m`, `1.5s`, `250us`, `2h`. A number without a unit counts seconds.
 ///

@@ -183,7 +183,7 @@ pub(crate) fn parse_storage_handle<'py>(
         StorageHandle::CudaMalloc { version, handle } => {
             out.set_item("type", "c")?;
             out.set_item("version", version)?;
-            out.set_item("handle", PyBytes::new(py, &raw(&handle.to_hex())))?;
+            out.set_item("handle", PyBytes::new(py, &raw(&handle.to_string())))?;
         }
         StorageHandle::Expandable { version, segment } => {
             out.set_item("type", "e")?;
@@ -201,7 +201,7 @@ pub(crate) fn parse_storage_handle<'py>(
                 SegmentHandles::Fabric(hs) => {
                     out.set_item("kind", "fabric")?;
                     for h in hs {
-                        handles.append(PyBytes::new(py, &raw(&h.to_hex())))?;
+                        handles.append(PyBytes::new(py, &raw(&h.to_string())))?;
                     }
                 }
                 other => {

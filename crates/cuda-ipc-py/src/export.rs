@@ -8,7 +8,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 
 use cuda_ipc::descriptor::Dtype;
-use cuda_ipc::{Error, Result};
+use cuda_ipc::{Error, Handle, Result};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 

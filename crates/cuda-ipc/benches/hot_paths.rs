@@ -45,17 +45,17 @@ fn descriptor(mechanism: &str) -> Descriptor {
     let source = if mechanism == "pool" {
         Source::Pool {
             fd: 7,
-            ptr: PoolPtrHandle::new(bytes(3)),
+            ptr: PoolPtrHandle::from(bytes(3)),
         }
     } else {
         Source::Legacy {
-            handle: IpcMemHandle::new(bytes(1)),
+            handle: IpcMemHandle::from(bytes(1)),
         }
     };
     Descriptor::new(source, 64 << 20, DeviceUuid([0x5a; 16]), 4242)
         .with_dtype(Dtype::U32)
         .with_shape(vec![16 << 20])
-        .with_event(IpcEventHandle::new(bytes(2)))
+        .with_event(IpcEventHandle::from(bytes(2)))
         .with_generation((0x1092 << 40) | 0x11)
 }
 
@@ -80,13 +80,13 @@ mod handles {
 
     #[divan::bench]
     fn format(bencher: Bencher) {
-        let h = IpcMemHandle::new(bytes(9));
-        bencher.bench_local(|| black_box(&h).to_hex());
+        let h = IpcMemHandle::from(bytes(9));
+        bencher.bench_local(|| black_box(&h).to_string());
     }
 
     #[divan::bench]
     fn parse(bencher: Bencher) {
-        let text = IpcMemHandle::new(bytes(9)).to_hex();
+        let text = IpcMemHandle::from(bytes(9)).to_string();
         bencher.bench_local(|| black_box(&text).parse::<IpcMemHandle>().unwrap());
     }
 }

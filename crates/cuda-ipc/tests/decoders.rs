@@ -236,15 +236,15 @@ fn arb_handle() -> impl Strategy<Value = [u8; HANDLE_LEN]> {
 fn arb_source() -> impl Strategy<Value = Source> {
     prop_oneof![
         arb_handle().prop_map(|h| Source::Legacy {
-            handle: IpcMemHandle::new(h)
+            handle: IpcMemHandle::from(h)
         }),
         (0..=i32::MAX).prop_map(|fd| Source::Vmm { fd }),
         ((0..=i32::MAX), arb_handle()).prop_map(|(fd, h)| Source::Pool {
             fd,
-            ptr: PoolPtrHandle::new(h)
+            ptr: PoolPtrHandle::from(h)
         }),
         arb_handle().prop_map(|h| Source::Fabric {
-            handle: FabricHandle::new(h)
+            handle: FabricHandle::from(h)
         }),
     ]
 }
@@ -281,7 +281,7 @@ fn arb_descriptor() -> impl Strategy<Value = Descriptor> {
                     .with_dtype(dtype);
                 d.shape = shape;
                 d.strides = strides;
-                d.event = event.map(IpcEventHandle::new);
+                d.event = event.map(IpcEventHandle::from);
                 d.generation = generation;
                 d
             },
@@ -387,7 +387,7 @@ proptest! {
     /// A handle's hex with one character changed, added or removed.
     #[test]
     fn near_handles_are_refused(bytes in arb_handle(), at in 0usize..128, c in any::<char>(), op in 0u8..3) {
-        let mut hex: Vec<char> = IpcMemHandle::new(bytes).to_string().chars().collect();
+        let mut hex: Vec<char> = IpcMemHandle::from(bytes).to_string().chars().collect();
         match op {
             0 => hex[at] = c,
             1 => hex.insert(at, c),

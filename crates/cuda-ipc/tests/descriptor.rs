@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use cuda_ipc::descriptor::{FORMAT_VERSION, Source};
 use cuda_ipc::device::DeviceUuid;
-use cuda_ipc::handle::HANDLE_LEN;
+use cuda_ipc::handle::{HANDLE_LEN, Handle};
 use cuda_ipc::{
     Descriptor, Dtype, Error, FabricHandle, IpcEventHandle, IpcMemHandle, Mechanism, PoolPtrHandle,
 };
@@ -19,7 +19,7 @@ fn handle_bytes(seed: u8) -> [u8; HANDLE_LEN] {
 fn legacy() -> Descriptor {
     Descriptor::new(
         Source::Legacy {
-            handle: IpcMemHandle::new(handle_bytes(1)),
+            handle: IpcMemHandle::from(handle_bytes(1)),
         },
         4 << 20,
         DeviceUuid([7; 16]),
@@ -28,7 +28,7 @@ fn legacy() -> Descriptor {
     .with_range(1 << 20, 3 << 20)
     .with_dtype(Dtype::U32)
     .with_shape(vec![3 << 18])
-    .with_event(IpcEventHandle::new(handle_bytes(9)))
+    .with_event(IpcEventHandle::from(handle_bytes(9)))
     .with_generation(77)
 }
 
@@ -68,20 +68,20 @@ fn handles_reject_wrong_lengths_and_non_hex() {
     let e = FabricHandle::from_str("").unwrap_err().to_string();
     assert!(e.contains("fabric handle"), "{e}");
     // Upper case is accepted; output is lower case.
-    let h = IpcMemHandle::new(handle_bytes(200));
+    let h = IpcMemHandle::from(handle_bytes(200));
     assert_eq!(
-        IpcMemHandle::from_str(&h.to_hex().to_uppercase()).unwrap(),
+        IpcMemHandle::from_str(&h.to_string().to_uppercase()).unwrap(),
         h
     );
-    assert_eq!(h.to_string(), h.to_hex());
-    assert!(IpcMemHandle::new([0; 64]).is_zero());
+    assert_eq!(h.to_string(), hex::encode(handle_bytes(200)));
+    assert!(IpcMemHandle::from([0; 64]).is_zero());
 }
 
 #[test]
 fn handles_serialise_as_hex_strings() {
-    let h = IpcMemHandle::new(handle_bytes(5));
+    let h = IpcMemHandle::from(handle_bytes(5));
     let v = serde_json::to_value(h).unwrap();
-    assert_eq!(v, Value::String(h.to_hex()));
+    assert_eq!(v, Value::String(h.to_string()));
     assert_eq!(serde_json::from_value::<IpcMemHandle>(v).unwrap(), h);
     assert!(serde_json::from_value::<IpcMemHandle>(json!(12)).is_err());
     assert!(serde_json::from_value::<IpcMemHandle>(json!("abc")).is_err());
@@ -91,15 +91,15 @@ fn handles_serialise_as_hex_strings() {
 fn every_mechanism_round_trips() {
     let sources = [
         Source::Legacy {
-            handle: IpcMemHandle::new(handle_bytes(1)),
+            handle: IpcMemHandle::from(handle_bytes(1)),
         },
         Source::Vmm { fd: 7 },
         Source::Pool {
             fd: 9,
-            ptr: PoolPtrHandle::new(handle_bytes(2)),
+            ptr: PoolPtrHandle::from(handle_bytes(2)),
         },
         Source::Fabric {
-            handle: FabricHandle::new(handle_bytes(3)),
+            handle: FabricHandle::from(handle_bytes(3)),
         },
     ];
     for source in sources {
@@ -292,7 +292,7 @@ fn every_malformed_field_is_named() {
 #[test]
 fn fd_mechanisms_have_their_own_rules() {
     let mut v = with_source(Source::Vmm { fd: 5 }).to_value();
-    v["handle"] = json!(IpcMemHandle::new(handle_bytes(1)).to_hex());
+    v["handle"] = json!(IpcMemHandle::from(handle_bytes(1)).to_string());
     assert!(
         Descriptor::from_value(&v)
             .unwrap_err()
@@ -309,7 +309,7 @@ fn fd_mechanisms_have_their_own_rules() {
     );
     let mut v = with_source(Source::Pool {
         fd: 5,
-        ptr: PoolPtrHandle::new(handle_bytes(4)),
+        ptr: PoolPtrHandle::from(handle_bytes(4)),
     })
     .to_value();
     v.as_object_mut().unwrap().remove("fd");
@@ -357,15 +357,15 @@ fn arb_source() -> impl Strategy<Value = Source> {
     });
     prop_oneof![
         bytes.clone().prop_map(|b| Source::Legacy {
-            handle: IpcMemHandle::new(b)
+            handle: IpcMemHandle::from(b)
         }),
         (0..i32::MAX).prop_map(|fd| Source::Vmm { fd }),
         ((0..i32::MAX), bytes.clone()).prop_map(|(fd, b)| Source::Pool {
             fd,
-            ptr: PoolPtrHandle::new(b)
+            ptr: PoolPtrHandle::from(b)
         }),
         bytes.prop_map(|b| Source::Fabric {
-            handle: FabricHandle::new(b)
+            handle: FabricHandle::from(b)
         }),
     ]
 }

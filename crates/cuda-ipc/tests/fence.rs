@@ -35,7 +35,7 @@ fn arb_source() -> impl Strategy<Value = Source> {
             let mut handle = [0u8; 64];
             handle[..32].copy_from_slice(&h);
             Source::Legacy {
-                handle: IpcMemHandle::new(handle),
+                handle: IpcMemHandle::from(handle),
             }
         }),
         (0..=i32::MAX).prop_map(|fd| Source::Vmm { fd }),

@@ -367,7 +367,7 @@ fn a_printed_descriptor_is_a_bearer_token() {
     }
     let _serial = serial();
     let dir = open_dir();
-    let handle = IpcMemHandle::new(std::array::from_fn(|i| (i as u8) ^ 0xa5));
+    let handle = IpcMemHandle::from(std::array::from_fn(|i| (i as u8) ^ 0xa5));
     let legacy = Descriptor::new(
         Source::Legacy { handle },
         2 << 20,

@@ -8,7 +8,7 @@
 use cuda_ipc::descriptor::{Descriptor, Dtype, Source};
 use cuda_ipc::device::DeviceUuid;
 use cuda_ipc::error::{Error, ErrorKind};
-use cuda_ipc::handle::{FabricHandle, IpcEventHandle, IpcMemHandle};
+use cuda_ipc::handle::{FabricHandle, Handle, IpcEventHandle, IpcMemHandle};
 use cuda_ipc::torch::{
     self, ExpandableSegment, SegmentHandles, ShareRecord, StorageHandle, dtype_from_torch,
     torch_dtype_name,
@@ -129,7 +129,7 @@ fn mem_handle() -> IpcMemHandle {
     for (i, x) in b.iter_mut().enumerate() {
         *x = (i as u8).wrapping_mul(13).wrapping_add(1);
     }
-    IpcMemHandle::new(b)
+    IpcMemHandle::from(b)
 }
 
 fn segment_bytes(version: u8, fds: &[i32]) -> Vec<u8> {
@@ -217,7 +217,7 @@ fn version_3_segment_in_the_version_2_layout_is_read_too() {
 
 #[test]
 fn fabric_segments_are_told_apart_by_length() {
-    let fabric = FabricHandle::new([9; 64]);
+    let fabric = FabricHandle::from([9; 64]);
     let seg = StorageHandle::Expandable {
         version: 2,
         segment: ExpandableSegment {
@@ -350,7 +350,7 @@ fn several_segments_give_a_layout_but_no_descriptor() {
 #[test]
 fn event_is_carried_only_when_required() {
     let mut r = base_record(c_bytes());
-    let ev = IpcEventHandle::new([5; 64]);
+    let ev = IpcEventHandle::from([5; 64]);
     r.event_handle = Some(ev);
     assert_eq!(r.to_descriptor().unwrap().event, None);
     r.event_sync_required = true;
@@ -485,7 +485,7 @@ fn valid_record() -> impl Strategy<Value = ShareRecord> {
                 r.requires_grad = ev;
                 r.ref_counter_handle = Some(b"/torch_4242_1_0".to_vec());
                 r.ref_counter_offset = Some(2);
-                r.event_handle = Some(IpcEventHandle::new(evb));
+                r.event_handle = Some(IpcEventHandle::from(evb));
                 r.event_sync_required = ev;
                 r
             },

@@ -52,7 +52,7 @@ impl FloorRig {
         w.request(
             &json!({
                 "op": "floor_setup",
-                "event": self.event.handle()?.to_hex(),
+                "event": self.event.handle()?.to_string(),
                 "socket": self.server.path().display().to_string(),
             }),
             REQUEST_TIMEOUT,
@@ -89,7 +89,7 @@ fn floor_sample(
         let a = worker.request(
             &json!({
                 "op": "floor_legacy",
-                "handle": handle.to_hex(),
+                "handle": handle.to_string(),
                 "len": size,
                 "base": fill.base,
                 "step": fill.step,

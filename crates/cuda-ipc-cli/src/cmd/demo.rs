@@ -565,7 +565,7 @@ pub fn consumer(args: &ConsumerArgs) -> Result<Outcome, Error> {
         steps.push(json!({ "what": "queue x -> 2x+1 on every value, record an event", "ms": super::ms_since(t) }));
         // The mapping and the event stay until the producer has waited on the event.
         Ok((
-            json!({ "steps": steps, "event": handle.to_hex() }),
+            json!({ "steps": steps, "event": handle.to_string() }),
             Some((done, buffer)),
         ))
     })();

@@ -36,7 +36,7 @@ use crate::error::{DriverVersion, Error, Result};
 pub mod result;
 
 /// The oldest driver API version we accept: the bindings are CUDA 13.0's.
-pub const REQUIRED: DriverVersion = DriverVersion(13000);
+pub(crate) const REQUIRED: DriverVersion = DriverVersion(13000);
 
 /// Set this environment variable to make [`load`] behave as if no driver
 /// were installed (for testing the no-driver paths on a GPU host).

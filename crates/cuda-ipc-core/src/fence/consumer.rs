@@ -56,7 +56,12 @@ impl FenceMapping {
         check_support(device)?;
         let words = match &block.placement {
             Placement::Device(d) => {
-                let mapping = crate::share::open_mapping(device, d, fds)?;
+                let mapping = crate::share::open_mapping(
+                    device,
+                    d,
+                    fds,
+                    crate::mechanism::Access::ReadWrite,
+                )?;
                 if d.offset + d.byte_len > mapping.size() {
                     return Err(Error::OutOfBounds {
                         offset: d.offset,
@@ -150,12 +155,6 @@ impl FenceMapping {
         unsafe { raw::wait_value64_geq(stream.cu_stream(), addr, seq) }
     }
 
-    /// [`FenceMapping::wait`] for a reference received from the producer.
-    pub fn wait_ref(&self, stream: &Arc<CudaStream>, r: &FenceRef) -> Result<()> {
-        let word = self.resolve(r)?;
-        self.wait(stream, word, r.seq)
-    }
-
     /// Polls `word` from the host for up to `timeout`; when it reaches
     /// `seq`, queues the device-side wait on `stream` (which then costs
     /// nothing) and returns true. Returns false, having queued nothing,
@@ -197,12 +196,6 @@ impl FenceMapping {
             rstream::synchronize(s)?;
         }
         Ok(v)
-    }
-
-    /// Whether `word` has reached `seq` (or was abandoned).
-    pub fn is_reached(&self, word: u32, seq: u64) -> Result<bool> {
-        check_seq(seq)?;
-        Ok(self.value(word)? >= seq)
     }
 
     /// Blocks the calling thread until `word` reaches `seq` (true) or

@@ -197,7 +197,11 @@ pub trait Mapping: sealed::Sealed + Send + Sync + fmt::Debug {
     /// else can be mapped there), after the work queued through it has
     /// finished; [`wake`](Mapping::wake) maps it again at the same
     /// addresses. Only VMM and fabric mappings can sleep: the others are
-    /// [`Error::Unsupported`]. See [`VmmMapping::sleep`](crate::memory::vmm::VmmMapping::sleep).
+    /// [`Error::Unsupported`]. A VMM mapping first waits for every stream
+    /// its views used and every stream of the device's context (so the
+    /// call blocks until that work is done); sleeping a sleeping mapping
+    /// does nothing; if an unmap fails, what was unmapped is mapped again
+    /// and the mapping stays awake.
     /// A subscriber's mappings sleep safely through
     /// the exchange's `Subscriber::sleep`, which
     /// first checks that no view of them is alive.
@@ -368,10 +372,12 @@ impl<T: Pod> MappedBuffer<T> {
         &self.mapping
     }
 
-    /// Uses `stream` for this view's copies and kernels; see
-    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
-    /// and the errors. The mapping (and the lease) wait for `stream` too
-    /// before they go.
+    /// Uses `stream` for this view's copies and kernels; work queued
+    /// before the switch stays ordered before work queued after it (the
+    /// new stream waits on an event). An [`Error::InvalidArgument`]
+    /// when `stream` belongs to another context than the device's primary
+    /// one, where the memory lives. The mapping (and the lease) wait for
+    /// `stream` too before they go.
     pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
         let current = self.mapping.used_streams().foreign().order(&self.stream);
         self.stream = crate::memory::switch_stream(self.mapping.device(), current, stream)?;

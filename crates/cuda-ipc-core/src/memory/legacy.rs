@@ -31,12 +31,12 @@ use crate::error::{Error, Result};
 use crate::handle::IpcMemHandle;
 use crate::mechanism::Mechanism;
 use crate::memory::buffer::sealed::Sealed;
-use crate::memory::buffer::{MappedBuffer, Mapping, UsedStreams};
+use crate::memory::buffer::{Mapping, UsedStreams};
 use crate::memory::owned::{Owned, owned_buffer};
 use crate::units::{MIB, round_up};
 
 /// Our allocations are rounded up to this, NVIDIA's advice for IPC.
-pub const ALLOCATION_GRANULE: u64 = 2 * MIB;
+pub(crate) const ALLOCATION_GRANULE: u64 = 2 * MIB;
 
 /// Flags for opening a legacy handle (`CUipcMem_flags`).
 ///
@@ -223,12 +223,12 @@ impl LegacyBuffer {
 // fields.
 owned_buffer! {
     unsafe LegacyBuffer;
-    /// Uses `stream` for this buffer's copies and kernels; see
-    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
-    /// and the errors.
+    /// Uses `stream` for this buffer's copies and kernels; work queued
+    /// before the switch stays ordered before work queued after it (the
+    /// new stream waits on an event). An [`Error::InvalidArgument`]
+    /// when `stream` belongs to another context than the device's primary
+    /// one, where the memory lives.
     with_stream;
-    /// The requested length in bytes.
-    byte_len;
 }
 
 impl Drop for LegacyBuffer {
@@ -269,12 +269,7 @@ impl LegacyMapping {
     /// returns the same address (the driver counts references).
     #[doc(alias = "cuIpcOpenMemHandle")]
     pub fn open(device: &Device, handle: IpcMemHandle, flags: OpenFlags) -> Result<Arc<Self>> {
-        if handle.is_zero() {
-            return Err(Error::InvalidHandle {
-                what: IpcMemHandle::WHAT,
-                reason: "all 64 bytes are zero, which no driver issues".into(),
-            });
-        }
+        crate::handle::refuse_zero(&handle)?;
         if lock_exported().contains(&handle) {
             return Err(Error::SameProcess);
         }
@@ -363,14 +358,4 @@ impl Drop for LegacyMapping {
             },
         );
     }
-}
-
-/// Opens a legacy export as a typed buffer of `T` over exactly the exported bytes.
-pub fn open<T: bytemuck::Pod>(
-    device: &Device,
-    export: &LegacyExport,
-    flags: OpenFlags,
-) -> Result<MappedBuffer<T>> {
-    let mapping = LegacyMapping::open(device, export.handle, flags)?;
-    MappedBuffer::from_bytes(mapping, export.offset, export.len)
 }

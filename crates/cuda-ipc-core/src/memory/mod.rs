@@ -517,7 +517,7 @@ impl ForeignUse {
 /// device, or a context that is not the device's primary one): the memory's
 /// address means nothing there. A driver error when the ordering event
 /// cannot be recorded or waited on.
-pub fn switch_stream(
+pub(crate) fn switch_stream(
     device: &Device,
     current: &Arc<CudaStream>,
     new: Arc<CudaStream>,

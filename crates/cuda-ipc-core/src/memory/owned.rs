@@ -81,9 +81,9 @@ impl Owned {
 }
 
 /// Writes, for an owned buffer type with an [`Owned`] field named `core`,
-/// what it offers through that field: the inherent `with_stream`, `byte_len`
-/// and `is_empty` (the first two with the docs given), [`DeviceMemory`] and
-/// cudarc's traits (through [`impl_cudarc_traits!`]).
+/// what it offers through that field: the inherent `with_stream` (with the
+/// docs given), [`DeviceMemory`] (whose `byte_len` is the buffer's length)
+/// and cudarc's traits (through [`impl_cudarc_traits!`]).
 ///
 /// The type name comes after `unsafe`, under a `// SAFETY:` note saying why
 /// the core's range is device memory for as long as the value lives (the
@@ -95,7 +95,6 @@ macro_rules! owned_buffer {
     (
         unsafe $ty:ident;
         $(#[$with_stream:meta])* with_stream;
-        $(#[$byte_len:meta])* byte_len;
     ) => {
         impl $ty {
             $(#[$with_stream])*
@@ -105,16 +104,6 @@ macro_rules! owned_buffer {
             ) -> $crate::error::Result<Self> {
                 self.core.set_stream(stream)?;
                 Ok(self)
-            }
-
-            $(#[$byte_len])*
-            pub fn byte_len(&self) -> usize {
-                self.core.len
-            }
-
-            /// Always false: empty buffers are refused at allocation.
-            pub fn is_empty(&self) -> bool {
-                self.core.len == 0
             }
         }
 

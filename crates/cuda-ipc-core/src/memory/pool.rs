@@ -225,12 +225,12 @@ impl PoolBuffer {
 // fields (its device is the pool's).
 owned_buffer! {
     unsafe PoolBuffer;
-    /// Uses `stream` for this buffer's copies, kernels and free; see
-    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
-    /// and the errors.
+    /// Uses `stream` for this buffer's copies, kernels and free; work queued
+    /// before the switch stays ordered before work queued after it (the
+    /// new stream waits on an event). An [`Error::InvalidArgument`]
+    /// when `stream` belongs to another context than the device's primary
+    /// one, where the memory lives.
     with_stream;
-    /// The length in bytes.
-    byte_len;
 }
 
 impl Drop for PoolBuffer {
@@ -320,12 +320,7 @@ impl ImportedPool {
         data: PoolPtrHandle,
         size: u64,
     ) -> Result<Arc<PoolMapping>> {
-        if data.is_zero() {
-            return Err(Error::InvalidHandle {
-                what: PoolPtrHandle::WHAT,
-                reason: "all 64 bytes are zero, which no driver issues".into(),
-            });
-        }
+        crate::handle::refuse_zero(&data)?;
         self.device.bind()?;
         tracing::debug!(size, "importing a pool pointer");
         // SAFETY: the pool is live.

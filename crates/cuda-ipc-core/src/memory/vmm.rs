@@ -20,7 +20,7 @@
 //!
 //! # Read-only mappings
 //! An importer may map the memory read-only ([`Access::ReadOnly`], with
-//! [`VmmMapping::import_fd_with`] or [`VmmMapping::import_fabric_with`]):
+//! [`VmmMapping::import_fd_with`] or [`VmmMapping::import_fabric`]):
 //! `cuMemSetAccess` then grants `CU_MEM_ACCESS_FLAGS_PROT_READ` only, so a
 //! kernel or copy that writes through the mapping is an invalid access and
 //! the exporter's bytes do not change. How the failure shows is the
@@ -364,12 +364,12 @@ pub(super) unsafe fn set_access(
 // fields.
 owned_buffer! {
     unsafe VmmBuffer;
-    /// Uses `stream` for this buffer's copies and kernels; see
-    /// [`switch_stream`](crate::memory::switch_stream) for the order kept
-    /// and the errors.
+    /// Uses `stream` for this buffer's copies and kernels; work queued
+    /// before the switch stays ordered before work queued after it (the
+    /// new stream waits on an event). An [`Error::InvalidArgument`]
+    /// when `stream` belongs to another context than the device's primary
+    /// one, where the memory lives.
     with_stream;
-    /// The requested length in bytes.
-    byte_len;
 }
 
 impl Drop for VmmBuffer {
@@ -400,8 +400,8 @@ impl Drop for VmmBuffer {
 
 /// Memory of another process's VMM allocation, imported and mapped here.
 /// Unmapped (and its address range freed) on drop. It can
-/// [sleep](VmmMapping::sleep) (unmapped, its address range kept) and
-/// [wake](VmmMapping::wake) (mapped again at the same addresses).
+/// [sleep](Mapping::sleep) (unmapped, its address range kept) and
+/// [wake](Mapping::wake) (mapped again at the same addresses).
 #[derive(Debug)]
 pub struct VmmMapping {
     pub(super) device: Device,
@@ -444,23 +444,13 @@ impl VmmMapping {
         Self::import_segments_for(device, fds, segment, &[], Access::ReadWrite)
     }
 
-    /// As [`VmmMapping::import_fd`], granting read-write access to the
-    /// devices `also` (ordinals in this process) as well. When the memory
+    /// As [`VmmMapping::import_fd`], granting `access` to `device` and to
+    /// the devices `also` (ordinals in this process) alike. When the memory
     /// lives on another GPU, grant its own device too: copy engines then
-    /// reach the mapping (`cuMemcpy*` on a peer VMM mapping fails without it).
-    pub fn import_fd_for(
-        device: &Device,
-        fd: OwnedFd,
-        size: u64,
-        also: &[usize],
-    ) -> Result<Arc<Self>> {
-        Self::import_fd_with(device, fd, size, also, Access::ReadWrite)
-    }
-
-    /// As [`VmmMapping::import_fd_for`], granting `access` (to `device` and
-    /// to `also` alike): with [`Access::ReadOnly`] a kernel or copy that
-    /// writes through the mapping fails and the exporter's bytes do not
-    /// change (see the module's "Read-only mappings").
+    /// reach the mapping (`cuMemcpy*` on a peer VMM mapping fails without
+    /// it). With [`Access::ReadOnly`] a kernel or copy that writes through
+    /// the mapping fails and the exporter's bytes do not change (see the
+    /// module's "Read-only mappings").
     #[doc(alias = "cuMemSetAccess")]
     pub fn import_fd_with(
         device: &Device,
@@ -525,27 +515,17 @@ impl VmmMapping {
         )
     }
 
-    /// Imports a fabric handle of `size` bytes and maps it read-write on `device`.
+    /// Imports a fabric handle of `size` bytes and maps it on `device`
+    /// with `access` (see [`VmmMapping::import_fd_with`]).
     #[doc(alias = "cuMemImportFromShareableHandle")]
-    pub fn import_fabric(device: &Device, handle: FabricHandle, size: u64) -> Result<Arc<Self>> {
-        Self::import_fabric_with(device, handle, size, Access::ReadWrite)
-    }
-
-    /// As [`VmmMapping::import_fabric`], granting `access` (see
-    /// [`VmmMapping::import_fd_with`]).
     #[doc(alias = "cuMemSetAccess")]
-    pub fn import_fabric_with(
+    pub fn import_fabric(
         device: &Device,
         handle: FabricHandle,
         size: u64,
         access: Access,
     ) -> Result<Arc<Self>> {
-        if handle.is_zero() {
-            return Err(Error::InvalidHandle {
-                what: FabricHandle::WHAT,
-                reason: "all 64 bytes are zero, which no driver issues".into(),
-            });
-        }
+        crate::handle::refuse_zero(&handle)?;
         device.bind()?;
         let ordinal = device.ordinal() as i32;
         let gran = vmm::granularity(&vmm::device_prop(

@@ -11,7 +11,7 @@
 //! CUDA context) instead of reading anything. Not touching sleeping memory
 //! is the caller's part, as for every engine that sleeps its weights: the
 //! library cannot see every use (views, tensors, raw addresses, CUDA
-//! graphs), so [`VmmMapping::sleep`] is an `unsafe fn`. A subscriber
+//! graphs), so [`Mapping::sleep`](crate::memory::buffer::Mapping::sleep) is an `unsafe fn`. A subscriber
 //! sleeps its mappings safely when none of them has a view left
 //! ([`Subscriber::sleep`](crate::exchange::Subscriber::sleep)).
 #![allow(unsafe_code)]
@@ -39,7 +39,7 @@ impl VmmMapping {
     /// work queued before the call only: work queued by another thread
     /// while it waits would run after the unmap.
     #[doc(alias = "cuMemUnmap")]
-    pub unsafe fn sleep(&self) -> Result<()> {
+    pub(crate) unsafe fn sleep(&self) -> Result<()> {
         let mut state = lock(&self.state);
         if state.asleep {
             return Ok(());
@@ -81,7 +81,7 @@ impl VmmMapping {
     /// is unmapped again and the mapping still sleeps.
     #[doc(alias = "cuMemMap")]
     #[doc(alias = "cuMemSetAccess")]
-    pub fn wake(&self) -> Result<()> {
+    pub(crate) fn wake(&self) -> Result<()> {
         let mut state = lock(&self.state);
         if !state.asleep {
             return Ok(());
@@ -92,8 +92,8 @@ impl VmmMapping {
         Ok(())
     }
 
-    /// Whether it sleeps (see [`VmmMapping::sleep`]).
-    pub fn asleep(&self) -> bool {
+    /// Whether it sleeps (see [`Mapping::sleep`](crate::memory::buffer::Mapping::sleep)).
+    pub(crate) fn asleep(&self) -> bool {
         lock(&self.state).asleep
     }
 

@@ -22,7 +22,7 @@ use crate::handle::IpcEventHandle;
 /// How long [`IpcEvent::wait_on`] polls an event that has not completed
 /// before it queues a wait on the device: long enough for a short kernel
 /// to finish, short against the context switch a queued wait can cost.
-pub const HOST_POLL: Duration = Duration::from_micros(50);
+pub(crate) const HOST_POLL: Duration = Duration::from_micros(50);
 
 /// An event that can be shared with other processes
 /// (`CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`), created here or
@@ -32,7 +32,6 @@ pub struct IpcEvent {
     device: Device,
     event: sys::CUevent,
     handle: OnceLock<IpcEventHandle>,
-    opened: bool,
 }
 
 // SAFETY: event handles are process-wide driver objects; every call binds the context first.
@@ -51,19 +50,13 @@ impl IpcEvent {
             device: device.clone(),
             event: event::create(flags)?,
             handle: OnceLock::new(),
-            opened: false,
         })
     }
 
     /// Opens an event another process exported.
     #[doc(alias = "cuIpcOpenEventHandle")]
     pub fn open(device: &Device, handle: IpcEventHandle) -> Result<Self> {
-        if handle.is_zero() {
-            return Err(crate::Error::InvalidHandle {
-                what: IpcEventHandle::WHAT,
-                reason: "all 64 bytes are zero, which no driver issues".into(),
-            });
-        }
+        crate::handle::refuse_zero(&handle)?;
         device.bind()?;
         let event = ipc::open_event_handle(handle)?;
         let handle_cell = OnceLock::new();
@@ -72,7 +65,6 @@ impl IpcEvent {
             device: device.clone(),
             event,
             handle: handle_cell,
-            opened: true,
         })
     }
 
@@ -86,11 +78,6 @@ impl IpcEvent {
         // SAFETY: the event is live for as long as `self`.
         let h = unsafe { ipc::get_event_handle(self.event) }?;
         Ok(*self.handle.get_or_init(|| h))
-    }
-
-    /// Whether this event was opened from another process's handle.
-    pub fn is_opened(&self) -> bool {
-        self.opened
     }
 
     /// Records the work queued so far on `stream`.
@@ -110,7 +97,7 @@ impl IpcEvent {
     /// process's context, which costs about 0.15 ms on an H200 even when
     /// the work is long done. Work that is about to finish (a short kernel
     /// launched just before the event was recorded) is given up to
-    /// [`HOST_POLL`] of polling first; longer work gets the queued wait.
+    /// 50 µs of polling first; longer work gets the queued wait.
     #[doc(alias = "cuStreamWaitEvent")]
     pub fn wait_on(&self, on: &CudaStream) -> Result<()> {
         self.device.bind()?;

@@ -296,7 +296,7 @@ pub(crate) fn member_len(
         .try_fold(1u64, |a, d| a.checked_mul(*d))
         .and_then(|n| n.checked_mul(dtype.size()));
     match len {
-        Some(len) if crate::error::in_bounds(offset, len, buffer_len) => Ok(len),
+        Some(len) if Error::check_range(offset, len, buffer_len).is_ok() => Ok(len),
         _ if offset == 0 => Err(Error::arg(
             "set member",
             format!(

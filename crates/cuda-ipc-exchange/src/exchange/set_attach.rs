@@ -144,10 +144,7 @@ impl Subscriber {
                 });
             }
             let len = d.alloc_size;
-            Ok((
-                share::open_mapping_with(&self.device, &d, a.fds, access)?,
-                len,
-            ))
+            Ok((share::open_mapping(&self.device, &d, a.fds, access)?, len))
         });
         let (mapping, len) = match opened {
             Ok(m) => m,

@@ -376,7 +376,7 @@ impl Subscriber {
         {
             return awake(m);
         }
-        let m = share::open_mapping_with(&self.device, descriptor, fds, self.access)?;
+        let m = share::open_mapping(&self.device, descriptor, fds, self.access)?;
         self.opened(&m);
         if let Some(key) = key {
             let mut cache = lock(&self.cache);

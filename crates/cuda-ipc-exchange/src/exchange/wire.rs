@@ -189,7 +189,7 @@ mod tests {
             let event = handle.map(|h| {
                 let mut bytes = [0u8; 64];
                 bytes[..32].copy_from_slice(&h);
-                IpcEventHandle::from_bytes(&bytes).unwrap()
+                IpcEventHandle::from(bytes)
             });
             let body = FrameBody { event, fence_seq, extra: extra.into_iter().collect() };
             let back = FrameBody::decode(&to_value(&body).unwrap()).unwrap();
@@ -199,7 +199,7 @@ mod tests {
 
     #[test]
     fn frame_notices_keep_the_producer_fields_beside_the_event() {
-        let event = IpcEventHandle::from_bytes(&[7; 64]).unwrap();
+        let event = IpcEventHandle::from([7; 64]);
         let mut extra = Map::new();
         extra.insert("stamp".into(), json!(42));
         let v = to_value(&FrameBody {
@@ -210,7 +210,7 @@ mod tests {
         .unwrap();
         assert_eq!(v["fence_seq"], 9);
         assert_eq!(v["stamp"], 42);
-        assert_eq!(v["event"], event.to_hex());
+        assert_eq!(v["event"], event.to_string());
         let back = FrameBody::decode(&v).unwrap();
         assert_eq!(back.event, Some(event));
         assert_eq!(back.extra["stamp"], 42);

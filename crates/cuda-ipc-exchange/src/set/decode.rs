@@ -161,8 +161,8 @@ pub(super) fn decode_chunk(i: usize, v: &Value) -> Result<SetChunk> {
             "unknown field (a chunk has id and descriptor)",
         ));
     }
-    let id = f.u64("id").map_err(|e| nested(&at, e))?;
-    let d = f.required("descriptor").map_err(|e| nested(&at, e))?;
+    let id = f.req::<u64>("id").map_err(|e| nested(&at, e))?;
+    let d = f.req::<&Value>("descriptor").map_err(|e| nested(&at, e))?;
     let descriptor =
         Descriptor::from_value(d).map_err(|e| nested(&format!("{at}.descriptor"), e))?;
     Ok(SetChunk { id, descriptor })

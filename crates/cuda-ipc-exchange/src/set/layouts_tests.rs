@@ -101,7 +101,7 @@ proptest::proptest! {
         r.event = event.map(|b| {
             let mut bytes = [0u8; 64];
             bytes[..32].copy_from_slice(&b);
-            crate::handle::IpcEventHandle::from_bytes(&bytes).unwrap()
+            crate::handle::IpcEventHandle::from(bytes)
         });
         let table = table::encode(&r.entries);
         proptest::prop_assert_eq!(r.to_json_with_table(&table), r.to_json());

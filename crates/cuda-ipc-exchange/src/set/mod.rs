@@ -184,14 +184,14 @@ impl TableRef {
         if let Some(unknown) = f.unknown(&["parts", "bytes"]) {
             return Err(field_err(&format!("entries.{unknown}"), "unknown field"));
         }
-        let bytes = f.u64("bytes")?;
+        let bytes = f.req::<u64>("bytes")?;
         if bytes == 0 || bytes > MAX_SET_RECORD_BYTES as u64 {
             return Err(field_err(
                 "entries.bytes",
                 format!("{bytes} is not between 1 and {MAX_SET_RECORD_BYTES}"),
             ));
         }
-        let parts = array_of("entries.parts", f.required("parts")?, "entry names")?;
+        let parts = array_of("entries.parts", f.req::<&Value>("parts")?, "entry names")?;
         if parts.is_empty() || parts.len() > MAX_TABLE_PARTS {
             return Err(field_err(
                 "entries.parts",
@@ -456,7 +456,7 @@ impl SetRecord {
                 "unknown field (this reader knows set formats 1 to 3)",
             ));
         }
-        let version = f.u64(SET_VERSION_KEY)?;
+        let version = f.req::<u64>(SET_VERSION_KEY)?;
         if !SET_FORMAT_VERSIONS_READ.contains(&version) {
             return Err(field_err(
                 SET_VERSION_KEY,
@@ -465,9 +465,9 @@ impl SetRecord {
                 ),
             ));
         }
-        let name = f.str("name")?.to_string();
-        let arena = ArenaId(f.u64("arena")?);
-        let chunk_values = array_of("chunks", f.required("chunks")?, "chunks")?;
+        let name = f.req::<&str>("name")?.to_string();
+        let arena = ArenaId(f.req::<u64>("arena")?);
+        let chunk_values = array_of("chunks", f.req::<&Value>("chunks")?, "chunks")?;
         if chunk_values.len() > MAX_SET_CHUNKS {
             return Err(field_err(
                 "chunks",
@@ -484,7 +484,7 @@ impl SetRecord {
             .collect::<Result<Vec<_>>>()?;
         let decoded = decode_entries(
             version,
-            f.required("entries")?,
+            f.req::<&Value>("entries")?,
             arena,
             &chunks,
             tables,
@@ -495,8 +495,8 @@ impl SetRecord {
             arena,
             chunks,
             entries: decoded.entries,
-            event: f.opt_parsed("event")?,
-            read_only: f.bool("read_only", false)?,
+            event: f.opt("event")?,
+            read_only: f.opt::<bool>("read_only")?.unwrap_or(false),
         };
         if decoded.kept {
             // The entries were checked over these chunks when kept.
@@ -678,7 +678,7 @@ impl SetRecord {
         m.insert("chunks".into(), Value::Array(chunks));
         m.insert("entries".into(), entries);
         if let Some(e) = self.event {
-            m.insert("event".into(), e.to_hex().into());
+            m.insert("event".into(), e.to_string().into());
         }
         if self.read_only {
             m.insert("read_only".into(), true.into());

@@ -1,7 +1,7 @@
 //! The storage handle PyTorch's `_share_cuda_` returns, decoded.
 
 use crate::error::Result;
-use crate::handle::{FabricHandle, HANDLE_LEN, IpcMemHandle};
+use crate::handle::{FabricHandle, HANDLE_LEN, Handle, IpcMemHandle};
 
 use super::{
     CUDA_MALLOC_HANDLE_LEN, HANDLE_VERSIONS, SEGMENT_HEADER_LEN_V2, SEGMENT_HEADER_LEN_V3,

@@ -5,7 +5,7 @@ use serde_json::{Map, Value};
 use crate::descriptor::{Descriptor, Dtype, Source};
 use crate::device::DeviceUuid;
 use crate::error::{Error, Result};
-use crate::handle::IpcEventHandle;
+use crate::handle::{Handle, IpcEventHandle};
 use crate::json::{Fields, kind_of};
 
 use super::{
@@ -206,7 +206,7 @@ impl ShareRecord {
             ));
         }
         let f = Fields::new(map, record_field_err);
-        let format = f.u64(RECORD_KEY)?;
+        let format = f.req::<u64>(RECORD_KEY)?;
         if format != RECORD_FORMAT {
             return Err(field_err(
                 RECORD_KEY,
@@ -215,8 +215,8 @@ impl ShareRecord {
                 ),
             ));
         }
-        let tensor_size = f.u64_list("tensor_size")?;
-        let tensor_stride = f.i64_list("tensor_stride")?;
+        let tensor_size = f.req::<Vec<u64>>("tensor_size")?;
+        let tensor_stride = f.req::<Vec<i64>>("tensor_stride")?;
         if tensor_stride.len() != tensor_size.len() {
             return Err(field_err(
                 "tensor_stride",
@@ -227,52 +227,52 @@ impl ShareRecord {
                 ),
             ));
         }
-        let dtype = dtype_from_torch(f.str("dtype")?).map_err(|e| match e {
+        let dtype = dtype_from_torch(f.req::<&str>("dtype")?).map_err(|e| match e {
             Error::Torch(m) => field_err("dtype", m),
             e => e,
         })?;
-        let pid = f.u32("pid")?;
+        let pid = f.req::<u32>("pid")?;
         if pid == 0 {
             return Err(field_err("pid", "0 is not a process id"));
         }
         let device_uuid: DeviceUuid = f
-            .str("device_uuid")?
+            .req::<&str>("device_uuid")?
             .parse()
             .map_err(|e: Error| field_err("device_uuid", e))?;
-        let event_handle = match f.opt_hex("event_handle")? {
+        let event_handle = match f.opt::<Vec<u8>>("event_handle")? {
             None => None,
             Some(bytes) => {
                 Some(IpcEventHandle::from_bytes(&bytes).map_err(|e| field_err("event_handle", e))?)
             }
         };
-        let event_sync_required = f.bool("event_sync_required", false)?;
+        let event_sync_required = f.opt::<bool>("event_sync_required")?.unwrap_or(false);
         if event_sync_required && event_handle.is_none() {
             return Err(field_err(
                 "event_handle",
                 "missing, but event_sync_required is true",
             ));
         }
-        let storage_handle = f.hex("storage_handle")?;
+        let storage_handle = f.req::<Vec<u8>>("storage_handle")?;
         if storage_handle.is_empty() {
             return Err(field_err("storage_handle", "empty"));
         }
         let record = ShareRecord {
             storage_handle,
-            storage_size_bytes: f.u64("storage_size_bytes")?,
-            storage_offset_bytes: f.u64("storage_offset_bytes")?,
+            storage_size_bytes: f.req::<u64>("storage_size_bytes")?,
+            storage_offset_bytes: f.req::<u64>("storage_offset_bytes")?,
             tensor_size,
             tensor_stride,
-            tensor_offset: f.u64("tensor_offset")?,
+            tensor_offset: f.req::<u64>("tensor_offset")?,
             dtype,
-            storage_device: f.u32("storage_device")?,
+            storage_device: f.req::<u32>("storage_device")?,
             device_uuid,
             pid,
-            requires_grad: f.bool("requires_grad", false)?,
-            ref_counter_handle: f.opt_hex("ref_counter_handle")?,
-            ref_counter_offset: f.opt_u64("ref_counter_offset")?,
+            requires_grad: f.opt::<bool>("requires_grad")?.unwrap_or(false),
+            ref_counter_handle: f.opt::<Vec<u8>>("ref_counter_handle")?,
+            ref_counter_offset: f.opt::<u64>("ref_counter_offset")?,
             event_handle,
             event_sync_required,
-            alloc_size: f.opt_u64("alloc_size")?,
+            alloc_size: f.opt::<u64>("alloc_size")?,
         };
         Ok(record)
     }
@@ -305,7 +305,7 @@ impl ShareRecord {
             m.insert("ref_counter_offset".into(), o.into());
         }
         if let Some(e) = self.event_handle {
-            m.insert("event_handle".into(), e.to_hex().into());
+            m.insert("event_handle".into(), e.to_string().into());
         }
         m.insert(
             "event_sync_required".into(),

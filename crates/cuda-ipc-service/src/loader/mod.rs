@@ -324,9 +324,14 @@ fn tensors_of(ckpt: &Checkpoint, plan: &Plan) -> Vec<LoadedTensor> {
 
 #[cfg(test)]
 mod tests {
+    use cudarc::driver::DriverError;
     use cudarc::driver::sys::CUresult;
 
-    use crate::error::{Error, ErrorKind, driver_error};
+    use crate::error::{Error, ErrorKind, from_cudarc};
+
+    fn driver_error(call: &'static str, result: CUresult) -> Error {
+        from_cudarc(call, DriverError(result))
+    }
 
     #[test]
     fn a_load_error_names_the_file_and_tensor_and_keeps_its_cause() {

@@ -230,7 +230,7 @@ fn copy_piece(
         .chunks
         .get(piece.chunk)
         .ok_or_else(|| Error::arg("load", format!("no buffer for chunk {}", piece.chunk)))?;
-    if !crate::error::in_bounds(piece.chunk_offset, piece.len, chunk_len) {
+    if Error::check_range(piece.chunk_offset, piece.len, chunk_len).is_err() {
         return Err(Error::OutOfBounds {
             offset: piece.chunk_offset,
             len: piece.len,

@@ -142,7 +142,7 @@ fn bad_opener() {
         } else {
             Vec::new()
         };
-        let answer = match share::open_mapping(&device, &d, fds) {
+        let answer = match share::open_mapping(&device, &d, fds, cuda_ipc::Access::ReadWrite) {
             Ok(m) => json!({ "opened": m.size() }),
             Err(e) => json!({ "error": e.to_string() }),
         };
@@ -204,7 +204,7 @@ fn bad_descriptors_of_fd_mechanisms_are_errors() {
                         Source::Pool { fd, .. } => fd,
                         _ => unreachable!(),
                     },
-                    ptr: PoolPtrHandle::new(random),
+                    ptr: PoolPtrHandle::from(random),
                 };
                 d
             },

@@ -79,7 +79,7 @@ pub fn serve() {
                             kernels::map_u32(&buf, mul, add).expect("map");
                             let ev = IpcEvent::new(&device).expect("event");
                             ev.record(buf.stream()).expect("record");
-                            reply["event"] = json!(ev.handle().expect("handle").to_hex());
+                            reply["event"] = json!(ev.handle().expect("handle").to_string());
                             events.push(ev);
                             now = want.mapped(mul, add);
                         }

@@ -158,7 +158,7 @@ fn events_order_producer_before_consumer() {
             let e = buf
                 .export_region(0, 64 * MIB as u64, Dtype::U32, None)
                 .unwrap();
-            peer.send(&json!({ "op": "race", "descriptor": e.descriptor.to_value(), "event": ready.handle().unwrap().to_hex(), "expect": pattern_json(p) }));
+            peer.send(&json!({ "op": "race", "descriptor": e.descriptor.to_value(), "event": ready.handle().unwrap().to_string(), "expect": pattern_json(p) }));
             let r = peer.recv();
             assert_eq!(
                 r["waited_bad"],
@@ -218,7 +218,7 @@ fn freed_and_random_handles_are_errors() {
         let buf = LegacyBuffer::alloc(&device, 2 * MIB).unwrap();
         let freed = buf.export().unwrap().handle;
         drop(buf);
-        let mut handles = vec![freed.to_hex()];
+        let mut handles = vec![freed.to_string()];
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
         for _ in 0..64 {
             let mut bytes = [0u8; 64];
@@ -228,7 +228,7 @@ fn freed_and_random_handles_are_errors() {
                 state ^= state << 17;
                 *b = state as u8;
             }
-            handles.push(cuda_ipc::IpcMemHandle::new(bytes).to_hex());
+            handles.push(cuda_ipc::IpcMemHandle::from(bytes).to_string());
         }
         let mut peer = Peer::spawn(
             &test_name!("freed_and_random_handles_are_errors"),
@@ -247,7 +247,7 @@ fn freed_and_random_handles_are_errors() {
         // Without the flag the driver refuses even a live handle, and the error says which flag fixes it.
         let live = LegacyBuffer::alloc(&device, 2 * MIB).unwrap();
         peer.send(
-            &json!({ "op": "open_without_flag", "handle": live.export().unwrap().handle.to_hex() }),
+            &json!({ "op": "open_without_flag", "handle": live.export().unwrap().handle.to_string() }),
         );
         let r = peer.recv();
         let text = r["error"]

@@ -64,7 +64,7 @@ fn child_to_parent(device: &Device, peer: &mut Peer, m: Mechanism, size: u64, of
     kernels::map_u32(&buf, 5, 5).unwrap();
     let done = IpcEvent::new(device).unwrap();
     done.record(buf.stream()).unwrap();
-    peer.send(&json!({ "op": "check_export", "event": done.handle().unwrap().to_hex(), "offset": offset, "size": size, "expect": pattern_json(p.mapped(5, 5)) }));
+    peer.send(&json!({ "op": "check_export", "event": done.handle().unwrap().to_string(), "offset": offset, "size": size, "expect": pattern_json(p.mapped(5, 5)) }));
     let r = peer.recv();
     assert_ok!(&r, "{m} {size}@{offset}: child saw parent's writes wrong");
 }

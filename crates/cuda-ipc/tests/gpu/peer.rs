@@ -96,7 +96,7 @@ fn peer_open_without_the_flag_says_which_flag() {
     let buf = LegacyBuffer::alloc(&device, 2 * MIB).unwrap();
     let mut peer = spawn_on_gpu1(&test_name!("peer_open_without_the_flag_says_which_flag"));
     peer.send(
-        &json!({ "op": "open_without_flag", "handle": buf.export().unwrap().handle.to_hex() }),
+        &json!({ "op": "open_without_flag", "handle": buf.export().unwrap().handle.to_string() }),
     );
     let r = peer.recv();
     let text = r["error"]

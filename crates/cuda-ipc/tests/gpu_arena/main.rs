@@ -66,8 +66,13 @@ fn consumer() {
                         .entry((set.arena.0, e.chunk))
                         .or_insert_with(|| {
                             maps += 1;
-                            share::open_mapping(&device, &chunk.descriptor, Vec::new())
-                                .expect("chunk maps")
+                            share::open_mapping(
+                                &device,
+                                &chunk.descriptor,
+                                Vec::new(),
+                                cuda_ipc::Access::ReadWrite,
+                            )
+                            .expect("chunk maps")
                         })
                         .clone();
                     let view = MappedBuffer::<u32>::from_bytes(

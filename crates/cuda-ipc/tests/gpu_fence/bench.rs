@@ -49,7 +49,7 @@ fn events_of(device: &Device, v: &Value) -> Vec<IpcEvent> {
 fn handles(events: &[IpcEvent]) -> Value {
     events
         .iter()
-        .map(|e| e.handle().unwrap().to_hex())
+        .map(|e| e.handle().unwrap().to_string())
         .collect()
 }
 

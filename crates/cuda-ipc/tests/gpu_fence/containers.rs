@@ -154,7 +154,7 @@ fn fences_work_where_events_fail_with_a_private_dev_shm() {
         let de = data.export_region(0, 16 << 20, Dtype::U32, None).unwrap();
         let pattern = Pattern::ramp(0xF00D, 5);
         peer.send(&json!({
-            "event": event.handle().unwrap().to_hex(),
+            "event": event.handle().unwrap().to_string(),
             "fence": fe.block,
             "data": de.descriptor.to_value(),
             "expect": [pattern.base, pattern.step],

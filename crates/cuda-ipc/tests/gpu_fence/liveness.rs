@@ -117,7 +117,7 @@ fn dead_producer(host: bool, test: &str) {
         "abandoning did not release the waiting stream: {done:?}"
     );
     assert_eq!(fence.value(0).unwrap(), ABANDONED);
-    assert!(fence.is_reached(0, 2).unwrap());
+    assert!(fence.value(0).unwrap() >= 2);
     println!(
         "dead producer ({} words): deadline wait returned after {:.0} ms; the queued wait was released {:.2} ms after abandon",
         if host { "host" } else { "device" },

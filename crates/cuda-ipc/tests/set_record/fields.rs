@@ -346,7 +346,7 @@ fn read_only_is_written_only_when_asked_for_and_read_back() {
     }
     // Fabric memory is VMM memory: it can be mapped read-only too.
     let mut fabric = sample_of(|n| Source::Fabric {
-        handle: FabricHandle::new([n; 64]),
+        handle: FabricHandle::from([n; 64]),
     });
     fabric.read_only = true;
     fabric.validate().unwrap();
@@ -356,14 +356,14 @@ fn read_only_is_written_only_when_asked_for_and_read_back() {
         (
             "legacy",
             Box::new(|n| Source::Legacy {
-                handle: IpcMemHandle::new([n; 64]),
+                handle: IpcMemHandle::from([n; 64]),
             }) as Box<dyn Fn(u8) -> Source>,
         ),
         (
             "pool",
             Box::new(|n| Source::Pool {
                 fd: i32::from(n) + 20,
-                ptr: PoolPtrHandle::new([n; 64]),
+                ptr: PoolPtrHandle::from([n; 64]),
             }),
         ),
     ] {

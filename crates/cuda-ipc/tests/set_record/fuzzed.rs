@@ -2,6 +2,7 @@
 
 use cuda_ipc::arena::ArenaId;
 use cuda_ipc::descriptor::Dtype;
+use cuda_ipc::handle::Handle;
 use cuda_ipc::set::table::{decode_bytes, encode_bytes};
 use cuda_ipc::set::{EntryTables, MemberPlace, SetLayouts, SetRecord, TableRef};
 use proptest::prelude::*;
