@@ -117,7 +117,7 @@ impl<B: ChunkBacking> Arena<B> {
         let mut end = 0;
         for &i in &order {
             let (offset, n) = ranges[i];
-            if n == 0 || offset < end || !crate::error::in_bounds(offset, n, len) {
+            if n == 0 || offset < end || Error::check_range(offset, n, len).is_err() {
                 return Err(bad(format!(
                     "the range of {n} bytes at {offset} is empty, overlaps another or ends past \
                      the chunk's {len} bytes"

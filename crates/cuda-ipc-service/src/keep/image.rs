@@ -169,8 +169,9 @@ impl Image {
             }
             for b in &s.buffers {
                 let chunk = self.chunks.iter().find(|c| c.index == b.chunk);
-                let fits = chunk
-                    .is_some_and(|c| b.len > 0 && crate::error::in_bounds(b.offset, b.len, c.len));
+                let fits = chunk.is_some_and(|c| {
+                    b.len > 0 && crate::error::Error::check_range(b.offset, b.len, c.len).is_ok()
+                });
                 if !fits {
                     return Err(at(format!(
                         "a buffer of {} bytes at {} of chunk {} is not inside a chunk the image names",
@@ -179,10 +180,9 @@ impl Image {
                 }
             }
             for t in &s.tensors {
-                let fits = s
-                    .buffers
-                    .get(t.buffer)
-                    .is_some_and(|b| t.len > 0 && crate::error::in_bounds(t.offset, t.len, b.len));
+                let fits = s.buffers.get(t.buffer).is_some_and(|b| {
+                    t.len > 0 && crate::error::Error::check_range(t.offset, t.len, b.len).is_ok()
+                });
                 if !fits {
                     return Err(at(format!("tensor {:?} is not inside its buffer", t.name)));
                 }
