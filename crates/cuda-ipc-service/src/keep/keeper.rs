@@ -413,3 +413,41 @@ impl AsFd for Keeper {
         self.socket.as_fd()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notifications_are_read_key_by_key_and_unknown_keys_ignored() {
+        let n = Notification::parse("FDSTORE=1\nFDNAME=chunk.3\nSTATUS=x\nREADY=1\n");
+        assert!(n.store && n.ready && !n.remove && !n.stopping);
+        assert_eq!(n.name.as_deref(), Some("chunk.3"));
+        let n = Notification::parse("FDSTOREREMOVE=1\nFDNAME=catalog.2\nSTOPPING=1");
+        assert!(n.remove && n.stopping && !n.store);
+        let n = Notification::parse("FDSTORE=0\nREADY=yes\n=\n\n");
+        assert!(!n.store && !n.ready && n.name.is_none());
+    }
+
+    #[test]
+    fn names_are_printable_ascii_without_colons() {
+        for good in ["chunk.0", "catalog.12", "socket", &"x".repeat(255)] {
+            assert!(valid_name(good), "{good}");
+        }
+        for bad in ["", "a:b", "a b", "é", "a\nb", &"x".repeat(256)] {
+            assert!(!valid_name(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_keeper_binds_a_private_socket_and_replaces_a_stale_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k.sock");
+        let first = Keeper::bind(&path).unwrap();
+        drop(first);
+        let keeper = Keeper::bind(&path).unwrap();
+        assert!(keeper.names().is_empty());
+        let mode = std::fs::metadata(&path).unwrap();
+        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o077, 0);
+    }
+}
