@@ -7,7 +7,10 @@
 //! sharded checkpoints opened with `pread`, never mapped, every header
 //! checked; a [`checkpoint::Plan`] of where each tensor goes), [`loader`]
 //! (a plan carried out through page-locked staging buffers and streams,
-//! published as a set), and [`service`] ([`service::Service`] owns its
+//! published as a set), [`keep`] (weights that outlive the serving
+//! process: the file-descriptor store it hands its chunks and catalog
+//! image to, and the [`keep::Keeper`] that holds them and runs it again),
+//! and [`service`] ([`service::Service`] owns its
 //! publisher, every set it loaded and its catalog of versions and per-user
 //! quotas; [`service::Writer`] is the one writer of a set's next version).
 //! Users reach them as `cuda_ipc::service` and so on; the command line's

@@ -448,6 +448,9 @@ mod tests {
         let keeper = Keeper::bind(&path).unwrap();
         assert!(keeper.names().is_empty());
         let mode = std::fs::metadata(&path).unwrap();
-        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o077, 0);
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o077,
+            0
+        );
     }
 }
