@@ -49,13 +49,6 @@ pub fn keep(socket: &Path) -> Result<Outcome, Error> {
         signal_hook::flag::register(signal, Arc::clone(flag))
             .map_err(io(format!("cannot handle signal {signal}")))?;
     }
-    errln!(
-        "cuda-ipc: keeper (pid {}) holds the service's weights on {}; stop with SIGTERM (kill {}) \
-         or Ctrl-C, run a new build with SIGHUP",
-        std::process::id(),
-        path.display(),
-        std::process::id()
-    );
     let mut make = || {
         let mut c = Command::new(&exe);
         // Its own process group: Ctrl-C reaches the keeper, which stops it once.
@@ -63,10 +56,17 @@ pub fn keep(socket: &Path) -> Result<Outcome, Error> {
         c
     };
     let mut log = |e: KeeperEvent| match e {
-        KeeperEvent::Started { pid, fds } => {
+        KeeperEvent::Started { pid, fds } if fds > 0 => {
             errln!("cuda-ipc: keeper: serving process {pid} started with {fds} kept descriptor(s)");
         }
         KeeperEvent::Ready { pid, after } => {
+            errln!(
+                "cuda-ipc: keeper (pid {}) holds the service's weights on {}; stop with SIGTERM \
+                 (kill {}) or Ctrl-C, run a new build with SIGHUP",
+                std::process::id(),
+                path.display(),
+                std::process::id()
+            );
             errln!(
                 "cuda-ipc: keeper: serving process {pid} serves, {:.1} ms after its start",
                 after.as_secs_f64() * 1e3
@@ -96,6 +96,15 @@ pub fn keep(socket: &Path) -> Result<Outcome, Error> {
             Some(c) => Outcome::Exit(u8::try_from(c).unwrap_or(crate::EXIT_FAILED)),
             None => Outcome::Exit(crate::EXIT_FAILED),
         }),
+        KeeperExit::GaveUp(status) if matches!(status.code(), Some(2 | 3)) => {
+            // The serving process said why; its exit code is the answer.
+            Ok(Outcome::Exit(
+                status
+                    .code()
+                    .and_then(|c| u8::try_from(c).ok())
+                    .unwrap_or(crate::EXIT_FAILED),
+            ))
+        }
         KeeperExit::GaveUp(status) => {
             errln!(
                 "cuda-ipc: keeper: the serving process failed before serving {} times in a row \
