@@ -28,6 +28,8 @@ use serde_json::{Value, json};
 mod corpus;
 #[path = "../../../fuzz/src/admin_body.rs"]
 mod fuzz_admin_body;
+#[path = "../../../fuzz/src/catalog_image.rs"]
+mod fuzz_catalog_image;
 #[path = "../../../fuzz/src/lib.rs"]
 mod fuzz_checks;
 #[path = "../../../fuzz/src/notice_record.rs"]
@@ -101,6 +103,16 @@ fn the_admin_body_corpus_passes_its_checks() {
         "admin_body",
         fuzz_admin_body::admin_body,
         fuzz_admin_body::is_valid,
+    );
+}
+
+/// `fuzz/catalog_image`: the catalog image a restarted service reads back.
+#[test]
+fn the_catalog_image_corpus_passes_its_checks() {
+    corpus::replay(
+        "catalog_image",
+        fuzz_catalog_image::catalog_image,
+        fuzz_catalog_image::is_valid,
     );
 }
 

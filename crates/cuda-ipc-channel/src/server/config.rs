@@ -129,6 +129,9 @@ pub struct ServerConfig {
     /// default none: every call is refused with the error `no_handler`.
     /// See also [`Server::set_call_handler`].
     pub call_handler: Option<CallHandler>,
+    /// A listening socket to serve on instead of binding a new one (see
+    /// [`ServerConfig::with_listener`]).
+    pub listener: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
 }
 
 impl ServerConfig {
@@ -153,7 +156,20 @@ impl ServerConfig {
             spin: DEFAULT_SERVER_SPIN,
             peer_cpu_budget: Some(CpuBudget::DEFAULT),
             call_handler: None,
+            listener: None,
         }
+    }
+
+    /// Serves on `listener`, a listening Unix stream socket already bound
+    /// at the configured path (from [`Server::listener`] of a process
+    /// before, kept by a keeper or systemd), instead of binding a new
+    /// one: connections made while no process served wait in its backlog.
+    /// Checked at [`Server::bind`]: a socket bound elsewhere, or not
+    /// listening, is refused.
+    #[must_use]
+    pub fn with_listener(mut self, listener: std::os::fd::OwnedFd) -> Self {
+        self.listener = Some(std::sync::Arc::new(listener));
+        self
     }
 
     /// Sets the most bytes queued for one client before it is disconnected.

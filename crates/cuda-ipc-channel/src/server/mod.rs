@@ -40,11 +40,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rustix::event::{EventfdFlags, eventfd};
-use rustix::fs::Mode;
-use rustix::io::Errno;
-use rustix::net::{
-    AddressFamily, SocketAddrUnix, SocketFlags, SocketType, bind, listen, socket_with,
-};
+use rustix::net::{SocketAddrUnix, listen};
 use serde_json::Value;
 
 use super::limits::{MAX_RING_SLOTS, validate_entry_name};
@@ -145,6 +141,7 @@ mod call;
 mod checks;
 mod config;
 mod conn;
+mod listen;
 mod replace;
 mod ring;
 #[cfg(test)]
@@ -153,7 +150,7 @@ mod session;
 mod stall;
 mod state;
 
-use accept::{LogLimit, accept_loop, remove_stale_socket};
+use accept::{LogLimit, accept_loop};
 pub use call::{
     CallContext, CallError, CallFn, CallHandler, ClosedFn, MAX_METHOD_LEN, validate_method,
 };
@@ -255,6 +252,8 @@ pub struct Server {
     /// The device and inode of the socket file we bound, so that shutdown
     /// removes our socket and never one that replaced it.
     socket_id: (u64, u64),
+    /// The listening socket (a duplicate of the accept thread's).
+    listener: OwnedFd,
 }
 
 impl std::fmt::Debug for Server {
@@ -301,29 +300,10 @@ impl Server {
         let addr = SocketAddrUnix::new(&path).map_err(|e| {
             ChannelError::io(format!("{} is not a valid socket path", path.display()), e)
         })?;
-        remove_stale_socket(&path, &addr)?;
-
-        let listener = socket_with(
-            AddressFamily::UNIX,
-            SocketType::STREAM,
-            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-            None,
-        )
-        .map_err(|e| ChannelError::io("cannot create a Unix socket", e))?;
-        // Linux creates the socket file with the socket inode's mode less the
-        // umask: narrowing it first closes the window before the chmod below.
-        rustix::fs::fchmod(&listener, Mode::from_raw_mode(0o600))
-            .map_err(|e| ChannelError::io("cannot set the mode of the channel socket", e))?;
-        match bind(&listener, &addr) {
-            Ok(()) => {}
-            Err(Errno::ADDRINUSE) => return Err(ChannelError::Busy { path }),
-            Err(e) => {
-                return Err(ChannelError::io(
-                    format!("cannot bind the channel socket {}", path.display()),
-                    e,
-                ));
-            }
-        }
+        let (listener, kept) = match &config.listener {
+            Some(kept) => (listen::adopt(kept, &path, &addr)?, true),
+            None => (listen::bind_new(&path, &addr)?, false),
+        };
         // From here on the socket file is ours: remove it on failure.
         let cleanup = |e: ChannelError| {
             let _ = rustix::fs::unlink(&path);
@@ -334,8 +314,14 @@ impl Server {
         // the fchmod above; check what the path holds now without following
         // links.
         let st = bound_socket(&path).map_err(cleanup)?;
-        listen(&listener, LISTEN_BACKLOG)
-            .map_err(|e| ChannelError::io(format!("cannot listen on {}", path.display()), e))
+        if !kept {
+            listen(&listener, LISTEN_BACKLOG)
+                .map_err(|e| ChannelError::io(format!("cannot listen on {}", path.display()), e))
+                .map_err(cleanup)?;
+        }
+        let kept_listener = listener
+            .try_clone()
+            .map_err(|e| ChannelError::io("cannot duplicate the listening socket", e))
             .map_err(cleanup)?;
         let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
             .map_err(|e| ChannelError::io("cannot create an eventfd", e))
@@ -389,7 +375,22 @@ impl Server {
             shared,
             accept: Mutex::new(Some(accept)),
             socket_id: (st.st_dev, st.st_ino),
+            listener: kept_listener,
         })
+    }
+
+    /// A duplicate of the listening socket, to keep across a restart
+    /// (a keeper's or systemd's file-descriptor store): a server bound
+    /// later with [`ServerConfig::with_listener`] takes it over, and
+    /// clients that connect in between wait in its backlog instead of
+    /// being refused.
+    ///
+    /// # Errors
+    /// [`ChannelError::Io`] when the process is out of descriptors.
+    pub fn listener(&self) -> Result<OwnedFd, ChannelError> {
+        self.listener
+            .try_clone()
+            .map_err(|e| ChannelError::io("cannot duplicate the listening socket", e))
     }
 
     /// The socket path.

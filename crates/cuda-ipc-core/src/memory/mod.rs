@@ -57,6 +57,7 @@ pub mod legacy;
 mod owned;
 pub mod pool;
 pub mod vmm;
+mod vmm_adopt;
 mod vmm_sleep;
 
 /// Device memory this process can use: owned, exported or mapped.

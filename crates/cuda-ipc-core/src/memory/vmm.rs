@@ -72,7 +72,7 @@ impl ShareableTypes {
         fabric: true,
     };
 
-    fn to_sys(self) -> HandleType {
+    pub(super) fn to_sys(self) -> HandleType {
         let mut bits = 0;
         if self.posix_fd {
             bits |= HandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0;
@@ -122,14 +122,14 @@ pub fn granularity(device: &Device, types: ShareableTypes) -> Result<u64> {
 /// process and exportable as file descriptors (and fabric handles).
 #[derive(Debug)]
 pub struct VmmBuffer {
-    core: Owned,
-    handle: sys::CUmemGenericAllocationHandle,
-    alloc_size: u64,
-    types: ShareableTypes,
+    pub(super) core: Owned,
+    pub(super) handle: sys::CUmemGenericAllocationHandle,
+    pub(super) alloc_size: u64,
+    pub(super) types: ShareableTypes,
     /// For an allocation taken over from another process
     /// ([`VmmBuffer::adopt_fd`]): the descriptor it came with, which
     /// exports duplicate.
-    adopted: Option<OwnedFd>,
+    pub(super) adopted: Option<OwnedFd>,
 }
 
 impl VmmBuffer {
@@ -178,49 +178,6 @@ impl VmmBuffer {
             alloc_size,
             types,
             adopted: None,
-        })
-    }
-
-    /// Takes over the VMM allocation behind `fd` (`size` bytes: the
-    /// allocation's whole size, a multiple of the granularity), made and
-    /// exported by another process that may be gone: imported, mapped
-    /// read-write here and owned as if this process had made it, released
-    /// on drop (the memory goes when no process holds it any more).
-    /// [`export_fd`](Self::export_fd) then hands out duplicates of `fd`.
-    /// This is how a restarted service takes back the chunks that a keeper
-    /// held while it was down.
-    #[doc(alias = "cuMemImportFromShareableHandle")]
-    pub fn adopt_fd(device: &Device, fd: OwnedFd, size: u64) -> Result<Self> {
-        device.bind()?;
-        let ordinal = device.ordinal() as i32;
-        let types = ShareableTypes::FD;
-        let gran = vmm::granularity(&vmm::device_prop(ordinal, types.to_sys()))?;
-        if size == 0 || !size.is_multiple_of(gran) {
-            return Err(Error::arg(
-                "VMM allocation size",
-                format!(
-                    "{size} bytes is not a positive multiple of the {gran}-byte granularity; \
-                     pass the allocation's size as it was made"
-                ),
-            ));
-        }
-        let len = usize::try_from(size)
-            .map_err(|_| Error::arg("size", format!("{size} bytes is too large")))?;
-        let handle = vmm::import_fd(fd.as_fd())?;
-        let ptr = match map_rw(handle, size, gran, ordinal) {
-            Ok(p) => p,
-            Err(e) => {
-                // SAFETY: imported above, not mapped, released once.
-                let _ = unsafe { vmm::release(handle) };
-                return Err(e);
-            }
-        };
-        Ok(VmmBuffer {
-            core: Owned::new(device, ptr, len),
-            handle,
-            alloc_size: size,
-            types,
-            adopted: Some(fd),
         })
     }
 
@@ -287,7 +244,7 @@ pub(crate) fn export_existing(device: &Device, ptr: u64) -> Result<(OwnedFd, u64
 
 /// Reserves an address range, maps `handle` into it and grants `device`
 /// read-write access; undoes everything on failure.
-fn map_rw(
+pub(super) fn map_rw(
     handle: sys::CUmemGenericAllocationHandle,
     size: u64,
     align: u64,

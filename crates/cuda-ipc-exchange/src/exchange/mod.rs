@@ -132,6 +132,7 @@ mod chunk_cache;
 mod join;
 mod lease;
 mod publisher;
+mod publisher_config;
 mod ring;
 mod ring_attach;
 mod set;
@@ -159,7 +160,8 @@ use crate::channel;
 use crate::error::Result;
 
 pub use budget::MappingBudget;
-pub use publisher::{Publisher, PublisherConfig};
+pub use publisher::Publisher;
+pub use publisher_config::PublisherConfig;
 pub use ring::{RingFrame, RingPublisher, RingSubscriber, RingSync};
 pub use set_attachment::{EntryPlace, SetAttachment};
 pub use set_book::{HIDDEN_ENTRY_PREFIX, TABLE_REF_MIN_BYTES, chunk_entry_name};

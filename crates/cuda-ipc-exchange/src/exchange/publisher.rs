@@ -19,136 +19,13 @@ use crate::set::ArenaId;
 use crate::share::SharedBuffer;
 use crate::sync::event::IpcEvent;
 
+use super::publisher_config::PublisherConfig;
 use super::ring::{RingPublisher, RingSync};
 use super::set_book::PublisherArena;
-use super::sharing::Sharing;
 use super::sync::{self, EntryFences};
 use super::wire::FenceMeta;
 use super::wire::{self, EntryMeta, RingMeta, UpdateBody};
 use super::{Endpoint, lock};
-
-/// How a [`Publisher`] serves: `PublisherConfig::default()`, adjusted with
-/// the `with_` methods.
-#[derive(Clone, Debug, Default)]
-#[non_exhaustive]
-pub struct PublisherConfig {
-    /// User ids allowed to connect besides our own (peer credentials are
-    /// checked on every connection).
-    pub allow_uids: Vec<u32>,
-    /// Publish without GPU-side fences (events only): subscribers that
-    /// cannot open events (their own `/dev/shm`) then cannot attach.
-    pub no_fences: bool,
-    /// How buffers are shared: from an arena (the default, `auto`) or
-    /// each exported on its own ([`Sharing::Isolated`]).
-    pub sharing: Sharing,
-    /// Readers map every set and arena buffer read-only
-    /// ([`Access::ReadOnly`](cuda_ipc_core::Access::ReadOnly)): the set record says
-    /// so, and a subscriber maps it so whatever it asked for (off by
-    /// default; see [`PublisherConfig::with_read_only_readers`]).
-    pub read_only_readers: bool,
-    /// The longest request a client may send, in bytes (`None`: the
-    /// channel's default, 4 KiB; a service that takes layouts in calls
-    /// needs more).
-    pub max_request_bytes: Option<u32>,
-    /// How long a serving thread polls its connection before it sleeps
-    /// (`None`: the channel's default,
-    /// [`DEFAULT_SERVER_SPIN`](crate::channel::DEFAULT_SERVER_SPIN), 50 µs;
-    /// `Duration::ZERO` sleeps at once, which saves a core's worth of
-    /// polling on a busy machine and costs a wake-up per request).
-    pub spin: Option<std::time::Duration>,
-}
-
-impl PublisherConfig {
-    /// Polls this long before sleeping (see [`PublisherConfig::spin`]).
-    #[must_use]
-    pub fn with_spin(mut self, spin: std::time::Duration) -> Self {
-        self.spin = Some(spin);
-        self
-    }
-
-    /// Accepts requests (calls' bodies) of up to `bytes` bytes (at most the
-    /// channel's message limit, 1 MiB).
-    #[must_use]
-    pub fn with_max_request_bytes(mut self, bytes: u32) -> Self {
-        self.max_request_bytes = Some(bytes);
-        self
-    }
-
-    /// Lets processes of these user ids connect too, besides our own.
-    #[must_use]
-    pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
-        self.allow_uids.extend(uids);
-        self
-    }
-
-    /// Whether every publish, update and ring frame also signals a fence
-    /// (on by default; see [`SyncMode`](super::SyncMode)).
-    #[must_use]
-    pub fn with_fences(mut self, on: bool) -> Self {
-        self.no_fences = !on;
-        self
-    }
-
-    /// Shares through an arena (the default) or each buffer on its own.
-    #[must_use]
-    pub fn with_sharing(mut self, sharing: Sharing) -> Self {
-        self.sharing = sharing;
-        self
-    }
-
-    /// Makes readers map what this publisher publishes read-only (`true`)
-    /// or as they ask (`false`, the default). Read-only readers are a
-    /// policy of sets and arena buffers, whose record carries it, from an
-    /// arena of vmm chunks (an `auto` arena then uses vmm): a reader's
-    /// kernel or copy that writes through its mapping fails, and the
-    /// publisher's bytes do not change. Not for [`Publisher::publish`] or
-    /// [`Publisher::ring`], which refuse while it is on. A guard against
-    /// mistakes, not malice: a reader holds the chunks' file descriptors and
-    /// could import them again read-write.
-    #[must_use]
-    pub fn with_read_only_readers(mut self, on: bool) -> Self {
-        self.read_only_readers = on;
-        self
-    }
-
-    /// Checks that the options go together (no driver needed; [`Publisher::bind`]
-    /// calls it first).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for read-only readers with
-    /// [`Sharing::Isolated`] (no set record to carry the policy) or with
-    /// an arena of legacy or pool chunks, which cannot be mapped read-only
-    /// (see [`Mechanism::check_access`]).
-    pub fn validate(&self) -> Result<()> {
-        if !self.read_only_readers {
-            return Ok(());
-        }
-        match &self.sharing {
-            Sharing::Isolated => Err(Error::arg(
-                "read-only readers",
-                "they are a policy of sets, which come from the publisher's arena, but this \
-                 publisher is configured isolated (no arena); configure Sharing::Arena with the \
-                 vmm mechanism, or leave read_only_readers off",
-            )),
-            Sharing::Arena {
-                mechanism: Some(m), ..
-            } => match m.why_not_read_only() {
-                None => Ok(()),
-                Some(why) => Err(Error::arg(
-                    "read-only readers",
-                    format!(
-                        "an arena of {m} chunks cannot be mapped read-only: {why}; use an arena \
-                         of vmm chunks (Sharing::arena(Mechanism::Vmm) or auto; `--mechanism \
-                         vmm` or auto)"
-                    ),
-                )),
-            },
-            Sharing::Arena {
-                mechanism: None, ..
-            } => Ok(()),
-        }
-    }
-}
 
 /// The meta of an entry: the descriptor (which carries the event handle)
 /// and the fence.
@@ -207,6 +84,8 @@ impl Publisher {
         if let Some(spin) = config.spin {
             server_config.spin = spin;
         }
+        server_config.listener.clone_from(&config.listener);
+        server_config.call_handler.clone_from(&config.call_handler);
         for uid in config.allow_uids.iter().copied() {
             if !server_config.allowed_uids.contains(&uid) {
                 server_config.allowed_uids.push(uid);
@@ -543,7 +422,7 @@ impl Publisher {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a publisher configured
-    /// [`Sharing::Isolated`]; the device's errors if it cannot share memory.
+    /// [`Sharing::Isolated`](super::Sharing::Isolated); the device's errors if it cannot share memory.
     pub fn arena(&self) -> Result<&DeviceArena> {
         self.do_arena()
     }

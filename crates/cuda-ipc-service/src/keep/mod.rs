@@ -24,3 +24,14 @@ pub mod store;
 
 pub use keeper::{Keeper, KeeperEvent, KeeperExit, MAX_FAILED_STARTS, MAX_KEPT, exit_text};
 pub use store::Store;
+
+/// Decodes `bytes` as a restarted service decodes a kept catalog image and
+/// encodes what decoded again (for the fuzz target `catalog_image`, which
+/// checks that nothing panics and that the pair round-trips).
+///
+/// # Errors
+/// Why the bytes are not a catalog image this build serves.
+#[doc(hidden)]
+pub fn image_round_trip(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    image::Image::decode(bytes).map(|i| i.encode())
+}

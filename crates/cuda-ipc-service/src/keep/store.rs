@@ -125,6 +125,15 @@ impl Store {
         self.received.iter().map(|(n, _)| n.as_str())
     }
 
+    /// Takes the listening socket handed over at start, if one was.
+    pub(crate) fn take_socket(&mut self) -> Option<OwnedFd> {
+        let at = self
+            .received
+            .iter()
+            .position(|(n, _)| n == super::image::SOCKET_NAME)?;
+        Some(self.received.remove(at).1)
+    }
+
     /// Takes the descriptors handed over at start.
     pub(crate) fn take_received(&mut self) -> Vec<(String, OwnedFd)> {
         std::mem::take(&mut self.received)

@@ -33,7 +33,9 @@
 mod access;
 pub mod admin;
 pub mod catalog;
+mod config;
 mod dispatch;
+mod held;
 #[cfg(test)]
 mod hostile_tests;
 pub mod layout;
@@ -43,9 +45,10 @@ mod write;
 mod writer;
 
 use std::collections::{BTreeSet, HashMap};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::channel::{CallError, CallHandler};
@@ -54,7 +57,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::exchange::{Endpoint, Publisher, PublisherConfig};
 use crate::keep::Store;
-use crate::loader::{LoadedCheckpoint, load_checkpoint_until};
+use crate::loader::load_checkpoint_until;
 
 use admin::{
     AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, DropAnswer, DropRequest, LoadAnswer,
@@ -62,48 +65,11 @@ use admin::{
     WriterRow,
 };
 pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsage, WriterId};
+pub use config::ServiceConfig;
 use dispatch::{Ops, bad_request};
-use layout::Tensor;
+use held::Held;
 pub use persist::Restored;
 pub use writer::Writer;
-
-/// How a [`Service`] runs: `ServiceConfig::default()` and the `with_`
-/// methods.
-#[derive(Clone, Debug, Default)]
-#[non_exhaustive]
-pub struct ServiceConfig {
-    /// Quotas in bytes (default `None`: [`Quotas::for_device`] of the
-    /// service's device, a quarter of its memory for each uid other than
-    /// the service's own; [`Quotas::unlimited`] for none).
-    pub quotas: Option<Quotas>,
-    /// User ids allowed to connect besides the service's own.
-    pub allow_uids: Vec<u32>,
-    /// The loader's options when a load asks for none (streams, staging).
-    pub load: PlanOptions,
-}
-
-impl ServiceConfig {
-    /// Sets the quotas.
-    #[must_use]
-    pub fn with_quotas(mut self, quotas: Quotas) -> Self {
-        self.quotas = Some(quotas);
-        self
-    }
-
-    /// Lets these user ids connect too.
-    #[must_use]
-    pub fn with_allow_uids(mut self, uids: impl IntoIterator<Item = u32>) -> Self {
-        self.allow_uids.extend(uids);
-        self
-    }
-
-    /// Sets the loader's default options.
-    #[must_use]
-    pub fn with_load_options(mut self, options: PlanOptions) -> Self {
-        self.load = options;
-        self
-    }
-}
 
 /// What [`Service::shutdown`] did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,70 +81,6 @@ pub struct ShutdownReport {
     pub held_at_timeout: Vec<(String, Holder)>,
     /// How long it waited for readers.
     pub waited: Duration,
-}
-
-/// The buffers of a set's current version, kept until it is dropped or
-/// replaced, and its layout (what a write session copies).
-struct Held {
-    tensors: Vec<Tensor>,
-    /// Each tensor's place: its buffer (an index into
-    /// [`Held::buffers`]) and its offset there.
-    places: Vec<(usize, u64)>,
-    buffers: HeldBuffers,
-    /// Restarts of the serving process this version was kept through.
-    restarts: u64,
-}
-
-/// A version's buffers: its ranges go back to the arena when they drop.
-enum HeldBuffers {
-    Loaded(LoadedCheckpoint),
-    Written(Vec<crate::arena::DeviceArenaBuffer>),
-}
-
-impl Held {
-    fn loaded(loaded: LoadedCheckpoint) -> Held {
-        Held {
-            tensors: write::tensors_of(&loaded),
-            places: loaded
-                .tensors()
-                .iter()
-                .map(|t| (t.buffer, t.offset))
-                .collect(),
-            buffers: HeldBuffers::Loaded(loaded),
-            restarts: 0,
-        }
-    }
-
-    fn written(tensors: Vec<Tensor>, buffers: Vec<crate::arena::DeviceArenaBuffer>) -> Held {
-        Held {
-            places: (0..tensors.len()).map(|i| (i, 0)).collect(),
-            tensors,
-            buffers: HeldBuffers::Written(buffers),
-            restarts: 0,
-        }
-    }
-
-    /// A version taken back after a restart (its `restarts`-th).
-    fn restored(
-        tensors: Vec<Tensor>,
-        places: Vec<(usize, u64)>,
-        buffers: Vec<crate::arena::DeviceArenaBuffer>,
-        restarts: u64,
-    ) -> Held {
-        Held {
-            tensors,
-            places,
-            buffers: HeldBuffers::Written(buffers),
-            restarts,
-        }
-    }
-
-    fn buffers(&self) -> &[crate::arena::DeviceArenaBuffer] {
-        match &self.buffers {
-            HeldBuffers::Loaded(l) => l.buffers(),
-            HeldBuffers::Written(b) => b,
-        }
-    }
 }
 
 /// The largest call body the service accepts: a new set's layout travels
@@ -252,14 +154,59 @@ impl Service {
         device: &Device,
         endpoint: impl Into<Endpoint>,
         config: ServiceConfig,
-        store: Store,
+        mut store: Store,
     ) -> Result<(Service, Restored)> {
         config.load.validate()?;
-        let publisher_config = PublisherConfig::default()
+        // The handler is the server's from its first connection; calls wait
+        // (on their own connection's thread) until the sets kept through a
+        // restart are served again.
+        let slot: Arc<OnceLock<Weak<Inner>>> = Arc::new(OnceLock::new());
+        let closed = Arc::clone(&slot);
+        let calls = Arc::clone(&slot);
+        let handler = CallHandler::new(move |ctx, method, body| {
+            let Some(inner) = calls.wait().upgrade() else {
+                return Err(CallError::new("stopping", "the service is stopping"));
+            };
+            let caller = WriterId {
+                pid: ctx.peer.pid,
+                uid: ctx.peer.uid,
+                connection: ctx.connection,
+            };
+            dispatch::dispatch(&*inner, caller, method, body)
+        })
+        .on_close(move |connection| {
+            if let Some(inner) = closed.get().and_then(Weak::upgrade) {
+                inner.connection_closed(connection);
+            }
+        });
+        let mut publisher_config = PublisherConfig::default()
             .with_read_only_readers(true)
             .with_max_request_bytes(MAX_CALL_BYTES)
-            .with_allow_uids(config.allow_uids.iter().copied());
+            .with_allow_uids(config.allow_uids.iter().copied())
+            .with_call_handler(handler);
+        // The socket of the process before: clients that connected while
+        // none served wait in its backlog.
+        if let Some(listener) = store.take_socket() {
+            publisher_config = publisher_config.with_listener(listener);
+        }
         let publisher = Publisher::bind(device, endpoint, publisher_config)?;
+        if store.is_kept() && !store.holds(crate::keep::image::SOCKET_NAME) {
+            let kept = publisher
+                .server()
+                .listener()
+                .map_err(Error::from)
+                .and_then(|fd| {
+                    store
+                        .put(crate::keep::image::SOCKET_NAME, fd.as_fd())
+                        .map_err(|e| Error::Io {
+                            context: "cannot keep the listening socket".into(),
+                            source: e,
+                        })
+                });
+            if let Err(e) = kept {
+                tracing::warn!(error = %e, "the listening socket is not kept: clients are refused while the service restarts");
+            }
+        }
         let uid = rustix::process::geteuid().as_raw();
         let quotas = catalog::quotas_or_default(config.quotas, || Ok(device.memory_info()?.1))?;
         let inner = Arc::new(Inner {
@@ -275,27 +222,16 @@ impl Service {
             stop_asked: Mutex::new(false),
             stop_cv: Condvar::new(),
         });
-        let restored = inner.restore()?;
-        inner.persist();
-        let weak: Weak<Inner> = Arc::downgrade(&inner);
-        let closed = Weak::clone(&weak);
-        let handler = CallHandler::new(move |ctx, method, body| {
-            let Some(inner) = weak.upgrade() else {
-                return Err(CallError::new("stopping", "the service is stopping"));
-            };
-            let caller = WriterId {
-                pid: ctx.peer.pid,
-                uid: ctx.peer.uid,
-                connection: ctx.connection,
-            };
-            dispatch::dispatch(&*inner, caller, method, body)
-        })
-        .on_close(move |connection| {
-            if let Some(inner) = closed.upgrade() {
-                inner.connection_closed(connection);
+        let restored = match inner.restore() {
+            Ok(r) => r,
+            Err(e) => {
+                // Calls that wait for the service get `stopping`.
+                let _ = slot.set(Weak::new());
+                return Err(e);
             }
-        });
-        inner.publisher.server().set_call_handler(Some(handler));
+        };
+        inner.persist();
+        let _ = slot.set(Arc::downgrade(&inner));
         tracing::info!(path = %inner.publisher.path().display(), sets = restored.sets.len(), "service serving");
         if let Err(e) = locked(&inner.keeping).store.ready() {
             tracing::warn!(error = %e, "cannot tell the store that the service serves");

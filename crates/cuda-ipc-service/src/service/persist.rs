@@ -33,7 +33,7 @@ impl Keeping {
     }
 }
 
-/// What [`Inner::restore`] served again.
+/// What [`Service::start_kept`](super::Service::start_kept) served again.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Restored {

@@ -3,7 +3,8 @@
 //! the serving process, and it is SIGKILLed at random points of writer
 //! sessions (while the staging version is written, between the commit and
 //! its answer, after the answer) and of readers' attaches, again and
-//! again. Every time, the next serving process must serve the last
+//! again. A client that connects right after each kill must be answered
+//! by the next process, not refused. Every time, the next serving process must serve the last
 //! committed version (a commit whose answer was lost may have landed or
 //! not; never a torn version), checked by content in a fresh reader; and
 //! when the keeper stops, device memory and descriptors are back where
@@ -131,12 +132,32 @@ impl Rng {
     }
 }
 
-fn ls(socket: &Path) -> Option<LsAnswer> {
-    let client = Client::connect(socket, ClientConfig::default()).ok()?;
+fn ls(socket: &Path) -> Result<LsAnswer, String> {
+    let client =
+        Client::connect(socket, ClientConfig::default()).map_err(|e| format!("connect: {e}"))?;
     let answer = client
         .call_within("ls", &json!({}), Duration::from_secs(10))
-        .ok()?;
-    admin::decode("ls", &answer).ok()
+        .map_err(|e| format!("call: {e}"))?;
+    admin::decode("ls", &answer).map_err(|e| format!("answer: {e}"))
+}
+
+/// Waits until process `pid` is dead (gone, or a zombie its parent has not
+/// reaped yet).
+fn wait_gone(pid: u32) {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(10) {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Ok(stat)
+                if !stat
+                    .rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z')) =>
+            {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            _ => return,
+        }
+    }
+    panic!("process {pid} still runs 10 s after SIGKILL");
 }
 
 fn open_fds() -> usize {
@@ -224,6 +245,12 @@ impl Run {
             std::thread::sleep(Duration::from_millis(self.rng.below(400)));
             self.kill();
             drop(r);
+        }
+        // A client that connects while no process serves waits for the
+        // next one (the keeper holds the listening socket): never refused.
+        wait_gone(self.serving);
+        if let Err(e) = ls(&self.socket) {
+            panic!("round {round}: a client that connected while no process served: {e}");
         }
         let (pid, after) = next_ready(&self.events, self.serving);
         self.serving = pid;
