@@ -46,6 +46,7 @@ done
 after=$("$bin" ls --service "$name" --json)
 "$bin" attach --socket "$name" --set model --checkpoint "$work/model.safetensors" 2>&1 | tail -1
 cat "$work/err"
+cat "$work/out"
 python3 - "$before" "$after" "$work/err" <<'PY'
 import json, re, sys
 b, a = json.loads(sys.argv[1])["sets"][0], json.loads(sys.argv[2])["sets"][0]

@@ -89,12 +89,16 @@ pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
         Store::none()
     };
     let stop = stop_flag()?;
+    let began = std::time::Instant::now();
     let device = Device::open(args.device)?;
+    let device_open = began.elapsed();
     let quotas = quotas(args, overrides, &device)?;
     let config = ServiceConfig::default()
         .with_quotas(quotas.clone())
         .with_allow_uids(args.allow_uid.iter().copied());
+    let starting = std::time::Instant::now();
     let (service, restored) = Service::start_kept(&device, Endpoint::Path(path), config, store)?;
+    let started = starting.elapsed();
     let per_uid: serde_json::Map<String, serde_json::Value> = quotas
         .per_uid
         .iter()
@@ -109,6 +113,8 @@ pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
         "read_only": true,
         "pid": std::process::id(),
         "kept": under_store,
+        "device_open_ms": device_open.as_secs_f64() * 1e3,
+        "start_ms": started.as_secs_f64() * 1e3,
         "restored": restored.sets.iter().map(|(s, v)| json!({"set": s, "version": v})).collect::<Vec<_>>(),
     });
     outln!("{line}")?;
