@@ -31,12 +31,14 @@ fn io(context: String) -> impl FnOnce(std::io::Error) -> Error {
 }
 
 /// Runs the keeper until the service stops.
-pub fn keep(socket: &Path) -> Result<Outcome, Error> {
+pub fn keep(socket: &Path, standby: bool) -> Result<Outcome, Error> {
     let path = keeper_path(socket);
-    let mut keeper = Keeper::bind(&path).map_err(io(format!(
-        "cannot bind the keeper's socket {}",
-        path.display()
-    )))?;
+    let mut keeper = Keeper::bind(&path)
+        .map_err(io(format!(
+            "cannot bind the keeper's socket {}",
+            path.display()
+        )))?
+        .with_standby(standby);
     let exe = std::env::current_exe().map_err(io("cannot find this program's file".into()))?;
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
     let stop = Arc::new(AtomicBool::new(false));
@@ -82,6 +84,9 @@ pub fn keep(socket: &Path) -> Result<Outcome, Error> {
                 exit_text(&status),
                 if restart { "; running it again" } else { "" }
             );
+        }
+        KeeperEvent::Standby { pid } => {
+            errln!("cuda-ipc: keeper: standby serving process {pid} waits to take over");
         }
         KeeperEvent::Refused { why } => {
             errln!("cuda-ipc: keeper: refused {why}");

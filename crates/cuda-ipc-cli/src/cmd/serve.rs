@@ -109,6 +109,12 @@ pub struct ServeArgs {
     /// the weights die with the process.
     #[arg(long = "no-keeper")]
     pub no_keeper: bool,
+    /// With --service: keep a standby serving process started ahead, its
+    /// CUDA context made, which takes over at once when the serving one
+    /// dies (milliseconds instead of a process start; it costs a second
+    /// CUDA context's device memory while it waits).
+    #[arg(long, conflicts_with = "no_keeper")]
+    pub standby: bool,
     /// Device ordinal.
     #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,

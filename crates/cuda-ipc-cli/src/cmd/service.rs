@@ -78,8 +78,14 @@ pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
     let overrides = quota_overrides(args)?;
     let under_store = std::env::var_os(NOTIFY_SOCKET).is_some_and(|s| !s.is_empty());
     if !under_store && !args.no_keeper {
-        return super::keeper::keep(&path);
+        return super::keeper::keep(&path, args.standby);
     }
+    // The device first: a standby opens it, then waits in `Store::from_env`
+    // for the descriptors of the process it takes over from.
+    let stop = stop_flag()?;
+    let began = std::time::Instant::now();
+    let device = Device::open(args.device)?;
+    let device_open = began.elapsed();
     let store = if under_store {
         Store::from_env().map_err(|e| Error::Io {
             context: "cannot take over what the keeper holds".into(),
@@ -88,10 +94,6 @@ pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
     } else {
         Store::none()
     };
-    let stop = stop_flag()?;
-    let began = std::time::Instant::now();
-    let device = Device::open(args.device)?;
-    let device_open = began.elapsed();
     let quotas = quotas(args, overrides, &device)?;
     let config = ServiceConfig::default()
         .with_quotas(quotas.clone())

@@ -17,16 +17,13 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use rustix::event::{PollFd, PollFlags, poll};
 use rustix::fs::Mode;
 use rustix::net::{
     AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
     SocketAddrUnix, SocketFlags, SocketType, bind, recvmsg, socket_with,
 };
-use rustix::process::{Pid, PidfdFlags, pidfd_open};
 
 use super::store::{LISTEN_FDNAMES, LISTEN_FDS, LISTEN_PID, NOTIFY_SOCKET};
 
@@ -45,14 +42,21 @@ const MAX_NOTIFICATION: usize = 4096;
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum KeeperEvent {
-    /// The serving process started with this many descriptors.
+    /// A serving process began: started with this many descriptors, or a
+    /// standby that was handed them.
     Started {
         /// Its pid.
         pid: u32,
         /// Descriptors handed to it.
         fds: usize,
     },
-    /// It said it serves (`READY=1`), this long after it started.
+    /// A standby serving process was started ahead, to take over.
+    Standby {
+        /// Its pid.
+        pid: u32,
+    },
+    /// It said it serves (`READY=1`), this long after it started (or, for
+    /// a standby, after it was handed the descriptors).
     Ready {
         /// Its pid.
         pid: u32,
@@ -92,10 +96,12 @@ pub enum KeeperExit {
 /// docs).
 #[derive(Debug)]
 pub struct Keeper {
-    socket: OwnedFd,
+    pub(super) socket: OwnedFd,
     path: PathBuf,
-    kept: Vec<(String, OwnedFd)>,
+    pub(super) kept: Vec<(String, OwnedFd)>,
     uid: u32,
+    /// Whether a standby serving process is kept started ahead.
+    pub(super) standby: bool,
 }
 
 /// Whether `name` is one a store accepts: 1 to 255 printable ASCII
@@ -131,7 +137,24 @@ impl Keeper {
             path: path.to_path_buf(),
             kept: Vec::new(),
             uid: rustix::process::geteuid().as_raw(),
+            standby: false,
         })
+    }
+
+    /// Keeps a standby serving process started ahead (with its CUDA
+    /// context made, which is most of a start: about 0.2 s on an H100),
+    /// waiting for the descriptors: when the one serving dies, the standby
+    /// takes over at once. Costs a second process's context on the device
+    /// while it waits.
+    #[must_use]
+    pub fn with_standby(mut self, on: bool) -> Keeper {
+        self.standby = on;
+        self
+    }
+
+    /// The kept descriptors as [`Keeper::spawn`] takes them.
+    pub(super) fn kept_list(&self) -> Vec<(&str, &OwnedFd)> {
+        self.kept.iter().map(|(n, fd)| (n.as_str(), fd)).collect()
     }
 
     /// The notification socket's path (`$NOTIFY_SOCKET` of the child).
@@ -144,115 +167,20 @@ impl Keeper {
         self.kept.iter().map(|(n, _)| n.as_str()).collect()
     }
 
-    /// Runs `make()` as the serving process with `$NOTIFY_SOCKET` and the
-    /// kept descriptors, and again each time it dies without stopping on
-    /// purpose; keeps what it sends meanwhile. Returns when it stops on
-    /// purpose (exit 0 after `STOPPING=1`; the kept descriptors are closed),
-    /// when `stop` is set (the child gets SIGTERM and is waited for), or
-    /// when it keeps failing before it serves. `upgrade`, when set, kills
-    /// the child (SIGKILL: what it committed is kept, as after a crash) to
-    /// run `make()` again, a new build if the file changed; it is cleared.
-    ///
-    /// # Errors
-    /// Spawning's and the socket's.
-    pub fn supervise(
-        &mut self,
-        make: &mut dyn FnMut() -> Command,
-        stop: &AtomicBool,
-        upgrade: &AtomicBool,
-        events: &mut dyn FnMut(KeeperEvent),
-    ) -> io::Result<KeeperExit> {
-        let mut failed_starts = 0;
-        loop {
-            let mut child = self.spawn(&mut make())?;
-            let pid = child.id();
-            let started = Instant::now();
-            events(KeeperEvent::Started {
-                pid,
-                fds: self.kept.len(),
-            });
-            let pidfd = pidfd_open(
-                Pid::from_raw(pid as i32).ok_or_else(|| io::Error::other("pid 0"))?,
-                PidfdFlags::empty(),
-            )?;
-            let mut ready = false;
-            let mut stopping = false;
-            let mut asked_to_stop = false;
-            let status = loop {
-                if stop.load(Ordering::SeqCst) && !asked_to_stop {
-                    asked_to_stop = true;
-                    let _ = rustix::process::kill_process(
-                        Pid::from_child(&child),
-                        rustix::process::Signal::TERM,
-                    );
-                }
-                if upgrade.swap(false, Ordering::SeqCst) {
-                    let _ = child.kill();
-                }
-                let mut fds = [
-                    PollFd::new(&self.socket, PollFlags::IN),
-                    PollFd::new(&pidfd, PollFlags::IN),
-                ];
-                match poll(
-                    &mut fds,
-                    Some(&rustix::time::Timespec {
-                        tv_sec: 0,
-                        tv_nsec: 100_000_000,
-                    }),
-                ) {
-                    Ok(_) | Err(rustix::io::Errno::INTR) => {}
-                    Err(e) => return Err(e.into()),
-                }
-                // Notifications first: those sent just before an exit count.
-                while let Some(n) = self.receive(pid, events)? {
-                    if n.ready && !ready {
-                        ready = true;
-                        failed_starts = 0;
-                        events(KeeperEvent::Ready {
-                            pid,
-                            after: started.elapsed(),
-                        });
-                    }
-                    stopping |= n.stopping;
-                }
-                if let Some(status) = child.try_wait()? {
-                    break status;
-                }
-            };
-            let on_purpose = asked_to_stop || (stopping && status.success());
-            if !ready {
-                failed_starts += 1;
-            }
-            // Exit 2 is a bad option or argument: running it again would not help.
-            let gave_up = !on_purpose
-                && (failed_starts >= MAX_FAILED_STARTS || (!ready && status.code() == Some(2)));
-            events(KeeperEvent::Exited {
-                pid,
-                status,
-                restart: !on_purpose && !gave_up,
-            });
-            if on_purpose {
-                self.kept.clear();
-                return Ok(KeeperExit::Stopped(status));
-            }
-            if gave_up {
-                self.kept.clear();
-                return Ok(KeeperExit::GaveUp(status));
-            }
-            reap(&mut child);
-        }
-    }
-
-    /// Starts `command` with `$NOTIFY_SOCKET` and the kept descriptors as
-    /// 3, 4, ... named in `$LISTEN_FDNAMES`.
-    fn spawn(&self, command: &mut Command) -> io::Result<Child> {
-        let names: Vec<&str> = self.names();
+    /// Starts `command` with `$NOTIFY_SOCKET` and `fds` as 3, 4, ...
+    /// named in `$LISTEN_FDNAMES`.
+    pub(super) fn spawn(
+        &self,
+        command: &mut Command,
+        fds: &[(&str, &OwnedFd)],
+    ) -> io::Result<Child> {
+        let names: Vec<&str> = fds.iter().map(|(n, _)| *n).collect();
         command
             .env(NOTIFY_SOCKET, &self.path)
             .env(LISTEN_FDS, names.len().to_string())
             .env(LISTEN_FDNAMES, names.join(":"))
             .env_remove(LISTEN_PID);
-        let sources: Vec<RawFd> = self.kept.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+        let sources: Vec<RawFd> = fds.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
         let mut scratch: Vec<RawFd> = vec![-1; sources.len()];
         let above = sources
             .iter()
@@ -287,7 +215,7 @@ impl Keeper {
     }
 
     /// Reads one notification if one waits: `None` when none does.
-    fn receive(
+    pub(super) fn receive(
         &mut self,
         child: u32,
         events: &mut dyn FnMut(KeeperEvent),
@@ -366,20 +294,15 @@ impl Keeper {
     }
 }
 
-/// Waits for a child that has exited (its status was read by `try_wait`).
-fn reap(child: &mut Child) {
-    let _ = child.wait();
-}
-
 /// What a notification says (the keys a keeper acts on: one flag each).
 #[derive(Debug, Default)]
 #[allow(clippy::struct_excessive_bools)]
-struct Notification {
+pub(super) struct Notification {
     store: bool,
     remove: bool,
     name: Option<String>,
-    ready: bool,
-    stopping: bool,
+    pub(super) ready: bool,
+    pub(super) stopping: bool,
 }
 
 impl Notification {

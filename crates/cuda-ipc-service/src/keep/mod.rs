@@ -18,9 +18,11 @@
 //! short by the crash), so it serves the last committed version, never a
 //! torn one.
 
+mod handover;
 pub(crate) mod image;
 mod keeper;
 pub mod store;
+mod supervise;
 
 pub use keeper::{Keeper, KeeperEvent, KeeperExit, MAX_FAILED_STARTS, MAX_KEPT, exit_text};
 pub use store::Store;

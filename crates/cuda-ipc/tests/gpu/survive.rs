@@ -293,29 +293,47 @@ impl Run {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn the_service_serves_the_last_committed_version_after_every_kill() {
+    let test = test_name!("the_service_serves_the_last_committed_version_after_every_kill");
+    kill_rounds(&test, 200, false);
+}
+
+/// The same with a standby serving process started ahead, which takes
+/// over when the serving one is killed (half the rounds).
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_standby_takes_over_with_the_last_committed_version_after_every_kill() {
+    let test = test_name!("a_standby_takes_over_with_the_last_committed_version_after_every_kill");
+    kill_rounds(&test, 100, true);
+}
+
+/// Runs `rounds` kill rounds (`CUDA_IPC_KILL_ROUNDS` instead, if set)
+/// under a keeper, with a standby or not (see the module docs).
+fn kill_rounds(test: &str, rounds: u32, standby: bool) {
     match role().as_deref() {
         Some("served") => return served(),
         Some("writer") => return writer(),
         Some("reader") => return reader(),
         _ => {}
     }
-    let test = test_name!("the_service_serves_the_last_committed_version_after_every_kill");
+    let test = test.to_string();
     let rounds: u32 = std::env::var(ROUNDS_ENV)
         .ok()
         .and_then(|r| r.parse().ok())
-        .unwrap_or(200);
+        .unwrap_or(rounds);
     let seed0 = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos() as u64
         | 1;
-    println!("kill rounds: {rounds}, random seed {seed0}");
+    println!("kill rounds: {rounds}, standby: {standby}, random seed {seed0}");
     let device = Device::open(0).unwrap();
     let free_before = free_memory(&device);
     let fds_before = open_fds();
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("svc.sock");
-    let mut keeper = Keeper::bind(&dir.path().join("keeper.sock")).unwrap();
+    let mut keeper = Keeper::bind(&dir.path().join("keeper.sock"))
+        .unwrap()
+        .with_standby(standby);
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, events) = mpsc::channel();
     let keeping = {
