@@ -6,10 +6,13 @@
 # version (`ls`), with every byte equal to the file's (`attach
 # --checkpoint`). Prints the keeper's log and one summary line.
 #
-#   scripts/gpu-keeper-takeover.sh CUDA_IPC_BINARY [GB]
+#   scripts/gpu-keeper-takeover.sh CUDA_IPC_BINARY [GB [SERVE OPTIONS ...]]
+#
+# (for instance `... 4.4 --standby`: a standby started ahead takes over).
 set -euo pipefail
 bin=$1
 gb=${2:-4.4}
+shift $(( $# > 1 ? 2 : 1 ))
 work=$(mktemp -d)
 keeper=
 trap '[ -n "$keeper" ] && kill -TERM "$keeper" 2>/dev/null; wait "$keeper" 2>/dev/null; rm -rf "$work"' EXIT
@@ -31,11 +34,12 @@ with open(path, "wb") as f:
         f.write((block * (each // 4096 + 1))[:each])
 PY
 name=keeper-takeover-$$
-"$bin" serve --service "$name" > "$work/out" 2> "$work/err" &
+"$bin" serve --service "$name" "$@" > "$work/out" 2> "$work/err" &
 keeper=$!
 for _ in $(seq 100); do "$bin" ls --service "$name" >/dev/null 2>&1 && break; sleep 0.1; done
 "$bin" load --service "$name" --set model "$work/model.safetensors" 2>&1 | tail -1
 before=$("$bin" ls --service "$name" --json)
+sleep 1  # a standby, if asked for, has opened its device by now
 serving=$("$bin" stats --service "$name" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["pid"])')
 kill -KILL "$serving"
 for _ in $(seq 200); do
