@@ -362,6 +362,59 @@ mod tests {
         }
     }
 
+    /// Sends `text` with `fds` to the keeper at `path`, as a serving
+    /// process does.
+    fn notify(path: &Path, text: &str, fds: &[std::os::fd::BorrowedFd<'_>]) {
+        let sock = socket_with(
+            AddressFamily::UNIX,
+            SocketType::DGRAM,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+        let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
+        assert!(control.push(rustix::net::SendAncillaryMessage::ScmRights(fds)));
+        rustix::net::sendmsg_addr(
+            &sock,
+            &SocketAddrUnix::new(path).unwrap(),
+            &[io::IoSlice::new(text.as_bytes())],
+            &mut control,
+            rustix::net::SendFlags::empty(),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn descriptors_are_kept_only_from_the_serving_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k.sock");
+        let mut keeper = Keeper::bind(&path).unwrap();
+        let memfd = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let me = std::process::id();
+        let mut refused = Vec::new();
+        // From another process than the one it serves: refused, closed.
+        notify(&path, "FDSTORE=1\nFDNAME=chunk.0\n", &[memfd.as_fd()]);
+        let n = keeper
+            .receive(me + 1, &mut |e| refused.push(format!("{e:?}")))
+            .unwrap();
+        assert!(n.is_some() && keeper.names().is_empty(), "{refused:?}");
+        assert!(
+            refused[0].contains("not the serving process"),
+            "{refused:?}"
+        );
+        // From it: kept; a bad name is refused; a removal lets go.
+        notify(&path, "FDSTORE=1\nFDNAME=chunk.0\n", &[memfd.as_fd()]);
+        notify(&path, "FDSTORE=1\nFDNAME=a:b\n", &[memfd.as_fd()]);
+        let mut events = |e: KeeperEvent| refused.push(format!("{e:?}"));
+        while keeper.receive(me, &mut events).unwrap().is_some() {}
+        assert_eq!(keeper.names(), ["chunk.0"]);
+        assert!(refused[1].contains("without a valid FDNAME"), "{refused:?}");
+        notify(&path, "FDSTOREREMOVE=1\nFDNAME=chunk.0\n", &[]);
+        while keeper.receive(me, &mut |_| {}).unwrap().is_some() {}
+        assert!(keeper.names().is_empty());
+    }
+
     #[test]
     fn a_keeper_binds_a_private_socket_and_replaces_a_stale_one() {
         let dir = tempfile::tempdir().unwrap();
