@@ -1,15 +1,13 @@
-//! How a [`Publisher`] serves: [`PublisherConfig`].
+//! How a [`Publisher`](super::Publisher) serves: [`PublisherConfig`].
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
-#[allow(unused_imports)] // for the documentation's links
-use super::Publisher;
 use super::sharing::Sharing;
 
-/// How a [`Publisher`] serves: `PublisherConfig::default()`, adjusted with
+/// How a [`Publisher`](super::Publisher) serves: `PublisherConfig::default()`, adjusted with
 /// the `with_` methods.
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
@@ -110,8 +108,8 @@ impl PublisherConfig {
     /// policy of sets and arena buffers, whose record carries it, from an
     /// arena of vmm chunks (an `auto` arena then uses vmm): a reader's
     /// kernel or copy that writes through its mapping fails, and the
-    /// publisher's bytes do not change. Not for [`Publisher::publish`] or
-    /// [`Publisher::ring`], which refuse while it is on. A guard against
+    /// publisher's bytes do not change. Not for [`Publisher::publish`](super::Publisher::publish) or
+    /// [`Publisher::ring`](super::Publisher::ring), which refuse while it is on. A guard against
     /// mistakes, not malice: a reader holds the chunks' file descriptors and
     /// could import them again read-write.
     #[must_use]
@@ -120,7 +118,7 @@ impl PublisherConfig {
         self
     }
 
-    /// Checks that the options go together (no driver needed; [`Publisher::bind`]
+    /// Checks that the options go together (no driver needed; [`Publisher::bind`](super::Publisher::bind)
     /// calls it first).
     ///
     /// # Errors

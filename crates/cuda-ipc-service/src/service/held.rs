@@ -3,7 +3,6 @@
 //! through.
 
 use super::layout::Tensor;
-use super::write;
 use crate::loader::LoadedCheckpoint;
 
 /// The buffers of a set's current version, kept until it is dropped or
@@ -27,7 +26,7 @@ enum HeldBuffers {
 impl Held {
     pub(super) fn loaded(loaded: LoadedCheckpoint) -> Held {
         Held {
-            tensors: write::tensors_of(&loaded),
+            tensors: tensors_of(&loaded),
             places: loaded
                 .tensors()
                 .iter()
@@ -71,4 +70,18 @@ impl Held {
             HeldBuffers::Written(b) => b,
         }
     }
+}
+
+/// The layout of a loaded checkpoint's tensors.
+fn tensors_of(loaded: &crate::loader::LoadedCheckpoint) -> Vec<Tensor> {
+    loaded
+        .tensors()
+        .iter()
+        .map(|t| Tensor {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            bytes: t.len,
+        })
+        .collect()
 }

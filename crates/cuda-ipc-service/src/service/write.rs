@@ -373,17 +373,3 @@ impl Kept {
         }
     }
 }
-
-/// The layout of a loaded checkpoint's tensors.
-pub(super) fn tensors_of(loaded: &crate::loader::LoadedCheckpoint) -> Vec<Tensor> {
-    loaded
-        .tensors()
-        .iter()
-        .map(|t| Tensor {
-            name: t.name.clone(),
-            dtype: t.dtype,
-            shape: t.shape.clone(),
-            bytes: t.len,
-        })
-        .collect()
-}
