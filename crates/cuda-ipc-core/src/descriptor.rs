@@ -388,13 +388,6 @@ impl Descriptor {
         self
     }
 
-    /// Strides in elements, one per dimension of the shape.
-    #[must_use]
-    pub fn with_strides(mut self, strides: Vec<u64>) -> Self {
-        self.strides = Some(strides);
-        self
-    }
-
     /// The interprocess event recorded after the exporter's writes.
     #[must_use]
     pub fn with_event(mut self, event: IpcEventHandle) -> Self {

@@ -78,8 +78,7 @@ pub(crate) mod sealed {
         /// What the mapping's release waits for: the work queued so far on
         /// every recorded stream and on `also` or, after uses on other
         /// streams, on every stream of `also`'s context.
-        #[doc(hidden)]
-        pub fn uses(&self, also: &Arc<CudaStream>) -> UsesOf {
+        pub(crate) fn uses(&self, also: &Arc<CudaStream>) -> UsesOf {
             let mut streams = self.snapshot();
             streams.push(also.clone());
             self.foreign.uses(also.context(), &streams)
@@ -129,15 +128,22 @@ pub(crate) mod sealed {
 
 pub(crate) use sealed::UsedStreams;
 
-/// What the release of `mappings` waits for (each mapping's
-/// [`UsedStreams::uses`] together).
+/// Retires `finish`, which is given `mappings` back, to the
+/// [reaper](crate::reaper) until the work queued so far through them has
+/// finished (each mapping's streams, or its whole context after uses on
+/// streams not its own). Never waits.
 #[doc(hidden)]
-pub fn uses_of(mappings: &[Arc<dyn Mapping>]) -> UsesOf {
-    mappings
+pub fn retire_after_uses(
+    mappings: Vec<Arc<dyn Mapping>>,
+    what: &'static str,
+    finish: impl FnOnce(Vec<Arc<dyn Mapping>>) + Send + 'static,
+) {
+    let uses = mappings
         .iter()
         .map(|m| m.used_streams().uses(m.device().stream()))
         .reduce(UsesOf::merge)
-        .unwrap_or(UsesOf::Streams(Vec::new()))
+        .unwrap_or(UsesOf::Streams(Vec::new()));
+    uses.retire(what, move || finish(mappings));
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -354,21 +360,10 @@ impl<T: Pod> MappedBuffer<T> {
         self.offset
     }
 
-    /// The mapping underneath (borrowed: a view that holds a lease lends
-    /// no way to make views without it).
-    pub fn mapping(&self) -> &dyn Mapping {
-        &*self.mapping
-    }
-
-    /// Whether the memory is mapped read-only ([`Mapping::read_only`]):
-    /// writing through this view (a kernel, a copy into it) fails.
-    pub fn read_only(&self) -> bool {
-        self.mapping.read_only()
-    }
-
-    /// The mapping underneath, shared.
-    #[doc(hidden)]
-    pub fn mapping_arc(&self) -> &Arc<dyn Mapping> {
+    /// The mapping underneath, shared with every view of it; its
+    /// [`Mapping::read_only`] says whether writing through this view (a
+    /// kernel, a copy into it) fails.
+    pub fn mapping(&self) -> &Arc<dyn Mapping> {
         &self.mapping
     }
 

@@ -393,8 +393,7 @@ pub fn order_streams<'a, M: DeviceMemory + ?Sized>(
 }
 
 /// What a release waits for before it runs (see [`ForeignUse::uses`]).
-#[doc(hidden)]
-pub enum UsesOf {
+pub(crate) enum UsesOf {
     /// The work queued so far on these streams.
     Streams(Vec<Arc<CudaStream>>),
     /// The work queued so far on every stream of the context.
@@ -403,9 +402,8 @@ pub enum UsesOf {
 
 impl UsesOf {
     /// What a release of both waits for.
-    #[doc(hidden)]
     #[must_use]
-    pub fn merge(self, other: UsesOf) -> UsesOf {
+    pub(crate) fn merge(self, other: UsesOf) -> UsesOf {
         match (self, other) {
             (UsesOf::Context(c), _) | (_, UsesOf::Context(c)) => UsesOf::Context(c),
             (UsesOf::Streams(mut a), UsesOf::Streams(b)) => {
@@ -417,7 +415,7 @@ impl UsesOf {
 
     /// Retires `finish` to the [reaper](crate::sync::reaper) until that work has
     /// finished. Never waits.
-    pub fn retire(self, what: &'static str, finish: impl FnOnce() + Send + 'static) {
+    pub(crate) fn retire(self, what: &'static str, finish: impl FnOnce() + Send + 'static) {
         match self {
             UsesOf::Streams(streams) => crate::sync::reaper::after_streams(&streams, what, finish),
             UsesOf::Context(ctx) => crate::sync::reaper::after_context(&ctx, what, finish),

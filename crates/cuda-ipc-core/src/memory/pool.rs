@@ -315,7 +315,7 @@ impl ImportedPool {
     /// Imports one allocation of the pool, of `size` bytes (the exporter's
     /// allocation size, used for bounds checks).
     #[doc(alias = "cuMemPoolImportPointer")]
-    pub fn import_pointer(
+    pub(crate) fn import_pointer(
         self: &Arc<Self>,
         data: PoolPtrHandle,
         size: u64,

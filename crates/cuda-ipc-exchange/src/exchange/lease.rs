@@ -156,7 +156,7 @@ impl Drop for LeaseGuard {
         }
         let mappings = std::mem::take(&mut *lock(&self.mappings));
         let (client, pending, lease) = (self.client.clone(), self.pending.clone(), self.lease);
-        crate::memory::buffer::uses_of(&mappings).retire("releasing a lease", move || {
+        crate::memory::buffer::retire_after_uses(mappings, "releasing a lease", move |mappings| {
             crate::sync::reaper::work_done(|| drop(mappings));
             let released = client.release_nowait(lease);
             // After the release (see `end`).

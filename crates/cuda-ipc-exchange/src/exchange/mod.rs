@@ -75,7 +75,7 @@
 //! it attaches ([`SubscriberConfig::with_access`]) or for one set
 //! ([`Subscriber::attach_set_with`]). [`SetAttachment::read_only`],
 //! [`Attachment::read_only`] and each view's
-//! [`MappedBuffer::read_only`](cuda_ipc_core::MappedBuffer::read_only) say how it
+//! [`Mapping::read_only`](cuda_ipc_core::Mapping::read_only) say how it
 //! is mapped. A read-only and a read-write mapping of one chunk are cached
 //! apart. Only VMM memory can be mapped read-only: a publisher with
 //! read-only readers refuses legacy and pool arenas, isolated buffers

@@ -163,7 +163,7 @@ impl<T: Pod> Attachment<T> {
     /// [`SubscriberConfig::access`], or an arena buffer whose publisher
     /// asks for read-only readers): writing through it fails.
     pub fn read_only(&self) -> bool {
-        self.buffer.read_only()
+        self.buffer.mapping().read_only()
     }
 }
 
@@ -422,7 +422,7 @@ impl Subscriber {
                     &self.pending,
                     a.lease,
                     a.name.clone(),
-                    vec![buffer.mapping_arc().clone()],
+                    vec![buffer.mapping().clone()],
                 );
                 Ok(Attachment {
                     lease: a.lease,
