@@ -11,7 +11,7 @@
 //!   grouped by area, the fence's stream memory operations included.
 //!
 //! The owning types above ([`device`](crate::device),
-//! [`memory`](crate::memory), [`sync`](crate::sync)) call `result`; nothing
+//! [`memory`](crate::memory), [`event`](crate::event)) call `result`; nothing
 //! here imports them.
 //!
 //! # Loading

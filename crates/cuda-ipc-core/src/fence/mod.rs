@@ -48,7 +48,7 @@
 //! - **Dropping a block never waits, and never frees words a stream still
 //!   uses.** [`Fence::signal`] and [`FenceMapping::wait`] record the stream
 //!   they queue on; dropping the [`Fence`] or the [`FenceMapping`] retires
-//!   the words to the [reaper](crate::sync::reaper) until every such stream has
+//!   the words to the [reaper](crate::reaper) until every such stream has
 //!   passed the work queued so far. A wait that never ends (a producer that
 //!   died without signalling, and no [`FenceMapping::abandon`]) keeps the
 //!   words mapped, and the reaper logs it.
@@ -88,7 +88,7 @@
 //! exchange's messages.
 //!
 //! # Layer
-//! The fence orders work like the events of [`sync`](crate::sync), but it
+//! The fence orders work like the [`event`](crate::event)s, but it
 //! is not in that folder: device words are a
 //! [`SharedBuffer`](crate::share::SharedBuffer), opened with
 //! [`share::open_mapping`](crate::share::open_mapping), and `share` itself

@@ -6,7 +6,7 @@
 //! [`MappedBuffer`] always lies inside memory the driver mapped. Every view
 //! (clones, slices, casts) keeps the mapping alive, and a mapping records the
 //! streams its views were given ([`MappedBuffer::with_stream`]): when the
-//! last reference goes, the unmap is retired to the [reaper](crate::sync::reaper)
+//! last reference goes, the unmap is retired to the [reaper](crate::reaper)
 //! until every one of them has finished the work queued so far, so no
 //! queued work uses the range after it is gone, and no drop waits. A view
 //! made by the exchange layer also holds its lease, which ends (the same
@@ -84,7 +84,7 @@ pub(crate) mod sealed {
             self.foreign.uses(also.context(), &streams)
         }
 
-        /// Retires `finish` to the [reaper](crate::sync::reaper) until the work
+        /// Retires `finish` to the [reaper](crate::reaper) until the work
         /// [`UsedStreams::uses`] names has finished. Never waits.
         #[doc(hidden)]
         pub fn retire(

@@ -12,7 +12,7 @@
 //! - this module: [`DeviceMemory`], what every piece of memory offers.
 //!
 //! The folder imports the driver layer, [`device`](crate::device), the
-//! [reaper](crate::sync::reaper) (drops retire their unmaps and frees there),
+//! [reaper](crate::reaper) (drops retire their unmaps and frees there),
 //! and the plain-data modules ([`handle`](crate::handle),
 //! [`units`](crate::units), [`error`](crate::error), the mechanism word);
 //! never [`share`](crate::share), the descriptor or anything above them.
@@ -413,7 +413,7 @@ impl UsesOf {
         }
     }
 
-    /// Retires `finish` to the [reaper](crate::sync::reaper) until that work has
+    /// Retires `finish` to the [reaper](crate::reaper) until that work has
     /// finished. Never waits.
     pub(crate) fn retire(self, what: &'static str, finish: impl FnOnce() + Send + 'static) {
         match self {

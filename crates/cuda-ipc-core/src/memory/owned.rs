@@ -69,7 +69,7 @@ impl Owned {
     }
 
     /// Retires `finish` (the release of the memory) to the
-    /// [reaper](crate::sync::reaper) until the work queued so far on the
+    /// [reaper](crate::reaper) until the work queued so far on the
     /// memory's stream and on the device's stream has finished (after uses
     /// on other streams: on every stream of the device's context). Never
     /// waits.

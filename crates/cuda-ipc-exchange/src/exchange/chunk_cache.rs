@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
+use crate::Access;
 use crate::arena::ChunkId;
 use crate::channel::{self, ChannelError};
-use crate::mechanism::Access;
 use crate::memory::buffer::{Mapping, retire_after_uses};
 
 use super::budget::{Held, LruCache};
@@ -24,7 +24,7 @@ impl CachedChunk {
         let CachedChunk { mapping, lease } = self;
         let client = client.clone();
         retire_after_uses(vec![mapping], "unmapping an idle chunk", move |mappings| {
-            crate::sync::reaper::work_done(|| drop(mappings));
+            crate::reaper::work_done(|| drop(mappings));
             if let Err(e) = client.release_nowait(lease)
                 && !matches!(e, ChannelError::PeerGone)
             {

@@ -3,8 +3,8 @@
 
 use super::lease::LeaseGuard;
 use super::sync::Waiter;
+use crate::Access;
 use crate::error::{Error, Result};
-use crate::mechanism::Access;
 use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::set::{NameIndex, SetEntry, SetRecord};
 use bytemuck::Pod;
