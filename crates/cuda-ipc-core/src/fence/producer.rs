@@ -97,23 +97,8 @@ impl Fence {
         })
     }
 
-    /// The number of sequence words.
-    pub fn words(&self) -> u32 {
-        self.count
-    }
-
-    /// The block's identity on the wire (for device words, its
-    /// allocation's generation).
-    pub fn id(&self) -> u64 {
-        self.id
-    }
-
-    /// Whether the words live in host memory ([`Fence::new_host`]).
-    pub fn is_host(&self) -> bool {
-        matches!(*self.words, Words::Host(_))
-    }
-
-    /// The mechanism a device block is shared with (`None` for host words).
+    /// The mechanism a device block is shared with (`None` for host words,
+    /// [`Fence::new_host`]).
     pub fn mechanism(&self) -> Option<Mechanism> {
         match &*self.words {
             Words::Device(b) => Some(b.mechanism()),
@@ -166,7 +151,7 @@ impl Fence {
         check_word(word, self.count)?;
         check_seq(seq)?;
         Ok(FenceRef {
-            block: self.id(),
+            block: self.id,
             word,
             seq,
         })

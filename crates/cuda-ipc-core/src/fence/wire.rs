@@ -166,7 +166,8 @@ impl FenceBlock {
         self.words
     }
 
-    /// The block's identity ([`Fence::id`](super::Fence::id) in the producer).
+    /// The block's identity (for device words, its allocation's generation),
+    /// which every [`FenceRef`] to it names.
     pub fn id(&self) -> u64 {
         match &self.placement {
             Placement::Device(d) => d.generation.unwrap_or_default(),

@@ -356,7 +356,7 @@ impl Waiter {
                 host_only: true,
                 mapping,
                 ..
-            } if mapping.is_host()
+            } if mapping.block().is_host()
         )
     }
 
