@@ -91,7 +91,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use handle::{FabricHandle, Handle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
 pub use legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 pub use mechanism::Access;
-pub use memory::DeviceMemory;
+pub use memory::{DeviceMemory, WithStream};
 /// The memory layer's modules, also at the crate root.
 pub use memory::{buffer, legacy, pool, vmm};
 pub use sync::event::IpcEvent;

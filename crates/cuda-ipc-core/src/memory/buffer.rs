@@ -31,7 +31,7 @@ use cudarc::driver::CudaStream;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mechanism::Mechanism;
-use crate::memory::{DeviceMemory, UsesOf, impl_cudarc_traits};
+use crate::memory::{DeviceMemory, UsesOf, WithStream, impl_cudarc_traits};
 
 pub(crate) mod sealed {
     use std::sync::Arc;
@@ -367,19 +367,6 @@ impl<T: Pod> MappedBuffer<T> {
         &self.mapping
     }
 
-    /// Uses `stream` for this view's copies and kernels; work queued
-    /// before the switch stays ordered before work queued after it (the
-    /// new stream waits on an event). An [`Error::InvalidArgument`]
-    /// when `stream` belongs to another context than the device's primary
-    /// one, where the memory lives. The mapping (and the lease) wait for
-    /// `stream` too before they go.
-    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
-        let current = self.mapping.used_streams().foreign().order(&self.stream);
-        self.stream = crate::memory::switch_stream(self.mapping.device(), current, stream)?;
-        self.mapping.used_streams().record(&self.stream);
-        Ok(self)
-    }
-
     /// Makes this view (and every view made from it) keep `hold` alive.
     #[doc(hidden)]
     #[must_use]
@@ -413,6 +400,15 @@ impl<T: Pod> MappedBuffer<T> {
         b.stream.clone_from(&self.stream);
         b.hold.clone_from(&self.hold);
         Ok(b)
+    }
+}
+
+impl<T: Pod> WithStream for MappedBuffer<T> {
+    fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
+        let current = self.mapping.used_streams().foreign().order(&self.stream);
+        self.stream = crate::memory::switch_stream(self.mapping.device(), current, stream)?;
+        self.mapping.used_streams().record(&self.stream);
+        Ok(self)
     }
 }
 

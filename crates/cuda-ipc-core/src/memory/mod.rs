@@ -256,6 +256,24 @@ pub unsafe trait DeviceMemory {
     }
 }
 
+/// Memory of this crate whose copies and kernels can move to another stream
+/// of the device's primary context: [`LegacyBuffer`](legacy::LegacyBuffer),
+/// [`VmmBuffer`](vmm::VmmBuffer), [`PoolBuffer`](pool::PoolBuffer),
+/// [`SharedBuffer`](crate::share::SharedBuffer) and
+/// [`MappedBuffer`](buffer::MappedBuffer).
+pub trait WithStream: DeviceMemory + Sized {
+    /// Uses `stream` for this memory's copies and kernels (and, for a
+    /// [`PoolBuffer`](pool::PoolBuffer), its free); work queued before the switch stays
+    /// ordered before work queued after it (the new stream waits on an
+    /// event). A mapping (and a lease a view holds) waits for `stream` too
+    /// before it goes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `stream` belongs to another context
+    /// than the device's primary one, where the memory lives.
+    fn with_stream(self, stream: Arc<CudaStream>) -> Result<Self>;
+}
+
 /// A byte range of some [`DeviceMemory`], itself usable as device memory
 /// (made by [`DeviceMemory::region`]).
 #[derive(Debug)]

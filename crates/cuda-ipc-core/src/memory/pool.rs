@@ -225,12 +225,6 @@ impl PoolBuffer {
 // fields (its device is the pool's).
 owned_buffer! {
     unsafe PoolBuffer;
-    /// Uses `stream` for this buffer's copies, kernels and free; work queued
-    /// before the switch stays ordered before work queued after it (the
-    /// new stream waits on an event). An [`Error::InvalidArgument`]
-    /// when `stream` belongs to another context than the device's primary
-    /// one, where the memory lives.
-    with_stream;
 }
 
 impl Drop for PoolBuffer {

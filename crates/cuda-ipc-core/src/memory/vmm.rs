@@ -364,12 +364,6 @@ pub(super) unsafe fn set_access(
 // fields.
 owned_buffer! {
     unsafe VmmBuffer;
-    /// Uses `stream` for this buffer's copies and kernels; work queued
-    /// before the switch stays ordered before work queued after it (the
-    /// new stream waits on an event). An [`Error::InvalidArgument`]
-    /// when `stream` belongs to another context than the device's primary
-    /// one, where the memory lives.
-    with_stream;
 }
 
 impl Drop for VmmBuffer {
