@@ -256,7 +256,7 @@ pub enum Source {
 
 impl Source {
     /// The mechanism.
-    pub fn mechanism(&self) -> Mechanism {
+    pub(crate) fn mechanism(&self) -> Mechanism {
         match self {
             Source::Legacy { .. } => Mechanism::Legacy,
             Source::Vmm { .. } => Mechanism::Vmm,

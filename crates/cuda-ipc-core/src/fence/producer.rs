@@ -50,7 +50,7 @@ impl Fence {
     /// # Errors
     /// [`Error::Unsupported`] when the device has no 64-bit stream memory
     /// operations or cannot share memory that way;
-    /// [`Error::InvalidArgument`] for 0 words or more than [`MAX_WORDS`].
+    /// [`Error::InvalidArgument`] for 0 words or more than 2^16 (65,536).
     pub fn new(device: &Device, words: u32, mechanism: Option<Mechanism>) -> Result<Self> {
         check_count(words)?;
         check_support(device)?;
@@ -164,7 +164,7 @@ impl Fence {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `word` is out of range, or `seq` is 0,
-    /// above [`MAX_SEQ`](super::MAX_SEQ) or not above the word's previous signal (one
+    /// above 2^62 - 1 or not above the word's previous signal (one
     /// writer, increasing numbers). A driver error (the stream's context
     /// is broken) spends the number all the same: the next signal on the
     /// word must use a larger one.

@@ -133,7 +133,7 @@ impl IpcEvent {
     }
 
     /// The raw event, for use with other libraries. Do not destroy it.
-    pub fn cu_event(&self) -> sys::CUevent {
+    pub(crate) fn cu_event(&self) -> sys::CUevent {
         self.event
     }
 }
