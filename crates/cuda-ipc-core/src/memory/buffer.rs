@@ -360,10 +360,16 @@ impl<T: Pod> MappedBuffer<T> {
         self.offset
     }
 
-    /// The mapping underneath, shared with every view of it; its
-    /// [`Mapping::read_only`] says whether writing through this view (a
-    /// kernel, a copy into it) fails.
-    pub fn mapping(&self) -> &Arc<dyn Mapping> {
+    /// The mapping underneath (borrowed: a view that holds a lease lends
+    /// no way to make views without it). Its [`Mapping::read_only`] says
+    /// whether writing through this view (a kernel, a copy into it) fails.
+    pub fn mapping(&self) -> &dyn Mapping {
+        &*self.mapping
+    }
+
+    /// The mapping underneath, shared.
+    #[doc(hidden)]
+    pub fn mapping_arc(&self) -> &Arc<dyn Mapping> {
         &self.mapping
     }
 

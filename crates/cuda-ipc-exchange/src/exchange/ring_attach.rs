@@ -32,7 +32,7 @@ impl Subscriber {
                 }
             }
         }
-        let mappings = slots.iter().map(|b| b.mapping().clone()).collect();
+        let mappings = slots.iter().map(|b| b.mapping_arc().clone()).collect();
         let guard = LeaseGuard::new(
             &self.client,
             &self.pending,
@@ -122,7 +122,11 @@ impl Subscriber {
             ));
         }
         frame.buffer.synchronize()?;
-        frame.buffer.mapping().used_streams().synchronize_all()?;
+        frame
+            .buffer
+            .mapping_arc()
+            .used_streams()
+            .synchronize_all()?;
         Ok(self.client.ack(ring.lease, index(frame.slot)?, frame.seq)?)
     }
 }

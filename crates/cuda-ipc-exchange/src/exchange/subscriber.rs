@@ -422,7 +422,7 @@ impl Subscriber {
                     &self.pending,
                     a.lease,
                     a.name.clone(),
-                    vec![buffer.mapping().clone()],
+                    vec![buffer.mapping_arc().clone()],
                 );
                 Ok(Attachment {
                     lease: a.lease,
