@@ -248,7 +248,7 @@ impl FenceMapping {
     }
 
     /// The device the block is mapped on.
-    pub fn device(&self) -> &Device {
+    pub(crate) fn device(&self) -> &Device {
         match &*self.words {
             MappedWords::Device { mapping, .. } => mapping.device(),
             MappedWords::Host(h) => &h.device,

@@ -220,7 +220,7 @@ impl Fence {
     }
 
     /// The device this block belongs to.
-    pub fn device(&self) -> &Device {
+    pub(crate) fn device(&self) -> &Device {
         match &*self.words {
             Words::Device(b) => b.device(),
             Words::Host(h) => &h.device,

@@ -235,7 +235,6 @@ pub struct LegacyMapping {
     device: Device,
     base: u64,
     size: u64,
-    handle: IpcMemHandle,
     streams: UsedStreams,
 }
 
@@ -284,14 +283,8 @@ impl LegacyMapping {
             device: device.clone(),
             base,
             size,
-            handle,
             streams: UsedStreams::default(),
         }))
-    }
-
-    /// The handle this mapping was opened from.
-    pub fn handle(&self) -> IpcMemHandle {
-        self.handle
     }
 }
 

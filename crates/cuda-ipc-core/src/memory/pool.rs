@@ -154,7 +154,7 @@ impl SharedPool {
     }
 
     /// The device the pool allocates on.
-    pub fn device(&self) -> &Device {
+    pub(crate) fn device(&self) -> &Device {
         &self.device
     }
 }
@@ -215,7 +215,7 @@ impl PoolBuffer {
     }
 
     /// The pool it came from.
-    pub fn pool(&self) -> &Arc<SharedPool> {
+    pub(crate) fn pool(&self) -> &Arc<SharedPool> {
         &self.pool
     }
 }

@@ -598,11 +598,6 @@ impl VmmMapping {
         }
         Ok(())
     }
-
-    /// What the mapping grants: read-write, or read only.
-    pub fn access(&self) -> Access {
-        self.access
-    }
 }
 
 pub(super) fn release_all(handles: &[sys::CUmemGenericAllocationHandle]) {
@@ -633,7 +628,7 @@ impl Mapping for VmmMapping {
         self.mechanism
     }
     fn read_only(&self) -> bool {
-        self.access.is_read_only()
+        self.access == Access::ReadOnly
     }
     unsafe fn sleep(&self) -> Result<()> {
         // SAFETY: the caller keeps `Mapping::sleep`'s contract, which is

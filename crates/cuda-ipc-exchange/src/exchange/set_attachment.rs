@@ -66,7 +66,7 @@ impl SetAttachment {
     /// Whether the set is mapped read-only: writing through any of its
     /// views fails (each view's mapping says so too, [`Mapping::read_only`]).
     pub fn read_only(&self) -> bool {
-        self.access.is_read_only()
+        self.access == Access::ReadOnly
     }
 
     /// The set record the publisher sent.
