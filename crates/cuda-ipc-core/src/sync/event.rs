@@ -132,7 +132,8 @@ impl IpcEvent {
         unsafe { event::query(self.event) }
     }
 
-    /// The raw event, for use with other libraries. Do not destroy it.
+    /// The raw event, for the driver's floor (`floor`). Do not destroy it.
+    #[cfg(feature = "test-support")]
     pub(crate) fn cu_event(&self) -> sys::CUevent {
         self.event
     }
