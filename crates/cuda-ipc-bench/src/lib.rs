@@ -98,7 +98,16 @@ fn describe_devices(
     };
     let peer = match plan.peer {
         Some(peer) => {
-            let other = cuda_ipc::device::Capabilities::query(peer)?;
+            // Every device's attributes, without a context on the peer.
+            let mut devices = cuda_ipc::device::SystemInfo::query()?.devices;
+            let count = devices.len();
+            if peer >= count {
+                return Err(cuda_ipc::Error::NoDevice {
+                    ordinal: peer,
+                    count,
+                });
+            }
+            let other = devices.swap_remove(peer);
             Some(PeerInfo {
                 device: info(&other),
                 link: describe_link(caps.uuid, other.uuid),

@@ -262,9 +262,9 @@ const SETTLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// was when drops freed at once.
 ///
 /// A step that does not finish in time is left to the reaper, which logs
-/// it (`cuda_ipc::sync::reaper::STALL_WARNING`); the sample still counts.
+/// it (after 10 s); the sample still counts.
 pub(crate) fn settle_retired() {
-    let _ = cuda_ipc::sync::reaper::settle(SETTLE_TIMEOUT);
+    let _ = cuda_ipc::reaper::settle(SETTLE_TIMEOUT);
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use std::path::Path;
 use serde::Serialize;
 
 /// The namespace kinds under `/proc/self/ns`, in the order they are reported.
-pub const NAMESPACE_KINDS: [&str; 8] =
+pub(crate) const NAMESPACE_KINDS: [&str; 8] =
     ["cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts"];
 
 /// The inode numbers the kernel gives its initial namespaces (fixed since
@@ -173,7 +173,7 @@ pub fn pidfd_getfd_allowed() -> Result<(), String> {
 }
 
 /// This process's namespaces compared with the machine's initial ones, in
-/// the order of [`NAMESPACE_KINDS`].
+/// the order of their names: cgroup, ipc, mnt, net, pid, time, user, uts.
 #[must_use]
 pub fn namespaces() -> Vec<NamespaceState> {
     let link = |who: &str, kind: &str| {
@@ -201,7 +201,7 @@ pub fn namespaces() -> Vec<NamespaceState> {
 /// pid of a process in the parent namespace or in another container is not
 /// visible.
 #[must_use]
-pub fn in_nested_pid_namespace() -> Option<bool> {
+pub(crate) fn in_nested_pid_namespace() -> Option<bool> {
     let own = std::fs::read_link("/proc/self/ns/pid")
         .ok()
         .and_then(|t| parse_namespace_link("pid", &t.to_string_lossy()));

@@ -256,7 +256,7 @@ pub enum Source {
 
 impl Source {
     /// The mechanism.
-    pub fn mechanism(&self) -> Mechanism {
+    pub(crate) fn mechanism(&self) -> Mechanism {
         match self {
             Source::Legacy { .. } => Mechanism::Legacy,
             Source::Vmm { .. } => Mechanism::Vmm,
@@ -385,13 +385,6 @@ impl Descriptor {
     #[must_use]
     pub fn with_shape(mut self, shape: Vec<u64>) -> Self {
         self.shape = Some(shape);
-        self
-    }
-
-    /// Strides in elements, one per dimension of the shape.
-    #[must_use]
-    pub fn with_strides(mut self, strides: Vec<u64>) -> Self {
-        self.strides = Some(strides);
         self
     }
 

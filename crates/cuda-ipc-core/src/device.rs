@@ -352,7 +352,7 @@ pub struct Capabilities {
 
 impl Capabilities {
     /// Reads device `ordinal`'s attributes (no context is created).
-    pub fn query(ordinal: usize) -> Result<Self> {
+    pub(crate) fn query(ordinal: usize) -> Result<Self> {
         crate::driver::init()?;
         let count = dev::count()?;
         if ordinal >= count {

@@ -284,15 +284,6 @@ impl Error {
         }
     }
 
-    /// The raw `CUresult` if this is a driver error.
-    pub fn driver_code(&self) -> Option<i32> {
-        match self {
-            Error::Driver { code, .. } => Some(*code),
-            Error::Load { source, .. } => source.driver_code(),
-            _ => None,
-        }
-    }
-
     /// The `CUresult` if this is a driver error.
     pub fn driver_result(&self) -> Option<CUresult> {
         match self {
@@ -496,7 +487,7 @@ mod tests {
             text.starts_with("cuIpcOpenMemHandle failed with CUDA_ERROR_INVALID_CONTEXT (201)")
         );
         assert!(text.contains("exported itself"), "{text}");
-        assert_eq!(e.driver_code(), Some(201));
+        assert_eq!(e.driver_result().map(|r| r as i32), Some(201));
         assert_eq!(
             e.driver_result(),
             Some(CUresult::CUDA_ERROR_INVALID_CONTEXT)
@@ -591,7 +582,7 @@ mod tests {
             CUresult::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
         ] {
             let e = driver_error("cuIpcOpenMemHandle", r);
-            assert_eq!(e.driver_code(), Some(r as i32));
+            assert_eq!(e.driver_result().map(|r| r as i32), Some(r as i32));
             assert!(e.to_string().contains("peer access"), "{e}");
         }
         assert!(Error::SameProcess.driver_result().is_none());

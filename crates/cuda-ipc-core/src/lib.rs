@@ -22,7 +22,7 @@
 //!   descriptors travel as `OwnedFd`.
 //! - **`cuda-ipc-core`** (this crate): loading the driver ([`driver`]),
 //!   the device and its primary context ([`device`]), ordering between
-//!   processes and drops that never wait ([`sync`]: [`IpcEvent`], the
+//!   processes and drops that never wait ([`event`]: [`IpcEvent`]; the
 //!   [`reaper`]), the owning types of every mechanism ([`memory`]:
 //!   [`LegacyBuffer`] / [`vmm::VmmBuffer`] / [`pool::PoolBuffer`] own an
 //!   allocation, [`LegacyMapping`] / [`vmm::VmmMapping`] /
@@ -73,12 +73,11 @@ pub mod handle;
 pub mod json;
 #[cfg(feature = "test-support")]
 pub mod kernels;
-#[doc(hidden)]
-pub mod mechanism;
+mod mechanism;
 pub mod memory;
 pub mod phases;
 pub mod share;
-pub mod sync;
+mod sync;
 pub mod units;
 
 pub use buffer::{MappedBuffer, Mapping};
@@ -92,7 +91,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use handle::{FabricHandle, Handle, IpcEventHandle, IpcMemHandle, PoolPtrHandle};
 pub use legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 pub use mechanism::Access;
-pub use memory::DeviceMemory;
+pub use memory::{DeviceMemory, WithStream};
 /// The memory layer's modules, also at the crate root.
 pub use memory::{buffer, legacy, pool, vmm};
 pub use sync::event::IpcEvent;

@@ -147,16 +147,11 @@ impl Access {
         }
     }
 
-    /// Whether writes are refused.
-    pub fn is_read_only(self) -> bool {
-        self == Access::ReadOnly
-    }
-
     /// The stricter of the two: read-only if either is (what a reader gets
     /// when it or the publisher asks for read-only).
     #[must_use]
     pub fn and(self, other: Access) -> Access {
-        Access::read_only_if(self.is_read_only() || other.is_read_only())
+        Access::read_only_if(self == Access::ReadOnly || other == Access::ReadOnly)
     }
 
     /// The name used in messages: `read-write` or `read-only`.
@@ -186,8 +181,8 @@ mod tests {
         assert_eq!(ReadWrite.and(ReadOnly), ReadOnly);
         assert_eq!(ReadOnly.and(ReadWrite), ReadOnly);
         assert_eq!(ReadOnly.and(ReadOnly), ReadOnly);
-        assert!(Access::read_only_if(true).is_read_only());
-        assert!(!Access::read_only_if(false).is_read_only());
+        assert_eq!(Access::read_only_if(true), Access::ReadOnly);
+        assert_eq!(Access::read_only_if(false), Access::ReadWrite);
         assert_eq!(ReadOnly.to_string(), "read-only");
         assert_eq!(ReadWrite.to_string(), "read-write");
     }

@@ -20,7 +20,7 @@ use std::cell::RefCell;
 use std::time::Instant;
 
 /// A call's phases: `(phase, µs)`, in order.
-pub type Durations = Vec<(&'static str, f64)>;
+pub(crate) type Durations = Vec<(&'static str, f64)>;
 
 #[cfg(feature = "phases")]
 thread_local! {

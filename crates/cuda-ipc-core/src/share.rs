@@ -30,7 +30,7 @@ use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::memory::legacy::{LegacyBuffer, LegacyMapping, OpenFlags};
 use crate::memory::pool::{ImportedPool, PoolBuffer, SharedPool};
 use crate::memory::vmm::{ShareableTypes, VmmBuffer, VmmMapping};
-use crate::memory::{DeviceMemory, impl_cudarc_traits};
+use crate::memory::{DeviceMemory, WithStream, impl_cudarc_traits};
 use crate::sync::event::IpcEvent;
 
 /// Numbers allocations of this process, so that an address reused for a new
@@ -180,20 +180,6 @@ impl SharedBuffer {
         self.generation
     }
 
-    /// Uses `stream` for this buffer's copies and kernels; work queued
-    /// before the switch stays ordered before work queued after it (the
-    /// new stream waits on an event). An [`Error::InvalidArgument`]
-    /// when `stream` belongs to another context than the device's primary
-    /// one, where the memory lives.
-    pub fn with_stream(self, stream: Arc<CudaStream>) -> Result<Self> {
-        let allocation = match self.allocation {
-            Allocation::Legacy(b) => Allocation::Legacy(b.with_stream(stream)?),
-            Allocation::Vmm(b) => Allocation::Vmm(b.with_stream(stream)?),
-            Allocation::Pool(b) => Allocation::Pool(b.with_stream(stream)?),
-        };
-        Ok(SharedBuffer { allocation, ..self })
-    }
-
     /// Exports the whole buffer as bytes.
     pub fn export(&self) -> Result<Export> {
         self.export_region(0, self.byte_len() as u64, Dtype::U8, None)
@@ -281,6 +267,17 @@ macro_rules! on_allocation {
             Allocation::Pool($b) => $e,
         }
     };
+}
+
+impl WithStream for SharedBuffer {
+    fn with_stream(self, stream: Arc<CudaStream>) -> Result<Self> {
+        let allocation = match self.allocation {
+            Allocation::Legacy(b) => Allocation::Legacy(b.with_stream(stream)?),
+            Allocation::Vmm(b) => Allocation::Vmm(b.with_stream(stream)?),
+            Allocation::Pool(b) => Allocation::Pool(b.with_stream(stream)?),
+        };
+        Ok(SharedBuffer { allocation, ..self })
+    }
 }
 
 // SAFETY: each allocation implements `DeviceMemory` for memory it owns;

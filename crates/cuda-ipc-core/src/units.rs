@@ -280,7 +280,7 @@ pub fn parse_u32(text: &str) -> Result<u32> {
 }
 
 /// Rounds `n` up to a multiple of `align` (a power of two), or `None` on overflow.
-pub fn round_up(n: u64, align: u64) -> Option<u64> {
+pub(crate) fn round_up(n: u64, align: u64) -> Option<u64> {
     debug_assert!(align.is_power_of_two());
     n.checked_add(align - 1).map(|v| v & !(align - 1))
 }

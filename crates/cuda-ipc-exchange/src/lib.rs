@@ -23,5 +23,6 @@ pub mod torch;
 
 // The core's modules under the names this crate's code uses for them.
 use cuda_ipc_core::{
-    channel, descriptor, device, error, fence, handle, json, mechanism, memory, phases, share, sync,
+    Access, Mechanism, channel, descriptor, device, error, event, fence, handle, json, memory,
+    phases, reaper, share,
 };

@@ -24,5 +24,5 @@ pub mod loader;
 pub mod service;
 
 // The lower crates' modules under the names this crate's code uses for them.
-use cuda_ipc_core::{channel, descriptor, device, driver, error, json, mechanism, memory, units};
+use cuda_ipc_core::{Access, channel, descriptor, device, driver, error, json, memory, units};
 use cuda_ipc_exchange::{arena, exchange, set};

@@ -102,15 +102,20 @@ fn every_mechanism_round_trips() {
             handle: FabricHandle::from(handle_bytes(3)),
         },
     ];
-    for source in sources {
+    for (source, mechanism) in sources.into_iter().zip([
+        Mechanism::Legacy,
+        Mechanism::Vmm,
+        Mechanism::Pool,
+        Mechanism::Fabric,
+    ]) {
         let d = with_source(source);
         let text = d.to_json();
         assert_eq!(Descriptor::from_json(&text).unwrap(), d, "{text}");
-        assert_eq!(d.mechanism(), source.mechanism());
+        assert_eq!(d.mechanism(), mechanism);
         let v: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["cuda_ipc"], FORMAT_VERSION);
         assert_eq!(v["elem_size"], 4);
-        assert_eq!(v["mechanism"], source.mechanism().name());
+        assert_eq!(v["mechanism"], mechanism.name());
     }
 }
 

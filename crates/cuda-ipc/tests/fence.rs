@@ -4,10 +4,16 @@
 
 use cuda_ipc::descriptor::{Descriptor, Dtype, Source};
 use cuda_ipc::device::DeviceUuid;
-use cuda_ipc::fence::{FenceBlock, FenceRef, MAX_SEQ, MAX_WORDS};
+use cuda_ipc::fence::{FenceBlock, FenceRef};
 use cuda_ipc::handle::IpcMemHandle;
 use proptest::prelude::*;
 use serde_json::{Value, json};
+
+/// The largest sequence number the wire format allows (2^62 - 1).
+const MAX_SEQ: u64 = (1 << 62) - 1;
+
+/// The most words a block holds, and the first word index refused.
+const MAX_WORDS: u32 = 1 << 16;
 
 fn block_descriptor(
     source: Source,

@@ -8,8 +8,17 @@
 
 use std::process::{Command, Stdio};
 
-use cuda_ipc::container::in_nested_pid_namespace;
+use cuda_ipc::container::namespaces;
 use cuda_ipc::share::fetch_fd;
+
+/// Whether this process runs in a PID namespace other than the machine's
+/// initial one (`None`: unknown).
+fn in_nested_pid_namespace() -> Option<bool> {
+    namespaces()
+        .into_iter()
+        .find(|n| n.kind == "pid")
+        .and_then(|n| n.differs)
+}
 
 const ROLE_ENV: &str = "CUDA_IPC_NS_FETCH_PID";
 

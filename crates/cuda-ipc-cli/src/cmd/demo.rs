@@ -439,8 +439,9 @@ fn verdict(
 fn check_namespaces(reply: &Value, namespaces: &ConsumerNamespaces) -> Result<(), Error> {
     let theirs = field(reply, "namespaces")?;
     let ours = own_namespaces();
-    let differ: Vec<&str> = cuda_ipc::container::NAMESPACE_KINDS
+    let differ: Vec<&str> = cuda_ipc::container::namespaces()
         .into_iter()
+        .map(|n| n.kind)
         .filter(|k| !theirs[*k].is_null() && theirs[*k] != ours[*k])
         .collect();
     outln!(

@@ -11,7 +11,7 @@
 //!   grouped by area, the fence's stream memory operations included.
 //!
 //! The owning types above ([`device`](crate::device),
-//! [`memory`](crate::memory), [`sync`](crate::sync)) call `result`; nothing
+//! [`memory`](crate::memory), [`event`](crate::event)) call `result`; nothing
 //! here imports them.
 //!
 //! # Loading
@@ -219,7 +219,7 @@ fn find_library(
 /// Loads the driver and initialises it (`cuInit`). A machine whose driver
 /// sees no device gets [`Error::NoDevice`].
 #[doc(alias = "cuInit")]
-pub fn init() -> Result<DriverVersion> {
+pub(crate) fn init() -> Result<DriverVersion> {
     let version = load()?;
     match result::driver::init() {
         Ok(()) => Ok(version),
@@ -233,7 +233,8 @@ pub fn init() -> Result<DriverVersion> {
     }
 }
 
-/// The number of CUDA devices the driver sees (after [`init`]).
+/// The number of CUDA devices the driver sees (loading and initialising
+/// the driver first, `cuInit`).
 #[doc(alias = "cuDeviceGetCount")]
 pub fn device_count() -> Result<usize> {
     init()?;

@@ -22,8 +22,7 @@ pub struct FenceMapping {
     words: Arc<MappedWords>,
     /// The streams waits were queued on, waited for before the words go.
     streams: UsedStreams,
-    count: u32,
-    id: u64,
+    block: FenceBlock,
 }
 
 /// Where a mapped block's words are.
@@ -93,44 +92,35 @@ impl FenceMapping {
         Ok(FenceMapping {
             words: Arc::new(words),
             streams: UsedStreams::default(),
-            count: block.words,
-            id: block.id(),
+            block: block.clone(),
         })
     }
 
-    /// The number of sequence words.
-    pub fn words(&self) -> u32 {
-        self.count
-    }
-
-    /// The block's identity ([`Fence::id`](super::Fence::id) in the producer).
-    pub fn id(&self) -> u64 {
-        self.id
-    }
-
-    /// Whether the words live in host memory ([`Fence::new_host`](super::Fence::new_host)).
-    pub fn is_host(&self) -> bool {
-        matches!(*self.words, MappedWords::Host(_))
+    /// The record this mapping was opened from: its number of words, its
+    /// identity and where the words live.
+    pub fn block(&self) -> &FenceBlock {
+        &self.block
     }
 
     /// Checks that `r` names a word of this block, and returns the word.
     pub fn resolve(&self, r: &FenceRef) -> Result<u32> {
-        if r.block != self.id {
+        if r.block != self.block.id() {
             return Err(Error::arg(
                 "fence reference",
                 format!(
                     "it names fence block {:#x}, but this mapping is block {:#x}; open the block it names first",
-                    r.block, self.id
+                    r.block,
+                    self.block.id()
                 ),
             ));
         }
-        check_word(r.word, self.count)?;
+        check_word(r.word, self.block.words)?;
         Ok(r.word)
     }
 
     /// The device address of `word`.
     pub(super) fn addr(&self, word: u32) -> Result<u64> {
-        check_word(word, self.count)?;
+        check_word(word, self.block.words)?;
         let base = match &*self.words {
             MappedWords::Device { base, .. } => *base,
             MappedWords::Host(h) => h.dptr,
@@ -230,7 +220,7 @@ impl FenceMapping {
     pub fn abandon(&self, word: Option<u32>) -> Result<()> {
         let (first, count) = match word {
             Some(w) => (w, 1),
-            None => (0, self.count),
+            None => (0, self.block.words),
         };
         let addr = self.addr(first)?;
         let (mapping, host_stream) = match &*self.words {
@@ -258,7 +248,7 @@ impl FenceMapping {
     }
 
     /// The device the block is mapped on.
-    pub fn device(&self) -> &Device {
+    pub(crate) fn device(&self) -> &Device {
         match &*self.words {
             MappedWords::Device { mapping, .. } => mapping.device(),
             MappedWords::Host(h) => &h.device,

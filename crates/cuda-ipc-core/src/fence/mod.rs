@@ -26,8 +26,9 @@
 //!   with each other). [`Fence::signal`] refuses a sequence number that is
 //!   not larger than the word's previous one.
 //! - **Sequence numbers** start at 1 (a new word holds 0: nothing signalled),
-//!   increase strictly, never wrap, and stay at most [`MAX_SEQ`] (2^62 - 1:
-//!   a billion signals a second for 146 years). The device compares
+//!   increase strictly, never wrap, and stay at most 2^62 - 1 (a billion
+//!   signals a second for 146 years; [`ABANDONED`] is the next number).
+//!   Blocks hold 1 to 2^16 words. The device compares
 //!   cyclically (`(int64_t)(*word - seq) >= 0`), and the limit keeps that
 //!   equal to a plain `>=`.
 //! - **Waiting for `seq` is satisfied by any later value**, so a consumer
@@ -48,7 +49,7 @@
 //! - **Dropping a block never waits, and never frees words a stream still
 //!   uses.** [`Fence::signal`] and [`FenceMapping::wait`] record the stream
 //!   they queue on; dropping the [`Fence`] or the [`FenceMapping`] retires
-//!   the words to the [reaper](crate::sync::reaper) until every such stream has
+//!   the words to the [reaper](crate::reaper) until every such stream has
 //!   passed the work queued so far. A wait that never ends (a producer that
 //!   died without signalling, and no [`FenceMapping::abandon`]) keeps the
 //!   words mapped, and the reaper logs it.
@@ -88,7 +89,7 @@
 //! exchange's messages.
 //!
 //! # Layer
-//! The fence orders work like the events of [`sync`](crate::sync), but it
+//! The fence orders work like the [`event`](crate::event)s, but it
 //! is not in that folder: device words are a
 //! [`SharedBuffer`](crate::share::SharedBuffer), opened with
 //! [`share::open_mapping`](crate::share::open_mapping), and `share` itself
@@ -113,14 +114,14 @@ pub use producer::{Fence, FenceExport};
 pub use wire::{FenceBlock, FenceRef};
 
 /// The largest sequence number a fence accepts (2^62 - 1).
-pub const MAX_SEQ: u64 = (1 << 62) - 1;
+pub(crate) const MAX_SEQ: u64 = (1 << 62) - 1;
 
 /// The value [`FenceMapping::abandon`] writes: larger than every sequence
 /// number, so that every wait on the word is satisfied.
 pub const ABANDONED: u64 = 1 << 62;
 
 /// The most words one block holds (512 KiB of sequence words).
-pub const MAX_WORDS: u32 = 1 << 16;
+pub(crate) const MAX_WORDS: u32 = 1 << 16;
 
 /// The size of one sequence word in bytes.
 const WORD: u64 = 8;

@@ -50,7 +50,7 @@ impl Fence {
     /// # Errors
     /// [`Error::Unsupported`] when the device has no 64-bit stream memory
     /// operations or cannot share memory that way;
-    /// [`Error::InvalidArgument`] for 0 words or more than [`MAX_WORDS`].
+    /// [`Error::InvalidArgument`] for 0 words or more than 2^16 (65,536).
     pub fn new(device: &Device, words: u32, mechanism: Option<Mechanism>) -> Result<Self> {
         check_count(words)?;
         check_support(device)?;
@@ -97,23 +97,8 @@ impl Fence {
         })
     }
 
-    /// The number of sequence words.
-    pub fn words(&self) -> u32 {
-        self.count
-    }
-
-    /// The block's identity on the wire (for device words, its
-    /// allocation's generation).
-    pub fn id(&self) -> u64 {
-        self.id
-    }
-
-    /// Whether the words live in host memory ([`Fence::new_host`]).
-    pub fn is_host(&self) -> bool {
-        matches!(*self.words, Words::Host(_))
-    }
-
-    /// The mechanism a device block is shared with (`None` for host words).
+    /// The mechanism a device block is shared with (`None` for host words,
+    /// [`Fence::new_host`]).
     pub fn mechanism(&self) -> Option<Mechanism> {
         match &*self.words {
             Words::Device(b) => Some(b.mechanism()),
@@ -166,7 +151,7 @@ impl Fence {
         check_word(word, self.count)?;
         check_seq(seq)?;
         Ok(FenceRef {
-            block: self.id(),
+            block: self.id,
             word,
             seq,
         })
@@ -179,7 +164,7 @@ impl Fence {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `word` is out of range, or `seq` is 0,
-    /// above [`MAX_SEQ`](super::MAX_SEQ) or not above the word's previous signal (one
+    /// above 2^62 - 1 or not above the word's previous signal (one
     /// writer, increasing numbers). A driver error (the stream's context
     /// is broken) spends the number all the same: the next signal on the
     /// word must use a larger one.
@@ -235,7 +220,7 @@ impl Fence {
     }
 
     /// The device this block belongs to.
-    pub fn device(&self) -> &Device {
+    pub(crate) fn device(&self) -> &Device {
         match &*self.words {
             Words::Device(b) => b.device(),
             Words::Host(h) => &h.device,

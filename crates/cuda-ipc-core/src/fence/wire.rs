@@ -166,7 +166,8 @@ impl FenceBlock {
         self.words
     }
 
-    /// The block's identity ([`Fence::id`](super::Fence::id) in the producer).
+    /// The block's identity (for device words, its allocation's generation),
+    /// which every [`FenceRef`] to it names.
     pub fn id(&self) -> u64 {
         match &self.placement {
             Placement::Device(d) => d.generation.unwrap_or_default(),
@@ -178,7 +179,8 @@ impl FenceBlock {
 /// Which word of which block to wait on, and for which sequence number:
 /// what a publish carries. Serialises as `{"block": id, "word": i, "seq":
 /// n}`; decoding refuses unknown fields, a sequence number outside
-/// `1..=MAX_SEQ` and a word index past [`MAX_WORDS`].
+/// `1..=2^62 - 1` and a word index of 2^16 or more (the most words a block
+/// holds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "RawFenceRef", into = "RawFenceRef")]
 pub struct FenceRef {

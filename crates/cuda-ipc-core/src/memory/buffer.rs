@@ -6,7 +6,7 @@
 //! [`MappedBuffer`] always lies inside memory the driver mapped. Every view
 //! (clones, slices, casts) keeps the mapping alive, and a mapping records the
 //! streams its views were given ([`MappedBuffer::with_stream`]): when the
-//! last reference goes, the unmap is retired to the [reaper](crate::sync::reaper)
+//! last reference goes, the unmap is retired to the [reaper](crate::reaper)
 //! until every one of them has finished the work queued so far, so no
 //! queued work uses the range after it is gone, and no drop waits. A view
 //! made by the exchange layer also holds its lease, which ends (the same
@@ -31,7 +31,7 @@ use cudarc::driver::CudaStream;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mechanism::Mechanism;
-use crate::memory::{DeviceMemory, UsesOf, impl_cudarc_traits};
+use crate::memory::{DeviceMemory, UsesOf, WithStream, impl_cudarc_traits};
 
 pub(crate) mod sealed {
     use std::sync::Arc;
@@ -78,14 +78,13 @@ pub(crate) mod sealed {
         /// What the mapping's release waits for: the work queued so far on
         /// every recorded stream and on `also` or, after uses on other
         /// streams, on every stream of `also`'s context.
-        #[doc(hidden)]
-        pub fn uses(&self, also: &Arc<CudaStream>) -> UsesOf {
+        pub(crate) fn uses(&self, also: &Arc<CudaStream>) -> UsesOf {
             let mut streams = self.snapshot();
             streams.push(also.clone());
             self.foreign.uses(also.context(), &streams)
         }
 
-        /// Retires `finish` to the [reaper](crate::sync::reaper) until the work
+        /// Retires `finish` to the [reaper](crate::reaper) until the work
         /// [`UsedStreams::uses`] names has finished. Never waits.
         #[doc(hidden)]
         pub fn retire(
@@ -129,15 +128,22 @@ pub(crate) mod sealed {
 
 pub(crate) use sealed::UsedStreams;
 
-/// What the release of `mappings` waits for (each mapping's
-/// [`UsedStreams::uses`] together).
+/// Retires `finish`, which is given `mappings` back, to the
+/// [reaper](crate::reaper) until the work queued so far through them has
+/// finished (each mapping's streams, or its whole context after uses on
+/// streams not its own). Never waits.
 #[doc(hidden)]
-pub fn uses_of(mappings: &[Arc<dyn Mapping>]) -> UsesOf {
-    mappings
+pub fn retire_after_uses(
+    mappings: Vec<Arc<dyn Mapping>>,
+    what: &'static str,
+    finish: impl FnOnce(Vec<Arc<dyn Mapping>>) + Send + 'static,
+) {
+    let uses = mappings
         .iter()
         .map(|m| m.used_streams().uses(m.device().stream()))
         .reduce(UsesOf::merge)
-        .unwrap_or(UsesOf::Streams(Vec::new()))
+        .unwrap_or(UsesOf::Streams(Vec::new()));
+    uses.retire(what, move || finish(mappings));
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -355,34 +361,16 @@ impl<T: Pod> MappedBuffer<T> {
     }
 
     /// The mapping underneath (borrowed: a view that holds a lease lends
-    /// no way to make views without it).
+    /// no way to make views without it). Its [`Mapping::read_only`] says
+    /// whether writing through this view (a kernel, a copy into it) fails.
     pub fn mapping(&self) -> &dyn Mapping {
         &*self.mapping
-    }
-
-    /// Whether the memory is mapped read-only ([`Mapping::read_only`]):
-    /// writing through this view (a kernel, a copy into it) fails.
-    pub fn read_only(&self) -> bool {
-        self.mapping.read_only()
     }
 
     /// The mapping underneath, shared.
     #[doc(hidden)]
     pub fn mapping_arc(&self) -> &Arc<dyn Mapping> {
         &self.mapping
-    }
-
-    /// Uses `stream` for this view's copies and kernels; work queued
-    /// before the switch stays ordered before work queued after it (the
-    /// new stream waits on an event). An [`Error::InvalidArgument`]
-    /// when `stream` belongs to another context than the device's primary
-    /// one, where the memory lives. The mapping (and the lease) wait for
-    /// `stream` too before they go.
-    pub fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
-        let current = self.mapping.used_streams().foreign().order(&self.stream);
-        self.stream = crate::memory::switch_stream(self.mapping.device(), current, stream)?;
-        self.mapping.used_streams().record(&self.stream);
-        Ok(self)
     }
 
     /// Makes this view (and every view made from it) keep `hold` alive.
@@ -418,6 +406,15 @@ impl<T: Pod> MappedBuffer<T> {
         b.stream.clone_from(&self.stream);
         b.hold.clone_from(&self.hold);
         Ok(b)
+    }
+}
+
+impl<T: Pod> WithStream for MappedBuffer<T> {
+    fn with_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
+        let current = self.mapping.used_streams().foreign().order(&self.stream);
+        self.stream = crate::memory::switch_stream(self.mapping.device(), current, stream)?;
+        self.mapping.used_streams().record(&self.stream);
+        Ok(self)
     }
 }
 

@@ -61,13 +61,8 @@ impl OpenFlags {
     pub const LAZY_ENABLE_PEER_ACCESS: OpenFlags =
         OpenFlags(sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32);
 
-    /// The raw flag bits.
-    pub const fn bits(self) -> u32 {
-        self.0
-    }
-
     /// Whether all of `other`'s flags are set.
-    pub const fn contains(self, other: OpenFlags) -> bool {
+    pub(crate) const fn contains(self, other: OpenFlags) -> bool {
         self.0 & other.0 == other.0
     }
 }
@@ -205,17 +200,6 @@ impl LegacyBuffer {
         let e = export_pointer(&self.core.device, self.core.ptr, self.core.len as u64)?;
         Ok(*self.export.get_or_init(|| e))
     }
-
-    /// Exports `len` bytes starting `offset` bytes into the buffer.
-    pub fn export_range(&self, offset: u64, len: u64) -> Result<LegacyExport> {
-        Error::check_range(offset, len, self.core.len as u64)?;
-        let whole = self.export()?;
-        Ok(LegacyExport {
-            offset,
-            len,
-            ..whole
-        })
-    }
 }
 
 // SAFETY: the allocation is owned by the value and freed in its `Drop`,
@@ -223,12 +207,6 @@ impl LegacyBuffer {
 // fields.
 owned_buffer! {
     unsafe LegacyBuffer;
-    /// Uses `stream` for this buffer's copies and kernels; work queued
-    /// before the switch stays ordered before work queued after it (the
-    /// new stream waits on an event). An [`Error::InvalidArgument`]
-    /// when `stream` belongs to another context than the device's primary
-    /// one, where the memory lives.
-    with_stream;
 }
 
 impl Drop for LegacyBuffer {
@@ -257,7 +235,6 @@ pub struct LegacyMapping {
     device: Device,
     base: u64,
     size: u64,
-    handle: IpcMemHandle,
     streams: UsedStreams,
 }
 
@@ -274,7 +251,7 @@ impl LegacyMapping {
             return Err(Error::SameProcess);
         }
         device.bind()?;
-        let base = match ipc::open_mem_handle(handle, flags.bits()) {
+        let base = match ipc::open_mem_handle(handle, flags.0) {
             Ok(p) => p,
             Err(e) if e.driver_result() == Some(CUresult::CUDA_ERROR_INVALID_CONTEXT) => {
                 return Err(Error::SameProcess);
@@ -306,14 +283,8 @@ impl LegacyMapping {
             device: device.clone(),
             base,
             size,
-            handle,
             streams: UsedStreams::default(),
         }))
-    }
-
-    /// The handle this mapping was opened from.
-    pub fn handle(&self) -> IpcMemHandle {
-        self.handle
     }
 }
 

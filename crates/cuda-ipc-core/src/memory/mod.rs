@@ -12,7 +12,7 @@
 //! - this module: [`DeviceMemory`], what every piece of memory offers.
 //!
 //! The folder imports the driver layer, [`device`](crate::device), the
-//! [reaper](crate::sync::reaper) (drops retire their unmaps and frees there),
+//! [reaper](crate::reaper) (drops retire their unmaps and frees there),
 //! and the plain-data modules ([`handle`](crate::handle),
 //! [`units`](crate::units), [`error`](crate::error), the mechanism word);
 //! never [`share`](crate::share), the descriptor or anything above them.
@@ -257,6 +257,24 @@ pub unsafe trait DeviceMemory {
     }
 }
 
+/// Memory of this crate whose copies and kernels can move to another stream
+/// of the device's primary context: [`LegacyBuffer`](legacy::LegacyBuffer),
+/// [`VmmBuffer`](vmm::VmmBuffer), [`PoolBuffer`](pool::PoolBuffer),
+/// [`SharedBuffer`](crate::share::SharedBuffer) and
+/// [`MappedBuffer`](buffer::MappedBuffer).
+pub trait WithStream: DeviceMemory + Sized {
+    /// Uses `stream` for this memory's copies and kernels (and, for a
+    /// [`PoolBuffer`](pool::PoolBuffer), its free); work queued before the switch stays
+    /// ordered before work queued after it (the new stream waits on an
+    /// event). A mapping (and a lease a view holds) waits for `stream` too
+    /// before it goes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `stream` belongs to another context
+    /// than the device's primary one, where the memory lives.
+    fn with_stream(self, stream: Arc<CudaStream>) -> Result<Self>;
+}
+
 /// A byte range of some [`DeviceMemory`], itself usable as device memory
 /// (made by [`DeviceMemory::region`]).
 #[derive(Debug)]
@@ -394,8 +412,7 @@ pub fn order_streams<'a, M: DeviceMemory + ?Sized>(
 }
 
 /// What a release waits for before it runs (see [`ForeignUse::uses`]).
-#[doc(hidden)]
-pub enum UsesOf {
+pub(crate) enum UsesOf {
     /// The work queued so far on these streams.
     Streams(Vec<Arc<CudaStream>>),
     /// The work queued so far on every stream of the context.
@@ -404,9 +421,8 @@ pub enum UsesOf {
 
 impl UsesOf {
     /// What a release of both waits for.
-    #[doc(hidden)]
     #[must_use]
-    pub fn merge(self, other: UsesOf) -> UsesOf {
+    pub(crate) fn merge(self, other: UsesOf) -> UsesOf {
         match (self, other) {
             (UsesOf::Context(c), _) | (_, UsesOf::Context(c)) => UsesOf::Context(c),
             (UsesOf::Streams(mut a), UsesOf::Streams(b)) => {
@@ -416,9 +432,9 @@ impl UsesOf {
         }
     }
 
-    /// Retires `finish` to the [reaper](crate::sync::reaper) until that work has
+    /// Retires `finish` to the [reaper](crate::reaper) until that work has
     /// finished. Never waits.
-    pub fn retire(self, what: &'static str, finish: impl FnOnce() + Send + 'static) {
+    pub(crate) fn retire(self, what: &'static str, finish: impl FnOnce() + Send + 'static) {
         match self {
             UsesOf::Streams(streams) => crate::sync::reaper::after_streams(&streams, what, finish),
             UsesOf::Context(ctx) => crate::sync::reaper::after_context(&ctx, what, finish),

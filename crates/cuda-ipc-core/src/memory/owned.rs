@@ -69,7 +69,7 @@ impl Owned {
     }
 
     /// Retires `finish` (the release of the memory) to the
-    /// [reaper](crate::sync::reaper) until the work queued so far on the
+    /// [reaper](crate::reaper) until the work queued so far on the
     /// memory's stream and on the device's stream has finished (after uses
     /// on other streams: on every stream of the device's context). Never
     /// waits.
@@ -81,8 +81,7 @@ impl Owned {
 }
 
 /// Writes, for an owned buffer type with an [`Owned`] field named `core`,
-/// what it offers through that field: the inherent `with_stream` (with the
-/// docs given), [`DeviceMemory`] (whose `byte_len` is the buffer's length)
+/// what it offers through that field: [`WithStream`], [`DeviceMemory`] (whose `byte_len` is the buffer's length)
 /// and cudarc's traits (through [`impl_cudarc_traits!`]).
 ///
 /// The type name comes after `unsafe`, under a `// SAFETY:` note saying why
@@ -90,15 +89,12 @@ impl Owned {
 /// type frees it in its `Drop`): that is the contract of [`DeviceMemory`].
 ///
 /// [`DeviceMemory`]: crate::memory::DeviceMemory
+/// [`WithStream`]: crate::memory::WithStream
 /// [`impl_cudarc_traits!`]: crate::memory::impl_cudarc_traits
 macro_rules! owned_buffer {
-    (
-        unsafe $ty:ident;
-        $(#[$with_stream:meta])* with_stream;
-    ) => {
-        impl $ty {
-            $(#[$with_stream])*
-            pub fn with_stream(
+    (unsafe $ty:ident;) => {
+        impl $crate::memory::WithStream for $ty {
+            fn with_stream(
                 mut self,
                 stream: std::sync::Arc<cudarc::driver::CudaStream>,
             ) -> $crate::error::Result<Self> {

@@ -154,7 +154,7 @@ impl SharedPool {
     }
 
     /// The device the pool allocates on.
-    pub fn device(&self) -> &Device {
+    pub(crate) fn device(&self) -> &Device {
         &self.device
     }
 }
@@ -215,7 +215,7 @@ impl PoolBuffer {
     }
 
     /// The pool it came from.
-    pub fn pool(&self) -> &Arc<SharedPool> {
+    pub(crate) fn pool(&self) -> &Arc<SharedPool> {
         &self.pool
     }
 }
@@ -225,12 +225,6 @@ impl PoolBuffer {
 // fields (its device is the pool's).
 owned_buffer! {
     unsafe PoolBuffer;
-    /// Uses `stream` for this buffer's copies, kernels and free; work queued
-    /// before the switch stays ordered before work queued after it (the
-    /// new stream waits on an event). An [`Error::InvalidArgument`]
-    /// when `stream` belongs to another context than the device's primary
-    /// one, where the memory lives.
-    with_stream;
 }
 
 impl Drop for PoolBuffer {
@@ -315,7 +309,7 @@ impl ImportedPool {
     /// Imports one allocation of the pool, of `size` bytes (the exporter's
     /// allocation size, used for bounds checks).
     #[doc(alias = "cuMemPoolImportPointer")]
-    pub fn import_pointer(
+    pub(crate) fn import_pointer(
         self: &Arc<Self>,
         data: PoolPtrHandle,
         size: u64,

@@ -321,12 +321,6 @@ pub(super) unsafe fn set_access(
 // fields.
 owned_buffer! {
     unsafe VmmBuffer;
-    /// Uses `stream` for this buffer's copies and kernels; work queued
-    /// before the switch stays ordered before work queued after it (the
-    /// new stream waits on an event). An [`Error::InvalidArgument`]
-    /// when `stream` belongs to another context than the device's primary
-    /// one, where the memory lives.
-    with_stream;
 }
 
 impl Drop for VmmBuffer {
@@ -561,11 +555,6 @@ impl VmmMapping {
         }
         Ok(())
     }
-
-    /// What the mapping grants: read-write, or read only.
-    pub fn access(&self) -> Access {
-        self.access
-    }
 }
 
 pub(super) fn release_all(handles: &[sys::CUmemGenericAllocationHandle]) {
@@ -596,7 +585,7 @@ impl Mapping for VmmMapping {
         self.mechanism
     }
     fn read_only(&self) -> bool {
-        self.access.is_read_only()
+        self.access == Access::ReadOnly
     }
     unsafe fn sleep(&self) -> Result<()> {
         // SAFETY: the caller keeps `Mapping::sleep`'s contract, which is

@@ -132,8 +132,9 @@ impl IpcEvent {
         unsafe { event::query(self.event) }
     }
 
-    /// The raw event, for use with other libraries. Do not destroy it.
-    pub fn cu_event(&self) -> sys::CUevent {
+    /// The raw event, for the driver's floor (`floor`). Do not destroy it.
+    #[cfg(feature = "test-support")]
+    pub(crate) fn cu_event(&self) -> sys::CUevent {
         self.event
     }
 }

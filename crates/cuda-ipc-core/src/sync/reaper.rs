@@ -30,7 +30,7 @@
 //! under work that may still run. Work that never completes (a stream
 //! waiting on the fence of a publisher that died) keeps its memory for as
 //! long as the process lives, and the reaper logs it, once after
-//! [`STALL_WARNING`] and then every minute, naming what waits. Finishing
+//! 10 seconds and then every minute, naming what waits. Finishing
 //! steps that talk to a peer (a lease release) send without waiting for an
 //! answer, within the channel's request timeout.
 //!
@@ -49,7 +49,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use crate::error::{Error, from_cudarc};
 
 /// How long a retired step may wait for its work before the reaper logs it.
-pub const STALL_WARNING: Duration = Duration::from_secs(10);
+pub(crate) const STALL_WARNING: Duration = Duration::from_secs(10);
 
 /// How often a step still waiting is logged again.
 const STALL_REPEAT: Duration = Duration::from_secs(60);

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
+use crate::Access;
 use crate::arena::ChunkId;
 use crate::channel::{self, ChannelError};
-use crate::mechanism::Access;
-use crate::memory::buffer::Mapping;
+use crate::memory::buffer::{Mapping, retire_after_uses};
 
 use super::budget::{Held, LruCache};
 
@@ -23,9 +23,8 @@ impl CachedChunk {
     pub(super) fn retire(self, client: &Arc<channel::Client>) {
         let CachedChunk { mapping, lease } = self;
         let client = client.clone();
-        let uses = mapping.used_streams().uses(mapping.device().stream());
-        uses.retire("unmapping an idle chunk", move || {
-            crate::sync::reaper::work_done(|| drop(mapping));
+        retire_after_uses(vec![mapping], "unmapping an idle chunk", move |mappings| {
+            crate::reaper::work_done(|| drop(mappings));
             if let Err(e) = client.release_nowait(lease)
                 && !matches!(e, ChannelError::PeerGone)
             {

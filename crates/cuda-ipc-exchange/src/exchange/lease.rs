@@ -4,7 +4,7 @@
 //! reference to the channel client): a [`Subscriber`](super::Subscriber)
 //! dropped while views live leaves the connection open, and so the lease
 //! held, until the last view is gone. Its drop never waits: the release is
-//! retired to the [reaper](crate::sync::reaper) until the streams the views used
+//! retired to the [reaper](crate::reaper) until the streams the views used
 //! have finished, then the mappings are undone and the lease is given back
 //! without waiting for the publisher's answer.
 
@@ -79,9 +79,9 @@ impl LeaseGuard {
         // but `own`.
         let views = views_left(
             || Arc::strong_count(self).saturating_sub(own),
-            crate::sync::reaper::retiring,
+            crate::reaper::retiring,
             || {
-                crate::sync::reaper::settle(SETTLE_BEFORE_REFUSING);
+                crate::reaper::settle(SETTLE_BEFORE_REFUSING);
             },
         );
         if views > 0 {
@@ -112,7 +112,7 @@ impl LeaseGuard {
                 waited = r;
             }
         }
-        crate::sync::reaper::work_done(|| drop(mappings));
+        crate::reaper::work_done(|| drop(mappings));
         let released = self.client.release(self.lease);
         // After the release: the client drops notices for a lease it no
         // longer holds, so none can queue here again.
@@ -156,8 +156,8 @@ impl Drop for LeaseGuard {
         }
         let mappings = std::mem::take(&mut *lock(&self.mappings));
         let (client, pending, lease) = (self.client.clone(), self.pending.clone(), self.lease);
-        crate::memory::buffer::uses_of(&mappings).retire("releasing a lease", move || {
-            crate::sync::reaper::work_done(|| drop(mappings));
+        crate::memory::buffer::retire_after_uses(mappings, "releasing a lease", move |mappings| {
+            crate::reaper::work_done(|| drop(mappings));
             let released = client.release_nowait(lease);
             // After the release (see `end`).
             lock(&pending).remove(&lease);
@@ -211,10 +211,10 @@ mod tests {
         let views: Vec<_> = (0..3).map(|_| guard.clone()).collect();
         drop(guard);
         drop(views[..2].to_vec());
-        assert!(crate::sync::reaper::settle(Duration::from_secs(5)));
+        assert!(crate::reaper::settle(Duration::from_secs(5)));
         assert_eq!(server.leases().len(), 1, "a view is still alive");
         drop(views);
-        assert!(crate::sync::reaper::settle(Duration::from_secs(5)));
+        assert!(crate::reaper::settle(Duration::from_secs(5)));
         assert!(no_leases(&server), "{:?}", server.leases());
         assert!(
             lock(&pending).is_empty(),
@@ -245,7 +245,7 @@ mod tests {
         );
         // Ended once: the drop that follows does not release again.
         drop(guard);
-        assert!(crate::sync::reaper::settle(Duration::from_secs(5)));
+        assert!(crate::reaper::settle(Duration::from_secs(5)));
         assert!(client.is_alive());
     }
 
@@ -281,7 +281,7 @@ mod tests {
         let guard = LeaseGuard::new(&client, &pending, lease, "x".into(), Vec::new());
         for i in 0..2000 {
             let view = guard.clone();
-            crate::sync::reaper::soon("a view let go of", move || drop(view));
+            crate::reaper::soon("a view let go of", move || drop(view));
             if let Err(e) = guard.check_no_views(1) {
                 panic!("round {i}: {e}");
             }
@@ -305,7 +305,7 @@ mod tests {
             "the lease ended with the subscriber"
         );
         drop(view);
-        assert!(crate::sync::reaper::settle(Duration::from_secs(5)));
+        assert!(crate::reaper::settle(Duration::from_secs(5)));
         assert!(no_leases(&server), "{:?}", server.leases());
     }
 
@@ -322,6 +322,6 @@ mod tests {
         let t = Instant::now();
         drop(view);
         assert!(t.elapsed() < Duration::from_millis(50));
-        assert!(crate::sync::reaper::settle(Duration::from_secs(5)));
+        assert!(crate::reaper::settle(Duration::from_secs(5)));
     }
 }

@@ -75,7 +75,7 @@
 //! it attaches ([`SubscriberConfig::with_access`]) or for one set
 //! ([`Subscriber::attach_set_with`]). [`SetAttachment::read_only`],
 //! [`Attachment::read_only`] and each view's
-//! [`MappedBuffer::read_only`](cuda_ipc_core::MappedBuffer::read_only) say how it
+//! [`Mapping::read_only`](cuda_ipc_core::Mapping::read_only) say how it
 //! is mapped. A read-only and a read-write mapping of one chunk are cached
 //! apart. Only VMM memory can be mapped read-only: a publisher with
 //! read-only readers refuses legacy and pool arenas, isolated buffers
@@ -110,12 +110,12 @@
 //! ([`Error::ViewsAlive`](cuda_ipc_core::Error::ViewsAlive)).
 //!
 //! **No drop waits.** Dropping the last view retires the release to the
-//! [`reaper`](crate::sync::reaper): events are recorded on every stream the views
+//! [`reaper`](crate::reaper): events are recorded on every stream the views
 //! used, and once they have passed, the mappings are undone and the
 //! publisher is told (without waiting for its answer). So the publisher
 //! never frees or reuses memory that queued work still uses, and a drop
 //! returns at once even while the GPU is busy or the publisher is stopped.
-//! [`reaper::settle`](crate::sync::reaper::settle) waits for the retired releases
+//! [`reaper::settle`](crate::reaper::settle) waits for the retired releases
 //! where a program needs their effect. Explicit calls
 //! ([`Subscriber::release`], [`Subscriber::release_set`], [`Subscriber::close`])
 //! do wait, within the connection's timeout.

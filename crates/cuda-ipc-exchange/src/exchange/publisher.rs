@@ -7,17 +7,17 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::Access;
 use crate::arena::{DeviceArena, DeviceArenaBuffer, SetMember};
 use crate::channel::{ChannelError, LeaseInfo, Replaced, Server, ServerConfig};
 use crate::descriptor::{Descriptor, Dtype, Mechanism};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::event::IpcEvent;
 use crate::handle::IpcEventHandle;
-use crate::mechanism::Access;
 use crate::memory::DeviceMemory;
 use crate::set::ArenaId;
 use crate::share::SharedBuffer;
-use crate::sync::event::IpcEvent;
 
 use super::publisher_config::PublisherConfig;
 use super::ring::{RingPublisher, RingSync};

@@ -1,10 +1,10 @@
 //! Read-only readers without a GPU: the publisher's and the subscriber's
 //! configuration, and the chunk cache keyed by access.
 
+use crate::Access;
 use crate::arena::{ArenaId, ChunkId};
 use crate::descriptor::Mechanism;
 use crate::error::ErrorKind;
-use crate::mechanism::Access;
 
 use super::budget::{Held, LruCache, MappingBudget};
 use super::chunk_cache::ChunkKey;

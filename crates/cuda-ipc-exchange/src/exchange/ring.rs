@@ -10,12 +10,12 @@ use serde_json::Value;
 
 use crate::channel::{self, LeaseInfo};
 use crate::error::{Error, Result};
+use crate::event::IpcEvent;
 use crate::fence::Fence;
 use crate::handle::IpcEventHandle;
 use crate::memory::DeviceMemory;
 use crate::memory::buffer::MappedBuffer;
 use crate::share::SharedBuffer;
-use crate::sync::event::IpcEvent;
 
 use super::lease::LeaseGuard;
 use super::sync::Waiter;

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use bytemuck::Pod;
 use serde_json::Value;
 
+use crate::Access;
 use crate::arena::ChunkId;
 use crate::channel::{self, ChannelError, Notice};
 use crate::error::{Error, Result};
-use crate::mechanism::Access;
 use crate::memory::buffer::Mapping;
 use crate::phases::Phases;
 use crate::set::{EntryTables, NameIndex, SetRecord, TableRef};
@@ -173,7 +173,7 @@ impl Subscriber {
             lock(&self.pending).remove(&c.lease);
             let _ = c.mapping.used_streams().synchronize_all();
             // Waited for: unmapped now, before the lease goes.
-            crate::sync::reaper::work_done(|| drop(c.mapping));
+            crate::reaper::work_done(|| drop(c.mapping));
             if self.client.is_alive()
                 && let Err(e) = self.client.release(c.lease)
             {

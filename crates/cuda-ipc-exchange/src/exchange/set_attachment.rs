@@ -3,8 +3,8 @@
 
 use super::lease::LeaseGuard;
 use super::sync::Waiter;
+use crate::Access;
 use crate::error::{Error, Result};
-use crate::mechanism::Access;
 use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::set::{NameIndex, SetEntry, SetRecord};
 use bytemuck::Pod;
@@ -64,9 +64,9 @@ impl SetAttachment {
     }
 
     /// Whether the set is mapped read-only: writing through any of its
-    /// views fails (each view says so too, [`MappedBuffer::read_only`]).
+    /// views fails (each view's mapping says so too, [`Mapping::read_only`]).
     pub fn read_only(&self) -> bool {
-        self.access.is_read_only()
+        self.access == Access::ReadOnly
     }
 
     /// The set record the publisher sent.

@@ -641,8 +641,8 @@ fn read_record_text(consumer: &Client, meta: &Value) -> String {
 /// and in parts, and makes the subscriber map read-only whatever it asked.
 #[test]
 fn the_read_only_policy_comes_back_with_the_record() {
+    use crate::Access;
     use crate::exchange::set_attach::set_access;
-    use crate::mechanism::Access;
     let (_dir, server, arena, mut book) = setup();
     let buf = arena.alloc(4096).unwrap();
     let consumer = client(&server);

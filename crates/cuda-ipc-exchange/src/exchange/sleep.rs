@@ -25,8 +25,8 @@
 
 use std::sync::Arc;
 
+use crate::Mechanism;
 use crate::error::{Error, Result};
-use crate::mechanism::Mechanism;
 use crate::memory::buffer::Mapping;
 
 use super::chunk_cache::ChunkCache;
@@ -104,7 +104,7 @@ impl Subscriber {
         if check && users(&self.live_mappings(), &lock(&self.chunks)) > 0 {
             // Views dropped just before may still be on their way out (a
             // lease's release holds its mappings until the reaper runs it).
-            crate::sync::reaper::settle(SETTLE_BEFORE_REFUSING);
+            crate::reaper::settle(SETTLE_BEFORE_REFUSING);
         }
         // Attaches hand out mappings from these two caches, under their
         // locks (and check that what they hand out is awake): held until

@@ -10,17 +10,17 @@ use bytemuck::Pod;
 use cudarc::driver::CudaStream;
 use serde_json::Value;
 
+use crate::Access;
 use crate::channel::{ChannelError, Client, ClientConfig, Notice};
 use crate::descriptor::Descriptor;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::event::IpcEvent;
 use crate::fence::FenceMapping;
 use crate::handle::IpcEventHandle;
-use crate::mechanism::Access;
 use crate::memory::DeviceMemory;
 use crate::memory::buffer::{MappedBuffer, Mapping};
 use crate::share;
-use crate::sync::event::IpcEvent;
 
 use super::chunk_cache::ChunkCache;
 use super::lease::{LeaseGuard, Pending};
@@ -163,7 +163,7 @@ impl<T: Pod> Attachment<T> {
     /// [`SubscriberConfig::access`], or an arena buffer whose publisher
     /// asks for read-only readers): writing through it fails.
     pub fn read_only(&self) -> bool {
-        self.buffer.read_only()
+        self.buffer.mapping().read_only()
     }
 }
 
@@ -502,7 +502,7 @@ impl Subscriber {
         let users = |s: &Self| Arc::strong_count(&s.pending).saturating_sub(1);
         if users(&self) > 0 {
             // Releases already retired hold the book until they have run.
-            crate::sync::reaper::settle(self.timeout);
+            crate::reaper::settle(self.timeout);
         }
         let users = users(&self);
         if users > 0 {

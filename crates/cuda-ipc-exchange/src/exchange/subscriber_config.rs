@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::mechanism::Access;
+use crate::Access;
 
 use super::budget::MappingBudget;
 use super::sync::SyncMode;

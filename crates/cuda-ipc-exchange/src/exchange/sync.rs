@@ -47,8 +47,8 @@ use serde::{Deserialize, Serialize};
 use crate::channel::ChannelError;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::event::IpcEvent;
 use crate::fence::{Fence, FenceMapping};
-use crate::sync::event::IpcEvent;
 
 use super::lock;
 use super::wire::{FenceMeta, UpdateBody};
@@ -356,7 +356,7 @@ impl Waiter {
                 host_only: true,
                 mapping,
                 ..
-            } if mapping.is_host()
+            } if mapping.block().is_host()
         )
     }
 

@@ -529,7 +529,7 @@ impl SetRecord {
             // Every chunk has chunks[0]'s mechanism (checked above).
             let mechanism = self.chunks[0].descriptor.mechanism();
             mechanism
-                .check_access(crate::mechanism::Access::ReadOnly)
+                .check_access(crate::Access::ReadOnly)
                 .map_err(|e| field_err("read_only", e.to_string()))?;
         }
         Ok(chunks)

@@ -26,9 +26,9 @@
 
 use std::io::Read;
 
+use crate::Access;
 use crate::arena::{DeviceArenaBuffer, SetMember};
 use crate::channel::{CallError, LeaseInfo, UNLISTED_ENTRY_PREFIX};
-use crate::mechanism::Access;
 
 use super::admin::{
     AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, OpenWriteAnswer, OpenWriteRequest,

@@ -24,9 +24,9 @@
 
 use std::time::Duration;
 
+use crate::Access;
 use crate::error::{Error, Result};
 use crate::exchange::{SetAttachment, Subscriber};
-use crate::mechanism::Access;
 
 use super::admin::{
     AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, OpenWriteAnswer, OpenWriteRequest,

@@ -12,7 +12,7 @@ use cuda_ipc::exchange::{Publisher, PublisherConfig, Subscriber, SubscriberConfi
 use cuda_ipc::fence::Fence;
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::SharedBuffer;
-use cuda_ipc::{Device, DeviceMemory, Dtype, reaper};
+use cuda_ipc::{Device, DeviceMemory, Dtype, WithStream, reaper};
 use serde_json::json;
 
 use super::common::{Parent, Peer, role};

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use cuda_ipc::exchange::{Publisher, PublisherConfig, Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Pattern, Speed};
 use cuda_ipc::share::SharedBuffer;
-use cuda_ipc::{Device, DeviceMemory, Dtype, Error, Mechanism};
+use cuda_ipc::{Device, DeviceMemory, Dtype, Error, Mechanism, WithStream};
 use serde_json::json;
 
 use super::common::{Parent, Peer, role};

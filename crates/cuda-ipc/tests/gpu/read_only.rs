@@ -119,7 +119,7 @@ fn try_write(device: &Device, set: &SetAttachment, index: usize, how: &str, valu
     let read = view.slice(0..1).and_then(|v| v.to_vec::<u32>()).map(drop);
     json!({
         "bad": null,
-        "read_only": view.read_only(),
+        "read_only": view.mapping().read_only(),
         "write_error": err_text(write),
         "sync_error": err_text(sync),
         "context_error": err_text(read),
@@ -154,8 +154,9 @@ fn reader() {
                 };
                 match attached {
                     Ok(s) => {
-                        let views_agree = (0..s.len())
-                            .all(|i| s.view::<u8>(i).unwrap().read_only() == s.read_only());
+                        let views_agree = (0..s.len()).all(|i| {
+                            s.view::<u8>(i).unwrap().mapping().read_only() == s.read_only()
+                        });
                         let bad = if req["check"] == false {
                             Value::Null
                         } else {
