@@ -164,14 +164,7 @@ impl VmmBuffer {
                 e
             }
         })?;
-        let ptr = match map_rw(handle, alloc_size, gran, ordinal) {
-            Ok(p) => p,
-            Err(e) => {
-                // SAFETY: created above, not mapped, released once.
-                let _ = unsafe { vmm::release(handle) };
-                return Err(e);
-            }
-        };
+        let ptr = map_rw_or_release(handle, alloc_size, gran, ordinal)?;
         Ok(VmmBuffer {
             core: Owned::new(device, ptr, len),
             handle,
@@ -242,9 +235,24 @@ pub(crate) fn export_existing(device: &Device, ptr: u64) -> Result<(OwnedFd, u64
     Ok((fd, base, size))
 }
 
+/// [`map_rw`] of a handle this process just created or imported, which
+/// is released if it cannot be mapped.
+pub(super) fn map_rw_or_release(
+    handle: sys::CUmemGenericAllocationHandle,
+    size: u64,
+    align: u64,
+    device: i32,
+) -> Result<u64> {
+    map_rw(handle, size, align, device).inspect_err(|_| {
+        // SAFETY: the caller's handle, not mapped (map_rw undid its work),
+        // released once, here.
+        let _ = unsafe { vmm::release(handle) };
+    })
+}
+
 /// Reserves an address range, maps `handle` into it and grants `device`
 /// read-write access; undoes everything on failure.
-pub(super) fn map_rw(
+fn map_rw(
     handle: sys::CUmemGenericAllocationHandle,
     size: u64,
     align: u64,

@@ -6,7 +6,7 @@ use crate::device::Device;
 use crate::driver::result::vmm;
 use crate::error::{Error, Result};
 use crate::memory::owned::Owned;
-use crate::memory::vmm::{ShareableTypes, VmmBuffer, map_rw};
+use crate::memory::vmm::{ShareableTypes, VmmBuffer, map_rw_or_release};
 
 impl VmmBuffer {
     /// Takes over the VMM allocation behind `fd` (`size` bytes: the
@@ -35,14 +35,7 @@ impl VmmBuffer {
         let len = usize::try_from(size)
             .map_err(|_| Error::arg("size", format!("{size} bytes is too large")))?;
         let handle = vmm::import_fd(fd.as_fd())?;
-        let ptr = match map_rw(handle, size, gran, ordinal) {
-            Ok(p) => p,
-            Err(e) => {
-                // SAFETY: imported above, not mapped, released once.
-                let _ = unsafe { vmm::release(handle) };
-                return Err(e);
-            }
-        };
+        let ptr = map_rw_or_release(handle, size, gran, ordinal)?;
         Ok(VmmBuffer {
             core: Owned::new(device, ptr, len),
             handle,
