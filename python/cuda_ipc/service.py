@@ -100,7 +100,8 @@ def _count(what, n):
 def ls(service, *, timeout=5.0, allow_uids=()):
     """The sets the service holds: a list of dicts (``name``, ``bytes``,
     ``version``, ``owner_uid``, ``leases``, ``state`` (``committed`` or
-    ``writing``), ``writer``, ...)."""
+    ``writing``), ``writer``, ``restarts`` (how many restarts of the serving
+    process this version was kept through), ...)."""
     return call(service, "ls", {}, timeout=timeout, allow_uids=allow_uids)["sets"]
 
 

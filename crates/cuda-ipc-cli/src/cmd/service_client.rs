@@ -228,9 +228,11 @@ pub fn ls(args: &ListArgs) -> Result<Outcome, Error> {
         } else {
             holders_text(&s.leases)
         };
-        let state = match &s.writer {
-            Some(w) => format!("writing v{} (pid {}, uid {})", w.version, w.pid, w.uid),
-            None => "committed".to_owned(),
+        let state = match (&s.writer, s.restarts) {
+            (Some(w), _) => format!("writing v{} (pid {}, uid {})", w.version, w.pid, w.uid),
+            (None, 0) => "committed".to_owned(),
+            (None, 1) => "committed, kept 1 restart".to_owned(),
+            (None, n) => format!("committed, kept {n} restarts"),
         };
         outln!(
             "{:<24} {:>12} {:>8} {:>8} {:>8} {:>7}  {state:<28} {readers}",
