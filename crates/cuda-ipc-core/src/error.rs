@@ -233,6 +233,20 @@ pub enum Error {
         source: Box<Error>,
     },
 
+    /// Saving a tensor to a safetensors file failed: the file and the
+    /// tensor, and what failed (a driver call or a write). Its
+    /// [`kind`](Error::kind) is the cause's.
+    #[error("saving tensor {tensor} to {}: {source}", .file.display())]
+    Save {
+        /// The file being written.
+        file: std::path::PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// What failed.
+        #[source]
+        source: Box<Error>,
+    },
+
     /// A PyTorch sharing record was malformed or of an unsupported kind.
     #[error("PyTorch share record: {0}")]
     Torch(String),
@@ -280,7 +294,7 @@ impl Error {
             Error::Driver { call, result, .. } => driver_kind(call, *result),
             Error::Channel(e) => channel_kind(e.kind()),
             Error::Io { .. } => ErrorKind::Failed,
-            Error::Load { source, .. } => source.kind(),
+            Error::Load { source, .. } | Error::Save { source, .. } => source.kind(),
         }
     }
 
@@ -288,7 +302,7 @@ impl Error {
     pub fn driver_result(&self) -> Option<CUresult> {
         match self {
             Error::Driver { result, .. } => Some(*result),
-            Error::Load { source, .. } => source.driver_result(),
+            Error::Load { source, .. } | Error::Save { source, .. } => source.driver_result(),
             _ => None,
         }
     }

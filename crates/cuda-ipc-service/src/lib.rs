@@ -21,6 +21,8 @@
 pub mod checkpoint;
 pub mod keep;
 pub mod loader;
+mod pinned;
+pub mod saver;
 pub mod service;
 
 // The lower crates' modules under the names this crate's code uses for them.

@@ -75,6 +75,55 @@ pub(crate) fn from_safetensors(
     Ok((ours, dims))
 }
 
+/// The safetensors type and shape of a tensor of this crate's `dtype` and
+/// `shape`: the inverse of [`from_safetensors`] (an `f4e2m1fnx2` shape
+/// counts bytes, the file's counts values: its last dimension doubled), or
+/// why the tensor has no safetensors form (a sentence naming the type).
+pub(crate) fn to_safetensors(dtype: Dtype, shape: &[u64]) -> Result<(StDtype, Vec<usize>), String> {
+    let too_large = || format!("shape {shape:?} is too large for this machine");
+    let mut dims = shape
+        .iter()
+        .map(|&d| usize::try_from(d).map_err(|_| too_large()))
+        .collect::<Result<Vec<usize>, String>>()?;
+    let theirs = match dtype {
+        Dtype::Bool => StDtype::BOOL,
+        Dtype::U8 => StDtype::U8,
+        Dtype::I8 => StDtype::I8,
+        Dtype::U16 => StDtype::U16,
+        Dtype::I16 => StDtype::I16,
+        Dtype::U32 => StDtype::U32,
+        Dtype::I32 => StDtype::I32,
+        Dtype::U64 => StDtype::U64,
+        Dtype::I64 => StDtype::I64,
+        Dtype::F16 => StDtype::F16,
+        Dtype::Bf16 => StDtype::BF16,
+        Dtype::F32 => StDtype::F32,
+        Dtype::F64 => StDtype::F64,
+        Dtype::F8E4m3fn => StDtype::F8_E4M3,
+        Dtype::F8E5m2 => StDtype::F8_E5M2,
+        Dtype::F8E4m3fnuz => StDtype::F8_E4M3FNUZ,
+        Dtype::F8E5m2fnuz => StDtype::F8_E5M2FNUZ,
+        Dtype::F8E8m0fnu => StDtype::F8_E8M0,
+        Dtype::C64 => StDtype::C64,
+        Dtype::F4E2m1fnX2 => {
+            let last = dims.last_mut().ok_or_else(|| {
+                "dtype f4e2m1fnx2 with no dimension has no safetensors form (F4 counts \
+                 values, two to a byte, along the last dimension)"
+                    .to_string()
+            })?;
+            *last = last.checked_mul(2).ok_or_else(too_large)?;
+            StDtype::F4
+        }
+        other => {
+            return Err(format!(
+                "dtype {other} has no safetensors type; convert the tensor to one that has \
+                 (c128: to c64, or two f64 tensors) before saving"
+            ));
+        }
+    };
+    Ok((theirs, dims))
+}
+
 /// The safetensors type names that [`from_safetensors`] carries.
 pub(crate) const CARRIED: [&str; 20] = [
     "BOOL",
@@ -120,6 +169,20 @@ mod tests {
             let bytes = dims.iter().product::<u64>() * ours.size();
             assert_eq!(bytes, 12 * dtype.bitsize() as u64 / 8, "{name}");
         }
+    }
+
+    #[test]
+    fn to_safetensors_inverts_from_safetensors() {
+        for name in CARRIED {
+            let shape: &[usize] = if name == "F4" { &[3, 8] } else { &[3, 4] };
+            let (ours, dims) = from_safetensors(st(name), shape).unwrap();
+            let (back, back_shape) = to_safetensors(ours, &dims).unwrap();
+            assert_eq!((back, back_shape.as_slice()), (st(name), shape), "{name}");
+        }
+        let e = to_safetensors(Dtype::C128, &[2]).unwrap_err();
+        assert!(e.contains("c128"), "{e}");
+        let e = to_safetensors(Dtype::F4E2m1fnX2, &[]).unwrap_err();
+        assert!(e.contains("f4e2m1fnx2"), "{e}");
     }
 
     #[test]

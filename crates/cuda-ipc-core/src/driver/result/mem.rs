@@ -64,7 +64,7 @@ pub(crate) fn pointer_attribute_u32(ptr: u64, attr: sys::CUpointer_attribute) ->
 /// # Safety
 /// `src..src+len` must be device memory and `dst` valid for `len` bytes
 /// until the stream has passed this copy.
-pub(crate) unsafe fn copy_dtoh_async(
+pub unsafe fn copy_dtoh_async(
     dst: *mut c_void,
     src: u64,
     len: usize,

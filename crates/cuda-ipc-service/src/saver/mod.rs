@@ -1,0 +1,264 @@
+//! Saving an attached set as a safetensors checkpoint: a standard file that
+//! any tool reads back (`safetensors`, PyTorch, transformers, this crate's
+//! loader and `serve --service --restore`).
+//!
+//! [`save_set`] writes what a [`SetAttachment`] maps, while its lease holds
+//! the version still: nothing pauses the set's other readers or a writer
+//! of its next version (a service's writer writes a staging version, never
+//! the committed one a saver holds).
+//!
+//! 1. **The file.** The header is built first (the `safetensors` crate's
+//!    own header type; tensors ordered as `safetensors` orders them,
+//!    widest type first, then by name), and the file's whole length is
+//!    reserved in a hidden temporary file beside the destination
+//!    (`fallocate`: a full disk is an error before any copy).
+//! 2. **Copies.** The tensors' bytes are split into pieces of at most
+//!    [`SaveOptions::piece_size`], dealt round-robin to
+//!    [`SaveOptions::streams`] new streams. Each stream's thread copies a
+//!    piece from the device into one of its two page-locked staging
+//!    buffers (`cuMemcpyDtoHAsync`) and writes the other buffer's piece to
+//!    the file (`pwrite`) meanwhile. The streams first wait for the work
+//!    the device's stream holds for the set (its event or fence).
+//! 3. **The end.** The file is flushed to the disk (`fsync`) and renamed
+//!    to the destination, then the directory is flushed: the destination
+//!    holds the whole checkpoint or nothing new. An existing destination
+//!    is refused unless [`SaveOptions::overwrite`] (checked first, and
+//!    again atomically at the rename).
+//!
+//! A set's tied tensors (a second key for an earlier tensor's memory) are
+//! left out, as safetensors files carry each tensor's bytes once
+//! (`save_model` in safetensors does the same); empty tensors are kept.
+//! A tensor whose type has no safetensors form (`c128`) is refused by
+//! name before the file is created.
+//!
+//! ```no_run
+//! use cuda_ipc_core::Device;
+//! use cuda_ipc_exchange::exchange::{Subscriber, SubscriberConfig};
+//! use cuda_ipc_service::saver::{SaveOptions, save_set};
+//!
+//! let device = Device::open(0)?;
+//! let subscriber = Subscriber::connect(&device, "weights", SubscriberConfig::default())?;
+//! let set = subscriber.attach_set("model")?;
+//! let report = save_set(&device, &set, "/ckpt/model.safetensors".as_ref(),
+//!                       &SaveOptions::default(), &mut |_, _| {})?;
+//! println!("{} bytes at {:.1} GB/s", report.payload_bytes, report.gb_per_s());
+//! # Ok::<(), cuda_ipc_core::Error>(())
+//! ```
+
+mod copy;
+mod layout;
+mod output;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::device::Device;
+use crate::error::{Error, Result, from_cudarc};
+use crate::exchange::SetAttachment;
+
+/// How a save copies and what it writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SaveOptions {
+    /// Streams (each with its thread and two staging buffers), 1 to 64.
+    pub streams: usize,
+    /// The largest piece copied and written at once, and so each staging
+    /// buffer's size: 64 KiB to 1 GiB.
+    pub piece_size: u64,
+    /// Replace an existing file at the destination.
+    pub overwrite: bool,
+    /// The header's `__metadata__` strings (`format` is `pt` unless given).
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions {
+            streams: 4,
+            piece_size: 16 << 20,
+            overwrite: false,
+            metadata: BTreeMap::new(),
+        }
+    }
+}
+
+impl SaveOptions {
+    /// With `streams` streams.
+    #[must_use]
+    pub fn with_streams(mut self, streams: usize) -> Self {
+        self.streams = streams;
+        self
+    }
+
+    /// With pieces of at most `bytes`.
+    #[must_use]
+    pub fn with_piece_size(mut self, bytes: u64) -> Self {
+        self.piece_size = bytes;
+        self
+    }
+
+    /// Replacing an existing file, or not.
+    #[must_use]
+    pub fn with_overwrite(mut self, overwrite: bool) -> Self {
+        self.overwrite = overwrite;
+        self
+    }
+
+    /// With the metadata string `key` = `value` in the header.
+    #[must_use]
+    pub fn with_metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.metadata.insert(key.into(), value.into());
+        self
+    }
+
+    /// Checks the bounds above.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the option.
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=64).contains(&self.streams) {
+            return Err(Error::arg(
+                "streams",
+                format!("{} is outside 1 to 64", self.streams),
+            ));
+        }
+        if !(64 << 10..=1 << 30).contains(&self.piece_size) {
+            return Err(Error::arg(
+                "piece size",
+                format!("{} bytes is outside 64 KiB to 1 GiB", self.piece_size),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a save did.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct SaveReport {
+    /// The file written.
+    pub path: PathBuf,
+    /// Tensors in the file.
+    pub tensors: usize,
+    /// Tied tensors left out.
+    pub aliases: usize,
+    /// Bytes of tensors copied.
+    pub payload_bytes: u64,
+    /// The file's length.
+    pub file_bytes: u64,
+    /// Streams copied on.
+    pub streams: usize,
+    /// Pieces copied.
+    pub pieces: usize,
+    /// From the file's creation until it was renamed into place, flushed.
+    pub elapsed: Duration,
+}
+
+impl SaveReport {
+    /// Bytes of tensors per second (10^9 bytes per GB).
+    pub fn gb_per_s(&self) -> f64 {
+        let s = self.elapsed.as_secs_f64();
+        if s > 0.0 {
+            self.payload_bytes as f64 / s / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Saves `set` (attached on `device`) as the safetensors file `path` (see
+/// the module docs), calling `progress(done, total)` with bytes of tensors
+/// as pieces reach the file. Returns once the file is in place.
+///
+/// # Errors
+/// Bad options; a tensor with no safetensors form; a destination that
+/// exists (unless overwriting), names no file or whose directory is
+/// missing; a full disk; a copy or a write that failed, as [`Error::Save`]
+/// naming the file and the tensor. No file is left behind after an error.
+pub fn save_set(
+    device: &Device,
+    set: &SetAttachment,
+    path: &Path,
+    options: &SaveOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<SaveReport> {
+    options.validate()?;
+    let mut metadata = options.metadata.clone();
+    metadata
+        .entry("format".into())
+        .or_insert_with(|| "pt".into());
+    let layout = layout::layout(set.entries(), &metadata)?;
+    let places = set.entry_places()?;
+    let addresses = layout
+        .tensors
+        .iter()
+        .map(|t| places[t.entry].address)
+        .collect();
+    let pieces = layout::pieces(&layout, options.piece_size, options.streams);
+    let started = Instant::now();
+    let out = output::Output::create(path, layout.file_len, options.overwrite)?;
+    out.write_at(&layout.header, 0)?;
+    device.bind()?;
+    let streams = (0..options.streams)
+        .map(|_| device.context().new_stream())
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| from_cudarc("cuStreamCreate", e))?;
+    // The copies come after what the device's stream holds for the set
+    // (the wait on its event or fence).
+    let ready = device
+        .stream()
+        .record_event(None)
+        .map_err(|e| from_cudarc("cuEventRecord", e))?;
+    for s in &streams {
+        s.wait(&ready)
+            .map_err(|e| from_cudarc("cuStreamWaitEvent", e))?;
+    }
+    let job = copy::Job {
+        device,
+        layout: &layout,
+        addresses,
+        out: &out,
+        abort: AtomicBool::new(false),
+    };
+    let total: u64 = layout.tensors.iter().map(|t| t.len).sum();
+    progress(0, total);
+    let (tx, rx) = mpsc::channel::<u64>();
+    let results: Vec<Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = streams
+            .iter()
+            .zip(&pieces)
+            .map(|(stream, mine)| {
+                let (job, tx) = (&job, tx.clone());
+                scope.spawn(move || copy::save_stream(job, mine, stream, &tx))
+            })
+            .collect();
+        drop(tx);
+        let mut done = 0u64;
+        for n in rx {
+            done += n;
+            progress(done.min(total), total);
+        }
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::arg("save", "a copy thread panicked; this is a bug")))
+            })
+            .collect()
+    });
+    results.into_iter().collect::<Result<()>>()?;
+    out.finish()?;
+    Ok(SaveReport {
+        path: path.to_path_buf(),
+        tensors: layout.tensors.len(),
+        aliases: layout.aliases,
+        payload_bytes: total,
+        file_bytes: layout.file_len,
+        streams: streams.len(),
+        pieces: pieces.iter().map(Vec::len).sum(),
+        elapsed: started.elapsed(),
+    })
+}
