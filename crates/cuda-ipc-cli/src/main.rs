@@ -55,6 +55,8 @@ enum Command {
     Stats(cmd::service_client::ListArgs),
     /// Drop a set a service holds (its owner's uid or the service's).
     Drop(cmd::service_client::DropArgs),
+    /// Save a service's set as a safetensors checkpoint, while it serves on.
+    Save(cmd::save::SaveArgs),
     /// Measure hand-off latency and bandwidth against the driver's floor and PyTorch.
     Bench(cuda_ipc_bench::Args),
     /// (internal) The consumer side of `demo`.
@@ -136,6 +138,7 @@ const ONLY_WITH: &[out::OnlyWith] = &[
     ("serve", "staging", "checkpoint"),
     ("serve", "quota", "service"),
     ("serve", "quota_uid", "service"),
+    ("serve", "restore", "service"),
     ("serve", "grace", "service"),
 ];
 
@@ -149,6 +152,7 @@ fn main() -> ExitCode {
         Command::Ls(a) | Command::Stats(a) => a.opts.json,
         Command::Load(a) => a.opts.json,
         Command::Drop(a) => a.opts.json,
+        Command::Save(a) => a.opts.json,
         _ => false,
     };
     let result = match cli.command {
@@ -169,6 +173,7 @@ fn main() -> ExitCode {
         Command::Ls(a) => cmd::service_client::ls(&a),
         Command::Stats(a) => cmd::service_client::stats(&a),
         Command::Drop(a) => cmd::service_client::drop_set(&a),
+        Command::Save(a) => cmd::save::save(&a),
         Command::Attach(a) => match (&a.set, &a.checkpoint) {
             (Some(set), Some(path)) => cmd::checkpoint::attach(&a, set, path),
             _ => cmd::serve::attach(&a),

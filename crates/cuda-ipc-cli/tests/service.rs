@@ -73,6 +73,14 @@ fn service_options_are_checked_before_the_driver() {
             vec!["serve", "--service", "a/b/c/no/such/dir/s.sock"],
             "does not exist",
         ),
+        (
+            vec!["serve", "--service", "--restore", "/no/such/saved"],
+            "is not a directory",
+        ),
+        (
+            vec!["serve", "--size", "4096", "--fill-u32", "1", "--restore", "/tmp"],
+            "--restore applies only with --service",
+        ),
     ] {
         assert_error(&args, &cuda_ipc(&args), 2, why);
     }
@@ -126,6 +134,10 @@ fn client_options_are_checked_before_anything_is_sent() {
         (vec!["drop"], "SET"),
         (vec!["drop", ""], "must not be empty"),
         (vec!["ls", "--service", ""], "it is empty"),
+        (vec!["save", "--staging", "1KiB", f], "outside 64 KiB to 1 GiB"),
+        (vec!["save", "--streams", "65", f], "outside 1 to 64"),
+        (vec!["save", "--set", "", f], "must not be empty"),
+        (vec!["save"], "PATH"),
     ] {
         assert_error(&args, &cuda_ipc(&args), 2, why);
     }
@@ -136,6 +148,7 @@ fn client_options_are_checked_before_anything_is_sent() {
         vec!["stats", "--service", s],
         vec!["drop", "--service", s, "m"],
         vec!["load", "--service", s, f],
+        vec!["save", "--service", s, f],
     ] {
         assert_error(
             &args,

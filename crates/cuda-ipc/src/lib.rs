@@ -9,13 +9,13 @@
 //!   weight sets, leases, rings, arenas ([`exchange`], [`set`], [`arena`],
 //!   [`torch`]);
 //! - `cuda-ipc-service`: checkpoints, the loader and the weight service
-//!   ([`checkpoint`], [`loader`], [`service`]).
+//!   ([`checkpoint`], [`loader`], [`saver`], [`service`]).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 pub use cuda_ipc_core::*;
 pub use cuda_ipc_exchange::{arena, exchange, set, torch};
-pub use cuda_ipc_service::{checkpoint, keep, loader, service};
+pub use cuda_ipc_service::{checkpoint, keep, loader, saver, service};
 
 /// The README's examples, compiled as doc tests.
 #[cfg(doctest)]

@@ -62,12 +62,15 @@ fn check_set_name(name: &str) -> Result<(), Error> {
     })
 }
 
-/// A progress bar on standard error (drawn only on a terminal).
-fn progress_bar() -> indicatif::ProgressBar {
+/// A progress bar on standard error (drawn only on a terminal), its line
+/// starting with `verb` (`loading`, `saving`).
+pub fn progress_bar(verb: &str) -> indicatif::ProgressBar {
     let bar =
         indicatif::ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::stderr());
     if let Ok(style) = indicatif::ProgressStyle::with_template(
-        "loading {bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+        &format!(
+            "{verb} {{bar:40}} {{binary_bytes}}/{{binary_total_bytes}} {{binary_bytes_per_sec}} eta {{eta}}"
+        ),
     ) {
         bar.set_style(style);
     }
@@ -81,7 +84,7 @@ pub fn serve(args: &ServeArgs, path: &Path) -> Result<Outcome, Error> {
     let config = publisher_config(args)?;
     let device = Device::open(args.device)?;
     let publisher = Publisher::bind(&device, Endpoint::Path(socket), config)?;
-    let bar = progress_bar();
+    let bar = progress_bar("loading");
     let loaded = load_checkpoint(&publisher, &ckpt, plan.options(), &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);

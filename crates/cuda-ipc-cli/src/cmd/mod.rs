@@ -7,6 +7,7 @@ pub mod export;
 pub mod info;
 pub mod keeper;
 pub mod open;
+pub mod save;
 pub mod serve;
 pub mod service;
 pub mod service_client;

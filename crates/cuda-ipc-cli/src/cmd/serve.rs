@@ -115,6 +115,12 @@ pub struct ServeArgs {
     /// CUDA context's device memory while it waits).
     #[arg(long, conflicts_with = "no_keeper")]
     pub standby: bool,
+    /// With --service: load every .safetensors file of DIR at the start
+    /// (what `cuda-ipc save` wrote there), each as the set and version it
+    /// was saved from, owned by the file's owner. Sets kept through a
+    /// restart are newer and stay as they are.
+    #[arg(long, value_name = "DIR")]
+    pub restore: Option<std::path::PathBuf>,
     /// Device ordinal.
     #[arg(long, default_value_t = 0, value_parser = super::parse_device, allow_negative_numbers = true)]
     pub device: usize,

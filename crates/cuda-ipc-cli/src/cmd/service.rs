@@ -76,6 +76,17 @@ fn stop_flag() -> Result<Arc<AtomicBool>, Error> {
 pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
     let path = socket_path(name, Side::Serve)?;
     let overrides = quota_overrides(args)?;
+    if let Some(dir) = &args.restore
+        && !dir.is_dir()
+    {
+        return Err(Error::InvalidArgument {
+            what: "--restore",
+            reason: format!(
+                "{} is not a directory; give the directory `cuda-ipc save` wrote to",
+                dir.display()
+            ),
+        });
+    }
     let under_store = std::env::var_os(NOTIFY_SOCKET).is_some_and(|s| !s.is_empty());
     if !under_store && !args.no_keeper {
         return super::keeper::keep(&path, args.standby);
@@ -101,6 +112,10 @@ pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
     let starting = std::time::Instant::now();
     let (service, restored) = Service::start_kept(&device, Endpoint::Path(path), config, store)?;
     let started = starting.elapsed();
+    let from_disk = match &args.restore {
+        Some(dir) => restore_saved(&service, dir)?,
+        None => Vec::new(),
+    };
     let per_uid: serde_json::Map<String, serde_json::Value> = quotas
         .per_uid
         .iter()
@@ -118,6 +133,7 @@ pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
         "device_open_ms": device_open.as_secs_f64() * 1e3,
         "start_ms": started.as_secs_f64() * 1e3,
         "restored": restored.sets.iter().map(|(s, v)| json!({"set": s, "version": v})).collect::<Vec<_>>(),
+        "restored_from_disk": from_disk,
     });
     outln!("{line}")?;
     if !restored.sets.is_empty() {
@@ -148,6 +164,41 @@ pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
     let report = service.shutdown(args.grace);
     print_report(&report)?;
     Ok(Outcome::Ok)
+}
+
+/// `--restore DIR`: every saved set of `dir` loaded, each file's outcome
+/// said on standard error and returned for the JSON line.
+fn restore_saved(service: &Service, dir: &std::path::Path) -> Result<Vec<serde_json::Value>, Error> {
+    let mut rows = Vec::new();
+    for f in service.load_saved(dir)? {
+        let path = f.path.display();
+        match &f.outcome {
+            Ok(Some(a)) => {
+                errln!(
+                    "cuda-ipc: restored set {} version {} from {path} ({} in {:.2} s)",
+                    a.set,
+                    a.version,
+                    super::human(a.bytes),
+                    a.load_s
+                );
+                rows.push(json!({"path": f.path, "set": a.set, "version": a.version,
+                                 "bytes": a.bytes, "load_s": a.load_s}));
+            }
+            Ok(None) => {
+                errln!(
+                    "cuda-ipc: the service holds set {} already (kept through a restart, or \
+                     from an earlier file); {path} is not read",
+                    f.set
+                );
+                rows.push(json!({"path": f.path, "set": f.set, "held_already": true}));
+            }
+            Err(reason) => {
+                errln!("cuda-ipc: cannot restore set {} from {path}: {reason}", f.set);
+                rows.push(json!({"path": f.path, "set": f.set, "error": reason}));
+            }
+        }
+    }
+    Ok(rows)
 }
 
 /// What the service dropped, as a JSON line on standard output and

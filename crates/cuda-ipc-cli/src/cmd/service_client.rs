@@ -80,11 +80,11 @@ pub struct DropArgs {
 /// How long an answer other than a load's may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Connects to the service: a missing socket says how to start one.
-fn connect(opts: &ServiceOpts) -> Result<Client, Error> {
-    let path = match socket_path(&opts.service, Side::Attach) {
+/// The service's socket path: a missing socket says how to start one.
+pub fn service_path(opts: &ServiceOpts) -> Result<PathBuf, Error> {
+    match socket_path(&opts.service, Side::Attach) {
         Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::Io {
+            Err(Error::Io {
                 context: format!(
                     "no service {} is running (no socket there); start one with `cuda-ipc \
                      serve --service {}`",
@@ -92,10 +92,15 @@ fn connect(opts: &ServiceOpts) -> Result<Client, Error> {
                     opts.service.chars().take(80).collect::<String>()
                 ),
                 source,
-            });
+            })
         }
-        other => other?,
-    };
+        other => other,
+    }
+}
+
+/// Connects to the service (no driver).
+fn connect(opts: &ServiceOpts) -> Result<Client, Error> {
+    let path = service_path(opts)?;
     let mut config = ClientConfig::default();
     config
         .allowed_server_uids

@@ -527,6 +527,14 @@ impl Catalog {
         self.sets.insert(info.name.clone(), info);
     }
 
+    /// Makes the next version of `name` at least `after + 1` (a set
+    /// restored from a saved file keeps its saved version, unless the name
+    /// has been past it already).
+    pub fn continue_versions(&mut self, name: &str, after: u64) {
+        let version = self.versions.entry(name.to_owned()).or_insert(0);
+        *version = (*version).max(after);
+    }
+
     /// Gives an admitted load's bytes back (the load failed).
     pub fn cancel(&mut self, ticket: Ticket) {
         let Ticket { name, .. } = ticket;

@@ -40,6 +40,7 @@ mod held;
 mod hostile_tests;
 pub mod layout;
 mod persist;
+mod saved;
 mod stop;
 mod write;
 mod writer;
@@ -69,6 +70,7 @@ pub use config::ServiceConfig;
 use dispatch::{Ops, bad_request};
 use held::Held;
 pub use persist::Restored;
+pub use saved::{SET_KEY, SavedLoad, Saved, VERSION_KEY, file_name_for, save};
 pub use writer::Writer;
 
 /// What [`Service::shutdown`] did.

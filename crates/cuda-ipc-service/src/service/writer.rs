@@ -40,7 +40,7 @@ use super::layout::layout_hash;
 const WRITE_CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Calls a service method on `subscriber`'s connection.
-fn call<R: Request>(subscriber: &Subscriber, request: &R) -> Result<R::Answer> {
+pub(super) fn call<R: Request>(subscriber: &Subscriber, request: &R) -> Result<R::Answer> {
     let answer = subscriber.call(R::METHOD, &encode(request), Some(WRITE_CALL_TIMEOUT))?;
     decode(R::METHOD, &answer).map_err(|e| Error::arg("service answer", e))
 }

@@ -21,6 +21,7 @@ mod lifetimes;
 mod mechanisms;
 mod peer;
 mod read_only;
+mod save;
 mod service;
 mod service_limits;
 mod service_write;

@@ -21,11 +21,11 @@ use serde_json::{Value, json};
 use super::common::{Parent, Peer, role};
 use crate::{assert_ok, test_name};
 
-const SOCKET_ENV: &str = "CUDA_IPC_TEST_WRITE_SOCKET";
+pub(super) const SOCKET_ENV: &str = "CUDA_IPC_TEST_WRITE_SOCKET";
 const SEED_ENV: &str = "CUDA_IPC_TEST_WRITE_SEED";
-const SET: &str = "trained";
+pub(super) const SET: &str = "trained";
 
-fn socket() -> PathBuf {
+pub(super) fn socket() -> PathBuf {
     PathBuf::from(std::env::var(SOCKET_ENV).unwrap())
 }
 
@@ -35,7 +35,7 @@ fn seed() -> u32 {
 
 /// The set's layout: u32 tensors, so that the pattern kernels write and
 /// check them.
-fn layout() -> Vec<TensorSpec> {
+pub(super) fn layout() -> Vec<TensorSpec> {
     vec![
         TensorSpec::new("embed.weight", Dtype::U32, vec![1000, 64]),
         TensorSpec::new("norm.weight", Dtype::U32, vec![64]),
@@ -43,12 +43,19 @@ fn layout() -> Vec<TensorSpec> {
     ]
 }
 
-/// What version `seed` holds in tensor `i`.
-fn pattern(seed: u32, i: usize) -> Pattern {
+/// What version `seed` holds in tensor `i` of [`layout`].
+pub(super) fn pattern(seed: u32, i: usize) -> Pattern {
     Pattern::ramp(seed * 10_000_000 + i as u32 * 1_000_000, 1)
 }
 
-fn connect(device: &Device) -> Subscriber {
+/// What version `seed` holds in the tensor called `name` (whatever its
+/// place in a set: a set restored from a file has the file's order).
+fn pattern_of(seed: u32, name: &str) -> Pattern {
+    let i = layout().iter().position(|t| t.name == name).unwrap();
+    pattern(seed, i)
+}
+
+pub(super) fn connect(device: &Device) -> Subscriber {
     Subscriber::connect(device, socket().as_path(), SubscriberConfig::default()).unwrap()
 }
 
@@ -56,7 +63,8 @@ fn connect(device: &Device) -> Subscriber {
 fn check(set: &SetAttachment, seed: u32) -> Value {
     for i in 0..set.len() {
         let view = set.view::<u32>(i).unwrap();
-        if let Some(at) = kernels::check_u32(&view, pattern(seed, i)).unwrap() {
+        let want = pattern_of(seed, &set.entries()[i].name);
+        if let Some(at) = kernels::check_u32(&view, want).unwrap() {
             return json!(format!(
                 "{} differs from version seed {seed} at element {at}",
                 set.entries()[i].name
@@ -69,7 +77,7 @@ fn check(set: &SetAttachment, seed: u32) -> Value {
 /// A writer child: opens a write (of a new set when its seed is 1), fills
 /// every tensor with its seed's pattern, tells the parent, and commits
 /// when the parent says `commit` (or is killed before).
-fn writer() {
+pub(super) fn writer() {
     let parent = Parent::new();
     let device = Device::open(0).unwrap();
     let sub = connect(&device);
@@ -81,7 +89,8 @@ fn writer() {
     };
     for i in 0..w.staging().len() {
         let view = w.staging().view::<u32>(i).unwrap();
-        kernels::fill_u32(&view, pattern(seed, i), Speed::Full).unwrap();
+        let pattern = pattern_of(seed, &w.staging().entries()[i].name);
+        kernels::fill_u32(&view, pattern, Speed::Full).unwrap();
     }
     device.synchronize().unwrap();
     parent.send(&json!({
@@ -104,7 +113,7 @@ fn writer() {
 /// A reader child: attaches the set, checks it holds the seed the parent
 /// names at each `check`, waits for an update at `update` and attaches
 /// again.
-fn reader() {
+pub(super) fn reader() {
     let parent = Parent::new();
     let device = Device::open(0).unwrap();
     let sub = connect(&device);
@@ -132,14 +141,14 @@ fn reader() {
     let _ = sub.release_set(set);
 }
 
-fn spawn(test: &str, role: &str, socket: &Path, seed: u32) -> Peer {
+pub(super) fn spawn(test: &str, role: &str, socket: &Path, seed: u32) -> Peer {
     Peer::spawn_with(test, role, |c| {
         c.env(SOCKET_ENV, socket).env(SEED_ENV, seed.to_string());
     })
 }
 
 /// Tells writer `peer` to commit; its answer.
-fn commit(peer: &mut Peer, what: &str) -> Value {
+pub(super) fn commit(peer: &mut Peer, what: &str) -> Value {
     peer.send(&json!("commit"));
     let done = peer.recv();
     assert_ok!(&done, "{what}");
