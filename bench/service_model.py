@@ -161,16 +161,30 @@ def child_main(device, sock):
 class Service:
     """`cuda-ipc serve --service` on socket ``sock``, its output in ``log``."""
 
-    def __init__(self, cli, sock, log, device):
+    def __init__(self, cli, sock, log, device, extra=()):
         self.log_path = log
         self.log = open(log, "w")
-        self.p = subprocess.Popen([cli, "serve", "--service", sock, "--device", str(device)],
+        self.p = subprocess.Popen([cli, "serve", "--service", sock, "--device", str(device)] + list(extra),
                                   stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(sock):
             if self.p.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the service did not start: %s" % " | ".join(self.tail()))
             time.sleep(0.05)
+
+    def first_json(self, timeout_s):
+        """The service's first JSON line (printed once it serves)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.log.flush()
+            with open(self.log_path) as f:
+                for line in f:
+                    if line.startswith("{"):
+                        return json.loads(line)
+            if self.p.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError("the service printed no JSON line: %s" % " | ".join(self.tail()))
 
     def tail(self, n=6):
         if not self.log.closed:

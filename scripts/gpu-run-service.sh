@@ -3,7 +3,7 @@
 # sourced by scripts/gpu-run.sh (run.sh in a bundle), which defines what
 # they use: $cli, $here, $logs, check, ok, bad, log_of, bg_start, bg_stop,
 # run_tests, install_wheel, python_script. Steps: service,
-# service_containers, service_chaos, service_hostile.
+# service_containers, service_chaos, service_hostile, service_io.
 
 # write_service_checkpoint DIR LOG: a small sharded checkpoint in DIR,
 # written with python3 alone (four dtypes, two shards and an index, random
@@ -106,6 +106,11 @@ step_service() {
   check "service: drop model" 0 "$cli" drop --service "$sock" model
   check "service: load again after the drop" 0 "$cli" load --service "$sock" --set model "$dir"
   check "service: a second reader reads every byte" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir"
+  local saved="$logs/svc-saved"
+  rm -rf "$saved" && mkdir -p "$saved"
+  check "service: save (the set written as safetensors while served)" 0 "$cli" save --service "$sock" --set model "$saved"
+  cat "$(log_of "service: save (the set written as safetensors while served)")"
+  check "service: a second save is refused, the file kept (exit 2)" 2 "$cli" save --service "$sock" --set model "$saved"
   bg_term
   local rc=$?
   cat "$logs/svc.err"
@@ -114,6 +119,16 @@ step_service() {
   else
     bad "service: after SIGTERM it exited $rc: $(tail -n 3 "$logs/svc.err" | tr '\n' ' ')"
   fi
+  # A new service from what was saved: the same bytes as the checkpoint,
+  # at the version saved.
+  bg_start svc 300 "$cli" serve --service "$sock" --no-keeper --restore "$saved" --grace 3s
+  cat "$logs/svc.json" "$logs/svc.err"
+  grep -q '"restored_from_disk":\[{[^]]*"version":2' "$logs/svc.json" \
+    && ok "service: --restore serves the saved set at its saved version (2)" \
+    || bad "service: --restore did not restore version 2: $(head -c 400 "$logs/svc.json")"
+  check "service: the restored set holds every byte of the checkpoint" 0 "$cli" attach --socket "$sock" --set model --checkpoint "$dir"
+  bg_term || bad "service: the restored service did not stop cleanly"
+  run_tests "-service-save" save::
   check "service: ls of a stopped service exits 4 and says how to start one" 4 "$cli" ls --service "$sock"
 }
 
@@ -264,4 +279,49 @@ step_service_chaos() {
 step_service_hostile() {
   python_script service-hostile "$logs/python-service-hostile.log" '^(PASS|FAIL|      )' \
     python3 "$here/python/tests/gpu_service_hostile.py" --cli "$cli" --hostile "$here/benches/hostile_peers"
+}
+
+# Loads and saves at the link (issue 57, items 2 and 3):
+# bench/service_io.py writes the 4.37 GB checkpoint, measures the pinned
+# copy floors and the anchors (safetensors load_file and save_file,
+# PyTorch's pinned loop), then the service's loads (SERVICE_IO_CONFIGS,
+# STREAMS:STAGING comma-separated), `cuda-ipc save` to tmpfs and to the
+# disk (every tensor compared) and `--restore`; one TARGET line per
+# target with its verdict.
+step_service_io() {
+  if ! install_wheel; then
+    bad "service-io: $wheel_error"
+    return
+  fi
+  local configs=()
+  [ -n "${SERVICE_IO_CONFIGS:-}" ] && configs=(--configs "$SERVICE_IO_CONFIGS")
+  python3 "$here/bench/service_io.py" --cli "$cli" --reps "${SERVICE_IO_REPS:-3}" "${configs[@]}" \
+    >"$logs/service-io.json" 2>"$logs/service-io.err"
+  local rc=$?
+  python3 - "$logs/service-io.json" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    k = r.get("kind")
+    if k == "floor":
+        print("FLOOR pinned h2d %.1f GB/s, d2h %.1f GB/s" % (r["h2d_gb_per_s"], r["d2h_gb_per_s"]))
+    elif k == "result" and "gb_per_s" in r:
+        print("RESULT %s%s%s: best %.2f GB/s of %s" % (r["mode"], " " + r["config"] if "config" in r else "",
+              " to " + r["to"] if "to" in r else "", max(r["gb_per_s"]), [round(x, 2) for x in r["gb_per_s"]]))
+    elif k == "result":
+        print("RESULT %s: %s" % (r["mode"], json.dumps({x: y for x, y in r.items() if x not in ("kind", "mode")})[:400]))
+    elif k == "target":
+        print("TARGET %s: %.2f against %.2f = %.2fx (want %.2fx) %s" % (
+            r["name"], r["measured"], r["anchor"], r["ratio"], r["want"], "MET" if r["met"] else "MISSED"))
+    elif k in ("skip", "error"):
+        print(k.upper(), r.get("reason") or r.get("message"))
+PY
+  if [ "$rc" -eq 0 ] && ! grep -q '"verify_failures": [1-9]' "$logs/service-io.json" \
+     && grep -q '"kind": "done"' "$logs/service-io.json" && grep -q '"attach_exit": 0' "$logs/service-io.json"; then
+    ok "service-io: loads, saves and a restore, every byte checked (the targets' verdicts above)"
+  elif grep -q '"kind": "skip"' "$logs/service-io.json"; then
+    echo "SKIP  service-io: $(grep -o '"reason": "[^"]*"' "$logs/service-io.json")"
+  else
+    bad "service-io: exit $rc, $(tail -n 3 "$logs/service-io.err" "$logs/service-io.json" | tr '\n' ' ' | cut -c1-400)"
+  fi
 }

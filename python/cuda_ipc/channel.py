@@ -459,6 +459,16 @@ class Subscriber(_Owner):
             raise InvalidInput(f"body must be a dict, not {type(body).__name__}")
         return json.loads(self._c.call(method, json.dumps(body), timeout))
 
+    def save_set(self, name, path, *, overwrite=False, streams=None, staging=None):
+        """Saves the current version of a service's set ``name`` as a
+        safetensors file at ``path`` from this process (see
+        :func:`cuda_ipc.service.save`); returns what it did (a dict)."""
+        import json
+        import os
+
+        return json.loads(self._c.save_set(name, os.fspath(path), overwrite=overwrite,
+                                           streams=streams, staging=staging))
+
     def is_alive(self):
         """Whether the publisher is still there."""
         return self._c.is_alive()

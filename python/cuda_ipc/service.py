@@ -39,7 +39,7 @@ from . import _core
 from .channel import Subscriber
 from .errors import CudaIpcError, InvalidInput
 
-__all__ = ["Reader", "Writer", "load", "ls", "stats", "drop", "call"]
+__all__ = ["Reader", "Writer", "load", "save", "ls", "stats", "drop", "call"]
 
 
 def __dir__():
@@ -91,6 +91,29 @@ def load(service, path, *, set="model", streams=None, staging=None, timeout=600.
     return call(service, "load", body, timeout=timeout, allow_uids=allow_uids)
 
 
+def save(service, path, *, set="model", overwrite=False, streams=None, staging=None, device=0,
+         timeout=5.0, allow_uids=()):
+    """Saves the current version of set ``set`` as a safetensors file at
+    ``path`` (a directory: the file named after the set in it, as
+    ``cuda-ipc serve --service --restore DIR`` reads it back), from this
+    process, while the service goes on serving it and a writer goes on
+    writing its next version; returns what it did (``version``, ``path``,
+    ``bytes``, ``save_s``, ``gb_per_s``, ...). An existing file is replaced
+    only with ``overwrite``; tied tensors are left out, as safetensors
+    files carry each tensor's bytes once."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    path = _name("path", path)
+    if not isinstance(overwrite, bool):
+        raise InvalidInput(f"overwrite must be a bool, not {overwrite!r}")
+    if streams is not None:
+        streams = _count("streams", streams)
+    if staging is not None:
+        staging = _count("staging", staging)
+    with Reader(service, device=device, timeout=timeout, allow_uids=allow_uids) as reader:
+        return reader.save(set, path, overwrite=overwrite, streams=streams, staging=staging)
+
+
 def _count(what, n):
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise InvalidInput(f"{what} must be a positive int, not {n!r}")
@@ -133,6 +156,12 @@ class Reader:
         :class:`cuda_ipc.sets.StateDict` of read-only tensors;
         ``wait_update()`` on it returns when a writer commits a new one."""
         return self.subscriber.attach_state_dict(_name("set", set), read_only=True)
+
+    def save(self, set, path, *, overwrite=False, streams=None, staging=None):
+        """Saves the current version of set ``set`` as a safetensors file
+        (see :func:`save`); returns what it did (a dict)."""
+        return self.subscriber.save_set(_name("set", set), path, overwrite=overwrite,
+                                        streams=streams, staging=staging)
 
     def sleep(self, *, unchecked=False):
         """Unmaps everything, keeping the addresses (see

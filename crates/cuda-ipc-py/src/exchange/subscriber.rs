@@ -55,6 +55,48 @@ impl PySubscriber {
         })
     }
 
+    /// Saves the current version of the service's set `name` as the
+    /// safetensors file `path` (a directory: the file named after the set
+    /// in it), from this process (`cuda_ipc::service::save`); what it did
+    /// as JSON text.
+    #[pyo3(signature = (name, path, *, overwrite=false, streams=None, staging=None))]
+    fn save_set(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        path: std::path::PathBuf,
+        overwrite: bool,
+        streams: Option<usize>,
+        staging: Option<u64>,
+    ) -> PyResult<String> {
+        let s = self.get()?;
+        let defaults = cuda_ipc::saver::SaveOptions::default();
+        let options = defaults
+            .clone()
+            .with_overwrite(overwrite)
+            .with_streams(streams.unwrap_or(defaults.streams))
+            .with_piece_size(staging.unwrap_or(defaults.piece_size));
+        let device = self.device.clone();
+        py.detach(|| -> Result<String> {
+            let saved = cuda_ipc::service::save(&s, &device, name, &path, &options, &mut |_, _| {})?;
+            let r = &saved.report;
+            Ok(serde_json::json!({
+                "set": saved.set,
+                "version": saved.version,
+                "path": r.path,
+                "tensors": r.tensors,
+                "aliases_left_out": r.aliases,
+                "bytes": r.payload_bytes,
+                "file_bytes": r.file_bytes,
+                "streams": r.streams,
+                "save_s": r.elapsed.as_secs_f64(),
+                "gb_per_s": r.gb_per_s(),
+            })
+            .to_string())
+        })
+        .py()
+    }
+
     /// The names published now.
     fn list(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         let s = self.get()?;
