@@ -87,6 +87,8 @@ pub struct LeaseInfo {
     pub pid: u32,
     /// The holder's user id (`SO_PEERCRED`).
     pub uid: u32,
+    /// The holder's connection ([`CallContext::connection`] of its calls).
+    pub connection: u64,
 }
 
 /// `n` copies of `value`: clones first, the value itself last.
@@ -536,6 +538,22 @@ impl Server {
             .collect();
         out.sort_by_key(|l| l.lease);
         out
+    }
+
+    /// Refuses every new lease on the name `name` (an attach of the entry
+    /// or ring published under it now or later) with the error `code` and
+    /// `message`, until [`allow_attaches`](Self::allow_attaches); the
+    /// leases held now are kept. A name is refused at most once: a second
+    /// call replaces the refusal.
+    pub fn refuse_attaches(&self, name: &str, code: &str, message: &str) {
+        lock(&self.shared.state)
+            .refused
+            .insert(name.to_owned(), (code.to_owned(), message.to_owned()));
+    }
+
+    /// Takes back [`refuse_attaches`](Self::refuse_attaches) of `name`.
+    pub fn allow_attaches(&self, name: &str) {
+        lock(&self.shared.state).refused.remove(name);
     }
 
     /// The number of leases on entries or rings called `name`, published or not.

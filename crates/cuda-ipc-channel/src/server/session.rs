@@ -514,6 +514,14 @@ impl Shared {
             );
             return None;
         }
+        if let Some((code, message)) = st.refused.get(name) {
+            conn.push(
+                error_frame(Some(id), code, message.clone()),
+                Vec::new(),
+                self.max_queued,
+            );
+            return None;
+        }
         let eid = st.names.get(name).copied();
         if eid.is_none() {
             reply_not_found(conn, id, name, self.max_queued);

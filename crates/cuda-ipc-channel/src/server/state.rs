@@ -137,6 +137,9 @@ pub(super) struct State {
     /// keeps counting against the connection limits (and its socket stays
     /// open, to ask `SIOCOUTQ`) until then.
     pub(super) lingering: Vec<Arc<Conn>>,
+    /// Names whose new leases are refused, with the refusal's code and
+    /// message ([`Server::refuse_attaches`](super::Server::refuse_attaches)).
+    pub(super) refused: HashMap<String, (String, String)>,
 }
 
 impl Ring {
@@ -434,6 +437,7 @@ impl State {
             kind: e.kind(),
             pid: l.pid,
             uid: l.uid,
+            connection: l.conn,
         })
     }
 }

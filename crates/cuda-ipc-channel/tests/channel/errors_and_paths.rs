@@ -195,3 +195,39 @@ fn connecting_to_a_file_or_directory_says_what_it_is() {
     let e = Client::connect(&stale, ClientConfig::default()).unwrap_err();
     assert!(e.to_string().contains("no server serves"), "{e}");
 }
+
+#[test]
+fn refused_attaches_get_the_refusal_and_held_leases_stay() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "refuse");
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    server
+        .publish("w", json!({"n": 1}), vec![memfd_with(&[7; 8])])
+        .unwrap();
+    let client = quick_client(&path);
+    let held = client.attach("w").unwrap();
+    server.refuse_attaches("w", "busy_here", "w is written; try again");
+    match client.attach("w") {
+        Err(ChannelError::Remote { code, message }) => {
+            assert_eq!(code, "busy_here");
+            assert_eq!(message, "w is written; try again");
+        }
+        other => panic!("a refused name must be refused, got {other:?}"),
+    }
+    // A name not yet published is refused the same way, and others are not.
+    server.refuse_attaches("later", "busy_here", "later");
+    assert!(matches!(client.attach("later"), Err(ChannelError::Remote { .. })));
+    assert!(matches!(client.attach("nothing"), Err(ChannelError::NotFound { .. })));
+    // The lease held before stays, and says which connection holds it.
+    let leases = server.leases();
+    assert_eq!(leases.len(), 1);
+    assert_eq!(leases[0].lease, held.lease);
+    let connection = leases[0].connection;
+    server.allow_attaches("w");
+    let again = client.attach("w").unwrap();
+    let leases = server.leases();
+    assert_eq!(leases.len(), 2);
+    assert!(leases.iter().all(|l| l.connection == connection), "one connection");
+    client.release(again.lease).unwrap();
+    client.release(held.lease).unwrap();
+}
