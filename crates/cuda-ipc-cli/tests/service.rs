@@ -78,7 +78,15 @@ fn service_options_are_checked_before_the_driver() {
             "is not a directory",
         ),
         (
-            vec!["serve", "--size", "4096", "--fill-u32", "1", "--restore", "/tmp"],
+            vec![
+                "serve",
+                "--size",
+                "4096",
+                "--fill-u32",
+                "1",
+                "--restore",
+                "/tmp",
+            ],
             "--restore applies only with --service",
         ),
     ] {
@@ -134,7 +142,10 @@ fn client_options_are_checked_before_anything_is_sent() {
         (vec!["drop"], "SET"),
         (vec!["drop", ""], "must not be empty"),
         (vec!["ls", "--service", ""], "it is empty"),
-        (vec!["save", "--staging", "1KiB", f], "outside 64 KiB to 1 GiB"),
+        (
+            vec!["save", "--staging", "1KiB", f],
+            "outside 64 KiB to 1 GiB",
+        ),
         (vec!["save", "--streams", "65", f], "outside 1 to 64"),
         (vec!["save", "--set", "", f], "must not be empty"),
         (vec!["save"], "PATH"),

@@ -216,8 +216,14 @@ fn refused_attaches_get_the_refusal_and_held_leases_stay() {
     }
     // A name not yet published is refused the same way, and others are not.
     server.refuse_attaches("later", "busy_here", "later");
-    assert!(matches!(client.attach("later"), Err(ChannelError::Remote { .. })));
-    assert!(matches!(client.attach("nothing"), Err(ChannelError::NotFound { .. })));
+    assert!(matches!(
+        client.attach("later"),
+        Err(ChannelError::Remote { .. })
+    ));
+    assert!(matches!(
+        client.attach("nothing"),
+        Err(ChannelError::NotFound { .. })
+    ));
     // The lease held before stays, and says which connection holds it.
     let leases = server.leases();
     assert_eq!(leases.len(), 1);
@@ -227,7 +233,10 @@ fn refused_attaches_get_the_refusal_and_held_leases_stay() {
     let again = client.attach("w").unwrap();
     let leases = server.leases();
     assert_eq!(leases.len(), 2);
-    assert!(leases.iter().all(|l| l.connection == connection), "one connection");
+    assert!(
+        leases.iter().all(|l| l.connection == connection),
+        "one connection"
+    );
     client.release(again.lease).unwrap();
     client.release(held.lease).unwrap();
 }

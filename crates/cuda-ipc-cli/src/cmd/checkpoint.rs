@@ -67,11 +67,9 @@ fn check_set_name(name: &str) -> Result<(), Error> {
 pub fn progress_bar(verb: &str) -> indicatif::ProgressBar {
     let bar =
         indicatif::ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::stderr());
-    if let Ok(style) = indicatif::ProgressStyle::with_template(
-        &format!(
-            "{verb} {{bar:40}} {{binary_bytes}}/{{binary_total_bytes}} {{binary_bytes_per_sec}} eta {{eta}}"
-        ),
-    ) {
+    if let Ok(style) = indicatif::ProgressStyle::with_template(&format!(
+        "{verb} {{bar:40}} {{binary_bytes}}/{{binary_total_bytes}} {{binary_bytes_per_sec}} eta {{eta}}"
+    )) {
         bar.set_style(style);
     }
     bar

@@ -168,7 +168,10 @@ pub fn serve(args: &ServeArgs, name: &str) -> Result<Outcome, Error> {
 
 /// `--restore DIR`: every saved set of `dir` loaded, each file's outcome
 /// said on standard error and returned for the JSON line.
-fn restore_saved(service: &Service, dir: &std::path::Path) -> Result<Vec<serde_json::Value>, Error> {
+fn restore_saved(
+    service: &Service,
+    dir: &std::path::Path,
+) -> Result<Vec<serde_json::Value>, Error> {
     let mut rows = Vec::new();
     for f in service.load_saved(dir)? {
         let path = f.path.display();
@@ -193,7 +196,10 @@ fn restore_saved(service: &Service, dir: &std::path::Path) -> Result<Vec<serde_j
                 rows.push(json!({"path": f.path, "set": f.set, "held_already": true}));
             }
             Err(reason) => {
-                errln!("cuda-ipc: cannot restore set {} from {path}: {reason}", f.set);
+                errln!(
+                    "cuda-ipc: cannot restore set {} from {path}: {reason}",
+                    f.set
+                );
                 rows.push(json!({"path": f.path, "set": f.set, "error": reason}));
             }
         }

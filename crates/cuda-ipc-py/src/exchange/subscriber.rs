@@ -78,7 +78,8 @@ impl PySubscriber {
             .with_piece_size(staging.unwrap_or(defaults.piece_size));
         let device = self.device.clone();
         py.detach(|| -> Result<String> {
-            let saved = cuda_ipc::service::save(&s, &device, name, &path, &options, &mut |_, _| {})?;
+            let saved =
+                cuda_ipc::service::save(&s, &device, name, &path, &options, &mut |_, _| {})?;
             let r = &saved.report;
             Ok(serde_json::json!({
                 "set": saved.set,

@@ -142,4 +142,3 @@ fn copy_piece(
     // before it returns).
     unsafe { slot.copy_to_device(base + piece.chunk_offset, piece.len, stream) }
 }
-

@@ -97,8 +97,7 @@ fn save_pieces(
         // a piece lies inside its tensor), which stays mapped until the
         // stream has passed the copy: the save holds the set and
         // synchronises every stream before it returns.
-        unsafe { slot.copy_from_device(src, piece.len, stream) }
-            .map_err(|e| job.name(piece, e))?;
+        unsafe { slot.copy_from_device(src, piece.len, stream) }.map_err(|e| job.name(piece, e))?;
         pending[k % 2] = Some(*piece);
     }
     // The last two pieces, in the order they were copied.

@@ -86,7 +86,8 @@ pub(crate) fn layout(entries: &[SetEntry], metadata: &BTreeMap<String, String>) 
         let end = offset
             .checked_add(len)
             .ok_or_else(|| refuse(key, "the file's length overflows"))?;
-        let span = |v: u64| usize::try_from(v).map_err(|_| refuse(key, "too large for this machine"));
+        let span =
+            |v: u64| usize::try_from(v).map_err(|_| refuse(key, "too large for this machine"));
         header_tensors.push((
             key.to_owned(),
             TensorInfo {
@@ -246,9 +247,17 @@ mod tests {
     #[test]
     fn what_has_no_file_form_is_refused_by_name() {
         let e = layout(&[entry("z", Dtype::C128, &[2])], &meta()).unwrap_err();
-        assert!(e.to_string().contains("\"z\"") && e.to_string().contains("c128"), "{e}");
+        assert!(
+            e.to_string().contains("\"z\"") && e.to_string().contains("c128"),
+            "{e}"
+        );
         let dup = vec![entry("w", Dtype::U8, &[2]), entry("w", Dtype::U8, &[3])];
-        assert!(layout(&dup, &meta()).unwrap_err().to_string().contains("twice"));
+        assert!(
+            layout(&dup, &meta())
+                .unwrap_err()
+                .to_string()
+                .contains("twice")
+        );
         let only_tied = vec![entry(&names::alias_entry_name(0, "x"), Dtype::U8, &[1])];
         assert!(layout(&only_tied, &meta()).is_err());
     }

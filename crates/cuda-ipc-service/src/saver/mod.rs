@@ -244,8 +244,9 @@ pub fn save_set(
         handles
             .into_iter()
             .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Error::arg("save", "a copy thread panicked; this is a bug")))
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::arg("save", "a copy thread panicked; this is a bug"))
+                })
             })
             .collect()
     });

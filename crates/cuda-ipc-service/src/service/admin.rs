@@ -236,8 +236,11 @@ pub enum SetState {
     #[default]
     Committed,
     /// A writer fills its next version (readers read the current one; a
-    /// new set has none yet: version 0).
+    /// new set has none yet: version 0; in place, readers stepped aside).
     Writing,
+    /// An in-place write of it was cut short: its bytes are partly the next
+    /// version's. Attaches are refused (`torn`) until a write commits.
+    Torn,
 }
 
 /// A set's writer, as `ls` shows it.
@@ -413,7 +416,22 @@ pub struct OpenWriteRequest {
         deserialize_with = "layout_objects"
     )]
     pub layout: Option<Vec<TensorSpec>>,
+    /// Write the current version's memory in place (an existing set; no
+    /// second copy): its readers must step aside first (`aside`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_place: bool,
+    /// In place: how long to wait for every reader to step aside, in
+    /// milliseconds (default [`DEFAULT_ASIDE_WAIT_MS`], at most
+    /// [`MAX_ASIDE_WAIT_MS`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<u64>,
 }
+
+/// How long an in-place `open_write` waits for readers to step aside,
+/// unless it says.
+pub const DEFAULT_ASIDE_WAIT_MS: u64 = 10_000;
+/// The longest wait an in-place `open_write` may ask for.
+pub const MAX_ASIDE_WAIT_MS: u64 = 600_000;
 
 /// A layout whose entries are JSON objects: serde alone would also build
 /// a [`TensorSpec`] from an array of its fields in order, which the
@@ -437,6 +455,19 @@ impl OpenWriteRequest {
         OpenWriteRequest {
             set: set.into(),
             layout: None,
+            in_place: false,
+            wait_ms: None,
+        }
+    }
+
+    /// A write of the existing set `set` in place, waiting up to `wait_ms`
+    /// for its readers to step aside (`None`: the default).
+    pub fn in_place(set: impl Into<String>, wait_ms: Option<u64>) -> OpenWriteRequest {
+        OpenWriteRequest {
+            set: set.into(),
+            layout: None,
+            in_place: true,
+            wait_ms,
         }
     }
 
@@ -445,6 +476,8 @@ impl OpenWriteRequest {
         OpenWriteRequest {
             set: set.into(),
             layout: Some(layout),
+            in_place: false,
+            wait_ms: None,
         }
     }
 }
@@ -478,6 +511,10 @@ pub struct OpenWriteAnswer {
     pub layout_hash: String,
     /// Whether the set is new.
     pub creates: bool,
+    /// Whether the staging entry is the current version's own memory
+    /// (an in-place write: `bytes` is 0).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_place: bool,
 }
 
 /// `commit`: make the staging version current, after the writer's work on

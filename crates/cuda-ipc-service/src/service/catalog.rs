@@ -363,6 +363,8 @@ pub struct Catalog {
     writing: BTreeMap<String, WriteSession>,
     /// Versions replaced by a commit that readers still hold.
     retired: Vec<RetiredVersion>,
+    /// Sets whose in-place write was cut short (see `catalog_write`).
+    torn: std::collections::BTreeSet<String>,
     stopping: bool,
 }
 
@@ -377,6 +379,7 @@ impl Catalog {
             versions: BTreeMap::new(),
             writing: BTreeMap::new(),
             retired: Vec::new(),
+            torn: std::collections::BTreeSet::new(),
             stopping: false,
         }
     }
@@ -586,6 +589,7 @@ impl Catalog {
 
     /// Forgets set `name` at shutdown, whoever holds it; returns it.
     pub fn remove(&mut self, name: &str) -> Option<SetInfo> {
+        self.torn.remove(name);
         self.sets.remove(name)
     }
 
@@ -595,6 +599,7 @@ impl Catalog {
     /// [`retired`](Self::retired), until
     /// [`release_retired`](Self::release_retired) (see "Holding").
     pub fn drop_set(&mut self, name: &str, holders: &[Holder]) -> Option<SetInfo> {
+        self.torn.remove(name);
         let info = self.sets.remove(name)?;
         if !holders.is_empty() {
             self.retired.push(RetiredVersion {

@@ -69,6 +69,9 @@ pub struct WriteSession {
     pub staging: String,
     /// Whether the set is new (no committed version when it opened).
     pub creates: bool,
+    /// Whether the writer writes the current version's memory in place
+    /// (no staging copy: [`Catalog::open_write_in_place`]).
+    pub in_place: bool,
 }
 
 impl WriteSession {
@@ -198,8 +201,50 @@ impl Catalog {
             version,
             staging,
             creates,
+            in_place: false,
         };
         Ok(self.writing.entry(name.into()).or_insert(session))
+    }
+
+    /// Opens a write session on the existing set `name` for `writer` in
+    /// place: the writer writes the current version's memory itself (its
+    /// readers step aside first; the service sees to that), so nothing is
+    /// reserved, and the commit makes the same memory the next version. An
+    /// abort, or the writer's end, leaves the set torn
+    /// ([`is_torn`](Self::is_torn)) until a write commits.
+    ///
+    /// # Errors
+    /// As [`open_write`](Self::open_write) of an existing set, whose quota
+    /// check asks for no bytes (`tensors`: how many, and their bytes).
+    pub fn open_write_in_place(
+        &mut self,
+        writer: WriterId,
+        name: &str,
+        staging: String,
+        tensors: (usize, u64),
+    ) -> Result<&WriteSession, CatalogError> {
+        let staged = Staged {
+            bytes: 0,
+            payload_bytes: tensors.1,
+            tensors: tensors.0,
+        };
+        self.open_write(writer, name, staging, staged, false)?;
+        let s = self.writing.get_mut(name).expect("opened just above");
+        s.in_place = true;
+        Ok(s)
+    }
+
+    /// Marks set `name` torn: an in-place write of it was cut short, so its
+    /// bytes are partly the next version's. Cleared by a commit or a drop.
+    pub fn mark_torn(&mut self, name: &str) {
+        if self.sets.contains_key(name) {
+            self.torn.insert(name.into());
+        }
+    }
+
+    /// Whether set `name` is torn ([`mark_torn`](Self::mark_torn)).
+    pub fn is_torn(&self, name: &str) -> bool {
+        self.torn.contains(name)
     }
 
     /// Refuses a new session to a connection or a uid at its limit
@@ -263,14 +308,23 @@ impl Catalog {
                 holder: None,
             });
         };
-        let retired = self.sets.remove(name).map(|old| RetiredVersion {
-            set: old.name,
-            version: old.version,
-            owner_uid: old.owner_uid,
-            bytes: old.bytes,
-            dropped: false,
-            holders: Vec::new(),
-        });
+        self.torn.remove(name);
+        let replaced = self.sets.remove(name);
+        let bytes = match &replaced {
+            Some(old) if session.in_place => old.bytes,
+            _ => session.bytes,
+        };
+        // In place, the same memory is the next version: nothing retires.
+        let retired = replaced
+            .filter(|_| !session.in_place)
+            .map(|old| RetiredVersion {
+                set: old.name,
+                version: old.version,
+                owner_uid: old.owner_uid,
+                bytes: old.bytes,
+                dropped: false,
+                holders: Vec::new(),
+            });
         if let Some(r) = &retired {
             self.retired.push(r.clone());
         }
@@ -279,13 +333,15 @@ impl Catalog {
         let info = SetInfo {
             name: name.into(),
             owner_uid: session.owner_uid,
-            bytes: session.bytes,
+            bytes,
             payload_bytes: session.staged.payload_bytes,
             tensors: session.staged.tensors,
             version: *version,
             loaded_from: format!(
-                "written by pid {} (uid {})",
-                session.writer.pid, session.writer.uid
+                "written{} by pid {} (uid {})",
+                if session.in_place { " in place" } else { "" },
+                session.writer.pid,
+                session.writer.uid
             ),
             created_unix: now,
         };

@@ -35,6 +35,66 @@ fn with_model(quota: u64) -> Catalog {
 }
 
 #[test]
+fn an_in_place_write_reserves_nothing_retires_nothing_and_an_abort_tears_the_set() {
+    // A quota the set fills: a second copy would not fit; in place does.
+    let mut c = with_model(400);
+    assert!(
+        c.open_write(w(7, 1000, 1), "model", ".s/1".into(), staged(400), false)
+            .is_err()
+    );
+    let s = c
+        .open_write_in_place(w(7, 1000, 1), "model", ".s/1".into(), (3, 300))
+        .unwrap()
+        .clone();
+    assert!(s.in_place);
+    assert_eq!((s.version, s.bytes), (2, 0));
+    assert_eq!(c.usage()[0].reserved, 0);
+    // One writer at a time, in place or not.
+    assert!(matches!(
+        c.open_write_in_place(w(8, 1000, 2), "model", ".s/2".into(), (3, 300)),
+        Err(CatalogError::Writing { pid: 7, .. })
+    ));
+    let done = c.commit_write_at(1, "model", 9).unwrap();
+    assert_eq!((done.info.version, done.info.bytes), (2, 400));
+    assert!(done.retired.is_none(), "the same memory: nothing retires");
+    assert!(c.retired().is_empty());
+    assert_eq!(
+        done.info.loaded_from,
+        "written in place by pid 7 (uid 1000)"
+    );
+
+    // An abort in place leaves the set torn, at its version, until a
+    // write commits; a plain abort does not.
+    c.open_write_in_place(w(7, 1000, 1), "model", ".s/3".into(), (3, 300))
+        .unwrap();
+    let aborted = c.abort_write(1, "model").unwrap();
+    assert!(aborted.in_place);
+    c.mark_torn("model");
+    assert!(c.is_torn("model"));
+    assert_eq!(c.get("model").unwrap().version, 2);
+    c.open_write_in_place(w(7, 1000, 1), "model", ".s/4".into(), (3, 300))
+        .unwrap();
+    c.commit_write_at(1, "model", 10).unwrap();
+    assert!(!c.is_torn("model"));
+    assert_eq!(
+        c.get("model").unwrap().version,
+        3,
+        "an aborted write's version is given again"
+    );
+    // A torn set dropped is forgotten; an unknown set is never torn.
+    c.mark_torn("model");
+    c.remove("model");
+    assert!(!c.is_torn("model"));
+    c.mark_torn("nothing");
+    assert!(!c.is_torn("nothing"));
+    // A new set cannot be written in place.
+    assert!(matches!(
+        c.open_write_in_place(w(7, 1000, 1), "fresh", ".s/5".into(), (1, 1)),
+        Err(CatalogError::NotFound { .. })
+    ));
+}
+
+#[test]
 fn a_write_opens_commits_as_the_next_version_and_retires_the_old_one() {
     let mut c = with_model(1000);
     let s = c

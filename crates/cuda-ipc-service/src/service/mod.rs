@@ -39,6 +39,7 @@ mod held;
 #[cfg(test)]
 mod hostile_tests;
 pub mod layout;
+mod listing;
 mod persist;
 mod saved;
 mod stop;
@@ -62,15 +63,14 @@ use crate::loader::load_checkpoint_until;
 
 use admin::{
     AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, DropAnswer, DropRequest, LoadAnswer,
-    LoadRequest, LsAnswer, OpenWriteAnswer, OpenWriteRequest, SetRow, SetState, StatsAnswer,
-    WriterRow,
+    LoadRequest, LsAnswer, OpenWriteAnswer, OpenWriteRequest, StatsAnswer,
 };
 pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsage, WriterId};
 pub use config::ServiceConfig;
 use dispatch::{Ops, bad_request};
 use held::Held;
 pub use persist::Restored;
-pub use saved::{SET_KEY, SavedLoad, Saved, VERSION_KEY, file_name_for, save};
+pub use saved::{SET_KEY, Saved, SavedLoad, VERSION_KEY, file_name_for, save};
 pub use writer::Writer;
 
 /// What [`Service::shutdown`] did.
@@ -465,76 +465,7 @@ impl Ops for Inner {
     }
 
     fn ls(&self) -> LsAnswer {
-        self.sweep_retired();
-        let restarts: HashMap<String, u64> = locked(&self.held)
-            .iter()
-            .map(|(n, h)| (n.clone(), h.restarts))
-            .collect();
-        let leases = self.publisher.leases();
-        let catalog = locked(&self.catalog);
-        let writer = |name: &str| {
-            catalog.writing(name).map(|w| WriterRow {
-                pid: w.writer.pid,
-                uid: w.writer.uid,
-                version: w.version,
-                bytes: w.bytes,
-            })
-        };
-        let state = |w: &Option<WriterRow>| {
-            if w.is_some() {
-                SetState::Writing
-            } else {
-                SetState::Committed
-            }
-        };
-        // Sets being written for the first time have no version yet.
-        let new_sets = catalog.write_sessions().filter(|w| w.creates).map(|w| {
-            let row = writer(&w.set);
-            SetRow {
-                name: w.set.clone(),
-                bytes: 0,
-                payload_bytes: 0,
-                tensors: w.staged.tensors,
-                version: 0,
-                owner_uid: w.owner_uid,
-                loaded_from: String::new(),
-                created_unix: 0,
-                leases: Vec::new(),
-                state: state(&row),
-                writer: row,
-                restarts: 0,
-            }
-        });
-        let mut sets: Vec<SetRow> = catalog
-            .sets()
-            .map(|s| {
-                let row = writer(&s.name);
-                SetRow {
-                    name: s.name.clone(),
-                    bytes: s.bytes,
-                    payload_bytes: s.payload_bytes,
-                    tensors: s.tensors,
-                    version: s.version,
-                    owner_uid: s.owner_uid,
-                    loaded_from: s.loaded_from.clone(),
-                    created_unix: s.created_unix,
-                    leases: leases
-                        .iter()
-                        .filter(|l| l.name == s.name)
-                        .map(|l| Holder {
-                            pid: l.pid,
-                            uid: l.uid,
-                        })
-                        .collect(),
-                    state: state(&row),
-                    writer: row,
-                    restarts: restarts.get(&s.name).copied().unwrap_or(0),
-                }
-            })
-            .chain(new_sets)
-            .collect();
-        sets.sort_by(|a, b| a.name.cmp(&b.name));
-        LsAnswer { sets }
+        self.ls_answer()
     }
 
     fn stats(&self) -> StatsAnswer {

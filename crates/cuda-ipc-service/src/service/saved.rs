@@ -159,7 +159,10 @@ impl Service {
     /// `dir` cannot be listed.
     pub fn load_saved(&self, dir: &Path) -> Result<Vec<SavedLoad>> {
         let listing = std::fs::read_dir(dir).map_err(|e| {
-            Error::io(format!("cannot list the saved sets in {}", dir.display()), e)
+            Error::io(
+                format!("cannot list the saved sets in {}", dir.display()),
+                e,
+            )
         })?;
         let mut files: Vec<PathBuf> = listing
             .filter_map(std::result::Result::ok)

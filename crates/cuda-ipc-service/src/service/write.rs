@@ -152,6 +152,7 @@ impl Inner {
             bytes: staged.bytes,
             layout_hash: hash,
             creates,
+            in_place: false,
         })
     }
 

@@ -41,7 +41,16 @@ const WRITE_CALL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Calls a service method on `subscriber`'s connection.
 pub(super) fn call<R: Request>(subscriber: &Subscriber, request: &R) -> Result<R::Answer> {
-    let answer = subscriber.call(R::METHOD, &encode(request), Some(WRITE_CALL_TIMEOUT))?;
+    call_within(subscriber, request, WRITE_CALL_TIMEOUT)
+}
+
+/// [`call`], waiting up to `timeout` for the answer.
+pub(super) fn call_within<R: Request>(
+    subscriber: &Subscriber,
+    request: &R,
+    timeout: Duration,
+) -> Result<R::Answer> {
+    let answer = subscriber.call(R::METHOD, &encode(request), Some(timeout))?;
     decode(R::METHOD, &answer).map_err(|e| Error::arg("service answer", e))
 }
 
@@ -72,11 +81,45 @@ impl<'s> Writer<'s> {
         set: &str,
         layout: Option<Vec<TensorSpec>>,
     ) -> Result<Writer<'s>> {
-        let request = OpenWriteRequest {
-            set: set.to_owned(),
-            layout,
+        let request = match layout {
+            Some(layout) => OpenWriteRequest::new_set(set, layout),
+            None => OpenWriteRequest::existing(set),
         };
-        let opened = call(subscriber, &request)?;
+        Self::open_with(subscriber, &request, WRITE_CALL_TIMEOUT)
+    }
+
+    /// Opens a write of the existing set `set` **in place**: no second
+    /// copy; the staging version is the current version's own memory,
+    /// mapped read-write. The service first has every reader of the set
+    /// step aside (each sleeps and says so: [`step_aside`](super::step_aside)),
+    /// waiting up to `wait`, and refuses new attaches until the commit.
+    /// The commit makes the same memory the next version; readers wake at
+    /// the same addresses ([`come_back`](super::come_back)). An abort, or
+    /// this process's end before the commit, leaves the set **torn** (its
+    /// bytes partly written; attaches refused, code `torn`) until a write
+    /// commits: write in place only what you can write again.
+    ///
+    /// # Errors
+    /// `readers_not_aside` (naming the readers that did not step aside
+    /// within `wait`; nothing was written, the set is as it was), and
+    /// [`open`](Self::open)'s.
+    pub fn open_in_place(
+        subscriber: &'s Subscriber,
+        set: &str,
+        wait: Duration,
+    ) -> Result<Writer<'s>> {
+        let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+        let request = OpenWriteRequest::in_place(set, Some(wait_ms));
+        Self::open_with(subscriber, &request, WRITE_CALL_TIMEOUT + wait)
+    }
+
+    fn open_with(
+        subscriber: &'s Subscriber,
+        request: &OpenWriteRequest,
+        timeout: Duration,
+    ) -> Result<Writer<'s>> {
+        let set = request.set.as_str();
+        let opened = call_within(subscriber, request, timeout)?;
         let staging = match subscriber.attach_set_with(&opened.staging, Access::ReadWrite) {
             Ok(s) => s,
             Err(e) => {

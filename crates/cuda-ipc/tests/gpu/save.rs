@@ -15,7 +15,9 @@ use cuda_ipc::service::{SET_KEY, Service, ServiceConfig, VERSION_KEY};
 use serde_json::{Value, json};
 
 use super::common::{Parent, Peer, role};
-use super::service_write::{SET, SOCKET_ENV, commit, connect, layout, pattern, reader, spawn, writer};
+use super::service_write::{
+    SET, SOCKET_ENV, commit, connect, layout, pattern, reader, spawn, writer,
+};
 use crate::{assert_ok, test_name};
 
 const DIR_ENV: &str = "CUDA_IPC_TEST_SAVE_DIR";
@@ -109,7 +111,10 @@ fn a_saved_set_holds_its_version_and_a_service_restores_it() {
     assert_eq!(one["version"], 1);
     let file = PathBuf::from(one["path"].as_str().unwrap());
     assert_eq!(file, saved.join(format!("{SET}.safetensors")));
-    assert_eq!(commit(&mut second, "version 2 after the save")["version"], 2);
+    assert_eq!(
+        commit(&mut second, "version 2 after the save")["version"],
+        2
+    );
     drop(second);
     let (bad, meta) = check_file(&file, 1);
     assert!(bad.is_null(), "the file holds version 1: {bad}");
@@ -128,7 +133,10 @@ fn a_saved_set_holds_its_version_and_a_service_restores_it() {
     let (bad, meta) = check_file(&file, 2);
     assert!(bad.is_null(), "the file holds version 2: {bad}");
     assert_eq!(meta[VERSION_KEY], "2");
-    let names: Vec<_> = std::fs::read_dir(&saved).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let names: Vec<_> = std::fs::read_dir(&saved)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(names.len(), 1, "no partial file is left: {names:?}");
     a.shutdown(Duration::from_secs(5));
 
@@ -147,7 +155,11 @@ fn a_saved_set_holds_its_version_and_a_service_restores_it() {
     drop(reading);
     // A set the service holds is left as it is.
     let again = b.load_saved(&saved).unwrap();
-    assert!(matches!(again[0].outcome, Ok(None)), "{:?}", again[0].outcome);
+    assert!(
+        matches!(again[0].outcome, Ok(None)),
+        "{:?}",
+        again[0].outcome
+    );
     assert_eq!(b.ls().sets[0].version, 2);
     b.shutdown(Duration::from_secs(5));
 }
