@@ -64,7 +64,7 @@ impl PySubscriber {
         &self,
         py: Python<'_>,
         name: &str,
-        path: std::path::PathBuf,
+        path: &str,
         overwrite: bool,
         streams: Option<usize>,
         staging: Option<u64>,
@@ -78,8 +78,8 @@ impl PySubscriber {
             .with_piece_size(staging.unwrap_or(defaults.piece_size));
         let device = self.device.clone();
         py.detach(|| -> Result<String> {
-            let saved =
-                cuda_ipc::service::save(&s, &device, name, &path, &options, &mut |_, _| {})?;
+            let path = std::path::Path::new(path);
+            let saved = cuda_ipc::service::save(&s, &device, name, path, &options, &mut |_, _| {})?;
             let r = &saved.report;
             Ok(serde_json::json!({
                 "set": saved.set,

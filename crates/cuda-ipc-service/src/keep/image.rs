@@ -55,6 +55,10 @@ pub(crate) struct SetImage {
     /// How many restarts of the service this version has been served
     /// through.
     pub(crate) restarts: u64,
+    /// Whether an in-place write of it was open or cut short: its bytes
+    /// are partly written, and it is served torn (attaches refused).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) torn: bool,
     /// The arena buffers the tensors live in.
     pub(crate) buffers: Vec<BufferImage>,
     pub(crate) tensors: Vec<TensorImage>,
@@ -214,6 +218,7 @@ mod tests {
                 loaded_from: "/m.safetensors".into(),
                 created_unix: 1,
                 restarts: 0,
+                torn: false,
                 buffers: vec![BufferImage {
                     chunk: 2,
                     offset: 256,

@@ -13,6 +13,8 @@
 //! | `open_write` | [`OpenWriteRequest`] | [`OpenWriteAnswer`] | the set's owner uid, the service's; any allowed uid for a new set |
 //! | `commit` | [`CommitRequest`] | [`CommitAnswer`] | the connection that opened the write |
 //! | `abort` | [`AbortRequest`] | [`AbortAnswer`] | the connection that opened the write |
+//! | `aside` | [`AsideRequest`] | [`AsideAnswer`] | any allowed uid (a reader stepping aside for an in-place write) |
+//! | `back` | [`BackRequest`] | [`BackAnswer`] | any allowed uid (the same reader, coming back) |
 //!
 //! Decoding is strict both ways: an unknown field, a missing one or one of
 //! the wrong type is an error naming it ([`decode`]). Refusals travel as
@@ -26,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::catalog::{Holder, UidUsage};
+pub use super::in_place::{AsideAnswer, AsideRequest, BackAnswer, BackRequest, MAX_BACK_WAIT_MS};
 
 /// The longest checkpoint path a load request carries, in bytes (a request
 /// must fit in the channel's 4 KiB).
@@ -418,7 +421,7 @@ pub struct OpenWriteRequest {
     pub layout: Option<Vec<TensorSpec>>,
     /// Write the current version's memory in place (an existing set; no
     /// second copy): its readers must step aside first (`aside`).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[serde(default)]
     pub in_place: bool,
     /// In place: how long to wait for every reader to step aside, in
     /// milliseconds (default [`DEFAULT_ASIDE_WAIT_MS`], at most
@@ -513,7 +516,7 @@ pub struct OpenWriteAnswer {
     pub creates: bool,
     /// Whether the staging entry is the current version's own memory
     /// (an in-place write: `bytes` is 0).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    #[serde(default)]
     pub in_place: bool,
 }
 
@@ -593,7 +596,7 @@ pub struct AbortAnswer {
 }
 
 /// Every method, in the table's order.
-pub const METHODS: [&str; 8] = [
+pub const METHODS: [&str; 10] = [
     LoadRequest::METHOD,
     LsRequest::METHOD,
     StatsRequest::METHOD,
@@ -602,6 +605,8 @@ pub const METHODS: [&str; 8] = [
     OpenWriteRequest::METHOD,
     CommitRequest::METHOD,
     AbortRequest::METHOD,
+    AsideRequest::METHOD,
+    BackRequest::METHOD,
 ];
 
 /// One method's bodies, with the types erased: its name, and its request's
@@ -638,7 +643,7 @@ const fn bodies<R: Request>() -> MethodBodies {
 /// decoding (the `admin_body` fuzz target, the tests that replay its
 /// corpus) iterates over, so that a method listed here is checked without
 /// changing them.
-pub const BODIES: [MethodBodies; 8] = [
+pub const BODIES: [MethodBodies; 10] = [
     bodies::<LoadRequest>(),
     bodies::<LsRequest>(),
     bodies::<StatsRequest>(),
@@ -647,6 +652,8 @@ pub const BODIES: [MethodBodies; 8] = [
     bodies::<OpenWriteRequest>(),
     bodies::<CommitRequest>(),
     bodies::<AbortRequest>(),
+    bodies::<AsideRequest>(),
+    bodies::<BackRequest>(),
 ];
 
 #[cfg(test)]

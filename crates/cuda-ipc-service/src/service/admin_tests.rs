@@ -242,6 +242,7 @@ fn write_bodies_match_the_documented_json_and_are_strict() {
         bytes: 256,
         layout_hash: "0123456789abcdef".into(),
         creates: false,
+        in_place: false,
     };
     assert_eq!(
         decode::<OpenWriteAnswer>("open_write", &encode(&a)).unwrap(),

@@ -229,7 +229,9 @@ impl Catalog {
             tensors: tensors.0,
         };
         self.open_write(writer, name, staging, staged, false)?;
-        let s = self.writing.get_mut(name).expect("opened just above");
+        let Some(s) = self.writing.get_mut(name) else {
+            unreachable!("open_write inserted the session");
+        };
         s.in_place = true;
         Ok(s)
     }

@@ -15,9 +15,10 @@ use serde_json::Value;
 use crate::channel::CallError;
 
 use super::admin::{
-    self, AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, DropAnswer, DropRequest,
-    LoadAnswer, LoadRequest, LsAnswer, LsRequest, OpenWriteAnswer, OpenWriteRequest, Request,
-    ShutdownAnswer, ShutdownRequest, StatsAnswer, StatsRequest, decode, encode,
+    self, AbortAnswer, AbortRequest, AsideAnswer, AsideRequest, BackAnswer, BackRequest,
+    CommitAnswer, CommitRequest, DropAnswer, DropRequest, LoadAnswer, LoadRequest, LsAnswer,
+    LsRequest, OpenWriteAnswer, OpenWriteRequest, Request, ShutdownAnswer, ShutdownRequest,
+    StatsAnswer, StatsRequest, decode, encode,
 };
 use super::catalog::WriterId;
 
@@ -41,6 +42,10 @@ pub(super) trait Ops {
     fn commit(&self, caller: WriterId, request: &CommitRequest) -> Result<CommitAnswer, CallError>;
     /// Aborts the session `caller`'s connection holds.
     fn abort(&self, caller: WriterId, request: &AbortRequest) -> Result<AbortAnswer, CallError>;
+    /// `caller`'s connection stepped aside from a set (in-place writes).
+    fn aside(&self, caller: WriterId, request: &AsideRequest) -> Result<AsideAnswer, CallError>;
+    /// Waits for a set's in-place write to end; `caller` comes back.
+    fn back(&self, caller: WriterId, request: &BackRequest) -> Result<BackAnswer, CallError>;
 }
 
 /// The longest message of a refusal, in bytes; longer ones are cut (at a
@@ -133,6 +138,16 @@ fn route(ops: &impl Ops, caller: WriterId, method: &str, body: &Value) -> Result
             let r: AbortRequest = decode(method, body).map_err(bad_request)?;
             admin::validate_set_name(&r.set).map_err(bad_request)?;
             ops.abort(caller, &r).map(|a| encode(&a))
+        }
+        AsideRequest::METHOD => {
+            let r: AsideRequest = decode(method, body).map_err(bad_request)?;
+            admin::validate_set_name(&r.set).map_err(bad_request)?;
+            ops.aside(caller, &r).map(|a| encode(&a))
+        }
+        BackRequest::METHOD => {
+            let r: BackRequest = decode(method, body).map_err(bad_request)?;
+            admin::validate_set_name(&r.set).map_err(bad_request)?;
+            ops.back(caller, &r).map(|a| encode(&a))
         }
         other => Err(CallError::new(
             "unknown_method",
@@ -233,6 +248,23 @@ mod tests {
                 version: 2,
             })
         }
+        fn aside(&self, c: WriterId, r: &AsideRequest) -> Result<AsideAnswer, CallError> {
+            self.asked
+                .borrow_mut()
+                .push(format!("aside {} {}", c.connection, r.set));
+            admin::decode(
+                "aside",
+                &json!({"set": r.set, "version": 3, "writing_in_place": true}),
+            )
+            .map_err(bad_request)
+        }
+        fn back(&self, c: WriterId, r: &BackRequest) -> Result<BackAnswer, CallError> {
+            self.asked.borrow_mut().push(format!(
+                "back {} {} {:?}",
+                c.connection, r.set, r.timeout_ms
+            ));
+            Err(CallError::new("torn", "cut short"))
+        }
     }
 
     fn caller(uid: u32) -> WriterId {
@@ -292,11 +324,43 @@ mod tests {
             ("commit", json!({"set": "m", "layout_hash": 5})),
             ("abort", json!({"set": "m", "force": true})),
             ("abort", json!("m")),
+            ("open_write", json!({"set": "m", "in_place": "yes"})),
+            (
+                "open_write",
+                json!({"set": "m", "in_place": true, "wait_ms": -1}),
+            ),
+            ("aside", json!({"set": ""})),
+            ("aside", json!({"set": "m", "version": 1})),
+            ("back", json!({"set": "m", "timeout_ms": "1s"})),
         ] {
             let e = dispatch(&f, caller(9), method, &body).unwrap_err();
             assert_eq!(e.code, "bad_request", "{method} {body}: {}", e.message);
         }
         assert_eq!(f.asked.borrow().len(), 4);
+    }
+
+    #[test]
+    fn in_place_calls_are_routed_with_the_callers_connection() {
+        let f = Fake::default();
+        let body = json!({"set": "m", "in_place": true, "wait_ms": 500});
+        dispatch(&f, caller(9), "open_write", &body).unwrap();
+        let a = dispatch(&f, caller(9), "aside", &json!({"set": "m"})).unwrap();
+        assert_eq!(
+            a,
+            json!({"set": "m", "version": 3, "writing_in_place": true})
+        );
+        let e = dispatch(&f, caller(9), "back", &json!({"set": "m", "timeout_ms": 5})).unwrap_err();
+        assert_eq!(e.code, "torn");
+        dispatch(&f, caller(9), "back", &json!({"set": "m"})).unwrap_err();
+        assert_eq!(
+            *f.asked.borrow(),
+            [
+                "open_write 77 9 3 m 0",
+                "aside 3 m",
+                "back 3 m Some(5)",
+                "back 3 m None"
+            ]
+        );
     }
 
     #[test]

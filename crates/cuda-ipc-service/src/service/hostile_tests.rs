@@ -180,6 +180,7 @@ impl Ops for Books {
             bytes: staged.bytes,
             layout_hash: hash,
             creates: r.layout.is_some(),
+            in_place: false,
         })
     }
 
@@ -223,6 +224,38 @@ impl Ops for Books {
             set: r.set.clone(),
             version: s.version,
         })
+    }
+
+    fn aside(
+        &self,
+        _caller: WriterId,
+        r: &super::admin::AsideRequest,
+    ) -> Result<super::admin::AsideAnswer, CallError> {
+        let version = self.version_of(&r.set)?;
+        super::admin::decode(
+            "aside",
+            &json!({"set": r.set, "version": version, "writing_in_place": false}),
+        )
+        .map_err(bad_request)
+    }
+
+    fn back(
+        &self,
+        _caller: WriterId,
+        r: &super::admin::BackRequest,
+    ) -> Result<super::admin::BackAnswer, CallError> {
+        let version = self.version_of(&r.set)?;
+        super::admin::decode("back", &json!({"set": r.set, "version": version}))
+            .map_err(bad_request)
+    }
+}
+
+impl Books {
+    fn version_of(&self, set: &str) -> Result<u64, CallError> {
+        locked(&self.catalog)
+            .get(set)
+            .map(|i| i.version)
+            .ok_or_else(|| refused(&super::CatalogError::NotFound { name: set.into() }))
     }
 }
 

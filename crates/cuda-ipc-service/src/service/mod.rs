@@ -38,6 +38,7 @@ mod dispatch;
 mod held;
 #[cfg(test)]
 mod hostile_tests;
+mod in_place;
 pub mod layout;
 mod listing;
 mod persist;
@@ -69,6 +70,7 @@ pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsa
 pub use config::ServiceConfig;
 use dispatch::{Ops, bad_request};
 use held::Held;
+pub use in_place::{come_back, step_aside};
 pub use persist::Restored;
 pub use saved::{SET_KEY, Saved, SavedLoad, VERSION_KEY, file_name_for, save};
 pub use writer::Writer;
@@ -106,6 +108,10 @@ struct Inner {
     stop_loads: AtomicBool,
     /// Where the chunks and the catalog are kept across restarts.
     keeping: Mutex<persist::Keeping>,
+    /// Readers that stepped aside for in-place writes, and the condition
+    /// their waits (the writer's, `back`) wait on.
+    aside: Mutex<in_place::Aside>,
+    aside_cv: Condvar,
     /// Set by the `shutdown` method.
     stop_asked: Mutex<bool>,
     stop_cv: Condvar,
@@ -221,6 +227,8 @@ impl Service {
             retired: Mutex::new(Vec::new()),
             stop_loads: AtomicBool::new(false),
             keeping: Mutex::new(persist::Keeping::new(store)),
+            aside: Mutex::new(in_place::Aside::default()),
+            aside_cv: Condvar::new(),
             stop_asked: Mutex::new(false),
             stop_cv: Condvar::new(),
         });
@@ -308,6 +316,7 @@ impl Service {
         let inner = &self.inner;
         inner.forget_kept();
         locked(&inner.catalog).stop();
+        inner.aside_cv.notify_all();
         inner.stop_loads.store(true, Ordering::SeqCst);
         let sessions: Vec<(String, String)> = locked(&inner.catalog)
             .write_sessions()
@@ -525,6 +534,8 @@ impl Ops for Inner {
         }
         let loaded = locked(&self.held).remove(&r.set);
         drop(loaded);
+        self.publisher.server().allow_attaches(&r.set);
+        locked(&self.aside).forget_set(&r.set);
         self.persist();
         self.publisher.reap();
         if let Err(e) = self.publisher.trim() {
@@ -570,6 +581,22 @@ impl Ops for Inner {
         r: &AbortRequest,
     ) -> std::result::Result<AbortAnswer, CallError> {
         Inner::abort(self, caller, r)
+    }
+
+    fn aside(
+        &self,
+        caller: WriterId,
+        r: &in_place::AsideRequest,
+    ) -> std::result::Result<in_place::AsideAnswer, CallError> {
+        Inner::aside(self, caller, r)
+    }
+
+    fn back(
+        &self,
+        caller: WriterId,
+        r: &in_place::BackRequest,
+    ) -> std::result::Result<in_place::BackAnswer, CallError> {
+        Inner::back(self, caller, r)
     }
 }
 

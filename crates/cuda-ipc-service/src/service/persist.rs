@@ -66,11 +66,26 @@ impl Inner {
         }
     }
 
-    fn persist_locked(&self, keeping: &mut Keeping) -> std::io::Result<()> {
-        let infos: BTreeMap<String, SetInfo> = locked(&self.catalog)
+    /// Every set's books, and the sets a restart finds torn: those torn,
+    /// and those written in place now (until their commit).
+    fn kept_infos(&self) -> (BTreeMap<String, SetInfo>, BTreeSet<String>) {
+        let catalog = locked(&self.catalog);
+        let infos = catalog
             .sets()
             .map(|s| (s.name.clone(), s.clone()))
             .collect();
+        let torn = catalog
+            .sets()
+            .filter(|s| {
+                catalog.is_torn(&s.name) || catalog.writing(&s.name).is_some_and(|w| w.in_place)
+            })
+            .map(|s| s.name.clone())
+            .collect();
+        (infos, torn)
+    }
+
+    fn persist_locked(&self, keeping: &mut Keeping) -> std::io::Result<()> {
+        let (infos, torn) = self.kept_infos();
         let held = locked(&self.held);
         let arena = match self.publisher.arena() {
             Ok(a) => a.id(),
@@ -120,6 +135,7 @@ impl Inner {
                 loaded_from: info.loaded_from.clone(),
                 created_unix: info.created_unix,
                 restarts: h.restarts,
+                torn: torn.contains(name),
                 buffers,
                 tensors,
             });
@@ -303,6 +319,11 @@ impl Inner {
             s.name.clone(),
             Held::restored(tensors, places, buffers, s.restarts + 1),
         );
+        if s.torn {
+            locked(&self.catalog).mark_torn(&s.name);
+            self.refuse_torn(&s.name);
+            tracing::warn!(set = %s.name, version = s.version, "an in-place write of this set was cut short by the restart: it is torn");
+        }
         tracing::info!(set = %s.name, version = s.version, restarts = s.restarts + 1, "served again after a restart");
         Ok(())
     }

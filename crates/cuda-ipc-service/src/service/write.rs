@@ -42,12 +42,28 @@ pub(super) struct Staging {
     /// The hidden entry it is published under.
     entry: String,
     tensors: Vec<Tensor>,
+    /// Its own buffers (none in place: the set's current ones).
     buffers: Vec<DeviceArenaBuffer>,
     hash: String,
+    in_place: bool,
+}
+
+impl Staging {
+    /// An in-place write's: the current version's buffers, published
+    /// read-write under `entry`.
+    pub(super) fn in_place(entry: String, tensors: Vec<Tensor>, hash: String) -> Staging {
+        Staging {
+            entry,
+            tensors,
+            buffers: Vec::new(),
+            hash,
+            in_place: true,
+        }
+    }
 }
 
 /// An unguessable name for a staging version: 128 random bits.
-fn staging_name() -> Result<String, CallError> {
+pub(super) fn staging_name() -> Result<String, CallError> {
     let mut bytes = [0u8; 16];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut bytes))
@@ -78,6 +94,9 @@ impl Inner {
         caller: WriterId,
         r: &OpenWriteRequest,
     ) -> Result<OpenWriteAnswer, CallError> {
+        if r.in_place {
+            return self.open_write_in_place(caller, r);
+        }
         self.sweep_retired();
         let tensors = if let Some(specs) = &r.layout {
             layout::check(specs).map_err(super::bad_request)?
@@ -129,6 +148,7 @@ impl Inner {
                 tensors,
                 buffers,
                 hash: hash.clone(),
+                in_place: false,
             },
         );
         // The writer may have gone while the staging version was made.
@@ -212,6 +232,11 @@ impl Inner {
                 ),
             ));
         }
+        if stage.in_place {
+            let entry = stage.entry.clone();
+            drop(staging);
+            return self.commit_in_place(caller, &r.set, &entry);
+        }
         let creates = !locked(&self.held).contains_key(&r.set);
         let members = members(&stage.tensors, &stage.buffers);
         let told = if creates {
@@ -236,6 +261,9 @@ impl Inner {
         if let (Some(told), Some(old)) = (told, &done.retired) {
             locked(&self.retired).push(Kept::replaced(&r.set, old.version, told.old_entry));
         }
+        // A torn set is whole again.
+        self.publisher.server().allow_attaches(&r.set);
+        self.aside_cv.notify_all();
         self.sweep_retired();
         tracing::info!(set = %r.set, pid = caller.pid, version = done.info.version, "committed");
         Ok(CommitAnswer {
@@ -243,6 +271,48 @@ impl Inner {
             version: done.info.version,
             retired_version: done.retired.map(|o| o.version),
             readers_told: told.map_or(0, |t| t.told),
+        })
+    }
+
+    /// Commits an in-place write: the same memory is the next version;
+    /// its readers are told as of any in-place update.
+    fn commit_in_place(
+        &self,
+        caller: WriterId,
+        set: &str,
+        entry: &str,
+    ) -> Result<CommitAnswer, CallError> {
+        let done = locked(&self.catalog)
+            .commit_write(caller.connection, set)
+            .map_err(|e| refused(&e))?;
+        locked(&self.staging).remove(set);
+        if let Err(e) = self.publisher.unpublish_set(entry, None) {
+            tracing::warn!(set, error = %e, "cannot hide a committed in-place entry");
+        }
+        // Kept before anyone hears of the commit.
+        self.persist();
+        let retired = self.retired_entries();
+        let told = self
+            .publisher
+            .leases()
+            .iter()
+            .filter(|l| l.name == set && !retired.contains(&l.entry))
+            .count();
+        if let Err(e) = self.publisher.update_set(set) {
+            tracing::warn!(set, error = %e, "cannot tell the readers of an in-place commit");
+        }
+        self.in_place_ended(set, true);
+        tracing::info!(
+            set,
+            pid = caller.pid,
+            version = done.info.version,
+            "committed in place"
+        );
+        Ok(CommitAnswer {
+            set: set.to_owned(),
+            version: done.info.version,
+            retired_version: None,
+            readers_told: told,
         })
     }
 
@@ -255,6 +325,10 @@ impl Inner {
             .abort_write(caller.connection, &r.set)
             .map_err(|e| refused(&e))?;
         self.discard_staging(&r.set, &session.staging);
+        if session.in_place {
+            self.in_place_ended(&r.set, false);
+            self.persist();
+        }
         tracing::info!(set = %r.set, pid = caller.pid, version = session.version, "write aborted");
         Ok(AbortAnswer {
             set: r.set.clone(),
@@ -267,9 +341,17 @@ impl Inner {
     pub(super) fn connection_closed(&self, connection: u64) {
         let gone = locked(&self.catalog).writer_gone(connection);
         for s in &gone {
-            tracing::info!(set = %s.set, pid = s.writer.pid, version = s.version, "writer gone: its write is discarded");
+            tracing::info!(set = %s.set, pid = s.writer.pid, version = s.version, in_place = s.in_place, "writer gone: its write is discarded");
             self.discard_staging(&s.set, &s.staging);
+            if s.in_place {
+                self.in_place_ended(&s.set, false);
+            }
         }
+        if gone.iter().any(|s| s.in_place) {
+            self.persist();
+        }
+        locked(&self.aside).forget_connection(connection);
+        self.aside_cv.notify_all();
         self.sweep_retired();
     }
 
@@ -291,6 +373,14 @@ impl Inner {
         if let Err(e) = self.publisher.trim() {
             tracing::debug!(error = %e, "trim after a discarded write");
         }
+    }
+
+    /// The channel entries of the replaced versions readers still hold.
+    pub(super) fn retired_entries(&self) -> std::collections::HashSet<u64> {
+        locked(&self.retired)
+            .iter()
+            .filter_map(|k| k.entry)
+            .collect()
     }
 
     /// Charges each retired version to the readers that hold it now, and
