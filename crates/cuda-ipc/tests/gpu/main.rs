@@ -23,6 +23,7 @@ mod peer;
 mod read_only;
 mod save;
 mod service;
+mod service_in_place;
 mod service_limits;
 mod service_write;
 mod set_fences;

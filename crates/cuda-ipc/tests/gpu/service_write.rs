@@ -50,7 +50,7 @@ pub(super) fn pattern(seed: u32, i: usize) -> Pattern {
 
 /// What version `seed` holds in the tensor called `name` (whatever its
 /// place in a set: a set restored from a file has the file's order).
-fn pattern_of(seed: u32, name: &str) -> Pattern {
+pub(super) fn pattern_of(seed: u32, name: &str) -> Pattern {
     let i = layout().iter().position(|t| t.name == name).unwrap();
     pattern(seed, i)
 }
@@ -60,7 +60,7 @@ pub(super) fn connect(device: &Device) -> Subscriber {
 }
 
 /// The first tensor of `set` that does not hold version `seed`.
-fn check(set: &SetAttachment, seed: u32) -> Value {
+pub(super) fn check(set: &SetAttachment, seed: u32) -> Value {
     for i in 0..set.len() {
         let view = set.view::<u32>(i).unwrap();
         let want = pattern_of(seed, &set.entries()[i].name);
