@@ -157,6 +157,31 @@ class Reader:
         ``wait_update()`` on it returns when a writer commits a new one."""
         return self.subscriber.attach_state_dict(_name("set", set), read_only=True)
 
+    def step_aside(self, set, *, unchecked=False):
+        """Steps aside from set ``set`` for a write in place: puts every
+        mapping to sleep (:meth:`sleep`; ``unchecked=True`` keeps tensors,
+        a model's parameters and CUDA graphs over them: run nothing on them
+        until :meth:`come_back`), then tells the service. Returns its
+        answer (``version``, ``writing_in_place``)."""
+        set = _name("set", set)
+        self.sleep(unchecked=unchecked)
+        return self.subscriber.call("aside", {"set": set})
+
+    def come_back(self, set, *, timeout=600.0):
+        """Waits up to ``timeout`` seconds for the in-place write of
+        ``set`` to end, then wakes every mapping at the address it had:
+        the tensors hold the new version. Returns the answer (``version``).
+        A write cut short raises ``ServiceError`` with code ``torn`` and
+        the mappings stay asleep (attach again once a write commits); so
+        does a ``timeout`` (call again)."""
+        set = _name("set", set)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 600:
+            raise InvalidInput(f"timeout must be seconds from 0 to 600, not {timeout!r}")
+        answer = self.subscriber.call("back", {"set": set, "timeout_ms": int(timeout * 1000)},
+                                      timeout + 30)
+        self.wake()
+        return answer
+
     def save(self, set, path, *, overwrite=False, streams=None, staging=None):
         """Saves the current version of set ``set`` as a safetensors file
         (see :func:`save`); returns what it did (a dict)."""
@@ -198,10 +223,30 @@ class Writer:
     give ``layout``: a dict of name to a tensor (its dtype and shape are
     taken) or to ``(dtype, shape)`` (a descriptor or PyTorch dtype name).
     The staging contents start undefined: write every tensor (``copy_``,
-    ``load_state_dict``)."""
+    ``load_state_dict``).
 
-    def __init__(self, service, set, *, layout=None, device=0, timeout=5.0, allow_uids=()):
+    With ``in_place=True`` (an existing set) there is no second copy: the
+    staging state dict is the current version's own memory. The service
+    first waits up to ``wait`` seconds for every reader to step aside
+    (:meth:`Reader.step_aside`) and refuses new attaches until the commit;
+    a reader that does not step aside in time makes the open fail
+    (``ServiceError`` with code ``readers_not_aside``, naming it; nothing
+    written). Readers come back at the same addresses
+    (:meth:`Reader.come_back`). An abort, or this process's end before the
+    commit, leaves the set torn (attaches refused with code ``torn``)
+    until a write commits: write in place only what you can write again."""
+
+    def __init__(self, service, set, *, layout=None, in_place=False, wait=10.0, device=0,
+                 timeout=5.0, allow_uids=()):
         self.set = _name("set", set)
+        if not isinstance(in_place, bool):
+            raise InvalidInput(f"in_place must be a bool, not {in_place!r}")
+        if in_place and layout is not None:
+            raise InvalidInput("an in-place write is of an existing set: give no layout")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 600:
+            raise InvalidInput(f"wait must be seconds from 0 to 600, not {wait!r}")
+        self.in_place = in_place
+        self._wait_ms = int(wait * 1000)
         self._layout = _layout(layout) if layout is not None else None
         self._device = device
         self.subscriber = Subscriber(_service(service), device=device, timeout=timeout,
@@ -218,7 +263,9 @@ class Writer:
         body = {"set": self.set}
         if self._layout is not None:
             body["layout"] = self._layout
-        self.opened = self.subscriber.call("open_write", body, _WRITE_TIMEOUT)
+        if self.in_place:
+            body.update(in_place=True, wait_ms=self._wait_ms)
+        self.opened = self.subscriber.call("open_write", body, _WRITE_TIMEOUT + self._wait_ms / 1000)
         try:
             self.state_dict = self.subscriber.attach_state_dict(self.opened["staging"])
         except BaseException:

@@ -36,6 +36,10 @@ class Arguments(unittest.TestCase):
             lambda: service.call("svc", "", {}),
             lambda: service.Writer("svc", ""),
             lambda: service.Writer("svc", "m", layout={}),
+            lambda: service.Writer("svc", "m", in_place="yes"),
+            lambda: service.Writer("svc", "m", in_place=True, layout={"w": ("f32", (1,))}),
+            lambda: service.Writer("svc", "m", in_place=True, wait=-1),
+            lambda: service.Writer("svc", "m", in_place=True, wait=True),
             lambda: service.Reader("svc").attach_state_dict(""),
         ):
             with self.subTest(call=call):
