@@ -7,7 +7,8 @@
 //! sharded checkpoints opened with `pread`, never mapped, every header
 //! checked; a [`checkpoint::Plan`] of where each tensor goes), [`loader`]
 //! (a plan carried out through page-locked staging buffers and streams,
-//! published as a set), [`keep`] (weights that outlive the serving
+//! published as a set), [`saver`] (an attached set written as a
+//! safetensors file through the same kind of buffers), [`keep`] (weights that outlive the serving
 //! process: the file-descriptor store it hands its chunks and catalog
 //! image to, and the [`keep::Keeper`] that holds them and runs it again),
 //! and [`service`] ([`service::Service`] owns its

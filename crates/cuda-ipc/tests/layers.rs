@@ -337,7 +337,7 @@ const CORE_ORDER: [&str; 16] = [
 const EXCHANGE_ORDER: [&str; 4] = ["torch", "set", "arena", "exchange"];
 
 /// The service's modules, lowest first (above the core and the exchange).
-const SERVICE_ORDER: [&str; 4] = ["checkpoint", "loader", "keep", "service"];
+const SERVICE_ORDER: [&str; 6] = ["checkpoint", "pinned", "loader", "saver", "keep", "service"];
 
 /// What in the crate folder `name` breaks its layers: a top-level module
 /// that imports one `order` puts above it (or itself, through a folder),

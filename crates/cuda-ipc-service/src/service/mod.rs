@@ -586,16 +586,16 @@ impl Ops for Inner {
     fn aside(
         &self,
         caller: WriterId,
-        r: &in_place::AsideRequest,
-    ) -> std::result::Result<in_place::AsideAnswer, CallError> {
+        r: &admin::AsideRequest,
+    ) -> std::result::Result<admin::AsideAnswer, CallError> {
         Inner::aside(self, caller, r)
     }
 
     fn back(
         &self,
         caller: WriterId,
-        r: &in_place::BackRequest,
-    ) -> std::result::Result<in_place::BackAnswer, CallError> {
+        r: &admin::BackRequest,
+    ) -> std::result::Result<admin::BackAnswer, CallError> {
         Inner::back(self, caller, r)
     }
 }

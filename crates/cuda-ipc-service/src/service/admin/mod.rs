@@ -28,7 +28,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::catalog::{Holder, UidUsage};
-pub use super::in_place::{AsideAnswer, AsideRequest, BackAnswer, BackRequest, MAX_BACK_WAIT_MS};
+mod aside;
+pub use aside::{AsideAnswer, AsideRequest, BackAnswer, BackRequest, MAX_BACK_WAIT_MS};
 
 /// The longest checkpoint path a load request carries, in bytes (a request
 /// must fit in the channel's 4 KiB).
@@ -657,5 +658,4 @@ pub const BODIES: [MethodBodies; 10] = [
 ];
 
 #[cfg(test)]
-#[path = "admin_tests.rs"]
 mod tests;

@@ -1,0 +1,69 @@
+//! The bodies of `aside` and `back`: a reader stepping aside from a set
+//! for a write in place, and coming back (the service's `in_place`
+//! module).
+
+use serde::{Deserialize, Serialize};
+
+use super::Request;
+
+/// `aside`: this connection's mappings of `set` sleep, and it will not
+/// wake them before `back` answers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct AsideRequest {
+    /// The set.
+    pub set: String,
+}
+
+impl Request for AsideRequest {
+    const METHOD: &'static str = "aside";
+    type Answer = AsideAnswer;
+}
+
+/// The answer to `aside`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct AsideAnswer {
+    /// The set.
+    pub set: String,
+    /// Its current version.
+    pub version: u64,
+    /// Whether a writer writes it in place now.
+    pub writing_in_place: bool,
+}
+
+/// `back`: waits until no in-place write of `set` is open (or `timeout_ms`
+/// passes), then takes back this connection's `aside`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct BackRequest {
+    /// The set.
+    pub set: String,
+    /// How long to wait, in milliseconds (default and most:
+    /// [`MAX_BACK_WAIT_MS`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+impl Request for BackRequest {
+    const METHOD: &'static str = "back";
+    type Answer = BackAnswer;
+}
+
+/// The answer to `back`: the version to wake to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct BackAnswer {
+    /// The set.
+    pub set: String,
+    /// Its version now (the in-place write's, if it committed).
+    pub version: u64,
+}
+
+/// The longest a `back` waits (an in-place write of a large model takes
+/// seconds; a writer that never commits is cut off by its connection).
+pub const MAX_BACK_WAIT_MS: u64 = 600_000;
