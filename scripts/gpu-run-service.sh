@@ -3,7 +3,7 @@
 # sourced by scripts/gpu-run.sh (run.sh in a bundle), which defines what
 # they use: $cli, $here, $logs, check, ok, bad, log_of, bg_start, bg_stop,
 # run_tests, install_wheel, python_script. Steps: service,
-# service_containers, service_chaos, service_hostile, service_io.
+# service_containers, service_chaos, service_hostile, service_io, rl_update.
 
 # write_service_checkpoint DIR LOG: a small sharded checkpoint in DIR,
 # written with python3 alone (four dtypes, two shards and an index, random
@@ -323,5 +323,45 @@ PY
     echo "SKIP  service-io: $(grep -o '"reason": "[^"]*"' "$logs/service-io.json")"
   else
     bad "service-io: exit $rc, $(tail -n 3 "$logs/service-io.err" "$logs/service-io.json" | tr '\n' ' ' | cut -c1-400)"
+  fi
+}
+
+# RL weight updates on one GPU (issue 58): bench/rl_update.py, a trainer
+# and an engine process, the Llama-shaped model (RL_LAYERS decoder layers,
+# default 32: about 8 B parameters), every update path in one run
+# (RL_STEPS updates each, RL_SOAK in-place updates with resources read
+# before and after); one TARGET line per target with its verdict.
+step_rl_update() {
+  if ! install_wheel; then
+    bad "rl-update: $wheel_error"
+    return
+  fi
+  python3 "$here/bench/rl_update.py" --cli "$cli" --layers "${RL_LAYERS:-32}" --steps "${RL_STEPS:-20}" \
+    --soak "${RL_SOAK:-1000}" >"$logs/rl-update.json" 2>"$logs/rl-update.err"
+  local rc=$?
+  python3 - "$logs/rl-update.json" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    k = r.get("kind")
+    if k == "anchor":
+        print("ANCHOR one device copy of the weights: %.2f ms" % r["device_copy_ms"])
+    elif k == "result":
+        print("RESULT %s: p50 %.3f ms, p99 %.3f ms, peak device %.1f GB, tokens equal %s" % (
+            r["mode"], r["p50_ms"], r["p99_ms"], r["peak_device_bytes"] / 1e9, r["tokens_equal"]))
+    elif k == "soak":
+        print("SOAK %d in-place updates: unchanged %s; before %s; after %s" % (
+            r["updates"], r["unchanged"], json.dumps(r["before"]), json.dumps(r["after"])))
+    elif k == "target":
+        print("TARGET %s: %s against %s %s" % (r["name"], r["measured"], r["anchor"], "MET" if r["met"] else "MISSED"))
+    elif k in ("skip", "error"):
+        print(k.upper(), r.get("reason") or r.get("message"))
+PY
+  if [ "$rc" -eq 0 ] && grep -q '"kind": "done"' "$logs/rl-update.json" && ! grep -q '"tokens_equal": false' "$logs/rl-update.json"; then
+    ok "rl-update: every path updated the engine, tokens equal to the trainer's (the targets' verdicts above)"
+  elif grep -q '"kind": "skip"' "$logs/rl-update.json"; then
+    echo "SKIP  rl-update: $(grep -o '"reason": "[^"]*"' "$logs/rl-update.json")"
+  else
+    bad "rl-update: exit $rc, $(tail -n 3 "$logs/rl-update.err" "$logs/rl-update.json" | tr '\n' ' ' | cut -c1-400)"
   fi
 }

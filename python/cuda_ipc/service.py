@@ -167,18 +167,25 @@ class Reader:
         self.sleep(unchecked=unchecked)
         return self.subscriber.call("aside", {"set": set})
 
-    def come_back(self, set, *, timeout=600.0):
+    def come_back(self, set, *, next=False, timeout=600.0):
         """Waits up to ``timeout`` seconds for the in-place write of
-        ``set`` to end, then wakes every mapping at the address it had:
-        the tensors hold the new version. Returns the answer (``version``).
-        A write cut short raises ``ServiceError`` with code ``torn`` and
-        the mappings stay asleep (attach again once a write commits); so
-        does a ``timeout`` (call again)."""
+        ``set`` to end (with ``next``: for the next version to be
+        committed, whether or not its writer has started: what a reader
+        that steps aside ahead of an expected update wants), then wakes
+        every mapping at the address it had: the tensors hold the new
+        version. Returns the answer (``version``). A write cut short raises
+        ``ServiceError`` with code ``torn`` and the mappings stay asleep
+        (attach again once a write commits); so does a ``timeout`` (call
+        again)."""
         set = _name("set", set)
+        if not isinstance(next, bool):
+            raise InvalidInput(f"next must be a bool, not {next!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 600:
             raise InvalidInput(f"timeout must be seconds from 0 to 600, not {timeout!r}")
-        answer = self.subscriber.call("back", {"set": set, "timeout_ms": int(timeout * 1000)},
-                                      timeout + 30)
+        body = {"set": set, "timeout_ms": int(timeout * 1000)}
+        if next:
+            body["next"] = True
+        answer = self.subscriber.call("back", body, timeout + 30)
         self.wake()
         return answer
 
@@ -257,9 +264,13 @@ class Writer:
 
     def open(self):
         """Opens the session and attaches the staging version; returns its
-        state dict."""
-        if self.opened is not None:
+        state dict. After a commit or an abort it opens the next session on
+        the same connection (a trainer's loop: no new connection, and the
+        staging version's chunks stay mapped from one session to the
+        next)."""
+        if self.opened is not None and not self._done:
             raise InvalidInput(f"the write of {self.set!r} is open already")
+        self._done = False
         body = {"set": self.set}
         if self._layout is not None:
             body["layout"] = self._layout

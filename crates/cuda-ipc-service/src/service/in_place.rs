@@ -37,7 +37,7 @@
 //! reads bytes being written, in its own process (its mapping is
 //! read-only: it changes nothing for anyone else).
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use crate::Access;
@@ -59,17 +59,22 @@ use super::{Inner, locked, refused, write};
 /// (leases released, connections closed).
 const POLL: Duration = Duration::from_millis(20);
 
-/// Which connections stepped aside from which set.
+/// Which connections stepped aside from which set, and from which version.
 #[derive(Default)]
 pub(super) struct Aside {
-    by_set: HashMap<String, BTreeSet<u64>>,
+    by_set: HashMap<String, BTreeMap<u64, u64>>,
 }
 
 impl Aside {
     fn holds(&self, set: &str, connection: u64) -> bool {
         self.by_set
             .get(set)
-            .is_some_and(|c| c.contains(&connection))
+            .is_some_and(|c| c.contains_key(&connection))
+    }
+
+    /// The version `connection` stepped aside from `set` at.
+    fn version(&self, set: &str, connection: u64) -> Option<u64> {
+        self.by_set.get(set)?.get(&connection).copied()
     }
 
     /// Forgets `connection` everywhere (it closed).
@@ -320,7 +325,7 @@ impl Inner {
             .by_set
             .entry(r.set.clone())
             .or_default()
-            .insert(caller.connection);
+            .insert(caller.connection, version);
         self.aside_cv.notify_all();
         Ok(AsideAnswer {
             set: r.set.clone(),
@@ -341,14 +346,22 @@ impl Inner {
         );
         let deadline = Instant::now() + wait;
         let mut aside = locked(&self.aside);
+        let from = match aside.version(&r.set, caller.connection) {
+            Some(v) => Some(v),
+            None => locked(&self.catalog).get(&r.set).map(|i| i.version),
+        };
         loop {
-            let (in_place, stopping) = {
+            let (waits, stopping) = {
                 let catalog = locked(&self.catalog);
                 let in_place = catalog.writing(&r.set).is_some_and(|w| w.in_place);
-                (in_place, catalog.is_stopping())
+                // With `next`: until a version after `from` (or a torn
+                // set, or none).
+                let same = from.is_some() && catalog.get(&r.set).map(|i| i.version) == from;
+                let next = r.next && same && !catalog.is_torn(&r.set);
+                (in_place || next, catalog.is_stopping())
             };
             let now = Instant::now();
-            if !in_place || stopping {
+            if !waits || stopping {
                 break;
             }
             if now >= deadline {
@@ -434,6 +447,26 @@ pub fn step_aside(subscriber: &Subscriber, set: &str) -> Result<AsideAnswer> {
 /// asleep; attach the set again once a write commits), `not_found`; the
 /// wake's errors.
 pub fn come_back(subscriber: &Subscriber, set: &str, timeout: Duration) -> Result<BackAnswer> {
+    come_back_with(subscriber, set, false, timeout)
+}
+
+/// [`come_back`], waiting (up to `timeout`) for the next version: a write
+/// committed after this subscriber stepped aside, whether or not its
+/// writer has started yet. What a reader that steps aside ahead of an
+/// update it expects (an RL engine between steps) calls.
+///
+/// # Errors
+/// As [`come_back`].
+pub fn come_back_next(subscriber: &Subscriber, set: &str, timeout: Duration) -> Result<BackAnswer> {
+    come_back_with(subscriber, set, true, timeout)
+}
+
+fn come_back_with(
+    subscriber: &Subscriber,
+    set: &str,
+    next: bool,
+    timeout: Duration,
+) -> Result<BackAnswer> {
     let ms = u64::try_from(timeout.as_millis())
         .unwrap_or(u64::MAX)
         .min(MAX_BACK_WAIT_MS);
@@ -442,6 +475,7 @@ pub fn come_back(subscriber: &Subscriber, set: &str, timeout: Duration) -> Resul
         &BackRequest {
             set: set.to_owned(),
             timeout_ms: Some(ms),
+            next,
         },
         Duration::from_millis(ms) + ASIDE_CALL_TIMEOUT,
     )?;

@@ -70,7 +70,7 @@ pub use catalog::{Catalog, CatalogError, Holder, Loaded, Quotas, SetInfo, UidUsa
 pub use config::ServiceConfig;
 use dispatch::{Ops, bad_request};
 use held::Held;
-pub use in_place::{come_back, step_aside};
+pub use in_place::{come_back, come_back_next, step_aside};
 pub use persist::Restored;
 pub use saved::{SET_KEY, Saved, SavedLoad, VERSION_KEY, file_name_for, save};
 pub use writer::Writer;

@@ -5,7 +5,9 @@
 //! write refused before a byte is written; new attaches are refused while
 //! it writes; the service allocates nothing for it; a writer killed in the
 //! middle leaves the set torn (attaches and the reader's return refused)
-//! until a double-buffered write commits a whole version.
+//! until a double-buffered write commits a whole version. A reader that
+//! steps aside ahead of an update waits for it (`come_back_next`) even
+//! before its writer starts.
 
 #![allow(unsafe_code)]
 
@@ -18,7 +20,7 @@ use cuda_ipc::channel::ChannelError;
 use cuda_ipc::exchange::{Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Speed};
 use cuda_ipc::service::admin::SetState;
-use cuda_ipc::service::{Service, ServiceConfig, Writer, come_back, step_aside};
+use cuda_ipc::service::{Service, ServiceConfig, Writer, come_back, come_back_next, step_aside};
 use serde_json::{Value, json};
 
 use super::common::{Parent, Peer, role};
@@ -94,7 +96,11 @@ fn stepper() {
                     Err(e) => json!({"bad": e.to_string()}),
                 }
             }
-            "back" => match come_back(&sub, SET, Duration::from_secs(30)) {
+            "back" | "back_next" => match if ask["do"] == "back" {
+                come_back(&sub, SET, Duration::from_secs(30))
+            } else {
+                come_back_next(&sub, SET, Duration::from_secs(30))
+            } {
                 Ok(b) => {
                     let same = set.entry_places().unwrap() == places;
                     let seed = ask["seed"].as_u64().unwrap() as u32;
@@ -228,6 +234,26 @@ fn a_write_in_place_waits_for_readers_to_step_aside_and_they_come_back_at_the_sa
     assert_eq!(attach_refusal(&here), None);
     assert_eq!(service.stats().uids[0].used, one_version, "still one copy");
 
+    // A reader that steps aside ahead of the next update waits for it,
+    // even before its writer has started.
+    assert_ok!(&ask(&mut reader, &json!({"do": "aside"})), "aside ahead");
+    reader.send(&json!({"do": "back_next", "seed": 5}));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        reader.try_recv_within(Duration::from_millis(10)).is_none(),
+        "it waits for the write"
+    );
+    let mut placer = spawn_placer(&test, &socket, 5, 10_000);
+    assert_ok!(&placer.recv(), "the writer of the expected update");
+    assert_eq!(commit(&mut placer, "version 3 in place")["version"], 3);
+    let back = reader.recv();
+    assert_ok!(&back, "the reader came back to version 3");
+    assert_eq!(
+        (back["version"].clone(), back["same_addresses"].clone()),
+        (json!(3), json!(true))
+    );
+    drop(placer);
+
     torn_then_whole_again(&test, &socket, &service, &here, &mut reader);
     drop(reader);
     drop(here);
@@ -254,7 +280,7 @@ fn torn_then_whole_again(
         assert!(waited < 1000, "the killed writer's session ends");
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(state(service).0, 2);
+    assert_eq!(state(service).0, 3);
     assert_eq!(attach_refusal(here).as_deref(), Some("torn"));
     let back = ask(reader, &json!({"do": "back", "seed": 3}));
     assert_eq!(
@@ -266,9 +292,9 @@ fn torn_then_whole_again(
     // A whole version, double-buffered, heals it.
     let mut healer = spawn(test, "writer", socket, 4);
     assert_ok!(&healer.recv(), "the healing writer");
-    commit(&mut healer, "version 3, whole");
+    commit(&mut healer, "version 4, whole");
     drop(healer);
-    assert_eq!(state(service), (3, SetState::Committed));
+    assert_eq!(state(service), (4, SetState::Committed));
     assert_eq!(attach_refusal(here), None);
     let fresh = here.attach_set(SET).unwrap();
     assert!(

@@ -35,7 +35,10 @@ pub struct AsideAnswer {
 }
 
 /// `back`: waits until no in-place write of `set` is open (or `timeout_ms`
-/// passes), then takes back this connection's `aside`.
+/// passes), then takes back this connection's `aside`. With `next`, waits
+/// also until a write has committed the version after the one this
+/// connection stepped aside from (a reader that stepped aside for the
+/// next update, before its writer started).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
@@ -46,6 +49,9 @@ pub struct BackRequest {
     /// [`MAX_BACK_WAIT_MS`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Wait for the next version, not only for a write in progress.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub next: bool,
 }
 
 impl Request for BackRequest {

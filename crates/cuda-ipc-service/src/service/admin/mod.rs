@@ -422,7 +422,7 @@ pub struct OpenWriteRequest {
     pub layout: Option<Vec<TensorSpec>>,
     /// Write the current version's memory in place (an existing set; no
     /// second copy): its readers must step aside first (`aside`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub in_place: bool,
     /// In place: how long to wait for every reader to step aside, in
     /// milliseconds (default [`DEFAULT_ASIDE_WAIT_MS`], at most
@@ -517,7 +517,7 @@ pub struct OpenWriteAnswer {
     pub creates: bool,
     /// Whether the staging entry is the current version's own memory
     /// (an in-place write: `bytes` is 0).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub in_place: bool,
 }
 
