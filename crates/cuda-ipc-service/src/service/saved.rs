@@ -90,7 +90,7 @@ const ATTACH_TRIES: usize = 5;
 ///
 /// # Errors
 /// The service holds no such set; it commits new versions faster than
-/// one can be attached ([`ATTACH_TRIES`] times); the attach's and
+/// one can be attached (5 times); the attach's and
 /// [`save_set`]'s errors.
 pub fn save(
     subscriber: &Subscriber,
