@@ -5,7 +5,9 @@
 //! whose fast path skips the JSON decoder for acks in this build's exact
 //! form, agree on every input (the same message and count, or the same
 //! error); nothing panics; what decodes, framed again in either form
-//! (binary where the message has one, JSON), decodes the same.
+//! (binary where the message has one, JSON), decodes the same; an update
+//! whose notice is a pushed entry (`PushedEntry::from_notice`) decodes to
+//! one that round-trips.
 //!
 //! Each input is tried twice: as a whole record, and as the payload of a
 //! record with a valid count and header (so that the fuzzer reaches the
@@ -14,6 +16,7 @@
 //! Kept apart from `lib.rs` so that the target, and the corpus replay in
 //! `crates/cuda-ipc/tests/decoders.rs`, include this one file.
 
+use cuda_ipc::channel::PushedEntry;
 use cuda_ipc::channel::notices::{binary_record_both_ways, decode_record_both_ways};
 use cuda_ipc::channel::wire::{MAX_PAYLOAD, Message};
 
@@ -60,9 +63,29 @@ fn reframed(count: u64, m: &Message) {
     }
 }
 
+/// A decoded update's notice, read as a pushed entry where it is one:
+/// nothing panics, and what decodes encodes to the same entry again.
+fn pushed(m: &Message) {
+    let Message::Update { notice, .. } = m else {
+        return;
+    };
+    if let Some(Ok(p)) = PushedEntry::from_notice(notice) {
+        let again = serde_json::json!({ "pushed": p });
+        let back = PushedEntry::from_notice(&again).and_then(Result::ok);
+        assert_eq!(
+            back.as_ref(),
+            Some(&p),
+            "a pushed entry changed in a round trip"
+        );
+    }
+}
+
 /// The checks of the shared-memory record decoders on arbitrary bytes;
 /// panics if a property fails.
 pub fn notice_record(data: &[u8]) {
+    for m in [agree(data), agree(&record(7, data))].iter().flatten() {
+        pushed(&m.1);
+    }
     if let Some((count, m)) = agree(data) {
         assert_eq!(
             count.to_le_bytes(),

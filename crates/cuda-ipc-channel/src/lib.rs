@@ -91,7 +91,7 @@ pub use paths::{
 };
 pub use server::{
     CallContext, CallError, CallHandler, CpuBudget, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo,
-    Replaced, Server, ServerConfig, ServerRing, StallBudget,
+    PUSHED_KEY, PushReport, PushedEntry, Replaced, Server, ServerConfig, ServerRing, StallBudget,
 };
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, Meta, WireError};

@@ -30,6 +30,7 @@ fn lease(uid: u32) -> Lease {
         pid: 1,
         uid,
         skips: 0,
+        via: None,
     }
 }
 

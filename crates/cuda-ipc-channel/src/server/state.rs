@@ -115,6 +115,8 @@ pub(super) struct Lease {
     /// Times this ring subscription was skipped for a late ack since its
     /// last ack.
     pub(super) skips: u32,
+    /// The stream lease it was pushed through ([`Server::push`](super::Server::push)), if any.
+    pub(super) via: Option<u64>,
 }
 
 #[derive(Default)]
@@ -282,6 +284,7 @@ impl State {
                 pid: conn.cred.pid,
                 uid: conn.cred.uid,
                 skips: 0,
+                via: None,
             },
         );
         lease

@@ -27,6 +27,7 @@ mod hostile_round2;
 mod hostile_round3;
 mod peers;
 mod processes;
+mod push;
 mod rings;
 mod shm_notices;
 mod shm_requests;
