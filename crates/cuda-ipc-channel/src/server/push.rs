@@ -67,6 +67,17 @@ pub struct PushedEntry {
 }
 
 impl PushedEntry {
+    /// The pushed entry as an attachment of it: the lease, the name, the
+    /// metadata, and no descriptors (a push carries none).
+    pub fn into_attachment(self) -> crate::Attachment {
+        crate::Attachment {
+            lease: self.lease,
+            name: self.name,
+            meta: self.meta,
+            fds: Vec::new(),
+        }
+    }
+
     /// The pushed entry an update's notice carries, if it carries one.
     ///
     /// # Errors

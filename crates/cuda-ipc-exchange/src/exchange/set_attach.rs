@@ -186,7 +186,7 @@ impl Subscriber {
     /// with `asked` or read-only where the record says so), the lease
     /// guard, the event or fence waited on (per the subscriber's
     /// [`SyncMode`](super::SyncMode)).
-    fn open_set(
+    pub(super) fn open_set(
         &self,
         a: channel::Attachment,
         asked: Access,

@@ -58,7 +58,7 @@ pub struct Subscriber {
     pub(super) client: Arc<Client>,
     pub(super) cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
     events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
-    fences: Mutex<HashMap<u64, Arc<FenceMapping>>>,
+    pub(super) fences: Mutex<HashMap<u64, Arc<FenceMapping>>>,
     sync: SyncMode,
     timeout: Duration,
     /// How attaches map, unless a set's publisher asks for read-only.
@@ -292,7 +292,22 @@ impl Subscriber {
         fds: &mut Vec<OwnedFd>,
         what: &str,
     ) -> Result<Waiter> {
-        let fence = sync::take_fence_fd(fence, fds)?;
+        // A pushed entry comes without descriptors: its fence must be one
+        // this subscriber mapped already.
+        let cached = match &fence {
+            Some(meta) if fds.is_empty() => {
+                let known = lock(&self.fences).get(&meta.block.id()).cloned();
+                Some(known.ok_or_else(|| Error::Descriptor {
+                    field: "fence".into(),
+                    reason: format!("{what} came without its fence's descriptor, and that fence is not mapped here"),
+                })?)
+            }
+            _ => None,
+        };
+        let fence = match cached {
+            Some(_) => fence.map(|meta| (None, meta)),
+            None => sync::take_fence_fd(fence, fds)?.map(|(fd, meta)| (Some(fd), meta)),
+        };
         // Nothing to open but the fence (a fences-only ring's slots carry
         // no event): Auto takes it without trying, or logging, an event,
         // and Event cannot be served.
@@ -321,12 +336,14 @@ impl Subscriber {
                 self.event(handle)
             },
             fence.as_ref().map(|(fd, meta)| {
-                (meta, move || {
-                    self.fence(
+                (meta, move || match (fd, &cached) {
+                    (_, Some(mapping)) => Ok(mapping.clone()),
+                    (Some(fd), None) => self.fence(
                         meta,
                         fd.try_clone()
                             .map_err(|e| Error::io("duplicating the fence's descriptor", e))?,
-                    )
+                    ),
+                    (None, None) => Err(Error::arg("fence", "no descriptor and none mapped")),
                 })
             }),
         )

@@ -20,6 +20,7 @@ mod legacy;
 mod lifetimes;
 mod mechanisms;
 mod peer;
+mod push;
 mod read_only;
 mod save;
 mod service;
