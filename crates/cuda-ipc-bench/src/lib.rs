@@ -262,6 +262,7 @@ fn run_sections(ctx: &sections::Ctx<'_>, report: &mut Report) {
         let run_section = || match id {
             SectionId::Fresh => sections::fresh(ctx),
             SectionId::Arena => sections::arena(ctx),
+            SectionId::Push => sections::push(ctx),
             SectionId::Cached => sections::cached(ctx),
             SectionId::Floor => sections::floor(ctx),
             SectionId::Bandwidth => sections::bandwidth(ctx),

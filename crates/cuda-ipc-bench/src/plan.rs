@@ -359,6 +359,9 @@ impl Plan {
             .map(|id| match id {
                 SectionId::Fresh | SectionId::Cached => m * s,
                 SectionId::Arena => m * self.arena_sizes.len() as u64,
+                SectionId::Push => {
+                    crate::sections::PUSH_MODES * crate::sections::PUSH_SIZES.len() as u64
+                }
                 // ours and its update per set, then the scripts of PyTorch,
                 // ours from Python and the first attach
                 SectionId::Sets => 2 * self.sets.len() as u64 + 3,

@@ -83,13 +83,14 @@ fn quick_and_full_defaults() {
     );
     assert_eq!(f.torch, Ok(("python3".to_string(), None)));
     // one step per row
-    // fresh, arena (sizes up to 1 GiB), cached, floor (the pipe, four
-    // wake-up rows, then two mechanisms at four sizes), bandwidth, ring,
-    // sync, scale, sets (ours and its update per set, then PyTorch,
-    // ours from Python and the first attach), torch
+    // fresh, arena (sizes up to 1 GiB), push (three ways at four block
+    // sizes), cached, floor (the pipe, four wake-up rows, then two
+    // mechanisms at four sizes), bandwidth, ring, sync, scale, sets (ours
+    // and its update per set, then PyTorch, ours from Python and the first
+    // attach), torch
     assert_eq!(
         f.steps(),
-        12 + 9 + 12 + (1 + 4 + 8) + 3 + 3 + 10 + 5 + 9 + 1
+        12 + 9 + 12 + 12 + (1 + 4 + 8) + 3 + 3 + 10 + 5 + 9 + 1
     );
     assert_eq!(f.arena_sizes, vec![2 * MIB, 64 * MIB, GIB]);
     assert_eq!(

@@ -17,6 +17,8 @@ pub enum SectionId {
     Fresh,
     /// A new buffer from an arena (its chunk exported once) each time.
     Arena,
+    /// KV-cache blocks pushed to a stream's subscriber (and pulled).
+    Push,
     /// An attached buffer with new contents: update to synchronised.
     Cached,
     /// The raw driver calls alone.
@@ -39,9 +41,10 @@ pub enum SectionId {
 
 impl SectionId {
     /// Every section, in order.
-    pub const ALL: [SectionId; 11] = [
+    pub const ALL: [SectionId; 12] = [
         SectionId::Fresh,
         SectionId::Arena,
+        SectionId::Push,
         SectionId::Cached,
         SectionId::Floor,
         SectionId::Bandwidth,
@@ -58,6 +61,7 @@ impl SectionId {
         match self {
             SectionId::Fresh => "fresh",
             SectionId::Arena => "arena",
+            SectionId::Push => "push",
             SectionId::Cached => "cached",
             SectionId::Floor => "floor",
             SectionId::Bandwidth => "bandwidth",
@@ -75,6 +79,7 @@ impl SectionId {
         match self {
             SectionId::Fresh => "Fresh hand-off",
             SectionId::Arena => "Fresh hand-off from an arena",
+            SectionId::Push => "KV blocks pushed (and pulled)",
             SectionId::Cached => "Cached hand-off",
             SectionId::Floor => "Driver floor",
             SectionId::Bandwidth => "Bandwidth through a mapping",

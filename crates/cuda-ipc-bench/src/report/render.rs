@@ -270,6 +270,29 @@ fn render_arena(r: &Report, s: &Section, out: &mut String) {
     phase_lines(s.rows.iter(), out);
 }
 
+fn render_push(r: &Report, s: &Section, out: &mut String) {
+    let floor = targets::wake_floor_ms(r);
+    render_latency(
+        s.rows.iter(),
+        "how",
+        &["target", "wake-up floor", "ours/floor"],
+        series,
+        |row| {
+            let ours = row.p50();
+            let limit = targets::push_limit_ms(&row.series, floor);
+            vec![
+                match limit {
+                    Some(l) => verdict_cell(ours, |v| v <= l),
+                    None => "-".into(),
+                },
+                opt_ms(floor),
+                ratio(floor.zip(ours).map(|(f, o)| o / f)),
+            ]
+        },
+        out,
+    );
+}
+
 fn render_cached(r: &Report, s: &Section, out: &mut String) {
     render_latency(
         s.rows.iter(),
@@ -561,6 +584,7 @@ fn render_sections(r: &Report, out: &mut String) {
         match s.id {
             SectionId::Fresh => render_fresh(r, s, out),
             SectionId::Arena => render_arena(r, s, out),
+            SectionId::Push => render_push(r, s, out),
             SectionId::Cached => render_cached(r, s, out),
             SectionId::Floor => render_floor(s, out),
             SectionId::Bandwidth => render_bandwidth(s, out),

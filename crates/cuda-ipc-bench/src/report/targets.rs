@@ -42,6 +42,18 @@ pub fn cached_limit(size: u64) -> f64 {
 pub const ARENA_P50_MS: f64 = 0.03;
 /// PyTorch's fresh hand-off p50 / ours from an arena, same size.
 pub const ARENA_TORCH_SPEEDUP: f64 = 10.0;
+/// A block pushed to a sleeping consumer, median, ms, at every size.
+pub const PUSH_ASLEEP_P50_MS: f64 = 0.015;
+/// The same over the wake-up floor (asleep, 0.1 ms idle).
+pub const PUSH_WAKE_RATIO: f64 = 2.0;
+/// A block pushed to a spinning consumer, median, ms, at every size.
+pub const PUSH_SPINNING_P50_MS: f64 = 0.005;
+/// The push section's series.
+pub const PUSH_ASLEEP: &str = "push, asleep";
+/// See [`PUSH_ASLEEP`].
+pub const PUSH_SPINNING: &str = "push, spinning";
+/// See [`PUSH_ASLEEP`]: the same blocks pulled (an attach by name).
+pub const PULL_ASLEEP: &str = "pull, asleep";
 /// The large weight set's tensors.
 pub const SET_LARGE: u64 = 1000;
 /// Its hand-off median, ms.
@@ -554,11 +566,83 @@ pub fn wake_floor_line(r: &Report) -> Option<String> {
     })
 }
 
+/// The wake-up floor a sleeping consumer pays: the driver floor section's
+/// notice to a reader asleep after 0.1 ms idle, p50, ms.
+pub fn wake_floor_ms(r: &Report) -> Option<f64> {
+    r.section(SectionId::Floor)?
+        .rows
+        .iter()
+        .find(|row| {
+            row.series == WAKE_SERIES
+                && row.error.is_none()
+                && row.variant.as_deref() == Some("asleep, 0.1 ms idle")
+        })?
+        .p50()
+}
+
+/// The p50 limit of a push row of `series` (none for the pull rows):
+/// with a sleeping consumer the lower of [`PUSH_ASLEEP_P50_MS`] and
+/// [`PUSH_WAKE_RATIO`] times the wake-up floor `floor`.
+pub fn push_limit_ms(series: &str, floor: Option<f64>) -> Option<f64> {
+    match series {
+        PUSH_ASLEEP => Some(floor.map_or(PUSH_ASLEEP_P50_MS, |f| {
+            PUSH_ASLEEP_P50_MS.min(PUSH_WAKE_RATIO * f)
+        })),
+        PUSH_SPINNING => Some(PUSH_SPINNING_P50_MS),
+        _ => None,
+    }
+}
+
+fn push_targets(r: &Report, out: &mut Vec<TargetCheck>) {
+    let Some(s) = r
+        .section(SectionId::Push)
+        .filter(|_| ran(r, SectionId::Push))
+    else {
+        return;
+    };
+    let floor = wake_floor_ms(r);
+    for row in &s.rows {
+        let size = human(row.size.unwrap_or(0));
+        let ours = row.p50().filter(|_| row.error.is_none());
+        let missing = why_missing(Some(row));
+        let (limit, what) = match row.series.as_str() {
+            PUSH_ASLEEP => (PUSH_ASLEEP_P50_MS, "a sleeping consumer"),
+            PUSH_SPINNING => (PUSH_SPINNING_P50_MS, "a spinning consumer"),
+            _ => continue,
+        };
+        out.push(check(
+            format!("push/{}/{size}", row.series),
+            format!("fresh push hand-off p50 to {what}, {size}"),
+            format!("<= {limit:.3} ms"),
+            ours,
+            |v| format!("{} ms", fmt_ms(v)),
+            |v| v <= limit,
+            missing,
+        ));
+        if row.series == PUSH_ASLEEP {
+            out.push(check(
+                format!("push-wake/{size}"),
+                format!("fresh push hand-off to a sleeping consumer / the wake-up floor, {size}"),
+                format!("<= {PUSH_WAKE_RATIO:.0}x"),
+                ours.zip(floor).map(|(o, f)| o / f),
+                |v| format!("{v:.2}x"),
+                |v| v <= PUSH_WAKE_RATIO,
+                if floor.is_none() {
+                    "no wake-up floor measured"
+                } else {
+                    missing
+                },
+            ));
+        }
+    }
+}
+
 /// Every target, checked against `r`.
 pub fn evaluate(r: &Report) -> Vec<TargetCheck> {
     let mut out = Vec::new();
     cached_targets(r, &mut out);
     arena_targets(r, &mut out);
+    push_targets(r, &mut out);
     set_targets(r, &mut out);
     floor_targets(r, &mut out);
     copy_targets(

@@ -48,6 +48,12 @@ pub(crate) fn synthetic() -> Report {
             .size(mib2)
             .skip("pool sharing is off here"),
     ];
+    let mut push = Section::new(SectionId::Push);
+    push.rows = vec![
+        lat("push, asleep", 16 << 10, &[0.009, 0.010, 0.011]),
+        lat("push, spinning", 16 << 10, &[0.004, 0.006, 0.007]),
+        lat("pull, asleep", 16 << 10, &[0.040, 0.041, 0.042]),
+    ];
     let mut sets = Section::new(SectionId::Sets);
     let set = |series: &str, variant: &str, count: u64, samples: &[f64]| {
         Row::new(series, "ms")
@@ -239,7 +245,7 @@ pub(crate) fn synthetic() -> Report {
         awake_us: 0,
         idle: None,
         sections: vec![
-            fresh, arena, cached, floor, bw, peer, ring, sync, scale, sets, torch,
+            fresh, arena, push, cached, floor, bw, peer, ring, sync, scale, sets, torch,
         ],
         targets: Vec::new(),
     };
@@ -414,14 +420,14 @@ fn json_has_the_documented_shape() {
     assert_eq!(v["consumer_namespaces"], serde_json::json!([]));
     assert!(v.get("consumer_command").is_none());
     let sections = v["sections"].as_array().unwrap();
-    assert_eq!(sections.len(), 11);
+    assert_eq!(sections.len(), 12);
     assert_eq!(v["peer"]["device"]["ordinal"], 1);
     assert_eq!(v["peer"]["link"], "NVLink (18 active links)");
-    assert_eq!(sections[5]["id"], "peer");
-    assert_eq!(sections[5]["rows"][6]["variant"], "memcpy_peer");
+    assert_eq!(sections[6]["id"], "peer");
+    assert_eq!(sections[6]["rows"][6]["variant"], "memcpy_peer");
     assert_eq!(sections[1]["id"], "arena");
-    assert_eq!(sections[9]["id"], "sets");
-    let bucket = &sections[9]["rows"][7];
+    assert_eq!(sections[10]["id"], "sets");
+    let bucket = &sections[10]["rows"][7];
     assert_eq!(
         (&bucket["series"], &bucket["variant"], &bucket["count"]),
         (
@@ -431,8 +437,8 @@ fn json_has_the_documented_shape() {
         )
     );
     assert_eq!(bucket["extra_device_bytes"], 256 << 20);
-    assert_eq!(sections[9]["rows"][0]["extra_device_bytes"], 0);
-    assert!(sections[9]["rows"][1].get("extra_device_bytes").is_none());
+    assert_eq!(sections[10]["rows"][0]["extra_device_bytes"], 0);
+    assert!(sections[10]["rows"][1].get("extra_device_bytes").is_none());
     assert_eq!(sections[0]["id"], "fresh");
     assert_eq!(sections[0]["status"], "failed");
     assert!(sections[0]["error"].is_null());
@@ -442,7 +448,7 @@ fn json_has_the_documented_shape() {
             .unwrap()
             .contains("out of memory")
     );
-    assert_eq!(sections[2]["status"], "ok");
+    assert_eq!(sections[3]["status"], "ok");
     let row = &sections[0]["rows"][0];
     assert_eq!(row["series"], "legacy");
     assert_eq!(row["size"], 2 << 20);
@@ -534,7 +540,7 @@ fn section_names_parse() {
     assert!(
         SectionId::parse("nope")
             .unwrap_err()
-            .contains("fresh, arena, cached")
+            .contains("fresh, arena, push, cached")
     );
 }
 
@@ -544,4 +550,30 @@ fn ms_formatting() {
     assert_eq!(fmt_ms(1.5), "1.500");
     assert_eq!(fmt_ms(3100.0), "3100.0");
     assert_eq!(fmt_ms(f64::NAN), "-");
+}
+
+#[test]
+fn push_rows_are_checked_against_their_limits_and_the_wake_floor() {
+    let r = synthetic();
+    assert_eq!(verdict(&r, "push/push, asleep/16KiB"), Verdict::Pass);
+    assert_eq!(verdict(&r, "push/push, spinning/16KiB"), Verdict::Miss);
+    assert!(
+        r.targets.iter().all(|t| !t.id.starts_with("push/pull")),
+        "the pull rows have no target"
+    );
+    let floor = super::targets::wake_floor_ms(&r);
+    let wake = r
+        .targets
+        .iter()
+        .find(|t| t.id == "push-wake/16KiB")
+        .unwrap();
+    match floor {
+        Some(f) => assert_eq!(wake.verdict == Verdict::Pass, 0.010 / f <= 2.0, "{wake:?}"),
+        None => assert_eq!(wake.verdict, Verdict::NotMeasured),
+    }
+    let text = render(&r);
+    assert!(
+        text.contains("KV blocks pushed") && text.contains("push, spinning"),
+        "{text}"
+    );
 }

@@ -49,6 +49,7 @@ use serde_json::{Value, json};
 use super::proto::{failure, mono_ns, send_line};
 
 mod copies;
+mod push;
 mod ring;
 pub(crate) mod wake;
 
@@ -106,6 +107,8 @@ pub fn worker(args: &WorkerArgs) -> Result<(), Error> {
         remote: None,
         sets: HashMap::new(),
         wake: None,
+        socket: None,
+        stream: None,
     };
     let mut line = String::new();
     loop {
@@ -163,6 +166,10 @@ struct State {
     sets: HashMap<String, SetAttachment>,
     /// The wake-up floor's ring (`wake_setup`).
     wake: Option<wake::Wake>,
+    /// The socket of `connect`, for `respin`.
+    socket: Option<String>,
+    /// The stream the push section pushes to (`push_subscribe`).
+    stream: Option<cuda_ipc::exchange::Stream>,
 }
 
 fn text<'a>(v: &'a Value, key: &str) -> Result<&'a str, Error> {
@@ -360,21 +367,7 @@ impl State {
                 self.sub()?.release_set(set)?;
                 Ok(json!({ "ok": true }))
             }
-            "connect" => {
-                let path = text(r, "socket")?;
-                let sync = match r.get("sync").and_then(Value::as_str) {
-                    Some(s) => s.parse()?,
-                    None => cuda_ipc::exchange::SyncMode::Auto,
-                };
-                self.sub = Some(Subscriber::connect(
-                    &self.device,
-                    std::path::Path::new(path),
-                    SubscriberConfig::default()
-                        .with_timeout(Duration::from_secs(60))
-                        .with_sync(sync),
-                )?);
-                Ok(json!({ "ok": true }))
-            }
+            "connect" => self.connect(r),
             "attach" => self.attach(r, t_recv),
             "hold" => self.hold(r),
             "drop" => {
@@ -427,8 +420,30 @@ impl State {
             "bandwidth" => self.bandwidth(r),
             "ring" => self.ring(r, out),
             "sync_ring" => ring::consume_ring(self.sub()?, r, out),
+            "respin" => self.respin(r),
+            "push_subscribe" => self.push_subscribe(r),
+            "push_take" => self.push_take(r, t_recv, out),
             other => Err(failure("the request", format!("unknown op {other:?}"))),
         }
+    }
+
+    /// Connects to the publisher at `socket` (waiting on its events or
+    /// fences as `sync` says).
+    fn connect(&mut self, r: &Value) -> Result<Value, Error> {
+        let path = text(r, "socket")?;
+        self.socket = Some(path.to_owned());
+        let sync = match r.get("sync").and_then(Value::as_str) {
+            Some(s) => s.parse()?,
+            None => cuda_ipc::exchange::SyncMode::Auto,
+        };
+        self.sub = Some(Subscriber::connect(
+            &self.device,
+            std::path::Path::new(path),
+            SubscriberConfig::default()
+                .with_timeout(Duration::from_secs(60))
+                .with_sync(sync),
+        )?);
+        Ok(json!({ "ok": true }))
     }
 
     /// Attaches set `name`, synchronises (the clock), checks every buffer

@@ -48,7 +48,7 @@ use super::lease::LeaseGuard;
 use super::lock;
 use super::set_attachment::SetAttachment;
 use super::set_book::is_set_meta;
-use super::{Publisher, Subscriber, sync};
+use super::{Publisher, Subscriber, SyncMode, sync};
 
 /// The most leases a subscriber holds pushed through one subscription.
 pub const PUSH_LIMIT: usize = 64;
@@ -211,8 +211,12 @@ impl Subscriber {
         }
     }
 
-    /// Attaches a pushed set: locally, unless its fence is not mapped here
-    /// yet (then once by name, a pull, and the pushed lease goes).
+    /// Attaches a pushed set locally. Its fence, when it has one this
+    /// subscriber has not mapped, is left out where the event serves
+    /// (`SyncMode::Auto` or `Event`); where only the fence serves, or the
+    /// local attach fails without it, the set is attached once by name (a
+    /// pull, which maps the fence for the pushes after it) and the pushed
+    /// lease goes.
     fn open_pushed(&self, pushed: PushedEntry) -> Result<SetAttachment> {
         let mut phases = Phases::start("core.next_pushed_set");
         if !is_set_meta(&pushed.meta) {
@@ -222,16 +226,27 @@ impl Subscriber {
                 format!("{:?} is not a set; only sets are pushed", pushed.name),
             ));
         }
-        let mut meta = pushed.meta.clone();
-        let unmapped_fence = sync::take_set_fence(&mut meta)?
-            .is_some_and(|f| !lock(&self.fences).contains_key(&f.block.id()));
-        if unmapped_fence {
-            let pulled = self.client.attach(&pushed.name);
-            let _ = self.client.release(pushed.lease);
-            phases.mark("pull");
-            return self.open_set(pulled?, self.access, &mut phases);
+        let mut without_fence = pushed.meta.clone();
+        let fence = sync::take_set_fence(&mut without_fence)?;
+        let mapped = fence
+            .as_ref()
+            .is_some_and(|f| lock(&self.fences).contains_key(&f.block.id()));
+        let event_serves = matches!(self.sync, SyncMode::Auto | SyncMode::Event);
+        let name = pushed.name.clone();
+        let mut a: channel::Attachment = pushed.into_attachment();
+        if fence.is_none() || mapped {
+            return self.open_set(a, self.access, &mut phases);
         }
-        let a: channel::Attachment = pushed.into_attachment();
-        self.open_set(a, self.access, &mut phases)
+        if event_serves {
+            a.meta = without_fence;
+            if let Ok(set) = self.open_set(a, self.access, &mut phases) {
+                return Ok(set);
+            }
+        } else {
+            let _ = self.client.release(a.lease);
+        }
+        let pulled = self.client.attach(&name)?;
+        phases.mark("pull");
+        self.open_set(pulled, self.access, &mut phases)
     }
 }

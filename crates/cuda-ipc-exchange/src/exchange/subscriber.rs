@@ -59,7 +59,7 @@ pub struct Subscriber {
     pub(super) cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
     events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
     pub(super) fences: Mutex<HashMap<u64, Arc<FenceMapping>>>,
-    sync: SyncMode,
+    pub(super) sync: SyncMode,
     timeout: Duration,
     /// How attaches map, unless a set's publisher asks for read-only.
     pub(super) access: Access,
