@@ -491,7 +491,7 @@ step_samples() {
     echo "SKIP  samples: not in this bundle"
   fi
   # The numbered examples: each runs itself as its second process.
-  for ex in 01-share-buffer 02-channel 03-weight-set 04-ring 05-service; do
+  for ex in 01-share-buffer 02-channel 03-weight-set 04-ring 05-service 06-push; do
     if [ -x "$here/examples/$ex" ]; then
       check "example $ex" 0 "$here/examples/$ex"
     else

@@ -108,6 +108,7 @@ fn numbered_examples_say_why_without_a_driver() {
         "03-weight-set",
         "04-ring",
         "05-service",
+        "06-push",
     ] {
         let Some(exe) = example(name) else {
             continue;
