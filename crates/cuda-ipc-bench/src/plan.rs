@@ -51,6 +51,12 @@ impl Reps {
     }
 }
 
+/// The push section's block sizes: KV blocks of 16 to 256 KiB, and of 2
+/// and 64 MiB.
+pub const PUSH_SIZES: [u64; 4] = [16 << 10, 256 << 10, 2 << 20, 64 << 20];
+/// The push section's rows per size: pushed asleep, pushed spinning, pulled.
+pub const PUSH_MODES: u64 = 3;
+
 /// Everything a run does, decided from the arguments before the GPU is touched.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Plan {
@@ -359,9 +365,7 @@ impl Plan {
             .map(|id| match id {
                 SectionId::Fresh | SectionId::Cached => m * s,
                 SectionId::Arena => m * self.arena_sizes.len() as u64,
-                SectionId::Push => {
-                    crate::sections::PUSH_MODES * crate::sections::PUSH_SIZES.len() as u64
-                }
+                SectionId::Push => PUSH_MODES * PUSH_SIZES.len() as u64,
                 // ours and its update per set, then the scripts of PyTorch,
                 // ours from Python and the first attach
                 SectionId::Sets => 2 * self.sets.len() as u64 + 3,

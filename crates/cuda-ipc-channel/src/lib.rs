@@ -77,7 +77,7 @@ mod spin;
 pub mod wire;
 
 pub use client::{
-    Attachment, Client, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, NoticeStats,
+    Attachment, Client, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, NoticeStats, PushedEntry,
     RingAttachment, Update,
 };
 pub use deadline::deadline_in;
@@ -91,10 +91,12 @@ pub use paths::{
 };
 pub use server::{
     CallContext, CallError, CallHandler, CpuBudget, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo,
-    PUSHED_KEY, PushReport, PushedEntry, Replaced, Server, ServerConfig, ServerRing, StallBudget,
+    PushReport, Replaced, Server, ServerConfig, ServerRing, StallBudget,
 };
 pub use socket::{Ucred, peer_credentials};
-pub use wire::{EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, Meta, WireError};
+pub use wire::{
+    EntryKind, ListedEntry, MAX_FDS, MAX_PAYLOAD, Message, Meta, PUSHED_KEY, WireError,
+};
 
 /// What went wrong, in the classes a caller acts on (see [`ChannelError::kind`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -193,6 +193,10 @@ pub struct ListedEntry {
     pub meta: Value,
 }
 
+/// The key of an update's notice that carries a pushed entry
+/// ([`Server::push`](crate::Server::push), [`PushedEntry`](crate::PushedEntry)).
+pub const PUSHED_KEY: &str = "pushed";
+
 /// A message of the channel protocol.
 ///
 /// Requests carry an `id` that the response repeats. Notices the server

@@ -23,7 +23,7 @@ pub use cached::cached;
 pub use floor::floor;
 pub use fresh::fresh;
 pub use peer::peer;
-pub use push::{PUSH_MODES, PUSH_SIZES, push};
+pub use push::push;
 pub use ring::ring;
 pub use scale::scale;
 pub use sets::sets;

@@ -14,6 +14,7 @@ use cuda_ipc::{DeviceMemory, Dtype, Error, Mechanism};
 use serde_json::json;
 
 use crate::Reps;
+use crate::plan::PUSH_SIZES;
 use crate::proto::{REQUEST_TIMEOUT, failure, get_u64, mono_ns};
 use crate::report::targets::{PULL_ASLEEP, PUSH_ASLEEP, PUSH_SPINNING};
 use crate::report::{Row, Section, SectionId, human};
@@ -21,11 +22,6 @@ use crate::stats::ns_to_ms;
 
 use super::arena::arena_publisher;
 use super::{Consumer, Ctx, UNPUBLISH_TIMEOUT, pattern, tag};
-
-/// The block sizes: KV blocks of 16 to 256 KiB, and of 2 and 64 MiB.
-pub const PUSH_SIZES: [u64; 4] = [16 << 10, 256 << 10, 2 << 20, 64 << 20];
-/// The rows per size: pushed asleep, pushed spinning, pulled.
-pub const PUSH_MODES: u64 = 3;
 
 /// The stream the blocks are pushed to.
 const STREAM: &str = "kv";

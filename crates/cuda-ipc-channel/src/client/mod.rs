@@ -52,6 +52,7 @@ const MAX_LISTED_ENTRIES: usize = 1 << 16;
 mod call;
 mod connect;
 mod demux;
+mod pushed;
 mod ring;
 mod shm;
 mod types;
@@ -59,6 +60,7 @@ mod waiting;
 
 use connect::connect_socket;
 use demux::{State, unexpected};
+pub use pushed::PushedEntry;
 use shm::ClientShm;
 pub use types::{
     Attachment, ClientConfig, DEFAULT_SPIN, FrameNotice, Notice, NoticeStats, RingAttachment,

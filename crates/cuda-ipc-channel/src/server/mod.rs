@@ -161,7 +161,7 @@ use checks::{bound_socket, check_config, check_fds, encoded_meta, json_size};
 pub use config::{DEFAULT_SERVER_SPIN, ServerConfig};
 use conn::Conn;
 use conn::SlotSource;
-pub use push::{PUSHED_KEY, PushReport, PushedEntry};
+pub use push::PushReport;
 pub use replace::Replaced;
 pub use ring::ServerRing;
 pub use stall::{CpuBudget, StallBudget};

@@ -6,7 +6,7 @@
 //! subscribers are the clients holding a lease on it. [`Server::push`]
 //! grants each of them a new lease on the pushed entry and tells it, as an
 //! [`Update`](crate::Notice::Updated) on its stream lease whose notice is
-//! `{"pushed": {"lease": L, "name": N, "meta": M}}` ([`PushedEntry`]):
+//! `{"pushed": {"lease": L, "name": N, "meta": M}}` ([`PushedEntry`](crate::PushedEntry)):
 //! the lease is held from that moment, and counted against the client as
 //! any other. The notice carries no descriptors, so it takes the
 //! shared-memory path where the connection has one: a subscriber gets an
@@ -29,17 +29,13 @@
 //! releases what it was pushed and did not take; the pushes in flight at
 //! that moment are held until its connection ends, at most `limit`.
 
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::wire::Message;
+use crate::wire::{Message, PUSHED_KEY};
 use crate::{ChannelError, lock};
 
 use super::Server;
 use super::state::Body;
-
-/// The notice key of a pushed entry.
-pub const PUSHED_KEY: &str = "pushed";
 
 /// What [`Server::push`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -50,46 +46,6 @@ pub struct PushReport {
     /// Subscribers skipped (their stream lease), each at its bound or at
     /// its connection's lease limit.
     pub skipped: Vec<u64>,
-}
-
-/// An entry pushed to this client: the lease it holds on it (released as
-/// any other), its name and its metadata, as a pushed notice carries them.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[non_exhaustive]
-pub struct PushedEntry {
-    /// The lease granted.
-    pub lease: u64,
-    /// The entry's name.
-    pub name: String,
-    /// Its metadata.
-    pub meta: Value,
-}
-
-impl PushedEntry {
-    /// The pushed entry as an attachment of it: the lease, the name, the
-    /// metadata, and no descriptors (a push carries none).
-    pub fn into_attachment(self) -> crate::Attachment {
-        crate::Attachment {
-            lease: self.lease,
-            name: self.name,
-            meta: self.meta,
-            fds: Vec::new(),
-        }
-    }
-
-    /// The pushed entry an update's notice carries, if it carries one.
-    ///
-    /// # Errors
-    /// [`ChannelError::Protocol`] for a pushed notice that does not decode.
-    pub fn from_notice(notice: &Value) -> Option<Result<PushedEntry, ChannelError>> {
-        let pushed = notice.as_object()?.get(PUSHED_KEY)?;
-        Some(
-            PushedEntry::deserialize(pushed).map_err(|e| ChannelError::Protocol {
-                reason: format!("a pushed entry's notice: {e}"),
-            }),
-        )
-    }
 }
 
 impl Server {

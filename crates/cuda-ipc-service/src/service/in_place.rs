@@ -19,8 +19,7 @@
 //!    writes only once every reader has unmapped its own.
 //! 3. Otherwise the writer is given the current version's buffers, mapped
 //!    read-write under a hidden entry, and writes them.
-//! 4. The commit makes the same memory the next version, tells the
-//!    readers (an update notice, as any in-place update), and allows
+//! 4. The commit makes the same memory the next version and allows
 //!    attaches again. Readers come back with `back` ([`come_back`]),
 //!    which waits for the write's end and then wakes their mappings at the
 //!    same addresses: their tensors and CUDA graphs stay valid, with the

@@ -275,7 +275,7 @@ impl Inner {
     }
 
     /// Commits an in-place write: the same memory is the next version;
-    /// its readers are told as of any in-place update.
+    /// its readers, all stepped aside, hear through `back`.
     fn commit_in_place(
         &self,
         caller: WriterId,
@@ -298,9 +298,8 @@ impl Inner {
             .iter()
             .filter(|l| l.name == set && !retired.contains(&l.entry))
             .count();
-        if let Err(e) = self.publisher.update_set(set) {
-            tracing::warn!(set, error = %e, "cannot tell the readers of an in-place commit");
-        }
+        // Every reader stepped aside and hears through `back`: no update
+        // notice (one would wait, stale, in its queue for the next update).
         self.in_place_ended(set, true);
         tracing::info!(
             set,

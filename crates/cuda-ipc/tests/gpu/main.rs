@@ -29,6 +29,7 @@ mod service_limits;
 mod service_write;
 mod set_fences;
 mod sleep;
+mod sleep_updates;
 mod survive;
 
 /// The full name of test `name` in module `module` (for `--exact`).
