@@ -13,7 +13,7 @@
 use std::time::Duration;
 
 use cuda_ipc::Device;
-use cuda_ipc::exchange::Subscriber;
+use cuda_ipc::exchange::{Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Speed};
 use cuda_ipc::service::{Service, ServiceConfig, Writer, come_back_next, step_aside};
 use serde_json::{Value, json};
@@ -120,7 +120,7 @@ fn sleep_and_wake_under_updates_in_place_and_double_buffered() {
     let one_version = service.stats().uids[0].used;
     let mut reader = spawn(&test, "sleeper", &socket, 0);
     assert_ok!(&reader.recv(), "the reader attaches version 1");
-    let here = Subscriber::connect(&device, socket.as_path(), Default::default()).unwrap();
+    let here = Subscriber::connect(&device, socket.as_path(), SubscriberConfig::default()).unwrap();
     let n = cycles();
     for c in 0..n {
         let w = if c % 2 == 0 {
