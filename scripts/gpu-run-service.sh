@@ -3,7 +3,7 @@
 # sourced by scripts/gpu-run.sh (run.sh in a bundle), which defines what
 # they use: $cli, $here, $logs, check, ok, bad, log_of, bg_start, bg_stop,
 # run_tests, install_wheel, python_script. Steps: service,
-# service_containers, service_chaos, service_hostile, service_io, rl_update.
+# service_containers, service_chaos, service_hostile, service_io, rl_update, engines.
 
 # write_service_checkpoint DIR LOG: a small sharded checkpoint in DIR,
 # written with python3 alone (four dtypes, two shards and an index, random
@@ -364,4 +364,12 @@ PY
   else
     bad "rl-update: exit $rc, $(tail -n 3 "$logs/rl-update.err" "$logs/rl-update.json" | tr '\n' ' ' | cut -c1-400)"
   fi
+}
+
+# An engine ready in one call (issue 58): python/tests/gpu_engines.py, a
+# model per architecture family from a service's set with
+# cuda_ipc.models.from_service, logits equal to from_pretrained's.
+step_engines() {
+  python_script engines "$logs/python-engines.log" '^(PASS|FAIL)' \
+    python3 "$here/python/tests/gpu_engines.py" --cli "$cli"
 }
