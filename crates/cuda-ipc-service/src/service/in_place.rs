@@ -137,11 +137,10 @@ impl Inner {
             locked(&self.catalog).mark_torn(set);
             self.refuse_torn(set);
         }
-        let mut aside = locked(&self.aside);
-        if committed {
-            aside.forget_set(set);
-        }
-        drop(aside);
+        // The readers' marks stay until each comes back (`back` takes its
+        // own): one whose `back` comes after the commit must still find
+        // the version it stepped aside from, and one that never comes back
+        // is still asleep, aside for the next write too.
         self.aside_cv.notify_all();
     }
 
@@ -364,11 +363,15 @@ impl Inner {
                 break;
             }
             if now >= deadline {
+                let what = if r.next {
+                    "no version after the one this connection stepped aside from was committed"
+                } else {
+                    "it is still being written in place"
+                };
                 return Err(CallError::new(
                     "timeout",
                     format!(
-                        "set {:?} is still being written in place after {:.1} s; stay aside and \
-                         call back again",
+                        "set {:?}: {what} within {:.1} s; stay aside and call back again",
                         r.set,
                         wait.as_secs_f64()
                     ),

@@ -254,6 +254,23 @@ fn a_write_in_place_waits_for_readers_to_step_aside_and_they_come_back_at_the_sa
     );
     drop(placer);
 
+    // A reader whose return comes after the commit finds the version it
+    // stepped aside from, not the one after.
+    assert_ok!(
+        &ask(&mut reader, &json!({"do": "aside"})),
+        "aside, back late"
+    );
+    let mut placer = spawn_placer(&test, &socket, 6, 10_000);
+    assert_ok!(&placer.recv(), "the writer the reader comes back late from");
+    assert_eq!(commit(&mut placer, "version 4 in place")["version"], 4);
+    drop(placer);
+    let back = ask(&mut reader, &json!({"do": "back_next", "seed": 6}));
+    assert_ok!(&back, "the reader came back late to version 4");
+    assert_eq!(
+        (back["version"].clone(), back["same_addresses"].clone()),
+        (json!(4), json!(true))
+    );
+
     torn_then_whole_again(&test, &socket, &service, &here, &mut reader);
     drop(reader);
     drop(here);
@@ -280,7 +297,7 @@ fn torn_then_whole_again(
         assert!(waited < 1000, "the killed writer's session ends");
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(state(service).0, 3);
+    assert_eq!(state(service).0, 4);
     assert_eq!(attach_refusal(here).as_deref(), Some("torn"));
     let back = ask(reader, &json!({"do": "back", "seed": 3}));
     assert_eq!(
@@ -292,9 +309,9 @@ fn torn_then_whole_again(
     // A whole version, double-buffered, heals it.
     let mut healer = spawn(test, "writer", socket, 4);
     assert_ok!(&healer.recv(), "the healing writer");
-    commit(&mut healer, "version 4, whole");
+    commit(&mut healer, "version 5, whole");
     drop(healer);
-    assert_eq!(state(service), (4, SetState::Committed));
+    assert_eq!(state(service), (5, SetState::Committed));
     assert_eq!(attach_refusal(here), None);
     let fresh = here.attach_set(SET).unwrap();
     assert!(
