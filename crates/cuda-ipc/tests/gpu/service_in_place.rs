@@ -254,23 +254,7 @@ fn a_write_in_place_waits_for_readers_to_step_aside_and_they_come_back_at_the_sa
     );
     drop(placer);
 
-    // A reader whose return comes after the commit finds the version it
-    // stepped aside from, not the one after.
-    assert_ok!(
-        &ask(&mut reader, &json!({"do": "aside"})),
-        "aside, back late"
-    );
-    let mut placer = spawn_placer(&test, &socket, 6, 10_000);
-    assert_ok!(&placer.recv(), "the writer the reader comes back late from");
-    assert_eq!(commit(&mut placer, "version 4 in place")["version"], 4);
-    drop(placer);
-    let back = ask(&mut reader, &json!({"do": "back_next", "seed": 6}));
-    assert_ok!(&back, "the reader came back late to version 4");
-    assert_eq!(
-        (back["version"].clone(), back["same_addresses"].clone()),
-        (json!(4), json!(true))
-    );
-
+    comes_back_late(&test, &socket, &mut reader);
     torn_then_whole_again(&test, &socket, &service, &here, &mut reader);
     drop(reader);
     drop(here);
@@ -319,4 +303,20 @@ fn torn_then_whole_again(
         "a new reader reads the whole version"
     );
     here.release_set(fresh).unwrap();
+}
+
+/// A reader whose return comes after the commit finds the version it
+/// stepped aside from, not the one after.
+fn comes_back_late(test: &str, socket: &Path, reader: &mut Peer) {
+    assert_ok!(&ask(reader, &json!({"do": "aside"})), "aside, back late");
+    let mut placer = spawn_placer(test, socket, 6, 10_000);
+    assert_ok!(&placer.recv(), "the writer the reader comes back late from");
+    assert_eq!(commit(&mut placer, "version 4 in place")["version"], 4);
+    drop(placer);
+    let back = ask(reader, &json!({"do": "back_next", "seed": 6}));
+    assert_ok!(&back, "the reader came back late to version 4");
+    assert_eq!(
+        (back["version"].clone(), back["same_addresses"].clone()),
+        (json!(4), json!(true))
+    );
 }
