@@ -210,7 +210,8 @@ def run(args, torch, folder):
                 wall, ans = run_cli(args.cli, ["save", "--json", "--force", "--service", sock, "--set", SET, dest])
                 rates.append(ans["gb_per_s"])
                 emit({"kind": "result", "mode": "service_save", "to": where, "gb_per_s": [ans["gb_per_s"]],
-                      "seconds": [ans["save_s"]], "wall_s": wall, "path": ans["path"]})
+                      "seconds": [ans["save_s"]], "wall_s": wall, "path": ans["path"],
+                      "parts_s": {k: ans.get(k + "_s") for k in ("reserve", "copy", "flush")}})
             bad = compare_saved(torch, ans["path"], files)
             row = {"kind": "result", "mode": "service_save_checked", "to": where, "verify_failures": bad}
             if where == "disk":

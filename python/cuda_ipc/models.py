@@ -21,8 +21,9 @@ What it does, without copying a parameter:
    weights *are* the shared memory (read-only where the set is);
 3. ties the weights the config ties (``tie_weights``: ``lm_head.weight``
    and the input embeddings, which checkpoints store once);
-4. makes the buffers that are not in a state dict (rotary tables, made
-   from the config) again on the device, by building their module there;
+4. makes the buffers that are not in a state dict (rotary tables, an
+   embedding's scale: made from the config) again on the device, by
+   building their module there, or the model small (one layer) there;
 5. refuses a state dict that lacks a parameter, or has a tensor the model
    does not, naming them; puts the model in ``eval`` mode.
 
@@ -32,6 +33,7 @@ modules, which a long-running engine pays once).
 """
 
 import os
+import re
 import time
 
 from .errors import InvalidInput
@@ -82,20 +84,60 @@ def _build(torch, cfg, dtype, model_class):
             return make(cfg, torch_dtype=dtype)
 
 
-def _buffers_again(model, device):
-    """Builds again, on `device`, every module left with a buffer on `meta`
-    (a buffer outside the state dict: a rotary embedding's table)."""
+def _buffers_again(model, device, dtype):
+    """Makes again, on `device`, every buffer left on `meta` (one outside
+    the state dict: a rotary embedding's table, an embedding's scale).
+    A module built from the config alone (rotary embeddings) is built again
+    there; any other buffer is taken from the same model made small on the
+    device (one layer, a small vocabulary), by name, where its shape is the
+    same (buffers are made from the config, not from the layer count or
+    the vocabulary)."""
     for name, module in list(model.named_modules()):
         if not any(b.is_meta for b in module.buffers(recurse=False)):
             continue
         parent, _, child = name.rpartition(".")
         try:
             fresh = type(module)(config=model.config, device=device)
-        except TypeError as e:
-            raise InvalidInput(
-                f"module {name} ({type(module).__name__}) has buffers that are not in the state dict "
-                f"and cannot be built again from the config: {e}") from e
+        except TypeError:
+            continue  # taken from the small model below
         setattr(model.get_submodule(parent) if parent else model, child, fresh)
+    left = [(n, b) for n, b in model.named_buffers() if b.is_meta]
+    if not left:
+        return
+    small = _small_buffers(model, device, dtype)
+    for full, buffer in left:
+        key = re.sub(r"(\.layers\.)\d+(\.)", r"\g<1>0\2", full)
+        value = small.get(key)
+        if value is None or value.shape != buffer.shape:
+            raise InvalidInput(f"buffer {full} is not in the state dict and cannot be made again from the config")
+        owner, _, bname = full.rpartition(".")
+        model.get_submodule(owner)._buffers[bname] = value
+
+
+def _small_buffers(model, device, dtype):
+    """The buffers of the model made small on `device`."""
+    import copy
+
+    import torch
+
+    cfg = copy.deepcopy(model.config)
+    for attr in ("num_hidden_layers", "num_layers", "n_layer"):
+        if isinstance(getattr(cfg, attr, None), int):
+            setattr(cfg, attr, 1)
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:1]
+    vocab = getattr(cfg, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 256:
+        cfg.vocab_size = 256
+        for tok in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(getattr(cfg, tok, None), int) and getattr(cfg, tok) >= 256:
+                setattr(cfg, tok, None)
+    with torch.device(device):
+        try:
+            small = type(model)._from_config(cfg, dtype=dtype)
+        except TypeError:
+            small = type(model)._from_config(cfg, torch_dtype=dtype)
+    return dict(small.named_buffers())
 
 
 def from_state_dict(config, state_dict, *, model_class=None):
@@ -119,7 +161,7 @@ def from_state_dict(config, state_dict, *, model_class=None):
     missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
     if missing:
         raise InvalidInput(f"the state dict lacks parameters of the model: {missing[:8]}")
-    _buffers_again(model, device)
+    _buffers_again(model, device, _dtype(torch, state_dict))
     model.eval()
     t2 = time.perf_counter()
     model.cuda_ipc_ready = {"meta_ms": (t1 - t0) * 1e3, "assign_ms": (t2 - t1) * 1e3}

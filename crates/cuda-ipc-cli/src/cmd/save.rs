@@ -87,6 +87,9 @@ pub fn save(args: &SaveArgs) -> Result<Outcome, Error> {
                 "file_bytes": r.file_bytes,
                 "streams": r.streams,
                 "save_s": r.elapsed.as_secs_f64(),
+                "reserve_s": r.reserve.as_secs_f64(),
+                "copy_s": r.copy.as_secs_f64(),
+                "flush_s": r.flush.as_secs_f64(),
                 "gb_per_s": r.gb_per_s(),
             })
         )?;

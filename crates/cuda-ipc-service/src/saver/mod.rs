@@ -155,6 +155,13 @@ pub struct SaveReport {
     pub pieces: usize,
     /// From the file's creation until it was renamed into place, flushed.
     pub elapsed: Duration,
+    /// Of `elapsed`: creating the file, reserving its length and writing
+    /// the header.
+    pub reserve: Duration,
+    /// Of `elapsed`: the copies and the writes.
+    pub copy: Duration,
+    /// Of `elapsed`: flushing the file to the disk and renaming it.
+    pub flush: Duration,
 }
 
 impl SaveReport {
@@ -201,6 +208,7 @@ pub fn save_set(
     let started = Instant::now();
     let out = output::Output::create(path, layout.file_len, options.overwrite)?;
     out.write_at(&layout.header, 0)?;
+    let reserve = started.elapsed();
     device.bind()?;
     let streams = (0..options.streams)
         .map(|_| device.context().new_stream())
@@ -251,6 +259,7 @@ pub fn save_set(
             .collect()
     });
     results.into_iter().collect::<Result<()>>()?;
+    let copied = started.elapsed();
     out.finish()?;
     Ok(SaveReport {
         path: path.to_path_buf(),
@@ -261,5 +270,8 @@ pub fn save_set(
         streams: streams.len(),
         pieces: pieces.iter().map(Vec::len).sum(),
         elapsed: started.elapsed(),
+        reserve,
+        copy: copied.saturating_sub(reserve),
+        flush: started.elapsed().saturating_sub(copied),
     })
 }
