@@ -8,7 +8,6 @@ use cuda_ipc::exchange::{Endpoint, Subscriber, SubscriberConfig};
 use cuda_ipc::saver::SaveOptions;
 use cuda_ipc::service::admin;
 use cuda_ipc::{Access, Device, Error};
-use serde_json::json;
 
 use super::service_client::{ServiceOpts, service_path};
 use crate::Outcome;
@@ -75,24 +74,7 @@ pub fn save(args: &SaveArgs) -> Result<Outcome, Error> {
     let saved = saved?;
     let r = &saved.report;
     if args.opts.json {
-        outln!(
-            "{}",
-            json!({
-                "set": saved.set,
-                "version": saved.version,
-                "path": r.path,
-                "tensors": r.tensors,
-                "aliases_left_out": r.aliases,
-                "bytes": r.payload_bytes,
-                "file_bytes": r.file_bytes,
-                "streams": r.streams,
-                "save_s": r.elapsed.as_secs_f64(),
-                "reserve_s": r.reserve.as_secs_f64(),
-                "copy_s": r.copy.as_secs_f64(),
-                "flush_s": r.flush.as_secs_f64(),
-                "gb_per_s": r.gb_per_s(),
-            })
-        )?;
+        outln!("{}", saved.to_json())?;
     } else {
         outln!(
             "saved {} version {} to {}: {} tensors, {} in {:.2} s ({:.1} GB/s)",

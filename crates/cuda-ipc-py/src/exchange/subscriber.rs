@@ -80,20 +80,7 @@ impl PySubscriber {
         py.detach(|| -> Result<String> {
             let path = std::path::Path::new(path);
             let saved = cuda_ipc::service::save(&s, &device, name, path, &options, &mut |_, _| {})?;
-            let r = &saved.report;
-            Ok(serde_json::json!({
-                "set": saved.set,
-                "version": saved.version,
-                "path": r.path,
-                "tensors": r.tensors,
-                "aliases_left_out": r.aliases,
-                "bytes": r.payload_bytes,
-                "file_bytes": r.file_bytes,
-                "streams": r.streams,
-                "save_s": r.elapsed.as_secs_f64(),
-                "gb_per_s": r.gb_per_s(),
-            })
-            .to_string())
+            Ok(saved.to_json().to_string())
         })
         .py()
     }

@@ -94,12 +94,7 @@ pub struct LoadReport {
 impl LoadReport {
     /// Bytes of tensors per second (10^9 bytes per GB).
     pub fn gb_per_s(&self) -> f64 {
-        let s = self.elapsed.as_secs_f64();
-        if s > 0.0 {
-            self.payload_bytes as f64 / s / 1e9
-        } else {
-            0.0
-        }
+        gb_per_s(self.payload_bytes, self.elapsed)
     }
 }
 
@@ -142,6 +137,12 @@ impl LoadedCheckpoint {
             .collect();
         publisher.publish_set(name, &members)
     }
+}
+
+/// `bytes` over `elapsed`, in GB/s (10^9 bytes); 0 for no time.
+pub(crate) fn gb_per_s(bytes: u64, elapsed: Duration) -> f64 {
+    let s = elapsed.as_secs_f64();
+    if s > 0.0 { bytes as f64 / s / 1e9 } else { 0.0 }
 }
 
 /// Refuses, before anything is allocated, a checkpoint that cannot be

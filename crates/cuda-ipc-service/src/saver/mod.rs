@@ -167,12 +167,7 @@ pub struct SaveReport {
 impl SaveReport {
     /// Bytes of tensors per second (10^9 bytes per GB).
     pub fn gb_per_s(&self) -> f64 {
-        let s = self.elapsed.as_secs_f64();
-        if s > 0.0 {
-            self.payload_bytes as f64 / s / 1e9
-        } else {
-            0.0
-        }
+        crate::loader::gb_per_s(self.payload_bytes, self.elapsed)
     }
 }
 

@@ -64,6 +64,29 @@ pub struct Saved {
     pub report: SaveReport,
 }
 
+impl Saved {
+    /// What the save did, as `cuda-ipc save --json` prints it and Python's
+    /// `save` returns it.
+    pub fn to_json(&self) -> serde_json::Value {
+        let r = &self.report;
+        serde_json::json!({
+            "set": self.set,
+            "version": self.version,
+            "path": r.path,
+            "tensors": r.tensors,
+            "aliases_left_out": r.aliases,
+            "bytes": r.payload_bytes,
+            "file_bytes": r.file_bytes,
+            "streams": r.streams,
+            "save_s": r.elapsed.as_secs_f64(),
+            "reserve_s": r.reserve.as_secs_f64(),
+            "copy_s": r.copy.as_secs_f64(),
+            "flush_s": r.flush.as_secs_f64(),
+            "gb_per_s": r.gb_per_s(),
+        })
+    }
+}
+
 /// The version of `set` the service serves now.
 fn current_version(subscriber: &Subscriber, set: &str) -> Result<u64> {
     call(subscriber, &LsRequest::default())?
