@@ -98,8 +98,9 @@ def on_meta(torch, cfg, device):
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child,
-                    type(module)(config=model.config, device=dev))
+            with torch.device(dev):
+                fresh = type(module)(config=model.config)
+            setattr(model.get_submodule(parent) if parent else model, child, fresh)
     return model.eval()
 
 
@@ -117,11 +118,14 @@ def materialised(torch, cfg, device, seed=0):
 
 def on_device_buffers(model, cfg, device):
     """`to_empty` leaves the rotary tables undefined: make them again."""
+    import torch
+
     for name, module in list(model.named_modules()):
         if name.endswith("rotary_emb"):
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child,
-                    type(module)(config=model.config, device="cuda:%d" % device))
+            with torch.device("cuda:%d" % device):
+                fresh = type(module)(config=model.config)
+            setattr(model.get_submodule(parent) if parent else model, child, fresh)
 
 
 def generate(torch, model, device, tokens):
@@ -532,7 +536,7 @@ def main():
             if path in ("bucket", "pinned", "zero_copy") and state.pop("created", False):
                 # The service's set is not needed any more: its memory back.
                 tr.ask("writer_close")
-                service.drop(args.sock, SET)
+                service.drop(args.sock, SET, force=True)  # old versions the engine let go of lazily
             rows[path] = run_path(path, args, tr, en, state)
             if path == "in_place" and args.soak:
                 soaked = soak(args, tr, en)

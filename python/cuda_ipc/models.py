@@ -96,8 +96,11 @@ def _buffers_again(model, device, dtype):
         if not any(b.is_meta for b in module.buffers(recurse=False)):
             continue
         parent, _, child = name.rpartition(".")
+        import torch
+
         try:
-            fresh = type(module)(config=model.config, device=device)
+            with torch.device(device):
+                fresh = type(module)(config=model.config)
         except TypeError:
             continue  # taken from the small model below
         setattr(model.get_submodule(parent) if parent else model, child, fresh)
