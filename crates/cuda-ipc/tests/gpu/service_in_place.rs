@@ -20,11 +20,13 @@ use cuda_ipc::channel::ChannelError;
 use cuda_ipc::exchange::{Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Speed};
 use cuda_ipc::service::admin::SetState;
-use cuda_ipc::service::{Service, ServiceConfig, Writer, come_back, come_back_next, step_aside};
+use cuda_ipc::service::{Service, Writer, come_back, come_back_next, step_aside};
 use serde_json::{Value, json};
 
 use super::common::{Parent, Peer, role};
-use super::service_write::{SET, check, commit, connect, pattern_of, spawn, writer};
+use super::service_write::{
+    SET, check, commit, connect, pattern_of, service_with_version_one, spawn, writer,
+};
 use crate::{assert_ok, test_name};
 
 const WAIT_ENV: &str = "CUDA_IPC_TEST_IN_PLACE_WAIT_MS";
@@ -161,14 +163,7 @@ fn a_write_in_place_waits_for_readers_to_step_aside_and_they_come_back_at_the_sa
     let test = test_name!(
         "a_write_in_place_waits_for_readers_to_step_aside_and_they_come_back_at_the_same_addresses"
     );
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("svc.sock");
-    let device = Device::open(0).unwrap();
-    let service = Service::start(&device, socket.as_path(), ServiceConfig::default()).unwrap();
-    let mut first = spawn(&test, "writer", &socket, 1);
-    assert_ok!(&first.recv(), "the first writer");
-    commit(&mut first, "version 1");
-    drop(first);
+    let (_dir, socket, device, service) = service_with_version_one(&test);
     let one_version = service.stats().uids[0].used;
     let here = Subscriber::connect(&device, socket.as_path(), SubscriberConfig::default()).unwrap();
 

@@ -279,6 +279,23 @@ fn writers_commit_versions_one_at_a_time_and_a_killed_writer_changes_nothing() {
     assert_eq!(report.dropped.len(), 1);
 }
 
+/// A service on a socket of its own, holding version 1 of [`SET`]
+/// (written and committed by a writer child of `test`): the folder (kept
+/// while the test runs), the socket, the device and the service.
+pub(super) fn service_with_version_one(
+    test: &str,
+) -> (tempfile::TempDir, PathBuf, Device, Service) {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("svc.sock");
+    let device = Device::open(0).unwrap();
+    let service = Service::start(&device, socket.as_path(), ServiceConfig::default()).unwrap();
+    let mut first = spawn(test, "writer", &socket, 1);
+    assert_ok!(&first.recv(), "the first writer");
+    commit(&mut first, "version 1");
+    drop(first);
+    (dir, socket, device, service)
+}
+
 fn connect_here(socket: &Path, device: &Device) -> Subscriber {
     Subscriber::connect(device, socket, SubscriberConfig::default()).unwrap()
 }

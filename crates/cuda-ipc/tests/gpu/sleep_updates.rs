@@ -15,11 +15,13 @@ use std::time::Duration;
 use cuda_ipc::Device;
 use cuda_ipc::exchange::{Subscriber, SubscriberConfig};
 use cuda_ipc::kernels::{self, Speed};
-use cuda_ipc::service::{Service, ServiceConfig, Writer, come_back_next, step_aside};
+use cuda_ipc::service::{Writer, come_back_next, step_aside};
 use serde_json::{Value, json};
 
 use super::common::{Parent, open_fds, role};
-use super::service_write::{SET, check, commit, connect, pattern_of, spawn, writer};
+use super::service_write::{
+    SET, check, connect, pattern_of, service_with_version_one, spawn, writer,
+};
 use crate::{assert_ok, test_name};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -110,14 +112,7 @@ fn sleep_and_wake_under_updates_in_place_and_double_buffered() {
         _ => {}
     }
     let test = test_name!("sleep_and_wake_under_updates_in_place_and_double_buffered");
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("svc.sock");
-    let device = Device::open(0).unwrap();
-    let service = Service::start(&device, socket.as_path(), ServiceConfig::default()).unwrap();
-    let mut first = spawn(&test, "writer", &socket, 1);
-    assert_ok!(&first.recv(), "the first writer");
-    commit(&mut first, "version 1");
-    drop(first);
+    let (_dir, socket, device, service) = service_with_version_one(&test);
     let one_version = service.stats().uids[0].used;
     let mut reader = spawn(&test, "sleeper", &socket, 0);
     assert_ok!(&reader.recv(), "the reader attaches version 1");
