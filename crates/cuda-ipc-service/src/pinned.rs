@@ -200,3 +200,43 @@ pub(crate) fn release(
     }
     (synced, freed)
 }
+
+/// Runs `work(i, done)` for every stream `i` of `streams` on a thread of
+/// its own, each sending the bytes it finished on `done`; reports them
+/// here, as `progress(done, total)`, from 0; returns once every thread has
+/// ended, with the first error (a panic is one: `what` names the work).
+pub(crate) fn on_stream_threads(
+    streams: usize,
+    total: u64,
+    progress: &mut dyn FnMut(u64, u64),
+    what: &'static str,
+    work: impl Fn(usize, &std::sync::mpsc::Sender<u64>) -> Result<()> + Sync,
+) -> Result<()> {
+    progress(0, total);
+    let (tx, rx) = std::sync::mpsc::channel::<u64>();
+    let results: Vec<Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..streams)
+            .map(|i| {
+                let (work, tx) = (&work, tx.clone());
+                scope.spawn(move || work(i, &tx))
+            })
+            .collect();
+        drop(tx);
+        let mut done = 0u64;
+        for n in rx {
+            if n > 0 {
+                done += n;
+                progress(done.min(total), total);
+            }
+        }
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::arg(what, "a copy thread panicked; this is a bug"))
+                })
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}

@@ -34,7 +34,6 @@ mod schedule;
 mod staging;
 
 use std::sync::atomic::AtomicBool;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::arena::{DeviceArenaBuffer, SetMember};
@@ -273,36 +272,13 @@ fn copy_all(
             .collect(),
         abort: AtomicBool::new(false),
     };
-    let total = plan.payload_bytes();
-    progress(0, total);
-    let (tx, rx) = mpsc::channel::<u64>();
-    let results: Vec<Result<()>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = streams
-            .iter()
-            .enumerate()
-            .map(|(i, stream)| {
-                let (job, tx) = (&job, tx.clone());
-                scope.spawn(move || staging::copy_stream(job, i, stream, &tx))
-            })
-            .collect();
-        drop(tx);
-        let mut done = 0u64;
-        for n in rx {
-            if n > 0 {
-                done += n;
-                progress(done.min(total), total);
-            }
-        }
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::arg("load", "a copy thread panicked; this is a bug"))
-                })
-            })
-            .collect()
-    });
-    results.into_iter().collect()
+    crate::pinned::on_stream_threads(
+        streams.len(),
+        plan.payload_bytes(),
+        progress,
+        "load",
+        |i, done| staging::copy_stream(&job, i, &streams[i], done),
+    )
 }
 
 /// Every tensor of `ckpt` and its place in `plan`.

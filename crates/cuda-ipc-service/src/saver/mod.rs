@@ -52,7 +52,6 @@ mod output;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::device::Device;
@@ -227,33 +226,9 @@ pub fn save_set(
         abort: AtomicBool::new(false),
     };
     let total: u64 = layout.tensors.iter().map(|t| t.len).sum();
-    progress(0, total);
-    let (tx, rx) = mpsc::channel::<u64>();
-    let results: Vec<Result<()>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = streams
-            .iter()
-            .zip(&pieces)
-            .map(|(stream, mine)| {
-                let (job, tx) = (&job, tx.clone());
-                scope.spawn(move || copy::save_stream(job, mine, stream, &tx))
-            })
-            .collect();
-        drop(tx);
-        let mut done = 0u64;
-        for n in rx {
-            done += n;
-            progress(done.min(total), total);
-        }
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::arg("save", "a copy thread panicked; this is a bug"))
-                })
-            })
-            .collect()
-    });
-    results.into_iter().collect::<Result<()>>()?;
+    crate::pinned::on_stream_threads(streams.len(), total, progress, "save", |i, done| {
+        copy::save_stream(&job, &pieces[i], &streams[i], done)
+    })?;
     let copied = started.elapsed();
     out.finish()?;
     Ok(SaveReport {
