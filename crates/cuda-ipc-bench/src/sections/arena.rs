@@ -31,6 +31,29 @@ pub(super) fn arena_publisher(ctx: &Ctx<'_>, m: Mechanism, what: &str) -> Result
     })
 }
 
+/// Makes and exports the arena's chunk for buffers of `size` bytes (of
+/// `m` chunks) before the clock.
+pub(super) fn reserve(publisher: &Publisher, m: Mechanism, size: u64) -> Result<(), Error> {
+    publisher
+        .arena()?
+        .reserve(size)
+        .map_err(|e| failure(format!("reserving {} of {m} chunks", human(size)), e))?;
+    Ok(())
+}
+
+/// A new buffer of `size` bytes from `publisher`'s arena, filled with
+/// `pat` and finished (not timed).
+pub(super) fn filled_buffer(
+    publisher: &Publisher,
+    size: u64,
+    pat: kernels::Pattern,
+) -> Result<cuda_ipc::arena::DeviceArenaBuffer, Error> {
+    let buffer = publisher.alloc(size)?;
+    kernels::fill_u32(&buffer, pat, Speed::Full)?;
+    buffer.synchronize()?;
+    Ok(buffer)
+}
+
 /// A row of fresh hand-offs of `size` bytes from `publisher`'s arena (of
 /// `m` chunks) to consumer `c`: each sample a new buffer of the arena (no
 /// export), filled and finished, then timed from `publish_buffer` to the
@@ -47,15 +70,10 @@ fn arena_row(publisher: &Publisher, c: &mut Consumer, m: Mechanism, size: u64, r
     let seed = tag(m, size) ^ 0xA4E7;
     let measured = (|| -> Result<(), Error> {
         // The chunk is made and exported now, not on the hand-off path.
-        publisher
-            .arena()?
-            .reserve(size)
-            .map_err(|e| failure(format!("reserving {} of {m} chunks", human(size)), e))?;
+        reserve(publisher, m, size)?;
         for i in 0..reps.total() {
             let pat = pattern(seed, i);
-            let buffer = publisher.alloc(size)?;
-            kernels::fill_u32(&buffer, pat, Speed::Full)?;
-            buffer.synchronize()?;
+            let buffer = filled_buffer(publisher, size, pat)?;
             let name = format!("arena/{m}/{size}/{i}");
             let request =
                 json!({ "op": "attach", "name": name, "base": pat.base, "step": pat.step });

@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use cuda_ipc::arena::SetMember;
 use cuda_ipc::exchange::Publisher;
-use cuda_ipc::kernels::{self, Speed};
-use cuda_ipc::{DeviceMemory, Dtype, Error, Mechanism};
+use cuda_ipc::{Dtype, Error, Mechanism};
 use serde_json::json;
 
 use crate::Reps;
@@ -20,7 +19,7 @@ use crate::report::targets::{PULL_ASLEEP, PUSH_ASLEEP, PUSH_SPINNING};
 use crate::report::{Row, Section, SectionId, human};
 use crate::stats::ns_to_ms;
 
-use super::arena::arena_publisher;
+use super::arena::{arena_publisher, filled_buffer, reserve};
 use super::{Consumer, Ctx, UNPUBLISH_TIMEOUT, pattern, tag};
 
 /// The stream the blocks are pushed to.
@@ -48,15 +47,10 @@ fn push_row(
     let (mut total, mut producer, mut consumer) = (Vec::new(), Vec::new(), Vec::new());
     let seed = tag(m, size) ^ 0x9B5C;
     let measured = (|| -> Result<(), Error> {
-        publisher
-            .arena()?
-            .reserve(size)
-            .map_err(|e| failure(format!("reserving {} of {m} chunks", human(size)), e))?;
+        reserve(publisher, m, size)?;
         for i in 0..reps.total() {
             let pat = pattern(seed, i);
-            let buffer = publisher.alloc(size)?;
-            kernels::fill_u32(&buffer, pat, Speed::Full)?;
-            buffer.synchronize()?;
+            let buffer = filled_buffer(publisher, size, pat)?;
             let name = format!("kv/{size}/{i}");
             let shape = [size / 4];
             let member = [SetMember::new("block", Dtype::U32, &shape, &buffer)];
