@@ -10,14 +10,19 @@
 //! 1. **The file.** The header is built first (the `safetensors` crate's
 //!    own header type; tensors ordered as `safetensors` orders them,
 //!    widest type first, then by name), and the file's whole length is
-//!    reserved in a hidden temporary file beside the destination
-//!    (`fallocate`: a full disk is an error before any copy).
+//!    made in a hidden temporary file beside the destination, mapped
+//!    shared where it can be. Its length is reserved first (`fallocate`: a
+//!    full disk is an error before any copy), except on tmpfs, whose
+//!    pages each thread allocates for its own pieces (`MADV_POPULATE_WRITE`:
+//!    a full tmpfs is an error, never a `SIGBUS`).
 //! 2. **Copies.** The tensors' bytes are split into pieces of at most
 //!    [`SaveOptions::piece_size`], dealt round-robin to
 //!    [`SaveOptions::streams`] new streams. Each stream's thread copies a
 //!    piece from the device into one of its two page-locked staging
-//!    buffers (`cuMemcpyDtoHAsync`) and writes the other buffer's piece to
-//!    the file (`pwrite`) meanwhile. The streams first wait for the work
+//!    buffers (`cuMemcpyDtoHAsync`) and copies the other buffer's piece
+//!    into the file's mapping meanwhile: the threads write at once, where
+//!    `pwrite` would take the file's lock for each piece (it is the way
+//!    where the file cannot be mapped). The streams first wait for the work
 //!    the device's stream holds for the set (its event or fence).
 //! 3. **The end.** The file is flushed to the disk (`fsync`) and renamed
 //!    to the destination, then the directory is flushed: the destination
@@ -161,6 +166,10 @@ pub struct SaveReport {
     pub copy: Duration,
     /// Of `elapsed`: flushing the file to the disk and renaming it.
     pub flush: Duration,
+    /// Whether the pieces went into the file through a shared mapping
+    /// (copied by every stream's thread at once), not `pwrite` (one at a
+    /// time: the file's lock); see [`save_set`].
+    pub mapped: bool,
 }
 
 impl SaveReport {
@@ -230,6 +239,7 @@ pub fn save_set(
         copy::save_stream(&job, &pieces[i], &streams[i], done)
     })?;
     let copied = started.elapsed();
+    let mapped = out.is_mapped();
     out.finish()?;
     Ok(SaveReport {
         path: path.to_path_buf(),
@@ -243,5 +253,6 @@ pub fn save_set(
         reserve,
         copy: copied.saturating_sub(reserve),
         flush: started.elapsed().saturating_sub(copied),
+        mapped,
     })
 }

@@ -82,6 +82,7 @@ impl Saved {
             "reserve_s": r.reserve.as_secs_f64(),
             "copy_s": r.copy.as_secs_f64(),
             "flush_s": r.flush.as_secs_f64(),
+            "written": if r.mapped { "mapped" } else { "pwrite" },
             "gb_per_s": r.gb_per_s(),
         })
     }
