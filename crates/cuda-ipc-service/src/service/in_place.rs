@@ -310,6 +310,14 @@ impl Inner {
         r: &AsideRequest,
     ) -> std::result::Result<AsideAnswer, CallError> {
         let (version, writing_in_place) = {
+            // A double-buffered commit tells the readers of the old version
+            // (and serves the new record) before the catalog counts the new
+            // version, all under the staging lock. A reader quick enough to
+            // attach the new version and step aside in between would be
+            // marked at the version before, and its `back` with `next`
+            // would answer at once, before the next write: so the mark is
+            // taken once any commit in progress is counted.
+            let _commits = locked(&self.staging);
             let catalog = locked(&self.catalog);
             let Some(info) = catalog.get(&r.set) else {
                 return Err(refused(&CatalogError::NotFound {
