@@ -41,6 +41,7 @@ to tmpfs best >= 0.80 x d2h floor; both ahead of their anchors.
 
 Usage: service_io.py --cli PATH [--dir DIR] [--device 0] [--reps 3]
                      [--configs 8:2MiB,4:16MiB,8:16MiB,16:8MiB]
+                     [--save-configs default,8:8MiB,16:4MiB]
 """
 
 import argparse
@@ -206,12 +207,19 @@ def run(args, torch, folder):
         for where, dest in (("tmpfs", args.shm), ("disk", os.path.join(folder, "saved"))):
             os.makedirs(dest, exist_ok=True)
             rates = []
-            for _ in range(args.reps):
-                wall, ans = run_cli(args.cli, ["save", "--json", "--force", "--service", sock, "--set", SET, dest])
-                rates.append(ans["gb_per_s"])
-                emit({"kind": "result", "mode": "service_save", "to": where, "gb_per_s": [ans["gb_per_s"]],
-                      "seconds": [ans["save_s"]], "wall_s": wall, "path": ans["path"],
-                      "parts_s": {k: ans.get(k + "_s") for k in ("reserve", "copy", "flush")}})
+            for cfg in (args.save_configs if where == "tmpfs" else ["default"]):
+                extra = []
+                if cfg != "default":
+                    n, staging = cfg.split(":")
+                    extra = ["--streams", n, "--staging", staging]
+                for _ in range(args.reps):
+                    wall, ans = run_cli(args.cli, ["save", "--json", "--force", "--service", sock,
+                                                   "--set", SET] + extra + [dest])
+                    rates.append(ans["gb_per_s"])
+                    emit({"kind": "result", "mode": "service_save", "to": where, "config": cfg,
+                          "gb_per_s": [ans["gb_per_s"]], "seconds": [ans["save_s"]], "wall_s": wall,
+                          "path": ans["path"], "written": ans.get("written"),
+                          "parts_s": {k: ans.get(k + "_s") for k in ("reserve", "copy", "flush")}})
             bad = compare_saved(torch, ans["path"], files)
             row = {"kind": "result", "mode": "service_save_checked", "to": where, "verify_failures": bad}
             if where == "disk":
@@ -267,8 +275,11 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--configs", default="8:2MiB,4:16MiB,8:16MiB,16:8MiB",
                     help="STREAMS:STAGING settings of the service's loads, comma-separated")
+    ap.add_argument("--save-configs", default="default,8:8MiB,16:4MiB",
+                    help="STREAMS:STAGING settings of the saves to tmpfs (default: the saver's)")
     args = ap.parse_args()
     args.configs = [c for c in args.configs.split(",") if c]
+    args.save_configs = [c for c in args.save_configs.split(",") if c]
     started = time.time()
     try:
         import cuda_ipc  # noqa: F401
