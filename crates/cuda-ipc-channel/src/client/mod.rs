@@ -97,6 +97,8 @@ pub struct Client {
     /// The shared-memory rings, when the server granted them (see
     /// [`notices`](crate::notices)).
     shm: Option<ClientShm>,
+    /// Whether the server said another process serves after it.
+    restarts: bool,
 }
 
 impl std::fmt::Debug for Client {
@@ -166,12 +168,13 @@ impl Client {
             Some(deadline),
         );
         // Even if the hello could not be sent, the server may have said why.
-        let shm = match recv_message(&stream, Some(deadline), RecvLimits::CLIENT) {
+        let (shm, restarts) = match recv_message(&stream, Some(deadline), RecvLimits::CLIENT) {
             Ok((
                 Message::Welcome {
                     protocol,
                     shm_notices,
                     shm_requests,
+                    restarts,
                     ..
                 },
                 fds,
@@ -183,12 +186,13 @@ impl Client {
                          {PROTOCOL_VERSION}; use the same cuda-ipc version on both sides"
                     )));
                 }
-                ClientShm::granted(
+                let shm = ClientShm::granted(
                     config.notices == NoticePath::Shm,
                     shm_notices,
                     shm_requests,
                     fds,
-                )?
+                )?;
+                (shm, restarts)
             }
             Ok((
                 Message::Error {
@@ -234,6 +238,7 @@ impl Client {
             state: Mutex::new(State::default()),
             filed: Condvar::new(),
             shm,
+            restarts,
         })
     }
 
@@ -242,6 +247,15 @@ impl Client {
     /// [`Ucred::pid_visible`]).
     pub fn server_pid(&self) -> u32 {
         self.server.pid
+    }
+
+    /// Whether the server said, when it welcomed this client, that another
+    /// process serves its socket after it ends, with what it published
+    /// ([`ServerConfig::restarts`](crate::ServerConfig::restarts): a
+    /// keeper holds them). A client may then connect again after
+    /// [`ChannelError::PeerGone`] instead of giving up.
+    pub fn server_restarts(&self) -> bool {
+        self.restarts
     }
 
     /// The server's credentials (`SO_PEERCRED`).

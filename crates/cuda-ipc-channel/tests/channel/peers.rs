@@ -3,6 +3,23 @@
 use super::*;
 
 #[test]
+fn the_welcome_says_whether_another_process_serves_after_the_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "restarts");
+    for (restarts, notices) in [
+        (false, cuda_ipc_channel::NoticePath::Shm),
+        (true, cuda_ipc_channel::NoticePath::Shm),
+        (true, cuda_ipc_channel::NoticePath::Socket),
+    ] {
+        let server = Server::bind(ServerConfig::new(&path).with_restarts(restarts)).unwrap();
+        let client = client_with(&path, notices);
+        assert_eq!(client.server_restarts(), restarts, "{notices:?}");
+        drop(client);
+        drop(server);
+    }
+}
+
+#[test]
 fn peer_checks_refuse_other_users() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, "peer");
