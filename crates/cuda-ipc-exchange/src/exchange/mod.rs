@@ -127,13 +127,16 @@
 //! next call fails within a second with [`ChannelError::PeerGone`](crate::channel::ChannelError::PeerGone);
 //! [`Subscriber::is_alive`] polls for it.
 
+mod attachment;
 mod budget;
 mod chunk_cache;
 mod join;
 mod lease;
+mod link;
 mod publisher;
 mod publisher_config;
 mod push;
+mod reconnect;
 mod ring;
 mod ring_attach;
 mod set;
@@ -149,6 +152,7 @@ mod slept;
 mod subscriber;
 mod subscriber_config;
 mod sync;
+mod waiting;
 mod wire;
 
 #[cfg(test)]
@@ -161,9 +165,11 @@ use crate::channel;
 use crate::error::Result;
 
 pub use budget::MappingBudget;
+pub use link::{READY_METHOD, Reconnect};
 pub use publisher::Publisher;
 pub use publisher_config::PublisherConfig;
 pub use push::{PUSH_LIMIT, Stream};
+pub use reconnect::Reconnected;
 pub use ring::{RingFrame, RingPublisher, RingSubscriber, RingSync};
 pub use set_attachment::{EntryPlace, SetAttachment};
 pub use set_book::{HIDDEN_ENTRY_PREFIX, TABLE_REF_MIN_BYTES, chunk_entry_name};
