@@ -224,6 +224,13 @@ impl Subscriber {
         self.do_reconnect()
     }
 
+    /// Whether this subscriber connects again when its publisher's process
+    /// ends ([`SubscriberConfig::with_reconnect`], and what the publisher
+    /// said when it welcomed it).
+    pub fn reconnects(&self) -> bool {
+        self.link.reconnects()
+    }
+
     /// The device this subscriber maps on.
     pub fn device(&self) -> &Device {
         &self.device
