@@ -119,9 +119,14 @@ pub(super) enum TakeBack {
 }
 
 /// Whether `now` is the version `held` of a set: the same arena, chunks
-/// (id, place and size) and entries. The chunks of a kept arena are never
-/// carved again, so the same places are the same memory.
+/// (id, place and size) and entries (in any order). The chunks of a kept
+/// arena are never carved again, so the same places are the same memory.
 pub(super) fn same_version(held: &SetRecord, now: &SetRecord) -> bool {
+    fn entries(r: &SetRecord) -> Vec<&crate::set::SetEntry> {
+        let mut e: Vec<&crate::set::SetEntry> = r.entries.iter().collect();
+        e.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        e
+    }
     let places = |r: &SetRecord| {
         let mut p: Vec<(u64, u64, u64, u64)> = r
             .chunks
@@ -134,7 +139,10 @@ pub(super) fn same_version(held: &SetRecord, now: &SetRecord) -> bool {
         p.sort_unstable();
         p
     };
-    held.arena == now.arena && held.entries == now.entries && places(held) == places(now)
+    held.arena == now.arena
+        && held.entries.len() == now.entries.len()
+        && places(held) == places(now)
+        && entries(held) == entries(now)
 }
 
 /// What a failed attach of a set's name on the new connection says of the

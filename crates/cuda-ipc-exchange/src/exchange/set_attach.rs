@@ -321,7 +321,11 @@ impl Subscriber {
             let u = match conn.client.next_update(left) {
                 Ok(u) => u,
                 // Its publisher restarts: connect again, then wait on.
-                Err(ChannelError::PeerGone) if self.link.reconnects() => continue,
+                Err(ChannelError::PeerGone)
+                    if self.link.reconnects() && Instant::now() < deadline =>
+                {
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             };
             if u.lease == lease {
