@@ -82,14 +82,7 @@ fn holder() {
                     Err(e) => json!({"bad": e.to_string()}),
                 }
             }
-            "reconnect" => match {
-                // The killed process's last thread may still hold its end.
-                let started = std::time::Instant::now();
-                while sub.is_alive() && started.elapsed() < Duration::from_secs(10) {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                sub.reconnect()
-            } {
+            "reconnect" => match reconnect_once_gone(&sub) {
                 Ok(r) => json!({
                     "bad": null,
                     "connected": r.connected,
@@ -122,6 +115,18 @@ fn holder() {
         };
         parent.send(&answer);
     }
+}
+
+/// Connects again once the killed process's end of the connection is
+/// closed (its last thread may hold it a moment after it shows as dead).
+fn reconnect_once_gone(
+    sub: &cuda_ipc::exchange::Subscriber,
+) -> cuda_ipc::Result<cuda_ipc::exchange::Reconnected> {
+    let started = std::time::Instant::now();
+    while sub.is_alive() && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    sub.reconnect()
 }
 
 fn ask(peer: &mut Peer, v: &Value) -> Value {
@@ -234,25 +239,47 @@ fn a_reader_keeps_its_set_through_a_crash_and_takes_its_lease_back() {
     assert_ok!(&back, "back to version 2");
     assert_eq!(back["same_addresses"], true, "{back}");
 
+    serving = aside_through_restarts(&test, &kept, serving, &mut holder, pid);
+    assert!(readers(&socket).contains(&pid), "ls shows the reader");
+    let again = ask(&mut holder, &json!({"do": "attach", "seed": 4}));
+    assert_ok!(&again, "attaching again");
+    assert_eq!(again["opened"], 0, "{again}");
+    assert_eq!(again["same_addresses"], true, "{again}");
+
+    drop(holder);
+    let _ = serving;
+    kept.stop.stop();
+}
+
+/// Two more kills while `holder` (pid `pid`) is aside from the set at
+/// version 2; returns the serving process after them.
+fn aside_through_restarts(
+    test: &str,
+    kept: &Kept,
+    mut serving: u32,
+    holder: &mut Peer,
+    pid: u32,
+) -> u32 {
+    let socket = kept.socket.as_path();
     // Killed again while the reader is aside: connecting again, it is
     // aside on the new process before its lease is back, so a writer in
     // place opens at once; it comes back to what that writer wrote.
-    assert_ok!(&ask(&mut holder, &json!({"do": "aside"})), "aside again");
+    assert_ok!(&ask(holder, &json!({"do": "aside"})), "aside again");
     kill(serving);
     (serving, _) = next_ready(&kept.events, serving);
-    let again = ask(&mut holder, &json!({"do": "reconnect"}));
+    let again = ask(holder, &json!({"do": "reconnect"}));
     assert_ok!(&again, "reconnecting while aside");
     assert_eq!(again["connected"], true, "{again}");
     assert_eq!(again["retaken"], json!([SET]), "{again}");
     assert_eq!(again["asleep"], true, "{again}");
     assert!(again["chunks"].as_u64().unwrap() >= 1, "{again}");
-    assert!(readers(&socket).contains(&pid), "ls shows the reader aside");
-    let mut placer = spawn_placer(&test, &socket, 3, 300);
+    assert!(readers(socket).contains(&pid), "ls shows the reader aside");
+    let mut placer = spawn_placer(test, socket, 3, 300);
     assert_ok!(&placer.recv(), "the write in place finds the reader aside");
     placer.send(&json!("commit"));
     assert_ok!(&placer.recv(), "its commit");
     drop(placer);
-    let back = ask(&mut holder, &json!({"do": "back", "seed": 3}));
+    let back = ask(holder, &json!({"do": "back", "seed": 3}));
     assert_ok!(&back, "back to version 3");
     assert_eq!(back["same_addresses"], true, "{back}");
 
@@ -260,13 +287,10 @@ fn a_reader_keeps_its_set_through_a_crash_and_takes_its_lease_back() {
     // the reader's next call (nobody to wait for: it is asleep): the
     // reader's return connects again, steps aside there first, and waits
     // for that write.
-    assert_ok!(
-        &ask(&mut holder, &json!({"do": "aside"})),
-        "aside once more"
-    );
+    assert_ok!(&ask(holder, &json!({"do": "aside"})), "aside once more");
     kill(serving);
     (serving, _) = next_ready(&kept.events, serving);
-    let mut placer = spawn_placer(&test, &socket, 4, 10_000);
+    let mut placer = spawn_placer(test, socket, 4, 10_000);
     assert_ok!(&placer.recv(), "a write in place after the restart");
     holder.send(&json!({"do": "back", "seed": 4}));
     std::thread::sleep(Duration::from_millis(300));
@@ -277,13 +301,5 @@ fn a_reader_keeps_its_set_through_a_crash_and_takes_its_lease_back() {
     assert_ok!(&back, "back to version 4 across the restart");
     assert_eq!(back["same_addresses"], true, "{back}");
     assert_eq!(back["alive"], true, "{back}");
-    assert!(readers(&socket).contains(&pid), "ls shows the reader");
-    let again = ask(&mut holder, &json!({"do": "attach", "seed": 4}));
-    assert_ok!(&again, "attaching again");
-    assert_eq!(again["opened"], 0, "{again}");
-    assert_eq!(again["same_addresses"], true, "{again}");
-
-    drop(holder);
-    let _ = serving;
-    kept.stop.stop();
+    serving
 }
