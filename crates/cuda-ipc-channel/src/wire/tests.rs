@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 use super::*;
 
 #[test]
+#[allow(clippy::too_many_lines)] // one sample of every message
 fn type_names_match_serde_tags() {
     let samples = [
         Message::Hello {
