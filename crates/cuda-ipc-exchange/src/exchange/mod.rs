@@ -127,6 +127,7 @@
 //! next call fails within a second with [`ChannelError::PeerGone`](crate::channel::ChannelError::PeerGone);
 //! [`Subscriber::is_alive`] polls for it.
 
+mod attach;
 mod attachment;
 mod budget;
 mod chunk_cache;
@@ -137,6 +138,7 @@ mod publisher;
 mod publisher_config;
 mod push;
 mod reconnect;
+mod reconnected;
 mod ring;
 mod ring_attach;
 mod set;
@@ -169,7 +171,7 @@ pub use link::{READY_METHOD, Reconnect};
 pub use publisher::Publisher;
 pub use publisher_config::PublisherConfig;
 pub use push::{PUSH_LIMIT, Stream};
-pub use reconnect::Reconnected;
+pub use reconnected::Reconnected;
 pub use ring::{RingFrame, RingPublisher, RingSubscriber, RingSync};
 pub use set_attachment::{EntryPlace, SetAttachment};
 pub use set_book::{HIDDEN_ENTRY_PREFIX, TABLE_REF_MIN_BYTES, chunk_entry_name};

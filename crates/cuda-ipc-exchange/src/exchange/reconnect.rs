@@ -56,51 +56,12 @@ use super::chunk_cache::ChunkKey;
 use super::lease::{LeaseGuard, LeaseId, Standing};
 use super::link::Connection;
 use super::lock;
+use super::reconnected::{KeptCall, Reconnected};
 use super::set_attach::read_record;
 use super::set_book::{chunk_entry_name, is_set_meta};
 use super::subscriber::Subscriber;
 use super::sync;
 use super::wire::{EntryMeta, FenceMeta};
-
-/// A call made again on every new connection ([`Subscriber::call_and_keep`]).
-#[derive(Clone, Debug)]
-pub(super) struct KeptCall {
-    method: String,
-    key: String,
-    body: Value,
-    timeout: Duration,
-}
-
-impl KeptCall {
-    /// Whether this is the call kept as `method` and `key`.
-    pub(super) fn is(&self, method: &str, key: &str) -> bool {
-        self.method == method && self.key == key
-    }
-}
-
-/// What [`Subscriber::reconnect`] did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Reconnected {
-    /// Whether it made a new connection (`false`: the connection was up).
-    pub connected: bool,
-    /// The sets whose lease it took back: the publisher serves the version
-    /// held.
-    pub retaken: Vec<String>,
-    /// The sets held whose version the publisher no longer serves (it
-    /// serves a newer one): still mapped, at the same addresses, without a
-    /// lease; attach them again for the current version.
-    pub old_versions: Vec<String>,
-    /// The sets it could not take back, and why: no longer published, or
-    /// refused for now (a write in place, a torn set: tried again at the
-    /// next call).
-    pub not_retaken: Vec<(String, String)>,
-    /// Cached chunk mappings whose lease it took back.
-    pub chunks: usize,
-    /// Cached chunk mappings kept without a lease (the publisher no longer
-    /// serves the chunk).
-    pub chunks_unleased: usize,
-}
 
 /// What the publisher serves now under a set's name, against the version
 /// held.

@@ -17,7 +17,7 @@ use crate::phases::Phases;
 use crate::set::{EntryTables, NameIndex, SetRecord, TableRef};
 use crate::share;
 
-use super::attachment::{lease_on, no_waiter};
+use super::attach::{lease_on, no_waiter};
 use super::lease::{LeaseGuard, LeaseId, release_on};
 use super::link::Connection;
 use super::lock;

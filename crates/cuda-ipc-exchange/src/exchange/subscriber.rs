@@ -23,7 +23,7 @@ pub use super::attachment::Attachment;
 use super::chunk_cache::ChunkCache;
 use super::lease::{LeaseGuard, Pending};
 use super::link::Link;
-use super::reconnect::{KeptCall, Reconnected};
+use super::reconnected::{KeptCall, Reconnected};
 use super::ring::{RingFrame, RingSubscriber};
 use super::set_attachment::SetAttachment;
 use super::slept::Slept;
