@@ -127,9 +127,26 @@ impl Client {
     /// [connect(2)](https://man7.org/linux/man-pages/man2/connect.2.html),
     /// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html) (`SO_PEERCRED`).
     pub fn connect(path: impl AsRef<Path>, config: ClientConfig) -> Result<Client, ChannelError> {
+        let within = config.timeout;
+        Client::connect_within(path, config, within)
+    }
+
+    /// [`connect`](Self::connect), giving up on the connection and the
+    /// handshake after `within` rather than [`ClientConfig::timeout`],
+    /// which stays the requests' timeout (a client that tries again and
+    /// again until its own deadline, as a reconnecting subscriber does).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    pub fn connect_within(
+        path: impl AsRef<Path>,
+        config: ClientConfig,
+        within: Duration,
+    ) -> Result<Client, ChannelError> {
         let path = path.as_ref();
+        let deadline = crate::deadline_in(within);
         let asked = config.notices == NoticePath::Shm;
-        match Client::connect_once(path, config.clone()) {
+        match Client::connect_once(path, config.clone(), deadline) {
             Err(ChannelError::Remote { code, message })
                 if asked && code == "malformed_frame" && message.contains("shm_notices") =>
             {
@@ -138,15 +155,18 @@ impl Client {
                     "the server does not know shared-memory notices; connecting again with \
                      notices on the socket"
                 );
-                Client::connect_once(path, config.with_notices(NoticePath::Socket))
+                Client::connect_once(path, config.with_notices(NoticePath::Socket), deadline)
             }
             other => other,
         }
     }
 
-    fn connect_once(path: &Path, config: ClientConfig) -> Result<Client, ChannelError> {
+    fn connect_once(
+        path: &Path,
+        config: ClientConfig,
+        deadline: Instant,
+    ) -> Result<Client, ChannelError> {
         let started = Instant::now();
-        let deadline = crate::deadline_in(config.timeout);
         let stream = connect_socket(path, deadline)?;
         let server = peer_credentials(&stream)?;
         if !config.allowed_server_uids.contains(&server.uid) {

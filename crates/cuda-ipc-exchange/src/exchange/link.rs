@@ -161,9 +161,9 @@ impl Link {
         })
         .map_err(|last| ChannelError::Timeout {
             what: format!(
-                "a service to answer at {} again after its process ended: none answered \
-                 (last try: {}); start the service (under its keeper, `cuda-ipc serve \
-                 --service`, it comes back by itself), or check the socket path",
+                "a service to answer at {} again after its process ended: no service \
+                 answered (last try: {}); start the service (under its keeper, `cuda-ipc \
+                 serve --service`, it comes back by itself), or check the socket path",
                 self.path.display(),
                 last.map_or_else(|| "none".to_owned(), |e| e.to_string())
             ),
@@ -181,11 +181,8 @@ impl Link {
 
     /// One try: connect, then wait for the ready call's answer.
     fn dial(&self, left: Duration) -> Try<Client> {
-        let config = self
-            .config
-            .clone()
-            .with_timeout(left.max(Duration::from_millis(1)));
-        let client = match Client::connect(&self.path, config) {
+        // Within the time left; the requests' timeout stays the configured one.
+        let client = match Client::connect_within(&self.path, self.config.clone(), left) {
             Ok(c) => c,
             // A server that refuses us, or speaks another protocol, will
             // not change its mind.
@@ -404,7 +401,7 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         let text = e.to_string();
         assert!(text.contains(&path.display().to_string()), "{text}");
-        assert!(text.contains("none answered"), "{text}");
+        assert!(text.contains("no service answered"), "{text}");
         assert_eq!(link.epoch(), 0);
         // Someone serves again (a plain server answers the ready call with
         // `no_handler`: ready).
@@ -412,6 +409,12 @@ mod tests {
             crate::channel::Server::bind(crate::channel::ServerConfig::new(&path)).unwrap();
         let c = link.connect_again(Duration::from_secs(5)).unwrap();
         assert_eq!((c.epoch, link.epoch()), (1, 1));
+        let timeout = format!("timeout: {:?}", ClientConfig::default().timeout);
+        assert!(
+            format!("{:?}", c.client).contains(&timeout),
+            "the requests' timeout is the configured one, not what was left: {:?}",
+            c.client
+        );
         assert!(link.is_alive());
         assert!(!Arc::ptr_eq(&c.client, &first));
     }

@@ -125,7 +125,11 @@
 //! buffer back to be freed. A subscriber that exits or is killed releases
 //! its leases (the socket closes). If the publisher dies, the subscriber's
 //! next call fails within a second with [`ChannelError::PeerGone`](crate::channel::ChannelError::PeerGone);
-//! [`Subscriber::is_alive`] polls for it.
+//! [`Subscriber::is_alive`] polls for it. A publisher that another process
+//! follows on the same socket, from the same memory (the weight service
+//! under its keeper, [`PublisherConfig::with_restarts`]), says so: its
+//! subscribers connect again instead and take their leases back, their
+//! mappings untouched ([`Subscriber::reconnect`], [`Reconnect`]).
 
 mod attach;
 mod attachment;
