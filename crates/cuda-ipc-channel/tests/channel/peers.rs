@@ -24,7 +24,7 @@ fn connecting_within_a_time_gives_up_then_and_keeps_the_requests_timeout() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, "silent");
     // A listener that never answers: the connection waits in its backlog.
-    let _silent = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let silent = std::os::unix::net::UnixListener::bind(&path).unwrap();
     let config = ClientConfig::default().with_timeout(Duration::from_secs(30));
     let started = Instant::now();
     let e = Client::connect_within(&path, config.clone(), Duration::from_millis(100)).unwrap_err();
@@ -34,7 +34,7 @@ fn connecting_within_a_time_gives_up_then_and_keeps_the_requests_timeout() {
         "{:?}",
         started.elapsed()
     );
-    drop(_silent);
+    drop(silent);
     std::fs::remove_file(&path).unwrap();
     let server = Server::bind(ServerConfig::new(&path)).unwrap();
     let client = Client::connect_within(&path, config, Duration::from_secs(5)).unwrap();
