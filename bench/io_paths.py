@@ -435,6 +435,9 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     emit({"kind": "error", "what": "load %s in %s" % (spec, d), "message": str(e)})
                     break
+        # The saves write what the device holds: the file, whatever loads ran.
+        pread_load(cuda, fd, size, dev, 8, 4 * MIB)
+        check_device(cuda, dev, size, path)
         cuda.libc.munmap(ctypes.c_void_p(base), size)
         os.close(fd)
         out = os.path.join(d, "cuda-ipc-io-paths.out")
