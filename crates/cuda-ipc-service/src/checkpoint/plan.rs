@@ -221,7 +221,11 @@ impl Gather {
         let need = (rows.saturating_sub(1))
             .checked_mul(pitch)
             .and_then(|n| n.checked_add(width));
-        if rows == 0 || width * rows != dst.len() || width > pitch || need > Some(src.len()) {
+        if rows == 0
+            || width * rows != dst.len()
+            || width > pitch
+            || need.is_none_or(|n| n > src.len())
+        {
             return Err(Error::arg(
                 "gather",
                 format!(
@@ -323,6 +327,7 @@ impl Plan {
             };
             cut(&slices[p.tensor], options.piece_size, &mut add);
         }
+        debug_assert_eq!(pieces.len() as u64, count, "piece_count agrees with cut");
         Ok(Plan {
             options: options.clone(),
             chunks,

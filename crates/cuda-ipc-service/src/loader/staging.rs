@@ -194,8 +194,8 @@ fn chunk_base(job: &Job<'_>, piece: &Piece) -> Result<u64> {
 /// Queues the copy of `slot`'s first `piece.len` bytes to the piece's
 /// place in its chunk, whose buffer starts at `base` ([`chunk_base`]).
 fn queue(base: u64, stream: &Arc<CudaStream>, piece: &Piece, slot: &mut Staging) -> Result<()> {
-    // SAFETY: the destination lies inside the chunk's buffer (checked
-    // by `chunk_base`), which outlives the copy (the load synchronises the stream
-    // before it returns).
+    // SAFETY: the destination lies inside the chunk's buffer (checked by
+    // `chunk_base`), which outlives the copy (the load synchronises the
+    // stream before it returns).
     unsafe { slot.copy_to_device(base + piece.chunk_offset, piece.len, stream) }
 }

@@ -489,6 +489,12 @@ fn a_gather_refuses_buffers_that_do_not_fit() {
     assert!(g.apply(&src, &mut [0u8; 5]).is_err());
     assert!(g.apply(&src, &mut [0u8; 15]).is_err());
     assert!(Gather { rows: 0, pitch: 4 }.apply(&src, &mut []).is_err());
+    // A pitch whose rows overflow the address space is refused, not indexed.
+    let huge = Gather {
+        rows: 3,
+        pitch: u64::MAX / 2,
+    };
+    assert!(huge.apply(&src, &mut dst).is_err());
 }
 
 #[test]
