@@ -436,11 +436,24 @@ class Subscriber(_Owner):
     """Connects to a publisher (a name or a socket path) and attaches to
     what it publishes; requests time out after ``timeout`` seconds. With
     ``read_only``, everything it attaches is mapped read-only (VMM memory
-    only; see the module documentation)."""
+    only; see the module documentation).
 
-    def __init__(self, endpoint, *, device=0, timeout=5.0, allow_uids=(), read_only=False):
+    ``reconnect``: whether it connects again when the publisher's process
+    ends. ``None`` (the default): when the publisher says another process
+    serves after it, as the weight service under its keeper does; its next
+    call (an attach, a wait for an update, a release, a call) then
+    connects again within ``timeout`` and takes back the leases of what it
+    holds, its tensors staying where they are. ``False``: never (a call
+    after the publisher's end raises :class:`cuda_ipc.PeerGone`);
+    ``True``: always."""
+
+    def __init__(self, endpoint, *, device=0, timeout=5.0, allow_uids=(), read_only=False,
+                 reconnect=None):
+        if reconnect is not None and not isinstance(reconnect, bool):
+            raise InvalidInput(f"reconnect must be None, True or False, not {reconnect!r}")
         super().__init__(_core.Subscriber(str(endpoint), device=device, timeout=timeout,
-                                          allow_uids=list(allow_uids), read_only=bool(read_only)))
+                                          allow_uids=list(allow_uids), read_only=bool(read_only),
+                                          reconnect=reconnect))
 
     def list(self):
         """The names published now."""
@@ -470,8 +483,43 @@ class Subscriber(_Owner):
                                            streams=streams, staging=staging))
 
     def is_alive(self):
-        """Whether the publisher is still there."""
+        """Whether the publisher is still there (it does not connect again)."""
         return self._c.is_alive()
+
+    reconnects = property(lambda self: self._c.reconnects,
+                          doc="Whether it connects again when the publisher's process ends.")
+
+    def reconnect(self):
+        """Makes sure the connection is up: connects again if the
+        publisher's process ended (whatever ``reconnect`` said), takes back
+        the leases of the chunks and sets it holds where the publisher
+        still serves them, and returns what it did (a dict: ``connected``;
+        ``retaken``, the sets whose lease is back; ``old_versions``, the
+        sets it holds an older version of than the one served now, still
+        mapped: attach them again; ``not_retaken``, ``[set, why]`` pairs;
+        ``chunks``, ``chunks_unleased``). Nothing is mapped again."""
+        import json
+
+        return json.loads(self._c.reconnect())
+
+    def step_aside(self, name):
+        """Tells the service this subscriber stepped aside from its set
+        ``name`` for a write in place (its mappings must sleep already:
+        :meth:`sleep`); after a reconnect it is aside on the new
+        connection too, until :meth:`come_back`. Returns the answer (a
+        dict)."""
+        import json
+
+        return json.loads(self._c.step_aside(name))
+
+    def come_back(self, name, *, next=False, timeout=600.0):
+        """Waits up to ``timeout`` seconds for the in-place write of the
+        service's set ``name`` to end (with ``next``: for the next version
+        to be committed), then wakes every mapping. Returns the answer (a
+        dict)."""
+        import json
+
+        return json.loads(self._c.come_back(name, next=bool(next), timeout=timeout))
 
     opens = property(lambda self: self._c.opens, doc="Mappings opened (cache misses).")
 

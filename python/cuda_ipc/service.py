@@ -214,11 +214,32 @@ def drop(service, set, force=False, *, timeout=5.0, allow_uids=()):
 class Reader:
     """A reader of the service ``service``: a :class:`cuda_ipc.Subscriber`
     that maps everything read-only (a kernel that writes to the tensors
-    fails; the service's bytes do not change)."""
+    fails; the service's bytes do not change).
 
-    def __init__(self, service, *, device=0, timeout=5.0, allow_uids=()):
+    When the serving process dies and its keeper starts the next one (the
+    default ``cuda-ipc serve --service``), the reader's tensors stay valid
+    and its next call (an attach, ``wait_update``, ``step_aside``,
+    ``come_back``, a release, :meth:`reconnect`) connects again within
+    ``timeout`` seconds and takes its leases back: ``ls`` shows it again,
+    and a writer in place waits for it as before. A set whose version the
+    new process no longer serves stays mapped as it is; its
+    ``wait_update()`` returns at once (attach it again). ``reconnect=False``
+    never connects again (a call then raises :class:`cuda_ipc.PeerGone`);
+    ``True`` always tries, even to a service that does not say it
+    restarts."""
+
+    def __init__(self, service, *, device=0, timeout=5.0, allow_uids=(), reconnect=None):
         self.subscriber = Subscriber(_service(service), device=device, timeout=timeout,
-                                     allow_uids=allow_uids, read_only=True)
+                                     allow_uids=allow_uids, read_only=True, reconnect=reconnect)
+
+    def reconnect(self):
+        """Connects again now if the serving process ended, and takes back
+        the leases of what this reader holds; returns what it did (see
+        :meth:`cuda_ipc.Subscriber.reconnect`: ``old_versions`` names the
+        sets held at a version no longer served). Raises
+        :class:`cuda_ipc.errors.CudaIpcError` naming the socket when no
+        service answers within the reader's timeout."""
+        return self.subscriber.reconnect()
 
     def attach_state_dict(self, set):
         """The current version of set ``set`` as a
@@ -234,7 +255,7 @@ class Reader:
         answer (``version``, ``writing_in_place``)."""
         set = _name("set", set)
         self.sleep(unchecked=unchecked)
-        return self.subscriber.call("aside", {"set": set})
+        return self.subscriber.step_aside(set)
 
     def come_back(self, set, *, next=False, timeout=600.0):
         """Waits up to ``timeout`` seconds for the in-place write of
@@ -251,12 +272,7 @@ class Reader:
             raise InvalidInput(f"next must be a bool, not {next!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 600:
             raise InvalidInput(f"timeout must be seconds from 0 to 600, not {timeout!r}")
-        body = {"set": set, "timeout_ms": int(timeout * 1000)}
-        if next:
-            body["next"] = True
-        answer = self.subscriber.call("back", body, timeout + 30)
-        self.wake()
-        return answer
+        return self.subscriber.come_back(set, next=next, timeout=timeout)
 
     def save(self, set, path, *, overwrite=False, streams=None, staging=None):
         """Saves the current version of set ``set`` as a safetensors file

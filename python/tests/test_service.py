@@ -5,6 +5,7 @@ sent, layouts as the service takes them, and a missing service's error
 import os
 import sys
 import tempfile
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +42,8 @@ class Arguments(unittest.TestCase):
             lambda: service.Writer("svc", "m", in_place=True, wait=-1),
             lambda: service.Writer("svc", "m", in_place=True, wait=True),
             lambda: service.Reader("svc").attach_state_dict(""),
+            lambda: service.Reader("svc", reconnect="yes"),
+            lambda: service.Reader("svc", reconnect=1),
         ):
             with self.subTest(call=call):
                 with self.assertRaises(CudaIpcError) as c:
@@ -143,6 +146,79 @@ class MissingService(unittest.TestCase):
             with self.assertRaises(CudaIpcError):
                 with service.Writer(path, "m"):
                     pass
+
+
+class _Core:
+    """Stands in for the reader's subscriber: records what it is asked."""
+
+    def __init__(self):
+        self.asked = []
+
+    def sleep(self, *, unchecked=False):
+        self.asked.append(("sleep", unchecked))
+        return (1, 2)
+
+    def step_aside(self, name):
+        self.asked.append(("step_aside", name))
+        return {"set": name, "version": 3, "writing_in_place": False}
+
+    def come_back(self, name, *, next=False, timeout=600.0):
+        self.asked.append(("come_back", name, next, timeout))
+        return {"set": name, "version": 4}
+
+    def reconnect(self):
+        self.asked.append(("reconnect",))
+        return {"connected": True, "retaken": ["m"], "old_versions": [], "not_retaken": [],
+                "chunks": 1, "chunks_unleased": 0}
+
+
+class Reconnect(unittest.TestCase):
+    def _reader(self):
+        reader = service.Reader.__new__(service.Reader)
+        reader.subscriber = _Core()
+        return reader
+
+    def test_a_reader_reconnects_through_the_core(self):
+        reader = self._reader()
+        done = reader.reconnect()
+        self.assertEqual(done["retaken"], ["m"])
+        self.assertEqual(reader.subscriber.asked, [("reconnect",)])
+
+    def test_stepping_aside_sleeps_first_and_coming_back_goes_through_the_core(self):
+        # The core keeps the aside for new connections and takes it back
+        # at come_back: the reader calls it, not the service directly.
+        reader = self._reader()
+        self.assertEqual(reader.step_aside("m", unchecked=True)["version"], 3)
+        self.assertEqual(reader.come_back("m", next=True, timeout=2.5)["version"], 4)
+        self.assertEqual(reader.subscriber.asked,
+                         [("sleep", True), ("step_aside", "m"), ("come_back", "m", True, 2.5)])
+        for bad in (lambda: reader.come_back("m", timeout=-1),
+                    lambda: reader.come_back("m", timeout=601),
+                    lambda: reader.come_back("m", next="yes"),
+                    lambda: reader.come_back(""),
+                    lambda: reader.step_aside("")):
+            with self.assertRaises(InvalidInput):
+                bad()
+        self.assertEqual(len(reader.subscriber.asked), 3, "refused before anything was asked")
+
+    def test_a_missing_service_fails_at_once_whatever_reconnect_says(self):
+        # Reconnecting is for a connection that ended, never for the first.
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "svc.sock")
+            for reconnect in (None, True, False):
+                with self.subTest(reconnect=reconnect):
+                    started = time.monotonic()
+                    with self.assertRaises(CudaIpcError):
+                        service.Reader(path, reconnect=reconnect, timeout=3.0)
+                    self.assertLess(time.monotonic() - started, 2.0)
+
+    def test_the_subscriber_offers_reconnect(self):
+        from cuda_ipc import channel
+
+        for name in ("reconnect", "reconnects", "step_aside", "come_back"):
+            self.assertTrue(hasattr(channel.Subscriber, name), name)
+        with self.assertRaises(InvalidInput):
+            channel.Subscriber("svc", reconnect="always")
 
 
 class Errors(unittest.TestCase):

@@ -287,6 +287,12 @@ pub enum Message {
         /// the rings (only with `shm_notices`, and only when asked).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         shm_requests: bool,
+        /// Whether another process serves this socket after this one
+        /// ends (a keeper holds it and the server's state, see
+        /// [`ServerConfig::restarts`](crate::ServerConfig::restarts));
+        /// absent means no.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        restarts: bool,
     },
     /// A page of published entries.
     Listing {

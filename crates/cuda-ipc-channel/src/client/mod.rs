@@ -97,6 +97,8 @@ pub struct Client {
     /// The shared-memory rings, when the server granted them (see
     /// [`notices`](crate::notices)).
     shm: Option<ClientShm>,
+    /// Whether the server said another process serves after it.
+    restarts: bool,
 }
 
 impl std::fmt::Debug for Client {
@@ -125,9 +127,26 @@ impl Client {
     /// [connect(2)](https://man7.org/linux/man-pages/man2/connect.2.html),
     /// [unix(7)](https://man7.org/linux/man-pages/man7/unix.7.html) (`SO_PEERCRED`).
     pub fn connect(path: impl AsRef<Path>, config: ClientConfig) -> Result<Client, ChannelError> {
+        let within = config.timeout;
+        Client::connect_within(path, config, within)
+    }
+
+    /// [`connect`](Self::connect), giving up on the connection and the
+    /// handshake after `within` rather than [`ClientConfig::timeout`],
+    /// which stays the requests' timeout (a client that tries again and
+    /// again until its own deadline, as a reconnecting subscriber does).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    pub fn connect_within(
+        path: impl AsRef<Path>,
+        config: ClientConfig,
+        within: Duration,
+    ) -> Result<Client, ChannelError> {
         let path = path.as_ref();
+        let deadline = crate::deadline_in(within);
         let asked = config.notices == NoticePath::Shm;
-        match Client::connect_once(path, config.clone()) {
+        match Client::connect_once(path, config.clone(), deadline) {
             Err(ChannelError::Remote { code, message })
                 if asked && code == "malformed_frame" && message.contains("shm_notices") =>
             {
@@ -136,15 +155,18 @@ impl Client {
                     "the server does not know shared-memory notices; connecting again with \
                      notices on the socket"
                 );
-                Client::connect_once(path, config.with_notices(NoticePath::Socket))
+                Client::connect_once(path, config.with_notices(NoticePath::Socket), deadline)
             }
             other => other,
         }
     }
 
-    fn connect_once(path: &Path, config: ClientConfig) -> Result<Client, ChannelError> {
+    fn connect_once(
+        path: &Path,
+        config: ClientConfig,
+        deadline: Instant,
+    ) -> Result<Client, ChannelError> {
         let started = Instant::now();
-        let deadline = crate::deadline_in(config.timeout);
         let stream = connect_socket(path, deadline)?;
         let server = peer_credentials(&stream)?;
         if !config.allowed_server_uids.contains(&server.uid) {
@@ -166,12 +188,13 @@ impl Client {
             Some(deadline),
         );
         // Even if the hello could not be sent, the server may have said why.
-        let shm = match recv_message(&stream, Some(deadline), RecvLimits::CLIENT) {
+        let (shm, restarts) = match recv_message(&stream, Some(deadline), RecvLimits::CLIENT) {
             Ok((
                 Message::Welcome {
                     protocol,
                     shm_notices,
                     shm_requests,
+                    restarts,
                     ..
                 },
                 fds,
@@ -183,12 +206,13 @@ impl Client {
                          {PROTOCOL_VERSION}; use the same cuda-ipc version on both sides"
                     )));
                 }
-                ClientShm::granted(
+                let shm = ClientShm::granted(
                     config.notices == NoticePath::Shm,
                     shm_notices,
                     shm_requests,
                     fds,
-                )?
+                )?;
+                (shm, restarts)
             }
             Ok((
                 Message::Error {
@@ -234,6 +258,7 @@ impl Client {
             state: Mutex::new(State::default()),
             filed: Condvar::new(),
             shm,
+            restarts,
         })
     }
 
@@ -242,6 +267,15 @@ impl Client {
     /// [`Ucred::pid_visible`]).
     pub fn server_pid(&self) -> u32 {
         self.server.pid
+    }
+
+    /// Whether the server said, when it welcomed this client, that another
+    /// process serves its socket after it ends, with what it published
+    /// ([`ServerConfig::restarts`](crate::ServerConfig::restarts): a
+    /// keeper holds them). A client may then connect again after
+    /// [`ChannelError::PeerGone`] instead of giving up.
+    pub fn server_restarts(&self) -> bool {
+        self.restarts
     }
 
     /// The server's credentials (`SO_PEERCRED`).

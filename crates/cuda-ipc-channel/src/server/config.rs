@@ -132,6 +132,13 @@ pub struct ServerConfig {
     /// A listening socket to serve on instead of binding a new one (see
     /// [`ServerConfig::with_listener`]).
     pub listener: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
+    /// Whether the server tells clients that another process serves this
+    /// socket after this one ends, with what it published (a keeper holds
+    /// the listening socket and the state: the weight service under its
+    /// keeper); default `false`. Clients read it with
+    /// [`Client::server_restarts`](crate::Client::server_restarts) and may
+    /// connect again after this process is gone instead of giving up.
+    pub restarts: bool,
 }
 
 impl ServerConfig {
@@ -157,6 +164,7 @@ impl ServerConfig {
             peer_cpu_budget: Some(CpuBudget::DEFAULT),
             call_handler: None,
             listener: None,
+            restarts: false,
         }
     }
 
@@ -169,6 +177,14 @@ impl ServerConfig {
     #[must_use]
     pub fn with_listener(mut self, listener: std::os::fd::OwnedFd) -> Self {
         self.listener = Some(std::sync::Arc::new(listener));
+        self
+    }
+
+    /// Tells clients that another process serves this socket after this
+    /// one ends (see [`ServerConfig::restarts`]).
+    #[must_use]
+    pub fn with_restarts(mut self, on: bool) -> Self {
+        self.restarts = on;
         self
     }
 

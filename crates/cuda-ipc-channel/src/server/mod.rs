@@ -190,6 +190,8 @@ struct Shared {
     /// How many readers may spin at once.
     spinners: crate::spin::Spinners,
     pid: u32,
+    /// Whether the welcome says another process serves after this one.
+    restarts: bool,
     /// Our user id: its connections are never charged, and spin first.
     uid: u32,
     state: Mutex<State>,
@@ -355,6 +357,7 @@ impl Server {
             spin: config.spin,
             spinners: crate::spin::Spinners::for_this_machine(),
             pid: own_pid(),
+            restarts: config.restarts,
             uid: super::own_uid(),
             state: Mutex::new(State::default()),
             changed: Condvar::new(),

@@ -89,6 +89,7 @@ fn welcome(
             pid: shared.pid,
             shm_notices: ends.as_ref().map(|_| NOTICE_RING_BYTES as u32),
             shm_requests: shm_requests && ends.is_some(),
+            restarts: shared.restarts,
         },
         fds,
         shared.max_queued,

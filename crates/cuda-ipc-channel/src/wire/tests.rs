@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 use super::*;
 
 #[test]
+#[allow(clippy::too_many_lines)] // one sample of every message
 fn type_names_match_serde_tags() {
     let samples = [
         Message::Hello {
@@ -37,6 +38,7 @@ fn type_names_match_serde_tags() {
             pid: 1,
             shm_notices: None,
             shm_requests: false,
+            restarts: false,
         },
         Message::Listing {
             id: 1,
@@ -372,16 +374,18 @@ fn arb_message() -> impl Strategy<Value = Message> {
             any::<u16>(),
             any::<u32>(),
             prop::option::of(any::<u32>()),
+            any::<bool>(),
             any::<bool>()
         )
-            .prop_map(
-                |(protocol, pid, shm_notices, shm_requests)| Message::Welcome {
+            .prop_map(|(protocol, pid, shm_notices, shm_requests, restarts)| {
+                Message::Welcome {
                     protocol,
                     pid,
                     shm_notices,
                     shm_requests,
+                    restarts,
                 }
-            ),
+            }),
         (
             any::<u64>(),
             prop::collection::vec(

@@ -170,6 +170,7 @@ fn fake_server(
             pid: std::process::id(),
             shm_notices: None,
             shm_requests: false,
+            restarts: false,
         };
         send_message(&s, &welcome, &[], deadline).unwrap();
         then(s);

@@ -3,6 +3,47 @@
 use super::*;
 
 #[test]
+fn the_welcome_says_whether_another_process_serves_after_the_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "restarts");
+    for (restarts, notices) in [
+        (false, cuda_ipc_channel::NoticePath::Shm),
+        (true, cuda_ipc_channel::NoticePath::Shm),
+        (true, cuda_ipc_channel::NoticePath::Socket),
+    ] {
+        let server = Server::bind(ServerConfig::new(&path).with_restarts(restarts)).unwrap();
+        let client = client_with(&path, notices);
+        assert_eq!(client.server_restarts(), restarts, "{notices:?}");
+        drop(client);
+        drop(server);
+    }
+}
+
+#[test]
+fn connecting_within_a_time_gives_up_then_and_keeps_the_requests_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp_socket(&tmp, "silent");
+    // A listener that never answers: the connection waits in its backlog.
+    let silent = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let config = ClientConfig::default().with_timeout(Duration::from_secs(30));
+    let started = Instant::now();
+    let e = Client::connect_within(&path, config.clone(), Duration::from_millis(100)).unwrap_err();
+    assert!(matches!(e, ChannelError::Timeout { .. }), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(silent);
+    std::fs::remove_file(&path).unwrap();
+    let server = Server::bind(ServerConfig::new(&path)).unwrap();
+    let client = Client::connect_within(&path, config, Duration::from_secs(5)).unwrap();
+    assert!(format!("{client:?}").contains("timeout: 30s"), "{client:?}");
+    client.ping().unwrap();
+    drop(server);
+}
+
+#[test]
 fn peer_checks_refuse_other_users() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp_socket(&tmp, "peer");

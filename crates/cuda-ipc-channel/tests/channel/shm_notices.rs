@@ -423,6 +423,7 @@ fn a_server_that_predates_shm_notices_gets_a_plain_hello() {
                     pid: std::process::id(),
                     shm_notices: None,
                     shm_requests: false,
+                    restarts: false,
                 }
             };
             send_message(&s, &answer, &[], None).unwrap();

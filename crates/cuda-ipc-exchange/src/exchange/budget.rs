@@ -148,6 +148,16 @@ impl<K: Eq + Hash + Clone, V: Held> LruCache<K, V> {
     pub(super) fn values(&self) -> impl Iterator<Item = &V> {
         self.slots.values().map(|s| &s.value)
     }
+
+    /// Every cached key, with its value and bytes.
+    pub(super) fn entries(&self) -> impl Iterator<Item = (&K, &V, u64)> {
+        self.slots.iter().map(|(k, s)| (k, &s.value, s.bytes))
+    }
+
+    /// The cached value of `key`, to change, without marking it as used.
+    pub(super) fn peek_mut(&mut self, key: &K) -> Option<&mut V> {
+        self.slots.get_mut(key).map(|s| &mut s.value)
+    }
 }
 
 #[cfg(test)]

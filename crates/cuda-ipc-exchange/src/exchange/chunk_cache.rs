@@ -5,30 +5,34 @@ use std::sync::Arc;
 
 use crate::Access;
 use crate::arena::ChunkId;
-use crate::channel::{self, ChannelError};
+use crate::channel::ChannelError;
 use crate::memory::buffer::{Mapping, retire_after_uses};
 
 use super::budget::{Held, LruCache};
+use super::lease::{LeaseId, Pending, release_on};
+use super::link::Link;
 
 /// A chunk mapping in the subscriber's cache, with the lease on the chunk's
-/// hidden entry that tells the publisher it is mapped.
+/// hidden entry that tells the publisher it is mapped (of an ended
+/// connection, until a reconnect takes it back: the mapping stays all the
+/// same).
 pub(super) struct CachedChunk {
     pub(super) mapping: Arc<dyn Mapping>,
-    pub(super) lease: u64,
+    pub(super) lease: LeaseId,
 }
 
 impl CachedChunk {
     /// Retires the chunk without waiting: unmapped once the streams that
     /// used it have finished, then its lease released (no answer awaited).
-    pub(super) fn retire(self, client: &Arc<channel::Client>) {
+    pub(super) fn retire(self, link: &Arc<Link>, pending: &Arc<Pending>) {
         let CachedChunk { mapping, lease } = self;
-        let client = client.clone();
+        let (link, pending) = (link.clone(), pending.clone());
         retire_after_uses(vec![mapping], "unmapping an idle chunk", move |mappings| {
             crate::reaper::work_done(|| drop(mappings));
-            if let Err(e) = client.release_nowait(lease)
+            if let Err(e) = release_on(&link, &pending, lease, false)
                 && !matches!(e, ChannelError::PeerGone)
             {
-                tracing::debug!(lease, error = %e, "releasing a chunk lease failed");
+                tracing::debug!(lease = lease.id, error = %e, "releasing a chunk lease failed");
             }
         });
     }

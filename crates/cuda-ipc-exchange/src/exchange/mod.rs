@@ -125,15 +125,24 @@
 //! buffer back to be freed. A subscriber that exits or is killed releases
 //! its leases (the socket closes). If the publisher dies, the subscriber's
 //! next call fails within a second with [`ChannelError::PeerGone`](crate::channel::ChannelError::PeerGone);
-//! [`Subscriber::is_alive`] polls for it.
+//! [`Subscriber::is_alive`] polls for it. A publisher that another process
+//! follows on the same socket, from the same memory (the weight service
+//! under its keeper, [`PublisherConfig::with_restarts`]), says so: its
+//! subscribers connect again instead and take their leases back, their
+//! mappings untouched ([`Subscriber::reconnect`], [`Reconnect`]).
 
+mod attach;
+mod attachment;
 mod budget;
 mod chunk_cache;
 mod join;
 mod lease;
+mod link;
 mod publisher;
 mod publisher_config;
 mod push;
+mod reconnect;
+mod reconnected;
 mod ring;
 mod ring_attach;
 mod set;
@@ -149,6 +158,7 @@ mod slept;
 mod subscriber;
 mod subscriber_config;
 mod sync;
+mod waiting;
 mod wire;
 
 #[cfg(test)]
@@ -161,9 +171,11 @@ use crate::channel;
 use crate::error::Result;
 
 pub use budget::MappingBudget;
+pub use link::{READY_METHOD, Reconnect};
 pub use publisher::Publisher;
 pub use publisher_config::PublisherConfig;
 pub use push::{PUSH_LIMIT, Stream};
+pub use reconnected::Reconnected;
 pub use ring::{RingFrame, RingPublisher, RingSubscriber, RingSync};
 pub use set_attachment::{EntryPlace, SetAttachment};
 pub use set_book::{HIDDEN_ENTRY_PREFIX, TABLE_REF_MIN_BYTES, chunk_entry_name};

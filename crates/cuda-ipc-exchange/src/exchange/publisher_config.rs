@@ -42,9 +42,25 @@ pub struct PublisherConfig {
     /// What answers calls from the first connection on (see
     /// [`PublisherConfig::with_call_handler`]).
     pub call_handler: Option<crate::channel::CallHandler>,
+    /// Tells subscribers that another process serves this socket after
+    /// this one ends, with what it published (see
+    /// [`PublisherConfig::with_restarts`]).
+    pub restarts: bool,
 }
 
 impl PublisherConfig {
+    /// Tells subscribers that another process serves this socket after
+    /// this one ends, from the same memory (a keeper holds the listening
+    /// socket and the arena's chunks: the weight service under its keeper);
+    /// their default [`Reconnect`](super::Reconnect) then connects again
+    /// and takes their leases back
+    /// ([`ServerConfig::restarts`](crate::channel::ServerConfig::restarts)).
+    #[must_use]
+    pub fn with_restarts(mut self, on: bool) -> Self {
+        self.restarts = on;
+        self
+    }
+
     /// Polls this long before sleeping (see [`PublisherConfig::spin`]).
     #[must_use]
     pub fn with_spin(mut self, spin: std::time::Duration) -> Self {

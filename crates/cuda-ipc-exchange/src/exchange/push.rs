@@ -44,7 +44,8 @@ use crate::channel::{self, ChannelError, Notice, PushReport, PushedEntry};
 use crate::error::{Error, Result};
 use crate::phases::Phases;
 
-use super::lease::LeaseGuard;
+use super::lease::{LeaseGuard, LeaseId};
+use super::link::Connection;
 use super::lock;
 use super::set_attachment::SetAttachment;
 use super::set_book::is_set_meta;
@@ -112,18 +113,24 @@ impl Subscriber {
     /// [`ChannelError::NotFound`] when no such stream is published; an
     /// [`Error::InvalidArgument`] when `stream` is an entry of another kind.
     pub fn subscribe(&self, stream: &str) -> Result<Stream> {
-        let a = self.client.attach(stream)?;
-        if a.meta.get(STREAM_KEY) != Some(&Value::Bool(true)) {
-            let _ = self.client.release(a.lease);
-            return Err(Error::arg(
-                "stream",
-                format!("{stream:?} is not a stream (Publisher::publish_stream makes one)"),
-            ));
-        }
-        Ok(Stream {
-            name: a.name.clone(),
-            lease: a.lease,
-            guard: LeaseGuard::new(&self.client, &self.pending, a.lease, a.name, Vec::new()),
+        self.on_link(true, |conn| {
+            let a = conn.client.attach(stream)?;
+            if a.meta.get(STREAM_KEY) != Some(&Value::Bool(true)) {
+                let _ = conn.client.release(a.lease);
+                return Err(Error::arg(
+                    "stream",
+                    format!("{stream:?} is not a stream (Publisher::publish_stream makes one)"),
+                ));
+            }
+            let lease = LeaseId {
+                id: a.lease,
+                epoch: conn.epoch,
+            };
+            Ok(Stream {
+                name: a.name.clone(),
+                lease: a.lease,
+                guard: LeaseGuard::new(&self.link, &self.pending, lease, a.name, Vec::new()),
+            })
         })
     }
 
@@ -137,13 +144,16 @@ impl Subscriber {
     /// that is not a set (its lease released); an attach's errors.
     pub fn next_pushed_set(&self, stream: &Stream, timeout: Duration) -> Result<SetAttachment> {
         let deadline = crate::channel::deadline_in(timeout);
+        // A stream ends with its connection: not taken back.
+        let conn = self.link.now();
+        stream.guard.current_on(&conn)?;
         loop {
-            let notice = self.next_notice(stream.lease, deadline)?;
+            let notice = self.next_notice(&conn, stream.lease, deadline)?;
             match notice {
                 Notice::Updated { data, .. } => {
                     // A plain update of the stream has nothing to take.
                     if let Some(pushed) = PushedEntry::from_notice(&data) {
-                        return self.open_pushed(pushed?);
+                        return self.open_pushed(&conn, pushed?);
                     }
                 }
                 Notice::Unpublished => {
@@ -173,12 +183,16 @@ impl Subscriber {
     /// end released them).
     pub fn unsubscribe(&self, stream: Stream) -> Result<usize> {
         let mut released = 0;
-        // Whatever the client has received for the stream, filed or not.
-        while let Ok(n) = self.next_notice(stream.lease, Instant::now()) {
+        let conn = self.link.now();
+        // Whatever the client has received for the stream, filed or not
+        // (nothing once its connection has ended).
+        while stream.guard.current_on(&conn).is_ok()
+            && let Ok(n) = self.next_notice(&conn, stream.lease, Instant::now())
+        {
             if let Notice::Updated { data, .. } = n
                 && let Some(Ok(p)) = PushedEntry::from_notice(&data)
             {
-                match self.client.release(p.lease) {
+                match conn.client.release(p.lease) {
                     Ok(()) | Err(ChannelError::PeerGone) => released += 1,
                     Err(e) => return Err(e.into()),
                 }
@@ -191,7 +205,7 @@ impl Subscriber {
 
     /// The next notice on `lease`: filed for it already, or from the
     /// client by `deadline` (filing those of other leases).
-    fn next_notice(&self, lease: u64, deadline: Instant) -> Result<Notice> {
+    fn next_notice(&self, conn: &Connection, lease: u64, deadline: Instant) -> Result<Notice> {
         loop {
             if let Some(n) = lock(&self.pending)
                 .get_mut(&lease)
@@ -200,7 +214,7 @@ impl Subscriber {
                 return Ok(n);
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            let u = self.client.next_update(left)?;
+            let u = conn.client.next_update(left)?;
             if u.lease == lease {
                 return Ok(u.notice);
             }
@@ -217,10 +231,10 @@ impl Subscriber {
     /// local attach fails without it, the set is attached once by name (a
     /// pull, which maps the fence for the pushes after it) and the pushed
     /// lease goes.
-    fn open_pushed(&self, pushed: PushedEntry) -> Result<SetAttachment> {
+    fn open_pushed(&self, conn: &Connection, pushed: PushedEntry) -> Result<SetAttachment> {
         let mut phases = Phases::start("core.next_pushed_set");
         if !is_set_meta(&pushed.meta) {
-            let _ = self.client.release(pushed.lease);
+            let _ = conn.client.release(pushed.lease);
             return Err(Error::arg(
                 "pushed entry",
                 format!("{:?} is not a set; only sets are pushed", pushed.name),
@@ -235,18 +249,18 @@ impl Subscriber {
         let name = pushed.name.clone();
         let mut a: channel::Attachment = pushed.into_attachment();
         if fence.is_none() || mapped {
-            return self.open_set(a, self.access, &mut phases);
+            return self.open_set(conn, a, self.access, &mut phases);
         }
         if event_serves {
             a.meta = without_fence;
-            if let Ok(set) = self.open_set(a, self.access, &mut phases) {
+            if let Ok(set) = self.open_set(conn, a, self.access, &mut phases) {
                 return Ok(set);
             }
         } else {
-            let _ = self.client.release(a.lease);
+            let _ = conn.client.release(a.lease);
         }
-        let pulled = self.client.attach(&name)?;
+        let pulled = conn.client.attach(&name)?;
         phases.mark("pull");
-        self.open_set(pulled, self.access, &mut phases)
+        self.open_set(conn, pulled, self.access, &mut phases)
     }
 }

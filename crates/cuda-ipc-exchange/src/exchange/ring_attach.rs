@@ -8,35 +8,43 @@ use crate::error::{Error, Result};
 use crate::memory::DeviceMemory;
 
 use super::Subscriber;
-use super::lease::LeaseGuard;
+use super::lease::{LeaseGuard, LeaseId};
+use super::link::Connection;
 use super::ring::{RingFrame, RingSubscriber, index};
 use super::sync::Waiter;
 use super::wire::FrameBody;
 
 impl Subscriber {
     /// The work of [`Subscriber::attach_ring`].
-    pub(super) fn do_attach_ring<T: Pod>(&self, name: &str) -> Result<RingSubscriber<T>> {
-        let a = self.client.attach_ring(name)?;
+    pub(super) fn do_attach_ring<T: Pod>(
+        &self,
+        conn: &Connection,
+        name: &str,
+    ) -> Result<RingSubscriber<T>> {
+        let a = conn.client.attach_ring(name)?;
         let mut slots = Vec::with_capacity(a.slots.len());
         let mut waiters = Vec::with_capacity(a.slots.len());
         let what = format!("a slot of ring {name:?}");
         for (meta, fds) in a.slots {
-            match self.open_descriptor::<T>(&meta, fds, &what) {
+            match self.open_descriptor::<T>(&conn.client, &meta, fds, &what) {
                 Ok((_, buffer, waiter)) => {
                     slots.push(buffer);
                     waiters.push(waiter);
                 }
                 Err(e) => {
-                    let _ = self.client.release(a.lease);
+                    let _ = conn.client.release(a.lease);
                     return Err(e);
                 }
             }
         }
         let mappings = slots.iter().map(|b| b.mapping_arc().clone()).collect();
         let guard = LeaseGuard::new(
-            &self.client,
+            &self.link,
             &self.pending,
-            a.lease,
+            LeaseId {
+                id: a.lease,
+                epoch: conn.epoch,
+            },
             name.to_owned(),
             mappings,
         );
@@ -62,10 +70,13 @@ impl Subscriber {
         // producer's kernel is done, makes a shared GPU switch contexts).
         // Under MPS, where no switch is at stake, spinning every reader
         // measured no gain on the H200.
+        // A ring subscription ends with its connection: not taken back.
+        let conn = self.link.now();
+        ring.guard.current_on(&conn)?;
         let f = if ring.spins() {
-            self.client.next_frame_spinning(ring.lease, timeout)?
+            conn.client.next_frame_spinning(ring.lease, timeout)?
         } else {
-            self.client.next_frame(ring.lease, timeout)?
+            conn.client.next_frame(ring.lease, timeout)?
         };
         let buffer = ring.slots.get(index::<usize, _>(f.slot)?).ok_or_else(|| {
             Error::arg(
@@ -76,7 +87,7 @@ impl Subscriber {
         let notice = FrameBody::decode(&f.notice)?;
         match (&ring.waiters[index::<usize, _>(f.slot)?], notice.fence_seq) {
             (waiter @ Waiter::Fence { .. }, Some(seq)) => {
-                self.wait_fence(waiter, buffer.stream(), seq)?;
+                self.wait_fence(&conn.client, waiter, buffer.stream(), seq)?;
             }
             (Waiter::Fence { .. }, None) => {
                 return Err(Error::arg(
@@ -127,6 +138,8 @@ impl Subscriber {
             .mapping_arc()
             .used_streams()
             .synchronize_all()?;
-        Ok(self.client.ack(ring.lease, index(frame.slot)?, frame.seq)?)
+        let conn = self.link.now();
+        ring.guard.current_on(&conn)?;
+        Ok(conn.client.ack(ring.lease, index(frame.slot)?, frame.seq)?)
     }
 }

@@ -17,7 +17,9 @@ use crate::phases::Phases;
 use crate::set::{EntryTables, NameIndex, SetRecord, TableRef};
 use crate::share;
 
-use super::lease::LeaseGuard;
+use super::attach::{lease_on, no_waiter};
+use super::lease::{LeaseGuard, LeaseId, release_on};
+use super::link::Connection;
 use super::lock;
 use super::set_attachment::SetAttachment;
 use super::subscriber::{Attachment, Subscriber, awake};
@@ -119,6 +121,7 @@ impl Subscriber {
     /// descriptors travel to this subscriber for that access).
     fn chunk_mapping(
         &self,
+        conn: &Connection,
         record: &SetRecord,
         index: u64,
         access: Access,
@@ -133,7 +136,7 @@ impl Subscriber {
         let want = record.chunk(index).ok_or_else(|| {
             Error::arg("set record", format!("chunk {index} is not in its table"))
         })?;
-        let a = self.client.attach(&chunk_entry_name(id))?;
+        let a = conn.client.attach(&chunk_entry_name(id))?;
         let opened = EntryMeta::decode(&a.meta).and_then(|d| {
             if d.source != want.descriptor.source || d.byte_len != want.descriptor.byte_len {
                 return Err(Error::Descriptor {
@@ -149,7 +152,7 @@ impl Subscriber {
         let (mapping, len) = match opened {
             Ok(m) => m,
             Err(e) => {
-                let _ = self.client.release(a.lease);
+                let _ = conn.client.release(a.lease);
                 return Err(e);
             }
         };
@@ -158,7 +161,10 @@ impl Subscriber {
             (id, access),
             CachedChunk {
                 mapping: mapping.clone(),
-                lease: a.lease,
+                lease: LeaseId {
+                    id: a.lease,
+                    epoch: conn.epoch,
+                },
             },
             len,
         );
@@ -170,14 +176,13 @@ impl Subscriber {
     /// lock (an explicit call: it waits for the streams that used them).
     pub(super) fn drop_chunks(&self, evicted: Vec<CachedChunk>) {
         for c in evicted {
-            lock(&self.pending).remove(&c.lease);
             let _ = c.mapping.used_streams().synchronize_all();
             // Waited for: unmapped now, before the lease goes.
             crate::reaper::work_done(|| drop(c.mapping));
-            if self.client.is_alive()
-                && let Err(e) = self.client.release(c.lease)
+            if self.link.is_alive()
+                && let Err(e) = release_on(&self.link, &self.pending, c.lease, true)
             {
-                tracing::debug!(lease = c.lease, error = %e, "releasing a chunk lease failed");
+                tracing::debug!(lease = c.lease.id, error = %e, "releasing a chunk lease failed");
             }
         }
     }
@@ -188,6 +193,7 @@ impl Subscriber {
     /// [`SyncMode`](super::SyncMode)).
     pub(super) fn open_set(
         &self,
+        conn: &Connection,
         a: channel::Attachment,
         asked: Access,
         phases: &mut Phases,
@@ -201,52 +207,62 @@ impl Subscriber {
         } = a;
         let opened = (|| {
             let fence = sync::take_set_fence(&mut meta)?;
-            let record = read_record(&self.client, &meta, Some(&self.tables))?;
+            let record = read_record(&conn.client, &meta, Some(&self.tables))?;
             phases.mark("record");
             let access = set_access(&record, asked);
             let waiter = self.waiter(record.event, fence, &mut fds, "a published set")?;
             phases.mark("waiter");
             let mut mappings = HashMap::with_capacity(record.chunks.len());
             for c in &record.chunks {
-                mappings.insert(c.id, self.chunk_mapping(&record, c.id, access)?);
+                mappings.insert(c.id, self.chunk_mapping(conn, &record, c.id, access)?);
             }
             phases.mark("mappings");
-            self.wait_latest(&waiter, self.device.stream())?;
+            self.wait_latest(&conn.client, &waiter, self.device.stream())?;
             phases.mark("wait");
             Ok((record, access, waiter, mappings))
         })();
         let (record, access, waiter, mappings) = match opened {
             Ok(o) => o,
             Err(e) => {
-                let _ = self.client.release(lease);
+                let _ = conn.client.release(lease);
                 return Err(e);
             }
         };
-        let guard = LeaseGuard::new(
-            &self.client,
+        let record = Arc::new(record);
+        let guard = LeaseGuard::with(
+            &self.link,
             &self.pending,
-            lease,
+            LeaseId {
+                id: lease,
+                epoch: conn.epoch,
+            },
             name,
             mappings.values().cloned().collect(),
+            Some(waiter),
+            Some(Arc::clone(&record)),
         );
+        self.hold_for_reconnects(&guard, conn.epoch);
         Ok(SetAttachment {
-            index: NameIndex::new(Arc::new(record)),
+            index: NameIndex::new(record),
             access,
-            lease,
             guard,
-            waiter,
             mappings,
         })
     }
 
     /// The work of [`Subscriber::attach_set_with`].
     #[tracing::instrument(level = "debug", skip(self))]
-    pub(super) fn do_attach_set_with(&self, name: &str, access: Access) -> Result<SetAttachment> {
+    pub(super) fn do_attach_set_with(
+        &self,
+        conn: &Connection,
+        name: &str,
+        access: Access,
+    ) -> Result<SetAttachment> {
         let mut phases = Phases::start("core.attach_set");
-        let a = self.client.attach(name)?;
+        let a = conn.client.attach(name)?;
         phases.mark("request");
         if !is_set_meta(&a.meta) {
-            let _ = self.client.release(a.lease);
+            let _ = conn.client.release(a.lease);
             return Err(Error::arg(
                 "set",
                 format!(
@@ -254,17 +270,18 @@ impl Subscriber {
                 ),
             ));
         }
-        self.open_set(a, access, &mut phases)
+        self.open_set(conn, a, access, &mut phases)
     }
 
     /// Opens an arena buffer published with [`Publisher::publish_buffer`]
     /// (a set of one) as an [`Attachment`].
     pub(super) fn attach_arena_buffer<T: Pod>(
         &self,
+        conn: &Connection,
         a: channel::Attachment,
         phases: &mut Phases,
     ) -> Result<Attachment<T>> {
-        let set = self.open_set(a, self.access, phases)?;
+        let set = self.open_set(conn, a, self.access, phases)?;
         if set.len() != 1 {
             return Err(Error::arg(
                 "attach",
@@ -279,11 +296,9 @@ impl Subscriber {
         let buffer = set.view::<T>(0)?;
         phases.mark("view");
         Ok(Attachment::from_parts(
-            set.lease,
             set.record().name.clone(),
             set.guard.clone(),
             buffer,
-            set.waiter.clone(),
             descriptor,
         ))
     }
@@ -291,17 +306,30 @@ impl Subscriber {
     /// The work of [`Subscriber::wait_set_update`].
     pub(super) fn do_wait_set_update(&self, set: &SetAttachment, timeout: Duration) -> Result<u64> {
         let deadline = crate::channel::deadline_in(timeout);
-        let notice = loop {
+        let (conn, notice) = loop {
+            let conn = self.ready()?;
+            let Some(lease) = lease_on(&set.guard, &conn, set.name())? else {
+                return Ok(set.guard.replaced_version());
+            };
             if let Some(n) = lock(&self.pending)
-                .get_mut(&set.lease)
+                .get_mut(&lease)
                 .and_then(std::collections::VecDeque::pop_front)
             {
-                break n;
+                break (conn, n);
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            let u = self.client.next_update(left)?;
-            if u.lease == set.lease {
-                break u.notice;
+            let u = match conn.client.next_update(left) {
+                Ok(u) => u,
+                // Its publisher restarts: connect again, then wait on.
+                Err(ChannelError::PeerGone)
+                    if self.link.reconnects() && Instant::now() < deadline =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            if u.lease == lease {
+                break (conn, u.notice);
             }
             lock(&self.pending)
                 .entry(u.lease)
@@ -310,12 +338,13 @@ impl Subscriber {
         };
         match notice {
             Notice::Updated { version, data } => {
-                self.wait_notice(&set.waiter, self.device.stream(), &data)?;
-                Ok(version)
+                let waiter = set.guard.waiter().ok_or_else(no_waiter)?;
+                self.wait_notice(&conn.client, &waiter, self.device.stream(), &data)?;
+                Ok(set.guard.updated(version))
             }
             Notice::Unpublished => Err(ChannelError::Unpublished {
                 name: set.record().name.clone(),
-                lease: set.lease,
+                lease: set.lease(),
             }
             .into()),
             other => Err(ChannelError::Protocol {
@@ -327,6 +356,7 @@ impl Subscriber {
 
     /// The work of [`Subscriber::release_set`].
     pub(super) fn do_release_set(&self, set: SetAttachment) -> Result<()> {
+        self.before_release();
         let SetAttachment {
             guard, mappings, ..
         } = set;

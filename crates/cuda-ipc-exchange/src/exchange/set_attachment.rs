@@ -2,7 +2,6 @@
 //! and the lease that holds them.
 
 use super::lease::LeaseGuard;
-use super::sync::Waiter;
 use crate::Access;
 use crate::error::{Error, Result};
 use crate::memory::buffer::{MappedBuffer, Mapping};
@@ -19,9 +18,9 @@ use std::sync::Arc;
 pub struct SetAttachment {
     /// How every chunk of the set is mapped.
     pub(super) access: Access,
-    pub(super) lease: u64,
+    /// The lease, and how the set waits for its publisher's work (both
+    /// change when a reconnect takes the lease back).
     pub(super) guard: Arc<LeaseGuard>,
-    pub(super) waiter: Waiter,
     pub(super) mappings: HashMap<u64, Arc<dyn Mapping>>,
     /// The record, shared (what outlives the attachment, a binding's lazy
     /// layout hash, reads it without a copy), and its entries by name.
@@ -46,15 +45,16 @@ impl SetAttachment {
         &self.record().name
     }
 
-    /// The lease id.
+    /// The lease id (on the connection it was last taken on: a
+    /// reconnecting subscriber's new connection gives it a new one).
     pub fn lease(&self) -> u64 {
-        self.lease
+        self.guard.lease().id
     }
 
     /// Whether this set waits on the publisher's fence (rather than its
     /// event).
     pub fn uses_fence(&self) -> bool {
-        self.waiter.is_fence()
+        self.guard.waiter().is_some_and(|w| w.is_fence())
     }
 
     /// How the set's chunks are mapped: read-only when the subscriber asked

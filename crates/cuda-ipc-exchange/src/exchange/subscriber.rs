@@ -1,41 +1,40 @@
-//! The subscribing side: attaching, the mapping cache, updates, releases.
+//! The subscribing side: connecting, and every public method of a
+//! subscriber (their work is in the files named after it: `attachment.rs`,
+//! `set_attach.rs`, `ring_attach.rs`, `sleep.rs`, `waiting.rs`,
+//! `reconnect.rs`).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
-
-use std::os::fd::OwnedFd;
+use std::time::Duration;
 
 use bytemuck::Pod;
-use cudarc::driver::CudaStream;
-use serde_json::Value;
 
 use crate::Access;
-use crate::channel::{ChannelError, Client, ClientConfig, Notice};
-use crate::descriptor::Descriptor;
+use crate::channel::ClientConfig;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::IpcEvent;
 use crate::fence::FenceMapping;
 use crate::handle::IpcEventHandle;
-use crate::memory::DeviceMemory;
-use crate::memory::buffer::{MappedBuffer, Mapping};
-use crate::share;
+use crate::memory::buffer::Mapping;
 
+pub use super::attachment::Attachment;
 use super::chunk_cache::ChunkCache;
 use super::lease::{LeaseGuard, Pending};
+use super::link::Link;
+use super::reconnected::{KeptCall, Reconnected};
 use super::ring::{RingFrame, RingSubscriber};
 use super::set_attachment::SetAttachment;
 use super::slept::Slept;
 use super::subscriber_config::SubscriberConfig;
-use super::sync::{self, SyncMode, Waiter};
-use super::wire::EntryMeta;
+use super::sync::SyncMode;
 use super::{Endpoint, lock};
 
 /// Cache key of a mapping: the exporter, its allocation's generation (never
 /// the address, which a freed allocation gives to the next one) and the
 /// access (a read-only and a read-write mapping are never shared).
-type CacheKey = (u32, u64, Access);
+pub(super) type CacheKey = (u32, u64, Access);
 
 /// `mapping`, unless it sleeps: a new attach does not hand out memory
 /// that faults.
@@ -50,17 +49,31 @@ pub(super) fn awake(mapping: Arc<dyn Mapping>) -> Result<Arc<dyn Mapping>> {
 }
 
 /// Connects to a [`Publisher`](super::Publisher) and maps what it publishes.
+///
+/// # When the publisher's process ends
+/// A subscriber whose publisher said that another process serves its
+/// socket after it (the weight service under its keeper), or one
+/// configured to ([`SubscriberConfig::with_reconnect`]), connects again at
+/// its next call (an attach, a wait for an update, a release, a call, or
+/// [`Subscriber::reconnect`]): within its timeout, then an error naming the
+/// socket. Its mappings and their addresses stay; it takes back the lease
+/// of each cached chunk and of each set it holds whose version the
+/// publisher still serves, and says which sets it holds an old version of
+/// (see [`Subscriber::reconnect`]). Any other subscriber gets
+/// [`ChannelError::PeerGone`](crate::channel::ChannelError::PeerGone) at
+/// once, as ever.
 pub struct Subscriber {
     /// Cached chunk mappings, unmapped before the connection (and with it
     /// the chunk leases) closes: fields drop in declaration order.
     pub(super) chunks: Mutex<ChunkCache>,
     pub(super) device: Device,
-    pub(super) client: Arc<Client>,
+    /// The connection now (another after a reconnect).
+    pub(super) link: Arc<Link>,
     pub(super) cache: Mutex<HashMap<CacheKey, Weak<dyn Mapping>>>,
-    events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
+    pub(super) events: Mutex<HashMap<IpcEventHandle, Arc<IpcEvent>>>,
     pub(super) fences: Mutex<HashMap<u64, Arc<FenceMapping>>>,
     pub(super) sync: SyncMode,
-    timeout: Duration,
+    pub(super) timeout: Duration,
     /// How attaches map, unless a set's publisher asks for read-only.
     pub(super) access: Access,
     pub(super) pending: Arc<Pending>,
@@ -69,6 +82,14 @@ pub struct Subscriber {
     pub(super) live: Mutex<Vec<Weak<dyn Mapping>>>,
     /// The set entry tables read last, for sets of a layout seen before.
     pub(super) tables: crate::set::EntryTables,
+    /// The leases of the sets attached by name, which a reconnect takes
+    /// back.
+    pub(super) held: Mutex<Vec<Weak<LeaseGuard>>>,
+    /// Whether a lease is left to take back (refused at the last try, or
+    /// taken on a connection that ended meanwhile).
+    pub(super) retake_due: AtomicBool,
+    /// Calls made again on each new connection ([`Subscriber::call_and_keep`]).
+    pub(super) kept_calls: Mutex<Vec<KeptCall>>,
 }
 
 impl Drop for Subscriber {
@@ -76,10 +97,10 @@ impl Drop for Subscriber {
         // Cached chunks that nothing holds are let go of without waiting;
         // those that views hold stay mapped (the views hold the mappings)
         // and leased (the views' leases keep the connection open) until
-        // the views are gone.
+        // the views are gone. Never connects again.
         let idle = lock(&self.chunks).drain_idle();
         for c in idle {
-            c.retire(&self.client);
+            c.retire(&self.link, &self.pending);
         }
     }
 }
@@ -87,83 +108,9 @@ impl Drop for Subscriber {
 impl std::fmt::Debug for Subscriber {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Subscriber")
-            .field("server_pid", &self.client.server_pid())
+            .field("server_pid", &self.link.client().server_pid())
+            .field("link", &self.link)
             .finish_non_exhaustive()
-    }
-}
-
-/// A buffer attached from a publisher: a lease and a typed mapping. The
-/// buffer and every view made from it hold the lease.
-///
-/// Layers: made from the channel's [`Attachment`](crate::channel::Attachment)
-/// (the lease, the metadata and raw descriptors) by importing the
-/// descriptors; the same word, one layer up.
-///
-/// Its buffer lends out only `&dyn Mapping`, so no view can be made
-/// around its lease:
-///
-/// ```compile_fail
-/// # fn f(a: cuda_ipc_exchange::exchange::Attachment<u8>) -> cuda_ipc_core::Result<()> {
-/// use cuda_ipc_core::MappedBuffer;
-/// // error: expected `Arc<dyn Mapping>`, found `&dyn Mapping`
-/// let unleased = MappedBuffer::<u8>::new(a.buffer().mapping().clone(), 0, 1)?;
-/// # Ok(()) }
-/// ```
-#[derive(Debug)]
-pub struct Attachment<T> {
-    lease: u64,
-    name: String,
-    guard: Arc<LeaseGuard>,
-    buffer: MappedBuffer<T>,
-    waiter: Waiter,
-    descriptor: Descriptor,
-}
-
-impl<T: Pod> Attachment<T> {
-    pub(super) fn from_parts(
-        lease: u64,
-        name: String,
-        guard: Arc<LeaseGuard>,
-        buffer: MappedBuffer<T>,
-        waiter: Waiter,
-        descriptor: Descriptor,
-    ) -> Self {
-        Attachment {
-            lease,
-            name,
-            guard,
-            buffer,
-            waiter,
-            descriptor,
-        }
-    }
-
-    /// The mapped buffer; its stream waits on the publisher's event.
-    pub fn buffer(&self) -> &MappedBuffer<T> {
-        &self.buffer
-    }
-    /// The entry's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-    /// The lease id.
-    pub fn lease(&self) -> u64 {
-        self.lease
-    }
-    /// The descriptor the publisher sent.
-    pub fn descriptor(&self) -> &Descriptor {
-        &self.descriptor
-    }
-    /// Whether this buffer waits on the publisher's fence (rather than its
-    /// event).
-    pub fn uses_fence(&self) -> bool {
-        self.waiter.is_fence()
-    }
-    /// Whether the buffer is mapped read-only (the subscriber's
-    /// [`SubscriberConfig::access`], or an arena buffer whose publisher
-    /// asks for read-only readers): writing through it fails.
-    pub fn read_only(&self) -> bool {
-        self.buffer.mapping().read_only()
     }
 }
 
@@ -179,10 +126,10 @@ impl Subscriber {
             .with_timeout(config.timeout)
             .with_spin(config.spin);
         client_config.allowed_server_uids.extend(config.allow_uids);
-        let client = Arc::new(Client::connect(path, client_config)?);
+        let link = Link::connect(path, client_config, config.reconnect)?;
         Ok(Subscriber {
             device: device.clone(),
-            client,
+            link: Arc::new(link),
             cache: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
             fences: Mutex::new(HashMap::new()),
@@ -194,15 +141,17 @@ impl Subscriber {
             live: Mutex::new(Vec::new()),
             tables: crate::set::EntryTables::new(),
             chunks: Mutex::new(ChunkCache::new(config.mapping_budget)),
+            held: Mutex::new(Vec::new()),
+            retake_due: AtomicBool::new(false),
+            kept_calls: Mutex::new(Vec::new()),
         })
     }
 
     /// The names published now (not the hidden entries of arena chunks
     /// and set record parts, which start with `.cuda-ipc/`).
     pub fn list(&self) -> Result<Vec<String>> {
-        Ok(self
-            .client
-            .list()?
+        let listed = self.on_link(true, |conn| Ok(conn.client.list()?))?;
+        Ok(listed
             .into_iter()
             .map(|e| e.name)
             .filter(|n| !n.starts_with(super::set_book::HIDDEN_ENTRY_PREFIX))
@@ -213,7 +162,9 @@ impl Subscriber {
     /// `cuda_ipc_service::service::admin`) with `body` on this subscriber's
     /// connection, waiting up to `timeout` (`None`: the subscriber's
     /// timeout). What a call makes the connection hold (a service's write
-    /// lock) ends with it.
+    /// lock) ends with it. A reconnecting subscriber connects again first
+    /// if the connection ended; a call cut off by its end is not made
+    /// again (it may have been answered).
     ///
     /// # Errors
     /// [`ChannelError::Remote`](crate::channel::ChannelError::Remote) with
@@ -224,9 +175,60 @@ impl Subscriber {
         body: &serde_json::Value,
         timeout: Option<Duration>,
     ) -> Result<serde_json::Value> {
-        Ok(self
-            .client
-            .call_within(method, body, timeout.unwrap_or(self.timeout))?)
+        let timeout = timeout.unwrap_or(self.timeout);
+        self.on_link(false, |conn| {
+            Ok(conn.client.call_within(method, body, timeout)?)
+        })
+    }
+
+    /// [`Subscriber::call`], and on success, the same call again on every
+    /// connection a reconnect makes, before it takes leases back, until
+    /// [`Subscriber::forget_kept_call`] with the same `method` and `key`
+    /// (a later call with them replaces it): for what a connection holds
+    /// for its caller (a service reader's `aside`).
+    ///
+    /// # Errors
+    /// As [`Subscriber::call`] (nothing is kept).
+    pub fn call_and_keep(
+        &self,
+        method: &str,
+        key: &str,
+        body: &serde_json::Value,
+        timeout: Option<Duration>,
+    ) -> Result<serde_json::Value> {
+        let answer = self.call(method, body, timeout)?;
+        self.keep_call(method, key, body, timeout.unwrap_or(self.timeout));
+        Ok(answer)
+    }
+
+    /// Stops making the call kept by [`Subscriber::call_and_keep`] with
+    /// `method` and `key` on new connections.
+    pub fn forget_kept_call(&self, method: &str, key: &str) {
+        lock(&self.kept_calls).retain(|c| !c.is(method, key));
+    }
+
+    /// Makes sure the connection is up: connects again if it has ended
+    /// (whatever [`SubscriberConfig::with_reconnect`] says: this call asks
+    /// for it), takes back the lease of each cached chunk and of each set
+    /// held whose version the publisher still serves (sets refused before,
+    /// as while a write in place runs, are tried again), and says what it
+    /// did. Mappings and addresses stay as they are; nothing is mapped
+    /// again. Within the subscriber's timeout.
+    ///
+    /// # Errors
+    /// A [`ChannelError::Timeout`](crate::channel::ChannelError::Timeout)
+    /// naming the socket when no publisher answered there; a
+    /// [`ChannelError::Refused`](crate::channel::ChannelError::Refused) one
+    /// that refuses this process.
+    pub fn reconnect(&self) -> Result<Reconnected> {
+        self.do_reconnect()
+    }
+
+    /// Whether this subscriber connects again when its publisher's process
+    /// ends ([`SubscriberConfig::with_reconnect`], and what the publisher
+    /// said when it welcomed it).
+    pub fn reconnects(&self) -> bool {
+        self.link.reconnects()
     }
 
     /// The device this subscriber maps on.
@@ -234,9 +236,10 @@ impl Subscriber {
         &self.device
     }
 
-    /// Whether the publisher is still there (does not block).
+    /// Whether the publisher is still there (does not block, does not
+    /// connect again).
     pub fn is_alive(&self) -> bool {
-        self.client.is_alive()
+        self.link.is_alive()
     }
 
     /// How many mappings this subscriber has opened (cache misses).
@@ -260,247 +263,22 @@ impl Subscriber {
         live.push(Arc::downgrade(mapping));
     }
 
-    pub(super) fn event(&self, handle: IpcEventHandle) -> Result<Arc<IpcEvent>> {
-        let mut events = lock(&self.events);
-        if let Some(e) = events.get(&handle) {
-            return Ok(e.clone());
-        }
-        let e = Arc::new(IpcEvent::open(&self.device, handle)?);
-        events.insert(handle, e.clone());
-        Ok(e)
-    }
-
-    /// The fence block `meta` names, mapped once per subscriber.
-    fn fence(&self, meta: &super::wire::FenceMeta, fd: OwnedFd) -> Result<Arc<FenceMapping>> {
-        let mut fences = lock(&self.fences);
-        if let Some(f) = fences.get(&meta.block.id()) {
-            return Ok(f.clone());
-        }
-        let f = Arc::new(FenceMapping::open(&self.device, &meta.block, vec![fd])?);
-        fences.insert(meta.block.id(), f.clone());
-        Ok(f)
-    }
-
-    /// Chooses how to wait for an entry's work, per this subscriber's
-    /// [`SyncMode`]: on the publisher's event `handle` (which `what`, the
-    /// kind of entry, must carry unless it waits on the fence) or on
-    /// `fence`, whose file descriptor is taken out of `fds`.
-    pub(super) fn waiter(
-        &self,
-        handle: Option<IpcEventHandle>,
-        fence: Option<super::wire::FenceMeta>,
-        fds: &mut Vec<OwnedFd>,
-        what: &str,
-    ) -> Result<Waiter> {
-        // A pushed entry comes without descriptors: its fence must be one
-        // this subscriber mapped already.
-        let cached = match &fence {
-            Some(meta) if fds.is_empty() => {
-                let known = lock(&self.fences).get(&meta.block.id()).cloned();
-                Some(known.ok_or_else(|| Error::Descriptor {
-                    field: "fence".into(),
-                    reason: format!("{what} came without its fence's descriptor, and that fence is not mapped here"),
-                })?)
-            }
-            _ => None,
-        };
-        let fence = match cached {
-            Some(_) => fence.map(|meta| (None, meta)),
-            None => sync::take_fence_fd(fence, fds)?.map(|(fd, meta)| (Some(fd), meta)),
-        };
-        // Nothing to open but the fence (a fences-only ring's slots carry
-        // no event): Auto takes it without trying, or logging, an event,
-        // and Event cannot be served.
-        let fence_only = handle.is_none() && fence.is_some();
-        let mode = match self.sync {
-            SyncMode::Event if fence_only => {
-                return Err(Error::Unsupported {
-                    what: "waiting on the publisher's events",
-                    why: format!(
-                        "{what} carries no event of the publisher, only its fence (as a \
-                         fences-only ring's slots do: RingSync::FencesOnly); attach with \
-                         SyncMode::Auto, Fence or HostFence"
-                    ),
-                });
-            }
-            SyncMode::Auto if fence_only => SyncMode::Fence,
-            mode => mode,
-        };
-        sync::choose(
-            mode,
-            || {
-                let handle = handle.ok_or_else(|| Error::Descriptor {
-                    field: "event".into(),
-                    reason: format!("{what} must carry the publisher's event"),
-                })?;
-                self.event(handle)
-            },
-            fence.as_ref().map(|(fd, meta)| {
-                (meta, move || match (fd, &cached) {
-                    (_, Some(mapping)) => Ok(mapping.clone()),
-                    (Some(fd), None) => self.fence(
-                        meta,
-                        fd.try_clone()
-                            .map_err(|e| Error::io("duplicating the fence's descriptor", e))?,
-                    ),
-                    (None, None) => Err(Error::arg("fence", "no descriptor and none mapped")),
-                })
-            }),
-        )
-    }
-
-    /// Makes `stream` wait for the publisher's latest work (at attach), with
-    /// this subscriber's deadline; abandons a fence when the publisher is gone.
-    pub(super) fn wait_latest(&self, waiter: &Waiter, stream: &Arc<CudaStream>) -> Result<()> {
-        let client = self.client.clone();
-        waiter.wait_latest(stream, &move || client.is_alive(), self.timeout)
-    }
-
-    /// Makes `stream` wait for the work of the update whose notice carried
-    /// `data` (see [`Waiter::wait_update`]).
-    pub(super) fn wait_notice(
-        &self,
-        waiter: &Waiter,
-        stream: &Arc<CudaStream>,
-        data: &Value,
-    ) -> Result<()> {
-        let client = self.client.clone();
-        waiter.wait_update(stream, data, &move || client.is_alive(), self.timeout)
-    }
-
-    /// Makes `stream` wait (GPU-side, after a host-side deadline) until the
-    /// fence reaches `seq`; abandons it when the publisher is gone.
-    pub(super) fn wait_fence(
-        &self,
-        waiter: &Waiter,
-        stream: &Arc<CudaStream>,
-        seq: u64,
-    ) -> Result<()> {
-        let client = self.client.clone();
-        waiter.wait_seq(stream, seq, &move || client.is_alive(), self.timeout)
-    }
-
-    fn mapping(
-        &self,
-        descriptor: &Descriptor,
-        fds: Vec<std::os::fd::OwnedFd>,
-    ) -> Result<Arc<dyn Mapping>> {
-        let key = descriptor
-            .generation
-            .map(|g| (descriptor.pid, g, self.access));
-        if let Some(key) = key
-            && let Some(m) = lock(&self.cache).get(&key).and_then(Weak::upgrade)
-        {
-            return awake(m);
-        }
-        let m = share::open_mapping(&self.device, descriptor, fds, self.access)?;
-        self.opened(&m);
-        if let Some(key) = key {
-            let mut cache = lock(&self.cache);
-            cache.retain(|_, w| w.strong_count() > 0);
-            cache.insert(key, Arc::downgrade(&m));
-        }
-        Ok(m)
-    }
-
-    pub(super) fn open_descriptor<T: Pod>(
-        &self,
-        meta: &Value,
-        fds: Vec<std::os::fd::OwnedFd>,
-        what: &str,
-    ) -> Result<(Descriptor, MappedBuffer<T>, Waiter)> {
-        let (descriptor, fence) = EntryMeta::decode_with_fence(meta)?;
-        let mut fds = fds;
-        let waiter = self.waiter(descriptor.event, fence, &mut fds, what)?;
-        let mapping = self.mapping(&descriptor, fds)?;
-        let buffer =
-            MappedBuffer::<T>::from_bytes(mapping, descriptor.offset, descriptor.byte_len)?;
-        self.wait_latest(&waiter, buffer.stream())?;
-        Ok((descriptor, buffer, waiter))
-    }
-
     /// Attaches to the buffer published as `name`: takes a lease, maps the
     /// memory (reusing a mapping this subscriber already holds for the same
     /// allocation) and makes the buffer's stream wait on the publisher's event.
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn attach<T: Pod>(&self, name: &str) -> Result<Attachment<T>> {
-        let mut phases = crate::phases::Phases::start("core.attach");
-        let a = self.client.attach(name)?;
-        phases.mark("request");
-        if super::set_book::is_set_meta(&a.meta) {
-            return self.attach_arena_buffer(a, &mut phases);
-        }
-        let opened = self.open_descriptor::<T>(&a.meta, a.fds, "a published buffer");
-        phases.mark("open");
-        match opened {
-            Ok((descriptor, buffer, waiter)) => {
-                let guard = LeaseGuard::new(
-                    &self.client,
-                    &self.pending,
-                    a.lease,
-                    a.name.clone(),
-                    vec![buffer.mapping_arc().clone()],
-                );
-                Ok(Attachment {
-                    lease: a.lease,
-                    name: a.name,
-                    buffer: buffer.hold(guard.clone()),
-                    guard,
-                    waiter,
-                    descriptor,
-                })
-            }
-            Err(e) => {
-                let _ = self.client.release(a.lease);
-                Err(e)
-            }
-        }
+        self.on_link(true, |conn| self.do_attach(conn, name))
     }
 
     /// Waits up to `timeout` for the publisher's next update of `attached`,
     /// then makes its buffer's stream wait on the event recorded with it.
     /// Returns the update's version (the count of updates, from 1; not the
-    /// allocation's generation); [`ChannelError::Unpublished`] when
-    /// the publisher wants the buffer back (release it).
+    /// allocation's generation); [`ChannelError::Unpublished`](crate::channel::ChannelError::Unpublished) when
+    /// the publisher wants the buffer back (release it). For a
+    /// reconnecting subscriber, see [`Subscriber::wait_set_update`].
     pub fn wait_update<T: Pod>(&self, attached: &Attachment<T>, timeout: Duration) -> Result<u64> {
-        let deadline = crate::channel::deadline_in(timeout);
-        loop {
-            if let Some(notice) = lock(&self.pending)
-                .get_mut(&attached.lease)
-                .and_then(VecDeque::pop_front)
-            {
-                return self.apply(attached, &notice);
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            let u = self.client.next_update(left)?;
-            if u.lease == attached.lease {
-                return self.apply(attached, &u.notice);
-            }
-            lock(&self.pending)
-                .entry(u.lease)
-                .or_default()
-                .push_back(u.notice);
-        }
-    }
-
-    fn apply<T: Pod>(&self, attached: &Attachment<T>, notice: &Notice) -> Result<u64> {
-        match notice {
-            Notice::Updated { version, data } => {
-                let mut phases = crate::phases::Phases::start("core.wait_update");
-                self.wait_notice(&attached.waiter, attached.buffer.stream(), data)?;
-                phases.mark("stream_wait");
-                Ok(*version)
-            }
-            Notice::Unpublished => Err(ChannelError::Unpublished {
-                name: attached.name.clone(),
-                lease: attached.lease,
-            }
-            .into()),
-            other => Err(ChannelError::Protocol {
-                reason: format!("a notice this version does not know: {other:?}"),
-            }
-            .into()),
-        }
+        self.do_wait_update(attached, timeout)
     }
 
     /// Closes the connection now, after unmapping the cached chunks and
@@ -541,9 +319,10 @@ impl Subscriber {
     /// # Errors
     /// [`Error::ViewsAlive`] while clones, slices or casts of the buffer are
     /// alive: the lease then stays until the last of them drops.
-    #[tracing::instrument(level = "debug", skip_all, fields(lease = attached.lease))]
+    #[tracing::instrument(level = "debug", skip_all, fields(lease = attached.lease()))]
     pub fn release<T: Pod>(&self, attached: Attachment<T>) -> Result<()> {
-        let Attachment { guard, buffer, .. } = attached;
+        self.before_release();
+        let (guard, buffer) = attached.into_parts();
         drop(buffer);
         guard.check_no_views(1)?;
         guard.end()
@@ -570,15 +349,22 @@ impl Subscriber {
     /// are legacy or pool memory (only VMM memory can be mapped read-only).
     #[tracing::instrument(level = "debug", skip(self))]
     pub fn attach_set_with(&self, name: &str, access: Access) -> Result<SetAttachment> {
-        self.do_attach_set_with(name, access)
+        self.on_link(true, |conn| self.do_attach_set_with(conn, name, access))
     }
 
     /// Waits up to `timeout` for the publisher's next update of `set`, then
     /// makes the device stream wait on the event recorded or the fence
     /// signalled with it (a fence wait has this subscriber's deadline and
-    /// fails with [`ChannelError::PeerGone`] if the publisher goes). Returns
-    /// the update's version; [`ChannelError::Unpublished`] when the publisher
+    /// fails with [`ChannelError::PeerGone`](crate::channel::ChannelError::PeerGone) if the publisher goes). Returns
+    /// the update's version; [`ChannelError::Unpublished`](crate::channel::ChannelError::Unpublished) when the publisher
     /// wants the set back (release it).
+    ///
+    /// A reconnecting subscriber whose publisher's process ends connects
+    /// again and waits on. If the publisher then serves another version of
+    /// the set than the one held, this returns at once, as for an update
+    /// (attach the set again for the current version; the one held stays
+    /// mapped); if it serves none, it is `Unpublished`; if it refuses the
+    /// set for now (a write in place, a torn set), its refusal.
     pub fn wait_set_update(&self, set: &SetAttachment, timeout: Duration) -> Result<u64> {
         self.do_wait_set_update(set, timeout)
     }
@@ -646,7 +432,7 @@ impl Subscriber {
     /// ([`SyncMode::Event`](super::SyncMode::Event)) and a fences-only ring
     /// ([`RingSync::FencesOnly`](super::RingSync::FencesOnly)), which records none.
     pub fn attach_ring<T: Pod>(&self, name: &str) -> Result<RingSubscriber<T>> {
-        self.do_attach_ring(name)
+        self.on_link(true, |conn| self.do_attach_ring(conn, name))
     }
 
     /// The next frame of `ring`, within `timeout`: a view of the slot's

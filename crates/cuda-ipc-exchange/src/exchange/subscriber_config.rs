@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::Access;
 
 use super::budget::MappingBudget;
+use super::link::Reconnect;
 use super::sync::SyncMode;
 
 /// How a [`Subscriber`](super::Subscriber) connects: `SubscriberConfig::default()`, adjusted
@@ -34,6 +35,11 @@ pub struct SubscriberConfig {
     /// refused with [`Error::Unsupported`](crate::error::Error::Unsupported)); a set whose publisher asks for
     /// read-only readers is mapped read-only whatever this says.
     pub access: Access,
+    /// Whether it connects again when the publisher's process ends
+    /// ([`Reconnect::IfPublisherRestarts`] by default: only when the
+    /// publisher said another process serves after it, as the weight
+    /// service under its keeper does).
+    pub reconnect: Reconnect,
 }
 
 impl Default for SubscriberConfig {
@@ -46,6 +52,7 @@ impl Default for SubscriberConfig {
             mapping_budget: MappingBudget::default(),
             spin: client.spin,
             access: Access::ReadWrite,
+            reconnect: Reconnect::default(),
         }
     }
 }
@@ -77,6 +84,16 @@ impl SubscriberConfig {
     #[must_use]
     pub fn with_access(mut self, access: Access) -> Self {
         self.access = access;
+        self
+    }
+
+    /// Whether it connects again when the publisher's process ends (see
+    /// [`SubscriberConfig::reconnect`] and
+    /// [`Subscriber`](super::Subscriber)'s "When the publisher's process
+    /// ends").
+    #[must_use]
+    pub fn with_reconnect(mut self, reconnect: Reconnect) -> Self {
+        self.reconnect = reconnect;
         self
     }
 

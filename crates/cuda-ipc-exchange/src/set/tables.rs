@@ -95,6 +95,14 @@ impl EntryTables {
         })
     }
 
+    /// Forgets every table kept (they named another publisher's entries).
+    pub(crate) fn clear(&self) {
+        self.recent
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+
     fn find_where(&self, matches: impl Fn(&Table) -> bool) -> Option<Arc<[SetEntry]>> {
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         let at = recent.iter().position(matches)?;

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cuda_ipc::exchange::{Endpoint, Subscriber, SubscriberConfig};
+use cuda_ipc::exchange::{Endpoint, Reconnect, Subscriber, SubscriberConfig};
 use cuda_ipc::memory::DeviceMemory;
 use cuda_ipc::{Access, Result};
 use pyo3::prelude::*;
@@ -22,8 +22,11 @@ impl PySubscriber {
     /// Connects to the publisher at `endpoint` (a name or a path); requests
     /// time out after `timeout` seconds. With `read_only`, everything this
     /// subscriber attaches is mapped read-only (VMM memory only).
+    /// `reconnect`: whether it connects again when the publisher's process
+    /// ends (`None`: when the publisher says another process serves after
+    /// it, as the weight service under its keeper does).
     #[new]
-    #[pyo3(signature = (endpoint, *, device=crate::args::Ordinal(0), timeout=5.0, allow_uids=Vec::new(), read_only=false))]
+    #[pyo3(signature = (endpoint, *, device=crate::args::Ordinal(0), timeout=5.0, allow_uids=Vec::new(), read_only=false, reconnect=None))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
@@ -31,7 +34,13 @@ impl PySubscriber {
         timeout: f64,
         allow_uids: Vec<crate::args::Uid>,
         read_only: bool,
+        reconnect: Option<bool>,
     ) -> PyResult<Self> {
+        let reconnect = match reconnect {
+            None => Reconnect::IfPublisherRestarts,
+            Some(true) => Reconnect::Always,
+            Some(false) => Reconnect::Never,
+        };
         let timeout = duration(Some(timeout)).py()?;
         crate::args::check_endpoint(py, endpoint)?;
         let allow_uids = crate::args::uids(allow_uids);
@@ -43,7 +52,8 @@ impl PySubscriber {
                 let config = SubscriberConfig::default()
                     .with_timeout(timeout)
                     .with_allow_uids(allow_uids)
-                    .with_access(Access::read_only_if(read_only));
+                    .with_access(Access::read_only_if(read_only))
+                    .with_reconnect(reconnect);
                 let sub = Subscriber::connect(&dev, Endpoint::from(endpoint), config)?;
                 phases.mark("connect");
                 Ok((sub, dev))
@@ -109,9 +119,66 @@ impl PySubscriber {
             .py()
     }
 
-    /// Whether the publisher is still there (does not block).
+    /// Whether the publisher is still there (does not block, does not
+    /// connect again).
     fn is_alive(&self) -> PyResult<bool> {
         Ok(self.get()?.is_alive())
+    }
+
+    /// Whether it connects again when the publisher's process ends.
+    #[getter]
+    fn reconnects(&self) -> PyResult<bool> {
+        Ok(self.get()?.reconnects())
+    }
+
+    /// Makes sure the connection is up: connects again if it ended, takes
+    /// back the leases of what it holds where the publisher still serves
+    /// it; what it did as JSON text (`connected`, `retaken`,
+    /// `old_versions`, `not_retaken`, `chunks`, `chunks_unleased`).
+    fn reconnect(&self, py: Python<'_>) -> PyResult<String> {
+        let s = self.get()?;
+        let done = py.detach(|| s.reconnect()).py()?;
+        Ok(serde_json::json!({
+            "connected": done.connected,
+            "retaken": done.retaken,
+            "old_versions": done.old_versions,
+            "not_retaken": done.not_retaken,
+            "chunks": done.chunks,
+            "chunks_unleased": done.chunks_unleased,
+        })
+        .to_string())
+    }
+
+    /// Steps aside from the service's set `name` for a write in place
+    /// (`cuda_ipc::service::step_aside`: the mappings must sleep already;
+    /// a reconnect steps aside again on the new connection until
+    /// `come_back`); the service's answer as JSON text.
+    fn step_aside(&self, py: Python<'_>, name: &str) -> PyResult<String> {
+        let s = self.get()?;
+        py.detach(|| {
+            cuda_ipc::service::step_aside(&s, name)
+                .map(|a| cuda_ipc::service::admin::encode(&a).to_string())
+        })
+        .py()
+    }
+
+    /// Waits up to `timeout` seconds for the in-place write of the
+    /// service's set `name` to end (with `next`: for the next version),
+    /// then wakes every mapping (`cuda_ipc::service::come_back`); the
+    /// service's answer as JSON text.
+    #[pyo3(signature = (name, *, next=false, timeout=600.0))]
+    fn come_back(&self, py: Python<'_>, name: &str, next: bool, timeout: f64) -> PyResult<String> {
+        let s = self.get()?;
+        let timeout = duration(Some(timeout)).py()?;
+        py.detach(|| {
+            if next {
+                cuda_ipc::service::come_back_next(&s, name, timeout)
+            } else {
+                cuda_ipc::service::come_back(&s, name, timeout)
+            }
+            .map(|a| cuda_ipc::service::admin::encode(&a).to_string())
+        })
+        .py()
     }
 
     /// How many mappings this subscriber opened (cache misses).

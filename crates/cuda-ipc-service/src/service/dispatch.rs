@@ -17,8 +17,8 @@ use crate::channel::CallError;
 use super::admin::{
     self, AbortAnswer, AbortRequest, AsideAnswer, AsideRequest, BackAnswer, BackRequest,
     CommitAnswer, CommitRequest, DropAnswer, DropRequest, LoadAnswer, LoadRequest, LsAnswer,
-    LsRequest, OpenWriteAnswer, OpenWriteRequest, Request, ShutdownAnswer, ShutdownRequest,
-    StatsAnswer, StatsRequest, decode, encode,
+    LsRequest, OpenWriteAnswer, OpenWriteRequest, ReadyAnswer, ReadyRequest, Request,
+    ShutdownAnswer, ShutdownRequest, StatsAnswer, StatsRequest, decode, encode,
 };
 use super::catalog::WriterId;
 
@@ -148,6 +148,13 @@ fn route(ops: &impl Ops, caller: WriterId, method: &str, body: &Value) -> Result
             let r: BackRequest = decode(method, body).map_err(bad_request)?;
             admin::validate_set_name(&r.set).map_err(bad_request)?;
             ops.back(caller, &r).map(|a| encode(&a))
+        }
+        ReadyRequest::METHOD => {
+            let _: ReadyRequest = decode(method, body).map_err(bad_request)?;
+            // The handler answers no call before the kept sets are served.
+            Ok(encode(&ReadyAnswer {
+                sets: ops.ls().sets.len(),
+            }))
         }
         other => Err(CallError::new(
             "unknown_method",
@@ -332,11 +339,21 @@ mod tests {
             ("aside", json!({"set": ""})),
             ("aside", json!({"set": "m", "version": 1})),
             ("back", json!({"set": "m", "timeout_ms": "1s"})),
+            ("ready", json!({"set": "m"})),
+            ("ready", json!(null)),
         ] {
             let e = dispatch(&f, caller(9), method, &body).unwrap_err();
             assert_eq!(e.code, "bad_request", "{method} {body}: {}", e.message);
         }
         assert_eq!(f.asked.borrow().len(), 4);
+    }
+
+    #[test]
+    fn ready_answers_with_the_sets_served() {
+        let f = Fake::default();
+        let a = dispatch(&f, caller(9), "ready", &json!({})).unwrap();
+        assert_eq!(a, json!({"sets": 0}));
+        assert_eq!(*f.asked.borrow(), ["ls"]);
     }
 
     #[test]

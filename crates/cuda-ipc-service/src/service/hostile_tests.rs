@@ -357,6 +357,8 @@ fn malformed() -> Vec<(&'static str, Value)> {
         ),
         ("shutdown", json!([])),
         ("shutdown", json!({"now": true})),
+        ("ready", json!({"wait": true})),
+        ("ready", json!([])),
         ("open_write", json!({})),
         ("open_write", json!({"set": 1})),
         ("open_write", json!({"set": "m", "layout": {}})),

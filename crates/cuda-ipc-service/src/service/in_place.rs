@@ -41,13 +41,13 @@ use std::time::{Duration, Instant};
 
 use crate::Access;
 use crate::arena::SetMember;
-use crate::channel::CallError;
+use crate::channel::{CallError, ChannelError};
 use crate::error::{Error, Result};
 use crate::exchange::Subscriber;
 
 use super::admin::{
     AsideAnswer, AsideRequest, BackAnswer, BackRequest, DEFAULT_ASIDE_WAIT_MS, MAX_ASIDE_WAIT_MS,
-    MAX_BACK_WAIT_MS, OpenWriteAnswer, OpenWriteRequest,
+    MAX_BACK_WAIT_MS, OpenWriteAnswer, OpenWriteRequest, Request, decode, encode,
 };
 use super::catalog::{self, CatalogError, Holder, WriterId};
 use super::layout::layout_hash;
@@ -438,13 +438,19 @@ pub fn step_aside(subscriber: &Subscriber, set: &str) -> Result<AsideAnswer> {
              the writer writes nothing a kernel of this process reads",
         ));
     }
-    call_within(
-        subscriber,
-        &AsideRequest {
-            set: set.to_owned(),
-        },
-        ASIDE_CALL_TIMEOUT,
-    )
+    let request = AsideRequest {
+        set: set.to_owned(),
+    };
+    // Kept for new connections until `come_back`: a reader that connects
+    // again to a restarted service is aside there too before its lease is
+    // back, so no write in place waits for it (or writes under it).
+    let answer = subscriber.call_and_keep(
+        AsideRequest::METHOD,
+        set,
+        &encode(&request),
+        Some(ASIDE_CALL_TIMEOUT),
+    )?;
+    decode(AsideRequest::METHOD, &answer).map_err(|e| Error::arg("service answer", e))
 }
 
 /// Waits up to `timeout` for the in-place write of `set` to end, then
@@ -480,15 +486,29 @@ fn come_back_with(
     let ms = u64::try_from(timeout.as_millis())
         .unwrap_or(u64::MAX)
         .min(MAX_BACK_WAIT_MS);
-    let back = call_within(
-        subscriber,
-        &BackRequest {
-            set: set.to_owned(),
-            timeout_ms: Some(ms),
-            next,
-        },
-        Duration::from_millis(ms) + ASIDE_CALL_TIMEOUT,
-    )?;
+    let request = BackRequest {
+        set: set.to_owned(),
+        timeout_ms: Some(ms),
+        next,
+    };
+    let wait = Duration::from_millis(ms) + ASIDE_CALL_TIMEOUT;
+    let back = match call_within(subscriber, &request, wait) {
+        // The serving process ended while this reader waited: a reader of
+        // a service under its keeper connects again (aside there too) and
+        // waits on the new process, once.
+        Err(Error::Channel(ChannelError::PeerGone)) if subscriber.reconnects() => {
+            call_within(subscriber, &request, wait)?
+        }
+        r => r?,
+    };
+    subscriber.forget_kept_call(AsideRequest::METHOD, set);
     subscriber.wake()?;
+    if subscriber.reconnects() {
+        // A lease refused while the write ran (a reconnect in the middle
+        // of it) is taken back now, not at the next call.
+        if let Err(e) = subscriber.reconnect() {
+            tracing::debug!(set, error = %e, "taking leases back after come_back failed");
+        }
+    }
     Ok(back)
 }

@@ -196,7 +196,11 @@ impl Service {
             .with_read_only_readers(true)
             .with_max_request_bytes(MAX_CALL_BYTES)
             .with_allow_uids(config.allow_uids.iter().copied())
-            .with_call_handler(handler);
+            .with_call_handler(handler)
+            // Under a keeper, another process serves after this one, from
+            // the same memory: readers connect again and take their leases
+            // back (`Reconnect::IfPublisherRestarts`).
+            .with_restarts(store.is_kept());
         // The socket of the process before: clients that connected while
         // none served wait in its backlog.
         if let Some(listener) = store.take_socket() {

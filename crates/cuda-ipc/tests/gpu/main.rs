@@ -31,6 +31,7 @@ mod set_fences;
 mod sleep;
 mod sleep_updates;
 mod survive;
+mod survive_readers;
 mod tensor_parallel;
 
 /// The full name of test `name` in module `module` (for `--exact`).

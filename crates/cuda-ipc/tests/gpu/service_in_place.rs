@@ -34,7 +34,7 @@ const WAIT_ENV: &str = "CUDA_IPC_TEST_IN_PLACE_WAIT_MS";
 /// An in-place writer child: opens in place (waiting as long as it is
 /// told), fills every tensor with its seed's pattern, says so, and commits
 /// when the parent says `commit` (or is killed before).
-fn placer() {
+pub(super) fn placer() {
     let parent = Parent::new();
     let device = Device::open(0).unwrap();
     let sub = connect(&device);
@@ -69,7 +69,7 @@ fn placer() {
     let _ = parent.recv();
 }
 
-fn code(e: &Error) -> Value {
+pub(super) fn code(e: &Error) -> Value {
     match e {
         Error::Channel(ChannelError::Remote { code, .. }) => json!(code),
         _ => Value::Null,
@@ -116,7 +116,7 @@ fn stepper() {
     }
 }
 
-fn spawn_placer(test: &str, socket: &Path, seed: u32, wait_ms: u64) -> Peer {
+pub(super) fn spawn_placer(test: &str, socket: &Path, seed: u32, wait_ms: u64) -> Peer {
     Peer::spawn_with(test, "placer", |c| {
         c.env("CUDA_IPC_TEST_WRITE_SOCKET", socket)
             .env("CUDA_IPC_TEST_WRITE_SEED", seed.to_string())

@@ -30,7 +30,7 @@ use serde_json::{Value, json};
 use super::common::{Parent, Peer, free_memory, role};
 use crate::{assert_ok, test_name};
 
-const SOCKET_ENV: &str = "CUDA_IPC_TEST_SURVIVE_SOCKET";
+pub(super) const SOCKET_ENV: &str = "CUDA_IPC_TEST_SURVIVE_SOCKET";
 const SEED_ENV: &str = "CUDA_IPC_TEST_SURVIVE_SEED";
 const ROUNDS_ENV: &str = "CUDA_IPC_KILL_ROUNDS";
 const SET: &str = "kept";
@@ -57,7 +57,7 @@ fn pattern(seed: u32, i: usize) -> Pattern {
 
 /// The serving process: takes back what the keeper holds, serves, and
 /// waits to be killed (or stopped: SIGTERM's default action).
-fn served() {
+pub(super) fn served() {
     // Gone with the test if it fails (the keeper is its thread).
     rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL)).unwrap();
     let device = Device::open(0).unwrap();
@@ -132,7 +132,7 @@ impl Rng {
     }
 }
 
-fn ls(socket: &Path) -> Result<LsAnswer, String> {
+pub(super) fn ls(socket: &Path) -> Result<LsAnswer, String> {
     let client =
         Client::connect(socket, ClientConfig::default()).map_err(|e| format!("connect: {e}"))?;
     let answer = client
@@ -143,7 +143,7 @@ fn ls(socket: &Path) -> Result<LsAnswer, String> {
 
 /// Waits until process `pid` is dead (gone, or a zombie its parent has not
 /// reaped yet).
-fn wait_gone(pid: u32) {
+pub(super) fn wait_gone(pid: u32) {
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(10) {
         match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -160,12 +160,12 @@ fn wait_gone(pid: u32) {
     panic!("process {pid} still runs 10 s after SIGKILL");
 }
 
-fn open_fds() -> usize {
+pub(super) fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
 /// Waits for the serving process that follows `old` to say it serves.
-fn next_ready(events: &mpsc::Receiver<KeeperEvent>, old: u32) -> (u32, Duration) {
+pub(super) fn next_ready(events: &mpsc::Receiver<KeeperEvent>, old: u32) -> (u32, Duration) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut started = None;
     while Instant::now() < deadline {
@@ -183,6 +183,85 @@ fn next_ready(events: &mpsc::Receiver<KeeperEvent>, old: u32) -> (u32, Duration)
         }
     }
     panic!("no serving process after {old} within 60 s");
+}
+
+/// The test process as the keeper of a serving child (role `served`, for
+/// the test `test`), on a socket in a temporary folder.
+pub(super) struct Kept {
+    _dir: tempfile::TempDir,
+    /// The service's socket.
+    pub(super) socket: PathBuf,
+    /// The serving process now, at the start.
+    pub(super) serving: u32,
+    /// What the keeper says.
+    pub(super) events: mpsc::Receiver<KeeperEvent>,
+    /// Stops the keeper.
+    pub(super) stop: Stopper,
+}
+
+/// Stops a [`Kept`]'s keeper and checks it closed what it kept.
+pub(super) struct Stopper {
+    flag: Arc<AtomicBool>,
+    keeping: std::thread::JoinHandle<(KeeperExit, usize)>,
+}
+
+impl Stopper {
+    pub(super) fn stop(self) {
+        self.flag.store(true, Ordering::SeqCst);
+        let (exit, kept_after) = self.keeping.join().unwrap();
+        assert!(matches!(exit, KeeperExit::Stopped(_)), "{exit:?}");
+        assert_eq!(kept_after, 0, "the keeper closed what it kept");
+    }
+}
+
+impl Kept {
+    /// Starts the keeper (with a standby or not) and waits for its first
+    /// serving process.
+    pub(super) fn start(test: &str, standby: bool) -> Kept {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("svc.sock");
+        let mut keeper = Keeper::bind(&dir.path().join("keeper.sock"))
+            .unwrap()
+            .with_standby(standby);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, events) = mpsc::channel();
+        let keeping = {
+            let (stop, socket, test) = (stop.clone(), socket.clone(), test.to_owned());
+            std::thread::spawn(move || {
+                let exe = std::env::current_exe().unwrap();
+                let mut make = || {
+                    let mut c = Command::new(&exe);
+                    c.args([
+                        test.as_str(),
+                        "--exact",
+                        "--ignored",
+                        "--nocapture",
+                        "--test-threads=1",
+                    ])
+                    .env(super::common::ROLE_ENV, "served")
+                    .env(SOCKET_ENV, &socket)
+                    .stdout(std::process::Stdio::null());
+                    c
+                };
+                let upgrade = AtomicBool::new(false);
+                let exit = keeper.supervise(&mut make, &stop, &upgrade, &mut |e| {
+                    let _ = tx.send(e);
+                });
+                (exit.unwrap(), keeper.names().len())
+            })
+        };
+        let (serving, _) = next_ready(&events, 0);
+        Kept {
+            _dir: dir,
+            socket,
+            serving,
+            events,
+            stop: Stopper {
+                flag: stop,
+                keeping,
+            },
+        }
+    }
 }
 
 /// The test's side of the rounds.
@@ -329,39 +408,8 @@ fn kill_rounds(test: &str, rounds: u32, standby: bool) {
     let device = Device::open(0).unwrap();
     let free_before = free_memory(&device);
     let fds_before = open_fds();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("svc.sock");
-    let mut keeper = Keeper::bind(&dir.path().join("keeper.sock"))
-        .unwrap()
-        .with_standby(standby);
-    let stop = Arc::new(AtomicBool::new(false));
-    let (tx, events) = mpsc::channel();
-    let keeping = {
-        let (stop, socket, test) = (stop.clone(), socket.clone(), test.clone());
-        std::thread::spawn(move || {
-            let exe = std::env::current_exe().unwrap();
-            let mut make = || {
-                let mut c = Command::new(&exe);
-                c.args([
-                    test.as_str(),
-                    "--exact",
-                    "--ignored",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(super::common::ROLE_ENV, "served")
-                .env(SOCKET_ENV, &socket)
-                .stdout(std::process::Stdio::null());
-                c
-            };
-            let upgrade = AtomicBool::new(false);
-            let exit = keeper.supervise(&mut make, &stop, &upgrade, &mut |e| {
-                let _ = tx.send(e);
-            });
-            (exit.unwrap(), keeper.names().len())
-        })
-    };
-    let (serving, _) = next_ready(&events, 0);
+    let kept = Kept::start(&test, standby);
+    let (socket, serving, events) = (kept.socket.clone(), kept.serving, kept.events);
     let mut run = Run {
         test: test.clone(),
         socket: socket.clone(),
@@ -378,10 +426,7 @@ fn kill_rounds(test: &str, rounds: u32, standby: bool) {
         takeovers.push(after);
     }
     let committed = run.committed;
-    stop.store(true, Ordering::SeqCst);
-    let (exit, kept_after) = keeping.join().unwrap();
-    assert!(matches!(exit, KeeperExit::Stopped(_)), "{exit:?}");
-    assert_eq!(kept_after, 0, "the keeper closed what it kept");
+    kept.stop.stop();
     takeovers.sort();
     let p = |q: f64| takeovers[((takeovers.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e3;
     println!(

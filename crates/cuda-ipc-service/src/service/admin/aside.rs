@@ -1,6 +1,6 @@
 //! The bodies of `aside` and `back`: a reader stepping aside from a set
 //! for a write in place, and coming back (the service's `in_place`
-//! module).
+//! module); and of `ready`, a reconnecting reader's first call.
 
 use serde::{Deserialize, Serialize};
 
@@ -73,3 +73,26 @@ pub struct BackAnswer {
 /// The longest a `back` waits (an in-place write of a large model takes
 /// seconds; a writer that never commits is cut off by its connection).
 pub const MAX_BACK_WAIT_MS: u64 = 600_000;
+
+/// `ready`: answered once the service serves what it kept through a
+/// restart (every call waits for that): the first call of a reader that
+/// connects again after the serving process ended
+/// ([`READY_METHOD`](crate::exchange::READY_METHOD)), before it takes its
+/// leases back. The body is `{}`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadyRequest {}
+
+impl Request for ReadyRequest {
+    const METHOD: &'static str = crate::exchange::READY_METHOD;
+    type Answer = ReadyAnswer;
+}
+
+/// The answer to `ready`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct ReadyAnswer {
+    /// How many sets the service serves.
+    pub sets: usize,
+}

@@ -15,6 +15,7 @@
 //! | `abort` | [`AbortRequest`] | [`AbortAnswer`] | the connection that opened the write |
 //! | `aside` | [`AsideRequest`] | [`AsideAnswer`] | any allowed uid (a reader stepping aside for an in-place write) |
 //! | `back` | [`BackRequest`] | [`BackAnswer`] | any allowed uid (the same reader, coming back) |
+//! | `ready` | [`ReadyRequest`] | [`ReadyAnswer`] | any allowed uid (a reader connecting again after a restart) |
 //!
 //! Decoding is strict both ways: an unknown field, a missing one or one of
 //! the wrong type is an error naming it ([`decode`]). Refusals travel as
@@ -30,7 +31,9 @@ use serde_json::Value;
 use super::catalog::{Holder, UidUsage};
 mod aside;
 mod tp;
-pub use aside::{AsideAnswer, AsideRequest, BackAnswer, BackRequest, MAX_BACK_WAIT_MS};
+pub use aside::{
+    AsideAnswer, AsideRequest, BackAnswer, BackRequest, MAX_BACK_WAIT_MS, ReadyAnswer, ReadyRequest,
+};
 pub use tp::TpRequest;
 
 /// The longest checkpoint path a load request carries, in bytes (a request
@@ -605,7 +608,7 @@ pub struct AbortAnswer {
 }
 
 /// Every method, in the table's order.
-pub const METHODS: [&str; 10] = [
+pub const METHODS: [&str; 11] = [
     LoadRequest::METHOD,
     LsRequest::METHOD,
     StatsRequest::METHOD,
@@ -616,6 +619,7 @@ pub const METHODS: [&str; 10] = [
     AbortRequest::METHOD,
     AsideRequest::METHOD,
     BackRequest::METHOD,
+    ReadyRequest::METHOD,
 ];
 
 /// One method's bodies, with the types erased: its name, and its request's
@@ -652,7 +656,7 @@ const fn bodies<R: Request>() -> MethodBodies {
 /// decoding (the `admin_body` fuzz target, the tests that replay its
 /// corpus) iterates over, so that a method listed here is checked without
 /// changing them.
-pub const BODIES: [MethodBodies; 10] = [
+pub const BODIES: [MethodBodies; 11] = [
     bodies::<LoadRequest>(),
     bodies::<LsRequest>(),
     bodies::<StatsRequest>(),
@@ -663,6 +667,7 @@ pub const BODIES: [MethodBodies; 10] = [
     bodies::<AbortRequest>(),
     bodies::<AsideRequest>(),
     bodies::<BackRequest>(),
+    bodies::<ReadyRequest>(),
 ];
 
 #[cfg(test)]
