@@ -39,7 +39,7 @@ from . import _core
 from .channel import Subscriber
 from .errors import CudaIpcError, InvalidInput
 
-__all__ = ["Reader", "Writer", "load", "save", "ls", "stats", "drop", "call"]
+__all__ = ["Reader", "Writer", "load", "save", "ls", "stats", "drop", "call", "shard_name"]
 
 
 def __dir__():
@@ -75,11 +75,20 @@ def call(service, method, body=None, *, timeout=5.0, allow_uids=()):
     return json.loads(text)
 
 
-def load(service, path, *, set="model", streams=None, staging=None, timeout=600.0, allow_uids=()):
+def load(service, path, *, set="model", streams=None, staging=None, tp=None, tp_rules=(),
+         timeout=600.0, allow_uids=()):
     """Has the service load the safetensors checkpoint at ``path`` (a file,
     a sharded checkpoint's index or a directory, made absolute here) as
     set ``set``, counted against the caller's quota; returns the answer
-    (``version``, ``tensors``, ``bytes``, ``load_s``, ``gb_per_s``, ...)."""
+    (``set``, ``version``, ``tensors``, ``bytes``, ``load_s``,
+    ``gb_per_s``, ...).
+
+    With ``tp=(rank, world)``, loads tensor-parallel rank ``rank``'s shard
+    of every tensor into the set ``shard_name(set, rank, world)``: each
+    tensor split along the dimension the rules give (``tp_rules``, a list
+    of ``(pattern, dim)`` pairs, ``dim`` ``None`` to replicate, tried in
+    order before the built-in rules for Llama, Qwen and Mistral names;
+    docs/SERVICE.md, "Tensor parallel")."""
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     path = os.path.abspath(_name("path", path))
@@ -88,7 +97,67 @@ def load(service, path, *, set="model", streams=None, staging=None, timeout=600.
         body["streams"] = _count("streams", streams)
     if staging is not None:
         body["staging"] = _count("staging", staging)
+    rules = _tp_rules(tp_rules)
+    if tp is not None:
+        rank, world = _tp(tp)
+        shard_name(set, rank, world)
+        body["tp"] = {"rank": rank, "world": world}
+        if rules:
+            body["tp"]["rules"] = rules
+    elif rules:
+        raise InvalidInput("tp_rules need tp=(rank, world)")
     return call(service, "load", body, timeout=timeout, allow_uids=allow_uids)
+
+
+# The most ranks a shard set names, rules a load takes and bytes a rule's
+# pattern has (the service's limits).
+_MAX_TP_WORLD = 64
+_MAX_TP_RULES = 64
+_MAX_TP_PATTERN = 256
+
+
+def shard_name(set, rank, world):
+    """The name of tensor-parallel rank ``rank``'s shard of set ``set``
+    among ``world`` ranks: ``f"{set}.tp{rank}-of-{world}"``, the set a
+    ``load(..., tp=(rank, world))`` fills (``world`` from 1 to 64, ``rank``
+    below it)."""
+    _name("set", set)
+    for what, n in (("rank", rank), ("world", world)):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise InvalidInput(f"tensor-parallel {what} must be an int, not {n!r}")
+    if not 1 <= world <= _MAX_TP_WORLD:
+        raise InvalidInput(f"tensor-parallel world: {world} ranks; give 1 to {_MAX_TP_WORLD}")
+    if not 0 <= rank < world:
+        raise InvalidInput(
+            f"tensor-parallel rank {rank} of {world}: ranks count from 0 to {world - 1}")
+    return f"{set}.tp{rank}-of-{world}"
+
+
+def _tp(tp):
+    if isinstance(tp, (str, bytes)) or not hasattr(tp, "__len__") or len(tp) != 2:
+        raise InvalidInput(f"tp must be a pair (rank, world), not {tp!r}")
+    return tuple(tp)
+
+
+def _tp_rules(rules):
+    if isinstance(rules, (str, bytes, dict)):
+        raise InvalidInput(f"tp_rules must be a list of (pattern, dim) pairs, not {rules!r}")
+    out = []
+    for rule in rules:
+        if isinstance(rule, (str, bytes)) or not hasattr(rule, "__len__") or len(rule) != 2:
+            raise InvalidInput(f"a tp rule must be a pair (pattern, dim or None), not {rule!r}")
+        pattern, dim = rule
+        if not isinstance(pattern, str) or not 1 <= len(pattern.encode()) <= _MAX_TP_PATTERN:
+            raise InvalidInput(
+                f"a tp rule's pattern must be a string of 1 to {_MAX_TP_PATTERN} bytes, "
+                f"not {pattern!r}")
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 0):
+            raise InvalidInput(
+                f"a tp rule's dim must be a dimension (an int from 0) or None, not {dim!r}")
+        out.append([pattern, dim])
+    if len(out) > _MAX_TP_RULES:
+        raise InvalidInput(f"{len(out)} tp rules, more than {_MAX_TP_RULES}")
+    return out
 
 
 def save(service, path, *, set="model", overwrite=False, streams=None, staging=None, device=0,

@@ -75,6 +75,55 @@ class Arguments(unittest.TestCase):
                     service._layout(bad)
 
 
+class TensorParallel(unittest.TestCase):
+    def test_shard_names(self):
+        self.assertEqual(service.shard_name("model", 3, 8), "model.tp3-of-8")
+        self.assertEqual(service.shard_name("m", 0, 1), "m.tp0-of-1")
+        self.assertEqual(service.shard_name("m", 63, 64), "m.tp63-of-64")
+        self.assertIn("shard_name", service.__all__)
+        for bad in (("m", 2, 2), ("m", -1, 2), ("m", 0, 0), ("m", 0, 65), ("", 0, 2),
+                    ("m", True, 2), ("m", 0, 2.0), ("m", "0", 2), (None, 0, 2)):
+            with self.subTest(args=bad):
+                with self.assertRaises(InvalidInput):
+                    service.shard_name(*bad)
+
+    def _body(self, **kwargs):
+        """The body load sends, without a service."""
+        sent = []
+        real = service.call
+        service.call = lambda svc, method, body, **kw: sent.append((method, body)) or {}
+        try:
+            service.load("svc", "/m", **kwargs)
+        finally:
+            service.call = real
+        self.assertEqual(sent[0][0], "load")
+        return sent[0][1]
+
+    def test_a_shard_s_load_sends_rank_world_and_rules(self):
+        self.assertNotIn("tp", self._body())
+        self.assertEqual(self._body(tp=(1, 4))["tp"], {"rank": 1, "world": 4})
+        body = self._body(set="llama", tp=[7, 8], tp_rules=[("experts", 1), ("bias", None)])
+        self.assertEqual(body["set"], "llama")
+        self.assertEqual(body["tp"], {"rank": 7, "world": 8,
+                                      "rules": [["experts", 1], ["bias", None]]})
+
+    def test_bad_shards_and_rules_are_refused_before_anything_is_sent(self):
+        for kwargs in ({"tp": (2, 2)}, {"tp": (0, 65)}, {"tp": 4}, {"tp": "0/2"},
+                       {"tp": (0, 2, 1)}, {"tp": (0.0, 2)},
+                       {"tp_rules": [("norm", None)]},
+                       {"tp": (0, 2), "tp_rules": "norm=0"},
+                       {"tp": (0, 2), "tp_rules": [("norm",)]},
+                       {"tp": (0, 2), "tp_rules": [("", 0)]},
+                       {"tp": (0, 2), "tp_rules": [("x" * 257, 0)]},
+                       {"tp": (0, 2), "tp_rules": [("norm", -1)]},
+                       {"tp": (0, 2), "tp_rules": [("norm", True)]},
+                       {"tp": (0, 2), "tp_rules": [("norm", "1")]},
+                       {"tp": (0, 2), "tp_rules": [("norm", 0)] * 65}):
+            with self.subTest(kwargs=kwargs):
+                with self.assertRaises(InvalidInput):
+                    self._body(**kwargs)
+
+
 class MissingService(unittest.TestCase):
     def test_a_missing_service_is_a_cuda_ipc_error_naming_it(self):
         name = f"no-such-service-{os.getpid()}"

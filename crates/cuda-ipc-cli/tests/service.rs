@@ -126,6 +126,8 @@ fn client_options_are_checked_before_anything_is_sent() {
     std::fs::write(&file, b"x").unwrap();
     let f = file.to_str().unwrap();
     let missing = dir.path().join("missing.safetensors");
+    // A set name that fits, whose shard name does not.
+    let long_set = "m".repeat(250);
     for (args, why) in [
         (vec!["load", "--set", "", f], "must not be empty"),
         (
@@ -139,6 +141,18 @@ fn client_options_are_checked_before_anything_is_sent() {
         (vec!["load", "--streams", "0", f], "0 is not from 1 to 1024"),
         (vec!["load", "--staging", "0", f], "at least one byte"),
         (vec!["load"], "PATH"),
+        (vec!["load", "--tp", "2/2", f], "rank 2 of 2"),
+        (vec!["load", "--tp", "3", f], "not R/N"),
+        (vec!["load", "--tp", "0/65", f], "65 ranks"),
+        (vec!["load", "--tp-rule", "x=1", f], "--tp <R/N>"),
+        (
+            vec!["load", "--tp", "0/2", "--tp-rule", "x", f],
+            "PATTERN=DIM",
+        ),
+        (
+            vec!["load", "--tp", "0/2", "--set", &long_set, f],
+            "set name",
+        ),
         (vec!["drop"], "SET"),
         (vec!["drop", ""], "must not be empty"),
         (vec!["ls", "--service", ""], "it is empty"),
@@ -283,13 +297,30 @@ fn the_clients_speak_the_admin_protocol() {
     let o = cuda_ipc(&["load", "--service", &s, "--set", "bad", f]);
     assert_error(&["load"], &o, 2, "not a safetensors file");
     assert_no_panic(&o);
+    let o = cuda_ipc(&[
+        "load",
+        "--service",
+        &s,
+        "--set",
+        "m",
+        f,
+        "--tp",
+        "1/4",
+        "--tp-rule",
+        "norm=replicate",
+        "--tp-rule",
+        "experts=1",
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
 
     // What the service was asked: strict bodies, an absolute path.
     let asked = asked.lock().unwrap();
     let methods: Vec<&str> = asked.iter().map(|(m, _)| m.as_str()).collect();
     assert_eq!(
         methods,
-        ["ls", "ls", "stats", "drop", "drop", "load", "load", "load"]
+        [
+            "ls", "ls", "stats", "drop", "drop", "load", "load", "load", "load"
+        ]
     );
     assert_eq!(asked[0].1, json!({}));
     assert_eq!(asked[3].1, json!({"set": "model", "force": false}));
@@ -298,4 +329,12 @@ fn the_clients_speak_the_admin_protocol() {
     assert_eq!(load["streams"], json!(2));
     assert!(load["path"].as_str().unwrap().starts_with('/'), "{load}");
     assert!(load.get("staging").is_none(), "{load}");
+    assert!(load.get("tp").is_none(), "{load}");
+    // A shard: the set's name, the rank, the world and the rules in order.
+    let load = &asked[8].1;
+    assert_eq!(load["set"], json!("m"));
+    assert_eq!(
+        load["tp"],
+        json!({"rank": 1, "world": 4, "rules": [["norm", null], ["experts", 1]]})
+    );
 }

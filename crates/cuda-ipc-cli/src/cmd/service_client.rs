@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use cuda_ipc::Error;
 use cuda_ipc::channel::{ChannelError, Client, ClientConfig};
-use cuda_ipc::checkpoint::PlanOptions;
+use cuda_ipc::checkpoint::{PlanOptions, TpRule, TpShard};
 use cuda_ipc::service::admin::{self, DropRequest, LoadRequest, LsRequest, Request, StatsRequest};
 use cuda_ipc::service::catalog::holders_text;
 
@@ -55,6 +55,38 @@ pub struct LoadArgs {
     /// seconds). The service finishes a load this gives up on: `ls` shows it.
     #[arg(long, value_parser = super::parse_duration, default_value = "10m", allow_negative_numbers = true)]
     pub timeout: Duration,
+    /// Load tensor-parallel rank R's shard of N (`--tp 3/8`) into the set
+    /// SET.tpR-of-N: each tensor split as the rules say (docs/SERVICE.md,
+    /// "Tensor parallel").
+    #[arg(long, value_name = "R/N", value_parser = parse_tp)]
+    pub tp: Option<(u32, u32)>,
+    /// A rule before the built-in ones (repeatable, first match wins):
+    /// tensors whose name contains PATTERN are split along dimension DIM,
+    /// or replicated (PATTERN=replicate).
+    #[arg(long = "tp-rule", value_name = "PATTERN=DIM", requires = "tp", value_parser = parse_tp_rule)]
+    pub tp_rules: Vec<TpRule>,
+}
+
+/// Parses `--tp R/N` for clap.
+fn parse_tp(s: &str) -> Result<(u32, u32), String> {
+    let bad = || {
+        format!(
+            "{} is not R/N; write for example 3/8 (rank 3 of 8 ranks)",
+            cuda_ipc::units::shorten(s, 40)
+        )
+    };
+    let (rank, world) = s.split_once('/').ok_or_else(bad)?;
+    let (rank, world) = (
+        rank.parse().map_err(|_| bad())?,
+        world.parse().map_err(|_| bad())?,
+    );
+    cuda_ipc::checkpoint::shard_name("x", rank, world).map_err(|e| e.to_string())?;
+    Ok((rank, world))
+}
+
+/// Parses `--tp-rule PATTERN=DIM` or `PATTERN=replicate` for clap.
+fn parse_tp_rule(s: &str) -> Result<TpRule, String> {
+    s.parse().map_err(|e: Error| e.to_string())
 }
 
 /// Arguments of `ls` and `stats`.
@@ -155,8 +187,18 @@ pub fn load_request(args: &LoadArgs) -> Result<LoadRequest, Error> {
     options
         .validate()
         .map_err(|e| bad("--streams or --staging", e.to_string()))?;
-    let request =
-        LoadRequest::new(&args.set, path.to_string_lossy()).with_copies(args.streams, args.staging);
+    let shard = match args.tp {
+        Some((rank, world)) => Some(
+            TpShard::new(rank, world, args.tp_rules.clone())
+                .map_err(|e| bad("--tp or --tp-rule", e.to_string()))?,
+        ),
+        None => None,
+    };
+    let request = LoadRequest::new(&args.set, path.to_string_lossy())
+        .with_copies(args.streams, args.staging)
+        .with_tp(shard.as_ref());
+    // A shard's set name must be a set name too.
+    request.target().map_err(|r| bad("--set with --tp", r))?;
     request.validate().map_err(|r| bad("checkpoint", r))?;
     Ok(request)
 }
@@ -180,7 +222,10 @@ pub fn load(args: &LoadArgs) -> Result<Outcome, Error> {
     let client = connect(&args.opts)?;
     let bar = spinner(format!(
         "the service is loading {} into set {}",
-        request.path, request.set
+        request.path,
+        request
+            .target()
+            .map_or_else(|_| request.set.clone(), |t| t.0)
     ));
     let answer = call(&client, &request, args.timeout);
     bar.finish_and_clear();

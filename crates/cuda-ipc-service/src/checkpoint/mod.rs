@@ -24,6 +24,9 @@
 //!   staging pieces of a bounded size assigned round-robin to streams:
 //!   each piece is a file range and the place in a chunk it goes to, and
 //!   the pieces cover every tensor byte exactly once.
+//! - [`Checkpoint::plan_shard`] plans the load of one tensor-parallel
+//!   rank's shard ([`TpShard`], the [`tp`] module): each tensor split
+//!   along the dimension its rules give, or whole.
 //!
 //! # The contract
 //! - **Names** are the file's, byte for byte. A name appears once in a
@@ -81,6 +84,7 @@ mod header;
 mod index;
 mod open;
 mod plan;
+pub mod tp;
 
 use std::ops::Range;
 use std::path::Path;
@@ -89,7 +93,8 @@ pub use file::{AnyReadable, FileMeta, ReadPolicy};
 pub use header::{FileHeader, MAX_HEADER_BYTES, MAX_HEADER_BYTES_TOTAL};
 pub use index::{MAX_INDEX_BYTES, MAX_SHARDS, ShardIndex};
 pub use open::{Checkpoint, CheckpointFile, INDEX_NAME, SINGLE_NAME};
-pub use plan::{Chunk, MAX_PIECES, Piece, Placement, Plan, PlanOptions};
+pub use plan::{Chunk, Gather, MAX_PIECES, Piece, Placement, Plan, PlanOptions};
+pub use tp::{TpRule, TpShard, shard_name};
 
 use crate::descriptor::Dtype;
 use crate::error::Error;

@@ -11,7 +11,7 @@ use super::file::{
 use super::header::{LEN_BYTES, header_len, parse_prefix};
 use super::{
     FileHeader, MAX_HEADER_BYTES_TOTAL, MAX_INDEX_BYTES, MAX_SHARDS, Plan, PlanOptions, ShardIndex,
-    TensorEntry, err,
+    TensorEntry, TpShard, err,
 };
 use crate::error::{Error, Result};
 use crate::units::shorten;
@@ -193,6 +193,27 @@ impl Checkpoint {
     /// The plan of a load of every tensor ([`Plan::new`]).
     pub fn plan(&self, options: &PlanOptions) -> Result<Plan> {
         Plan::new(&self.tensors, options)
+    }
+
+    /// The plan of a load of `shard`'s share of every tensor
+    /// ([`Plan::for_shard`]); a tensor it cannot split is an
+    /// [`Error::Checkpoint`] naming its file and the tensor, and what to do.
+    pub fn plan_shard(&self, options: &PlanOptions, shard: &TpShard) -> Result<Plan> {
+        Plan::build(&self.tensors, options, Some(shard), &|t, why| {
+            let file = self
+                .files
+                .get(t.file)
+                .map_or(self.path.as_path(), |f| f.path.as_path());
+            super::err(
+                file,
+                t.name.clone(),
+                format!(
+                    "tensor-parallel rank {} of {}: {why}",
+                    shard.rank(),
+                    shard.world()
+                ),
+            )
+        })
     }
 }
 

@@ -13,10 +13,21 @@
 //!   piece `i` of the whole plan goes to stream `i % streams`. A piece never
 //!   spans two tensors, and the pieces of a tensor cover its bytes exactly
 //!   once, in the file and in the chunk.
+//! - **Shards** ([`Plan::for_shard`], the `tp` module): a tensor split
+//!   along dimension 0, or replicated, is a contiguous range of its file,
+//!   cut into pieces as above. One split along a later dimension is
+//!   `rows` runs of bytes, one every `pitch` bytes of the file. Where a
+//!   row's pitch fits in a piece, a piece takes as many whole rows as fit
+//!   ([`Gather`]: one read of the file's bytes from its first run to its
+//!   last, of at most `piece_size` bytes, whose runs are gathered into the
+//!   staging buffer); where it does not, each run is cut into pieces of
+//!   its own, contiguous in the file. Either way, no piece reads or
+//!   stages more than `piece_size` bytes.
 
 use std::ops::Range;
 
 use super::TensorEntry;
+use super::tp::{self, Slice, TpShard};
 use crate::arena::{ArenaOptions, DEFAULT_ALIGNMENT};
 use crate::error::{Error, Result};
 use crate::units::{MIB, shorten};
@@ -166,6 +177,71 @@ pub struct Piece {
     pub chunk: usize,
     /// Where in the chunk it starts.
     pub chunk_offset: u64,
+    /// Rows of a tensor split along a dimension after the first, gathered
+    /// from the file; `None`: the piece is the `len` bytes of the file at
+    /// `file_offset`.
+    pub gather: Option<Gather>,
+}
+
+impl Piece {
+    /// The bytes of the file the piece reads, from `file_offset`: `len`,
+    /// or for a gather, from its first row's bytes to its last's.
+    pub fn file_len(&self) -> u64 {
+        match self.gather {
+            Some(g) => (g.rows - 1) * g.pitch + self.len / g.rows,
+            None => self.len,
+        }
+    }
+}
+
+/// How a [`Piece`] gathers its rows: it reads [`Piece::file_len`] bytes
+/// from its `file_offset`, and row `r` of its bytes (`len / rows` each)
+/// is the bytes at `r * pitch` there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Gather {
+    /// The rows (at least 2).
+    pub rows: u64,
+    /// Bytes from one row's start to the next in the file (more than a
+    /// row's width).
+    pub pitch: u64,
+}
+
+impl Gather {
+    /// Gathers `dst.len() / rows` items of every row of `src` (a piece's
+    /// file bytes, or anything laid out like them) into `dst`, row after
+    /// row.
+    ///
+    /// # Errors
+    /// `dst` that does not hold `rows` rows, or `src` too short for them.
+    pub fn apply<T: Copy>(&self, src: &[T], dst: &mut [T]) -> Result<()> {
+        let rows = usize::try_from(self.rows).unwrap_or(usize::MAX);
+        let pitch = usize::try_from(self.pitch).unwrap_or(usize::MAX);
+        let width = dst.len() / rows.max(1);
+        let need = (rows.saturating_sub(1))
+            .checked_mul(pitch)
+            .and_then(|n| n.checked_add(width));
+        if rows == 0
+            || width * rows != dst.len()
+            || width > pitch
+            || need.is_none_or(|n| n > src.len())
+        {
+            return Err(Error::arg(
+                "gather",
+                format!(
+                    "{} rows of pitch {} do not fit {} bytes into {}",
+                    self.rows,
+                    self.pitch,
+                    src.len(),
+                    dst.len()
+                ),
+            ));
+        }
+        for (r, row) in dst.chunks_exact_mut(width.max(1)).enumerate() {
+            row.copy_from_slice(&src[r * pitch..r * pitch + row.len()]);
+        }
+        Ok(())
+    }
 }
 
 /// The layout of a list of tensors in chunks, and the copy schedule that
@@ -177,6 +253,8 @@ pub struct Plan {
     placements: Vec<Placement>,
     pieces: Vec<Piece>,
     payload: u64,
+    shapes: Vec<Vec<u64>>,
+    shard: Option<TpShard>,
 }
 
 impl Plan {
@@ -185,12 +263,43 @@ impl Plan {
     /// exactly its shape's elements; more than [`MAX_PIECES`] pieces; sizes
     /// that overflow 64 bits.
     pub fn new(tensors: &[TensorEntry], options: &PlanOptions) -> Result<Plan> {
+        Plan::build(tensors, options, None, &|_, why| Error::arg("plan", why))
+    }
+
+    /// Plans a load of `shard`'s share of each of `tensors` (the `tp`
+    /// module's rules): the placements, pieces and shapes of the shard.
+    /// Refused: [`Plan::new`]'s refusals, and a tensor the shard cannot
+    /// split, naming it and what to do.
+    pub fn for_shard(
+        tensors: &[TensorEntry],
+        options: &PlanOptions,
+        shard: &TpShard,
+    ) -> Result<Plan> {
+        Plan::build(tensors, options, Some(shard), &|t, why| {
+            Error::arg(
+                "tensor-parallel shard",
+                format!("{}: {why}", shorten(&t.name, 80)),
+            )
+        })
+    }
+
+    /// The plan of `tensors` (or of `shard`'s share of them), `refuse`
+    /// naming a tensor the shard cannot split.
+    pub(crate) fn build(
+        tensors: &[TensorEntry],
+        options: &PlanOptions,
+        shard: Option<&TpShard>,
+        refuse: &dyn Fn(&TensorEntry, String) -> Error,
+    ) -> Result<Plan> {
         options.validate()?;
-        let mut count = 0u64;
         for t in tensors {
             check_tensor(t)?;
-            count += t.len().div_ceil(options.piece_size);
         }
+        let slices = tp::slices(tensors, shard).map_err(|(i, why)| refuse(&tensors[i], why))?;
+        let count = slices
+            .iter()
+            .map(|s| piece_count(s, options.piece_size))
+            .fold(0u64, u64::saturating_add);
         if count > MAX_PIECES {
             return Err(Error::arg(
                 "plan piece size",
@@ -200,32 +309,45 @@ impl Plan {
                 ),
             ));
         }
-        let (chunks, placements) = layout(tensors, options)?;
+        let lens: Vec<u64> = slices.iter().map(Slice::len).collect();
+        let (chunks, placements) = layout(&lens, options)?;
         let mut pieces = Vec::with_capacity(count as usize);
         for p in &placements {
-            let t = &tensors[p.tensor];
-            let mut done = 0;
-            while done < p.len {
-                let len = options.piece_size.min(p.len - done);
+            let mut add = |file_offset, len, at, gather| {
                 pieces.push(Piece {
                     tensor: p.tensor,
                     stream: pieces.len() % options.streams,
-                    file: t.file,
-                    file_offset: t.range.start + done,
+                    file: tensors[p.tensor].file,
+                    file_offset,
                     len,
                     chunk: p.chunk,
-                    chunk_offset: p.offset + done,
+                    chunk_offset: p.offset + at,
+                    gather,
                 });
-                done += len;
-            }
+            };
+            cut(&slices[p.tensor], options.piece_size, &mut add);
         }
+        debug_assert_eq!(pieces.len() as u64, count, "piece_count agrees with cut");
         Ok(Plan {
             options: options.clone(),
             chunks,
             placements,
             pieces,
-            payload: tensors.iter().map(TensorEntry::len).sum(),
+            payload: lens.iter().sum(),
+            shapes: slices.into_iter().map(|s| s.shape).collect(),
+            shard: shard.cloned(),
         })
+    }
+
+    /// Each tensor's shape as loaded (its shard's, for a shard's plan),
+    /// in the order of the tensors given.
+    pub fn shapes(&self) -> &[Vec<u64>] {
+        &self.shapes
+    }
+
+    /// The shard the plan loads (`None`: whole tensors).
+    pub fn shard(&self) -> Option<&TpShard> {
+        self.shard.as_ref()
     }
 
     /// The options the plan was made with.
@@ -258,7 +380,8 @@ impl Plan {
         self.chunks.iter().map(|c| c.len).sum()
     }
 
-    /// The bytes of all tensors: what the load copies.
+    /// The bytes of all tensors (their shards' for a shard's plan): what
+    /// the load copies.
     pub fn payload_bytes(&self) -> u64 {
         self.payload
     }
@@ -291,10 +414,52 @@ fn align_up(n: u64, align: u64) -> Result<u64> {
         .ok_or_else(|| Error::arg("plan", format!("{n} bytes overflow 64 bits when aligned")))
 }
 
-/// The chunks and every tensor's place in them.
-fn layout(tensors: &[TensorEntry], o: &PlanOptions) -> Result<(Vec<Chunk>, Vec<Placement>)> {
+/// How many pieces [`cut`] makes of `s`.
+fn piece_count(s: &Slice, piece_size: u64) -> u64 {
+    if s.rows == 1 {
+        s.width.div_ceil(piece_size)
+    } else if s.pitch <= piece_size {
+        s.rows.div_ceil(piece_size / s.pitch)
+    } else {
+        s.rows.saturating_mul(s.width.div_ceil(piece_size))
+    }
+}
+
+/// Cuts `s` into pieces of at most `piece_size` bytes read and staged,
+/// in order: `add(file_offset, len, offset in the tensor, gather)`.
+fn cut(s: &Slice, piece_size: u64, add: &mut dyn FnMut(u64, u64, u64, Option<Gather>)) {
+    let mut run = |file: u64, len: u64, at: u64| {
+        let mut done = 0;
+        while done < len {
+            let n = piece_size.min(len - done);
+            add(file + done, n, at + done, None);
+            done += n;
+        }
+    };
+    if s.rows == 1 || s.pitch > piece_size {
+        // Contiguous, or rows too wide to read whole: each run on its own.
+        for r in 0..s.rows {
+            run(s.first + r * s.pitch, s.width, r * s.width);
+        }
+        return;
+    }
+    let per = piece_size / s.pitch;
+    let mut r = 0;
+    while r < s.rows {
+        let rows = per.min(s.rows - r);
+        let gather = (rows > 1).then_some(Gather {
+            rows,
+            pitch: s.pitch,
+        });
+        add(s.first + r * s.pitch, rows * s.width, r * s.width, gather);
+        r += rows;
+    }
+}
+
+/// The chunks and the place in them of every tensor of `lens` bytes.
+fn layout(lens: &[u64], o: &PlanOptions) -> Result<(Vec<Chunk>, Vec<Placement>)> {
     let mut chunks = Vec::new();
-    let mut placements: Vec<Placement> = Vec::with_capacity(tensors.len());
+    let mut placements: Vec<Placement> = Vec::with_capacity(lens.len());
     // The open chunk: its first placement and where its bytes end.
     let mut first = 0;
     let mut end = 0u64;
@@ -305,8 +470,7 @@ fn layout(tensors: &[TensorEntry], o: &PlanOptions) -> Result<(Vec<Chunk>, Vec<P
         });
         Ok(())
     };
-    for (i, t) in tensors.iter().enumerate() {
-        let len = t.len();
+    for (i, &len) in lens.iter().enumerate() {
         let mut offset = align_up(end, o.alignment)?;
         let fits = offset.checked_add(len).is_some_and(|e| e <= o.chunk_size);
         if !fits && i > first {
@@ -324,8 +488,8 @@ fn layout(tensors: &[TensorEntry], o: &PlanOptions) -> Result<(Vec<Chunk>, Vec<P
             .checked_add(len)
             .ok_or_else(|| Error::arg("plan", "a chunk's length overflows 64 bits"))?;
     }
-    if !tensors.is_empty() {
-        close(&mut chunks, first, tensors.len(), end)?;
+    if !lens.is_empty() {
+        close(&mut chunks, first, lens.len(), end)?;
     }
     Ok((chunks, placements))
 }

@@ -14,12 +14,17 @@
 //!    recorded after its previous copy has passed, then copied with
 //!    `cuMemcpyHtoDAsync`, so that filling one buffer overlaps the other's
 //!    copy. The copy streams first wait for the work queued on the chunks'
-//!    own streams.
+//!    own streams. A piece that gathers rows (a tensor-parallel shard
+//!    split along a dimension after the first: [`Gather`](crate::checkpoint::Gather))
+//!    is read into a buffer of its stream's thread (one `pread`, at most
+//!    a piece's size, reused), and its rows are gathered from there into
+//!    the staging buffer.
 //! 3. **Progress.** The callback hears (bytes copied, bytes in all), on the
 //!    calling thread, as copies finish.
 //! 4. **Publishing.** [`LoadedCheckpoint::publish`] publishes every tensor
 //!    as a member of one set: the file's names, the checkpoint's dtypes and
-//!    shapes. Every copy has finished (each stream synchronised) before the
+//!    shapes (a shard's shapes, for a plan of a shard:
+//!    [`load_plan_until`]). Every copy has finished (each stream synchronised) before the
 //!    load returns, so the set's event covers them.
 //!
 //! # Errors and memory
@@ -60,7 +65,8 @@ pub struct LoadedTensor {
     pub name: String,
     /// Its element type.
     pub dtype: Dtype,
-    /// Its dimensions in elements.
+    /// Its dimensions in elements (a tensor-parallel shard's, for a load
+    /// of one).
     pub shape: Vec<u64>,
     /// The buffer holding it: an index into [`LoadedCheckpoint::buffers`].
     pub buffer: usize,
@@ -211,6 +217,36 @@ pub fn load_checkpoint_until(
 ) -> Result<LoadedCheckpoint> {
     check_publishable(ckpt)?;
     let plan = ckpt.plan(options)?;
+    load_plan_until(publisher, ckpt, &plan, progress, stop)
+}
+
+/// [`load_checkpoint_until`] following `plan`, a plan of `ckpt`'s tensors
+/// ([`Checkpoint::plan`], or [`Checkpoint::plan_shard`] for one
+/// tensor-parallel rank's shard: the tensors loaded are then the shard's,
+/// with its shapes).
+///
+/// # Errors
+/// [`load_checkpoint_until`]'s, and an invalid argument for a plan of
+/// another list of tensors.
+pub fn load_plan_until(
+    publisher: &Publisher,
+    ckpt: &Checkpoint,
+    plan: &Plan,
+    progress: &mut dyn FnMut(u64, u64),
+    stop: &AtomicBool,
+) -> Result<LoadedCheckpoint> {
+    check_publishable(ckpt)?;
+    if plan.placements().len() != ckpt.tensors().len() {
+        return Err(Error::arg(
+            "load plan",
+            format!(
+                "a plan of {} tensors for a checkpoint of {}",
+                plan.placements().len(),
+                ckpt.tensors().len()
+            ),
+        ));
+    }
+    let options = plan.options();
     let arena = publisher.arena()?;
     let device = arena.backing().device().clone();
     let started = Instant::now();
@@ -234,10 +270,10 @@ pub fn load_checkpoint_until(
                 .map_err(|e| from_cudarc("cuStreamWaitEvent", e))?;
         }
     }
-    copy_all(&device, ckpt, &plan, &buffers, &streams, progress, stop)?;
+    copy_all(&device, ckpt, plan, &buffers, &streams, progress, stop)?;
     let elapsed = started.elapsed();
     Ok(LoadedCheckpoint {
-        tensors: tensors_of(ckpt, &plan),
+        tensors: tensors_of(ckpt, plan),
         report: LoadReport {
             tensors: ckpt.tensors().len(),
             files: ckpt.files().len(),
@@ -281,7 +317,7 @@ fn copy_all(
     )
 }
 
-/// Every tensor of `ckpt` and its place in `plan`.
+/// Every tensor of `ckpt` and its place and shape in `plan`.
 fn tensors_of(ckpt: &Checkpoint, plan: &Plan) -> Vec<LoadedTensor> {
     plan.placements()
         .iter()
@@ -290,7 +326,7 @@ fn tensors_of(ckpt: &Checkpoint, plan: &Plan) -> Vec<LoadedTensor> {
             LoadedTensor {
                 name: t.name.clone(),
                 dtype: t.dtype,
-                shape: t.shape.clone(),
+                shape: plan.shapes()[p.tensor].clone(),
                 buffer: p.chunk,
                 offset: p.offset,
                 len: p.len,

@@ -1,5 +1,8 @@
 //! The copy of one stream: page-locked staging buffers filled from the
 //! checkpoint's files (`pread`) and copied to the device, double-buffered.
+//! A piece that gathers rows is read into the stream's scratch buffer
+//! (ordinary memory, as large as its largest such piece's file bytes,
+//! reused) and its rows are gathered from there into the staging buffer.
 // `unsafe`: the asynchronous copies into the chunks, with SAFETY notes.
 #![allow(unsafe_code)]
 
@@ -90,6 +93,8 @@ fn copy_steps(
     len: usize,
     done: &Sender<u64>,
 ) -> Result<()> {
+    // The file bytes of gathering pieces: at most a piece's size.
+    let mut scratch = Vec::new();
     for step in steps {
         if job.abort.load(Ordering::Relaxed) {
             return Ok(()); // another stream failed and reports it
@@ -105,8 +110,16 @@ fn copy_steps(
             Some(slot) => slot,
             empty => empty.insert(Staging::new(job.device, len)?),
         };
-        copy_piece(job, stream, piece, slot, step.after.is_some(), done)
-            .map_err(|e| job.name(piece, e))?;
+        copy_piece(
+            job,
+            stream,
+            piece,
+            slot,
+            step.after.is_some(),
+            &mut scratch,
+            done,
+        )
+        .map_err(|e| job.name(piece, e))?;
     }
     Ok(())
 }
@@ -117,12 +130,53 @@ fn copy_piece(
     piece: &Piece,
     slot: &mut Staging,
     reused: bool,
+    scratch: &mut Vec<u8>,
     done: &Sender<u64>,
 ) -> Result<()> {
+    if let Some(g) = piece.gather {
+        // Read before waiting for the staging buffer: the read overlaps
+        // its copy in flight.
+        let file_bytes = read_rows(job, piece, scratch)?;
+        if reused {
+            let _ = done.send(slot.wait()?);
+        }
+        let base = chunk_base(job, piece)?;
+        slot.fill(piece.len, |dst| g.apply(file_bytes, dst))?;
+        return queue(base, stream, piece, slot);
+    }
     if reused {
         // The buffer's previous copy must have read it before it is refilled.
         let _ = done.send(slot.wait()?);
     }
+    let base = chunk_base(job, piece)?;
+    slot.fill(piece.len, |dst| {
+        job.ckpt.read_into(piece.file, piece.file_offset, dst)
+    })?;
+    queue(base, stream, piece, slot)
+}
+
+/// Reads the file bytes of a gathering `piece` into `scratch` (grown to
+/// them, never shrunk) and returns them.
+fn read_rows<'s>(job: &Job<'_>, piece: &Piece, scratch: &'s mut Vec<u8>) -> Result<&'s [u8]> {
+    let len = usize::try_from(piece.file_len())
+        .map_err(|_| Error::arg("gather", "larger than this machine's address space"))?;
+    if scratch.len() < len {
+        scratch
+            .try_reserve_exact(len - scratch.len())
+            .map_err(|e| Error::Io {
+                context: format!("a gather buffer of {len} bytes"),
+                source: std::io::Error::new(std::io::ErrorKind::OutOfMemory, e.to_string()),
+            })?;
+        scratch.resize(len, 0);
+    }
+    let bytes = &mut scratch[..len];
+    job.ckpt.read_into(piece.file, piece.file_offset, bytes)?;
+    Ok(bytes)
+}
+
+/// The device address of `piece`'s chunk; refused unless the piece lies
+/// inside the chunk's buffer.
+fn chunk_base(job: &Job<'_>, piece: &Piece) -> Result<u64> {
     let &(base, chunk_len) = job
         .chunks
         .get(piece.chunk)
@@ -134,11 +188,14 @@ fn copy_piece(
             size: chunk_len,
         });
     }
-    slot.fill(piece.len, |dst| {
-        job.ckpt.read_into(piece.file, piece.file_offset, dst)
-    })?;
-    // SAFETY: the destination lies inside the chunk's buffer (checked
-    // above), which outlives the copy (the load synchronises the stream
-    // before it returns).
+    Ok(base)
+}
+
+/// Queues the copy of `slot`'s first `piece.len` bytes to the piece's
+/// place in its chunk, whose buffer starts at `base` ([`chunk_base`]).
+fn queue(base: u64, stream: &Arc<CudaStream>, piece: &Piece, slot: &mut Staging) -> Result<()> {
+    // SAFETY: the destination lies inside the chunk's buffer (checked by
+    // `chunk_base`), which outlives the copy (the load synchronises the
+    // stream before it returns).
     unsafe { slot.copy_to_device(base + piece.chunk_offset, piece.len, stream) }
 }

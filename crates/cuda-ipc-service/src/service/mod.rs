@@ -23,7 +23,10 @@
 //! only files it owns or anyone may read (`not_readable` otherwise: a
 //! caller cannot have the service read for it what it could not read
 //! itself), decided on the descriptor the service reads, before a byte of
-//! it is read (the `access` module).
+//! it is read (the `access` module). A load may take one tensor-parallel
+//! rank's shard instead ([`admin::TpRequest`]), held as the set
+//! [`shard_name`]`(set, rank, world)`: one service per GPU, each holding
+//! its ranks' shards (docs/SERVICE.md, "Tensor parallel").
 //!
 //! # Threads
 //! Calls run on the channel's connection threads: a load holds up only the
@@ -60,7 +63,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::exchange::{Endpoint, Publisher, PublisherConfig};
 use crate::keep::Store;
-use crate::loader::load_checkpoint_until;
+use crate::loader::load_plan_until;
 
 use admin::{
     AbortAnswer, AbortRequest, CommitAnswer, CommitRequest, DropAnswer, DropRequest, LoadAnswer,
@@ -74,6 +77,8 @@ pub use in_place::{come_back, come_back_next, step_aside};
 pub use persist::Restored;
 pub use saved::{SET_KEY, Saved, SavedLoad, VERSION_KEY, file_name_for, save};
 pub use writer::Writer;
+
+pub use crate::checkpoint::shard_name;
 
 /// What [`Service::shutdown`] did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -392,6 +397,9 @@ impl Inner {
 impl Ops for Inner {
     fn load(&self, uid: u32, r: &LoadRequest) -> std::result::Result<LoadAnswer, CallError> {
         r.validate().map_err(bad_request)?;
+        // A tensor-parallel shard goes into the set named after it.
+        let (set, shard) = r.target().map_err(bad_request)?;
+        let r = &LoadRequest { set, ..r.clone() };
         // The old versions' holders as they are now: what the quotas count.
         self.sweep_retired();
         let mut options = self.load_defaults.clone();
@@ -426,17 +434,19 @@ impl Ops for Inner {
         let room = access::room_for(&self.catalog, uid, &r.set);
         let ckpt = access::open_for(uid, service_uid, &path, &room)?;
         crate::loader::check_publishable(&ckpt).map_err(|e| call_error("checkpoint", &e))?;
-        let plan = ckpt
-            .plan(&options)
-            .map_err(|e| call_error("checkpoint", &e))?;
+        let plan = match &shard {
+            Some(s) => ckpt.plan_shard(&options, s),
+            None => ckpt.plan(&options),
+        }
+        .map_err(|e| call_error("checkpoint", &e))?;
         let ticket = locked(&self.catalog)
             .admit(uid, &r.set, plan.total_bytes())
             .map_err(|e| refused(&e))?;
         tracing::info!(set = %r.set, uid, path = %path.display(), bytes = plan.total_bytes(), "loading");
-        let loaded = load_checkpoint_until(
+        let loaded = load_plan_until(
             &self.publisher,
             &ckpt,
-            plan.options(),
+            &plan,
             &mut |_, _| {},
             &self.stop_loads,
         )

@@ -30,9 +30,11 @@ use serde_json::Value;
 
 use super::catalog::{Holder, UidUsage};
 mod aside;
+mod tp;
 pub use aside::{
     AsideAnswer, AsideRequest, BackAnswer, BackRequest, MAX_BACK_WAIT_MS, ReadyAnswer, ReadyRequest,
 };
+pub use tp::TpRequest;
 
 /// The longest checkpoint path a load request carries, in bytes (a request
 /// must fit in the channel's 4 KiB).
@@ -94,6 +96,10 @@ pub struct LoadRequest {
     /// The size of each staging buffer in bytes (default: the loader's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staging: Option<u64>,
+    /// One tensor-parallel rank's shard, into set `{set}.tp{rank}-of-{world}`
+    /// (default: whole tensors into `set`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp: Option<TpRequest>,
 }
 
 impl LoadRequest {
@@ -104,6 +110,7 @@ impl LoadRequest {
             path: path.into(),
             streams: None,
             staging: None,
+            tp: None,
         }
     }
 
@@ -117,13 +124,14 @@ impl LoadRequest {
     }
 
     /// Checks what needs no file: the set name (a channel entry name not of
-    /// the publisher's reserved prefix) and the path (absolute, at most
-    /// [`MAX_PATH_LEN`] bytes).
+    /// the publisher's reserved prefix; a shard's name too), the shard and
+    /// the path (absolute, at most [`MAX_PATH_LEN`] bytes).
     ///
     /// # Errors
     /// A sentence naming the field.
     pub fn validate(&self) -> Result<(), String> {
         validate_set_name(&self.set)?;
+        self.target()?;
         if !self.path.starts_with('/') {
             return Err(format!(
                 "path {:?} is not absolute; the service resolves paths in its own working \

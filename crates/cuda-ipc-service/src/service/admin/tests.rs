@@ -74,6 +74,62 @@ fn load_requests_are_checked_before_any_file_is_opened() {
 }
 
 #[test]
+fn a_shard_s_load_names_its_set_and_is_checked() {
+    use crate::checkpoint::{TpRule, TpShard};
+    let shard = TpShard::new(
+        3,
+        8,
+        vec![TpRule::split("experts", 1), TpRule::replicate("bias")],
+    )
+    .unwrap();
+    let r = LoadRequest::new("model", "/m").with_tp(Some(&shard));
+    assert_eq!(
+        encode(&r),
+        json!({"set": "model", "path": "/m",
+               "tp": {"rank": 3, "world": 8, "rules": [["experts", 1], ["bias", null]]}})
+    );
+    assert_eq!(decode::<LoadRequest>("load", &encode(&r)).unwrap(), r);
+    assert_eq!(r.target().unwrap(), ("model.tp3-of-8".into(), Some(shard)));
+    // No rules: the field is left out, and a body without it decodes.
+    let plain = TpShard::new(0, 2, vec![]).unwrap();
+    let r = LoadRequest::new("model", "/m").with_tp(Some(&plain));
+    assert_eq!(encode(&r)["tp"], json!({"rank": 0, "world": 2}));
+    assert_eq!(
+        LoadRequest::new("m", "/m").target().unwrap(),
+        ("m".into(), None)
+    );
+    let e = decode::<LoadRequest>(
+        "load",
+        &json!({"set": "m", "path": "/p", "tp": {"rank": 0, "world": 2, "dims": 1}}),
+    )
+    .unwrap_err();
+    assert!(e.contains("unknown field `dims`"), "{e}");
+    // Bad shards, rules and names are refused by validate, naming them.
+    let body = |tp: serde_json::Value| {
+        decode::<LoadRequest>("load", &json!({"set": "model", "path": "/m", "tp": tp})).unwrap()
+    };
+    for (tp, word) in [
+        (json!({"rank": 2, "world": 2}), "rank 2 of 2"),
+        (json!({"rank": 0, "world": 0}), "0 ranks"),
+        (json!({"rank": 0, "world": 65}), "65 ranks"),
+        (
+            json!({"rank": 0, "world": 2, "rules": [["", 0]]}),
+            "pattern",
+        ),
+    ] {
+        let e = body(tp).validate().unwrap_err();
+        assert!(e.contains("tp:") && e.contains(word), "{e}");
+    }
+    let long = "m".repeat(crate::channel::MAX_ENTRY_NAME_LEN - 3);
+    assert!(LoadRequest::new(&long, "/m").validate().is_ok());
+    let e = LoadRequest::new(&long, "/m")
+        .with_tp(Some(&plain))
+        .validate()
+        .unwrap_err();
+    assert!(e.contains("set name"), "{e}");
+}
+
+#[test]
 fn answers_round_trip() {
     let holder = Holder { pid: 7, uid: 1000 };
     let ls = LsAnswer {
@@ -176,6 +232,9 @@ proptest! {
         staging in prop::option::of(any::<u64>()),
     ) {
         let r = LoadRequest::new(set, path).with_copies(streams, staging);
+        prop_assert_eq!(decode::<LoadRequest>("load", &encode(&r)).unwrap(), r.clone());
+        let shard = crate::checkpoint::TpShard::new(0, 4, vec![]).unwrap();
+        let r = r.with_tp(Some(&shard));
         prop_assert_eq!(decode::<LoadRequest>("load", &encode(&r)).unwrap(), r);
     }
 
