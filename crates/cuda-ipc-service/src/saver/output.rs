@@ -284,6 +284,24 @@ impl Output {
                             bytes.len(),
                         );
                     }
+                    // The pages wholly written are unmapped here, on this
+                    // thread (their bytes stay in the file's pages, dirty:
+                    // the flush writes them): unmapping the whole file at
+                    // the end would tear them all down on one thread.
+                    let (lo, hi) = (start.div_ceil(page) * page, end / page * page);
+                    if hi > lo {
+                        // SAFETY: `lo..hi` lies in the mapping, inside this
+                        // call's own range, which nothing reads through the
+                        // mapping again. A failure only leaves the pages
+                        // mapped until the end.
+                        let _ = unsafe {
+                            rustix::mm::madvise(
+                                m.ptr.add(lo).cast(),
+                                hi - lo,
+                                Advice::LinuxDontNeed,
+                            )
+                        };
+                    }
                     return Ok(());
                 }
                 // A kernel before 5.14: `pwrite`, here and from now on.
@@ -434,11 +452,13 @@ mod tests {
         assert!(e.to_string().contains("no/such"), "{e}");
     }
 
-    /// Threads writing disjoint pieces at once, through the mapping, in a
-    /// file of `dir`: the file holds every byte.
-    fn threads_write_every_byte(dir: &Path) -> bool {
-        let path = dir.join("t.safetensors");
-        let len = 3 * 4096 + 1234;
+    /// Threads writing disjoint pieces of `piece` bytes at once, through
+    /// the mapping, in a file of `dir`: the file holds every byte (pieces
+    /// of several pages are unmapped as they are written; their bytes must
+    /// still reach the file).
+    fn threads_write_every_byte(dir: &Path, piece: usize) -> bool {
+        let path = dir.join(format!("t{piece}.safetensors"));
+        let len = 16 * 4096 + 1234;
         let want: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
         let out = Output::create(&path, len as u64, false).unwrap();
         let mapped = out.is_mapped();
@@ -446,34 +466,45 @@ mod tests {
             for t in 0..4 {
                 let (out, want) = (&out, &want);
                 s.spawn(move || {
-                    // Pieces of 1000 bytes (not page-aligned), dealt in turn.
-                    for at in (t * 1000..len).step_by(4000) {
-                        let end = (at + 1000).min(len);
+                    // Not page-aligned, dealt in turn.
+                    for at in (t * piece..len).step_by(4 * piece) {
+                        let end = (at + piece).min(len);
                         out.write_at(&want[at..end], at as u64).unwrap();
                     }
                 });
             }
         });
         out.finish().unwrap();
-        assert_eq!(std::fs::read(&path).unwrap(), want);
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            want,
+            "pieces of {piece} bytes"
+        );
         mapped
     }
 
     #[test]
     fn pieces_written_by_several_threads_through_the_mapping_are_all_there() {
+        // Pieces within a page, and pieces of several pages (unmapped as
+        // they are written).
+        let pieces = [1000, 3 * 4096 + 100];
         let dir = tempfile::tempdir().unwrap();
-        assert!(
-            threads_write_every_byte(dir.path()),
-            "a local file is written mapped"
-        );
+        for piece in pieces {
+            assert!(
+                threads_write_every_byte(dir.path(), piece),
+                "a local file is mapped"
+            );
+        }
         let shm = Path::new("/dev/shm");
         match std::fs::File::open(shm) {
             Ok(f) if on_tmpfs(&f) => {
                 let dir = tempfile::tempdir_in(shm).unwrap();
-                assert!(
-                    threads_write_every_byte(dir.path()),
-                    "tmpfs is written mapped"
-                );
+                for piece in pieces {
+                    assert!(
+                        threads_write_every_byte(dir.path(), piece),
+                        "tmpfs is mapped"
+                    );
+                }
             }
             _ => eprintln!("skipped the tmpfs half: /dev/shm is not a tmpfs here"),
         }
