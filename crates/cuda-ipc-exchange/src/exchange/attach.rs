@@ -112,16 +112,34 @@ impl Subscriber {
     ) -> Result<u64> {
         let guard = &attached.guard;
         let deadline = crate::channel::deadline_in(timeout);
+        match self.next_notice_on(guard, &attached.name, deadline)? {
+            Some((conn, notice)) => self.apply(&conn, attached, &notice),
+            None => Ok(guard.replaced_version()),
+        }
+    }
+
+    /// The next notice on the lease `guard` holds on entry `name`: filed
+    /// for it already, or from the client by `deadline` (filing those of
+    /// other leases), with the connection it came on; through a restart of
+    /// a publisher this subscriber reconnects to, on the next connection.
+    /// `None` when the lease's version is no longer served (after a
+    /// restart): the caller attaches the current one.
+    pub(super) fn next_notice_on(
+        &self,
+        guard: &LeaseGuard,
+        name: &str,
+        deadline: Instant,
+    ) -> Result<Option<(Connection, Notice)>> {
         loop {
             let conn = self.ready()?;
-            let Some(lease) = lease_on(guard, &conn, &attached.name)? else {
-                return Ok(guard.replaced_version());
+            let Some(lease) = lease_on(guard, &conn, name)? else {
+                return Ok(None);
             };
             if let Some(notice) = lock(&self.pending)
                 .get_mut(&lease)
                 .and_then(VecDeque::pop_front)
             {
-                return self.apply(&conn, attached, &notice);
+                return Ok(Some((conn, notice)));
             }
             let left = deadline.saturating_duration_since(Instant::now());
             let u = match conn.client.next_update(left) {
@@ -135,7 +153,7 @@ impl Subscriber {
                 Err(e) => return Err(e.into()),
             };
             if u.lease == lease {
-                return self.apply(&conn, attached, &u.notice);
+                return Ok(Some((conn, u.notice)));
             }
             lock(&self.pending)
                 .entry(u.lease)

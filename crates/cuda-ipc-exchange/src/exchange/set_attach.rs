@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytemuck::Pod;
 use serde_json::Value;
@@ -17,7 +17,7 @@ use crate::phases::Phases;
 use crate::set::{EntryTables, NameIndex, SetRecord, TableRef};
 use crate::share;
 
-use super::attach::{lease_on, no_waiter};
+use super::attach::no_waiter;
 use super::lease::{LeaseGuard, LeaseId, release_on};
 use super::link::Connection;
 use super::lock;
@@ -306,35 +306,8 @@ impl Subscriber {
     /// The work of [`Subscriber::wait_set_update`].
     pub(super) fn do_wait_set_update(&self, set: &SetAttachment, timeout: Duration) -> Result<u64> {
         let deadline = crate::channel::deadline_in(timeout);
-        let (conn, notice) = loop {
-            let conn = self.ready()?;
-            let Some(lease) = lease_on(&set.guard, &conn, set.name())? else {
-                return Ok(set.guard.replaced_version());
-            };
-            if let Some(n) = lock(&self.pending)
-                .get_mut(&lease)
-                .and_then(std::collections::VecDeque::pop_front)
-            {
-                break (conn, n);
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            let u = match conn.client.next_update(left) {
-                Ok(u) => u,
-                // Its publisher restarts: connect again, then wait on.
-                Err(ChannelError::PeerGone)
-                    if self.link.reconnects() && Instant::now() < deadline =>
-                {
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
-            };
-            if u.lease == lease {
-                break (conn, u.notice);
-            }
-            lock(&self.pending)
-                .entry(u.lease)
-                .or_default()
-                .push_back(u.notice);
+        let Some((conn, notice)) = self.next_notice_on(&set.guard, set.name(), deadline)? else {
+            return Ok(set.guard.replaced_version());
         };
         match notice {
             Notice::Updated { version, data } => {
