@@ -237,16 +237,15 @@ def registered_load(cuda, base, size, dev, threads, piece, register=True):
     return took, {"register_s": round(sum(regs), 4)}
 
 
-def pwrite_save(cuda, path, size, dev, threads, piece):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    t_all = time.monotonic()
-    os.ftruncate(fd, size)
-
+def staged_d2h(cuda, dev, size, threads, piece, sink):
+    """T threads, each copying its windows from the device into two
+    page-locked buffers in turn (the next copy runs while ``sink(off,
+    ptr, n)`` takes the last one); returns the seconds."""
     def work(i):
         bufs = [cuda.host_alloc(piece), cuda.host_alloc(piece)]
         evs, s = [cuda.event(), cuda.event()], cuda.stream()
         wins = windows(size, piece, threads, i)
-        # D2H of window k+1 runs while window k is written.
+
         def start(k):
             off, n = wins[k]
             cuda.d2h(bufs[k % 2], dev + off, n, s)
@@ -257,19 +256,34 @@ def pwrite_save(cuda, path, size, dev, threads, piece):
             if k + 1 < len(wins):
                 start(k + 1)
             cuda.wait(evs[k % 2])
-            view = (ctypes.c_char * n).from_address(bufs[k % 2])
-            os.pwrite(fd, memoryview(view).cast("B"), off)
+            sink(off, bufs[k % 2], n)
         cuda.sync(s)
         for b in bufs:
             cuda.host_free(b)
         return 0.0
 
-    copy_s, _ = run_threads(cuda, threads, work)
+    took, _ = run_threads(cuda, threads, work)
+    return took
+
+
+def flushed(fd, t_all, copy_s):
+    """fsyncs ``fd`` and closes it: (seconds in all, parts)."""
     t0 = time.monotonic()
     os.fsync(fd)
     flush_s = time.monotonic() - t0
     os.close(fd)
     return time.monotonic() - t_all, {"copy_s": round(copy_s, 4), "flush_s": round(flush_s, 4)}
+
+
+def pwrite_save(cuda, path, size, dev, threads, piece):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    t_all = time.monotonic()
+    os.ftruncate(fd, size)
+
+    def sink(off, ptr, n):
+        os.pwrite(fd, memoryview((ctypes.c_char * n).from_address(ptr)).cast("B"), off)
+
+    return flushed(fd, t_all, staged_d2h(cuda, dev, size, threads, piece, sink))
 
 
 def mmap_save(cuda, path, size, dev, threads, piece):
@@ -279,37 +293,12 @@ def mmap_save(cuda, path, size, dev, threads, piece):
     t_all = time.monotonic()
     os.ftruncate(fd, size)
     base = cuda.mmap(fd, size, PROT_READ | PROT_WRITE)
-
-    def work(i):
-        bufs = [cuda.host_alloc(piece), cuda.host_alloc(piece)]
-        evs, s = [cuda.event(), cuda.event()], cuda.stream()
-        wins = windows(size, piece, threads, i)
-
-        def start(k):
-            off, n = wins[k]
-            cuda.d2h(bufs[k % 2], dev + off, n, s)
-            cuda.record(evs[k % 2], s)
-        if wins:
-            start(0)
-        for k, (off, n) in enumerate(wins):
-            if k + 1 < len(wins):
-                start(k + 1)
-            cuda.wait(evs[k % 2])
-            ctypes.memmove(base + off, bufs[k % 2], n)
-        cuda.sync(s)
-        for b in bufs:
-            cuda.host_free(b)
-        return 0.0
-
     try:
-        copy_s, _ = run_threads(cuda, threads, work)
-        t0 = time.monotonic()
-        os.fsync(fd)
-        flush_s = time.monotonic() - t0
+        copy_s = staged_d2h(cuda, dev, size, threads, piece,
+                            lambda off, ptr, n: ctypes.memmove(base + off, ptr, n))
     finally:
         cuda.libc.munmap(ctypes.c_void_p(base), size)
-        os.close(fd)
-    return time.monotonic() - t_all, {"copy_s": round(copy_s, 4), "flush_s": round(flush_s, 4)}
+    return flushed(fd, t_all, copy_s)
 
 
 def registered_save(cuda, path, size, dev, threads, piece):
@@ -375,13 +364,22 @@ def check_device(cuda, dev, size, path):
 
 def make_file(path, size):
     """SIZE bytes whose every 8-byte word is its own offset, xored."""
-    import numpy
+    try:
+        import numpy
+
+        def words(a, b):
+            return numpy.arange(a, b, dtype=numpy.uint64).tobytes()
+    except ImportError:  # slower, the same bytes
+        import array
+
+        def words(a, b):
+            return array.array("Q", range(a, b)).tobytes()
 
     chunk = 64 * MIB
     with open(path, "wb") as f:
         for off in range(0, size, chunk):
             n = min(chunk, size - off)
-            f.write(numpy.arange(off // 8, (off + n) // 8, dtype=numpy.uint64).tobytes())
+            f.write(words(off // 8, (off + n) // 8))
     with open(path, "rb") as f:  # warm the page cache
         while f.read(chunk):
             pass
