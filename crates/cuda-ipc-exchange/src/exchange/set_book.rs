@@ -610,11 +610,8 @@ where
 /// the layout) copied into both (what a record whose table is short
 /// carries, see [`Book::record_for`]).
 fn record_json(record: &SetRecord, layout: &SetLayout) -> RecordJson {
-    let table = layout.table();
-    RecordJson {
-        value: record.to_value_with_table(table),
-        text: record.to_json_with_table(table),
-    }
+    let (value, text) = record.to_value_and_json_with_table(layout.table());
+    RecordJson { value, text }
 }
 
 /// The arena side of a [`Publisher`](super::Publisher): its arena (made at the first use) and

@@ -104,6 +104,8 @@ proptest::proptest! {
             crate::handle::IpcEventHandle::from(bytes)
         });
         let table = table::encode(&r.entries);
-        proptest::prop_assert_eq!(r.to_json_with_table(&table), r.to_json());
+        let (value, text) = r.to_value_and_json_with_table(&table);
+        proptest::prop_assert_eq!(text, r.to_json());
+        proptest::prop_assert_eq!(value, r.to_value());
     }
 }

@@ -601,13 +601,6 @@ impl SetRecord {
         self.value_with(2, Value::String(table::encode(&self.entries)))
     }
 
-    /// [`to_value`](Self::to_value) with the entries' table made before
-    /// (a [`SetLayout`]'s, whose entries these are).
-    pub(crate) fn to_value_with_table(&self, table: &str) -> Value {
-        debug_assert_eq!(table, table::encode(&self.entries));
-        self.value_with(2, Value::String(table.to_owned()))
-    }
-
     /// The record as a JSON value in format 3: its table named by `table`
     /// (the entries' table published apart, see [`TableRef`]).
     pub fn to_value_with_ref(&self, table: &TableRef) -> Value {
@@ -635,20 +628,19 @@ impl SetRecord {
         self.value_with(1, Value::Array(entries))
     }
 
-    /// [`to_json`](Self::to_json) with the entries' table made before,
-    /// copied into the text whole instead of encoded as a JSON string
-    /// (base64 needs no escapes): the same text.
-    pub(crate) fn to_json_with_table(&self, table: &str) -> String {
+    /// [`to_value`](Self::to_value) and [`to_json`](Self::to_json) with
+    /// the entries' table made before (a [`SetLayout`]'s), the record
+    /// built once: the table is copied into the text whole instead of
+    /// encoded as a JSON string (base64 needs no escapes): the same value
+    /// and text.
+    pub(crate) fn to_value_and_json_with_table(&self, table: &str) -> (Value, String) {
         // Every other string of the record is escaped, so `"entries":""`
         // (an empty string after the key) is found only as the key itself;
         // the table goes between its quotes.
         const EMPTY: &str = r#""entries":"""#;
-        debug_assert!(
-            table
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"+/=".contains(&b))
-        );
-        let head = self.value_with(2, Value::String(String::new())).to_string();
+        debug_assert_eq!(table, table::encode(&self.entries));
+        let mut value = self.value_with(2, Value::String(String::new()));
+        let head = value.to_string();
         let at = head
             .find(EMPTY)
             .map(|at| at + EMPTY.len() - 1)
@@ -657,7 +649,8 @@ impl SetRecord {
         text.push_str(&head[..at]);
         text.push_str(table);
         text.push_str(&head[at..]);
-        text
+        value["entries"] = Value::String(table.to_owned());
+        (value, text)
     }
 
     fn value_with(&self, version: u64, entries: Value) -> Value {
