@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use super::super::set_book::tests::set_record;
 use super::super::wire;
 use super::{
     EntryMeta, Standing, TakeBack, chunk_entry_name, same_version, standing_of, take_back,
@@ -14,36 +15,9 @@ use super::{
 };
 use crate::arena::{ArenaId, ChunkId};
 use crate::channel::{ChannelError, Client, ClientConfig, Server, ServerConfig};
-use crate::descriptor::Dtype;
 use crate::descriptor::{Descriptor, Source};
 use crate::device::DeviceUuid;
-use crate::set::{EntryTables, SetChunk, SetEntry, SetRecord};
-
-/// A set of `n` tensors over two 1 GiB chunks of arena 99.
-fn set_record(n: usize) -> SetRecord {
-    let chunk = |id: u64, fd: i32| SetChunk {
-        id,
-        descriptor: Descriptor::new(Source::Vmm { fd }, 1 << 30, DeviceUuid([7; 16]), 4242)
-            .with_generation(u64::from(fd.unsigned_abs())),
-    };
-    let entries = (0..n)
-        .map(|i| SetEntry {
-            name: format!("model.layers.{i}.mlp.weight"),
-            dtype: Dtype::F32,
-            shape: [64, 16][..].into(),
-            chunk: (i % 2) as u64,
-            offset: (i / 2) as u64 * 4096,
-            len: 4096,
-        })
-        .collect();
-    SetRecord::new(
-        "weights".into(),
-        ArenaId(99),
-        vec![chunk(0, 3), chunk(1, 4)],
-        entries,
-    )
-    .unwrap()
-}
+use crate::set::{EntryTables, SetRecord};
 
 fn serve() -> (tempfile::TempDir, Server, Client) {
     let dir = tempfile::tempdir().unwrap();

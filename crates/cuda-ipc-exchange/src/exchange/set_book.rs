@@ -638,7 +638,7 @@ impl PublisherArena {
 
 #[cfg(test)]
 #[path = "set_tests.rs"]
-mod tests;
+pub(super) mod tests;
 
 #[cfg(test)]
 #[path = "set_order_tests.rs"]

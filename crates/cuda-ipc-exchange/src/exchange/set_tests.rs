@@ -247,7 +247,7 @@ fn large_records_travel_in_parts_that_rebuild_the_record() {
 }
 
 /// A real set record of `n` entries over two chunks.
-pub(super) fn set_record(n: usize) -> SetRecord {
+pub(in crate::exchange) fn set_record(n: usize) -> SetRecord {
     use crate::descriptor::{Descriptor, Source};
     use crate::device::DeviceUuid;
     use crate::set::SetChunk;
