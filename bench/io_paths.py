@@ -207,7 +207,11 @@ def pread_load(cuda, fd, size, dev, threads, piece, device=True):
     return took, {}
 
 
-def registered_load(cuda, base, size, dev, threads, piece, register=True):
+def registered_windows(cuda, base, size, threads, piece, flags, copy):
+    """T threads, each registering its windows of the mapping at ``base``
+    (``flags``; ``None``: not registered), queuing ``copy(off, n,
+    stream)`` and unregistering a window once its copy has passed;
+    returns (seconds, seconds in ``cuMemHostRegister`` summed)."""
     def work(i):
         s = cuda.stream()
         evs = [cuda.event(), cuda.event()]
@@ -217,24 +221,29 @@ def registered_load(cuda, base, size, dev, threads, piece, register=True):
             slot = k % 2
             if pending[slot] is not None:
                 cuda.wait(evs[slot])
-                if register:
-                    cuda.unregister(pending[slot])
-            if register:
+                cuda.unregister(pending[slot])
+                pending[slot] = None
+            if flags is not None:
                 t0 = time.monotonic()
-                cuda.register(base + off, n, READ_ONLY)
+                cuda.register(base + off, n, flags)
                 reg_s += time.monotonic() - t0
-            cuda.h2d(dev + off, base + off, n, s)
+                pending[slot] = base + off
+            copy(off, n, s)
             cuda.record(evs[slot], s)
-            pending[slot] = base + off
         cuda.sync(s)
-        if register:
-            for p in pending:
-                if p is not None:
-                    cuda.unregister(p)
+        for p in pending:
+            if p is not None:
+                cuda.unregister(p)
         return reg_s
 
     took, regs = run_threads(cuda, threads, work)
-    return took, {"register_s": round(sum(regs), 4)}
+    return took, round(sum(regs), 4)
+
+
+def registered_load(cuda, base, size, dev, threads, piece, register=True):
+    took, reg_s = registered_windows(cuda, base, size, threads, piece, READ_ONLY if register else None,
+                                     lambda off, n, s: cuda.h2d(dev + off, base + off, n, s))
+    return took, {"register_s": reg_s}
 
 
 def staged_d2h(cuda, dev, size, threads, piece, sink):
@@ -306,39 +315,14 @@ def registered_save(cuda, path, size, dev, threads, piece):
     t_all = time.monotonic()
     os.ftruncate(fd, size)
     base = cuda.mmap(fd, size, PROT_READ | PROT_WRITE)
-
-    def work(i):
-        s = cuda.stream()
-        evs = [cuda.event(), cuda.event()]
-        pending = [None, None]
-        reg_s = 0.0
-        for k, (off, n) in enumerate(windows(size, piece, threads, i)):
-            slot = k % 2
-            if pending[slot] is not None:
-                cuda.wait(evs[slot])
-                cuda.unregister(pending[slot])
-            t0 = time.monotonic()
-            cuda.register(base + off, n, 0)
-            reg_s += time.monotonic() - t0
-            cuda.d2h(base + off, dev + off, n, s)
-            cuda.record(evs[slot], s)
-            pending[slot] = base + off
-        cuda.sync(s)
-        for p in pending:
-            if p is not None:
-                cuda.unregister(p)
-        return reg_s
-
     try:
-        copy_s, regs = run_threads(cuda, threads, work)
-        t0 = time.monotonic()
-        os.fsync(fd)
-        flush_s = time.monotonic() - t0
+        copy_s, reg_s = registered_windows(cuda, base, size, threads, piece, 0,
+                                           lambda off, n, s: cuda.d2h(base + off, dev + off, n, s))
     finally:
         cuda.libc.munmap(ctypes.c_void_p(base), size)
-        os.close(fd)
-    return time.monotonic() - t_all, {"copy_s": round(copy_s, 4), "flush_s": round(flush_s, 4),
-                                      "register_s": round(sum(regs), 4)}
+    took, parts = flushed(fd, t_all, copy_s)
+    parts["register_s"] = reg_s
+    return took, parts
 
 
 def sample_offsets(size):
