@@ -164,6 +164,18 @@ def registered(torch, host):
         raise RuntimeError("cudaHostRegister of %d bytes failed: %s" % (host.numel(), err))
 
 
+def copy_all(torch, dst, src):
+    """Copies every tensor of `src` into `dst` on the current stream, in one
+    call where PyTorch has it (`_foreach_copy_`: a few kernels for every
+    tensor, not one launch each)."""
+    with torch.no_grad():
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(dst, src)
+        else:
+            for d, s in zip(dst, src):
+                d.copy_(s)
+
+
 # --- the trainer ----------------------------------------------------------
 
 def trainer(args, cmds, answers, down, up):
@@ -177,6 +189,7 @@ def trainer(args, cmds, answers, down, up):
         cfg = llama_8b(args.layers)
         model = materialised(torch, cfg, args.device)
         params = dict(model.named_parameters())
+        names = list(params)
         total = sum(p.numel() * p.element_size() for p in params.values())
         answers.put({"ready": True, "bytes": total, "tensors": len(params)})
         pub = shm = writer = None
@@ -220,10 +233,15 @@ def trainer(args, cmds, answers, down, up):
                     writer = service.Writer(args.sock, SET, in_place=in_place, wait=60.0)
                 t0 = now_ns()
                 staging = writer.open()
-                for k, t in staging.items():
-                    t.copy_(params[k])
+                t_open = now_ns()
+                copy_all(torch, [staging[k] for k in names], [params[k] for k in names])
+                t_copy = now_ns()
+                torch.cuda.synchronize()
+                t_sync = now_ns()
                 done = writer.commit()
-                answers.put({"t0": t0, "version": done["version"], "used": device_used(torch)})
+                answers.put({"t0": t0, "version": done["version"], "used": device_used(torch),
+                             "parts": {"open": t_open - t0, "copy_launch": t_copy - t_open,
+                                       "copy_wait": t_sync - t_copy, "commit": now_ns() - t_sync}})
             elif op == "writer_close":
                 if writer is not None:
                     writer.close()
@@ -423,12 +441,16 @@ def one_update(path, tr, en):
     tr.send(path)
     t = tr.wait()
     e = en.wait()
-    return (e["t1"] - t["t0"]) / 1e6, max(t["used"], e["used"])
+    parts = {k: v / 1e6 for k, v in t.get("parts", {}).items()}
+    if parts:  # what is left after the trainer's commit returned: the engine's wake
+        parts["engine_after_commit"] = (e["t1"] - t["t0"]) / 1e6 - sum(parts.values())
+    return (e["t1"] - t["t0"]) / 1e6, max(t["used"], e["used"]), parts
 
 
 def run_path(path, args, tr, en, state):
-    """`args.steps` updates by `path`; the result line."""
-    samples, peak = [], 0
+    """`args.steps` updates by `path`; the result line (with the p50 of
+    each part of an update where the path has parts)."""
+    samples, peak, parts = [], 0, {}
     if path in ("in_place", "double_buffered"):
         if not state.get("created"):
             tr.ask("create")
@@ -442,14 +464,16 @@ def run_path(path, args, tr, en, state):
         en.ask("pinned_setup")
     for step in range(args.warmup + args.steps):
         peak = max(peak, tr.ask("change")["used"])
-        ms, used = one_update(path, tr, en)
+        ms, used, step_parts = one_update(path, tr, en)
         peak = max(peak, used)
         if step >= args.warmup:
             samples.append(ms)
+            for k, v in step_parts.items():
+                parts.setdefault(k, []).append(v)
     mine, theirs = en.ask("tokens")["tokens"], tr.ask("tokens")["tokens"]
     row = {"kind": "result", "mode": path, "samples_ms": samples, "p50_ms": pct(samples, 0.5),
            "p99_ms": pct(samples, 0.99), "peak_device_bytes": peak, "tokens": mine,
-           "tokens_equal": mine == theirs}
+           "tokens_equal": mine == theirs, "parts_p50_ms": {k: pct(v, 0.5) for k, v in parts.items()}}
     if path in ("in_place", "double_buffered"):
         en.ask("detach")
     emit(row)

@@ -349,6 +349,8 @@ for line in open(sys.argv[1]):
     elif k == "result":
         print("RESULT %s: p50 %.3f ms, p99 %.3f ms, peak device %.1f GB, tokens equal %s" % (
             r["mode"], r["p50_ms"], r["p99_ms"], r["peak_device_bytes"] / 1e9, r["tokens_equal"]))
+        if r.get("parts_p50_ms"):
+            print("  parts (p50 ms): %s" % ", ".join("%s %.3f" % kv for kv in r["parts_p50_ms"].items()))
     elif k == "soak":
         print("SOAK %d in-place updates: unchanged %s; before %s; after %s" % (
             r["updates"], r["unchanged"], json.dumps(r["before"]), json.dumps(r["after"])))
