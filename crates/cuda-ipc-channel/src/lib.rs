@@ -90,7 +90,8 @@ pub use paths::{
     validate_socket_name,
 };
 pub use server::{
-    CallContext, CallError, CallHandler, CpuBudget, DEFAULT_SERVER_SPIN, LatePolicy, LeaseInfo,
+    CallContext, CallError, CallHandler, CpuBudget, DEFAULT_SERVER_SPIN, LatePolicy, LeaseEvent,
+    LeaseInfo,
     PushReport, Replaced, Server, ServerConfig, ServerRing, StallBudget,
 };
 pub use socket::{Ucred, peer_credentials};

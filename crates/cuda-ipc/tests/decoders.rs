@@ -32,6 +32,8 @@ mod fuzz_admin_body;
 mod fuzz_catalog_image;
 #[path = "../../../fuzz/src/lib.rs"]
 mod fuzz_checks;
+#[path = "../../../fuzz/src/readers_book.rs"]
+mod fuzz_readers_book;
 #[path = "../../../fuzz/src/notice_record.rs"]
 mod fuzz_notice_record;
 
@@ -113,6 +115,16 @@ fn the_catalog_image_corpus_passes_its_checks() {
         "catalog_image",
         fuzz_catalog_image::catalog_image,
         fuzz_catalog_image::is_valid,
+    );
+}
+
+/// `fuzz/readers_book`: the readers' book a restarted service reads back.
+#[test]
+fn the_readers_book_corpus_passes_its_checks() {
+    corpus::replay(
+        "readers_book",
+        fuzz_readers_book::readers_book,
+        fuzz_readers_book::is_valid,
     );
 }
 

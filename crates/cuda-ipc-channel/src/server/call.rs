@@ -101,17 +101,39 @@ pub type CallFn = dyn Fn(&CallContext, &str, &Value) -> Result<Value, CallError>
 /// [`CallContext::connection`].
 pub type ClosedFn = dyn Fn(u64) + Send + Sync;
 
+/// A lease granted or ended, as [`CallHandler::on_lease`] hears of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LeaseEvent<'a> {
+    /// True for a new lease, false for one that ended (released, its
+    /// connection closed, or evicted).
+    pub granted: bool,
+    /// The name of the entry or ring it is on.
+    pub name: &'a str,
+    /// The lease's id.
+    pub lease: u64,
+    /// The holder's connection.
+    pub connection: u64,
+    /// The holder's pid (0 where it is not visible, see [`Ucred`]).
+    pub pid: u32,
+    /// The holder's uid.
+    pub uid: u32,
+}
+
+/// What a handler runs when a lease is granted or ends.
+pub type LeaseFn = dyn for<'a> Fn(&LeaseEvent<'a>) + Send + Sync;
+
 /// The server's answerer of [`Message::Call`]s (see the module docs). A
 /// server without one answers every call with the error `no_handler`.
 #[derive(Clone)]
-pub struct CallHandler(Arc<CallFn>, Option<Arc<ClosedFn>>);
+pub struct CallHandler(Arc<CallFn>, Option<Arc<ClosedFn>>, Option<Arc<LeaseFn>>);
 
 impl CallHandler {
     /// A handler that runs `f` for every call.
     pub fn new(
         f: impl Fn(&CallContext, &str, &Value) -> Result<Value, CallError> + Send + Sync + 'static,
     ) -> CallHandler {
-        CallHandler(Arc::new(f), None)
+        CallHandler(Arc::new(f), None, None)
     }
 
     /// The same handler, also running `closed` with a connection's id once
@@ -124,6 +146,23 @@ impl CallHandler {
     pub fn on_close(mut self, closed: impl Fn(u64) + Send + Sync + 'static) -> CallHandler {
         self.1 = Some(Arc::new(closed));
         self
+    }
+}
+
+impl CallHandler {
+    /// The same handler, also running `lease` each time a lease is granted
+    /// (before the client hears of it) or ends. It runs under the server's
+    /// state lock, on the thread that granted or ended the lease, so it
+    /// must be quick and must not block or call the server: what it
+    /// records is in place before the holder can use what it leased.
+    #[must_use]
+    pub fn on_lease(mut self, lease: impl for<'a> Fn(&LeaseEvent<'a>) + Send + Sync + 'static) -> CallHandler {
+        self.2 = Some(Arc::new(lease));
+        self
+    }
+
+    pub(super) fn lease_watch(&self) -> Option<Arc<LeaseFn>> {
+        self.2.clone()
     }
 }
 
@@ -140,7 +179,9 @@ impl Server {
     /// A handler that holds the server (or what holds it) makes a cycle:
     /// hold a `Weak` in it instead.
     pub fn set_call_handler(&self, handler: Option<CallHandler>) {
+        let watch = handler.as_ref().and_then(CallHandler::lease_watch);
         *lock(&self.shared.call_handler) = handler;
+        lock(&self.shared.state).lease_watch = watch;
     }
 }
 

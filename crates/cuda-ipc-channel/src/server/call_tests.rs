@@ -196,6 +196,56 @@ fn the_close_hook_hears_each_connection_that_ends_with_its_id() {
 }
 
 #[test]
+fn the_lease_watch_hears_each_lease_granted_before_its_holder_and_each_that_ends() {
+    type Seen = Vec<(bool, String, u64, u64, u32)>;
+    let seen: Arc<std::sync::Mutex<Seen>> = Arc::default();
+    let s = Arc::clone(&seen);
+    let handler = CallHandler::new(|_, _, _| Ok(json!(null))).on_lease(move |e| {
+        s.lock()
+            .unwrap()
+            .push((e.granted, e.name.to_owned(), e.lease, e.connection, e.uid));
+    });
+    let (_dir, server, client) = pair(Some(handler));
+    server.publish("w", json!({}), Vec::new()).unwrap();
+    server.publish("v", json!({}), Vec::new()).unwrap();
+    let a = client.attach("w").unwrap();
+    // Heard before the answer reached the client.
+    let conn = {
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 1, "{seen:?}");
+        let (granted, name, lease, conn, uid) = seen[0].clone();
+        assert!(granted);
+        assert_eq!((name.as_str(), lease, uid), ("w", a.lease, own_uid()));
+        assert_eq!(server.leases()[0].connection, conn);
+        conn
+    };
+    let b = client.attach("v").unwrap();
+    client.release(a.lease).unwrap();
+    assert_eq!(
+        seen.lock().unwrap()[1..],
+        [
+            (true, "v".to_owned(), b.lease, conn, own_uid()),
+            (false, "w".to_owned(), a.lease, conn, own_uid())
+        ]
+    );
+    // The rest end with the connection.
+    drop(client);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while seen.lock().unwrap().len() < 4 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        seen.lock().unwrap()[3..],
+        [(false, "v".to_owned(), b.lease, conn, own_uid())]
+    );
+    // A handler set later brings its watch; one without takes it away.
+    server.set_call_handler(Some(CallHandler::new(|_, _, _| Ok(json!(null)))));
+    let c = Client::connect(server.path(), ClientConfig::default()).unwrap();
+    c.attach("w").unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 4);
+}
+
+#[test]
 fn a_replaced_entry_tells_its_holders_and_lives_until_they_release_it() {
     let (_dir, server, client) = pair(None);
     assert!(matches!(

@@ -155,7 +155,8 @@ mod state;
 
 use accept::{LogLimit, accept_loop};
 pub use call::{
-    CallContext, CallError, CallFn, CallHandler, ClosedFn, MAX_METHOD_LEN, validate_method,
+    CallContext, CallError, CallFn, CallHandler, ClosedFn, LeaseEvent, LeaseFn, MAX_METHOD_LEN,
+    validate_method,
 };
 use checks::{bound_socket, check_config, check_fds, encoded_meta, json_size};
 pub use config::{DEFAULT_SERVER_SPIN, ServerConfig};
@@ -359,7 +360,13 @@ impl Server {
             pid: own_pid(),
             restarts: config.restarts,
             uid: super::own_uid(),
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                lease_watch: config
+                    .call_handler
+                    .as_ref()
+                    .and_then(CallHandler::lease_watch),
+                ..State::default()
+            }),
             changed: Condvar::new(),
             acks: std::sync::atomic::AtomicU64::new(0),
             wake,

@@ -142,6 +142,8 @@ pub(super) struct State {
     /// Names whose new leases are refused, with the refusal's code and
     /// message ([`Server::refuse_attaches`](super::Server::refuse_attaches)).
     pub(super) refused: HashMap<String, (String, String)>,
+    /// The call handler's [`on_lease`](super::CallHandler::on_lease).
+    pub(super) lease_watch: Option<Arc<super::LeaseFn>>,
 }
 
 impl Ring {
@@ -276,18 +278,35 @@ impl State {
             }
         }
         self.by_conn.entry(conn.id).or_default().insert(lease);
-        self.leases.insert(
-            lease,
-            Lease {
-                entry,
-                conn: conn.id,
-                pid: conn.cred.pid,
-                uid: conn.cred.uid,
-                skips: 0,
-                via: None,
-            },
-        );
+        let l = Lease {
+            entry,
+            conn: conn.id,
+            pid: conn.cred.pid,
+            uid: conn.cred.uid,
+            skips: 0,
+            via: None,
+        };
+        self.tell_lease(true, lease, &l);
+        self.leases.insert(lease, l);
         lease
+    }
+
+    /// Tells the call handler's lease watch of a lease granted or ended.
+    fn tell_lease(&self, granted: bool, lease: u64, l: &Lease) {
+        let (Some(watch), Some(e)) = (&self.lease_watch, self.entries.get(&l.entry)) else {
+            return;
+        };
+        let event = super::LeaseEvent {
+            granted,
+            name: &e.name,
+            lease,
+            connection: l.conn,
+            pid: l.pid,
+            uid: l.uid,
+        };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| watch(&event))).is_err() {
+            tracing::error!(lease, "a call handler's lease watch panicked");
+        }
     }
 
     /// Drops the lingering connections whose peers have received (or
@@ -362,6 +381,7 @@ impl State {
     /// unpublished entry. The caller notifies waiters.
     pub(super) fn end_lease(&mut self, lease: u64) -> Option<Lease> {
         let l = self.leases.remove(&lease)?;
+        self.tell_lease(false, lease, &l);
         if let Some(held) = self.by_conn.get_mut(&l.conn) {
             held.remove(&lease);
         }

@@ -50,6 +50,14 @@ pub enum Reconnect {
 /// answers at once, with an error that is taken as ready).
 pub const READY_METHOD: &str = "ready";
 
+/// The method a connection made again calls once it took back what it
+/// could, with the body `{"pending": [SET, ...]}`: the sets it still maps
+/// and could not take back yet (refused for now). The weight service then
+/// stops counting this process as a reader of its process before that has
+/// not connected again (but for those sets); a publisher without the
+/// method answers with an error, which changes nothing.
+pub const RECONNECTED_METHOD: &str = "reconnected";
+
 /// The first pause between two tries to connect again.
 const FIRST_PAUSE: Duration = Duration::from_millis(10);
 /// The longest pause between two tries.

@@ -171,7 +171,7 @@ use crate::channel;
 use crate::error::Result;
 
 pub use budget::MappingBudget;
-pub use link::{READY_METHOD, Reconnect};
+pub use link::{READY_METHOD, RECONNECTED_METHOD, Reconnect};
 pub use publisher::Publisher;
 pub use publisher_config::PublisherConfig;
 pub use push::{PUSH_LIMIT, Stream};

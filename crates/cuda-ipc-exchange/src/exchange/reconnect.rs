@@ -281,6 +281,7 @@ impl Subscriber {
             );
             self.forget_old_connection();
             report.connected = true;
+            self.reconnected_due.store(true, Ordering::Release);
             self.make_kept_calls(&conn);
             conn
         };
@@ -358,6 +359,7 @@ impl Subscriber {
             held.iter().filter_map(std::sync::Weak::upgrade).collect()
         };
         let mut due = false;
+        let mut pending = Vec::new();
         for g in guards {
             if g.released() || !matches!(g.standing(conn.epoch), Standing::Missing(_)) {
                 continue;
@@ -414,6 +416,7 @@ impl Subscriber {
                     } else {
                         tracing::warn!(set = %name, "cannot take the set's lease back yet: {why}");
                     }
+                    pending.push(name.clone());
                     report.not_retaken.push((name, why));
                     due = true;
                 }
@@ -426,6 +429,32 @@ impl Subscriber {
             g.found(found);
         }
         self.retake_due.store(due, Ordering::Release);
+        self.tell_reconnected(conn, &pending);
+    }
+
+    /// After the leases of a new connection were taken back (as far as
+    /// they could be): tells the publisher, once, and again each time
+    /// `pending` (the sets still mapped and not taken back) shrinks to
+    /// nothing ([`RECONNECTED_METHOD`](super::RECONNECTED_METHOD)).
+    fn tell_reconnected(&self, conn: &Connection, pending: &[String]) {
+        if !self.reconnected_due.load(Ordering::Acquire) {
+            return;
+        }
+        let body = serde_json::json!({ "pending": pending });
+        match conn.client.call_within(
+            super::RECONNECTED_METHOD,
+            &body,
+            Duration::from_secs(5),
+        ) {
+            Ok(_) if !pending.is_empty() => {}
+            Ok(_) | Err(ChannelError::Remote { .. }) => {
+                // Done, or a publisher without the method.
+                self.reconnected_due.store(false, Ordering::Release);
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "could not say that this subscriber connected again");
+            }
+        }
     }
 }
 

@@ -88,6 +88,9 @@ pub struct Subscriber {
     /// Whether a lease is left to take back (refused at the last try, or
     /// taken on a connection that ended meanwhile).
     pub(super) retake_due: AtomicBool,
+    /// Set on a new connection until the publisher was told that it took
+    /// back all it holds (`reconnect.rs`, `tell_reconnected`).
+    pub(super) reconnected_due: AtomicBool,
     /// Calls made again on each new connection ([`Subscriber::call_and_keep`]).
     pub(super) kept_calls: Mutex<Vec<KeptCall>>,
 }
@@ -143,6 +146,7 @@ impl Subscriber {
             chunks: Mutex::new(ChunkCache::new(config.mapping_budget)),
             held: Mutex::new(Vec::new()),
             retake_due: AtomicBool::new(false),
+            reconnected_due: AtomicBool::new(false),
             kept_calls: Mutex::new(Vec::new()),
         })
     }

@@ -102,6 +102,8 @@ pub(crate) enum Stored {
     Image(u64),
     /// The channel's listening socket.
     Socket,
+    /// The readers' book (`service/readers.rs`).
+    Readers,
 }
 
 /// The name the channel's listening socket is stored under.
@@ -118,6 +120,8 @@ pub(crate) fn parse_name(name: &str) -> Option<Stored> {
     };
     if name == SOCKET_NAME {
         Some(Stored::Socket)
+    } else if name == crate::service::readers::KEPT_NAME {
+        Some(Stored::Readers)
     } else if let Some(i) = name.strip_prefix("chunk.") {
         number(i).map(Stored::Chunk)
     } else if let Some(s) = name.strip_prefix("catalog.") {
@@ -289,6 +293,7 @@ mod tests {
         assert_eq!(parse_name("chunk.12"), Some(Stored::Chunk(12)));
         assert_eq!(parse_name("catalog.3"), Some(Stored::Image(3)));
         assert_eq!(parse_name("socket"), Some(Stored::Socket));
+        assert_eq!(parse_name("readers"), Some(Stored::Readers));
         for bad in [
             "chunk.", "chunk.01", "chunk.-1", "chunk.1x", "catalog", "other", "",
         ] {

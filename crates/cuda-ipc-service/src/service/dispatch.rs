@@ -17,8 +17,8 @@ use crate::channel::CallError;
 use super::admin::{
     self, AbortAnswer, AbortRequest, AsideAnswer, AsideRequest, BackAnswer, BackRequest,
     CommitAnswer, CommitRequest, DropAnswer, DropRequest, LoadAnswer, LoadRequest, LsAnswer,
-    LsRequest, OpenWriteAnswer, OpenWriteRequest, ReadyAnswer, ReadyRequest, Request,
-    ShutdownAnswer, ShutdownRequest, StatsAnswer, StatsRequest, decode, encode,
+    LsRequest, OpenWriteAnswer, OpenWriteRequest, ReadyAnswer, ReadyRequest, ReconnectedAnswer,
+    ReconnectedRequest, Request, ShutdownAnswer, ShutdownRequest, StatsAnswer, StatsRequest, decode, encode,
 };
 use super::catalog::WriterId;
 
@@ -46,6 +46,9 @@ pub(super) trait Ops {
     fn aside(&self, caller: WriterId, request: &AsideRequest) -> Result<AsideAnswer, CallError>;
     /// Waits for a set's in-place write to end; `caller` comes back.
     fn back(&self, caller: WriterId, request: &BackRequest) -> Result<BackAnswer, CallError>;
+    /// `caller`'s process connected again after a restart and took back
+    /// all but `pending`.
+    fn reconnected(&self, caller: WriterId, pending: &[String]) -> ReconnectedAnswer;
 }
 
 /// The longest message of a refusal, in bytes; longer ones are cut (at a
@@ -155,6 +158,20 @@ fn route(ops: &impl Ops, caller: WriterId, method: &str, body: &Value) -> Result
             Ok(encode(&ReadyAnswer {
                 sets: ops.ls().sets.len(),
             }))
+        }
+        ReconnectedRequest::METHOD => {
+            let r: ReconnectedRequest = decode(method, body).map_err(bad_request)?;
+            if r.pending.len() > admin::MAX_RECONNECTED_PENDING {
+                return Err(bad_request(format!(
+                    "pending names {} sets, more than {}",
+                    r.pending.len(),
+                    admin::MAX_RECONNECTED_PENDING
+                )));
+            }
+            for set in &r.pending {
+                admin::validate_set_name(set).map_err(bad_request)?;
+            }
+            Ok(encode(&ops.reconnected(caller, &r.pending)))
         }
         other => Err(CallError::new(
             "unknown_method",
@@ -271,6 +288,14 @@ mod tests {
                 c.connection, r.set, r.timeout_ms
             ));
             Err(CallError::new("torn", "cut short"))
+        }
+        fn reconnected(&self, c: WriterId, pending: &[String]) -> ReconnectedAnswer {
+            self.asked
+                .borrow_mut()
+                .push(format!("reconnected {} {}", c.pid, pending.join(",")));
+            ReconnectedAnswer {
+                not_reconnected: pending.len(),
+            }
         }
     }
 

@@ -43,6 +43,7 @@ struct Books {
     staging: Mutex<HashMap<String, (Vec<Tensor>, String)>>,
     next: AtomicU64,
     stop: AtomicBool,
+    readers: Mutex<super::readers::Readers>,
 }
 
 impl Books {
@@ -56,6 +57,7 @@ impl Books {
             staging: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
             stop: AtomicBool::new(false),
+            readers: Mutex::new(super::readers::Readers::new()),
         }
     }
 
@@ -247,6 +249,16 @@ impl Ops for Books {
         let version = self.version_of(&r.set)?;
         super::admin::decode("back", &json!({"set": r.set, "version": version}))
             .map_err(bad_request)
+    }
+
+    fn reconnected(&self, caller: WriterId, pending: &[String]) -> super::admin::ReconnectedAnswer {
+        let mut readers = locked(&self.readers);
+        readers.reconnected(caller.pid, caller.uid, pending);
+        super::admin::decode(
+            "reconnected",
+            &json!({"not_reconnected": readers.orphans().len()}),
+        )
+        .expect("an answer")
     }
 }
 

@@ -62,6 +62,8 @@ const POLL: Duration = Duration::from_millis(20);
 #[derive(Default)]
 pub(super) struct Aside {
     by_set: HashMap<String, BTreeMap<u64, u64>>,
+    /// The pid and uid of each connection that stepped aside.
+    who: HashMap<u64, (u32, u32)>,
 }
 
 impl Aside {
@@ -76,8 +78,31 @@ impl Aside {
         self.by_set.get(set)?.get(&connection).copied()
     }
 
+    /// Whether a connection of process `pid` of `uid` stepped aside from
+    /// `set`.
+    fn process_holds(&self, set: &str, pid: u32, uid: u32) -> bool {
+        self.by_set.get(set).is_some_and(|c| {
+            c.keys()
+                .any(|conn| self.who.get(conn) == Some(&(pid, uid)))
+        })
+    }
+
+    /// The sets each process stepped aside from, by pid and uid.
+    fn by_process(&self) -> HashMap<(u32, u32), Vec<String>> {
+        let mut out: HashMap<(u32, u32), Vec<String>> = HashMap::new();
+        for (set, conns) in &self.by_set {
+            for conn in conns.keys() {
+                if let Some(who) = self.who.get(conn) {
+                    out.entry(*who).or_default().push(set.clone());
+                }
+            }
+        }
+        out
+    }
+
     /// Forgets `connection` everywhere (it closed).
     pub(super) fn forget_connection(&mut self, connection: u64) {
+        self.who.remove(&connection);
         for c in self.by_set.values_mut() {
             c.remove(&connection);
         }
@@ -91,6 +116,22 @@ impl Aside {
 }
 
 impl Inner {
+    /// Writes what `aside` holds now into the readers' book (before the
+    /// reader whose mark changed hears of it).
+    pub(super) fn aside_changed(&self, aside: &Aside) {
+        let by_process = aside.by_process();
+        locked(&self.readers).set_aside(&by_process);
+    }
+
+    /// The readers of the serving process before a restart that may map
+    /// `set` and have neither connected again (taking their lease back or
+    /// stepping aside) nor exited (`service/readers.rs`).
+    fn orphans_not_aside(&self, aside: &Aside, set: &str) -> Vec<Holder> {
+        // The book is locked under the channel's state lock (its lease
+        // watch): nothing here calls the channel while holding it.
+        locked(&self.readers).orphans_of(set, |pid, uid| aside.process_holds(set, pid, uid))
+    }
+
     /// The holders of leases on `set`'s current version (not a retired
     /// one) whose connection is neither `except` nor aside.
     fn readers_not_aside(&self, aside: &Aside, set: &str, except: u64) -> Vec<Holder> {
@@ -237,7 +278,8 @@ impl Inner {
         let mut aside = locked(&self.aside);
         loop {
             let waiting = self.readers_not_aside(&aside, set, caller.connection);
-            if waiting.is_empty() {
+            let orphans = self.orphans_not_aside(&aside, set);
+            if waiting.is_empty() && orphans.is_empty() {
                 return Ok(());
             }
             let now = Instant::now();
@@ -251,16 +293,7 @@ impl Inner {
                 ));
             }
             if now >= deadline {
-                return Err(CallError::new(
-                    "readers_not_aside",
-                    format!(
-                        "{} did not step aside from set {set:?} within {:.1} s (a reader sleeps \
-                         its mappings, then calls aside); nothing was written. Ask them to, wait \
-                         longer, or write double-buffered",
-                        catalog::holders_text(&waiting),
-                        wait.as_secs_f64()
-                    ),
-                ));
+                return Err(not_aside_error(set, &waiting, &orphans, wait));
             }
             aside = self
                 .aside_cv
@@ -327,11 +360,17 @@ impl Inner {
             let in_place = catalog.writing(&r.set).is_some_and(|w| w.in_place);
             (info.version, in_place)
         };
-        locked(&self.aside)
+        let mut aside = locked(&self.aside);
+        aside
             .by_set
             .entry(r.set.clone())
             .or_default()
             .insert(caller.connection, version);
+        aside
+            .who
+            .insert(caller.connection, (caller.pid, caller.uid));
+        self.aside_changed(&aside);
+        drop(aside);
         self.aside_cv.notify_all();
         Ok(AsideAnswer {
             set: r.set.clone(),
@@ -394,6 +433,7 @@ impl Inner {
         if let Some(c) = aside.by_set.get_mut(&r.set) {
             c.remove(&caller.connection);
         }
+        self.aside_changed(&aside);
         drop(aside);
         let catalog = locked(&self.catalog);
         if catalog.is_torn(&r.set) {
@@ -416,6 +456,39 @@ impl Inner {
             version: info.version,
         })
     }
+}
+
+/// The refusal of a write in place whose readers did not step aside:
+/// `waiting` connected now, `orphans` readers of the process before a
+/// restart that have not connected again.
+fn not_aside_error(set: &str, waiting: &[Holder], orphans: &[Holder], wait: Duration) -> CallError {
+    let mut who = Vec::new();
+    if !waiting.is_empty() {
+        who.push(format!(
+            "{} did not step aside (a reader sleeps its mappings, then calls aside)",
+            catalog::holders_text(waiting)
+        ));
+    }
+    if !orphans.is_empty() {
+        who.push(format!(
+            "{}, which mapped it before the service restarted, did not connect again (a \
+             reader connects again at its next call, or with reconnect())",
+            catalog::holders_text(orphans)
+        ));
+    }
+    CallError::new(
+        "readers_not_aside",
+        format!(
+            "set {set:?} was not written in place: {} within {:.1} s; nothing was written. Ask \
+             them to, wait longer, or write double-buffered",
+            who.join("; and "),
+            wait.as_secs_f64()
+        ),
+    )
+    .with_details(serde_json::json!({
+        "readers": waiting.iter().map(|h| serde_json::json!({"pid": h.pid, "uid": h.uid})).collect::<Vec<_>>(),
+        "not_reconnected": orphans.iter().map(|h| serde_json::json!({"pid": h.pid, "uid": h.uid})).collect::<Vec<_>>(),
+    }))
 }
 
 /// How long the client's `aside` call may take.

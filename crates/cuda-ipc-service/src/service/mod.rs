@@ -45,6 +45,7 @@ mod in_place;
 pub mod layout;
 mod listing;
 mod persist;
+pub(crate) mod readers;
 mod saved;
 mod stop;
 mod write;
@@ -117,6 +118,9 @@ struct Inner {
     /// their waits (the writer's, `back`) wait on.
     aside: Mutex<in_place::Aside>,
     aside_cv: Condvar,
+    /// Who holds which sets, kept for the next serving process, and the
+    /// readers of the one before that have not connected again.
+    readers: Arc<Mutex<readers::Readers>>,
     /// Set by the `shutdown` method.
     stop_asked: Mutex<bool>,
     stop_cv: Condvar,
@@ -176,7 +180,9 @@ impl Service {
         let slot: Arc<OnceLock<Weak<Inner>>> = Arc::new(OnceLock::new());
         let closed = Arc::clone(&slot);
         let calls = Arc::clone(&slot);
-        let handler = CallHandler::new(move |ctx, method, body| {
+        let readers = Arc::new(Mutex::new(readers::Readers::new()));
+        let book = Arc::clone(&readers);
+        let mut handler = CallHandler::new(move |ctx, method, body| {
             let Some(inner) = calls.wait().upgrade() else {
                 return Err(CallError::new("stopping", "the service is stopping"));
             };
@@ -192,6 +198,13 @@ impl Service {
                 inner.connection_closed(connection);
             }
         });
+        if store.is_kept() {
+            // Written before the holder hears of its lease: a restart knows
+            // every reader that may map a set.
+            handler = handler.on_lease(move |e| {
+                locked(&book).lease(e.granted, e.name, e.pid, e.uid);
+            });
+        }
         let mut publisher_config = PublisherConfig::default()
             .with_read_only_readers(true)
             .with_max_request_bytes(MAX_CALL_BYTES)
@@ -238,6 +251,7 @@ impl Service {
             keeping: Mutex::new(persist::Keeping::new(store)),
             aside: Mutex::new(in_place::Aside::default()),
             aside_cv: Condvar::new(),
+            readers,
             stop_asked: Mutex::new(false),
             stop_cv: Condvar::new(),
         });
@@ -249,6 +263,7 @@ impl Service {
                 return Err(e);
             }
         };
+        inner.keep_readers();
         inner.persist();
         let _ = slot.set(Arc::downgrade(&inner));
         tracing::info!(path = %inner.publisher.path().display(), sets = restored.sets.len(), "service serving");
@@ -549,7 +564,11 @@ impl Ops for Inner {
         let loaded = locked(&self.held).remove(&r.set);
         drop(loaded);
         self.publisher.server().allow_attaches(&r.set);
-        locked(&self.aside).forget_set(&r.set);
+        {
+            let mut aside = locked(&self.aside);
+            aside.forget_set(&r.set);
+            self.aside_changed(&aside);
+        }
         self.persist();
         self.publisher.reap();
         if let Err(e) = self.publisher.trim() {
@@ -611,6 +630,17 @@ impl Ops for Inner {
         r: &admin::BackRequest,
     ) -> std::result::Result<admin::BackAnswer, CallError> {
         Inner::back(self, caller, r)
+    }
+    fn reconnected(&self, caller: WriterId, pending: &[String]) -> admin::ReconnectedAnswer {
+        let left = {
+            let mut readers = locked(&self.readers);
+            readers.reconnected(caller.pid, caller.uid, pending);
+            readers.orphans().len()
+        };
+        self.aside_cv.notify_all();
+        admin::ReconnectedAnswer {
+            not_reconnected: left,
+        }
     }
 }
 

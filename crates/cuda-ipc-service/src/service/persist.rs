@@ -180,6 +180,46 @@ impl Inner {
         Ok(())
     }
 
+    /// Takes the readers' book the store handed back: the readers of the
+    /// process before are waited for by writes in place until they connect
+    /// again (`service/readers.rs`).
+    fn adopt_readers(&self, fd: OwnedFd) {
+        match locked(&self.readers).adopt(fd) {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                readers = n,
+                "readers of the serving process before: writes in place wait for each to connect again or exit"
+            ),
+            Err(e) => tracing::error!(
+                error = %e,
+                "the kept readers' book does not read: readers of the process before are not known, and a write in place does not wait for them"
+            ),
+        }
+    }
+
+    /// Under a store, makes the readers' book and gives it to the store,
+    /// unless the store handed one back.
+    pub(super) fn keep_readers(&self) {
+        if !locked(&self.keeping).store.is_kept() {
+            return;
+        }
+        let made = {
+            let mut readers = locked(&self.readers);
+            if readers.is_kept() {
+                return;
+            }
+            readers.create().and_then(|fd| fd.try_clone_to_owned())
+        };
+        let kept = made.and_then(|fd| {
+            locked(&self.keeping)
+                .store
+                .put(super::readers::KEPT_NAME, fd.as_fd())
+        });
+        if let Err(e) = kept {
+            tracing::warn!(error = %e, "cannot keep the readers' book: after a restart, a write in place does not wait for readers that have not connected again");
+        }
+    }
+
     /// Serves again what the store handed back at start: the newest image
     /// that reads, its chunks taken back into the publisher's arena, each
     /// set published at its version. Sets whose chunks did not come back
@@ -200,6 +240,7 @@ impl Inner {
                     chunk_fds.insert(i, fd);
                 }
                 Some(Stored::Socket) => socket = Some(fd),
+                Some(Stored::Readers) => self.adopt_readers(fd),
                 None => tracing::warn!(
                     name,
                     "the store handed back a descriptor of no known name; closed"

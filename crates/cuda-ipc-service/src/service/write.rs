@@ -349,7 +349,11 @@ impl Inner {
         if gone.iter().any(|s| s.in_place) {
             self.persist();
         }
-        locked(&self.aside).forget_connection(connection);
+        {
+            let mut aside = locked(&self.aside);
+            aside.forget_connection(connection);
+            self.aside_changed(&aside);
+        }
         self.aside_cv.notify_all();
         self.sweep_retired();
     }

@@ -213,6 +213,20 @@ fn a_reader_keeps_its_set_through_a_crash_and_takes_its_lease_back() {
         !readers(&socket).contains(&pid),
         "the new process knows the reader before it connected again"
     );
+    // It does know that the reader of before may map the set (the book the
+    // keeper kept): a write in place waits for it and, before its next
+    // call, is refused, naming it; nothing is written.
+    let refused = spawn_placer(&test, &socket, 2, 300).recv();
+    assert_eq!(refused["code"], "readers_not_aside", "{refused}");
+    let why = refused["bad"].as_str().unwrap();
+    assert!(
+        why.contains(&format!("pid {pid}")) && why.contains("did not connect again"),
+        "{why}"
+    );
+    assert_ok!(
+        &ask(&mut holder, &json!({"do": "check", "seed": 1})),
+        "version 1's bytes, unwritten"
+    );
 
     // Its next call connects again and takes its lease back: same
     // addresses, nothing mapped again, and `ls` shows it.
@@ -284,7 +298,8 @@ fn aside_through_restarts(
     assert_eq!(back["same_addresses"], true, "{back}");
 
     // Killed while aside, and a writer in place on the new process before
-    // the reader's next call (nobody to wait for: it is asleep): the
+    // the reader's next call (nobody to wait for: the book says it is
+    // asleep, aside from all it leased): the
     // reader's return connects again, steps aside there first, and waits
     // for that write.
     assert_ok!(&ask(holder, &json!({"do": "aside"})), "aside once more");

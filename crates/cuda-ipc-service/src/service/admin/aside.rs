@@ -96,3 +96,34 @@ pub struct ReadyAnswer {
     /// How many sets the service serves.
     pub sets: usize,
 }
+
+/// The most sets a `reconnected` call names.
+pub const MAX_RECONNECTED_PENDING: usize = 64;
+
+/// `reconnected`: a reader that connected again after a restart took back
+/// what it could ([`RECONNECTED_METHOD`](crate::exchange::RECONNECTED_METHOD)).
+/// `pending` are the sets it still maps and could not take back yet (a
+/// write in place or a torn set refused it for now): writes in place of
+/// those still wait for it; of the rest, no longer.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct ReconnectedRequest {
+    /// The sets still mapped and not taken back.
+    pub pending: Vec<String>,
+}
+
+impl Request for ReconnectedRequest {
+    const METHOD: &'static str = crate::exchange::RECONNECTED_METHOD;
+    type Answer = ReconnectedAnswer;
+}
+
+/// The answer to `reconnected`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct ReconnectedAnswer {
+    /// Readers of the serving process before that have not connected
+    /// again (this one counts while it has sets pending).
+    pub not_reconnected: usize,
+}

@@ -16,6 +16,7 @@
 //! | `aside` | [`AsideRequest`] | [`AsideAnswer`] | any allowed uid (a reader stepping aside for an in-place write) |
 //! | `back` | [`BackRequest`] | [`BackAnswer`] | any allowed uid (the same reader, coming back) |
 //! | `ready` | [`ReadyRequest`] | [`ReadyAnswer`] | any allowed uid (a reader connecting again after a restart) |
+//! | `reconnected` | [`ReconnectedRequest`] | [`ReconnectedAnswer`] | any allowed uid (the same reader, once it took its leases back) |
 //!
 //! Decoding is strict both ways: an unknown field, a missing one or one of
 //! the wrong type is an error naming it ([`decode`]). Refusals travel as
@@ -32,7 +33,8 @@ use super::catalog::{Holder, UidUsage};
 mod aside;
 mod tp;
 pub use aside::{
-    AsideAnswer, AsideRequest, BackAnswer, BackRequest, MAX_BACK_WAIT_MS, ReadyAnswer, ReadyRequest,
+    AsideAnswer, AsideRequest, BackAnswer, BackRequest, MAX_BACK_WAIT_MS, MAX_RECONNECTED_PENDING,
+    ReadyAnswer, ReadyRequest, ReconnectedAnswer, ReconnectedRequest,
 };
 pub use tp::TpRequest;
 
@@ -608,7 +610,7 @@ pub struct AbortAnswer {
 }
 
 /// Every method, in the table's order.
-pub const METHODS: [&str; 11] = [
+pub const METHODS: [&str; 12] = [
     LoadRequest::METHOD,
     LsRequest::METHOD,
     StatsRequest::METHOD,
@@ -620,6 +622,7 @@ pub const METHODS: [&str; 11] = [
     AsideRequest::METHOD,
     BackRequest::METHOD,
     ReadyRequest::METHOD,
+    ReconnectedRequest::METHOD,
 ];
 
 /// One method's bodies, with the types erased: its name, and its request's
@@ -656,7 +659,7 @@ const fn bodies<R: Request>() -> MethodBodies {
 /// decoding (the `admin_body` fuzz target, the tests that replay its
 /// corpus) iterates over, so that a method listed here is checked without
 /// changing them.
-pub const BODIES: [MethodBodies; 11] = [
+pub const BODIES: [MethodBodies; 12] = [
     bodies::<LoadRequest>(),
     bodies::<LsRequest>(),
     bodies::<StatsRequest>(),
@@ -668,6 +671,7 @@ pub const BODIES: [MethodBodies; 11] = [
     bodies::<AsideRequest>(),
     bodies::<BackRequest>(),
     bodies::<ReadyRequest>(),
+    bodies::<ReconnectedRequest>(),
 ];
 
 #[cfg(test)]
