@@ -19,6 +19,7 @@ from . import _core, dtypes, errors, sets
 from .channel import Attachment, Frame, Published, Publisher, Ring, RingPublisher, Subscriber
 from .descriptor import FORMAT_VERSION, cuda_array_interface, descriptor_json, parse_descriptor, validate_descriptor
 from .errors import (
+    Asleep,
     CudaIpcError,
     DescriptorError,
     DriverError,

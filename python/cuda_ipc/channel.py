@@ -519,7 +519,10 @@ class Subscriber(_Owner):
         dict)."""
         import json
 
-        return json.loads(self._c.come_back(name, next=bool(next), timeout=timeout))
+        try:
+            return json.loads(self._c.come_back(name, next=bool(next), timeout=timeout))
+        finally:
+            self._watch_sleep()
 
     opens = property(lambda self: self._c.opens, doc="Mappings opened (cache misses).")
 
@@ -568,14 +571,34 @@ class Subscriber(_Owner):
         alive, to keep them (and CUDA graphs captured over them) across the
         sleep at the same addresses: the caller then promises that nothing
         touches them (no kernel, copy or graph replay, on any thread) until
-        :meth:`wake` returns."""
-        return self._c.sleep(unchecked=bool(unchecked))
+        :meth:`wake` returns. Until then, a ``torch.nn.Module`` called on
+        the sleeping memory (its parameters, buffers or tensor arguments)
+        raises :class:`cuda_ipc.Asleep` before queuing anything
+        (:mod:`cuda_ipc.asleep`); other uses are not checked."""
+        try:
+            return self._c.sleep(unchecked=bool(unchecked))
+        finally:
+            self._watch_sleep()
 
     def wake(self):
         """Maps everything :meth:`sleep` unmapped again at the same
         addresses (CUDA graphs captured over the tensors stay valid).
         Returns ``(mappings, bytes)`` woken."""
-        return self._c.wake()
+        try:
+            return self._c.wake()
+        finally:
+            self._watch_sleep()
+
+    def sleeping_ranges(self):
+        """``[(base, bytes), ...]`` of the mappings asleep now, in address
+        order: what a use before :meth:`wake` would fault on."""
+        return self._c.sleeping_ranges()
+
+    def _watch_sleep(self):
+        """Module calls check what sleeps now (:mod:`cuda_ipc.asleep`)."""
+        from . import asleep as _asleep
+
+        _asleep.watch(self, self.sleeping_ranges())
 
     asleep = property(lambda self: self._c.asleep, doc="Whether any of its mappings sleeps.")
 

@@ -40,6 +40,7 @@ __all__ = [
     "DescriptorError",
     "TorchRecordError",
     "SameProcess",
+    "Asleep",
     "PeerGone",
     "ServiceError",
     "Timeout",
@@ -115,6 +116,14 @@ class TorchRecordError(InvalidInput):
 class SameProcess(InvalidInput):
     """A process opened its own legacy IPC handle, which CUDA refuses
     (``code`` is 201, CUDA_ERROR_INVALID_CONTEXT)."""
+
+
+class Asleep(InvalidInput):
+    """A module was called on memory that sleeps (``Subscriber.sleep``,
+    ``Reader.step_aside``): nothing was queued on the GPU. Wake it, or
+    come back, first. ``ranges`` are the sleeping ``(base, bytes)``."""
+
+    ranges = ()
 
 
 class PeerGone(CudaIpcError):

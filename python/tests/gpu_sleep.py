@@ -68,6 +68,20 @@ def reader_main(path):
                     continue
                 send({"mappings": mappings, "bytes": nbytes, "asleep": sub.asleep,
                       "ms": (time.monotonic() - t) * 1e3})
+            elif op == "module":
+                # A model on the weights, called while they sleep: a clear
+                # error before anything is queued; the context stays whole.
+                model = torch.nn.Linear(sd["w0"].shape[1], sd["w0"].shape[0], bias=False, device=sd["w0"].device)
+                model.weight = torch.nn.Parameter(sd["w0"], requires_grad=False)
+                try:
+                    with torch.no_grad():
+                        model(x[:1])
+                    send({"raised": None})
+                except cuda_ipc.Asleep as e:
+                    torch.cuda.synchronize()  # the context is fine
+                    free = torch.ones(4, device="cuda").sum().item()
+                    send({"raised": "Asleep", "error": str(e), "context_ok": free == 4.0})
+                del model
             elif op == "wake_only":
                 mappings, nbytes = sub.wake()
                 send({"mappings": mappings, "asleep": sub.asleep})
@@ -164,6 +178,10 @@ def main():
         slept = ask("sleep_unchecked")
         c.check("error" not in slept and slept["asleep"] and slept["mappings"] >= 1
                 and slept["bytes"] >= 3 * n * 4, "sleep(unchecked=True) unmaps every chunk", slept)
+        module = ask("module")
+        c.check(module.get("raised") == "Asleep" and "Linear's parameter weight" in module.get("error", "")
+                and module.get("context_ok"),
+                "a module called on sleeping weights raises cuda_ipc.Asleep, and the context goes on", module)
         again = ask("attach_again")
         c.check(again.get("attached") is False and "wake()" in again.get("error", ""),
                 "an attach while asleep is refused, naming wake()", again)

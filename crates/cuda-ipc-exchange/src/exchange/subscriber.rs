@@ -429,6 +429,17 @@ impl Subscriber {
         self.live_mappings().iter().any(|m| m.asleep())
     }
 
+    /// The address ranges (base, bytes) of the mappings that sleep now,
+    /// in address order: what a use while asleep would fault on (a
+    /// language binding checks its tensors against them).
+    pub fn sleeping_ranges(&self) -> Vec<(u64, u64)> {
+        self.live_mappings()
+            .iter()
+            .filter(|m| m.asleep())
+            .map(|m| (m.base(), m.size()))
+            .collect()
+    }
+
     /// Subscribes to the ring `name`: maps every slot once.
     ///
     /// # Errors

@@ -279,6 +279,11 @@ impl PySubscriber {
         Ok(self.get()?.asleep())
     }
 
+    /// `[(base, bytes), ...]` of the mappings asleep now, in address order.
+    fn sleeping_ranges(&self) -> PyResult<Vec<(u64, u64)>> {
+        Ok(self.get()?.sleeping_ranges())
+    }
+
     /// Subscribes to the ring `name` (every slot mapped once).
     fn attach_ring(&self, py: Python<'_>, name: &str) -> PyResult<Ring> {
         let sub = self.get()?;

@@ -105,6 +105,7 @@ fn reader() {
                         "mappings": s.mappings,
                         "bytes": s.bytes,
                         "asleep": sub.asleep(),
+                        "ranges": sub.sleeping_ranges().len(),
                         "wake_ms": t.elapsed().as_secs_f64() * 1e3,
                     }),
                     Err(e) => json!({ "error": e.to_string() }),
@@ -127,7 +128,17 @@ fn reader() {
 /// The answer to a sleep.
 fn slept(sub: &Subscriber, r: cuda_ipc::Result<cuda_ipc::exchange::Slept>) -> Value {
     match r {
-        Ok(s) => json!({ "mappings": s.mappings, "bytes": s.bytes, "asleep": sub.asleep() }),
+        Ok(s) => {
+            let ranges = sub.sleeping_ranges();
+            json!({
+                "mappings": s.mappings,
+                "bytes": s.bytes,
+                "asleep": sub.asleep(),
+                "ranges": ranges.len(),
+                "ranges_bytes": ranges.iter().map(|r| r.1).sum::<u64>(),
+                "ranges_sorted": ranges.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0),
+            })
+        }
         Err(e) => json!({
             "error": e.to_string(),
             "in_use": matches!(e, cuda_ipc::Error::StillInUse { .. }),
@@ -186,6 +197,9 @@ fn a_sleeping_reader_wakes_at_the_same_addresses_on_the_same_memory() {
         let slept = ask(&mut p, &json!({ "op": "sleep_unchecked" }));
         assert!(slept.get("error").is_none(), "{slept}");
         assert_eq!(slept["asleep"], true, "{slept}");
+        assert_eq!(slept["ranges"], slept["mappings"], "{slept}");
+        assert_eq!(slept["ranges_bytes"], slept["bytes"], "{slept}");
+        assert_eq!(slept["ranges_sorted"], true, "{slept}");
         assert!(slept["mappings"].as_u64().unwrap() >= 1, "{slept}");
         let again = ask(&mut p, &json!({ "op": "sleep_unchecked" }));
         assert_eq!(
@@ -204,6 +218,7 @@ fn a_sleeping_reader_wakes_at_the_same_addresses_on_the_same_memory() {
         assert!(woke.get("error").is_none(), "{woke}");
         assert_eq!(woke["mappings"], slept["mappings"], "{woke}");
         assert_eq!(woke["asleep"], false, "{woke}");
+        assert_eq!(woke["ranges"], 0, "{woke}");
         println!("woke {} bytes in {} ms", woke["bytes"], woke["wake_ms"]);
         let after = ask(&mut p, &json!({ "op": "look", "base": 9 }));
         assert!(after["bad"].is_null(), "{after}");
@@ -248,6 +263,9 @@ fn a_reader_with_no_views_left_sleeps_without_unsafe() {
         let slept = ask(&mut p, &json!({ "op": "sleep" }));
         assert!(slept.get("error").is_none(), "{slept}");
         assert_eq!(slept["asleep"], true, "{slept}");
+        assert_eq!(slept["ranges"], slept["mappings"], "{slept}");
+        assert_eq!(slept["ranges_bytes"], slept["bytes"], "{slept}");
+        assert_eq!(slept["ranges_sorted"], true, "{slept}");
         assert!(slept["mappings"].as_u64().unwrap() >= 1, "{slept}");
         let refused = ask(&mut p, &json!({ "op": "attach_again" }));
         assert_eq!(refused["attached"], false, "{refused}");
