@@ -273,11 +273,17 @@ pub fn ls(args: &ListArgs) -> Result<Outcome, Error> {
         "STATE"
     )?;
     for s in &a.sets {
-        let readers = if s.leases.is_empty() {
+        let mut readers = if s.leases.is_empty() {
             "-".to_owned()
         } else {
             holders_text(&s.leases)
         };
+        if !s.not_reconnected.is_empty() {
+            readers = format!(
+                "{readers}; not connected again since the restart: {}",
+                holders_text(&s.not_reconnected)
+            );
+        }
         let state = match (&s.writer, s.restarts) {
             (Some(w), _) => format!("writing v{} (pid {}, uid {})", w.version, w.pid, w.uid),
             (None, 0) => "committed".to_owned(),

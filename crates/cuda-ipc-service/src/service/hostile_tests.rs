@@ -101,6 +101,7 @@ impl Ops for Books {
                 },
                 writer: None,
                 restarts: 0,
+                not_reconnected: Vec::new(),
             })
             .collect();
         LsAnswer { sets }

@@ -48,6 +48,7 @@ impl Inner {
                 state: state(&w.set, &row),
                 writer: row,
                 restarts: 0,
+                not_reconnected: Vec::new(),
             }
         });
         let mut sets: Vec<SetRow> = catalog
@@ -74,6 +75,7 @@ impl Inner {
                     state: state(&s.name, &row),
                     writer: row,
                     restarts: restarts.get(&s.name).copied().unwrap_or(0),
+                    not_reconnected: locked(&self.readers).orphans_mapping(&s.name),
                 }
             })
             .chain(new_sets)

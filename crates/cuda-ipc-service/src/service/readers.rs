@@ -363,7 +363,27 @@ impl Readers {
         out
     }
 
-    /// The orphans (for `ls` and the tests).
+    /// The orphans that may map `set` and hold no lease on it now, aside
+    /// or not, without looking whether they still run (for `ls`).
+    pub(crate) fn orphans_mapping(&self, set: &str) -> Vec<Holder> {
+        let bits = name_bits(set);
+        self.orphans
+            .iter()
+            .filter(|o| {
+                o.filter & bits == bits
+                    && !self
+                        .live
+                        .get(&(o.pid, o.uid))
+                        .is_some_and(|l| l.names.contains_key(set))
+            })
+            .map(|o| Holder {
+                pid: o.pid,
+                uid: o.uid,
+            })
+            .collect()
+    }
+
+    /// The orphans (for `reconnected`'s answer and the tests).
     pub(crate) fn orphans(&self) -> &[Orphan] {
         &self.orphans
     }

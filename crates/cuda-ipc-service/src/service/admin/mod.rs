@@ -243,6 +243,10 @@ pub struct SetRow {
     /// loaded or committed by the process serving it now).
     #[serde(default)]
     pub restarts: u64,
+    /// Readers of the serving process before a restart that may map it and
+    /// have not connected again (a write in place waits for them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_reconnected: Vec<Holder>,
 }
 
 /// Whether a set is being written.

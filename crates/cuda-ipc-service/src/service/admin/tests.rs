@@ -151,17 +151,25 @@ fn answers_round_trip() {
                 bytes: 512,
             }),
             restarts: 2,
+            not_reconnected: vec![Holder { pid: 9, uid: 0 }],
         }],
     };
     assert_eq!(decode::<LsAnswer>("ls", &encode(&ls)).unwrap(), ls);
+    assert_eq!(encode(&ls)["sets"][0]["not_reconnected"][0]["pid"], 9);
     assert_eq!(encode(&ls)["sets"][0]["state"], "writing");
     // A row of a service without writers reads as committed.
     let mut row = encode(&ls)["sets"][0].clone();
     let obj = row.as_object_mut().unwrap();
     obj.remove("state");
     obj.remove("writer");
+    obj.remove("not_reconnected");
     let old: SetRow = decode("ls", &row).unwrap();
     assert_eq!((old.state, old.writer), (SetState::Committed, None));
+    assert!(old.not_reconnected.is_empty());
+    // None: left out, so older clients read the row.
+    let mut none = ls.sets[0].clone();
+    none.not_reconnected.clear();
+    assert!(encode(&none).get("not_reconnected").is_none());
     let stats = StatsAnswer {
         pid: 1,
         service_uid: 1000,
