@@ -91,8 +91,7 @@ pub use paths::{
 };
 pub use server::{
     CallContext, CallError, CallHandler, CpuBudget, DEFAULT_SERVER_SPIN, LatePolicy, LeaseEvent,
-    LeaseInfo,
-    PushReport, Replaced, Server, ServerConfig, ServerRing, StallBudget,
+    LeaseInfo, PushReport, Replaced, Server, ServerConfig, ServerRing, StallBudget,
 };
 pub use socket::{Ucred, peer_credentials};
 pub use wire::{

@@ -32,10 +32,10 @@ mod fuzz_admin_body;
 mod fuzz_catalog_image;
 #[path = "../../../fuzz/src/lib.rs"]
 mod fuzz_checks;
-#[path = "../../../fuzz/src/readers_book.rs"]
-mod fuzz_readers_book;
 #[path = "../../../fuzz/src/notice_record.rs"]
 mod fuzz_notice_record;
+#[path = "../../../fuzz/src/readers_book.rs"]
+mod fuzz_readers_book;
 
 // ---------------------------------------------------------------------------
 // The fuzz corpora, replayed

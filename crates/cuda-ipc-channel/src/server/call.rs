@@ -156,7 +156,10 @@ impl CallHandler {
     /// must be quick and must not block or call the server: what it
     /// records is in place before the holder can use what it leased.
     #[must_use]
-    pub fn on_lease(mut self, lease: impl for<'a> Fn(&LeaseEvent<'a>) + Send + Sync + 'static) -> CallHandler {
+    pub fn on_lease(
+        mut self,
+        lease: impl for<'a> Fn(&LeaseEvent<'a>) + Send + Sync + 'static,
+    ) -> CallHandler {
         self.2 = Some(Arc::new(lease));
         self
     }

@@ -441,11 +441,10 @@ impl Subscriber {
             return;
         }
         let body = serde_json::json!({ "pending": pending });
-        match conn.client.call_within(
-            super::RECONNECTED_METHOD,
-            &body,
-            Duration::from_secs(5),
-        ) {
+        match conn
+            .client
+            .call_within(super::RECONNECTED_METHOD, &body, Duration::from_secs(5))
+        {
             Ok(_) if !pending.is_empty() => {}
             Ok(_) | Err(ChannelError::Remote { .. }) => {
                 // Done, or a publisher without the method.

@@ -277,11 +277,17 @@ pub(crate) fn read_sealed(fd: impl AsFd) -> io::Result<Vec<u8>> {
             "it is not sealed against writes",
         ));
     }
+    read_up_to(fd, MAX_IMAGE_BYTES, "an image")
+}
+
+/// The bytes of the file `fd` (read with `pread` from its start): refused
+/// if it is larger than `max` bytes, which `what` may have.
+pub(crate) fn read_up_to(fd: BorrowedFd<'_>, max: u64, what: &str) -> io::Result<Vec<u8>> {
     let len = rustix::fs::fstat(fd)?.st_size as u64;
-    if len > MAX_IMAGE_BYTES {
+    if len > max {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("{len} bytes is more than the {MAX_IMAGE_BYTES} an image may have"),
+            format!("{len} bytes is more than the {max} {what} may have"),
         ));
     }
     let mut out = vec![0; len as usize];

@@ -18,7 +18,8 @@ use super::admin::{
     self, AbortAnswer, AbortRequest, AsideAnswer, AsideRequest, BackAnswer, BackRequest,
     CommitAnswer, CommitRequest, DropAnswer, DropRequest, LoadAnswer, LoadRequest, LsAnswer,
     LsRequest, OpenWriteAnswer, OpenWriteRequest, ReadyAnswer, ReadyRequest, ReconnectedAnswer,
-    ReconnectedRequest, Request, ShutdownAnswer, ShutdownRequest, StatsAnswer, StatsRequest, decode, encode,
+    ReconnectedRequest, Request, ShutdownAnswer, ShutdownRequest, StatsAnswer, StatsRequest,
+    decode, encode,
 };
 use super::catalog::WriterId;
 

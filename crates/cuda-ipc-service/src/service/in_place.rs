@@ -81,10 +81,9 @@ impl Aside {
     /// Whether a connection of process `pid` of `uid` stepped aside from
     /// `set`.
     fn process_holds(&self, set: &str, pid: u32, uid: u32) -> bool {
-        self.by_set.get(set).is_some_and(|c| {
-            c.keys()
-                .any(|conn| self.who.get(conn) == Some(&(pid, uid)))
-        })
+        self.by_set
+            .get(set)
+            .is_some_and(|c| c.keys().any(|conn| self.who.get(conn) == Some(&(pid, uid))))
     }
 
     /// The sets each process stepped aside from, by pid and uid.

@@ -175,8 +175,7 @@ impl Readers {
     }
 
     fn rewrite_free(&mut self) {
-        let taken: std::collections::HashSet<usize> =
-            self.orphans.iter().map(|o| o.slot).collect();
+        let taken: std::collections::HashSet<usize> = self.orphans.iter().map(|o| o.slot).collect();
         self.free = (0..SLOTS).rev().filter(|s| !taken.contains(s)).collect();
         for l in self.live.values_mut() {
             l.slot = None;
@@ -247,26 +246,18 @@ impl Readers {
             self.live.remove(&key);
             return;
         }
-        let slot = match live.slot {
-            Some(s) => s,
-            None => match self.free.pop() {
-                Some(s) => {
-                    live.slot = Some(s);
-                    s
-                }
-                None => {
-                    if !self.full_told {
-                        self.full_told = true;
-                        tracing::error!(
-                            slots = SLOTS,
-                            "the readers' book is full: readers past it are not known to a \
-                             serving process after a restart"
-                        );
-                    }
-                    return;
-                }
-            },
+        let Some(slot) = live.slot.or_else(|| self.free.pop()) else {
+            if !self.full_told {
+                self.full_told = true;
+                tracing::error!(
+                    slots = SLOTS,
+                    "the readers' book is full: readers past it are not known to a serving \
+                     process after a restart"
+                );
+            }
+            return;
         };
+        live.slot = Some(slot);
         let filter = live.names.keys().fold(0, |f, n| f | name_bits(n));
         let bytes = encode_slot(self.me, key.0, key.1, live.start, filter, live.aside);
         if let Err(e) = write_slot(fd.as_fd(), slot, &bytes) {
@@ -447,7 +438,9 @@ pub(crate) fn encode(orphans: &[Orphan], owner: u32) -> Vec<u8> {
     out[20..24].copy_from_slice(&(SLOTS as u32).to_le_bytes());
     for o in orphans {
         let at = HEADER + o.slot * SLOT;
-        out[at..at + SLOT].copy_from_slice(&encode_slot(owner, o.pid, o.uid, o.start, o.filter, o.aside));
+        out[at..at + SLOT].copy_from_slice(&encode_slot(
+            owner, o.pid, o.uid, o.start, o.filter, o.aside,
+        ));
     }
     out
 }
@@ -484,23 +477,7 @@ fn pwrite_all(fd: BorrowedFd<'_>, bytes: &[u8], at: u64) -> std::io::Result<()> 
 }
 
 fn read_all(fd: BorrowedFd<'_>) -> std::io::Result<Vec<u8>> {
-    let len = rustix::fs::fstat(fd)?.st_size as u64;
-    if len > FILE_BYTES as u64 {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("{len} bytes, more than {FILE_BYTES}"),
-        ));
-    }
-    let mut out = vec![0; len as usize];
-    let mut done = 0;
-    while done < out.len() {
-        match rustix::io::pread(fd, &mut out[done..], done as u64)? {
-            0 => break,
-            n => done += n,
-        }
-    }
-    out.truncate(done);
-    Ok(out)
+    crate::keep::store::read_up_to(fd, FILE_BYTES as u64, "a readers' book")
 }
 
 #[cfg(test)]

@@ -33,7 +33,11 @@ const B: &str = "draft";
 
 #[test]
 fn names_have_two_bits_that_stay_the_same_in_every_build() {
-    assert_eq!(name_bits(A) & name_bits(B), 0, "the tests' names must not overlap");
+    assert_eq!(
+        name_bits(A) & name_bits(B),
+        0,
+        "the tests' names must not overlap"
+    );
     for n in [A, B, "", "x", "a/very/long/name"] {
         let bits = name_bits(n);
         assert!((1..=2).contains(&bits.count_ones()), "{n}: {bits:#x}");
@@ -107,7 +111,10 @@ fn the_next_process_waits_for_a_reader_of_before_until_it_says_it_reconnected() 
     assert_eq!(name_bits("other") & (name_bits(A) | name_bits(B)), 0);
     assert!(next.orphans_of("other", nobody_aside).is_empty());
     // Aside now (its kept `aside` call, made again first): not waited for.
-    assert!(next.orphans_of(A, |pid, uid| (pid, uid) == (me(), 5)).is_empty());
+    assert!(
+        next.orphans_of(A, |pid, uid| (pid, uid) == (me(), 5))
+            .is_empty()
+    );
     // Its lease on A taken back: waited for as any reader (not as an
     // orphan); B still as one.
     next.lease(true, A, me(), 5);

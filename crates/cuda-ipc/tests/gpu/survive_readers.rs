@@ -250,7 +250,10 @@ fn a_reader_keeps_its_set_through_a_crash_and_takes_its_lease_back() {
     assert_eq!(waited["opened"], 0, "{waited}");
     assert_eq!(waited["same_addresses"], true, "{waited}");
     assert!(readers(&socket).contains(&pid), "ls shows the reader again");
-    assert!(not_reconnected(&socket).is_empty(), "and as connected again");
+    assert!(
+        not_reconnected(&socket).is_empty(),
+        "and as connected again"
+    );
 
     // An in-place writer waits for it to step aside again.
     let refused = spawn_placer(&test, &socket, 2, 300).recv();
