@@ -8,7 +8,7 @@
 //! Kept apart from `lib.rs` so that the target, and the corpus replay in
 //! `crates/cuda-ipc/tests/decoders.rs`, include this one file.
 
-use cuda_ipc::keep::readers_book_round_trip;
+use cuda_ipc::service::readers_book_round_trip;
 
 /// The checks on arbitrary bytes; panics if a property fails.
 pub fn readers_book(data: &[u8]) {

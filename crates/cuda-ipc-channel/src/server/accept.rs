@@ -81,8 +81,16 @@ pub(super) fn remove_stale_socket(path: &Path, addr: &SocketAddrUnix) -> Result<
 
 pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
     loop {
+        let accepting = shared.accepting.load(std::sync::atomic::Ordering::SeqCst);
         let mut fds = [
-            PollFd::new(listener, PollFlags::IN),
+            PollFd::new(
+                listener,
+                if accepting {
+                    PollFlags::IN
+                } else {
+                    PollFlags::empty()
+                },
+            ),
             PollFd::new(&shared.wake, PollFlags::IN),
         ];
         // Wake once a second to let go of lingering connections whose
@@ -98,12 +106,21 @@ pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
+        if fds[1].revents().contains(PollFlags::IN) {
+            // Told to start accepting (or to stop): read the count back,
+            // or every poll would return at once.
+            let mut count = [0u8; 8];
+            let _ = rustix::io::read(&shared.wake, &mut count);
+        }
         {
             let mut st = lock(&shared.state);
             if st.closed {
                 return;
             }
             st.reap_lingering();
+        }
+        if !accepting {
+            continue;
         }
         match accept_with(listener, SocketFlags::CLOEXEC) {
             Ok(fd) => admit(shared, UnixStream::from(fd)),

@@ -18,6 +18,7 @@ use crate::wire::{MAX_PAYLOAD, Message};
 use crate::{ChannelError, lock};
 
 use super::conn::Conn;
+use super::state::{LeaseEvent, LeaseFn};
 use super::{Server, Shared};
 
 /// The longest method name, in bytes.
@@ -100,28 +101,6 @@ pub type CallFn = dyn Fn(&CallContext, &str, &Value) -> Result<Value, CallError>
 /// What a handler runs when a connection closes: its
 /// [`CallContext::connection`].
 pub type ClosedFn = dyn Fn(u64) + Send + Sync;
-
-/// A lease granted or ended, as [`CallHandler::on_lease`] hears of it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct LeaseEvent<'a> {
-    /// True for a new lease, false for one that ended (released, its
-    /// connection closed, or evicted).
-    pub granted: bool,
-    /// The name of the entry or ring it is on.
-    pub name: &'a str,
-    /// The lease's id.
-    pub lease: u64,
-    /// The holder's connection.
-    pub connection: u64,
-    /// The holder's pid (0 where it is not visible, see [`Ucred`]).
-    pub pid: u32,
-    /// The holder's uid.
-    pub uid: u32,
-}
-
-/// What a handler runs when a lease is granted or ends.
-pub type LeaseFn = dyn for<'a> Fn(&LeaseEvent<'a>) + Send + Sync;
 
 /// The server's answerer of [`Message::Call`]s (see the module docs). A
 /// server without one answers every call with the error `no_handler`.

@@ -302,3 +302,34 @@ fn a_replaced_entry_tells_its_holders_and_lives_until_they_release_it() {
     assert_eq!(names, ["w"]);
     assert_eq!(client.attach(&hidden).unwrap().meta, json!({"s": 1}));
 }
+
+#[test]
+fn a_held_server_accepts_nobody_until_it_starts_accepting() {
+    let dir = tempfile::tempdir().unwrap();
+    let server =
+        Server::bind(ServerConfig::new(dir.path().join("s.sock")).with_accept_held(true)).unwrap();
+    server.publish("w", json!({"v": 1}), Vec::new()).unwrap();
+    // A client whose timeout runs out first: an error, not a hang.
+    let short = Client::connect(
+        server.path(),
+        ClientConfig::default().with_timeout(Duration::from_millis(200)),
+    );
+    assert!(short.is_err(), "{short:?}");
+    let path = server.path().to_path_buf();
+    let waiting = std::thread::spawn(move || {
+        let c = Client::connect(
+            &path,
+            ClientConfig::default().with_timeout(Duration::from_secs(10)),
+        )?;
+        c.attach("w").map(|a| a.meta)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!waiting.is_finished(), "served before start_accepting");
+    assert_eq!(server.connection_count(), 0);
+    server.start_accepting();
+    assert_eq!(waiting.join().unwrap().unwrap(), json!({"v": 1}));
+    // Again is nothing new; later clients are served at once.
+    server.start_accepting();
+    let c = Client::connect(server.path(), ClientConfig::default()).unwrap();
+    assert!(c.ping().is_ok());
+}

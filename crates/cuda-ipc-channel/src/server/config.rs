@@ -139,6 +139,13 @@ pub struct ServerConfig {
     /// [`Client::server_restarts`](crate::Client::server_restarts) and may
     /// connect again after this process is gone instead of giving up.
     pub restarts: bool,
+    /// Whether the server accepts no connection until
+    /// [`Server::start_accepting`](super::Server::start_accepting); default
+    /// `false`. Clients that connect meanwhile wait in the listening
+    /// socket's backlog (up to their timeout): for a server that must
+    /// publish what it serves first (the weight service taking back what
+    /// it kept through a restart), so that no client finds it half ready.
+    pub accept_held: bool,
 }
 
 impl ServerConfig {
@@ -165,6 +172,7 @@ impl ServerConfig {
             call_handler: None,
             listener: None,
             restarts: false,
+            accept_held: false,
         }
     }
 
@@ -185,6 +193,14 @@ impl ServerConfig {
     #[must_use]
     pub fn with_restarts(mut self, on: bool) -> Self {
         self.restarts = on;
+        self
+    }
+
+    /// Accepts no connection until [`Server::start_accepting`](super::Server::start_accepting)
+    /// (see [`ServerConfig::accept_held`]).
+    #[must_use]
+    pub fn with_accept_held(mut self, on: bool) -> Self {
+        self.accept_held = on;
         self
     }
 

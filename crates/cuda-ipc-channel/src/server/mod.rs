@@ -155,8 +155,7 @@ mod state;
 
 use accept::{LogLimit, accept_loop};
 pub use call::{
-    CallContext, CallError, CallFn, CallHandler, ClosedFn, LeaseEvent, LeaseFn, MAX_METHOD_LEN,
-    validate_method,
+    CallContext, CallError, CallFn, CallHandler, ClosedFn, MAX_METHOD_LEN, validate_method,
 };
 use checks::{bound_socket, check_config, check_fds, encoded_meta, json_size};
 pub use config::{DEFAULT_SERVER_SPIN, ServerConfig};
@@ -166,8 +165,8 @@ pub use push::PushReport;
 pub use replace::Replaced;
 pub use ring::ServerRing;
 pub use stall::{CpuBudget, StallBudget};
-pub use state::LatePolicy;
 use state::{Body, Entry, Ring, State};
+pub use state::{LatePolicy, LeaseEvent, LeaseFn};
 
 struct Shared {
     path: PathBuf,
@@ -203,8 +202,12 @@ struct Shared {
     /// producer's [`ServerRing::acquire`] spins on before it waits on
     /// `changed`.
     acks: std::sync::atomic::AtomicU64,
-    /// Wakes the accept thread at shutdown.
+    /// Wakes the accept thread at shutdown and when it may start
+    /// accepting.
     wake: OwnedFd,
+    /// False until [`Server::start_accepting`] where the configuration
+    /// holds the accepts back.
+    accepting: std::sync::atomic::AtomicBool,
     /// The connection threads, joined at shutdown.
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// Log lines about refused, turned-away and evicted connections: at
@@ -370,6 +373,7 @@ impl Server {
             changed: Condvar::new(),
             acks: std::sync::atomic::AtomicU64::new(0),
             wake,
+            accepting: std::sync::atomic::AtomicBool::new(!config.accept_held),
             threads: Mutex::new(Vec::new()),
             refusal_log: LogLimit::new(),
             busy_log: LogLimit::new(),
@@ -622,6 +626,19 @@ impl Server {
             slot_count: count,
             backoff: Mutex::new(crate::spin::Backoff::default()),
         })
+    }
+
+    /// Starts accepting connections, for a server configured with
+    /// [`ServerConfig::with_accept_held`] (those that waited in the backlog
+    /// first); otherwise it already does.
+    pub fn start_accepting(&self) {
+        if !self
+            .shared
+            .accepting
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            let _ = rustix::io::write(&self.shared.wake, &1u64.to_ne_bytes());
+        }
     }
 
     /// Stops serving: stops the threads, closes every connection (clients

@@ -119,6 +119,28 @@ pub(super) struct Lease {
     pub(super) via: Option<u64>,
 }
 
+/// A lease granted or ended, as [`CallHandler::on_lease`](super::CallHandler::on_lease) hears of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LeaseEvent<'a> {
+    /// True for a new lease, false for one that ended (released, its
+    /// connection closed, or evicted).
+    pub granted: bool,
+    /// The name of the entry or ring it is on.
+    pub name: &'a str,
+    /// The lease's id.
+    pub lease: u64,
+    /// The holder's connection.
+    pub connection: u64,
+    /// The holder's pid (0 where it is not visible, see [`Ucred`]).
+    pub pid: u32,
+    /// The holder's uid.
+    pub uid: u32,
+}
+
+/// What a handler runs when a lease is granted or ends.
+pub type LeaseFn = dyn for<'a> Fn(&LeaseEvent<'a>) + Send + Sync;
+
 #[derive(Default)]
 pub(super) struct State {
     pub(super) closed: bool,
@@ -143,7 +165,7 @@ pub(super) struct State {
     /// message ([`Server::refuse_attaches`](super::Server::refuse_attaches)).
     pub(super) refused: HashMap<String, (String, String)>,
     /// The call handler's [`on_lease`](super::CallHandler::on_lease).
-    pub(super) lease_watch: Option<Arc<super::LeaseFn>>,
+    pub(super) lease_watch: Option<Arc<LeaseFn>>,
 }
 
 impl Ring {
@@ -296,7 +318,7 @@ impl State {
         let (Some(watch), Some(e)) = (&self.lease_watch, self.entries.get(&l.entry)) else {
             return;
         };
-        let event = super::LeaseEvent {
+        let event = LeaseEvent {
             granted,
             name: &e.name,
             lease,

@@ -96,14 +96,31 @@ impl std::fmt::Debug for Link {
 }
 
 impl Link {
-    /// Connects to `path` (epoch 0).
+    /// Connects to `path` (epoch 0). Where the policy may reconnect, a
+    /// connection that ends before the publisher welcomed it (the process
+    /// that accepted it ended: a service being restarted or upgraded under
+    /// its keeper, which keeps the socket) is tried again, as a reconnect
+    /// is, within the timeout; any other failure is final, as ever.
     pub(super) fn connect(
         path: PathBuf,
         config: ClientConfig,
         policy: Reconnect,
     ) -> Result<Link, ChannelError> {
-        let client = Arc::new(Client::connect(&path, config.clone())?);
-        Ok(Link::over(path, config, policy, client))
+        let client = match Client::connect(&path, config.clone()) {
+            Err(ChannelError::PeerGone) if policy != Reconnect::Never => {
+                let deadline = crate::channel::deadline_in(config.timeout);
+                retry(deadline, Instant::now, std::thread::sleep, |left| {
+                    match Client::connect_within(&path, config.clone(), left) {
+                        Ok(c) => Try::Done(c),
+                        Err(ChannelError::PeerGone) => Try::Again(ChannelError::PeerGone),
+                        Err(e) => Try::Fatal(e),
+                    }
+                })
+                .map_err(|last| last.unwrap_or(ChannelError::PeerGone))?
+            }
+            r => r?,
+        };
+        Ok(Link::over(path, config, policy, Arc::new(client)))
     }
 
     /// A link whose first connection is `client`.

@@ -87,6 +87,7 @@ impl Publisher {
         server_config.listener.clone_from(&config.listener);
         server_config.call_handler.clone_from(&config.call_handler);
         server_config.restarts = config.restarts;
+        server_config.accept_held = config.accept_held;
         for uid in config.allow_uids.iter().copied() {
             if !server_config.allowed_uids.contains(&uid) {
                 server_config.allowed_uids.push(uid);

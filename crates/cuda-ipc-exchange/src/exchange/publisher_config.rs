@@ -46,9 +46,23 @@ pub struct PublisherConfig {
     /// this one ends, with what it published (see
     /// [`PublisherConfig::with_restarts`]).
     pub restarts: bool,
+    /// Accepts no subscriber until
+    /// [`Server::start_accepting`](crate::channel::Server::start_accepting)
+    /// (see [`PublisherConfig::with_accept_held`]).
+    pub accept_held: bool,
 }
 
 impl PublisherConfig {
+    /// Accepts no subscriber until `publisher.server().start_accepting()`:
+    /// those that connect meanwhile wait (up to their timeout), for a
+    /// publisher that publishes what it serves first
+    /// ([`ServerConfig::accept_held`](crate::channel::ServerConfig::accept_held)).
+    #[must_use]
+    pub fn with_accept_held(mut self, on: bool) -> Self {
+        self.accept_held = on;
+        self
+    }
+
     /// Tells subscribers that another process serves this socket after
     /// this one ends, from the same memory (a keeper holds the listening
     /// socket and the arena's chunks: the weight service under its keeper);

@@ -200,19 +200,29 @@ impl Subscriber {
 
     /// Runs `op` on the connection [`ready`](Self::ready) gives; when
     /// `again` (an operation that can be made twice) and the connection
-    /// ended during it, once more on a new one.
+    /// ended during it, again on a new one, as long as each new connection
+    /// ends during it too (the serving process restarted more than once)
+    /// and the subscriber's timeout has not passed since the first end.
     pub(super) fn on_link<T>(
         &self,
         again: bool,
         op: impl Fn(&Connection) -> Result<T>,
     ) -> Result<T> {
-        let conn = self.ready()?;
-        match op(&conn) {
-            Err(Error::Channel(ChannelError::PeerGone)) if again && self.link.reconnects() => {
-                self.reconnect_from(conn.epoch)?;
-                op(&self.link.now())
+        let mut conn = self.ready()?;
+        let mut first_end: Option<std::time::Instant> = None;
+        loop {
+            match op(&conn) {
+                Err(Error::Channel(ChannelError::PeerGone))
+                    if again
+                        && self.link.reconnects()
+                        && first_end.is_none_or(|t| t.elapsed() < self.timeout) =>
+                {
+                    first_end.get_or_insert_with(std::time::Instant::now);
+                    self.reconnect_from(conn.epoch)?;
+                    conn = self.link.now();
+                }
+                r => return r,
             }
-            r => r,
         }
     }
 

@@ -109,6 +109,10 @@ pub(crate) enum Stored {
 /// The name the channel's listening socket is stored under.
 pub(crate) const SOCKET_NAME: &str = "socket";
 
+/// The name the serving process's book of readers is stored under
+/// (`service/readers.rs`).
+pub(crate) const READERS_NAME: &str = "readers";
+
 /// What `name` holds, if it is one of the service's names.
 pub(crate) fn parse_name(name: &str) -> Option<Stored> {
     let number = |s: &str| {
@@ -120,7 +124,7 @@ pub(crate) fn parse_name(name: &str) -> Option<Stored> {
     };
     if name == SOCKET_NAME {
         Some(Stored::Socket)
-    } else if name == crate::service::readers::KEPT_NAME {
+    } else if name == READERS_NAME {
         Some(Stored::Readers)
     } else if let Some(i) = name.strip_prefix("chunk.") {
         number(i).map(Stored::Chunk)

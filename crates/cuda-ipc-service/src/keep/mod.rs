@@ -37,15 +37,3 @@ pub use store::Store;
 pub fn image_round_trip(bytes: &[u8]) -> Result<Vec<u8>, String> {
     image::Image::decode(bytes).map(|i| i.encode())
 }
-
-/// Decodes `bytes` as a restarted service decodes the readers' book it
-/// kept (zeros added up to the book's length) and encodes what decoded
-/// again (for the fuzz target `readers_book`, which checks that nothing
-/// panics and that a second round trip changes nothing).
-///
-/// # Errors
-/// Why the bytes are not a book this build reads.
-#[doc(hidden)]
-pub fn readers_book_round_trip(bytes: &[u8]) -> Result<Vec<u8>, String> {
-    crate::service::readers::round_trip(bytes)
-}

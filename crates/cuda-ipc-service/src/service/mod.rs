@@ -143,6 +143,18 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Decodes `bytes` as a restarted service decodes the readers' book it
+/// kept (zeros added up to the book's length) and encodes what decoded
+/// again (for the fuzz target `readers_book`, which checks that nothing
+/// panics and that a second round trip changes nothing).
+///
+/// # Errors
+/// Why the bytes are not a book this build reads.
+#[doc(hidden)]
+pub fn readers_book_round_trip(bytes: &[u8]) -> std::result::Result<Vec<u8>, String> {
+    readers::round_trip(bytes)
+}
+
 impl Service {
     /// Binds the service's socket on `device` and starts answering calls:
     /// a [`Publisher`] with read-only readers (an arena of vmm chunks).
@@ -213,7 +225,11 @@ impl Service {
             // Under a keeper, another process serves after this one, from
             // the same memory: readers connect again and take their leases
             // back (`Reconnect::IfPublisherRestarts`).
-            .with_restarts(store.is_kept());
+            .with_restarts(store.is_kept())
+            // Nobody is served before what was kept is served again: a
+            // client that connects meanwhile (an upgrade, a restart) waits
+            // in the backlog rather than finding a set missing.
+            .with_accept_held(true);
         // The socket of the process before: clients that connected while
         // none served wait in its backlog.
         if let Some(listener) = store.take_socket() {
@@ -266,6 +282,7 @@ impl Service {
         inner.keep_readers();
         inner.persist();
         let _ = slot.set(Arc::downgrade(&inner));
+        inner.publisher.server().start_accepting();
         tracing::info!(path = %inner.publisher.path().display(), sets = restored.sets.len(), "service serving");
         if let Err(e) = locked(&inner.keeping).store.ready() {
             tracing::warn!(error = %e, "cannot tell the store that the service serves");

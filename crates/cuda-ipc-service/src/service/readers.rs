@@ -41,7 +41,7 @@ use super::catalog::Holder;
 use crate::exchange::HIDDEN_ENTRY_PREFIX;
 
 /// The name the file is kept under in the store.
-pub(crate) const KEPT_NAME: &str = "readers";
+pub(crate) const KEPT_NAME: &str = crate::keep::image::READERS_NAME;
 /// How many processes the file has room for.
 pub(crate) const SLOTS: usize = 8192;
 const MAGIC: &[u8; 16] = b"cuda-ipc readers";

@@ -32,6 +32,7 @@ mod sleep;
 mod sleep_updates;
 mod survive;
 mod survive_readers;
+mod survive_upgrade;
 mod tensor_parallel;
 
 /// The full name of test `name` in module `module` (for `--exact`).

@@ -197,6 +197,9 @@ pub(super) struct Kept {
     pub(super) events: mpsc::Receiver<KeeperEvent>,
     /// Stops the keeper.
     pub(super) stop: Stopper,
+    /// Set: the keeper kills the serving process and starts the build
+    /// again, as `kill -HUP KEEPER` does for an upgrade.
+    pub(super) upgrade: Arc<AtomicBool>,
 }
 
 /// Stops a [`Kept`]'s keeper and checks it closed what it kept.
@@ -224,9 +227,15 @@ impl Kept {
             .unwrap()
             .with_standby(standby);
         let stop = Arc::new(AtomicBool::new(false));
+        let upgrade = Arc::new(AtomicBool::new(false));
         let (tx, events) = mpsc::channel();
         let keeping = {
-            let (stop, socket, test) = (stop.clone(), socket.clone(), test.to_owned());
+            let (stop, upgrade, socket, test) = (
+                stop.clone(),
+                upgrade.clone(),
+                socket.clone(),
+                test.to_owned(),
+            );
             std::thread::spawn(move || {
                 let exe = std::env::current_exe().unwrap();
                 let mut make = || {
@@ -243,7 +252,6 @@ impl Kept {
                     .stdout(std::process::Stdio::null());
                     c
                 };
-                let upgrade = AtomicBool::new(false);
                 let exit = keeper.supervise(&mut make, &stop, &upgrade, &mut |e| {
                     let _ = tx.send(e);
                 });
@@ -260,6 +268,7 @@ impl Kept {
                 flag: stop,
                 keeping,
             },
+            upgrade,
         }
     }
 }
