@@ -11,6 +11,7 @@ use super::sharing::Sharing;
 /// the `with_` methods.
 #[derive(Clone, Debug, Default)]
 #[non_exhaustive]
+#[allow(clippy::struct_excessive_bools)] // independent switches, each with its `with_` method
 pub struct PublisherConfig {
     /// User ids allowed to connect besides our own (peer credentials are
     /// checked on every connection).

@@ -2,8 +2,8 @@
 //! process is the keeper ([`Keeper`], no CUDA work of its own), a child is
 //! the serving process, and it is SIGKILLed at random points of writer
 //! sessions (while the staging version is written, between the commit and
-//! its answer, after the answer) and of readers' attaches, again and
-//! again. A client that connects right after each kill must be answered
+//! its answer, after the answer), of readers' attaches and of loads of a
+//! checkpoint, again and again. A client that connects right after each kill must be answered
 //! by the next process, not refused. Every time, the next serving process must serve the last
 //! committed version (a commit whose answer was lost may have landed or
 //! not; never a torn version), checked by content in a fresh reader; and
@@ -33,7 +33,13 @@ use crate::{assert_ok, test_name};
 pub(super) const SOCKET_ENV: &str = "CUDA_IPC_TEST_SURVIVE_SOCKET";
 const SEED_ENV: &str = "CUDA_IPC_TEST_SURVIVE_SEED";
 const ROUNDS_ENV: &str = "CUDA_IPC_KILL_ROUNDS";
+/// The set a reader child reads, when not [`SET`].
+const SET_ENV: &str = "CUDA_IPC_TEST_SURVIVE_SET";
 const SET: &str = "kept";
+/// The set the load rounds load, from a checkpoint of [`layout`]'s
+/// tensors holding seed [`LOAD_SEED`]'s pattern.
+const LOADED: &str = "loaded";
+const LOAD_SEED: u32 = 77;
 
 fn socket() -> PathBuf {
     PathBuf::from(std::env::var(SOCKET_ENV).unwrap())
@@ -104,12 +110,21 @@ fn reader() {
     let device = Device::open(0).unwrap();
     let sub =
         Subscriber::connect(&device, socket().as_path(), SubscriberConfig::default()).unwrap();
-    let set = sub.attach_set(SET).unwrap();
+    let name = std::env::var(SET_ENV).unwrap_or_else(|_| SET.to_owned());
+    let set = sub.attach_set(&name).unwrap();
     let seed = seed();
     let mut bad = Value::Null;
+    let specs = layout();
     for i in 0..set.len() {
         let view = set.view::<u32>(i).unwrap();
-        if let Some(at) = kernels::check_u32(&view, pattern(seed, i)).unwrap() {
+        // The pattern of the layout's tensor of this name (a loaded set's
+        // entries come in the checkpoint's order).
+        let name = &set.entries()[i].name;
+        let Some(k) = specs.iter().position(|t| &t.name == name) else {
+            bad = json!(format!("{name} is not a tensor of the layout"));
+            break;
+        };
+        if let Some(at) = kernels::check_u32(&view, pattern(seed, k)).unwrap() {
             bad = json!(format!(
                 "{} is not version {seed} at element {at}",
                 set.entries()[i].name
@@ -118,6 +133,32 @@ fn reader() {
         }
     }
     parent.send(&json!({"bad": bad, "read_only": set.read_only(), "bytes": set.entries().iter().map(|e| e.len).sum::<u64>()}));
+}
+
+/// Writes the load rounds' checkpoint: [`layout`]'s tensors, each holding
+/// seed [`LOAD_SEED`]'s pattern.
+fn write_load_checkpoint(path: &Path) {
+    let data: Vec<Vec<u8>> = layout()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let n: u64 = t.shape.iter().product();
+            let p = pattern(LOAD_SEED, i);
+            (0..n).flat_map(|j| p.at(j).to_le_bytes()).collect()
+        })
+        .collect();
+    let specs = layout();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = specs
+        .iter()
+        .zip(&data)
+        .map(|(t, bytes)| {
+            let shape = t.shape.iter().map(|&d| d as usize).collect();
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::U32, shape, bytes)
+                .unwrap();
+            (t.name.clone(), view)
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
 }
 
 /// A small xorshift, seeded by the clock (the seed is printed).
@@ -283,6 +324,11 @@ struct Run {
     rng: Rng,
     /// The seed of the version served (0: none yet; version n holds seed n).
     committed: u32,
+    /// The load rounds' checkpoint.
+    checkpoint: PathBuf,
+    /// Load rounds whose set the next process served (the others were
+    /// cut short by the kill).
+    loads_kept: u32,
 }
 
 impl Run {
@@ -291,6 +337,60 @@ impl Run {
             c.env(SOCKET_ENV, &self.socket)
                 .env(SEED_ENV, seed.to_string());
         })
+    }
+
+    /// A load of the checkpoint as the set [`LOADED`], the serving process
+    /// killed at a random point of it, or (one time in three) once it was
+    /// answered; whether the load was answered.
+    fn load_killed(&mut self) -> bool {
+        let (socket, path) = (self.socket.clone(), self.checkpoint.clone());
+        let call = std::thread::spawn(move || {
+            let c = Client::connect(&socket, ClientConfig::default()).map_err(|e| e.to_string())?;
+            let body = json!({"set": LOADED, "path": path.display().to_string()});
+            c.call_within("load", &body, Duration::from_secs(60))
+                .map_err(|e| e.to_string())
+        });
+        if self.rng.below(3) == 0 {
+            let answered = call.join().unwrap();
+            assert!(answered.is_ok(), "a load: {answered:?}");
+            self.kill();
+            return true;
+        }
+        std::thread::sleep(Duration::from_micros(self.rng.below(20_000)));
+        self.kill();
+        call.join().unwrap().is_ok()
+    }
+
+    /// After a load round: a load answered was kept; a set loaded holds
+    /// every byte of the checkpoint (a fresh reader checks), and is dropped
+    /// for the next load.
+    fn check_loaded(&mut self, round: u32, sets: &[admin::SetRow], answered: bool) {
+        let Some(row) = sets.iter().find(|s| s.name == LOADED) else {
+            assert!(
+                !answered,
+                "round {round}: a load answered before the kill was lost"
+            );
+            return;
+        };
+        self.loads_kept += 1;
+        let got = Peer::spawn_with(&self.test, "reader", |c| {
+            c.env(SOCKET_ENV, &self.socket)
+                .env(SEED_ENV, LOAD_SEED.to_string())
+                .env(SET_ENV, LOADED);
+        })
+        .recv();
+        assert_ok!(
+            &got,
+            "round {round}: the loaded set, version {}",
+            row.version
+        );
+        let c = Client::connect(&self.socket, ClientConfig::default()).unwrap();
+        c.call_within(
+            "drop",
+            &json!({"set": LOADED, "force": true}),
+            Duration::from_secs(30),
+        )
+        .unwrap();
     }
 
     fn kill(&self) {
@@ -306,10 +406,13 @@ impl Run {
     /// how long the next process took to serve after its start.
     fn round(&mut self, round: u32) -> (usize, Duration) {
         let next = self.committed + 1;
-        let kind = self.rng.below(4) as usize;
+        let kind = self.rng.below(5) as usize;
         let mut answered = None;
         let mut asked_commit = false;
-        if kind <= 2 {
+        let mut load_answered = None;
+        if kind == 4 {
+            load_answered = Some(self.load_killed());
+        } else if kind <= 2 {
             // During a write (0), between a commit and its answer (1), after it (2).
             let mut w = self.spawn("writer", next);
             let filled = w.recv();
@@ -369,6 +472,9 @@ impl Run {
             assert_eq!(version, want, "round {round}");
         }
         self.committed = version;
+        if let Some(answered) = load_answered {
+            self.check_loaded(round, &sets, answered);
+        }
         if version > 0 {
             let got = self.spawn("reader", version).recv();
             assert_ok!(&got, "round {round}: a fresh reader of version {version}");
@@ -426,25 +532,30 @@ fn kill_rounds(test: &str, rounds: u32, standby: bool) {
         events,
         rng: Rng(seed0),
         committed: 0,
+        checkpoint: kept.socket.with_file_name("load.safetensors"),
+        loads_kept: 0,
     };
+    write_load_checkpoint(&run.checkpoint);
     let mut takeovers = Vec::new();
-    let mut kinds = [0u32; 4];
+    let mut kinds = [0u32; 5];
     for round in 0..rounds {
         let (kind, after) = run.round(round);
         kinds[kind] += 1;
         takeovers.push(after);
     }
-    let committed = run.committed;
+    let (committed, loads_kept) = (run.committed, run.loads_kept);
     kept.stop.stop();
     takeovers.sort();
     let p = |q: f64| takeovers[((takeovers.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e3;
     println!(
-        "survived {rounds} kills (writes {}, commits before their answer {}, after {}, attaches {}); \
-         last version {committed}; serving again after its start: p50 {:.1} ms, max {:.1} ms",
+        "survived {rounds} kills (writes {}, commits before their answer {}, after {}, attaches {}, \
+         loads {}, of which {loads_kept} finished first); last version {committed}; serving again \
+         after its start: p50 {:.1} ms, max {:.1} ms",
         kinds[0],
         kinds[1],
         kinds[2],
         kinds[3],
+        kinds[4],
         p(0.5),
         p(1.0)
     );

@@ -137,7 +137,7 @@ fn an_upgrade_refuses_no_attach() {
 
     let mut a = spawn("attacher");
     assert_ok!(&a.recv(), "both threads attach");
-    let mut counts = |a: &mut Peer| {
+    let counts = |a: &mut Peer| {
         a.send(&json!("counts"));
         let c = a.recv();
         assert_ok!(&c, "the counts");
