@@ -132,7 +132,7 @@ pub struct LeaseEvent<'a> {
     pub lease: u64,
     /// The holder's connection.
     pub connection: u64,
-    /// The holder's pid (0 where it is not visible, see [`Ucred`]).
+    /// The holder's pid (0 where it is not visible, see [`Ucred`](crate::Ucred)).
     pub pid: u32,
     /// The holder's uid.
     pub uid: u32,

@@ -46,6 +46,8 @@ pub mod layout;
 mod listing;
 mod persist;
 pub(crate) mod readers;
+#[doc(hidden)]
+pub use readers::readers_book_round_trip;
 mod saved;
 mod stop;
 mod write;
@@ -141,18 +143,6 @@ impl std::fmt::Debug for Service {
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// Decodes `bytes` as a restarted service decodes the readers' book it
-/// kept (zeros added up to the book's length) and encodes what decoded
-/// again (for the fuzz target `readers_book`, which checks that nothing
-/// panics and that a second round trip changes nothing).
-///
-/// # Errors
-/// Why the bytes are not a book this build reads.
-#[doc(hidden)]
-pub fn readers_book_round_trip(bytes: &[u8]) -> std::result::Result<Vec<u8>, String> {
-    readers::round_trip(bytes)
 }
 
 impl Service {
