@@ -15,7 +15,8 @@ in fresh processes. JSON lines:
    "parts_ms": {"meta": [...], "connect": [...], "attach": [...], "assign": [...],
                 "sleep": [...], "wake": [...], "generate": [...]}}
   {"kind": "result", "mode": "readers_at_once", "readers": R, "samples_ms": [...],
-   "single_ms": MS, "verify_failures": N}
+   "single_ms": MS, "parts_ms": {...}, "single_parts_ms": {...}, "start_spread_ms": MS,
+   "verify_failures": N}
   {"kind": "result", "mode": "from_pretrained", "size": B, "samples_ms": [...],
    "verify_failures": N}
   {"kind": "stopped", "exit": CODE, "output": [last lines of the service]}
@@ -137,7 +138,7 @@ def child_main(device, sock):
     model.load_state_dict(sd, assign=True, strict=False)
     model.tie_weights()
     t_done = now_ns()
-    ans.update({"meta": (t0 - t_meta) / 1e6, "connect": (t_conn - t0) / 1e6,
+    ans.update({"t0_ns": t0, "meta": (t0 - t_meta) / 1e6, "connect": (t_conn - t0) / 1e6,
                 "attach": (t_attach - t_conn) / 1e6, "assign": (t_done - t_attach) / 1e6,
                 "ms": (t_done - t0) / 1e6, "read_only": bool(sd.read_only),
                 "bad": param_failures(torch, model, req["expect"])})
@@ -263,8 +264,16 @@ def run(args, torch, folder, sock):
                 for c in crowd:
                     c.close()
             ordered = sorted(single["samples"])
+            med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
+            starts = [a["t0_ns"] for a in answers]
+            # Each part at once beside the same part alone: where the time
+            # of readers at once goes (the driver's mapping in `attach`,
+            # PyTorch in `assign`, the service in `connect`).
             emit({"kind": "result", "mode": "readers_at_once", "readers": args.readers,
                   "samples_ms": [a["ms"] for a in answers], "single_ms": ordered[len(ordered) // 2],
+                  "parts_ms": {p: [a[p] for a in answers] for p in ("meta", "connect", "attach", "assign")},
+                  "single_parts_ms": {p: med(single["parts"][p]) for p in ("meta", "connect", "attach", "assign")},
+                  "start_spread_ms": (max(starts) - min(starts)) / 1e6,
                   "verify_failures": sum(bool(a["bad"]) or not a["read_only"] for a in answers)})
         anchor = {"samples": [], "failures": 0}
         for _ in range(args.anchors):

@@ -390,6 +390,9 @@ for line in open(sys.argv[1]):
     print("RESULT %s: p50 %s ms of %s, max %s, failures %s, parts p50 %s%s" % (
         r["mode"], med(r["samples_ms"]), r["samples_ms"] and len(r["samples_ms"]), max(r["samples_ms"] or [0]),
         r.get("verify_failures"), json.dumps(parts), " single %s ms" % r["single_ms"] if "single_ms" in r else ""))
+    if "single_parts_ms" in r:
+        print("  alone, parts p50 %s; starts spread over %.2f ms" % (
+            json.dumps(r["single_parts_ms"]), r.get("start_spread_ms", -1)))
 PY
   if [ "$rc" -eq 0 ] && ! grep -q '"verify_failures": [1-9]' "$logs/service-model.json" \
      && grep -q '"kind": "done"' "$logs/service-model.json"; then
