@@ -136,6 +136,8 @@ const ONLY_WITH: &[out::OnlyWith] = &[
     ("serve", "name", "checkpoint"),
     ("serve", "streams", "checkpoint"),
     ("serve", "staging", "checkpoint"),
+    ("serve", "tp", "checkpoint"),
+    ("serve", "tp_rules", "tp"),
     ("serve", "quota", "service"),
     ("serve", "quota_uid", "service"),
     ("serve", "restore", "service"),

@@ -212,3 +212,51 @@ fn read_only_is_checked_before_the_driver() {
         assert!(help.contains("read-only"), "{sub}: {help}");
     }
 }
+
+/// `serve --checkpoint --tp R/N [--tp-rule P=D]`: the shard (rank, world,
+/// rules, a dimension that does not split evenly) is checked before the
+/// driver; a good one gets as far as the driver.
+#[test]
+fn tensor_parallel_shards_are_checked_before_the_driver() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("model.safetensors");
+    write_checkpoint(&file);
+    let sock = dir.path().join("s.sock");
+    let (f, s) = (file.to_str().unwrap(), sock.to_str().unwrap());
+    // A name that fits alone, and not with the shard's suffix.
+    let long = "m".repeat(250);
+    for (extra, exit, why) in [
+        (vec!["--tp", "2/2"], 2, "rank"),
+        (vec!["--tp", "1"], 2, "is not R/N"),
+        (vec!["--tp", "0/2", "--tp-rule", "w"], 2, "--tp-rule"),
+        (
+            vec!["--tp", "0/4", "--tp-rule", "w=0"],
+            2,
+            "--tp or --tp-rule",
+        ),
+        (vec!["--tp", "0/2", "--name", &long], 2, "--name"),
+        (vec!["--tp", "0/2"], 3, "libcuda.so.1"),
+        (vec!["--tp", "1/2", "--tp-rule", "w=0"], 3, "libcuda.so.1"),
+        (
+            vec!["--tp", "0/2", "--tp-rule", "w=replicate"],
+            3,
+            "libcuda.so.1",
+        ),
+    ] {
+        let mut args = vec!["serve", "--checkpoint", f, "--socket", s];
+        args.extend(extra);
+        assert_error(&args, &cuda_ipc(&args), exit, why);
+    }
+    for (args, why) in [
+        (
+            vec!["serve", "--size", "4096", "--fill-u32", "1", "--tp", "0/2"],
+            "--tp applies only with --checkpoint",
+        ),
+        (
+            vec!["serve", "--checkpoint", f, "--tp-rule", "w=0"],
+            "--tp-rule applies only with --tp",
+        ),
+    ] {
+        assert_error(&args, &cuda_ipc(&args), 2, why);
+    }
+}

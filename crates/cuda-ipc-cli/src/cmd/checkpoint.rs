@@ -5,9 +5,9 @@
 use std::path::Path;
 use std::time::Instant;
 
-use cuda_ipc::checkpoint::{Checkpoint, Plan, PlanOptions};
+use cuda_ipc::checkpoint::{Checkpoint, Plan, PlanOptions, TpShard, shard_name};
 use cuda_ipc::exchange::{Endpoint, Publisher, Subscriber};
-use cuda_ipc::loader::{LoadedCheckpoint, load_checkpoint};
+use cuda_ipc::loader::{LoadedCheckpoint, load_plan_until};
 use cuda_ipc::set::SetEntry;
 use cuda_ipc::set::names::EntryRole;
 use cuda_ipc::units::shorten;
@@ -20,10 +20,12 @@ use super::serve::{
 use crate::Outcome;
 use crate::out::{errln, outln};
 
-/// The checkpoint and its plan, checked before the driver is touched: a
-/// bad path, a file that is not a checkpoint, an empty checkpoint, bad
-/// load options or a bad set name is bad input (exit 2).
-pub fn open_checked(args: &ServeArgs, path: &Path) -> Result<(Checkpoint, Plan), Error> {
+/// The checkpoint, its plan (of rank R's shard, with `--tp R/N`) and the
+/// set name it is published under, checked before the driver is touched:
+/// a bad path, a file that is not a checkpoint, an empty checkpoint, bad
+/// load options, a bad shard or rule, or a bad set name is bad input
+/// (exit 2).
+pub fn open_checked(args: &ServeArgs, path: &Path) -> Result<(Checkpoint, Plan, String), Error> {
     check_set_name(&args.name)?;
     let options = PlanOptions::default()
         .with_streams(args.streams)
@@ -32,9 +34,24 @@ pub fn open_checked(args: &ServeArgs, path: &Path) -> Result<(Checkpoint, Plan),
         what: "--streams or --staging",
         reason: e.to_string(),
     })?;
+    let bad_tp = |e: cuda_ipc::Error| Error::InvalidArgument {
+        what: "--tp or --tp-rule",
+        reason: e.to_string(),
+    };
+    let shard = args
+        .tp
+        .map(|(rank, world)| TpShard::new(rank, world, args.tp_rules.clone()))
+        .transpose()
+        .map_err(bad_tp)?;
     let ckpt = open_nonempty(path)?;
-    let plan = ckpt.plan(&options)?;
-    Ok((ckpt, plan))
+    let Some(shard) = shard else {
+        let plan = ckpt.plan(&options)?;
+        return Ok((ckpt, plan, args.name.clone()));
+    };
+    let name = shard_name(&args.name, shard.rank(), shard.world()).map_err(bad_tp)?;
+    check_set_name(&name)?;
+    let plan = ckpt.plan_shard(&options, &shard).map_err(bad_tp)?;
+    Ok((ckpt, plan, name))
 }
 
 /// The checkpoint at `path`, refused if it cannot be one set (no tensor,
@@ -77,22 +94,29 @@ pub fn progress_bar(verb: &str) -> indicatif::ProgressBar {
 
 /// `serve --checkpoint PATH`.
 pub fn serve(args: &ServeArgs, path: &Path) -> Result<Outcome, Error> {
-    let (ckpt, plan) = open_checked(args, path)?;
+    let (ckpt, plan, name) = open_checked(args, path)?;
     let socket = socket_path(&args.socket, Side::Serve)?;
     let config = publisher_config(args)?;
     let device = Device::open(args.device)?;
     let publisher = Publisher::bind(&device, Endpoint::Path(socket), config)?;
     let bar = progress_bar("loading");
-    let loaded = load_checkpoint(&publisher, &ckpt, plan.options(), &mut |done, total| {
-        bar.set_length(total);
-        bar.set_position(done);
-    });
+    let never = std::sync::atomic::AtomicBool::new(false);
+    let loaded = load_plan_until(
+        &publisher,
+        &ckpt,
+        &plan,
+        &mut |done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        },
+        &never,
+    );
     bar.finish_and_clear();
     let loaded = loaded?;
-    loaded.publish(&publisher, &args.name)?;
-    report(args, &publisher, &ckpt, &loaded)?;
+    loaded.publish(&publisher, &name)?;
+    report(args, &name, &publisher, &ckpt, &loaded)?;
     super::wait_for_stdin_end()?;
-    publisher.unpublish_set(&args.name, Some(args.release_timeout))?;
+    publisher.unpublish_set(&name, Some(args.release_timeout))?;
     drop(loaded);
     publisher.trim()?;
     Ok(Outcome::Ok)
@@ -102,6 +126,7 @@ pub fn serve(args: &ServeArgs, path: &Path) -> Result<Outcome, Error> {
 /// and a sentence on standard error.
 fn report(
     args: &ServeArgs,
+    name: &str,
     publisher: &Publisher,
     ckpt: &Checkpoint,
     loaded: &LoadedCheckpoint,
@@ -109,7 +134,8 @@ fn report(
     let r = loaded.report();
     let line = json!({
         "socket": publisher.path(),
-        "set": args.name,
+        "set": name,
+        "tp": args.tp.map(|(rank, world)| json!({"rank": rank, "world": world})),
         "checkpoint": ckpt.path(),
         "files": r.files,
         "tensors": r.tensors,
@@ -133,7 +159,7 @@ fn report(
         r.elapsed.as_secs_f64(),
         r.gb_per_s(),
         r.streams,
-        args.name,
+        name,
         if publisher.read_only_readers() {
             " (readers map it read-only)"
         } else {

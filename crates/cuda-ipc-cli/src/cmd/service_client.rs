@@ -68,7 +68,7 @@ pub struct LoadArgs {
 }
 
 /// Parses `--tp R/N` for clap.
-fn parse_tp(s: &str) -> Result<(u32, u32), String> {
+pub(super) fn parse_tp(s: &str) -> Result<(u32, u32), String> {
     let bad = || {
         format!(
             "{} is not R/N; write for example 3/8 (rank 3 of 8 ranks)",
@@ -85,7 +85,7 @@ fn parse_tp(s: &str) -> Result<(u32, u32), String> {
 }
 
 /// Parses `--tp-rule PATTERN=DIM` or `PATTERN=replicate` for clap.
-fn parse_tp_rule(s: &str) -> Result<TpRule, String> {
+pub(super) fn parse_tp_rule(s: &str) -> Result<TpRule, String> {
     s.parse().map_err(|e: Error| e.to_string())
 }
 
