@@ -95,8 +95,6 @@ struct Live {
     start: u64,
     /// Leases held on each set name.
     names: HashMap<String, u32>,
-    /// The filter of the sets it stepped aside from.
-    aside: u64,
     slot: Option<usize>,
 }
 
@@ -106,6 +104,10 @@ pub(crate) struct Readers {
     file: Option<OwnedFd>,
     me: u32,
     live: HashMap<(u32, u32), Live>,
+    /// The filter of the sets each process stepped aside from (whether it
+    /// holds a lease now or not: a reader connecting again steps aside
+    /// before it takes its leases back).
+    aside: HashMap<(u32, u32), u64>,
     orphans: Vec<Orphan>,
     /// Free slots, the lowest last.
     free: Vec<usize>,
@@ -259,7 +261,8 @@ impl Readers {
         };
         live.slot = Some(slot);
         let filter = live.names.keys().fold(0, |f, n| f | name_bits(n));
-        let bytes = encode_slot(self.me, key.0, key.1, live.start, filter, live.aside);
+        let aside = self.aside.get(&key).copied().unwrap_or(0);
+        let bytes = encode_slot(self.me, key.0, key.1, live.start, filter, aside);
         if let Err(e) = write_slot(fd.as_fd(), slot, &bytes) {
             tracing::warn!(error = %e, "cannot write the readers' book");
         }
@@ -268,19 +271,18 @@ impl Readers {
     /// The sets each process stepped aside from now, by pid and uid (the
     /// service's marks); the others stepped aside from none.
     pub(crate) fn set_aside(&mut self, aside: &HashMap<(u32, u32), Vec<String>>) {
+        let now: HashMap<(u32, u32), u64> = aside
+            .iter()
+            .map(|(key, names)| (*key, names.iter().fold(0, |f, n| f | name_bits(n))))
+            .filter(|(_, filter)| *filter != 0)
+            .collect();
         let changed: Vec<(u32, u32)> = self
             .live
-            .iter_mut()
-            .filter_map(|(key, live)| {
-                let filter = aside
-                    .get(key)
-                    .map_or(0, |names| names.iter().fold(0, |f, n| f | name_bits(n)));
-                (live.aside != filter).then(|| {
-                    live.aside = filter;
-                    *key
-                })
-            })
+            .keys()
+            .filter(|key| now.get(key) != self.aside.get(key))
+            .copied()
             .collect();
+        self.aside = now;
         for key in changed {
             self.write(key);
         }
