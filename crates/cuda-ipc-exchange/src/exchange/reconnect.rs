@@ -34,6 +34,12 @@
 //!   set for now (a write in place, a torn set), the lease is tried again
 //!   at each later call.
 //!
+//! Then the publisher is told (once, and again when the sets still
+//! refused are taken back or settled) that this subscriber took back what
+//! it could ([`RECONNECTED_METHOD`](super::RECONNECTED_METHOD)), naming the
+//! sets it still maps without a lease: the weight service waits for such a
+//! reader of its process before in writes in place until then.
+//!
 //! What the old connection had told and not been asked for (notices
 //! queued, events and fences opened, entry tables read) is forgotten: it
 //! was the old process's. Rings, streams and single buffers are not taken
