@@ -174,7 +174,14 @@ pub fn find_script(explicit: Option<&Path>) -> Result<PathBuf, String> {
 
 /// The `--plan` argument: `size:warmup:reps,...`.
 pub fn plan_arg(plan: &Plan) -> String {
-    plan.sizes
+    // The push section's block sizes too, for its PyTorch column.
+    let mut sizes = plan.sizes.clone();
+    if plan.sections.contains(&crate::report::SectionId::Push) {
+        sizes.extend(crate::plan::PUSH_SIZES);
+    }
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes
         .iter()
         .map(|&s| {
             let r = plan.reps(s);

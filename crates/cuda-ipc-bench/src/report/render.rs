@@ -275,11 +275,20 @@ fn render_push(r: &Report, s: &Section, out: &mut String) {
     render_latency(
         s.rows.iter(),
         "how",
-        &["target", "wake-up floor", "ours/floor"],
+        &[
+            "target",
+            "wake-up floor",
+            "ours/floor",
+            "PyTorch fresh p50",
+            "PyTorch/ours",
+        ],
         series,
         |row| {
             let ours = row.p50();
             let limit = targets::push_limit_ms(&row.series, floor);
+            // PyTorch's own sharing of a fresh block of the same size (a
+            // new tensor on a torch.multiprocessing queue), from the anchor.
+            let torch = r.p50(SectionId::Torch, "PyTorch", Some("fresh"), row.size);
             vec![
                 match limit {
                     Some(l) => verdict_cell(ours, |v| v <= l),
@@ -287,6 +296,8 @@ fn render_push(r: &Report, s: &Section, out: &mut String) {
                 },
                 opt_ms(floor),
                 ratio(floor.zip(ours).map(|(f, o)| o / f)),
+                opt_ms(torch),
+                ratio(torch.zip(ours).map(|(t, o)| t / o)),
             ]
         },
         out,

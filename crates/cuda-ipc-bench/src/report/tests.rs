@@ -212,6 +212,10 @@ pub(crate) fn synthetic() -> Report {
             .variant("repeat")
             .size(mib2)
             .samples(5, vec![0.2]),
+        Row::new("PyTorch", "ms")
+            .variant("fresh")
+            .size(16 << 10)
+            .samples(5, vec![0.25]),
     ];
     torch.notes.push("PyTorch 2.11.0".into());
     let mut r = Report {
@@ -576,4 +580,12 @@ fn push_rows_are_checked_against_their_limits_and_the_wake_floor() {
         text.contains("KV blocks pushed") && text.contains("push, spinning"),
         "{text}"
     );
+    // PyTorch's fresh hand-off of the same block size beside each row: 0.25
+    // ms against ours 0.010 ms is 25x.
+    assert!(text.contains("PyTorch fresh p50"), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.contains("push, asleep") && l.contains("16KiB"))
+        .unwrap();
+    assert!(line.contains("0.2500") && line.contains("25.00x"), "{line}");
 }

@@ -180,8 +180,11 @@ fn notes(m: Mechanism) -> Vec<String> {
              which the total includes."
         ),
         "Columns: wake-up floor = the driver floor section's notice to a reader asleep after \
-         0.1 ms idle, this run; ours/floor = p50 over it. Not included: allocating and filling \
-         the block, the consumer's check of its first and last words, the release, \
+         0.1 ms idle, this run; ours/floor = p50 over it; PyTorch fresh p50 = the PyTorch \
+         anchor's fresh hand-off of a block of the same size (a new tensor put on a \
+         torch.multiprocessing queue, its consumer's read synchronised; '-' when the torch \
+         section did not run), PyTorch/ours = it over our p50. Not included: allocating and \
+         filling the block, the consumer's check of its first and last words, the release, \
          Publisher::unpublish_set."
             .into(),
         format!(

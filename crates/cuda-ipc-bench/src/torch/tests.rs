@@ -105,17 +105,29 @@ fn skips_and_errors() {
 
 #[test]
 fn plan_argument() {
-    let args = super::super::Plan::from_args(&{
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Cli {
-            #[command(flatten)]
-            a: super::super::Args,
-        }
-        Cli::parse_from(["bench", "--sizes", "2MiB,8GiB"]).a
-    })
-    .unwrap();
-    assert_eq!(plan_arg(&args), "2097152:10:100,8589934592:3:20");
+    let plan = |extra: &[&str]| {
+        super::super::Plan::from_args(&{
+            use clap::Parser;
+            #[derive(Parser)]
+            struct Cli {
+                #[command(flatten)]
+                a: super::super::Args,
+            }
+            let mut argv = vec!["bench", "--sizes", "2MiB,8GiB"];
+            argv.extend(extra);
+            Cli::parse_from(argv).a
+        })
+        .unwrap()
+    };
+    assert_eq!(
+        plan_arg(&plan(&["--only", "torch,cached"])),
+        "2097152:10:100,8589934592:3:20"
+    );
+    // With the push section, its block sizes too (its PyTorch column).
+    assert_eq!(
+        plan_arg(&plan(&[])),
+        "16384:10:100,262144:10:100,2097152:10:100,67108864:10:100,8589934592:3:20"
+    );
 }
 
 #[test]
