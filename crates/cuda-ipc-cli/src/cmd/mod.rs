@@ -99,6 +99,28 @@ pub fn parse_quota(s: &str) -> Result<QuotaArg, String> {
         .map_err(|e| format!("{e} (or `none` for no limit)"))
 }
 
+/// Parses `--tp R/N` for clap.
+pub fn parse_tp(s: &str) -> Result<(u32, u32), String> {
+    let bad = || {
+        format!(
+            "{} is not R/N; write for example 3/8 (rank 3 of 8 ranks)",
+            cuda_ipc::units::shorten(s, 40)
+        )
+    };
+    let (rank, world) = s.split_once('/').ok_or_else(bad)?;
+    let (rank, world) = (
+        rank.parse().map_err(|_| bad())?,
+        world.parse().map_err(|_| bad())?,
+    );
+    cuda_ipc::checkpoint::shard_name("x", rank, world).map_err(|e| e.to_string())?;
+    Ok((rank, world))
+}
+
+/// Parses `--tp-rule PATTERN=DIM` or `PATTERN=replicate` for clap.
+pub fn parse_tp_rule(s: &str) -> Result<cuda_ipc::checkpoint::TpRule, String> {
+    s.parse().map_err(|e: cuda_ipc::Error| e.to_string())
+}
+
 /// Parses a count of things (`--buffers`, `--slots`) for clap.
 pub fn parse_count(s: &str) -> Result<usize, String> {
     parse_whole(s, "a count", "8")

@@ -54,12 +54,12 @@ pub struct ServeArgs {
     /// With --checkpoint: load tensor-parallel rank R's shard of N (`--tp
     /// 3/8`) and publish it as NAME.tpR-of-N, each tensor split as the
     /// rules say (docs/SERVICE.md, "Tensor parallel").
-    #[arg(long, value_name = "R/N", value_parser = super::service_client::parse_tp)]
+    #[arg(long, value_name = "R/N", value_parser = super::parse_tp)]
     pub tp: Option<(u32, u32)>,
     /// With --tp: a rule before the built-in ones (repeatable, first match
     /// wins): tensors whose name contains PATTERN are split along
     /// dimension DIM, or replicated (PATTERN=replicate).
-    #[arg(long = "tp-rule", value_name = "PATTERN=DIM", value_parser = super::service_client::parse_tp_rule)]
+    #[arg(long = "tp-rule", value_name = "PATTERN=DIM", value_parser = super::parse_tp_rule)]
     pub tp_rules: Vec<cuda_ipc::checkpoint::TpRule>,
     /// Streams the --checkpoint copies run on (1 to 1024).
     #[arg(long, default_value_t = 8, value_parser = super::parse_count, allow_negative_numbers = true)]

@@ -58,35 +58,13 @@ pub struct LoadArgs {
     /// Load tensor-parallel rank R's shard of N (`--tp 3/8`) into the set
     /// SET.tpR-of-N: each tensor split as the rules say (docs/SERVICE.md,
     /// "Tensor parallel").
-    #[arg(long, value_name = "R/N", value_parser = parse_tp)]
+    #[arg(long, value_name = "R/N", value_parser = super::parse_tp)]
     pub tp: Option<(u32, u32)>,
     /// A rule before the built-in ones (repeatable, first match wins):
     /// tensors whose name contains PATTERN are split along dimension DIM,
     /// or replicated (PATTERN=replicate).
-    #[arg(long = "tp-rule", value_name = "PATTERN=DIM", requires = "tp", value_parser = parse_tp_rule)]
+    #[arg(long = "tp-rule", value_name = "PATTERN=DIM", requires = "tp", value_parser = super::parse_tp_rule)]
     pub tp_rules: Vec<TpRule>,
-}
-
-/// Parses `--tp R/N` for clap.
-pub(super) fn parse_tp(s: &str) -> Result<(u32, u32), String> {
-    let bad = || {
-        format!(
-            "{} is not R/N; write for example 3/8 (rank 3 of 8 ranks)",
-            cuda_ipc::units::shorten(s, 40)
-        )
-    };
-    let (rank, world) = s.split_once('/').ok_or_else(bad)?;
-    let (rank, world) = (
-        rank.parse().map_err(|_| bad())?,
-        world.parse().map_err(|_| bad())?,
-    );
-    cuda_ipc::checkpoint::shard_name("x", rank, world).map_err(|e| e.to_string())?;
-    Ok((rank, world))
-}
-
-/// Parses `--tp-rule PATTERN=DIM` or `PATTERN=replicate` for clap.
-pub(super) fn parse_tp_rule(s: &str) -> Result<TpRule, String> {
-    s.parse().map_err(|e: Error| e.to_string())
 }
 
 /// Arguments of `ls` and `stats`.
