@@ -24,8 +24,27 @@ const SOCKET_ENV: &str = "CUDA_IPC_TEST_SERVICE_SOCKET";
 const DIR_ENV: &str = "CUDA_IPC_TEST_SERVICE_CHECKPOINT";
 const SET: &str = "model";
 
-fn env_path(var: &str) -> PathBuf {
+pub(super) fn env_path(var: &str) -> PathBuf {
     PathBuf::from(std::env::var(var).unwrap())
+}
+
+/// A reader child's start: its parent, the device, the checkpoint at
+/// the path in `dir_env` and a subscriber of the service at the socket in
+/// `socket_env`.
+pub(super) fn reader_start(
+    socket_env: &str,
+    dir_env: &str,
+) -> (Parent, Device, Checkpoint, Subscriber) {
+    let parent = Parent::new();
+    let device = Device::open(0).unwrap();
+    let ckpt = Checkpoint::open(env_path(dir_env)).unwrap();
+    let sub = Subscriber::connect(
+        &device,
+        env_path(socket_env).as_path(),
+        SubscriberConfig::default(),
+    )
+    .unwrap();
+    (parent, device, ckpt, sub)
 }
 
 /// The loader child: asks the service to load the checkpoint as `SET`,
@@ -46,15 +65,7 @@ fn loader() {
 /// The reader child: attaches `SET`, compares every tensor with the
 /// checkpoint, answers, and holds its lease until its stdin closes.
 fn reader() {
-    let parent = Parent::new();
-    let device = Device::open(0).unwrap();
-    let ckpt = Checkpoint::open(env_path(DIR_ENV)).unwrap();
-    let sub = Subscriber::connect(
-        &device,
-        env_path(SOCKET_ENV).as_path(),
-        SubscriberConfig::default(),
-    )
-    .unwrap();
+    let (parent, _device, ckpt, sub) = reader_start(SOCKET_ENV, DIR_ENV);
     let set = sub.attach_set(SET).unwrap();
     let mut bad = Value::Null;
     let mut bytes = 0u64;

@@ -132,27 +132,29 @@ fn ask(peer: &mut Peer, v: &Value) -> Value {
     peer.recv()
 }
 
-/// The pids of the readers `ls` shows on the set.
-fn readers(socket: &Path) -> Vec<u32> {
+/// The pids of one list of holders of `SET` that `ls` shows.
+fn ls_pids(
+    socket: &Path,
+    list: fn(&cuda_ipc::service::admin::SetRow) -> &[cuda_ipc::service::Holder],
+) -> Vec<u32> {
     ls(socket)
         .unwrap()
         .sets
-        .into_iter()
+        .iter()
         .find(|s| s.name == SET)
-        .map(|s| s.leases.iter().map(|h| h.pid).collect())
+        .map(|s| list(s).iter().map(|h| h.pid).collect())
         .unwrap_or_default()
+}
+
+/// The pids of the readers `ls` shows on the set.
+fn readers(socket: &Path) -> Vec<u32> {
+    ls_pids(socket, |s| &s.leases)
 }
 
 /// The pids `ls` shows as readers of `SET` before a restart that have not
 /// connected again.
 fn not_reconnected(socket: &Path) -> Vec<u32> {
-    ls(socket)
-        .unwrap()
-        .sets
-        .into_iter()
-        .find(|s| s.name == SET)
-        .map(|s| s.not_reconnected.iter().map(|h| h.pid).collect())
-        .unwrap_or_default()
+    ls_pids(socket, |s| &s.not_reconnected)
 }
 
 fn kill(pid: u32) {
@@ -178,12 +180,7 @@ fn a_reader_keeps_its_set_through_a_crash_and_takes_its_lease_back() {
     let kept = Kept::start(&test, false);
     let socket = kept.socket.clone();
     let mut serving = kept.serving;
-    let spawn = |role: &str, seed: u32| {
-        Peer::spawn_with(&test, role, |c| {
-            c.env(super::service_write::SOCKET_ENV, &socket)
-                .env("CUDA_IPC_TEST_WRITE_SEED", seed.to_string());
-        })
-    };
+    let spawn = |role: &str, seed: u32| super::service_write::spawn(&test, role, &socket, seed);
 
     // Version 1.
     let mut w = spawn("writer", 1);

@@ -123,12 +123,7 @@ fn an_upgrade_refuses_no_attach() {
     let kept = Kept::start(&test, false);
     let socket = kept.socket.clone();
     let mut serving = kept.serving;
-    let spawn = |role: &str| {
-        Peer::spawn_with(&test, role, |c| {
-            c.env(super::service_write::SOCKET_ENV, &socket)
-                .env("CUDA_IPC_TEST_WRITE_SEED", "1");
-        })
-    };
+    let spawn = |role: &str| super::service_write::spawn(&test, role, &socket, 1);
     let mut w = spawn("writer");
     assert_ok!(&w.recv(), "the writer of version 1");
     w.send(&json!("commit"));

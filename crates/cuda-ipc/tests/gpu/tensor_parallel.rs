@@ -10,11 +10,11 @@
 //! anything is allocated.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use cuda_ipc::checkpoint::{Checkpoint, TpRule, TpShard, shard_name};
-use cuda_ipc::exchange::{Subscriber, SubscriberConfig};
+use cuda_ipc::exchange::Subscriber;
 use cuda_ipc::service::admin::LoadRequest;
 use cuda_ipc::service::{Service, ServiceConfig};
 use cuda_ipc::{Device, DeviceMemory, Dtype};
@@ -22,7 +22,7 @@ use safetensors::Dtype as St;
 use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
 
-use super::common::{Parent, Peer, free_memory, role};
+use super::common::{Peer, free_memory, role};
 use crate::{assert_ok, test_name};
 
 const SOCKET_ENV: &str = "CUDA_IPC_TEST_TP_SOCKET";
@@ -163,10 +163,6 @@ fn concat(parts: &[Vec<u8>], outer: u64) -> Vec<u8> {
         .collect()
 }
 
-fn env_path(var: &str) -> PathBuf {
-    PathBuf::from(std::env::var(var).unwrap())
-}
-
 /// Every tensor of set `name` (name to dtype, shape, bytes).
 fn read_set(sub: &Subscriber, name: &str) -> BTreeMap<String, (Dtype, Vec<u64>, Vec<u8>)> {
     let set = sub.attach_set(name).unwrap();
@@ -186,15 +182,7 @@ fn read_set(sub: &Subscriber, name: &str) -> BTreeMap<String, (Dtype, Vec<u64>, 
 /// The reader child: checks every set against the file and the shards
 /// against the whole, and answers.
 fn reader() {
-    let parent = Parent::new();
-    let device = Device::open(0).unwrap();
-    let ckpt = Checkpoint::open(env_path(DIR_ENV)).unwrap();
-    let sub = Subscriber::connect(
-        &device,
-        env_path(SOCKET_ENV).as_path(),
-        SubscriberConfig::default(),
-    )
-    .unwrap();
+    let (parent, _device, ckpt, sub) = super::service::reader_start(SOCKET_ENV, DIR_ENV);
     let answer = match check_all(&ckpt, &sub) {
         Ok((sets, bytes)) => json!({"bad": null, "sets": sets, "bytes": bytes}),
         Err(why) => json!({"bad": why}),
