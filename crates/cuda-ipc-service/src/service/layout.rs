@@ -116,13 +116,9 @@ pub(crate) fn device_bytes(tensors: &[Tensor]) -> u64 {
 /// ([`SetAttachment::entries`](crate::exchange::SetAttachment::entries)),
 /// so a commit names what the writer actually wrote into.
 pub fn layout_hash(entries: &[SetEntry]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    };
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    let mut eat = |bytes: &[u8]| h.write(bytes);
     for e in entries {
         eat(&(e.name.len() as u64).to_le_bytes());
         eat(e.name.as_bytes());
@@ -135,7 +131,7 @@ pub fn layout_hash(entries: &[SetEntry]) -> String {
             eat(&n.to_le_bytes());
         }
     }
-    format!("{h:016x}")
+    format!("{:016x}", h.finish())
 }
 
 #[cfg(test)]

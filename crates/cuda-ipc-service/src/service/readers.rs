@@ -54,11 +54,10 @@ pub(crate) const FILE_BYTES: usize = HEADER + SLOTS * SLOT;
 /// The two filter bits of a set's name (FNV-1a, 64 bits: the same in
 /// every build, since the next process may be a newer one).
 pub(crate) fn name_bits(name: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
+    use std::hash::Hasher;
+    let mut hasher = fnv::FnvHasher::default();
+    hasher.write(name.as_bytes());
+    let h = hasher.finish();
     (1 << (h & 63)) | (1 << ((h >> 6) & 63))
 }
 
