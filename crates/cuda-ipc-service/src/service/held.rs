@@ -15,6 +15,10 @@ pub(super) struct Held {
     buffers: HeldBuffers,
     /// Restarts of the serving process this version was kept through.
     pub(super) restarts: u64,
+    /// The layout hash of its record, once a write in place described it
+    /// (the same for every in-place version: the same tensors at the same
+    /// places).
+    pub(super) in_place_hash: Option<String>,
 }
 
 /// A version's buffers: its ranges go back to the arena when they drop.
@@ -34,6 +38,7 @@ impl Held {
                 .collect(),
             buffers: HeldBuffers::Loaded(loaded),
             restarts: 0,
+            in_place_hash: None,
         }
     }
 
@@ -46,6 +51,7 @@ impl Held {
             tensors,
             buffers: HeldBuffers::Written(buffers),
             restarts: 0,
+            in_place_hash: None,
         }
     }
 
@@ -61,6 +67,7 @@ impl Held {
             places,
             buffers: HeldBuffers::Written(buffers),
             restarts,
+            in_place_hash: None,
         }
     }
 

@@ -306,8 +306,8 @@ impl Inner {
     /// the write's staging version; returns its layout hash.
     fn publish_in_place(&self, set: &str, entry: &str) -> std::result::Result<String, CallError> {
         let failed = |what: &str, e: &Error| CallError::new("write_failed", format!("{what}: {e}"));
-        let held = locked(&self.held);
-        let Some(h) = held.get(set) else {
+        let mut held = locked(&self.held);
+        let Some(h) = held.get_mut(set) else {
             return Err(refused(&CatalogError::NotFound { name: set.into() }));
         };
         let buffers = h.buffers();
@@ -317,17 +317,25 @@ impl Inner {
             .zip(&h.places)
             .map(|(t, &(b, o))| SetMember::new(&t.name, t.dtype, &t.shape, &buffers[b]).at(o))
             .collect();
-        let arena = self.publisher.arena().map_err(|e| failed("no arena", &e))?;
-        let record = arena
-            .describe_set(entry, members.iter().copied())
-            .and_then(|r| r.validate().map(|()| r))
-            .map_err(|e| failed("the in-place version's record", &e))?;
-        let hash = layout_hash(&record.entries);
+        // Described once per version in memory: every in-place version
+        // has the same tensors at the same places, so the same hash.
+        let hash = match &h.in_place_hash {
+            Some(hash) => hash.clone(),
+            None => {
+                let arena = self.publisher.arena().map_err(|e| failed("no arena", &e))?;
+                let record = arena
+                    .describe_set(entry, members.iter().copied())
+                    .and_then(|r| r.validate().map(|()| r))
+                    .map_err(|e| failed("the in-place version's record", &e))?;
+                layout_hash(&record.entries)
+            }
+        };
         self.publisher
             .publish_set_with(entry, &members, Access::ReadWrite)
             .map_err(|e| failed("cannot publish the version for writing", &e))?;
         let tensors = h.tensors.clone();
         drop(members);
+        h.in_place_hash = Some(hash.clone());
         drop(held);
         locked(&self.staging).insert(
             set.to_owned(),
