@@ -319,16 +319,15 @@ impl Inner {
             .collect();
         // Described once per version in memory: every in-place version
         // has the same tensors at the same places, so the same hash.
-        let hash = match &h.in_place_hash {
-            Some(hash) => hash.clone(),
-            None => {
-                let arena = self.publisher.arena().map_err(|e| failed("no arena", &e))?;
-                let record = arena
-                    .describe_set(entry, members.iter().copied())
-                    .and_then(|r| r.validate().map(|()| r))
-                    .map_err(|e| failed("the in-place version's record", &e))?;
-                layout_hash(&record.entries)
-            }
+        let hash = if let Some(hash) = &h.in_place_hash {
+            hash.clone()
+        } else {
+            let arena = self.publisher.arena().map_err(|e| failed("no arena", &e))?;
+            let record = arena
+                .describe_set(entry, members.iter().copied())
+                .and_then(|r| r.validate().map(|()| r))
+                .map_err(|e| failed("the in-place version's record", &e))?;
+            layout_hash(&record.entries)
         };
         self.publisher
             .publish_set_with(entry, &members, Access::ReadWrite)
