@@ -459,7 +459,7 @@ impl Subscriber {
         let body = serde_json::json!({ "pending": pending });
         match conn
             .client
-            .call_within(super::RECONNECTED_METHOD, &body, Duration::from_secs(5))
+            .call_within(super::RECONNECTED_METHOD, &body, self.timeout)
         {
             Ok(_) if !pending.is_empty() => {}
             Ok(_) | Err(ChannelError::Remote { .. }) => {

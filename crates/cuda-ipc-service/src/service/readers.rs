@@ -131,19 +131,25 @@ impl Readers {
     /// one and says that readers of before are not known).
     pub(crate) fn adopt(&mut self, fd: OwnedFd) -> Result<usize, String> {
         let bytes = read_all(fd.as_fd()).map_err(|e| format!("cannot read it: {e}"))?;
-        let orphans = decode(&bytes)?;
-        self.orphans.clear();
-        for o in orphans {
-            if o.pid == 0 || start_time(o.pid) != Some(o.start) {
+        let mut orphans = decode(&bytes)?;
+        orphans.retain(|o| {
+            let running = o.pid != 0 && start_time(o.pid) == Some(o.start);
+            if !running {
                 let _ = write_slot(fd.as_fd(), o.slot, &[0; SLOT]);
-            } else {
-                self.orphans.push(o);
             }
-        }
+            running
+        });
+        self.use_file(fd, orphans);
+        Ok(self.orphans.len())
+    }
+
+    /// Keeps `fd` as the file, `orphans` in their slots, the other slots
+    /// free, and writes the processes granted leases before it came.
+    fn use_file(&mut self, fd: OwnedFd, orphans: Vec<Orphan>) {
+        self.orphans = orphans;
         self.file = Some(fd);
         self.rewrite_free();
         self.write_live();
-        Ok(self.orphans.len())
     }
 
     /// Makes a new, empty file (fixed in size) and returns a descriptor of
@@ -163,10 +169,7 @@ impl Readers {
         header[16..20].copy_from_slice(&FORMAT.to_le_bytes());
         header[20..24].copy_from_slice(&(SLOTS as u32).to_le_bytes());
         pwrite_all(fd.as_fd(), &header, 0)?;
-        self.orphans.clear();
-        self.file = Some(fd);
-        self.rewrite_free();
-        self.write_live();
+        self.use_file(fd, Vec::new());
         Ok(self.file.as_ref().expect("just set").as_fd())
     }
 
